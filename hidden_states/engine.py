@@ -1,0 +1,290 @@
+"""HiddenStatesEngine: vLLM's AsyncLLM plus the extraction step.
+
+The vector (what every caller gets): the last-layer hidden state of the final
+token of prompt+completion, i.e. of `prompt_token_ids + choice.token_ids`:
+- the tokens are the token ids vLLM reports for the choice: a generated EOS
+  counts; a stop *string* cuts the text but not the token ids used;
+- "last layer" is the tensor the LM head consumes, after the model's final
+  norm: transformers' `output_hidden_states[-1][0, -1]` on the same ids;
+- returned as numpy float32 of shape [hidden_size]; computed in the engine's
+  dtype (float32 on CPU by default; bfloat16/float16 widen exactly).
+
+How: when a choice finishes and its request asked, the engine submits a
+prefill-only request of those token ids (max one token) flagged with a key;
+the runner hook (vllm_patch) sends that row over the side channel; we wait for
+the key with a timeout. On the engine that just generated the choice the
+prefix cache holds all but the last block, so the step recomputes under one
+block of tokens.
+
+Two ways in, one path:
+- `generate()/complete()/extract()` for Python callers;
+- any code that drives the engine through vLLM's EngineClient interface
+  (vLLM's own OpenAI serving classes) inside `collect_hidden_states()`: the
+  vectors land in the collector, keyed by (request_id, choice index).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import dataclasses
+import logging
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from hidden_states.protocol import HiddenStatesExtractionRequest
+from hidden_states.side_channel import HiddenStatesReceiver
+from hidden_states.tiny_model import DEFAULT_MODEL, resolve_model
+from hidden_states.vllm_patch import ENGINE_ENV, WORKER_EXTENSION, check_vllm_version
+
+logger = logging.getLogger(__name__)
+
+
+class HiddenStatesDisabledError(RuntimeError):
+    """A request asked for hidden states on an engine started without them."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ExtractionStats:
+    tokens: int  # prompt + completion
+    cached_tokens: int  # found in the prefix cache
+    seconds: float
+
+
+@dataclasses.dataclass
+class HiddenStatesCollector:
+    """Per-request sink for vectors, set with `collect_hidden_states()`."""
+
+    vectors: dict[tuple[str, int], np.ndarray] = dataclasses.field(default_factory=dict)
+    stats: dict[tuple[str, int], ExtractionStats] = dataclasses.field(default_factory=dict)
+
+
+_collector: contextvars.ContextVar[HiddenStatesCollector | None] = contextvars.ContextVar("hidden_states_collector", default=None)
+
+
+@contextlib.contextmanager
+def collect_hidden_states(collector: HiddenStatesCollector):
+    token = _collector.set(collector)
+    try:
+        yield collector
+    finally:
+        _collector.reset(token)
+
+
+@dataclasses.dataclass(frozen=True)
+class CompletionChoice:
+    index: int
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str | None
+    hidden_states: np.ndarray | None  # float32 [hidden_size], or None if not asked
+
+
+@dataclasses.dataclass(frozen=True)
+class Completion:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    choices: tuple[CompletionChoice, ...]
+
+
+def _make_async_llm_class():
+    from vllm.sampling_params import RequestOutputKind
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    class ExtractingAsyncLLM(AsyncLLM):
+        """AsyncLLM whose generate() runs the extraction step for collected requests."""
+
+        hidden_states: "HiddenStatesEngine"
+
+        async def generate(self, prompt, sampling_params, request_id, *args, **kwargs):
+            collector = _collector.get()
+            if collector is None or sampling_params is None or not hasattr(sampling_params, "n"):
+                async for out in super().generate(prompt, sampling_params, request_id, *args, **kwargs):
+                    yield out
+                return
+            delta = sampling_params.output_kind == RequestOutputKind.DELTA
+            tokens: dict[int, list[int]] = {}
+            prompt_ids: list[int] | None = None
+            async for out in super().generate(prompt, sampling_params, request_id, *args, **kwargs):
+                if out.prompt_token_ids is not None:
+                    prompt_ids = list(out.prompt_token_ids)
+                for o in out.outputs:
+                    if delta:
+                        tokens.setdefault(o.index, []).extend(o.token_ids)
+                    else:
+                        tokens[o.index] = list(o.token_ids)
+                    if o.finish_reason is not None and (request_id, o.index) not in collector.vectors:
+                        vec, stats = await self.hidden_states.extract_one(prompt_ids + tokens[o.index])
+                        collector.vectors[(request_id, o.index)] = vec
+                        collector.stats[(request_id, o.index)] = stats
+                yield out
+
+    return ExtractingAsyncLLM
+
+
+class HiddenStatesEngine:
+    """A vLLM v1 engine that returns hidden states of finished completions.
+
+    Start with `await HiddenStatesEngine.start(model, **engine_args)`; stop with
+    `shutdown()`. Engine arguments are vLLM's (`AsyncEngineArgs`).
+    """
+
+    def __init__(self, llm: Any, receiver: HiddenStatesReceiver | None, extraction_timeout_s: float):
+        self.llm = llm
+        self.receiver = receiver
+        self.extraction_timeout_s = extraction_timeout_s
+        self.extractions = 0
+        self.extraction_tokens = 0
+        self.extraction_cached_tokens = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.receiver is not None
+
+    @classmethod
+    async def start(
+        cls,
+        model: str = DEFAULT_MODEL,
+        *,
+        enable_return_hidden_states: bool = True,
+        extraction_timeout_s: float = 60.0,
+        install_timeout_s: float = 120.0,
+        **engine_args: Any,
+    ) -> "HiddenStatesEngine":
+        check_vllm_version()
+        os.environ.update(ENGINE_ENV)  # inherited by the engine-core process
+        from vllm.engine.arg_utils import AsyncEngineArgs
+
+        engine_args.setdefault("enable_prefix_caching", True)
+        if enable_return_hidden_states:
+            engine_args["worker_extension_cls"] = WORKER_EXTENSION
+        args = AsyncEngineArgs(model=resolve_model(model), **engine_args)
+        llm = _make_async_llm_class().from_engine_args(args)
+        receiver = None
+        try:
+            if enable_return_hidden_states:
+                receiver = HiddenStatesReceiver()
+                receiver.start()
+                installed = await llm.collective_rpc("hidden_states_install", timeout=install_timeout_s, args=(receiver.address,))
+                logger.info("hidden-states hook installed on %d worker(s)", len(installed))
+        except BaseException:
+            llm.shutdown()
+            if receiver is not None:
+                receiver.close()
+            raise
+        engine = cls(llm, receiver, extraction_timeout_s)
+        llm.hidden_states = engine
+        return engine
+
+    # -- the extraction step --------------------------------------------------
+
+    async def extract_one(self, token_ids: Sequence[int]) -> tuple[np.ndarray, ExtractionStats]:
+        """The last-layer hidden state of the final token of `token_ids` (float32 [D])."""
+        if self.receiver is None:
+            raise HiddenStatesDisabledError(
+                "hidden states are disabled on this engine; start it with enable_return_hidden_states=True"
+            )
+        if not token_ids:
+            raise ValueError("extraction needs at least one token id")
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        key = uuid.uuid4().hex
+        params = SamplingParams(
+            max_tokens=1, temperature=0.0, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY,
+            extra_args=HiddenStatesExtractionRequest(key=key).to_extra_args(),
+        )
+        t0 = time.perf_counter()
+        deadline = t0 + self.extraction_timeout_s
+        self.receiver.expect(key)
+        cached = 0
+        try:
+            async with asyncio.timeout(self.extraction_timeout_s):
+                # AsyncLLM.generate, not ours: an extraction never triggers another.
+                async for out in AsyncLLM.generate(self.llm, TokensPrompt(prompt_token_ids=list(token_ids)), params, f"hs-{key}"):
+                    cached = out.num_cached_tokens or 0
+            results = await self.receiver.wait(key, max(0.0, deadline - time.perf_counter()))
+        except BaseException:
+            self.receiver.discard(key)
+            raise
+        vec = next(r for r in results if r.layer == -1).to_numpy()
+        self.extractions += 1
+        self.extraction_tokens += len(token_ids)
+        self.extraction_cached_tokens += cached
+        return vec, ExtractionStats(len(token_ids), cached, time.perf_counter() - t0)
+
+    async def extract(self, token_id_seqs: Sequence[Sequence[int]]) -> list[np.ndarray]:
+        """Batch form: the final-token vector of each sequence, in order."""
+        outs = await asyncio.gather(*(self.extract_one(ids) for ids in token_id_seqs))
+        return [vec for vec, _ in outs]
+
+    # -- generation -----------------------------------------------------------
+
+    async def generate(
+        self, prompt: Any, sampling_params: Any, request_id: str, *, return_hidden_states: bool = False
+    ) -> AsyncIterator[tuple[Any, dict[int, np.ndarray]]]:
+        """vLLM RequestOutputs, each with the vectors of the choices it finished."""
+        if return_hidden_states and not self.enabled:
+            raise HiddenStatesDisabledError(
+                "this engine was started with enable_return_hidden_states=False; restart it with True"
+            )
+        collector = HiddenStatesCollector() if return_hidden_states else None
+        ctx = collect_hidden_states(collector) if collector else contextlib.nullcontext()
+        with ctx:
+            async for out in self.llm.generate(prompt, sampling_params, request_id):
+                done = {o.index: collector.vectors[(request_id, o.index)] for o in out.outputs
+                        if collector and o.finish_reason is not None}
+                yield out, done
+
+    async def complete(
+        self, prompt: str | Sequence[int], sampling_params: Any = None, *, return_hidden_states: bool = True
+    ) -> Completion:
+        """One prompt (text or token ids) to a finished Completion with a vector per choice."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        params = (sampling_params or SamplingParams()).clone()
+        params.output_kind = RequestOutputKind.FINAL_ONLY
+        request_id = f"hs-cmpl-{uuid.uuid4().hex}"
+        engine_prompt = {"prompt": prompt} if isinstance(prompt, str) else {"prompt_token_ids": list(prompt)}
+        final, vectors = None, {}
+        async for out, done in self.generate(engine_prompt, params, request_id, return_hidden_states=return_hidden_states):
+            final = out
+            vectors.update(done)
+        return Completion(
+            request_id=request_id,
+            prompt_token_ids=tuple(final.prompt_token_ids),
+            choices=tuple(
+                CompletionChoice(o.index, o.text, tuple(o.token_ids), o.finish_reason, vectors.get(o.index))
+                for o in final.outputs
+            ),
+        )
+
+    # -- operations -----------------------------------------------------------
+
+    async def stats(self) -> dict:
+        workers = await self.llm.collective_rpc("hidden_states_stats", timeout=30) if self.enabled else []
+        return {
+            "enabled": self.enabled,
+            "extractions": self.extractions,
+            "extraction_tokens": self.extraction_tokens,
+            "extraction_cached_tokens": self.extraction_cached_tokens,
+            "pending": self.receiver.num_pending if self.receiver else 0,
+            "malformed_frames": self.receiver.malformed_frames if self.receiver else 0,
+            "unclaimed_results": self.receiver.unclaimed_results if self.receiver else 0,
+            "workers": workers,
+        }
+
+    def shutdown(self) -> None:
+        self.llm.shutdown()
+        if self.receiver is not None:
+            self.receiver.close()
+

@@ -1,0 +1,141 @@
+"""Models the project builds itself, because model hubs are unreachable here.
+
+Each is a deterministic random-weight decoder (the same bytes on every machine
+for the same spec) with a byte-level BPE tokenizer trained on
+`hidden_states/data/corpus.txt`, bos/eos tokens and a chat template. Their
+outputs are meaningless: they exist for smoke tests, correctness tests against
+transformers and benchmarks. Built once into a cache folder, reused after.
+
+    python -m hidden_states.tiny_model              # builds the default, prints its path
+    python -m hidden_states.tiny_model llama-100m   # the benchmark's larger model
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+from pathlib import Path
+
+BUILTIN_PREFIX = "builtin:"
+DEFAULT_MODEL = "builtin:tiny-llama"
+
+BOS, EOS = "<|begin_of_text|>", "<|end_of_text|>"
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    family: str  # "llama" | "qwen2"
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    vocab_size: int = 1024
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+
+
+# head_dim must be 64 or more: vLLM's CPU attention rejects head_dim 16.
+SPECS = {
+    "tiny-llama": ModelSpec("llama", 128, 256, 2, 2, 1),
+    "tiny-qwen2": ModelSpec("qwen2", 128, 256, 2, 2, 1, tie_word_embeddings=True),
+    "llama-100m": ModelSpec("llama", 768, 2048, 12, 12, 4, vocab_size=4096),
+}
+_VERSION = "v1"  # bump when a spec or the builder changes: a new cache folder
+
+
+def cache_root() -> Path:
+    root = os.environ.get("HIDDEN_STATES_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "hidden-states"
+    )
+    return Path(root) / "models"
+
+
+def resolve_model(model: str) -> str:
+    """Turns `builtin:NAME` into a local folder (building it once); other values pass through."""
+    if model.startswith(BUILTIN_PREFIX):
+        return str(build(model[len(BUILTIN_PREFIX):]))
+    return model
+
+
+def build(name: str = "tiny-llama") -> Path:
+    if name not in SPECS:
+        raise ValueError(f"unknown built-in model {name!r}; choose one of {sorted(SPECS)}")
+    out = cache_root() / f"{name}-{_VERSION}"
+    if (out / "DONE").exists():
+        return out
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    spec = SPECS[name]
+    tokenizer = _train_tokenizer(spec.vocab_size)
+    tokenizer.save_pretrained(tmp)
+    _build_weights(spec, len(tokenizer), tokenizer).save_pretrained(tmp, safe_serialization=True)
+    (tmp / "DONE").write_text(json.dumps(dataclasses.asdict(spec)))
+    try:
+        tmp.rename(out)
+    except OSError:  # another process built it first
+        if not (out / "DONE").exists():
+            raise
+    return out
+
+
+def _train_tokenizer(vocab_size: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[BOS, EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    corpus = (Path(__file__).parent / "data" / "corpus.txt").read_text().splitlines()
+    tok.train_from_iterator(corpus, trainer=trainer)
+    bos_id = tok.token_to_id(BOS)
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, bos_id)]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=EOS,
+        chat_template=CHAT_TEMPLATE, model_max_length=4096,
+    )
+
+
+def _build_weights(spec: ModelSpec, vocab: int, tokenizer):
+    import torch
+    import transformers
+
+    common = dict(
+        hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_hidden_layers, num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads, vocab_size=vocab,
+        max_position_embeddings=spec.max_position_embeddings,
+        tie_word_embeddings=spec.tie_word_embeddings,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        torch_dtype="float32",
+    )
+    if spec.family == "llama":
+        config, cls = transformers.LlamaConfig(**common), transformers.LlamaForCausalLM
+    else:
+        config, cls = transformers.Qwen2Config(**common), transformers.Qwen2ForCausalLM
+    torch.manual_seed(0)
+    model = cls(config)
+    # Default init leaves biases and norms at 0/1; make them random so tests see them.
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if pname.endswith("bias") or "norm" in pname:
+                p.add_(torch.randn_like(p) * 0.1)
+    return model
+
+
+if __name__ == "__main__":
+    print(build(sys.argv[1] if len(sys.argv) > 1 else "tiny-llama"))

