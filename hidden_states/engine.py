@@ -19,18 +19,19 @@ block of tokens.
 Two ways in, one path:
 - `generate()/complete()/extract()` for Python callers;
 - any code that drives the engine through vLLM's EngineClient interface
-  (vLLM's own OpenAI serving classes) inside `collect_hidden_states()`: the
-  vectors land in the collector, keyed by (request_id, choice index).
+  (vLLM's own OpenAI serving classes) with request ids built from a base id
+  registered with `engine.collecting(base_id)`: the vectors land in that
+  collector, keyed by (engine request id, choice index).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import contextvars
 import dataclasses
 import logging
 import os
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -59,22 +60,16 @@ class ExtractionStats:
 
 @dataclasses.dataclass
 class HiddenStatesCollector:
-    """Per-request sink for vectors, set with `collect_hidden_states()`."""
+    """Per-request sink for vectors, registered with `HiddenStatesEngine.collecting()`."""
 
     vectors: dict[tuple[str, int], np.ndarray] = dataclasses.field(default_factory=dict)
     stats: dict[tuple[str, int], ExtractionStats] = dataclasses.field(default_factory=dict)
 
 
-_collector: contextvars.ContextVar[HiddenStatesCollector | None] = contextvars.ContextVar("hidden_states_collector", default=None)
-
-
-@contextlib.contextmanager
-def collect_hidden_states(collector: HiddenStatesCollector):
-    token = _collector.set(collector)
-    try:
-        yield collector
-    finally:
-        _collector.reset(token)
+def _request_base_ids(request_id: str) -> list[str]:
+    # vLLM's OpenAI layer derives engine ids from the base id it was given:
+    # "cmpl-{base}-{i}", "chatcmpl-{base}", "chatcmpl-{base}_{i}".
+    return re.split(r"[-_]", request_id)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +79,7 @@ class CompletionChoice:
     token_ids: tuple[int, ...]
     finish_reason: str | None
     hidden_states: np.ndarray | None  # float32 [hidden_size], or None if not asked
+    extraction: ExtractionStats | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,7 +99,7 @@ def _make_async_llm_class():
         hidden_states: "HiddenStatesEngine"
 
         async def generate(self, prompt, sampling_params, request_id, *args, **kwargs):
-            collector = _collector.get()
+            collector = self.hidden_states.collector_for(request_id)
             if collector is None or sampling_params is None or not hasattr(sampling_params, "n"):
                 async for out in super().generate(prompt, sampling_params, request_id, *args, **kwargs):
                     yield out
@@ -137,6 +133,7 @@ class HiddenStatesEngine:
 
     def __init__(self, llm: Any, receiver: HiddenStatesReceiver | None, extraction_timeout_s: float):
         self.llm = llm
+        self._collectors: dict[str, HiddenStatesCollector] = {}
         self.receiver = receiver
         self.extraction_timeout_s = extraction_timeout_s
         self.extractions = 0
@@ -181,6 +178,29 @@ class HiddenStatesEngine:
         engine = cls(llm, receiver, extraction_timeout_s)
         llm.hidden_states = engine
         return engine
+
+    @contextlib.contextmanager
+    def collecting(self, base_id: str):
+        """Vectors of every finished choice of requests whose id contains `base_id`."""
+        if not self.enabled:
+            raise HiddenStatesDisabledError(
+                "hidden states are disabled on this engine; start it with enable_return_hidden_states=True"
+            )
+        if base_id in self._collectors:
+            raise ValueError(f"request base id {base_id!r} is already collecting")
+        collector = self._collectors[base_id] = HiddenStatesCollector()
+        try:
+            yield collector
+        finally:
+            del self._collectors[base_id]
+
+    def collector_for(self, request_id: str) -> HiddenStatesCollector | None:
+        if not self._collectors:
+            return None
+        for part in _request_base_ids(request_id):
+            if part in self._collectors:
+                return self._collectors[part]
+        return None
 
     # -- the extraction step --------------------------------------------------
 
@@ -232,16 +252,12 @@ class HiddenStatesEngine:
         self, prompt: Any, sampling_params: Any, request_id: str, *, return_hidden_states: bool = False
     ) -> AsyncIterator[tuple[Any, dict[int, np.ndarray]]]:
         """vLLM RequestOutputs, each with the vectors of the choices it finished."""
-        if return_hidden_states and not self.enabled:
-            raise HiddenStatesDisabledError(
-                "this engine was started with enable_return_hidden_states=False; restart it with True"
-            )
-        collector = HiddenStatesCollector() if return_hidden_states else None
-        ctx = collect_hidden_states(collector) if collector else contextlib.nullcontext()
-        with ctx:
+        base = uuid.uuid4().hex
+        request_id = f"{request_id}-{base}"
+        with self.collecting(base) if return_hidden_states else contextlib.nullcontext() as collector:
             async for out in self.llm.generate(prompt, sampling_params, request_id):
                 done = {o.index: collector.vectors[(request_id, o.index)] for o in out.outputs
-                        if collector and o.finish_reason is not None}
+                        if collector is not None and o.finish_reason is not None}
                 yield out, done
 
     async def complete(
@@ -253,17 +269,21 @@ class HiddenStatesEngine:
 
         params = (sampling_params or SamplingParams()).clone()
         params.output_kind = RequestOutputKind.FINAL_ONLY
-        request_id = f"hs-cmpl-{uuid.uuid4().hex}"
+        base = uuid.uuid4().hex
+        request_id = f"cmpl-{base}"
         engine_prompt = {"prompt": prompt} if isinstance(prompt, str) else {"prompt_token_ids": list(prompt)}
-        final, vectors = None, {}
-        async for out, done in self.generate(engine_prompt, params, request_id, return_hidden_states=return_hidden_states):
-            final = out
-            vectors.update(done)
+        final = None
+        with self.collecting(base) if return_hidden_states else contextlib.nullcontext(HiddenStatesCollector()) as collector:
+            async for out in self.llm.generate(engine_prompt, params, request_id):
+                final = out
         return Completion(
             request_id=request_id,
             prompt_token_ids=tuple(final.prompt_token_ids),
             choices=tuple(
-                CompletionChoice(o.index, o.text, tuple(o.token_ids), o.finish_reason, vectors.get(o.index))
+                CompletionChoice(
+                    o.index, o.text, tuple(o.token_ids), o.finish_reason,
+                    collector.vectors.get((request_id, o.index)), collector.stats.get((request_id, o.index)),
+                )
                 for o in final.outputs
             ),
         )

