@@ -131,7 +131,7 @@ class OpenAIFrontend:
                 if collector is not None:
                     for choice in payload["choices"]:
                         inject(choice)
-                yield 200, json.dumps(payload).encode()
+                yield 200, json.dumps(payload, separators=(",", ":")).encode()
                 return
             yield 200, b""
             async for chunk in result:
@@ -140,7 +140,7 @@ class OpenAIFrontend:
                     for choice in data.get("choices", ()):
                         if choice.get("finish_reason") is not None:
                             inject(choice)
-                    chunk = "data: " + json.dumps(data) + "\n\n"
+                    chunk = "data: " + json.dumps(data, separators=(",", ":")) + "\n\n"
                 yield chunk.encode()
 
 

@@ -42,6 +42,7 @@ class EngineReplica:
             extraction_timeout_s=self.args.extraction_timeout_s,
             **self.args.engine_args(),
         )
+        self.requests = 0  # OpenAI requests that reached this replica
         self.frontend = await OpenAIFrontend.create(self.engine, self.args.model_name, self.replica_id)
         logger.info("replica %s ready (pid %d)", self.replica_id, os.getpid())
 
@@ -51,6 +52,7 @@ class EngineReplica:
             yield wire.ENCODER.encode(ResponseHead(404, "application/json", self.replica_id))
             yield error_body(f"unknown route {route!r}", 404)
             return
+        self.requests += 1
         first = True
         async for part in self.frontend.handle(route, body):
             if first:
@@ -96,6 +98,7 @@ class EngineReplica:
     async def stats(self) -> bytes:
         s = await self.engine.stats()
         s["replica"] = self.replica_id
+        s["requests"] = self.requests
         s["pid"] = os.getpid()
         return json.dumps(s).encode()
 

@@ -26,6 +26,9 @@ from deployments.wire import HandleError, HandleReply
 
 logger = logging.getLogger(__name__)
 
+# Module-level helpers sit above the deployment class: Serve serializes the
+# class when the decorator runs, capturing only names defined by then.
+
 app = FastAPI(title="hidden-states-serve", description="OpenAI-compatible completions with final-token hidden states")
 
 HS_DISABLED = (
@@ -36,6 +39,29 @@ HS_DISABLED = (
 
 def _error(status: int, message: str, param: str | None = None) -> Response:
     return Response(error_body(message, status, param=param), status_code=status, media_type="application/json")
+
+
+async def _bounded(stream, deadline: float):
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise asyncio.TimeoutError()
+        try:
+            yield await asyncio.wait_for(stream.__anext__(), remaining)
+        except StopAsyncIteration:
+            return
+
+
+def _failure_message(e: BaseException) -> tuple[int, str]:
+    if isinstance(e, asyncio.TimeoutError):
+        return 504, "the request timed out (request_timeout_s) waiting for the engine"
+    logger.warning("request failed in a replica: %s: %s", type(e).__name__, e)
+    return 503, f"the engine replica failed while serving this request ({type(e).__name__}); retry"
+
+
+def _failure(e: BaseException) -> Response:
+    status, message = _failure_message(e)
+    return _error(status, message)
 
 
 @serve.deployment(max_ongoing_requests=1000)
@@ -192,25 +218,3 @@ class Router:
             self._finish(False)
             return wire.ENCODER.encode(HandleReply(error=HandleError(*_failure_message(e))))
 
-
-async def _bounded(stream, deadline: float):
-    while True:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise asyncio.TimeoutError()
-        try:
-            yield await asyncio.wait_for(stream.__anext__(), remaining)
-        except StopAsyncIteration:
-            return
-
-
-def _failure_message(e: BaseException) -> tuple[int, str]:
-    if isinstance(e, asyncio.TimeoutError):
-        return 504, "the request timed out (request_timeout_s) waiting for the engine"
-    logger.warning("request failed in a replica: %s: %s", type(e).__name__, e)
-    return 503, f"the engine replica failed while serving this request ({type(e).__name__}); retry"
-
-
-def _failure(e: BaseException) -> Response:
-    status, message = _failure_message(e)
-    return _error(status, message)
