@@ -1,0 +1,174 @@
+"""The product as users meet it: real Ray Serve, real HTTP, the real openai client.
+
+Every vector is checked against transformers on that choice's
+prompt_token_ids + token_ids, which the server returns with return_token_ids.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import httpx
+import numpy as np
+import openai
+import pytest
+
+from tests.conftest import long_text
+from tests.serve.conftest import APP, decode_vector, replica_stats
+
+HS = {"return_hidden_states": True, "return_token_ids": True}
+
+
+def test_completion_n2_float(client, reference):
+    r = client.completions.create(model="tiny-llama", prompt="Hello! How are you today?", max_tokens=12, n=2,
+                                  temperature=1.0, seed=11, extra_body=HS)
+    assert len(r.choices) == 2
+    prompt_ids = r.choices[0].prompt_token_ids
+    for ch in r.choices:
+        assert isinstance(ch.hidden_states, list) and len(ch.hidden_states) == 128
+        reference.assert_matches(prompt_ids + ch.token_ids, decode_vector(ch.hidden_states))
+
+
+def test_completion_stream_base64_n2(client, reference):
+    stream = client.completions.create(model="tiny-llama", prompt="The router sends every completion", max_tokens=10,
+                                       n=2, temperature=1.0, seed=3, stream=True,
+                                       extra_body={**HS, "hidden_states_encoding": "base64"})
+    tokens, vectors, prompt_ids = {0: [], 1: []}, {}, None
+    for chunk in stream:
+        for ch in chunk.choices:
+            extra = ch.model_extra or {}
+            if extra.get("prompt_token_ids"):
+                prompt_ids = extra["prompt_token_ids"]
+            tokens[ch.index] += extra.get("token_ids") or []
+            if ch.finish_reason is not None:
+                vectors[ch.index] = extra["hidden_states"]
+            else:
+                assert "hidden_states" not in extra
+    assert set(vectors) == {0, 1} and prompt_ids
+    for i, v in vectors.items():
+        assert isinstance(v, str)
+        reference.assert_matches(prompt_ids + tokens[i], decode_vector(v))
+
+
+def test_chat_n2_and_base64_equals_float(client, reference):
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    f = client.chat.completions.create(model="tiny-llama", messages=msgs, max_tokens=8, n=2, temperature=1.0, seed=9, extra_body=HS)
+    b = client.chat.completions.create(model="tiny-llama", messages=msgs, max_tokens=8, n=2, temperature=1.0, seed=9,
+                                       extra_body={**HS, "hidden_states_encoding": "base64"})
+    prompt_ids = f.prompt_token_ids
+    for fc, bc in zip(f.choices, b.choices):
+        fv, bv = decode_vector(fc.hidden_states), decode_vector(bc.hidden_states)
+        assert np.array_equal(fv, bv)  # the same float32 bits either way
+        reference.assert_matches(prompt_ids + fc.token_ids, fv)
+
+
+def test_chat_stream(client, reference):
+    stream = client.chat.completions.create(model="tiny-llama", messages=[{"role": "user", "content": "Tell me a story."}],
+                                            max_tokens=10, stream=True, extra_body=HS)
+    tokens, vector, prompt_ids, finals = [], None, None, 0
+    for chunk in stream:
+        extra = chunk.model_extra or {}
+        if extra.get("prompt_token_ids"):
+            prompt_ids = extra["prompt_token_ids"]
+        for ch in chunk.choices:
+            tokens += (ch.model_extra or {}).get("token_ids") or []
+            if ch.finish_reason is not None:
+                finals += 1
+                vector = ch.model_extra["hidden_states"]
+    assert finals == 1 and prompt_ids
+    reference.assert_matches(prompt_ids + tokens, decode_vector(vector))
+
+
+def test_prompt_list_token_ids_stop_seed_logprobs(client, reference):
+    ids = reference.tokenizer("Numbers: 0 1 2 3")["input_ids"]
+    r = client.completions.create(model="tiny-llama", prompt=["The cache", "A user reads"], max_tokens=10, n=2,
+                                  temperature=0.8, seed=5, logprobs=2, extra_body=HS)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert all(c.logprobs is not None for c in r.choices)
+    by_prompt = {}
+    for c in r.choices:
+        by_prompt.setdefault(c.index // 2, c.prompt_token_ids)
+        reference.assert_matches(c.prompt_token_ids + c.token_ids, decode_vector(c.hidden_states))
+    assert by_prompt[0] != by_prompt[1]
+    r2 = client.completions.create(model="tiny-llama", prompt=ids, max_tokens=16, stop=["e"], extra_body=HS)
+    (c,) = r2.choices
+    assert c.prompt_token_ids == ids
+    reference.assert_matches(ids + c.token_ids, decode_vector(c.hidden_states))
+
+
+def test_without_the_flag_no_vectors(client):
+    r = client.completions.create(model="tiny-llama", prompt="Hello!", max_tokens=4)
+    assert "hidden_states" not in (r.choices[0].model_extra or {})
+
+
+def test_switch_off_is_400_and_no_engine_work(serve_app):
+    off = openai.OpenAI(base_url=f"{serve_app}/off/v1", api_key="unused", timeout=60, max_retries=0)
+    before = replica_stats(f"{serve_app}/off")["replica"]["requests"]
+    with pytest.raises(openai.BadRequestError) as e:
+        off.completions.create(model="tiny-llama", prompt="Hello!", max_tokens=4, extra_body={"return_hidden_states": True})
+    assert e.value.status_code == 400
+    body = e.value.response.json()
+    assert "enable_return_hidden_states" in body["error"]["message"] and body["error"]["param"] == "return_hidden_states"
+    assert replica_stats(f"{serve_app}/off")["replica"]["requests"] == before
+    # The same server still serves plain completions.
+    assert off.completions.create(model="tiny-llama", prompt="Hello!", max_tokens=4).choices[0].text is not None
+
+
+def test_two_replicas_extraction_is_local_and_cached(serve_app, reference):
+    def one(i: int):
+        r = httpx.post(f"{serve_app}/v1/completions", timeout=300, json={
+            "model": "tiny-llama", "prompt": long_text(250, seed=100 + i), "max_tokens": 16, **HS,
+        })
+        assert r.status_code == 200, r.text
+        return r.headers["x-replica-id"], r.json()
+
+    with concurrent.futures.ThreadPoolExecutor(12) as pool:
+        results = list(pool.map(one, range(12)))
+    replicas = set()
+    for replica, body in results:
+        (c,) = body["choices"]
+        meta = c["hidden_states_meta"]
+        total = len(c["prompt_token_ids"]) + len(c["token_ids"])
+        assert meta["replica"] == replica  # extraction ran where the choice was generated
+        assert meta["tokens"] == total
+        assert meta["cached_tokens"] >= total - 128, meta  # and read that replica's prefix cache
+        replicas.add(replica)
+        reference.assert_matches(c["prompt_token_ids"] + c["token_ids"], decode_vector(c["hidden_states"]))
+    assert len(replicas) == 2, f"expected both replicas to serve, saw {replicas}"
+
+
+def test_handle_from_second_driver_matches_http(serve_app, reference):
+    prompt = "A verifier reads the hidden state"
+    http = httpx.post(f"{serve_app}/v1/completions", timeout=120, json={
+        "model": "tiny-llama", "prompt": prompt, "max_tokens": 10, "temperature": 0, **HS}).json()["choices"][0]
+    script = textwrap.dedent(f"""
+        import json, ray
+        from ray import serve
+        from deployments.client import complete
+        ray.init(address="auto", namespace="serve", logging_level="ERROR")
+        result = complete(serve.get_app_handle({APP!r}), {prompt!r}, max_tokens=10, temperature=0.0)
+        ch = result.choices[0]
+        print("RESULT" + json.dumps({{"token_ids": list(ch.token_ids), "prompt": list(result.prompt_token_ids),
+              "vector": ch.hidden_states.tolist(), "dtype": str(ch.hidden_states.dtype)}}))
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                         cwd=Path(__file__).resolve().parents[2])
+    line = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT")]
+    assert line, out.stdout[-2000:] + out.stderr[-3000:]
+    got = json.loads(line[0][6:])
+    assert got["dtype"] == "float32"
+    assert got["token_ids"] == http["token_ids"] and got["prompt"] == http["prompt_token_ids"]
+    assert np.array_equal(np.asarray(got["vector"], np.float32), decode_vector(http["hidden_states"]))
+    reference.assert_matches(got["prompt"] + got["token_ids"], got["vector"])
+
+
+def test_router_left_nothing_pending(serve_app, client):
+    client.completions.create(model="tiny-llama", prompt="flush", max_tokens=2)
+    stats = replica_stats(serve_app)
+    assert stats["router"]["pending"] == 0 and stats["router"]["failed"] == 0
+    assert stats["replica"]["pending"] == 0 and stats["replica"]["unclaimed_results"] == 0
