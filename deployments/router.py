@@ -14,8 +14,11 @@ import json
 import logging
 import time
 
+from typing import Literal
+
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
@@ -35,6 +38,37 @@ HS_DISABLED = (
     "hidden states are disabled on this server: set `enable_return_hidden_states: true` "
     "in the app's args (config.yaml: applications[0].args) and redeploy"
 )
+
+
+class _Body(BaseModel):
+    """The request fields this server adds or checks itself; every other field
+    of vLLM's OpenAI API is accepted too (the replica validates the whole body)."""
+
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=0)
+    n: int | None = Field(1, ge=1)
+    temperature: float | None = Field(None, ge=0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool | None = False
+    logprobs: int | None = None
+    return_hidden_states: bool = False
+    hidden_states_encoding: Literal["float", "base64"] = "float"
+    return_token_ids: bool | None = None
+
+
+class CompletionBody(_Body):
+    prompt: str | list[str] | list[int] | list[list[int]]
+
+
+class ChatBody(_Body):
+    messages: list[dict[str, str]] = Field(min_length=1)
+
+
+def _openapi_body(model: type[BaseModel]) -> dict:
+    # Request bodies are read raw (forwarded as bytes), so document them explicitly.
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": model.model_json_schema()}}}}
 
 
 def _error(status: int, message: str, param: str | None = None) -> Response:
@@ -132,11 +166,11 @@ class Router:
             {"id": self.args.model_name, "object": "model", "created": 0, "owned_by": "hidden-states-serve"}
         ]})
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=_openapi_body(CompletionBody))
     async def completions(self, request: Request) -> Response:
         return await self._forward("completions", request)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=_openapi_body(ChatBody))
     async def chat_completions(self, request: Request) -> Response:
         return await self._forward("chat", request)
 

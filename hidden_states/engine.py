@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 
 from hidden_states.protocol import HiddenStatesExtractionRequest
-from hidden_states.side_channel import HiddenStatesReceiver
+from hidden_states.side_channel import HiddenStatesReceiver, HiddenStatesTimeout
 from hidden_states.tiny_model import DEFAULT_MODEL, resolve_model
 from hidden_states.vllm_patch import ENGINE_ENV, WORKER_EXTENSION, check_vllm_version
 
@@ -232,6 +232,13 @@ class HiddenStatesEngine:
                 async for out in AsyncLLM.generate(self.llm, TokensPrompt(prompt_token_ids=list(token_ids)), params, f"hs-{key}"):
                     cached = out.num_cached_tokens or 0
             results = await self.receiver.wait(key, max(0.0, deadline - time.perf_counter()))
+        except TimeoutError:  # HiddenStatesTimeout included: one message with the configured bound
+            self.receiver.discard(key)
+            raise HiddenStatesTimeout(
+                f"hidden states for a sequence of {len(token_ids)} tokens did not arrive within "
+                f"{self.extraction_timeout_s:g}s (extraction_timeout_s): the engine is overloaded, "
+                "or a side-channel message was lost"
+            ) from None
         except BaseException:
             self.receiver.discard(key)
             raise

@@ -27,6 +27,15 @@ Ledger of patched points (supported: vLLM {SUPPORTED}):
    `execute_model_state`. Remove when point 2 is ported to V2.
 4. Speculative decoding and pipeline parallelism are refused at install: rows
    no longer map one per request, or the last rank holds them.
+5. CPU only: `GPUModelRunner._bookkeeping_sync` rewinds the generator of a
+   seeded request whose sampled token is discarded (a partial prefill chunk)
+   with `gen.set_offset(gen.get_offset() - 4)`, which CPU generators refuse
+   ("CPU Generator does not use offset"): the engine dies on any seeded request
+   with a prompt longer than one prefill chunk. Found by our load test; not a
+   hidden-states problem, but it kills our engine. How: wrapped on the runner
+   instance; the generator state saved before sampling is restored instead and
+   the generator is hidden from the offset rewind. Remove when vLLM's CPU
+   runner rewinds CPU generators itself.
 """
 
 from __future__ import annotations
@@ -159,6 +168,8 @@ class HiddenStatesWorkerExtension:
 
         runner.execute_model = execute_model
         runner._hidden_states_hook = hook
+        if getattr(runner, "device", None) is not None and runner.device.type == "cpu":
+            _patch_cpu_generator_rewind(runner)
         logger.info("hidden-states hook installed on %s (sending=%s)", type(runner).__name__, send)
         return True
 
@@ -174,3 +185,39 @@ class HiddenStatesWorkerExtension:
             "dropped_sends": hook.sender.dropped if hook.sender else 0,
         }
 
+
+
+def _patch_cpu_generator_rewind(runner: Any) -> None:
+    """Ledger point 5: rewind discarded seeded samples by state, not offset, on CPU."""
+    _require(hasattr(runner, "_bookkeeping_sync") and hasattr(runner, "discard_request_mask"),
+             "GPUModelRunner._bookkeeping_sync / discard_request_mask")
+    execute, bookkeeping = runner.execute_model, runner._bookkeeping_sync
+    saved: dict[int, Any] = {}
+
+    def discarded_with_generator():
+        n = runner.input_batch.num_reqs
+        for i in runner.discard_request_mask.np[:n].nonzero()[0]:
+            gen = runner.input_batch.generators.get(int(i))
+            if gen is not None:
+                yield int(i), gen
+
+    def execute_model(*args, **kwargs):
+        out = execute(*args, **kwargs)
+        saved.clear()
+        if out is None:  # sampling follows in sample_tokens(): keep the states it will advance
+            saved.update({i: gen.get_state() for i, gen in discarded_with_generator()})
+        return out
+
+    def bookkeeping_sync(*args, **kwargs):
+        gens = runner.input_batch.generators
+        hidden = {i: gens.pop(i) for i in list(saved) if i in gens}
+        for i, gen in hidden.items():
+            gen.set_state(saved[i])
+        try:
+            return bookkeeping(*args, **kwargs)
+        finally:
+            gens.update(hidden)
+            saved.clear()
+
+    runner.execute_model = execute_model
+    runner._bookkeeping_sync = bookkeeping_sync

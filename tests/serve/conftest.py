@@ -20,6 +20,8 @@ BIN = Path(sys.executable).parent
 PORT = int(os.environ.get("HS_TEST_PORT", "8123"))
 BASE = f"http://127.0.0.1:{PORT}"
 APP = "hidden-states"
+API_KEY = "test-key-not-secret"
+GUARDED = "/guarded"  # 1 replica: API key, small body limit, short timeouts; its engine is killed last
 
 
 def decode_vector(value) -> np.ndarray:
@@ -75,7 +77,7 @@ def app_args(**over) -> dict:
 
 @pytest.fixture(scope="session")
 def serve_app(ray_cluster):
-    """Two engine replicas with hidden states on, and a second app with them off."""
+    """Two engine replicas with hidden states on; an app with them off; a guarded app."""
     from ray import serve
 
     from deployments.app import build_app
@@ -86,12 +88,18 @@ def serve_app(ray_cluster):
         build_app(app_args(enable_return_hidden_states=False, replica_autoscaling={"min_replicas": 1, "max_replicas": 1})),
         name="hs-off", route_prefix="/off", blocking=False,
     )
+    serve.run(
+        build_app(app_args(api_key=API_KEY, max_request_body_bytes=64 * 1024, request_timeout_s=60,
+                           extraction_timeout_s=20, replica_autoscaling={"min_replicas": 1, "max_replicas": 1})),
+        name="hs-guarded", route_prefix=GUARDED, blocking=False,
+    )
+    apps = (APP, "hs-off", "hs-guarded")
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
         status = serve.status().applications
-        if all(a in status and status[a].status == "RUNNING" for a in (APP, "hs-off")):
+        if all(a in status and status[a].status == "RUNNING" for a in apps):
             break
-        if any(a in status and status[a].status == "DEPLOY_FAILED" for a in (APP, "hs-off")):
+        if any(a in status and status[a].status == "DEPLOY_FAILED" for a in apps):
             raise RuntimeError(f"deploy failed: {status}")
         time.sleep(2)
     else:
@@ -107,5 +115,5 @@ def client(serve_app):
     return openai.OpenAI(base_url=f"{serve_app}/v1", api_key="unused", timeout=120, max_retries=0)
 
 
-def replica_stats(base: str) -> dict:
-    return json.loads(httpx.get(f"{base}/debug/stats", timeout=30).text)
+def replica_stats(base: str, headers: dict | None = None) -> dict:
+    return json.loads(httpx.get(f"{base}/debug/stats", timeout=30, headers=headers).text)
