@@ -29,7 +29,7 @@ from pydantic import ValidationError
 
 import uuid
 
-from hidden_states.engine import HiddenStatesCollector, HiddenStatesEngine
+from hidden_states.engine import HiddenStatesCollector, HiddenStatesEngine, HiddenStatesRequestError
 from hidden_states.side_channel import HiddenStatesTimeout
 
 logger = logging.getLogger(__name__)
@@ -49,17 +49,21 @@ def error_body(message: str, status: int, err_type: str | None = None, param: st
 
 
 def _request_models():
-    from pydantic import Field
+    from pydantic import BaseModel, Field
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
     from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 
-    class HiddenStatesCompletionRequest(CompletionRequest):
+    class HiddenStatesFields(BaseModel):
         return_hidden_states: bool = Field(False, description="attach each choice's final-token hidden state")
         hidden_states_encoding: Literal["float", "base64"] = "float"
+        hidden_states_layers: list[int] | None = Field(None, description="transformers numbering; -1 = last")
+        hidden_states_position: Literal["completion_end", "prompt_end"] = "completion_end"
 
-    class HiddenStatesChatCompletionRequest(ChatCompletionRequest):
-        return_hidden_states: bool = Field(False, description="attach each choice's final-token hidden state")
-        hidden_states_encoding: Literal["float", "base64"] = "float"
+    class HiddenStatesCompletionRequest(CompletionRequest, HiddenStatesFields):
+        pass
+
+    class HiddenStatesChatCompletionRequest(ChatCompletionRequest, HiddenStatesFields):
+        pass
 
     return HiddenStatesCompletionRequest, HiddenStatesChatCompletionRequest
 
@@ -88,11 +92,16 @@ class OpenAIFrontend:
 
     async def handle(self, route: Route, body: bytes) -> AsyncIterator[tuple[int, bytes] | bytes]:
         """Yields (status, first body bytes) for a whole response, or (200, b"") then SSE chunks."""
+        serving = self.state.openai_serving_completion if route == "completions" else self.state.openai_serving_chat
         try:
             model = self.completion_request if route == "completions" else self.chat_request
             request = model.model_validate_json(body)
         except ValidationError as e:
             yield HTTPStatus.BAD_REQUEST, error_body(_validation_message(e), 400, "BadRequestError")
+            return
+        except Exception as e:  # vLLM's own validators raise VLLMValidationError (-> 400) and kin
+            err = serving.create_error_response(e)
+            yield err.error.code, err.model_dump_json().encode()
             return
         if request.return_hidden_states and not self.engine.enabled:
             yield 400, error_body("hidden states are disabled on this server", 400, "BadRequestError", "return_hidden_states")
@@ -101,18 +110,32 @@ class OpenAIFrontend:
         # engine files their vectors under it (a client's request_id is replaced).
         base = uuid.uuid4().hex
         request.request_id = base
-        serving = self.state.openai_serving_completion if route == "completions" else self.state.openai_serving_chat
         n = getattr(request, "n", 1) or 1
 
         def inject(choice: dict) -> None:
             key = _collector_key(route, collector, choice["index"], n)
             if key is None:
                 return
-            choice["hidden_states"] = encode_vector(collector.vectors[key], request.hidden_states_encoding)
-            st = collector.stats[key]
-            choice["hidden_states_meta"] = {"tokens": st.tokens, "cached_tokens": st.cached_tokens, "replica": self.replica_id}
+            vecs, enc = collector.vectors[key], request.hidden_states_encoding
+            if request.hidden_states_layers is None:
+                choice["hidden_states"] = encode_vector(vecs[-1], enc)
+            else:
+                choice["hidden_states_by_layer"] = {str(layer): encode_vector(v, enc) for layer, v in vecs.items()}
+            meta = {"position": collector.position, "replica": self.replica_id}
+            if (st := collector.stats.get(key)) is not None:
+                meta.update(tokens=st.tokens, cached_tokens=st.cached_tokens)
+            choice["hidden_states_meta"] = meta
 
-        with self.engine.collecting(base) if request.return_hidden_states else contextlib.nullcontext() as collector:
+        try:
+            collecting = self.engine.collecting(
+                base, request.hidden_states_layers or (-1,), request.hidden_states_position,
+            ) if request.return_hidden_states else contextlib.nullcontext()
+            collector = collecting.__enter__()
+        except HiddenStatesRequestError as e:
+            param = "hidden_states_position" if "position" in str(e) else "hidden_states_layers"
+            yield 400, error_body(str(e), 400, "BadRequestError", param)
+            return
+        try:
             try:
                 result = await serving.create_completion(request, None) if route == "completions" \
                     else await serving.create_chat_completion(request, None)
@@ -143,6 +166,8 @@ class OpenAIFrontend:
                     chunk = "data: " + json.dumps(data, separators=(",", ":")) + "\n\n"
                 yield chunk.encode()
 
+        finally:
+            collecting.__exit__(None, None, None)
 
 def _collector_key(route: Route, collector: HiddenStatesCollector, choice_index: int, n: int):
     """Which (engine request id, output index) a response choice came from.

@@ -51,6 +51,13 @@ class HiddenStatesDisabledError(RuntimeError):
     """A request asked for hidden states on an engine started without them."""
 
 
+class HiddenStatesRequestError(ValueError):
+    """A hidden-states request this engine cannot serve (bad layer, unsupported model)."""
+
+
+POSITIONS = ("completion_end", "prompt_end")
+
+
 @dataclasses.dataclass(frozen=True)
 class ExtractionStats:
     tokens: int  # prompt + completion
@@ -62,7 +69,10 @@ class ExtractionStats:
 class HiddenStatesCollector:
     """Per-request sink for vectors, registered with `HiddenStatesEngine.collecting()`."""
 
-    vectors: dict[tuple[str, int], np.ndarray] = dataclasses.field(default_factory=dict)
+    layers: tuple[int, ...] = (-1,)
+    position: str = "completion_end"
+    # (engine request id, output index) -> {requested layer: float32 [D]}
+    vectors: dict[tuple[str, int], dict[int, np.ndarray]] = dataclasses.field(default_factory=dict)
     stats: dict[tuple[str, int], ExtractionStats] = dataclasses.field(default_factory=dict)
 
 
@@ -78,8 +88,9 @@ class CompletionChoice:
     text: str
     token_ids: tuple[int, ...]
     finish_reason: str | None
-    hidden_states: np.ndarray | None  # float32 [hidden_size], or None if not asked
-    extraction: ExtractionStats | None = None
+    hidden_states: np.ndarray | None  # float32 [hidden_size]: the last layer, if it was asked for
+    extraction: ExtractionStats | None = None  # None for prompt_end: no extraction step
+    hidden_states_by_layer: dict[int, np.ndarray] | None = None  # requested layer -> vector
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,6 +115,10 @@ def _make_async_llm_class():
                 async for out in super().generate(prompt, sampling_params, request_id, *args, **kwargs):
                     yield out
                 return
+            if collector.position == "prompt_end":
+                async for out in self._generate_prompt_end(collector, prompt, sampling_params, request_id, *args, **kwargs):
+                    yield out
+                return
             delta = sampling_params.output_kind == RequestOutputKind.DELTA
             tokens: dict[int, list[int]] = {}
             prompt_ids: list[int] | None = None
@@ -116,10 +131,31 @@ def _make_async_llm_class():
                     else:
                         tokens[o.index] = list(o.token_ids)
                     if o.finish_reason is not None and (request_id, o.index) not in collector.vectors:
-                        vec, stats = await self.hidden_states.extract_one(prompt_ids + tokens[o.index])
-                        collector.vectors[(request_id, o.index)] = vec
+                        vecs, stats = await self.hidden_states.extract_layers(prompt_ids + tokens[o.index], collector.layers)
+                        collector.vectors[(request_id, o.index)] = vecs
                         collector.stats[(request_id, o.index)] = stats
                 yield out
+
+        async def _generate_prompt_end(self, collector, prompt, sampling_params, request_id, *args, **kwargs):
+            # The generating request itself is flagged: its prefill computes the
+            # last prompt position anyway, so no extraction step runs.
+            hs = self.hidden_states
+            key = uuid.uuid4().hex
+            params = sampling_params.clone()
+            params.extra_args = {**(params.extra_args or {}),
+                                 **HiddenStatesExtractionRequest(key=key, layers=list(collector.layers)).to_extra_args()}
+            hs.receiver.expect(key)
+            vecs = None
+            try:
+                async for out in super().generate(prompt, params, request_id, *args, **kwargs):
+                    for o in out.outputs:
+                        if o.finish_reason is not None:
+                            if vecs is None:
+                                vecs = hs._by_layer(await hs._wait(key, len(out.prompt_token_ids or ()) or -1), collector.layers)
+                            collector.vectors[(request_id, o.index)] = vecs
+                    yield out
+            finally:
+                hs.receiver.discard(key)
 
     return ExtractingAsyncLLM
 
@@ -133,6 +169,10 @@ class HiddenStatesEngine:
 
     def __init__(self, llm: Any, receiver: HiddenStatesReceiver | None, extraction_timeout_s: float):
         self.llm = llm
+        hf = llm.vllm_config.model_config.hf_config
+        self.num_layers = int(hf.num_hidden_layers)
+        self.architecture = (getattr(hf, "architectures", None) or ["?"])[0]
+        self.eager = bool(llm.vllm_config.model_config.enforce_eager)
         self._collectors: dict[str, HiddenStatesCollector] = {}
         self.receiver = receiver
         self.extraction_timeout_s = extraction_timeout_s
@@ -179,16 +219,59 @@ class HiddenStatesEngine:
         llm.hidden_states = engine
         return engine
 
-    @contextlib.contextmanager
-    def collecting(self, base_id: str):
-        """Vectors of every finished choice of requests whose id contains `base_id`."""
+    def check_request(self, layers: Sequence[int] = (-1,), position: str = "completion_end") -> tuple[int, ...]:
+        """Raises HiddenStatesRequestError with the fix if this engine cannot serve it."""
         if not self.enabled:
             raise HiddenStatesDisabledError(
                 "hidden states are disabled on this engine; start it with enable_return_hidden_states=True"
             )
+        if position not in POSITIONS:
+            raise HiddenStatesRequestError(f"hidden_states_position must be one of {list(POSITIONS)}, not {position!r}")
+        layers = tuple(dict.fromkeys(int(l) for l in layers))
+        if not layers:
+            raise HiddenStatesRequestError("hidden_states_layers must name at least one layer")
+        L = self.num_layers
+        bad = [l for l in layers if not -(L + 1) <= l <= L]
+        if bad:
+            raise HiddenStatesRequestError(
+                f"hidden_states_layers {bad} out of range: this model has layers 0..{L} "
+                f"(0 = embeddings, {L} = after the final norm; negative counts from the end, -1 = {L})")
+        if any(self._absolute(l) != L for l in layers):
+            from hidden_states.vllm_patch import SUPPORTED_LAYER_ARCHS
+
+            if self.architecture not in SUPPORTED_LAYER_ARCHS:
+                raise HiddenStatesRequestError(
+                    f"intermediate hidden_states_layers are supported for the Llama, Qwen2 and Mistral families "
+                    f"({', '.join(SUPPORTED_LAYER_ARCHS)}), not {self.architecture}; ask for the last layer (-1) only")
+            if not self.eager:
+                raise HiddenStatesRequestError(
+                    "intermediate hidden_states_layers need an eager engine: start it with enforce_eager=True")
+        return layers
+
+    def _absolute(self, layer: int) -> int:
+        return layer if layer >= 0 else self.num_layers + 1 + layer
+
+    def _by_layer(self, results, layers: Sequence[int]) -> dict[int, np.ndarray]:
+        got = {r.layer: r for r in results}
+        return {l: got[self._absolute(l)].to_numpy() for l in layers}
+
+    async def _wait(self, key: str, num_tokens: int):
+        try:
+            return await self.receiver.wait(key, self.extraction_timeout_s)
+        except TimeoutError:
+            raise HiddenStatesTimeout(
+                f"hidden states for a sequence of {num_tokens} tokens did not arrive within "
+                f"{self.extraction_timeout_s:g}s (extraction_timeout_s): the engine is overloaded, "
+                "or a side-channel message was lost"
+            ) from None
+
+    @contextlib.contextmanager
+    def collecting(self, base_id: str, layers: Sequence[int] = (-1,), position: str = "completion_end"):
+        """Vectors of every finished choice of requests whose id contains `base_id`."""
+        layers = self.check_request(layers, position)
         if base_id in self._collectors:
             raise ValueError(f"request base id {base_id!r} is already collecting")
-        collector = self._collectors[base_id] = HiddenStatesCollector()
+        collector = self._collectors[base_id] = HiddenStatesCollector(layers, position)
         try:
             yield collector
         finally:
@@ -206,10 +289,12 @@ class HiddenStatesEngine:
 
     async def extract_one(self, token_ids: Sequence[int]) -> tuple[np.ndarray, ExtractionStats]:
         """The last-layer hidden state of the final token of `token_ids` (float32 [D])."""
-        if self.receiver is None:
-            raise HiddenStatesDisabledError(
-                "hidden states are disabled on this engine; start it with enable_return_hidden_states=True"
-            )
+        vecs, stats = await self.extract_layers(token_ids, (-1,))
+        return vecs[-1], stats
+
+    async def extract_layers(self, token_ids: Sequence[int], layers: Sequence[int]) -> tuple[dict[int, np.ndarray], ExtractionStats]:
+        """The final token's hidden state at each of `layers` (transformers numbering)."""
+        layers = self.check_request(layers)
         if not token_ids:
             raise ValueError("extraction needs at least one token id")
         from vllm import SamplingParams
@@ -220,7 +305,7 @@ class HiddenStatesEngine:
         key = uuid.uuid4().hex
         params = SamplingParams(
             max_tokens=1, temperature=0.0, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY,
-            extra_args=HiddenStatesExtractionRequest(key=key).to_extra_args(),
+            extra_args=HiddenStatesExtractionRequest(key=key, layers=list(layers)).to_extra_args(),
         )
         t0 = time.perf_counter()
         deadline = t0 + self.extraction_timeout_s
@@ -242,11 +327,11 @@ class HiddenStatesEngine:
         except BaseException:
             self.receiver.discard(key)
             raise
-        vec = next(r for r in results if r.layer == -1).to_numpy()
+        vecs = self._by_layer(results, layers)
         self.extractions += 1
         self.extraction_tokens += len(token_ids)
         self.extraction_cached_tokens += cached
-        return vec, ExtractionStats(len(token_ids), cached, time.perf_counter() - t0)
+        return vecs, ExtractionStats(len(token_ids), cached, time.perf_counter() - t0)
 
     async def extract(self, token_id_seqs: Sequence[Sequence[int]]) -> list[np.ndarray]:
         """Batch form: the final-token vector of each sequence, in order."""
@@ -256,19 +341,21 @@ class HiddenStatesEngine:
     # -- generation -----------------------------------------------------------
 
     async def generate(
-        self, prompt: Any, sampling_params: Any, request_id: str, *, return_hidden_states: bool = False
-    ) -> AsyncIterator[tuple[Any, dict[int, np.ndarray]]]:
-        """vLLM RequestOutputs, each with the vectors of the choices it finished."""
+        self, prompt: Any, sampling_params: Any, request_id: str, *, return_hidden_states: bool = False,
+        layers: Sequence[int] = (-1,), position: str = "completion_end",
+    ) -> AsyncIterator[tuple[Any, dict[int, dict[int, np.ndarray]]]]:
+        """vLLM RequestOutputs, each with {choice index: {layer: vector}} of the choices it finished."""
         base = uuid.uuid4().hex
         request_id = f"{request_id}-{base}"
-        with self.collecting(base) if return_hidden_states else contextlib.nullcontext() as collector:
+        with self.collecting(base, layers, position) if return_hidden_states else contextlib.nullcontext() as collector:
             async for out in self.llm.generate(prompt, sampling_params, request_id):
                 done = {o.index: collector.vectors[(request_id, o.index)] for o in out.outputs
                         if collector is not None and o.finish_reason is not None}
                 yield out, done
 
     async def complete(
-        self, prompt: str | Sequence[int], sampling_params: Any = None, *, return_hidden_states: bool = True
+        self, prompt: str | Sequence[int], sampling_params: Any = None, *, return_hidden_states: bool = True,
+        layers: Sequence[int] = (-1,), position: str = "completion_end",
     ) -> Completion:
         """One prompt (text or token ids) to a finished Completion with a vector per choice."""
         from vllm import SamplingParams
@@ -280,7 +367,7 @@ class HiddenStatesEngine:
         request_id = f"cmpl-{base}"
         engine_prompt = {"prompt": prompt} if isinstance(prompt, str) else {"prompt_token_ids": list(prompt)}
         final = None
-        with self.collecting(base) if return_hidden_states else contextlib.nullcontext(HiddenStatesCollector()) as collector:
+        with self.collecting(base, layers, position) if return_hidden_states else contextlib.nullcontext(HiddenStatesCollector()) as collector:
             async for out in self.llm.generate(engine_prompt, params, request_id):
                 final = out
         return Completion(
@@ -289,7 +376,9 @@ class HiddenStatesEngine:
             choices=tuple(
                 CompletionChoice(
                     o.index, o.text, tuple(o.token_ids), o.finish_reason,
-                    collector.vectors.get((request_id, o.index)), collector.stats.get((request_id, o.index)),
+                    (collector.vectors.get((request_id, o.index)) or {}).get(-1),
+                    collector.stats.get((request_id, o.index)),
+                    collector.vectors.get((request_id, o.index)),
                 )
                 for o in final.outputs
             ),

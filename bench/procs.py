@@ -1,0 +1,161 @@
+"""Processes the benchmark starts: each in its own session (process group), logged
+to bench/.work/logs, stopped by process group (SIGTERM, then SIGKILL) and checked.
+
+Nothing here stops a process the benchmark did not start: no `ray stop`, no
+pkill by name. Ray's daemons live in the `ray start --block` process group;
+Ray's workers (Serve replicas, and the vLLM engine-core processes under them)
+get process groups of their own, so they are found as descendants of the
+`ray start` process and stopped by pid.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import psutil
+
+ROOT = Path(__file__).resolve().parent.parent          # /work/main
+WORK = ROOT / "bench" / ".work"
+LOGS = WORK / "logs"
+BIN = ROOT / ".venv" / "bin"
+PYTHON = BIN / "python"
+
+
+class StartError(RuntimeError):
+    pass
+
+
+def port_free(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+            return True
+        except OSError:
+            return False
+
+
+def free_port(preferred: int) -> int:
+    port = preferred
+    while not port_free(port):
+        port += 1
+    return port
+
+
+class Proc:
+    """One started command: its own session, a log file, stop by group + tree."""
+
+    def __init__(self, name: str, argv: list[str], env: dict[str, str] | None = None, cwd: Path = ROOT):
+        LOGS.mkdir(parents=True, exist_ok=True)
+        self.name = name
+        self.argv = [str(a) for a in argv]
+        self.log_path = LOGS / f"{name}.log"
+        self._log = open(self.log_path, "wb")
+        full_env = dict(os.environ)
+        full_env.update(env or {})
+        self.popen = subprocess.Popen(
+            self.argv, cwd=str(cwd), env=full_env, stdout=self._log, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, start_new_session=True,
+        )
+        self.pid = self.popen.pid
+        self.pgid = self.pid
+        self._known: set[int] = set()
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def tail(self, n: int = 30) -> str:
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return "\n".join(lines[-n:])
+
+    def tree(self) -> list[psutil.Process]:
+        """The process, its descendants, and whatever is still in its process group."""
+        procs: dict[int, psutil.Process] = {}
+        try:
+            root = psutil.Process(self.pid)
+            procs[root.pid] = root
+            for c in root.children(recursive=True):
+                procs[c.pid] = c
+        except psutil.Error:
+            pass
+        for p in psutil.process_iter(["pid"]):
+            try:
+                if os.getpgid(p.pid) == self.pgid:
+                    procs.setdefault(p.pid, p)
+            except (ProcessLookupError, PermissionError, psutil.Error):
+                pass
+        self._known.update(procs)
+        return list(procs.values())
+
+    def remember_tree(self) -> None:
+        self.tree()
+
+    def stop(self, timeout: float = 30.0) -> list[int]:
+        """SIGTERM the group and every known descendant, then SIGKILL; returns pids still alive (should be [])."""
+        procs = {p.pid: p for p in self.tree()}
+        for pid in list(self._known):
+            if pid not in procs:
+                try:
+                    procs[pid] = psutil.Process(pid)
+                except psutil.Error:
+                    pass
+        _signal_all(self.pgid, procs.values(), signal.SIGTERM)
+        _, alive = psutil.wait_procs(list(procs.values()), timeout=timeout)
+        if alive or self.alive():
+            _signal_all(self.pgid, alive, signal.SIGKILL)
+            psutil.wait_procs(alive, timeout=10)
+        try:
+            self.popen.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+        self._log.close()
+        survivors = []
+        for p in procs.values():
+            try:
+                if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                    survivors.append(p.pid)
+            except psutil.Error:
+                pass
+        return survivors
+
+
+def _signal_all(pgid: int, procs, sig) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+    for p in procs:
+        try:
+            p.send_signal(sig)
+        except psutil.Error:
+            pass
+
+
+def wait_until(check: Callable[[], bool], timeout: float, what: str, procs: list[Proc] = (), poll: float = 1.0,
+               on_tick: Callable[[], None] | None = None) -> float:
+    """Polls `check` until true; fails early with the log tail if one of `procs` died."""
+    t0 = time.monotonic()
+    while True:
+        try:
+            if check():
+                return time.monotonic() - t0
+        except Exception:
+            pass
+        for p in procs:
+            if not p.alive():
+                raise StartError(f"{what}: `{p.name}` exited with {p.popen.returncode}; log {p.log_path}:\n{p.tail()}")
+        if time.monotonic() - t0 > timeout:
+            tails = "\n".join(f"--- {p.name} ({p.log_path})\n{p.tail()}" for p in procs)
+            raise StartError(f"{what}: not ready after {timeout:.0f}s\n{tails}")
+        if on_tick:
+            on_tick()
+        time.sleep(poll)

@@ -1,0 +1,377 @@
+"""The console table, results JSON, Markdown summary and plot."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from bench import targets as T
+from bench.servers import PLOT
+
+
+def _f(x, fmt="{:.2f}", none="-"):
+    return none if x is None else fmt.format(x)
+
+
+def _mb(b):
+    return None if b is None else b / 2**20
+
+
+# -- the targets, one row per figure --------------------------------------------------
+
+def target_rows(res: dict) -> list[dict]:
+    rows = []
+
+    def add(part, model, c, figure, value, target, status, fmt="{:.3f}"):
+        rows.append({"part": part, "model": model, "concurrency": c, "figure": figure,
+                     "value": value, "shown": _f(value, fmt), "target": target, "status": status})
+
+    for model, m in res.get("models", {}).items():
+        hs = m.get("hs", {})
+        for c, row in hs.get("by_concurrency", {}).items():
+            r = row["ratio"]
+            aim = lambda v: "" if v is None or v < T.HS_THROUGHPUT_MIN else (" (aim met)" if v >= T.HS_THROUGHPUT_AIM else " (aim 0.95 not met)")
+            add("1 hidden states", model, c, "throughput on/off, req/s", r["req_per_s"],
+                f">= {T.HS_THROUGHPUT_MIN:.2f}x (aim {T.HS_THROUGHPUT_AIM:.2f}x)", T.at_least(r["req_per_s"], T.HS_THROUGHPUT_MIN) + aim(r["req_per_s"]))
+            add("1 hidden states", model, c, "throughput on/off, output tok/s", r["out_tok_per_s"],
+                f">= {T.HS_THROUGHPUT_MIN:.2f}x (aim {T.HS_THROUGHPUT_AIM:.2f}x)", T.at_least(r["out_tok_per_s"], T.HS_THROUGHPUT_MIN) + aim(r["out_tok_per_s"]))
+            ex = row["extraction"]
+            block = hs.get("block_size")
+            ok = None if not ex["vectors"] else (ex["recomputed_under_one_block"] == ex["vectors"] and ex["missing_vectors"] == 0)
+            add("1 hidden states", model, c, "tokens recomputed per extraction (max)", ex["recomputed_max"],
+                f"< {block} (one block) on every request", T.status(ok), "{:.0f}")
+        if "error" in hs:
+            add("1 hidden states", model, "-", "part failed", None, "-", "ERROR")
+        sv = m.get("serve", {})
+        for c, row in sv.get("by_concurrency", {}).items():
+            r, q = row["ours_vs_vllm"], row["ours_vs_rsllm"]
+            add("2 Serve layer", model, c, "ours / vLLM server, req/s", r["req_per_s"], f">= {T.SERVE_VS_VLLM_MIN:.2f}x",
+                T.at_least(r["req_per_s"], T.SERVE_VS_VLLM_MIN))
+            add("2 Serve layer", model, c, "ours / vLLM server, output tok/s", r["out_tok_per_s"], f">= {T.SERVE_VS_VLLM_MIN:.2f}x",
+                T.at_least(r["out_tok_per_s"], T.SERVE_VS_VLLM_MIN))
+            add("2 Serve layer", model, c, "ours - vLLM server, p50 latency (ms)", r["p50_added_ms"],
+                f"<= {T.SERVE_ADDED_P50_MS:.0f} ms", T.at_most(r["p50_added_ms"], T.SERVE_ADDED_P50_MS), "{:+.1f}")
+            add("2 Serve layer", model, c, "ours / Ray Serve LLM, req/s", q["req_per_s"], f">= {T.SERVE_VS_RSLLM_MIN:.2f}x (ahead)",
+                T.at_least(q["req_per_s"], T.SERVE_VS_RSLLM_MIN))
+        if "error" in sv:
+            add("2 Serve layer", model, "-", "part failed", None, "-", "ERROR")
+    pl = res.get("payload", {})
+    if "4096" in pl:
+        v = pl["4096"]["speedup_base64"]
+        add("3 payload", "-", "-", "base64 speedup (build+parse) at D=4096", v, f">= {T.BASE64_SPEEDUP_MIN:.0f}x",
+            T.at_least(v, T.BASE64_SPEEDUP_MIN), "{:.1f}x")
+    for model, m in res.get("models", {}).items():
+        mem = m.get("memory")
+        if mem and "rss_bytes" in mem:
+            g = mem["end_vs_after_first"]
+            add("4 memory", model, mem["concurrency"], f"RSS end vs after first 100 ({mem['requests']} requests)",
+                None if g is None else 100 * g, f"<= {100 * T.MEMORY_GROWTH_MAX:.0f}%",
+                T.at_most(g, T.MEMORY_GROWTH_MAX) if mem["errors"] == 0 else "MISS (errors)", "{:+.2f}%")
+        elif mem and "error" in mem:
+            add("4 memory", model, "-", "part failed", None, "-", "ERROR")
+    return rows
+
+
+# -- console -----------------------------------------------------------------------
+
+def _grid(headers: list[str], rows: list[list[str]]) -> str:
+    w = [max(len(str(x)) for x in col) for col in zip(headers, *rows)] if rows else [len(h) for h in headers]
+    line = lambda r: "  ".join(str(x).ljust(n) for x, n in zip(r, w))
+    return "\n".join([line(headers), line(["-" * n for n in w]), *[line(r) for r in rows]])
+
+
+def part_tables(res: dict) -> list[tuple[str, list[str], list[list[str]]]]:
+    out = []
+    for model, m in res.get("models", {}).items():
+        hs = m.get("hs", {})
+        if hs.get("by_concurrency"):
+            rows = []
+            for c, row in hs["by_concurrency"].items():
+                on, off, r, ex = row["hs_on"], row["hs_off"], row["ratio"], row["extraction"]
+                rows.append([c, _f(on["req_per_s"]), _f(off["req_per_s"]), _f(r["req_per_s"], "{:.3f}"),
+                             _f(r["out_tok_per_s"], "{:.3f}"),
+                             f"{_f(on['p50_s'] and on['p50_s'] * 1e3, '{:.0f}')}/{_f(off['p50_s'] and off['p50_s'] * 1e3, '{:.0f}')}",
+                             f"{_f(on['p99_s'] and on['p99_s'] * 1e3, '{:.0f}')}/{_f(off['p99_s'] and off['p99_s'] * 1e3, '{:.0f}')}",
+                             f"{_f(ex['recomputed_mean'], '{:.1f}')}/{_f(ex['recomputed_max'], '{:.0f}')} (<{hs['block_size']})",
+                             _f(ex["added_latency_ms_p50"], "{:+.1f}"), f"{on['errors']}/{off['errors']}"])
+            out.append((f"Part 1, cost of hidden states — {model} (on vs off, same server; target on/off >= 0.90x, aim 0.95x)",
+                        ["conc", "on req/s", "off req/s", "req/s on/off", "tok/s on/off", "p50 ms on/off",
+                         "p99 ms on/off", "recomputed mean/max", "added ms p50 (paired)", "errors"], rows))
+        sv = m.get("serve", {})
+        if sv.get("by_concurrency"):
+            rows = []
+            for c, row in sv["by_concurrency"].items():
+                v, o, q = row["vllm"], row["ours"], row["rsllm"]
+                r, rq, qv = row["ours_vs_vllm"], row["ours_vs_rsllm"], row["rsllm_vs_vllm"]
+                rows.append([c, _f(v["req_per_s"]), _f(o["req_per_s"]), _f(q["req_per_s"]),
+                             _f(r["req_per_s"], "{:.3f}"), _f(r["out_tok_per_s"], "{:.3f}"),
+                             _f(r["p50_added_ms"], "{:+.1f}"), _f(r["p99_added_ms"], "{:+.1f}"),
+                             _f(rq["req_per_s"], "{:.3f}"), _f(qv["req_per_s"], "{:.3f}"),
+                             f"{v['errors']}/{o['errors']}/{q['errors']}"])
+            out.append((f"Part 2, cost of the Serve layer — {model} (ours with hidden states off; targets: ours/vLLM >= 0.90x, "
+                        f"+p50 <= 15 ms, ours/RSLLM >= 1.00x)",
+                        ["conc", "vLLM req/s", "ours req/s", "RSLLM req/s", "ours/vLLM req/s", "ours/vLLM tok/s",
+                         "ours-vLLM p50 ms", "ours-vLLM p99 ms", "ours/RSLLM req/s", "RSLLM/vLLM req/s", "errors v/o/r"], rows))
+    pl = res.get("payload")
+    if pl:
+        rows = []
+        for d, row in pl.items():
+            f, b = row["float"], row["base64"]
+            rows.append([d, f"{f['vector_bytes']:,}", f"{b['vector_bytes']:,}", f"{row['raw_float32_bytes']:,}",
+                         _f(f["build_ms"], "{:.3f}"), _f(f["parse_ms"], "{:.3f}"), _f(b["build_ms"], "{:.3f}"),
+                         _f(b["parse_ms"], "{:.3f}"), _f(row["speedup_base64"], "{:.1f}x")])
+        out.append(("Part 3, payload per vector (target: base64 >= 5x faster to build+parse at D=4096)",
+                    ["D", "float bytes", "base64 bytes", "raw bytes", "float build ms", "float parse ms",
+                     "b64 build ms", "b64 parse ms", "speedup"], rows))
+    for model, m in res.get("models", {}).items():
+        mem = m.get("memory")
+        if mem and "rss_bytes" in mem:
+            rb = mem["rss_bytes"]
+            keys = list(rb)
+            out.append((f"Part 4, replica resident memory — {model}: {mem['requests']} requests with hidden states, "
+                        f"concurrency {mem['concurrency']} (target: end within 5% of after-100)",
+                        [*(f"{k} MiB" for k in keys), "end vs after-100", "errors"],
+                        [[*(_f(_mb(rb[k]), "{:.0f}") for k in keys), _f(100 * mem["end_vs_after_first"], "{:+.2f}%"),
+                          str(mem["errors"])]]))
+    return out
+
+
+def table(res: dict) -> str:
+    parts = []
+    for title, headers, rows in part_tables(res):
+        parts.append(f"\n{title}\n{_grid(headers, rows)}")
+    rows = [[r["part"], r["model"], str(r["concurrency"]), r["figure"], r["shown"], r["target"], r["status"]]
+            for r in target_rows(res)]
+    parts.append("\nTargets\n" + _grid(["part", "model", "conc", "figure", "value", "target", "status"], rows))
+    if res.get("errors"):
+        parts.append("\nErrors:\n" + "\n".join(f"- {e}" for e in res["errors"]))
+    return "\n".join(parts)
+
+
+# -- Markdown ------------------------------------------------------------------------
+
+def _md_table(headers, rows) -> str:
+    esc = lambda x: str(x).replace("|", "\\|")
+    return "\n".join(["| " + " | ".join(map(esc, headers)) + " |", "|" + "---|" * len(headers),
+                      *("| " + " | ".join(map(esc, r)) + " |" for r in rows)])
+
+
+def _cpu_table(by_c: dict) -> list[str]:
+    lines = []
+    for c, row in by_c.items():
+        roles = set()
+        for arm in ("vllm", "ours", "rsllm"):
+            roles |= set(row[arm]["cpu_s_per_request"])
+        roles = sorted(roles, key=lambda k: -max(row[a]["cpu_s_per_request"].get(k, 0) for a in ("vllm", "ours", "rsllm")))
+        rows = []
+        for role in roles:
+            vals = [row[a]["cpu_s_per_request"].get(role, 0.0) * 1e3 for a in ("vllm", "ours", "rsllm")]
+            if max(vals) < 0.5:
+                continue
+            rows.append([role, *(f"{v:.1f}" for v in vals)])
+        rows.append(["**cores busy (all processes)**", *(_f(row[a]["cpu_busy_cores"]) for a in ("vllm", "ours", "rsllm"))])
+        lines += [f"\nConcurrency {c}: CPU milliseconds per request, by process role, while each server was under load\n",
+                  _md_table(["role", "vLLM server", "our app", "Ray Serve LLM"], rows)]
+    return lines
+
+
+def markdown(res: dict, plot_name: str | None) -> str:
+    mc = res.get("machine", {})
+    L = [f"# Benchmark results{' (quick mode)' if res.get('quick') else ''}", "",
+         f"Command: `{res['command']}` (from the repository root, `.venv/bin/python`; `make bench` runs the full one)  ",
+         f"Run: {res['started']} .. {res.get('finished')} ({res.get('duration_s')} s)  ",
+         f"Machine: {mc.get('cpu')} ({mc.get('simd')}), {mc.get('physical_cores')} cores / {mc.get('logical_cpus')} logical CPUs, "
+         f"{mc.get('memory_gib')} GiB, no accelerator; {mc.get('os')}; Python {mc.get('python')}; "
+         + ", ".join(f"{k} {v}" for k, v in mc.get("versions", {}).items()) + "  ",
+         f"Load average at start {tuple(round(x, 2) for x in mc.get('load_average_at_start', ()))}, "
+         f"at end {tuple(round(x, 2) for x in mc.get('load_average_at_end', ()))}", ""]
+    st = res.get("settings", {})
+    L += ["## Method", "",
+          f"- Engine arguments, identical for all three servers: `{json.dumps(st.get('engine_args'))}`; engine environment "
+          f"`{json.dumps(st.get('engine_env'))}`; the product's `config.yaml` otherwise (router and replica autoscaling).",
+          f"- Workload: {json.dumps(st.get('workload'))}. Closed loop: `concurrency` clients, each sends its next "
+          "request when its last one returns.",
+          "- Each comparison runs its arms alternately, round by round (the first arm rotates), on the same request "
+          "lengths in a round but with different token contents, so no arm finds another's prompts in a prefix cache. "
+          "Throughput = successful requests (output tokens) / summed wall time over the rounds; latency percentiles "
+          "pool all rounds. Ratios are arm / baseline.",
+          f"- Plan (requests per arm per round by concurrency, rounds): `{json.dumps(st.get('plan'))}`.",
+          "- Servers: a Ray cluster (`ray start --head --num-cpus 8`), our app (`deployments.app:build_app`) and Ray Serve "
+          "LLM (`ray.serve.llm:build_openai_app`, `placement_group_config: {bundles: [{CPU: 1}]}`, pyarrow from "
+          "bench/.work/extra only) in one `serve run`, and vLLM's own server (`python -m vllm.entrypoints.openai.api_server`), "
+          "all up during a model's parts (the idle CPU of the ones not under load is shown below). Everything started is "
+          "stopped by process group and checked.", ""]
+    rows = [[r["part"], r["model"], r["concurrency"], r["figure"], r["shown"], r["target"], f"**{r['status']}**"]
+            for r in target_rows(res)]
+    L += ["## Targets", "", _md_table(["part", "model", "conc", "figure", "measured", "target", "status"], rows), ""]
+    if plot_name:
+        L += [f"![ratios, payload and memory]({plot_name})", ""]
+    for title, headers, trs in part_tables(res):
+        L += [f"### {title}", "", _md_table(headers, trs), ""]
+    for model, m in res.get("models", {}).items():
+        L += [f"## {model}: details", ""]
+        md = m.get("model", {})
+        L.append(f"Model: hidden size {md.get('hidden_size')}, {md.get('layers')} layers, vocab {md.get('vocab_size')}, "
+                 f"~{(md.get('parameters') or 0) / 1e6:.1f}M parameters. Start-up (s): "
+                 + ", ".join(f"{k} {v:.0f}" for k, v in m.get("startup_s", {}).items()) + f". Stopped: {m.get('stopped')}.")
+        L.append("")
+        eng = m.get("engines", {})
+        if eng:
+            rows = [[k, e["title"], e["pid"], e["threads"], e["OMP_NUM_THREADS"], e["VLLM_CPU_OMP_THREADS_BIND"],
+                     e["cpu_affinity"]] for k, es in eng.items() for e in es]
+            L += ["Engine processes (their thread settings decide how many cores the model uses):", "",
+                  _md_table(["server", "process", "pid", "threads", "OMP_NUM_THREADS", "bind", "affinity"], rows), ""]
+        idle = m.get("idle_cpu")
+        if idle:
+            L.append("Idle CPU with every server up and no load (cores busy, by role): "
+                     + ", ".join(f"{k} {v / idle['wall']:.3f}" for k, v in sorted(idle["roles"].items(), key=lambda kv: -kv[1])
+                                 if v / idle["wall"] >= 0.005) + f"; total {idle['busy'] / idle['wall']:.2f} of 2 cores.")
+            L.append("")
+        hs = m.get("hs", {})
+        if hs.get("by_concurrency"):
+            rows = []
+            for c, row in hs["by_concurrency"].items():
+                ex = row["extraction"]
+                rows.append([c, ex["vectors"], ex["missing_vectors"], ex["tokens_equal_prompt_plus_completion"],
+                             _f(ex["recomputed_mean"], "{:.1f}"), _f(ex["recomputed_p50"], "{:.0f}"),
+                             _f(ex["recomputed_max"], "{:.0f}"), f"{ex['recomputed_under_one_block']}/{ex['vectors']}",
+                             ex["cached_tokens_gcd"], _f(ex["added_latency_ms_p50"], "{:+.1f}"),
+                             _f(ex["added_latency_ms_p90"], "{:+.1f}")])
+            L += [f"Extraction step per request (from each choice's `hidden_states_meta`: recomputed = tokens - cached_tokens; "
+                  f"block size {hs['block_size']}; added latency = latency with - without, paired by request shape and round):", "",
+                  _md_table(["conc", "vectors", "missing", "tokens = prompt+completion", "recomputed mean", "p50", "max",
+                             "under one block", "gcd(cached)", "added ms p50", "added ms p90"], rows), ""]
+        sv = m.get("serve", {})
+        if sv.get("by_concurrency"):
+            L += _cpu_table(sv["by_concurrency"])
+            L.append("")
+        mem = m.get("memory")
+        if mem and "rss_bytes" in mem:
+            L += [f"Memory: replica pid {mem['replica_pid']}; {mem['ok']}/{mem['requests']} ok, {mem['with_vector']} with a "
+                  f"vector, {mem['wall_s']:.0f} s. Per process at the end (MiB): "
+                  + ", ".join(f"{k} {v / 2**20:.0f}" for k, v in mem["per_process_end"].items())
+                  + ". Router/proxy RSS (MiB) start/after-100/end: "
+                  + "; ".join(f"{k} " + "/".join(f"{x / 2**20:.0f}" for x in v.values())
+                              for k, v in mem.get("other_processes_rss_bytes", {}).items())
+                  + f". Replica counters after: `{json.dumps(_strip(mem.get('replica_stats_after')))}`.", ""]
+        prof = m.get("profile")
+        if prof and "processes" in prof:
+            L += [f"### Where the Serve layer's time goes (py-spy, {prof['seconds']} s at concurrency {prof['concurrency']}, "
+                  "hidden states off)", ""]
+            for which, key in (("our app", "cpu_during_ours"), ("vLLM's server", "cpu_during_vllm")):
+                d = prof.get(key)
+                if d:
+                    L.append(f"- CPU while profiling {which} (cores busy by role): "
+                             + ", ".join(f"{k} {v / d['wall']:.2f}" for k, v in sorted(d["roles"].items(), key=lambda kv: -kv[1])
+                                         if v / d["wall"] >= 0.02))
+            L.append("")
+            for name, p in prof["processes"].items():
+                if "top_inclusive" not in p:
+                    L.append(f"- {name}: {p.get('error')}")
+                    continue
+                L += [f"**{name}** (pid {p['pid']}, {p['samples']} samples; folded stacks: `{Path(p['file']).name}`)", "",
+                      _md_table(["function (inclusive)", "share"], [[f, f"{s:.0%}"] for f, _, s in p["top_inclusive"][:10]]), "",
+                      _md_table(["function (self)", "share"], [[f, f"{s:.0%}"] for f, _, s in p["top_self"][:8]]), ""]
+        elif prof:
+            L += [f"Profile: {prof}", ""]
+    if res.get("notes"):
+        L += ["## Notes", "", *res["notes"], ""]
+    if res.get("errors"):
+        L += ["## Errors", "", *(f"- {e}" for e in res["errors"]), ""]
+    return "\n".join(L)
+
+
+def _strip(d):
+    if not isinstance(d, dict):
+        return d
+    return {k: v for k, v in d.items() if k != "workers"}
+
+
+# -- plot ------------------------------------------------------------------------------
+
+def plot(res: dict, path: Path) -> bool:
+    if str(PLOT) not in sys.path:
+        sys.path.append(str(PLOT))   # appended: the venv's numpy stays first
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception:
+        return False
+    models = res.get("models", {})
+    fig, axes = plt.subplots(2, 2, figsize=(13, 9))
+    ax = axes[0][0]
+    for model, m in models.items():
+        bc = m.get("hs", {}).get("by_concurrency", {})
+        if bc:
+            cs = list(bc)
+            ax.plot(cs, [bc[c]["ratio"]["req_per_s"] for c in cs], marker="o", label=f"{model} req/s")
+            ax.plot(cs, [bc[c]["ratio"]["out_tok_per_s"] for c in cs], marker="x", ls=":", label=f"{model} tok/s")
+    ax.axhline(T.HS_THROUGHPUT_MIN, color="red", ls="--", lw=1, label="target 0.90")
+    ax.axhline(T.HS_THROUGHPUT_AIM, color="green", ls="--", lw=1, label="aim 0.95")
+    ax.set_title("1. Hidden states on / off: throughput ratio")
+    ax.set_xlabel("concurrency")
+    ax.legend(fontsize=8)
+    ax = axes[0][1]
+    for model, m in models.items():
+        bc = m.get("serve", {}).get("by_concurrency", {})
+        if bc:
+            cs = list(bc)
+            ax.plot(cs, [bc[c]["ours_vs_vllm"]["req_per_s"] for c in cs], marker="o", label=f"{model}: ours / vLLM")
+            ax.plot(cs, [bc[c]["ours_vs_rsllm"]["req_per_s"] for c in cs], marker="s", label=f"{model}: ours / Ray Serve LLM")
+            ax.plot(cs, [bc[c]["rsllm_vs_vllm"]["req_per_s"] for c in cs], marker="^", ls=":", label=f"{model}: Ray Serve LLM / vLLM")
+    ax.axhline(T.SERVE_VS_VLLM_MIN, color="red", ls="--", lw=1, label="target ours/vLLM 0.90")
+    ax.axhline(1.0, color="gray", ls=":", lw=1)
+    ax.set_title("2. Serve layer: throughput ratio (req/s)")
+    ax.set_xlabel("concurrency")
+    ax.legend(fontsize=8)
+    ax = axes[1][0]
+    pl = res.get("payload", {})
+    if pl:
+        ds = list(pl)
+        x = range(len(ds))
+        ax.bar([i - 0.2 for i in x], [pl[d]["float"]["total_ms"] for d in ds], 0.4, label="float list")
+        ax.bar([i + 0.2 for i in x], [pl[d]["base64"]["total_ms"] for d in ds], 0.4, label="base64")
+        ax.set_xticks(list(x), [f"D={d}" for d in ds])
+        ax.set_yscale("log")
+        ax.set_ylabel("build + parse, ms per response (log)")
+        ax.set_title("3. Payload: time per vector")
+        ax.legend(fontsize=8)
+    ax = axes[1][1]
+    for model, m in models.items():
+        mem = m.get("memory")
+        if mem and mem.get("series"):
+            ax.plot([t for t, _ in mem["series"]], [v / 2**20 for _, v in mem["series"]], label=f"{model} replica + engine")
+            a100 = list(mem["rss_bytes"].values())[1] / 2**20
+            ax.axhline(a100 * (1 + T.MEMORY_GROWTH_MAX), color="red", ls="--", lw=1, label="after-100 + 5%")
+            ax.axhline(a100, color="gray", ls=":", lw=1, label="after-100")
+    ax.set_title("4. Replica resident memory (RSS, MiB) over the run")
+    ax.set_xlabel("seconds")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return True
+
+
+def write(res: dict, out: Path, quick: bool) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    suffix = "-quick" if quick else ""
+    res["targets"] = target_rows(res)
+    paths = []
+    png = out / f"plot{suffix}.png"
+    try:
+        has_plot = plot(res, png)
+    except Exception as e:  # the plot is a nicety
+        res.setdefault("errors", []).append(f"plot failed: {type(e).__name__}: {e}")
+        has_plot = False
+    if has_plot:
+        paths.append(png)
+    js = out / f"results{suffix}.json"
+    js.write_text(json.dumps(res, indent=1, default=str))
+    paths.append(js)
+    md = out / f"summary{suffix}.md"
+    md.write_text(markdown(res, png.name if has_plot else None))
+    paths.append(md)
+    return paths

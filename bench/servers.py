@@ -1,0 +1,289 @@
+"""The servers under test, each started by the benchmark and stopped by it.
+
+- `RayCluster`: `ray start --head --block --num-cpus 8` (more logical CPUs than
+  the 2 cores, so Ray Serve LLM's ingress can be scheduled), its own ports,
+  temp dir and auth token, so it is not confused with another cluster here.
+- `ServeApps`: `serve run CONFIG` against that cluster: our app
+  (`deployments.app:build_app`, args from config.yaml with the benchmark's
+  engine args) and/or Ray Serve LLM (`ray.serve.llm:build_openai_app`).
+- `VLLMServer`: vLLM's own OpenAI server, `python -m vllm.entrypoints.openai.api_server`.
+
+All three run the same model with the same engine arguments and the same
+engine environment (`ENGINE_ENV`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+import yaml
+
+from bench.procs import BIN, PYTHON, ROOT, WORK, Proc, StartError, free_port, wait_until
+
+EXTRA = WORK / "extra"   # pyarrow for Ray Serve LLM: bench-only, never the product's environment
+PLOT = WORK / "plot"     # matplotlib for the plot: bench-only
+RAY_TMP = Path("/tmp/hsbench_ray")
+
+# vLLM's engine environment as our replica sets it (hidden_states.vllm_patch.ENGINE_ENV,
+# deployments.config: VLLM_CPU_OMP_THREADS_BIND=nobind), given to all three servers alike.
+ENGINE_ENV = {"VLLM_USE_V2_MODEL_RUNNER": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+
+
+def ensure_extra(target: Path, packages: list[str], probe: str) -> None:
+    """pip install --no-deps --target into a bench-only folder (once)."""
+    if (target / probe).exists():
+        return
+    target.mkdir(parents=True, exist_ok=True)
+    subprocess.run([str(PYTHON), "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), *packages],
+                   check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def build_model(name: str) -> str:
+    out = subprocess.run([str(PYTHON), "-m", "hidden_states.tiny_model", name], cwd=ROOT, check=True,
+                         capture_output=True, text=True, timeout=1800)
+    path = out.stdout.strip().splitlines()[-1].strip()
+    if not Path(path, "config.json").exists():
+        raise StartError(f"model {name}: no config.json in {path!r}\n{out.stderr[-2000:]}")
+    return path
+
+
+def engine_cli(engine: dict[str, Any]) -> list[str]:
+    argv = []
+    for k, v in engine.items():
+        flag = "--" + k.replace("_", "-")
+        if v is True:
+            argv.append(flag)
+        elif v is False:
+            argv.append("--no-" + k.replace("_", "-"))
+        else:
+            argv += [flag, str(v)]
+    return argv
+
+
+def http_ok(url: str, timeout: float = 5.0) -> bool:
+    try:
+        return httpx.get(url, timeout=timeout).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def smoke(url: str, model: str, extra: dict | None = None) -> bool:
+    body = {"model": model, "prompt": [5, 6, 7, 8], "max_tokens": 2, "temperature": 0.0} | (extra or {})
+    try:
+        r = httpx.post(url, json=body, timeout=60)
+        return r.status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+@dataclass
+class Endpoint:
+    """One server under test, as the load generator sees it."""
+    key: str          # "ours", "vllm", "rsllm"
+    label: str
+    url: str          # .../v1/completions
+    model: str        # the name clients send
+    stats_url: str | None = None  # our /debug/stats
+    supports_hidden_states: bool = False
+    pids: dict[str, int] = field(default_factory=dict)
+
+
+class RayCluster:
+    def __init__(self, num_cpus: int = 8):
+        self.num_cpus = num_cpus
+        self.token = secrets.token_hex(32)
+        self.port = free_port(6390)
+        self.proc: Proc | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def env(self) -> dict[str, str]:
+        # A token of our own: a driver on this machine that reads ~/.ray/auth_token cannot reach this cluster.
+        return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": self.token, "PYTHONPATH": str(ROOT),
+                "RAY_USAGE_STATS_ENABLED": "0"}
+
+    def start(self, timeout: float = 180) -> float:
+        RAY_TMP.mkdir(parents=True, exist_ok=True)
+        argv = [BIN / "ray", "start", "--head", "--block", "--num-cpus", str(self.num_cpus),
+                "--node-ip-address", "127.0.0.1", "--port", str(self.port),
+                "--ray-client-server-port", str(free_port(25290)),
+                "--dashboard-port", str(free_port(8290)),
+                "--dashboard-agent-listen-port", str(free_port(52490)),
+                "--include-dashboard=false", "--disable-usage-stats", "--temp-dir", str(RAY_TMP)]
+        self.proc = Proc("ray-head", argv, env=self.env())
+        return wait_until(lambda: "block forever" in self.proc.tail(50), timeout, "ray start", [self.proc])
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.alive() and "exited unexpectedly" not in self.proc.tail(200)
+
+    def stop(self) -> list[int]:
+        return self.proc.stop() if self.proc else []
+
+
+class ServeApps:
+    """`serve run CONFIG` with our app and/or Ray Serve LLM on one Ray cluster."""
+
+    def __init__(self, cluster: RayCluster, model_path: str, model_name: str, engine: dict[str, Any],
+                 ours: bool, rsllm: bool, tag: str):
+        self.cluster = cluster
+        self.model_path, self.model_name, self.engine = model_path, model_name, engine
+        self.with_ours, self.with_rsllm, self.tag = ours, rsllm, tag
+        self.http_port = free_port(8310)
+        self.base = f"http://127.0.0.1:{self.http_port}"
+        self.proc: Proc | None = None
+        self.config_path = WORK / "cfg" / f"serve-{tag}.yaml"
+
+    def config(self) -> dict:
+        product = yaml.safe_load((ROOT / "config.yaml").read_text())
+        apps = []
+        if self.with_ours:
+            app = dict(product["applications"][0])
+            args = dict(app["args"])
+            args["model"] = self.model_path
+            args["served_model_name"] = self.model_name
+            args["engine"] = dict(self.engine)
+            args["enable_return_hidden_states"] = True
+            app.update(name="hidden-states", route_prefix="/", args=args)
+            apps.append(app)
+        if self.with_rsllm:
+            env = dict(ENGINE_ENV)
+            env["PYTHONPATH"] = f"{ROOT}:{EXTRA}"   # pyarrow only for this app's processes
+            apps.append({
+                "name": "rsllm", "route_prefix": "/rsllm",
+                "import_path": "ray.serve.llm:build_openai_app",
+                "runtime_env": {"env_vars": env},
+                "args": {"llm_configs": [{
+                    "model_loading_config": {"model_id": self.model_name, "model_source": self.model_path},
+                    "engine_kwargs": dict(self.engine),
+                    "placement_group_config": {"bundles": [{"CPU": 1}]},
+                    "deployment_config": {"autoscaling_config": {"min_replicas": 1, "max_replicas": 1}},
+                    "runtime_env": {"env_vars": env},
+                }]},
+            })
+        return {"proxy_location": "HeadOnly", "http_options": {"host": "127.0.0.1", "port": self.http_port},
+                "applications": apps}
+
+    def launch(self) -> None:
+        self.config_path.parent.mkdir(parents=True, exist_ok=True)
+        self.config_path.write_text(yaml.safe_dump(self.config(), sort_keys=False))
+        env = self.cluster.env()
+        if self.with_rsllm:
+            env["PYTHONPATH"] = f"{ROOT}:{EXTRA}"
+        env.update(ENGINE_ENV)
+        self.proc = Proc(f"serve-run-{self.tag}", [BIN / "serve", "run", "--address", self.cluster.address,
+                                                   self.config_path], env=env)
+
+    def wait_ready(self, timeout: float, on_tick=None) -> float:
+        checks = []
+        if self.with_ours:
+            checks.append(lambda: http_ok(f"{self.base}/health") and smoke(f"{self.base}/v1/completions", self.model_name))
+        if self.with_rsllm:
+            checks.append(lambda: smoke(f"{self.base}/rsllm/v1/completions", self.model_name))
+        done = [False] * len(checks)
+
+        def ready() -> bool:
+            if not self.cluster.alive():
+                raise StartError(f"the Ray cluster died:\n{self.cluster.proc.tail()}")
+            for i, c in enumerate(checks):
+                done[i] = done[i] or c()
+            return all(done)
+
+        return wait_until(ready, timeout, f"serve run ({self.tag})", [self.proc], poll=2, on_tick=on_tick)
+
+    def endpoints(self) -> dict[str, Endpoint]:
+        out = {}
+        if self.with_ours:
+            out["ours"] = Endpoint("ours", "our app (Ray Serve)", f"{self.base}/v1/completions", self.model_name,
+                                   stats_url=f"{self.base}/debug/stats", supports_hidden_states=True)
+        if self.with_rsllm:
+            out["rsllm"] = Endpoint("rsllm", "Ray Serve LLM", f"{self.base}/rsllm/v1/completions", self.model_name)
+        return out
+
+    def stop(self) -> list[int]:
+        return self.proc.stop(timeout=20) if self.proc else []
+
+
+class VLLMServer:
+    def __init__(self, model_path: str, model_name: str, engine: dict[str, Any], tag: str):
+        self.model_path, self.model_name, self.engine, self.tag = model_path, model_name, engine, tag
+        self.port = free_port(8331)
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.proc: Proc | None = None
+
+    def launch(self) -> None:
+        argv = [PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model_path,
+                "--served-model-name", self.model_name, "--host", "127.0.0.1", "--port", str(self.port),
+                *engine_cli(self.engine)]
+        self.proc = Proc(f"vllm-server-{self.tag}", argv, env=dict(ENGINE_ENV))
+
+    def wait_ready(self, timeout: float, on_tick=None) -> float:
+        return wait_until(lambda: http_ok(f"{self.base}/v1/models") and smoke(f"{self.base}/v1/completions", self.model_name),
+                          timeout, "vLLM's OpenAI server", [self.proc], poll=2, on_tick=on_tick)
+
+    def endpoint(self) -> Endpoint:
+        return Endpoint("vllm", "vLLM's own server", f"{self.base}/v1/completions", self.model_name)
+
+    def stop(self) -> list[int]:
+        return self.proc.stop(timeout=30) if self.proc else []
+
+
+# -- finding processes: for memory, CPU accounting and py-spy ------------------
+
+def proc_title(p: psutil.Process) -> str:
+    try:
+        cmd = p.cmdline()
+        return " ".join(cmd)[:300] if cmd else p.name()
+    except psutil.Error:
+        return ""
+
+
+def replica_info(stats_url: str) -> dict:
+    return json.loads(httpx.get(stats_url, timeout=30).text)
+
+
+def find_ray_worker(cluster: RayCluster, needle: str) -> list[int]:
+    """Pids of Ray workers under our cluster whose title contains `needle` (e.g. 'ServeReplica:hidden-states:Router')."""
+    pids = []
+    if cluster.proc is None:
+        return pids
+    for p in cluster.proc.tree():
+        try:
+            for c in [p, *p.children(recursive=True)]:
+                if needle in proc_title(c) and c.pid not in pids:
+                    pids.append(c.pid)
+        except psutil.Error:
+            pass
+    return pids
+
+
+def engine_processes(pid: int) -> list[dict]:
+    """vLLM engine processes under `pid`: their thread settings (what decides the engine's CPU use)."""
+    out = []
+    try:
+        kids = psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        return out
+    for p in kids:
+        title = proc_title(p)
+        if "VLLM" not in title and "EngineCore" not in title:
+            continue
+        try:
+            env = p.environ()
+            out.append({"pid": p.pid, "title": title.split(" ")[0], "threads": p.num_threads(),
+                        "cpu_affinity": p.cpu_affinity(),
+                        "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS"),
+                        "VLLM_CPU_OMP_THREADS_BIND": env.get("VLLM_CPU_OMP_THREADS_BIND")})
+        except psutil.Error:
+            pass
+    return out

@@ -1,0 +1,21 @@
+"""The targets of issue 4, as printed next to each figure. Never lowered here to make a run pass."""
+
+HS_THROUGHPUT_MIN = 0.90      # hidden states on / off, req/s and output tok/s, every concurrency
+HS_THROUGHPUT_AIM = 0.95
+SERVE_VS_VLLM_MIN = 0.90      # our app / vLLM's own server, throughput
+SERVE_ADDED_P50_MS = 15.0     # our p50 - vLLM's p50
+SERVE_VS_RSLLM_MIN = 1.00     # our app / Ray Serve LLM, throughput: ahead at every concurrency
+BASE64_SPEEDUP_MIN = 5.0      # float-list time / base64 time (build + parse) at D = 4096
+MEMORY_GROWTH_MAX = 0.05      # (end - after first 100) / after first 100
+
+
+def status(ok: bool | None) -> str:
+    return "n/a" if ok is None else ("PASS" if ok else "MISS")
+
+
+def at_least(value, minimum) -> str:
+    return status(None if value is None else value >= minimum)
+
+
+def at_most(value, maximum) -> str:
+    return status(None if value is None else value <= maximum)
