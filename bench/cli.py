@@ -41,7 +41,7 @@ CPU_DEFAULT_BLOCK_SIZE = 128   # vLLM 0.32's CPU platform default when block_siz
 
 # requests per arm per round, by model and concurrency; rounds by model and part
 FULL = {
-    "tiny-llama": {"per_round": {1: 12, 8: 40, 32: 96}, "rounds": {"hs": 4, "serve": 4}},
+    "tiny-llama": {"per_round": {1: 8, 8: 32, 32: 64}, "rounds": {"hs": 6, "serve": 6}},
     "llama-100m": {"per_round": {1: 3, 8: 16, 32: 48}, "rounds": {"hs": 2, "serve": 2}},
 }
 QUICK = {
@@ -81,7 +81,7 @@ def parse_args(argv=None):
     if any(m not in MODELS for m in args.models):
         ap.error(f"unknown model in {args.models}; choose from {MODELS}")
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
-    args.memory_requests = args.memory_requests or (300 if args.quick else 2000)
+    args.memory_requests = args.memory_requests or (200 if args.quick else 2000)
     args.profile_seconds = args.profile_seconds or (8 if args.quick else 20)
     args.out = Path(args.out) if args.out else RESULTS
     return args
@@ -394,6 +394,7 @@ class Bench:
                 counter[0] += 1
                 run_batch(ep.url, bodies, c)
                 self.idle_tick()
+                return len(bodies)
             return go
 
         cpu = measure.CpuAccount()

@@ -21,6 +21,7 @@ def run(ep: Endpoint, vocab: int, total: int, concurrency: int, first: int = 100
     pid = int(stats0["replica"]["pid"])
     sampler = measure.RssSampler(pid)
     start_total, start_per = measure.rss_tree(pid)
+    kv = {"start": measure.kv_tree(pid)}
     sampler.series.append((0.0, start_total))
     sampler.peak = start_total
     extra = {k: [measure.rss_tree(p)[0]] for k, p in (extra_pids or {}).items()}
@@ -37,12 +38,14 @@ def run(ep: Endpoint, vocab: int, total: int, concurrency: int, first: int = 100
     t0 = time.perf_counter()
     b1 = run_batch(ep.url, bodies(0, first), concurrency, on_done=on_done)
     after_first, after_per = measure.rss_tree(pid)
+    kv["after_first"] = measure.kv_tree(pid)
     for k, p in (extra_pids or {}).items():
         extra[k].append(measure.rss_tree(p)[0])
     b2 = run_batch(ep.url, bodies(first, total), concurrency, on_done=on_done)
     wall = time.perf_counter() - t0
     time.sleep(2)
     end_total, end_per = measure.rss_tree(pid)
+    kv["end"] = measure.kv_tree(pid)
     sampler.stop()
     sampler.series.append((time.perf_counter() - sampler.t0, end_total))
     peak = max(sampler.peak, end_total, after_first)
@@ -52,6 +55,10 @@ def run(ep: Endpoint, vocab: int, total: int, concurrency: int, first: int = 100
     results = b1.results + b2.results
     ok = [r for r in results if r.ok]
     growth = (end_total - after_first) / after_first if after_first else None
+    # the same, less the KV-cache pages first touched during the run (bounded by the KV cache's size)
+    a_ex = after_first - kv["after_first"]["resident"]
+    e_ex = end_total - kv["end"]["resident"]
+    growth_ex = (e_ex - a_ex) / a_ex if a_ex > 0 else None
     return {
         "replica_pid": pid,
         "requests": len(results), "ok": len(ok), "errors": len(results) - len(ok),
@@ -59,6 +66,9 @@ def run(ep: Endpoint, vocab: int, total: int, concurrency: int, first: int = 100
         "concurrency": concurrency, "wall_s": wall,
         "rss_bytes": {"start": start_total, f"after_{first}": after_first, "peak": peak, "end": end_total},
         "end_vs_after_first": growth,
+        "kv_cache_mappings": kv,
+        "rss_excluding_kv_pages": {"start": start_total - kv["start"]["resident"], f"after_{first}": a_ex, "end": e_ex},
+        "end_vs_after_first_excluding_kv_pages": growth_ex,
         "per_process_start": start_per, "per_process_after_first": after_per, "per_process_end": end_per,
         "other_processes_rss_bytes": {k: dict(zip(("start", f"after_{first}", "end"), v)) for k, v in extra.items()},
         "series": [(round(t, 2), v) for t, v in sampler.series],

@@ -68,12 +68,21 @@ def target_rows(res: dict) -> list[dict]:
             add("4 memory", model, mem["concurrency"], f"RSS end vs after first 100 ({mem['requests']} requests)",
                 None if g is None else 100 * g, f"<= {100 * T.MEMORY_GROWTH_MAX:.0f}%",
                 T.at_most(g, T.MEMORY_GROWTH_MAX) if mem["errors"] == 0 else "MISS (errors)", "{:+.2f}%")
+            gx = mem.get("end_vs_after_first_excluding_kv_pages")
+            if gx is not None:
+                add("4 memory", model, mem["concurrency"], "(diagnostic) the same less KV-cache pages first touched",
+                    100 * gx, f"<= {100 * T.MEMORY_GROWTH_MAX:.0f}%", "info: " + T.at_most(gx, T.MEMORY_GROWTH_MAX), "{:+.2f}%")
         elif mem and "error" in mem:
             add("4 memory", model, "-", "part failed", None, "-", "ERROR")
     return rows
 
 
 # -- console -----------------------------------------------------------------------
+
+def _range(r: dict) -> str:
+    pr = r.get("per_round_req_per_s") or []
+    return f"{min(pr):.2f}..{max(pr):.2f}" if pr else "-"
+
 
 def _grid(headers: list[str], rows: list[list[str]]) -> str:
     w = [max(len(str(x)) for x in col) for col in zip(headers, *rows)] if rows else [len(h) for h in headers]
@@ -89,14 +98,14 @@ def part_tables(res: dict) -> list[tuple[str, list[str], list[list[str]]]]:
             rows = []
             for c, row in hs["by_concurrency"].items():
                 on, off, r, ex = row["hs_on"], row["hs_off"], row["ratio"], row["extraction"]
-                rows.append([c, _f(on["req_per_s"]), _f(off["req_per_s"]), _f(r["req_per_s"], "{:.3f}"),
+                rows.append([c, _f(on["req_per_s"]), _f(off["req_per_s"]), _f(r["req_per_s"], "{:.3f}"), _range(r),
                              _f(r["out_tok_per_s"], "{:.3f}"),
                              f"{_f(on['p50_s'] and on['p50_s'] * 1e3, '{:.0f}')}/{_f(off['p50_s'] and off['p50_s'] * 1e3, '{:.0f}')}",
                              f"{_f(on['p99_s'] and on['p99_s'] * 1e3, '{:.0f}')}/{_f(off['p99_s'] and off['p99_s'] * 1e3, '{:.0f}')}",
                              f"{_f(ex['recomputed_mean'], '{:.1f}')}/{_f(ex['recomputed_max'], '{:.0f}')} (<{hs['block_size']})",
                              _f(ex["added_latency_ms_p50"], "{:+.1f}"), f"{on['errors']}/{off['errors']}"])
             out.append((f"Part 1, cost of hidden states — {model} (on vs off, same server; target on/off >= 0.90x, aim 0.95x)",
-                        ["conc", "on req/s", "off req/s", "req/s on/off", "tok/s on/off", "p50 ms on/off",
+                        ["conc", "on req/s", "off req/s", "req/s on/off", "per-round range", "tok/s on/off", "p50 ms on/off",
                          "p99 ms on/off", "recomputed mean/max", "added ms p50 (paired)", "errors"], rows))
         sv = m.get("serve", {})
         if sv.get("by_concurrency"):
@@ -105,13 +114,13 @@ def part_tables(res: dict) -> list[tuple[str, list[str], list[list[str]]]]:
                 v, o, q = row["vllm"], row["ours"], row["rsllm"]
                 r, rq, qv = row["ours_vs_vllm"], row["ours_vs_rsllm"], row["rsllm_vs_vllm"]
                 rows.append([c, _f(v["req_per_s"]), _f(o["req_per_s"]), _f(q["req_per_s"]),
-                             _f(r["req_per_s"], "{:.3f}"), _f(r["out_tok_per_s"], "{:.3f}"),
+                             _f(r["req_per_s"], "{:.3f}"), _range(r), _f(r["out_tok_per_s"], "{:.3f}"),
                              _f(r["p50_added_ms"], "{:+.1f}"), _f(r["p99_added_ms"], "{:+.1f}"),
                              _f(rq["req_per_s"], "{:.3f}"), _f(qv["req_per_s"], "{:.3f}"),
                              f"{v['errors']}/{o['errors']}/{q['errors']}"])
             out.append((f"Part 2, cost of the Serve layer — {model} (ours with hidden states off; targets: ours/vLLM >= 0.90x, "
                         f"+p50 <= 15 ms, ours/RSLLM >= 1.00x)",
-                        ["conc", "vLLM req/s", "ours req/s", "RSLLM req/s", "ours/vLLM req/s", "ours/vLLM tok/s",
+                        ["conc", "vLLM req/s", "ours req/s", "RSLLM req/s", "ours/vLLM req/s", "per-round range", "ours/vLLM tok/s",
                          "ours-vLLM p50 ms", "ours-vLLM p99 ms", "ours/RSLLM req/s", "RSLLM/vLLM req/s", "errors v/o/r"], rows))
     pl = res.get("payload")
     if pl:
@@ -173,6 +182,28 @@ def _cpu_table(by_c: dict) -> list[str]:
         rows.append(["**cores busy (all processes)**", *(_f(row[a]["cpu_busy_cores"]) for a in ("vllm", "ours", "rsllm"))])
         lines += [f"\nConcurrency {c}: CPU milliseconds per request, by process role, while each server was under load\n",
                   _md_table(["role", "vLLM server", "our app", "Ray Serve LLM"], rows)]
+    return lines
+
+
+SERVE_ROLES = {
+    "vllm": ("vllm: api server",),
+    "ours": ("ours: router", "ours: replica", "serve: proxy", "serve: controller", "ray: system"),
+    "rsllm": ("rsllm: ingress", "rsllm: server", "serve: proxy", "serve: controller", "ray: system"),
+}
+ENGINE_ROLES = {"vllm": "vllm: engine", "ours": "ours: replica: engine", "rsllm": "rsllm: server: engine"}
+
+
+def serve_layer_lines(by_c: dict) -> list[str]:
+    """CPU per request outside the engine, per server: what the Serve layer costs on a machine where it shares cores."""
+    lines = []
+    for c, row in by_c.items():
+        parts = []
+        for arm, label in (("vllm", "vLLM's server"), ("ours", "our app"), ("rsllm", "Ray Serve LLM")):
+            cpu = row[arm]["cpu_s_per_request"]
+            layer = sum(cpu.get(k, 0.0) for k in SERVE_ROLES[arm]) * 1e3
+            eng = cpu.get(ENGINE_ROLES[arm], 0.0) * 1e3
+            parts.append(f"{label} {layer:.1f} ms outside the engine + {eng:.1f} ms in it")
+        lines.append(f"- concurrency {c}: " + "; ".join(parts) + ".")
     return lines
 
 
@@ -244,6 +275,9 @@ def markdown(res: dict, plot_name: str | None) -> str:
                              "under one block", "gcd(cached)", "added ms p50", "added ms p90"], rows), ""]
         sv = m.get("serve", {})
         if sv.get("by_concurrency"):
+            L += ["CPU per request (milliseconds of CPU, all processes of a server; the Serve layer = proxy, controller, "
+                  "Ray's daemons, router/ingress and the replica's Python; for vLLM's server its API process):", "",
+                  *serve_layer_lines(sv["by_concurrency"]), ""]
             L += _cpu_table(sv["by_concurrency"])
             L.append("")
         mem = m.get("memory")
@@ -255,6 +289,16 @@ def markdown(res: dict, plot_name: str | None) -> str:
                   + "; ".join(f"{k} " + "/".join(f"{x / 2**20:.0f}" for x in v.values())
                               for k, v in mem.get("other_processes_rss_bytes", {}).items())
                   + f". Replica counters after: `{json.dumps(_strip(mem.get('replica_stats_after')))}`.", ""]
+            kv = mem.get("kv_cache_mappings")
+            if kv:
+                ex = mem["rss_excluding_kv_pages"]
+                L += ["Large mappings (>= 256 MiB; the KV-cache tensors) in the replica's process tree, resident MiB "
+                      "start/after-100/end: " + "/".join(f"{kv[k]['resident'] / 2**20:.0f}" for k in ("start", "after_first", "end"))
+                      + f" of {kv['end']['size'] / 2**20:.0f} MiB allocated. Their pages become resident when a KV block is "
+                      "first written, so RSS climbs until every block has been used once, then stays (bounded by "
+                      "`gpu_memory_utilization`). RSS without them, MiB start/after-100/end: "
+                      + "/".join(f"{v / 2**20:.0f}" for v in ex.values())
+                      + f" ({_f(100 * mem['end_vs_after_first_excluding_kv_pages'] if mem.get('end_vs_after_first_excluding_kv_pages') is not None else None, '{:+.2f}%')}).", ""]
         prof = m.get("profile")
         if prof and "processes" in prof:
             L += [f"### Where the Serve layer's time goes (py-spy, {prof['seconds']} s at concurrency {prof['concurrency']}, "
@@ -270,7 +314,12 @@ def markdown(res: dict, plot_name: str | None) -> str:
                 if "top_inclusive" not in p:
                     L.append(f"- {name}: {p.get('error')}")
                     continue
-                L += [f"**{name}** (pid {p['pid']}, {p['samples']} samples; folded stacks: `{Path(p['file']).name}`)", "",
+                th = p.get("threads", {})
+                L += [f"**{name}** (pid {p['pid']}): {th.get('cpu_ms_per_request', 0):.1f} CPU ms per request over "
+                      f"{p.get('requests')} requests; by thread (ms/request): "
+                      + ", ".join(f"{n} {v:.1f}" for n, v in th.get("threads_ms_per_request", [])) + ". "
+                      f"py-spy: {p['samples']} samples, {p.get('busy_samples')} in Python work (shares below are of those), "
+                      f"the rest waiting in C; folded stacks: `{Path(p['file']).name}`", "",
                       _md_table(["function (inclusive)", "share"], [[f, f"{s:.0%}"] for f, _, s in p["top_inclusive"][:10]]), "",
                       _md_table(["function (self)", "share"], [[f, f"{s:.0%}"] for f, _, s in p["top_self"][:8]]), ""]
         elif prof:

@@ -33,9 +33,12 @@ EXTRA = WORK / "extra"   # pyarrow for Ray Serve LLM: bench-only, never the prod
 PLOT = WORK / "plot"     # matplotlib for the plot: bench-only
 RAY_TMP = Path("/tmp/hsbench_ray")
 
-# vLLM's engine environment as our replica sets it (hidden_states.vllm_patch.ENGINE_ENV,
-# deployments.config: VLLM_CPU_OMP_THREADS_BIND=nobind), given to all three servers alike.
-ENGINE_ENV = {"VLLM_USE_V2_MODEL_RUNNER": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+# vLLM's engine environment as our replica gets it, given to all three servers alike:
+# hidden_states.vllm_patch.ENGINE_ENV, deployments.config (VLLM_CPU_OMP_THREADS_BIND=nobind), and
+# OMP_NUM_THREADS=1, which Ray sets for a replica with num_cpus=1 (ours, and Ray Serve LLM's with a
+# {CPU: 1} bundle). Without it vLLM's own server runs 2 unbound OpenMP threads on 2 busy cores and
+# is several times slower (seen): that would measure thread oversubscription, not the Serve layer.
+ENGINE_ENV = {"VLLM_USE_V2_MODEL_RUNNER": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
 
 
 def ensure_extra(target: Path, packages: list[str], probe: str) -> None:

@@ -119,6 +119,7 @@ def _make_async_llm_class():
                 async for out in self._generate_prompt_end(collector, prompt, sampling_params, request_id, *args, **kwargs):
                     yield out
                 return
+            sampling_params = self.hidden_states._leave_room_for_extraction(prompt, sampling_params)
             delta = sampling_params.output_kind == RequestOutputKind.DELTA
             tokens: dict[int, list[int]] = {}
             prompt_ids: list[int] | None = None
@@ -248,6 +249,24 @@ class HiddenStatesEngine:
                     "intermediate hidden_states_layers need an eager engine: start it with enforce_eager=True")
         return layers
 
+    def _leave_room_for_extraction(self, prompt: Any, params: Any) -> Any:
+        """The extraction step prefills prompt+completion and asks for one token, so
+        prompt+completion must stay below max_model_len: cap max_tokens by one."""
+        ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else None
+        if ids is None:
+            return params
+        limit = self.llm.model_config.max_model_len
+        room = limit - 1 - len(ids)
+        if room < 1:
+            raise HiddenStatesRequestError(
+                f"a prompt of {len(ids)} tokens leaves no room for a completion with hidden states: "
+                f"prompt + completion must stay below max_model_len ({limit}), since the extraction "
+                "step needs one more position")
+        if params.max_tokens is None or params.max_tokens > room:
+            params = params.clone()
+            params.max_tokens = room
+        return params
+
     def _absolute(self, layer: int) -> int:
         return layer if layer >= 0 else self.num_layers + 1 + layer
 
@@ -365,7 +384,9 @@ class HiddenStatesEngine:
         params.output_kind = RequestOutputKind.FINAL_ONLY
         base = uuid.uuid4().hex
         request_id = f"cmpl-{base}"
-        engine_prompt = {"prompt": prompt} if isinstance(prompt, str) else {"prompt_token_ids": list(prompt)}
+        if isinstance(prompt, str):
+            prompt = self.llm.tokenizer.encode(prompt)
+        engine_prompt = {"prompt_token_ids": list(prompt)}
         final = None
         with self.collecting(base, layers, position) if return_hidden_states else contextlib.nullcontext(HiddenStatesCollector()) as collector:
             async for out in self.llm.generate(engine_prompt, params, request_id):
