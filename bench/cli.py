@@ -21,6 +21,7 @@ import shlex
 import signal
 import sys
 import time
+import traceback
 from pathlib import Path
 
 from tqdm import tqdm
@@ -70,6 +71,9 @@ def parse_args(argv=None):
     ap.add_argument("--profile-seconds", type=int, default=None, help="default 20 (--quick: 8)")
     ap.add_argument("--profile-always", action="store_true")
     ap.add_argument("--out", default=None, help="results folder (default bench/results)")
+    ap.add_argument("--attempts", type=int, default=3,
+                    help="start a model's servers again (keeping finished parts) when something outside kills them, "
+                         "e.g. another `ray stop --force` on this machine")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
     args.parts = [p.strip() for p in args.parts.split(",") if p.strip()]
@@ -192,38 +196,79 @@ class Bench:
         return self.results
 
     def run_model(self, model: str, first: bool) -> dict:
+        """Starts the servers, runs this model's parts, stops everything; restarts (up to
+        `--attempts` times) when the servers are killed from outside, keeping finished parts."""
         args = self.args
-        out: dict = {"startup_s": {}}
+        out: dict = {"startup_s": {}, "restarts": []}
         self.phase(f"{model}: building the model")
         path = build_model(model)
         cfg = json.loads(Path(path, "config.json").read_text())
         vocab, dim = int(cfg["vocab_size"]), int(cfg["hidden_size"])
-        params = _param_count(cfg)
         out["model"] = {"path": path, "hidden_size": dim, "layers": cfg["num_hidden_layers"], "vocab_size": vocab,
-                        "parameters": params}
-        want_memory = "memory" in args.parts and first
-        want_profile = "profile" in args.parts and first
-        want_serve = "serve" in args.parts
-        want_hs = "hs" in args.parts
-        if not (want_memory or want_profile or want_serve or want_hs):
-            return out
+                        "parameters": _param_count(cfg)}
+        pending = [p for p in ("memory", "hs", "serve", "profile") if p in args.parts
+                   and (first or p not in ("memory", "profile"))]
+        attempt = 0
+        while pending and attempt < args.attempts:
+            attempt += 1
+            try:
+                self.run_stages(model, path, vocab, pending, out)
+            except ServerDied as e:
+                out["restarts"].append(f"attempt {attempt}: {e}")
+                self.results["errors"].append(f"{model}: servers killed from outside during {pending[0]} "
+                                              f"(attempt {attempt}); {'restarting' if attempt < args.attempts else 'giving up'}")
+                continue
+            except StartError as e:
+                out["restarts"].append(f"attempt {attempt}: start failed: {e}")
+                if attempt >= args.attempts:
+                    self.results["errors"].append(f"{model}: start failed: {e}")
+                continue
+        for p in pending:
+            out.setdefault(p, {"error": "not run: the servers could not be kept up (see restarts)"})
+        if not out["restarts"]:
+            del out["restarts"]
+        return out
+
+    def run_stages(self, model: str, path: str, vocab: int, pending: list[str], out: dict) -> None:
+        args = self.args
+        need_vllm = "serve" in pending or "profile" in pending
+        need_rsllm = "serve" in pending
         cluster = RayCluster()
         serve = vllm = None
         stopped: dict = {}
+        out["concurrent_activity_at_start"] = others_running()
         try:
             self.phase(f"{model}: ray start")
             out["startup_s"]["ray"] = cluster.start()
-            serve = ServeApps(cluster, path, model, ENGINE, ours=True, rsllm=want_serve, tag=model)
-            if want_serve or want_profile:
+            serve = ServeApps(cluster, path, model, ENGINE, ours=True, rsllm=need_rsllm, tag=model)
+            if need_vllm:
                 vllm = VLLMServer(path, model, ENGINE, tag=model)
                 vllm.launch()
             t = time.monotonic()
             serve.launch()
             self.phase(f"{model}: starting servers")
-            out["startup_s"]["serve_apps"] = serve.wait_ready(900, on_tick=self.idle_tick)
-            if vllm:
-                out["startup_s"]["vllm_server"] = vllm.wait_ready(max(60, 900 - (time.monotonic() - t)),
-                                                                 on_tick=self.idle_tick)
+
+            def died() -> str | None:
+                if not cluster.alive():
+                    return f"the Ray cluster died (another `ray stop` on this machine?):\n{cluster.proc.tail(8)}"
+                if not serve.proc.alive():
+                    return f"`serve run` exited:\n{serve.proc.tail(8)}"
+                if vllm and not vllm.proc.alive():
+                    return f"vLLM's server exited:\n{vllm.proc.tail(8)}"
+                return None
+
+            def check():
+                if (why := died()) is not None:
+                    raise ServerDied(why)
+
+            try:
+                out["startup_s"]["serve_apps"] = serve.wait_ready(900, on_tick=self.idle_tick)
+                if vllm:
+                    out["startup_s"]["vllm_server"] = vllm.wait_ready(max(60, 900 - (time.monotonic() - t)),
+                                                                     on_tick=self.idle_tick)
+            except StartError:
+                check()   # killed from outside: a ServerDied, so the caller retries
+                raise
             eps = serve.endpoints()
             if vllm:
                 eps["vllm"] = vllm.endpoint()
@@ -232,61 +277,46 @@ class Bench:
             cpu.add_root(serve.proc.pid, "ray: system")
             if vllm:
                 cpu.add_root(vllm.proc.pid, "vllm")
-
-            def check():
-                if not cluster.alive():
-                    raise ServerDied(f"the Ray cluster died (another `ray stop` on this machine?):\n{cluster.proc.tail(15)}")
-                if not serve.proc.alive():
-                    raise ServerDied(f"`serve run` exited:\n{serve.proc.tail(15)}")
-                if vllm and not vllm.proc.alive():
-                    raise ServerDied(f"vLLM's server exited:\n{vllm.proc.tail(15)}")
-
             rinfo = replica_info(eps["ours"].stats_url)["replica"]
             out["engines"] = {"ours": engine_processes(int(rinfo["pid"]))}
             if vllm:
                 out["engines"]["vllm"] = engine_processes(vllm.proc.pid)
-            if want_serve:
+            if need_rsllm:
                 for pid in find_ray_worker(cluster, "ServeReplica:rsllm:LLMServer"):
                     out["engines"]["rsllm"] = engine_processes(pid)
             self.phase(f"{model}: idle CPU")
             a = cpu.snapshot()
             time.sleep(5)
             out["idle_cpu"] = cpu.delta(a, cpu.snapshot())
-            stages = []
-            if want_memory:
-                stages.append(("memory", lambda: self.part_memory(eps["ours"], vocab, cluster, check)))
-            if want_hs:
-                stages.append(("hs", lambda: self.part_hs(model, eps["ours"], vocab, cpu, check)))
-            if want_serve:
-                stages.append(("serve", lambda: self.part_serve(model, eps, vocab, cpu, check)))
-            for name, fn in stages:
+            for name in list(pending):
                 try:
-                    out[name] = fn()
-                except ServerDied as e:
-                    out[name] = {"error": str(e)}
-                    self.results["errors"].append(f"{model} {name}: {e}")
-                    break
-            if want_profile and vllm and "error" not in out.get("serve", {}):
-                missed = _serve_missed(out.get("serve"))
-                if args.profile_always or missed or not want_serve:
-                    try:
-                        out["profile"] = self.part_profile(eps, vocab, cluster, vllm, check)
-                    except ServerDied as e:
-                        out["profile"] = {"error": str(e)}
-                else:
-                    out["profile"] = {"skipped": "every Serve-layer target passed"}
-        except StartError as e:
-            out["error"] = str(e)
-            self.results["errors"].append(f"{model}: {e}")
+                    if name == "memory":
+                        out[name] = self.part_memory(eps["ours"], vocab, cluster, check)
+                    elif name == "hs":
+                        out[name] = self.part_hs(model, eps["ours"], vocab, cpu, check)
+                    elif name == "serve":
+                        out[name] = self.part_serve(model, eps, vocab, cpu, check)
+                    elif name == "profile":
+                        if args.profile_always or _serve_missed(out.get("serve")) or "serve" not in args.parts:
+                            out[name] = self.part_profile(eps, vocab, cluster, vllm, check)
+                        else:
+                            out[name] = {"skipped": "every Serve-layer target passed"}
+                except ServerDied:
+                    raise
+                except Exception as e:
+                    if (why := died()) is not None:
+                        raise ServerDied(why) from e
+                    out[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
+                    self.results["errors"].append(f"{model} {name}: {type(e).__name__}: {e}")
+                pending.remove(name)
         finally:
             self.phase(f"{model}: stopping servers")
             for name, thing in (("vllm_server", vllm), ("serve_run", serve), ("ray_cluster", cluster)):
                 if thing is not None:
                     stopped[name] = thing.stop()
-            out["stopped"] = {k: ("clean" if not v else f"survivors {v}") for k, v in stopped.items()}
+            out.setdefault("stopped", []).append({k: ("clean" if not v else f"survivors {v}") for k, v in stopped.items()})
             if any(stopped.values()):
                 self.results["errors"].append(f"{model}: processes survived the stop: {stopped}")
-        return out
 
     # -- part 1 ----------------------------------------------------------------------
 
@@ -411,6 +441,23 @@ class Bench:
         check()
         return {"concurrency": c, "seconds": secs, "processes": ours | theirs,
                 "cpu_during_ours": ours_cpu, "cpu_during_vllm": vllm_cpu, "dir": str(out_dir)}
+
+
+def others_running() -> list[str]:
+    """Processes on this machine the benchmark did not start that compete for the 2 cores (tests, other Rays, engines)."""
+    import psutil
+    me = os.getpid()
+    out = []
+    for p in psutil.process_iter(["pid", "ppid", "cmdline", "name"]):
+        try:
+            cmd = " ".join(p.info["cmdline"] or []) or (p.info["name"] or "")
+            if p.info["pid"] == me:
+                continue
+            if any(k in cmd for k in ("pytest", "raylet", "VLLM::EngineCore", "vllm.entrypoints")):
+                out.append(f"{p.info['pid']}: {cmd[:100]}")
+        except psutil.Error:
+            pass
+    return out
 
 
 def _param_count(cfg: dict) -> int:

@@ -58,6 +58,8 @@ def run(arms: list[Arm], vocab: int, concurrency: int, rounds: int, per_round: i
             before = cpu.snapshot()
             batch = run_batch(a.endpoint.url, bodies, concurrency, on_done=on_done)
             after = cpu.snapshot()
+            if check:
+                check()   # a server killed during the batch: its errors must not count as results
             out.append(ArmRun(a.key, r, concurrency, batch, cpu.delta(before, after)))
     return out
 

@@ -56,6 +56,8 @@ class _Body(BaseModel):
     return_hidden_states: bool = False
     hidden_states_encoding: Literal["float", "base64"] = "float"
     return_token_ids: bool | None = None
+    hidden_states_layers: list[int] | None = None
+    hidden_states_position: Literal["completion_end", "prompt_end"] = "completion_end"
 
 
 class CompletionBody(_Body):
@@ -147,6 +149,14 @@ class Router:
         enc = req.get("hidden_states_encoding", "float")
         if enc not in ("float", "base64"):
             return _error(400, f"hidden_states_encoding must be 'float' or 'base64', not {enc!r}", "hidden_states_encoding")
+        layers = req.get("hidden_states_layers")
+        if layers is not None and (not isinstance(layers, list) or not layers
+                                   or not all(isinstance(x, int) and not isinstance(x, bool) for x in layers)):
+            return _error(400, "hidden_states_layers must be a non-empty list of integers (-1 = last layer)", "hidden_states_layers")
+        position = req.get("hidden_states_position", "completion_end")
+        if position not in ("completion_end", "prompt_end"):
+            return _error(400, f"hidden_states_position must be 'completion_end' or 'prompt_end', not {position!r}",
+                          "hidden_states_position")
         n = req.get("n", 1)
         if n is not None and (not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= self.args.max_n):
             return _error(400, f"n must be an integer from 1 to {self.args.max_n}", "n")

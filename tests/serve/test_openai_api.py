@@ -172,3 +172,29 @@ def test_router_left_nothing_pending(serve_app, client):
     stats = replica_stats(serve_app)
     assert stats["router"]["pending"] == 0 and stats["router"]["failed"] == 0
     assert stats["replica"]["pending"] == 0 and stats["replica"]["unclaimed_results"] == 0
+
+
+def test_layers_over_http(client, reference):
+    r = client.completions.create(model="tiny-llama", prompt="The probe reads a layer", max_tokens=6,
+                                  extra_body={**HS, "hidden_states_layers": [0, 1, -1], "hidden_states_encoding": "base64"})
+    c = r.choices[0]
+    by_layer = c.model_extra["hidden_states_by_layer"]
+    assert sorted(by_layer) == ["-1", "0", "1"] and "hidden_states" not in c.model_extra
+    for layer, vec in by_layer.items():
+        reference.assert_matches(c.prompt_token_ids + c.token_ids, decode_vector(vec), layer=int(layer))
+
+
+def test_prompt_end_over_http_runs_no_extraction(client, reference):
+    r = client.chat.completions.create(model="tiny-llama", messages=[{"role": "user", "content": "Hello there"}],
+                                       max_tokens=6, extra_body={**HS, "hidden_states_position": "prompt_end"})
+    c = r.choices[0]
+    meta = c.model_extra["hidden_states_meta"]
+    assert meta["position"] == "prompt_end" and "cached_tokens" not in meta  # no extraction step ran
+    reference.assert_matches(r.prompt_token_ids, decode_vector(c.hidden_states))
+
+
+def test_bad_layer_is_400(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny-llama", prompt="x", max_tokens=2,
+                                  extra_body={**HS, "hidden_states_layers": [99]})
+    assert "out of range" in e.value.response.json()["error"]["message"]
