@@ -5,7 +5,6 @@ from __future__ import annotations
 import base64
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -16,7 +15,6 @@ import pytest
 
 from tests.conftest import TEST_ENGINE_ARGS
 
-BIN = Path(sys.executable).parent
 PORT = int(os.environ.get("HS_TEST_PORT", "8123"))
 BASE = f"http://127.0.0.1:{PORT}"
 APP = "hidden-states"
@@ -44,22 +42,19 @@ def wait_http(url: str, timeout: float) -> None:
 
 @pytest.fixture(scope="session")
 def ray_cluster():
-    subprocess.run([str(BIN / "ray"), "stop", "--force"], capture_output=True, timeout=120)
-    subprocess.run(
-        [str(BIN / "ray"), "start", "--head", "--num-cpus=8", "--disable-usage-stats", "--include-dashboard=false"],
-        check=True, capture_output=True, timeout=180,
-    )
+    """A private Ray cluster for this session (not `ray start`: other Ray users on the
+    machine are left alone). A second driver joins it by its GCS address."""
     import ray
 
-    ray.init(address="auto", namespace="serve", logging_level="WARNING")
-    yield
+    ctx = ray.init(address="local", num_cpus=8, namespace="serve", logging_level="WARNING",
+                   include_dashboard=False)
+    yield ctx.address_info["gcs_address"]
     from ray import serve
 
     try:
         serve.shutdown()
     finally:
         ray.shutdown()
-        subprocess.run([str(BIN / "ray"), "stop", "--force"], capture_output=True, timeout=120)
 
 
 def app_args(**over) -> dict:

@@ -142,7 +142,7 @@ def test_two_replicas_extraction_is_local_and_cached(serve_app, reference):
     assert len(replicas) == 2, f"expected both replicas to serve, saw {replicas}"
 
 
-def test_handle_from_second_driver_matches_http(serve_app, reference):
+def test_handle_from_second_driver_matches_http(serve_app, ray_cluster, reference):
     prompt = "A verifier reads the hidden state"
     http = httpx.post(f"{serve_app}/v1/completions", timeout=120, json={
         "model": "tiny-llama", "prompt": prompt, "max_tokens": 10, "temperature": 0, **HS}).json()["choices"][0]
@@ -150,7 +150,7 @@ def test_handle_from_second_driver_matches_http(serve_app, reference):
         import json, ray
         from ray import serve
         from deployments.client import complete
-        ray.init(address="auto", namespace="serve", logging_level="ERROR")
+        ray.init(address={ray_cluster!r}, namespace="serve", logging_level="ERROR")
         result = complete(serve.get_app_handle({APP!r}), {prompt!r}, max_tokens=10, temperature=0.0)
         ch = result.choices[0]
         print("RESULT" + json.dumps({{"token_ids": list(ch.token_ids), "prompt": list(result.prompt_token_ids),

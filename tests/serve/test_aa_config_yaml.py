@@ -1,0 +1,67 @@
+"""`serve run config.yaml` (what `make serve` runs) answers a curl request with a vector.
+
+Runs first in tests/serve (file name), in its own local Ray cluster, and
+stops everything it started by process group.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+
+from tests.serve.conftest import wait_http
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_serve_run_config_yaml_answers_curl(reference):
+    env = {**os.environ, "RAY_ADDRESS": "local"}  # its own cluster, whatever else runs here
+    proc = subprocess.Popen([str(Path(sys.executable).parent / "serve"), "run", "config.yaml"], cwd=ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        wait_http("http://127.0.0.1:8000/health", 600)
+        out = subprocess.run(
+            ["curl", "-s", "-m", "120", "http://127.0.0.1:8000/v1/completions", "-H", "content-type: application/json",
+             "-d", json.dumps({"model": "tiny-llama", "prompt": "Hello!", "max_tokens": 8,
+                               "return_hidden_states": True, "return_token_ids": True})],
+            capture_output=True, text=True, timeout=180,
+        )
+        choice = json.loads(out.stdout)["choices"][0]
+        assert len(choice["hidden_states"]) == 128
+        reference.assert_matches(choice["prompt_token_ids"] + choice["token_ids"], choice["hidden_states"])
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+    # Stopped: nothing answers on the port, and no process of its group is left.
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            httpx.get("http://127.0.0.1:8000/health", timeout=2)
+        except httpx.HTTPError:
+            break
+        time.sleep(2)
+    else:
+        raise AssertionError("serve run config.yaml still answers after SIGTERM")
+    left = [p for p in psutil.process_iter(["pid"]) if _pgid(p.pid) == proc.pid]
+    for p in left:
+        p.kill()
+    assert not left, f"processes left in the serve run group: {[p.pid for p in left]}"
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except OSError:
+        return None
