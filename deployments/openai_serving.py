@@ -20,14 +20,13 @@ import base64
 import contextlib
 import json
 import logging
+import uuid
 from collections.abc import AsyncIterator
 from http import HTTPStatus
 from typing import Literal
 
 import numpy as np
 from pydantic import ValidationError
-
-import uuid
 
 from hidden_states.engine import HiddenStatesCollector, HiddenStatesEngine, HiddenStatesRequestError
 from hidden_states.side_channel import HiddenStatesTimeout

@@ -18,9 +18,9 @@ from collections.abc import AsyncIterator
 import numpy as np
 from ray import serve
 
+from deployments import wire
 from deployments.config import AppArgs
 from deployments.openai_serving import OpenAIFrontend, error_body
-from deployments import wire
 from deployments.wire import HandleChoice, HandleCompletion, HandleError, HandleReply, ResponseHead
 from hidden_states.engine import HiddenStatesEngine
 

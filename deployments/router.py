@@ -13,7 +13,6 @@ import asyncio
 import json
 import logging
 import time
-
 from typing import Literal
 
 from fastapi import FastAPI, Request
@@ -22,9 +21,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from deployments import wire
 from deployments.config import AppArgs
 from deployments.openai_serving import error_body
-from deployments import wire
 from deployments.wire import HandleError, HandleReply
 
 logger = logging.getLogger(__name__)

@@ -5,9 +5,7 @@ from __future__ import annotations
 import base64
 import json
 import os
-import sys
 import time
-from pathlib import Path
 
 import httpx
 import numpy as np
