@@ -44,6 +44,8 @@ class AppArgs(BaseModel):
     api_key: str | None = Field(None, description="when set, every /v1 route needs Authorization: Bearer KEY")
     max_request_body_bytes: int = Field(4 * 1024 * 1024, gt=0)
     max_n: int = Field(16, ge=1, description="the largest `n` a request may ask for")
+    replica_max_ongoing_requests: int = Field(
+        256, ge=1, description="requests a replica takes at once: vLLM batches them (Serve's default, 5, starves it)")
     replica_autoscaling: AutoscalingConfig = Field(default_factory=AutoscalingConfig)
     router_autoscaling: AutoscalingConfig = Field(default_factory=AutoscalingConfig)
     replica_env: dict[str, str] = Field(default_factory=dict, description="extra env vars for engine replicas")
@@ -71,7 +73,10 @@ class AppArgs(BaseModel):
         """Ray resources for one engine replica, from the engine's parallelism."""
         tp = int(self.engine.get("tensor_parallel_size", 1))
         env = dict(self.replica_env)
-        opts: dict[str, Any] = {"autoscaling_config": self.replica_autoscaling.model_dump(exclude_none=True)}
+        opts: dict[str, Any] = {
+            "autoscaling_config": self.replica_autoscaling.model_dump(exclude_none=True),
+            "max_ongoing_requests": self.replica_max_ongoing_requests,
+        }
         if self.resolved_accelerator() == "cpu":
             # Unbound OpenMP threads: replicas sharing a node must not pin the same cores.
             env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
