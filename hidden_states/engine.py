@@ -126,15 +126,21 @@ def _make_async_llm_class():
             async for out in super().generate(prompt, sampling_params, request_id, *args, **kwargs):
                 if out.prompt_token_ids is not None:
                     prompt_ids = list(out.prompt_token_ids)
+                finished = []
                 for o in out.outputs:
                     if delta:
                         tokens.setdefault(o.index, []).extend(o.token_ids)
                     else:
                         tokens[o.index] = list(o.token_ids)
                     if o.finish_reason is not None and (request_id, o.index) not in collector.vectors:
-                        vecs, stats = await self.hidden_states.extract_layers(prompt_ids + tokens[o.index], collector.layers)
-                        collector.vectors[(request_id, o.index)] = vecs
-                        collector.stats[(request_id, o.index)] = stats
+                        finished.append(o.index)
+                # Choices finishing together (n > 1, non-streaming) extract together.
+                results = await asyncio.gather(*(
+                    self.hidden_states.extract_layers(prompt_ids + tokens[i], collector.layers) for i in finished
+                ))
+                for i, (vecs, stats) in zip(finished, results):
+                    collector.vectors[(request_id, i)] = vecs
+                    collector.stats[(request_id, i)] = stats
                 yield out
 
         async def _generate_prompt_end(self, collector, prompt, sampling_params, request_id, *args, **kwargs):
@@ -146,13 +152,14 @@ def _make_async_llm_class():
             params.extra_args = {**(params.extra_args or {}),
                                  **HiddenStatesExtractionRequest(key=key, layers=list(collector.layers)).to_extra_args()}
             hs.receiver.expect(key)
-            vecs = None
+            vecs, prompt_len = None, 0
             try:
                 async for out in super().generate(prompt, params, request_id, *args, **kwargs):
+                    prompt_len = len(out.prompt_token_ids or ()) or prompt_len
                     for o in out.outputs:
                         if o.finish_reason is not None:
-                            if vecs is None:
-                                vecs = hs._by_layer(await hs._wait(key, len(out.prompt_token_ids or ()) or -1), collector.layers)
+                            if vecs is None:  # one prompt, one vector for every choice
+                                vecs = hs._by_layer(await hs._wait(key, prompt_len), collector.layers)
                             collector.vectors[(request_id, o.index)] = vecs
                     yield out
             finally:
