@@ -44,6 +44,7 @@ def _result(raw: bytes) -> Completion:
                 ch.index, ch.text, tuple(ch.token_ids), ch.finish_reason,
                 None if ch.hidden_states is None else np.frombuffer(ch.hidden_states, "<f4").copy(),
                 None if ch.hidden_states is None else ExtractionStats(total + len(ch.token_ids), ch.cached_tokens, 0.0),
+                {layer: np.frombuffer(b, "<f4").copy() for layer, b in ch.hidden_states_by_layer.items()} or None,
             )
             for ch in c.choices
         ),
@@ -51,7 +52,8 @@ def _result(raw: bytes) -> Completion:
 
 
 def complete(handle: Any, prompt: str | list[int], *, timeout_s: float = 600, **kw: Any) -> Completion:
-    """Blocking. kw: max_tokens, temperature, top_p, seed, n, stop, return_hidden_states."""
+    """Blocking. kw: max_tokens, temperature, top_p, seed, n, stop, return_hidden_states,
+    hidden_states_layers (default [-1]), hidden_states_position ("completion_end" | "prompt_end")."""
     return _result(handle.complete.remote(_request(prompt, **kw)).result(timeout_s=timeout_s))
 
 

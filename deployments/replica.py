@@ -78,7 +78,10 @@ class EngineReplica:
         except Exception as e:
             return wire.ENCODER.encode(HandleReply(error=HandleError(400, f"invalid request: {e}")))
         try:
-            c = await self.engine.complete(req.prompt, params, return_hidden_states=req.return_hidden_states)
+            c = await self.engine.complete(req.prompt, params, return_hidden_states=req.return_hidden_states,
+                                           layers=req.hidden_states_layers, position=req.hidden_states_position)
+        except ValueError as e:  # HiddenStatesRequestError, vLLM's validation errors
+            return wire.ENCODER.encode(HandleReply(error=HandleError(400, str(e))))
         except Exception as e:
             return wire.ENCODER.encode(HandleReply(error=HandleError(500, f"{type(e).__name__}: {e}")))
         return wire.ENCODER.encode(HandleReply(ok=HandleCompletion(
@@ -90,6 +93,7 @@ class EngineReplica:
                     ch.index, ch.text, list(ch.token_ids), ch.finish_reason,
                     None if ch.hidden_states is None else np.asarray(ch.hidden_states, "<f4").tobytes(),
                     ch.extraction.cached_tokens if ch.extraction else 0,
+                    {layer: np.asarray(v, "<f4").tobytes() for layer, v in (ch.hidden_states_by_layer or {}).items()},
                 )
                 for ch in c.choices
             ],

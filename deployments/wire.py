@@ -27,6 +27,8 @@ class HandleCompletionRequest(msgspec.Struct, omit_defaults=True, forbid_unknown
     n: int = 1
     stop: list[str] = []
     return_hidden_states: bool = True
+    hidden_states_layers: list[int] = msgspec.field(default_factory=lambda: [-1])
+    hidden_states_position: str = "completion_end"
 
 
 class HandleChoice(msgspec.Struct, array_like=True, gc=False):
@@ -34,8 +36,9 @@ class HandleChoice(msgspec.Struct, array_like=True, gc=False):
     text: str
     token_ids: list[int]
     finish_reason: str | None
-    hidden_states: bytes | None  # little-endian float32
+    hidden_states: bytes | None  # little-endian float32, the last layer
     cached_tokens: int = 0
+    hidden_states_by_layer: dict[int, bytes] = {}
 
 
 class HandleCompletion(msgspec.Struct, array_like=True, gc=False):

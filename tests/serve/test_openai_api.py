@@ -151,10 +151,13 @@ def test_handle_from_second_driver_matches_http(serve_app, ray_cluster, referenc
         from ray import serve
         from deployments.client import complete
         ray.init(address={ray_cluster!r}, namespace="serve", logging_level="ERROR")
-        result = complete(serve.get_app_handle({APP!r}), {prompt!r}, max_tokens=10, temperature=0.0)
+        handle = serve.get_app_handle({APP!r})
+        result = complete(handle, {prompt!r}, max_tokens=10, temperature=0.0)
         ch = result.choices[0]
+        layered = complete(handle, {prompt!r}, max_tokens=10, temperature=0.0, hidden_states_layers=[1, -1])
         print("RESULT" + json.dumps({{"token_ids": list(ch.token_ids), "prompt": list(result.prompt_token_ids),
-              "vector": ch.hidden_states.tolist(), "dtype": str(ch.hidden_states.dtype)}}))
+              "vector": ch.hidden_states.tolist(), "dtype": str(ch.hidden_states.dtype),
+              "layer1": layered.choices[0].hidden_states_by_layer[1].tolist()}}))
     """)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
                          cwd=Path(__file__).resolve().parents[2])
@@ -165,6 +168,7 @@ def test_handle_from_second_driver_matches_http(serve_app, ray_cluster, referenc
     assert got["token_ids"] == http["token_ids"] and got["prompt"] == http["prompt_token_ids"]
     assert np.array_equal(np.asarray(got["vector"], np.float32), decode_vector(http["hidden_states"]))
     reference.assert_matches(got["prompt"] + got["token_ids"], got["vector"])
+    reference.assert_matches(got["prompt"] + got["token_ids"], got["layer1"], layer=1)
 
 
 def test_router_left_nothing_pending(serve_app, client):
