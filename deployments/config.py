@@ -46,6 +46,8 @@ class AppArgs(BaseModel):
     max_n: int = Field(16, ge=1, description="the largest `n` a request may ask for")
     replica_max_ongoing_requests: int = Field(
         256, ge=1, description="requests a replica takes at once: vLLM batches them (Serve's default, 5, starves it)")
+    replica_max_per_node: int | None = Field(None, ge=1, description="Serve's max_replicas_per_node")
+    replica_resources: dict[str, float] = Field(default_factory=dict, description="custom Ray resources per replica")
     replica_autoscaling: AutoscalingConfig = Field(default_factory=AutoscalingConfig)
     router_autoscaling: AutoscalingConfig = Field(default_factory=AutoscalingConfig)
     replica_env: dict[str, str] = Field(default_factory=dict, description="extra env vars for engine replicas")
@@ -89,4 +91,8 @@ class AppArgs(BaseModel):
             opts["ray_actor_options"] = {"num_cpus": 1, "runtime_env": {"env_vars": env}}
             opts["placement_group_bundles"] = [{"CPU": 1}] + [{"GPU": 1} for _ in range(tp)]
             opts["placement_group_strategy"] = "STRICT_PACK"
+        if self.replica_resources:
+            opts["ray_actor_options"]["resources"] = dict(self.replica_resources)
+        if self.replica_max_per_node is not None:
+            opts["max_replicas_per_node"] = self.replica_max_per_node
         return opts

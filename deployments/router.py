@@ -19,6 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
+from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.handle import DeploymentHandle
 
 from deployments import wire
@@ -204,9 +205,9 @@ class Router:
             return refused
         deadline = time.monotonic() + self.args.request_timeout_s
         self.pending += 1
-        stream = self.replica.options(stream=True).openai.remote(route, body)
+        stream = None
         try:
-            head = wire.HEAD_DECODER.decode(await asyncio.wait_for(stream.__anext__(), self.args.request_timeout_s))
+            stream, head = await self._open(route, body, deadline)
             if head.media_type != "text/event-stream":
                 parts = [p async for p in _bounded(stream, deadline)]
                 self._finish(head.status < 500)
@@ -214,10 +215,24 @@ class Router:
                                 headers={"x-replica-id": head.replica})
         except Exception as e:
             self._finish(False)
-            stream.cancel()
+            if stream is not None:
+                stream.cancel()
             return _failure(e)
         return StreamingResponse(self._relay(stream, deadline), media_type="text/event-stream",
                                  headers={"x-replica-id": head.replica})
+
+    async def _open(self, route: str, body: bytes, deadline: float):
+        """Sends the request; a replica that died before answering gets one retry elsewhere."""
+        for attempt in (1, 2):
+            stream = self.replica.options(stream=True).openai.remote(route, body)
+            try:
+                head = await asyncio.wait_for(stream.__anext__(), max(0.0, deadline - time.monotonic()))
+                return stream, wire.HEAD_DECODER.decode(head)
+            except (RayActorError, ActorUnavailableError) as e:
+                stream.cancel()
+                if attempt == 2:
+                    raise
+                logger.warning("replica died before answering (%s); retrying once", type(e).__name__)
 
     async def _relay(self, stream, deadline: float):
         ok = False

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 import httpx
 import numpy as np
+import psutil
 import pytest
 
 from tests.conftest import TEST_ENGINE_ARGS
@@ -163,24 +164,25 @@ class MultiNode:
     base: str
     nodes: dict = field(default_factory=dict)  # name -> ray Node
     pids: set = field(default_factory=set)  # replica processes and their children seen so far
+    procs: dict = field(default_factory=dict)  # replica id -> its process and the engine's processes
 
     def node_id(self, name: str) -> str:
         return self.nodes[name].node_id
 
     def replicas(self) -> dict[str, dict]:
         """Alive EngineReplica actors: replica id -> {node, pid}, from the GCS actor table."""
-        import psutil
         import ray
 
         out = {}
         for a in ray._private.state.actors().values():
             name = a["Name"] or ""
             if a["State"] == "ALIVE" and name.startswith(f"SERVE_REPLICA::{APP}#EngineReplica#"):
-                out[name.rsplit("#", 1)[1]] = {"node": a["Address"]["NodeID"], "pid": a["Pid"]}
+                out[out_key(name)] = {"node": a["Address"]["NodeID"], "pid": a["Pid"]}
                 try:
                     p = psutil.Process(a["Pid"])
-                    self.pids.add(p.pid)
-                    self.pids.update(c.pid for c in p.children(recursive=True))
+                    mine = {p.pid} | {c.pid for c in p.children(recursive=True)}
+                    self.pids |= mine
+                    self.procs.setdefault(out_key(name), set()).update(mine)
                 except psutil.Error:
                     pass
         return out
@@ -200,6 +202,17 @@ class MultiNode:
         """Exactly n replicas, all RUNNING, and n alive replica actors."""
         states = self.replica_states()
         return states == {"RUNNING": n} and len(self.replicas()) == n
+
+
+def running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def out_key(actor_name: str) -> str:
+    return actor_name.rsplit("#", 1)[1]
 
 
 def app_args() -> dict:
@@ -224,8 +237,6 @@ def app_args() -> dict:
 
 def _sweep(paths: tuple[str, ...], pids: set[int]) -> list[int]:
     """Processes this module started that outlived the cluster's shutdown: killed by pid."""
-    import psutil
-
     left = []
     for p in psutil.process_iter(["pid", "cmdline"]):
         try:
@@ -264,7 +275,9 @@ def mn():
         ray.init(address=cluster.address, namespace="hs-multinode", logging_level="WARNING")
         # One proxy, on the head: proxies on every node would all bind this port on this one machine.
         serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app(app_args()), name=APP, route_prefix="/", blocking=False)
+        # Not serve.run: it waits for the app to be RUNNING, and its second replica waits for the worker.
+        serve.run_many([serve.RunTarget(build_app(app_args()), name=APP, route_prefix="/")],
+                       wait_for_ingress_deployment_creation=False, wait_for_applications_running=False)
 
         def router_running():
             app = serve.status().applications.get(APP)
@@ -353,8 +366,12 @@ def test_remove_worker_node_reschedules_replica(mn, reference):
         mn.cluster.remove_node(mn.nodes.pop("worker"))
         t_rm1 = time.monotonic()
 
-        # The lost replica's actor is dead; Serve wants a replacement and has nowhere to put it.
+        # The lost replica's actor is dead, its engine processes with it; Serve wants a
+        # replacement and has nowhere to put it.
         wait_for(lambda: lost[0] not in mn.replicas(), 120, "the worker's replica gone")
+        lost_procs = mn.procs[lost[0]]
+        assert len(lost_procs) >= 2, lost_procs  # the replica and at least the engine core
+        wait_for(lambda: not [p for p in lost_procs if running(p)], 120, "the lost engine's processes gone")
         time.sleep(5)
         assert len(mn.replicas()) == 1, mn.replicas()
         # A new node joins, as Ray's autoscaler would add one for the pending replica.
@@ -413,8 +430,10 @@ def test_autoscaling_adds_and_removes_a_replica(mn, reference):
     try:
         wait_for(lambda: mn.settled_at(expected), DEPLOY_TIMEOUT, f"{expected} replicas under load", every=2)
         t_up = time.monotonic()
-        added = [k for k in mn.replicas() if k not in before]
+        reps = mn.replicas()
+        added = [k for k in reps if k not in before]
         assert len(added) == expected - MIN_REPLICAS
+        added_on = ["head" if reps[k]["node"] == mn.head_id else "worker2" for k in added]
         wait_for(lambda: sum(1 for r in load.snapshot() if r.ok and r.replica in added) >= 3, 300,
                  "the added replica serving")
     finally:
@@ -437,4 +456,5 @@ def test_autoscaling_adds_and_removes_a_replica(mn, reference):
     placement = {k: ("head" if v["node"] == mn.head_id else "worker2") for k, v in mn.replicas().items()}
     print(f"\n[multinode] 3: {len(results)} requests under load ({LOAD_THREADS} concurrent), {checked} vectors checked; "
           f"replicas {MIN_REPLICAS} -> {max(seen)} after {t_up - t_load:.0f}s of load, -> {seen[-1]} "
-          f"{t_down - t_stop:.0f}s after it stopped; counts seen {sorted(set(seen))}; final placement {placement}")
+          f"{t_down - t_stop:.0f}s after it stopped; counts seen {sorted(set(seen))}; added on {added_on}; "
+          f"final placement {placement}")
