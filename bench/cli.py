@@ -75,6 +75,9 @@ def parse_args(argv=None):
                     help="start a model's servers again (keeping finished parts) when something outside kills them, "
                          "e.g. another `ray stop --force` on this machine")
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--rewrite", metavar="RESULTS_JSON", default=None,
+                    help="no run: rewrite the Markdown summary and plot from a results JSON (e.g. after editing "
+                         "bench/NOTES.md)")
     args = ap.parse_args(argv)
     args.parts = [p.strip() for p in args.parts.split(",") if p.strip()]
     bad = [p for p in args.parts if p not in PARTS]
@@ -127,7 +130,7 @@ class Bench:
         self.args = args
         self.plan = QUICK if args.quick else FULL
         self.results: dict = {
-            "command": "python -m bench " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+            "command": " ".join(["python -m bench", *(shlex.quote(a) for a in sys.argv[1:])]),
             "started": dt.datetime.now().isoformat(timespec="seconds"),
             "quick": args.quick, "parts": args.parts, "models": {}, "errors": [],
             "settings": {"engine_args": ENGINE, "engine_env": ENGINE_ENV, "concurrency": args.concurrency,
@@ -484,6 +487,13 @@ def _serve_missed(serve: dict | None) -> bool:
 def main(argv=None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if args.rewrite:
+        path = Path(args.rewrite)
+        results = json.loads(path.read_text())
+        paths = report.write(results, path.parent, quick=results.get("quick", False))
+        print(report.table(results))
+        print("\nwrote " + ", ".join(str(p) for p in paths))
+        return 0
 
     def on_term(signum, frame):
         raise KeyboardInterrupt()

@@ -73,9 +73,12 @@ def summarize(runs: list[ArmRun], arm: str) -> dict:
     lat = [r.latency for r in ok]
     toks = sum(r.completion_tokens for r in ok)
     roles: dict[str, float] = {}
+    detail: dict[str, float] = {}
     for x in mine:
         for k, v in x.cpu["roles"].items():
             roles[k] = roles.get(k, 0.0) + v
+        for k, v in x.cpu.get("ray_system_detail", {}).items():
+            detail[k] = detail.get(k, 0.0) + v
     busy = sum(x.cpu["busy"] for x in mine)
     return {
         "requests": len(results),
@@ -90,7 +93,10 @@ def summarize(runs: list[ArmRun], arm: str) -> dict:
         "p99_s": measure.pct(lat, 99),
         "per_round_req_per_s": [len(x.batch.ok) / x.batch.wall for x in mine],
         "cpu_s_per_request": {k: v / max(1, len(ok)) for k, v in sorted(roles.items())},
+        "ray_system_cpu_s_per_request": {k: v / max(1, len(ok)) for k, v in sorted(detail.items(), key=lambda kv: -kv[1])
+                                         if v / max(1, len(ok)) >= 1e-4},
         "cpu_busy_cores": busy / wall if wall else None,
+        "not_ours_cores": roles.get("other (not ours)", 0.0) / wall if wall else None,
     }
 
 

@@ -87,7 +87,12 @@ class CpuAccount:
                     return role + (": engine" if engine and c != pid else "")
         if root_role == "vllm":
             return "vllm: engine" if engine else "vllm: api server"
-        return root_role  # e.g. "ray: system"
+        return f"{root_role}: {_short_name(procs[pid][1])}"  # e.g. "ray: raylet"
+
+    @staticmethod
+    def group(role: str) -> str:
+        """'ray: raylet' -> 'ray' (the daemons, the driver and idle workers of the Ray cluster)."""
+        return "ray: system" if role.startswith("ray: ") else role
 
     def delta(self, a: dict, b: dict) -> dict:
         roles: dict[str, float] = defaultdict(float)
@@ -101,7 +106,29 @@ class CpuAccount:
         ours = sum(roles.values())
         busy = b["busy"] - a["busy"]
         roles["other (not ours)"] = max(0.0, busy - ours)
-        return {"wall": b["t"] - a["t"], "busy": busy, "roles": dict(roles)}
+        grouped: dict[str, float] = defaultdict(float)
+        for k, v in roles.items():
+            grouped[self.group(k)] += v
+        return {"wall": b["t"] - a["t"], "busy": busy, "roles": dict(grouped),
+                "ray_system_detail": {k: v for k, v in roles.items() if k.startswith("ray: ")}}
+
+
+def _short_name(title: str) -> str:
+    words = title.split()
+    if not words:
+        return "?"
+    if words[0].startswith("ray::"):
+        return words[0][5:]
+    if "serve" in words[0].rsplit("/", 1)[-1] and len(words) > 1 and words[1] == "run":
+        return "serve run (driver)"
+    for w in words[1:]:
+        if w.endswith(".py"):
+            return w.rsplit("/", 1)[-1]
+        if w == "-m" :
+            continue
+    if len(words) > 2 and words[1] == "-m":
+        return words[2]
+    return words[0].rsplit("/", 1)[-1]
 
 
 # -- resident memory -------------------------------------------------------------

@@ -23,19 +23,26 @@ def _mb(b):
 def target_rows(res: dict) -> list[dict]:
     rows = []
 
-    def add(part, model, c, figure, value, target, status, fmt="{:.3f}"):
+    def add(part, model, c, figure, value, target, status, fmt="{:.3f}", bad=None):
+        if bad and status in ("PASS", "MISS") or bad and status.startswith(("PASS ", "MISS ")):
+            status = f"{status.split()[0]} ({bad})"
         rows.append({"part": part, "model": model, "concurrency": c, "figure": figure,
                      "value": value, "shown": _f(value, fmt), "target": target, "status": status})
+
+    def failed(*arms) -> str | None:
+        n = sum(a["errors"] for a in arms)
+        return f"INVALID: {n} requests failed" if n else None
 
     for model, m in res.get("models", {}).items():
         hs = m.get("hs", {})
         for c, row in hs.get("by_concurrency", {}).items():
             r = row["ratio"]
+            bad = failed(row["hs_on"], row["hs_off"])
             aim = lambda v: "" if v is None or v < T.HS_THROUGHPUT_MIN else (" (aim met)" if v >= T.HS_THROUGHPUT_AIM else " (aim 0.95 not met)")
             add("1 hidden states", model, c, "throughput on/off, req/s", r["req_per_s"],
-                f">= {T.HS_THROUGHPUT_MIN:.2f}x (aim {T.HS_THROUGHPUT_AIM:.2f}x)", T.at_least(r["req_per_s"], T.HS_THROUGHPUT_MIN) + aim(r["req_per_s"]))
+                f">= {T.HS_THROUGHPUT_MIN:.2f}x (aim {T.HS_THROUGHPUT_AIM:.2f}x)", T.at_least(r["req_per_s"], T.HS_THROUGHPUT_MIN) + aim(r["req_per_s"]), bad=bad)
             add("1 hidden states", model, c, "throughput on/off, output tok/s", r["out_tok_per_s"],
-                f">= {T.HS_THROUGHPUT_MIN:.2f}x (aim {T.HS_THROUGHPUT_AIM:.2f}x)", T.at_least(r["out_tok_per_s"], T.HS_THROUGHPUT_MIN) + aim(r["out_tok_per_s"]))
+                f">= {T.HS_THROUGHPUT_MIN:.2f}x (aim {T.HS_THROUGHPUT_AIM:.2f}x)", T.at_least(r["out_tok_per_s"], T.HS_THROUGHPUT_MIN) + aim(r["out_tok_per_s"]), bad=bad)
             ex = row["extraction"]
             block = hs.get("block_size")
             ok = None if not ex["vectors"] else (ex["recomputed_under_one_block"] == ex["vectors"] and ex["missing_vectors"] == 0)
@@ -46,14 +53,15 @@ def target_rows(res: dict) -> list[dict]:
         sv = m.get("serve", {})
         for c, row in sv.get("by_concurrency", {}).items():
             r, q = row["ours_vs_vllm"], row["ours_vs_rsllm"]
+            bad = failed(row["ours"], row["vllm"])
             add("2 Serve layer", model, c, "ours / vLLM server, req/s", r["req_per_s"], f">= {T.SERVE_VS_VLLM_MIN:.2f}x",
-                T.at_least(r["req_per_s"], T.SERVE_VS_VLLM_MIN))
+                T.at_least(r["req_per_s"], T.SERVE_VS_VLLM_MIN), bad=bad)
             add("2 Serve layer", model, c, "ours / vLLM server, output tok/s", r["out_tok_per_s"], f">= {T.SERVE_VS_VLLM_MIN:.2f}x",
-                T.at_least(r["out_tok_per_s"], T.SERVE_VS_VLLM_MIN))
+                T.at_least(r["out_tok_per_s"], T.SERVE_VS_VLLM_MIN), bad=bad)
             add("2 Serve layer", model, c, "ours - vLLM server, p50 latency (ms)", r["p50_added_ms"],
-                f"<= {T.SERVE_ADDED_P50_MS:.0f} ms", T.at_most(r["p50_added_ms"], T.SERVE_ADDED_P50_MS), "{:+.1f}")
+                f"<= {T.SERVE_ADDED_P50_MS:.0f} ms", T.at_most(r["p50_added_ms"], T.SERVE_ADDED_P50_MS), "{:+.1f}", bad=bad)
             add("2 Serve layer", model, c, "ours / Ray Serve LLM, req/s", q["req_per_s"], f">= {T.SERVE_VS_RSLLM_MIN:.2f}x (ahead)",
-                T.at_least(q["req_per_s"], T.SERVE_VS_RSLLM_MIN))
+                T.at_least(q["req_per_s"], T.SERVE_VS_RSLLM_MIN), bad=failed(row["ours"], row["rsllm"]))
         if "error" in sv:
             add("2 Serve layer", model, "-", "part failed", None, "-", "ERROR")
     pl = res.get("payload", {})
@@ -103,10 +111,12 @@ def part_tables(res: dict) -> list[tuple[str, list[str], list[list[str]]]]:
                              f"{_f(on['p50_s'] and on['p50_s'] * 1e3, '{:.0f}')}/{_f(off['p50_s'] and off['p50_s'] * 1e3, '{:.0f}')}",
                              f"{_f(on['p99_s'] and on['p99_s'] * 1e3, '{:.0f}')}/{_f(off['p99_s'] and off['p99_s'] * 1e3, '{:.0f}')}",
                              f"{_f(ex['recomputed_mean'], '{:.1f}')}/{_f(ex['recomputed_max'], '{:.0f}')} (<{hs['block_size']})",
-                             _f(ex["added_latency_ms_p50"], "{:+.1f}"), f"{on['errors']}/{off['errors']}"])
+                             _f(ex["added_latency_ms_p50"], "{:+.1f}"), f"{on['errors']}/{off['errors']}",
+                             _f(max(on.get("not_ours_cores") or 0, off.get("not_ours_cores") or 0))])
             out.append((f"Part 1, cost of hidden states — {model} (on vs off, same server; target on/off >= 0.90x, aim 0.95x)",
                         ["conc", "on req/s", "off req/s", "req/s on/off", "per-round range", "tok/s on/off", "p50 ms on/off",
-                         "p99 ms on/off", "recomputed mean/max", "added ms p50 (paired)", "errors"], rows))
+                         "p99 ms on/off", "recomputed mean/max", "added ms p50 (paired)", "errors",
+                         "not-ours CPU (cores)"], rows))
         sv = m.get("serve", {})
         if sv.get("by_concurrency"):
             rows = []
@@ -117,11 +127,13 @@ def part_tables(res: dict) -> list[tuple[str, list[str], list[list[str]]]]:
                              _f(r["req_per_s"], "{:.3f}"), _range(r), _f(r["out_tok_per_s"], "{:.3f}"),
                              _f(r["p50_added_ms"], "{:+.1f}"), _f(r["p99_added_ms"], "{:+.1f}"),
                              _f(rq["req_per_s"], "{:.3f}"), _f(qv["req_per_s"], "{:.3f}"),
-                             f"{v['errors']}/{o['errors']}/{q['errors']}"])
+                             f"{v['errors']}/{o['errors']}/{q['errors']}",
+                             _f(max(x.get("not_ours_cores") or 0 for x in (v, o, q)))])
             out.append((f"Part 2, cost of the Serve layer — {model} (ours with hidden states off; targets: ours/vLLM >= 0.90x, "
                         f"+p50 <= 15 ms, ours/RSLLM >= 1.00x)",
                         ["conc", "vLLM req/s", "ours req/s", "RSLLM req/s", "ours/vLLM req/s", "per-round range", "ours/vLLM tok/s",
-                         "ours-vLLM p50 ms", "ours-vLLM p99 ms", "ours/RSLLM req/s", "RSLLM/vLLM req/s", "errors v/o/r"], rows))
+                         "ours-vLLM p50 ms", "ours-vLLM p99 ms", "ours/RSLLM req/s", "RSLLM/vLLM req/s", "errors v/o/r",
+                         "not-ours CPU (cores)"], rows))
     pl = res.get("payload")
     if pl:
         rows = []
@@ -182,6 +194,13 @@ def _cpu_table(by_c: dict) -> list[str]:
         rows.append(["**cores busy (all processes)**", *(_f(row[a]["cpu_busy_cores"]) for a in ("vllm", "ours", "rsllm"))])
         lines += [f"\nConcurrency {c}: CPU milliseconds per request, by process role, while each server was under load\n",
                   _md_table(["role", "vLLM server", "our app", "Ray Serve LLM"], rows)]
+        det = []
+        for a, label in (("ours", "our app"), ("rsllm", "Ray Serve LLM")):
+            d = row[a].get("ray_system_cpu_s_per_request") or {}
+            if d:
+                det.append(f"{label}: " + ", ".join(f"{k[5:]} {v * 1e3:.1f}" for k, v in list(d.items())[:6]))
+        if det:
+            lines.append("\n`ray: system` by process (ms/request): " + "; ".join(det) + ".")
     return lines
 
 
@@ -232,7 +251,13 @@ def markdown(res: dict, plot_name: str | None) -> str:
           "LLM (`ray.serve.llm:build_openai_app`, `placement_group_config: {bundles: [{CPU: 1}]}`, pyarrow from "
           "bench/.work/extra only) in one `serve run`, and vLLM's own server (`python -m vllm.entrypoints.openai.api_server`), "
           "all up during a model's parts (the idle CPU of the ones not under load is shown below). Everything started is "
-          "stopped by process group and checked.", ""]
+          "stopped by process group and checked.",
+          "- CPU accounting: every process's CPU seconds before and after each batch, attributed to the server that "
+          "started it (`ray: system` = Ray's daemons, the `serve run` driver and idle workers). `not-ours CPU` is CPU "
+          "used by processes the benchmark did not start (other test runs on this shared 2-core machine): where it is "
+          "well above ~0.1 cores, that comparison is noisy. vLLM's engine processes busy-wait (sched_yield) for up to "
+          "1 s after each step (`SpinCondition`, shm_broadcast.py), so their CPU includes spinning, and more of it "
+          "when the process feeding them is slow.", ""]
     rows = [[r["part"], r["model"], r["concurrency"], r["figure"], r["shown"], r["target"], f"**{r['status']}**"]
             for r in target_rows(res)]
     L += ["## Targets", "", _md_table(["part", "model", "conc", "figure", "measured", "target", "status"], rows), ""]
@@ -326,6 +351,9 @@ def markdown(res: dict, plot_name: str | None) -> str:
             L += [f"Profile: {prof}", ""]
     if res.get("notes"):
         L += ["## Notes", "", *res["notes"], ""]
+    notes = Path(__file__).with_name("NOTES.md")
+    if notes.exists() and not res.get("quick"):
+        L += [notes.read_text().strip(), ""]
     if res.get("errors"):
         L += ["## Errors", "", *(f"- {e}" for e in res["errors"]), ""]
     return "\n".join(L)
