@@ -174,7 +174,7 @@ def test_lost_or_late_side_channel_message_fails_only_its_request(engine, loop_t
             batch = HiddenStatesBatch(batch.results[1:])
         original(encode_batch(batch))
 
-    receiver.deliver, engine.extraction_timeout_s = lossy, 3.0
+    receiver.deliver, engine.extraction_timeout_s = lossy, 10.0
     try:
         async def run():
             t0 = asyncio.get_running_loop().time()
@@ -186,8 +186,8 @@ def test_lost_or_late_side_channel_message_fails_only_its_request(engine, loop_t
         receiver.deliver, engine.extraction_timeout_s = original, 60.0
     failed = [o for o in outs if isinstance(o, BaseException)]
     assert len(failed) == 1 and isinstance(failed[0], HiddenStatesTimeout), outs
-    assert "did not arrive within 3s (extraction_timeout_s)" in str(failed[0])
-    assert seconds < 3.0 + 20
+    assert "did not arrive within 10s (extraction_timeout_s)" in str(failed[0])
+    assert seconds < 10.0 + 60  # bounded by the timeout, not hung
     for c in outs:
         if not isinstance(c, BaseException):
             reference.assert_matches(c.prompt_token_ids + c.choices[0].token_ids, c.choices[0].hidden_states)
