@@ -15,10 +15,8 @@ engine environment (`ENGINE_ENV`).
 from __future__ import annotations
 
 import json
-import os
 import secrets
 import subprocess
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
