@@ -35,9 +35,12 @@ RESULTS = ROOT / "bench" / "results"
 PARTS = ("hs", "serve", "payload", "memory", "profile")
 MODELS = ("tiny-llama", "llama-100m")
 
-# One set of engine arguments for all three servers (config.yaml's, made explicit).
+# One set of engine arguments for all three servers: config.yaml's, plus the two
+# defaults HiddenStatesEngine.start() adds when hidden states are on (32-token
+# blocks on CPU, priority scheduling), made explicit so vLLM's server and Ray
+# Serve LLM run the same engine.
 ENGINE = {"dtype": "float32", "enforce_eager": True, "gpu_memory_utilization": 0.1, "max_model_len": 4096,
-          "enable_prefix_caching": True}
+          "enable_prefix_caching": True, "block_size": 32, "scheduling_policy": "priority"}
 CPU_DEFAULT_BLOCK_SIZE = 128   # vLLM 0.32's CPU platform default when block_size is not given
 
 # requests per arm per round, by model and concurrency; rounds by model and part
@@ -149,7 +152,7 @@ class Bench:
         n = 0
         for m in self.args.models:
             p = self.plan[m]
-            for part, arms in (("hs", 2), ("serve", 3)):
+            for part, arms in (("hs", 2), ("serve", 4)):
                 if part in self.args.parts:
                     rounds = self.args.rounds or p["rounds"][part]
                     n += sum(p["per_round"].get(c, 8) for c in self.args.concurrency) * rounds * arms
@@ -243,7 +246,7 @@ class Bench:
         try:
             self.phase(f"{model}: ray start")
             out["startup_s"]["ray"] = cluster.start()
-            serve = ServeApps(cluster, path, model, ENGINE, ours=True, rsllm=need_rsllm, tag=model)
+            serve = ServeApps(cluster, path, model, ENGINE, ours=True, rsllm=need_rsllm, tag=model, direct=need_rsllm)
             if need_vllm:
                 vllm = VLLMServer(path, model, ENGINE, tag=model)
                 vllm.launch()
@@ -371,6 +374,8 @@ class Bench:
         arms = [compare.Arm("vllm", eps["vllm"].label, eps["vllm"]),
                 compare.Arm("ours", "our app (hidden states off)", eps["ours"]),
                 compare.Arm("rsllm", eps["rsllm"].label, eps["rsllm"])]
+        if "direct" in eps:  # the same app with `ingress: replica`: what the Router hop costs
+            arms.append(compare.Arm("direct", "our app, ingress: replica (hidden states off)", eps["direct"]))
         self.phase(f"{model} serve: warm-up")
         compare.warmup(arms, vocab, 8, 8, f"{model}-serve")
         out = {"by_concurrency": {}}
@@ -386,6 +391,13 @@ class Bench:
                 "ours_vs_rsllm": compare.compare(runs, "ours", "rsllm"),
                 "rsllm_vs_vllm": compare.compare(runs, "rsllm", "vllm"),
             }
+            if "direct" in eps:
+                out["by_concurrency"][str(c)].update({
+                    "direct": compare.summarize(runs, "direct"),
+                    "direct_vs_vllm": compare.compare(runs, "direct", "vllm"),
+                    "direct_vs_ours": compare.compare(runs, "direct", "ours"),
+                    "direct_vs_rsllm": compare.compare(runs, "direct", "rsllm"),
+                })
         return out
 
     # -- part 4 ----------------------------------------------------------------------

@@ -27,6 +27,7 @@ ROLE_TITLES = [
     # (substring of the process title, role suffix) for Ray workers
     ("ServeReplica:hidden-states:Router", "ours: router"),
     ("ServeReplica:hidden-states:EngineReplica", "ours: replica"),
+    ("ServeReplica:hs-direct:EngineReplica", "direct: replica"),
     ("ServeReplica:rsllm:LLMServer", "rsllm: server"),
     ("ServeReplica:rsllm:", "rsllm: ingress"),
     ("ProxyActor", "serve: proxy"),

@@ -73,5 +73,5 @@ def run(ep: Endpoint, vocab: int, total: int, concurrency: int, first: int = 100
         "other_processes_rss_bytes": {k: dict(zip(("start", f"after_{first}", "end"), v)) for k, v in extra.items()},
         "series": [(round(t, 2), v) for t, v in sampler.series],
         "replica_stats_before": stats0.get("replica"), "replica_stats_after": stats1.get("replica"),
-        "router_after": stats1.get("router"),
+        "ingress_after": stats1.get("ingress"),
     }

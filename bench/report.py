@@ -62,6 +62,17 @@ def target_rows(res: dict) -> list[dict]:
                 f"<= {T.SERVE_ADDED_P50_MS:.0f} ms", T.at_most(r["p50_added_ms"], T.SERVE_ADDED_P50_MS), "{:+.1f}", bad=bad)
             add("2 Serve layer", model, c, "ours / Ray Serve LLM, req/s", q["req_per_s"], f">= {T.SERVE_VS_RSLLM_MIN:.2f}x (ahead)",
                 T.at_least(q["req_per_s"], T.SERVE_VS_RSLLM_MIN), bad=failed(row["ours"], row["rsllm"]))
+            if "direct" in row:  # the option `ingress: replica`: the same targets, for the record
+                d, dq = row["direct_vs_vllm"], row["direct_vs_rsllm"]
+                add("2 Serve layer", model, c, "ours, ingress: replica / vLLM server, req/s", d["req_per_s"],
+                    f">= {T.SERVE_VS_VLLM_MIN:.2f}x", T.at_least(d["req_per_s"], T.SERVE_VS_VLLM_MIN),
+                    bad=failed(row["direct"], row["vllm"]))
+                add("2 Serve layer", model, c, "ours, ingress: replica - vLLM server, p50 latency (ms)", d["p50_added_ms"],
+                    f"<= {T.SERVE_ADDED_P50_MS:.0f} ms", T.at_most(d["p50_added_ms"], T.SERVE_ADDED_P50_MS), "{:+.1f}",
+                    bad=failed(row["direct"], row["vllm"]))
+                add("2 Serve layer", model, c, "ours, ingress: replica / Ray Serve LLM, req/s", dq["req_per_s"],
+                    f">= {T.SERVE_VS_RSLLM_MIN:.2f}x (ahead)", T.at_least(dq["req_per_s"], T.SERVE_VS_RSLLM_MIN),
+                    bad=failed(row["direct"], row["rsllm"]))
         if "error" in sv:
             add("2 Serve layer", model, "-", "part failed", None, "-", "ERROR")
     pl = res.get("payload", {})
@@ -129,11 +140,18 @@ def part_tables(res: dict) -> list[tuple[str, list[str], list[list[str]]]]:
                              _f(rq["req_per_s"], "{:.3f}"), _f(qv["req_per_s"], "{:.3f}"),
                              f"{v['errors']}/{o['errors']}/{q['errors']}",
                              _f(max(x.get("not_ours_cores") or 0 for x in (v, o, q)))])
+                if "direct" in row:
+                    d = row["direct"]
+                    rows[-1] += [_f(d["req_per_s"]), _f(row["direct_vs_vllm"]["req_per_s"], "{:.3f}"),
+                                 _f(row["direct_vs_vllm"]["p50_added_ms"], "{:+.1f}"),
+                                 _f(row["direct_vs_ours"]["req_per_s"], "{:.3f}"), str(d["errors"])]
             out.append((f"Part 2, cost of the Serve layer — {model} (ours with hidden states off; targets: ours/vLLM >= 0.90x, "
                         f"+p50 <= 15 ms, ours/RSLLM >= 1.00x)",
                         ["conc", "vLLM req/s", "ours req/s", "RSLLM req/s", "ours/vLLM req/s", "per-round range", "ours/vLLM tok/s",
                          "ours-vLLM p50 ms", "ours-vLLM p99 ms", "ours/RSLLM req/s", "RSLLM/vLLM req/s", "errors v/o/r",
-                         "not-ours CPU (cores)"], rows))
+                         "not-ours CPU (cores)"]
+                        + (["direct req/s", "direct/vLLM req/s", "direct-vLLM p50 ms", "direct/ours req/s", "direct errors"]
+                           if any("direct" in row for row in sv["by_concurrency"].values()) else []), rows))
     pl = res.get("payload")
     if pl:
         rows = []
@@ -178,22 +196,26 @@ def _md_table(headers, rows) -> str:
                       *("| " + " | ".join(map(esc, r)) + " |" for r in rows)])
 
 
+ARM_LABELS = {"vllm": "vLLM server", "ours": "our app", "rsllm": "Ray Serve LLM", "direct": "our app, ingress: replica"}
+
+
 def _cpu_table(by_c: dict) -> list[str]:
     lines = []
     for c, row in by_c.items():
+        arms = [a for a in ("vllm", "ours", "rsllm", "direct") if a in row]
         roles = set()
-        for arm in ("vllm", "ours", "rsllm"):
+        for arm in arms:
             roles |= set(row[arm]["cpu_s_per_request"])
-        roles = sorted(roles, key=lambda k: -max(row[a]["cpu_s_per_request"].get(k, 0) for a in ("vllm", "ours", "rsllm")))
+        roles = sorted(roles, key=lambda k: -max(row[a]["cpu_s_per_request"].get(k, 0) for a in arms))
         rows = []
         for role in roles:
-            vals = [row[a]["cpu_s_per_request"].get(role, 0.0) * 1e3 for a in ("vllm", "ours", "rsllm")]
+            vals = [row[a]["cpu_s_per_request"].get(role, 0.0) * 1e3 for a in arms]
             if max(vals) < 0.5:
                 continue
             rows.append([role, *(f"{v:.1f}" for v in vals)])
-        rows.append(["**cores busy (all processes)**", *(_f(row[a]["cpu_busy_cores"]) for a in ("vllm", "ours", "rsllm"))])
+        rows.append(["**cores busy (all processes)**", *(_f(row[a]["cpu_busy_cores"]) for a in arms)])
         lines += [f"\nConcurrency {c}: CPU milliseconds per request, by process role, while each server was under load\n",
-                  _md_table(["role", "vLLM server", "our app", "Ray Serve LLM"], rows)]
+                  _md_table(["role", *(ARM_LABELS[a] for a in arms)], rows)]
         det = []
         for a, label in (("ours", "our app"), ("rsllm", "Ray Serve LLM")):
             d = row[a].get("ray_system_cpu_s_per_request") or {}
@@ -208,8 +230,10 @@ SERVE_ROLES = {
     "vllm": ("vllm: api server",),
     "ours": ("ours: router", "ours: replica", "serve: proxy", "serve: controller", "ray: system"),
     "rsllm": ("rsllm: ingress", "rsllm: server", "serve: proxy", "serve: controller", "ray: system"),
+    "direct": ("direct: replica", "serve: proxy", "serve: controller", "ray: system"),
 }
-ENGINE_ROLES = {"vllm": "vllm: engine", "ours": "ours: replica: engine", "rsllm": "rsllm: server: engine"}
+ENGINE_ROLES = {"vllm": "vllm: engine", "ours": "ours: replica: engine", "rsllm": "rsllm: server: engine",
+                "direct": "direct: replica: engine"}
 
 
 def serve_layer_lines(by_c: dict) -> list[str]:
@@ -217,7 +241,10 @@ def serve_layer_lines(by_c: dict) -> list[str]:
     lines = []
     for c, row in by_c.items():
         parts = []
-        for arm, label in (("vllm", "vLLM's server"), ("ours", "our app"), ("rsllm", "Ray Serve LLM")):
+        for arm, label in (("vllm", "vLLM's server"), ("ours", "our app"), ("rsllm", "Ray Serve LLM"),
+                           ("direct", "our app with `ingress: replica`")):
+            if arm not in row:
+                continue
             cpu = row[arm]["cpu_s_per_request"]
             layer = sum(cpu.get(k, 0.0) for k in SERVE_ROLES[arm]) * 1e3
             eng = cpu.get(ENGINE_ROLES[arm], 0.0) * 1e3
@@ -398,6 +425,9 @@ def plot(res: dict, path: Path) -> bool:
             ax.plot(cs, [bc[c]["ours_vs_vllm"]["req_per_s"] for c in cs], marker="o", label=f"{model}: ours / vLLM")
             ax.plot(cs, [bc[c]["ours_vs_rsllm"]["req_per_s"] for c in cs], marker="s", label=f"{model}: ours / Ray Serve LLM")
             ax.plot(cs, [bc[c]["rsllm_vs_vllm"]["req_per_s"] for c in cs], marker="^", ls=":", label=f"{model}: Ray Serve LLM / vLLM")
+            if all("direct" in bc[c] for c in cs):
+                ax.plot(cs, [bc[c]["direct_vs_vllm"]["req_per_s"] for c in cs], marker="D", ls="--",
+                        label=f"{model}: ours (ingress: replica) / vLLM")
     ax.axhline(T.SERVE_VS_VLLM_MIN, color="red", ls="--", lw=1, label="target ours/vLLM 0.90")
     ax.axhline(1.0, color="gray", ls=":", lw=1)
     ax.set_title("2. Serve layer: throughput ratio (req/s)")

@@ -136,10 +136,11 @@ class ServeApps:
     """`serve run CONFIG` with our app and/or Ray Serve LLM on one Ray cluster."""
 
     def __init__(self, cluster: RayCluster, model_path: str, model_name: str, engine: dict[str, Any],
-                 ours: bool, rsllm: bool, tag: str):
+                 ours: bool, rsllm: bool, tag: str, direct: bool = False):
         self.cluster = cluster
         self.model_path, self.model_name, self.engine = model_path, model_name, engine
         self.with_ours, self.with_rsllm, self.tag = ours, rsllm, tag
+        self.with_direct = ours and direct   # a second copy of our app with `ingress: replica`
         self.http_port = free_port(8310)
         self.base = f"http://127.0.0.1:{self.http_port}"
         self.proc: Proc | None = None
@@ -157,6 +158,8 @@ class ServeApps:
             args["enable_return_hidden_states"] = True
             app.update(name="hidden-states", route_prefix="/", args=args)
             apps.append(app)
+            if self.with_direct:
+                apps.append(dict(app, name="hs-direct", route_prefix="/direct", args=dict(args, ingress="replica")))
         if self.with_rsllm:
             env = dict(ENGINE_ENV)
             env["PYTHONPATH"] = f"{ROOT}:{EXTRA}"   # pyarrow only for this app's processes
@@ -191,6 +194,8 @@ class ServeApps:
             checks.append(lambda: http_ok(f"{self.base}/health") and smoke(f"{self.base}/v1/completions", self.model_name))
         if self.with_rsllm:
             checks.append(lambda: smoke(f"{self.base}/rsllm/v1/completions", self.model_name))
+        if self.with_direct:
+            checks.append(lambda: smoke(f"{self.base}/direct/v1/completions", self.model_name))
         done = [False] * len(checks)
 
         def ready() -> bool:
@@ -209,6 +214,10 @@ class ServeApps:
                                    stats_url=f"{self.base}/debug/stats", supports_hidden_states=True)
         if self.with_rsllm:
             out["rsllm"] = Endpoint("rsllm", "Ray Serve LLM", f"{self.base}/rsllm/v1/completions", self.model_name)
+        if self.with_direct:
+            out["direct"] = Endpoint("direct", "our app, ingress: replica", f"{self.base}/direct/v1/completions",
+                                     self.model_name, stats_url=f"{self.base}/direct/debug/stats",
+                                     supports_hidden_states=True)
         return out
 
     def stop(self) -> list[int]:

@@ -1,6 +1,7 @@
 """The Serve application: `serve run config.yaml` -> build_app(args).
 
     request -> Router (HTTP ingress) -> EngineReplica (vLLM + extraction step) -> Router -> response
+    request -> EngineReplica (HTTP ingress, vLLM + extraction step) -> response      (`ingress: replica`)
 """
 
 from __future__ import annotations
@@ -8,15 +9,20 @@ from __future__ import annotations
 from ray.serve import Application
 
 from deployments.config import AppArgs
-from deployments.replica import EngineReplica
+from deployments.replica import EngineReplicaDeployment, IngressEngineReplicaDeployment
 from deployments.router import Router
 
 
 def build_app(args: dict | None = None) -> Application:
     cfg = AppArgs.model_validate(args or {})
     plain = cfg.model_dump(mode="json")
-    replica = EngineReplica.options(**cfg.replica_options()).bind(plain)
+    logging_config = {"enable_access_log": cfg.access_log}
+    deployment = IngressEngineReplicaDeployment if cfg.ingress == "replica" else EngineReplicaDeployment
+    replica = deployment.options(**cfg.replica_options(), logging_config=logging_config).bind(plain)
+    if cfg.ingress == "replica":
+        return replica
     return Router.options(
         autoscaling_config=cfg.router_autoscaling.model_dump(exclude_none=True),
-        ray_actor_options={"num_cpus": 0},
+        ray_actor_options={"num_cpus": 0, "runtime_env": {"env_vars": dict(cfg.serve_env)}},
+        logging_config=logging_config,
     ).bind(replica, plain)

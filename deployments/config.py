@@ -40,10 +40,15 @@ class AppArgs(BaseModel):
     accelerator: Literal["auto", "cpu", "gpu"] = "auto"
     enable_return_hidden_states: bool = True
     extraction_timeout_s: float = Field(60.0, gt=0)
+    prefault_kv_cache: bool = Field(
+        True, description="CPU engines: map the whole KV cache at start, so memory does not grow under load")
     request_timeout_s: float = Field(600.0, gt=0, description="a request still unanswered after this gets a 504")
     api_key: str | None = Field(None, description="when set, every /v1 route needs Authorization: Bearer KEY")
     max_request_body_bytes: int = Field(4 * 1024 * 1024, gt=0)
     max_n: int = Field(16, ge=1, description="the largest `n` a request may ask for")
+    ingress: Literal["router", "replica"] = Field(
+        "router", description="who takes HTTP: a Router deployment in front of the replicas (retries a request "
+                              "whose replica died before answering), or the replicas themselves (one hop fewer)")
     replica_max_ongoing_requests: int = Field(
         256, ge=1, description="requests a replica takes at once: vLLM batches them (Serve's default, 5, starves it)")
     replica_max_per_node: int | None = Field(None, ge=1, description="Serve's max_replicas_per_node")
@@ -51,6 +56,12 @@ class AppArgs(BaseModel):
     replica_autoscaling: AutoscalingConfig = Field(default_factory=AutoscalingConfig)
     router_autoscaling: AutoscalingConfig = Field(default_factory=AutoscalingConfig)
     replica_env: dict[str, str] = Field(default_factory=dict, description="extra env vars for engine replicas")
+    serve_env: dict[str, str] = Field(
+        default_factory=lambda: {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"},
+        description="Ray Serve's per-process switches for the router and the replicas (read when a replica "
+                    "starts); the default runs our async code on the replica's own event loop, saving a "
+                    "thread hop per request")
+    access_log: bool = Field(False, description="Serve's per-request access log lines (a few ms of CPU per request)")
 
     @property
     def model_name(self) -> str:
@@ -74,7 +85,7 @@ class AppArgs(BaseModel):
     def replica_options(self) -> dict[str, Any]:
         """Ray resources for one engine replica, from the engine's parallelism."""
         tp = int(self.engine.get("tensor_parallel_size", 1))
-        env = dict(self.replica_env)
+        env = self.serve_env | self.replica_env
         opts: dict[str, Any] = {
             "autoscaling_config": self.replica_autoscaling.model_dump(exclude_none=True),
             "max_ongoing_requests": self.replica_max_ongoing_requests,

@@ -122,7 +122,7 @@ class OpenAIFrontend:
                 choice["hidden_states_by_layer"] = {str(layer): encode_vector(v, enc) for layer, v in vecs.items()}
             meta = {"position": collector.position, "replica": self.replica_id}
             if (st := collector.stats.get(key)) is not None:
-                meta.update(tokens=st.tokens, cached_tokens=st.cached_tokens)
+                meta.update(tokens=st.tokens, cached_tokens=st.cached_tokens, extraction_seconds=round(st.seconds, 6))
             choice["hidden_states_meta"] = meta
 
         try:
@@ -149,10 +149,12 @@ class OpenAIFrontend:
                 yield result.error.code, result.model_dump_json().encode()
                 return
             if not hasattr(result, "__aiter__"):
+                if collector is None:
+                    yield 200, result.model_dump_json().encode()
+                    return
                 payload = result.model_dump()
-                if collector is not None:
-                    for choice in payload["choices"]:
-                        inject(choice)
+                for choice in payload["choices"]:
+                    inject(choice)
                 yield 200, json.dumps(payload, separators=(",", ":")).encode()
                 return
             yield 200, b""

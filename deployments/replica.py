@@ -5,10 +5,16 @@ so the extraction step of every choice runs on the engine that generated it:
 locality by construction, with no second hop through the router. Serve's
 health check calls `check_health`, which fails once the engine has died, so
 Serve replaces the replica.
+
+Requests arrive from the Router (`openai`, `openai_unary`), from Python
+handles (`complete`), or, with `ingress: replica`, as HTTP straight from
+Serve's proxy (the routes below, with the same checks as the Router's): one
+hop fewer, at the price of the Router's retry of a request whose replica died.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -16,18 +22,32 @@ import uuid
 from collections.abc import AsyncIterator
 
 import numpy as np
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 
-from deployments import wire
+from deployments import http, wire
 from deployments.config import AppArgs
 from deployments.openai_serving import OpenAIFrontend, error_body
-from deployments.wire import HandleChoice, HandleCompletion, HandleError, HandleReply, ResponseHead
+from deployments.wire import HandleChoice, HandleCompletion, HandleError, HandleReply, Reply, ResponseHead
 from hidden_states.engine import HiddenStatesEngine
 
 logger = logging.getLogger(__name__)
 
+app = FastAPI(title="hidden-states-serve", description="OpenAI-compatible completions with final-token hidden states")
 
-@serve.deployment(health_check_period_s=5, health_check_timeout_s=30, graceful_shutdown_timeout_s=10)
+TIMED_OUT = "the request timed out (request_timeout_s) waiting for the engine"
+
+
+async def _until(parts: AsyncIterator, deadline: float) -> AsyncIterator:
+    while True:
+        try:
+            async with asyncio.timeout_at(deadline):
+                yield await anext(parts)
+        except StopAsyncIteration:
+            return
+
+
 class EngineReplica:
     async def __init__(self, args: dict):
         self.args = AppArgs.model_validate(args)
@@ -40,9 +60,11 @@ class EngineReplica:
             self.args.model,
             enable_return_hidden_states=self.args.enable_return_hidden_states,
             extraction_timeout_s=self.args.extraction_timeout_s,
+            prefault_kv_cache=self.args.prefault_kv_cache,
             **self.args.engine_args(),
         )
         self.requests = 0  # OpenAI requests that reached this replica
+        self.pending = self.served = self.failed = 0  # HTTP requests, when this replica is the ingress
         self.frontend = await OpenAIFrontend.create(self.engine, self.args.model_name, self.replica_id)
         logger.info("replica %s ready (pid %d)", self.replica_id, os.getpid())
 
@@ -65,12 +87,91 @@ class EngineReplica:
             else:
                 yield part
 
+    async def openai_unary(self, route: str, body: bytes) -> bytes:
+        """A whole answer in one `Reply`: for non-streaming requests, one return
+        value instead of a generator's frames (Ray reports each item separately)."""
+        frames = self.openai(route, body)
+        head = wire.HEAD_DECODER.decode(await anext(frames))
+        parts = [p async for p in frames]
+        return wire.ENCODER.encode(Reply(head, b"".join(parts)))
+
+    # -- HTTP, when this replica is the ingress (`ingress: replica`) ----------
+
+    @app.get("/health")
+    async def health(self) -> Response:
+        return Response(status_code=200)
+
+    @app.get("/v1/models")
+    async def models(self, request: Request) -> Response:
+        return http.models(self.args, request)
+
+    @app.post("/v1/completions", openapi_extra=http.openapi_body(http.CompletionBody))
+    async def http_completions(self, request: Request) -> Response:
+        return await self._serve_http("completions", request)
+
+    @app.post("/v1/chat/completions", openapi_extra=http.openapi_body(http.ChatBody))
+    async def http_chat_completions(self, request: Request) -> Response:
+        return await self._serve_http("chat", request)
+
+    @app.get("/debug/stats")
+    async def debug_stats(self, request: Request) -> Response:
+        if (denied := http.auth(self.args, request)) is not None:
+            return denied
+        ingress = {"kind": "replica", "pending": self.pending, "served": self.served, "failed": self.failed}
+        return JSONResponse({"ingress": ingress, "replica": json.loads(await self.stats())})
+
+    async def _serve_http(self, route: str, request: Request) -> Response:
+        admitted = await http.admit(self.args, request)
+        if isinstance(admitted, Response):
+            return admitted
+        body, _ = admitted
+        self.requests += 1
+        self.pending += 1
+        deadline = asyncio.get_running_loop().time() + self.args.request_timeout_s
+        parts = self.frontend.handle(route, body)
+        headers = {"x-replica-id": self.replica_id}
+        try:
+            async with asyncio.timeout_at(deadline):
+                status, payload = await anext(parts)
+                if payload:
+                    await parts.aclose()
+                    self._finish(status < 500)
+                    return Response(payload, status_code=status, media_type="application/json", headers=headers)
+        except TimeoutError:
+            await parts.aclose()
+            self._finish(False)
+            return http.error(504, TIMED_OUT)
+        return StreamingResponse(self._relay(parts, deadline), media_type="text/event-stream", headers=headers)
+
+    async def _relay(self, parts: AsyncIterator[bytes], deadline: float) -> AsyncIterator[bytes]:
+        ok = False
+        try:
+            async for chunk in _until(parts, deadline):
+                yield chunk
+            ok = True
+        except TimeoutError:
+            yield b"data: " + error_body(TIMED_OUT, 504) + b"\n\n"
+        finally:
+            await parts.aclose()
+            self._finish(ok)
+
+    def _finish(self, ok: bool) -> None:
+        self.pending -= 1
+        if ok:
+            self.served += 1
+        else:
+            self.failed += 1
+
+    # -- Python handles -------------------------------------------------------
+
     async def complete(self, request: bytes) -> bytes:
         """The Python-handle route: HandleCompletionRequest bytes -> HandleReply bytes."""
         from vllm import SamplingParams
 
         try:
             req = wire.REQUEST_DECODER.decode(request)
+            if (refused := http.handle_refusal(self.args, req)) is not None:
+                return wire.ENCODER.encode(HandleReply(error=refused))
             params = SamplingParams(
                 n=req.n, max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
                 seed=req.seed, stop=req.stop or None,
@@ -104,6 +205,9 @@ class EngineReplica:
         s["replica"] = self.replica_id
         s["requests"] = self.requests
         s["pid"] = os.getpid()
+        from ray.serve._private import constants  # shows whether `serve_env` reached this process
+
+        s["serve_user_code_in_separate_thread"] = bool(constants.RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD)
         return json.dumps(s).encode()
 
     async def check_health(self) -> None:
@@ -117,3 +221,10 @@ class EngineReplica:
                 engine.shutdown()
             except Exception:
                 pass
+
+
+# Serve allows one FastAPI ingress per application, so the HTTP routes above are
+# attached only in the deployment that takes HTTP; both are named EngineReplica.
+_OPTIONS = dict(name="EngineReplica", health_check_period_s=5, health_check_timeout_s=30, graceful_shutdown_timeout_s=10)
+EngineReplicaDeployment = serve.deployment(**_OPTIONS)(EngineReplica)
+IngressEngineReplicaDeployment = serve.deployment(**_OPTIONS)(serve.ingress(app)(EngineReplica))

@@ -1,8 +1,9 @@
 """What travels between Ray processes: msgspec structs as bytes, never pickled objects.
 
 Ray carries the bytes; our code never hands it a Python object to pickle.
-- Router -> replica: the raw HTTP body; replica -> router: a `ResponseHead`
-  frame, then body chunks (bytes) on a streaming handle.
+- Router -> replica: the raw HTTP body. Replica -> router: for a streaming
+  request a `ResponseHead` frame, then SSE chunks (bytes) on a streaming
+  handle; otherwise one `Reply` (head and body) on a plain call.
 - Python handle callers (`deployments.client`) <-> router <-> replica:
   `HandleCompletionRequest` / `HandleCompletion`.
 """
@@ -16,6 +17,11 @@ class ResponseHead(msgspec.Struct, array_like=True, gc=False):
     status: int
     media_type: str
     replica: str
+
+
+class Reply(msgspec.Struct, array_like=True, gc=False):
+    head: ResponseHead
+    body: bytes
 
 
 class HandleCompletionRequest(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
@@ -60,5 +66,6 @@ class HandleReply(msgspec.Struct, array_like=True, gc=False):
 
 ENCODER = msgspec.msgpack.Encoder()
 HEAD_DECODER = msgspec.msgpack.Decoder(ResponseHead)
+REPLY_BODY_DECODER = msgspec.msgpack.Decoder(Reply)
 REQUEST_DECODER = msgspec.msgpack.Decoder(HandleCompletionRequest)
 REPLY_DECODER = msgspec.msgpack.Decoder(HandleReply)

@@ -14,7 +14,9 @@ prefill-only request of those token ids (max one token) flagged with a key;
 the runner hook (vllm_patch) sends that row over the side channel; we wait for
 the key with a timeout. On the engine that just generated the choice the
 prefix cache holds all but the last block, so the step recomputes under one
-block of tokens.
+block of tokens (32 on CPU by default). It is scheduled ahead of waiting
+generation (vLLM's priority policy, priority -1), so it does not queue behind
+the batch's new prompts.
 
 Two ways in, one path:
 - `generate()/complete()/extract()` for Python callers;
@@ -56,6 +58,18 @@ class HiddenStatesRequestError(ValueError):
 
 
 POSITIONS = ("completion_end", "prompt_end")
+
+# Defaults start() gives the engine when hidden states are on (an explicit
+# engine argument wins). vLLM's CPU backend defaults to 128-token blocks, so the
+# step would recompute up to 128 tokens; its attention takes multiples of 32.
+CPU_EXTRACTION_BLOCK_SIZE = 32
+EXTRACTION_PRIORITY = -1  # lower runs first under vLLM's priority policy; requests default to 0
+
+
+def _on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,6 +201,7 @@ class HiddenStatesEngine:
         self.extractions = 0
         self.extraction_tokens = 0
         self.extraction_cached_tokens = 0
+        self.extraction_priority = 0  # set by start(): vLLM refuses priorities under its fcfs policy
 
     @property
     def enabled(self) -> bool:
@@ -200,6 +215,7 @@ class HiddenStatesEngine:
         enable_return_hidden_states: bool = True,
         extraction_timeout_s: float = 60.0,
         install_timeout_s: float = 120.0,
+        prefault_kv_cache: bool = True,
         **engine_args: Any,
     ) -> "HiddenStatesEngine":
         check_vllm_version()
@@ -208,11 +224,19 @@ class HiddenStatesEngine:
 
         engine_args.setdefault("enable_prefix_caching", True)
         if enable_return_hidden_states:
-            engine_args["worker_extension_cls"] = WORKER_EXTENSION
+            # The extraction step is one short prefill that a client is waiting on:
+            # it goes ahead of queued generation (priority -1), and smaller blocks
+            # bound what it recomputes (prefix caching matches whole blocks only).
+            engine_args.setdefault("scheduling_policy", "priority")
+            if _on_cpu():
+                engine_args.setdefault("block_size", CPU_EXTRACTION_BLOCK_SIZE)
+        engine_args["worker_extension_cls"] = WORKER_EXTENSION
         args = AsyncEngineArgs(model=resolve_model(model), **engine_args)
         llm = _make_async_llm_class().from_engine_args(args)
         receiver = None
         try:
+            if prefault_kv_cache and _on_cpu():  # resident memory flat from the start (vllm_patch point 6)
+                await llm.collective_rpc("hidden_states_prefault_kv_cache", timeout=install_timeout_s)
             if enable_return_hidden_states:
                 receiver = HiddenStatesReceiver()
                 receiver.start()
@@ -224,6 +248,7 @@ class HiddenStatesEngine:
                 receiver.close()
             raise
         engine = cls(llm, receiver, extraction_timeout_s)
+        engine.extraction_priority = EXTRACTION_PRIORITY if llm.vllm_config.scheduler_config.policy == "priority" else 0
         llm.hidden_states = engine
         return engine
 
@@ -340,7 +365,8 @@ class HiddenStatesEngine:
         try:
             async with asyncio.timeout(self.extraction_timeout_s):
                 # AsyncLLM.generate, not ours: an extraction never triggers another.
-                async for out in AsyncLLM.generate(self.llm, TokensPrompt(prompt_token_ids=list(token_ids)), params, f"hs-{key}"):
+                async for out in AsyncLLM.generate(self.llm, TokensPrompt(prompt_token_ids=list(token_ids)), params, f"hs-{key}",
+                                                  priority=self.extraction_priority):
                     cached = out.num_cached_tokens or 0
             results = await self.receiver.wait(key, max(0.0, deadline - time.perf_counter()))
         except TimeoutError:  # HiddenStatesTimeout included: one message with the configured bound

@@ -41,6 +41,12 @@ Ledger of patched points (supported: vLLM {SUPPORTED}):
    instance; the generator state saved before sampling is restored instead and
    the generator is hidden from the offset rewind. Remove when vLLM's CPU
    runner rewinds CPU generators itself.
+6. CPU only, optional (`prefault_kv_cache`): `GPUModelRunner.kv_caches` is
+   read to write every KV-cache page once at start-up (read only, not
+   patched). Why: the CPU KV cache is allocated zeroed, so the kernel maps its
+   pages lazily and a replica's resident memory grows under load until every
+   block has been used: a replica that fits at start can be OOM-killed later.
+   Remove when vLLM's CPU worker pre-faults its KV cache.
 """
 
 from __future__ import annotations
@@ -248,6 +254,27 @@ class HiddenStatesWorkerExtension:
             _patch_cpu_generator_rewind(runner)
         logger.info("hidden-states hook installed on %s (sending=%s)", type(runner).__name__, send)
         return True
+
+    def hidden_states_prefault_kv_cache(self) -> int:
+        """Ledger point 6: write every KV-cache page once; returns the bytes touched."""
+        runner = getattr(self, "model_runner", None)
+        _require(runner is not None and hasattr(runner, "kv_caches"), "GPUModelRunner.kv_caches")
+        if getattr(runner, "device", None) is None or runner.device.type != "cpu":
+            return 0
+        touched, seen = 0, set()
+        stack = list(runner.kv_caches)
+        while stack:
+            t = stack.pop()
+            if isinstance(t, (list, tuple)):
+                stack.extend(t)
+                continue
+            if t is None or t.data_ptr() in seen:
+                continue
+            seen.add(t.data_ptr())
+            t.zero_()  # the cache holds nothing yet: zeroing only maps the pages
+            touched += t.numel() * t.element_size()
+        logger.info("KV cache pre-faulted: %.1f MiB", touched / 2**20)
+        return touched
 
     def hidden_states_stats(self) -> dict:
         hook = getattr(getattr(self, "model_runner", None), "_hidden_states_hook", None)

@@ -348,7 +348,7 @@ def test_replicas_on_both_nodes_serve_vectors(mn, reference):
     by_node = {("head" if reps[k]["node"] == mn.head_id else "worker"): v for k, v in seen.items()}
     print(f"\n[multinode] 1: {checked} vectors checked; requests by node {by_node}")
     stats = httpx.get(f"{mn.base}/debug/stats", timeout=60).json()
-    assert stats["router"]["pending"] == 0 and stats["replica"]["pid"] in {r["pid"] for r in reps.values()}
+    assert stats["ingress"]["pending"] == 0 and stats["replica"]["pid"] in {r["pid"] for r in reps.values()}
 
 
 # -- 2. removing the worker node: its replica is rescheduled, requests go on ----------
@@ -452,7 +452,7 @@ def test_autoscaling_adds_and_removes_a_replica(mn, reference):
     seen = [c for _, c in counts]
     assert max(seen) == expected and seen[-1] == MIN_REPLICAS
     stats = httpx.get(f"{mn.base}/debug/stats", timeout=60).json()
-    assert stats["router"]["pending"] == 0
+    assert stats["ingress"]["pending"] == 0
     placement = {k: ("head" if v["node"] == mn.head_id else "worker2") for k, v in mn.replicas().items()}
     print(f"\n[multinode] 3: {len(results)} requests under load ({LOAD_THREADS} concurrent), {checked} vectors checked; "
           f"replicas {MIN_REPLICAS} -> {max(seen)} after {t_up - t_load:.0f}s of load, -> {seen[-1]} "

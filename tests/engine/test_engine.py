@@ -28,10 +28,12 @@ def engine(loop_thread):
 
 @pytest.fixture(scope="module")
 def plain_engine(loop_thread, engine):
-    """The same engine arguments, hidden states off: no worker extension, no hook."""
+    """The same engine arguments (the block size and scheduling policy the hidden-states
+    engine defaults to, made explicit), hidden states off: no hook."""
     from hidden_states.engine import HiddenStatesEngine
 
-    eng = loop_thread.run(HiddenStatesEngine.start(enable_return_hidden_states=False, **TEST_ENGINE_ARGS))
+    eng = loop_thread.run(HiddenStatesEngine.start(enable_return_hidden_states=False, block_size=32,
+                                                   scheduling_policy="priority", **TEST_ENGINE_ARGS))
     yield eng
     eng.shutdown()
 
@@ -76,7 +78,8 @@ def test_long_prompt_spans_blocks_and_chunks_and_hits_prefix_cache(engine, loop_
     reference.assert_matches(c.prompt_token_ids + choice.token_ids, choice.hidden_states)
     # The extraction step right after the completion reads the prefix cache.
     assert choice.extraction.tokens == total
-    assert choice.extraction.cached_tokens >= total - block, choice.extraction
+    assert block == 32  # HiddenStatesEngine's CPU default: the step recomputes at most 32 tokens
+    assert total - block <= choice.extraction.cached_tokens < total, choice.extraction
 
 
 def test_n2_one_vector_per_choice(engine, loop_thread, reference):
@@ -148,6 +151,26 @@ def test_disabled_engine_refuses_clearly(plain_engine, loop_thread):
 
     with pytest.raises(HiddenStatesDisabledError, match="enable_return_hidden_states"):
         loop_thread.run(plain_engine.complete(PROMPTS[0], sp()))
+
+
+def test_engine_defaults_for_the_extraction_step(engine, plain_engine):
+    assert engine.llm.vllm_config.scheduler_config.policy == "priority"
+    assert engine.extraction_priority < 0  # ahead of generation, which vLLM gives priority 0
+    assert engine.llm.vllm_config.cache_config.block_size == 32
+
+
+def test_kv_cache_is_resident_from_the_start(engine, plain_engine):
+    """prefault_kv_cache (default): the worker process (which holds the weights and the
+    KV cache) is at its whole memory share (gpu_memory_utilization of RAM on CPU)
+    before any load, so it does not grow under load. Without it the zeroed KV pages
+    stay unmapped: about 0.6 of 1.9 GiB here."""
+    import psutil
+
+    share = TEST_ENGINE_ARGS["gpu_memory_utilization"] * psutil.virtual_memory().total
+    workers = [p for p in psutil.Process().children(recursive=True) if "VLLM::Worker" in " ".join(p.cmdline() or [p.name()])]
+    assert len(workers) >= 2, workers  # engine and plain_engine
+    for p in workers:
+        assert p.memory_info().rss >= 0.8 * share, (p, p.memory_info().rss / 2**20, share / 2**20)
 
 
 def test_zz_nothing_left_behind(engine, loop_thread):

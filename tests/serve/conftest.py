@@ -70,7 +70,8 @@ def app_args(**over) -> dict:
 
 @pytest.fixture(scope="session")
 def serve_app(ray_cluster):
-    """Two engine replicas with hidden states on; an app with them off; a guarded app."""
+    """Two engine replicas with hidden states on; an app with them off (both behind a
+    Router); a guarded app whose replica is its own HTTP ingress (`ingress: replica`)."""
     from ray import serve
 
     from deployments.app import build_app
@@ -82,7 +83,7 @@ def serve_app(ray_cluster):
         name="hs-off", route_prefix="/off", blocking=False,
     )
     serve.run(
-        build_app(app_args(api_key=API_KEY, max_request_body_bytes=64 * 1024, request_timeout_s=60,
+        build_app(app_args(ingress="replica", api_key=API_KEY, max_request_body_bytes=64 * 1024, request_timeout_s=60,
                            extraction_timeout_s=20, replica_autoscaling={"min_replicas": 1, "max_replicas": 1})),
         name="hs-guarded", route_prefix=GUARDED, blocking=False,
     )

@@ -136,7 +136,9 @@ def test_two_replicas_extraction_is_local_and_cached(serve_app, reference):
         total = len(c["prompt_token_ids"]) + len(c["token_ids"])
         assert meta["replica"] == replica  # extraction ran where the choice was generated
         assert meta["tokens"] == total
-        assert meta["cached_tokens"] >= total - 128, meta  # and read that replica's prefix cache
+        # and read that replica's prefix cache: at most one 32-token block recomputed (the CPU default)
+        assert total - 32 <= meta["cached_tokens"] < total, meta
+        assert 0 < meta["extraction_seconds"] < 60, meta
         replicas.add(replica)
         reference.assert_matches(c["prompt_token_ids"] + c["token_ids"], decode_vector(c["hidden_states"]))
     assert len(replicas) == 2, f"expected both replicas to serve, saw {replicas}"
@@ -174,7 +176,7 @@ def test_handle_from_second_driver_matches_http(serve_app, ray_cluster, referenc
 def test_router_left_nothing_pending(serve_app, client):
     client.completions.create(model="tiny-llama", prompt="flush", max_tokens=2)
     stats = replica_stats(serve_app)
-    assert stats["router"]["pending"] == 0 and stats["router"]["failed"] == 0
+    assert stats["ingress"]["pending"] == 0 and stats["ingress"]["failed"] == 0
     assert stats["replica"]["pending"] == 0 and stats["replica"]["unclaimed_results"] == 0
 
 

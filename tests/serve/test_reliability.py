@@ -71,7 +71,7 @@ def test_64_concurrent_mixed_requests_no_mixups(serve_app, reference):
             checked += 1
     assert checked >= 64 + 16
     stats = replica_stats(serve_app)
-    assert stats["router"]["pending"] == 0
+    assert stats["ingress"]["pending"] == 0
 
 
 # -- 4. bad input ---------------------------------------------------------------
@@ -168,6 +168,37 @@ def test_api_key_required_and_no_engine_work_without_it(serve_app):
     assert httpx.get(f"{base}/health", timeout=30).status_code == 200  # health stays open for probes
 
 
+# -- the replica as its own ingress (`ingress: replica`: the guarded app) ----------
+
+def test_replica_ingress_serves_checks_and_streams(serve_app, reference):
+    base = f"{serve_app}{GUARDED}"
+    good = {"authorization": f"Bearer {API_KEY}"}
+    stats = replica_stats(base, good)
+    assert stats["ingress"]["kind"] == "replica"
+    assert stats["replica"]["serve_user_code_in_separate_thread"] is False  # serve_env reached the replica
+    assert_openai_error(post(base, "/v1/completions", {"model": "gpt-4", "prompt": "x"}, good), 404, "tiny-llama")
+    assert_openai_error(post(base, "/v1/completions", {"prompt": "x", "n": 99}, good), 400, "n must be")
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key=API_KEY, timeout=120, max_retries=0)
+    r = client.completions.with_raw_response.create(model="tiny-llama", prompt=long_text(60, seed=8), max_tokens=12,
+                                                    extra_body=HS)
+    assert r.headers["x-replica-id"] == stats["replica"]["replica"]
+    (c,) = r.parse().choices
+    reference.assert_matches(c.prompt_token_ids + c.token_ids, decode_vector(c.hidden_states))
+    stream = client.completions.create(model="tiny-llama", prompt=long_text(40, seed=9), max_tokens=8, stream=True,
+                                       extra_body={**HS, "hidden_states_encoding": "base64"})
+    tokens, vector, prompt_ids = [], None, None
+    for chunk in stream:
+        for ch in chunk.choices:
+            extra = ch.model_extra or {}
+            prompt_ids = extra.get("prompt_token_ids") or prompt_ids
+            tokens += extra.get("token_ids") or []
+            if ch.finish_reason is not None:
+                vector = extra["hidden_states"]
+    assert vector is not None and prompt_ids
+    reference.assert_matches(prompt_ids + tokens, decode_vector(vector))
+    assert replica_stats(base, good)["ingress"]["pending"] == 0
+
+
 # -- 2. engine faults (last: it kills the guarded app's engine) -------------------
 
 def _engine_core_pids(replica_pid: int) -> list[int]:
@@ -229,4 +260,4 @@ def test_zz_engine_killed_mid_request(serve_app):
     client = openai.OpenAI(base_url=f"{base}/v1", api_key=API_KEY, timeout=120, max_retries=0)
     r = client.completions.create(model="tiny-llama", prompt="after the fault", max_tokens=4, extra_body=HS)
     assert len(r.choices[0].hidden_states) == 128
-    assert replica_stats(base, good)["router"]["pending"] == 0
+    assert replica_stats(base, good)["ingress"]["pending"] == 0

@@ -1,0 +1,146 @@
+"""The HTTP surface both ingresses share: request models, cheap checks, OpenAI-style errors.
+
+Whichever deployment takes HTTP (the Router by default, the EngineReplica with
+`ingress: replica`) authenticates, bounds the body and refuses what the server
+cannot do here, before any engine work. Module-level only: Serve serializes a
+deployment class when its decorator runs, capturing only names defined by then.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Literal
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, Field
+
+from deployments.config import AppArgs
+from deployments.openai_serving import error_body
+from deployments.wire import HandleCompletionRequest, HandleError
+
+HS_DISABLED = (
+    "hidden states are disabled on this server: set `enable_return_hidden_states: true` "
+    "in the app's args (config.yaml: applications[0].args) and redeploy"
+)
+
+
+class _Body(BaseModel):
+    """The request fields this server adds or checks itself; every other field
+    of vLLM's OpenAI API is accepted too (the replica validates the whole body)."""
+
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=0)
+    n: int | None = Field(1, ge=1)
+    temperature: float | None = Field(None, ge=0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool | None = False
+    logprobs: int | None = None
+    return_hidden_states: bool = False
+    hidden_states_encoding: Literal["float", "base64"] = "float"
+    return_token_ids: bool | None = None
+    hidden_states_layers: list[int] | None = None
+    hidden_states_position: Literal["completion_end", "prompt_end"] = "completion_end"
+
+
+class CompletionBody(_Body):
+    prompt: str | list[str] | list[int] | list[list[int]]
+
+
+class ChatBody(_Body):
+    messages: list[dict[str, str]] = Field(min_length=1)
+
+
+def openapi_body(model: type[BaseModel]) -> dict:
+    # Request bodies are read raw (forwarded as bytes), so document them explicitly.
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": model.model_json_schema()}}}}
+
+
+def error(status: int, message: str, param: str | None = None) -> Response:
+    return Response(error_body(message, status, param=param), status_code=status, media_type="application/json")
+
+
+def auth(args: AppArgs, request: Request) -> Response | None:
+    if args.api_key is None:
+        return None
+    if request.headers.get("authorization", "") != f"Bearer {args.api_key}":
+        return error(401, "invalid or missing API key: send Authorization: Bearer <key>")
+    return None
+
+
+async def read_body(args: AppArgs, request: Request) -> bytes | Response:
+    limit = args.max_request_body_bytes
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        return error(413, f"request body of {declared} bytes exceeds the limit of {limit} bytes")
+    body = bytearray()
+    async for part in request.stream():
+        body += part
+        if len(body) > limit:
+            return error(413, f"request body exceeds the limit of {limit} bytes")
+    return bytes(body)
+
+
+def check(args: AppArgs, body: bytes) -> Response | dict:
+    """The parsed body, or the refusal."""
+    try:
+        req = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as e:
+        return error(400, f"request body is not valid JSON: {e}")
+    if not isinstance(req, dict):
+        return error(400, "request body must be a JSON object")
+    model = req.get("model")
+    if model is not None and model != args.model_name:
+        return error(404, f"the model `{model}` does not exist; this server serves `{args.model_name}`", "model")
+    hs = req.get("return_hidden_states", False)
+    if not isinstance(hs, bool):
+        return error(400, "return_hidden_states must be a boolean", "return_hidden_states")
+    if hs and not args.enable_return_hidden_states:
+        return error(400, HS_DISABLED, "return_hidden_states")
+    enc = req.get("hidden_states_encoding", "float")
+    if enc not in ("float", "base64"):
+        return error(400, f"hidden_states_encoding must be 'float' or 'base64', not {enc!r}", "hidden_states_encoding")
+    layers = req.get("hidden_states_layers")
+    if layers is not None and (not isinstance(layers, list) or not layers
+                               or not all(isinstance(x, int) and not isinstance(x, bool) for x in layers)):
+        return error(400, "hidden_states_layers must be a non-empty list of integers (-1 = last layer)", "hidden_states_layers")
+    position = req.get("hidden_states_position", "completion_end")
+    if position not in ("completion_end", "prompt_end"):
+        return error(400, f"hidden_states_position must be 'completion_end' or 'prompt_end', not {position!r}",
+                     "hidden_states_position")
+    n = req.get("n", 1)
+    if n is not None and (not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= args.max_n):
+        return error(400, f"n must be an integer from 1 to {args.max_n}", "n")
+    return req
+
+
+async def admit(args: AppArgs, request: Request) -> tuple[bytes, dict] | Response:
+    """auth, body limit, checks: (raw body, parsed body) or the refusal."""
+    if (denied := auth(args, request)) is not None:
+        return denied
+    body = await read_body(args, request)
+    if isinstance(body, Response):
+        return body
+    req = check(args, body)
+    if isinstance(req, Response):
+        return req
+    return body, req
+
+
+def models(args: AppArgs, request: Request) -> Response:
+    if (denied := auth(args, request)) is not None:
+        return denied
+    return JSONResponse({"object": "list", "data": [
+        {"id": args.model_name, "object": "model", "created": 0, "owned_by": "hidden-states-serve"}
+    ]})
+
+
+def handle_refusal(args: AppArgs, req: HandleCompletionRequest) -> HandleError | None:
+    """The same checks for Python-handle requests (`deployments.client`)."""
+    if req.return_hidden_states and not args.enable_return_hidden_states:
+        return HandleError(400, HS_DISABLED)
+    if not 1 <= req.n <= args.max_n:
+        return HandleError(400, f"n must be from 1 to {args.max_n}")
+    return None
