@@ -265,8 +265,9 @@ def markdown(res: dict, plot_name: str | None) -> str:
          f"at end {tuple(round(x, 2) for x in mc.get('load_average_at_end', ()))}", ""]
     st = res.get("settings", {})
     L += ["## Method", "",
-          f"- Engine arguments, identical for all three servers: `{json.dumps(st.get('engine_args'))}`; engine environment "
-          f"`{json.dumps(st.get('engine_env'))}`; the product's `config.yaml` otherwise (router and replica autoscaling).",
+          f"- Engine arguments, identical for all servers: `{json.dumps(st.get('engine_args'))}`; engine environment "
+          f"`{json.dumps(st.get('engine_env'))}`; the product's `config.yaml` otherwise (router and replica autoscaling, "
+          "`ingress: router`).",
           f"- Workload: {json.dumps(st.get('workload'))}. Closed loop: `concurrency` clients, each sends its next "
           "request when its last one returns.",
           "- Each comparison runs its arms alternately, round by round (the first arm rotates), on the same request "
@@ -274,8 +275,9 @@ def markdown(res: dict, plot_name: str | None) -> str:
           "Throughput = successful requests (output tokens) / summed wall time over the rounds; latency percentiles "
           "pool all rounds. Ratios are arm / baseline.",
           f"- Plan (requests per arm per round by concurrency, rounds): `{json.dumps(st.get('plan'))}`.",
-          "- Servers: a Ray cluster (`ray start --head --num-cpus 8`), our app (`deployments.app:build_app`) and Ray Serve "
-          "LLM (`ray.serve.llm:build_openai_app`, `placement_group_config: {bundles: [{CPU: 1}]}`, pyarrow from "
+          "- Servers: a Ray cluster (`ray start --head --num-cpus 8`), our app (`deployments.app:build_app`), a second "
+          "copy of it with `ingress: replica` (no Router: Serve's proxy calls the engine replica; the `direct` columns) "
+          "and Ray Serve LLM (`ray.serve.llm:build_openai_app`, `placement_group_config: {bundles: [{CPU: 1}]}`, pyarrow from "
           "bench/.work/extra only) in one `serve run`, and vLLM's own server (`python -m vllm.entrypoints.openai.api_server`), "
           "all up during a model's parts (the idle CPU of the ones not under load is shown below). Everything started is "
           "stopped by process group and checked.",
