@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from typing import Literal
 
-from fastapi import Request
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -129,12 +129,56 @@ async def admit(args: AppArgs, request: Request) -> tuple[bytes, dict] | Respons
     return body, req
 
 
-def models(args: AppArgs, request: Request) -> Response:
+def models_list(args: AppArgs, request: Request) -> Response:
     if (denied := auth(args, request)) is not None:
         return denied
     return JSONResponse({"object": "list", "data": [
         {"id": args.model_name, "object": "model", "created": 0, "owned_by": "hidden-states-serve"}
     ]})
+
+
+def ingress_routes(app: FastAPI, kind: str) -> type:
+    """The routes of an ingress deployment, registered on `app`, as a base class.
+
+    The deployment supplies `args` (AppArgs), `_serve(route, request)` and
+    `_replica_stats()`; it gets the routes and the in-flight counters that
+    `/debug/stats` reports (a test checks that nothing is left pending).
+    """
+
+    class IngressRoutes:
+        pending = served = failed = 0
+
+        @app.get("/health")
+        async def health(self) -> Response:
+            return Response(status_code=200)
+
+        @app.get("/v1/models")
+        async def models(self, request: Request) -> Response:
+            return models_list(self.args, request)
+
+        @app.post("/v1/completions", openapi_extra=openapi_body(CompletionBody))
+        async def completions(self, request: Request) -> Response:
+            return await self._serve("completions", request)
+
+        @app.post("/v1/chat/completions", openapi_extra=openapi_body(ChatBody))
+        async def chat_completions(self, request: Request) -> Response:
+            return await self._serve("chat", request)
+
+        @app.get("/debug/stats")
+        async def debug_stats(self, request: Request) -> Response:
+            if (denied := auth(self.args, request)) is not None:
+                return denied
+            out = {"ingress": {"kind": kind, "pending": self.pending, "served": self.served, "failed": self.failed}}
+            return JSONResponse(out | await self._replica_stats())
+
+        def _finish(self, ok: bool) -> None:
+            self.pending -= 1
+            if ok:
+                self.served += 1
+            else:
+                self.failed += 1
+
+    return IngressRoutes
 
 
 def handle_refusal(args: AppArgs, req: HandleCompletionRequest) -> HandleError | None:

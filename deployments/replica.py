@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator
 
 import numpy as np
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from ray import serve
 
 from deployments import http, wire
@@ -48,7 +48,7 @@ async def _until(parts: AsyncIterator, deadline: float) -> AsyncIterator:
             return
 
 
-class EngineReplica:
+class EngineReplica(http.ingress_routes(app, "replica")):
     async def __init__(self, args: dict):
         self.args = AppArgs.model_validate(args)
         try:
@@ -64,7 +64,6 @@ class EngineReplica:
             **self.args.engine_args(),
         )
         self.requests = 0  # OpenAI requests that reached this replica
-        self.pending = self.served = self.failed = 0  # HTTP requests, when this replica is the ingress
         self.frontend = await OpenAIFrontend.create(self.engine, self.args.model_name, self.replica_id)
         logger.info("replica %s ready (pid %d)", self.replica_id, os.getpid())
 
@@ -97,30 +96,10 @@ class EngineReplica:
 
     # -- HTTP, when this replica is the ingress (`ingress: replica`) ----------
 
-    @app.get("/health")
-    async def health(self) -> Response:
-        return Response(status_code=200)
+    async def _replica_stats(self) -> dict:
+        return {"replica": json.loads(await self.stats())}
 
-    @app.get("/v1/models")
-    async def models(self, request: Request) -> Response:
-        return http.models(self.args, request)
-
-    @app.post("/v1/completions", openapi_extra=http.openapi_body(http.CompletionBody))
-    async def http_completions(self, request: Request) -> Response:
-        return await self._serve_http("completions", request)
-
-    @app.post("/v1/chat/completions", openapi_extra=http.openapi_body(http.ChatBody))
-    async def http_chat_completions(self, request: Request) -> Response:
-        return await self._serve_http("chat", request)
-
-    @app.get("/debug/stats")
-    async def debug_stats(self, request: Request) -> Response:
-        if (denied := http.auth(self.args, request)) is not None:
-            return denied
-        ingress = {"kind": "replica", "pending": self.pending, "served": self.served, "failed": self.failed}
-        return JSONResponse({"ingress": ingress, "replica": json.loads(await self.stats())})
-
-    async def _serve_http(self, route: str, request: Request) -> Response:
+    async def _serve(self, route: str, request: Request) -> Response:
         admitted = await http.admit(self.args, request)
         if isinstance(admitted, Response):
             return admitted
@@ -141,6 +120,10 @@ class EngineReplica:
             await parts.aclose()
             self._finish(False)
             return http.error(504, TIMED_OUT)
+        except BaseException:  # e.g. cancelled: the client went away
+            await parts.aclose()
+            self._finish(False)
+            raise
         return StreamingResponse(self._relay(parts, deadline), media_type="text/event-stream", headers=headers)
 
     async def _relay(self, parts: AsyncIterator[bytes], deadline: float) -> AsyncIterator[bytes]:
@@ -154,13 +137,6 @@ class EngineReplica:
         finally:
             await parts.aclose()
             self._finish(ok)
-
-    def _finish(self, ok: bool) -> None:
-        self.pending -= 1
-        if ok:
-            self.served += 1
-        else:
-            self.failed += 1
 
     # -- Python handles -------------------------------------------------------
 

@@ -16,7 +16,7 @@ import logging
 import time
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from ray import serve
 from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.handle import DeploymentHandle
@@ -59,45 +59,19 @@ def _failure(e: BaseException) -> Response:
 
 @serve.deployment(max_ongoing_requests=1000)
 @serve.ingress(app)
-class Router:
+class Router(http.ingress_routes(app, "router")):
     def __init__(self, replica: DeploymentHandle, args: dict):
         self.args = AppArgs.model_validate(args)
         self.replica = replica
         self.replica_stream = replica.options(stream=True)  # built once: options() is not free
-        self.pending = 0
-        self.served = 0
-        self.failed = 0
 
-    # -- routes ---------------------------------------------------------------
-
-    @app.get("/health")
-    async def health(self) -> Response:
-        return Response(status_code=200)
-
-    @app.get("/v1/models")
-    async def models(self, request: Request) -> Response:
-        return http.models(self.args, request)
-
-    @app.post("/v1/completions", openapi_extra=http.openapi_body(http.CompletionBody))
-    async def completions(self, request: Request) -> Response:
-        return await self._forward("completions", request)
-
-    @app.post("/v1/chat/completions", openapi_extra=http.openapi_body(http.ChatBody))
-    async def chat_completions(self, request: Request) -> Response:
-        return await self._forward("chat", request)
-
-    @app.get("/debug/stats")
-    async def debug_stats(self, request: Request) -> Response:
-        if (denied := http.auth(self.args, request)) is not None:
-            return denied
-        out = {"ingress": {"kind": "router", "pending": self.pending, "served": self.served, "failed": self.failed}}
+    async def _replica_stats(self) -> dict:
         try:
-            out["replica"] = json.loads(await asyncio.wait_for(self.replica.stats.remote(), 30))
+            return {"replica": json.loads(await asyncio.wait_for(self.replica.stats.remote(), 30))}
         except Exception as e:
-            out["replica_error"] = str(e)
-        return JSONResponse(out)
+            return {"replica_error": str(e)}
 
-    async def _forward(self, route: str, request: Request) -> Response:
+    async def _serve(self, route: str, request: Request) -> Response:
         admitted = await http.admit(self.args, request)
         if isinstance(admitted, Response):
             return admitted
@@ -171,13 +145,6 @@ class Router:
             if not ok:
                 stream.cancel()
             self._finish(ok)
-
-    def _finish(self, ok: bool) -> None:
-        self.pending -= 1
-        if ok:
-            self.served += 1
-        else:
-            self.failed += 1
 
     # -- Python handles -------------------------------------------------------
 
