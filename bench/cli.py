@@ -24,6 +24,8 @@ import time
 import traceback
 from pathlib import Path
 
+import yaml
+
 from tqdm import tqdm
 
 from bench import compare, measure, memory, payload, profile, report, targets, workload
@@ -77,6 +79,8 @@ def parse_args(argv=None):
     ap.add_argument("--attempts", type=int, default=3,
                     help="start a model's servers again (keeping finished parts) when something outside kills them, "
                          "e.g. another `ray stop --force` on this machine")
+    ap.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
+                    help="change one engine argument for every server (repeatable), e.g. max_num_batched_tokens=512")
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--rewrite", metavar="RESULTS_JSON", default=None,
                     help="no run: rewrite the Markdown summary and plot from a results JSON (e.g. after editing "
@@ -94,6 +98,11 @@ def parse_args(argv=None):
     args.memory_requests = args.memory_requests or (200 if args.quick else 2000)
     args.profile_seconds = args.profile_seconds or (8 if args.quick else 20)
     args.out = Path(args.out) if args.out else RESULTS
+    for item in args.engine_arg:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            ap.error(f"--engine-arg wants KEY=VALUE, not {item!r}")
+        ENGINE[key.strip().replace("-", "_")] = yaml.safe_load(value)
     return args
 
 
