@@ -37,12 +37,14 @@ RESULTS = ROOT / "bench" / "results"
 PARTS = ("hs", "serve", "payload", "memory", "profile")
 MODELS = ("tiny-llama", "llama-100m")
 
-# One set of engine arguments for all three servers: config.yaml's, plus the two
+# One set of engine arguments for every server: config.yaml's, plus the two
 # defaults HiddenStatesEngine.start() adds when hidden states are on (32-token
 # blocks on CPU, priority scheduling), made explicit so vLLM's server and Ray
-# Serve LLM run the same engine.
+# Serve LLM run the same engine. (The recorded full run of 2026-11-30 predates
+# config.yaml's max_num_batched_tokens: 512 and ran vLLM's default, 2048.)
 ENGINE = {"dtype": "float32", "enforce_eager": True, "gpu_memory_utilization": 0.1, "max_model_len": 4096,
-          "enable_prefix_caching": True, "block_size": 32, "scheduling_policy": "priority"}
+          "enable_prefix_caching": True, "max_num_batched_tokens": 512, "block_size": 32,
+          "scheduling_policy": "priority"}
 CPU_DEFAULT_BLOCK_SIZE = 128   # vLLM 0.32's CPU platform default when block_size is not given
 
 # requests per arm per round, by model and concurrency; rounds by model and part
