@@ -8,7 +8,10 @@ deployment class when its decorator runs, capturing only names defined by then.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
+from collections.abc import AsyncIterator
 from typing import Literal
 
 from fastapi import FastAPI, Request
@@ -18,6 +21,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from deployments.config import AppArgs
 from deployments.openai_serving import error_body
 from deployments.wire import HandleCompletionRequest, HandleError
+
+TIMED_OUT = "the request timed out (request_timeout_s) waiting for the engine"
 
 HS_DISABLED = (
     "hidden states are disabled on this server: set `enable_return_hidden_states: true` "
@@ -51,6 +56,18 @@ class CompletionBody(_Body):
 
 class ChatBody(_Body):
     messages: list[dict[str, str]] = Field(min_length=1)
+
+
+async def until(parts: AsyncIterator, deadline: float) -> AsyncIterator:
+    """`parts` item by item, raising TimeoutError once `deadline` (time.monotonic) passes."""
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError()
+        try:
+            yield await asyncio.wait_for(anext(parts), remaining)
+        except StopAsyncIteration:
+            return
 
 
 def openapi_body(model: type[BaseModel]) -> dict:

@@ -18,6 +18,7 @@ import asyncio
 import json
 import logging
 import os
+import time
 import uuid
 from collections.abc import AsyncIterator
 
@@ -35,18 +36,6 @@ from hidden_states.engine import HiddenStatesEngine
 logger = logging.getLogger(__name__)
 
 app = FastAPI(title="hidden-states-serve", description="OpenAI-compatible completions with final-token hidden states")
-
-TIMED_OUT = "the request timed out (request_timeout_s) waiting for the engine"
-
-
-async def _until(parts: AsyncIterator, deadline: float) -> AsyncIterator:
-    while True:
-        try:
-            async with asyncio.timeout_at(deadline):
-                yield await anext(parts)
-        except StopAsyncIteration:
-            return
-
 
 class EngineReplica(http.ingress_routes(app, "replica")):
     async def __init__(self, args: dict):
@@ -67,32 +56,35 @@ class EngineReplica(http.ingress_routes(app, "replica")):
         self.frontend = await OpenAIFrontend.create(self.engine, self.args.model_name, self.replica_id)
         logger.info("replica %s ready (pid %d)", self.replica_id, os.getpid())
 
-    async def openai(self, route: str, body: bytes) -> AsyncIterator[bytes]:
-        """A ResponseHead frame, then the body: one JSON document, or SSE chunks."""
+    async def _answer(self, route: str, body: bytes) -> AsyncIterator[ResponseHead | bytes]:
+        """A ResponseHead, then the body: one JSON document, or SSE chunks."""
         if route not in ("completions", "chat"):
-            yield wire.ENCODER.encode(ResponseHead(404, "application/json", self.replica_id))
+            yield ResponseHead(404, "application/json", self.replica_id)
             yield error_body(f"unknown route {route!r}", 404)
             return
         self.requests += 1
-        first = True
-        async for part in self.frontend.handle(route, body):
-            if first:
-                status, payload = part
-                media = "text/event-stream" if status == 200 and not payload else "application/json"
-                yield wire.ENCODER.encode(ResponseHead(int(status), media, self.replica_id))
-                if payload:
-                    yield payload
-                first = False
-            else:
-                yield part
+        parts = self.frontend.handle(route, body)
+        status, payload = await anext(parts)
+        media = "text/event-stream" if status == 200 and not payload else "application/json"
+        yield ResponseHead(int(status), media, self.replica_id)
+        if payload:
+            yield payload
+        async for part in parts:
+            yield part
+
+    async def openai(self, route: str, body: bytes) -> AsyncIterator[bytes]:
+        """For a streaming handle: a ResponseHead frame, then the body's frames."""
+        answer = self._answer(route, body)
+        yield wire.ENCODER.encode(await anext(answer))
+        async for part in answer:
+            yield part
 
     async def openai_unary(self, route: str, body: bytes) -> bytes:
         """A whole answer in one `Reply`: for non-streaming requests, one return
         value instead of a generator's frames (Ray reports each item separately)."""
-        frames = self.openai(route, body)
-        head = wire.HEAD_DECODER.decode(await anext(frames))
-        parts = [p async for p in frames]
-        return wire.ENCODER.encode(Reply(head, b"".join(parts)))
+        answer = self._answer(route, body)
+        head = await anext(answer)
+        return wire.ENCODER.encode(Reply(head, b"".join([p async for p in answer])))
 
     # -- HTTP, when this replica is the ingress (`ingress: replica`) ----------
 
@@ -106,11 +98,11 @@ class EngineReplica(http.ingress_routes(app, "replica")):
         body, _ = admitted
         self.requests += 1
         self.pending += 1
-        deadline = asyncio.get_running_loop().time() + self.args.request_timeout_s
+        deadline = time.monotonic() + self.args.request_timeout_s
         parts = self.frontend.handle(route, body)
         headers = {"x-replica-id": self.replica_id}
         try:
-            async with asyncio.timeout_at(deadline):
+            async with asyncio.timeout(self.args.request_timeout_s):
                 status, payload = await anext(parts)
                 if payload:
                     await parts.aclose()
@@ -119,7 +111,7 @@ class EngineReplica(http.ingress_routes(app, "replica")):
         except TimeoutError:
             await parts.aclose()
             self._finish(False)
-            return http.error(504, TIMED_OUT)
+            return http.error(504, http.TIMED_OUT)
         except BaseException:  # e.g. cancelled: the client went away
             await parts.aclose()
             self._finish(False)
@@ -129,11 +121,11 @@ class EngineReplica(http.ingress_routes(app, "replica")):
     async def _relay(self, parts: AsyncIterator[bytes], deadline: float) -> AsyncIterator[bytes]:
         ok = False
         try:
-            async for chunk in _until(parts, deadline):
+            async for chunk in http.until(parts, deadline):
                 yield chunk
             ok = True
         except TimeoutError:
-            yield b"data: " + error_body(TIMED_OUT, 504) + b"\n\n"
+            yield b"data: " + error_body(http.TIMED_OUT, 504) + b"\n\n"
         finally:
             await parts.aclose()
             self._finish(ok)

@@ -34,20 +34,9 @@ logger = logging.getLogger(__name__)
 app = FastAPI(title="hidden-states-serve", description="OpenAI-compatible completions with final-token hidden states")
 
 
-async def _bounded(stream, deadline: float):
-    while True:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise asyncio.TimeoutError()
-        try:
-            yield await asyncio.wait_for(stream.__anext__(), remaining)
-        except StopAsyncIteration:
-            return
-
-
 def _failure_message(e: BaseException) -> tuple[int, str]:
     if isinstance(e, asyncio.TimeoutError):
-        return 504, "the request timed out (request_timeout_s) waiting for the engine"
+        return 504, http.TIMED_OUT
     logger.warning("request failed in a replica: %s: %s", type(e).__name__, e)
     return 503, f"the engine replica failed while serving this request ({type(e).__name__}); retry"
 
@@ -91,7 +80,7 @@ class Router(http.ingress_routes(app, "router")):
         try:
             stream, head = await self._open(route, body, deadline)
             if head.media_type != "text/event-stream":  # an error answer to a streaming request
-                parts = [p async for p in _bounded(stream, deadline)]
+                parts = [p async for p in http.until(stream, deadline)]
                 self._finish(head.status < 500)
                 return Response(b"".join(parts), status_code=head.status, media_type=head.media_type,
                                 headers={"x-replica-id": head.replica})
@@ -135,7 +124,7 @@ class Router(http.ingress_routes(app, "router")):
     async def _relay(self, stream, deadline: float):
         ok = False
         try:
-            async for chunk in _bounded(stream, deadline):
+            async for chunk in http.until(stream, deadline):
                 yield chunk
             ok = True
         except Exception as e:
