@@ -43,6 +43,13 @@ class AppArgs(BaseModel):
     extraction_timeout_s: float = Field(60.0, gt=0)
     prefault_kv_cache: bool = Field(
         True, description="CPU engines: map the whole KV cache at start, so memory does not grow under load")
+    warm_up_s: float = Field(
+        10.0, ge=0, description="CPU engines: at start, run the model once per batch size (1, 2, ... tokens, most "
+                                "common first) for up to this many seconds, so oneDNN's per-size kernels are built "
+                                "before traffic, not during it (all 512 sizes: about 4 s on the built-in model); 0: off")
+    malloc_trim_interval_s: float = Field(
+        5.0, ge=0, description="CPU engines: every this many seconds the vLLM worker hands its allocator's free "
+                               "pages back to the OS (malloc_trim), so resident memory tracks live memory; 0: never")
     request_timeout_s: float = Field(600.0, gt=0, description="a request still unanswered after this gets a 504")
     api_key: str | None = Field(None, description="when set, every /v1 route needs Authorization: Bearer KEY")
     max_request_body_bytes: int = Field(4 * 1024 * 1024, gt=0)

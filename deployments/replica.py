@@ -50,6 +50,8 @@ class EngineReplica(http.ingress_routes(app, "replica")):
             enable_return_hidden_states=self.args.enable_return_hidden_states,
             extraction_timeout_s=self.args.extraction_timeout_s,
             prefault_kv_cache=self.args.prefault_kv_cache,
+            warm_up_s=self.args.warm_up_s,
+            malloc_trim_interval_s=self.args.malloc_trim_interval_s,
             **self.args.engine_args(),
         )
         self.requests = 0  # OpenAI requests that reached this replica

@@ -66,6 +66,17 @@ CPU_EXTRACTION_BLOCK_SIZE = 32
 EXTRACTION_PRIORITY = -1  # lower runs first under vLLM's priority policy; requests default to 0
 
 
+def warm_up_sizes(max_tokens: int) -> list[int]:
+    """Every batch size (tokens per step) from 1 to `max_tokens` (the engine's
+    max_num_batched_tokens), most useful first: every size up to 64 (decode
+    batches), every 8th up to 512 and every 64th beyond (prefill chunks), then the
+    rest. A CPU engine is warmed up with as many of them as its time budget allows."""
+    first = [*range(1, 65), *range(72, 513, 8), *range(576, max_tokens + 1, 64)]
+    first = [n for n in first if n <= max_tokens]
+    seen = set(first)
+    return first + [n for n in range(1, max_tokens + 1) if n not in seen]
+
+
 def _on_cpu() -> bool:
     from vllm.platforms import current_platform
 
@@ -202,6 +213,7 @@ class HiddenStatesEngine:
         self.extraction_tokens = 0
         self.extraction_cached_tokens = 0
         self.extraction_priority = 0  # set by start(): vLLM refuses priorities under its fcfs policy
+        self.startup: dict[str, Any] = {}  # set by start(): what the CPU start-up steps did
 
     @property
     def enabled(self) -> bool:
@@ -216,6 +228,8 @@ class HiddenStatesEngine:
         extraction_timeout_s: float = 60.0,
         install_timeout_s: float = 120.0,
         prefault_kv_cache: bool = True,
+        warm_up_s: float = 10.0,
+        malloc_trim_interval_s: float = 5.0,
         **engine_args: Any,
     ) -> "HiddenStatesEngine":
         check_vllm_version()
@@ -234,9 +248,21 @@ class HiddenStatesEngine:
         args = AsyncEngineArgs(model=resolve_model(model), **engine_args)
         llm = _make_async_llm_class().from_engine_args(args)
         receiver = None
+        startup: dict[str, Any] = {}
         try:
             if prefault_kv_cache and _on_cpu():  # resident memory flat from the start (vllm_patch point 6)
-                await llm.collective_rpc("hidden_states_prefault_kv_cache", timeout=install_timeout_s)
+                touched = await llm.collective_rpc("hidden_states_prefault_kv_cache", timeout=install_timeout_s)
+                startup["kv_cache_prefaulted_bytes"] = sum(touched)
+            if warm_up_s > 0 and _on_cpu():  # kernel caches at their working size before the first request (point 7)
+                sizes = warm_up_sizes(llm.vllm_config.scheduler_config.max_num_batched_tokens)
+                done = await llm.collective_rpc("hidden_states_warm_up", timeout=install_timeout_s + warm_up_s,
+                                                args=(sizes, warm_up_s))
+                startup.update(warm_up_batch_sizes=min(n for n, _ in done), warm_up_of=len(sizes),
+                               warm_up_seconds=round(max(t for _, t in done), 3))
+            if malloc_trim_interval_s > 0 and _on_cpu():  # free heap pages back to the OS (malloc_trim.py)
+                started = await llm.collective_rpc("hidden_states_start_trimmer", timeout=install_timeout_s,
+                                                   args=(malloc_trim_interval_s,))
+                startup["malloc_trim_interval_s"] = malloc_trim_interval_s if all(started) else None
             if enable_return_hidden_states:
                 receiver = HiddenStatesReceiver()
                 receiver.start()
@@ -248,6 +274,7 @@ class HiddenStatesEngine:
                 receiver.close()
             raise
         engine = cls(llm, receiver, extraction_timeout_s)
+        engine.startup = startup
         engine.extraction_priority = EXTRACTION_PRIORITY if llm.vllm_config.scheduler_config.policy == "priority" else 0
         llm.hidden_states = engine
         return engine
@@ -451,6 +478,7 @@ class HiddenStatesEngine:
             "malformed_frames": self.receiver.malformed_frames if self.receiver else 0,
             "unclaimed_results": self.receiver.unclaimed_results if self.receiver else 0,
             "workers": workers,
+            "startup": self.startup,
         }
 
     def shutdown(self) -> None:

@@ -47,6 +47,14 @@ Ledger of patched points (supported: vLLM {SUPPORTED}):
    pages lazily and a replica's resident memory grows under load until every
    block has been used: a replica that fits at start can be OOM-killed later.
    Remove when vLLM's CPU worker pre-faults its KV cache.
+7. CPU only, optional (`warm_up_s`): `GPUModelRunner._dummy_run(n,
+   force_attention=True)` is called (not patched) for batch sizes n = 1, 2, ...
+   up to max_num_batched_tokens (most common first, within a time budget) at
+   start-up, as vLLM's own profiling and graph capture call it. Why: the CPU
+   GEMM path (oneDNN) builds and caches a kernel per batch size, so without it
+   the worker's memory grows by that cache (about 80 MB on the built-in model)
+   over the first few hundred requests, and those requests wait for the
+   kernels to be built. Remove when vLLM's CPU worker warms up per batch size.
 """
 
 from __future__ import annotations
@@ -276,11 +284,42 @@ class HiddenStatesWorkerExtension:
         logger.info("KV cache pre-faulted: %.1f MiB", touched / 2**20)
         return touched
 
+    def hidden_states_warm_up(self, sizes: list[int], budget_s: float) -> tuple[int, float]:
+        """Ledger point 7: one dummy forward per batch size in `sizes`, in order, until
+        `budget_s` seconds have passed; returns (sizes run, seconds taken)."""
+        import time
+
+        runner = getattr(self, "model_runner", None)
+        _require(runner is not None and hasattr(runner, "_dummy_run"), "GPUModelRunner._dummy_run")
+        if getattr(runner, "device", None) is None or runner.device.type != "cpu":
+            return 0, 0.0
+        t0, done = time.perf_counter(), 0
+        for n in sizes:
+            if time.perf_counter() - t0 >= budget_s:
+                break
+            runner._dummy_run(int(n), force_attention=True)
+            done += 1
+        took = time.perf_counter() - t0
+        logger.info("warmed up %d of %d batch sizes in %.1f s", done, len(sizes), took)
+        return done, took
+
+    def hidden_states_start_trimmer(self, interval_s: float) -> bool:
+        """Starts the worker's malloc_trim thread (hidden_states/malloc_trim.py; not a patch)."""
+        from hidden_states.malloc_trim import MallocTrimmer
+
+        if getattr(self, "_hidden_states_trimmer", None) is not None:
+            return False
+        self._hidden_states_trimmer = MallocTrimmer(interval_s).start()
+        return self._hidden_states_trimmer.available
+
     def hidden_states_stats(self) -> dict:
+        trimmer = getattr(self, "_hidden_states_trimmer", None)
+        trim = {"malloc_trim": trimmer.stats()} if trimmer is not None else {}
         hook = getattr(getattr(self, "model_runner", None), "_hidden_states_hook", None)
         if hook is None:
-            return {"installed": False}
+            return {"installed": False, **trim}
         return {
+            **trim,
             "installed": True,
             "flagged_live": len(hook.flagged),
             "captured": hook.captured,

@@ -173,6 +173,26 @@ def test_kv_cache_is_resident_from_the_start(engine, plain_engine):
         assert p.memory_info().rss >= 0.8 * share, (p, p.memory_info().rss / 2**20, share / 2**20)
 
 
+def test_cpu_engine_is_warmed_up_before_the_first_request(engine, loop_thread):
+    """warm_up_s (default 10 s): one dummy forward per batch size, so oneDNN's
+    per-size kernels exist before load, not during it (vllm_patch point 7); and the
+    worker's malloc_trim thread runs."""
+    from hidden_states.engine import warm_up_sizes
+
+    budget = engine.llm.vllm_config.scheduler_config.max_num_batched_tokens
+    sizes = warm_up_sizes(budget)
+    assert sorted(sizes) == list(range(1, budget + 1))  # every size once
+    assert sizes[:3] == [1, 2, 3] and sizes[64] == 72  # decode sizes first, then a ladder of chunk sizes
+    assert sorted(warm_up_sizes(2048)) == list(range(1, 2049)) and warm_up_sizes(2048)[119] == 512
+    assert engine.startup["warm_up_of"] == len(sizes)
+    assert engine.startup["warm_up_batch_sizes"] == len(sizes)  # the tiny model does all within the budget
+    assert 0 < engine.startup["warm_up_seconds"] < 10 + 5
+    assert engine.startup["kv_cache_prefaulted_bytes"] > 0
+    assert engine.startup["malloc_trim_interval_s"] == 5.0
+    (worker,) = loop_thread.run(engine.stats())["workers"]
+    assert worker["malloc_trim"]["running"] and worker["malloc_trim"]["interval_s"] == 5.0
+
+
 def test_zz_nothing_left_behind(engine, loop_thread):
     # One more step lets the runner see the last finished ids (they arrive with the next step).
     loop_thread.run(engine.complete(PROMPTS[0], sp(max_tokens=2), return_hidden_states=False))
