@@ -22,6 +22,8 @@ from deployments.config import AppArgs
 from deployments.openai_serving import error_body
 from deployments.wire import HandleCompletionRequest, HandleError
 
+SSE_DONE = b"data: [DONE]\n\n"  # an OpenAI stream's last event: a client may hang up right after it
+
 TIMED_OUT = "the request timed out (request_timeout_s) waiting for the engine"
 
 HS_DISABLED = (

@@ -124,6 +124,7 @@ class EngineReplica(http.ingress_routes(app, "replica")):
         ok = False
         try:
             async for chunk in http.until(parts, deadline):
+                ok = chunk.endswith(http.SSE_DONE)  # delivered, even if the client hangs up before the stream ends
                 yield chunk
             ok = True
         except TimeoutError:

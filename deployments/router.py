@@ -125,6 +125,7 @@ class Router(http.ingress_routes(app, "router")):
         ok = False
         try:
             async for chunk in http.until(stream, deadline):
+                ok = chunk.endswith(http.SSE_DONE)  # delivered, even if the client hangs up before the stream ends
                 yield chunk
             ok = True
         except Exception as e:
