@@ -40,8 +40,7 @@ MODELS = ("tiny-llama", "llama-100m")
 # One set of engine arguments for every server: config.yaml's, plus the two
 # defaults HiddenStatesEngine.start() adds when hidden states are on (32-token
 # blocks on CPU, priority scheduling), made explicit so vLLM's server and Ray
-# Serve LLM run the same engine. (The recorded full run of 2026-11-30 predates
-# config.yaml's max_num_batched_tokens: 512 and ran vLLM's default, 2048.)
+# Serve LLM run the same engine.
 ENGINE = {"dtype": "float32", "enforce_eager": True, "gpu_memory_utilization": 0.1, "max_model_len": 4096,
           "enable_prefix_caching": True, "max_num_batched_tokens": 512, "block_size": 32,
           "scheduling_policy": "priority"}
