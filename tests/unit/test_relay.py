@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import types
 
 from deployments.http import SSE_DONE
 from deployments.router import Router
@@ -27,8 +28,12 @@ class FakeStream:
 
 
 def router():
-    r = object.__new__(Router.func_or_class)
-    r.pending = 1
+    """The Router's own _relay and _finish on a bare object (an instance of the Serve
+    ingress class itself would need a running replica)."""
+    cls = Router.func_or_class
+    r = types.SimpleNamespace(pending=1, served=0, failed=0)
+    r._finish = lambda ok: cls._finish(r, ok)
+    r._relay = lambda stream, deadline: cls._relay(r, stream, deadline)
     return r
 
 
