@@ -48,8 +48,8 @@ class AppArgs(BaseModel):
                                 "common first) for up to this many seconds, so oneDNN's per-size kernels are built "
                                 "before traffic, not during it (all 512 sizes: about 4 s on the built-in model); 0: off")
     malloc_trim_interval_s: float = Field(
-        5.0, ge=0, description="CPU engines: every this many seconds the vLLM worker hands its allocator's free "
-                               "pages back to the OS (malloc_trim), so resident memory tracks live memory; 0: never")
+        5.0, ge=0, description="CPU engines: the vLLM worker checks this often whether it is idle, and once per "
+                               "idle period hands its allocator's free pages back to the OS (malloc_trim); 0: never")
     request_timeout_s: float = Field(600.0, gt=0, description="a request still unanswered after this gets a 504")
     api_key: str | None = Field(None, description="when set, every /v1 route needs Authorization: Bearer KEY")
     max_request_body_bytes: int = Field(4 * 1024 * 1024, gt=0)
