@@ -111,7 +111,7 @@ def main(argv=None) -> None:
                 print(f"{model} round {r + 1} {arm}: {res['req_per_s']:.3f} req/s, startup {res['startup_s']:.1f} s, "
                       f"worker RSS after {FIRST} {res['rss_bytes']['after_first'] / 2**20:.0f} MiB "
                       f"-> end {res['rss_bytes']['end'] / 2**20:.0f} MiB", flush=True)
-        tput = {a: sum(plan["requests"] for _ in v) / sum(x["wall_s"] for x in v) for a, v in runs.items()}
+        tput = {a: plan["requests"] * len(v) / sum(x["wall_s"] for x in v) for a, v in runs.items()}
         growth = {a: [x["rss_bytes"]["end"] / x["rss_bytes"]["after_first"] - 1 for x in v] for a, v in runs.items()}
         results[model] = {"plan": plan, "runs": runs, "req_per_s": tput, "ratio_on_off": tput["on"] / tput["off"],
                           "per_round_ratio": [a["req_per_s"] / b["req_per_s"] for a, b in zip(runs["on"], runs["off"])],

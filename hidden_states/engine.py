@@ -77,6 +77,25 @@ def warm_up_sizes(max_tokens: int) -> list[int]:
     return first + [n for n in range(1, max_tokens + 1) if n not in seen]
 
 
+async def _cpu_start_up(llm: Any, prefault_kv_cache: bool, warm_up_s: float, malloc_trim_interval_s: float,
+                        timeout_s: float) -> dict[str, Any]:
+    """A CPU engine's start-up steps, before it takes requests; returns what they did."""
+    out: dict[str, Any] = {}
+    if prefault_kv_cache:  # resident memory flat from the start (vllm_patch point 6)
+        touched = await llm.collective_rpc("hidden_states_prefault_kv_cache", timeout=timeout_s)
+        out["kv_cache_prefaulted_bytes"] = sum(touched)
+    if warm_up_s > 0:  # kernel caches at their working size before the first request (point 7)
+        sizes = warm_up_sizes(llm.vllm_config.scheduler_config.max_num_batched_tokens)
+        done = await llm.collective_rpc("hidden_states_warm_up", timeout=timeout_s + warm_up_s, args=(sizes, warm_up_s))
+        out.update(warm_up_batch_sizes=min(n for n, _ in done), warm_up_of=len(sizes),
+                   warm_up_seconds=round(max(t for _, t in done), 3))
+    if malloc_trim_interval_s > 0:  # free heap pages back to the OS when idle (malloc_trim.py)
+        started = await llm.collective_rpc("hidden_states_start_trimmer", timeout=timeout_s,
+                                           args=(malloc_trim_interval_s,))
+        out["malloc_trim_interval_s"] = malloc_trim_interval_s if all(started) else None
+    return out
+
+
 def _on_cpu() -> bool:
     from vllm.platforms import current_platform
 
@@ -248,21 +267,9 @@ class HiddenStatesEngine:
         args = AsyncEngineArgs(model=resolve_model(model), **engine_args)
         llm = _make_async_llm_class().from_engine_args(args)
         receiver = None
-        startup: dict[str, Any] = {}
         try:
-            if prefault_kv_cache and _on_cpu():  # resident memory flat from the start (vllm_patch point 6)
-                touched = await llm.collective_rpc("hidden_states_prefault_kv_cache", timeout=install_timeout_s)
-                startup["kv_cache_prefaulted_bytes"] = sum(touched)
-            if warm_up_s > 0 and _on_cpu():  # kernel caches at their working size before the first request (point 7)
-                sizes = warm_up_sizes(llm.vllm_config.scheduler_config.max_num_batched_tokens)
-                done = await llm.collective_rpc("hidden_states_warm_up", timeout=install_timeout_s + warm_up_s,
-                                                args=(sizes, warm_up_s))
-                startup.update(warm_up_batch_sizes=min(n for n, _ in done), warm_up_of=len(sizes),
-                               warm_up_seconds=round(max(t for _, t in done), 3))
-            if malloc_trim_interval_s > 0 and _on_cpu():  # free heap pages back to the OS (malloc_trim.py)
-                started = await llm.collective_rpc("hidden_states_start_trimmer", timeout=install_timeout_s,
-                                                   args=(malloc_trim_interval_s,))
-                startup["malloc_trim_interval_s"] = malloc_trim_interval_s if all(started) else None
+            startup = await _cpu_start_up(llm, prefault_kv_cache, warm_up_s, malloc_trim_interval_s,
+                                          install_timeout_s) if _on_cpu() else {}
             if enable_return_hidden_states:
                 receiver = HiddenStatesReceiver()
                 receiver.start()

@@ -22,13 +22,14 @@ import time
 
 logger = logging.getLogger(__name__)
 
+IDLE_FRACTION = 0.1  # idle: the process used under this share of one core over an interval
+
 
 class MallocTrimmer:
     def __init__(self, interval_s: float):
         self.interval_s = float(interval_s)
         self.trims = 0
         self.seconds = 0.0
-        self.idle_fraction = 0.1  # of one core, over an interval
         self._stop = threading.Event()
         self._trim = _libc_malloc_trim()
         self._thread = threading.Thread(target=self._run, name="hidden-states-malloc-trim", daemon=True)
@@ -49,7 +50,7 @@ class MallocTrimmer:
         last_cpu, trimmed = time.process_time(), False
         while not self._stop.wait(self.interval_s):
             cpu = time.process_time()
-            idle = cpu - last_cpu < self.idle_fraction * self.interval_s
+            idle = cpu - last_cpu < IDLE_FRACTION * self.interval_s
             last_cpu = cpu
             if not idle:
                 trimmed = False  # busy again: trim at the next idle interval
