@@ -1,5 +1,5 @@
 # The two README commands. Both run scripts/setup.sh first (seconds when nothing changed).
-.PHONY: setup serve test test-long bench
+.PHONY: setup serve test test-long bench gpu-check
 
 setup:
 	bash scripts/setup.sh
@@ -16,3 +16,7 @@ test-long: setup
 
 bench: setup
 	.venv/bin/python -m bench
+
+# On an NVIDIA GPU machine: the engine and serve suites with CUDA graphs and async scheduling (never run here).
+gpu-check:
+	bash scripts/gpu-check.sh

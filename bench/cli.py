@@ -29,6 +29,7 @@ import yaml
 from tqdm import tqdm
 
 from bench import compare, measure, memory, payload, profile, report, targets, workload
+from deployments.config import CPU_ENGINE_DEFAULTS
 from bench.procs import ROOT, StartError
 from bench.servers import (EXTRA, PLOT, Endpoint, RayCluster, ServeApps, VLLMServer, build_model, engine_processes,
                            ensure_extra, find_ray_worker, replica_info, ENGINE_ENV)
@@ -41,9 +42,7 @@ MODELS = ("tiny-llama", "llama-100m")
 # defaults HiddenStatesEngine.start() adds when hidden states are on (32-token
 # blocks on CPU, priority scheduling), made explicit so vLLM's server and Ray
 # Serve LLM run the same engine.
-ENGINE = {"dtype": "float32", "enforce_eager": True, "gpu_memory_utilization": 0.1, "max_model_len": 4096,
-          "enable_prefix_caching": True, "max_num_batched_tokens": 512, "block_size": 32,
-          "scheduling_policy": "priority"}
+ENGINE = {**CPU_ENGINE_DEFAULTS, "enable_prefix_caching": True, "block_size": 32, "scheduling_policy": "priority"}
 CPU_DEFAULT_BLOCK_SIZE = 128   # vLLM 0.32's CPU platform default when block_size is not given
 
 # requests per arm per round, by model and concurrency; rounds by model and part

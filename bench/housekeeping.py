@@ -22,6 +22,8 @@ import sys
 import time
 from pathlib import Path
 
+from deployments.config import CPU_ENGINE_DEFAULTS
+
 OUT = Path(__file__).parent / "results"
 ROOT = Path(__file__).resolve().parents[1]
 PLAN = {"tiny-llama": {"requests": 300, "concurrency": 8}, "llama-100m": {"requests": 24, "concurrency": 8}}
@@ -44,9 +46,7 @@ async def _arm(model: str, on: bool, requests: int, concurrency: int) -> dict:
 
     extra = {} if on else {"warm_up_s": 0, "malloc_trim_interval_s": 0}
     t0 = time.perf_counter()
-    eng = await HiddenStatesEngine.start(str(build(model)), dtype="float32", enforce_eager=True,
-                                         gpu_memory_utilization=0.1, max_model_len=4096,
-                                         max_num_batched_tokens=512, **extra)
+    eng = await HiddenStatesEngine.start(str(build(model)), **CPU_ENGINE_DEFAULTS, **extra)
     startup_s = time.perf_counter() - t0
     try:
         vocab = eng.llm.model_config.get_vocab_size()

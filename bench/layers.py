@@ -21,6 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
+from deployments.config import CPU_ENGINE_DEFAULTS
+
 OUT = Path(__file__).parent / "results"
 ARMS = {"last layer [-1]": [-1], "4 layers [3, 6, 9, -1]": [3, 6, 9, -1]}
 
@@ -32,8 +34,7 @@ async def run(args) -> dict:
     from hidden_states.tiny_model import build
 
     path = str(build("llama-100m"))
-    eng = await HiddenStatesEngine.start(path, dtype="float32", enforce_eager=True, gpu_memory_utilization=0.1,
-                                         max_model_len=2048)
+    eng = await HiddenStatesEngine.start(path, **{**CPU_ENGINE_DEFAULTS, "max_model_len": 2048})
     rng = np.random.default_rng(7)
     vocab = eng.llm.model_config.get_vocab_size()
     lengths = rng.integers(64, 600, size=args.requests)

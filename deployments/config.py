@@ -14,11 +14,15 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from hidden_states.tiny_model import DEFAULT_MODEL
 
-# What the built-in default runs with on a CPU machine (2 cores, no GPU).
+# The engine arguments CPU engines start with (config.yaml's `engine` overrides each).
+# GPU engines start with vLLM's own defaults (gpu_memory_utilization and all).
 CPU_ENGINE_DEFAULTS: dict[str, Any] = {
-    "dtype": "float32",
-    "enforce_eager": True,
-    "gpu_memory_utilization": 0.1,  # on CPU: the share of RAM for the KV cache
+    "dtype": "float32",  # exact vectors; CPU bfloat16 kernels are slower here anyway
+    "enforce_eager": True,  # intermediate layers need eager; compiling on CPU takes minutes at start
+    # The KV cache in bytes, not as a share of RAM: the same on every machine. 1 GiB
+    # holds about 23,000 tokens of the built-in SmolLM2-135M (45 KiB a token), a
+    # million of the tiny test model's; with the weights, a replica fits in 2-3 GiB.
+    "kv_cache_memory_bytes": 2**30,
     "max_model_len": 4096,
     "max_num_batched_tokens": 512,  # short prefill chunks: the extraction step waits less (bench/NOTES.md)
 }
@@ -88,6 +92,8 @@ class AppArgs(BaseModel):
 
     def engine_args(self) -> dict[str, Any]:
         base = dict(CPU_ENGINE_DEFAULTS) if self.resolved_accelerator() == "cpu" else {}
+        if "gpu_memory_utilization" in self.engine:  # a share of memory asked for instead: vLLM would prefer the bytes
+            base.pop("kv_cache_memory_bytes", None)
         return base | self.engine
 
     def replica_options(self) -> dict[str, Any]:

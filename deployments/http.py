@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections.abc import AsyncIterator
-from typing import Literal
-
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
@@ -21,18 +20,16 @@ from pydantic import BaseModel, ConfigDict, Field
 from deployments.config import AppArgs
 from deployments.openai_serving import error_body
 from deployments.wire import HandleCompletionRequest, HandleError
+from hidden_states import params
+from hidden_states.params import HiddenStatesFields
+
+logger = logging.getLogger(__name__)
 
 SSE_DONE = b"data: [DONE]\n\n"  # an OpenAI stream's last event: a client may hang up right after it
 
 TIMED_OUT = "the request timed out (request_timeout_s) waiting for the engine"
 
-HS_DISABLED = (
-    "hidden states are disabled on this server: set `enable_return_hidden_states: true` "
-    "in the app's args (config.yaml: applications[0].args) and redeploy"
-)
-
-
-class _Body(BaseModel):
+class _Body(HiddenStatesFields):
     """The request fields this server adds or checks itself; every other field
     of vLLM's OpenAI API is accepted too (the replica validates the whole body)."""
 
@@ -45,11 +42,7 @@ class _Body(BaseModel):
     stop: str | list[str] | None = None
     stream: bool | None = False
     logprobs: int | None = None
-    return_hidden_states: bool = False
-    hidden_states_encoding: Literal["float", "base64"] = "float"
     return_token_ids: bool | None = None
-    hidden_states_layers: list[int] | None = None
-    hidden_states_position: Literal["completion_end", "prompt_end"] = "completion_end"
 
 
 class CompletionBody(_Body):
@@ -58,6 +51,14 @@ class CompletionBody(_Body):
 
 class ChatBody(_Body):
     messages: list[dict[str, str]] = Field(min_length=1)
+
+
+def failure(e: BaseException) -> tuple[int, str]:
+    """(status, message) for a request that failed after it was admitted."""
+    if isinstance(e, asyncio.TimeoutError):
+        return 504, TIMED_OUT
+    logger.warning("request failed in a replica: %s: %s", type(e).__name__, e)
+    return 503, f"the engine replica failed while serving this request ({type(e).__name__}); retry"
 
 
 async def until(parts: AsyncIterator, deadline: float) -> AsyncIterator:
@@ -113,22 +114,10 @@ def check(args: AppArgs, body: bytes) -> Response | dict:
     model = req.get("model")
     if model is not None and model != args.model_name:
         return error(404, f"the model `{model}` does not exist; this server serves `{args.model_name}`", "model")
-    hs = req.get("return_hidden_states", False)
-    if not isinstance(hs, bool):
-        return error(400, "return_hidden_states must be a boolean", "return_hidden_states")
-    if hs and not args.enable_return_hidden_states:
-        return error(400, HS_DISABLED, "return_hidden_states")
-    enc = req.get("hidden_states_encoding", "float")
-    if enc not in ("float", "base64"):
-        return error(400, f"hidden_states_encoding must be 'float' or 'base64', not {enc!r}", "hidden_states_encoding")
-    layers = req.get("hidden_states_layers")
-    if layers is not None and (not isinstance(layers, list) or not layers
-                               or not all(isinstance(x, int) and not isinstance(x, bool) for x in layers)):
-        return error(400, "hidden_states_layers must be a non-empty list of integers (-1 = last layer)", "hidden_states_layers")
-    position = req.get("hidden_states_position", "completion_end")
-    if position not in ("completion_end", "prompt_end"):
-        return error(400, f"hidden_states_position must be 'completion_end' or 'prompt_end', not {position!r}",
-                     "hidden_states_position")
+    try:
+        params.check_fields(req, enabled=args.enable_return_hidden_states)
+    except params.HiddenStatesRequestError as e:
+        return error(400, str(e), e.param)
     n = req.get("n", 1)
     if n is not None and (not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= args.max_n):
         return error(400, f"n must be an integer from 1 to {args.max_n}", "n")
@@ -159,8 +148,8 @@ def models_list(args: AppArgs, request: Request) -> Response:
 def ingress_routes(app: FastAPI, kind: str) -> type:
     """The routes of an ingress deployment, registered on `app`, as a base class.
 
-    The deployment supplies `args` (AppArgs), `_serve(route, request)` and
-    `_replica_stats()`; it gets the routes and the in-flight counters that
+    The deployment supplies `args` (AppArgs), `_serve(route, request)`,
+    `_replica_stats()` and, if it can be up without an engine, `_not_ready()`; it gets the routes and the in-flight counters that
     `/debug/stats` reports (a test checks that nothing is left pending).
     """
 
@@ -169,10 +158,16 @@ def ingress_routes(app: FastAPI, kind: str) -> type:
 
         @app.get("/health")
         async def health(self) -> Response:
+            if (why := await self._not_ready()) is not None:
+                return error(503, why)
             return Response(status_code=200)
 
         @app.get("/v1/models")
         async def models(self, request: Request) -> Response:
+            if (denied := auth(self.args, request)) is not None:
+                return denied
+            if (why := await self._not_ready()) is not None:
+                return error(503, why)
             return models_list(self.args, request)
 
         @app.post("/v1/completions", openapi_extra=openapi_body(CompletionBody))
@@ -190,6 +185,27 @@ def ingress_routes(app: FastAPI, kind: str) -> type:
             out = {"ingress": {"kind": kind, "pending": self.pending, "served": self.served, "failed": self.failed}}
             return JSONResponse(out | await self._replica_stats())
 
+        async def _not_ready(self) -> str | None:
+            """Why no engine can serve now (a 503's message), or None. An engine replica
+            that answers is itself ready; the Router asks Serve (deployments/readiness.py)."""
+            return None
+
+        async def _relay(self, parts: AsyncIterator[bytes], deadline: float) -> AsyncIterator[bytes]:
+            """A streamed answer to the client, ending by `deadline`; the one relay of both
+            ingresses. `parts` is closed when the relay ends, however it ends."""
+            ok = False
+            try:
+                async for chunk in until(parts, deadline):
+                    ok = chunk.endswith(SSE_DONE)  # delivered, even if the client hangs up before the stream ends
+                    yield chunk
+                ok = True
+            except Exception as e:
+                status, message = failure(e)
+                yield b"data: " + error_body(message, status) + b"\n\n"
+            finally:
+                await parts.aclose()
+                self._finish(ok)
+
         def _finish(self, ok: bool) -> None:
             self.pending -= 1
             if ok:
@@ -202,8 +218,11 @@ def ingress_routes(app: FastAPI, kind: str) -> type:
 
 def handle_refusal(args: AppArgs, req: HandleCompletionRequest) -> HandleError | None:
     """The same checks for Python-handle requests (`deployments.client`)."""
-    if req.return_hidden_states and not args.enable_return_hidden_states:
-        return HandleError(400, HS_DISABLED)
+    try:
+        fields = {name: getattr(req, name) for name in req.__struct_fields__}  # defaults included
+        params.check_fields(fields, enabled=args.enable_return_hidden_states)
+    except params.HiddenStatesRequestError as e:
+        return HandleError(400, str(e))
     if not 1 <= req.n <= args.max_n:
         return HandleError(400, f"n must be from 1 to {args.max_n}")
     return None

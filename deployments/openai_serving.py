@@ -10,14 +10,18 @@ fields and put each choice's vector into its final choice object:
 - (vLLM's own) `return_token_ids: bool` -> `prompt_token_ids`, `choices[i].token_ids`
 
 The vectors come from the engine's extraction step through a collector bound
-to this request (hidden_states.engine.collect_hidden_states), so the step runs
-on this replica's engine, right after the choice finished: its prefix cache.
+to this request (`HiddenStatesEngine.collecting`, its tag carried in
+`vllm_xargs`), so the step runs on this replica's engine, right after the
+choice finished: its prefix cache. Each response choice is matched to its
+vector by its own prompt_token_ids + token_ids (asked of vLLM internally, shown
+only if the client asked); a choice without one fails the request (500).
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
-import contextlib
+import contextvars
 import json
 import logging
 import uuid
@@ -28,7 +32,9 @@ from typing import Literal
 import numpy as np
 from pydantic import ValidationError
 
-from hidden_states.engine import HiddenStatesCollector, HiddenStatesEngine, HiddenStatesRequestError
+from hidden_states.engine import HiddenStatesCollector, HiddenStatesEngine, MissingHiddenStatesError
+from hidden_states.params import HiddenStatesDisabledError, HiddenStatesFields, HiddenStatesRequestError
+from hidden_states.protocol import COLLECTOR_TAG_KEY, RESERVED_EXTRA_ARGS_PREFIX
 from hidden_states.side_channel import HiddenStatesTimeout
 
 logger = logging.getLogger(__name__)
@@ -48,15 +54,8 @@ def error_body(message: str, status: int, err_type: str | None = None, param: st
 
 
 def _request_models():
-    from pydantic import BaseModel, Field
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
     from vllm.entrypoints.openai.completion.protocol import CompletionRequest
-
-    class HiddenStatesFields(BaseModel):
-        return_hidden_states: bool = Field(False, description="attach each choice's final-token hidden state")
-        hidden_states_encoding: Literal["float", "base64"] = "float"
-        hidden_states_layers: list[int] | None = Field(None, description="transformers numbering; -1 = last")
-        hidden_states_position: Literal["completion_end", "prompt_end"] = "completion_end"
 
     class HiddenStatesCompletionRequest(CompletionRequest, HiddenStatesFields):
         pass
@@ -87,6 +86,9 @@ class OpenAIFrontend:
         )
         state = State()
         await init_app_state(engine.llm, state, args, supported_tasks=await engine.llm.get_supported_tasks())
+        for serving in (state.openai_serving_completion, state.openai_serving_chat):
+            if serving is not None and engine.enabled:
+                _wrap_beam_search(serving, engine)
         return cls(engine, state, replica_id)
 
     async def handle(self, route: Route, body: bytes) -> AsyncIterator[tuple[int, bytes] | bytes]:
@@ -103,86 +105,191 @@ class OpenAIFrontend:
             yield err.error.code, err.model_dump_json().encode()
             return
         if request.return_hidden_states and not self.engine.enabled:
-            yield 400, error_body("hidden states are disabled on this server", 400, "BadRequestError", "return_hidden_states")
+            e = HiddenStatesDisabledError()
+            yield 400, error_body(str(e), 400, "BadRequestError", e.param)
             return
-        # Our base id in every engine request id this request makes: the
-        # engine files their vectors under it (a client's request_id is replaced).
-        base = uuid.uuid4().hex
-        request.request_id = base
-        n = getattr(request, "n", 1) or 1
-
-        def inject(choice: dict) -> None:
-            key = _collector_key(route, collector, choice["index"], n)
-            if key is None:
-                return
-            vecs, enc = collector.vectors[key], request.hidden_states_encoding
-            if request.hidden_states_layers is None:
-                choice["hidden_states"] = encode_vector(vecs[-1], enc)
-            else:
-                choice["hidden_states_by_layer"] = {str(layer): encode_vector(v, enc) for layer, v in vecs.items()}
-            meta = {"position": collector.position, "replica": self.replica_id}
-            if (st := collector.stats.get(key)) is not None:
-                meta.update(tokens=st.tokens, cached_tokens=st.cached_tokens, extraction_seconds=round(st.seconds, 6))
-            choice["hidden_states_meta"] = meta
-
+        if request.return_hidden_states and (refusal := _not_from_token_ids(request)) is not None:
+            yield 400, error_body(refusal[1], 400, "BadRequestError", refusal[0])
+            return
+        request.request_id = uuid.uuid4().hex  # a client's request_id is replaced
+        if request.vllm_xargs:  # our extra_args keys are ours alone: no forged capture, no joined collector
+            request.vllm_xargs = {k: v for k, v in request.vllm_xargs.items()
+                                  if not k.startswith(RESERVED_EXTRA_ARGS_PREFIX)} or None
+        if not request.return_hidden_states:
+            async for part in self._serve(serving, route, request, None):
+                yield part
+            return
+        layers, position = request.hidden_states_layers or (-1,), request.hidden_states_position
         try:
-            collecting = self.engine.collecting(
-                base, request.hidden_states_layers or (-1,), request.hidden_states_position,
-            ) if request.return_hidden_states else contextlib.nullcontext()
-            collector = collecting.__enter__()
+            self.engine.check_request(layers, position)
         except HiddenStatesRequestError as e:
-            param = "hidden_states_position" if "position" in str(e) else "hidden_states_layers"
-            yield 400, error_body(str(e), 400, "BadRequestError", param)
+            yield 400, error_body(str(e), 400, "BadRequestError", e.param)
             return
+        with self.engine.collecting(layers, position) as collector:
+            # The tag rides in vllm_xargs -> SamplingParams.extra_args of every engine
+            # request vLLM makes for this request; token ids come back with every choice,
+            # so each finds its own vector (hidden again below unless the client asked).
+            request.vllm_xargs = {**(request.vllm_xargs or {}), COLLECTOR_TAG_KEY: collector.tag}
+            choices = _ChoiceVectors(self.engine, collector, request, route, self.replica_id)
+            request.return_token_ids = True
+            async for part in self._serve(serving, route, request, collector, choices):
+                yield part
+
+    async def _serve(self, serving, route: Route, request, collector: HiddenStatesCollector | None,
+                     choices: "_ChoiceVectors | None" = None) -> AsyncIterator[tuple[int, bytes] | bytes]:
+        create = serving.create_completion if route == "completions" else serving.create_chat_completion
+        # vLLM's beam search (wrapped in create()) reads the collector when it is called.
+        context = contextvars.copy_context()
+        context.run(_BEAM_COLLECTOR.set, collector)
         try:
+            result = await asyncio.create_task(create(request, None), context=context)
+        except HiddenStatesTimeout as e:
+            yield 504, error_body(str(e), 504, "TimeoutError")
+            return
+        except MissingHiddenStatesError as e:
+            yield 500, error_body(str(e), 500, "InternalServerError", "return_hidden_states")
+            return
+        except Exception as e:  # vLLM maps its own errors (validation -> 400 ...)
+            err = serving.create_error_response(e)
+            yield err.error.code, err.model_dump_json().encode()
+            return
+        if hasattr(result, "error"):
+            yield result.error.code, result.model_dump_json().encode()
+            return
+        if not hasattr(result, "__aiter__"):
+            if choices is None:
+                yield 200, result.model_dump_json().encode()
+                return
+            payload = result.model_dump()
             try:
-                result = await serving.create_completion(request, None) if route == "completions" \
-                    else await serving.create_chat_completion(request, None)
-            except HiddenStatesTimeout as e:
-                yield 504, error_body(str(e), 504, "TimeoutError")
+                choices.fill_response(payload)
+            except MissingHiddenStatesError as e:
+                yield 500, error_body(str(e), 500, "InternalServerError", "return_hidden_states")
                 return
-            except Exception as e:  # vLLM maps its own errors (validation -> 400 ...)
-                err = serving.create_error_response(e)
-                yield err.error.code, err.model_dump_json().encode()
-                return
-            if hasattr(result, "error"):
-                yield result.error.code, result.model_dump_json().encode()
-                return
-            if not hasattr(result, "__aiter__"):
-                if collector is None:
-                    yield 200, result.model_dump_json().encode()
+            yield 200, json.dumps(payload, separators=(",", ":")).encode()
+            return
+        yield 200, b""
+        async for chunk in result:
+            if choices is not None and chunk.startswith("data: {"):
+                try:
+                    chunk = choices.fill_chunk(chunk)
+                except MissingHiddenStatesError as e:
+                    yield b"data: " + error_body(str(e), 500, "InternalServerError", "return_hidden_states") + b"\n\n"
                     return
-                payload = result.model_dump()
-                for choice in payload["choices"]:
-                    inject(choice)
-                yield 200, json.dumps(payload, separators=(",", ":")).encode()
-                return
-            yield 200, b""
-            async for chunk in result:
-                if collector is not None and '"finish_reason":"' in chunk and chunk.startswith("data: {"):
-                    data = json.loads(chunk[6:])
-                    for choice in data.get("choices", ()):
-                        if choice.get("finish_reason") is not None:
-                            inject(choice)
-                    chunk = "data: " + json.dumps(data, separators=(",", ":")) + "\n\n"
-                yield chunk.encode()
+                if not chunk:
+                    continue
+            yield chunk.encode()
 
-        finally:
-            collecting.__exit__(None, None, None)
 
-def _collector_key(route: Route, collector: HiddenStatesCollector, choice_index: int, n: int):
-    """Which (engine request id, output index) a response choice came from.
+_BEAM_COLLECTOR: contextvars.ContextVar[HiddenStatesCollector | None] = contextvars.ContextVar(
+    "hidden_states_beam_collector", default=None)
 
-    vLLM's completion serving submits prompt i as request `{id}-{i}` and numbers
-    its choices `i * n + output.index`; chat submits one request, choice = index.
-    """
-    for rid, idx in collector.vectors:
-        if route == "chat":
-            if idx == choice_index:
-                return rid, idx
-        elif int(rid.rsplit("-", 1)[1]) * n + idx == choice_index:
-            return rid, idx
+
+def _wrap_beam_search(serving, engine: HiddenStatesEngine) -> None:
+    """vLLM's serving runs beam search as its own one-token engine requests per step,
+    which carry no collector tag; the final beams are extracted here instead, one
+    vector per returned beam on its own prompt + token_ids, with room left for it."""
+    import msgspec
+
+    original = serving.beam_search
+
+    def beam_search(prompt, request_id, params, *args, **kwargs):
+        collector = _BEAM_COLLECTOR.get()  # read now: the generator runs in another task
+        if collector is None:
+            return original(prompt, request_id, params, *args, **kwargs)
+        prompt_len = len(prompt.get("prompt_token_ids") or ())
+        params = msgspec.structs.replace(params, max_tokens=engine.beam_search_room(prompt_len, params.max_tokens))
+        return engine.extract_beams(original(prompt, request_id, params, *args, **kwargs), collector)
+
+    serving.beam_search = beam_search
+
+
+class _ChoiceVectors:
+    """Puts each finished choice's vector into the response, found by the choice's
+    own prompt_token_ids + token_ids; fails the request if one has none."""
+
+    def __init__(self, engine: HiddenStatesEngine, collector: HiddenStatesCollector, request, route: Route,
+                 replica_id: str):
+        self.engine, self.collector, self.route, self.replica_id = engine, collector, route, replica_id
+        self.encoding = request.hidden_states_encoding
+        self.by_layer = request.hidden_states_layers is not None
+        self.show_token_ids = bool(request.return_token_ids)  # as the client asked, before we force it on
+        self.prompt_ids: dict[int, list[int]] = {}  # streaming: choice index -> prompt ids
+        self.tokens: dict[int, list[int]] = {}  # streaming: choice index -> completion ids so far
+
+    def inject(self, choice: dict, prompt_ids: list[int] | None, token_ids: list[int]) -> None:
+        vecs = None if prompt_ids is None else self.collector.vectors_for(prompt_ids, token_ids)
+        if vecs is None:
+            raise self.engine.missing(f"choice {choice.get('index')}")
+        if self.by_layer:
+            choice["hidden_states_by_layer"] = {str(layer): encode_vector(v, self.encoding) for layer, v in vecs.items()}
+        else:
+            choice["hidden_states"] = encode_vector(vecs[-1], self.encoding)
+        meta = {"position": self.collector.position, "replica": self.replica_id}
+        if (st := self.collector.stats.get(self.collector.key(prompt_ids, token_ids))) is not None:
+            meta.update(tokens=st.tokens, cached_tokens=st.cached_tokens, extraction_seconds=round(st.seconds, 6))
+        choice["hidden_states_meta"] = meta
+
+    def fill_response(self, payload: dict) -> None:
+        top_prompt = payload.get("prompt_token_ids")  # chat: once per response
+        for choice in payload["choices"]:
+            prompt_ids = choice.get("prompt_token_ids") if self.route == "completions" else top_prompt
+            self.inject(choice, prompt_ids, choice.get("token_ids") or [])
+            if not self.show_token_ids:
+                choice["token_ids"] = None
+                if "prompt_token_ids" in choice:
+                    choice["prompt_token_ids"] = None
+        if not self.show_token_ids and "prompt_token_ids" in payload:
+            payload["prompt_token_ids"] = None
+
+    def fill_chunk(self, chunk: str) -> str:
+        """One SSE event: token ids recorded, vectors put on finishing choices."""
+        data = json.loads(chunk[6:])
+        changed = False
+        if data.get("prompt_token_ids") is not None:  # chat: the first chunk
+            self.prompt_ids[-1] = data["prompt_token_ids"]
+            if not self.show_token_ids:
+                data["prompt_token_ids"], changed = None, True
+        choices = data.get("choices") or ()
+        if self.route == "chat" and not self.show_token_ids and choices and all(_carries_nothing(c) for c in choices):
+            return ""  # sent only because we asked vLLM for token ids: the client would not have seen it
+        for choice in choices:
+            i = choice.get("index", 0)
+            if choice.get("prompt_token_ids") is not None:  # completions: each choice's first chunk
+                self.prompt_ids[i] = choice["prompt_token_ids"]
+            self.tokens.setdefault(i, []).extend(choice.get("token_ids") or ())
+            if choice.get("finish_reason") is not None:
+                self.inject(choice, self.prompt_ids.get(i, self.prompt_ids.get(-1)), self.tokens[i])
+                changed = True
+            if not self.show_token_ids and (choice.get("token_ids") is not None or choice.get("prompt_token_ids") is not None):
+                choice["token_ids"] = None
+                if "prompt_token_ids" in choice:
+                    choice["prompt_token_ids"] = None
+                changed = True
+        return "data: " + json.dumps(data, separators=(",", ":")) + "\n\n" if changed else chunk
+
+
+def _not_from_token_ids(request) -> tuple[str, str] | None:
+    """(param, message) if the request's input is not token ids alone: the extraction
+    step replays prompt + completion as token ids, which would not be the same input."""
+    if getattr(request, "prompt_embeds", None):
+        return "prompt_embeds", ("prompt_embeds cannot be combined with return_hidden_states: the vector is "
+                                 "computed from token ids; send the prompt as text or token ids")
+    for message in getattr(request, "messages", None) or ():
+        content = message.get("content") if isinstance(message, dict) else getattr(message, "content", None)
+        for part in content if isinstance(content, list) else ():
+            kind = part.get("type") if isinstance(part, dict) else getattr(part, "type", None)
+            if kind not in ("text", None):
+                return "messages", (f"a {kind!r} content part cannot be combined with return_hidden_states: the "
+                                    "vector is computed from token ids, so only text messages are supported")
     return None
+
+
+def _carries_nothing(choice: dict) -> bool:
+    """A chat stream choice with no text, no logprobs and no finish: vLLM sends one
+    per token that decodes to nothing yet only when token ids were asked for."""
+    return (choice.get("finish_reason") is None and not choice.get("logprobs")
+            and not any(v is not None for v in (choice.get("delta") or {}).values()))
 
 
 def _validation_message(e: ValidationError) -> str:
@@ -191,4 +298,3 @@ def _validation_message(e: ValidationError) -> str:
         loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
         parts.append(f"{loc or 'body'}: {err.get('msg')}")
     return "invalid request: " + "; ".join(parts)
-

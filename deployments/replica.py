@@ -120,19 +120,6 @@ class EngineReplica(http.ingress_routes(app, "replica")):
             raise
         return StreamingResponse(self._relay(parts, deadline), media_type="text/event-stream", headers=headers)
 
-    async def _relay(self, parts: AsyncIterator[bytes], deadline: float) -> AsyncIterator[bytes]:
-        ok = False
-        try:
-            async for chunk in http.until(parts, deadline):
-                ok = chunk.endswith(http.SSE_DONE)  # delivered, even if the client hangs up before the stream ends
-                yield chunk
-            ok = True
-        except TimeoutError:
-            yield b"data: " + error_body(http.TIMED_OUT, 504) + b"\n\n"
-        finally:
-            await parts.aclose()
-            self._finish(ok)
-
     # -- Python handles -------------------------------------------------------
 
     async def complete(self, request: bytes) -> bytes:

@@ -14,6 +14,7 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
@@ -23,7 +24,7 @@ from ray.serve.handle import DeploymentHandle
 
 from deployments import http, wire
 from deployments.config import AppArgs
-from deployments.openai_serving import error_body
+from deployments.readiness import Readiness
 from deployments.wire import HandleError, HandleReply
 
 logger = logging.getLogger(__name__)
@@ -34,16 +35,20 @@ logger = logging.getLogger(__name__)
 app = FastAPI(title="hidden-states-serve", description="OpenAI-compatible completions with final-token hidden states")
 
 
-def _failure_message(e: BaseException) -> tuple[int, str]:
-    if isinstance(e, asyncio.TimeoutError):
-        return 504, http.TIMED_OUT
-    logger.warning("request failed in a replica: %s: %s", type(e).__name__, e)
-    return 503, f"the engine replica failed while serving this request ({type(e).__name__}); retry"
-
-
 def _failure(e: BaseException) -> Response:
-    status, message = _failure_message(e)
-    return http.error(status, message)
+    return http.error(*http.failure(e))
+
+
+async def _cancel_unless_done(stream) -> AsyncIterator[bytes]:
+    """A replica's response stream as an async generator: closing it early cancels the replica's work."""
+    done = False
+    try:
+        async for chunk in stream:
+            yield chunk
+        done = True
+    finally:
+        if not done:
+            stream.cancel()
 
 
 @serve.deployment(max_ongoing_requests=1000)
@@ -53,6 +58,10 @@ class Router(http.ingress_routes(app, "router")):
         self.args = AppArgs.model_validate(args)
         self.replica = replica
         self.replica_stream = replica.options(stream=True)  # built once: options() is not free
+        self.readiness = Readiness(serve.get_replica_context().app_name)
+
+    async def _not_ready(self) -> str | None:
+        return await self.readiness.why_not()
 
     async def _replica_stats(self) -> dict:
         try:
@@ -65,6 +74,8 @@ class Router(http.ingress_routes(app, "router")):
         if isinstance(admitted, Response):
             return admitted
         body, req = admitted
+        if (why := await self._not_ready()) is not None:  # rather than wait for a replica until the timeout
+            return http.error(503, why)
         deadline = time.monotonic() + self.args.request_timeout_s
         self.pending += 1
         if req.get("stream") is not True:
@@ -89,7 +100,7 @@ class Router(http.ingress_routes(app, "router")):
             if stream is not None:
                 stream.cancel()
             return _failure(e)
-        return StreamingResponse(self._relay(stream, deadline), media_type="text/event-stream",
+        return StreamingResponse(self._relay(_cancel_unless_done(stream), deadline), media_type="text/event-stream",
                                  headers={"x-replica-id": head.replica})
 
     async def _call(self, route: str, body: bytes, deadline: float) -> wire.Reply:
@@ -121,21 +132,6 @@ class Router(http.ingress_routes(app, "router")):
                     raise
                 logger.warning("replica died before answering (%s); retrying once", type(e).__name__)
 
-    async def _relay(self, stream, deadline: float):
-        ok = False
-        try:
-            async for chunk in http.until(stream, deadline):
-                ok = chunk.endswith(http.SSE_DONE)  # delivered, even if the client hangs up before the stream ends
-                yield chunk
-            ok = True
-        except Exception as e:
-            status, message = _failure_message(e)
-            yield b"data: " + error_body(message, status) + b"\n\n"
-        finally:
-            if not ok:
-                stream.cancel()
-            self._finish(ok)
-
     # -- Python handles -------------------------------------------------------
 
     async def complete(self, request: bytes) -> bytes:
@@ -146,6 +142,8 @@ class Router(http.ingress_routes(app, "router")):
             return wire.ENCODER.encode(HandleReply(error=HandleError(400, f"invalid request: {e}")))
         if (refused := http.handle_refusal(self.args, req)) is not None:
             return wire.ENCODER.encode(HandleReply(error=refused))
+        if (why := await self._not_ready()) is not None:
+            return wire.ENCODER.encode(HandleReply(error=HandleError(503, why)))
         self.pending += 1
         try:
             reply = await asyncio.wait_for(self.replica.complete.remote(request), self.args.request_timeout_s)
@@ -153,5 +151,5 @@ class Router(http.ingress_routes(app, "router")):
             return reply
         except Exception as e:
             self._finish(False)
-            return wire.ENCODER.encode(HandleReply(error=HandleError(*_failure_message(e))))
+            return wire.ENCODER.encode(HandleReply(error=HandleError(*http.failure(e))))
 

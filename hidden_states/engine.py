@@ -19,11 +19,18 @@ generation (vLLM's priority policy, priority -1), so it does not queue behind
 the batch's new prompts.
 
 Two ways in, one path:
-- `generate()/complete()/extract()` for Python callers;
+- `complete()/extract()` for Python callers;
 - any code that drives the engine through vLLM's EngineClient interface
-  (vLLM's own OpenAI serving classes) with request ids built from a base id
-  registered with `engine.collecting(base_id)`: the vectors land in that
-  collector, keyed by (engine request id, choice index).
+  (vLLM's own OpenAI serving classes) with sampling params tagged by a
+  collector (`with engine.collecting() as c: c.tag(params)`; an OpenAI
+  request carries the tag in `vllm_xargs`, which vLLM copies into
+  `SamplingParams.extra_args`): the vectors land in that collector, keyed by
+  the token sequence they belong to (`collector.key(prompt_ids, token_ids)`),
+  so a response choice finds its vector from its own token ids, whatever
+  request ids vLLM made up on the way.
+- beam search (vLLM's serving runs it as one-token engine requests per step,
+  which carry no tag): `extract_beams()` wraps its final output and extracts
+  one vector per returned beam.
 """
 
 from __future__ import annotations
@@ -33,7 +40,6 @@ import contextlib
 import dataclasses
 import logging
 import os
-import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -41,7 +47,10 @@ from typing import Any
 
 import numpy as np
 
-from hidden_states.protocol import HiddenStatesExtractionRequest
+from hidden_states.preflight import EngineStartupError, check_architecture, check_cpu_memory, check_model_folder
+from hidden_states.params import (HiddenStatesDisabledError, HiddenStatesRequestError, check_layers,
+                                  check_position)
+from hidden_states.protocol import COLLECTOR_TAG_KEY, HiddenStatesExtractionRequest
 from hidden_states.side_channel import HiddenStatesReceiver, HiddenStatesTimeout
 from hidden_states.tiny_model import DEFAULT_MODEL, resolve_model
 from hidden_states.vllm_patch import ENGINE_ENV, WORKER_EXTENSION, check_vllm_version
@@ -49,15 +58,13 @@ from hidden_states.vllm_patch import ENGINE_ENV, WORKER_EXTENSION, check_vllm_ve
 logger = logging.getLogger(__name__)
 
 
-class HiddenStatesDisabledError(RuntimeError):
-    """A request asked for hidden states on an engine started without them."""
 
 
-class HiddenStatesRequestError(ValueError):
-    """A hidden-states request this engine cannot serve (bad layer, unsupported model)."""
+class MissingHiddenStatesError(RuntimeError):
+    """A choice finished without its vector although the request asked for it (a bug:
+    the request fails rather than return a partial answer)."""
 
 
-POSITIONS = ("completion_end", "prompt_end")
 
 # Defaults start() gives the engine when hidden states are on (an explicit
 # engine argument wins). vLLM's CPU backend defaults to 128-token blocks, so the
@@ -96,6 +103,34 @@ async def _cpu_start_up(llm: Any, prefault_kv_cache: bool, warm_up_s: float, mal
     return out
 
 
+def _preflight(model: str, engine_args: dict[str, Any]) -> str:
+    """The model's local path, after the checks that give a start-up failure its real cause."""
+    try:
+        path = resolve_model(model)
+    except Exception as e:
+        raise EngineStartupError(f"the built-in model {model} could not be built: {e}") from e
+    cfg = check_model_folder(path)
+    if cfg is not None:
+        from vllm.model_executor.models import ModelRegistry
+
+        check_architecture(cfg, path, set(ModelRegistry.get_supported_archs()))
+    if _on_cpu():
+        check_cpu_memory(path, engine_args.get("kv_cache_memory_bytes"))
+    return path
+
+
+def _execution_mode(cfg: Any) -> dict[str, Any]:
+    """What decides how the runner hook runs (patch ledger): logged and in stats."""
+    comp = cfg.compilation_config
+    return {
+        "enforce_eager": bool(cfg.model_config.enforce_eager),
+        "async_scheduling": bool(getattr(cfg.scheduler_config, "async_scheduling", False)),
+        "cudagraph_mode": str(getattr(comp, "cudagraph_mode", None)),
+        "compilation_mode": str(getattr(comp, "mode", getattr(comp, "level", None))),
+        "v2_model_runner": os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "0") == "1",
+    }
+
+
 def _on_cpu() -> bool:
     from vllm.platforms import current_platform
 
@@ -111,19 +146,33 @@ class ExtractionStats:
 
 @dataclasses.dataclass
 class HiddenStatesCollector:
-    """Per-request sink for vectors, registered with `HiddenStatesEngine.collecting()`."""
+    """Per-request sink for vectors, registered with `HiddenStatesEngine.collecting()`.
 
+    Engine requests reach it through `tag` in their `SamplingParams.extra_args`.
+    Vectors are keyed by the token sequence they are the final-token state of, so
+    identical choices share one extraction and a choice finds its own vector."""
+
+    tag: str
     layers: tuple[int, ...] = (-1,)
     position: str = "completion_end"
-    # (engine request id, output index) -> {requested layer: float32 [D]}
-    vectors: dict[tuple[str, int], dict[int, np.ndarray]] = dataclasses.field(default_factory=dict)
-    stats: dict[tuple[str, int], ExtractionStats] = dataclasses.field(default_factory=dict)
+    # key(prompt ids, completion ids) -> {requested layer: float32 [D]}
+    vectors: dict[tuple[int, ...], dict[int, np.ndarray]] = dataclasses.field(default_factory=dict)
+    stats: dict[tuple[int, ...], ExtractionStats] = dataclasses.field(default_factory=dict)
 
+    def key(self, prompt_token_ids: Sequence[int], token_ids: Sequence[int]) -> tuple[int, ...]:
+        """The token sequence whose final-token vector a choice carries."""
+        if self.position == "prompt_end":
+            return tuple(prompt_token_ids)
+        return (*prompt_token_ids, *token_ids)
 
-def _request_base_ids(request_id: str) -> list[str]:
-    # vLLM's OpenAI layer derives engine ids from the base id it was given:
-    # "cmpl-{base}-{i}", "chatcmpl-{base}", "chatcmpl-{base}_{i}".
-    return re.split(r"[-_]", request_id)
+    def tag_params(self, params: Any) -> Any:
+        """A copy of `params` (vLLM SamplingParams) whose engine requests land here."""
+        params = params.clone()
+        params.extra_args = {**(params.extra_args or {}), COLLECTOR_TAG_KEY: self.tag}
+        return params
+
+    def vectors_for(self, prompt_token_ids: Sequence[int], token_ids: Sequence[int]) -> dict[int, np.ndarray] | None:
+        return self.vectors.get(self.key(prompt_token_ids, token_ids))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,13 +198,13 @@ def _make_async_llm_class():
     from vllm.v1.engine.async_llm import AsyncLLM
 
     class ExtractingAsyncLLM(AsyncLLM):
-        """AsyncLLM whose generate() runs the extraction step for collected requests."""
+        """AsyncLLM whose generate() runs the extraction step for tagged requests."""
 
         hidden_states: "HiddenStatesEngine"
 
         async def generate(self, prompt, sampling_params, request_id, *args, **kwargs):
-            collector = self.hidden_states.collector_for(request_id)
-            if collector is None or sampling_params is None or not hasattr(sampling_params, "n"):
+            collector = self.hidden_states.collector_for(sampling_params)
+            if collector is None:
                 async for out in super().generate(prompt, sampling_params, request_id, *args, **kwargs):
                     yield out
                 return
@@ -176,15 +225,11 @@ def _make_async_llm_class():
                         tokens.setdefault(o.index, []).extend(o.token_ids)
                     else:
                         tokens[o.index] = list(o.token_ids)
-                    if o.finish_reason is not None and (request_id, o.index) not in collector.vectors:
-                        finished.append(o.index)
-                # Choices finishing together (n > 1, non-streaming) extract together.
-                results = await asyncio.gather(*(
-                    self.hidden_states.extract_layers(prompt_ids + tokens[i], collector.layers) for i in finished
-                ))
-                for i, (vecs, stats) in zip(finished, results):
-                    collector.vectors[(request_id, i)] = vecs
-                    collector.stats[(request_id, i)] = stats
+                    if o.finish_reason is not None:
+                        finished.append(collector.key(prompt_ids, tokens[o.index]))
+                # Choices finishing together (n > 1, non-streaming) extract together;
+                # identical sequences once.
+                await self.hidden_states.extract_into(collector, finished)
                 yield out
 
         async def _generate_prompt_end(self, collector, prompt, sampling_params, request_id, *args, **kwargs):
@@ -196,15 +241,14 @@ def _make_async_llm_class():
             params.extra_args = {**(params.extra_args or {}),
                                  **HiddenStatesExtractionRequest(key=key, layers=list(collector.layers)).to_extra_args()}
             hs.receiver.expect(key)
-            vecs, prompt_len = None, 0
+            prompt_ids: list[int] = []
             try:
                 async for out in super().generate(prompt, params, request_id, *args, **kwargs):
-                    prompt_len = len(out.prompt_token_ids or ()) or prompt_len
-                    for o in out.outputs:
-                        if o.finish_reason is not None:
-                            if vecs is None:  # one prompt, one vector for every choice
-                                vecs = hs._by_layer(await hs._wait(key, prompt_len), collector.layers)
-                            collector.vectors[(request_id, o.index)] = vecs
+                    prompt_ids = list(out.prompt_token_ids or ()) or prompt_ids
+                    if any(o.finish_reason is not None for o in out.outputs):
+                        seq = collector.key(prompt_ids, ())
+                        if seq not in collector.vectors:  # one prompt, one vector for every choice
+                            collector.vectors[seq] = hs._by_layer(await hs._wait(key, len(prompt_ids)), collector.layers)
                     yield out
             finally:
                 hs.receiver.discard(key)
@@ -231,6 +275,7 @@ class HiddenStatesEngine:
         self.extractions = 0
         self.extraction_tokens = 0
         self.extraction_cached_tokens = 0
+        self.missing_vectors = 0  # choices that finished without their vector (each failed its request)
         self.extraction_priority = 0  # set by start(): vLLM refuses priorities under its fcfs policy
         self.startup: dict[str, Any] = {}  # set by start(): what the CPU start-up steps did
 
@@ -264,9 +309,15 @@ class HiddenStatesEngine:
             if _on_cpu():
                 engine_args.setdefault("block_size", CPU_EXTRACTION_BLOCK_SIZE)
         engine_args["worker_extension_cls"] = WORKER_EXTENSION
-        args = AsyncEngineArgs(model=resolve_model(model), **engine_args)
-        llm = _make_async_llm_class().from_engine_args(args)
-        receiver = None
+        path = _preflight(model, engine_args)
+        args = AsyncEngineArgs(model=path, **engine_args)
+        try:
+            llm = _make_async_llm_class().from_engine_args(args)
+        except Exception as e:
+            raise EngineStartupError(
+                f"the vLLM engine for {model} failed to start ({type(e).__name__}: {e}); vLLM logs the root cause "
+                "from its engine-core process just above this error in the replica's log") from e
+        receiver, installed = None, []
         try:
             startup = await _cpu_start_up(llm, prefault_kv_cache, warm_up_s, malloc_trim_interval_s,
                                           install_timeout_s) if _on_cpu() else {}
@@ -274,14 +325,19 @@ class HiddenStatesEngine:
                 receiver = HiddenStatesReceiver()
                 receiver.start()
                 installed = await llm.collective_rpc("hidden_states_install", timeout=install_timeout_s, args=(receiver.address,))
-                logger.info("hidden-states hook installed on %d worker(s)", len(installed))
+                logger.info("hidden-states hook installed on %d worker(s); intermediate layers: %s", len(installed),
+                            installed[0]["layer_capture_reason"] or "yes")
         except BaseException:
             llm.shutdown()
             if receiver is not None:
                 receiver.close()
             raise
         engine = cls(llm, receiver, extraction_timeout_s)
-        engine.startup = startup
+        engine.startup = {**startup, **_execution_mode(llm.vllm_config)}
+        logger.info("engine execution mode: %s", _execution_mode(llm.vllm_config))
+        # What the workers found at install (vllm_patch.layer_capture_support); check_request reads it.
+        engine.layer_capture = {**installed[0], "layer_capture": all(w["layer_capture"] for w in installed)} \
+            if installed else None
         engine.extraction_priority = EXTRACTION_PRIORITY if llm.vllm_config.scheduler_config.policy == "priority" else 0
         llm.hidden_states = engine
         return engine
@@ -289,30 +345,31 @@ class HiddenStatesEngine:
     def check_request(self, layers: Sequence[int] = (-1,), position: str = "completion_end") -> tuple[int, ...]:
         """Raises HiddenStatesRequestError with the fix if this engine cannot serve it."""
         if not self.enabled:
-            raise HiddenStatesDisabledError(
-                "hidden states are disabled on this engine; start it with enable_return_hidden_states=True"
-            )
-        if position not in POSITIONS:
-            raise HiddenStatesRequestError(f"hidden_states_position must be one of {list(POSITIONS)}, not {position!r}")
-        layers = tuple(dict.fromkeys(int(l) for l in layers))
-        if not layers:
-            raise HiddenStatesRequestError("hidden_states_layers must name at least one layer")
+            raise HiddenStatesDisabledError()
+        check_position(position)
+        layers = check_layers(layers, self.num_layers)
         L = self.num_layers
-        bad = [l for l in layers if not -(L + 1) <= l <= L]
-        if bad:
-            raise HiddenStatesRequestError(
-                f"hidden_states_layers {bad} out of range: this model has layers 0..{L} "
-                f"(0 = embeddings, {L} = after the final norm; negative counts from the end, -1 = {L})")
         if any(self._absolute(l) != L for l in layers):
             from hidden_states.vllm_patch import SUPPORTED_LAYER_ARCHS
 
-            if self.architecture not in SUPPORTED_LAYER_ARCHS:
+            # The workers' install result; without one (no engine), the checked architectures.
+            found = getattr(self, "layer_capture", None)
+            if not (found["layer_structure"] if found else self.architecture in SUPPORTED_LAYER_ARCHS):
+                why = f" ({found['layer_capture_reason']})" if found else ""
+                families = ", ".join(a.removesuffix("ForCausalLM") for a in SUPPORTED_LAYER_ARCHS)
                 raise HiddenStatesRequestError(
-                    f"intermediate hidden_states_layers are supported for the Llama, Qwen2 and Mistral families "
-                    f"({', '.join(SUPPORTED_LAYER_ARCHS)}), not {self.architecture}; ask for the last layer (-1) only")
+                    "intermediate hidden_states_layers need decoder layers that carry the residual stream as "
+                    f"forward(positions, hidden_states, residual), as the {families} families do; "
+                    f"not {self.architecture}{why}; ask for the last layer (-1) only", "hidden_states_layers")
             if not self.eager:
                 raise HiddenStatesRequestError(
-                    "intermediate hidden_states_layers need an eager engine: start it with enforce_eager=True")
+                    "intermediate hidden_states_layers need an eager engine: start it with enforce_eager=True",
+                    "hidden_states_layers")
+            if found and not found["layer_capture"]:
+                raise HiddenStatesRequestError(
+                    f"intermediate hidden_states_layers are unavailable on this engine: "
+                    f"{found['layer_capture_reason'] or 'not every worker hooked its decoder layers'}",
+                    "hidden_states_layers")
         return layers
 
     def _leave_room_for_extraction(self, prompt: Any, params: Any) -> Any:
@@ -327,7 +384,7 @@ class HiddenStatesEngine:
             raise HiddenStatesRequestError(
                 f"a prompt of {len(ids)} tokens leaves no room for a completion with hidden states: "
                 f"prompt + completion must stay below max_model_len ({limit}), since the extraction "
-                "step needs one more position")
+                "step needs one more position", "prompt")
         if params.max_tokens is None or params.max_tokens > room:
             params = params.clone()
             params.max_tokens = room
@@ -344,31 +401,64 @@ class HiddenStatesEngine:
         try:
             return await self.receiver.wait(key, self.extraction_timeout_s)
         except TimeoutError:
-            raise HiddenStatesTimeout(
-                f"hidden states for a sequence of {num_tokens} tokens did not arrive within "
-                f"{self.extraction_timeout_s:g}s (extraction_timeout_s): the engine is overloaded, "
-                "or a side-channel message was lost"
-            ) from None
+            raise self._timed_out(num_tokens) from None
+
+    def _timed_out(self, num_tokens: int) -> HiddenStatesTimeout:
+        return HiddenStatesTimeout(
+            f"hidden states for a sequence of {num_tokens} tokens did not arrive within "
+            f"{self.extraction_timeout_s:g}s (extraction_timeout_s): the engine is overloaded, "
+            "or a side-channel message was lost")
 
     @contextlib.contextmanager
-    def collecting(self, base_id: str, layers: Sequence[int] = (-1,), position: str = "completion_end"):
-        """Vectors of every finished choice of requests whose id contains `base_id`."""
+    def collecting(self, layers: Sequence[int] = (-1,), position: str = "completion_end"):
+        """A collector for one request's vectors: tag its sampling params with
+        `collector.tag_params()` (or its OpenAI request's `vllm_xargs` with `collector.tag`)."""
         layers = self.check_request(layers, position)
-        if base_id in self._collectors:
-            raise ValueError(f"request base id {base_id!r} is already collecting")
-        collector = self._collectors[base_id] = HiddenStatesCollector(layers, position)
+        collector = HiddenStatesCollector(uuid.uuid4().hex, layers, position)
+        self._collectors[collector.tag] = collector
         try:
             yield collector
         finally:
-            del self._collectors[base_id]
+            del self._collectors[collector.tag]
 
-    def collector_for(self, request_id: str) -> HiddenStatesCollector | None:
-        if not self._collectors:
+    def collector_for(self, sampling_params: Any) -> HiddenStatesCollector | None:
+        extra = getattr(sampling_params, "extra_args", None)
+        if not extra or not self._collectors:
             return None
-        for part in _request_base_ids(request_id):
-            if part in self._collectors:
-                return self._collectors[part]
-        return None
+        tag = extra.get(COLLECTOR_TAG_KEY)
+        return None if tag is None else self._collectors.get(tag)
+
+    def missing(self, what: str) -> MissingHiddenStatesError:
+        """Counts a choice that finished without its vector; the error to fail its request with."""
+        self.missing_vectors += 1
+        return MissingHiddenStatesError(
+            f"{what} finished without its hidden states although the request asked for them; the request "
+            "fails rather than return a partial answer (a server bug: please report it)")
+
+    async def extract_into(self, collector: HiddenStatesCollector, sequences: Sequence[tuple[int, ...]]) -> None:
+        """Extracts each sequence's final-token vector into the collector, once per distinct sequence."""
+        todo = [seq for seq in dict.fromkeys(sequences) if seq not in collector.vectors]
+        results = await asyncio.gather(*(self.extract_layers(seq, collector.layers) for seq in todo))
+        for seq, (vecs, stats) in zip(todo, results):
+            collector.vectors[seq] = vecs
+            collector.stats[seq] = stats
+
+    async def extract_beams(self, outputs: AsyncIterator[Any], collector: HiddenStatesCollector) -> AsyncIterator[Any]:
+        """vLLM's beam search output with one extraction per returned beam, on that
+        beam's own prompt + token_ids (its per-step engine requests carry no tag)."""
+        async for out in outputs:
+            done = [collector.key(out.prompt_token_ids, o.token_ids) for o in out.outputs if o.finish_reason is not None]
+            if done and collector.position == "prompt_end":
+                # Beam steps are not flagged: the prompt's vector comes from a (cached) extraction.
+                if done[0] not in collector.vectors:
+                    collector.vectors[done[0]] = (await self.extract_layers(done[0], collector.layers))[0]
+            else:
+                await self.extract_into(collector, done)
+            yield out
+
+    def beam_search_room(self, prompt_len: int, max_tokens: int) -> int:
+        """max_tokens for a beam search whose beams each need one more position to extract."""
+        return max(1, min(max_tokens, self.llm.model_config.max_model_len - 1 - prompt_len))
 
     # -- the extraction step --------------------------------------------------
 
@@ -405,11 +495,7 @@ class HiddenStatesEngine:
             results = await self.receiver.wait(key, max(0.0, deadline - time.perf_counter()))
         except TimeoutError:  # HiddenStatesTimeout included: one message with the configured bound
             self.receiver.discard(key)
-            raise HiddenStatesTimeout(
-                f"hidden states for a sequence of {len(token_ids)} tokens did not arrive within "
-                f"{self.extraction_timeout_s:g}s (extraction_timeout_s): the engine is overloaded, "
-                "or a side-channel message was lost"
-            ) from None
+            raise self._timed_out(len(token_ids)) from None
         except BaseException:
             self.receiver.discard(key)
             raise
@@ -426,19 +512,6 @@ class HiddenStatesEngine:
 
     # -- generation -----------------------------------------------------------
 
-    async def generate(
-        self, prompt: Any, sampling_params: Any, request_id: str, *, return_hidden_states: bool = False,
-        layers: Sequence[int] = (-1,), position: str = "completion_end",
-    ) -> AsyncIterator[tuple[Any, dict[int, dict[int, np.ndarray]]]]:
-        """vLLM RequestOutputs, each with {choice index: {layer: vector}} of the choices it finished."""
-        base = uuid.uuid4().hex
-        request_id = f"{request_id}-{base}"
-        with self.collecting(base, layers, position) if return_hidden_states else contextlib.nullcontext() as collector:
-            async for out in self.llm.generate(prompt, sampling_params, request_id):
-                done = {o.index: collector.vectors[(request_id, o.index)] for o in out.outputs
-                        if collector is not None and o.finish_reason is not None}
-                yield out, done
-
     async def complete(
         self, prompt: str | Sequence[int], sampling_params: Any = None, *, return_hidden_states: bool = True,
         layers: Sequence[int] = (-1,), position: str = "completion_end",
@@ -449,28 +522,26 @@ class HiddenStatesEngine:
 
         params = (sampling_params or SamplingParams()).clone()
         params.output_kind = RequestOutputKind.FINAL_ONLY
-        base = uuid.uuid4().hex
-        request_id = f"cmpl-{base}"
+        request_id = f"cmpl-{uuid.uuid4().hex}"
         if isinstance(prompt, str):
             prompt = self.llm.tokenizer.encode(prompt)
         engine_prompt = {"prompt_token_ids": list(prompt)}
-        final = None
-        with self.collecting(base, layers, position) if return_hidden_states else contextlib.nullcontext(HiddenStatesCollector()) as collector:
+        final, choices = None, []
+        with self.collecting(layers, position) if return_hidden_states else contextlib.nullcontext() as collector:
+            if collector is not None:
+                params = collector.tag_params(params)
             async for out in self.llm.generate(engine_prompt, params, request_id):
                 final = out
-        return Completion(
-            request_id=request_id,
-            prompt_token_ids=tuple(final.prompt_token_ids),
-            choices=tuple(
-                CompletionChoice(
-                    o.index, o.text, tuple(o.token_ids), o.finish_reason,
-                    (collector.vectors.get((request_id, o.index)) or {}).get(-1),
-                    collector.stats.get((request_id, o.index)),
-                    collector.vectors.get((request_id, o.index)),
-                )
-                for o in final.outputs
-            ),
-        )
+        for o in final.outputs:
+            vecs = stats = None
+            if collector is not None:
+                seq = collector.key(final.prompt_token_ids, o.token_ids)
+                vecs, stats = collector.vectors.get(seq), collector.stats.get(seq)
+                if vecs is None:
+                    raise self.missing(f"choice {o.index}")
+            choices.append(CompletionChoice(o.index, o.text, tuple(o.token_ids), o.finish_reason,
+                                            None if vecs is None else vecs.get(-1), stats, vecs))
+        return Completion(request_id=request_id, prompt_token_ids=tuple(final.prompt_token_ids), choices=tuple(choices))
 
     # -- operations -----------------------------------------------------------
 
@@ -481,6 +552,7 @@ class HiddenStatesEngine:
             "extractions": self.extractions,
             "extraction_tokens": self.extraction_tokens,
             "extraction_cached_tokens": self.extraction_cached_tokens,
+            "missing_vectors": self.missing_vectors,
             "pending": self.receiver.num_pending if self.receiver else 0,
             "malformed_frames": self.receiver.malformed_frames if self.receiver else 0,
             "unclaimed_results": self.receiver.unclaimed_results if self.receiver else 0,

@@ -22,6 +22,11 @@ import msgspec
 import numpy as np
 
 EXTRA_ARGS_KEY = "hidden_states_capture"
+# The collector a generating request's vectors go to (engine side only, never the worker).
+COLLECTOR_TAG_KEY = "hidden_states_collector"
+# Keys of `extra_args` (an OpenAI request's `vllm_xargs`) that are ours: stripped
+# from what clients send, so no client can forge a capture or join a collector.
+RESERVED_EXTRA_ARGS_PREFIX = "hidden_states"
 
 # dtype name -> bytes per element. bfloat16 has no numpy dtype: decoded by hand.
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}

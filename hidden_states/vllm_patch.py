@@ -11,9 +11,29 @@ token) that row is the final token's hidden state; for a generating request it
 is the prompt-end vector.
 
 Intermediate layers (transformers numbering, see `_RunnerHook`) come from
-forward pre-hooks on the decoder layers of the Llama, Qwen2 and Mistral
-families (`SUPPORTED_LAYER_ARCHS`); they need an eager model (hooks added after
-torch.compile are not in the compiled graph), which the engine checks.
+forward pre-hooks on the decoder layers (ledger point 8) of any model whose
+layers carry the residual stream as vLLM's Llama does; `layer_capture_support`
+decides that per model at install, from the model itself (no list of
+architectures), and the worker reports the result to the engine, which refuses
+intermediate layers on any other model with a 400 that says why. Hooks need an
+eager engine (a compiled model does not run hooks added after compilation, or
+recompiles for them): they are registered only when `enforce_eager` is set, and
+the engine refuses intermediate layers otherwise.
+
+Checked against transformers in float32 (tests/engine/test_layers.py,
+`SUPPORTED_LAYER_ARCHS`): Llama, Qwen2, Qwen3, Gemma2 and Gemma3 (text), and
+Gemma and Phi3 under HS_LONG_TESTS=1; Mistral's decoder layer is Llama's. The
+Gemma families scale the embeddings by sqrt(hidden_size) in
+`embed_input_ids`, before layer 0, as transformers' hidden_states[0] does; their
+(1 + w) RMSNorms, attention softcapping and sliding windows (checked with a
+window shorter than the prompt) are inside the layers. Refused by the check:
+e.g. Granite and StableLM (layers take and return the whole stream; Granite
+also scales it by residual_multiplier), Cohere (parallel block: its residual
+argument is ignored), DeepSeek-V2/V3 (sequence-parallel and float16 rescaling
+at the layer entry), hybrid models whose Mamba/conv layers take no positions
+(Jamba, NemotronH, LFM2, Qwen3-Next: refused although they may well follow the
+convention), and models run by vLLM's transformers backend (Olmo2, ...): they
+keep the last layer only.
 
 Ledger of patched points (supported: vLLM {SUPPORTED}):
 
@@ -25,7 +45,9 @@ Ledger of patched points (supported: vLLM {SUPPORTED}):
    Why: after it returns, `runner.execute_model_state` holds the step's
    `scheduler_output` and `sample_hidden_states` (one row per scheduled request
    in `input_batch.req_ids` order) until `sample_tokens()` runs.
-   How: read both after the original call; no vLLM code is modified.
+   How: read both after the original call; no vLLM code is modified. The
+   step's capture plan is dropped when the call returns or raises, so forwards
+   outside a step (dummy batches) see none.
    Remove when: vLLM returns last-token hidden states inline (RFC #48743).
 3. Model Runner V2 (`vllm/v1/worker/gpu/`) is turned off with
    `VLLM_USE_V2_MODEL_RUNNER=0` (engine.py sets it): it has no
@@ -55,6 +77,15 @@ Ledger of patched points (supported: vLLM {SUPPORTED}):
    the worker's memory grows by that cache (about 80 MB on the built-in model)
    over the first few hundred requests, and those requests wait for the
    kernels to be built. Remove when vLLM's CPU worker warms up per batch size.
+8. Intermediate layers: `torch.nn.Module.register_forward_pre_hook` on each of
+   `runner.model.model.layers` (eager engines only; not a patch of vLLM code).
+   Relies on vLLM's decoder-layer convention, checked at install per layer
+   class: `forward(positions, hidden_states, residual, ...)` whose source
+   begins `if residual is None: residual = hidden_states ... else:
+   hidden_states, residual = self.<norm>(hidden_states, residual)`, with a norm
+   that returns (norm(h + r), h + r) (probed once on random rows). The stream
+   entering layer l is then hidden + residual (hidden alone before layer 0).
+   Remove when vLLM returns chosen layers itself (RFC #48743).
 """
 
 from __future__ import annotations
@@ -68,7 +99,11 @@ logger = logging.getLogger(__name__)
 
 SUPPORTED_VLLM = ("0.32.",)
 __doc__ = __doc__.replace("{SUPPORTED}", ", ".join(v + "x" for v in SUPPORTED_VLLM))
-SUPPORTED_LAYER_ARCHS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+# Architectures whose intermediate layers are checked against transformers (the test
+# suite; Mistral's decoder layer is Llama's). Support itself is detected per model at
+# install (`layer_capture_support`); these name the families in the engine's refusals.
+SUPPORTED_LAYER_ARCHS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM",
+                         "GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM")
 WORKER_EXTENSION = "hidden_states.vllm_patch.HiddenStatesWorkerExtension"
 ENGINE_ENV = {"VLLM_USE_V2_MODEL_RUNNER": "0"}
 
@@ -98,6 +133,94 @@ def check_vllm_version() -> None:
         )
 
 
+def _residual_norm_of(layer_cls: type) -> tuple[str | None, str | None]:
+    """(name of the norm that adds the residual at the layer's entry, None) if the
+    class's forward follows the residual-stream convention, else (None, why not)."""
+    import ast
+    import inspect
+    import textwrap
+
+    name = layer_cls.__name__
+    try:
+        params = list(inspect.signature(layer_cls.forward).parameters)[1:]
+    except (TypeError, ValueError):
+        return None, f"{name}.forward has no inspectable signature"
+    if params[:3] != ["positions", "hidden_states", "residual"]:
+        return None, f"{name}.forward takes ({', '.join(params)}), not (positions, hidden_states, residual)"
+    try:
+        fn = ast.parse(textwrap.dedent(inspect.getsource(layer_cls.forward))).body[0]
+    except (OSError, TypeError, SyntaxError):
+        return None, f"the source of {name}.forward is not available"
+
+    def is_name(node, ident):
+        return isinstance(node, ast.Name) and node.id == ident
+
+    def uses_residual(node):
+        return any(is_name(n, "residual") for n in ast.walk(node))
+
+    for stmt in fn.body:
+        if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant):
+            continue  # docstring
+        # if residual is None: residual = hidden_states; ...
+        # else: hidden_states, residual = self.<norm>(hidden_states, residual)
+        if (isinstance(stmt, ast.If) and isinstance(stmt.test, ast.Compare) and is_name(stmt.test.left, "residual")
+                and isinstance(stmt.test.ops[0], ast.Is) and isinstance(stmt.test.comparators[0], ast.Constant)
+                and stmt.test.comparators[0].value is None):
+            first = stmt.body[0]
+            starts = (isinstance(first, ast.Assign) and len(first.targets) == 1
+                      and is_name(first.targets[0], "residual") and is_name(first.value, "hidden_states"))
+            fused = stmt.orelse[0] if len(stmt.orelse) == 1 else None
+            if (starts and isinstance(fused, ast.Assign) and len(fused.targets) == 1
+                    and isinstance(fused.targets[0], ast.Tuple)
+                    and [getattr(e, "id", None) for e in fused.targets[0].elts] == ["hidden_states", "residual"]
+                    and isinstance(fused.value, ast.Call) and isinstance(fused.value.func, ast.Attribute)
+                    and is_name(fused.value.func.value, "self") and not fused.value.keywords
+                    and [getattr(a, "id", None) for a in fused.value.args] == ["hidden_states", "residual"]):
+                return fused.value.func.attr, None
+            break
+        if uses_residual(stmt):
+            break
+    return None, (f"{name}.forward does not begin by adding its residual argument to hidden_states "
+                  "in a fused norm (`if residual is None: ... else: hidden_states, residual = "
+                  "self.<norm>(hidden_states, residual)`)")
+
+
+def layer_capture_support(model: Any, num_layers: int, hidden_size: int) -> tuple[list | None, str | None]:
+    """The decoder layers of a vLLM model whose layer inputs carry the residual stream
+    as hidden + residual (see the module docstring), or (None, why not)."""
+    import torch
+
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList):
+        return None, f"{type(model).__name__} has no decoder layer list at .model.layers"
+    if len(layers) != num_layers:
+        return None, f"{type(model).__name__}.model.layers holds {len(layers)} layers, the config {num_layers}"
+    norms: dict[type, str] = {}
+    for cls in dict.fromkeys(type(layer) for layer in layers):
+        norm, why = _residual_norm_of(cls)
+        if norm is None:
+            return None, why
+        norms[cls] = norm
+    # The norm must return (norm(h + r), h + r): probe it once per layer class on random rows.
+    for cls, attr in norms.items():
+        module = getattr(next(layer for layer in layers if type(layer) is cls), attr, None)
+        weight = next((p for p in module.parameters()), None) if isinstance(module, torch.nn.Module) else None
+        if weight is None:
+            return None, f"{cls.__name__}.{attr} is not a norm module with weights"
+        gen = torch.Generator().manual_seed(0)
+        h, r = (torch.randn(2, hidden_size, generator=gen).to(weight.device, weight.dtype) for _ in range(2))
+        expected = h.float() + r.float()
+        try:
+            with torch.inference_mode():
+                out = module(h.clone(), r.clone())
+        except Exception as e:  # noqa: BLE001 - any failure means "not this convention"
+            return None, f"{cls.__name__}.{attr}(hidden, residual) failed: {e}"
+        if not (isinstance(out, tuple) and len(out) == 2 and out[1].shape == h.shape
+                and torch.allclose(out[1].float(), expected, rtol=1e-2, atol=1e-2)):
+            return None, f"{cls.__name__}.{attr}(hidden, residual) does not return hidden + residual"
+    return list(layers), None
+
+
 class _RunnerHook:
     """Per-worker state: which live requests are flagged, this step's capture plan, the sender.
 
@@ -106,6 +229,8 @@ class _RunnerHook:
     (vLLM keeps it split as hidden + residual), L the final-norm output (the
     rows the LM head consumes). Intermediate layers are sliced in forward
     pre-hooks on the decoder layers, only at the planned flat token positions.
+    The step's plan lives from `before_step` to `end_step` (one execute_model
+    call): forwards outside a step (dummy and warm-up batches) capture nothing.
     """
 
     def __init__(self, runner: Any, address: str, send: bool):
@@ -122,13 +247,29 @@ class _RunnerHook:
         self._layer_rows: dict[int, tuple[Any, list[str]]] = {}  # layer -> (flat positions, keys)
         self._slices: list[tuple[int, list[str], Any]] = []  # (layer, keys, [k, D] on device)
 
-    def install_layer_hooks(self) -> int:
-        layers = getattr(getattr(self.runner.model, "model", None), "layers", None)
-        if layers is None:
-            return 0
-        for i, layer in enumerate(layers):
-            layer.register_forward_pre_hook(self._make_pre_hook(i))
-        return len(layers)
+    def install_layer_hooks(self) -> dict[str, Any]:
+        """Hooks the decoder layers if the model supports it; returns what it found
+        (`layer_capture`: intermediate layers can be served; else `layer_capture_reason`)."""
+        mc = self.runner.vllm_config.model_config
+        arch = (getattr(mc.hf_config, "architectures", None) or ["?"])[0]
+        layers, why = layer_capture_support(self.runner.model, self.num_layers, mc.get_hidden_size())
+        info = {"architecture": arch, "layer_structure": layers is not None,
+                "layer_capture_verified": arch in SUPPORTED_LAYER_ARCHS}
+        if layers is not None and not mc.enforce_eager:
+            # A compiled model does not run hooks added after compilation (or recompiles for them).
+            layers, why = None, "the engine is not eager (enforce_eager=False): compiled models do not run layer hooks"
+        self.layer_hooks = 0
+        if layers is not None:
+            for i, layer in enumerate(layers):
+                layer.register_forward_pre_hook(self._make_pre_hook(i), with_kwargs=True)
+            self.layer_hooks = len(layers)
+            if not info["layer_capture_verified"]:
+                logger.warning("intermediate hidden-state layers of %s are served by structure (decoder layers "
+                               "carry hidden + residual) but not checked against transformers", arch)
+        else:
+            logger.info("intermediate hidden-state layers unavailable on %s: %s", arch, why)
+        return {**info, "layer_capture": layers is not None, "layer_hooks": self.layer_hooks,
+                "layer_capture_reason": why}
 
     def before_step(self, so: Any) -> None:
         for rid in so.finished_req_ids:
@@ -138,7 +279,11 @@ class _RunnerHook:
             req = HiddenStatesExtractionRequest.from_extra_args(sp.extra_args if sp is not None else None)
             if req is not None:
                 self.flagged[new.req_id] = req
-        self._so, self._plan, self._slices = so, None, []
+        self._so, self._plan, self._layer_rows, self._slices = so, None, {}, []
+
+    def end_step(self) -> None:
+        """After every execute_model call, captured or not: no plan outlives its step."""
+        self._so, self._plan, self._layer_rows, self._slices = None, None, {}, []
 
     def _step_plan(self) -> list[tuple[str, int, list[int]]]:
         """Flagged requests whose last scheduled position is their last prompt token."""
@@ -169,7 +314,7 @@ class _RunnerHook:
         return plan
 
     def _make_pre_hook(self, layer: int):
-        def pre_hook(module, args):
+        def pre_hook(module, args, kwargs):
             if not self.flagged or self.sender is None or self._so is None:
                 return None
             self._step_plan()
@@ -178,7 +323,9 @@ class _RunnerHook:
                 return None
             import torch
 
-            hidden, residual = args[1], args[2]
+            # forward(positions, hidden_states, residual, ...), positionally or by name
+            hidden = args[1] if len(args) > 1 else kwargs["hidden_states"]
+            residual = args[2] if len(args) > 2 else kwargs.get("residual")
             pos = torch.tensor(wanted[0], device=hidden.device)
             # The residual stream: vLLM carries it as hidden + residual (None before layer 0).
             sel = hidden[pos] if residual is None else hidden[pos] + residual[pos]
@@ -229,7 +376,9 @@ class _RunnerHook:
 class HiddenStatesWorkerExtension:
     """Mixed into vLLM's Worker via `worker_extension_cls`; called by collective_rpc."""
 
-    def hidden_states_install(self, address: str) -> bool:
+    def hidden_states_install(self, address: str) -> dict[str, Any]:
+        """Installs the hook once; returns {"installed": this call installed it, "layer_capture":
+        intermediate layers can be served, "layer_capture_reason": why not, ...}."""
         check_vllm_version()
         runner = getattr(self, "model_runner", None)
         _require(runner is not None, "Worker.model_runner")
@@ -242,7 +391,7 @@ class HiddenStatesWorkerExtension:
         if vcfg.parallel_config.pipeline_parallel_size > 1:
             raise VLLMIncompatibleError("hidden states need pipeline_parallel_size=1")
         if getattr(runner, "_hidden_states_hook", None) is not None:
-            return False
+            return {**runner._hidden_states_hook.layer_info, "installed": False}
         # Tensor-parallel ranks hold identical rows after the all-reduce: rank 0 sends.
         send = getattr(self, "rank", 0) == 0
         hook = _RunnerHook(runner, address, send)
@@ -250,18 +399,22 @@ class HiddenStatesWorkerExtension:
 
         def execute_model(scheduler_output, *args, **kwargs):
             hook.before_step(scheduler_output)
-            out = original(scheduler_output, *args, **kwargs)
-            if out is None:  # logits computed, sampling pending: rows are in execute_model_state
-                hook.after_step()
-            return out
+            try:
+                out = original(scheduler_output, *args, **kwargs)
+                if out is None:  # logits computed, sampling pending: rows are in execute_model_state
+                    hook.after_step()
+                return out
+            finally:
+                hook.end_step()
 
         runner.execute_model = execute_model
         runner._hidden_states_hook = hook
-        hook.layer_hooks = hook.install_layer_hooks()
+        hook.layer_info = hook.install_layer_hooks()
         if getattr(runner, "device", None) is not None and runner.device.type == "cpu":
             _patch_cpu_generator_rewind(runner)
-        logger.info("hidden-states hook installed on %s (sending=%s)", type(runner).__name__, send)
-        return True
+        logger.info("hidden-states hook installed on %s (sending=%s, layer capture: %s)", type(runner).__name__,
+                    send, hook.layer_info["layer_capture_reason"] or f"{hook.layer_hooks} decoder layers")
+        return {**hook.layer_info, "installed": True}
 
     def hidden_states_prefault_kv_cache(self) -> int:
         """Ledger point 6: write every KV-cache page once; returns the bytes touched."""

@@ -7,7 +7,7 @@ import asyncio
 import numpy as np
 import pytest
 
-from tests.conftest import TEST_ENGINE_ARGS, long_text
+from tests.conftest import TEST_ENGINE_ARGS, TEST_MODEL, cpu_only, long_text
 
 PROMPTS = [
     "Hello! How are you today?",
@@ -21,7 +21,7 @@ PROMPTS = [
 def engine(loop_thread):
     from hidden_states.engine import HiddenStatesEngine
 
-    eng = loop_thread.run(HiddenStatesEngine.start(**TEST_ENGINE_ARGS))
+    eng = loop_thread.run(HiddenStatesEngine.start(TEST_MODEL, **TEST_ENGINE_ARGS))
     yield eng
     eng.shutdown()
 
@@ -32,7 +32,7 @@ def plain_engine(loop_thread, engine):
     engine defaults to, made explicit), hidden states off: no hook."""
     from hidden_states.engine import HiddenStatesEngine
 
-    eng = loop_thread.run(HiddenStatesEngine.start(enable_return_hidden_states=False, block_size=32,
+    eng = loop_thread.run(HiddenStatesEngine.start(TEST_MODEL, enable_return_hidden_states=False, block_size=32,
                                                    scheduling_policy="priority", **TEST_ENGINE_ARGS))
     yield eng
     eng.shutdown()
@@ -153,26 +153,42 @@ def test_disabled_engine_refuses_clearly(plain_engine, loop_thread):
         loop_thread.run(plain_engine.complete(PROMPTS[0], sp()))
 
 
+@cpu_only
 def test_engine_defaults_for_the_extraction_step(engine, plain_engine):
     assert engine.llm.vllm_config.scheduler_config.policy == "priority"
     assert engine.extraction_priority < 0  # ahead of generation, which vLLM gives priority 0
     assert engine.llm.vllm_config.cache_config.block_size == 32
 
 
+def _large_mappings_rss(pid: int, min_bytes: int) -> int:
+    """Resident bytes of the process's mappings of at least `min_bytes` (the KV-cache tensors)."""
+    total, size = 0, 0
+    with open(f"/proc/{pid}/smaps") as f:
+        for line in f:
+            if line.startswith("Size:"):
+                size = int(line.split()[1]) * 1024
+            elif line.startswith("Rss:") and size >= min_bytes:
+                total += int(line.split()[1]) * 1024
+    return total
+
+
+@cpu_only
 def test_kv_cache_is_resident_from_the_start(engine, plain_engine):
-    """prefault_kv_cache (default): the worker process (which holds the weights and the
-    KV cache) is at its whole memory share (gpu_memory_utilization of RAM on CPU)
-    before any load, so it does not grow under load. Without it the zeroed KV pages
-    stay unmapped: about 0.6 of 1.9 GiB here."""
+    """prefault_kv_cache (default): the worker process maps its whole KV cache
+    (kv_cache_memory_bytes) before any load, so it does not grow under load.
+    Without it the zeroed KV pages stay unmapped until blocks are first used."""
     import psutil
 
-    share = TEST_ENGINE_ARGS["gpu_memory_utilization"] * psutil.virtual_memory().total
+    kv = TEST_ENGINE_ARGS["kv_cache_memory_bytes"]
+    assert engine.startup["kv_cache_prefaulted_bytes"] == kv
     workers = [p for p in psutil.Process().children(recursive=True) if "VLLM::Worker" in " ".join(p.cmdline() or [p.name()])]
     assert len(workers) >= 2, workers  # engine and plain_engine
     for p in workers:
-        assert p.memory_info().rss >= 0.8 * share, (p, p.memory_info().rss / 2**20, share / 2**20)
+        resident = _large_mappings_rss(p.pid, kv // 8)
+        assert resident >= 0.95 * kv, (p, resident / 2**20, kv / 2**20)
 
 
+@cpu_only
 def test_cpu_engine_is_warmed_up_before_the_first_request(engine, loop_thread):
     """warm_up_s (default 10 s): one dummy forward per batch size, so oneDNN's
     per-size kernels exist before load, not during it (vllm_patch point 7); and the

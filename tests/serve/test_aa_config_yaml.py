@@ -1,4 +1,4 @@
-"""`serve run config.yaml` (what `make serve` runs) answers a curl request with a vector.
+"""`serve run config.yaml` (what `make serve` runs) answers a curl request with a real answer and its vector.
 
 Runs first in tests/serve (file name), in its own local Ray cluster, and
 stops everything it started by process group.
@@ -17,26 +17,38 @@ from pathlib import Path
 import httpx
 import psutil
 
+from tests.conftest import Reference
 from tests.serve.conftest import wait_http
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_serve_run_config_yaml_answers_curl(reference):
+def test_serve_run_config_yaml_answers_curl():
+    """The README's first command: the built-in SmolLM2 answers a real question, with
+    its vector (checked against transformers on the same folder, relative 1e-5)."""
+    from hidden_states.tiny_model import resolve_model
+
     env = {**os.environ, "RAY_ADDRESS": "local"}  # its own cluster, whatever else runs here
     proc = subprocess.Popen([str(Path(sys.executable).parent / "serve"), "run", "config.yaml"], cwd=ROOT, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         wait_http("http://127.0.0.1:8000/health", 600)
         out = subprocess.run(
-            ["curl", "-s", "-m", "120", "http://127.0.0.1:8000/v1/completions", "-H", "content-type: application/json",
-             "-d", json.dumps({"model": "tiny-llama", "prompt": "Hello!", "max_tokens": 8,
-                               "return_hidden_states": True, "return_token_ids": True})],
+            ["curl", "-s", "-m", "120", "http://127.0.0.1:8000/v1/chat/completions", "-H",
+             "content-type: application/json", "-d", json.dumps({
+                 "model": "smollm2-135m-instruct", "max_tokens": 16, "temperature": 0,
+                 "messages": [{"role": "user", "content": "What is the capital of France? Answer in one word."}],
+                 "return_hidden_states": True, "return_token_ids": True})],
             capture_output=True, text=True, timeout=180,
         )
-        choice = json.loads(out.stdout)["choices"][0]
-        assert len(choice["hidden_states"]) == 128
-        reference.assert_matches(choice["prompt_token_ids"] + choice["token_ids"], choice["hidden_states"])
+        body = json.loads(out.stdout)
+        choice = body["choices"][0]
+        assert "Paris" in choice["message"]["content"], choice
+        assert len(choice["hidden_states"]) == 576
+        reference = Reference(resolve_model("builtin:smollm2-135m-instruct"))
+        err, scale = reference.assert_matches(body["prompt_token_ids"] + choice["token_ids"], choice["hidden_states"],
+                                              atol=None)
+        print(f"smollm2 via serve run: max abs error {err:.3g}, max|reference| {scale:.3g}")
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         try:

@@ -18,7 +18,7 @@ import numpy as np
 import openai
 import pytest
 
-from tests.conftest import long_text
+from tests.conftest import eager_only, long_text
 from tests.serve.conftest import APP, decode_vector, replica_stats
 
 HS = {"return_hidden_states": True, "return_token_ids": True}
@@ -144,6 +144,7 @@ def test_two_replicas_extraction_is_local_and_cached(serve_app, reference):
     assert len(replicas) == 2, f"expected both replicas to serve, saw {replicas}"
 
 
+@eager_only  # it asks for layer 1 too
 def test_handle_from_second_driver_matches_http(serve_app, ray_cluster, reference):
     prompt = "A verifier reads the hidden state"
     http = httpx.post(f"{serve_app}/v1/completions", timeout=120, json={
@@ -180,6 +181,7 @@ def test_router_left_nothing_pending(serve_app, client):
     assert stats["replica"]["pending"] == 0 and stats["replica"]["unclaimed_results"] == 0
 
 
+@eager_only
 def test_layers_over_http(client, reference):
     r = client.completions.create(model="tiny-llama", prompt="The probe reads a layer", max_tokens=6,
                                   extra_body={**HS, "hidden_states_layers": [0, 1, -1], "hidden_states_encoding": "base64"})

@@ -1,4 +1,5 @@
-"""How the Router relays a stream: what counts as served and what as failed (the
+"""How an ingress relays a stream (the one relay of both ingresses, deployments/http.py),
+with the Router's replica stream: what counts as served and what as failed (the
 counters behind /debug/stats that the serve tests check)."""
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ import time
 import types
 
 from deployments.http import SSE_DONE
-from deployments.router import Router
+from deployments.router import Router, _cancel_unless_done
 
 
 class FakeStream:
@@ -33,7 +34,7 @@ def router():
     cls = Router.func_or_class
     r = types.SimpleNamespace(pending=1, served=0, failed=0)
     r._finish = lambda ok: cls._finish(r, ok)
-    r._relay = lambda stream, deadline: cls._relay(r, stream, deadline)
+    r._relay = lambda stream, deadline: cls._relay(r, _cancel_unless_done(stream), deadline)
     return r
 
 
