@@ -14,8 +14,9 @@ test: setup
 test-long: setup
 	HS_LONG_TESTS=1 .venv/bin/python -m pytest -q -ra -m long
 
-bench: setup
-	.venv/bin/python -m bench
+bench:
+	HS_EXTRAS=bench bash scripts/setup.sh
+	.venv/bin/python -m bench $(BENCH_ARGS)
 
 # On an NVIDIA GPU machine: the engine and serve suites with CUDA graphs and async scheduling (never run here).
 gpu-check:

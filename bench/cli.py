@@ -30,9 +30,9 @@ from tqdm import tqdm
 
 from bench import compare, measure, memory, payload, profile, report, targets, workload
 from deployments.config import CPU_ENGINE_DEFAULTS
-from bench.procs import ROOT, StartError
-from bench.servers import (EXTRA, PLOT, Endpoint, RayCluster, ServeApps, VLLMServer, build_model, engine_processes,
-                           ensure_extra, find_ray_worker, replica_info, ENGINE_ENV)
+from bench.procs import ROOT, WORK, StartError
+from bench.servers import (Endpoint, RayCluster, ServeApps, VLLMServer, build_model, engine_processes,
+                           find_ray_worker, replica_info, ENGINE_ENV)
 
 RESULTS = ROOT / "bench" / "results"
 PARTS = ("hs", "serve", "payload", "memory", "profile")
@@ -98,11 +98,13 @@ def parse_args(argv=None):
     args.memory_requests = args.memory_requests or (200 if args.quick else 2000)
     args.profile_seconds = args.profile_seconds or (8 if args.quick else 20)
     args.out = Path(args.out) if args.out else RESULTS
+    overrides = {}
     for item in args.engine_arg:
         key, sep, value = item.partition("=")
         if not sep or not key:
             ap.error(f"--engine-arg wants KEY=VALUE, not {item!r}")
-        ENGINE[key.strip().replace("-", "_")] = yaml.safe_load(value)
+        overrides[key.strip().replace("-", "_")] = yaml.safe_load(value)
+    args.engine = {**ENGINE, **overrides}  # the engine arguments of every server in this run
     return args
 
 
@@ -145,7 +147,7 @@ class Bench:
             "command": " ".join(["python -m bench", *(shlex.quote(a) for a in sys.argv[1:])]),
             "started": dt.datetime.now().isoformat(timespec="seconds"),
             "quick": args.quick, "parts": args.parts, "models": {}, "errors": [],
-            "settings": {"engine_args": ENGINE, "engine_env": ENGINE_ENV, "concurrency": args.concurrency,
+            "settings": {"engine_args": args.engine, "engine_env": ENGINE_ENV, "concurrency": args.concurrency,
                          "plan": {m: self.plan[m] for m in args.models},
                          "workload": {"prompt_tokens": [workload.PROMPT_MIN, workload.PROMPT_MAX, "log-uniform"],
                                       "completion_tokens": [workload.COMPLETION_MIN, workload.COMPLETION_MAX, "uniform"],
@@ -192,9 +194,6 @@ class Bench:
         self.bar = None if args.no_progress else tqdm(total=self.total_requests(), unit="req", dynamic_ncols=True,
                                                       smoothing=0.05, file=sys.stderr)
         try:
-            if "serve" in args.parts:
-                self.phase("installing pyarrow (bench only)")
-                ensure_extra(EXTRA, ["pyarrow"], "pyarrow")
             if "payload" in args.parts:
                 self.phase("payload: float list vs base64")
                 self.results["payload"] = payload.run(min_time=0.3 if args.quick else 1.0, on_step=self.idle_tick)
@@ -255,9 +254,9 @@ class Bench:
         try:
             self.phase(f"{model}: ray start")
             out["startup_s"]["ray"] = cluster.start()
-            serve = ServeApps(cluster, path, model, ENGINE, ours=True, rsllm=need_rsllm, tag=model, direct=need_rsllm)
+            serve = ServeApps(cluster, path, model, self.args.engine, ours=True, rsllm=need_rsllm, tag=model, direct=need_rsllm)
             if need_vllm:
-                vllm = VLLMServer(path, model, ENGINE, tag=model)
+                vllm = VLLMServer(path, model, self.args.engine, tag=model)
                 vllm.launch()
             t = time.monotonic()
             serve.launch()
@@ -339,7 +338,7 @@ class Bench:
         args = self.args
         arms = [compare.Arm("hs_on", "hidden states on", ep, {"return_hidden_states": True}),
                 compare.Arm("hs_off", "hidden states off", ep, {})]
-        block = ENGINE.get("block_size") or CPU_DEFAULT_BLOCK_SIZE
+        block = self.args.engine.get("block_size") or CPU_DEFAULT_BLOCK_SIZE
         self.phase(f"{model} hs: warm-up")
         compare.warmup(arms, vocab, 8, 8, f"{model}-hs")
         out = {"block_size": block, "by_concurrency": {}}
@@ -429,7 +428,7 @@ class Bench:
     def part_profile(self, eps: dict, vocab: int, cluster, vllm, check) -> dict:
         check()
         secs = self.args.profile_seconds
-        out_dir = self.args.out / ("profiles-quick" if self.args.quick else "profiles")
+        out_dir = WORK / ("profiles-quick" if self.args.quick else "profiles")  # raw stacks: not kept in git
         rinfo = replica_info(eps["ours"].stats_url)["replica"]
         pids = {"ours_replica": int(rinfo["pid"])}
         for needle, name in (("ServeReplica:hidden-states:Router", "ours_router"), ("ProxyActor", "serve_proxy")):
@@ -522,11 +521,6 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGTERM, on_term)
     bench = Bench(args)
     results = bench.run()
-    try:
-        ensure_extra(PLOT, ["matplotlib", "contourpy", "cycler", "fonttools", "kiwisolver", "pillow",
-                            "pyparsing", "python-dateutil"], "matplotlib")
-    except Exception as e:  # a plot is a nicety; the JSON and Markdown are the results
-            results["errors"].append(f"matplotlib install failed: {e}")
     paths = report.write(results, args.out, quick=args.quick)
     print(report.table(results))
     print("\nwrote " + ", ".join(str(p.relative_to(ROOT)) if p.is_relative_to(ROOT) else str(p) for p in paths))

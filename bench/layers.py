@@ -30,7 +30,7 @@ ARMS = {"last layer [-1]": [-1], "4 layers [3, 6, 9, -1]": [3, 6, 9, -1]}
 async def run(args) -> dict:
     from vllm import SamplingParams
 
-    from hidden_states.engine import HiddenStatesEngine
+    from hidden_states.vllm.engine import HiddenStatesEngine
     from hidden_states.tiny_model import build
 
     path = str(build("llama-100m"))

@@ -1,6 +1,6 @@
 """Part 3, payload: one choice's vector in a response, float list against base64.
 
-Built as the server builds it (deployments.openai_serving: `encode_vector`, then
+Built as the server builds it (hidden_states.openai_format: `encode_vector`, then
 `json.dumps(payload, separators=(",", ":")).encode()`), parsed as a client
 would (`json.loads`, then numpy float32). No server needed.
 """
@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 
-from deployments.openai_serving import encode_vector
+from hidden_states.openai_format import encode_vector
 
 
 def _response(vec_value, dim: int) -> dict:

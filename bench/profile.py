@@ -1,7 +1,7 @@
 """py-spy profiles of the Serve layer's processes during a run (and of vLLM's own API server).
 
 `py-spy record --nonblocking --format raw` on each process at once while a
-batch runs; the folded stacks go to bench/results/profiles/, and a summary (the
+batch runs; the folded stacks go to bench/.work/profiles/ (not kept in git), and a summary (the
 functions with the most samples, inclusive and self) goes into the results.
 """
 

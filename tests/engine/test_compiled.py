@@ -13,7 +13,7 @@ from tests.engine.test_engine import PROMPTS, sp
 
 @pytest.fixture(scope="module")
 def compiled_engine(loop_thread):
-    from hidden_states.engine import HiddenStatesEngine
+    from hidden_states.vllm.engine import HiddenStatesEngine
 
     args = {**TEST_ENGINE_ARGS, "enforce_eager": False}
     # warm_up_s=0: a warm-up per batch size would compile for each; not what this tests.
@@ -40,7 +40,7 @@ def test_last_layer_exact_on_compiled_engine(compiled_engine, loop_thread, refer
 
 
 def test_intermediate_layers_refused_on_compiled_engine(compiled_engine):
-    from hidden_states.engine import HiddenStatesRequestError
+    from hidden_states.params import HiddenStatesRequestError
 
     assert compiled_engine.check_request([-1]) == (-1,)
     with pytest.raises(HiddenStatesRequestError, match="enforce_eager=True"):

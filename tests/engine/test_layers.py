@@ -38,7 +38,7 @@ REL_TOL, ABS_TOL = 1e-5, 1e-4
 
 @pytest.fixture(scope="module", params=FAMILIES)
 def setup(request, loop_thread):
-    from hidden_states.engine import HiddenStatesEngine
+    from hidden_states.vllm.engine import HiddenStatesEngine
     from hidden_states.tiny_model import build
 
     path = str(build(request.param))
@@ -121,7 +121,7 @@ def test_prompt_end_needs_no_extraction_step(setup, loop_thread):
 
 
 def test_bad_layer_requests_are_refused_clearly(setup, loop_thread):
-    from hidden_states.engine import HiddenStatesRequestError
+    from hidden_states.params import HiddenStatesRequestError
 
     eng, _ = setup
     with pytest.raises(HiddenStatesRequestError, match="out of range"):
@@ -148,7 +148,7 @@ def test_bad_layer_requests_are_refused_clearly(setup, loop_thread):
 def test_layer_convention_is_read_from_the_layer(module, layer_cls, supported):
     import importlib
 
-    from hidden_states.vllm_patch import _residual_norm_of
+    from hidden_states.vllm.worker import _residual_norm_of
 
     cls = getattr(importlib.import_module(f"vllm.model_executor.models.{module}"), layer_cls)
     norm, why = _residual_norm_of(cls)
@@ -182,7 +182,7 @@ class _Layer(torch.nn.Module):
 
 
 def _fake_hook(eager: bool, adds: bool = True):
-    from hidden_states.vllm_patch import _RunnerHook
+    from hidden_states.vllm.worker import _RunnerHook
 
     hf = types.SimpleNamespace(num_hidden_layers=2, architectures=["ToyForCausalLM"])
     mc = types.SimpleNamespace(hf_config=hf, enforce_eager=eager, get_hidden_size=lambda: 8)
@@ -211,7 +211,7 @@ def test_layer_hooks_only_on_eager_engines():
 
 
 def test_unsupported_models_get_the_reason():
-    from hidden_states.engine import HiddenStatesEngine, HiddenStatesRequestError
+    from hidden_states.vllm.engine import HiddenStatesEngine, HiddenStatesRequestError
 
     eng = HiddenStatesEngine.__new__(HiddenStatesEngine)
     eng.receiver, eng.num_layers, eng.architecture, eng.eager = object(), 4, "GraniteForCausalLM", True
@@ -264,7 +264,7 @@ class _FakeRunner:
 def test_no_capture_plan_outlives_its_step():
     """A forward outside execute_model (a dummy batch) sees no plan, even right after a capture."""
     from hidden_states.protocol import HiddenStatesExtractionRequest
-    from hidden_states.vllm_patch import HiddenStatesWorkerExtension
+    from hidden_states.vllm.worker import HiddenStatesWorkerExtension
 
     runner = _FakeRunner()
     worker = types.SimpleNamespace(model_runner=runner, rank=1)  # rank 1: no side-channel socket

@@ -39,7 +39,7 @@ def smollm2_reference(smollm2_dir) -> Reference:
 
 @pytest.fixture(scope="module")
 def engine(loop_thread, smollm2_dir):
-    from hidden_states.engine import HiddenStatesEngine
+    from hidden_states.vllm.engine import HiddenStatesEngine
 
     eng = loop_thread.run(HiddenStatesEngine.start(MODEL, **ENGINE_ARGS))
     yield eng

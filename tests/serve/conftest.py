@@ -17,7 +17,7 @@ PORT = int(os.environ.get("HS_TEST_PORT", "8123"))
 BASE = f"http://127.0.0.1:{PORT}"
 APP = "hidden-states"
 API_KEY = "test-key-not-secret"
-GUARDED = "/guarded"  # 1 replica: API key, small body limit, short timeouts; its engine is killed last
+GUARDED = "/guarded"  # 1 replica: API key, small body limit, short timeouts
 
 
 def decode_vector(value) -> np.ndarray:

@@ -18,7 +18,6 @@ import dataclasses
 import inspect
 from typing import Any
 
-import numpy as np
 import openai
 import pytest
 

@@ -1,7 +1,7 @@
 """Reliability against the real app: load without mix-ups, bad input, keys, engine faults.
 
-The engine-fault test runs last in this module: it kills the guarded app's
-engine and waits for Serve to replace the replica.
+The engine-fault test deploys an app of its own, kills its engine and waits
+for Serve to replace the replica: no other test depends on running before it.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import psutil
 import pytest
 
 from tests.conftest import long_text
-from tests.serve.conftest import API_KEY, GUARDED, decode_vector, replica_stats
+from tests.serve.conftest import API_KEY, GUARDED, app_args, decode_vector, replica_stats
 
 HS = {"return_hidden_states": True, "return_token_ids": True}
 
@@ -199,7 +199,7 @@ def test_replica_ingress_serves_checks_and_streams(serve_app, reference):
     assert replica_stats(base, good)["ingress"]["pending"] == 0
 
 
-# -- 2. engine faults (last: it kills the guarded app's engine) -------------------
+# -- 2. engine faults (on an app of its own: no other test meets the killed engine) --
 
 def _engine_core_pids(replica_pid: int) -> list[int]:
     out = []
@@ -212,8 +212,22 @@ def _engine_core_pids(replica_pid: int) -> list[int]:
     return out
 
 
-def test_zz_engine_killed_mid_request(serve_app):
-    base = f"{serve_app}{GUARDED}"
+@pytest.fixture
+def fault_app(serve_app):
+    """An app like the guarded one (`ingress: replica`, an API key), for this test to break."""
+    from ray import serve
+
+    from deployments.app import build_app
+
+    serve.run(build_app(app_args(ingress="replica", api_key=API_KEY, request_timeout_s=60, extraction_timeout_s=20,
+                                 replica_autoscaling={"min_replicas": 1, "max_replicas": 1})),
+              name="hs-fault", route_prefix="/fault", blocking=False)
+    yield f"{serve_app}/fault"
+    serve.delete("hs-fault", _blocking=True)
+
+
+def test_engine_killed_mid_request(fault_app):
+    base = fault_app
     good = {"authorization": f"Bearer {API_KEY}"}
     stats = replica_stats(base, good)["replica"]
     pid = stats["pid"]

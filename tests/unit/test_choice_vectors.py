@@ -1,4 +1,4 @@
-"""How a response's choices find their vectors (deployments/openai_serving._ChoiceVectors):
+"""How a response's choices find their vectors (hidden_states/openai_format.ChoiceVectors):
 by their own prompt_token_ids + token_ids, whole or streamed; a choice without one
 fails the request; token ids asked for internally stay hidden. No vLLM."""
 
@@ -10,8 +10,9 @@ import types
 import numpy as np
 import pytest
 
-from deployments.openai_serving import _ChoiceVectors
-from hidden_states.engine import HiddenStatesCollector, HiddenStatesEngine, MissingHiddenStatesError
+from hidden_states.openai_format import ChoiceVectors
+from hidden_states.engine import HiddenStatesCollector, MissingHiddenStatesError
+from hidden_states.vllm.engine import HiddenStatesEngine
 
 
 def engine():
@@ -24,7 +25,7 @@ def vectors(route="completions", show_token_ids=True, position="completion_end",
     collector = HiddenStatesCollector("tag", (-1,), position)
     request = types.SimpleNamespace(hidden_states_encoding="float", hidden_states_layers=layers,
                                     return_token_ids=show_token_ids)
-    return _ChoiceVectors(engine(), collector, request, route, "r0"), collector
+    return ChoiceVectors(engine(), collector, request, route, "r0"), collector
 
 
 def vec(x):

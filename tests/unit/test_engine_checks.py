@@ -2,7 +2,7 @@
 
 import pytest
 
-from hidden_states.engine import HiddenStatesEngine, HiddenStatesRequestError
+from hidden_states.vllm.engine import HiddenStatesEngine, HiddenStatesRequestError
 
 
 def fake_engine(arch="LlamaForCausalLM", layers=12, eager=True):

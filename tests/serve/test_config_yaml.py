@@ -1,7 +1,7 @@
 """`serve run config.yaml` (what `make serve` runs) answers a curl request with a real answer and its vector.
 
-Runs first in tests/serve (file name), in its own local Ray cluster, and
-stops everything it started by process group.
+It starts its own local Ray cluster (independent of the serve suite's
+session cluster) and stops everything it started by process group.
 """
 
 from __future__ import annotations

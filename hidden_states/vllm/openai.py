@@ -20,38 +20,23 @@ only if the client asked); a choice without one fails the request (500).
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextvars
 import json
 import logging
 import uuid
 from collections.abc import AsyncIterator
 from http import HTTPStatus
-from typing import Literal
 
-import numpy as np
 from pydantic import ValidationError
 
-from hidden_states.engine import HiddenStatesCollector, HiddenStatesEngine, MissingHiddenStatesError
+from hidden_states.engine import HiddenStatesCollector, MissingHiddenStatesError
+from hidden_states.openai_format import (ChoiceVectors, Route, error_body, not_from_token_ids,
+                                         validation_message)
 from hidden_states.params import HiddenStatesDisabledError, HiddenStatesFields, HiddenStatesRequestError
 from hidden_states.protocol import COLLECTOR_TAG_KEY, RESERVED_EXTRA_ARGS_PREFIX
 from hidden_states.side_channel import HiddenStatesTimeout
 
 logger = logging.getLogger(__name__)
-
-Route = Literal["completions", "chat"]
-
-
-def encode_vector(vec: np.ndarray, encoding: str) -> list[float] | str:
-    if encoding == "base64":
-        return base64.b64encode(np.asarray(vec, dtype="<f4").tobytes()).decode("ascii")
-    return np.asarray(vec, dtype=np.float32).tolist()
-
-
-def error_body(message: str, status: int, err_type: str | None = None, param: str | None = None) -> bytes:
-    err_type = err_type or HTTPStatus(status).phrase.replace(" ", "") + "Error"
-    return json.dumps({"error": {"message": message, "type": err_type, "param": param, "code": status}}).encode()
-
 
 def _request_models():
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
@@ -67,14 +52,14 @@ def _request_models():
 
 
 class OpenAIFrontend:
-    def __init__(self, engine: HiddenStatesEngine, state, replica_id: str):
+    def __init__(self, engine, state, replica_id: str):
         self.engine = engine
         self.state = state
         self.replica_id = replica_id
         self.completion_request, self.chat_request = _request_models()
 
     @classmethod
-    async def create(cls, engine: HiddenStatesEngine, served_model_name: str, replica_id: str) -> "OpenAIFrontend":
+    async def create(cls, engine, served_model_name: str, replica_id: str) -> "OpenAIFrontend":
         from starlette.datastructures import State
         from vllm.entrypoints.launchers.api_server.app_state import init_app_state
         from vllm.entrypoints.launchers.cli_args import make_arg_parser
@@ -98,7 +83,7 @@ class OpenAIFrontend:
             model = self.completion_request if route == "completions" else self.chat_request
             request = model.model_validate_json(body)
         except ValidationError as e:
-            yield HTTPStatus.BAD_REQUEST, error_body(_validation_message(e), 400, "BadRequestError")
+            yield HTTPStatus.BAD_REQUEST, error_body(validation_message(e), 400, "BadRequestError")
             return
         except Exception as e:  # vLLM's own validators raise VLLMValidationError (-> 400) and kin
             err = serving.create_error_response(e)
@@ -108,7 +93,7 @@ class OpenAIFrontend:
             e = HiddenStatesDisabledError()
             yield 400, error_body(str(e), 400, "BadRequestError", e.param)
             return
-        if request.return_hidden_states and (refusal := _not_from_token_ids(request)) is not None:
+        if request.return_hidden_states and (refusal := not_from_token_ids(request)) is not None:
             yield 400, error_body(refusal[1], 400, "BadRequestError", refusal[0])
             return
         request.request_id = uuid.uuid4().hex  # a client's request_id is replaced
@@ -130,13 +115,13 @@ class OpenAIFrontend:
             # request vLLM makes for this request; token ids come back with every choice,
             # so each finds its own vector (hidden again below unless the client asked).
             request.vllm_xargs = {**(request.vllm_xargs or {}), COLLECTOR_TAG_KEY: collector.tag}
-            choices = _ChoiceVectors(self.engine, collector, request, route, self.replica_id)
+            choices = ChoiceVectors(self.engine, collector, request, route, self.replica_id)
             request.return_token_ids = True
             async for part in self._serve(serving, route, request, collector, choices):
                 yield part
 
     async def _serve(self, serving, route: Route, request, collector: HiddenStatesCollector | None,
-                     choices: "_ChoiceVectors | None" = None) -> AsyncIterator[tuple[int, bytes] | bytes]:
+                     choices: "ChoiceVectors | None" = None) -> AsyncIterator[tuple[int, bytes] | bytes]:
         create = serving.create_completion if route == "completions" else serving.create_chat_completion
         # vLLM's beam search (wrapped in create()) reads the collector when it is called.
         context = contextvars.copy_context()
@@ -185,7 +170,7 @@ _BEAM_COLLECTOR: contextvars.ContextVar[HiddenStatesCollector | None] = contextv
     "hidden_states_beam_collector", default=None)
 
 
-def _wrap_beam_search(serving, engine: HiddenStatesEngine) -> None:
+def _wrap_beam_search(serving, engine) -> None:
     """vLLM's serving runs beam search as its own one-token engine requests per step,
     which carry no collector tag; the final beams are extracted here instead, one
     vector per returned beam on its own prompt + token_ids, with room left for it."""
@@ -204,97 +189,3 @@ def _wrap_beam_search(serving, engine: HiddenStatesEngine) -> None:
     serving.beam_search = beam_search
 
 
-class _ChoiceVectors:
-    """Puts each finished choice's vector into the response, found by the choice's
-    own prompt_token_ids + token_ids; fails the request if one has none."""
-
-    def __init__(self, engine: HiddenStatesEngine, collector: HiddenStatesCollector, request, route: Route,
-                 replica_id: str):
-        self.engine, self.collector, self.route, self.replica_id = engine, collector, route, replica_id
-        self.encoding = request.hidden_states_encoding
-        self.by_layer = request.hidden_states_layers is not None
-        self.show_token_ids = bool(request.return_token_ids)  # as the client asked, before we force it on
-        self.prompt_ids: dict[int, list[int]] = {}  # streaming: choice index -> prompt ids
-        self.tokens: dict[int, list[int]] = {}  # streaming: choice index -> completion ids so far
-
-    def inject(self, choice: dict, prompt_ids: list[int] | None, token_ids: list[int]) -> None:
-        vecs = None if prompt_ids is None else self.collector.vectors_for(prompt_ids, token_ids)
-        if vecs is None:
-            raise self.engine.missing(f"choice {choice.get('index')}")
-        if self.by_layer:
-            choice["hidden_states_by_layer"] = {str(layer): encode_vector(v, self.encoding) for layer, v in vecs.items()}
-        else:
-            choice["hidden_states"] = encode_vector(vecs[-1], self.encoding)
-        meta = {"position": self.collector.position, "replica": self.replica_id}
-        if (st := self.collector.stats.get(self.collector.key(prompt_ids, token_ids))) is not None:
-            meta.update(tokens=st.tokens, cached_tokens=st.cached_tokens, extraction_seconds=round(st.seconds, 6))
-        choice["hidden_states_meta"] = meta
-
-    def fill_response(self, payload: dict) -> None:
-        top_prompt = payload.get("prompt_token_ids")  # chat: once per response
-        for choice in payload["choices"]:
-            prompt_ids = choice.get("prompt_token_ids") if self.route == "completions" else top_prompt
-            self.inject(choice, prompt_ids, choice.get("token_ids") or [])
-            if not self.show_token_ids:
-                choice["token_ids"] = None
-                if "prompt_token_ids" in choice:
-                    choice["prompt_token_ids"] = None
-        if not self.show_token_ids and "prompt_token_ids" in payload:
-            payload["prompt_token_ids"] = None
-
-    def fill_chunk(self, chunk: str) -> str:
-        """One SSE event: token ids recorded, vectors put on finishing choices."""
-        data = json.loads(chunk[6:])
-        changed = False
-        if data.get("prompt_token_ids") is not None:  # chat: the first chunk
-            self.prompt_ids[-1] = data["prompt_token_ids"]
-            if not self.show_token_ids:
-                data["prompt_token_ids"], changed = None, True
-        choices = data.get("choices") or ()
-        if self.route == "chat" and not self.show_token_ids and choices and all(_carries_nothing(c) for c in choices):
-            return ""  # sent only because we asked vLLM for token ids: the client would not have seen it
-        for choice in choices:
-            i = choice.get("index", 0)
-            if choice.get("prompt_token_ids") is not None:  # completions: each choice's first chunk
-                self.prompt_ids[i] = choice["prompt_token_ids"]
-            self.tokens.setdefault(i, []).extend(choice.get("token_ids") or ())
-            if choice.get("finish_reason") is not None:
-                self.inject(choice, self.prompt_ids.get(i, self.prompt_ids.get(-1)), self.tokens[i])
-                changed = True
-            if not self.show_token_ids and (choice.get("token_ids") is not None or choice.get("prompt_token_ids") is not None):
-                choice["token_ids"] = None
-                if "prompt_token_ids" in choice:
-                    choice["prompt_token_ids"] = None
-                changed = True
-        return "data: " + json.dumps(data, separators=(",", ":")) + "\n\n" if changed else chunk
-
-
-def _not_from_token_ids(request) -> tuple[str, str] | None:
-    """(param, message) if the request's input is not token ids alone: the extraction
-    step replays prompt + completion as token ids, which would not be the same input."""
-    if getattr(request, "prompt_embeds", None):
-        return "prompt_embeds", ("prompt_embeds cannot be combined with return_hidden_states: the vector is "
-                                 "computed from token ids; send the prompt as text or token ids")
-    for message in getattr(request, "messages", None) or ():
-        content = message.get("content") if isinstance(message, dict) else getattr(message, "content", None)
-        for part in content if isinstance(content, list) else ():
-            kind = part.get("type") if isinstance(part, dict) else getattr(part, "type", None)
-            if kind not in ("text", None):
-                return "messages", (f"a {kind!r} content part cannot be combined with return_hidden_states: the "
-                                    "vector is computed from token ids, so only text messages are supported")
-    return None
-
-
-def _carries_nothing(choice: dict) -> bool:
-    """A chat stream choice with no text, no logprobs and no finish: vLLM sends one
-    per token that decodes to nothing yet only when token ids were asked for."""
-    return (choice.get("finish_reason") is None and not choice.get("logprobs")
-            and not any(v is not None for v in (choice.get("delta") or {}).values()))
-
-
-def _validation_message(e: ValidationError) -> str:
-    parts = []
-    for err in e.errors()[:5]:
-        loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
-        parts.append(f"{loc or 'body'}: {err.get('msg')}")
-    return "invalid request: " + "; ".join(parts)

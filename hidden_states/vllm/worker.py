@@ -1,4 +1,4 @@
-"""The one module that touches vLLM internals: the model-runner hook.
+"""The model-runner hook, installed in every vLLM worker (ledger points 1, 2, 8 in __init__.py).
 
 Contract: for every request whose `SamplingParams.extra_args` carries a
 `HiddenStatesExtractionRequest`, in the engine step that computes the request's
@@ -34,58 +34,6 @@ at the layer entry), hybrid models whose Mamba/conv layers take no positions
 (Jamba, NemotronH, LFM2, Qwen3-Next: refused although they may well follow the
 convention), and models run by vLLM's transformers backend (Olmo2, ...): they
 keep the last layer only.
-
-Ledger of patched points (supported: vLLM {SUPPORTED}):
-
-1. `Worker` gains `hidden_states_install/hidden_states_stats` through the public
-   `worker_extension_cls` engine argument (not a patch).
-   Remove: never; it is the supported extension point.
-2. `GPUModelRunner.execute_model` is wrapped *on the runner instance* (CPU and
-   XPU runners subclass GPUModelRunner, so one wrapper serves all V1 runners).
-   Why: after it returns, `runner.execute_model_state` holds the step's
-   `scheduler_output` and `sample_hidden_states` (one row per scheduled request
-   in `input_batch.req_ids` order) until `sample_tokens()` runs.
-   How: read both after the original call; no vLLM code is modified. The
-   step's capture plan is dropped when the call returns or raises, so forwards
-   outside a step (dummy batches) see none.
-   Remove when: vLLM returns last-token hidden states inline (RFC #48743).
-3. Model Runner V2 (`vllm/v1/worker/gpu/`) is turned off with
-   `VLLM_USE_V2_MODEL_RUNNER=0` (engine.py sets it): it has no
-   `execute_model_state`. Remove when point 2 is ported to V2.
-4. Speculative decoding and pipeline parallelism are refused at install: rows
-   no longer map one per request, or the last rank holds them.
-5. CPU only: `GPUModelRunner._bookkeeping_sync` rewinds the generator of a
-   seeded request whose sampled token is discarded (a partial prefill chunk)
-   with `gen.set_offset(gen.get_offset() - 4)`, which CPU generators refuse
-   ("CPU Generator does not use offset"): the engine dies on any seeded request
-   with a prompt longer than one prefill chunk. Found by our load test; not a
-   hidden-states problem, but it kills our engine. How: wrapped on the runner
-   instance; the generator state saved before sampling is restored instead and
-   the generator is hidden from the offset rewind. Remove when vLLM's CPU
-   runner rewinds CPU generators itself.
-6. CPU only, optional (`prefault_kv_cache`): `GPUModelRunner.kv_caches` is
-   read to write every KV-cache page once at start-up (read only, not
-   patched). Why: the CPU KV cache is allocated zeroed, so the kernel maps its
-   pages lazily and a replica's resident memory grows under load until every
-   block has been used: a replica that fits at start can be OOM-killed later.
-   Remove when vLLM's CPU worker pre-faults its KV cache.
-7. CPU only, optional (`warm_up_s`): `GPUModelRunner._dummy_run(n,
-   force_attention=True)` is called (not patched) for batch sizes n = 1, 2, ...
-   up to max_num_batched_tokens (most common first, within a time budget) at
-   start-up, as vLLM's own profiling and graph capture call it. Why: the CPU
-   GEMM path (oneDNN) builds and caches a kernel per batch size, so without it
-   the worker's memory grows by that cache (about 80 MB on the built-in model)
-   over the first few hundred requests, and those requests wait for the
-   kernels to be built. Remove when vLLM's CPU worker warms up per batch size.
-8. Intermediate layers: `torch.nn.Module.register_forward_pre_hook` on each of
-   `runner.model.model.layers` (eager engines only; not a patch of vLLM code).
-   Relies on vLLM's decoder-layer convention, checked at install per layer
-   class: `forward(positions, hidden_states, residual, ...)` whose source
-   begins `if residual is None: residual = hidden_states ... else:
-   hidden_states, residual = self.<norm>(hidden_states, residual)`, with a norm
-   that returns (norm(h + r), h + r) (probed once on random rows). The stream
-   entering layer l is then hidden + residual (hidden alone before layer 0).
-   Remove when vLLM returns chosen layers itself (RFC #48743).
 """
 
 from __future__ import annotations
@@ -94,44 +42,10 @@ import logging
 from typing import Any
 
 from hidden_states.protocol import HiddenStatesBatch, HiddenStatesExtractionRequest, result_from_array
+from hidden_states.vllm import SUPPORTED_LAYER_ARCHS, VLLMIncompatibleError, _require, check_vllm_version  # noqa: F401
+from hidden_states.vllm.cpu import CPUWorkerSteps, patch_cpu_generator_rewind
 
 logger = logging.getLogger(__name__)
-
-SUPPORTED_VLLM = ("0.32.",)
-__doc__ = __doc__.replace("{SUPPORTED}", ", ".join(v + "x" for v in SUPPORTED_VLLM))
-# Architectures whose intermediate layers are checked against transformers (the test
-# suite; Mistral's decoder layer is Llama's). Support itself is detected per model at
-# install (`layer_capture_support`); these name the families in the engine's refusals.
-SUPPORTED_LAYER_ARCHS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM",
-                         "GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM")
-WORKER_EXTENSION = "hidden_states.vllm_patch.HiddenStatesWorkerExtension"
-ENGINE_ENV = {"VLLM_USE_V2_MODEL_RUNNER": "0"}
-
-
-class VLLMIncompatibleError(RuntimeError):
-    pass
-
-
-def _require(cond: bool, what: str) -> None:
-    if not cond:
-        import vllm
-
-        raise VLLMIncompatibleError(
-            f"hidden-states hook: {what} is missing in vLLM {vllm.__version__}; "
-            f"this project supports vLLM {', '.join(v + 'x' for v in SUPPORTED_VLLM)} "
-            "(see the ledger in hidden_states/vllm_patch.py)"
-        )
-
-
-def check_vllm_version() -> None:
-    import vllm
-
-    if not vllm.__version__.startswith(SUPPORTED_VLLM):
-        raise VLLMIncompatibleError(
-            f"vLLM {vllm.__version__} is not supported; install one of "
-            f"{', '.join(v + 'x' for v in SUPPORTED_VLLM)} (scripts/setup.sh does)"
-        )
-
 
 def _residual_norm_of(layer_cls: type) -> tuple[str | None, str | None]:
     """(name of the norm that adds the residual at the layer's entry, None) if the
@@ -373,7 +287,7 @@ class _RunnerHook:
         self.steps_with_capture += 1
 
 
-class HiddenStatesWorkerExtension:
+class HiddenStatesWorkerExtension(CPUWorkerSteps):
     """Mixed into vLLM's Worker via `worker_extension_cls`; called by collective_rpc."""
 
     def hidden_states_install(self, address: str) -> dict[str, Any]:
@@ -411,59 +325,10 @@ class HiddenStatesWorkerExtension:
         runner._hidden_states_hook = hook
         hook.layer_info = hook.install_layer_hooks()
         if getattr(runner, "device", None) is not None and runner.device.type == "cpu":
-            _patch_cpu_generator_rewind(runner)
+            patch_cpu_generator_rewind(runner)
         logger.info("hidden-states hook installed on %s (sending=%s, layer capture: %s)", type(runner).__name__,
                     send, hook.layer_info["layer_capture_reason"] or f"{hook.layer_hooks} decoder layers")
         return {**hook.layer_info, "installed": True}
-
-    def hidden_states_prefault_kv_cache(self) -> int:
-        """Ledger point 6: write every KV-cache page once; returns the bytes touched."""
-        runner = getattr(self, "model_runner", None)
-        _require(runner is not None and hasattr(runner, "kv_caches"), "GPUModelRunner.kv_caches")
-        if getattr(runner, "device", None) is None or runner.device.type != "cpu":
-            return 0
-        touched, seen = 0, set()
-        stack = list(runner.kv_caches)
-        while stack:
-            t = stack.pop()
-            if isinstance(t, (list, tuple)):
-                stack.extend(t)
-                continue
-            if t is None or t.data_ptr() in seen:
-                continue
-            seen.add(t.data_ptr())
-            t.zero_()  # the cache holds nothing yet: zeroing only maps the pages
-            touched += t.numel() * t.element_size()
-        logger.info("KV cache pre-faulted: %.1f MiB", touched / 2**20)
-        return touched
-
-    def hidden_states_warm_up(self, sizes: list[int], budget_s: float) -> tuple[int, float]:
-        """Ledger point 7: one dummy forward per batch size in `sizes`, in order, until
-        `budget_s` seconds have passed; returns (sizes run, seconds taken)."""
-        import time
-
-        runner = getattr(self, "model_runner", None)
-        _require(runner is not None and hasattr(runner, "_dummy_run"), "GPUModelRunner._dummy_run")
-        if getattr(runner, "device", None) is None or runner.device.type != "cpu":
-            return 0, 0.0
-        t0, done = time.perf_counter(), 0
-        for n in sizes:
-            if time.perf_counter() - t0 >= budget_s:
-                break
-            runner._dummy_run(int(n), force_attention=True)
-            done += 1
-        took = time.perf_counter() - t0
-        logger.info("warmed up %d of %d batch sizes in %.1f s", done, len(sizes), took)
-        return done, took
-
-    def hidden_states_start_trimmer(self, interval_s: float) -> bool:
-        """Starts the worker's malloc_trim thread (hidden_states/malloc_trim.py; not a patch)."""
-        from hidden_states.malloc_trim import MallocTrimmer
-
-        if getattr(self, "_hidden_states_trimmer", None) is not None:
-            return False
-        self._hidden_states_trimmer = MallocTrimmer(interval_s).start()
-        return self._hidden_states_trimmer.available
 
     def hidden_states_stats(self) -> dict:
         trimmer = getattr(self, "_hidden_states_trimmer", None)
@@ -480,40 +345,3 @@ class HiddenStatesWorkerExtension:
             "dropped_sends": hook.sender.dropped if hook.sender else 0,
             "layer_hooks": hook.layer_hooks,
         }
-
-
-
-def _patch_cpu_generator_rewind(runner: Any) -> None:
-    """Ledger point 5: rewind discarded seeded samples by state, not offset, on CPU."""
-    _require(hasattr(runner, "_bookkeeping_sync") and hasattr(runner, "discard_request_mask"),
-             "GPUModelRunner._bookkeeping_sync / discard_request_mask")
-    execute, bookkeeping = runner.execute_model, runner._bookkeeping_sync
-    saved: dict[int, Any] = {}
-
-    def discarded_with_generator():
-        n = runner.input_batch.num_reqs
-        for i in runner.discard_request_mask.np[:n].nonzero()[0]:
-            gen = runner.input_batch.generators.get(int(i))
-            if gen is not None:
-                yield int(i), gen
-
-    def execute_model(*args, **kwargs):
-        out = execute(*args, **kwargs)
-        saved.clear()
-        if out is None:  # sampling follows in sample_tokens(): keep the states it will advance
-            saved.update({i: gen.get_state() for i, gen in discarded_with_generator()})
-        return out
-
-    def bookkeeping_sync(*args, **kwargs):
-        gens = runner.input_batch.generators
-        hidden = {i: gens.pop(i) for i in list(saved) if i in gens}
-        for i, gen in hidden.items():
-            gen.set_state(saved[i])
-        try:
-            return bookkeeping(*args, **kwargs)
-        finally:
-            gens.update(hidden)
-            saved.clear()
-
-    runner.execute_model = execute_model
-    runner._bookkeeping_sync = bookkeeping_sync

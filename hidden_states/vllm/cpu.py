@@ -1,0 +1,140 @@
+"""CPU engines: the start-up steps before a replica takes traffic, and a CPU generator fix.
+
+Engine side, `cpu_start_up()` runs them through `collective_rpc`; worker side,
+`CPUWorkerSteps` (mixed into the worker extension) does them. Ledger points 5-7
+in __init__.py. Malloc trimming itself is hidden_states/malloc_trim.py.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from hidden_states.vllm import _require
+
+logger = logging.getLogger(__name__)
+
+
+def on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+def warm_up_sizes(max_tokens: int) -> list[int]:
+    """Every batch size (tokens per step) from 1 to `max_tokens` (the engine's
+    max_num_batched_tokens), most useful first: every size up to 64 (decode
+    batches), every 8th up to 512 and every 64th beyond (prefill chunks), then the
+    rest. A CPU engine is warmed up with as many of them as its time budget allows."""
+    first = [*range(1, 65), *range(72, 513, 8), *range(576, max_tokens + 1, 64)]
+    first = [n for n in first if n <= max_tokens]
+    seen = set(first)
+    return first + [n for n in range(1, max_tokens + 1) if n not in seen]
+
+
+async def cpu_start_up(llm: Any, prefault_kv_cache: bool, warm_up_s: float, malloc_trim_interval_s: float,
+                        timeout_s: float) -> dict[str, Any]:
+    """A CPU engine's start-up steps, before it takes requests; returns what they did."""
+    out: dict[str, Any] = {}
+    if prefault_kv_cache:  # resident memory flat from the start (ledger point 6)
+        touched = await llm.collective_rpc("hidden_states_prefault_kv_cache", timeout=timeout_s)
+        out["kv_cache_prefaulted_bytes"] = sum(touched)
+    if warm_up_s > 0:  # kernel caches at their working size before the first request (point 7)
+        sizes = warm_up_sizes(llm.vllm_config.scheduler_config.max_num_batched_tokens)
+        done = await llm.collective_rpc("hidden_states_warm_up", timeout=timeout_s + warm_up_s, args=(sizes, warm_up_s))
+        out.update(warm_up_batch_sizes=min(n for n, _ in done), warm_up_of=len(sizes),
+                   warm_up_seconds=round(max(t for _, t in done), 3))
+    if malloc_trim_interval_s > 0:  # free heap pages back to the OS when idle (malloc_trim.py)
+        started = await llm.collective_rpc("hidden_states_start_trimmer", timeout=timeout_s,
+                                           args=(malloc_trim_interval_s,))
+        out["malloc_trim_interval_s"] = malloc_trim_interval_s if all(started) else None
+    return out
+
+
+class CPUWorkerSteps:
+    """Worker-side start-up steps of a CPU engine (no-ops on other devices)."""
+
+    def hidden_states_prefault_kv_cache(self) -> int:
+        """Ledger point 6: write every KV-cache page once; returns the bytes touched."""
+        runner = getattr(self, "model_runner", None)
+        _require(runner is not None and hasattr(runner, "kv_caches"), "GPUModelRunner.kv_caches")
+        if getattr(runner, "device", None) is None or runner.device.type != "cpu":
+            return 0
+        touched, seen = 0, set()
+        stack = list(runner.kv_caches)
+        while stack:
+            t = stack.pop()
+            if isinstance(t, (list, tuple)):
+                stack.extend(t)
+                continue
+            if t is None or t.data_ptr() in seen:
+                continue
+            seen.add(t.data_ptr())
+            t.zero_()  # the cache holds nothing yet: zeroing only maps the pages
+            touched += t.numel() * t.element_size()
+        logger.info("KV cache pre-faulted: %.1f MiB", touched / 2**20)
+        return touched
+
+    def hidden_states_warm_up(self, sizes: list[int], budget_s: float) -> tuple[int, float]:
+        """Ledger point 7: one dummy forward per batch size in `sizes`, in order, until
+        `budget_s` seconds have passed; returns (sizes run, seconds taken)."""
+        import time
+
+        runner = getattr(self, "model_runner", None)
+        _require(runner is not None and hasattr(runner, "_dummy_run"), "GPUModelRunner._dummy_run")
+        if getattr(runner, "device", None) is None or runner.device.type != "cpu":
+            return 0, 0.0
+        t0, done = time.perf_counter(), 0
+        for n in sizes:
+            if time.perf_counter() - t0 >= budget_s:
+                break
+            runner._dummy_run(int(n), force_attention=True)
+            done += 1
+        took = time.perf_counter() - t0
+        logger.info("warmed up %d of %d batch sizes in %.1f s", done, len(sizes), took)
+        return done, took
+
+    def hidden_states_start_trimmer(self, interval_s: float) -> bool:
+        """Starts the worker's malloc_trim thread (hidden_states/malloc_trim.py; not a patch)."""
+        from hidden_states.malloc_trim import MallocTrimmer
+
+        if getattr(self, "_hidden_states_trimmer", None) is not None:
+            return False
+        self._hidden_states_trimmer = MallocTrimmer(interval_s).start()
+        return self._hidden_states_trimmer.available
+
+
+def patch_cpu_generator_rewind(runner: Any) -> None:
+    """Ledger point 5: rewind discarded seeded samples by state, not offset, on CPU."""
+    _require(hasattr(runner, "_bookkeeping_sync") and hasattr(runner, "discard_request_mask"),
+             "GPUModelRunner._bookkeeping_sync / discard_request_mask")
+    execute, bookkeeping = runner.execute_model, runner._bookkeeping_sync
+    saved: dict[int, Any] = {}
+
+    def discarded_with_generator():
+        n = runner.input_batch.num_reqs
+        for i in runner.discard_request_mask.np[:n].nonzero()[0]:
+            gen = runner.input_batch.generators.get(int(i))
+            if gen is not None:
+                yield int(i), gen
+
+    def execute_model(*args, **kwargs):
+        out = execute(*args, **kwargs)
+        saved.clear()
+        if out is None:  # sampling follows in sample_tokens(): keep the states it will advance
+            saved.update({i: gen.get_state() for i, gen in discarded_with_generator()})
+        return out
+
+    def bookkeeping_sync(*args, **kwargs):
+        gens = runner.input_batch.generators
+        hidden = {i: gens.pop(i) for i in list(saved) if i in gens}
+        for i, gen in hidden.items():
+            gen.set_state(saved[i])
+        try:
+            return bookkeeping(*args, **kwargs)
+        finally:
+            gens.update(hidden)
+            saved.clear()
+
+    runner.execute_model = execute_model
+    runner._bookkeeping_sync = bookkeeping_sync

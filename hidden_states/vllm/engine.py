@@ -1,0 +1,271 @@
+"""HiddenStatesEngine: the engine interface (hidden_states/engine.py) on vLLM's AsyncLLM.
+
+The vector is computed in the engine's dtype (float32 on CPU by default;
+bfloat16/float16 widen exactly) and returned as float32.
+
+How: when a choice finishes and its request asked, the engine submits a
+prefill-only request of those token ids (max one token) flagged with a key;
+the runner hook (worker.py) sends that row over the side channel; we wait for
+the key with a timeout. On the engine that just generated the choice the
+prefix cache holds all but the last block, so the step recomputes under one
+block of tokens (32 on CPU by default). It is scheduled ahead of waiting
+generation (vLLM's priority policy, priority -1), so it does not queue behind
+the batch's new prompts.
+
+Two ways in, one path:
+- `complete()/extract()` for Python callers;
+- any code that drives the engine through vLLM's EngineClient interface
+  (vLLM's own OpenAI serving classes) with sampling params tagged by a
+  collector (`with engine.collecting() as c:` put `c.extra_args` in the
+  sampling params' extra_args; an OpenAI
+  request carries the tag in `vllm_xargs`, which vLLM copies into
+  `SamplingParams.extra_args`): the vectors land in that collector, keyed by
+  the token sequence they belong to (`collector.key(prompt_ids, token_ids)`),
+  so a response choice finds its vector from its own token ids, whatever
+  request ids vLLM made up on the way.
+- beam search (vLLM's serving runs it as one-token engine requests per step,
+  which carry no tag): `extract_beams()` wraps its final output and extracts
+  one vector per returned beam.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+from hidden_states.preflight import EngineStartupError, check_architecture, check_cpu_memory, check_model_folder
+from hidden_states.params import (HiddenStatesDisabledError, HiddenStatesRequestError, check_layers,
+                                  check_position)
+from hidden_states.side_channel import HiddenStatesReceiver
+from hidden_states.tiny_model import DEFAULT_MODEL, resolve_model
+from hidden_states.engine import Completion, CompletionChoice, HiddenStatesCollector, SamplingOptions
+from hidden_states.vllm import ENGINE_ENV, SUPPORTED_LAYER_ARCHS, WORKER_EXTENSION, check_vllm_version
+from hidden_states.vllm.cpu import cpu_start_up, on_cpu
+from hidden_states.vllm.extraction import Extraction, make_async_llm_class
+
+logger = logging.getLogger(__name__)
+
+
+
+
+# Defaults start() gives the engine when hidden states are on (an explicit
+# engine argument wins). vLLM's CPU backend defaults to 128-token blocks, so the
+# step would recompute up to 128 tokens; its attention takes multiples of 32.
+CPU_EXTRACTION_BLOCK_SIZE = 32
+EXTRACTION_PRIORITY = -1  # lower runs first under vLLM's priority policy; requests default to 0
+
+
+def _preflight(model: str, engine_args: dict[str, Any]) -> str:
+    """The model's local path, after the checks that give a start-up failure its real cause."""
+    try:
+        path = resolve_model(model)
+    except Exception as e:
+        raise EngineStartupError(f"the built-in model {model} could not be built: {e}") from e
+    cfg = check_model_folder(path)
+    if cfg is not None:
+        from vllm.model_executor.models import ModelRegistry
+
+        check_architecture(cfg, path, set(ModelRegistry.get_supported_archs()))
+    if on_cpu():
+        check_cpu_memory(path, engine_args.get("kv_cache_memory_bytes"))
+    return path
+
+
+def _execution_mode(cfg: Any) -> dict[str, Any]:
+    """What decides how the runner hook runs (patch ledger): logged and in stats."""
+    comp = cfg.compilation_config
+    return {
+        "enforce_eager": bool(cfg.model_config.enforce_eager),
+        "async_scheduling": bool(getattr(cfg.scheduler_config, "async_scheduling", False)),
+        "cudagraph_mode": str(getattr(comp, "cudagraph_mode", None)),
+        "compilation_mode": str(getattr(comp, "mode", getattr(comp, "level", None))),
+        "v2_model_runner": os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "0") == "1",
+    }
+
+
+class HiddenStatesEngine(Extraction):
+    """A vLLM v1 engine that returns hidden states of finished completions.
+
+    Start with `await HiddenStatesEngine.start(model, **engine_args)`; stop with
+    `shutdown()`. Engine arguments are vLLM's (`AsyncEngineArgs`).
+    """
+
+    def __init__(self, llm: Any, receiver: HiddenStatesReceiver | None, extraction_timeout_s: float):
+        self.llm = llm
+        hf = llm.vllm_config.model_config.hf_config
+        self.num_layers = int(hf.num_hidden_layers)
+        self.architecture = (getattr(hf, "architectures", None) or ["?"])[0]
+        self.eager = bool(llm.vllm_config.model_config.enforce_eager)
+        self._collectors: dict[str, HiddenStatesCollector] = {}
+        self.receiver = receiver
+        self.extraction_timeout_s = extraction_timeout_s
+        self.extractions = 0
+        self.extraction_tokens = 0
+        self.extraction_cached_tokens = 0
+        self.missing_vectors = 0  # choices that finished without their vector (each failed its request)
+        self.extraction_priority = 0  # set by start(): vLLM refuses priorities under its fcfs policy
+        self.startup: dict[str, Any] = {}  # set by start(): what the CPU start-up steps did
+
+    @property
+    def enabled(self) -> bool:
+        return self.receiver is not None
+
+    @classmethod
+    async def start(
+        cls,
+        model: str = DEFAULT_MODEL,
+        *,
+        enable_return_hidden_states: bool = True,
+        extraction_timeout_s: float = 60.0,
+        install_timeout_s: float = 120.0,
+        prefault_kv_cache: bool = True,
+        warm_up_s: float = 10.0,
+        malloc_trim_interval_s: float = 5.0,
+        **engine_args: Any,
+    ) -> "HiddenStatesEngine":
+        check_vllm_version()
+        os.environ.update(ENGINE_ENV)  # inherited by the engine-core process
+        from vllm.engine.arg_utils import AsyncEngineArgs
+
+        engine_args.setdefault("enable_prefix_caching", True)
+        if enable_return_hidden_states:
+            # The extraction step is one short prefill that a client is waiting on:
+            # it goes ahead of queued generation (priority -1), and smaller blocks
+            # bound what it recomputes (prefix caching matches whole blocks only).
+            engine_args.setdefault("scheduling_policy", "priority")
+            if on_cpu():
+                engine_args.setdefault("block_size", CPU_EXTRACTION_BLOCK_SIZE)
+        engine_args["worker_extension_cls"] = WORKER_EXTENSION
+        path = _preflight(model, engine_args)
+        args = AsyncEngineArgs(model=path, **engine_args)
+        try:
+            llm = make_async_llm_class().from_engine_args(args)
+        except Exception as e:
+            raise EngineStartupError(
+                f"the vLLM engine for {model} failed to start ({type(e).__name__}: {e}); vLLM logs the root cause "
+                "from its engine-core process just above this error in the replica's log") from e
+        receiver, installed = None, []
+        try:
+            startup = await cpu_start_up(llm, prefault_kv_cache, warm_up_s, malloc_trim_interval_s,
+                                          install_timeout_s) if on_cpu() else {}
+            if enable_return_hidden_states:
+                receiver = HiddenStatesReceiver()
+                receiver.start()
+                installed = await llm.collective_rpc("hidden_states_install", timeout=install_timeout_s, args=(receiver.address,))
+                logger.info("hidden-states hook installed on %d worker(s); intermediate layers: %s", len(installed),
+                            installed[0]["layer_capture_reason"] or "yes")
+        except BaseException:
+            llm.shutdown()
+            if receiver is not None:
+                receiver.close()
+            raise
+        engine = cls(llm, receiver, extraction_timeout_s)
+        engine.startup = {**startup, **_execution_mode(llm.vllm_config)}
+        logger.info("engine execution mode: %s", _execution_mode(llm.vllm_config))
+        # What the workers found at install (worker.layer_capture_support); check_request reads it.
+        engine.layer_capture = {**installed[0], "layer_capture": all(w["layer_capture"] for w in installed)} \
+            if installed else None
+        engine.extraction_priority = EXTRACTION_PRIORITY if llm.vllm_config.scheduler_config.policy == "priority" else 0
+        llm.hidden_states = engine
+        return engine
+
+    def check_request(self, layers: Sequence[int] = (-1,), position: str = "completion_end") -> tuple[int, ...]:
+        """Raises HiddenStatesRequestError with the fix if this engine cannot serve it."""
+        if not self.enabled:
+            raise HiddenStatesDisabledError()
+        check_position(position)
+        layers = check_layers(layers, self.num_layers)
+        L = self.num_layers
+        if any(self._absolute(l) != L for l in layers):
+            # The workers' install result; without one (no engine), the checked architectures.
+            found = getattr(self, "layer_capture", None)
+            if not (found["layer_structure"] if found else self.architecture in SUPPORTED_LAYER_ARCHS):
+                why = f" ({found['layer_capture_reason']})" if found else ""
+                families = ", ".join(a.removesuffix("ForCausalLM") for a in SUPPORTED_LAYER_ARCHS)
+                raise HiddenStatesRequestError(
+                    "intermediate hidden_states_layers need decoder layers that carry the residual stream as "
+                    f"forward(positions, hidden_states, residual), as the {families} families do; "
+                    f"not {self.architecture}{why}; ask for the last layer (-1) only", "hidden_states_layers")
+            if not self.eager:
+                raise HiddenStatesRequestError(
+                    "intermediate hidden_states_layers need an eager engine: start it with enforce_eager=True",
+                    "hidden_states_layers")
+            if found and not found["layer_capture"]:
+                raise HiddenStatesRequestError(
+                    f"intermediate hidden_states_layers are unavailable on this engine: "
+                    f"{found['layer_capture_reason'] or 'not every worker hooked its decoder layers'}",
+                    "hidden_states_layers")
+        return layers
+
+    async def complete(
+        self, prompt: str | Sequence[int], sampling: SamplingOptions | Any = None, *, return_hidden_states: bool = True,
+        layers: Sequence[int] = (-1,), position: str = "completion_end",
+    ) -> Completion:
+        """One prompt (text or token ids) to a finished Completion with a vector per choice.
+        `sampling`: SamplingOptions, or (Python callers of this engine) vLLM's own SamplingParams."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        if sampling is None or isinstance(sampling, SamplingOptions):
+            o = sampling or SamplingOptions()
+            params = SamplingParams(n=o.n, max_tokens=o.max_tokens, temperature=o.temperature, top_p=o.top_p,
+                                    seed=o.seed, stop=list(o.stop) or None)
+        else:
+            params = sampling.clone()
+        params.output_kind = RequestOutputKind.FINAL_ONLY
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        if isinstance(prompt, str):
+            prompt = self.llm.tokenizer.encode(prompt)
+        engine_prompt = {"prompt_token_ids": list(prompt)}
+        final, choices = None, []
+        with self.collecting(layers, position) if return_hidden_states else contextlib.nullcontext() as collector:
+            if collector is not None:
+                params.extra_args = {**(params.extra_args or {}), **collector.extra_args}
+            async for out in self.llm.generate(engine_prompt, params, request_id):
+                final = out
+        for o in final.outputs:
+            vecs = stats = None
+            if collector is not None:
+                seq = collector.key(final.prompt_token_ids, o.token_ids)
+                vecs, stats = collector.vectors.get(seq), collector.stats.get(seq)
+                if vecs is None:
+                    raise self.missing(f"choice {o.index}")
+            choices.append(CompletionChoice(o.index, o.text, tuple(o.token_ids), o.finish_reason,
+                                            None if vecs is None else vecs.get(-1), stats, vecs))
+        return Completion(request_id=request_id, prompt_token_ids=tuple(final.prompt_token_ids), choices=tuple(choices))
+
+    # -- operations -----------------------------------------------------------
+
+    async def openai(self, served_model_name: str, replica_id: str):
+        """vLLM's own OpenAI serving over this engine, plus the vectors (openai.py)."""
+        from hidden_states.vllm.openai import OpenAIFrontend
+
+        return await OpenAIFrontend.create(self, served_model_name, replica_id)
+
+    def healthy(self) -> bool:
+        return not self.llm.errored
+
+    async def stats(self) -> dict:
+        workers = await self.llm.collective_rpc("hidden_states_stats", timeout=30) if self.enabled else []
+        return {
+            "enabled": self.enabled,
+            "extractions": self.extractions,
+            "extraction_tokens": self.extraction_tokens,
+            "extraction_cached_tokens": self.extraction_cached_tokens,
+            "missing_vectors": self.missing_vectors,
+            "pending": self.receiver.num_pending if self.receiver else 0,
+            "malformed_frames": self.receiver.malformed_frames if self.receiver else 0,
+            "unclaimed_results": self.receiver.unclaimed_results if self.receiver else 0,
+            "workers": workers,
+            "startup": self.startup,
+        }
+
+    def shutdown(self) -> None:
+        self.llm.shutdown()
+        if self.receiver is not None:
+            self.receiver.close()
+
