@@ -38,8 +38,14 @@ class MissingHiddenStatesError(RuntimeError):
 @dataclasses.dataclass(frozen=True)
 class ExtractionStats:
     tokens: int  # prompt + completion
-    cached_tokens: int  # found in the prefix cache
-    seconds: float
+    cached_tokens: int  # found in the prefix cache (the tail step: every token but the final one)
+    seconds: float  # from the choice's end in the engine's output to its vector
+    via: str = "extraction"  # "tail": the engine's extra decode row; "extraction": a prefill request
+
+    @property
+    def computed_tokens(self) -> int:
+        """Positions computed to get the vector: 1 is the floor."""
+        return self.tokens - self.cached_tokens
 
 
 @dataclasses.dataclass

@@ -55,7 +55,8 @@ class ChoiceVectors:
             choice["hidden_states"] = encode_vector(vecs[-1], self.encoding)
         meta = {"position": self.collector.position, "replica": self.replica_id}
         if (st := self.collector.stats.get(self.collector.key(prompt_ids, token_ids))) is not None:
-            meta.update(tokens=st.tokens, cached_tokens=st.cached_tokens, extraction_seconds=round(st.seconds, 6))
+            meta.update(via=st.via, tokens=st.tokens, cached_tokens=st.cached_tokens,
+                        computed_tokens=st.computed_tokens, extraction_seconds=round(st.seconds, 6))
         choice["hidden_states_meta"] = meta
 
     def fill_response(self, payload: dict) -> None:

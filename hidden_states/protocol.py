@@ -41,6 +41,9 @@ class HiddenStatesExtractionRequest(msgspec.Struct, omit_defaults=True, forbid_u
     key: str
     # Layers as transformers numbers `output_hidden_states` (-1 = after the final norm).
     layers: list[int] = msgspec.field(default_factory=lambda: [-1])
+    # False: capture at the last prompt token. True: at the tail step, the extra decode row of the
+    # final token that the TailScheduler runs when the request stops (hidden_states/vllm/scheduler.py).
+    tail: bool = False
 
     def to_extra_args(self) -> dict:
         return {EXTRA_ARGS_KEY: msgspec.to_builtins(self)}

@@ -58,6 +58,29 @@ Ledger of patched points (supported: vLLM {SUPPORTED}):
    that returns (norm(h + r), h + r) (probed once on random rows). The stream
    entering layer l is then hidden + residual (hidden alone before layer 0).
    Remove when vLLM returns chosen layers itself (RFC #48743).
+9. The tail step (scheduler.py): the public `scheduler_cls` engine argument
+   names `TailScheduler`, a subclass of v1 `Scheduler` that overrides
+   `add_request` (notes requests flagged `tail=True`), `schedule` (adds the
+   attribute `hidden_states_tails` to the SchedulerOutput: the held requests
+   scheduled in this step), `_update_request_with_output` (holds a flagged
+   request's stop for one step, then drops the token sampled in it and finishes
+   with the held status and stop reason) and `_free_request` (forgets held
+   requests however they end). The worker reads the attribute (worker.py); it
+   reaches the workers because the SchedulerOutput dataclass instance travels
+   whole (in-process, or pickled by the multiprocess executor, the CPU
+   default; tested by every tail-step test, which would time out without it).
+   Why: the final token's hidden state then costs one decode row in a batch
+   that runs anyway, instead of a second request through the frontend.
+   Async scheduling (vLLM's GPU default, never used on CPU): when a stop is
+   seen, the step with the final token as input is usually already in flight,
+   unmarked, so the tail row would be computed but not captured. The engine
+   therefore uses the tail only on synchronous schedulers (CPU, or GPU with
+   `async_scheduling: false`) and keeps the extraction step otherwise. The
+   design for async: mark every flagged running request whose next token may
+   be its last (max_tokens reached next step, or always when EOS/stop ids
+   apply) so the runner keeps that row on the device, and send it once the
+   scheduler confirms the stop; free otherwise. Not built, not tested: no GPU.
+   Remove when vLLM returns the final token's hidden state itself.
 """
 
 from __future__ import annotations

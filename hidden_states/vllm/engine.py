@@ -56,6 +56,7 @@ logger = logging.getLogger(__name__)
 # engine argument wins). vLLM's CPU backend defaults to 128-token blocks, so the
 # step would recompute up to 128 tokens; its attention takes multiples of 32.
 CPU_EXTRACTION_BLOCK_SIZE = 32
+TAIL_SCHEDULER = "hidden_states.vllm.scheduler.TailScheduler"
 EXTRACTION_PRIORITY = -1  # lower runs first under vLLM's priority policy; requests default to 0
 
 
@@ -107,6 +108,8 @@ class HiddenStatesEngine(Extraction):
         self.extraction_tokens = 0
         self.extraction_cached_tokens = 0
         self.missing_vectors = 0  # choices that finished without their vector (each failed its request)
+        self.tail_enabled = False  # set by start(): the engine's scheduler runs tail steps
+        self.tails = 0  # vectors from tail steps (one computed position each)
         self.extraction_priority = 0  # set by start(): vLLM refuses priorities under its fcfs policy
         self.startup: dict[str, Any] = {}  # set by start(): what the CPU start-up steps did
 
@@ -125,6 +128,7 @@ class HiddenStatesEngine(Extraction):
         prefault_kv_cache: bool = True,
         warm_up_s: float = 10.0,
         malloc_trim_interval_s: float = 5.0,
+        tail_step: bool = True,
         **engine_args: Any,
     ) -> "HiddenStatesEngine":
         check_vllm_version()
@@ -139,6 +143,12 @@ class HiddenStatesEngine(Extraction):
             engine_args.setdefault("scheduling_policy", "priority")
             if on_cpu():
                 engine_args.setdefault("block_size", CPU_EXTRACTION_BLOCK_SIZE)
+        # The tail step (scheduler.py) needs a synchronous scheduler: CPU engines always are;
+        # GPU engines only with async_scheduling off (see the ledger, point 9).
+        tail = (enable_return_hidden_states and tail_step and "scheduler_cls" not in engine_args
+                and (on_cpu() or engine_args.get("async_scheduling") is False))
+        if tail:
+            engine_args["scheduler_cls"] = TAIL_SCHEDULER
         engine_args["worker_extension_cls"] = WORKER_EXTENSION
         path = _preflight(model, engine_args)
         args = AsyncEngineArgs(model=path, **engine_args)
@@ -169,6 +179,7 @@ class HiddenStatesEngine(Extraction):
         # What the workers found at install (worker.layer_capture_support); check_request reads it.
         engine.layer_capture = {**installed[0], "layer_capture": all(w["layer_capture"] for w in installed)} \
             if installed else None
+        engine.tail_enabled = tail
         engine.extraction_priority = EXTRACTION_PRIORITY if llm.vllm_config.scheduler_config.policy == "priority" else 0
         llm.hidden_states = engine
         return engine
@@ -257,6 +268,8 @@ class HiddenStatesEngine(Extraction):
             "extraction_tokens": self.extraction_tokens,
             "extraction_cached_tokens": self.extraction_cached_tokens,
             "missing_vectors": self.missing_vectors,
+            "tail_enabled": self.tail_enabled,
+            "tails": self.tails,
             "pending": self.receiver.num_pending if self.receiver else 0,
             "malformed_frames": self.receiver.malformed_frames if self.receiver else 0,
             "unclaimed_results": self.receiver.unclaimed_results if self.receiver else 0,

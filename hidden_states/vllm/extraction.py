@@ -46,25 +46,42 @@ def make_async_llm_class():
                 async for out in self._generate_prompt_end(collector, prompt, sampling_params, request_id, *args, **kwargs):
                     yield out
                 return
-            sampling_params = self.hidden_states._leave_room_for_extraction(prompt, sampling_params)
+            hs = self.hidden_states
+            sampling_params = hs._leave_room_for_extraction(prompt, sampling_params)
+            tail_key = None
+            if hs.takes_tail(sampling_params):
+                # The engine holds the request's finish for one step and captures its final
+                # token's row then (scheduler.py): no extraction request at all.
+                tail_key = uuid.uuid4().hex
+                sampling_params = sampling_params.clone()
+                sampling_params.extra_args = {**(sampling_params.extra_args or {}), **HiddenStatesExtractionRequest(
+                    key=tail_key, layers=list(collector.layers), tail=True).to_extra_args()}
+                hs.receiver.expect(tail_key)
             delta = sampling_params.output_kind == RequestOutputKind.DELTA
             tokens: dict[int, list[int]] = {}
             prompt_ids: list[int] | None = None
-            async for out in super().generate(prompt, sampling_params, request_id, *args, **kwargs):
-                if out.prompt_token_ids is not None:
-                    prompt_ids = list(out.prompt_token_ids)
-                finished = []
-                for o in out.outputs:
-                    if delta:
-                        tokens.setdefault(o.index, []).extend(o.token_ids)
+            try:
+                async for out in super().generate(prompt, sampling_params, request_id, *args, **kwargs):
+                    if out.prompt_token_ids is not None:
+                        prompt_ids = list(out.prompt_token_ids)
+                    finished = []
+                    for o in out.outputs:
+                        if delta:
+                            tokens.setdefault(o.index, []).extend(o.token_ids)
+                        else:
+                            tokens[o.index] = list(o.token_ids)
+                        if o.finish_reason is not None and o.finish_reason not in ("abort", "error"):
+                            finished.append(collector.key(prompt_ids, tokens[o.index]))
+                    if tail_key is not None and finished:
+                        await hs.collect_tail(collector, tail_key, finished[0])
                     else:
-                        tokens[o.index] = list(o.token_ids)
-                    if o.finish_reason is not None:
-                        finished.append(collector.key(prompt_ids, tokens[o.index]))
-                # Choices finishing together (n > 1, non-streaming) extract together;
-                # identical sequences once.
-                await self.hidden_states.extract_into(collector, finished)
-                yield out
+                        # Choices finishing together (n > 1, non-streaming) extract together;
+                        # identical sequences once.
+                        await hs.extract_into(collector, finished)
+                    yield out
+            finally:
+                if tail_key is not None:
+                    hs.receiver.discard(tail_key)
 
         async def _generate_prompt_end(self, collector, prompt, sampling_params, request_id, *args, **kwargs):
             # The generating request itself is flagged: its prefill computes the
@@ -178,6 +195,20 @@ class Extraction:
             else:
                 await self.extract_into(collector, done)
             yield out
+
+    def takes_tail(self, params: Any) -> bool:
+        """Whether the tail step (scheduler.py) captures this generating request's vector:
+        one choice, a stop the engine sees (stop strings are cut in the frontend, which
+        then aborts), no grammar (its matcher is done once the request stops)."""
+        return (self.tail_enabled and params.n == 1 and not params.stop
+                and getattr(params, "structured_outputs", None) is None)
+
+    async def collect_tail(self, collector: HiddenStatesCollector, key: str, seq: tuple[int, ...]) -> None:
+        """The vector the tail step sent for `seq` (one position computed: the final token)."""
+        t0 = time.perf_counter()
+        collector.vectors[seq] = self._by_layer(await self._wait(key, len(seq)), collector.layers)
+        collector.stats[seq] = ExtractionStats(len(seq), len(seq) - 1, time.perf_counter() - t0, via="tail")
+        self.tails += 1
 
     def beam_search_room(self, prompt_len: int, max_tokens: int) -> int:
         """max_tokens for a beam search whose beams each need one more position to extract."""

@@ -45,6 +45,8 @@ from hidden_states.protocol import HiddenStatesBatch, HiddenStatesExtractionRequ
 from hidden_states.vllm import SUPPORTED_LAYER_ARCHS, VLLMIncompatibleError, _require, check_vllm_version  # noqa: F401
 from hidden_states.vllm.cpu import CPUWorkerSteps, patch_cpu_generator_rewind
 
+TAILS_ATTR = "hidden_states_tails"  # scheduler.TailScheduler's SchedulerOutput attribute (no vLLM import here)
+
 logger = logging.getLogger(__name__)
 
 def _residual_norm_of(layer_cls: type) -> tuple[str | None, str | None]:
@@ -151,7 +153,10 @@ class _RunnerHook:
         from hidden_states.side_channel import HiddenStatesSender
 
         self.runner = runner
-        self.flagged: dict[str, HiddenStatesExtractionRequest] = {}
+        self.flagged: dict[str, HiddenStatesExtractionRequest] = {}  # captured at their last prompt token
+        self.tail_flagged: dict[str, HiddenStatesExtractionRequest] = {}  # captured in their tail step
+        self._tails: Any = ()  # this step's held requests (the scheduler output's TAILS_ATTR)
+        self.tails_captured = 0
         self.sender = HiddenStatesSender(address) if send else None
         self.captured = 0
         self.steps_with_capture = 0
@@ -188,19 +193,26 @@ class _RunnerHook:
     def before_step(self, so: Any) -> None:
         for rid in so.finished_req_ids:
             self.flagged.pop(rid, None)
+            self.tail_flagged.pop(rid, None)
         for new in so.scheduled_new_reqs:
             sp = new.sampling_params
             req = HiddenStatesExtractionRequest.from_extra_args(sp.extra_args if sp is not None else None)
             if req is not None:
-                self.flagged[new.req_id] = req
+                (self.tail_flagged if req.tail else self.flagged)[new.req_id] = req
+        self._tails = getattr(so, TAILS_ATTR, None) or ()  # set by scheduler.TailScheduler
         self._so, self._plan, self._layer_rows, self._slices = so, None, {}, []
 
     def end_step(self) -> None:
         """After every execute_model call, captured or not: no plan outlives its step."""
-        self._so, self._plan, self._layer_rows, self._slices = None, None, {}, []
+        self._so, self._plan, self._layer_rows, self._slices, self._tails = None, None, {}, [], ()
+
+    @property
+    def _capturing(self) -> bool:
+        return bool(self.flagged or self._tails) and self.sender is not None and self._so is not None
 
     def _step_plan(self) -> list[tuple[str, int, list[int]]]:
-        """Flagged requests whose last scheduled position is their last prompt token."""
+        """Flagged requests whose last scheduled position is their last prompt token, and
+        held requests (tail step) whose last scheduled position is their final token."""
         if self._plan is not None:
             return self._plan
         plan, so, L = [], self._so, self.num_layers
@@ -214,6 +226,15 @@ class _RunnerHook:
             # for an extraction request), whatever chunking or caching came before.
             if rs.num_computed_tokens + n_sched == rs.num_prompt_tokens:
                 plan.append((req.key, index[rid], [l if l >= 0 else L + 1 + l for l in req.layers]))
+        for rid in self._tails:
+            req, n_sched = self.tail_flagged.get(rid), so.num_scheduled_tokens.get(rid)
+            if req is None or not n_sched:
+                continue
+            rs = self.runner.requests[rid]
+            # The span reaches the final token: a one-token decode, or a resumed request's last chunk.
+            if rs.num_computed_tokens + n_sched == rs.num_tokens:
+                plan.append((req.key, index[rid], [l if l >= 0 else L + 1 + l for l in req.layers]))
+                self.tails_captured += 1
         self._plan = plan
         self._layer_rows = {}
         if any(l < L for _, _, ls in plan for l in ls):
@@ -229,7 +250,7 @@ class _RunnerHook:
 
     def _make_pre_hook(self, layer: int):
         def pre_hook(module, args, kwargs):
-            if not self.flagged or self.sender is None or self._so is None:
+            if not self._capturing:
                 return None
             self._step_plan()
             wanted = self._layer_rows.get(layer)
@@ -250,7 +271,7 @@ class _RunnerHook:
 
     def after_step(self) -> None:
         state = getattr(self.runner, "execute_model_state", None)
-        if state is None or not self.flagged or self.sender is None:
+        if state is None or not self._capturing:
             return
         plan = self._step_plan()
         if not plan:
@@ -339,7 +360,8 @@ class HiddenStatesWorkerExtension(CPUWorkerSteps):
         return {
             **trim,
             "installed": True,
-            "flagged_live": len(hook.flagged),
+            "flagged_live": len(hook.flagged) + len(hook.tail_flagged),
+            "tails_captured": hook.tails_captured,
             "captured": hook.captured,
             "steps_with_capture": hook.steps_with_capture,
             "dropped_sends": hook.sender.dropped if hook.sender else 0,

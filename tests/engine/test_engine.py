@@ -35,7 +35,7 @@ def _assert_nothing_left_behind(engine, loop_thread):
     stats = loop_thread.run(engine.stats())
     assert stats["pending"] == 0 and stats["missing_vectors"] == 0, stats
     (worker,) = stats["workers"]
-    assert worker["installed"] and worker["captured"] >= stats["extractions"] > 0
+    assert worker["installed"] and worker["captured"] >= stats["extractions"] + stats["tails"] > 0
     assert worker["flagged_live"] == 0
 
 
@@ -89,16 +89,67 @@ def test_long_prompt_spans_blocks_and_chunks_and_hits_prefix_cache(engine, loop_
     total = len(c.prompt_token_ids) + len(choice.token_ids)
     assert len(c.prompt_token_ids) > max(block, chunk) * 2
     reference.assert_matches(c.prompt_token_ids + choice.token_ids, choice.hidden_states)
-    # The extraction step right after the completion reads the prefix cache.
-    assert choice.extraction.tokens == total
+    # The tail step: one more decode row for the final token, every earlier K/V in place.
+    assert choice.extraction.via == "tail" and choice.extraction.tokens == total
+    assert choice.extraction.computed_tokens == 1, choice.extraction
+    # A stop string is cut in the frontend: the extraction step runs instead, on the prefix cache.
+    s = loop_thread.run(engine.complete(long_text(700, seed=3), sp(max_tokens=32, stop=["e"])))
+    st, total = s.choices[0].extraction, len(s.prompt_token_ids) + len(s.choices[0].token_ids)
+    assert st.via == "extraction" and st.tokens == total
     assert block == 32  # HiddenStatesEngine's CPU default: the step recomputes at most 32 tokens
-    assert total - block <= choice.extraction.cached_tokens < total, choice.extraction
+    assert total - block <= st.cached_tokens < total, st
+    reference.assert_matches(s.prompt_token_ids + s.choices[0].token_ids, s.choices[0].hidden_states)
+
+
+def test_tail_step_on_every_engine_side_stop(engine, loop_thread, reference):
+    """EOS-like stop token ids, max_tokens, and min_tokens: the final token's row is captured in
+    one extra decode step (1 position computed), the token sampled from it is dropped, and the
+    finish reason and stop reason are the original ones."""
+    free = loop_thread.run(engine.complete(PROMPTS[3], sp(max_tokens=12)))
+    stop_at = free.choices[0].token_ids[4]
+    cases = {
+        "stop token id": sp(max_tokens=12, stop_token_ids=[stop_at]),
+        "max_tokens": sp(max_tokens=5),
+        "min_tokens": sp(max_tokens=12, min_tokens=8, stop_token_ids=[stop_at]),
+    }
+    outs = {name: loop_thread.run(engine.complete(PROMPTS[3], params)) for name, params in cases.items()}
+    stopped = outs["stop token id"].choices[0]
+    assert stopped.finish_reason == "stop" and stopped.token_ids[-1] == stop_at
+    assert stopped.token_ids == free.choices[0].token_ids[:len(stopped.token_ids)]
+    assert outs["max_tokens"].choices[0].finish_reason == "length" and len(outs["max_tokens"].choices[0].token_ids) == 5
+    assert len(outs["min_tokens"].choices[0].token_ids) >= 8
+    for name, c in outs.items():
+        ch = c.choices[0]
+        assert ch.extraction.via == "tail" and ch.extraction.computed_tokens == 1, (name, ch.extraction)
+        reference.assert_matches(c.prompt_token_ids + ch.token_ids, ch.hidden_states)
+    worker = loop_thread.run(engine.stats())["workers"][0]
+    assert worker["tails_captured"] >= len(cases)
+
+
+@pytest.mark.parametrize("sampling", ["greedy", "seeded"])
+def test_tail_step_changes_no_token(engine, plain_engine, loop_thread, sampling):
+    """Flagged requests return the tokens unflagged ones do, and unflagged ones those of an
+    engine without hidden states (vLLM's own scheduler), token for token, in a batch."""
+    params = sp(max_tokens=20) if sampling == "greedy" else sp(max_tokens=20, temperature=1.0, seed=99)
+    prompts = PROMPTS + [long_text(80, seed=9)]
+
+    async def batch(eng, hs):
+        return await asyncio.gather(*(eng.complete(p, params, return_hidden_states=hs) for p in prompts))
+
+    flagged = loop_thread.run(batch(engine, True))
+    unflagged = loop_thread.run(batch(engine, False))
+    plain = loop_thread.run(batch(plain_engine, False))
+    assert all(c.choices[0].extraction.via == "tail" for c in flagged)
+    for f, u, p in zip(flagged, unflagged, plain):
+        assert f.choices[0].token_ids == u.choices[0].token_ids == p.choices[0].token_ids
+        assert f.choices[0].finish_reason == u.choices[0].finish_reason == p.choices[0].finish_reason
 
 
 def test_n2_one_vector_per_choice(engine, loop_thread, reference):
     c = loop_thread.run(engine.complete(PROMPTS[1], sp(n=2, temperature=1.0, seed=7, max_tokens=16)))
     assert len(c.choices) == 2 and c.choices[0].token_ids != c.choices[1].token_ids
     for choice in c.choices:
+        assert choice.extraction.via == "extraction"  # n > 1: the choices share one request's flag
         reference.assert_matches(c.prompt_token_ids + choice.token_ids, choice.hidden_states)
     assert not np.array_equal(c.choices[0].hidden_states, c.choices[1].hidden_states)
 
