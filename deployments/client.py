@@ -6,6 +6,8 @@
     result = complete(handle, "Hello!", max_tokens=16)       # blocking
     result = await complete_async(handle, "Hello!")          # in async code
     result.choices[0].hidden_states  # numpy float32 [hidden_size]
+    check = verify(handle, prompt=ids, compare={"vector": claimed.tolist()})   # POST /v1/hidden_states
+    check["hidden_states"], check["comparison"]["match"]
 
 Only msgspec bytes cross the handle (deployments/wire.py).
 """
@@ -16,7 +18,10 @@ from typing import Any
 
 import numpy as np
 
-from deployments.wire import ENCODER, REPLY_DECODER, HandleCompletionRequest, HandleReply
+import base64
+import json
+
+from deployments.wire import ENCODER, REPLY_BODY_DECODER, REPLY_DECODER, HandleCompletionRequest, HandleReply
 from hidden_states.engine import Completion, CompletionChoice, ExtractionStats
 
 
@@ -59,3 +64,36 @@ def complete(handle: Any, prompt: str | list[int], *, timeout_s: float = 600, **
 
 async def complete_async(handle: Any, prompt: str | list[int], **kw: Any) -> Completion:
     return _result(await handle.complete.remote(_request(prompt, **kw)))
+
+
+def _verify_request(fields: dict[str, Any]) -> bytes:
+    body = {k: v for k, v in fields.items() if v is not None}
+    body["hidden_states_encoding"] = "base64"  # exact float32 bytes across the handle
+    return json.dumps(body).encode()
+
+
+def _verify_result(raw: bytes) -> dict[str, Any]:
+    reply = REPLY_BODY_DECODER.decode(raw)
+    out = json.loads(reply.body)
+    if reply.head.status != 200:
+        raise HandleRequestError(reply.head.status, out.get("error", {}).get("message", reply.body.decode()))
+
+    def vec(b64: str) -> np.ndarray:
+        return np.frombuffer(base64.b64decode(b64), "<f4").copy()
+
+    if "hidden_states" in out:
+        out["hidden_states"] = vec(out["hidden_states"])
+    if "hidden_states_by_layer" in out:
+        out["hidden_states_by_layer"] = {int(k): vec(v) for k, v in out["hidden_states_by_layer"].items()}
+    return out
+
+
+def verify(handle: Any, *, timeout_s: float = 600, **fields: Any) -> dict[str, Any]:
+    """POST /v1/hidden_states over a handle (blocking). fields: prompt | messages (+ completion),
+    hidden_states_layers, compare={"vector": floats or base64, "tolerance": 1e-5}. Vectors come
+    back as numpy float32."""
+    return _verify_result(handle.hidden_states.remote(_verify_request(fields)).result(timeout_s=timeout_s))
+
+
+async def verify_async(handle: Any, **fields: Any) -> dict[str, Any]:
+    return _verify_result(await handle.hidden_states.remote(_verify_request(fields)))

@@ -23,6 +23,7 @@ from hidden_states.openai_format import error_body
 from deployments.wire import HandleCompletionRequest, HandleError
 from hidden_states import params
 from hidden_states.params import HiddenStatesFields
+from hidden_states.verify import HiddenStatesRequest
 
 logger = logging.getLogger(__name__)
 
@@ -125,10 +126,19 @@ def check(args: AppArgs, body: bytes) -> Response | dict:
     return req
 
 
-async def admit(args: AppArgs, request: Request) -> tuple[bytes, dict] | Response:
+def route_refusal(args: AppArgs, route: str) -> bytes | None:
+    """An error body if this server cannot serve the route at all."""
+    if route == "hidden_states" and not args.enable_return_hidden_states:
+        return error_body(params.DISABLED, 400, param="return_hidden_states")
+    return None
+
+
+async def admit(args: AppArgs, request: Request, route: str = "completions") -> tuple[bytes, dict] | Response:
     """auth, body limit, checks: (raw body, parsed body) or the refusal."""
     if (denied := auth(args, request)) is not None:
         return denied
+    if (refused := route_refusal(args, route)) is not None:
+        return Response(refused, status_code=400, media_type="application/json")
     body = await read_body(args, request)
     if isinstance(body, Response):
         return body
@@ -190,6 +200,11 @@ def ingress_routes(app: FastAPI, kind: str) -> type:
         @app.post("/v1/chat/completions", openapi_extra=openapi_body(ChatBody))
         async def chat_completions(self, request: Request) -> Response:
             return await self._serve("chat", request)
+
+        @app.post("/v1/hidden_states", openapi_extra=openapi_body(HiddenStatesRequest))
+        async def hidden_states(self, request: Request) -> Response:
+            """The true final-token vector of given tokens, optionally compared with a claimed one."""
+            return await self._serve("hidden_states", request)
 
         @app.get("/debug/stats")
         async def debug_stats(self, request: Request) -> Response:

@@ -64,7 +64,7 @@ class EngineReplica(http.ingress_routes(app, "replica")):
 
     async def _answer(self, route: str, body: bytes) -> AsyncIterator[ResponseHead | bytes]:
         """A ResponseHead, then the body: one JSON document, or SSE chunks."""
-        if route not in ("completions", "chat"):
+        if route not in ("completions", "chat", "hidden_states"):
             yield ResponseHead(404, "application/json", self.replica_id)
             yield error_body(f"unknown route {route!r}", 404)
             return
@@ -98,7 +98,7 @@ class EngineReplica(http.ingress_routes(app, "replica")):
         return {"replica": json.loads(await self.stats())}
 
     async def _serve(self, route: str, request: Request) -> Response:
-        admitted = await http.admit(self.args, request)
+        admitted = await http.admit(self.args, request, route)
         if isinstance(admitted, Response):
             return admitted
         body, _ = admitted
@@ -157,6 +157,12 @@ class EngineReplica(http.ingress_routes(app, "replica")):
                 for ch in c.choices
             ],
         )))
+
+    async def hidden_states(self, body: bytes) -> bytes:
+        """The Python-handle form of POST /v1/hidden_states (`deployments.client.verify`): JSON in, a Reply out."""
+        if (refused := http.route_refusal(self.args, "hidden_states")) is not None:
+            return wire.ENCODER.encode(Reply(ResponseHead(400, "application/json", self.replica_id), refused))
+        return await self.openai_unary("hidden_states", body)
 
     async def stats(self) -> bytes:
         s = await self.engine.stats()

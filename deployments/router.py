@@ -25,6 +25,7 @@ from ray.serve.handle import DeploymentHandle
 from deployments import http, wire
 from deployments.config import AppArgs
 from deployments.readiness import Readiness
+from hidden_states.openai_format import error_body
 from deployments.wire import HandleError, HandleReply
 
 logger = logging.getLogger(__name__)
@@ -70,7 +71,7 @@ class Router(http.ingress_routes(app, "router")):
             return {"replica_error": str(e)}
 
     async def _serve(self, route: str, request: Request) -> Response:
-        admitted = await http.admit(self.args, request)
+        admitted = await http.admit(self.args, request, route)
         if isinstance(admitted, Response):
             return admitted
         body, req = admitted
@@ -133,6 +134,24 @@ class Router(http.ingress_routes(app, "router")):
                 logger.warning("replica died before answering (%s); retrying once", type(e).__name__)
 
     # -- Python handles -------------------------------------------------------
+
+    async def hidden_states(self, body: bytes) -> bytes:
+        """For `deployments.client.verify(handle, ...)`: POST /v1/hidden_states's JSON in, a Reply out."""
+        if (refused := http.route_refusal(self.args, "hidden_states")) is not None:
+            return wire.ENCODER.encode(wire.Reply(wire.ResponseHead(400, "application/json", ""), refused))
+        if (why := await self._not_ready()) is not None:
+            return wire.ENCODER.encode(wire.Reply(wire.ResponseHead(503, "application/json", ""),
+                                                  error_body(why, 503)))
+        self.pending += 1
+        try:
+            reply = await self._call("hidden_states", body, time.monotonic() + self.args.request_timeout_s)
+        except Exception as e:
+            self._finish(False)
+            status, message = http.failure(e)
+            return wire.ENCODER.encode(wire.Reply(wire.ResponseHead(status, "application/json", ""),
+                                                  error_body(message, status)))
+        self._finish(reply.head.status < 500)
+        return wire.ENCODER.encode(reply)
 
     async def complete(self, request: bytes) -> bytes:
         """For `deployments.client.complete(handle, ...)`: HandleCompletionRequest -> HandleReply bytes."""

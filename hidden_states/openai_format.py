@@ -18,7 +18,7 @@ from pydantic import ValidationError
 
 from hidden_states.engine import HiddenStatesCollector
 
-Route = Literal["completions", "chat"]
+Route = Literal["completions", "chat", "hidden_states"]
 
 
 def encode_vector(vec: np.ndarray, encoding: str) -> list[float] | str:

@@ -30,7 +30,8 @@ from http import HTTPStatus
 from pydantic import ValidationError
 
 from hidden_states.engine import HiddenStatesCollector, MissingHiddenStatesError
-from hidden_states.openai_format import (ChoiceVectors, Route, error_body, not_from_token_ids,
+from hidden_states import verify
+from hidden_states.openai_format import (ChoiceVectors, Route, encode_vector, error_body, not_from_token_ids,
                                          validation_message)
 from hidden_states.params import HiddenStatesDisabledError, HiddenStatesFields, HiddenStatesRequestError
 from hidden_states.protocol import COLLECTOR_TAG_KEY, RESERVED_EXTRA_ARGS_PREFIX
@@ -78,6 +79,9 @@ class OpenAIFrontend:
 
     async def handle(self, route: Route, body: bytes) -> AsyncIterator[tuple[int, bytes] | bytes]:
         """Yields (status, first body bytes) for a whole response, or (200, b"") then SSE chunks."""
+        if route == "hidden_states":
+            yield await self._hidden_states(body)
+            return
         serving = self.state.openai_serving_completion if route == "completions" else self.state.openai_serving_chat
         try:
             model = self.completion_request if route == "completions" else self.chat_request
@@ -164,6 +168,65 @@ class OpenAIFrontend:
                 if not chunk:
                     continue
             yield chunk.encode()
+
+
+    async def _hidden_states(self, body: bytes) -> tuple[int, bytes]:
+        """POST /v1/hidden_states (hidden_states/verify.py): tokenize, one extraction, compare."""
+        try:
+            req = verify.HiddenStatesRequest.model_validate_json(body)
+        except ValidationError as e:
+            return 400, error_body(validation_message(e), 400, "BadRequestError")
+        eng = self.engine
+        try:
+            if not eng.enabled:
+                raise HiddenStatesDisabledError()
+            layers = eng.check_request(req.hidden_states_layers or (-1,))
+            ids = self._token_ids(req)
+            limit = eng.llm.model_config.max_model_len
+            if len(ids) >= limit:
+                raise HiddenStatesRequestError(
+                    f"{len(ids)} tokens leave no room: the extraction needs them below max_model_len ({limit})",
+                    "prompt" if req.prompt is not None else "messages")
+            if req.compare is not None:  # a malformed claim is a 400 before any engine work
+                verify.decode_claimed(req.compare.vector, eng.llm.model_config.get_hidden_size())
+            vecs, stats = await eng.extract_layers(ids, layers)
+        except HiddenStatesRequestError as e:
+            return 400, error_body(str(e), 400, "BadRequestError", e.param)
+        except HiddenStatesTimeout as e:
+            return 504, error_body(str(e), 504, "TimeoutError")
+        meta = {"via": stats.via, "tokens": stats.tokens, "cached_tokens": stats.cached_tokens,
+                "computed_tokens": stats.computed_tokens, "extraction_seconds": round(stats.seconds, 6),
+                "replica": self.replica_id}
+        model = self.state.openai_serving_models.base_model_paths[0].name
+        return 200, verify.response(model, ids, vecs, req, meta, encode_vector)
+
+    def _token_ids(self, req: "verify.HiddenStatesRequest") -> list[int]:
+        tok = self.engine.llm.tokenizer
+        vocab = self.engine.llm.model_config.get_vocab_size()
+
+        def checked(ids: list[int], field: str) -> list[int]:
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise HiddenStatesRequestError(f"{field} holds token ids outside the vocabulary (0..{vocab - 1}): "
+                                               f"{bad[:5]}", field)
+            return ids
+
+        if req.prompt is not None:
+            if isinstance(req.prompt, str):
+                return list(tok.encode(req.prompt, add_special_tokens=req.add_special_tokens))
+            return checked(list(req.prompt), "prompt")
+        if not_from_token_ids(req) is not None:
+            raise HiddenStatesRequestError(not_from_token_ids(req)[1], "messages")
+        try:
+            ids = list(tok.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=True,
+                                               return_dict=False))
+        except Exception as e:  # a template that cannot render these messages
+            raise HiddenStatesRequestError(f"the chat template cannot render these messages: {e}", "messages") from e
+        if req.completion is None:
+            return ids
+        if isinstance(req.completion, str):
+            return ids + list(tok.encode(req.completion, add_special_tokens=False))
+        return ids + checked(list(req.completion), "completion")
 
 
 _BEAM_COLLECTOR: contextvars.ContextVar[HiddenStatesCollector | None] = contextvars.ContextVar(
