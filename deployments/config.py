@@ -73,6 +73,9 @@ class AppArgs(BaseModel):
         description="Ray Serve's per-process switches for the router and the replicas (read when a replica "
                     "starts); the default runs our async code on the replica's own event loop, saving a "
                     "thread hop per request")
+    engine_metrics: bool = Field(
+        True, description="vLLM's engine metrics (queue, KV usage, TTFT, ...) on Ray's Prometheus endpoint, tagged "
+                          "by replica, as Ray Serve LLM does; this server's own metrics are always on")
     access_log: bool = Field(False, description="Serve's per-request access log lines (a few ms of CPU per request)")
 
     @property

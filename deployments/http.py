@@ -18,6 +18,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
+from deployments import metrics
 from deployments.config import AppArgs
 from hidden_states.openai_format import error_body
 from deployments.wire import HandleCompletionRequest, HandleError
@@ -134,7 +135,14 @@ def route_refusal(args: AppArgs, route: str) -> bytes | None:
 
 
 async def admit(args: AppArgs, request: Request, route: str = "completions") -> tuple[bytes, dict] | Response:
-    """auth, body limit, checks: (raw body, parsed body) or the refusal."""
+    """auth, body limit, checks: (raw body, parsed body) or the refusal (counted by status)."""
+    out = await _admit(args, request, route)
+    if isinstance(out, Response):
+        metrics.refused(out.status_code)
+    return out
+
+
+async def _admit(args: AppArgs, request: Request, route: str) -> tuple[bytes, dict] | Response:
     if (denied := auth(args, request)) is not None:
         return denied
     if (refused := route_refusal(args, route)) is not None:

@@ -27,7 +27,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from ray import serve
 
-from deployments import http, wire
+from deployments import http, metrics, wire
 from deployments.config import AppArgs
 from deployments.wire import HandleChoice, HandleCompletion, HandleError, HandleReply, Reply, ResponseHead
 from hidden_states.engine import SamplingOptions
@@ -56,8 +56,11 @@ class EngineReplica(http.ingress_routes(app, "replica")):
             prefault_kv_cache=self.args.prefault_kv_cache,
             warm_up_s=self.args.warm_up_s,
             malloc_trim_interval_s=self.args.malloc_trim_interval_s,
+            ray_metrics=self.args.engine_metrics,
             **self.args.engine_args(),
         )
+        self.engine.observers.append(metrics.vector)
+        self._sampler = asyncio.get_running_loop().create_task(self._sample_stats())
         self.requests = 0  # OpenAI requests that reached this replica
         self.frontend = await self.engine.openai(self.args.model_name, self.replica_id)
         logger.info("replica %s ready (pid %d)", self.replica_id, os.getpid())
@@ -163,6 +166,15 @@ class EngineReplica(http.ingress_routes(app, "replica")):
         if (refused := http.route_refusal(self.args, "hidden_states")) is not None:
             return wire.ENCODER.encode(Reply(ResponseHead(400, "application/json", self.replica_id), refused))
         return await self.openai_unary("hidden_states", body)
+
+    async def _sample_stats(self, every_s: float = 5.0) -> None:
+        """The side-channel gauges (deployments/metrics.py), from the engine's stats."""
+        while True:
+            await asyncio.sleep(every_s)
+            try:
+                metrics.side_channel(await asyncio.wait_for(self.engine.stats(), 30))
+            except Exception as e:  # a dead engine is check_health's to report
+                logger.debug("stats for metrics failed: %s", e)
 
     async def stats(self) -> bytes:
         s = await self.engine.stats()

@@ -20,12 +20,15 @@ response choice finds its own from its own token ids.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import AsyncIterator, Sequence
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import numpy as np
 
 from hidden_states.protocol import COLLECTOR_TAG_KEY
+
+logger = logging.getLogger(__name__)
 
 
 class MissingHiddenStatesError(RuntimeError):
@@ -95,6 +98,34 @@ class Completion:
     request_id: str
     prompt_token_ids: tuple[int, ...]
     choices: tuple[CompletionChoice, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class VectorEvent:
+    """One vector handed to a caller: what metrics count (deployments/metrics.py)."""
+
+    position: str  # completion_end | prompt_end
+    via: str  # tail | extraction | prompt (the prefill the engine ran anyway)
+    computed_tokens: int | None
+    cached_tokens: int | None
+    seconds: float | None
+    nbytes: int  # the vector(s) as sent, all layers
+
+
+class VectorObservers:
+    """Callbacks for every vector an engine hands out (a replica registers its metrics)."""
+
+    def __init__(self):
+        self.observers: list[Callable[[VectorEvent], None]] = []
+
+    def vector_sent(self, position: str, stats: "ExtractionStats | None", nbytes: int) -> None:
+        event = VectorEvent(position, stats.via if stats else "prompt", stats.computed_tokens if stats else None,
+                            stats.cached_tokens if stats else None, stats.seconds if stats else None, nbytes)
+        for observe in self.observers:
+            try:
+                observe(event)
+            except Exception:  # metrics never fail a request
+                logger.exception("a vector observer failed")
 
 
 @dataclasses.dataclass(frozen=True)

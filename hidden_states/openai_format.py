@@ -54,10 +54,12 @@ class ChoiceVectors:
         else:
             choice["hidden_states"] = encode_vector(vecs[-1], self.encoding)
         meta = {"position": self.collector.position, "replica": self.replica_id}
-        if (st := self.collector.stats.get(self.collector.key(prompt_ids, token_ids))) is not None:
+        st = self.collector.stats.get(self.collector.key(prompt_ids, token_ids))
+        if st is not None:
             meta.update(via=st.via, tokens=st.tokens, cached_tokens=st.cached_tokens,
                         computed_tokens=st.computed_tokens, extraction_seconds=round(st.seconds, 6))
         choice["hidden_states_meta"] = meta
+        self.engine.vector_sent(self.collector.position, st, sum(v.nbytes for v in vecs.values()))
 
     def fill_response(self, payload: dict) -> None:
         top_prompt = payload.get("prompt_token_ids")  # chat: once per response

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from hidden_states.engine import (Completion, CompletionChoice, ExtractionStats, HiddenStatesCollector,
-                                  MissingHiddenStatesError, SamplingOptions)
+                                  MissingHiddenStatesError, SamplingOptions, VectorObservers)
 from hidden_states.openai_format import ChoiceVectors, error_body
 from hidden_states.params import HiddenStatesDisabledError, HiddenStatesRequestError, check_layers, check_position
 
@@ -34,8 +34,9 @@ def fake_vector(ids: Sequence[int], layer: int = -1) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal(HIDDEN_SIZE).astype(np.float32)
 
 
-class FakeEngine:
+class FakeEngine(VectorObservers):
     def __init__(self, enabled: bool):
+        super().__init__()
         self.enabled = enabled
         self.missing_vectors = 0
         self.requests = 0

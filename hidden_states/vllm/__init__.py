@@ -21,6 +21,15 @@ Ledger of patched points (supported: vLLM {SUPPORTED}):
    step's capture plan is dropped when the call returns or raises, so forwards
    outside a step (dummy batches) see none.
    Remove when: vLLM returns last-token hidden states inline (RFC #48743).
+   Under async scheduling (vLLM's GPU default; untested here, no GPU), read
+   from vLLM 0.32's sources: the engine core still calls execute_model then
+   sample_tokens for every step, in the plain loop and the batch queue, so the
+   rows are in execute_model_state when the wrapper returns; the scheduler's
+   placeholders live in num_output_placeholders, apart from
+   num_computed_tokens, which the runner receives as of before the step, so
+   "this step reaches the last prompt token" still holds; and a full prefix
+   hit still recomputes the last token. The capture's `.to("cpu")` is a
+   synchronous copy inside the engine loop there (shared/GPU-REVIEW.md item 1).
 3. Model Runner V2 (`vllm/v1/worker/gpu/`) is turned off with
    `VLLM_USE_V2_MODEL_RUNNER=0` (engine.py sets it): it has no
    `execute_model_state`. Remove when point 2 is ported to V2.

@@ -42,7 +42,7 @@ from hidden_states.params import (HiddenStatesDisabledError, HiddenStatesRequest
                                   check_position)
 from hidden_states.side_channel import HiddenStatesReceiver
 from hidden_states.tiny_model import DEFAULT_MODEL, resolve_model
-from hidden_states.engine import Completion, CompletionChoice, HiddenStatesCollector, SamplingOptions
+from hidden_states.engine import Completion, CompletionChoice, HiddenStatesCollector, SamplingOptions, VectorObservers
 from hidden_states.vllm import ENGINE_ENV, SUPPORTED_LAYER_ARCHS, WORKER_EXTENSION, check_vllm_version
 from hidden_states.vllm.cpu import cpu_start_up, on_cpu
 from hidden_states.vllm.extraction import Extraction, make_async_llm_class
@@ -88,7 +88,7 @@ def _execution_mode(cfg: Any) -> dict[str, Any]:
     }
 
 
-class HiddenStatesEngine(Extraction):
+class HiddenStatesEngine(Extraction, VectorObservers):
     """A vLLM v1 engine that returns hidden states of finished completions.
 
     Start with `await HiddenStatesEngine.start(model, **engine_args)`; stop with
@@ -107,7 +107,9 @@ class HiddenStatesEngine(Extraction):
         self.extractions = 0
         self.extraction_tokens = 0
         self.extraction_cached_tokens = 0
+        VectorObservers.__init__(self)
         self.missing_vectors = 0  # choices that finished without their vector (each failed its request)
+        self.timeouts = 0  # vectors that did not arrive within extraction_timeout_s
         self.tail_enabled = False  # set by start(): the engine's scheduler runs tail steps
         self.tails = 0  # vectors from tail steps (one computed position each)
         self.extraction_priority = 0  # set by start(): vLLM refuses priorities under its fcfs policy
@@ -129,6 +131,7 @@ class HiddenStatesEngine(Extraction):
         warm_up_s: float = 10.0,
         malloc_trim_interval_s: float = 5.0,
         tail_step: bool = True,
+        ray_metrics: bool = False,
         **engine_args: Any,
     ) -> "HiddenStatesEngine":
         check_vllm_version()
@@ -153,7 +156,12 @@ class HiddenStatesEngine(Extraction):
         path = _preflight(model, engine_args)
         args = AsyncEngineArgs(model=path, **engine_args)
         try:
-            llm = make_async_llm_class().from_engine_args(args)
+            loggers = None
+            if ray_metrics:  # vLLM's engine metrics through Ray's Prometheus endpoint, tagged ReplicaId
+                from vllm.v1.metrics.ray_wrappers import RayPrometheusStatLogger
+
+                loggers = [RayPrometheusStatLogger]
+            llm = make_async_llm_class().from_engine_args(args, stat_loggers=loggers)
         except Exception as e:
             raise EngineStartupError(
                 f"the vLLM engine for {model} failed to start ({type(e).__name__}: {e}); vLLM logs the root cause "
@@ -245,6 +253,7 @@ class HiddenStatesEngine(Extraction):
                 vecs, stats = collector.vectors.get(seq), collector.stats.get(seq)
                 if vecs is None:
                     raise self.missing(f"choice {o.index}")
+                self.vector_sent(position, stats, sum(v.nbytes for v in vecs.values()))
             choices.append(CompletionChoice(o.index, o.text, tuple(o.token_ids), o.finish_reason,
                                             None if vecs is None else vecs.get(-1), stats, vecs))
         return Completion(request_id=request_id, prompt_token_ids=tuple(final.prompt_token_ids), choices=tuple(choices))
@@ -268,6 +277,7 @@ class HiddenStatesEngine(Extraction):
             "extraction_tokens": self.extraction_tokens,
             "extraction_cached_tokens": self.extraction_cached_tokens,
             "missing_vectors": self.missing_vectors,
+            "timeouts": self.timeouts,
             "tail_enabled": self.tail_enabled,
             "tails": self.tails,
             "pending": self.receiver.num_pending if self.receiver else 0,

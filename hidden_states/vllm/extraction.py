@@ -144,6 +144,7 @@ class Extraction:
             raise self._timed_out(num_tokens) from None
 
     def _timed_out(self, num_tokens: int) -> HiddenStatesTimeout:
+        self.timeouts += 1
         return HiddenStatesTimeout(
             f"hidden states for a sequence of {num_tokens} tokens did not arrive within "
             f"{self.extraction_timeout_s:g}s (extraction_timeout_s): the engine is overloaded, "

@@ -190,6 +190,7 @@ class OpenAIFrontend:
             if req.compare is not None:  # a malformed claim is a 400 before any engine work
                 verify.decode_claimed(req.compare.vector, eng.llm.model_config.get_hidden_size())
             vecs, stats = await eng.extract_layers(ids, layers)
+            eng.vector_sent("completion_end", stats, sum(v.nbytes for v in vecs.values()))
         except HiddenStatesRequestError as e:
             return 400, error_body(str(e), 400, "BadRequestError", e.param)
         except HiddenStatesTimeout as e:

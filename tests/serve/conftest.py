@@ -14,6 +14,7 @@ import pytest
 from tests.conftest import TEST_ENGINE_ARGS
 
 PORT = int(os.environ.get("HS_TEST_PORT", "8123"))
+METRICS_PORT = int(os.environ.get("HS_TEST_METRICS_PORT", "8124"))  # Ray's Prometheus endpoint for this session
 BASE = f"http://127.0.0.1:{PORT}"
 APP = "hidden-states"
 API_KEY = "test-key-not-secret"
@@ -45,7 +46,7 @@ def ray_cluster():
     import ray
 
     ctx = ray.init(address="local", num_cpus=8, namespace="serve", logging_level="WARNING",
-                   include_dashboard=False)
+                   include_dashboard=False, _metrics_export_port=METRICS_PORT)
     yield ctx.address_info["gcs_address"]
     from ray import serve
 

@@ -17,7 +17,7 @@ from hidden_states.vllm.engine import HiddenStatesEngine
 
 def engine():
     eng = HiddenStatesEngine.__new__(HiddenStatesEngine)
-    eng.missing_vectors = 0
+    eng.missing_vectors, eng.observers = 0, []
     return eng
 
 
@@ -97,3 +97,14 @@ def test_prompt_end_vectors_are_keyed_by_the_prompt_alone():
     cv.fill_response(payload)
     assert payload["choices"][0]["hidden_states_by_layer"] == {"0": [0.0, 0.0], "-1": [1.0, 1.0]}
     assert payload["choices"][0]["hidden_states_meta"]["position"] == "prompt_end"
+
+
+def test_a_failing_metrics_observer_fails_no_request():
+    cv, col = vectors()
+    col.vectors[(1, 2)] = vec(2)
+    seen = []
+    cv.engine.observers += [lambda e: 1 / 0, seen.append]
+    payload = {"choices": [{"index": 0, "prompt_token_ids": [1], "token_ids": [2]}]}
+    cv.fill_response(payload)
+    assert payload["choices"][0]["hidden_states"] == [2.0] * 4
+    assert seen[0].position == "completion_end" and seen[0].nbytes == 16

@@ -1,0 +1,92 @@
+"""The server's own metrics, through `ray.serve.metrics` (Ray's Prometheus endpoint).
+
+Ray prefixes custom metrics with `ray_` and tags them with the application,
+deployment and replica. vLLM's engine metrics (queue, KV-cache usage, TTFT,
+...) arrive on the same endpoint from vLLM's `RayPrometheusStatLogger`, tagged
+`ReplicaId` (hidden_states/vllm/engine.py, `ray_metrics`). Scrape it with
+`ray start --metrics-export-port=PORT` (README); `cluster/grafana-dashboard.json`
+plots both.
+
+Metrics are created on first use in the process that records them, so the
+module imports anywhere (unit tests without Ray record nothing).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any
+
+from hidden_states.engine import VectorEvent
+
+logger = logging.getLogger(__name__)
+
+SECONDS = [0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30, 60]
+TOKENS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096]
+
+
+@functools.cache
+def _metrics() -> dict[str, Any] | None:
+    try:
+        import ray
+        from ray.serve.metrics import Counter, Gauge, Histogram
+
+        if not ray.is_initialized():
+            return None
+    except Exception:
+        return None
+    return {
+        "vectors": Counter("hidden_states_vectors", "vectors returned, by the step that computed them (tail, "
+                           "extraction, prompt) and position", tag_keys=("via", "position")),
+        "seconds": Histogram("hidden_states_extraction_seconds", "from a choice's end to its vector",
+                             boundaries=SECONDS, tag_keys=("via",)),
+        "computed": Histogram("hidden_states_computed_tokens", "positions computed per vector (1 is the floor)",
+                              boundaries=TOKENS, tag_keys=("via",)),
+        "cached": Counter("hidden_states_cached_tokens", "tokens found in the KV/prefix cache instead of recomputed",
+                          tag_keys=("via",)),
+        "bytes": Counter("hidden_states_vector_bytes", "float32 bytes of vectors returned (before encoding)"),
+        "refused": Counter("hidden_states_requests_refused", "requests refused before any engine work, by status",
+                           tag_keys=("status",)),
+        "side_channel": Gauge("hidden_states_side_channel", "the replica's side-channel counters since start "
+                              "(timeouts, malformed_frames, unclaimed_results, dropped_sends, missing_vectors)",
+                              tag_keys=("counter",)),
+    }
+
+
+def vector(event: VectorEvent) -> None:
+    """An engine observer: one vector handed to a caller."""
+    m = _metrics()
+    if m is None:
+        return
+    m["vectors"].inc(tags={"via": event.via, "position": event.position})
+    if event.nbytes > 0:
+        m["bytes"].inc(event.nbytes)
+    if event.computed_tokens is not None:
+        m["computed"].observe(event.computed_tokens, tags={"via": event.via})
+        if event.cached_tokens:  # Ray's counters take positive increments only
+            m["cached"].inc(event.cached_tokens, tags={"via": event.via})
+    if event.seconds is not None:
+        m["seconds"].observe(event.seconds, tags={"via": event.via})
+
+
+def refused(status: int) -> None:
+    m = _metrics()
+    if m is not None:
+        m["refused"].inc(tags={"status": str(status)})
+
+
+def side_channel(stats: dict) -> None:
+    """Sets the side-channel gauges from an engine's stats()."""
+    m = _metrics()
+    if m is None:
+        return
+    workers = stats.get("workers") or []
+    values = {
+        "timeouts": stats.get("timeouts", 0),
+        "malformed_frames": stats.get("malformed_frames", 0),
+        "unclaimed_results": stats.get("unclaimed_results", 0),
+        "missing_vectors": stats.get("missing_vectors", 0),
+        "dropped_sends": sum(w.get("dropped_sends", 0) for w in workers),
+    }
+    for name, value in values.items():
+        m["side_channel"].set(value, tags={"counter": name})

@@ -1,0 +1,95 @@
+"""`python -m deployments.batch` on Ray Data, as a user runs it: 200 rows on the tiny model,
+interrupted once and resumed, every vector checked against transformers."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import psutil
+
+from tests.conftest import long_text
+
+ROOT = Path(__file__).resolve().parents[2]
+ROWS = 200
+
+
+def start(inp: Path, out: Path) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "deployments.batch", "--input", str(inp), "--output", str(out),
+           "--model", "builtin:tiny-llama", "--max-tokens", "6", "--batch-size", "10",
+           "--engine", json.dumps({"kv_cache_memory_bytes": 128 * 2**20})]
+    env = {**os.environ, "RAY_ADDRESS": "local"}  # its own Ray, as a user's job
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(30)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        left = [p for p in psutil.process_iter() if _pgid(p.pid) == proc.pid]
+        if not left:
+            return
+        time.sleep(1)
+    for p in left:
+        p.kill()
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except OSError:
+        return None
+
+
+def rows(out: Path) -> list[dict]:
+    import pyarrow.parquet as pq
+
+    return [r for f in sorted(out.glob("*.parquet")) for r in pq.read_table(f).to_pylist()]
+
+
+def test_batch_interrupted_and_resumed(tmp_path, reference):
+    inp, out = tmp_path / "prompts.jsonl", tmp_path / "out"
+    with inp.open("w") as f:
+        for i in range(ROWS):
+            row = {"prompt": long_text(6, seed=1000 + i)} if i % 5 else \
+                {"messages": [{"role": "user", "content": long_text(5, seed=1000 + i)}]}
+            f.write(json.dumps(row) + "\n")
+
+    first = start(inp, out)
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline and not list(out.glob("*.parquet")):
+        assert first.poll() is None, first.stdout.read()[-3000:]
+        time.sleep(0.5)
+    kill_group(first)  # interrupted as soon as its first rows are written
+    written = {f: f.stat().st_mtime_ns for f in out.glob("*.parquet")}
+    partial = rows(out)
+    assert 0 < len(partial) < ROWS, len(partial)
+
+    second = start(inp, out)
+    try:
+        log, _ = second.communicate(timeout=900)
+    finally:
+        if second.poll() is None:
+            kill_group(second)
+    assert second.returncode == 0, log[-3000:]
+    assert f"{len({r['id'] for r in partial})} rows already in" in log  # resumed, not restarted
+    for f, mtime in written.items():  # the first run's files are kept as they were
+        assert not f.exists() or f.stat().st_mtime_ns == mtime
+    final = rows(out)
+    ids = [r["id"] for r in final]
+    assert len(ids) == len(set(ids)) == ROWS, (len(ids), len(set(ids)))
+    worst = 0.0
+    for r in final:
+        vec = np.asarray(r["hidden_states"], np.float32)
+        assert vec.shape == (128,) and r["finish_reason"] in ("length", "stop")
+        err, scale = reference.assert_matches(r["prompt_token_ids"] + r["token_ids"], vec)
+        worst = max(worst, err / scale)
+    print(f"batch: {ROWS} vectors, worst relative error {worst:.2e}")

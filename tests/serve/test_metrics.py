@@ -1,0 +1,91 @@
+"""Metrics on Ray's Prometheus endpoint (the session's node exports on METRICS_PORT): vLLM's
+engine metrics and this server's own, with values that move by what this test sent."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import httpx
+
+from tests.serve.conftest import METRICS_PORT
+
+SCRAPE = f"http://127.0.0.1:{METRICS_PORT}/metrics"
+
+
+def scrape() -> dict[str, float]:
+    """Sum of every sample of each metric name (over tags, replicas, apps)."""
+    sums: dict[str, float] = {}
+    for line in httpx.get(SCRAPE, timeout=30).text.splitlines():
+        m = re.match(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+([0-9.eE+-]+|NaN)$", line)
+        if m and m.group(3) != "NaN":
+            sums[m.group(1)] = sums.get(m.group(1), 0.0) + float(m.group(3))
+    return sums
+
+
+def family(sums: dict[str, float], prefix: str) -> float:
+    names = [n for n in sums if n.startswith(prefix) and not n.endswith(("_created", "_bucket", "_sum"))]
+    return sum(sums[n] for n in names)
+
+
+def settled() -> dict[str, float]:
+    """A scrape after earlier tests' counts have all been exported (two equal reads)."""
+    last = scrape()
+    for _ in range(10):
+        time.sleep(5)
+        now = scrape()
+        if family(now, "ray_hidden_states_vectors") == family(last, "ray_hidden_states_vectors"):
+            return now
+        last = now
+    return last
+
+
+def test_vllm_and_our_metrics_count_what_was_sent(serve_app, client):
+    before = settled()
+    sent = 5
+    for i in range(sent):
+        client.completions.create(model="tiny-llama", prompt=f"metrics {i}", max_tokens=4,
+                                  extra_body={"return_hidden_states": True})
+    refused = httpx.post(f"{serve_app}/v1/completions", timeout=30,
+                         json={"prompt": "x", "hidden_states_encoding": "hex"})
+    assert refused.status_code == 400
+    deadline, after = time.monotonic() + 90, before  # Ray exports every few seconds
+    while time.monotonic() < deadline:
+        after = scrape()
+        done = (family(after, "ray_hidden_states_vectors") - family(before, "ray_hidden_states_vectors") >= sent
+                and family(after, "ray_hidden_states_requests_refused")
+                - family(before, "ray_hidden_states_requests_refused") >= 1
+                and family(after, "ray_vllm_request_success") - family(before, "ray_vllm_request_success") >= sent)
+        if done:
+            break
+        time.sleep(3)
+    vectors = family(after, "ray_hidden_states_vectors") - family(before, "ray_hidden_states_vectors")
+    assert vectors == sent, (vectors, sorted(n for n in after if "hidden_states" in n))
+    assert family(after, "ray_hidden_states_requests_refused") - family(before, "ray_hidden_states_requests_refused") == 1
+    assert family(after, "ray_vllm_request_success") - family(before, "ray_vllm_request_success") >= sent
+    # Histograms and the engine's gauges are there too.
+    assert family(after, "ray_hidden_states_computed_tokens_count") - family(
+        before, "ray_hidden_states_computed_tokens_count") == sent
+    for name in ("ray_hidden_states_vector_bytes", "ray_hidden_states_extraction_seconds_count",
+                 "ray_hidden_states_side_channel", "ray_vllm_num_requests_running", "ray_vllm_kv_cache_usage_perc"):
+        assert any(n.startswith(name) for n in after), (name, sorted(n for n in after if n.startswith("ray_vllm"))[:40])
+
+
+def test_the_dashboard_plots_metrics_that_exist(serve_app, client):
+    """Every metric cluster/grafana-dashboard.json queries is on the endpoint (after some traffic)."""
+    import json
+    from pathlib import Path
+
+    client.completions.create(model="tiny-llama", prompt="dashboard", max_tokens=2,
+                              extra_body={"return_hidden_states": True})
+    dash = json.loads((Path(__file__).resolve().parents[2] / "cluster" / "grafana-dashboard.json").read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    wanted = {re.sub(r"_(bucket|count|sum)$", "", n) for e in exprs for n in re.findall(r"\bray_[a-z_]+", e)}
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        names = scrape()
+        missing = sorted(w for w in wanted if not any(n.startswith(w) for n in names))
+        if not missing:
+            return
+        time.sleep(5)
+    raise AssertionError(f"the dashboard queries metrics the endpoint does not export: {missing}")
