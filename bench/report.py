@@ -348,7 +348,7 @@ def markdown(res: dict, plot_name: str | None) -> str:
                       "start/after-100/end: " + "/".join(f"{kv[k]['resident'] / 2**20:.0f}" for k in ("start", "after_first", "end"))
                       + f" of {kv['end']['size'] / 2**20:.0f} MiB allocated. Their pages become resident when a KV block is "
                       "first written, so RSS climbs until every block has been used once, then stays (bounded by "
-                      "`gpu_memory_utilization`). RSS without them, MiB start/after-100/end: "
+                      "`kv_cache_memory_bytes`). RSS without them, MiB start/after-100/end: "
                       + "/".join(f"{v / 2**20:.0f}" for v in ex.values())
                       + f" ({_f(100 * mem['end_vs_after_first_excluding_kv_pages'] if mem.get('end_vs_after_first_excluding_kv_pages') is not None else None, '{:+.2f}%')}).", ""]
         prof = m.get("profile")

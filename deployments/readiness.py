@@ -49,19 +49,27 @@ def why_not_ready(deployment) -> str | None:
 
 
 class Readiness:
-    """The Router's cached view of its engine replicas (one controller call per `ttl_s`)."""
+    """The Router's cached view of its engine replicas: one controller call (a full status
+    read) per `ready_ttl_s` while they serve, per `not_ready_ttl_s` while they do not, so
+    traffic costs the controller almost nothing and a recovery shows within a second."""
 
-    def __init__(self, app_name: str, ttl_s: float = 1.0, timeout_s: float = 10.0):
-        self.app_name, self.ttl_s, self.timeout_s = app_name, ttl_s, timeout_s
+    def __init__(self, app_name: str, ready_ttl_s: float = 10.0, not_ready_ttl_s: float = 1.0,
+                 timeout_s: float = 10.0):
+        self.app_name, self.timeout_s = app_name, timeout_s
+        self.ready_ttl_s, self.not_ready_ttl_s = ready_ttl_s, not_ready_ttl_s
         self._checked = -float("inf")
         self._reason: str | None = "not checked yet"
         self._lock = asyncio.Lock()
 
+    def _fresh(self) -> bool:
+        ttl = self.ready_ttl_s if self._reason is None else self.not_ready_ttl_s
+        return time.monotonic() - self._checked < ttl
+
     async def why_not(self) -> str | None:
-        if time.monotonic() - self._checked < self.ttl_s:
+        if self._fresh():
             return self._reason
         async with self._lock:
-            if time.monotonic() - self._checked >= self.ttl_s:
+            if not self._fresh():
                 self._reason = await self._check()
                 self._checked = time.monotonic()
         return self._reason

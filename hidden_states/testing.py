@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
+import types
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
@@ -131,10 +132,10 @@ class FakeOpenAI:
         with col_cm as col:
             vectors = None
             if col is not None:
-                ns = type("R", (), {"hidden_states_encoding": req.get("hidden_states_encoding", "float"),
-                                    "hidden_states_layers": req.get("hidden_states_layers"),
-                                    "return_token_ids": req.get("return_token_ids")})
-                vectors = ChoiceVectors(eng, col, ns, route, self.replica_id)
+                asked = types.SimpleNamespace(hidden_states_encoding=req.get("hidden_states_encoding", "float"),
+                                              hidden_states_layers=req.get("hidden_states_layers"),
+                                              return_token_ids=req.get("return_token_ids"))
+                vectors = ChoiceVectors(eng, col, asked, route, self.replica_id)
             outs = [self._generate_choice(prompt_ids, i, max_tokens, col) for i in range(n)]
             if not req.get("stream"):
                 payload = {"id": "cmpl-fake", "object": "text_completion", "created": int(time.time()),

@@ -127,11 +127,13 @@ class OpenAIFrontend:
     async def _serve(self, serving, route: Route, request, collector: HiddenStatesCollector | None,
                      choices: "ChoiceVectors | None" = None) -> AsyncIterator[tuple[int, bytes] | bytes]:
         create = serving.create_completion if route == "completions" else serving.create_chat_completion
-        # vLLM's beam search (wrapped in create()) reads the collector when it is called.
-        context = contextvars.copy_context()
-        context.run(_BEAM_COLLECTOR.set, collector)
         try:
-            result = await asyncio.create_task(create(request, None), context=context)
+            if collector is None:
+                result = await create(request, None)
+            else:  # vLLM's beam search (wrapped in create()) reads the collector when it is called
+                context = contextvars.copy_context()
+                context.run(_BEAM_COLLECTOR.set, collector)
+                result = await asyncio.create_task(create(request, None), context=context)
         except HiddenStatesTimeout as e:
             yield 504, error_body(str(e), 504, "TimeoutError")
             return
@@ -216,8 +218,8 @@ class OpenAIFrontend:
             if isinstance(req.prompt, str):
                 return list(tok.encode(req.prompt, add_special_tokens=req.add_special_tokens))
             return checked(list(req.prompt), "prompt")
-        if not_from_token_ids(req) is not None:
-            raise HiddenStatesRequestError(not_from_token_ids(req)[1], "messages")
+        if (refusal := not_from_token_ids(req)) is not None:
+            raise HiddenStatesRequestError(refusal[1], refusal[0])
         try:
             ids = list(tok.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=True,
                                                return_dict=False))

@@ -24,7 +24,6 @@ from tests.conftest import TEST_ENGINE_ARGS, Reference, long_text
 # memory), no warm-up (the tests do not measure speed) and always eager: intermediate
 # layers need an eager engine (tests/engine/test_compiled.py checks the refusal).
 ENGINE_ARGS = {**TEST_ENGINE_ARGS, "kv_cache_memory_bytes": 64 * 2**20, "warm_up_s": 0.0, "enforce_eager": True}
-ENGINE_ARGS.pop("gpu_memory_utilization", None)
 
 LONG = [pytest.mark.long,
         pytest.mark.skipif(os.environ.get("HS_LONG_TESTS") != "1", reason="long test: set HS_LONG_TESTS=1")]

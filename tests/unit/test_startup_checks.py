@@ -78,3 +78,29 @@ def test_readiness_reasons():
 def test_startup_cause_falls_back_to_the_last_line():
     assert startup_cause("Traceback\n  x\nRuntimeError: boom\n") == "RuntimeError: boom"
     assert startup_cause("") == "unknown"
+
+
+def test_readiness_asks_the_controller_rarely_while_ready_often_while_not():
+    import asyncio
+
+    from deployments.readiness import Readiness
+
+    answers, calls = ["starting", None, None], []
+
+    async def go():
+        r = Readiness("app", ready_ttl_s=60, not_ready_ttl_s=0.05)
+
+        async def check():
+            calls.append(1)
+            return answers[min(len(calls), len(answers)) - 1]
+
+        r._check = check
+        assert await r.why_not() == "starting"
+        assert await r.why_not() == "starting" and len(calls) == 1  # cached within the short TTL
+        await asyncio.sleep(0.1)
+        assert await r.why_not() is None and len(calls) == 2  # rechecked: now ready
+        for _ in range(5):
+            assert await r.why_not() is None
+        assert len(calls) == 2  # ready: no controller call within the long TTL
+
+    asyncio.run(go())
