@@ -42,6 +42,15 @@ def pytest_collection_modifyitems(config, items):
         parts = item.nodeid.split("/")
         if len(parts) > 2 and parts[0] == "tests":
             item.add_marker(getattr(pytest.mark, parts[1]))
+    # Serve tests run grouped by the app they use, so each app deploys once and only
+    # one runs at a time (tests/serve/conftest.py); their order within a group is kept.
+    serve = [i for i, item in enumerate(items) if item.nodeid.startswith("tests/serve/")]
+    if serve:
+        from tests.serve.conftest import app_group
+
+        ordered = sorted((items[i] for i in serve), key=lambda item: app_group(item.fixturenames))
+        for i, item in zip(serve, ordered):
+            items[i] = item
 
 
 class LoopThread:

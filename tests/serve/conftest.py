@@ -69,45 +69,120 @@ def app_args(**over) -> dict:
     return args
 
 
+# The suite's apps. At most one runs at a time, so the suite holds at most two engines
+# (the main app's two replicas) and fits a machine with 8 GiB: each engine costs about
+# 2.6 GB even on the tiny model (Serve replica, EngineCore, worker).
+APPS = {
+    APP: ("/", lambda: app_args()),
+    "hs-off": ("/off", lambda: app_args(enable_return_hidden_states=False,
+                                        replica_autoscaling={"min_replicas": 1, "max_replicas": 1})),
+    # the replica is its own HTTP ingress: API key, small body limit, short timeouts
+    "hs-guarded": (GUARDED, lambda: app_args(ingress="replica", api_key=API_KEY, max_request_body_bytes=64 * 1024,
+                                             request_timeout_s=60, extraction_timeout_s=20,
+                                             replica_autoscaling={"min_replicas": 1, "max_replicas": 1})),
+    # like the guarded one, for the engine-fault test to break
+    "hs-fault": ("/fault", lambda: app_args(ingress="replica", api_key=API_KEY, request_timeout_s=60,
+                                            extraction_timeout_s=20,
+                                            replica_autoscaling={"min_replicas": 1, "max_replicas": 1})),
+}
+# Tests run grouped by the app they use (tests/conftest.py orders them), so each app
+# deploys once; any order still works, only slower.
+APP_FIXTURES = {"serve_app": APP, "client": APP, "off_app": "hs-off", "guarded_app": "hs-guarded",
+                "fault_app": "hs-fault"}
+
+
+class AppSlot:
+    """Deploys the app a test asks for, deleting the one before it."""
+
+    def __init__(self):
+        self.current: str | None = None
+
+    def use(self, name: str) -> str:
+        from ray import serve
+
+        from deployments.app import build_app
+
+        if self.current == name:
+            return BASE + APPS[name][0].rstrip("/")
+        self.release()
+        prefix, args = APPS[name]
+        serve.run(build_app(args()), name=name, route_prefix=prefix, blocking=False)
+        self.current = name
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            status = serve.status().applications.get(name)
+            if status is not None and status.status == "RUNNING":
+                break
+            if status is not None and status.status == "DEPLOY_FAILED":
+                raise RuntimeError(f"deploy of {name} failed: {status}")
+            time.sleep(2)
+        else:
+            raise TimeoutError(f"{name} not running: {serve.status().applications.get(name)}")
+        base = BASE + prefix.rstrip("/")
+        wait_http(f"{base}/health", 60)
+        return base
+
+    def release(self) -> None:
+        from ray import serve
+
+        if self.current is not None:
+            name, self.current = self.current, None
+            serve.delete(name, _blocking=True)
+
+
 @pytest.fixture(scope="session")
-def serve_app(ray_cluster):
-    """Two engine replicas with hidden states on; an app with them off (both behind a
-    Router); a guarded app whose replica is its own HTTP ingress (`ingress: replica`)."""
+def app_slot(ray_cluster):
     from ray import serve
 
-    from deployments.app import build_app
-
     serve.start(http_options={"host": "127.0.0.1", "port": PORT})
-    serve.run(build_app(app_args()), name=APP, route_prefix="/", blocking=False)
-    serve.run(
-        build_app(app_args(enable_return_hidden_states=False, replica_autoscaling={"min_replicas": 1, "max_replicas": 1})),
-        name="hs-off", route_prefix="/off", blocking=False,
-    )
-    serve.run(
-        build_app(app_args(ingress="replica", api_key=API_KEY, max_request_body_bytes=64 * 1024, request_timeout_s=60,
-                           extraction_timeout_s=20, replica_autoscaling={"min_replicas": 1, "max_replicas": 1})),
-        name="hs-guarded", route_prefix=GUARDED, blocking=False,
-    )
-    apps = (APP, "hs-off", "hs-guarded")
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        status = serve.status().applications
-        if all(a in status and status[a].status == "RUNNING" for a in apps):
-            break
-        if any(a in status and status[a].status == "DEPLOY_FAILED" for a in apps):
-            raise RuntimeError(f"deploy failed: {status}")
-        time.sleep(2)
-    else:
-        raise TimeoutError(f"apps not running: {serve.status()}")
-    wait_http(f"{BASE}/health", 60)
+    slot = AppSlot()
+    yield slot
+    slot.release()
+
+
+@pytest.fixture
+def serve_http(app_slot) -> str:
+    """Serve's HTTP proxy, whichever app runs (tests that deploy apps of their own)."""
     return BASE
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture
+def serve_app(app_slot) -> str:
+    """Two engine replicas with hidden states on, behind the Router."""
+    return app_slot.use(APP)
+
+
+@pytest.fixture
+def off_app(app_slot) -> str:
+    """One engine replica with hidden states off, behind a Router."""
+    return app_slot.use("hs-off")
+
+
+@pytest.fixture
+def guarded_app(app_slot) -> str:
+    return app_slot.use("hs-guarded")
+
+
+@pytest.fixture
+def fault_app(app_slot):
+    """An app for the engine-fault test to break: deleted after it."""
+    base = app_slot.use("hs-fault")
+    yield base
+    app_slot.release()
+
+
+@pytest.fixture
 def client(serve_app):
     import openai
 
     return openai.OpenAI(base_url=f"{serve_app}/v1", api_key="unused", timeout=120, max_retries=0)
+
+
+def app_group(fixturenames) -> int:
+    """Where a serve test runs: main app first, then each other app, then tests without one."""
+    order = list(APPS)
+    used = [APP_FIXTURES[f] for f in fixturenames if f in APP_FIXTURES]
+    return order.index(used[-1]) if used else len(order)
 
 
 def replica_stats(base: str, headers: dict | None = None) -> dict:

@@ -106,15 +106,15 @@ def test_without_the_flag_no_vectors(client):
     assert "hidden_states" not in (r.choices[0].model_extra or {})
 
 
-def test_switch_off_is_400_and_no_engine_work(serve_app):
-    off = openai.OpenAI(base_url=f"{serve_app}/off/v1", api_key="unused", timeout=60, max_retries=0)
-    before = replica_stats(f"{serve_app}/off")["replica"]["requests"]
+def test_switch_off_is_400_and_no_engine_work(off_app):
+    off = openai.OpenAI(base_url=f"{off_app}/v1", api_key="unused", timeout=60, max_retries=0)
+    before = replica_stats(off_app)["replica"]["requests"]
     with pytest.raises(openai.BadRequestError) as e:
         off.completions.create(model="tiny-llama", prompt="Hello!", max_tokens=4, extra_body={"return_hidden_states": True})
     assert e.value.status_code == 400
     body = e.value.response.json()
     assert "enable_return_hidden_states" in body["error"]["message"] and body["error"]["param"] == "return_hidden_states"
-    assert replica_stats(f"{serve_app}/off")["replica"]["requests"] == before
+    assert replica_stats(off_app)["replica"]["requests"] == before
     # The same server still serves plain completions.
     assert off.completions.create(model="tiny-llama", prompt="Hello!", max_tokens=4).choices[0].text is not None
 

@@ -1,7 +1,7 @@
 """Reliability against the real app: load without mix-ups, bad input, keys, engine faults.
 
-The engine-fault test deploys an app of its own, kills its engine and waits
-for Serve to replace the replica: no other test depends on running before it.
+The engine-fault test gets an app of its own (`fault_app`), kills its engine and
+waits for Serve to replace the replica: no other test meets the killed engine.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import psutil
 import pytest
 
 from tests.conftest import long_text
-from tests.serve.conftest import API_KEY, GUARDED, app_args, decode_vector, replica_stats
+from tests.serve.conftest import API_KEY, decode_vector, replica_stats
 
 HS = {"return_hidden_states": True, "return_token_ids": True}
 
@@ -112,14 +112,14 @@ def test_bad_chat_and_bad_json(serve_app):
     assert_openai_error(post(serve_app, "/v1/completions", None, raw=b"[1, 2]"), 400, "object")
 
 
-def test_hidden_states_requested_on_switched_off_server(serve_app):
-    r = post(f"{serve_app}/off", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "return_hidden_states": True})
+def test_hidden_states_requested_on_switched_off_server(off_app):
+    r = post(off_app, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "return_hidden_states": True})
     assert_openai_error(r, 400, "enable_return_hidden_states")
 
 
-def test_body_over_limit_is_refused(serve_app):
+def test_body_over_limit_is_refused(guarded_app):
     big = {"prompt": "x" * (80 * 1024)}
-    r = post(f"{serve_app}{GUARDED}", "/v1/completions", big, headers={"authorization": f"Bearer {API_KEY}"})
+    r = post(guarded_app, "/v1/completions", big, headers={"authorization": f"Bearer {API_KEY}"})
     assert_openai_error(r, 413, "limit")
 
 
@@ -154,8 +154,8 @@ def test_schemathesis_finds_no_server_errors(serve_app):
 
 # -- 5. keys --------------------------------------------------------------------
 
-def test_api_key_required_and_no_engine_work_without_it(serve_app):
-    base = f"{serve_app}{GUARDED}"
+def test_api_key_required_and_no_engine_work_without_it(guarded_app):
+    base = guarded_app
     good = {"authorization": f"Bearer {API_KEY}"}
     before = replica_stats(base, good)["replica"]["requests"]
     for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": API_KEY}):
@@ -170,8 +170,8 @@ def test_api_key_required_and_no_engine_work_without_it(serve_app):
 
 # -- the replica as its own ingress (`ingress: replica`: the guarded app) ----------
 
-def test_replica_ingress_serves_checks_and_streams(serve_app, reference):
-    base = f"{serve_app}{GUARDED}"
+def test_replica_ingress_serves_checks_and_streams(guarded_app, reference):
+    base = guarded_app
     good = {"authorization": f"Bearer {API_KEY}"}
     stats = replica_stats(base, good)
     assert stats["ingress"]["kind"] == "replica"
@@ -210,20 +210,6 @@ def _engine_core_pids(replica_pid: int) -> list[int]:
         except psutil.Error:
             pass
     return out
-
-
-@pytest.fixture
-def fault_app(serve_app):
-    """An app like the guarded one (`ingress: replica`, an API key), for this test to break."""
-    from ray import serve
-
-    from deployments.app import build_app
-
-    serve.run(build_app(app_args(ingress="replica", api_key=API_KEY, request_timeout_s=60, extraction_timeout_s=20,
-                                 replica_autoscaling={"min_replicas": 1, "max_replicas": 1})),
-              name="hs-fault", route_prefix="/fault", blocking=False)
-    yield f"{serve_app}/fault"
-    serve.delete("hs-fault", _blocking=True)
 
 
 def test_engine_killed_mid_request(fault_app):

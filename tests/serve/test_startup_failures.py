@@ -42,7 +42,7 @@ def broken_model(tmp_path):
     ("bad-model", "holds no weights"),
     ("bad-kv", "not enough memory"),
 ])
-def test_failed_start_says_why(serve_app, broken_model, name, cause):
+def test_failed_start_says_why(serve_http, broken_model, name, cause):
     from ray import serve
 
     over = {"model": broken_model} if name == "bad-model" else {
@@ -52,7 +52,7 @@ def test_failed_start_says_why(serve_app, broken_model, name, cause):
         app = _deploy_and_wait_failed(name, args)
         engine = app.deployments["EngineReplica"]
         assert cause in engine.message, engine.message  # serve status shows the cause, not just "failed"
-        base = f"{serve_app}/{name}"
+        base = f"{serve_http}/{name}"
         for path in ("/health", "/v1/models"):
             r = httpx.get(base + path, timeout=30)
             assert r.status_code == 503, (path, r.text)

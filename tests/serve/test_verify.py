@@ -97,6 +97,6 @@ def test_bad_requests_are_400s_that_say_why(serve_app, body, words):
     assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
 
 
-def test_switched_off_server_refuses(serve_app):
-    r = httpx.post(f"{serve_app}/off/v1/hidden_states", json={"prompt": "x"}, timeout=60)
+def test_switched_off_server_refuses(off_app):
+    r = httpx.post(f"{off_app}/v1/hidden_states", json={"prompt": "x"}, timeout=60)
     assert r.status_code == 400 and "enable_return_hidden_states" in r.json()["error"]["message"]
