@@ -5,7 +5,7 @@ setup:
 	bash scripts/setup.sh
 
 serve: setup
-	.venv/bin/serve run config.yaml
+	bash scripts/serve.sh config.yaml
 
 test: setup
 	.venv/bin/python -m pytest -q -ra

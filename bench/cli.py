@@ -1,6 +1,6 @@
 """`python -m bench`: what hidden states cost, what the Serve layer costs, payload, memory.
 
-    python -m bench                      # the full run (~40 min on 2 cores): both models, every part
+    python -m bench                      # the full run (~70 min on 2 cores): the three models, every part
     python -m bench --quick              # a few minutes: the built-in tiny model, fewer requests
     python -m bench --parts hs,payload   # only some parts (hs, serve, payload, memory, profile)
     python -m bench --models tiny-llama  # only some models
@@ -28,15 +28,16 @@ import yaml
 
 from tqdm import tqdm
 
-from bench import compare, measure, memory, payload, profile, report, targets, workload
+from bench import compare, measure, memory, payload, profile, report, switches, targets, workload
 from deployments.config import CPU_ENGINE_DEFAULTS
+from deployments.serve_env import SERVE_SWITCHES
 from bench.procs import ROOT, WORK, StartError
 from bench.servers import (Endpoint, RayCluster, ServeApps, VLLMServer, build_model, engine_processes,
                            find_ray_worker, replica_info, ENGINE_ENV)
 
 RESULTS = ROOT / "bench" / "results"
-PARTS = ("hs", "serve", "payload", "memory", "profile")
-MODELS = ("tiny-llama", "llama-100m")
+PARTS = ("hs", "serve", "switches", "payload", "memory", "profile")
+MODELS = ("tiny-llama", "llama-100m", "smollm2-135m-instruct")  # random, random, the real built-in one
 
 # One set of engine arguments for every server: config.yaml's, plus the two
 # defaults HiddenStatesEngine.start() adds when hidden states are on (32-token
@@ -44,15 +45,21 @@ MODELS = ("tiny-llama", "llama-100m")
 # Serve LLM run the same engine.
 ENGINE = {**CPU_ENGINE_DEFAULTS, "enable_prefix_caching": True, "block_size": 32, "scheduling_policy": "priority"}
 CPU_DEFAULT_BLOCK_SIZE = 128   # vLLM 0.32's CPU platform default when block_size is not given
+# The main cluster runs with the product's Ray Serve switches (`make serve`), its replica ports in
+# Ray's default range (30000+) so they do not meet the proxy's.
+MAIN_CLUSTER_ENV = {**SERVE_SWITCHES, "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": "30000",
+                    "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": "30100"}
 
 # requests per arm per round, by model and concurrency; rounds by model and part
 FULL = {
-    "tiny-llama": {"per_round": {1: 8, 8: 32, 32: 64}, "rounds": {"hs": 6, "serve": 6}},
-    "llama-100m": {"per_round": {1: 3, 8: 16, 32: 48}, "rounds": {"hs": 2, "serve": 2}},
+    "tiny-llama": {"per_round": {1: 8, 8: 32, 32: 64}, "rounds": {"hs": 6, "serve": 6, "switches": 2}},
+    "llama-100m": {"per_round": {1: 3, 8: 16, 32: 48}, "rounds": {"hs": 2, "serve": 2, "switches": 1}},
+    "smollm2-135m-instruct": {"per_round": {1: 3, 8: 16, 32: 48}, "rounds": {"hs": 2, "serve": 2, "switches": 1}},
 }
 QUICK = {
-    "tiny-llama": {"per_round": {1: 4, 8: 16, 32: 32}, "rounds": {"hs": 2, "serve": 2}},
-    "llama-100m": {"per_round": {1: 1, 8: 8, 32: 32}, "rounds": {"hs": 1, "serve": 1}},
+    "tiny-llama": {"per_round": {1: 4, 8: 16, 32: 32}, "rounds": {"hs": 2, "serve": 2, "switches": 2}},
+    "llama-100m": {"per_round": {1: 1, 8: 8, 32: 32}, "rounds": {"hs": 1, "serve": 1, "switches": 1}},
+    "smollm2-135m-instruct": {"per_round": {1: 1, 8: 8, 32: 32}, "rounds": {"hs": 1, "serve": 1, "switches": 1}},
 }
 
 
@@ -64,11 +71,12 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="a few minutes: tiny model, fewer requests and rounds")
-    ap.add_argument("--parts", default="hs,serve,payload,memory,profile",
+    ap.add_argument("--parts", default="hs,serve,switches,payload,memory,profile",
                     help="comma list of: hs (cost of hidden states), serve (Serve layer vs vLLM and Ray Serve LLM), "
+                         "switches (Ray Serve's switches, each on a cluster of its own, first model only), "
                          "payload, memory, profile (py-spy of the Serve layer; runs when a Serve target is missed "
                          "or --profile-always)")
-    ap.add_argument("--models", default=None, help=f"comma list of {', '.join(MODELS)} (default: both; --quick: tiny-llama)")
+    ap.add_argument("--models", default=None, help=f"comma list of {', '.join(MODELS)} (default: all; --quick: tiny-llama)")
     ap.add_argument("--concurrency", default="1,8,32")
     ap.add_argument("--rounds", type=int, default=None, help="override the rounds of every comparison")
     ap.add_argument("--memory-requests", type=int, default=None, help="default 2000 (--quick: 300)")
@@ -163,8 +171,8 @@ class Bench:
         n = 0
         for m in self.args.models:
             p = self.plan[m]
-            for part, arms in (("hs", 2), ("serve", 4)):
-                if part in self.args.parts:
+            for part, arms in (("hs", 2), ("serve", 5), ("switches", 3 * len(switches.SWITCHES))):
+                if part in self.args.parts and (part != "switches" or m == self.args.models[0]):
                     rounds = self.args.rounds or p["rounds"][part]
                     n += sum(p["per_round"].get(c, 8) for c in self.args.concurrency) * rounds * arms
         if "memory" in self.args.parts:
@@ -218,10 +226,10 @@ class Bench:
         path = build_model(model)
         cfg = json.loads(Path(path, "config.json").read_text())
         vocab, dim = int(cfg["vocab_size"]), int(cfg["hidden_size"])
-        out["model"] = {"path": path, "hidden_size": dim, "layers": cfg["num_hidden_layers"], "vocab_size": vocab,
+        out["model"] = {"path": path.replace(str(Path.home()), "~"), "hidden_size": dim, "layers": cfg["num_hidden_layers"], "vocab_size": vocab,
                         "parameters": _param_count(cfg)}
-        pending = [p for p in ("memory", "hs", "serve", "profile") if p in args.parts
-                   and (first or p not in ("memory", "profile"))]
+        pending = [p for p in ("memory", "hs", "serve", "switches", "profile") if p in args.parts
+                   and (first or p not in ("memory", "profile", "switches"))]
         attempt = 0
         while pending and attempt < args.attempts:
             attempt += 1
@@ -245,9 +253,9 @@ class Bench:
 
     def run_stages(self, model: str, path: str, vocab: int, pending: list[str], out: dict) -> None:
         args = self.args
-        need_vllm = "serve" in pending or "profile" in pending
+        need_vllm = any(p in pending for p in ("serve", "switches", "profile"))
         need_rsllm = "serve" in pending
-        cluster = RayCluster()
+        cluster = RayCluster(extra_env=MAIN_CLUSTER_ENV)
         serve = vllm = None
         stopped: dict = {}
         out["concurrent_activity_at_start"] = others_running()
@@ -284,6 +292,8 @@ class Bench:
                 check()   # killed from outside: a ServerDied, so the caller retries
                 raise
             eps = serve.endpoints()
+            if (port := serve.router_port_endpoint()) is not None:
+                eps["port"] = port
             if vllm:
                 eps["vllm"] = vllm.endpoint()
             cpu = measure.CpuAccount()
@@ -310,6 +320,8 @@ class Bench:
                         out[name] = self.part_hs(model, eps["ours"], vocab, cpu, check)
                     elif name == "serve":
                         out[name] = self.part_serve(model, eps, vocab, cpu, check)
+                    elif name == "switches":
+                        out[name] = switches.run(self, model, path, vocab, eps, cpu, check)
                     elif name == "profile":
                         if args.profile_always or _serve_missed(out.get("serve")) or "serve" not in args.parts:
                             out[name] = self.part_profile(eps, vocab, cluster, vllm, check)
@@ -367,6 +379,9 @@ class Bench:
                     "recomputed_p50": measure.pct(recomputed, 50),
                     "recomputed_max": max(recomputed) if recomputed else None,
                     "recomputed_under_one_block": sum(1 for x in recomputed if x < block),
+                    # every request here stops in the engine (max_tokens, ignore_eos): the tail step's case
+                    "via": {v: sum(1 for r in res for x in r.hs_via if x == v) for v in sorted({x for r in res for x in r.hs_via})},
+                    "exactly_one_token_computed": sum(1 for x in recomputed if x == targets.HS_TOKENS_PER_VECTOR),
                     "cached_tokens_gcd": gcd,
                     "added_latency_ms_p50": None if not added else measure.pct(added, 50) * 1e3,
                     "added_latency_ms_p90": None if not added else measure.pct(added, 90) * 1e3,
@@ -382,6 +397,8 @@ class Bench:
         arms = [compare.Arm("vllm", eps["vllm"].label, eps["vllm"]),
                 compare.Arm("ours", "our app (hidden states off)", eps["ours"]),
                 compare.Arm("rsllm", eps["rsllm"].label, eps["rsllm"])]
+        if "port" in eps:  # the same app on its Router's own port (direct ingress): no proxy hop
+            arms.append(compare.Arm("port", "our app, the Router's own port (hidden states off)", eps["port"]))
         if "direct" in eps:  # the same app with `ingress: replica`: what the Router hop costs
             arms.append(compare.Arm("direct", "our app, ingress: replica (hidden states off)", eps["direct"]))
         self.phase(f"{model} serve: warm-up")
@@ -399,6 +416,13 @@ class Bench:
                 "ours_vs_rsllm": compare.compare(runs, "ours", "rsllm"),
                 "rsllm_vs_vllm": compare.compare(runs, "rsllm", "vllm"),
             }
+            if "port" in eps:
+                out["by_concurrency"][str(c)].update({
+                    "port": compare.summarize(runs, "port"),
+                    "port_vs_vllm": compare.compare(runs, "port", "vllm"),
+                    "port_vs_ours": compare.compare(runs, "port", "ours"),
+                    "port_vs_rsllm": compare.compare(runs, "port", "rsllm"),
+                })
             if "direct" in eps:
                 out["by_concurrency"][str(c)].update({
                     "direct": compare.summarize(runs, "direct"),
@@ -496,9 +520,9 @@ def _param_count(cfg: dict) -> int:
 def _serve_missed(serve: dict | None) -> bool:
     if not serve or "by_concurrency" not in serve:
         return False
-    for row in serve["by_concurrency"].values():
+    for c, row in serve["by_concurrency"].items():
         r, q = row["ours_vs_vllm"], row["ours_vs_rsllm"]
-        if (r["req_per_s"] or 0) < targets.SERVE_VS_VLLM_MIN or (r["p50_added_ms"] or 0) > targets.SERVE_ADDED_P50_MS \
+        if (r["req_per_s"] or 0) < targets.SERVE_VS_VLLM_MIN or (r["p50_added_ms"] or 0) > targets.added_p50_max(c) \
                 or (q["req_per_s"] or 0) < targets.SERVE_VS_RSLLM_MIN:
             return True
     return False

@@ -21,6 +21,7 @@ class Result:
     completion_tokens: int = 0
     hs_tokens: list[int] = field(default_factory=list)     # hidden_states_meta.tokens per choice
     hs_cached: list[int] = field(default_factory=list)     # hidden_states_meta.cached_tokens per choice
+    hs_via: list[str] = field(default_factory=list)        # hidden_states_meta.via per choice: "tail" or "extraction"
     hs_dim: int = 0
     error: str | None = None
 
@@ -49,6 +50,7 @@ def _parse(r: Result, raw: bytes) -> None:
         if meta is not None:
             r.hs_tokens.append(int(meta["tokens"]))
             r.hs_cached.append(int(meta["cached_tokens"]))
+            r.hs_via.append(str(meta.get("via")))
             hs = ch.get("hidden_states")
             r.hs_dim = len(hs) if isinstance(hs, list) else 0
 

@@ -88,8 +88,10 @@ class Endpoint:
 
 
 class RayCluster:
-    def __init__(self, num_cpus: int = 8):
+    def __init__(self, num_cpus: int = 8, extra_env: dict[str, str] | None = None, second: bool = False):
         self.num_cpus = num_cpus
+        self.extra_env = dict(extra_env or {})  # Ray Serve switches: every Ray process of this cluster gets them
+        self.second = second  # a second cluster at once (the switches part): its own temp dir and log
         self.token = secrets.token_hex(32)
         self.port = free_port(6390)
         self.proc: Proc | None = None
@@ -101,17 +103,22 @@ class RayCluster:
     def env(self) -> dict[str, str]:
         # A token of our own: a driver on this machine that reads ~/.ray/auth_token cannot reach this cluster.
         return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": self.token, "PYTHONPATH": str(ROOT),
-                "RAY_USAGE_STATS_ENABLED": "0"}
+                "RAY_USAGE_STATS_ENABLED": "0", **self.extra_env}
+
+    @property
+    def temp_dir(self) -> Path:
+        # a second cluster at once (the switches part) needs its own temp dir: Ray keeps one session per temp dir
+        return RAY_TMP if not self.second else RAY_TMP.with_name(f"hsbench_ray_{self.port}")
 
     def start(self, timeout: float = 180) -> float:
-        RAY_TMP.mkdir(parents=True, exist_ok=True)
+        self.temp_dir.mkdir(parents=True, exist_ok=True)
         argv = [BIN / "ray", "start", "--head", "--block", "--num-cpus", str(self.num_cpus),
                 "--node-ip-address", "127.0.0.1", "--port", str(self.port),
                 "--ray-client-server-port", str(free_port(25290)),
                 "--dashboard-port", str(free_port(8290)),
                 "--dashboard-agent-listen-port", str(free_port(52490)),
-                "--include-dashboard=false", "--disable-usage-stats", "--temp-dir", str(RAY_TMP)]
-        self.proc = Proc("ray-head", argv, env=self.env())
+                "--include-dashboard=false", "--disable-usage-stats", "--temp-dir", str(self.temp_dir)]
+        self.proc = Proc("ray-head" if not self.second else f"ray-head-{self.port}", argv, env=self.env())
         return wait_until(lambda: "block forever" in self.proc.tail(50), timeout, "ray start", [self.proc])
 
     def alive(self) -> bool:
@@ -125,8 +132,9 @@ class ServeApps:
     """`serve run CONFIG` with our app and/or Ray Serve LLM on one Ray cluster."""
 
     def __init__(self, cluster: RayCluster, model_path: str, model_name: str, engine: dict[str, Any],
-                 ours: bool, rsllm: bool, tag: str, direct: bool = False):
+                 ours: bool, rsllm: bool, tag: str, direct: bool = False, find_base=None):
         self.cluster = cluster
+        self.find_base = find_base  # where HTTP is served when it is not Serve's proxy port (direct ingress)
         self.model_path, self.model_name, self.engine = model_path, model_name, engine
         self.with_ours, self.with_rsllm, self.tag = ours, rsllm, tag
         self.with_direct = ours and direct   # a second copy of our app with `ingress: replica`
@@ -171,6 +179,7 @@ class ServeApps:
         self.config_path.write_text(yaml.safe_dump(self.config(), sort_keys=False))
         env = self.cluster.env()
         env.update(ENGINE_ENV)
+        env.update(self.cluster.extra_env)
         self.proc = Proc(f"serve-run-{self.tag}", [BIN / "serve", "run", "--address", self.cluster.address,
                                                    self.config_path], env=env)
 
@@ -187,6 +196,11 @@ class ServeApps:
         def ready() -> bool:
             if not self.cluster.alive():
                 raise StartError(f"the Ray cluster died:\n{self.cluster.proc.tail()}")
+            if self.find_base is not None:
+                base = self.find_base()
+                if base is None:
+                    return False
+                self.base = base
             for i, c in enumerate(checks):
                 done[i] = done[i] or c()
             return all(done)
@@ -205,6 +219,36 @@ class ServeApps:
                                      self.model_name, stats_url=f"{self.base}/direct/debug/stats",
                                      supports_hidden_states=True)
         return out
+
+    def router_port_endpoint(self, ports=range(30000, 30100), timeout: float = 60) -> Endpoint | None:
+        """Our Router replica's own HTTP port (direct ingress on: deployments/serve_env.py), found by its
+        /debug/stats; None when the cluster runs without direct ingress."""
+        if self.cluster.extra_env.get("RAY_SERVE_ENABLE_DIRECT_INGRESS") != "1":
+            return None
+
+        def find() -> str | None:
+            for port in ports:
+                base = f"http://127.0.0.1:{port}"
+                try:
+                    r = httpx.get(f"{base}/debug/stats", timeout=1)
+                    if r.status_code == 200 and r.json().get("ingress", {}).get("kind") == "router":
+                        return base
+                except (httpx.HTTPError, ValueError):
+                    continue
+            return None
+
+        found: list[str] = []
+
+        def check() -> bool:
+            base = find()
+            if base:
+                found.append(base)
+            return bool(found)
+
+        wait_until(check, timeout, "the Router's own port (direct ingress)", [self.proc], poll=2)
+        base = found[0]
+        return Endpoint("port", "our app, the Router's own port (direct ingress)", f"{base}/v1/completions",
+                        self.model_name, stats_url=f"{base}/debug/stats", supports_hidden_states=True)
 
     def stop(self) -> list[int]:
         return self.proc.stop(timeout=20) if self.proc else []

@@ -1,4 +1,5 @@
-"""`serve run config.yaml` (what `make serve` runs) answers a curl request with a real answer and its vector.
+"""`make serve` (scripts/serve.sh: `serve run config.yaml` with direct ingress on) answers a curl
+request with a real answer and its vector, on Serve's proxy port and on the Router's own port.
 
 It starts its own local Ray cluster (independent of the serve suite's
 session cluster) and stops everything it started by process group.
@@ -23,25 +24,41 @@ from tests.serve.conftest import wait_http
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def _curl(port: int) -> dict:
+    out = subprocess.run(
+        ["curl", "-s", "-m", "120", f"http://127.0.0.1:{port}/v1/chat/completions", "-H",
+         "content-type: application/json", "-d", json.dumps({
+             "model": "smollm2-135m-instruct", "max_tokens": 16, "temperature": 0,
+             "messages": [{"role": "user", "content": "What is the capital of France? Answer in one word."}],
+             "return_hidden_states": True, "return_token_ids": True})],
+        capture_output=True, text=True, timeout=180,
+    )
+    return json.loads(out.stdout)
+
+
+def _router_port() -> int:
+    """The Router replica's own HTTP port (direct ingress: 8001 or the next free one)."""
+    for port in range(8001, 8021):
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2).status_code == 200:
+                return port
+        except httpx.HTTPError:
+            pass
+    raise AssertionError("no Router replica answers on ports 8001-8020 (direct ingress)")
+
+
 def test_serve_run_config_yaml_answers_curl():
     """The README's first command: the built-in SmolLM2 answers a real question, with
     its vector (checked against transformers on the same folder, relative 1e-5)."""
     from hidden_states.tiny_model import resolve_model
 
     env = {**os.environ, "RAY_ADDRESS": "local"}  # its own cluster, whatever else runs here
-    proc = subprocess.Popen([str(Path(sys.executable).parent / "serve"), "run", "config.yaml"], cwd=ROOT, env=env,
+    env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"
+    proc = subprocess.Popen(["bash", "scripts/serve.sh", "config.yaml"], cwd=ROOT, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         wait_http("http://127.0.0.1:8000/health", 600)
-        out = subprocess.run(
-            ["curl", "-s", "-m", "120", "http://127.0.0.1:8000/v1/chat/completions", "-H",
-             "content-type: application/json", "-d", json.dumps({
-                 "model": "smollm2-135m-instruct", "max_tokens": 16, "temperature": 0,
-                 "messages": [{"role": "user", "content": "What is the capital of France? Answer in one word."}],
-                 "return_hidden_states": True, "return_token_ids": True})],
-            capture_output=True, text=True, timeout=180,
-        )
-        body = json.loads(out.stdout)
+        body = _curl(8000)  # Serve's proxy
         choice = body["choices"][0]
         assert "Paris" in choice["message"]["content"], choice
         assert len(choice["hidden_states"]) == 576
@@ -49,6 +66,11 @@ def test_serve_run_config_yaml_answers_curl():
         err, scale = reference.assert_matches(body["prompt_token_ids"] + choice["token_ids"], choice["hidden_states"],
                                               atol=None)
         print(f"smollm2 via serve run: max abs error {err:.3g}, max|reference| {scale:.3g}")
+        direct = _curl(_router_port())  # the Router's own port: no proxy hop, the same answer
+        d = direct["choices"][0]
+        assert d["token_ids"] == choice["token_ids"] and d["message"]["content"] == choice["message"]["content"]
+        err, scale = reference.assert_matches(direct["prompt_token_ids"] + d["token_ids"], d["hidden_states"], atol=None)
+        print(f"smollm2 via the Router's own port: max abs error {err:.3g}, max|reference| {scale:.3g}")
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         try:

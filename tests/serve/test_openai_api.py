@@ -19,7 +19,7 @@ import openai
 import pytest
 
 from tests.conftest import eager_only, long_text
-from tests.serve.conftest import APP, decode_vector, replica_stats
+from tests.serve.conftest import APP, decode_vector, replica_stats, router_ports
 
 HS = {"return_hidden_states": True, "return_token_ids": True}
 
@@ -172,6 +172,20 @@ def test_handle_from_second_driver_matches_http(serve_app, ray_cluster, referenc
     assert np.array_equal(np.asarray(got["vector"], np.float32), decode_vector(http["hidden_states"]))
     reference.assert_matches(got["prompt"] + got["token_ids"], got["vector"])
     reference.assert_matches(got["prompt"] + got["token_ids"], got["layer1"], layer=1)
+
+
+def test_router_own_port_serves_the_same_api(serve_app, reference):
+    """Direct ingress (on, as `make serve` runs): the Router replica's own port takes the same
+    requests as Serve's proxy, vectors included, with no proxy hop."""
+    ports = router_ports()
+    assert ports, "no Router replica answers on its own port"
+    own = openai.OpenAI(base_url=f"http://127.0.0.1:{ports[0]}/v1", api_key="unused", timeout=120, max_retries=0)
+    r = own.completions.create(model="tiny-llama", prompt=long_text(30, seed=21), max_tokens=9, extra_body=HS)
+    (c,) = r.choices
+    reference.assert_matches(c.prompt_token_ids + c.token_ids, c.hidden_states)
+    assert c.hidden_states_meta["via"] == "tail" and c.hidden_states_meta["computed_tokens"] == 1
+    models = httpx.get(f"http://127.0.0.1:{ports[0]}/v1/models", timeout=30).json()
+    assert [m["id"] for m in models["data"]] == ["tiny-llama"]
 
 
 def test_router_left_nothing_pending(serve_app, client):
