@@ -222,6 +222,7 @@ class Bench:
         `--attempts` times) when the servers are killed from outside, keeping finished parts."""
         args = self.args
         out: dict = {"startup_s": {}, "restarts": []}
+        self.results["models"][model] = out  # finished parts are kept if the run is interrupted
         self.phase(f"{model}: building the model")
         path = build_model(model)
         cfg = json.loads(Path(path, "config.json").read_text())
