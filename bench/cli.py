@@ -417,20 +417,12 @@ class Bench:
                 "ours_vs_rsllm": compare.compare(runs, "ours", "rsllm"),
                 "rsllm_vs_vllm": compare.compare(runs, "rsllm", "vllm"),
             }
-            if "port" in eps:
-                out["by_concurrency"][str(c)].update({
-                    "port": compare.summarize(runs, "port"),
-                    "port_vs_vllm": compare.compare(runs, "port", "vllm"),
-                    "port_vs_ours": compare.compare(runs, "port", "ours"),
-                    "port_vs_rsllm": compare.compare(runs, "port", "rsllm"),
-                })
-            if "direct" in eps:
-                out["by_concurrency"][str(c)].update({
-                    "direct": compare.summarize(runs, "direct"),
-                    "direct_vs_vllm": compare.compare(runs, "direct", "vllm"),
-                    "direct_vs_ours": compare.compare(runs, "direct", "ours"),
-                    "direct_vs_rsllm": compare.compare(runs, "direct", "rsllm"),
-                })
+            for extra in ("port", "direct"):  # variants of our app, each against every other server
+                if extra in eps:
+                    row = out["by_concurrency"][str(c)]
+                    row[extra] = compare.summarize(runs, extra)
+                    for base in ("vllm", "ours", "rsllm"):
+                        row[f"{extra}_vs_{base}"] = compare.compare(runs, extra, base)
         return out
 
     # -- part 4 ----------------------------------------------------------------------
