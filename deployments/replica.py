@@ -172,7 +172,7 @@ class EngineReplica(http.ingress_routes(app, "replica")):
         while True:
             await asyncio.sleep(every_s)
             try:
-                metrics.side_channel(await asyncio.wait_for(self.engine.stats(), 30))
+                metrics.side_channel(await asyncio.wait_for(self.engine.stats(fresh_workers=False), 30))
             except Exception as e:  # a dead engine is check_health's to report
                 logger.debug("stats for metrics failed: %s", e)
 

@@ -53,6 +53,7 @@ class HiddenStatesReceiver:
         self._task: asyncio.Task | None = None
         self.malformed_frames = 0
         self.unclaimed_results = 0
+        self.expected = 0  # keys ever registered: a worker's counters move only after one
         # n > 1 with prompt_end captures: every child request sends the same key.
         self._resolved: collections.OrderedDict[str, None] = collections.OrderedDict()
         self.duplicate_results = 0
@@ -70,6 +71,7 @@ class HiddenStatesReceiver:
         if key in self._pending:
             raise ValueError(f"hidden-states key {key!r} is already pending")
         self._pending[key] = asyncio.get_running_loop().create_future()
+        self.expected += 1
 
     def discard(self, key: str) -> None:
         fut = self._pending.pop(key, None)

@@ -126,6 +126,36 @@ def test_tail_step_on_every_engine_side_stop(engine, loop_thread, reference):
     assert worker["tails_captured"] >= len(cases)
 
 
+def test_metrics_poll_leaves_an_idle_engine_asleep(engine, loop_thread, reference):
+    """The replica's periodic stats(fresh_workers=False) asks the workers (an RPC that wakes
+    the engine core and workers into a second of busy-waiting) only after flagged requests
+    ran since the last ask; when idle it returns the figures it has."""
+    calls = []
+    rpc = engine.llm.collective_rpc
+
+    async def counting(method, *args, **kwargs):
+        calls.append(method)
+        return await rpc(method, *args, **kwargs)
+
+    engine.llm.collective_rpc = counting
+    try:
+        first = loop_thread.run(engine.stats(fresh_workers=False))["workers"]
+        idle = [loop_thread.run(engine.stats(fresh_workers=False))["workers"] for _ in range(3)]
+        assert calls.count("hidden_states_stats") <= 1 and all(w == first for w in idle)
+        c = loop_thread.run(engine.complete(PROMPTS[0], sp(max_tokens=4)))
+        reference.assert_matches(c.prompt_token_ids + c.choices[0].token_ids, c.choices[0].hidden_states)
+        before = len(calls)
+        after = loop_thread.run(engine.stats(fresh_workers=False))["workers"]
+        assert calls[before:] == ["hidden_states_stats"]  # a flagged request ran: the workers are asked
+        assert after[0]["captured"] > first[0]["captured"]
+        loop_thread.run(engine.stats(fresh_workers=False))
+        assert len(calls) == before + 1  # and not again until another one does
+        loop_thread.run(engine.stats())
+        assert len(calls) == before + 2  # /debug/stats always asks
+    finally:
+        engine.llm.collective_rpc = rpc
+
+
 @pytest.mark.parametrize("sampling", ["greedy", "seeded"])
 def test_tail_step_changes_no_token(engine, plain_engine, loop_thread, sampling):
     """Flagged requests return the tokens unflagged ones do, and unflagged ones those of an
