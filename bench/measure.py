@@ -134,41 +134,6 @@ def _short_name(title: str) -> str:
 
 # -- resident memory -------------------------------------------------------------
 
-LARGE_MAPPING = 256 * 2**20
-
-
-def large_mappings(pid: int) -> tuple[int, int]:
-    """(size, resident) bytes of the process's mappings of 256 MiB or more: on a vLLM CPU worker these are
-    the KV-cache tensors, whose pages become resident when a block is first written, not at allocation."""
-    size = rss = 0
-    cur_size = 0
-    try:
-        with open(f"/proc/{pid}/smaps") as f:
-            for line in f:
-                if line.startswith("Size:"):
-                    cur_size = int(line.split()[1]) * 1024
-                elif line.startswith("Rss:") and cur_size >= LARGE_MAPPING:
-                    size += cur_size
-                    rss += int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return size, rss
-
-
-def kv_tree(pid: int) -> dict:
-    """Large mappings over a process tree: {'size': bytes, 'resident': bytes}."""
-    size = rss = 0
-    try:
-        root = psutil.Process(pid)
-        for p in [root, *root.children(recursive=True)]:
-            s, r = large_mappings(p.pid)
-            size += s
-            rss += r
-    except psutil.Error:
-        pass
-    return {"size": size, "resident": rss}
-
-
 def rss_tree(pid: int) -> tuple[int, dict[str, int]]:
     """RSS of a process plus all its descendants (bytes), and per process."""
     per = {}

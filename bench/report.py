@@ -96,10 +96,13 @@ def target_rows(res: dict) -> list[dict]:
             add("4 memory", model, mem["concurrency"], f"RSS end vs after first 100 ({mem['requests']} requests)",
                 None if g is None else 100 * g, f"<= {100 * T.MEMORY_GROWTH_MAX:.0f}%",
                 T.at_most(g, T.MEMORY_GROWTH_MAX) if mem["errors"] == 0 else "MISS (errors)", "{:+.2f}%")
-            gx = mem.get("end_vs_after_first_excluding_kv_pages")
-            if gx is not None:
-                add("4 memory", model, mem["concurrency"], "(diagnostic) the same less KV-cache pages first touched",
-                    100 * gx, f"<= {100 * T.MEMORY_GROWTH_MAX:.0f}%", "info: " + T.at_most(gx, T.MEMORY_GROWTH_MAX), "{:+.2f}%")
+            gs = mem.get("settled_vs_start")
+            if gs is not None:
+                tb, ta = mem.get("worker_trims_before_after") or (None, None)
+                add("4 memory", model, mem["concurrency"],
+                    f"(diagnostic) idle {mem['settled_s']:.0f} s after the run vs idle before it "
+                    f"(worker malloc_trims {tb} -> {ta})",
+                    100 * gs, f"<= {100 * T.MEMORY_GROWTH_MAX:.0f}%", "info: " + T.at_most(gs, T.MEMORY_GROWTH_MAX), "{:+.2f}%")
         elif mem and "error" in mem:
             add("4 memory", model, "-", "part failed", None, "-", "ERROR")
     return rows
@@ -379,16 +382,14 @@ def markdown(res: dict, plot_name: str | None) -> str:
                   + "; ".join(f"{k} " + "/".join(f"{x / 2**20:.0f}" for x in v.values())
                               for k, v in mem.get("other_processes_rss_bytes", {}).items())
                   + f". Replica counters after: `{json.dumps(_strip(mem.get('replica_stats_after')))}`.", ""]
-            kv = mem.get("kv_cache_mappings")
-            if kv:
-                ex = mem["rss_excluding_kv_pages"]
-                L += ["Large mappings (>= 256 MiB; the KV-cache tensors) in the replica's process tree, resident MiB "
-                      "start/after-100/end: " + "/".join(f"{kv[k]['resident'] / 2**20:.0f}" for k in ("start", "after_first", "end"))
-                      + f" of {kv['end']['size'] / 2**20:.0f} MiB allocated. Their pages become resident when a KV block is "
-                      "first written, so RSS climbs until every block has been used once, then stays (bounded by "
-                      "`kv_cache_memory_bytes`). RSS without them, MiB start/after-100/end: "
-                      + "/".join(f"{v / 2**20:.0f}" for v in ex.values())
-                      + f" ({_f(100 * mem['end_vs_after_first_excluding_kv_pages'] if mem.get('end_vs_after_first_excluding_kv_pages') is not None else None, '{:+.2f}%')}).", ""]
+            if mem.get("settled_bytes"):
+                L += [f"Settled ({mem['settled_s']:.0f} s after the last answer, the engine idle; worker malloc_trims "
+                      f"before/after the run {mem.get('worker_trims_before_after')}), MiB per process: "
+                      + ", ".join(f"{k} {v / 2**20:.0f}" for k, v in mem["per_process_settled"].items())
+                      + f"; total {mem['settled_bytes'] / 2**20:.0f} vs {mem['rss_bytes']['start'] / 2**20:.0f} at the start "
+                      f"({_f(100 * mem['settled_vs_start'], '{:+.2f}%')}). The KV cache is resident from the start "
+                      "(pre-faulted), so what end adds over after-100 and settled gives back is the allocators' "
+                      "high-water mark under load; what settled keeps over start, the run left behind.", ""]
         prof = m.get("profile")
         if prof and "processes" in prof:
             L += [f"### Where the Serve layer's time goes (py-spy, {prof['seconds']} s at concurrency {prof['concurrency']}, "

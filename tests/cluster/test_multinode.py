@@ -14,8 +14,10 @@ its replica with nowhere to go until a new node joins (what Ray's autoscaler
 does on a real cluster), and the replacement lands there. Serve autoscaling
 then adds a third replica under load and removes it when the load stops.
 
-The three tests share one cluster and run in order (`-x`). Long: run with
-HS_LONG_TESTS=1 (`make test-long`).
+Every node runs with `make serve`'s Ray Serve switches (deployments/serve_env.py:
+direct ingress), so the Router also answers on a port of its own next to the proxy;
+test 1 checks vectors through both. The three tests share one cluster and run in
+order (`-x`). Long: run with HS_LONG_TESTS=1 (`make test-long`).
 """
 
 from __future__ import annotations
@@ -53,6 +55,9 @@ HS = {"return_hidden_states": True, "return_token_ids": True}
 
 # -- helpers -------------------------------------------------------------------
 
+DIRECT_PORT = 8450  # direct ingress: the Router's own port, from here up
+
+
 def free_port() -> int:
     for port in range(8347, 8447):
         if port in (8000, 8123):
@@ -75,6 +80,38 @@ def wait_for(cond, timeout: float, what: str, every: float = 1.0):
             return last
         time.sleep(every)
     raise TimeoutError(f"{what}: not reached within {timeout:.0f}s (last: {last!r})")
+
+
+@contextmanager
+def serve_switches():
+    """`make serve`'s Ray Serve switches in the environment of every node this module starts
+    (Ray's processes read them when they start); restored afterwards."""
+    from deployments.serve_env import SERVE_SWITCHES
+
+    switches = {**SERVE_SWITCHES, "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(DIRECT_PORT)}
+    saved = {k: os.environ.get(k) for k in switches}
+    os.environ.update(switches)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def router_ports() -> list[int]:
+    """The Router replicas' own HTTP ports (direct ingress)."""
+    out = []
+    for port in range(DIRECT_PORT, DIRECT_PORT + 20):
+        try:
+            r = httpx.get(f"http://127.0.0.1:{port}/debug/stats", timeout=2)
+            if r.status_code == 200 and r.json().get("ingress", {}).get("kind") == "router":
+                out.append(port)
+        except (httpx.HTTPError, ValueError):
+            pass
+    return out
 
 
 @contextmanager
@@ -258,6 +295,11 @@ def _sweep(paths: tuple[str, ...], pids: set[int]) -> list[int]:
 
 @pytest.fixture(scope="module")
 def mn():
+    with serve_switches():
+        yield from _multinode()
+
+
+def _multinode():
     import ray
     from ray import serve
     from ray.cluster_utils import Cluster
@@ -344,9 +386,24 @@ def test_replicas_on_both_nodes_serve_vectors(mn, reference):
             if len(seen) == 2 and min(seen.values()) >= 3:
                 break
     assert set(seen) == set(reps), f"not every replica served: {seen}"
+    # Direct ingress: the Router's own port serves the same API, vectors from both nodes' replicas.
+    ports = router_ports()
+    assert len(ports) == 1, ports
+    direct = f"http://127.0.0.1:{ports[0]}"
+    via_port: dict[str, int] = {}
+    with httpx.Client() as client:
+        for i in range(1000, 1200):
+            r = complete(client, direct, i)
+            assert r.ok, (r.status, r.error)
+            results.append(r)
+            via_port[r.replica] = via_port.get(r.replica, 0) + 1
+            if len(via_port) == 2 and min(via_port.values()) >= 2:
+                break
+    assert set(via_port) == set(reps), f"not every replica served through the Router's port: {via_port}"
     checked = check_vectors(reference, results)
     by_node = {("head" if reps[k]["node"] == mn.head_id else "worker"): v for k, v in seen.items()}
-    print(f"\n[multinode] 1: {checked} vectors checked; requests by node {by_node}")
+    print(f"\n[multinode] 1: {checked} vectors checked; requests by node {by_node} through the proxy, "
+          f"{sum(via_port.values())} through the Router's own port {ports[0]}")
     stats = httpx.get(f"{mn.base}/debug/stats", timeout=60).json()
     assert stats["ingress"]["pending"] == 0 and stats["replica"]["pid"] in {r["pid"] for r in reps.values()}
 
