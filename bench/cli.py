@@ -423,6 +423,12 @@ class Bench:
                     row[extra] = compare.summarize(runs, extra)
                     for base in ("vllm", "ours", "rsllm"):
                         row[f"{extra}_vs_{base}"] = compare.compare(runs, extra, base)
+        # The fixed cost per request, apart from the engine's compute (which dominates the
+        # workload's latencies and their noise here): 1-token requests, arms interleaved.
+        n = 12 if args.quick else 40
+        self.phase(f"{model} serve: overhead probe ({n} one-token requests per server)")
+        check()
+        out["overhead_probe"] = compare.overhead_probe(arms, vocab, n, model)
         return out
 
     # -- part 4 ----------------------------------------------------------------------

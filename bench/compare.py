@@ -7,6 +7,7 @@ arms), so no arm always goes first. Each arm's requests in a round have the same
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -128,4 +129,34 @@ def paired_added_latency(runs: list[ArmRun], arm: str, base: str) -> list[float]
             o = other.get(res.index)
             if o is not None and res.ok and o.ok:
                 out.append(res.latency - o.latency)
+    return out
+
+
+def overhead_probe(arms: list[Arm], vocab: int, n: int, tag: str, prompt_tokens: int = 16) -> dict:
+    """A serving layer's fixed cost per request, apart from the engine's: `n` requests of
+    `prompt_tokens` prompt tokens and 1 completion token per arm, one at a time, the arms
+    interleaved request by request (the first rotates), so each one sees the machine the others
+    see. Returns per arm {"n", "p50_ms", "p90_ms", "errors"} and, for every arm but the first,
+    `added_p50_ms` over the first (the baseline: vLLM's own server)."""
+    lat: dict[str, list[float]] = {a.key: [] for a in arms}
+    errors = {a.key: 0 for a in arms}
+    shape = workload.Shape(prompt_tokens, 1)
+    for i in range(n):
+        for a in arms[i % len(arms):] + arms[:i % len(arms)]:
+            body = workload.body(a.endpoint.model, shape, vocab, f"probe-{tag}-{a.key}-{i}", a.extra)
+            r = run_batch(a.endpoint.url, [(Result(i, prompt_tokens, 1), body)], 1).results[0]
+            if r.ok:
+                lat[a.key].append(r.latency)
+            else:
+                errors[a.key] += 1
+    out = {}
+    for a in arms:
+        v = sorted(lat[a.key])
+        out[a.key] = {"n": len(v), "errors": errors[a.key],
+                      "p50_ms": 1000 * statistics.median(v) if v else None,
+                      "p90_ms": 1000 * v[min(len(v) - 1, int(0.9 * len(v)))] if v else None}
+    base = out[arms[0].key]["p50_ms"]
+    for a in arms[1:]:
+        p = out[a.key]["p50_ms"]
+        out[a.key]["added_p50_ms"] = None if p is None or base is None else p - base
     return out

@@ -82,6 +82,17 @@ def target_rows(res: dict) -> list[dict]:
                 add("2 Serve layer", model, c, "ours, ingress: replica / Ray Serve LLM, req/s", dq["req_per_s"],
                     f">= {T.SERVE_VS_RSLLM_MIN:.2f}x (ahead)", T.at_least(dq["req_per_s"], T.SERVE_VS_RSLLM_MIN),
                     bad=failed(row["direct"], row["rsllm"]))
+        probe = sv.get("overhead_probe")
+        if probe:  # diagnostic: the fixed per-request cost, 1-token requests interleaved
+            names = {"ours": "ours", "port": "ours, Router's own port", "direct": "ours, ingress: replica",
+                     "rsllm": "Ray Serve LLM"}
+            for key, name in names.items():
+                p = probe.get(key)
+                if p and p.get("added_p50_ms") is not None:
+                    add("2 Serve layer", model, 1, f"(diagnostic) {name} - vLLM server, p50 of {p['n']} one-token "
+                        f"requests (ms; vLLM {probe['vllm']['p50_ms']:.1f})", p["added_p50_ms"],
+                        f"<= {T.added_p50_max(1):.0f} ms", "info: " + ("INVALID: requests failed" if p["errors"] or
+                        probe["vllm"]["errors"] else T.at_most(p["added_p50_ms"], T.added_p50_max(1))), "{:+.1f}")
         if "error" in sv:
             add("2 Serve layer", model, "-", "part failed", None, "-", "ERROR")
     pl = res.get("payload", {})
