@@ -7,6 +7,7 @@ Serve over HTTP), cluster. Engines start once per module, not once per test.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import threading
 
@@ -51,6 +52,41 @@ def pytest_collection_modifyitems(config, items):
         ordered = sorted((items[i] for i in serve), key=lambda item: app_group(item.fixturenames))
         for i, item in zip(serve, ordered):
             items[i] = item
+
+
+@contextlib.contextmanager
+def serve_switches(direct_port: int):
+    """`make serve`'s Ray Serve switches (deployments/serve_env.py; direct ingress: each Router
+    replica also takes HTTP on a port of its own, from `direct_port` up) in the environment while
+    Ray's processes start (they read them then); the environment is restored afterwards."""
+    from deployments.serve_env import SERVE_SWITCHES
+
+    switches = {**SERVE_SWITCHES, "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(direct_port)}
+    saved = {k: os.environ.get(k) for k in switches}
+    os.environ.update(switches)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def router_ports(first: int, count: int = 20) -> list[int]:
+    """The Router replicas' own HTTP ports (direct ingress), from `first` up."""
+    import httpx
+
+    out = []
+    for port in range(first, first + count):
+        try:
+            r = httpx.get(f"http://127.0.0.1:{port}/debug/stats", timeout=2)
+            if r.status_code == 200 and r.json().get("ingress", {}).get("kind") == "router":
+                out.append(port)
+        except (httpx.HTTPError, ValueError):
+            pass
+    return out
 
 
 class LoopThread:

@@ -37,7 +37,7 @@ import numpy as np
 import psutil
 import pytest
 
-from tests.conftest import TEST_ENGINE_ARGS
+from tests.conftest import TEST_ENGINE_ARGS, router_ports, serve_switches
 
 pytestmark = [
     pytest.mark.long,
@@ -80,38 +80,6 @@ def wait_for(cond, timeout: float, what: str, every: float = 1.0):
             return last
         time.sleep(every)
     raise TimeoutError(f"{what}: not reached within {timeout:.0f}s (last: {last!r})")
-
-
-@contextmanager
-def serve_switches():
-    """`make serve`'s Ray Serve switches in the environment of every node this module starts
-    (Ray's processes read them when they start); restored afterwards."""
-    from deployments.serve_env import SERVE_SWITCHES
-
-    switches = {**SERVE_SWITCHES, "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(DIRECT_PORT)}
-    saved = {k: os.environ.get(k) for k in switches}
-    os.environ.update(switches)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-def router_ports() -> list[int]:
-    """The Router replicas' own HTTP ports (direct ingress)."""
-    out = []
-    for port in range(DIRECT_PORT, DIRECT_PORT + 20):
-        try:
-            r = httpx.get(f"http://127.0.0.1:{port}/debug/stats", timeout=2)
-            if r.status_code == 200 and r.json().get("ingress", {}).get("kind") == "router":
-                out.append(port)
-        except (httpx.HTTPError, ValueError):
-            pass
-    return out
 
 
 @contextmanager
@@ -295,7 +263,7 @@ def _sweep(paths: tuple[str, ...], pids: set[int]) -> list[int]:
 
 @pytest.fixture(scope="module")
 def mn():
-    with serve_switches():
+    with serve_switches(DIRECT_PORT):  # make serve's switches on every node this module starts
         yield from _multinode()
 
 
@@ -387,7 +355,7 @@ def test_replicas_on_both_nodes_serve_vectors(mn, reference):
                 break
     assert set(seen) == set(reps), f"not every replica served: {seen}"
     # Direct ingress: the Router's own port serves the same API, vectors from both nodes' replicas.
-    ports = router_ports()
+    ports = router_ports(DIRECT_PORT)
     assert len(ports) == 1, ports
     direct = f"http://127.0.0.1:{ports[0]}"
     via_port: dict[str, int] = {}

@@ -11,7 +11,8 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.conftest import TEST_ENGINE_ARGS
+from tests.conftest import TEST_ENGINE_ARGS, serve_switches
+from tests.conftest import router_ports as find_router_ports
 
 PORT = int(os.environ.get("HS_TEST_PORT", "8123"))
 METRICS_PORT = int(os.environ.get("HS_TEST_METRICS_PORT", "8124"))  # Ray's Prometheus endpoint for this session
@@ -46,23 +47,10 @@ def ray_cluster():
     machine are left alone). A second driver joins it by its GCS address."""
     import ray
 
-    from deployments.serve_env import SERVE_SWITCHES
-
-    # Ray Serve's switches as `make serve` sets them (direct ingress: each Router replica also takes
-    # HTTP on a port of its own, from DIRECT_PORT up); Ray's processes read them when they start.
-    # Only Ray's processes get them: the environment is restored once they have started.
-    switches = {**SERVE_SWITCHES, "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(DIRECT_PORT)}
-    saved = {k: os.environ.get(k) for k in switches}
-    os.environ.update(switches)
-    try:
+    # Ray Serve's switches as `make serve` sets them, for Ray's processes only.
+    with serve_switches(DIRECT_PORT):
         ctx = ray.init(address="local", num_cpus=8, namespace="serve", logging_level="WARNING",
                        include_dashboard=False, _metrics_export_port=METRICS_PORT)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     yield ctx.address_info["gcs_address"]
     from ray import serve
 
@@ -207,12 +195,4 @@ def replica_stats(base: str, headers: dict | None = None) -> dict:
 
 def router_ports() -> list[int]:
     """The Router replicas' own HTTP ports (direct ingress)."""
-    out = []
-    for port in range(DIRECT_PORT, DIRECT_PORT + 20):
-        try:
-            r = httpx.get(f"http://127.0.0.1:{port}/debug/stats", timeout=2)
-            if r.status_code == 200 and r.json().get("ingress", {}).get("kind") == "router":
-                out.append(port)
-        except (httpx.HTTPError, ValueError):
-            pass
-    return out
+    return find_router_ports(DIRECT_PORT)
