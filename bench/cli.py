@@ -302,6 +302,12 @@ class Bench:
             cpu.add_root(serve.proc.pid, "ray: system")
             if vllm:
                 cpu.add_root(vllm.proc.pid, "vllm")
+            # Idle CPU first: a stats call (replica_info below) wakes the engine, which then busy-waits
+            # for up to a second (vLLM's SpinCondition), and would be counted as idle load.
+            self.phase(f"{model}: idle CPU")
+            a = cpu.snapshot()
+            time.sleep(5)
+            out["idle_cpu"] = cpu.delta(a, cpu.snapshot())
             rinfo = replica_info(eps["ours"].stats_url)["replica"]
             out["engines"] = {"ours": engine_processes(int(rinfo["pid"]))}
             if vllm:
@@ -309,10 +315,6 @@ class Bench:
             if need_rsllm:
                 for pid in find_ray_worker(cluster, "ServeReplica:rsllm:LLMServer"):
                     out["engines"]["rsllm"] = engine_processes(pid)
-            self.phase(f"{model}: idle CPU")
-            a = cpu.snapshot()
-            time.sleep(5)
-            out["idle_cpu"] = cpu.delta(a, cpu.snapshot())
             for name in list(pending):
                 try:
                     if name == "memory":
