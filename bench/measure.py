@@ -141,7 +141,7 @@ def rss_tree(pid: int) -> tuple[int, dict[str, int]]:
         root = psutil.Process(pid)
         for p in [root, *root.children(recursive=True)]:
             try:
-                name = " ".join(p.cmdline()[:1]) or p.name()
+                name = os.path.basename(" ".join(p.cmdline()[:1])) or p.name()  # no machine paths in results
                 per[f"{name} [{p.pid}]"] = p.memory_info().rss
             except psutil.Error:
                 pass
