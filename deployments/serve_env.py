@@ -7,8 +7,9 @@ bench/results/): direct ingress was the one clear win (1.18-1.28x req/s at concu
 and 32 on the tiny model), so it is on. Serve's proxy still answers on config.yaml's port; the
 Router replica also takes HTTP on a port of its own, from RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT
 up (the next free one): clients there skip the proxy hop. Handles from other Ray jobs and the
-Router's retry on a dead replica do not go through the proxy, so they are unaffected. The
-cluster configs in cluster/ do not set these yet (not measured on more than one node).
+Router's retry on a dead replica do not go through the proxy, so they are unaffected; the
+multi-node test (`make test-long`) runs with them. The cluster configs in cluster/ leave them
+off: their front door is the proxy's port (cluster/README.md says how to turn them on).
 
     eval "$(python -m deployments.serve_env)"   # exports each one unless already set
 """
