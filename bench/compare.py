@@ -7,7 +7,6 @@ arms), so no arm always goes first. Each arm's requests in a round have the same
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -151,10 +150,9 @@ def overhead_probe(arms: list[Arm], vocab: int, n: int, tag: str, prompt_tokens:
                 errors[a.key] += 1
     out = {}
     for a in arms:
-        v = sorted(lat[a.key])
+        v = lat[a.key]
         out[a.key] = {"n": len(v), "errors": errors[a.key],
-                      "p50_ms": 1000 * statistics.median(v) if v else None,
-                      "p90_ms": 1000 * v[min(len(v) - 1, int(0.9 * len(v)))] if v else None}
+                      **{f"p{q}_ms": None if not v else 1000 * measure.pct(v, q) for q in (50, 90)}}
     base = out[arms[0].key]["p50_ms"]
     for a in arms[1:]:
         p = out[a.key]["p50_ms"]
