@@ -26,7 +26,9 @@ import sys
 import time
 
 from bench import workload
+from bench.measure import paired_ratio_ci
 from bench.procs import ROOT
+from bench.report import ci_text
 from bench.servers import ENGINE_ENV
 
 ENGINE_ARGS = {"dtype": "float32", "enforce_eager": True, "kv_cache_memory_bytes": 2**30, "max_model_len": 4096,
@@ -90,9 +92,11 @@ async def measure(model: str, rounds: int, concurrencies: list[int]) -> dict:
                         wall[hs].append(await _batch(call(hs), items, c))
                 ratio = sum(wall[False]) / sum(wall[True])
                 per_round = [off / on for on, off in zip(wall[True], wall[False])]
-                out[f"{level} c={c}"] = {"throughput_on_off": ratio, "per_round": per_round,
+                ci = paired_ratio_ci([(per, w) for w in wall[True]], [(per, w) for w in wall[False]])
+                out[f"{level} c={c}"] = {"throughput_on_off": ratio, "per_round": per_round, "ci95": ci,
                                          "on_s": sum(wall[True]), "off_s": sum(wall[False]), "requests_per_arm": rounds * per}
-                print(f"{level:7s} c={c:<3d} on/off {ratio:.3f}  rounds {min(per_round):.2f}..{max(per_round):.2f}",
+                print(f"{level:7s} c={c:<3d} on/off {ratio:.3f}  95% CI {ci_text(ci)}  "
+                      f"rounds {min(per_round):.2f}..{max(per_round):.2f}",
                       flush=True)
     finally:
         eng.shutdown()
@@ -118,9 +122,10 @@ def main() -> None:
     lines = ["# Hidden states on/off below Ray Serve", "", f"Command: `{doc['command']}` ({doc['started']}, "
              f"{doc['seconds']:.0f} s); model {args.model}, {args.rounds} alternating rounds; engine arguments "
              f"`{json.dumps(ENGINE_ARGS)}`, environment `{json.dumps(doc['env'])}`.", "",
-             "| level | throughput on/off | per-round range | requests per arm |", "|---|---|---|---|"]
+             "| level | throughput on/off | 95% CI | per-round range | requests per arm |", "|---|---|---|---|---|"]
     for name, r in res.items():
-        lines.append(f"| {name} | {r['throughput_on_off']:.3f} | {min(r['per_round']):.2f}..{max(r['per_round']):.2f} "
+        lines.append(f"| {name} | {r['throughput_on_off']:.3f} | {ci_text(r.get('ci95'))} "
+                     f"| {min(r['per_round']):.2f}..{max(r['per_round']):.2f} "
                      f"| {r['requests_per_arm']} |")
     (out / "below-serve.md").write_text("\n".join(lines) + "\n")
     print(f"wrote {out / 'below-serve.md'}")

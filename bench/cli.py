@@ -84,6 +84,9 @@ def parse_args(argv=None):
     ap.add_argument("--profile-seconds", type=int, default=None, help="default 20 (--quick: 8)")
     ap.add_argument("--profile-always", action="store_true")
     ap.add_argument("--out", default=None, help="results folder (default bench/results)")
+    ap.add_argument("--hs-control", action="store_true",
+                    help="part hs: a third arm, hidden states off again (A/A): how far two identical arms differ "
+                         "on this machine, next to on/off")
     ap.add_argument("--attempts", type=int, default=3,
                     help="start a model's servers again (keeping finished parts) when something outside kills them, "
                          "e.g. another `ray stop --force` on this machine")
@@ -353,6 +356,8 @@ class Bench:
         args = self.args
         arms = [compare.Arm("hs_on", "hidden states on", ep, {"return_hidden_states": True}),
                 compare.Arm("hs_off", "hidden states off", ep, {})]
+        if args.hs_control:  # A/A: the machine's noise between two identical arms
+            arms.append(compare.Arm("hs_off2", "hidden states off (control)", ep, {}))
         block = self.args.engine.get("block_size") or CPU_DEFAULT_BLOCK_SIZE
         self.phase(f"{model} hs: warm-up")
         compare.warmup(arms, vocab, 8, 8, f"{model}-hs")
@@ -374,6 +379,7 @@ class Bench:
                     gcd = math.gcd(gcd, k)
             out["by_concurrency"][str(c)] = {
                 "hs_on": on, "hs_off": off, "ratio": ratio,
+                **({"control_ratio": compare.compare(runs, "hs_off2", "hs_off")} if args.hs_control else {}),
                 "extraction": {
                     "vectors": len(recomputed),
                     "missing_vectors": sum(1 for r in res if not r.hs_tokens),

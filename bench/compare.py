@@ -3,6 +3,12 @@
 Round r runs every arm once, starting from arm r mod k (A,B / B,A / ... for two
 arms), so no arm always goes first. Each arm's requests in a round have the same
 (prompt, completion) lengths as the other arms' but their own token contents.
+
+At concurrency 1 a round is one request: the arms alternate request by request
+(the same requests as `rounds` rounds of `per_round`), so the machine's drift over
+seconds, which here moves whole rounds by +-20%, falls on every arm alike. Every
+ratio comes with a 95% interval, bootstrapped over the rounds
+(`measure.paired_ratio_ci`), where there are enough of them.
 """
 
 from __future__ import annotations
@@ -45,6 +51,8 @@ def run(arms: list[Arm], vocab: int, concurrency: int, rounds: int, per_round: i
         check: Callable[[], None] | None = None) -> list[ArmRun]:
     """Returns one ArmRun per (round, arm)."""
     all_shapes = workload.shapes(rounds * per_round, seed=workload.SEED + concurrency)
+    if concurrency == 1:  # the same requests, the arms alternating one request at a time
+        rounds, per_round = rounds * per_round, 1
     out = []
     for r in range(rounds):
         sh = all_shapes[r * per_round:(r + 1) * per_round]
@@ -102,9 +110,11 @@ def summarize(runs: list[ArmRun], arm: str) -> dict:
 
 def compare(runs: list[ArmRun], arm: str, base: str) -> dict:
     a, b = summarize(runs, arm), summarize(runs, base)
-    pa = {x.round: len(x.batch.ok) / x.batch.wall for x in runs if x.arm == arm}
-    pb = {x.round: len(x.batch.ok) / x.batch.wall for x in runs if x.arm == base}
-    per_round = [pa[r] / pb[r] for r in sorted(pa) if r in pb and pb[r]]
+    pa = {x.round: (len(x.batch.ok), x.batch.wall) for x in runs if x.arm == arm}
+    pb = {x.round: (len(x.batch.ok), x.batch.wall) for x in runs if x.arm == base}
+    both = [r for r in sorted(pa) if r in pb]
+    per_round = [(pa[r][0] / pa[r][1]) / (pb[r][0] / pb[r][1]) for r in both if pb[r][0] and pa[r][1] and pb[r][1]]
+    ci = measure.paired_ratio_ci([pa[r] for r in both], [pb[r] for r in both])
     return {
         "req_per_s": measure.ratio(a["req_per_s"], b["req_per_s"]),
         "out_tok_per_s": measure.ratio(a["out_tok_per_s"], b["out_tok_per_s"]),
@@ -113,6 +123,7 @@ def compare(runs: list[ArmRun], arm: str, base: str) -> dict:
         "p50_added_ms": None if a["p50_s"] is None or b["p50_s"] is None else (a["p50_s"] - b["p50_s"]) * 1e3,
         "p99_added_ms": None if a["p99_s"] is None or b["p99_s"] is None else (a["p99_s"] - b["p99_s"]) * 1e3,
         "per_round_req_per_s": per_round,
+        "req_per_s_ci95": None if ci is None else list(ci),
     }
 
 

@@ -26,6 +26,7 @@ from pathlib import Path
 from bench import compare, measure
 from bench.cli import ENGINE, MAIN_CLUSTER_ENV
 from bench.procs import ROOT
+from bench.report import ci_text
 from bench.servers import RayCluster, ServeApps, build_model
 
 PER_ROUND = {1: 8, 8: 32, 32: 64}
@@ -67,8 +68,8 @@ def main() -> None:
                 r = compare.compare(runs, f"{name}_on", f"{name}_off")
                 res[f"{name} c={c}"] = r
                 rr = r.get("per_round_req_per_s") or [r["req_per_s"]]
-                print(f"{name:7s} c={c:<3d} on/off {r['req_per_s']:.3f}  rounds {min(rr):.2f}..{max(rr):.2f}  "
-                      f"p50 added {r['p50_added_ms'] or 0:+.1f} ms", flush=True)
+                print(f"{name:7s} c={c:<3d} on/off {r['req_per_s']:.3f}  95% CI {ci_text(r.get('req_per_s_ci95'))}  "
+                      f"rounds {min(rr):.2f}..{max(rr):.2f}  p50 added {r['p50_added_ms'] or 0:+.1f} ms", flush=True)
     finally:
         if serve is not None:
             serve.stop()
@@ -81,11 +82,12 @@ def main() -> None:
     (out / "hs-paths.json").write_text(json.dumps(doc, indent=1, default=str))
     lines = ["# Hidden states on/off through each HTTP path of our app", "",
              f"Command: `{cmd}` ({doc['started']}, {doc['seconds']:.0f} s); model {args.model}, {args.rounds} "
-             "rounds, every arm interleaved (the first rotating); only our app on the cluster.", "",
-             "| path | throughput on/off | per-round range | p50 added (ms) |", "|---|---|---|---|"]
+             "rounds, every arm interleaved (the first rotating; at c=1 request by request); only our app on the cluster.", "",
+             "| path | throughput on/off | 95% CI | per-round range | p50 added (ms) |", "|---|---|---|---|---|"]
     for name, r in res.items():
         rr = r.get("per_round_req_per_s") or [r["req_per_s"]]
-        lines.append(f"| {name} | {r['req_per_s']:.3f} | {min(rr):.2f}..{max(rr):.2f} | {r['p50_added_ms'] or 0:+.1f} |")
+        lines.append(f"| {name} | {r['req_per_s']:.3f} | {ci_text(r.get('req_per_s_ci95'))} | {min(rr):.2f}..{max(rr):.2f} "
+                     f"| {r['p50_added_ms'] or 0:+.1f} |")
     (out / "hs-paths.md").write_text("\n".join(lines) + "\n")
     print(f"wrote {out / 'hs-paths.md'}")
 

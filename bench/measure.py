@@ -21,6 +21,29 @@ def ratio(a: float | None, b: float | None) -> float | None:
     return a / b
 
 
+CI_MIN_ROUNDS = 5  # fewer paired rounds give no interval worth printing
+
+
+def paired_ratio_ci(a: list[tuple[int, float]], b: list[tuple[int, float]], level: float = 0.95,
+                    resamples: int = 2000, seed: int = 0) -> tuple[float, float] | None:
+    """Percentile-bootstrap interval of the pooled throughput ratio (sum ok / sum wall of
+    arm a over that of arm b), resampling whole rounds with their pairing kept.
+    `a[i]` and `b[i]` are (successful requests, wall seconds) of round i. None with
+    fewer than CI_MIN_ROUNDS rounds."""
+    n = min(len(a), len(b))
+    if n < CI_MIN_ROUNDS:
+        return None
+    x = np.asarray([(a[i][0], a[i][1], b[i][0], b[i][1]) for i in range(n)], dtype=float)
+    idx = np.random.default_rng(seed).integers(0, n, size=(resamples, n))
+    s = x[idx].sum(axis=1)  # [resamples, 4]
+    ok = (s[:, 1] > 0) & (s[:, 2] > 0)
+    r = (s[ok, 0] / s[ok, 1]) / (s[ok, 2] / s[ok, 3])
+    if not len(r):
+        return None
+    tail = 100 * (1 - level) / 2
+    return float(np.percentile(r, tail)), float(np.percentile(r, 100 - tail))
+
+
 # -- CPU time by role ----------------------------------------------------------
 
 ROLE_TITLES = [

@@ -21,11 +21,12 @@ def _mb(b):
 def target_rows(res: dict) -> list[dict]:
     rows = []
 
-    def add(part, model, c, figure, value, target, status, fmt="{:.3f}", bad=None):
+    def add(part, model, c, figure, value, target, status, fmt="{:.3f}", bad=None, ci=None):
         if bad and status in ("PASS", "MISS") or bad and status.startswith(("PASS ", "MISS ")):
             status = f"{status.split()[0]} ({bad})"
+        shown = _f(value, fmt) + (f" (95% CI {ci_text(ci)})" if ci and value is not None else "")
         rows.append({"part": part, "model": model, "concurrency": c, "figure": figure,
-                     "value": value, "shown": _f(value, fmt), "target": target, "status": status})
+                     "value": value, "ci95": ci, "shown": shown, "target": target, "status": status})
 
     def failed(*arms) -> str | None:
         n = sum(a["errors"] for a in arms)
@@ -37,9 +38,14 @@ def target_rows(res: dict) -> list[dict]:
             r = row["ratio"]
             bad = failed(row["hs_on"], row["hs_off"])
             add("1 hidden states", model, c, "throughput on/off, req/s", r["req_per_s"],
-                f">= {T.HS_THROUGHPUT_MIN:.2f}x", T.at_least(r["req_per_s"], T.HS_THROUGHPUT_MIN), bad=bad)
+                f">= {T.HS_THROUGHPUT_MIN:.2f}x", T.at_least(r["req_per_s"], T.HS_THROUGHPUT_MIN), bad=bad,
+                ci=r.get("req_per_s_ci95"))
             add("1 hidden states", model, c, "throughput on/off, output tok/s", r["out_tok_per_s"],
                 f">= {T.HS_THROUGHPUT_MIN:.2f}x", T.at_least(r["out_tok_per_s"], T.HS_THROUGHPUT_MIN), bad=bad)
+            if "control_ratio" in row:  # --hs-control: two identical arms, the noise floor of the line above
+                k = row["control_ratio"]
+                add("1 hidden states", model, c, "(diagnostic) A/A control: off / off again, req/s", k["req_per_s"],
+                    "1.00x", "info", ci=k.get("req_per_s_ci95"))
             ex = row["extraction"]
             ones = ex.get("exactly_one_token_computed")
             ok = None if not ex["vectors"] or ones is None else (ones == ex["vectors"] and ex["missing_vectors"] == 0)
@@ -52,36 +58,38 @@ def target_rows(res: dict) -> list[dict]:
             r, q = row["ours_vs_vllm"], row["ours_vs_rsllm"]
             bad = failed(row["ours"], row["vllm"])
             add("2 Serve layer", model, c, "ours / vLLM server, req/s", r["req_per_s"], f">= {T.SERVE_VS_VLLM_MIN:.2f}x",
-                T.at_least(r["req_per_s"], T.SERVE_VS_VLLM_MIN), bad=bad)
+                T.at_least(r["req_per_s"], T.SERVE_VS_VLLM_MIN), bad=bad, ci=r.get("req_per_s_ci95"))
             add("2 Serve layer", model, c, "ours / vLLM server, output tok/s", r["out_tok_per_s"], f">= {T.SERVE_VS_VLLM_MIN:.2f}x",
                 T.at_least(r["out_tok_per_s"], T.SERVE_VS_VLLM_MIN), bad=bad)
             add("2 Serve layer", model, c, "ours - vLLM server, p50 latency (ms)", r["p50_added_ms"],
                 f"<= {T.added_p50_max(c):.0f} ms", T.at_most(r["p50_added_ms"], T.added_p50_max(c)), "{:+.1f}", bad=bad)
             add("2 Serve layer", model, c, "ours / Ray Serve LLM, req/s", q["req_per_s"], f">= {T.SERVE_VS_RSLLM_MIN:.2f}x (ahead)",
-                T.at_least(q["req_per_s"], T.SERVE_VS_RSLLM_MIN), bad=failed(row["ours"], row["rsllm"]))
+                T.at_least(q["req_per_s"], T.SERVE_VS_RSLLM_MIN), bad=failed(row["ours"], row["rsllm"]),
+                ci=q.get("req_per_s_ci95"))
             if "port" in row:  # the Router's own port (direct ingress, what `make serve` adds): the same targets
                 d, dq = row["port_vs_vllm"], row["port_vs_rsllm"]
                 bad_p = failed(row["port"], row["vllm"])
                 add("2 Serve layer", model, c, "ours, Router's own port / vLLM server, req/s", d["req_per_s"],
-                    f">= {T.SERVE_VS_VLLM_MIN:.2f}x", T.at_least(d["req_per_s"], T.SERVE_VS_VLLM_MIN), bad=bad_p)
+                    f">= {T.SERVE_VS_VLLM_MIN:.2f}x", T.at_least(d["req_per_s"], T.SERVE_VS_VLLM_MIN), bad=bad_p,
+                    ci=d.get("req_per_s_ci95"))
                 add("2 Serve layer", model, c, "ours, Router's own port / vLLM server, output tok/s", d["out_tok_per_s"],
                     f">= {T.SERVE_VS_VLLM_MIN:.2f}x", T.at_least(d["out_tok_per_s"], T.SERVE_VS_VLLM_MIN), bad=bad_p)
                 add("2 Serve layer", model, c, "ours, Router's own port - vLLM server, p50 latency (ms)", d["p50_added_ms"],
                     f"<= {T.added_p50_max(c):.0f} ms", T.at_most(d["p50_added_ms"], T.added_p50_max(c)), "{:+.1f}", bad=bad_p)
                 add("2 Serve layer", model, c, "ours, Router's own port / Ray Serve LLM, req/s", dq["req_per_s"],
                     f">= {T.SERVE_VS_RSLLM_MIN:.2f}x (ahead)", T.at_least(dq["req_per_s"], T.SERVE_VS_RSLLM_MIN),
-                    bad=failed(row["port"], row["rsllm"]))
+                    bad=failed(row["port"], row["rsllm"]), ci=dq.get("req_per_s_ci95"))
             if "direct" in row:  # the option `ingress: replica`: the same targets, for the record
                 d, dq = row["direct_vs_vllm"], row["direct_vs_rsllm"]
                 add("2 Serve layer", model, c, "ours, ingress: replica / vLLM server, req/s", d["req_per_s"],
                     f">= {T.SERVE_VS_VLLM_MIN:.2f}x", T.at_least(d["req_per_s"], T.SERVE_VS_VLLM_MIN),
-                    bad=failed(row["direct"], row["vllm"]))
+                    bad=failed(row["direct"], row["vllm"]), ci=d.get("req_per_s_ci95"))
                 add("2 Serve layer", model, c, "ours, ingress: replica - vLLM server, p50 latency (ms)", d["p50_added_ms"],
                     f"<= {T.added_p50_max(c):.0f} ms", T.at_most(d["p50_added_ms"], T.added_p50_max(c)), "{:+.1f}",
                     bad=failed(row["direct"], row["vllm"]))
                 add("2 Serve layer", model, c, "ours, ingress: replica / Ray Serve LLM, req/s", dq["req_per_s"],
                     f">= {T.SERVE_VS_RSLLM_MIN:.2f}x (ahead)", T.at_least(dq["req_per_s"], T.SERVE_VS_RSLLM_MIN),
-                    bad=failed(row["direct"], row["rsllm"]))
+                    bad=failed(row["direct"], row["rsllm"]), ci=dq.get("req_per_s_ci95"))
         probe = sv.get("overhead_probe")
         if probe:  # diagnostic: the fixed per-request cost, 1-token requests interleaved
             names = {"ours": "ours", "port": "ours, Router's own port", "direct": "ours, ingress: replica",
@@ -126,6 +134,11 @@ def _range(r: dict) -> str:
     return f"{min(pr):.2f}..{max(pr):.2f}" if pr else "-"
 
 
+def ci_text(ci) -> str:
+    """A ratio's 95% interval (compare.compare's `req_per_s_ci95`), or '-' with too few rounds."""
+    return f"{ci[0]:.3f}..{ci[1]:.3f}" if ci else "-"
+
+
 def _grid(headers: list[str], rows: list[list[str]]) -> str:
     w = [max(len(str(x)) for x in col) for col in zip(headers, *rows)] if rows else [len(h) for h in headers]
     line = lambda r: "  ".join(str(x).ljust(n) for x, n in zip(r, w))
@@ -140,15 +153,15 @@ def part_tables(res: dict) -> list[tuple[str, list[str], list[list[str]]]]:
             rows = []
             for c, row in hs["by_concurrency"].items():
                 on, off, r, ex = row["hs_on"], row["hs_off"], row["ratio"], row["extraction"]
-                rows.append([c, _f(on["req_per_s"]), _f(off["req_per_s"]), _f(r["req_per_s"], "{:.3f}"), _range(r),
-                             _f(r["out_tok_per_s"], "{:.3f}"),
+                rows.append([c, _f(on["req_per_s"]), _f(off["req_per_s"]), _f(r["req_per_s"], "{:.3f}"),
+                             ci_text(r.get("req_per_s_ci95")), _range(r), _f(r["out_tok_per_s"], "{:.3f}"),
                              f"{_f(on['p50_s'] and on['p50_s'] * 1e3, '{:.0f}')}/{_f(off['p50_s'] and off['p50_s'] * 1e3, '{:.0f}')}",
                              f"{_f(on['p99_s'] and on['p99_s'] * 1e3, '{:.0f}')}/{_f(off['p99_s'] and off['p99_s'] * 1e3, '{:.0f}')}",
                              f"{_f(ex['recomputed_mean'], '{:.1f}')}/{_f(ex['recomputed_max'], '{:.0f}')}",
                              _f(ex["added_latency_ms_p50"], "{:+.1f}"), f"{on['errors']}/{off['errors']}",
                              _f(max(on.get("not_ours_cores") or 0, off.get("not_ours_cores") or 0))])
             out.append((f"Part 1, cost of hidden states — {model} (on vs off, same server; target on/off >= {T.HS_THROUGHPUT_MIN:.2f}x)",
-                        ["conc", "on req/s", "off req/s", "req/s on/off", "per-round range", "tok/s on/off", "p50 ms on/off",
+                        ["conc", "on req/s", "off req/s", "req/s on/off", "95% CI", "per-round range", "tok/s on/off", "p50 ms on/off",
                          "p99 ms on/off", "computed tokens mean/max", "added ms p50 (paired)", "errors",
                          "not-ours CPU (cores)"], rows))
         sv = m.get("serve", {})
@@ -158,14 +171,15 @@ def part_tables(res: dict) -> list[tuple[str, list[str], list[list[str]]]]:
                 v, o, q = row["vllm"], row["ours"], row["rsllm"]
                 r, rq, qv = row["ours_vs_vllm"], row["ours_vs_rsllm"], row["rsllm_vs_vllm"]
                 rows.append([c, _f(v["req_per_s"]), _f(o["req_per_s"]), _f(q["req_per_s"]),
-                             _f(r["req_per_s"], "{:.3f}"), _range(r), _f(r["out_tok_per_s"], "{:.3f}"),
-                             _f(r["p50_added_ms"], "{:+.1f}"), _f(r["p99_added_ms"], "{:+.1f}"),
+                             _f(r["req_per_s"], "{:.3f}"), ci_text(r.get("req_per_s_ci95")), _range(r),
+                             _f(r["out_tok_per_s"], "{:.3f}"), _f(r["p50_added_ms"], "{:+.1f}"), _f(r["p99_added_ms"], "{:+.1f}"),
                              _f(rq["req_per_s"], "{:.3f}"), _f(qv["req_per_s"], "{:.3f}"),
                              f"{v['errors']}/{o['errors']}/{q['errors']}",
                              _f(max(x.get("not_ours_cores") or 0 for x in (v, o, q)))])
                 if "port" in row:
                     d = row["port"]
                     rows[-1] += [_f(d["req_per_s"]), _f(row["port_vs_vllm"]["req_per_s"], "{:.3f}"),
+                                 ci_text(row["port_vs_vllm"].get("req_per_s_ci95")),
                                  _f(row["port_vs_vllm"]["p50_added_ms"], "{:+.1f}"),
                                  _f(row["port_vs_ours"]["req_per_s"], "{:.3f}"), str(d["errors"])]
                 if "direct" in row:
@@ -175,10 +189,11 @@ def part_tables(res: dict) -> list[tuple[str, list[str], list[list[str]]]]:
                                  _f(row["direct_vs_ours"]["req_per_s"], "{:.3f}"), str(d["errors"])]
             out.append((f"Part 2, cost of the Serve layer — {model} (ours with hidden states off; targets: ours/vLLM >= {T.SERVE_VS_VLLM_MIN:.2f}x, "
                         f"+p50 <= {T.SERVE_ADDED_P50_MS_C1:.0f} ms at c=1 and {T.SERVE_ADDED_P50_MS:.0f} ms above, ours/RSLLM >= 1.00x)",
-                        ["conc", "vLLM req/s", "ours req/s", "RSLLM req/s", "ours/vLLM req/s", "per-round range", "ours/vLLM tok/s",
+                        ["conc", "vLLM req/s", "ours req/s", "RSLLM req/s", "ours/vLLM req/s", "95% CI", "per-round range", "ours/vLLM tok/s",
                          "ours-vLLM p50 ms", "ours-vLLM p99 ms", "ours/RSLLM req/s", "RSLLM/vLLM req/s", "errors v/o/r",
                          "not-ours CPU (cores)"]
-                        + (["port req/s", "port/vLLM req/s", "port-vLLM p50 ms", "port/ours req/s", "port errors"]
+                        + (["port req/s", "port/vLLM req/s", "port/vLLM 95% CI", "port-vLLM p50 ms", "port/ours req/s",
+                            "port errors"]
                            if any("port" in row for row in sv["by_concurrency"].values()) else [])
                         + (["direct req/s", "direct/vLLM req/s", "direct-vLLM p50 ms", "direct/ours req/s", "direct errors"]
                            if any("direct" in row for row in sv["by_concurrency"].values()) else []), rows))
@@ -188,17 +203,17 @@ def part_tables(res: dict) -> list[tuple[str, list[str], list[list[str]]]]:
             rows = []
             for key, x in sw.items():
                 if "error" in x and not x.get("by_concurrency"):
-                    rows.append([key, "-", "-", "-", "-", "-", "-", "-", "-", x["error"].splitlines()[0][:80]])
+                    rows.append([key, "-", "-", "-", "-", "-", "-", "-", "-", "-", x["error"].splitlines()[0][:80]])
                     continue
                 for c, row in x.get("by_concurrency", {}).items():
                     r, v, o = row["switched_vs_ours"], row["switched_vs_vllm"], row["ours_vs_vllm"]
                     rows.append([key, c, _f(row["ours"]["req_per_s"]), _f(row["switched"]["req_per_s"]),
-                                 _f(r["req_per_s"], "{:.3f}"), _range(r), _f(r["p50_added_ms"], "{:+.1f}"),
-                                 _f(v["req_per_s"], "{:.3f}"), _f(o["req_per_s"], "{:.3f}"),
+                                 _f(r["req_per_s"], "{:.3f}"), ci_text(r.get("req_per_s_ci95")), _range(r),
+                                 _f(r["p50_added_ms"], "{:+.1f}"), _f(v["req_per_s"], "{:.3f}"), _f(o["req_per_s"], "{:.3f}"),
                                  f"{row['ours']['errors']}/{row['switched']['errors']}/{row['vllm']['errors']}"])
             out.append((f"Part 2b, Ray Serve switches — {model} (each on a Ray cluster of its own, against our app "
                         f"without it and vLLM's server, rounds alternating)",
-                        ["switch", "conc", "ours req/s", "switched req/s", "switched/ours req/s", "per-round range",
+                        ["switch", "conc", "ours req/s", "switched req/s", "switched/ours req/s", "95% CI", "per-round range",
                          "switched-ours p50 ms", "switched/vLLM req/s", "ours/vLLM req/s", "errors o/s/v"], rows))
     pl = res.get("payload")
     if pl:
@@ -320,8 +335,11 @@ def markdown(res: dict, plot_name: str | None) -> str:
           "request when its last one returns.",
           "- Each comparison runs its arms alternately, round by round (the first arm rotates), on the same request "
           "lengths in a round but with different token contents, so no arm finds another's prompts in a prefix cache. "
+          "At concurrency 1 a round is one request: the arms alternate request by request (the plan's rounds x "
+          "requests, as single requests), so the machine's drift falls on every arm alike. "
           "Throughput = successful requests (output tokens) / summed wall time over the rounds; latency percentiles "
-          "pool all rounds. Ratios are arm / baseline.",
+          "pool all rounds. Ratios are arm / baseline. 95% CI: percentile bootstrap (2,000 resamples) of a ratio over "
+          "its rounds, pairs kept, given at least 5 rounds; a status is judged on the measured ratio, not its interval.",
           f"- Plan (requests per arm per round by concurrency, rounds): `{json.dumps(st.get('plan'))}`.",
           "- Servers: a Ray cluster (`ray start --head --num-cpus 8`), our app (`deployments.app:build_app`), a second "
           "copy of it with `ingress: replica` (no Router: Serve's proxy calls the engine replica; the `direct` columns) "

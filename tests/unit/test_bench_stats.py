@@ -1,0 +1,69 @@
+"""The benchmark's own statistics: paired ratio intervals and the order arms run in."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench import compare, measure
+from bench.load import Batch
+from bench.servers import Endpoint
+
+
+def test_interval_covers_a_known_ratio_and_narrows_with_rounds():
+    # arm a is 1.25x faster than b in every round, with +-10% round-to-round noise on both alike
+    drift = [1.0, 1.1, 0.9, 1.05, 0.95, 1.0, 1.08, 0.92]
+    a = [(8, 4.0 * d) for d in drift]
+    b = [(8, 5.0 * d) for d in drift]
+    lo, hi = measure.paired_ratio_ci(a, b)
+    assert lo == pytest.approx(1.25) and hi == pytest.approx(1.25)  # drift shared by the pair cancels
+
+    import random
+
+    rng = random.Random(3)
+    noisy = [((8, 4.0 * rng.uniform(0.8, 1.2)), (8, 5.0 * rng.uniform(0.8, 1.2))) for _ in range(200)]
+    few = measure.paired_ratio_ci([x for x, _ in noisy[:10]], [y for _, y in noisy[:10]])
+    many = measure.paired_ratio_ci([x for x, _ in noisy], [y for _, y in noisy])
+    assert many[0] < 1.25 < many[1]
+    assert many[1] - many[0] < few[1] - few[0]
+
+
+def test_no_interval_from_too_few_rounds():
+    assert measure.paired_ratio_ci([(8, 4.0)] * 4, [(8, 5.0)] * 4) is None
+    assert measure.paired_ratio_ci([(8, 4.0)] * 5, [(8, 5.0)] * 5) is not None
+
+
+def _fake_runs(monkeypatch, arms, concurrency, rounds, per_round):
+    calls = []
+
+    def fake_run_batch(url, bodies, c, on_done=None):
+        calls.append((url, len(bodies), c))
+        return Batch([r for r, _ in bodies], wall=1.0, started=0.0)
+
+    monkeypatch.setattr(compare, "run_batch", fake_run_batch)
+
+    class Cpu:
+        def snapshot(self):
+            return {}
+
+        def delta(self, before, after):
+            return {"roles": {}, "busy": 0.0}
+
+    runs = compare.run(arms, 1000, concurrency, rounds, per_round, "t", Cpu())
+    return calls, runs
+
+
+def test_concurrency_one_alternates_request_by_request(monkeypatch):
+    arms = [compare.Arm(k, k, Endpoint(k, k, f"http://{k}/v1/completions", "m")) for k in ("on", "off")]
+    calls, runs = _fake_runs(monkeypatch, arms, 1, rounds=3, per_round=4)
+    assert len(calls) == 24 and all(n == 1 and c == 1 for _, n, c in calls)  # 12 requests per arm, one at a time
+    order = [url.split("/")[2] for url, _, _ in calls]
+    assert order[:6] == ["on", "off", "off", "on", "on", "off"]  # the first arm rotates
+    # each request's shape is the same in both arms of its round
+    by = {(x.arm, x.round): x.batch.results[0] for x in runs}
+    assert all(by[("on", r)].prompt_tokens == by[("off", r)].prompt_tokens for r in range(12))
+
+
+def test_higher_concurrency_keeps_whole_rounds(monkeypatch):
+    arms = [compare.Arm(k, k, Endpoint(k, k, f"http://{k}/v1/completions", "m")) for k in ("on", "off")]
+    calls, _ = _fake_runs(monkeypatch, arms, 8, rounds=3, per_round=16)
+    assert len(calls) == 6 and all(n == 16 and c == 8 for _, n, c in calls)
