@@ -366,7 +366,8 @@ class Bench:
             rounds = args.rounds or self.plan[model]["rounds"]["hs"]
             per = self.plan[model]["per_round"].get(c, 8)
             self.phase(f"{model} hs: c={c} x{rounds} rounds")
-            runs = compare.run(arms, vocab, c, rounds, per, f"{model}-hs", cpu, on_done=self.tick, check=check)
+            runs = compare.run(arms, vocab, c, rounds, per, f"{model}-hs", cpu, on_done=self.tick, check=check,
+                               one_engine=True)
             on, off = compare.summarize(runs, "hs_on"), compare.summarize(runs, "hs_off")
             ratio = compare.compare(runs, "hs_on", "hs_off")
             added = compare.paired_added_latency(runs, "hs_on", "hs_off")

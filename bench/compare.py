@@ -4,9 +4,13 @@ Round r runs every arm once, starting from arm r mod k (A,B / B,A / ... for two
 arms), so no arm always goes first. Each arm's requests in a round have the same
 (prompt, completion) lengths as the other arms' but their own token contents.
 
-At concurrency 1 a round is one request: the arms alternate request by request
-(the same requests as `rounds` rounds of `per_round`), so the machine's drift over
-seconds, which here moves whole rounds by +-20%, falls on every arm alike. Every
+When every arm reaches one engine (`one_engine`: hidden states on vs off), a round
+at concurrency 1 is one request: the arms alternate request by request (the same
+requests as `rounds` rounds of `per_round`), so the machine's drift over seconds,
+which here moves whole rounds by +-20%, falls on every arm alike. Not across
+servers: each vLLM engine busy-waits for a second after its last step, so there
+every request would run beside the previous arm's spinning engine, always the same
+one (measured: our app 1.28x of vLLM's server that way, 1.05x in rounds). Every
 ratio comes with a 95% interval, bootstrapped over the rounds
 (`measure.paired_ratio_ci`), where there are enough of them.
 """
@@ -48,10 +52,10 @@ def warmup(arms: list[Arm], vocab: int, n: int, concurrency: int, tag: str) -> N
 
 def run(arms: list[Arm], vocab: int, concurrency: int, rounds: int, per_round: int, tag: str,
         cpu: measure.CpuAccount, on_done: Callable[[Result], None] | None = None,
-        check: Callable[[], None] | None = None) -> list[ArmRun]:
-    """Returns one ArmRun per (round, arm)."""
+        check: Callable[[], None] | None = None, one_engine: bool = False) -> list[ArmRun]:
+    """Returns one ArmRun per (round, arm). `one_engine`: every arm reaches the same engine."""
     all_shapes = workload.shapes(rounds * per_round, seed=workload.SEED + concurrency)
-    if concurrency == 1:  # the same requests, the arms alternating one request at a time
+    if one_engine and concurrency == 1:  # the same requests, the arms alternating one at a time
         rounds, per_round = rounds * per_round, 1
     out = []
     for r in range(rounds):

@@ -82,7 +82,7 @@ def main() -> None:
     (out / "hs-paths.json").write_text(json.dumps(doc, indent=1, default=str))
     lines = ["# Hidden states on/off through each HTTP path of our app", "",
              f"Command: `{cmd}` ({doc['started']}, {doc['seconds']:.0f} s); model {args.model}, {args.rounds} "
-             "rounds, every arm interleaved (the first rotating; at c=1 request by request); only our app on the cluster.", "",
+             "rounds, every arm interleaved (the first rotating); only our app on the cluster.", "",
              "| path | throughput on/off | 95% CI | per-round range | p50 added (ms) |", "|---|---|---|---|---|"]
     for name, r in res.items():
         rr = r.get("per_round_req_per_s") or [r["req_per_s"]]

@@ -335,8 +335,10 @@ def markdown(res: dict, plot_name: str | None) -> str:
           "request when its last one returns.",
           "- Each comparison runs its arms alternately, round by round (the first arm rotates), on the same request "
           "lengths in a round but with different token contents, so no arm finds another's prompts in a prefix cache. "
-          "At concurrency 1 a round is one request: the arms alternate request by request (the plan's rounds x "
-          "requests, as single requests), so the machine's drift falls on every arm alike. "
+          "In part 1 (one engine, hidden states on vs off) a round at concurrency 1 is one request: the arms "
+          "alternate request by request (the plan's rounds x requests, as single requests), so the machine's drift "
+          "falls on both alike; not across servers, where each request would run beside the previous server's "
+          "engine, busy-waiting for a second after its last step. "
           "Throughput = successful requests (output tokens) / summed wall time over the rounds; latency percentiles "
           "pool all rounds. Ratios are arm / baseline. 95% CI: percentile bootstrap (2,000 resamples) of a ratio over "
           "its rounds, pairs kept, given at least 5 rounds; a status is judged on the measured ratio, not its interval.",

@@ -32,7 +32,7 @@ def test_no_interval_from_too_few_rounds():
     assert measure.paired_ratio_ci([(8, 4.0)] * 5, [(8, 5.0)] * 5) is not None
 
 
-def _fake_runs(monkeypatch, arms, concurrency, rounds, per_round):
+def _fake_runs(monkeypatch, arms, concurrency, rounds, per_round, one_engine=True):
     calls = []
 
     def fake_run_batch(url, bodies, c, on_done=None):
@@ -48,11 +48,11 @@ def _fake_runs(monkeypatch, arms, concurrency, rounds, per_round):
         def delta(self, before, after):
             return {"roles": {}, "busy": 0.0}
 
-    runs = compare.run(arms, 1000, concurrency, rounds, per_round, "t", Cpu())
+    runs = compare.run(arms, 1000, concurrency, rounds, per_round, "t", Cpu(), one_engine=one_engine)
     return calls, runs
 
 
-def test_concurrency_one_alternates_request_by_request(monkeypatch):
+def test_one_engine_at_concurrency_one_alternates_request_by_request(monkeypatch):
     arms = [compare.Arm(k, k, Endpoint(k, k, f"http://{k}/v1/completions", "m")) for k in ("on", "off")]
     calls, runs = _fake_runs(monkeypatch, arms, 1, rounds=3, per_round=4)
     assert len(calls) == 24 and all(n == 1 and c == 1 for _, n, c in calls)  # 12 requests per arm, one at a time
@@ -67,3 +67,11 @@ def test_higher_concurrency_keeps_whole_rounds(monkeypatch):
     arms = [compare.Arm(k, k, Endpoint(k, k, f"http://{k}/v1/completions", "m")) for k in ("on", "off")]
     calls, _ = _fake_runs(monkeypatch, arms, 8, rounds=3, per_round=16)
     assert len(calls) == 6 and all(n == 16 and c == 8 for _, n, c in calls)
+
+
+def test_separate_servers_keep_whole_rounds_at_concurrency_one(monkeypatch):
+    # each server's engine busy-waits after its last step: alternating requests across
+    # servers would run every request beside the previous server's spinning engine
+    arms = [compare.Arm(k, k, Endpoint(k, k, f"http://{k}/v1/completions", "m")) for k in ("vllm", "ours")]
+    calls, _ = _fake_runs(monkeypatch, arms, 1, rounds=3, per_round=4, one_engine=False)
+    assert len(calls) == 6 and all(n == 4 and c == 1 for _, n, c in calls)
