@@ -36,7 +36,7 @@ def paired_ratio_ci(a: list[tuple[int, float]], b: list[tuple[int, float]], leve
     x = np.asarray([(a[i][0], a[i][1], b[i][0], b[i][1]) for i in range(n)], dtype=float)
     idx = np.random.default_rng(seed).integers(0, n, size=(resamples, n))
     s = x[idx].sum(axis=1)  # [resamples, 4]
-    ok = (s[:, 1] > 0) & (s[:, 2] > 0)
+    ok = (s[:, 1] > 0) & (s[:, 2] > 0) & (s[:, 3] > 0)  # walls, and the base arm's successes
     r = (s[ok, 0] / s[ok, 1]) / (s[ok, 2] / s[ok, 3])
     if not len(r):
         return None
