@@ -13,8 +13,7 @@ completions, stats, health. `hidden_states.vllm.engine.HiddenStatesEngine` is
 the real one (vLLM; it is the only code that imports vllm, with the rest of
 `hidden_states/vllm/`); `hidden_states.testing.FakeEngine` stands in for the
 Serve layer's unit tests. Vectors are collected per request by a
-`HiddenStatesCollector`, keyed by the token sequence they belong to, so a
-response choice finds its own from its own token ids.
+`HiddenStatesCollector`, filed by engine request and choice.
 """
 
 from __future__ import annotations
@@ -36,6 +35,10 @@ class MissingHiddenStatesError(RuntimeError):
     the request fails rather than return a partial answer)."""
 
 
+class HiddenStatesTimeout(TimeoutError):
+    """An extraction step that did not finish within `extraction_timeout_s`."""
+
+
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,26 +54,23 @@ class ExtractionStats:
         return self.tokens - self.cached_tokens
 
 
+ChoiceKey = tuple[int, int]  # (the request's prompt ordinal, the choice's index within that prompt)
+
+
 @dataclasses.dataclass
 class HiddenStatesCollector:
     """Per-request sink for vectors, registered with `HiddenStatesEngine.collecting()`.
 
     Engine requests reach it through `tag` in their `SamplingParams.extra_args`.
-    Vectors are keyed by the token sequence they are the final-token state of, so
-    identical choices share one extraction and a choice finds its own vector."""
+    Vectors are filed by engine request and choice: (the prompt's ordinal in the
+    OpenAI request, the choice's index among that prompt's n), which is how vLLM's
+    serving numbers response choices (`ordinal * n + index`)."""
 
     tag: str
     layers: tuple[int, ...] = (-1,)
     position: str = "completion_end"
-    # key(prompt ids, completion ids) -> {requested layer: float32 [D]}
-    vectors: dict[tuple[int, ...], dict[int, np.ndarray]] = dataclasses.field(default_factory=dict)
-    stats: dict[tuple[int, ...], ExtractionStats] = dataclasses.field(default_factory=dict)
-
-    def key(self, prompt_token_ids: Sequence[int], token_ids: Sequence[int]) -> tuple[int, ...]:
-        """The token sequence whose final-token vector a choice carries."""
-        if self.position == "prompt_end":
-            return tuple(prompt_token_ids)
-        return (*prompt_token_ids, *token_ids)
+    vectors: dict[ChoiceKey, dict[int, np.ndarray]] = dataclasses.field(default_factory=dict)  # {layer: float32 [D]}
+    stats: dict[ChoiceKey, "ExtractionStats"] = dataclasses.field(default_factory=dict)
 
     @property
     def extra_args(self) -> dict[str, str]:
@@ -78,8 +78,10 @@ class HiddenStatesCollector:
         vllm_xargs) for its vectors to land here."""
         return {COLLECTOR_TAG_KEY: self.tag}
 
-    def vectors_for(self, prompt_token_ids: Sequence[int], token_ids: Sequence[int]) -> dict[int, np.ndarray] | None:
-        return self.vectors.get(self.key(prompt_token_ids, token_ids))
+    def put(self, key: ChoiceKey, vectors: dict[int, np.ndarray], stats: "ExtractionStats | None") -> None:
+        self.vectors[key] = vectors
+        if stats is not None:
+            self.stats[key] = stats
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,8 +1,8 @@
 """OpenAI response formatting of vectors and errors: no vLLM here.
 
 `ChoiceVectors` puts each finished choice's vector into an OpenAI response or
-stream chunk, found by the choice's own prompt_token_ids + token_ids in the
-request's `HiddenStatesCollector`; a choice without one fails the request.
+stream chunk, found in the request's `HiddenStatesCollector` by engine request
+and choice; a choice without one fails the request.
 Used by the vLLM frontend (hidden_states/vllm/openai.py) and the fake engine.
 """
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 from http import HTTPStatus
 from typing import Literal
 
@@ -32,72 +33,60 @@ def error_body(message: str, status: int, err_type: str | None = None, param: st
     return json.dumps({"error": {"message": message, "type": err_type, "param": param, "code": status}}).encode()
 
 
-class ChoiceVectors:
-    """Puts each finished choice's vector into the response, found by the choice's
-    own prompt_token_ids + token_ids; fails the request if one has none."""
+_FINISHING = re.compile(r'"finish_reason":\s*"')  # an SSE chunk that finishes a choice (else it passes untouched)
 
-    def __init__(self, engine, collector: HiddenStatesCollector, request, route: Route,
-                 replica_id: str):
+
+class ChoiceVectors:
+    """Puts each finished choice's vector into the response, found by engine request and
+    choice: (prompt ordinal, index) = divmod(response index, n) for completions (vLLM numbers
+    choices `ordinal * n + index`), (0, index) for chat; fails the request if one has none.
+    Nothing else in the response changes."""
+
+    def __init__(self, engine, collector: HiddenStatesCollector, request, route: Route, replica_id: str):
         self.engine, self.collector, self.route, self.replica_id = engine, collector, route, replica_id
         self.encoding = request.hidden_states_encoding
         self.by_layer = request.hidden_states_layers is not None
-        self.show_token_ids = bool(request.return_token_ids)  # as the client asked, before we force it on
-        self.prompt_ids: dict[int, list[int]] = {}  # streaming: choice index -> prompt ids
-        self.tokens: dict[int, list[int]] = {}  # streaming: choice index -> completion ids so far
+        self.n = (getattr(request, "n", None) or 1) if route == "completions" else 0
 
-    def inject(self, choice: dict, prompt_ids: list[int] | None, token_ids: list[int]) -> None:
-        vecs = None if prompt_ids is None else self.collector.vectors_for(prompt_ids, token_ids)
+    def fields(self, index: int) -> dict:
+        """The vector fields of response choice `index`."""
+        key = divmod(index, self.n) if self.n else (0, index)
+        vecs = self.collector.vectors.get(key)
         if vecs is None:
-            raise self.engine.missing(f"choice {choice.get('index')}")
+            raise self.engine.missing(f"choice {index}")
+        out = {}
         if self.by_layer:
-            choice["hidden_states_by_layer"] = {str(layer): encode_vector(v, self.encoding) for layer, v in vecs.items()}
+            out["hidden_states_by_layer"] = {str(layer): encode_vector(v, self.encoding) for layer, v in vecs.items()}
         else:
-            choice["hidden_states"] = encode_vector(vecs[-1], self.encoding)
+            out["hidden_states"] = encode_vector(vecs[-1], self.encoding)
         meta = {"position": self.collector.position, "replica": self.replica_id}
-        st = self.collector.stats.get(self.collector.key(prompt_ids, token_ids))
+        st = self.collector.stats.get(key)
         if st is not None:
             meta.update(via=st.via, tokens=st.tokens, cached_tokens=st.cached_tokens,
                         computed_tokens=st.computed_tokens, extraction_seconds=round(st.seconds, 6))
-        choice["hidden_states_meta"] = meta
+        out["hidden_states_meta"] = meta
         self.engine.vector_sent(self.collector.position, st, sum(v.nbytes for v in vecs.values()))
+        return out
 
-    def fill_response(self, payload: dict) -> None:
-        top_prompt = payload.get("prompt_token_ids")  # chat: once per response
-        for choice in payload["choices"]:
-            prompt_ids = choice.get("prompt_token_ids") if self.route == "completions" else top_prompt
-            self.inject(choice, prompt_ids, choice.get("token_ids") or [])
-            if not self.show_token_ids:
-                choice["token_ids"] = None
-                if "prompt_token_ids" in choice:
-                    choice["prompt_token_ids"] = None
-        if not self.show_token_ids and "prompt_token_ids" in payload:
-            payload["prompt_token_ids"] = None
+    def fill_response(self, response) -> None:
+        """A whole response: a dict, or vLLM's pydantic response (its models allow extra fields)."""
+        if isinstance(response, dict):
+            for choice in response["choices"]:
+                choice.update(self.fields(choice["index"]))
+            return
+        for choice in response.choices:
+            for name, value in self.fields(choice.index).items():
+                setattr(choice, name, value)
 
     def fill_chunk(self, chunk: str) -> str:
-        """One SSE event: token ids recorded, vectors put on finishing choices."""
+        """One SSE event: vectors put on the choices it finishes; any other event unchanged."""
+        if not _FINISHING.search(chunk):
+            return chunk
         data = json.loads(chunk[6:])
-        changed = False
-        if data.get("prompt_token_ids") is not None:  # chat: the first chunk
-            self.prompt_ids[-1] = data["prompt_token_ids"]
-            if not self.show_token_ids:
-                data["prompt_token_ids"], changed = None, True
-        choices = data.get("choices") or ()
-        if self.route == "chat" and not self.show_token_ids and choices and all(carries_nothing(c) for c in choices):
-            return ""  # sent only because we asked vLLM for token ids: the client would not have seen it
-        for choice in choices:
-            i = choice.get("index", 0)
-            if choice.get("prompt_token_ids") is not None:  # completions: each choice's first chunk
-                self.prompt_ids[i] = choice["prompt_token_ids"]
-            self.tokens.setdefault(i, []).extend(choice.get("token_ids") or ())
+        for choice in data.get("choices") or ():
             if choice.get("finish_reason") is not None:
-                self.inject(choice, self.prompt_ids.get(i, self.prompt_ids.get(-1)), self.tokens[i])
-                changed = True
-            if not self.show_token_ids and (choice.get("token_ids") is not None or choice.get("prompt_token_ids") is not None):
-                choice["token_ids"] = None
-                if "prompt_token_ids" in choice:
-                    choice["prompt_token_ids"] = None
-                changed = True
-        return "data: " + json.dumps(data, separators=(",", ":")) + "\n\n" if changed else chunk
+                choice.update(self.fields(choice.get("index", 0)))
+        return "data: " + json.dumps(data, separators=(",", ":"), ensure_ascii=False) + "\n\n"
 
 
 def not_from_token_ids(request) -> tuple[str, str] | None:
@@ -114,13 +103,6 @@ def not_from_token_ids(request) -> tuple[str, str] | None:
                 return "messages", (f"a {kind!r} content part cannot be combined with return_hidden_states: the "
                                     "vector is computed from token ids, so only text messages are supported")
     return None
-
-
-def carries_nothing(choice: dict) -> bool:
-    """A chat stream choice with no text, no logprobs and no finish: vLLM sends one
-    per token that decodes to nothing yet only when token ids were asked for."""
-    return (choice.get("finish_reason") is None and not choice.get("logprobs")
-            and not any(v is not None for v in (choice.get("delta") or {}).values()))
 
 
 def validation_message(e: ValidationError) -> str:

@@ -1,21 +1,30 @@
 """What crosses a process boundary, and its codec.
 
-Every message is a msgspec struct encoded as msgpack (the vLLM v1 wire
-discipline): a vector travels as raw bytes with its dtype and shape, never as a
-Python list and never pickled. Decoding validates the frame and raises
-`SideChannelProtocolError` with what was wrong; nothing here can execute code
-from a frame.
+The vector rides vLLM's own output path (the seed's diagram):
+
+    worker -> ModelRunnerOutput -> EngineCore's scheduler -> EngineCoreOutput -> AsyncLLM
 
 - `HiddenStatesExtractionRequest` rides inside `SamplingParams.extra_args`
-  (key `EXTRA_ARGS_KEY`) from the caller to the model runner: it marks a
-  request for capture and carries the key the result comes back under (vLLM
-  rewrites request ids; the key survives).
-- `HiddenStatesBatch` goes from the model runner to the caller over the side
-  channel: every result of one engine step, in one frame.
+  (key `EXTRA_ARGS_KEY`) from the frontend to the scheduler and the model
+  runner: it marks an engine request for capture, says where (`tail`), and
+  carries the key its vector comes back under (vLLM rewrites request ids).
+- `StepCapture` is what the runner hook hangs on the step's ModelRunnerOutput
+  (attribute `STEP_ATTR`): every row captured in the step, one array, and which
+  request each row belongs to. It travels wherever vLLM moves that output
+  (in process, or through the multiprocess executor's own transport).
+- `CapturedVector` is what the scheduler puts on the EngineCoreOutput that
+  finishes a captured request: a msgspec struct, encoded to builtins under
+  `OUTPUT_KEY` in its `kv_transfer_params` (vLLM's msgpack carries the raw
+  bytes; never pickled, never a Python list). The frontend takes it off before
+  vLLM's output processor reads that field, so nothing leaks into responses.
+
+Decoding validates what arrives and raises `HiddenStatesProtocolError` saying
+what was wrong; nothing here can execute code from a message.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import msgspec
@@ -27,14 +36,17 @@ COLLECTOR_TAG_KEY = "hidden_states_collector"
 # Keys of `extra_args` (an OpenAI request's `vllm_xargs`) that are ours: stripped
 # from what clients send, so no client can forge a capture or join a collector.
 RESERVED_EXTRA_ARGS_PREFIX = "hidden_states"
+STEP_ATTR = "hidden_states_step"  # ModelRunnerOutput attribute: the step's StepCapture
+TAILS_ATTR = "hidden_states_tails"  # SchedulerOutput attribute: request ids whose tail row runs in this step
+OUTPUT_KEY = "hidden_states"  # EngineCoreOutput.kv_transfer_params key: the CapturedVector
 
 # dtype name -> bytes per element. bfloat16 has no numpy dtype: decoded by hand.
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 _NUMPY_DTYPE = {"float32": "<f4", "float16": "<f2", "bfloat16": "<u2"}
 
 
-class SideChannelProtocolError(ValueError):
-    """A side-channel frame that is not a valid HiddenStatesBatch."""
+class HiddenStatesProtocolError(ValueError):
+    """A captured vector that does not decode (a bug or a version mismatch, never a client's doing)."""
 
 
 class HiddenStatesExtractionRequest(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
@@ -42,7 +54,7 @@ class HiddenStatesExtractionRequest(msgspec.Struct, omit_defaults=True, forbid_u
     # Layers as transformers numbers `output_hidden_states` (-1 = after the final norm).
     layers: list[int] = msgspec.field(default_factory=lambda: [-1])
     # False: capture at the last prompt token. True: at the tail step, the extra decode row of the
-    # final token that the TailScheduler runs when the request stops (hidden_states/vllm/scheduler.py).
+    # final token that the scheduler runs when the request stops (hidden_states/vllm/scheduler.py).
     tail: bool = False
 
     def to_extra_args(self) -> dict:
@@ -54,55 +66,60 @@ class HiddenStatesExtractionRequest(msgspec.Struct, omit_defaults=True, forbid_u
         return None if raw is None else msgspec.convert(raw, HiddenStatesExtractionRequest)
 
 
-class HiddenStatesResult(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    key: str
+@dataclasses.dataclass
+class StepCapture:
+    """One engine step's captured rows: `rows` [k, D] in `dtype` (uint16 bit patterns for
+    bfloat16), and per request id (num_tokens, [(absolute layer, row index)])."""
+
     dtype: str
-    shape: tuple[int, ...]
-    data: bytes
-    layer: int = -1
+    rows: np.ndarray
+    requests: dict[str, tuple[int, list[tuple[int, int]]]]
+
+
+class CapturedVector(msgspec.Struct, array_like=True, gc=False):
+    """One engine request's vectors: the final-token state of its first `num_tokens` tokens."""
+
+    key: str  # the HiddenStatesExtractionRequest's key
+    via: str  # "tail" | "prompt" (the step that computed the last prompt token)
+    num_tokens: int
+    dtype: str
+    layers: list[int]  # absolute layer numbers (transformers'), one row each
+    hidden_size: int
+    data: bytes  # [len(layers), hidden_size] row-major, little-endian
 
     def to_numpy(self) -> np.ndarray:
-        """The vector as float32 (bfloat16 and float16 widen exactly)."""
+        """[len(layers), hidden_size] as float32 (bfloat16 and float16 widen exactly)."""
         if self.dtype == "float32":
             arr = np.frombuffer(self.data, dtype="<f4")
         elif self.dtype == "float16":
             arr = np.frombuffer(self.data, dtype="<f2").astype(np.float32)
         else:  # bfloat16: the high half of a float32
             arr = (np.frombuffer(self.data, dtype="<u2").astype(np.uint32) << 16).view(np.float32)
-        return arr.reshape(self.shape).astype(np.float32, copy=False)
+        return arr.reshape(len(self.layers), self.hidden_size).astype(np.float32, copy=False)
+
+    def to_output(self) -> dict:
+        return msgspec.to_builtins(self)
+
+    @staticmethod
+    def from_output(raw) -> "CapturedVector":
+        try:
+            cv = msgspec.convert(raw, CapturedVector)
+        except (msgspec.ValidationError, TypeError) as e:
+            raise HiddenStatesProtocolError(f"malformed captured vector: {e}") from None
+        if cv.dtype not in ITEMSIZE:
+            raise HiddenStatesProtocolError(f"unsupported dtype {cv.dtype!r}; expected one of {sorted(ITEMSIZE)}")
+        if cv.hidden_size < 1 or math.prod((len(cv.layers), cv.hidden_size)) * ITEMSIZE[cv.dtype] != len(cv.data):
+            raise HiddenStatesProtocolError(
+                f"{len(cv.data)} bytes do not hold {len(cv.layers)} x {cv.hidden_size} of {cv.dtype}")
+        return cv
 
 
-class HiddenStatesBatch(msgspec.Struct, array_like=True, gc=False):
-    results: list[HiddenStatesResult]
-
-
-_encoder = msgspec.msgpack.Encoder()
-_decoder = msgspec.msgpack.Decoder(HiddenStatesBatch)
-
-
-def encode_batch(batch: HiddenStatesBatch) -> bytes:
-    return _encoder.encode(batch)
-
-
-def decode_batch(frame: bytes) -> HiddenStatesBatch:
-    try:
-        batch = _decoder.decode(frame)
-    except (msgspec.DecodeError, msgspec.ValidationError) as e:
-        raise SideChannelProtocolError(f"malformed hidden-states frame ({len(frame)} bytes): {e}") from None
-    for r in batch.results:
-        if r.dtype not in ITEMSIZE:
-            raise SideChannelProtocolError(f"unsupported dtype {r.dtype!r} for key {r.key!r}; expected one of {sorted(ITEMSIZE)}")
-        if any(d < 0 for d in r.shape) or math.prod(r.shape) * ITEMSIZE[r.dtype] != len(r.data):
-            raise SideChannelProtocolError(
-                f"key {r.key!r}: {len(r.data)} bytes do not hold shape {list(r.shape)} of {r.dtype}"
-            )
-    return batch
-
-
-def result_from_array(key: str, arr: np.ndarray, dtype: str, layer: int = -1) -> HiddenStatesResult:
-    """`arr` holds the raw elements: float32/float16 arrays, or uint16 bit patterns for bfloat16."""
+def captured_vector(key: str, via: str, num_tokens: int, dtype: str, layers: list[int],
+                    rows: np.ndarray) -> CapturedVector:
+    """`rows` [len(layers), D] of raw elements: float32/float16, or uint16 bit patterns for bfloat16."""
     if dtype not in ITEMSIZE:
         raise ValueError(f"unsupported dtype {dtype!r}")
-    if arr.dtype.newbyteorder("<") != np.dtype(_NUMPY_DTYPE[dtype]):
-        raise ValueError(f"array of {arr.dtype} cannot be sent as {dtype}")
-    return HiddenStatesResult(key=key, dtype=dtype, shape=tuple(arr.shape), data=arr.astype(arr.dtype.newbyteorder("<"), copy=False).tobytes(), layer=layer)
+    if rows.dtype.newbyteorder("<") != np.dtype(_NUMPY_DTYPE[dtype]):
+        raise ValueError(f"array of {rows.dtype} cannot be sent as {dtype}")
+    rows = np.ascontiguousarray(rows, dtype=rows.dtype.newbyteorder("<"))
+    return CapturedVector(key, via, num_tokens, dtype, list(layers), int(rows.shape[-1]), rows.tobytes())

@@ -3,26 +3,27 @@
 The vector is computed in the engine's dtype (float32 on CPU by default;
 bfloat16/float16 widen exactly) and returned as float32.
 
-How: when a choice finishes and its request asked, the engine submits a
-prefill-only request of those token ids (max one token) flagged with a key;
-the runner hook (worker.py) sends that row over the side channel; we wait for
-the key with a timeout. On the engine that just generated the choice the
-prefix cache holds all but the last block, so the step recomputes under one
-block of tokens (32 on CPU by default). It is scheduled ahead of waiting
-generation (vLLM's priority policy, priority -1), so it does not queue behind
-the batch's new prompts.
+How (the seed's diagram): a request that asks is flagged in its
+`SamplingParams.extra_args`; the runner hook (worker.py) slices its row on the
+device in the step that computes it and hangs the step's rows on the
+ModelRunnerOutput; the scheduler (scheduler.py) files them and puts each
+request's vector on the EngineCoreOutput that finishes it; the frontend
+(extraction.py) takes it off there and files it under the choice. The final
+token's row comes from the *tail step*: a stopping request is held for one
+decode row in the batch that runs anyway (one position computed). Where the
+engine cannot take the tail (stop strings, grammars, async scheduling), the
+finished output says "not captured" by carrying nothing, and the *extraction
+step* runs at once: a prefill-only request of prompt+completion (max one
+token) whose output brings the vector the same way; the prefix cache holds all
+but the last block, and it goes ahead of waiting generation (priority -1).
 
-Two ways in, one path:
-- `complete()/extract()` for Python callers;
-- any code that drives the engine through vLLM's EngineClient interface
-  (vLLM's own OpenAI serving classes) with sampling params tagged by a
-  collector (`with engine.collecting() as c:` put `c.extra_args` in the
-  sampling params' extra_args; an OpenAI
-  request carries the tag in `vllm_xargs`, which vLLM copies into
-  `SamplingParams.extra_args`): the vectors land in that collector, keyed by
-  the token sequence they belong to (`collector.key(prompt_ids, token_ids)`),
-  so a response choice finds its vector from its own token ids, whatever
-  request ids vLLM made up on the way.
+Ways in, one path:
+- `complete()/extract_layers()` for Python callers;
+- vLLM's own OpenAI serving classes (openai.py) driving the engine through
+  vLLM's EngineClient interface with sampling params tagged by a collector
+  (`with engine.collecting() as c:` put `c.extra_args` in the sampling params'
+  extra_args; an OpenAI request carries the tag in `vllm_xargs`): vectors land
+  in that collector under (prompt ordinal, choice index);
 - beam search (vLLM's serving runs it as one-token engine requests per step,
   which carry no tag): `extract_beams()` wraps its final output and extracts
   one vector per returned beam.
@@ -40,12 +41,13 @@ from typing import Any
 from hidden_states.preflight import EngineStartupError, check_architecture, check_cpu_memory, check_model_folder
 from hidden_states.params import (HiddenStatesDisabledError, HiddenStatesRequestError, check_layers,
                                   check_position)
-from hidden_states.side_channel import HiddenStatesReceiver
 from hidden_states.tiny_model import DEFAULT_MODEL, resolve_model
 from hidden_states.engine import Completion, CompletionChoice, HiddenStatesCollector, SamplingOptions, VectorObservers
-from hidden_states.vllm import ENGINE_ENV, SUPPORTED_LAYER_ARCHS, WORKER_EXTENSION, check_vllm_version
+from hidden_states.vllm import (ENGINE_ENV, SUPPORTED_LAYER_ARCHS, WORKER_EXTENSION, VLLMIncompatibleError,
+                                check_vllm_version)
 from hidden_states.vllm.cpu import cpu_start_up, on_cpu
 from hidden_states.vllm.extraction import Extraction, make_async_llm_class
+from hidden_states.vllm.worker import check_engine_config
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +58,9 @@ logger = logging.getLogger(__name__)
 # engine argument wins). vLLM's CPU backend defaults to 128-token blocks, so the
 # step would recompute up to 128 tokens; its attention takes multiples of 32.
 CPU_EXTRACTION_BLOCK_SIZE = 32
-TAIL_SCHEDULER = "hidden_states.vllm.scheduler.TailScheduler"
+TAIL_SCHEDULER = "hidden_states.vllm.scheduler.TailScheduler"  # synchronous: vectors on outputs + the tail step
+ASYNC_SCHEDULER = "hidden_states.vllm.scheduler.AsyncVectorScheduler"  # async scheduling: vectors on outputs
+PLAIN_SCHEDULER = "hidden_states.vllm.scheduler.VectorScheduler"  # tail_step=False: vectors on outputs only
 EXTRACTION_PRIORITY = -1  # lower runs first under vLLM's priority policy; requests default to 0
 
 
@@ -95,31 +99,35 @@ class HiddenStatesEngine(Extraction, VectorObservers):
     `shutdown()`. Engine arguments are vLLM's (`AsyncEngineArgs`).
     """
 
-    def __init__(self, llm: Any, receiver: HiddenStatesReceiver | None, extraction_timeout_s: float):
+    def __init__(self, llm: Any, enabled: bool, extraction_timeout_s: float):
         self.llm = llm
+        self._enabled = enabled
+        self.vector_requests = 0  # engine requests that asked for a vector (a mailbox each)
+        self.mailboxes = {}  # a capture key -> {choice index: CapturedVector} (extraction.py)
+        self.malformed_vectors = 0  # vectors on outputs that did not decode (a bug)
+        self.unclaimed_vectors = 0  # vectors whose request had already ended (an abort raced the finish)
         hf = llm.vllm_config.model_config.hf_config
         self.num_layers = int(hf.num_hidden_layers)
         self.architecture = (getattr(hf, "architectures", None) or ["?"])[0]
         self.eager = bool(llm.vllm_config.model_config.enforce_eager)
         self._collectors: dict[str, HiddenStatesCollector] = {}
-        self.receiver = receiver
         self.extraction_timeout_s = extraction_timeout_s
         self.extractions = 0
         self.extraction_tokens = 0
         self.extraction_cached_tokens = 0
         VectorObservers.__init__(self)
         self.missing_vectors = 0  # choices that finished without their vector (each failed its request)
-        self.timeouts = 0  # vectors that did not arrive within extraction_timeout_s
+        self.timeouts = 0  # extraction steps that did not finish within extraction_timeout_s
         self.tail_enabled = False  # set by start(): the engine's scheduler runs tail steps
         self.tails = 0  # vectors from tail steps (one computed position each)
         self.extraction_priority = 0  # set by start(): vLLM refuses priorities under its fcfs policy
         self.startup: dict[str, Any] = {}  # set by start(): what the CPU start-up steps did
-        self._workers: list[dict] = []  # the workers' stats when last asked, and the receiver's state then
+        self._workers: list[dict] = []  # the workers' stats when last asked, and the engine's counts then
         self._workers_mark: tuple[int, int] | None = None
 
     @property
     def enabled(self) -> bool:
-        return self.receiver is not None
+        return self._enabled
 
     @classmethod
     async def start(
@@ -148,42 +156,48 @@ class HiddenStatesEngine(Extraction, VectorObservers):
             engine_args.setdefault("scheduling_policy", "priority")
             if on_cpu():
                 engine_args.setdefault("block_size", CPU_EXTRACTION_BLOCK_SIZE)
-        # The tail step (scheduler.py) needs a synchronous scheduler: CPU engines always are;
-        # GPU engines only with async_scheduling off (see the ledger, point 9).
-        tail = (enable_return_hidden_states and tail_step and "scheduler_cls" not in engine_args
-                and (on_cpu() or engine_args.get("async_scheduling") is False))
-        if tail:
-            engine_args["scheduler_cls"] = TAIL_SCHEDULER
+        if enable_return_hidden_states and "scheduler_cls" in engine_args:
+            raise EngineStartupError(
+                "engine argument scheduler_cls cannot be combined with hidden states: this server's scheduler "
+                "(hidden_states/vllm/scheduler.py) is what delivers the vectors")
         engine_args["worker_extension_cls"] = WORKER_EXTENSION
         path = _preflight(model, engine_args)
-        args = AsyncEngineArgs(model=path, **engine_args)
         try:
+            vllm_config = AsyncEngineArgs(model=path, **engine_args).create_engine_config()
+            tail = False
+            if enable_return_hidden_states:
+                check_engine_config(vllm_config)
+                # From the configuration vLLM resolved (async scheduling after its own defaults):
+                # the tail step needs a synchronous scheduler (ledger point 9).
+                tail = tail_step and not vllm_config.scheduler_config.async_scheduling
+                vllm_config.scheduler_config.scheduler_cls = (
+                    TAIL_SCHEDULER if not vllm_config.scheduler_config.async_scheduling else ASYNC_SCHEDULER)
+                if not tail_step:
+                    vllm_config.scheduler_config.scheduler_cls = PLAIN_SCHEDULER
             loggers = None
             if ray_metrics:  # vLLM's engine metrics through Ray's Prometheus endpoint, tagged ReplicaId
                 from vllm.v1.metrics.ray_wrappers import RayPrometheusStatLogger
 
                 loggers = [RayPrometheusStatLogger]
-            llm = make_async_llm_class().from_engine_args(args, stat_loggers=loggers)
+            llm = make_async_llm_class().from_vllm_config(vllm_config, stat_loggers=loggers)
+        except VLLMIncompatibleError as e:
+            raise EngineStartupError(str(e)) from e
         except Exception as e:
             raise EngineStartupError(
                 f"the vLLM engine for {model} failed to start ({type(e).__name__}: {e}); vLLM logs the root cause "
                 "from its engine-core process just above this error in the replica's log") from e
-        receiver, installed = None, []
+        installed = []
         try:
             startup = await cpu_start_up(llm, prefault_kv_cache, warm_up_s, malloc_trim_interval_s,
                                           install_timeout_s) if on_cpu() else {}
             if enable_return_hidden_states:
-                receiver = HiddenStatesReceiver()
-                receiver.start()
-                installed = await llm.collective_rpc("hidden_states_install", timeout=install_timeout_s, args=(receiver.address,))
+                installed = await llm.collective_rpc("hidden_states_install", timeout=install_timeout_s)
                 logger.info("hidden-states hook installed on %d worker(s); intermediate layers: %s", len(installed),
                             installed[0]["layer_capture_reason"] or "yes")
         except BaseException:
             llm.shutdown()
-            if receiver is not None:
-                receiver.close()
             raise
-        engine = cls(llm, receiver, extraction_timeout_s)
+        engine = cls(llm, enable_return_hidden_states, extraction_timeout_s)
         engine.startup = {**startup, **_execution_mode(llm.vllm_config)}
         logger.info("engine execution mode: %s", _execution_mode(llm.vllm_config))
         # What the workers found at install (worker.layer_capture_support); check_request reads it.
@@ -251,8 +265,7 @@ class HiddenStatesEngine(Extraction, VectorObservers):
         for o in final.outputs:
             vecs = stats = None
             if collector is not None:
-                seq = collector.key(final.prompt_token_ids, o.token_ids)
-                vecs, stats = collector.vectors.get(seq), collector.stats.get(seq)
+                vecs, stats = collector.vectors.get((0, o.index)), collector.stats.get((0, o.index))
                 if vecs is None:
                     raise self.missing(f"choice {o.index}")
                 self.vector_sent(position, stats, sum(v.nbytes for v in vecs.values()))
@@ -284,7 +297,7 @@ class HiddenStatesEngine(Extraction, VectorObservers):
         if not self.enabled:
             workers = []
         else:
-            mark = (self.receiver.expected, self.receiver.num_pending)
+            mark = (self.vector_requests, len(self.mailboxes))
             if fresh_workers or mark != self._workers_mark or mark[1] > 0:
                 self._workers = await self.llm.collective_rpc("hidden_states_stats", timeout=30)
                 self._workers_mark = mark
@@ -298,15 +311,14 @@ class HiddenStatesEngine(Extraction, VectorObservers):
             "timeouts": self.timeouts,
             "tail_enabled": self.tail_enabled,
             "tails": self.tails,
-            "pending": self.receiver.num_pending if self.receiver else 0,
-            "malformed_frames": self.receiver.malformed_frames if self.receiver else 0,
-            "unclaimed_results": self.receiver.unclaimed_results if self.receiver else 0,
+            "pending": len(self.mailboxes),  # engine requests whose vector may still come
+            "malformed_vectors": self.malformed_vectors,
+            "unclaimed_vectors": self.unclaimed_vectors,
+            "unfinished_requests": self.llm.output_processor.get_num_unfinished_requests(),
             "workers": workers,
             "startup": self.startup,
         }
 
     def shutdown(self) -> None:
         self.llm.shutdown()
-        if self.receiver is not None:
-            self.receiver.close()
 

@@ -1,13 +1,22 @@
-"""The extraction step and its bookkeeping, on vLLM's AsyncLLM.
+"""The frontend half: vectors off vLLM's outputs, and the extraction step where none came.
 
-When a tagged request's choice finishes, `ExtractingAsyncLLM.generate` submits
-a prefill-only request of prompt+completion (max one token) flagged with a key
-for the runner hook (worker.py), and files the vector it sends back in the
-request's collector, under the token sequence it belongs to. Collectors are
-found by the tag a request carries in `SamplingParams.extra_args` (an OpenAI
-request's `vllm_xargs`), never by parsing vLLM's request ids. vLLM's beam
-search makes its own untagged one-token requests per step; `extract_beams`
-extracts its returned beams instead. Every wait has a timeout.
+`ExtractingAsyncLLM` is vLLM's AsyncLLM with two additions:
+
+- its output processor first takes each `CapturedVector` off the
+  EngineCoreOutputs the engine core sends (scheduler.py puts it on the output
+  that finishes a captured request) and files it in the mailbox of the
+  `generate()` call that asked, under the choice's index;
+- `generate()`, for requests tagged with a collector (`vllm_xargs` ->
+  `SamplingParams.extra_args`), flags the engine request for capture (the tail
+  step where the engine can see the stop, else nothing), and when a choice
+  finishes puts its vector in the collector under (prompt ordinal, choice
+  index). A finished choice whose output brought no vector (the engine could
+  not take the tail: a stop string, a grammar, no room left, async scheduling)
+  gets the extraction step at once: a prefill-only request of
+  prompt+completion, max one token, whose vector comes back the same way.
+
+vLLM's beam search makes its own untagged one-token requests per step;
+`extract_beams` extracts its returned beams instead. Every wait has a timeout.
 """
 
 from __future__ import annotations
@@ -21,10 +30,20 @@ from typing import Any
 
 import numpy as np
 
-from hidden_states.engine import ExtractionStats, HiddenStatesCollector, MissingHiddenStatesError
+from hidden_states.engine import (ChoiceKey, ExtractionStats, HiddenStatesCollector, HiddenStatesTimeout,
+                                  MissingHiddenStatesError)
 from hidden_states.params import HiddenStatesRequestError
-from hidden_states.protocol import COLLECTOR_TAG_KEY, HiddenStatesExtractionRequest
-from hidden_states.side_channel import HiddenStatesTimeout
+from hidden_states.protocol import (COLLECTOR_TAG_KEY, OUTPUT_KEY, CapturedVector, HiddenStatesExtractionRequest,
+                                    HiddenStatesProtocolError)
+
+_FAILED = ("abort", "error")
+
+
+def prompt_ordinal(request_id: str) -> int:
+    """Which prompt of an OpenAI request an engine request serves: vLLM's completions serving
+    names them `{request_id}-{i}` (ledger point 10); chat and Python callers send one prompt."""
+    tail = request_id.rsplit("-", 1)[-1]
+    return int(tail) if tail.isdigit() and len(tail) < 6 else 0
 
 
 def make_async_llm_class():
@@ -32,34 +51,55 @@ def make_async_llm_class():
     from vllm.v1.engine.async_llm import AsyncLLM
 
     class ExtractingAsyncLLM(AsyncLLM):
-        """AsyncLLM whose generate() runs the extraction step for tagged requests."""
+        """AsyncLLM whose outputs bring vectors, and whose generate() files them."""
 
         hidden_states: "Extraction"
 
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            processor = self.output_processor
+            process = processor.process_outputs
+
+            def process_outputs(engine_core_outputs, *a, **kw):
+                hs = getattr(self, "hidden_states", None)
+                if hs is not None and hs.mailboxes:
+                    for eco in engine_core_outputs:
+                        params = eco.kv_transfer_params
+                        if params is not None and OUTPUT_KEY in params:
+                            raw = params.pop(OUTPUT_KEY)
+                            if not params:
+                                eco.kv_transfer_params = None
+                            state = processor.request_states.get(eco.request_id)
+                            hs.deliver(raw, state.request_index if state is not None else None)
+                return process(engine_core_outputs, *a, **kw)
+
+            processor.process_outputs = process_outputs
+
         async def generate(self, prompt, sampling_params, request_id, *args, **kwargs):
-            collector = self.hidden_states.collector_for(sampling_params)
+            hs = self.hidden_states
+            collector = hs.collector_for(sampling_params)
             if collector is None:
                 async for out in super().generate(prompt, sampling_params, request_id, *args, **kwargs):
                     yield out
                 return
-            if collector.position == "prompt_end":
-                async for out in self._generate_prompt_end(collector, prompt, sampling_params, request_id, *args, **kwargs):
-                    yield out
-                return
-            hs = self.hidden_states
-            sampling_params = hs._leave_room_for_extraction(prompt, sampling_params)
-            tail_key = None
-            if hs.takes_tail(sampling_params):
-                # The engine holds the request's finish for one step and captures its final
-                # token's row then (scheduler.py): no extraction request at all.
-                tail_key = uuid.uuid4().hex
+            prompt_end = collector.position == "prompt_end"
+            if not prompt_end:
+                sampling_params = hs._leave_room_for_extraction(prompt, sampling_params)
+            # prompt_end: the generating request's own prefill computes the last prompt position.
+            # completion_end: its tail step, where the engine can take it; else no capture here.
+            capture = prompt_end or hs.takes_tail(sampling_params)
+            key = uuid.uuid4().hex
+            if capture:
                 sampling_params = sampling_params.clone()
                 sampling_params.extra_args = {**(sampling_params.extra_args or {}), **HiddenStatesExtractionRequest(
-                    key=tail_key, layers=list(collector.layers), tail=True).to_extra_args()}
-                hs.receiver.expect(tail_key)
+                    key=key, layers=list(collector.layers), tail=not prompt_end).to_extra_args()}
+            ordinal = prompt_ordinal(request_id)
             delta = sampling_params.output_kind == RequestOutputKind.DELTA
             tokens: dict[int, list[int]] = {}
-            prompt_ids: list[int] | None = None
+            prompt_ids: list[int] = []
+            box = hs.mailboxes[key] = {}
+            hs.vector_requests += 1
+            settled: set[int] = set()  # cumulative outputs repeat finished choices
             try:
                 async for out in super().generate(prompt, sampling_params, request_id, *args, **kwargs):
                     if out.prompt_token_ids is not None:
@@ -70,51 +110,65 @@ def make_async_llm_class():
                             tokens.setdefault(o.index, []).extend(o.token_ids)
                         else:
                             tokens[o.index] = list(o.token_ids)
-                        if o.finish_reason is not None and o.finish_reason not in ("abort", "error"):
-                            finished.append(collector.key(prompt_ids, tokens[o.index]))
-                    if tail_key is not None and finished:
-                        await hs.collect_tail(collector, tail_key, finished[0])
-                    else:
-                        # Choices finishing together (n > 1, non-streaming) extract together;
-                        # identical sequences once.
-                        await hs.extract_into(collector, finished)
+                        if o.finish_reason is not None and o.finish_reason not in _FAILED and o.index not in settled:
+                            finished.append(o.index)
+                            settled.add(o.index)
+                    if finished:
+                        await hs.settle(collector, box, ordinal, prompt_ids, tokens, finished)
                     yield out
             finally:
-                if tail_key is not None:
-                    hs.receiver.discard(tail_key)
-
-        async def _generate_prompt_end(self, collector, prompt, sampling_params, request_id, *args, **kwargs):
-            # The generating request itself is flagged: its prefill computes the
-            # last prompt position anyway, so no extraction step runs.
-            hs = self.hidden_states
-            key = uuid.uuid4().hex
-            params = sampling_params.clone()
-            params.extra_args = {**(params.extra_args or {}),
-                                 **HiddenStatesExtractionRequest(key=key, layers=list(collector.layers)).to_extra_args()}
-            hs.receiver.expect(key)
-            prompt_ids: list[int] = []
-            try:
-                async for out in super().generate(prompt, params, request_id, *args, **kwargs):
-                    prompt_ids = list(out.prompt_token_ids or ()) or prompt_ids
-                    if any(o.finish_reason is not None for o in out.outputs):
-                        seq = collector.key(prompt_ids, ())
-                        if seq not in collector.vectors:  # one prompt, one vector for every choice
-                            collector.vectors[seq] = hs._by_layer(await hs._wait(key, len(prompt_ids)), collector.layers)
-                    yield out
-            finally:
-                hs.receiver.discard(key)
+                hs.mailboxes.pop(key, None)
 
     return ExtractingAsyncLLM
 
 
 class Extraction:
-    """The engine's extraction step (mixed into HiddenStatesEngine, which sets `llm`,
-    `receiver`, `num_layers`, `extraction_timeout_s`, `extraction_priority`, the
-    counters and `_collectors`)."""
+    """The engine's vector bookkeeping and extraction step (mixed into HiddenStatesEngine,
+    which sets `llm`, `num_layers`, `extraction_timeout_s`, `extraction_priority`, the
+    counters, `mailboxes` and `_collectors`)."""
+
+    mailboxes: dict[str, dict[int, CapturedVector]]
+
+    def deliver(self, raw: Any, index: int | None) -> None:
+        """A CapturedVector off an engine output, into the mailbox of the call that asked."""
+        try:
+            cv = CapturedVector.from_output(raw)
+        except HiddenStatesProtocolError:
+            self.malformed_vectors += 1
+            return
+        box = self.mailboxes.get(cv.key)
+        if box is None or index is None:  # its generate() already ended (an abort raced the finish)
+            self.unclaimed_vectors += 1
+            return
+        box[index] = cv
+
+    async def settle(self, collector: HiddenStatesCollector, box: dict[int, CapturedVector], ordinal: int,
+                     prompt_ids: list[int], tokens: dict[int, list[int]], finished: list[int]) -> None:
+        """Puts each finished choice's vector in the collector: the one its output brought,
+        else the extraction step's, at once (choices with identical sequences share one)."""
+        todo: dict[tuple[int, ...], list[int]] = {}
+        for index in finished:
+            cv = box.pop(index, None)
+            n = len(prompt_ids) if collector.position == "prompt_end" else len(prompt_ids) + len(tokens.get(index, ()))
+            if cv is not None and cv.num_tokens == n:
+                tail = cv.via == "tail"
+                stats = ExtractionStats(n, n - 1, 0.0, via="tail") if tail else None
+                collector.put((ordinal, index), self._by_layer(cv, collector.layers), stats)
+                self.tails += tail
+                continue
+            seq = tuple(prompt_ids) if collector.position == "prompt_end" else (*prompt_ids, *tokens.get(index, ()))
+            todo.setdefault(seq, []).append(index)
+        if not todo:
+            return
+        results = await asyncio.gather(*(self.extract_layers(seq, collector.layers) for seq in todo))
+        for indices, (vecs, stats) in zip(todo.values(), results):
+            for index in indices:
+                collector.put((ordinal, index), vecs, None if collector.position == "prompt_end" else stats)
 
     def _leave_room_for_extraction(self, prompt: Any, params: Any) -> Any:
-        """The extraction step prefills prompt+completion and asks for one token, so
-        prompt+completion must stay below max_model_len: cap max_tokens by one."""
+        """The final token needs one more position (the tail row, or the extraction step's
+        prefill of prompt+completion): prompt+completion must stay below max_model_len,
+        so max_tokens is capped by one."""
         ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else None
         if ids is None:
             return params
@@ -123,8 +177,8 @@ class Extraction:
         if room < 1:
             raise HiddenStatesRequestError(
                 f"a prompt of {len(ids)} tokens leaves no room for a completion with hidden states: "
-                f"prompt + completion must stay below max_model_len ({limit}), since the extraction "
-                "step needs one more position", "prompt")
+                f"prompt + completion must stay below max_model_len ({limit}), since the final token "
+                "needs one more position", "prompt")
         if params.max_tokens is None or params.max_tokens > room:
             params = params.clone()
             params.max_tokens = room
@@ -133,22 +187,16 @@ class Extraction:
     def _absolute(self, layer: int) -> int:
         return layer if layer >= 0 else self.num_layers + 1 + layer
 
-    def _by_layer(self, results, layers: Sequence[int]) -> dict[int, np.ndarray]:
-        got = {r.layer: r for r in results}
-        return {l: got[self._absolute(l)].to_numpy() for l in layers}
-
-    async def _wait(self, key: str, num_tokens: int):
-        try:
-            return await self.receiver.wait(key, self.extraction_timeout_s)
-        except TimeoutError:
-            raise self._timed_out(num_tokens) from None
+    def _by_layer(self, cv: CapturedVector, layers: Sequence[int]) -> dict[int, np.ndarray]:
+        rows = cv.to_numpy()
+        at = {layer: i for i, layer in enumerate(cv.layers)}
+        return {l: rows[at[self._absolute(l)]] for l in layers}
 
     def _timed_out(self, num_tokens: int) -> HiddenStatesTimeout:
         self.timeouts += 1
         return HiddenStatesTimeout(
             f"hidden states for a sequence of {num_tokens} tokens did not arrive within "
-            f"{self.extraction_timeout_s:g}s (extraction_timeout_s): the engine is overloaded, "
-            "or a side-channel message was lost")
+            f"{self.extraction_timeout_s:g}s (extraction_timeout_s): the engine is overloaded")
 
     @contextlib.contextmanager
     def collecting(self, layers: Sequence[int] = (-1,), position: str = "completion_end"):
@@ -176,40 +224,25 @@ class Extraction:
             f"{what} finished without its hidden states although the request asked for them; the request "
             "fails rather than return a partial answer (a server bug: please report it)")
 
-    async def extract_into(self, collector: HiddenStatesCollector, sequences: Sequence[tuple[int, ...]]) -> None:
-        """Extracts each sequence's final-token vector into the collector, once per distinct sequence."""
-        todo = [seq for seq in dict.fromkeys(sequences) if seq not in collector.vectors]
-        results = await asyncio.gather(*(self.extract_layers(seq, collector.layers) for seq in todo))
-        for seq, (vecs, stats) in zip(todo, results):
-            collector.vectors[seq] = vecs
-            collector.stats[seq] = stats
-
-    async def extract_beams(self, outputs: AsyncIterator[Any], collector: HiddenStatesCollector) -> AsyncIterator[Any]:
+    async def extract_beams(self, outputs: AsyncIterator[Any], collector: HiddenStatesCollector,
+                            ordinal: int) -> AsyncIterator[Any]:
         """vLLM's beam search output with one extraction per returned beam, on that
         beam's own prompt + token_ids (its per-step engine requests carry no tag)."""
         async for out in outputs:
-            done = [collector.key(out.prompt_token_ids, o.token_ids) for o in out.outputs if o.finish_reason is not None]
-            if done and collector.position == "prompt_end":
-                # Beam steps are not flagged: the prompt's vector comes from a (cached) extraction.
-                if done[0] not in collector.vectors:
-                    collector.vectors[done[0]] = (await self.extract_layers(done[0], collector.layers))[0]
-            else:
-                await self.extract_into(collector, done)
+            done = [o for o in out.outputs if o.finish_reason is not None]
+            if done:
+                prompt_ids = list(out.prompt_token_ids)
+                box: dict[int, CapturedVector] = {}  # beams bring no vectors: all extracted
+                await self.settle(collector, box, ordinal, prompt_ids, {o.index: list(o.token_ids) for o in done},
+                                  [o.index for o in done])
             yield out
 
     def takes_tail(self, params: Any) -> bool:
-        """Whether the tail step (scheduler.py) captures this generating request's vector:
-        one choice, a stop the engine sees (stop strings are cut in the frontend, which
-        then aborts), no grammar (its matcher is done once the request stops)."""
-        return (self.tail_enabled and params.n == 1 and not params.stop
+        """Whether to flag a generating request for the tail step (scheduler.py, which
+        still decides per request): a stop the engine sees (stop strings are cut in the
+        frontend, which then aborts), no grammar (its matcher is done once the request stops)."""
+        return (self.tail_enabled and not params.stop
                 and getattr(params, "structured_outputs", None) is None)
-
-    async def collect_tail(self, collector: HiddenStatesCollector, key: str, seq: tuple[int, ...]) -> None:
-        """The vector the tail step sent for `seq` (one position computed: the final token)."""
-        t0 = time.perf_counter()
-        collector.vectors[seq] = self._by_layer(await self._wait(key, len(seq)), collector.layers)
-        collector.stats[seq] = ExtractionStats(len(seq), len(seq) - 1, time.perf_counter() - t0, via="tail")
-        self.tails += 1
 
     def beam_search_room(self, prompt_len: int, max_tokens: int) -> int:
         """max_tokens for a beam search whose beams each need one more position to extract."""
@@ -223,7 +256,8 @@ class Extraction:
         return vecs[-1], stats
 
     async def extract_layers(self, token_ids: Sequence[int], layers: Sequence[int]) -> tuple[dict[int, np.ndarray], ExtractionStats]:
-        """The final token's hidden state at each of `layers` (transformers numbering)."""
+        """The final token's hidden state at each of `layers` (transformers numbering): a
+        prefill-only engine request whose output brings the vector (scheduler.py)."""
         layers = self.check_request(layers)
         if not token_ids:
             raise ValueError("extraction needs at least one token id")
@@ -238,31 +272,23 @@ class Extraction:
             extra_args=HiddenStatesExtractionRequest(key=key, layers=list(layers)).to_extra_args(),
         )
         t0 = time.perf_counter()
-        deadline = t0 + self.extraction_timeout_s
-        self.receiver.expect(key)
         cached = 0
+        box = self.mailboxes[key] = {}
+        self.vector_requests += 1
         try:
             async with asyncio.timeout(self.extraction_timeout_s):
                 # AsyncLLM.generate, not ours: an extraction never triggers another.
-                async for out in AsyncLLM.generate(self.llm, TokensPrompt(prompt_token_ids=list(token_ids)), params, f"hs-{key}",
-                                                  priority=self.extraction_priority):
+                async for out in AsyncLLM.generate(self.llm, TokensPrompt(prompt_token_ids=list(token_ids)), params,
+                                                  f"hs-{key}", priority=self.extraction_priority):
                     cached = out.num_cached_tokens or 0
-            results = await self.receiver.wait(key, max(0.0, deadline - time.perf_counter()))
-        except TimeoutError:  # HiddenStatesTimeout included: one message with the configured bound
-            self.receiver.discard(key)
+        except TimeoutError:
             raise self._timed_out(len(token_ids)) from None
-        except BaseException:
-            self.receiver.discard(key)
-            raise
-        vecs = self._by_layer(results, layers)
+        finally:
+            self.mailboxes.pop(key, None)
+        cv = box.get(0)
+        if cv is None or cv.num_tokens != len(token_ids):
+            raise self.missing(f"the extraction step of a sequence of {len(token_ids)} tokens")
         self.extractions += 1
         self.extraction_tokens += len(token_ids)
         self.extraction_cached_tokens += cached
-        return vecs, ExtractionStats(len(token_ids), cached, time.perf_counter() - t0)
-
-    async def extract(self, token_id_seqs: Sequence[Sequence[int]]) -> list[np.ndarray]:
-        """Batch form: the final-token vector of each sequence, in order."""
-        outs = await asyncio.gather(*(self.extract_one(ids) for ids in token_id_seqs))
-        return [vec for vec, _ in outs]
-
-    # -- generation -----------------------------------------------------------
+        return self._by_layer(cv, layers), ExtractionStats(len(token_ids), cached, time.perf_counter() - t0)

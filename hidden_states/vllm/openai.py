@@ -9,19 +9,20 @@ fields and put each choice's vector into its final choice object:
 - `hidden_states_encoding: "float" | "base64"` (base64 of little-endian float32)
 - (vLLM's own) `return_token_ids: bool` -> `prompt_token_ids`, `choices[i].token_ids`
 
-The vectors come from the engine's extraction step through a collector bound
-to this request (`HiddenStatesEngine.collecting`, its tag carried in
-`vllm_xargs`), so the step runs on this replica's engine, right after the
-choice finished: its prefix cache. Each response choice is matched to its
-vector by its own prompt_token_ids + token_ids (asked of vLLM internally, shown
-only if the client asked); a choice without one fails the request (500).
+The vectors come from this replica's engine (the tail step, or the extraction
+step where the engine could not take it: extraction.py) through a collector
+bound to this request (`HiddenStatesEngine.collecting`, its tag carried in
+`vllm_xargs`), filed by engine request and choice. The request vLLM serves is
+otherwise the client's own: nothing else is asked of vLLM, so the response is
+the one the client would get without hidden states, plus the vector fields on
+each finished choice (`openai_format.ChoiceVectors`); a choice without its
+vector fails the request (500).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextvars
-import json
 import logging
 import uuid
 from collections.abc import AsyncIterator
@@ -29,13 +30,13 @@ from http import HTTPStatus
 
 from pydantic import ValidationError
 
-from hidden_states.engine import HiddenStatesCollector, MissingHiddenStatesError
+from hidden_states.engine import HiddenStatesCollector, HiddenStatesTimeout, MissingHiddenStatesError
 from hidden_states import verify
 from hidden_states.openai_format import (ChoiceVectors, Route, encode_vector, error_body, not_from_token_ids,
                                          validation_message)
+from hidden_states.vllm.extraction import prompt_ordinal
 from hidden_states.params import HiddenStatesDisabledError, HiddenStatesFields, HiddenStatesRequestError
 from hidden_states.protocol import COLLECTOR_TAG_KEY, RESERVED_EXTRA_ARGS_PREFIX
-from hidden_states.side_channel import HiddenStatesTimeout
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +101,8 @@ class OpenAIFrontend:
         if request.return_hidden_states and (refusal := not_from_token_ids(request)) is not None:
             yield 400, error_body(refusal[1], 400, "BadRequestError", refusal[0])
             return
-        request.request_id = uuid.uuid4().hex  # a client's request_id is replaced
+        # A client's request_id is replaced; a letter first, so vLLM's `{id}-{i}` per prompt is unambiguous.
+        request.request_id = "hs" + uuid.uuid4().hex
         if request.vllm_xargs:  # our extra_args keys are ours alone: no forged capture, no joined collector
             request.vllm_xargs = {k: v for k, v in request.vllm_xargs.items()
                                   if not k.startswith(RESERVED_EXTRA_ARGS_PREFIX)} or None
@@ -116,11 +118,9 @@ class OpenAIFrontend:
             return
         with self.engine.collecting(layers, position) as collector:
             # The tag rides in vllm_xargs -> SamplingParams.extra_args of every engine
-            # request vLLM makes for this request; token ids come back with every choice,
-            # so each finds its own vector (hidden again below unless the client asked).
+            # request vLLM makes for this request.
             request.vllm_xargs = {**(request.vllm_xargs or {}), COLLECTOR_TAG_KEY: collector.tag}
             choices = ChoiceVectors(self.engine, collector, request, route, self.replica_id)
-            request.return_token_ids = True
             async for part in self._serve(serving, route, request, collector, choices):
                 yield part
 
@@ -151,13 +151,12 @@ class OpenAIFrontend:
             if choices is None:
                 yield 200, result.model_dump_json().encode()
                 return
-            payload = result.model_dump()
             try:
-                choices.fill_response(payload)
+                choices.fill_response(result)
             except MissingHiddenStatesError as e:
                 yield 500, error_body(str(e), 500, "InternalServerError", "return_hidden_states")
                 return
-            yield 200, json.dumps(payload, separators=(",", ":")).encode()
+            yield 200, result.model_dump_json().encode()
             return
         yield 200, b""
         async for chunk in result:
@@ -167,8 +166,6 @@ class OpenAIFrontend:
                 except MissingHiddenStatesError as e:
                     yield b"data: " + error_body(str(e), 500, "InternalServerError", "return_hidden_states") + b"\n\n"
                     return
-                if not chunk:
-                    continue
             yield chunk.encode()
 
 
@@ -250,7 +247,8 @@ def _wrap_beam_search(serving, engine) -> None:
             return original(prompt, request_id, params, *args, **kwargs)
         prompt_len = len(prompt.get("prompt_token_ids") or ())
         params = msgspec.structs.replace(params, max_tokens=engine.beam_search_room(prompt_len, params.max_tokens))
-        return engine.extract_beams(original(prompt, request_id, params, *args, **kwargs), collector)
+        return engine.extract_beams(original(prompt, request_id, params, *args, **kwargs), collector,
+                                    prompt_ordinal(request_id))
 
     serving.beam_search = beam_search
 

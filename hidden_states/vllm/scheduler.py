@@ -1,82 +1,186 @@
-"""The tail step: the final token's hidden state as one more decode row (ledger point 9 in __init__.py).
+"""The scheduler: where vectors meet the outputs they belong to, and the tail step
+(ledger point 9 in __init__.py).
 
-A request flagged for the tail (`HiddenStatesExtractionRequest(tail=True)` in
-its extra_args) that stops inside the engine (EOS, a stop token id,
-`max_tokens`, repetition) is held back one step instead of finishing: its last
-sampled token is emitted at once, without a finish reason, and the request
-stays running, so the next `schedule()` computes that token as an ordinary
-one-token decode row, in the batch that runs anyway, with every earlier K/V in
-place. That step's scheduler output names the held requests
-(`hidden_states_tails`, an attribute that rides along wherever the scheduler
-output goes: a dataclass instance, pickled by the multiprocess executor), so
-the runner hook captures their rows. The token sampled from that row is
-discarded, and the request finishes with its original finish and stop reason.
+One authority. The engine core's scheduler sees every flagged request from
+start to finish, so it decides, and says, what happens to its vector:
+
+- **Capture.** The runner hook (worker.py) hangs each step's captured rows on
+  the step's ModelRunnerOutput (`protocol.StepCapture`); `update_from_output`
+  files each row under its engine request.
+- **Delivery.** When a flagged request finishes, its vector leaves on the very
+  EngineCoreOutput that carries the finish (`protocol.CapturedVector` in its
+  `kv_transfer_params`), on vLLM's own path to the frontend. A finish without
+  one means "not captured": the frontend then runs its extraction step at
+  once (extraction.py). Nothing waits on a timer.
+- **The tail step** (`TailScheduler`, synchronous scheduling only). A request
+  flagged `tail=True` that stops inside the engine (EOS, a stop token id,
+  `max_tokens`, repetition) is held back one step: its final token is appended
+  to the request (so the next step computes it as an ordinary one-token decode
+  row, in the batch that runs anyway, with every earlier K/V in place) but not
+  emitted. That step's scheduler output names the held requests (`TAILS_ATTR`,
+  an attribute that rides along wherever the scheduler output goes), so the
+  runner captures their rows. The token sampled from the tail row is dropped,
+  and the held token is emitted then, with its own logprobs, together with the
+  original finish and stop reason: the frontend sees exactly the outputs it
+  would have seen without hidden states, one step later (vLLM's detokenizer
+  leaves a stop token out of the text only when it arrives with its finish).
 
 A preempted held request is recomputed on resume; the step whose scheduled
-span reaches its last token is still a tail step (the runner checks the span).
-Requests finished from outside (an abort) are dropped from the held set in
+span reaches its final token is still its tail step (the runner checks the
+span). Requests finished from outside (an abort) are forgotten in
 `_free_request`. Nothing changes for unflagged requests.
 
-Not held (the frontend then runs the extraction step, as before): a request
-with no room left for one more position (`num_tokens >= max_model_len`), and
-stops the engine never sees (stop strings, cut in the frontend: the frontend
-does not flag those requests).
+Not held (the vector then comes from the extraction step): a request with no
+room for one more position (`num_tokens >= max_model_len`), a request with a
+grammar (its matcher is done once the request stops), and any request the
+frontend did not flag for the tail (stop strings, which the frontend cuts).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 
-from hidden_states.protocol import HiddenStatesExtractionRequest
+from hidden_states.protocol import (OUTPUT_KEY, STEP_ATTR, TAILS_ATTR, CapturedVector, HiddenStatesExtractionRequest,
+                                    captured_vector)
 from hidden_states.vllm import _require
 
-TAILS_ATTR = "hidden_states_tails"  # SchedulerOutput attribute: request ids whose tail row runs in this step
 _HOLD = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_REPETITION)
 
 
-class TailScheduler(Scheduler):
-    """vLLM's v1 Scheduler, holding flagged requests' finish for one tail step."""
+@dataclasses.dataclass
+class _Held:
+    """A stopped request's finish, kept for one step: emitted with the tail step's output."""
+
+    status: Any
+    stop_reason: Any
+    tokens: list[int]
+    logprobs: Any  # LogprobsLists of the held tokens, or None
+    sampling_mask: Any
+
+
+class _VectorsOnOutputs:
+    """Mixed into a vLLM v1 scheduler: vectors onto finishing outputs, and (if `holds`) the tail step."""
+
+    holds = False
 
     def __init__(self, *args: Any, **kwargs: Any):
-        for name in ("add_request", "schedule", "_update_request_with_output", "_free_request"):
-            _require(hasattr(Scheduler, name), f"Scheduler.{name} (the tail step, ledger point 9)")
+        for name in ("add_request", "schedule", "update_from_output", "_update_request_with_output", "_free_request"):
+            _require(hasattr(Scheduler, name), f"Scheduler.{name} (the scheduler hook, ledger point 9)")
         super().__init__(*args, **kwargs)
-        self._tail_flagged: set[str] = set()
-        self._held: dict[str, tuple[Any, Any]] = {}  # request id -> (finished status, stop reason)
+        self._flags: dict[str, HiddenStatesExtractionRequest] = {}  # live flagged requests
+        self._captured: dict[str, CapturedVector] = {}  # captured, until the request finishes
+        self._held: dict[str, _Held] = {}
+        self._released: dict[str, _Held] = {}  # held tokens emitted in this update: their logprobs
+        self._finished: dict[str, CapturedVector | None] = {}  # flagged requests freed since the last update
+        self._step_output: Any = None  # the ModelRunnerOutput being applied (for a held token's logprobs)
         self.tails_run = 0
 
     def add_request(self, request: Any) -> None:
         sp = request.sampling_params
         flag = HiddenStatesExtractionRequest.from_extra_args(sp.extra_args if sp is not None else None)
-        if flag is not None and flag.tail:
-            self._tail_flagged.add(request.request_id)
+        if flag is not None:
+            self._flags[request.request_id] = flag
         super().add_request(request)
 
     def schedule(self, *args: Any, **kwargs: Any):
         out = super().schedule(*args, **kwargs)
-        setattr(out, TAILS_ATTR, [rid for rid in self._held if rid in out.num_scheduled_tokens])
+        setattr(out, TAILS_ATTR, [rid for rid in self._held if rid in out.num_scheduled_tokens] if self._held else ())
         return out
 
-    def _update_request_with_output(self, request: Any, new_token_ids: list[int], is_stale: bool = False):
+    def update_from_output(self, scheduler_output: Any, model_runner_output: Any):
+        step = getattr(model_runner_output, STEP_ATTR, None)
+        if step is not None:
+            self._file(step)
+        self._step_output = model_runner_output
+        try:
+            outputs = super().update_from_output(scheduler_output, model_runner_output)
+        finally:
+            self._step_output = None
+        if self._finished or self._released:
+            for batch in outputs.values():
+                for eco in batch.outputs:
+                    rid = eco.request_id
+                    held = self._released.pop(rid, None)
+                    if held is not None:  # the held token's own logprobs, not the dropped tail sample's
+                        eco.new_logprobs = held.logprobs
+                        if held.sampling_mask is not None:
+                            eco.new_sampling_mask = held.sampling_mask
+                    if eco.finish_reason is not None and (cv := self._finished.pop(rid, None)) is not None:
+                        eco.kv_transfer_params = {**(eco.kv_transfer_params or {}), OUTPUT_KEY: cv.to_output()}
+            self._finished.clear()
+            self._released.clear()
+        return outputs
+
+    def _file(self, step: Any) -> None:
+        for rid, (num_tokens, rows) in step.requests.items():
+            flag = self._flags.get(rid)
+            if flag is None:
+                continue
+            layers = [layer for layer, _ in rows]
+            self._captured[rid] = captured_vector(flag.key, "tail" if flag.tail else "prefill", num_tokens,
+                                                  step.dtype, layers, step.rows[[i for _, i in rows]])
+
+    def _update_request_with_output(self, request: Any, new_token_ids: list[int], *args: Any, **kwargs: Any):
         rid = request.request_id
-        held = self._held.pop(rid, None)
+        held = self._held.pop(rid, None) if self._held else None
         if held is not None:
-            # The tail step ran: drop the token sampled from it, finish as the request first stopped.
-            request.status, request.stop_reason = held
+            # The tail step ran: drop the token sampled from it; emit the held one with its finish.
+            request.status, request.stop_reason = held.status, held.stop_reason
+            self._released[rid] = held
             self.tails_run += 1
-            return [], True
-        new_token_ids, stopped = super()._update_request_with_output(request, new_token_ids, is_stale)
-        if (stopped and rid in self._tail_flagged and request.status in _HOLD
-                and request.num_tokens < self.max_model_len):
-            self._held[rid] = (request.status, request.stop_reason)
+            return list(held.tokens), True
+        new_token_ids, stopped = super()._update_request_with_output(request, new_token_ids, *args, **kwargs)
+        if stopped and self.holds and self._holds(request):
+            self._held[rid] = self._hold(request, new_token_ids)
             request.status, request.stop_reason = RequestStatus.RUNNING, None
-            return new_token_ids, False
+            return [], False
         return new_token_ids, stopped
 
+    def _holds(self, request: Any) -> bool:
+        flag = self._flags.get(request.request_id)
+        return (flag is not None and flag.tail and request.status in _HOLD
+                and request.num_tokens < self.max_model_len and request.structured_output_request is None)
+
+    def _hold(self, request: Any, tokens: list[int]) -> _Held:
+        out, n = self._step_output, len(tokens)
+        index = out.req_id_to_index[request.request_id]
+        sp = request.sampling_params
+        logprobs = (out.logprobs.slice_request(index, n)
+                    if sp is not None and sp.num_logprobs is not None and out.logprobs else None)
+        masks = getattr(out, "sampling_masks", None)
+        mask = masks.slice_request(index, n) if self.return_sampling_mask and masks is not None and n else None
+        return _Held(request.status, request.stop_reason, list(tokens), logprobs, mask)
+
     def _free_request(self, request: Any, *args: Any, **kwargs: Any):
-        self._tail_flagged.discard(request.request_id)
-        self._held.pop(request.request_id, None)
+        rid = request.request_id
+        if self._flags.pop(rid, None) is not None:
+            self._held.pop(rid, None)
+            self._finished[rid] = self._captured.pop(rid, None)
         return super()._free_request(request, *args, **kwargs)
+
+
+class TailScheduler(_VectorsOnOutputs, Scheduler):
+    """vLLM's v1 Scheduler (synchronous): vectors on outputs, and the tail step."""
+
+    holds = True
+
+
+class AsyncVectorScheduler(_VectorsOnOutputs, AsyncScheduler):
+    """vLLM's AsyncScheduler (the GPU default): vectors on outputs, no tail step. When a stop
+    is seen, the step with the final token as input is already in flight, unmarked; the
+    frontend's extraction step computes those vectors (ledger point 9 says how a tail could
+    take the in-flight row)."""
+
+    holds = False
+
+
+class VectorScheduler(_VectorsOnOutputs, Scheduler):
+    """vLLM's v1 Scheduler with vectors on outputs and no tail step (`tail_step=False`: every
+    completion-end vector from the extraction step, as a baseline to measure the tail against)."""
+
+    holds = False

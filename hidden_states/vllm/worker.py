@@ -1,14 +1,16 @@
 """The model-runner hook, installed in every vLLM worker (ledger points 1, 2, 8 in __init__.py).
 
 Contract: for every request whose `SamplingParams.extra_args` carries a
-`HiddenStatesExtractionRequest`, in the engine step that computes the request's
-last *prompt* position, the row the LM head consumes for that request (the
-last-layer hidden state after the final norm) is sliced on the device; all rows
-captured in a step move to the CPU in one transfer and leave in one side-channel
-frame. Nothing is captured for unflagged requests; nothing is per-request on
-the device. For an extraction request (prompt = prompt+completion, max one
-token) that row is the final token's hidden state; for a generating request it
-is the prompt-end vector.
+`HiddenStatesExtractionRequest`, the row the LM head consumes for that request
+(the last-layer hidden state after the final norm) is sliced on the device in
+the step that computes its position of interest: for a tail-flagged request,
+its tail step (the scheduler names those in `TAILS_ATTR`: the final token as one
+more decode row); otherwise its last *prompt* position (an extraction request's
+prompt is prompt+completion; a generating request's gives the prompt-end
+vector). All rows of a step move to the CPU in one transfer, after sampling,
+and leave on the step's ModelRunnerOutput (`protocol.StepCapture`), where the
+scheduler finds them (scheduler.py). Nothing is captured for unflagged
+requests; nothing is per-request on the device.
 
 Intermediate layers (transformers numbering, see `_RunnerHook`) come from
 forward pre-hooks on the decoder layers (ledger point 8) of any model whose
@@ -41,11 +43,10 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from hidden_states.protocol import HiddenStatesBatch, HiddenStatesExtractionRequest, result_from_array
+from hidden_states.protocol import STEP_ATTR, TAILS_ATTR, HiddenStatesExtractionRequest, StepCapture
 from hidden_states.vllm import SUPPORTED_LAYER_ARCHS, VLLMIncompatibleError, _require, check_vllm_version  # noqa: F401
 from hidden_states.vllm.cpu import CPUWorkerSteps, patch_cpu_generator_rewind
 
-TAILS_ATTR = "hidden_states_tails"  # scheduler.TailScheduler's SchedulerOutput attribute (no vLLM import here)
 
 logger = logging.getLogger(__name__)
 
@@ -138,7 +139,7 @@ def layer_capture_support(model: Any, num_layers: int, hidden_size: int) -> tupl
 
 
 class _RunnerHook:
-    """Per-worker state: which live requests are flagged, this step's capture plan, the sender.
+    """Per-worker state: which live requests are flagged, this step's capture plan, its rows.
 
     Layers are numbered as transformers' `output_hidden_states`: 0 is the
     embedding output, l in 1..L-1 the residual stream entering decoder layer l
@@ -147,24 +148,25 @@ class _RunnerHook:
     pre-hooks on the decoder layers, only at the planned flat token positions.
     The step's plan lives from `before_step` to `end_step` (one execute_model
     call): forwards outside a step (dummy and warm-up batches) capture nothing.
+    The rows it sliced (still on the device) wait for the step's sampling
+    (`attach`): they leave with the step's ModelRunnerOutput, on vLLM's own path.
     """
 
-    def __init__(self, runner: Any, address: str, send: bool):
-        from hidden_states.side_channel import HiddenStatesSender
-
+    def __init__(self, runner: Any):
         self.runner = runner
         self.flagged: dict[str, HiddenStatesExtractionRequest] = {}  # captured at their last prompt token
         self.tail_flagged: dict[str, HiddenStatesExtractionRequest] = {}  # captured in their tail step
         self._tails: Any = ()  # this step's held requests (the scheduler output's TAILS_ATTR)
         self.tails_captured = 0
-        self.sender = HiddenStatesSender(address) if send else None
         self.captured = 0
         self.steps_with_capture = 0
         self.num_layers = runner.vllm_config.model_config.hf_config.num_hidden_layers
         self._so: Any = None
-        self._plan: list[tuple[str, int, list[int]]] | None = None  # (key, batch row, absolute layers)
-        self._layer_rows: dict[int, tuple[Any, list[str]]] = {}  # layer -> (flat positions, keys)
-        self._slices: list[tuple[int, list[str], Any]] = []  # (layer, keys, [k, D] on device)
+        # (request id, batch row, absolute layers, num_tokens): num_tokens is how many tokens the row ends
+        self._plan: list[tuple[str, int, list[int], int]] | None = None
+        self._layer_rows: dict[int, tuple[Any, list[str]]] = {}  # layer -> (flat positions, request ids)
+        self._slices: list[tuple[int, list[str], Any]] = []  # (layer, request ids, [k, D] on device)
+        self._ready: tuple[Any, list[tuple[str, int]], dict[str, int]] | None = None  # rows, labels, num_tokens
 
     def install_layer_hooks(self) -> dict[str, Any]:
         """Hooks the decoder layers if the model supports it; returns what it found
@@ -199,8 +201,8 @@ class _RunnerHook:
             req = HiddenStatesExtractionRequest.from_extra_args(sp.extra_args if sp is not None else None)
             if req is not None:
                 (self.tail_flagged if req.tail else self.flagged)[new.req_id] = req
-        self._tails = getattr(so, TAILS_ATTR, None) or ()  # set by scheduler.TailScheduler
-        self._so, self._plan, self._layer_rows, self._slices = so, None, {}, []
+        self._tails = getattr(so, TAILS_ATTR, None) or ()  # set by the scheduler (scheduler.py)
+        self._so, self._plan, self._layer_rows, self._slices, self._ready = so, None, {}, [], None
 
     def end_step(self) -> None:
         """After every execute_model call, captured or not: no plan outlives its step."""
@@ -208,9 +210,9 @@ class _RunnerHook:
 
     @property
     def _capturing(self) -> bool:
-        return bool(self.flagged or self._tails) and self.sender is not None and self._so is not None
+        return bool(self.flagged or self._tails) and self._so is not None
 
-    def _step_plan(self) -> list[tuple[str, int, list[int]]]:
+    def _step_plan(self) -> list[tuple[str, int, list[int], int]]:
         """Flagged requests whose last scheduled position is their last prompt token, and
         held requests (tail step) whose last scheduled position is their final token."""
         if self._plan is not None:
@@ -225,7 +227,7 @@ class _RunnerHook:
             # Capture when that position is the last prompt token (prompt+completion
             # for an extraction request), whatever chunking or caching came before.
             if rs.num_computed_tokens + n_sched == rs.num_prompt_tokens:
-                plan.append((req.key, index[rid], [l if l >= 0 else L + 1 + l for l in req.layers]))
+                plan.append((rid, index[rid], absolute_layers(req.layers, L), rs.num_prompt_tokens))
         for rid in self._tails:
             req, n_sched = self.tail_flagged.get(rid), so.num_scheduled_tokens.get(rid)
             if req is None or not n_sched:
@@ -233,19 +235,19 @@ class _RunnerHook:
             rs = self.runner.requests[rid]
             # The span reaches the final token: a one-token decode, or a resumed request's last chunk.
             if rs.num_computed_tokens + n_sched == rs.num_tokens:
-                plan.append((req.key, index[rid], [l if l >= 0 else L + 1 + l for l in req.layers]))
+                plan.append((rid, index[rid], absolute_layers(req.layers, L), rs.num_tokens))
                 self.tails_captured += 1
         self._plan = plan
         self._layer_rows = {}
-        if any(l < L for _, _, ls in plan for l in ls):
+        if any(l < L for _, _, ls, _ in plan for l in ls):
             # Flat position of each request's last scheduled token in this step's batch.
             ends = self.runner.query_start_loc.np
-            for key, row, ls in plan:
+            for rid, row, ls, _ in plan:
                 for l in ls:
                     if l < L:
-                        pos, keys = self._layer_rows.setdefault(l, ([], []))
+                        pos, rids = self._layer_rows.setdefault(l, ([], []))
                         pos.append(int(ends[row + 1]) - 1)
-                        keys.append(key)
+                        rids.append(rid)
         return plan
 
     def _make_pre_hook(self, layer: int):
@@ -270,6 +272,7 @@ class _RunnerHook:
         return pre_hook
 
     def after_step(self) -> None:
+        """After the forward pass (sampling pending): the step's rows, sliced on the device."""
         state = getattr(self.runner, "execute_model_state", None)
         if state is None or not self._capturing:
             return
@@ -279,21 +282,42 @@ class _RunnerHook:
         import torch
 
         L = self.num_layers
-        final = [(key, row) for key, row, ls in plan if L in ls]
+        final = [(rid, row) for rid, row, ls, _ in plan if L in ls]
         parts, labels = [], []
         if final:
             rows = torch.tensor([row for _, row in final], device=state.sample_hidden_states.device)
             parts.append(state.sample_hidden_states[rows])
-            labels += [(key, L) for key, _ in final]
-        for layer, keys, sel in self._slices:
+            labels += [(rid, L) for rid, _ in final]
+        for layer, rids, sel in self._slices:
             parts.append(sel)
-            labels += [(key, layer) for key in keys]
+            labels += [(rid, layer) for rid in rids]
         self._slices = []
-        self._send(torch.cat(parts) if len(parts) > 1 else parts[0], labels)
+        self._ready = (torch.cat(parts) if len(parts) > 1 else parts[0], labels, {rid: n for rid, _, _, n in plan})
 
-    def _send(self, rows, labels: list[tuple[str, int]]) -> None:
+    def attach(self, out: Any) -> Any:
+        """Hangs the step's rows on its ModelRunnerOutput (protocol.STEP_ATTR). Under async
+        scheduling (GPU), in the output's `get_output`, where vLLM copies its own results
+        to the host: the one device-to-host copy of the step then overlaps the next step."""
+        ready, self._ready = self._ready, None
+        if ready is None or out is None:
+            return out
+        if hasattr(out, "get_output"):  # AsyncModelRunnerOutput
+            original = out.get_output
+
+            def get_output():
+                mro = original()
+                setattr(mro, STEP_ATTR, self._to_host(ready))
+                return mro
+
+            out.get_output = get_output
+        elif hasattr(out, "req_id_to_index"):
+            setattr(out, STEP_ATTR, self._to_host(ready))
+        return out
+
+    def _to_host(self, ready) -> StepCapture:
         import torch
 
+        rows, labels, num_tokens = ready
         host = rows.to("cpu")  # the step's one device-to-host transfer
         if host.dtype == torch.bfloat16:
             arr, dtype = host.view(torch.uint16).numpy(), "bfloat16"
@@ -301,54 +325,74 @@ class _RunnerHook:
             arr, dtype = host.numpy(), "float16"
         else:
             arr, dtype = host.float().numpy(), "float32"
-        self.sender.send(HiddenStatesBatch([
-            result_from_array(key, arr[i], dtype, layer) for i, (key, layer) in enumerate(labels)
-        ]))
-        self.captured += len(labels)
+        requests: dict[str, tuple[int, list[tuple[int, int]]]] = {}
+        for i, (rid, layer) in enumerate(labels):
+            requests.setdefault(rid, (num_tokens[rid], []))[1].append((layer, i))
+        self.captured += len(requests)
         self.steps_with_capture += 1
+        return StepCapture(dtype, arr, requests)
+
+
+def absolute_layers(layers, num_layers: int) -> list[int]:
+    """transformers' numbering: -1 is the last layer (num_layers), 0 the embeddings."""
+    return [l if l >= 0 else num_layers + 1 + l for l in layers]
+
+
+def check_engine_config(vcfg: Any) -> None:
+    """Engine shapes the hook cannot serve, refused with the argument that asks for them."""
+    if vcfg.speculative_config is not None:
+        raise VLLMIncompatibleError("hidden states cannot be combined with speculative decoding "
+                                    "(speculative_config): rows no longer map one per request")
+    if vcfg.parallel_config.pipeline_parallel_size > 1:
+        raise VLLMIncompatibleError("hidden states need pipeline_parallel_size=1: the last rank holds the rows")
+    if getattr(vcfg, "kv_transfer_config", None) is not None:
+        raise VLLMIncompatibleError("hidden states cannot be combined with a KV connector (kv_transfer_config): "
+                                    "vectors ride the outputs' kv_transfer_params, and a remote prefill "
+                                    "skips the step that computes them")
 
 
 class HiddenStatesWorkerExtension(CPUWorkerSteps):
     """Mixed into vLLM's Worker via `worker_extension_cls`; called by collective_rpc."""
 
-    def hidden_states_install(self, address: str) -> dict[str, Any]:
+    def hidden_states_install(self) -> dict[str, Any]:
         """Installs the hook once; returns {"installed": this call installed it, "layer_capture":
         intermediate layers can be served, "layer_capture_reason": why not, ...}."""
         check_vllm_version()
         runner = getattr(self, "model_runner", None)
         _require(runner is not None, "Worker.model_runner")
         _require(hasattr(runner, "execute_model_state"), "GPUModelRunner.execute_model_state (Model Runner V1)")
+        _require(hasattr(runner, "sample_tokens"), "GPUModelRunner.sample_tokens")
         _require(hasattr(runner, "input_batch") and hasattr(runner.input_batch, "req_id_to_index"), "InputBatch.req_id_to_index")
         _require(hasattr(runner, "requests"), "GPUModelRunner.requests")
-        vcfg = runner.vllm_config
-        if vcfg.speculative_config is not None:
-            raise VLLMIncompatibleError("hidden states cannot be combined with speculative decoding")
-        if vcfg.parallel_config.pipeline_parallel_size > 1:
-            raise VLLMIncompatibleError("hidden states need pipeline_parallel_size=1")
+        check_engine_config(runner.vllm_config)
         if getattr(runner, "_hidden_states_hook", None) is not None:
             return {**runner._hidden_states_hook.layer_info, "installed": False}
-        # Tensor-parallel ranks hold identical rows after the all-reduce: rank 0 sends.
-        send = getattr(self, "rank", 0) == 0
-        hook = _RunnerHook(runner, address, send)
-        original = runner.execute_model
+        hook = _RunnerHook(runner)
+        # Tensor-parallel ranks hold identical rows after the all-reduce; the executor returns
+        # only the output rank's ModelRunnerOutput (rank 0 without pipeline parallelism).
+        attaches = getattr(self, "rank", 0) == 0
+        execute, sample = runner.execute_model, runner.sample_tokens
 
         def execute_model(scheduler_output, *args, **kwargs):
             hook.before_step(scheduler_output)
             try:
-                out = original(scheduler_output, *args, **kwargs)
-                if out is None:  # logits computed, sampling pending: rows are in execute_model_state
+                out = execute(scheduler_output, *args, **kwargs)
+                if out is None and attaches:  # logits computed, sampling pending: rows are in execute_model_state
                     hook.after_step()
                 return out
             finally:
                 hook.end_step()
 
-        runner.execute_model = execute_model
+        def sample_tokens(*args, **kwargs):
+            return hook.attach(sample(*args, **kwargs))
+
+        runner.execute_model, runner.sample_tokens = execute_model, sample_tokens
         runner._hidden_states_hook = hook
         hook.layer_info = hook.install_layer_hooks()
         if getattr(runner, "device", None) is not None and runner.device.type == "cpu":
             patch_cpu_generator_rewind(runner)
-        logger.info("hidden-states hook installed on %s (sending=%s, layer capture: %s)", type(runner).__name__,
-                    send, hook.layer_info["layer_capture_reason"] or f"{hook.layer_hooks} decoder layers")
+        logger.info("hidden-states hook installed on %s (attaching=%s, layer capture: %s)", type(runner).__name__,
+                    attaches, hook.layer_info["layer_capture_reason"] or f"{hook.layer_hooks} decoder layers")
         return {**hook.layer_info, "installed": True}
 
     def hidden_states_stats(self) -> dict:
@@ -364,6 +408,5 @@ class HiddenStatesWorkerExtension(CPUWorkerSteps):
             "tails_captured": hook.tails_captured,
             "captured": hook.captured,
             "steps_with_capture": hook.steps_with_capture,
-            "dropped_sends": hook.sender.dropped if hook.sender else 0,
             "layer_hooks": hook.layer_hooks,
         }
