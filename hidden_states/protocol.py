@@ -97,8 +97,9 @@ class CapturedVector(msgspec.Struct, array_like=True, gc=False):
             arr = (np.frombuffer(self.data, dtype="<u2").astype(np.uint32) << 16).view(np.float32)
         return arr.reshape(len(self.layers), self.hidden_size).astype(np.float32, copy=False)
 
-    def to_output(self) -> dict:
-        return msgspec.to_builtins(self)
+    def to_output(self) -> list:
+        """Builtins for vLLM's msgpack (array-like; `data` stays raw bytes, not base64)."""
+        return msgspec.to_builtins(self, builtin_types=(bytes,))
 
     @staticmethod
     def from_output(raw) -> "CapturedVector":

@@ -1,7 +1,8 @@
 """Everything that touches vLLM lives in this package; nothing else imports vllm.
 
-- `engine.py`  the vLLM implementation of the engine interface (hidden_states/engine.py):
-               AsyncLLM plus the extraction step;
+- `engine.py`  the vLLM implementation of the engine interface (hidden_states/engine.py);
+- `extraction.py` the frontend half: vectors off vLLM's outputs, the extraction step;
+- `scheduler.py` the engine core half: vectors onto outputs, the tail step;
 - `openai.py`  vLLM's own OpenAI serving classes, plus the vectors;
 - `worker.py`  the model-runner hook in every worker;
 - `cpu.py`     CPU engines' start-up steps (pre-faulted KV cache, warm-up, malloc_trim)
@@ -12,14 +13,21 @@ Ledger of patched points (supported: vLLM {SUPPORTED}):
 1. `Worker` gains `hidden_states_install/hidden_states_stats` through the public
    `worker_extension_cls` engine argument (not a patch).
    Remove: never; it is the supported extension point.
-2. `GPUModelRunner.execute_model` is wrapped *on the runner instance* (CPU and
-   XPU runners subclass GPUModelRunner, so one wrapper serves all V1 runners).
-   Why: after it returns, `runner.execute_model_state` holds the step's
-   `scheduler_output` and `sample_hidden_states` (one row per scheduled request
-   in `input_batch.req_ids` order) until `sample_tokens()` runs.
-   How: read both after the original call; no vLLM code is modified. The
-   step's capture plan is dropped when the call returns or raises, so forwards
-   outside a step (dummy batches) see none.
+2. `GPUModelRunner.execute_model` and `sample_tokens` are wrapped *on the runner
+   instance* (CPU and XPU runners subclass GPUModelRunner, so one wrapper
+   serves all V1 runners).
+   Why: after execute_model returns, `runner.execute_model_state` holds the
+   step's `scheduler_output` and `sample_hidden_states` (one row per scheduled
+   request in `input_batch.req_ids` order) until `sample_tokens()` runs; the
+   rows are sliced on the device then, and hung on the ModelRunnerOutput that
+   `sample_tokens` returns (attribute `hidden_states_step`, a
+   `protocol.StepCapture`; vLLM's multiprocess executor moves that dataclass
+   instance whole, with its own transport). The one device-to-host copy of a
+   step happens there, after sampling: under async scheduling (GPU) inside the
+   output's `get_output`, where vLLM copies its own results.
+   How: no vLLM code is modified. The step's capture plan is dropped when
+   execute_model returns or raises, so forwards outside a step (dummy
+   batches) see none.
    Remove when: vLLM returns last-token hidden states inline (RFC #48743).
    Under async scheduling (vLLM's GPU default; untested here, no GPU), read
    from vLLM 0.32's sources: the engine core still calls execute_model then
@@ -28,13 +36,13 @@ Ledger of patched points (supported: vLLM {SUPPORTED}):
    placeholders live in num_output_placeholders, apart from
    num_computed_tokens, which the runner receives as of before the step, so
    "this step reaches the last prompt token" still holds; and a full prefix
-   hit still recomputes the last token. The capture's `.to("cpu")` is a
-   synchronous copy inside the engine loop there (shared/GPU-REVIEW.md item 1).
+   hit still recomputes the last token.
 3. Model Runner V2 (`vllm/v1/worker/gpu/`) is turned off with
    `VLLM_USE_V2_MODEL_RUNNER=0` (engine.py sets it): it has no
    `execute_model_state`. Remove when point 2 is ported to V2.
-4. Speculative decoding and pipeline parallelism are refused at install: rows
-   no longer map one per request, or the last rank holds them.
+4. Speculative decoding, pipeline parallelism and KV connectors are refused at
+   start (worker.check_engine_config): rows no longer map one per request, the
+   last rank holds them, or a remote prefill skips the step that computes them.
 5. CPU only: `GPUModelRunner._bookkeeping_sync` rewinds the generator of a
    seeded request whose sampled token is discarded (a partial prefill chunk)
    with `gen.set_offset(gen.get_offset() - 4)`, which CPU generators refuse
@@ -67,29 +75,43 @@ Ledger of patched points (supported: vLLM {SUPPORTED}):
    that returns (norm(h + r), h + r) (probed once on random rows). The stream
    entering layer l is then hidden + residual (hidden alone before layer 0).
    Remove when vLLM returns chosen layers itself (RFC #48743).
-9. The tail step (scheduler.py): the public `scheduler_cls` engine argument
-   names `TailScheduler`, a subclass of v1 `Scheduler` that overrides
-   `add_request` (notes requests flagged `tail=True`), `schedule` (adds the
-   attribute `hidden_states_tails` to the SchedulerOutput: the held requests
-   scheduled in this step), `_update_request_with_output` (holds a flagged
-   request's stop for one step, then drops the token sampled in it and finishes
-   with the held status and stop reason) and `_free_request` (forgets held
-   requests however they end). The worker reads the attribute (worker.py); it
-   reaches the workers because the SchedulerOutput dataclass instance travels
-   whole (in-process, or pickled by the multiprocess executor, the CPU
-   default; tested by every tail-step test, which would time out without it).
+9. The scheduler (scheduler.py): the engine core's scheduler is always ours
+   when hidden states are on, chosen from the configuration vLLM resolved
+   (`scheduler_config.scheduler_cls` set on the VllmConfig after
+   `create_engine_config`): `TailScheduler` (a v1 `Scheduler`) under
+   synchronous scheduling, `AsyncVectorScheduler` (an `AsyncScheduler`) under
+   async scheduling. Both override `add_request` (note flagged requests),
+   `update_from_output` (file the step's captured rows; put each finished
+   request's vector on its EngineCoreOutput's `kv_transfer_params`), and
+   `_free_request` (forget a request however it ends). The TailScheduler also
+   overrides `schedule` (adds `hidden_states_tails` to the SchedulerOutput:
+   held requests scheduled in this step; the dataclass instance travels whole
+   to the workers) and `_update_request_with_output` (holds a flagged
+   request's stop for one step: the final token is appended but not emitted;
+   in the next step the token sampled from its row is dropped and the held
+   token is emitted with its own logprobs and the original finish).
    Why: the final token's hidden state then costs one decode row in a batch
-   that runs anyway, instead of a second request through the frontend.
+   that runs anyway, and the frontend sees the outputs it would see without
+   hidden states (vLLM's detokenizer leaves a stop token out of the text only
+   when it arrives together with its finish).
    Async scheduling (vLLM's GPU default, never used on CPU): when a stop is
    seen, the step with the final token as input is usually already in flight,
-   unmarked, so the tail row would be computed but not captured. The engine
-   therefore uses the tail only on synchronous schedulers (CPU, or GPU with
-   `async_scheduling: false`) and keeps the extraction step otherwise. The
-   design for async: mark every flagged running request whose next token may
-   be its last (max_tokens reached next step, or always when EOS/stop ids
-   apply) so the runner keeps that row on the device, and send it once the
-   scheduler confirms the stop; free otherwise. Not built, not tested: no GPU.
+   unmarked, so no tail is held and the frontend's extraction step computes
+   the vector, at once. The design for async: mark every flagged running
+   request whose next token may be its last so the runner keeps that row on
+   the device, and attach it once the scheduler confirms the stop. Not built,
+   not tested: no GPU.
    Remove when vLLM returns the final token's hidden state itself.
+10. The vector's way to the frontend: `EngineCoreOutput.kv_transfer_params`
+   (a `dict[str, Any]` that vLLM's msgpack carries; raw bytes stay bytes).
+   `ExtractingAsyncLLM` wraps its output processor's `process_outputs` on the
+   instance and takes our key off each output before vLLM reads the field,
+   finding the choice by `request_states[id].request_index`. KV connectors,
+   the field's real users, are refused at start. And vLLM's completions
+   serving names the engine requests of a request's prompts `{id}-{i}`
+   (extraction.prompt_ordinal), which is how a response choice finds its
+   vector: `ordinal * n + index`, as vLLM numbers choices.
+   Remove when vLLM's outputs carry hidden states (RFC #48743).
 """
 
 from __future__ import annotations

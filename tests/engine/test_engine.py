@@ -179,7 +179,8 @@ def test_n2_one_vector_per_choice(engine, loop_thread, reference):
     c = loop_thread.run(engine.complete(PROMPTS[1], sp(n=2, temperature=1.0, seed=7, max_tokens=16)))
     assert len(c.choices) == 2 and c.choices[0].token_ids != c.choices[1].token_ids
     for choice in c.choices:
-        assert choice.extraction.via == "extraction"  # n > 1: the choices share one request's flag
+        # n > 1: each choice is its own engine request, held and captured like any other
+        assert choice.extraction.via == "tail" and choice.extraction.computed_tokens == 1
         reference.assert_matches(c.prompt_token_ids + choice.token_ids, choice.hidden_states)
     assert not np.array_equal(c.choices[0].hidden_states, c.choices[1].hidden_states)
 
@@ -203,7 +204,10 @@ def test_prefix_cache_reset(engine, loop_thread, reference):
 
 def test_batch_extract(engine, loop_thread, reference, model_dir):
     seqs = [reference.tokenizer(p)["input_ids"] for p in PROMPTS] + [list(range(5, 300))]
-    vecs = loop_thread.run(engine.extract(seqs))
+    async def run():
+        return [vec for vec, _ in await asyncio.gather(*(engine.extract_one(ids) for ids in seqs))]
+
+    vecs = loop_thread.run(run())
     assert len(vecs) == len(seqs)
     for ids, vec in zip(seqs, vecs):
         reference.assert_matches(ids, vec)
@@ -304,65 +308,83 @@ def test_cpu_engine_is_warmed_up_before_the_first_request(engine, loop_thread):
 
 
 
-def test_lost_or_late_side_channel_message_fails_only_its_request(engine, loop_thread, reference):
-    from hidden_states.protocol import HiddenStatesBatch, decode_batch, encode_batch
-    from hidden_states.side_channel import HiddenStatesTimeout
+def test_a_finish_without_its_vector_takes_the_extraction_step_at_once(engine, loop_thread, reference):
+    """The output that finishes a choice brings its vector or nothing ("not captured"): with
+    the first vector lost on the way, and another one garbled, those choices get the
+    extraction step at once, not after extraction_timeout_s, and the rest are untouched."""
+    original = engine.deliver
+    dropped: list = []
 
-    receiver, original = engine.receiver, engine.receiver.deliver
-    lost: list[bytes] = []
+    def lossy(raw, index):
+        if len(dropped) == 0:
+            dropped.append(raw)  # lost
+            return None
+        if len(dropped) == 1:
+            dropped.append(raw)
+            return original({"garbled": True}, index)
+        return original(raw, index)
 
-    def lossy(frame: bytes) -> None:  # loses exactly one result, passes the rest
-        batch = decode_batch(frame)
-        if not lost and batch.results:
-            lost.append(encode_batch(HiddenStatesBatch(batch.results[:1])))
-            batch = HiddenStatesBatch(batch.results[1:])
-        original(encode_batch(batch))
-
-    receiver.deliver, engine.extraction_timeout_s = lossy, 10.0
+    engine.deliver = lossy
+    before = loop_thread.run(engine.stats())
     try:
         async def run():
             t0 = asyncio.get_running_loop().time()
-            outs = await asyncio.gather(*(engine.complete(p, sp(max_tokens=6)) for p in PROMPTS), return_exceptions=True)
+            outs = await asyncio.gather(*(engine.complete(p, sp(max_tokens=6)) for p in PROMPTS))
             return outs, asyncio.get_running_loop().time() - t0
 
         outs, seconds = loop_thread.run(run())
     finally:
-        receiver.deliver, engine.extraction_timeout_s = original, 60.0
-    failed = [o for o in outs if isinstance(o, BaseException)]
-    assert len(failed) == 1 and isinstance(failed[0], HiddenStatesTimeout), outs
-    assert "did not arrive within 10s (extraction_timeout_s)" in str(failed[0])
-    assert seconds < 10.0 + 60  # bounded by the timeout, not hung
+        engine.deliver = original
+    after = loop_thread.run(engine.stats())
+    assert seconds < 30 < engine.extraction_timeout_s, seconds  # no timer
+    vias = sorted(c.choices[0].extraction.via for c in outs)
+    assert vias == ["extraction", "extraction", "tail", "tail"], vias
+    assert after["malformed_vectors"] == before["malformed_vectors"] + 1
+    assert after["timeouts"] == before["timeouts"] and after["missing_vectors"] == before["missing_vectors"]
     for c in outs:
-        if not isinstance(c, BaseException):
-            reference.assert_matches(c.prompt_token_ids + c.choices[0].token_ids, c.choices[0].hidden_states)
-    # The late arrival is dropped and counted, not stored.
-    before = receiver.unclaimed_results
-    loop_thread.run(_call_soon(lambda: receiver.deliver(lost[0])))
-    assert receiver.unclaimed_results == before + 1 and receiver.num_pending == 0
+        reference.assert_matches(c.prompt_token_ids + c.choices[0].token_ids, c.choices[0].hidden_states)
 
 
-async def _call_soon(fn):
-    return fn()
+def _generate(engine, loop_thread, prompt: str, params, hs: bool):
+    """vLLM's own RequestOutput of one request, flagged (a collector's tag) or not."""
+    import uuid
+
+    async def run():
+        ids = engine.llm.tokenizer.encode(prompt)
+        with engine.collecting() as col:
+            p = params.clone()
+            if hs:
+                p.extra_args = {**(p.extra_args or {}), **col.extra_args}
+            final = None
+            async for out in engine.llm.generate({"prompt_token_ids": ids}, p, f"t-{uuid.uuid4().hex}"):
+                final = out
+            return final, dict(col.stats)
+
+    return loop_thread.run(run())
 
 
-def test_malformed_frame_is_dropped_and_channel_keeps_working(engine, loop_thread, reference):
-    import pickle
-    import time
-
-    import zmq
-
-    before = engine.receiver.malformed_frames
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.PUSH)
-    sock.connect(engine.receiver.address)
-    sock.send(b"\x93garbage")
-    sock.send(pickle.dumps({"not": "allowed"}))
-    time.sleep(0.5)
-    sock.close(linger=0)
-    ctx.term()
-    c = loop_thread.run(engine.complete(PROMPTS[3], sp(max_tokens=5)))
-    reference.assert_matches(c.prompt_token_ids + c.choices[0].token_ids, c.choices[0].hidden_states)
-    assert engine.receiver.malformed_frames == before + 2
+@pytest.mark.parametrize("stop", ["stop-token-id", "eos-skip-special-false", "max-tokens"])
+def test_tail_step_changes_nothing_in_the_output(engine, loop_thread, stop):
+    """The held token comes out with its finish, as without hidden states: the same text (a
+    stop token's text left out), token ids, logprobs, finish and stop reason."""
+    free = _generate(engine, loop_thread, PROMPTS[2], sp(max_tokens=12), hs=False)[0]
+    stop_at = free.outputs[0].token_ids[3]
+    kw = dict(max_tokens=12, logprobs=2)
+    if stop == "stop-token-id":
+        kw.update(stop_token_ids=[stop_at])
+    elif stop == "eos-skip-special-false":
+        kw.update(stop_token_ids=[stop_at], skip_special_tokens=False)
+    else:
+        kw.update(max_tokens=5)
+    params = sp(**kw)
+    (with_hs, stats), (without, _) = (_generate(engine, loop_thread, PROMPTS[2], params, hs=h) for h in (True, False))
+    a, b = with_hs.outputs[0], without.outputs[0]
+    assert [s.via for s in stats.values()] == ["tail"]
+    assert (a.text, list(a.token_ids), a.finish_reason, a.stop_reason) == \
+        (b.text, list(b.token_ids), b.finish_reason, b.stop_reason)
+    assert a.logprobs == b.logprobs and a.cumulative_logprob == b.cumulative_logprob
+    if stop != "max-tokens":
+        assert a.stop_reason == stop_at and a.token_ids[-1] == stop_at
 
 
 def test_seeded_sampling_with_a_chunked_prompt(engine, loop_thread, reference):

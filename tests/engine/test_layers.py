@@ -213,7 +213,7 @@ def test_unsupported_models_get_the_reason():
     from hidden_states.vllm.engine import HiddenStatesEngine, HiddenStatesRequestError
 
     eng = HiddenStatesEngine.__new__(HiddenStatesEngine)
-    eng.receiver, eng.num_layers, eng.architecture, eng.eager = object(), 4, "GraniteForCausalLM", True
+    eng._enabled, eng.num_layers, eng.architecture, eng.eager = True, 4, "GraniteForCausalLM", True
     eng.layer_capture = {"layer_structure": False, "layer_capture": False,
                          "layer_capture_reason": "GraniteDecoderLayer.forward takes (positions, hidden_states)"}
     assert eng.check_request([-1, 4]) == (-1, 4)  # the last layer works on every model

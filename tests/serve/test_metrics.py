@@ -67,7 +67,7 @@ def test_vllm_and_our_metrics_count_what_was_sent(serve_app, client):
     assert family(after, "ray_hidden_states_computed_tokens_count") - family(
         before, "ray_hidden_states_computed_tokens_count") == sent
     for name in ("ray_hidden_states_vector_bytes", "ray_hidden_states_extraction_seconds_count",
-                 "ray_hidden_states_side_channel", "ray_vllm_num_requests_running", "ray_vllm_kv_cache_usage_perc"):
+                 "ray_hidden_states_vector_faults", "ray_vllm_num_requests_running", "ray_vllm_kv_cache_usage_perc"):
         assert any(n.startswith(name) for n in after), (name, sorted(n for n in after if n.startswith("ray_vllm"))[:40])
 
 

@@ -7,7 +7,7 @@ from hidden_states.vllm.engine import HiddenStatesEngine, HiddenStatesRequestErr
 
 def fake_engine(arch="LlamaForCausalLM", layers=12, eager=True):
     eng = HiddenStatesEngine.__new__(HiddenStatesEngine)
-    eng.receiver, eng.num_layers, eng.architecture, eng.eager = object(), layers, arch, eager
+    eng._enabled, eng.num_layers, eng.architecture, eng.eager = True, layers, arch, eager
     return eng
 
 

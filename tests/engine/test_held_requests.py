@@ -1,0 +1,176 @@
+"""Held requests under pressure (the tail step, scheduler.py): preempted while held, aborted
+while held, and a KV cache small enough that vLLM preempts on its own. Every vector is
+checked against transformers, every output against the same request without hidden states.
+
+The engine core runs in this process (vLLM's in-process client), so a test can step it
+one engine step at a time and look at its scheduler: which requests are held, and
+when."""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+
+import pytest
+
+from tests.conftest import ON_GPU, TEST_MODEL
+
+pytestmark = pytest.mark.skipif(ON_GPU, reason="steps an in-process CPU engine core")
+
+PROMPTS = ["The replica computes the hidden state of", "A user reads the cache and then",
+           "Tokens flow from the router to", "Hello! How are you today?"]
+
+
+@pytest.fixture(scope="module")
+def core(model_dir):
+    """A tail-step engine with a KV cache of a few blocks, stepped by hand."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    from hidden_states.vllm import ENGINE_ENV, WORKER_EXTENSION
+    from hidden_states.vllm.engine import TAIL_SCHEDULER
+
+    saved = {k: os.environ.get(k) for k in (*ENGINE_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING")}
+    os.environ.update(ENGINE_ENV, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    try:
+        # 12 blocks of 32 tokens (the tiny model: 2 layers x K+V x 64 x float32 = 1 KiB per token)
+        args = EngineArgs(model=model_dir, dtype="float32", enforce_eager=True, max_model_len=256,
+                          kv_cache_memory_bytes=12 * 32 * 1024, block_size=32, max_num_batched_tokens=256,
+                          max_num_seqs=8, enable_prefix_caching=True, scheduler_cls=TAIL_SCHEDULER,
+                          worker_extension_cls=WORKER_EXTENSION)
+        eng = LLMEngine.from_engine_args(args)
+        eng.collective_rpc("hidden_states_install")
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    yield eng
+    eng.engine_core.shutdown()
+
+
+def scheduler(core):
+    return core.engine_core.engine_core.scheduler
+
+
+def params(flagged: bool, **kw):
+    from vllm import SamplingParams
+
+    from hidden_states.protocol import HiddenStatesExtractionRequest
+
+    kw.setdefault("max_tokens", 40)
+    kw.setdefault("temperature", 0.0)
+    kw.setdefault("ignore_eos", True)
+    extra = HiddenStatesExtractionRequest(key=uuid.uuid4().hex, tail=True).to_extra_args() if flagged else None
+    return [SamplingParams(extra_args=extra, **kw)]
+
+
+def run(core, prompts, flagged: bool, on_step=None, timeout_s: float = 300, **kw) -> dict:
+    """Each prompt to its final RequestOutput; `on_step(step)` before each engine step."""
+    ids = {}
+    for p in prompts:
+        rid = f"r-{uuid.uuid4().hex}"
+        core.add_request(rid, {"prompt_token_ids": core.get_tokenizer().encode(p)}, params(flagged, **kw)[0])
+        ids[rid] = p
+    done, deadline, step = {}, time.monotonic() + timeout_s, 0
+    while core.has_unfinished_requests():
+        assert time.monotonic() < deadline, "the engine did not finish in time"
+        if on_step is not None:
+            on_step(step)
+        for out in core.step():
+            if out.finished:
+                done[ids[out.request_id]] = out
+        step += 1
+    return done
+
+
+def vector(out):
+    from hidden_states.protocol import OUTPUT_KEY, CapturedVector
+
+    cv = CapturedVector.from_output((out.kv_transfer_params or {})[OUTPUT_KEY])
+    assert cv.via == "tail" and cv.num_tokens == len(out.prompt_token_ids) + len(out.outputs[0].token_ids)
+    return cv.to_numpy()[0]
+
+
+def assert_same_outputs(a, b):
+    x, y = a.outputs[0], b.outputs[0]
+    assert (x.text, list(x.token_ids), x.finish_reason, x.stop_reason) == \
+        (y.text, list(y.token_ids), y.finish_reason, y.stop_reason)
+
+
+def assert_nothing_left(core):
+    s = scheduler(core)
+    assert not s._held and not s._flags and not s._captured and not s._finished, \
+        (s._held, s._flags, s._captured, s._finished)
+    assert not core.has_unfinished_requests()
+
+
+def test_a_held_request_preempted_then_resumed_keeps_its_exact_vector(core, reference):
+    """vLLM's own preemption routine (`_preempt_request`: blocks freed, recompute on resume)
+    applied to a request in the step it is held: its tail row comes from the resumed
+    prefill's last chunk instead of a one-token decode."""
+    s = scheduler(core)
+    original, preempted = s.schedule, []
+
+    def schedule(*a, **k):
+        for rid in list(s._held):
+            req = s.requests[rid]
+            if rid not in preempted and req in s.running:
+                s.running.remove(req)
+                s._preempt_request(req, time.monotonic())
+                preempted.append(rid)
+        return original(*a, **k)
+
+    s.schedule = schedule
+    try:
+        flagged = run(core, PROMPTS[:2], True, max_tokens=12)
+    finally:
+        s.schedule = original
+    assert len(preempted) == 2
+    plain = run(core, PROMPTS[:2], False, max_tokens=12)
+    for p, out in flagged.items():
+        assert_same_outputs(out, plain[p])
+        reference.assert_matches(list(out.prompt_token_ids) + list(out.outputs[0].token_ids), vector(out))
+    assert_nothing_left(core)
+
+
+def test_a_request_aborted_while_held_leaves_nothing(core):
+    s = scheduler(core)
+    rid = f"r-{uuid.uuid4().hex}"
+    core.add_request(rid, {"prompt_token_ids": core.get_tokenizer().encode(PROMPTS[2])}, params(True, max_tokens=6)[0])
+    outs, deadline = [], time.monotonic() + 120
+    while not s._held:
+        assert time.monotonic() < deadline and core.has_unfinished_requests(), "never held"
+        outs += core.step()
+    assert not any(o.finished for o in outs)
+    core.abort_request([rid])
+    for _ in range(3):
+        outs += core.step()
+    assert not any(o.finished and o.kv_transfer_params for o in outs)
+    assert_nothing_left(core)
+    (worker,) = core.collective_rpc("hidden_states_stats")
+    assert worker["flagged_live"] == 0, worker
+
+
+def test_under_a_small_kv_cache_vllm_preempts_and_every_vector_is_exact(core, reference):
+    """Eight requests of up to 150 tokens in 12 blocks of 32: vLLM preempts on its own
+    (held requests among them when the timing falls so: the first test forces that case)."""
+
+    prompts = [f"{p} {' '.join(PROMPTS)}" * (1 + i % 2) for i, p in enumerate(PROMPTS * 2)]
+    s = scheduler(core)
+    preempt, preemptions = s._preempt_request, []
+
+    def counting(request, *a, **k):
+        preemptions.append(request.request_id in s._held)
+        return preempt(request, *a, **k)
+
+    s._preempt_request = counting
+    try:
+        flagged = run(core, prompts, True, max_tokens=48)
+    finally:
+        s._preempt_request = preempt
+    assert len(preemptions) > 0, "the KV cache was not small enough to preempt"
+    plain = run(core, prompts, False, max_tokens=48)
+    for p, out in flagged.items():
+        assert_same_outputs(out, plain[p])
+        reference.assert_matches(list(out.prompt_token_ids) + list(out.outputs[0].token_ids), vector(out))
+    assert_nothing_left(core)
