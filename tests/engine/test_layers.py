@@ -189,7 +189,7 @@ def _fake_hook(eager: bool, adds: bool = True):
     model.model = torch.nn.Module()
     model.model.layers = torch.nn.ModuleList([_Layer(adds), _Layer(adds)])
     runner = types.SimpleNamespace(vllm_config=types.SimpleNamespace(model_config=mc), model=model)
-    return _RunnerHook(runner, "unused", send=False), model.model.layers
+    return _RunnerHook(runner), model.model.layers
 
 
 def test_layer_hooks_only_on_eager_engines():
@@ -256,29 +256,36 @@ class _FakeRunner:
         self.execute_model_state = types.SimpleNamespace(sample_hidden_states=self._forward(3)[[2]])
         return None  # sampling pending, as on the real runner
 
+    def sample_tokens(self, grammar_output=None):
+        self.execute_model_state = None
+        return types.SimpleNamespace(req_ids=["r"], req_id_to_index={"r": 0})  # a ModelRunnerOutput
+
     def _dummy_run(self, rows: int):
         self._forward(rows)
 
 
 def test_no_capture_plan_outlives_its_step():
-    """A forward outside execute_model (a dummy batch) sees no plan, even right after a capture."""
-    from hidden_states.protocol import HiddenStatesExtractionRequest
+    """A forward outside execute_model (a dummy batch) sees no plan, even right after a capture;
+    the step's rows leave on its ModelRunnerOutput, and only there."""
+    from hidden_states.protocol import STEP_ATTR, HiddenStatesExtractionRequest
     from hidden_states.vllm.worker import HiddenStatesWorkerExtension
 
     runner = _FakeRunner()
-    worker = types.SimpleNamespace(model_runner=runner, rank=1)  # rank 1: no side-channel socket
-    found = HiddenStatesWorkerExtension.hidden_states_install(worker, "unused")
+    worker = types.SimpleNamespace(model_runner=runner, rank=0)
+    found = HiddenStatesWorkerExtension.hidden_states_install(worker)
     assert found["installed"] and found["layer_capture"]
-    hook, sent = runner._hidden_states_hook, []
-    hook.sender = types.SimpleNamespace(send=sent.append)
+    hook = runner._hidden_states_hook
     extra = HiddenStatesExtractionRequest(key="k", layers=[1]).to_extra_args()
     so = types.SimpleNamespace(
         finished_req_ids=set(), num_scheduled_tokens={"r": 3},
         scheduled_new_reqs=[types.SimpleNamespace(req_id="r", sampling_params=types.SimpleNamespace(extra_args=extra))])
     runner.execute_model(so)
-    assert len(sent) == 1 and [r.layer for r in sent[0].results] == [1]
+    out = runner.sample_tokens(None)
+    step = getattr(out, STEP_ATTR)
+    assert step.requests == {"r": (3, [(1, 0)])} and step.rows.shape == (1, 8)
     assert hook._so is None and hook._plan is None and not hook._layer_rows and not hook._slices
     # "r" stays flagged until the next step reports it finished: a stale plan would
     # slice this one-row batch at flat row 2 (IndexError) or queue a stale row.
     runner._dummy_run(1)
-    assert not hook._slices and len(sent) == 1
+    assert not hook._slices and hook._ready is None
+    assert not hasattr(runner.sample_tokens(None), STEP_ATTR)  # nothing captured, nothing attached
