@@ -2,6 +2,11 @@
 
     request -> Router (HTTP ingress) -> EngineReplica (vLLM + extraction step) -> Router -> response
     request -> EngineReplica (HTTP ingress, vLLM + extraction step) -> response      (`ingress: replica`)
+
+`build(args, engine_cls)` is the same app on another engine implementation
+(hidden_states/engine.py's interface): `hidden_states.testing.FakeEngine` runs
+the real Router, replicas, relay and Serve's proxy in seconds, without vLLM
+(tests/fast). `build_app` keeps the one parameter Serve requires of a builder.
 """
 
 from __future__ import annotations
@@ -14,11 +19,17 @@ from deployments.router import Router
 
 
 def build_app(args: dict | None = None) -> Application:
+    return build(args)
+
+
+def build(args: dict | None = None, engine_cls: type | None = None) -> Application:
+    """The app; `engine_cls` None: vLLM's HiddenStatesEngine (imported by the replicas only)."""
     cfg = AppArgs.model_validate(args or {})
     plain = cfg.model_dump(mode="json")
     logging_config = {"enable_access_log": cfg.access_log}
     deployment = IngressEngineReplicaDeployment if cfg.ingress == "replica" else EngineReplicaDeployment
-    replica = deployment.options(**cfg.replica_options(), logging_config=logging_config).bind(plain)
+    engine = () if engine_cls is None else (engine_cls,)  # a class travels by reference (module and name)
+    replica = deployment.options(**cfg.replica_options(), logging_config=logging_config).bind(plain, *engine)
     if cfg.ingress == "replica":
         return replica
     return Router.options(

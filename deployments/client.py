@@ -9,7 +9,9 @@
     check = verify(handle, prompt=ids, compare={"vector": claimed.tolist()})   # POST /v1/hidden_states
     check["hidden_states"], check["comparison"]["match"]
 
-Only msgspec bytes cross the handle (deployments/wire.py).
+Only msgspec bytes cross the handle (deployments/wire.py). A failed request raises
+`HandleRequestError` with the status HTTP would give it (hidden_states/errors.py); a
+caller that stops waiting (timeout, Ctrl-C, a cancelled task) cancels the request.
 """
 
 from __future__ import annotations
@@ -56,14 +58,39 @@ def _result(raw: bytes) -> Completion:
     )
 
 
+def _wait(response: Any, timeout_s: float) -> bytes:
+    """A handle call's answer; a caller that stops waiting (timeout, Ctrl-C) cancels the call,
+    and with it the Router's and the engine's work."""
+    try:
+        return response.result(timeout_s=timeout_s)
+    except BaseException:
+        _cancel(response)
+        raise
+
+
+async def _await(response: Any) -> bytes:
+    try:
+        return await response
+    except BaseException:  # e.g. the caller's task was cancelled
+        _cancel(response)
+        raise
+
+
+def _cancel(response: Any) -> None:
+    try:  # best effort, as Serve's is: never masks what ended the wait
+        response.cancel()
+    except Exception:
+        pass
+
+
 def complete(handle: Any, prompt: str | list[int], *, timeout_s: float = 600, **kw: Any) -> Completion:
     """Blocking. kw: max_tokens, temperature, top_p, seed, n, stop, return_hidden_states,
     hidden_states_layers (default [-1]), hidden_states_position ("completion_end" | "prompt_end")."""
-    return _result(handle.complete.remote(_request(prompt, **kw)).result(timeout_s=timeout_s))
+    return _result(_wait(handle.complete.remote(_request(prompt, **kw)), timeout_s))
 
 
 async def complete_async(handle: Any, prompt: str | list[int], **kw: Any) -> Completion:
-    return _result(await handle.complete.remote(_request(prompt, **kw)))
+    return _result(await _await(handle.complete.remote(_request(prompt, **kw))))
 
 
 def _verify_request(fields: dict[str, Any]) -> bytes:
@@ -92,8 +119,8 @@ def verify(handle: Any, *, timeout_s: float = 600, **fields: Any) -> dict[str, A
     """POST /v1/hidden_states over a handle (blocking). fields: prompt | messages (+ completion),
     hidden_states_layers, compare={"vector": floats or base64, "tolerance": 1e-5}. Vectors come
     back as numpy float32."""
-    return _verify_result(handle.hidden_states.remote(_verify_request(fields)).result(timeout_s=timeout_s))
+    return _verify_result(_wait(handle.hidden_states.remote(_verify_request(fields)), timeout_s))
 
 
 async def verify_async(handle: Any, **fields: Any) -> dict[str, Any]:
-    return _verify_result(await handle.hidden_states.remote(_verify_request(fields)))
+    return _verify_result(await _await(handle.hidden_states.remote(_verify_request(fields))))

@@ -1,36 +1,53 @@
-"""The HTTP surface both ingresses share: request models, cheap checks, OpenAI-style errors.
+"""The HTTP surface both ingresses share: request models, cheap checks, OpenAI-style errors, counters.
 
 Whichever deployment takes HTTP (the Router by default, the EngineReplica with
 `ingress: replica`) authenticates, bounds the body and refuses what the server
-cannot do here, before any engine work. Module-level only: Serve serializes a
+cannot do here, before any engine work. Failures become statuses through the
+one table, `hidden_states/errors.py`. Module-level only: Serve serializes a
 deployment class when its decorator runs, capturing only names defined by then.
+
+One request's lifecycle, the same in both ingresses: admitted, it is counted
+`pending` until it ends, exactly once, as one of
+- `served`: the answer was delivered (any status below 500; a stream counts once
+  its `data: [DONE]` was sent, even if the client hangs up right after);
+- `failed`: a 5xx answer, or a stream that ended with an SSE error event
+  (a timeout, a replica or engine that died);
+- `cancelled`: the client went away first (it hung up, or Serve cancelled the
+  handler): the replica's call or stream is cancelled with it, and so the engine
+  request (vLLM aborts it when its generator is closed).
+`/debug/stats` shows the four (`ingress`); pending returns to 0 however requests end.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, Callable
+
+import anyio
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from deployments import metrics
 from deployments.config import AppArgs
 from hidden_states.openai_format import error_body
 from deployments.wire import HandleCompletionRequest, HandleError
-from hidden_states import params
+from hidden_states import errors, params
 from hidden_states.params import HiddenStatesFields
 from hidden_states.verify import HiddenStatesRequest
 
 logger = logging.getLogger(__name__)
 
 SSE_DONE = b"data: [DONE]\n\n"  # an OpenAI stream's last event: a client may hang up right after it
+SSE_ERROR = b'data: {"error"'  # an error event mid-stream (errors.sse_error, vLLM's own)
 
-TIMED_OUT = "the request timed out (request_timeout_s) waiting for the engine"
+# How a request ended (the counters of /debug/stats): see the module docstring.
+SERVED, FAILED, CANCELLED = "served", "failed", "cancelled"
 
 class _Body(HiddenStatesFields):
     """The request fields this server adds or checks itself; every other field
@@ -56,12 +73,91 @@ class ChatBody(_Body):
     messages: list[dict[str, str]] = Field(min_length=1)
 
 
-def failure(e: BaseException) -> tuple[int, str]:
-    """(status, message) for a request that failed after it was admitted."""
-    if isinstance(e, asyncio.TimeoutError):
-        return 504, TIMED_OUT
-    logger.warning("request failed in a replica: %s: %s", type(e).__name__, e)
-    return 503, f"the engine replica failed while serving this request ({type(e).__name__}); retry"
+def failure(e: BaseException) -> Response:
+    """The OpenAI-style error answer to a request that failed after it was admitted (hidden_states/errors.py)."""
+    status, body = errors.error_response(e)
+    return Response(body, status_code=status, media_type="application/json")
+
+
+def handle_failure(e: BaseException) -> HandleError:
+    """The same, for a Python-handle caller (deployments/client.py raises it as HandleRequestError)."""
+    f = errors.logged_status_of(e)
+    return HandleError(f.status, f.message)
+
+
+def outcome(status: int) -> str:
+    """How a request that got an answer with this status counts."""
+    return SERVED if status < 500 else FAILED
+
+
+class Stream(StreamingResponse):
+    """A streamed answer (its body a `Relay`) that is closed however the response ends.
+
+    Starlette leaves an unfinished body iterator to the garbage collector when the
+    client hangs up or the handler is cancelled; closing the relay here ends the
+    request at once: the counters, the replica's stream, the engine request."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        except Exception as e:
+            # Serve cancelled the request (its client went away) while Starlette listened for the
+            # disconnect: nothing is left to answer, and re-raising only logs a traceback per hang-up.
+            if type(e).__name__ != "TaskCancelledError":
+                raise
+        finally:
+            with anyio.CancelScope(shield=True):  # the task may be being cancelled: close anyway
+                await self.body_iterator.aclose()
+
+
+class Relay:
+    """A stream to the client, ending by `deadline`: the one relay of both ingresses.
+
+    Iterating it relays `parts` (SSE chunks; a failure mid-stream becomes an SSE error
+    event); `aclose()` ends it, once, whether or not it ever started: `parts` is closed
+    (which cancels the work behind it unless it ended) and `finish` gets the request's
+    outcome: SERVED once `[DONE]` went out (or the stream ended), FAILED if an error event
+    went out (ours, or the engine's own), else CANCELLED."""
+
+    def __init__(self, parts: AsyncIterator[bytes], deadline: float, finish: Callable[[str], None]):
+        self.parts, self.deadline, self.finish = parts, deadline, finish
+        self.how = CANCELLED  # unless it gets further: the client went away
+        self._gen: AsyncIterator[bytes] | None = None
+        self._ended = False
+
+    def __aiter__(self) -> AsyncIterator[bytes]:
+        self._gen = self._run()
+        return self._gen
+
+    async def _run(self) -> AsyncIterator[bytes]:
+        failed = False  # an error event went out (vLLM may still end the stream with [DONE])
+        try:
+            async with contextlib.aclosing(until(self.parts, self.deadline)) as chunks:
+                async for chunk in chunks:
+                    failed = failed or chunk.startswith(SSE_ERROR)
+                    if chunk.endswith(SSE_DONE):  # delivered, even if the client hangs up before the stream ends
+                        self.how = FAILED if failed else SERVED
+                    yield chunk
+            self.how = FAILED if failed else SERVED
+        except Exception as e:
+            self.how = FAILED
+            yield errors.sse_error(e)
+        finally:
+            await self._end()
+
+    async def aclose(self) -> None:
+        if self._gen is not None:
+            await self._gen.aclose()
+        await self._end()
+
+    async def _end(self) -> None:
+        if self._ended:
+            return
+        self._ended = True
+        try:
+            await self.parts.aclose()
+        finally:
+            self.finish(self.how)
 
 
 async def until(parts: AsyncIterator, deadline: float) -> AsyncIterator:
@@ -171,8 +267,9 @@ def asgi_app(routes_app: FastAPI, instance: Any) -> FastAPI:
 
     bound = FastAPI(title=routes_app.title)
     for route in routes_app.routes:
-        if isinstance(route, APIRoute):
-            bound.add_api_route(route.path, getattr(instance, route.endpoint.__name__), methods=list(route.methods))
+        if isinstance(route, APIRoute):  # the route's own function, as Serve calls it (a deployment's handle
+            # method of the same name, e.g. `hidden_states`, does not shadow it)
+            bound.add_api_route(route.path, route.endpoint.__get__(instance), methods=list(route.methods))
     return bound
 
 
@@ -180,12 +277,12 @@ def ingress_routes(app: FastAPI, kind: str) -> type:
     """The routes of an ingress deployment, registered on `app`, as a base class.
 
     The deployment supplies `args` (AppArgs), `_serve(route, request)`,
-    `_replica_stats()` and, if it can be up without an engine, `_not_ready()`; it gets the routes and the in-flight counters that
-    `/debug/stats` reports (a test checks that nothing is left pending).
+    `_replica_stats()` and, if it can be up without an engine, `_not_ready()`; it gets the routes, the one
+    relay and the counters that `/debug/stats` reports (a test checks that nothing is left pending).
     """
 
     class IngressRoutes:
-        pending = served = failed = 0
+        pending = served = failed = cancelled = 0
 
         @app.get("/health")
         async def health(self) -> Response:
@@ -218,7 +315,8 @@ def ingress_routes(app: FastAPI, kind: str) -> type:
         async def debug_stats(self, request: Request) -> Response:
             if (denied := auth(self.args, request)) is not None:
                 return denied
-            out = {"ingress": {"kind": kind, "pending": self.pending, "served": self.served, "failed": self.failed}}
+            out = {"ingress": {"kind": kind, "pending": self.pending, "served": self.served, "failed": self.failed,
+                               "cancelled": self.cancelled}}
             return JSONResponse(out | await self._replica_stats())
 
         async def _not_ready(self) -> str | None:
@@ -226,28 +324,14 @@ def ingress_routes(app: FastAPI, kind: str) -> type:
             that answers is itself ready; the Router asks Serve (deployments/readiness.py)."""
             return None
 
-        async def _relay(self, parts: AsyncIterator[bytes], deadline: float) -> AsyncIterator[bytes]:
-            """A streamed answer to the client, ending by `deadline`; the one relay of both
-            ingresses. `parts` is closed when the relay ends, however it ends."""
-            ok = False
-            try:
-                async for chunk in until(parts, deadline):
-                    ok = chunk.endswith(SSE_DONE)  # delivered, even if the client hangs up before the stream ends
-                    yield chunk
-                ok = True
-            except Exception as e:
-                status, message = failure(e)
-                yield b"data: " + error_body(message, status) + b"\n\n"
-            finally:
-                await parts.aclose()
-                self._finish(ok)
+        def _relay(self, parts: AsyncIterator[bytes], deadline: float) -> "Relay":
+            """The streamed answer's body: `parts` relayed, and the request counted when it ends."""
+            return Relay(parts, deadline, self._finish)
 
-        def _finish(self, ok: bool) -> None:
+        def _finish(self, how: str) -> None:
+            """One admitted request ended: SERVED, FAILED or CANCELLED."""
             self.pending -= 1
-            if ok:
-                self.served += 1
-            else:
-                self.failed += 1
+            setattr(self, how, getattr(self, how) + 1)
 
     return IngressRoutes
 

@@ -7,14 +7,22 @@ health check calls `check_health`, which fails once the engine has died, so
 Serve replaces the replica.
 
 Requests arrive from the Router (`openai`, `openai_unary`), from Python
-handles (`complete`), or, with `ingress: replica`, as HTTP straight from
-Serve's proxy (the routes below, with the same checks as the Router's): one
-hop fewer, at the price of the Router's retry of a request whose replica died.
+handles (`complete`, `hidden_states`), or, with `ingress: replica`, as HTTP
+straight from Serve's proxy (the routes below, with the same checks, relay and
+counters as the Router's, deployments/http.py): one hop fewer, at the price of
+the Router's retry of a request whose replica died.
+
+A call that is cancelled (the Router cancels it when its client hangs up or
+times out; Serve cancels the handler when an HTTP client of this ingress goes
+away) closes the OpenAI generator it drives, and so vLLM aborts the engine
+request. `stats()` reports `in_flight`: handle calls still running here.
+Failures are answered through the one table (hidden_states/errors.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -24,7 +32,7 @@ from collections.abc import AsyncIterator
 
 import numpy as np
 from fastapi import FastAPI, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 from ray import serve
 
 from deployments import http, metrics, wire
@@ -62,6 +70,7 @@ class EngineReplica(http.ingress_routes(app, "replica")):
         self.engine.observers.append(metrics.vector)
         self._sampler = asyncio.get_running_loop().create_task(self._sample_stats())
         self.requests = 0  # OpenAI requests that reached this replica
+        self.in_flight = 0  # handle calls (openai, openai_unary, complete, hidden_states) still running
         self.frontend = await self.engine.openai(self.args.model_name, self.replica_id)
         logger.info("replica %s ready (pid %d)", self.replica_id, os.getpid())
 
@@ -72,28 +81,38 @@ class EngineReplica(http.ingress_routes(app, "replica")):
             yield error_body(f"unknown route {route!r}", 404)
             return
         self.requests += 1
-        parts = self.frontend.handle(route, body)
-        status, payload = await anext(parts)
-        media = "text/event-stream" if status == 200 and not payload else "application/json"
-        yield ResponseHead(int(status), media, self.replica_id)
-        if payload:
-            yield payload
-        async for part in parts:
-            yield part
+        async with contextlib.aclosing(self.frontend.handle(route, body)) as parts:  # closed early: aborted
+            status, payload = await anext(parts)
+            media = "text/event-stream" if status == 200 and not payload else "application/json"
+            yield ResponseHead(int(status), media, self.replica_id)
+            if payload:
+                yield payload
+            async for part in parts:
+                yield part
 
     async def openai(self, route: str, body: bytes) -> AsyncIterator[bytes]:
         """For a streaming handle: a ResponseHead frame, then the body's frames."""
+        self.in_flight += 1
         answer = self._answer(route, body)
-        yield wire.ENCODER.encode(await anext(answer))
-        async for part in answer:
-            yield part
+        try:
+            yield wire.ENCODER.encode(await anext(answer))
+            async for part in answer:
+                yield part
+        finally:  # cancelled or closed early too: the engine request is aborted with the generator
+            self.in_flight -= 1
+            await answer.aclose()
 
     async def openai_unary(self, route: str, body: bytes) -> bytes:
         """A whole answer in one `Reply`: for non-streaming requests, one return
         value instead of a generator's frames (Ray reports each item separately)."""
+        self.in_flight += 1
         answer = self._answer(route, body)
-        head = await anext(answer)
-        return wire.ENCODER.encode(Reply(head, b"".join([p async for p in answer])))
+        try:
+            head = await anext(answer)
+            return wire.ENCODER.encode(Reply(head, b"".join([p async for p in answer])))
+        finally:
+            self.in_flight -= 1
+            await answer.aclose()
 
     # -- HTTP, when this replica is the ingress (`ingress: replica`) ----------
 
@@ -110,22 +129,26 @@ class EngineReplica(http.ingress_routes(app, "replica")):
         deadline = time.monotonic() + self.args.request_timeout_s
         parts = self.frontend.handle(route, body)
         headers = {"x-replica-id": self.replica_id}
+        how = http.CANCELLED  # unless it gets an answer: the client went away
         try:
             async with asyncio.timeout(self.args.request_timeout_s):
                 status, payload = await anext(parts)
-                if payload:
-                    await parts.aclose()
-                    self._finish(status < 500)
-                    return Response(payload, status_code=status, media_type="application/json", headers=headers)
-        except TimeoutError:
-            await parts.aclose()
-            self._finish(False)
-            return http.error(504, http.TIMED_OUT)
-        except BaseException:  # e.g. cancelled: the client went away
-            await parts.aclose()
-            self._finish(False)
-            raise
-        return StreamingResponse(self._relay(parts, deadline), media_type="text/event-stream", headers=headers)
+            if payload:
+                how = http.outcome(status)
+                return Response(payload, status_code=status, media_type="application/json", headers=headers)
+            how = None  # the relay counts it from here
+            return http.Stream(self._relay(parts, deadline), media_type="text/event-stream", headers=headers)
+        except Exception as e:
+            how = http.FAILED
+            response = http.failure(e)
+            response.headers.update(headers)
+            return response
+        finally:
+            if how is not None:
+                try:
+                    await parts.aclose()  # done, failed or cancelled: the engine request ends with it
+                finally:
+                    self._finish(how)
 
     # -- Python handles -------------------------------------------------------
 
@@ -139,13 +162,14 @@ class EngineReplica(http.ingress_routes(app, "replica")):
                                       top_p=req.top_p, seed=req.seed, stop=tuple(req.stop))
         except Exception as e:
             return wire.ENCODER.encode(HandleReply(error=HandleError(400, f"invalid request: {e}")))
+        self.in_flight += 1
         try:
             c = await self.engine.complete(req.prompt, options, return_hidden_states=req.return_hidden_states,
                                            layers=req.hidden_states_layers, position=req.hidden_states_position)
-        except ValueError as e:  # HiddenStatesRequestError, vLLM's validation errors
-            return wire.ENCODER.encode(HandleReply(error=HandleError(400, str(e))))
-        except Exception as e:
-            return wire.ENCODER.encode(HandleReply(error=HandleError(500, f"{type(e).__name__}: {e}")))
+        except Exception as e:  # the one table: a bad request 400, a vector's timeout 504, ...
+            return wire.ENCODER.encode(HandleReply(error=http.handle_failure(e)))
+        finally:
+            self.in_flight -= 1
         return wire.ENCODER.encode(HandleReply(ok=HandleCompletion(
             request_id=c.request_id,
             replica=self.replica_id,
@@ -172,7 +196,7 @@ class EngineReplica(http.ingress_routes(app, "replica")):
         while True:
             await asyncio.sleep(every_s)
             try:
-                metrics.side_channel(await asyncio.wait_for(self.engine.stats(fresh_workers=False), 30))
+                metrics.faults(await asyncio.wait_for(self.engine.stats(fresh_workers=False), 30))
             except Exception as e:  # a dead engine is check_health's to report
                 logger.debug("stats for metrics failed: %s", e)
 
@@ -180,6 +204,7 @@ class EngineReplica(http.ingress_routes(app, "replica")):
         s = await self.engine.stats()
         s["replica"] = self.replica_id
         s["requests"] = self.requests
+        s["in_flight"] = self.in_flight
         s["pid"] = os.getpid()
         from ray.serve._private import constants  # shows whether `serve_env` reached this process
 

@@ -4,29 +4,38 @@ It does no tokenization and no engine work: it runs the checks of
 `deployments/http.py` (auth, body limit, what the server cannot do), sends the
 raw body to an EngineReplica (one call for a plain request, a streaming handle
 for `stream: true`) and relays its answer; a replica that dies before answering
-gets the request again on another. It counts requests in flight
-(`/debug/stats` -> `pending`), so a test can see that nothing is left behind.
+gets the request again on another. Failures are answered through the one table
+(hidden_states/errors.py), over HTTP and over Python handles alike.
+
+It counts requests (`/debug/stats` -> `ingress`: pending, served, failed,
+cancelled; http.py's docstring defines them), so a test can see that nothing is
+left behind. Whatever ends a request early (the client hanging up, Serve
+cancelling the handler, `request_timeout_s`) cancels the replica's call or
+stream too (`DeploymentResponse.cancel()`): Serve then cancels the replica's
+task, whose OpenAI generator closes, and vLLM aborts the engine request. A
+plain request cancelled while waiting counts `cancelled`; a stream closed
+before its `[DONE]` too; a timeout counts `failed` (the client got a 504).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 from ray import serve
-from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.handle import DeploymentHandle
 
 from deployments import http, wire
 from deployments.config import AppArgs
 from deployments.readiness import Readiness
-from hidden_states.openai_format import error_body
 from deployments.wire import HandleError, HandleReply
+from hidden_states import errors
+from hidden_states.openai_format import error_body
 
 logger = logging.getLogger(__name__)
 
@@ -36,20 +45,40 @@ logger = logging.getLogger(__name__)
 app = FastAPI(title="hidden-states-serve", description="OpenAI-compatible completions with final-token hidden states")
 
 
-def _failure(e: BaseException) -> Response:
-    return http.error(*http.failure(e))
+class ReplicaStream:
+    """A replica's response stream (a streaming handle's DeploymentResponseGenerator) as
+    the relay's `parts`: `aclose()` cancels the replica's work unless the stream ended,
+    even if it was never iterated."""
+
+    def __init__(self, stream):
+        self.stream, self.done = stream, False
+
+    def __aiter__(self) -> "ReplicaStream":
+        return self
+
+    async def __anext__(self) -> bytes:
+        try:
+            return await self.stream.__anext__()
+        except StopAsyncIteration:
+            self.done = True
+            raise
+
+    async def aclose(self) -> None:
+        if not self.done:
+            self.done = True
+            _cancel(self.stream)
 
 
-async def _cancel_unless_done(stream) -> AsyncIterator[bytes]:
-    """A replica's response stream as an async generator: closing it early cancels the replica's work."""
-    done = False
+def _cancel(response) -> None:
+    """Cancels a replica call or stream (best effort, as Serve's is): never masks what ended the wait."""
     try:
-        async for chunk in stream:
-            yield chunk
-        done = True
-    finally:
-        if not done:
-            stream.cancel()
+        response.cancel()
+    except Exception as e:
+        logger.debug("cancelling a replica call failed: %s", e)
+
+
+def _remaining(deadline: float) -> float:
+    return max(0.0, deadline - time.monotonic())
 
 
 @serve.deployment(max_ongoing_requests=1000)
@@ -66,7 +95,7 @@ class Router(http.ingress_routes(app, "router")):
 
     async def _replica_stats(self) -> dict:
         try:
-            return {"replica": json.loads(await asyncio.wait_for(self.replica.stats.remote(), 30))}
+            return {"replica": json.loads(await self._call_once(self.replica.stats, time.monotonic() + 30))}
         except Exception as e:
             return {"replica_error": str(e)}
 
@@ -79,57 +108,63 @@ class Router(http.ingress_routes(app, "router")):
             return http.error(503, why)
         deadline = time.monotonic() + self.args.request_timeout_s
         self.pending += 1
-        if req.get("stream") is not True:
-            try:
-                reply = await self._call(route, body, deadline)
-            except Exception as e:
-                self._finish(False)
-                return _failure(e)
-            self._finish(reply.head.status < 500)
-            return Response(reply.body, status_code=reply.head.status, media_type=reply.head.media_type,
-                            headers={"x-replica-id": reply.head.replica})
-        stream = None
+        how = http.CANCELLED  # unless it gets an answer: the client went away
         try:
+            if req.get("stream") is not True:
+                reply = await self._call(route, body, deadline)
+                how = http.outcome(reply.head.status)
+                return Response(reply.body, status_code=reply.head.status, media_type=reply.head.media_type,
+                                headers={"x-replica-id": reply.head.replica})
             stream, head = await self._open(route, body, deadline)
+            parts = ReplicaStream(stream)
             if head.media_type != "text/event-stream":  # an error answer to a streaming request
-                parts = [p async for p in http.until(stream, deadline)]
-                self._finish(head.status < 500)
-                return Response(b"".join(parts), status_code=head.status, media_type=head.media_type,
+                async with contextlib.aclosing(parts):
+                    whole = b"".join([p async for p in http.until(parts, deadline)])
+                how = http.outcome(head.status)
+                return Response(whole, status_code=head.status, media_type=head.media_type,
                                 headers={"x-replica-id": head.replica})
+            how = None  # the relay counts it from here
+            return http.Stream(self._relay(parts, deadline), media_type="text/event-stream",
+                               headers={"x-replica-id": head.replica})
         except Exception as e:
-            self._finish(False)
-            if stream is not None:
-                stream.cancel()
-            return _failure(e)
-        return StreamingResponse(self._relay(_cancel_unless_done(stream), deadline), media_type="text/event-stream",
-                                 headers={"x-replica-id": head.replica})
+            how = http.FAILED
+            return http.failure(e)
+        finally:
+            if how is not None:
+                self._finish(how)
+
+    async def _call_once(self, method, deadline: float, *args):
+        """One replica call by `deadline`; however the wait ends early (timeout, cancellation), the call is cancelled."""
+        ref = method.remote(*args)
+        try:
+            return await asyncio.wait_for(ref, _remaining(deadline))
+        except BaseException:
+            _cancel(ref)
+            raise
 
     async def _call(self, route: str, body: bytes, deadline: float) -> wire.Reply:
         """A non-streaming request: one call, one reply. A replica that died
         before answering gets one retry elsewhere (nothing was sent yet)."""
         for attempt in (1, 2):
-            ref = self.replica.openai_unary.remote(route, body)
             try:
-                raw = await asyncio.wait_for(ref, max(0.0, deadline - time.monotonic()))
-                return wire.REPLY_BODY_DECODER.decode(raw)
-            except (RayActorError, ActorUnavailableError) as e:
-                if attempt == 2:
+                return wire.REPLY_BODY_DECODER.decode(await self._call_once(self.replica.openai_unary, deadline,
+                                                                            route, body))
+            except Exception as e:
+                if attempt == 2 or not errors.replica_gone(e):
                     raise
                 logger.warning("replica died before answering (%s); retrying once", type(e).__name__)
-            except BaseException:
-                ref.cancel()
-                raise
 
     async def _open(self, route: str, body: bytes, deadline: float):
-        """Sends a streaming request; a replica that died before answering gets one retry elsewhere."""
+        """Sends a streaming request: (the replica's stream, its ResponseHead). A replica that died
+        before answering gets one retry elsewhere; however the wait ends early, the stream is cancelled."""
         for attempt in (1, 2):
             stream = self.replica_stream.openai.remote(route, body)
             try:
-                head = await asyncio.wait_for(stream.__anext__(), max(0.0, deadline - time.monotonic()))
+                head = await asyncio.wait_for(stream.__anext__(), _remaining(deadline))
                 return stream, wire.HEAD_DECODER.decode(head)
-            except (RayActorError, ActorUnavailableError) as e:
-                stream.cancel()
-                if attempt == 2:
+            except BaseException as e:
+                _cancel(stream)
+                if attempt == 2 or not isinstance(e, Exception) or not errors.replica_gone(e):
                     raise
                 logger.warning("replica died before answering (%s); retrying once", type(e).__name__)
 
@@ -143,15 +178,17 @@ class Router(http.ingress_routes(app, "router")):
             return wire.ENCODER.encode(wire.Reply(wire.ResponseHead(503, "application/json", ""),
                                                   error_body(why, 503)))
         self.pending += 1
+        how = http.CANCELLED
         try:
             reply = await self._call("hidden_states", body, time.monotonic() + self.args.request_timeout_s)
+            how = http.outcome(reply.head.status)
+            return wire.ENCODER.encode(reply)
         except Exception as e:
-            self._finish(False)
-            status, message = http.failure(e)
-            return wire.ENCODER.encode(wire.Reply(wire.ResponseHead(status, "application/json", ""),
-                                                  error_body(message, status)))
-        self._finish(reply.head.status < 500)
-        return wire.ENCODER.encode(reply)
+            how = http.FAILED
+            status, err = errors.error_response(e)
+            return wire.ENCODER.encode(wire.Reply(wire.ResponseHead(status, "application/json", ""), err))
+        finally:
+            self._finish(how)
 
     async def complete(self, request: bytes) -> bytes:
         """For `deployments.client.complete(handle, ...)`: HandleCompletionRequest -> HandleReply bytes."""
@@ -164,11 +201,15 @@ class Router(http.ingress_routes(app, "router")):
         if (why := await self._not_ready()) is not None:
             return wire.ENCODER.encode(HandleReply(error=HandleError(503, why)))
         self.pending += 1
+        how = http.CANCELLED
         try:
-            reply = await asyncio.wait_for(self.replica.complete.remote(request), self.args.request_timeout_s)
-            self._finish(True)
-            return reply
+            raw = await self._call_once(self.replica.complete, time.monotonic() + self.args.request_timeout_s,
+                                        request)
+            error = wire.REPLY_DECODER.decode(raw).error
+            how = http.outcome(error.status) if error is not None else http.SERVED
+            return raw
         except Exception as e:
-            self._finish(False)
-            return wire.ENCODER.encode(HandleReply(error=HandleError(*http.failure(e))))
-
+            how = http.FAILED
+            return wire.ENCODER.encode(HandleReply(error=http.handle_failure(e)))
+        finally:
+            self._finish(how)

@@ -6,13 +6,23 @@ and the vector of a token sequence is `fake_vector(ids)`. Responses go through
 the same formatting as the real frontend (`hidden_states.openai_format`), so
 the ingress, relay, counters and vector placement are tested for real; only
 vLLM is not there. `FakeEngine.fail_next` makes the next OpenAI request raise
-mid-stream (a dying engine).
+mid-stream what vLLM raises when its engine core died (`EngineDeadError`).
+
+Like vLLM's AsyncLLM, it knows which requests are still running: a request is
+live from its start until its generator ends, and one whose caller closed or
+cancelled it first (a client that hung up) is counted `cancelled`, as vLLM
+aborts it. `stats()` reports both (`unfinished_requests`, the key the vLLM
+engine reports too, and `cancelled_requests`), so tests over Serve can check
+that nothing is left running. `token_delay_s` (an `engine` arg in the app's
+args) makes each generated token take that long, so a client has time to hang up.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
+import sys
 import time
 import types
 import uuid
@@ -35,18 +45,43 @@ def fake_vector(ids: Sequence[int], layer: int = -1) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal(HIDDEN_SIZE).astype(np.float32)
 
 
+class EngineDeadError(RuntimeError):
+    """vLLM's name for "the engine core died" (hidden_states/errors.py matches it by name: a 503)."""
+
+
 class FakeEngine(VectorObservers):
-    def __init__(self, enabled: bool):
+    def __init__(self, enabled: bool, token_delay_s: float = 0.0):
         super().__init__()
         self.enabled = enabled
+        self.token_delay_s = token_delay_s
         self.missing_vectors = 0
         self.requests = 0
+        self.live: set[str] = set()  # requests started and not ended
+        self.cancelled = 0  # requests their caller closed or cancelled before they ended
         self.fail_next = False
         self.dead = False
 
     @classmethod
-    async def start(cls, model: str = "fake", *, enable_return_hidden_states: bool = True, **_: Any) -> "FakeEngine":
-        return cls(enable_return_hidden_states)
+    async def start(cls, model: str = "fake", *, enable_return_hidden_states: bool = True, token_delay_s: float = 0.0,
+                    **_: Any) -> "FakeEngine":
+        return cls(enable_return_hidden_states, token_delay_s)
+
+    @contextlib.asynccontextmanager
+    async def running(self):
+        """One request's life: live until it ends; `cancelled` if its caller gave up on it first."""
+        rid = uuid.uuid4().hex
+        self.live.add(rid)
+        try:
+            yield rid
+        except (asyncio.CancelledError, GeneratorExit):
+            self.cancelled += 1
+            raise
+        finally:
+            self.live.discard(rid)
+
+    async def _tick(self) -> None:
+        """One token's worth of work: a point where a request can be cancelled, as in vLLM."""
+        await asyncio.sleep(self.token_delay_s)
 
     def check_request(self, layers: Sequence[int] = (-1,), position: str = "completion_end") -> tuple[int, ...]:
         if not self.enabled:
@@ -65,11 +100,20 @@ class FakeEngine(VectorObservers):
     def _generate(self, prompt_ids: list[int], index: int, max_tokens: int) -> list[int]:
         return [(len(prompt_ids) + index + i) % 256 for i in range(max_tokens)]
 
-    def _collect(self, collector: HiddenStatesCollector, prompt_ids: list[int], token_ids: list[int]) -> None:
-        seq = collector.key(prompt_ids, token_ids)
-        collector.vectors[seq] = {layer: fake_vector(seq, layer) for layer in collector.layers}
-        if collector.position == "completion_end":
-            collector.stats[seq] = ExtractionStats(len(seq), len(seq) - 1, 0.0)
+    async def _generate_slowly(self, prompt_ids: list[int], index: int, max_tokens: int) -> list[int]:
+        toks = self._generate(prompt_ids, index, max_tokens)
+        for _ in toks:
+            await self._tick()
+        return toks
+
+    def _collect(self, collector: HiddenStatesCollector, index: int, prompt_ids: list[int],
+                 token_ids: list[int]) -> dict[int, np.ndarray]:
+        """Choice `index` of the request's one prompt: its vectors, filed as the real engine files them."""
+        seq = list(prompt_ids) if collector.position == "prompt_end" else [*prompt_ids, *token_ids]
+        vectors = {layer: fake_vector(seq, layer) for layer in collector.layers}
+        stats = ExtractionStats(len(seq), len(seq) - 1, 0.0) if collector.position == "completion_end" else None
+        collector.put((0, index), vectors, stats)
+        return vectors
 
     async def complete(self, prompt: str | Sequence[int], options: SamplingOptions | None = None, *,
                        return_hidden_states: bool = True, layers: Sequence[int] = (-1,),
@@ -77,15 +121,13 @@ class FakeEngine(VectorObservers):
         o = options or SamplingOptions()
         ids = list(prompt.encode()) if isinstance(prompt, str) else list(prompt)
         choices = []
-        with self.collecting(layers, position) if return_hidden_states else contextlib.nullcontext() as col:
-            for i in range(o.n):
-                toks = self._generate(ids, i, o.max_tokens or 16)
-                vecs = None
-                if col is not None:
-                    self._collect(col, ids, toks)
-                    vecs = col.vectors_for(ids, toks)
-                choices.append(CompletionChoice(i, bytes(toks).decode("latin-1"), tuple(toks), "length",
-                                                None if vecs is None else vecs.get(-1), None, vecs))
+        async with self.running():
+            with self.collecting(layers, position) if return_hidden_states else contextlib.nullcontext() as col:
+                for i in range(o.n):
+                    toks = await self._generate_slowly(ids, i, o.max_tokens or 16)
+                    vecs = None if col is None else self._collect(col, i, ids, toks)
+                    choices.append(CompletionChoice(i, bytes(toks).decode("latin-1"), tuple(toks), "length",
+                                                    None if vecs is None else vecs.get(-1), None, vecs))
         return Completion(f"cmpl-{uuid.uuid4().hex}", tuple(ids), tuple(choices))
 
     async def openai(self, served_model_name: str, replica_id: str) -> "FakeOpenAI":
@@ -93,7 +135,9 @@ class FakeEngine(VectorObservers):
 
     async def stats(self) -> dict:
         return {"enabled": self.enabled, "missing_vectors": self.missing_vectors, "pending": 0,
-                "unclaimed_results": 0, "requests_seen": self.requests}
+                "unclaimed_results": 0, "requests_seen": self.requests,
+                "unfinished_requests": len(self.live), "cancelled_requests": self.cancelled,
+                "vllm_imported": "vllm" in sys.modules}  # the fake-engine tier must never load vLLM
 
     def healthy(self) -> bool:
         return not self.dead
@@ -109,6 +153,11 @@ class FakeOpenAI:
         self.engine, self.model, self.replica_id = engine, model, replica_id
 
     async def handle(self, route: str, body: bytes) -> AsyncIterator[tuple[int, bytes] | bytes]:
+        async with self.engine.running(), contextlib.aclosing(self._handle(route, body)) as parts:
+            async for part in parts:
+                yield part
+
+    async def _handle(self, route: str, body: bytes) -> AsyncIterator[tuple[int, bytes] | bytes]:
         eng = self.engine
         eng.requests += 1
         req = json.loads(body)
@@ -126,6 +175,7 @@ class FakeOpenAI:
         text = req.get("prompt") if route == "completions" else " ".join(m["content"] for m in req["messages"])
         prompt_ids = list(str(text).encode())
         n, max_tokens = req.get("n") or 1, req.get("max_tokens") or 4
+        ids_asked = bool(req.get("return_token_ids"))  # as vLLM: token ids only when asked for
         col_cm = eng.collecting(req.get("hidden_states_layers") or (-1,),
                                 req.get("hidden_states_position", "completion_end")) \
             if req.get("return_hidden_states") else contextlib.nullcontext()
@@ -133,45 +183,50 @@ class FakeOpenAI:
             vectors = None
             if col is not None:
                 asked = types.SimpleNamespace(hidden_states_encoding=req.get("hidden_states_encoding", "float"),
-                                              hidden_states_layers=req.get("hidden_states_layers"),
-                                              return_token_ids=req.get("return_token_ids"))
+                                              hidden_states_layers=req.get("hidden_states_layers"), n=n)
                 vectors = ChoiceVectors(eng, col, asked, route, self.replica_id)
-            outs = [self._generate_choice(prompt_ids, i, max_tokens, col) for i in range(n)]
             if not req.get("stream"):
+                outs = [await self._generate_choice(prompt_ids, i, max_tokens, col) for i in range(n)]
                 payload = {"id": "cmpl-fake", "object": "text_completion", "created": int(time.time()),
-                           "model": self.model, "prompt_token_ids": prompt_ids if route == "chat" else None,
-                           "choices": [self._choice(route, i, prompt_ids, toks) for i, toks in enumerate(outs)]}
+                           "model": self.model, "prompt_token_ids": prompt_ids if route == "chat" and ids_asked else None,
+                           "choices": [self._choice(route, i, prompt_ids, toks, ids_asked)
+                                       for i, toks in enumerate(outs)]}
                 if vectors is not None:
                     vectors.fill_response(payload)
                 yield 200, json.dumps(payload).encode()
                 return
             yield 200, b""
-            for i, toks in enumerate(outs):
+            for i in range(n):
+                toks = eng._generate(prompt_ids, i, max_tokens)
+                if col is not None:
+                    eng._collect(col, i, prompt_ids, toks)
                 for j, tok in enumerate(toks):
+                    await eng._tick()
                     if eng.fail_next:
                         eng.fail_next = False
-                        raise RuntimeError("the fake engine died")
+                        raise EngineDeadError("the fake engine died")
                     last = j == len(toks) - 1
-                    choice = {"index": i, "text": chr(tok), "finish_reason": "length" if last else None,
-                              "token_ids": [tok], "prompt_token_ids": prompt_ids if j == 0 else None}
+                    choice = {"index": i, "text": chr(tok), "finish_reason": "length" if last else None}
+                    if ids_asked:
+                        choice.update(token_ids=[tok], prompt_token_ids=prompt_ids if j == 0 else None)
                     chunk = "data: " + json.dumps({"id": "cmpl-fake", "choices": [choice]}) + "\n\n"
                     if vectors is not None:
                         chunk = vectors.fill_chunk(chunk)
                     yield chunk.encode()
             yield b"data: [DONE]\n\n"
 
-    def _generate_choice(self, prompt_ids, i, max_tokens, col) -> list[int]:
-        toks = self.engine._generate(prompt_ids, i, max_tokens)
+    async def _generate_choice(self, prompt_ids, i, max_tokens, col) -> list[int]:
+        toks = await self.engine._generate_slowly(prompt_ids, i, max_tokens)
         if col is not None:
-            self.engine._collect(col, prompt_ids, toks)
+            self.engine._collect(col, i, prompt_ids, toks)
         return toks
 
     @staticmethod
-    def _choice(route: str, i: int, prompt_ids: list[int], toks: list[int]) -> dict:
+    def _choice(route: str, i: int, prompt_ids: list[int], toks: list[int], ids_asked: bool) -> dict:
         text = bytes(toks).decode("latin-1")
-        out = {"index": i, "finish_reason": "length", "token_ids": toks}
+        out = {"index": i, "finish_reason": "length", "token_ids": toks if ids_asked else None}
         if route == "completions":
-            out.update(text=text, prompt_token_ids=prompt_ids)
+            out.update(text=text, prompt_token_ids=prompt_ids if ids_asked else None)
         else:
             out["message"] = {"role": "assistant", "content": text}
         return out

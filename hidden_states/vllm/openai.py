@@ -31,7 +31,7 @@ from http import HTTPStatus
 from pydantic import ValidationError
 
 from hidden_states.engine import HiddenStatesCollector, HiddenStatesTimeout, MissingHiddenStatesError
-from hidden_states import verify
+from hidden_states import errors, verify
 from hidden_states.openai_format import (ChoiceVectors, Route, encode_vector, error_body, not_from_token_ids,
                                          validation_message)
 from hidden_states.vllm.extraction import prompt_ordinal
@@ -95,11 +95,10 @@ class OpenAIFrontend:
             yield err.error.code, err.model_dump_json().encode()
             return
         if request.return_hidden_states and not self.engine.enabled:
-            e = HiddenStatesDisabledError()
-            yield 400, error_body(str(e), 400, "BadRequestError", e.param)
+            yield errors.error_response(HiddenStatesDisabledError())
             return
         if request.return_hidden_states and (refusal := not_from_token_ids(request)) is not None:
-            yield 400, error_body(refusal[1], 400, "BadRequestError", refusal[0])
+            yield errors.error_response(HiddenStatesRequestError(refusal[1], refusal[0]))
             return
         # A client's request_id is replaced; a letter first, so vLLM's `{id}-{i}` per prompt is unambiguous.
         request.request_id = "hs" + uuid.uuid4().hex
@@ -114,7 +113,7 @@ class OpenAIFrontend:
         try:
             self.engine.check_request(layers, position)
         except HiddenStatesRequestError as e:
-            yield 400, error_body(str(e), 400, "BadRequestError", e.param)
+            yield errors.error_response(e)
             return
         with self.engine.collecting(layers, position) as collector:
             # The tag rides in vllm_xargs -> SamplingParams.extra_args of every engine
@@ -134,11 +133,8 @@ class OpenAIFrontend:
                 context = contextvars.copy_context()
                 context.run(_BEAM_COLLECTOR.set, collector)
                 result = await asyncio.create_task(create(request, None), context=context)
-        except HiddenStatesTimeout as e:
-            yield 504, error_body(str(e), 504, "TimeoutError")
-            return
-        except MissingHiddenStatesError as e:
-            yield 500, error_body(str(e), 500, "InternalServerError", "return_hidden_states")
+        except (HiddenStatesTimeout, MissingHiddenStatesError, HiddenStatesRequestError) as e:
+            yield errors.error_response(e)
             return
         except Exception as e:  # vLLM maps its own errors (validation -> 400 ...)
             err = serving.create_error_response(e)
@@ -154,7 +150,7 @@ class OpenAIFrontend:
             try:
                 choices.fill_response(result)
             except MissingHiddenStatesError as e:
-                yield 500, error_body(str(e), 500, "InternalServerError", "return_hidden_states")
+                yield errors.error_response(e)
                 return
             yield 200, result.model_dump_json().encode()
             return
@@ -164,7 +160,7 @@ class OpenAIFrontend:
                 try:
                     chunk = choices.fill_chunk(chunk)
                 except MissingHiddenStatesError as e:
-                    yield b"data: " + error_body(str(e), 500, "InternalServerError", "return_hidden_states") + b"\n\n"
+                    yield errors.sse_error(e)
                     return
             yield chunk.encode()
 
@@ -190,10 +186,8 @@ class OpenAIFrontend:
                 verify.decode_claimed(req.compare.vector, eng.llm.model_config.get_hidden_size())
             vecs, stats = await eng.extract_layers(ids, layers)
             eng.vector_sent("completion_end", stats, sum(v.nbytes for v in vecs.values()))
-        except HiddenStatesRequestError as e:
-            return 400, error_body(str(e), 400, "BadRequestError", e.param)
-        except HiddenStatesTimeout as e:
-            return 504, error_body(str(e), 504, "TimeoutError")
+        except (HiddenStatesRequestError, HiddenStatesTimeout, MissingHiddenStatesError) as e:
+            return errors.error_response(e)
         meta = {"via": stats.via, "tokens": stats.tokens, "cached_tokens": stats.cached_tokens,
                 "computed_tokens": stats.computed_tokens, "extraction_seconds": round(stats.seconds, 6),
                 "replica": self.replica_id}

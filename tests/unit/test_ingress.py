@@ -54,7 +54,7 @@ def test_health_models_and_a_completion_with_its_vector():
         got = np.frombuffer(base64.b64decode(ch["hidden_states"]), "<f4")
         assert np.array_equal(got, fake_vector(ids))
         assert ch["token_ids"] is None  # not asked for: hidden again
-    assert stats(r) | {"kind": "replica"} == {"kind": "replica", "pending": 0, "served": 1, "failed": 0}
+    assert stats(r) | {"kind": "replica"} == {"kind": "replica", "pending": 0, "served": 1, "failed": 0, "cancelled": 0}
 
 
 def test_stream_vectors_on_final_chunks_and_done():
@@ -103,8 +103,10 @@ def test_engine_dying_mid_stream_is_an_sse_error_and_counted_failed():
 
     r, res = run(go())
     last = json.loads(res.text.strip().split("\n\n")[-1][6:])
-    assert last["error"]["code"] == 503 and "RuntimeError" in last["error"]["message"]
-    assert stats(r) | {"kind": "replica"} == {"kind": "replica", "pending": 0, "served": 0, "failed": 1}
+    assert last["error"]["code"] == 503 and "EngineDeadError" in last["error"]["message"]
+    assert last["error"]["type"] == "ServiceUnavailableError" and "retry" in last["error"]["message"]
+    assert stats(r) | {"kind": "replica"} == {"kind": "replica", "pending": 0, "served": 0, "failed": 1, "cancelled": 0}
+    assert r.engine.live == set() and r.engine.cancelled == 0  # it failed: not cancelled by its caller
 
 
 def test_api_key_guards_stats_and_models_too():
@@ -115,3 +117,99 @@ def test_api_key_guards_stats_and_models_too():
 
     (models, debug), ok = run(go())
     assert models.status_code == debug.status_code == 401 and ok.status_code == 200
+
+
+# -- one request's lifecycle: however it ends, nothing is left running ---------
+
+SLOW = {"engine": {"token_delay_s": 0.05}}  # 400 tokens: 20 s, unless cancelled
+
+
+async def give_up(coro, after: float) -> None:
+    """Runs `coro` and cancels it after `after` s: a client that hangs up, or Serve
+    cancelling the handler (or, for a handle call, the Router cancelling it)."""
+    task = asyncio.ensure_future(coro)
+    await asyncio.sleep(after)
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+
+
+def assert_released(r, cancelled: int = 1) -> None:
+    assert r.engine.live == set() and r.engine.cancelled == cancelled
+    assert r.in_flight == 0 and r.pending == 0
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_http_client_hanging_up_cancels_the_engine_request(stream):
+    async def go():
+        r = await make(**SLOW)
+        await give_up(call(r, "POST", "/v1/completions", json={"prompt": "x", "max_tokens": 400, "stream": stream,
+                                                               "return_hidden_states": True}), 0.5)
+        return r
+
+    r = run(go())
+    assert_released(r)
+    assert stats(r) | {"kind": "replica"} == {"kind": "replica", "pending": 0, "served": 0, "failed": 0, "cancelled": 1}
+
+
+def test_http_request_past_its_deadline_is_a_504_and_ends_the_engine_request():
+    async def go():
+        r = await make(request_timeout_s=0.3, **SLOW)
+        return r, await call(r, "POST", "/v1/completions", json={"prompt": "x", "max_tokens": 400})
+
+    r, res = run(go())
+    assert res.status_code == 504 and res.json()["error"]["type"] == "TimeoutError"
+    assert r.engine.live == set() and r.engine.cancelled == 1 and r.failed == 1 and r.pending == 0
+
+
+def test_handle_calls_cancelled_by_the_router_cancel_the_engine_request():
+    """What the Router's `ref.cancel()` / `stream.cancel()` does on the replica: Serve cancels the call's task."""
+    body = json.dumps({"prompt": "x", "max_tokens": 400}).encode()
+
+    async def go():
+        r = await make(**SLOW)
+        await give_up(r.openai_unary("completions", body), 0.3)
+        one = (set(r.engine.live), r.engine.cancelled, r.in_flight)
+
+        async def read_a_little():
+            stream = r.openai("completions", json.dumps({"prompt": "x", "max_tokens": 400, "stream": True}).encode())
+            async for _ in stream:
+                pass
+
+        await give_up(read_a_little(), 0.3)
+        return r, one
+
+    r, after_unary = run(go())
+    assert after_unary == (set(), 1, 0)
+    assert_released(r, cancelled=2)
+
+
+def test_python_handle_failures_use_the_one_table():
+    """A vector that timed out is a 504 over a handle as over HTTP (it was a 500 here)."""
+    from deployments.wire import ENCODER, REPLY_DECODER, HandleCompletionRequest
+    from hidden_states.engine import HiddenStatesTimeout
+
+    async def go(exc):
+        r = await make()
+
+        async def fail(*_, **__):
+            raise exc
+
+        r.engine.complete = fail
+        return REPLY_DECODER.decode(await r.complete(ENCODER.encode(HandleCompletionRequest(prompt="x")))).error
+
+    timeout = run(go(HiddenStatesTimeout("no vector within extraction_timeout_s (60 s)")))
+    bad = run(go(ValueError("max_tokens too large")))
+    bug = run(go(RuntimeError("a bug")))
+    assert (timeout.status, bad.status, bug.status) == (504, 400, 500)
+    assert "extraction_timeout_s" in timeout.message and "max_tokens" in bad.message
+
+
+def test_handle_complete_cancelled_ends_the_engine_request():
+    from deployments.wire import ENCODER, HandleCompletionRequest
+
+    async def go():
+        r = await make(**SLOW)
+        await give_up(r.complete(ENCODER.encode(HandleCompletionRequest(prompt="x", max_tokens=400))), 0.3)
+        return r
+
+    assert_released(run(go()))

@@ -1,0 +1,98 @@
+"""One table: which HTTP status and OpenAI error type an exception becomes.
+
+Every surface that turns a failure into an answer asks `status_of` (or the
+helpers under it), so the same failure is the same status whichever way it
+came: over HTTP through the Router or `ingress: replica`
+(deployments/http.py, router.py, replica.py), over a Python handle
+(`HandleError.status`, deployments/client.py), as an SSE error event mid-stream,
+and from the replica's OpenAI layer (hidden_states/vllm/openai.py; vLLM's own
+exceptions keep vLLM's own table there, `serving.create_error_response`).
+
+    HiddenStatesRequestError, HiddenStatesDisabledError  400  BadRequestError (+ its `param`)
+    any other ValueError                                  400  BadRequestError
+    any TimeoutError (an extraction's HiddenStatesTimeout, asyncio's, request_timeout_s)
+                                                          504  TimeoutError
+    MissingHiddenStatesError                              500  InternalServerError (param return_hidden_states)
+    Ray's RayActorError, ActorUnavailableError (and subclasses: ActorDiedError),
+    vLLM's EngineDeadError: the replica or its engine is gone
+                                                          503  ServiceUnavailableError ("...; retry")
+    anything else                                         500  InternalServerError
+
+An exception raised in another Ray process arrives as Ray's RayTaskError: it is
+judged, and worded, by the exception it wraps. Classes from Ray and vLLM are
+matched by name along the exception's MRO, so this module imports neither (the
+fake-engine tests and the Router never load vLLM).
+A cancellation (`asyncio.CancelledError`: the client went away) is not an error
+and not in the table: no one is left to answer.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import NamedTuple
+
+from hidden_states.engine import MissingHiddenStatesError
+from hidden_states.openai_format import error_body
+from hidden_states.params import HiddenStatesRequestError
+
+logger = logging.getLogger(__name__)
+
+TIMED_OUT = "the request timed out (request_timeout_s) waiting for the engine"
+GONE = frozenset({"RayActorError", "ActorUnavailableError", "EngineDeadError"})  # matched by class name
+
+
+class Failure(NamedTuple):
+    status: int
+    type: str  # OpenAI's `error.type`
+    message: str
+    param: str | None = None
+
+
+def replica_gone(e: BaseException) -> bool:
+    """The replica (a Ray actor) or its engine died or cannot be reached: another replica may serve a retry."""
+    return any(cls.__name__ in GONE for cls in type(cause(e)).__mro__)
+
+
+def cause(e: BaseException) -> BaseException:
+    """What a Ray task error wraps (its message would carry the remote traceback), else `e`."""
+    while any(c.__name__ == "RayTaskError" for c in type(e).__mro__) and isinstance(getattr(e, "cause", None),
+                                                                                  BaseException):
+        e = e.cause
+    return e
+
+
+def status_of(e: BaseException) -> Failure:
+    """The table above: (status, OpenAI error type, message, param) for a request that failed with `e`.
+    An exception raised in another Ray process (RayTaskError) is judged by its cause."""
+    e = cause(e)
+    if isinstance(e, HiddenStatesRequestError):
+        return Failure(400, "BadRequestError", str(e), e.param)
+    if isinstance(e, ValueError):
+        return Failure(400, "BadRequestError", str(e))
+    if isinstance(e, TimeoutError):  # asyncio.TimeoutError is TimeoutError since Python 3.11
+        return Failure(504, "TimeoutError", str(e) or TIMED_OUT)
+    if isinstance(e, MissingHiddenStatesError):
+        return Failure(500, "InternalServerError", str(e), "return_hidden_states")
+    if replica_gone(e):
+        return Failure(503, "ServiceUnavailableError",
+                       f"the engine replica failed while serving this request ({type(e).__name__}); retry")
+    return Failure(500, "InternalServerError", f"{type(e).__name__}: {e}")
+
+
+def logged_status_of(e: BaseException) -> Failure:
+    """`status_of`, logging server-side failures (5xx) once, where they are turned into an answer."""
+    f = status_of(e)
+    if f.status >= 500:
+        logger.warning("request failed: %s (%s: %s)", f.status, type(e).__name__, e)
+    return f
+
+
+def error_response(e: BaseException) -> tuple[int, bytes]:
+    """(status, OpenAI error JSON): a whole answer, e.g. what an OpenAI route yields for `e`."""
+    f = logged_status_of(e)
+    return f.status, error_body(f.message, f.status, f.type, f.param)
+
+
+def sse_error(e: BaseException) -> bytes:
+    """The same error as one SSE event: how a stream that already started fails."""
+    return b"data: " + error_response(e)[1] + b"\n\n"

@@ -1,0 +1,139 @@
+"""The real Serve app over real HTTP (Serve's proxy -> Router -> EngineReplica, and
+`ingress: replica`) on the FakeEngine: answers, errors, and one request's lifecycle.
+
+Clients that hang up, streamed or not, leave nothing behind: the ingress's
+`pending` returns to 0 and they count `cancelled`, the replica has no call in
+flight, and the engine saw each request cancelled and has none unfinished
+(`unfinished_requests`, as the vLLM engine reports it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import numpy as np
+import pytest
+
+from hidden_states.testing import fake_vector
+
+INGRESSES = ("router", "replica")
+
+
+def stats(base: str) -> dict:
+    return httpx.get(f"{base}/debug/stats", timeout=30).json()
+
+
+def post(base: str, body: dict) -> httpx.Response:
+    return httpx.post(f"{base}/v1/completions", json=body, timeout=30)
+
+
+def settled(base: str, timeout_s: float = 15) -> dict:
+    """The stats once nothing is pending in the ingress, the replica or the engine (or the last ones seen)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        s = stats(base)
+        idle = (s["ingress"]["pending"], s["replica"]["in_flight"], s["replica"]["unfinished_requests"]) == (0, 0, 0)
+        if idle or time.monotonic() > deadline:
+            return s
+        time.sleep(0.2)
+
+
+@pytest.mark.parametrize("ingress", INGRESSES)
+def test_completions_with_and_without_vectors(fake_serve, ingress):
+    base = fake_serve[ingress]
+    plain = post(base, {"prompt": "Hi there", "max_tokens": 3})
+    flagged = post(base, {"prompt": "Hi there", "max_tokens": 3, "n": 2, "return_hidden_states": True,
+                          "return_token_ids": True})
+    assert plain.status_code == flagged.status_code == 200, (plain.text, flagged.text)
+    assert "hidden_states" not in plain.json()["choices"][0]
+    for ch in flagged.json()["choices"]:
+        ids = list(b"Hi there") + [8 + ch["index"] + i for i in range(3)]
+        assert ch["token_ids"] == ids[8:]
+        assert np.allclose(ch["hidden_states"], fake_vector(ids))
+    s = stats(base)
+    assert s["replica"]["vllm_imported"] is False  # the fast tier never loads vLLM
+
+
+@pytest.mark.parametrize("ingress", INGRESSES)
+def test_a_stream_with_vectors(fake_serve, ingress):
+    base = fake_serve[ingress]
+    before = stats(base)["ingress"]
+    with httpx.stream("POST", f"{base}/v1/chat/completions", timeout=30, json={
+            "messages": [{"role": "user", "content": "yo"}], "max_tokens": 2, "stream": True,
+            "return_hidden_states": True}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in r.iter_lines() if line]
+    assert events[-1] == "data: [DONE]"
+    assert '"hidden_states"' in events[-2] and '"hidden_states"' not in events[0]
+    after = settled(base)["ingress"]
+    assert after["served"] == before["served"] + 1 and after["cancelled"] == before["cancelled"]
+
+
+@pytest.mark.parametrize("ingress", INGRESSES)
+@pytest.mark.parametrize("body, status, words", [
+    ({"prompt": "x", "n": 99}, 400, "n must be"),  # the ingress's own check
+    ({"prompt": "x", "hidden_states_layers": [7], "return_hidden_states": True}, 400, "out of range"),  # the engine's
+    ({"model": "gpt-4", "prompt": "x"}, 404, "does not exist"),
+])
+def test_refusals_are_openai_errors(fake_serve, ingress, body, status, words):
+    r = post(fake_serve[ingress], body)
+    err = r.json()["error"]
+    assert r.status_code == err["code"] == status and words in err["message"], r.text
+
+
+@pytest.mark.parametrize("ingress", INGRESSES)
+def test_past_the_deadline_is_a_504_and_the_engine_request_ends(fake_serve, ingress):
+    """request_timeout_s is 3 s here; 400 tokens take 8 s."""
+    base = fake_serve[ingress]
+    before = stats(base)
+    r = post(base, {"prompt": "slow", "max_tokens": 400})
+    assert r.status_code == 504 and r.json()["error"]["type"] == "TimeoutError", r.text
+    after = settled(base)
+    assert after["ingress"]["pending"] == 0 and after["ingress"]["failed"] == before["ingress"]["failed"] + 1
+    assert after["replica"]["unfinished_requests"] == 0
+    assert after["replica"]["cancelled_requests"] == before["replica"]["cancelled_requests"] + 1
+
+
+async def hang_up_streamed(base: str, body: dict, chunks: int) -> int:
+    """Reads `chunks` SSE events, then closes the connection."""
+    got = 0
+    async with httpx.AsyncClient(timeout=30) as client:
+        async with client.stream("POST", f"{base}/v1/completions", json={**body, "stream": True}) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                got += line.startswith("data: ")
+                if got == chunks:
+                    break
+    return got
+
+
+async def hang_up_plain(base: str, body: dict, after_s: float) -> bool:
+    """Gives up waiting after `after_s` (its connection is closed)."""
+    async with httpx.AsyncClient(timeout=after_s) as client:
+        try:
+            await client.post(f"{base}/v1/completions", json=body)
+        except httpx.TimeoutException:
+            return True
+    return False
+
+
+@pytest.mark.parametrize("ingress", INGRESSES)
+def test_clients_hanging_up_leave_nothing_running(fake_serve, ingress):
+    base = fake_serve[ingress]
+    before = stats(base)
+    bodies = [{"prompt": f"hang up {i}", "max_tokens": 400, "return_hidden_states": i % 2 == 0} for i in range(12)]
+
+    async def go():
+        return await asyncio.gather(*(hang_up_streamed(base, b, 3) for b in bodies[:6]),
+                                    *(hang_up_plain(base, b, 1.0) for b in bodies[6:]))
+
+    results = asyncio.run(asyncio.wait_for(go(), 60))
+    assert results == [3] * 6 + [True] * 6  # each client got its chunks, or waited, and left
+    after = settled(base)
+    ing, rep = after["ingress"], after["replica"]
+    assert (ing["pending"], rep["in_flight"], rep["unfinished_requests"]) == (0, 0, 0), after
+    assert ing["cancelled"] == before["ingress"]["cancelled"] + 12, after
+    assert (ing["served"], ing["failed"]) == (before["ingress"]["served"], before["ingress"]["failed"]), after
+    assert rep["cancelled_requests"] == before["replica"]["cancelled_requests"] + 12, after
