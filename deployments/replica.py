@@ -192,7 +192,7 @@ class EngineReplica(http.ingress_routes(app, "replica")):
         return await self.openai_unary("hidden_states", body)
 
     async def _sample_stats(self, every_s: float = 5.0) -> None:
-        """The side-channel gauges (deployments/metrics.py), from the engine's stats."""
+        """The vector-fault gauges (deployments/metrics.py), from the engine's stats."""
         while True:
             await asyncio.sleep(every_s)
             try:
