@@ -87,6 +87,8 @@ def parse_args(argv=None):
     ap.add_argument("--hs-control", action="store_true",
                     help="part hs: a third arm, hidden states off again (A/A): how far two identical arms differ "
                          "on this machine, next to on/off")
+    ap.add_argument("--workload", choices=sorted(workload.WORKLOADS), default="mix",
+                    help="the request shapes: " + "; ".join(f"{k}: {v[2]}" for k, v in workload.WORKLOADS.items()))
     ap.add_argument("--attempts", type=int, default=3,
                     help="start a model's servers again (keeping finished parts) when something outside kills them, "
                          "e.g. another `ray stop --force` on this machine")
@@ -97,6 +99,7 @@ def parse_args(argv=None):
                     help="no run: rewrite the Markdown summary and plot from a results JSON (e.g. after editing "
                          "bench/NOTES.md)")
     args = ap.parse_args(argv)
+    workload.use(args.workload)
     args.parts = [p.strip() for p in args.parts.split(",") if p.strip()]
     bad = [p for p in args.parts if p not in PARTS]
     if bad:

@@ -19,6 +19,17 @@ from dataclasses import dataclass
 PROMPT_MIN, PROMPT_MAX = 32, 1500
 COMPLETION_MIN, COMPLETION_MAX = 16, 256
 SEED = 20261129
+# name -> (prompt tokens min..max, completion tokens min..max, what it is)
+WORKLOADS = {
+    "mix": ((32, 1500), (16, 256), "prompts 32-1500 tokens (log-uniform), completions 16-256 (the default)"),
+    "short-out": ((100, 900), (48, 48), "prompts 100-900 tokens, 48 out: issue 22's held-out on/off workload"),
+}
+
+
+def use(name: str) -> None:
+    """Selects the shapes `shapes()` draws from (`python -m bench --workload NAME`)."""
+    global PROMPT_MIN, PROMPT_MAX, COMPLETION_MIN, COMPLETION_MAX
+    (PROMPT_MIN, PROMPT_MAX), (COMPLETION_MIN, COMPLETION_MAX), _ = WORKLOADS[name]
 
 
 @dataclass(frozen=True)
