@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -37,6 +38,22 @@ from hidden_states.protocol import (COLLECTOR_TAG_KEY, OUTPUT_KEY, CapturedVecto
                                     HiddenStatesProtocolError)
 
 _FAILED = ("abort", "error")
+
+
+@dataclasses.dataclass(frozen=True)
+class Origin:
+    """What an extraction step takes over from the request whose vector it computes, so the
+    vector is that request's: its LoRA adapter, its prefix-cache salt (and so its cache),
+    and its priority (the step goes one ahead of it)."""
+
+    lora_request: Any = None
+    cache_salt: str | None = None
+    priority: int = 0
+
+    @staticmethod
+    def of(prompt: Any, kwargs: dict) -> "Origin":
+        salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+        return Origin(kwargs.get("lora_request"), salt, int(kwargs.get("priority") or 0))
 
 
 def prompt_ordinal(request_id: str) -> int:
@@ -93,7 +110,7 @@ def make_async_llm_class():
                 sampling_params = sampling_params.clone()
                 sampling_params.extra_args = {**(sampling_params.extra_args or {}), **HiddenStatesExtractionRequest(
                     key=key, layers=list(collector.layers), tail=not prompt_end).to_extra_args()}
-            ordinal = prompt_ordinal(request_id)
+            ordinal, origin = prompt_ordinal(request_id), Origin.of(prompt, kwargs)
             delta = sampling_params.output_kind == RequestOutputKind.DELTA
             tokens: dict[int, list[int]] = {}
             prompt_ids: list[int] = []
@@ -114,7 +131,7 @@ def make_async_llm_class():
                             finished.append(o.index)
                             settled.add(o.index)
                     if finished:
-                        await hs.settle(collector, box, ordinal, prompt_ids, tokens, finished)
+                        await hs.settle(collector, box, ordinal, prompt_ids, tokens, finished, origin)
                     yield out
             finally:
                 hs.mailboxes.pop(key, None)
@@ -143,7 +160,8 @@ class Extraction:
         box[index] = cv
 
     async def settle(self, collector: HiddenStatesCollector, box: dict[int, CapturedVector], ordinal: int,
-                     prompt_ids: list[int], tokens: dict[int, list[int]], finished: list[int]) -> None:
+                     prompt_ids: list[int], tokens: dict[int, list[int]], finished: list[int],
+                     origin: Origin = Origin()) -> None:
         """Puts each finished choice's vector in the collector: the one its output brought,
         else the extraction step's, at once (choices with identical sequences share one)."""
         todo: dict[tuple[int, ...], list[int]] = {}
@@ -160,7 +178,7 @@ class Extraction:
             todo.setdefault(seq, []).append(index)
         if not todo:
             return
-        results = await asyncio.gather(*(self.extract_layers(seq, collector.layers) for seq in todo))
+        results = await asyncio.gather(*(self.extract_layers(seq, collector.layers, origin) for seq in todo))
         for indices, (vecs, stats) in zip(todo.values(), results):
             for index in indices:
                 collector.put((ordinal, index), vecs, None if collector.position == "prompt_end" else stats)
@@ -225,7 +243,7 @@ class Extraction:
             "fails rather than return a partial answer (a server bug: please report it)")
 
     async def extract_beams(self, outputs: AsyncIterator[Any], collector: HiddenStatesCollector,
-                            ordinal: int) -> AsyncIterator[Any]:
+                            ordinal: int, origin: Origin = Origin()) -> AsyncIterator[Any]:
         """vLLM's beam search output with one extraction per returned beam, on that
         beam's own prompt + token_ids (its per-step engine requests carry no tag)."""
         async for out in outputs:
@@ -234,7 +252,7 @@ class Extraction:
                 prompt_ids = list(out.prompt_token_ids)
                 box: dict[int, CapturedVector] = {}  # beams bring no vectors: all extracted
                 await self.settle(collector, box, ordinal, prompt_ids, {o.index: list(o.token_ids) for o in done},
-                                  [o.index for o in done])
+                                  [o.index for o in done], origin)
             yield out
 
     def takes_tail(self, params: Any) -> bool:
@@ -250,14 +268,16 @@ class Extraction:
 
     # -- the extraction step --------------------------------------------------
 
-    async def extract_one(self, token_ids: Sequence[int]) -> tuple[np.ndarray, ExtractionStats]:
+    async def extract_one(self, token_ids: Sequence[int], origin: Origin = Origin()) -> tuple[np.ndarray, ExtractionStats]:
         """The last-layer hidden state of the final token of `token_ids` (float32 [D])."""
-        vecs, stats = await self.extract_layers(token_ids, (-1,))
+        vecs, stats = await self.extract_layers(token_ids, (-1,), origin)
         return vecs[-1], stats
 
-    async def extract_layers(self, token_ids: Sequence[int], layers: Sequence[int]) -> tuple[dict[int, np.ndarray], ExtractionStats]:
+    async def extract_layers(self, token_ids: Sequence[int], layers: Sequence[int],
+                             origin: Origin = Origin()) -> tuple[dict[int, np.ndarray], ExtractionStats]:
         """The final token's hidden state at each of `layers` (transformers numbering): a
-        prefill-only engine request whose output brings the vector (scheduler.py)."""
+        prefill-only engine request whose output brings the vector (scheduler.py), with the
+        adapter, cache salt and priority of the request it serves (`origin`)."""
         layers = self.check_request(layers)
         if not token_ids:
             raise ValueError("extraction needs at least one token id")
@@ -278,8 +298,12 @@ class Extraction:
         try:
             async with asyncio.timeout(self.extraction_timeout_s):
                 # AsyncLLM.generate, not ours: an extraction never triggers another.
-                async for out in AsyncLLM.generate(self.llm, TokensPrompt(prompt_token_ids=list(token_ids)), params,
-                                                  f"hs-{key}", priority=self.extraction_priority):
+                prompt = TokensPrompt(prompt_token_ids=list(token_ids))
+                if origin.cache_salt is not None:
+                    prompt["cache_salt"] = origin.cache_salt
+                async for out in AsyncLLM.generate(self.llm, prompt, params, f"hs-{key}",
+                                                  lora_request=origin.lora_request,
+                                                  priority=origin.priority + self.extraction_priority):
                     cached = out.num_cached_tokens or 0
         except TimeoutError:
             raise self._timed_out(len(token_ids)) from None

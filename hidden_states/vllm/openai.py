@@ -34,7 +34,7 @@ from hidden_states.engine import HiddenStatesCollector, HiddenStatesTimeout, Mis
 from hidden_states import errors, verify
 from hidden_states.openai_format import (ChoiceVectors, Route, encode_vector, error_body, not_from_token_ids,
                                          validation_message)
-from hidden_states.vllm.extraction import prompt_ordinal
+from hidden_states.vllm.extraction import Origin, prompt_ordinal
 from hidden_states.params import HiddenStatesDisabledError, HiddenStatesFields, HiddenStatesRequestError
 from hidden_states.protocol import COLLECTOR_TAG_KEY, RESERVED_EXTRA_ARGS_PREFIX
 
@@ -241,8 +241,9 @@ def _wrap_beam_search(serving, engine) -> None:
             return original(prompt, request_id, params, *args, **kwargs)
         prompt_len = len(prompt.get("prompt_token_ids") or ())
         params = msgspec.structs.replace(params, max_tokens=engine.beam_search_room(prompt_len, params.max_tokens))
+        origin = Origin.of(prompt, {"lora_request": kwargs.get("lora_request", args[0] if args else None)})
         return engine.extract_beams(original(prompt, request_id, params, *args, **kwargs), collector,
-                                    prompt_ordinal(request_id))
+                                    prompt_ordinal(request_id), origin)
 
     serving.beam_search = beam_search
 
