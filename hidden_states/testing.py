@@ -135,7 +135,7 @@ class FakeEngine(VectorObservers):
 
     async def stats(self) -> dict:
         return {"enabled": self.enabled, "missing_vectors": self.missing_vectors, "pending": 0,
-                "unclaimed_results": 0, "requests_seen": self.requests,
+                "unclaimed_vectors": 0, "requests_seen": self.requests,
                 "unfinished_requests": len(self.live), "cancelled_requests": self.cancelled,
                 "vllm_imported": "vllm" in sys.modules}  # the fake-engine tier must never load vLLM
 

@@ -5,6 +5,11 @@ the client knows as arguments, the rest in `extra_body`), streamed and not
 where both exist, and checks every returned choice's vector against
 transformers on that choice's own `prompt_token_ids + token_ids`.
 
+`test_parity` sends each case's body over raw HTTP with and without `return_hidden_states`
+(same seed, same app) and requires the JSON to be the same but for the vectors, per-request ids and
+the differences PARITY_DIFFERENCES names (streams: STREAM_NOT_COMPARED says what vLLM itself
+varies between identical requests). Refused cases have nothing to compare.
+
 `test_every_vllm_request_field_is_classified` enumerates the fields of vLLM's
 `CompletionRequest` and `ChatCompletionRequest` and fails on any field that is
 neither exercised by a case here nor listed in IRRELEVANT with the reason it
@@ -16,11 +21,17 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import json
+import math
+import re
+import uuid
 from typing import Any
 
+import httpx
 import openai
 import pytest
 
+from tests.conftest import TEST_ENGINE_ARGS
 from tests.serve.conftest import decode_vector, replica_stats
 
 MODEL = "tiny-llama"
@@ -36,6 +47,7 @@ class Case:
     streams: tuple[bool, ...] = (False, True)
     refused: str | None = None  # a 400 whose message contains this, instead of vectors
     refused_streaming: str | None = None  # a 400 for the streamed form only
+    finish: str | None = None  # every choice finishes so (test_parity checks): the case exists to reach it
 
     def id(self, stream: bool) -> str:
         return f"{self.route}-{self.name}-{'stream' if stream else 'whole'}"
@@ -58,6 +70,9 @@ CASES = [
     Case("stop-strings", C, {"temperature": 1.0, "seed": 11, "stop": ["e", "a"], "include_stop_str_in_output": True}),
     Case("stop-token-ids-min-tokens", C, {"temperature": 1.0, "seed": 2, "stop_token_ids": [262, 300, 400],
                                           "min_tokens": 3}),
+    # the stop token is forced (biased, after min_tokens): its text must not reach the output
+    Case("stop-token-hit", C, {"temperature": 1.0, "seed": 2, "stop_token_ids": [262], "logit_bias": {"262": 100},
+                               "min_tokens": 3}, finish="stop"),
     Case("ignore-eos", C, {"temperature": 1.0, "seed": 4, "ignore_eos": True, "max_tokens": 20}),
     Case("watermarking", C, {"temperature": 1.0, "seed": 9, "watermarking": True}),
     Case("repetition-detection", C, {"temperature": 0, "max_tokens": 24,
@@ -107,6 +122,9 @@ CASES = [
         {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}, refused="image_url"),
     Case("stop-skip-special", H, {"temperature": 1.0, "seed": 12, "stop": ["e"], "skip_special_tokens": False,
                                   "spaces_between_special_tokens": False, "ignore_eos": True}),
+    # EOS (id 1) forced after min_tokens, special tokens kept: its text must not reach the content
+    Case("eos-skip-special", H, {"temperature": 1.0, "seed": 13, "logit_bias": {"1": 100}, "min_tokens": 2,
+                                 "skip_special_tokens": False}, finish="stop"),
 ]
 
 # Fields that cannot change the tokens or the number of choices, each with why.
@@ -140,9 +158,15 @@ _SDK_ARGS = {
 }
 
 
-def _call(client: openai.OpenAI, case: Case, stream: bool):
-    body: dict[str, Any] = {"max_tokens": 8, "return_token_ids": True, **case.options, "return_hidden_states": True}
+def _body(case: Case) -> dict[str, Any]:
+    """The case's request body, without `model`, `stream` and `return_hidden_states`."""
+    body: dict[str, Any] = {"max_tokens": 8, "return_token_ids": True, **case.options}
     body.setdefault("prompt" if case.route == C else "messages", PROMPT if case.route == C else MESSAGES)
+    return body
+
+
+def _call(client: openai.OpenAI, case: Case, stream: bool):
+    body = {**_body(case), "return_hidden_states": True}
     sdk = {k: v for k, v in body.items() if k in _SDK_ARGS[case.route] and k not in ("extra_body",)}
     extra = {k: v for k, v in body.items() if k not in sdk}
     create = client.completions.create if case.route == C else client.chat.completions.create
@@ -216,6 +240,282 @@ def test_option(client, reference, case: Case, stream: bool):
             assert extra["hidden_states_meta"]["tokens"] == len(prompt_ids) + len(token_ids)
 
 
+# Parity: asking for hidden states changes nothing else in a response.
+#
+# Each case also runs without `return_hidden_states` (same body, same app, streamed or not
+# as the case is), over raw HTTP so that nothing the openai SDK drops is missed. A whole
+# response must be identical, key for key, but for what differs per request and the vectors
+# themselves. A stream is compared as STREAM_NOT_COMPARED says: everything but what vLLM
+# itself varies from one identical request to the next.
+
+# A case without a seed gets this one, in both requests: the tiny model's default temperature is 1.0,
+# so an unseeded case samples differently each time (harmless where it is greedy or beam search).
+PARITY_SEED = 1234
+PER_REQUEST = frozenset({"id", "created"})  # top-level keys of a response or chunk that differ per request
+# (`system_fingerprint` is not among them: vLLM derives it from the engine's config, the same on every replica)
+VECTOR_KEYS = frozenset({"hidden_states", "hidden_states_by_layer", "hidden_states_meta"})  # a choice's, with HS only
+
+CAPPED = "completions-max-tokens-unset-whole"
+CAP_WHY = ("max_tokens unset: with hidden states it is capped at max_model_len - 1 - prompt length (the final "
+           "token needs one more position for its vector), without at max_model_len - prompt length: one token fewer")
+# case -> field -> why: the only differences hidden states may make. Every field not listed must be
+# identical; one listed field at least must differ (else the entry is stale and fails; the case's own
+# test pins the exact difference). Refused cases (a 400 with hidden states: `refused`,
+# `refused_streaming`) have no response to compare and are skipped, saying so.
+PARITY_DIFFERENCES: dict[str, dict[str, str]] = {
+    CAPPED: {
+        "choices[0].text": CAP_WHY,
+        "choices[0].token_ids": CAP_WHY,
+        "choices[0].logprobs.text_offset": CAP_WHY,
+        "choices[0].logprobs.token_logprobs": CAP_WHY,
+        "choices[0].logprobs.tokens": CAP_WHY,
+        "choices[0].logprobs.top_logprobs": CAP_WHY,
+        "usage.completion_tokens": CAP_WHY,
+        "usage.total_tokens": CAP_WHY,
+    },
+}
+
+
+class _Absent:
+    def __repr__(self) -> str:
+        return "<absent>"
+
+
+_ABSENT = _Absent()  # a key or list item one side does not have
+
+# What a stream comparison leaves out, and why: each varies between two identical requests
+# *without* hidden states on this server (seen with both arms plain), so identity cannot hold.
+# Everything else of a stream is compared (`_stream_transcript`): per choice, the concatenation
+# of its chunks in order (text or delta, token ids, logprobs, prompt_token_ids: each key), its
+# finish_reason and stop_reason, whether the finish came in the chunk with the choice's last
+# token and whether anything came after it; the chunks' own fields; the usage-only chunks
+# exactly; the last chunk's usage; and the final [DONE].
+STREAM_NOT_COMPARED = {
+    "chunk boundaries (how many tokens one chunk carries)":
+        "vLLM's per-request output collector merges the deltas its reader has not taken yet, so "
+        "a chunk carries one token or several depending on timing",
+    "interleaving of choices' chunks (n > 1, several prompts)":
+        "each choice streams as its own engine request produces it; their order across choices is timing",
+    "usage of each chunk but the last (continuous_usage_stats)":
+        "cumulative counts as of each chunk, so they follow the chunk boundaries",
+}
+
+
+def _post(base: str, route: str, body: dict[str, Any], stream: bool) -> tuple[int, Any]:
+    """(status, JSON body); for a 200 stream, the list of its `data:` events, "[DONE]" last if it came."""
+    url = f"{base}/v1/{'completions' if route == C else 'chat/completions'}"
+    payload = {"model": MODEL, **body, "stream": stream}
+    with httpx.Client(timeout=120) as http:
+        if not stream:
+            r = http.post(url, json=payload)
+            return r.status_code, r.json()
+        with http.stream("POST", url, json=payload) as r:
+            if r.status_code != 200:
+                return r.status_code, json.loads(r.read())
+            events: list[Any] = []
+            for line in r.iter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[len("data:"):].strip()
+                if data == "[DONE]":
+                    events.append(data)
+                    break
+                events.append(json.loads(data))
+            return r.status_code, events
+
+
+def _without_vectors(event: Any) -> Any:
+    """A response or chunk with hidden states, without what legitimately differs: the
+    per-request keys and each choice's vector keys."""
+    if not isinstance(event, dict):
+        return event
+    out = {k: v for k, v in event.items() if k not in PER_REQUEST}
+    if isinstance(out.get("choices"), list):
+        out["choices"] = [{k: v for k, v in ch.items() if k not in VECTOR_KEYS} if isinstance(ch, dict) else ch
+                          for ch in out["choices"]]
+    return out
+
+
+def _first_difference(a: Any, b: Any, path: str = "", skip: frozenset[str] = frozenset()):
+    """(path, a's value, b's value) where `a` and `b` first differ, or None; paths in `skip` are not compared."""
+    if path in skip:
+        return None
+    if isinstance(a, dict) and isinstance(b, dict):
+        for k in [*a, *(k for k in b if k not in a)]:
+            d = _first_difference(a.get(k, _ABSENT), b.get(k, _ABSENT), f"{path}.{k}" if path else str(k), skip)
+            if d is not None:
+                return d
+        return None
+    if isinstance(a, list) and isinstance(b, list):
+        for i in range(max(len(a), len(b))):
+            d = _first_difference(a[i] if i < len(a) else _ABSENT, b[i] if i < len(b) else _ABSENT,
+                                  f"{path}[{i}]", skip)
+            if d is not None:
+                return d
+        return None
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return None
+    if type(a) is not type(b) or a != b:  # 1 and True, 1 and 1.0 differ in JSON
+        return path or "<root>", a, b
+    return None
+
+
+def _at(obj: Any, path: str) -> Any:
+    for key, index in re.findall(r"([^.\[\]]+)|\[(\d+)\]", path):
+        obj = obj[int(index)] if index else obj[key]
+    return obj
+
+
+def _short(value: Any, limit: int = 600) -> str:
+    text = repr(value) if isinstance(value, (str, _Absent)) else json.dumps(value)
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} chars)"
+
+
+class _Changed(list):
+    """A scalar that took several values across one choice's chunks: the values in order."""
+
+
+def _merge(acc: Any, new: Any) -> Any:
+    """One choice's chunks in order, folded into one: strings concatenate, lists extend, dicts
+    merge by key, a repeated equal scalar stays one (a changing one becomes a _Changed)."""
+    if acc is _ABSENT or acc is None:
+        return new
+    if new is None:
+        return acc
+    if isinstance(acc, _Changed):
+        return acc if type(acc[-1]) is type(new) and acc[-1] == new else _Changed([*acc, new])
+    if isinstance(acc, str) and isinstance(new, str):
+        return acc + new
+    if isinstance(acc, list) and isinstance(new, list):
+        return acc + new
+    if isinstance(acc, dict) and isinstance(new, dict):
+        return {**acc, **{k: _merge(acc.get(k, _ABSENT), v) for k, v in new.items()}}
+    if type(acc) is type(new) and acc == new:
+        return acc
+    return _Changed([acc, new])
+
+
+def _stream_transcript(events: list[Any]) -> dict[str, Any]:
+    """A stream without what STREAM_NOT_COMPARED names, everything else kept."""
+    chunks = [e for e in events if isinstance(e, dict)]
+    per_choice: dict[int, list[dict]] = {}
+    for e in chunks:
+        for ch in e.get("choices") or ():
+            per_choice.setdefault(ch.get("index"), []).append(ch)
+    choices = {}
+    for index, entries in sorted(per_choice.items(), key=lambda kv: str(kv[0])):
+        merged: Any = _ABSENT
+        for ch in entries:
+            merged = _merge(merged, ch)
+        finished = [i for i, ch in enumerate(entries) if ch.get("finish_reason") is not None]
+        last = entries[finished[0]] if finished else None
+        choices[str(index)] = {
+            "merged": merged,
+            "finishes": len(finished),
+            "entries_after_finish": len(entries) - 1 - finished[0] if finished else None,
+            # token ids shown: the finish must come with the choice's last token, not on its own
+            "finish_with_its_token": bool(last.get("token_ids")) if last is not None and "token_ids" in last else None,
+        }
+    with_choices = [e for e in chunks if e.get("choices")]
+    return {
+        "chunk_fields": sorted({json.dumps({k: v for k, v in e.items() if k not in ("choices", "usage")},
+                                           sort_keys=True) for e in chunks}),
+        "choices": choices,
+        "usage_chunks": [e.get("usage", _ABSENT) for e in chunks if not e.get("choices")],
+        "usage_on_choice_chunks": sorted({e.get("usage") is not None for e in with_choices}),
+        "last_choice_chunk_usage": with_choices[-1].get("usage", _ABSENT) if with_choices else _ABSENT,
+        "non_chunk_events": [e for e in events if not isinstance(e, dict)],  # "[DONE]", last
+    }
+
+
+def _assert_parity(name: str, off: Any, on: Any, stream: bool) -> None:
+    """`off` (without hidden states) and `on` (with) identical but for PER_REQUEST, the vectors,
+    for streams what STREAM_NOT_COMPARED names, and the fields PARITY_DIFFERENCES lists for
+    `name` (of which one at least must differ, else the entry is stale)."""
+    allowed = PARITY_DIFFERENCES.get(name, {})
+    # without hidden states nothing is removed but the per-request keys: a vector there is a difference
+    if stream:
+        a = _stream_transcript([{k: v for k, v in e.items() if k not in PER_REQUEST} if isinstance(e, dict) else e
+                                for e in off])
+        b = _stream_transcript([_without_vectors(e) for e in on])
+    else:
+        a, b = {k: v for k, v in off.items() if k not in PER_REQUEST}, _without_vectors(on)
+    d = _first_difference(a, b, "stream" if stream else "", frozenset(allowed))
+    assert d is None, (f"{name}: asking for hidden states changed the response; first difference at {d[0]}:\n"
+                       f"  without hidden states: {_short(d[1])}\n  with hidden states:    {_short(d[2])}")
+    if allowed:
+        assert any(_at(a, path) != _at(b, path) for path in allowed), \
+            f"{name}: PARITY_DIFFERENCES lists {sorted(allowed)} as differing, but none does: a stale entry"
+
+
+def _assert_vectors_present(on: Any, stream: bool) -> None:
+    """The hidden-states request did get its vectors: every finished choice carries one
+    (else the comparison would be between two plain responses)."""
+    events = on if stream else [on]
+    finished = [ch for e in events if isinstance(e, dict) for ch in e.get("choices") or ()
+                if ch.get("finish_reason") is not None]
+    assert finished, "no choice finished"
+    for ch in finished:
+        assert ch.keys() & {"hidden_states", "hidden_states_by_layer"} and "hidden_states_meta" in ch, \
+            f"choice {ch.get('index')} finished without its vector: {sorted(ch)}"
+
+
+@pytest.mark.parametrize("case,stream", [(c, s) for c in CASES for s in c.streams],
+                         ids=[c.id(s) for c in CASES for s in c.streams])
+def test_parity(serve_app, case: Case, stream: bool):
+    refused = case.refused or (case.refused_streaming if stream else None)
+    if refused is not None:
+        pytest.skip(f"exempt from parity: refused with hidden states (a 400 naming {refused!r}), "
+                    "so there is no response to compare")
+    body = _body(case)
+    body.setdefault("seed", PARITY_SEED)
+    status_off, off = _post(serve_app, case.route, body, stream)
+    status_on, on = _post(serve_app, case.route, {**body, "return_hidden_states": True}, stream)
+    assert (status_off, status_on) == (200, 200), f"without: {status_off} {_short(off)}; with: {status_on} {_short(on)}"
+    _assert_vectors_present(on, stream)
+    if case.finish is not None:
+        events = off if stream else [off]
+        finishes = [ch["finish_reason"] for e in events if isinstance(e, dict) for ch in e.get("choices") or ()
+                     if ch.get("finish_reason") is not None]
+        assert finishes and set(finishes) == {case.finish}, f"the case exists to finish by {case.finish}: {finishes}"
+    if stream:
+        assert off and off[-1] == "[DONE]", f"the stream without hidden states did not end with [DONE]: {_short(off)}"
+    _assert_parity(case.id(stream), off, on, stream)
+
+
+def test_parity_max_tokens_unset(serve_app):
+    """The one difference hidden states make on purpose: with `max_tokens` unset (null), a prompt
+    near the context gets one token fewer (PARITY_DIFFERENCES[CAPPED]), and nothing else changes."""
+    max_model_len = TEST_ENGINE_ARGS["max_model_len"]
+    room = 5  # tokens left without hidden states; 4 with
+    prompt = [0] + [50 + (7 * i) % 600 for i in range(max_model_len - room - 1)]  # the vocabulary has 715
+    body = {"prompt": prompt, "max_tokens": None, "temperature": 0, "ignore_eos": True, "logprobs": 1,
+            "return_token_ids": True}
+    # A prompt this long fills KV blocks, which the prefix cache keeps: a request that reads them gets
+    # logprobs a float32 ulp away from one that computed them (other chunk shapes), with or without
+    # hidden states. A fresh cache_salt (it only keys the prefix cache) gives both requests a cold
+    # cache. (The matrix's prompts are shorter than one 32-token block: no request of theirs reads the cache.)
+    status_off, off = _post(serve_app, C, {**body, "cache_salt": uuid.uuid4().hex}, False)
+    status_on, on = _post(serve_app, C, {**body, "cache_salt": uuid.uuid4().hex, "return_hidden_states": True}, False)
+    assert (status_off, status_on) == (200, 200), f"without: {status_off} {_short(off)}; with: {status_on} {_short(on)}"
+    _assert_vectors_present(on, False)
+    _assert_parity(CAPPED, off, on, False)
+    # ... and the listed fields differ by exactly the one token
+    a, b = off["choices"][0], on["choices"][0]
+    assert len(a["token_ids"]) == room and b["token_ids"] == a["token_ids"][:-1], (a["token_ids"], b["token_ids"])
+    assert a["finish_reason"] == "length"
+    for key in ("text_offset", "token_logprobs", "tokens", "top_logprobs"):
+        assert b["logprobs"][key] == a["logprobs"][key][:-1], (key, a["logprobs"][key], b["logprobs"][key])
+    assert a["text"].startswith(b["text"]), (a["text"], b["text"])
+    assert on["usage"] == {**off["usage"], "completion_tokens": room - 1, "total_tokens": max_model_len - 1}, \
+        (off["usage"], on["usage"])
+
+
+def test_parity_differences_name_real_cases():
+    ids = {c.id(s) for c in CASES for s in c.streams} | {CAPPED}
+    assert set(PARITY_DIFFERENCES) <= ids, sorted(set(PARITY_DIFFERENCES) - ids)
+
+
 def test_beam_search_vectors_are_the_final_beams(client, reference):
     """Each returned beam's vector is its own: distinct beams carry distinct vectors."""
     r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=10, n=3,
@@ -235,7 +535,7 @@ def test_beam_search_vectors_are_the_final_beams(client, reference):
 def test_no_vector_went_missing(serve_app, client):
     client.completions.create(model=MODEL, prompt="flush", max_tokens=2)
     stats = replica_stats(serve_app)["replica"]
-    assert stats["missing_vectors"] == 0 and stats["unclaimed_results"] == 0, stats
+    assert stats["missing_vectors"] == 0 and stats["unclaimed_vectors"] == 0, stats
 
 
 def test_every_vllm_request_field_is_classified():
