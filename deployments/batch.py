@@ -2,6 +2,7 @@
 
     python -m deployments.batch --input prompts.jsonl --output out/ [--model builtin:smollm2-135m-instruct]
                                 [--max-tokens 32] [--engines 1] [--batch-size 16]
+                                [--lora-modules NAME=PATH ... --adapter NAME]
 
 Input rows (JSONL, or Parquet with the same columns): `{"prompt": "..."}` or
 `{"messages": [{"role": ..., "content": ...}]}`, with an optional string `id`
@@ -15,6 +16,10 @@ each actor hosts this project's engine, greedy decoding by default. A rerun
 with the same output folder skips the ids already written there, so an
 interrupted job resumes instead of starting over (unreadable files a killed
 writer left are moved aside). Ray Data shows its own progress on stderr.
+
+LoRA: `--lora-modules` takes the app's adapters (as its `lora_modules`, or
+vLLM's `--lora-modules name=path`), `--adapter NAME` picks the one every row is
+generated with, and its vectors computed with (default: the base model).
 """
 
 from __future__ import annotations
@@ -61,13 +66,17 @@ def done_ids(output: Path) -> set[str]:
 class EngineWorker:
     """A Ray Data actor: one engine, completing a batch of rows concurrently."""
 
-    def __init__(self, model: str, max_tokens: int, engine_args: dict[str, Any]):
+    def __init__(self, model: str, max_tokens: int, engine_args: dict[str, Any],
+                 lora_modules: list[dict] = (), adapter: str | None = None):
         from hidden_states.vllm.engine import HiddenStatesEngine
 
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, daemon=True).start()
         self.engine = self._run(HiddenStatesEngine.start(model, **engine_args), 900)
-        self.max_tokens = max_tokens
+        if lora_modules:  # loaded by vLLM's serving, as in the server: adapters are then known by name
+            self._run(self.engine.openai(model, "batch", lora_modules), 300)
+        self.engine.lora_request(adapter)  # an unknown name fails here, before any row
+        self.max_tokens, self.adapter = max_tokens, adapter
         self.tokenizer = self.engine.llm.tokenizer
 
     def __del__(self):
@@ -96,7 +105,7 @@ class EngineWorker:
         options = SamplingOptions(max_tokens=self.max_tokens, temperature=0.0)
 
         async def all_rows():
-            return await asyncio.gather(*(self.engine.complete(p, options) for p in ids))
+            return await asyncio.gather(*(self.engine.complete(p, options, model=self.adapter) for p in ids))
 
         done = self._run(all_rows(), 600 + 10 * n)
         vecs = np.stack([c.choices[0].hidden_states for c in done]).astype(np.float32)
@@ -124,9 +133,14 @@ def run(args: argparse.Namespace) -> int:
     if skip:
         print(f"batch: {len(skip)} rows already in {output}: skipping them", file=sys.stderr)
         ds = ds.filter(lambda row: row["id"] not in skip)
-    app = AppArgs(model=args.model, engine=json.loads(args.engine) if args.engine else {})
+    app = AppArgs(model=args.model, engine=json.loads(args.engine) if args.engine else {},
+                  lora_modules=[dict(zip(("name", "path"), m.split("=", 1))) for m in args.lora_modules])
+    if args.adapter is not None and args.adapter not in app.served_model_names[1:]:
+        raise SystemExit(f"--adapter {args.adapter}: not among --lora-modules ({app.served_model_names[1:]})")
     engine_args = {**app.engine_args(), "warm_up_s": args.warm_up_s}
-    out = ds.map_batches(EngineWorker, fn_constructor_args=(app.model, args.max_tokens, engine_args),
+    modules = [m.model_dump() for m in app.lora_modules]
+    out = ds.map_batches(EngineWorker, fn_constructor_args=(app.model, args.max_tokens, engine_args, modules,
+                                                            args.adapter),
                          batch_size=args.batch_size, concurrency=args.engines, num_cpus=1, batch_format="numpy")
     out.write_parquet(str(output))
     total = len(done_ids(output))
@@ -144,6 +158,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-size", type=int, default=16, help="rows per engine call")
     ap.add_argument("--engine", default=None, help="vLLM engine arguments as JSON, over the defaults")
     ap.add_argument("--warm-up-s", type=float, default=0.0, help="CPU warm-up per engine (see AppArgs.warm_up_s)")
+    ap.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                    help="LoRA adapters (the app's lora_modules; vLLM's --lora-modules name=path)")
+    ap.add_argument("--adapter", default=None, help="the LoRA adapter (a --lora-modules NAME) to generate with")
     return run(ap.parse_args(argv))
 
 

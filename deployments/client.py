@@ -3,7 +3,7 @@
     from ray import serve
     from deployments.client import complete
     handle = serve.get_app_handle("hidden-states")
-    result = complete(handle, "Hello!", max_tokens=16)       # blocking
+    result = complete(handle, "Hello!", max_tokens=16)       # blocking; model="my-adapter": a LoRA adapter
     result = await complete_async(handle, "Hello!")          # in async code
     result.choices[0].hidden_states  # numpy float32 [hidden_size]
     check = verify(handle, prompt=ids, compare={"vector": claimed.tolist()})   # POST /v1/hidden_states
@@ -84,8 +84,9 @@ def _cancel(response: Any) -> None:
 
 
 def complete(handle: Any, prompt: str | list[int], *, timeout_s: float = 600, **kw: Any) -> Completion:
-    """Blocking. kw: max_tokens, temperature, top_p, seed, n, stop, return_hidden_states,
-    hidden_states_layers (default [-1]), hidden_states_position ("completion_end" | "prompt_end")."""
+    """Blocking. kw: model (a LoRA adapter's name; default: the base model), max_tokens, temperature, top_p,
+    seed, n, stop, return_hidden_states, hidden_states_layers (default [-1]), hidden_states_position
+    ("completion_end" | "prompt_end"). An unknown model raises HandleRequestError (404)."""
     return _result(_wait(handle.complete.remote(_request(prompt, **kw)), timeout_s))
 
 
@@ -116,7 +117,7 @@ def _verify_result(raw: bytes) -> dict[str, Any]:
 
 
 def verify(handle: Any, *, timeout_s: float = 600, **fields: Any) -> dict[str, Any]:
-    """POST /v1/hidden_states over a handle (blocking). fields: prompt | messages (+ completion),
+    """POST /v1/hidden_states over a handle (blocking). fields: model (a LoRA adapter), prompt | messages (+ completion),
     hidden_states_layers, compare={"vector": floats or base64, "tolerance": 1e-5}. Vectors come
     back as numpy float32."""
     return _verify_result(_wait(handle.hidden_states.remote(_verify_request(fields)), timeout_s))

@@ -2,15 +2,23 @@
 
 Replica resources are derived here from the engine arguments, never hard-coded:
 GPUs = tensor_parallel_size on GPU engines (a placement group when above 1),
-one CPU per replica on CPU engines.
+CPUs = tensor_parallel_size on CPU engines (one worker process each, started by
+vLLM's multiprocessing executor on the replica's node).
+
+LoRA adapters (`lora_modules`, vLLM's `--lora-modules`) turn on the engine's
+`enable_lora` with `max_loras` = their number (all in one batch) and
+`max_lora_rank` = the largest rank in their adapter_config.json, rounded up to
+a rank vLLM accepts (16 if none is readable); `engine` overrides each.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
+import json
+import os
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from hidden_states.tiny_model import DEFAULT_MODEL
 
@@ -28,6 +36,32 @@ CPU_ENGINE_DEFAULTS: dict[str, Any] = {
 }
 
 
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's LoRAConfig.max_lora_rank choices
+
+
+class LoRAModule(BaseModel):
+    """One LoRA adapter, served under its own `model` name (vLLM's `--lora-modules name=path`)."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(min_length=1, description="the `model` a request sends to use this adapter")
+    path: str = Field(min_length=1, description="a PEFT adapter folder (adapter_config.json + weights) that every "
+                                                "replica's node can read, or a hub id where the network allows")
+
+
+def lora_rank(modules: list[LoRAModule]) -> int:
+    """The smallest rank vLLM accepts that holds every adapter's (16, vLLM's default, if none is readable)."""
+    ranks = []
+    for m in modules:
+        try:
+            with open(os.path.join(m.path, "adapter_config.json")) as f:
+                cfg = json.load(f)
+            ranks += [int(cfg.get("r", 0)), *(int(r) for r in (cfg.get("rank_pattern") or {}).values())]
+        except (OSError, ValueError, TypeError):
+            pass
+    need = max(ranks, default=0) or 16
+    return next((r for r in VLLM_LORA_RANKS if r >= need), need)
+
+
 class AutoscalingConfig(BaseModel):
     model_config = ConfigDict(extra="allow")
     min_replicas: int = Field(1, ge=1)
@@ -42,9 +76,16 @@ class AppArgs(BaseModel):
     model: str = Field(DEFAULT_MODEL, description="local folder, hub id, or builtin:NAME")
     served_model_name: str | None = Field(None, description="the `model` clients send; default: derived from `model`")
     engine: dict[str, Any] = Field(default_factory=dict, description="vLLM engine arguments (AsyncEngineArgs)")
+    lora_modules: list[LoRAModule] = Field(
+        default_factory=list, description="LoRA adapters, each served as its own `model` (vLLM's --lora-modules); "
+                                          "turns on the engine's enable_lora")
     accelerator: Literal["auto", "cpu", "gpu"] = "auto"
     enable_return_hidden_states: bool = True
     extraction_timeout_s: float = Field(60.0, gt=0)
+    max_hidden_states_bytes: int = Field(
+        64 * 2**20, gt=0, description="a request's worst case of hidden-state rows (positions x layers x hidden size "
+                                      "x dtype bytes, from its prompt + max_tokens, per prompt and all its choices): "
+                                      "above it, a 400 before any engine work")
     prefault_kv_cache: bool = Field(
         True, description="CPU engines: map the whole KV cache at start, so memory does not grow under load")
     warm_up_s: float = Field(
@@ -78,6 +119,24 @@ class AppArgs(BaseModel):
                           "by replica, as Ray Serve LLM does; this server's own metrics are always on")
     access_log: bool = Field(False, description="Serve's per-request access log lines (a few ms of CPU per request)")
 
+    @model_validator(mode="after")
+    def _check_lora_modules(self) -> "AppArgs":
+        names = [m.name for m in self.lora_modules]
+        if len(set(names)) != len(names) or self.model_name in names:
+            raise ValueError(f"lora_modules names must be distinct and differ from the model's ({self.model_name}): "
+                             f"{names}")
+        if self.lora_modules and self.engine.get("enable_lora") is False:
+            raise ValueError("lora_modules need the engine's enable_lora: drop `enable_lora: false` from `engine`")
+        for m in self.lora_modules:  # replicas may run elsewhere than where the config was read
+            if os.path.exists(m.path):
+                m.path = os.path.abspath(m.path)
+        return self
+
+    @property
+    def served_model_names(self) -> list[str]:
+        """What a request's `model` may name: the model, then its adapters."""
+        return [self.model_name, *(m.name for m in self.lora_modules)]
+
     @property
     def model_name(self) -> str:
         if self.served_model_name:
@@ -97,6 +156,9 @@ class AppArgs(BaseModel):
         base = dict(CPU_ENGINE_DEFAULTS) if self.resolved_accelerator() == "cpu" else {}
         if "gpu_memory_utilization" in self.engine:  # a share of memory asked for instead: vLLM would prefer the bytes
             base.pop("kv_cache_memory_bytes", None)
+        if self.lora_modules:
+            base |= {"enable_lora": True, "max_loras": len(self.lora_modules),
+                     "max_lora_rank": lora_rank(self.lora_modules)}
         return base | self.engine
 
     def replica_options(self) -> dict[str, Any]:
@@ -110,7 +172,8 @@ class AppArgs(BaseModel):
         if self.resolved_accelerator() == "cpu":
             # Unbound OpenMP threads: replicas sharing a node must not pin the same cores.
             env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-            opts["ray_actor_options"] = {"num_cpus": 1, "runtime_env": {"env_vars": env}}
+            # One CPU per tensor-parallel worker: vLLM runs them as processes of the replica's own.
+            opts["ray_actor_options"] = {"num_cpus": tp, "runtime_env": {"env_vars": env}}
         elif tp == 1:
             opts["ray_actor_options"] = {"num_gpus": 1, "num_cpus": 1, "runtime_env": {"env_vars": env}}
         else:

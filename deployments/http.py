@@ -211,8 +211,8 @@ def check(args: AppArgs, body: bytes) -> Response | dict:
     if not isinstance(req, dict):
         return error(400, "request body must be a JSON object")
     model = req.get("model")
-    if model is not None and model != args.model_name:
-        return error(404, f"the model `{model}` does not exist; this server serves `{args.model_name}`", "model")
+    if model is not None and model not in args.served_model_names:  # the model, or one of its LoRA adapters
+        return error(404, params.unknown_model(model, args.served_model_names), "model")
     try:
         params.check_fields(req, enabled=args.enable_return_hidden_states)
     except params.HiddenStatesRequestError as e:
@@ -255,8 +255,11 @@ async def _admit(args: AppArgs, request: Request, route: str) -> tuple[bytes, di
 def models_list(args: AppArgs, request: Request) -> Response:
     if (denied := auth(args, request)) is not None:
         return denied
+    # As vLLM's /v1/models: the model, then each LoRA adapter with its folder (`root`) and base (`parent`).
+    card = {"object": "model", "created": 0, "owned_by": "hidden-states-serve"}
     return JSONResponse({"object": "list", "data": [
-        {"id": args.model_name, "object": "model", "created": 0, "owned_by": "hidden-states-serve"}
+        {"id": args.model_name, **card, "parent": None},
+        *({"id": m.name, **card, "root": m.path, "parent": args.model_name} for m in args.lora_modules),
     ]})
 
 
@@ -345,4 +348,9 @@ def handle_refusal(args: AppArgs, req: HandleCompletionRequest) -> HandleError |
         return HandleError(400, str(e))
     if not 1 <= req.n <= args.max_n:
         return HandleError(400, f"n must be from 1 to {args.max_n}")
+    if req.hidden_states_position not in params.SINGLE_POSITIONS:
+        return HandleError(400, "hidden_states_position over a Python handle is 'completion_end' or 'prompt_end'; "
+                                "rows of several positions come over the OpenAI routes or HiddenStatesEngine.complete")
+    if req.model is not None and req.model not in args.served_model_names:
+        return HandleError(404, params.unknown_model(req.model, args.served_model_names))
     return None

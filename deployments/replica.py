@@ -61,6 +61,7 @@ class EngineReplica(http.ingress_routes(app, "replica")):
             self.args.model,
             enable_return_hidden_states=self.args.enable_return_hidden_states,
             extraction_timeout_s=self.args.extraction_timeout_s,
+            max_hidden_states_bytes=self.args.max_hidden_states_bytes,
             prefault_kv_cache=self.args.prefault_kv_cache,
             warm_up_s=self.args.warm_up_s,
             malloc_trim_interval_s=self.args.malloc_trim_interval_s,
@@ -71,7 +72,8 @@ class EngineReplica(http.ingress_routes(app, "replica")):
         self._sampler = asyncio.get_running_loop().create_task(self._sample_stats())
         self.requests = 0  # OpenAI requests that reached this replica
         self.in_flight = 0  # handle calls (openai, openai_unary, complete, hidden_states) still running
-        self.frontend = await self.engine.openai(self.args.model_name, self.replica_id)
+        self.frontend = await self.engine.openai(self.args.model_name, self.replica_id,
+                                                 [m.model_dump() for m in self.args.lora_modules])
         logger.info("replica %s ready (pid %d)", self.replica_id, os.getpid())
 
     async def _answer(self, route: str, body: bytes) -> AsyncIterator[ResponseHead | bytes]:
@@ -165,7 +167,8 @@ class EngineReplica(http.ingress_routes(app, "replica")):
         self.in_flight += 1
         try:
             c = await self.engine.complete(req.prompt, options, return_hidden_states=req.return_hidden_states,
-                                           layers=req.hidden_states_layers, position=req.hidden_states_position)
+                                           layers=req.hidden_states_layers, position=req.hidden_states_position,
+                                           model=req.model)
         except Exception as e:  # the one table: a bad request 400, a vector's timeout 504, ...
             return wire.ENCODER.encode(HandleReply(error=http.handle_failure(e)))
         finally:

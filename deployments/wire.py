@@ -26,6 +26,7 @@ class Reply(msgspec.Struct, array_like=True, gc=False):
 
 class HandleCompletionRequest(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
     prompt: str | list[int]
+    model: str | None = None  # a LoRA adapter's name (lora_modules); None or the model's own: the base model
     max_tokens: int = 16
     temperature: float = 0.0
     top_p: float = 1.0

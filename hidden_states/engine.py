@@ -25,7 +25,8 @@ from typing import Any, Callable, Protocol
 
 import numpy as np
 
-from hidden_states.protocol import COLLECTOR_TAG_KEY
+from hidden_states.params import SINGLE_POSITIONS, rowwise
+from hidden_states.protocol import COLLECTOR_TAG_KEY, widen
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +59,50 @@ ChoiceKey = tuple[int, int]  # (the request's prompt ordinal, the choice's index
 
 
 @dataclasses.dataclass
+class RowBatch:
+    """Rows of one choice at absolute positions of prompt+completion, per requested layer, as
+    the engine sent them: raw elements of `dtype` (uint16 bit patterns for bfloat16), and for
+    top-k the int32 indices of the values (largest magnitude first)."""
+
+    positions: np.ndarray  # int64 [n], ascending
+    values: dict[int, np.ndarray]  # requested layer -> [n, width]
+    dtype: str = "float32"
+    indices: dict[int, np.ndarray] | None = None  # requested layer -> int32 [n, k]
+
+    def __len__(self) -> int:
+        return len(self.positions)
+
+    def select(self, mask: np.ndarray) -> "RowBatch":
+        return RowBatch(self.positions[mask], {l: v[mask] for l, v in self.values.items()}, self.dtype,
+                        None if self.indices is None else {l: i[mask] for l, i in self.indices.items()})
+
+    @staticmethod
+    def merge(batches: Sequence["RowBatch"]) -> "RowBatch | None":
+        """One batch in position order; a position that came twice, once."""
+        batches = [b for b in batches if len(b)]
+        if not batches:
+            return None
+        if len(batches) == 1 and np.all(np.diff(batches[0].positions) > 0):
+            return batches[0]
+        first = batches[0]
+        positions = np.concatenate([b.positions for b in batches])
+        _, order = np.unique(positions, return_index=True)  # sorted, first occurrence of each
+        cat = RowBatch(positions, {l: np.concatenate([b.values[l] for b in batches]) for l in first.values},
+                       first.dtype, None if first.indices is None else
+                       {l: np.concatenate([b.indices[l] for b in batches]) for l in first.indices})
+        return cat.select(order)
+
+    def floats(self, layer: int) -> np.ndarray:
+        """The layer's values as float32 (exact: the cast values, widened)."""
+        return widen(self.values[layer], self.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        """The payload: every layer's values, and top-k indices."""
+        return sum(v.nbytes for v in self.values.values()) + sum(i.nbytes for i in (self.indices or {}).values())
+
+
+@dataclasses.dataclass
 class HiddenStatesCollector:
     """Per-request sink for vectors, registered with `HiddenStatesEngine.collecting()`.
 
@@ -68,9 +113,68 @@ class HiddenStatesCollector:
 
     tag: str
     layers: tuple[int, ...] = (-1,)
-    position: str = "completion_end"
+    position: Any = "completion_end"  # params.POSITIONS, or a range {"start", "end", "stride"}
     vectors: dict[ChoiceKey, dict[int, np.ndarray]] = dataclasses.field(default_factory=dict)  # {layer: float32 [D]}
     stats: dict[ChoiceKey, "ExtractionStats"] = dataclasses.field(default_factory=dict)
+    beam_calls: int = 0  # vLLM's beam searches started for this request (one per prompt, in order)
+    dtype: str = "float32"  # hidden_states_dtype
+    topk: int | None = None  # hidden_states_topk
+    # Rows (`rowwise` requests): received and not handed out yet, the positions handed out, and
+    # for each settled choice how many positions it has in all.
+    rows: dict[ChoiceKey, list[RowBatch]] = dataclasses.field(default_factory=dict)
+    sent: dict[ChoiceKey, set[int]] = dataclasses.field(default_factory=dict)
+    done: dict[ChoiceKey, int] = dataclasses.field(default_factory=dict)
+    refusal: Exception | None = None  # a 400 raised while its engine requests started (the memory bound)
+
+    @property
+    def rowwise(self) -> bool:
+        """Vectors travel as rows: every position but the two single ones, and any dtype or top-k."""
+        return rowwise(self.position, self.dtype, self.topk)
+
+    @property
+    def multi(self) -> bool:
+        """Several positions per choice: `hidden_states` is 2-D [n, D]."""
+        return self.position not in SINGLE_POSITIONS
+
+    @property
+    def position_label(self) -> str:
+        return self.position if isinstance(self.position, str) else "range"
+
+    def add_rows(self, key: ChoiceKey, batch: RowBatch) -> None:
+        if key not in self.done and len(batch):
+            self.rows.setdefault(key, []).append(batch)
+
+    def held_positions(self, key: ChoiceKey) -> set[int]:
+        """Positions received for the choice (handed out or not)."""
+        held = set(self.sent.get(key, ()))
+        for b in self.rows.get(key, ()):
+            held.update(b.positions.tolist())
+        return held
+
+    def settle_rows(self, key: ChoiceKey, wanted: Sequence[int], stats: "ExtractionStats | None") -> None:
+        """The choice ended: of what it received, keep the positions it asked for."""
+        merged = RowBatch.merge(self.rows.pop(key, ()))
+        if merged is not None:
+            keep = np.isin(merged.positions, np.asarray(wanted, dtype=np.int64))
+            sent = self.sent.get(key)
+            if sent:
+                keep &= ~np.isin(merged.positions, np.fromiter(sent, dtype=np.int64))
+            if keep.any():
+                self.rows[key] = [merged.select(keep)]
+        self.done[key] = len(wanted)
+        if stats is not None:
+            self.stats[key] = stats
+
+    def take(self, key: ChoiceKey) -> RowBatch | None:
+        """The rows received since the last take, in position order (each position once)."""
+        merged = RowBatch.merge(self.rows.pop(key, ()))
+        if merged is None:
+            return None
+        sent = self.sent.setdefault(key, set())
+        if sent:
+            merged = merged.select(~np.isin(merged.positions, np.fromiter(sent, dtype=np.int64)))
+        sent.update(merged.positions.tolist())
+        return merged if len(merged) else None
 
     @property
     def extra_args(self) -> dict[str, str]:
@@ -93,6 +197,14 @@ class CompletionChoice:
     hidden_states: np.ndarray | None  # float32 [hidden_size]: the last layer, if it was asked for
     extraction: ExtractionStats | None = None  # None for prompt_end: no extraction step
     hidden_states_by_layer: dict[int, np.ndarray] | None = None  # requested layer -> vector
+    # Positions "completion", "all" or a range: hidden_states is float32 [n, D] (each layer's too),
+    # the rows of these absolute positions of prompt+completion.
+    positions: tuple[int, ...] | None = None
+    # hidden_states_dtype other than float32: the values were cast to it (and widened back exactly).
+    dtype: str = "float32"
+    # Top-k: hidden_states holds the k values per position, these their indices (largest |value| first).
+    hidden_states_indices: np.ndarray | None = None
+    hidden_states_indices_by_layer: dict[int, np.ndarray] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,10 +262,15 @@ class Engine(Protocol):
     @classmethod
     async def start(cls, model: str, **kwargs: Any) -> "Engine": ...
 
-    async def openai(self, served_model_name: str, replica_id: str) -> "OpenAIRoutes": ...
+    async def openai(self, served_model_name: str, replica_id: str,
+                     lora_modules: Sequence[dict] = ()) -> "OpenAIRoutes":
+        """`lora_modules`: [{name, path}], each adapter served under its name (a request's `model`)."""
+        ...
 
     async def complete(self, prompt: str | Sequence[int], options: SamplingOptions, *, return_hidden_states: bool,
-                       layers: Sequence[int], position: str) -> Completion: ...
+                       layers: Sequence[int], position: str, model: str | None = None) -> Completion:
+        """`model`: a LoRA adapter's name (None: the base model); an unknown one raises UnknownModelError."""
+        ...
 
     async def stats(self) -> dict: ...
 

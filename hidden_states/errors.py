@@ -9,6 +9,7 @@ and from the replica's OpenAI layer (hidden_states/vllm/openai.py; vLLM's own
 exceptions keep vLLM's own table there, `serving.create_error_response`).
 
     HiddenStatesRequestError, HiddenStatesDisabledError  400  BadRequestError (+ its `param`)
+    UnknownModelError (neither the model nor an adapter)  404  NotFoundError (param model)
     any other ValueError                                  400  BadRequestError
     any TimeoutError (an extraction's HiddenStatesTimeout, asyncio's, request_timeout_s)
                                                           504  TimeoutError
@@ -33,7 +34,7 @@ from typing import NamedTuple
 
 from hidden_states.engine import MissingHiddenStatesError
 from hidden_states.openai_format import error_body
-from hidden_states.params import HiddenStatesRequestError
+from hidden_states.params import HiddenStatesRequestError, UnknownModelError
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +70,8 @@ def status_of(e: BaseException) -> Failure:
         return Failure(400, "BadRequestError", str(e), e.param)
     if isinstance(e, ValueError):
         return Failure(400, "BadRequestError", str(e))
+    if isinstance(e, UnknownModelError):
+        return Failure(404, "NotFoundError", str(e), "model")
     if isinstance(e, TimeoutError):  # asyncio.TimeoutError is TimeoutError since Python 3.11
         return Failure(504, "TimeoutError", str(e) or TIMED_OUT)
     if isinstance(e, MissingHiddenStatesError):

@@ -3,6 +3,14 @@
 `ChoiceVectors` puts each finished choice's vector into an OpenAI response or
 stream chunk, found in the request's `HiddenStatesCollector` by engine request
 and choice; a choice without one fails the request.
+
+Rowwise requests (hidden_states_position "completion", "all" or a range;
+hidden_states_dtype; hidden_states_topk) carry rows: `hidden_states` is 2-D
+(positions x D) for several positions, 1-D for completion_end/prompt_end, in
+the asked dtype; `hidden_states_meta` adds `dtype`, `bytes` (the payload before
+JSON/base64), `shape`, and `positions` (absolute positions of the rows). When
+streaming, every chunk of a choice carries the rows received since its last
+chunk (its finishing chunk the rest), so clients concatenate them by position.
 Used by the vLLM frontend (hidden_states/vllm/openai.py) and the fake engine.
 """
 
@@ -17,7 +25,7 @@ from typing import Literal
 import numpy as np
 from pydantic import ValidationError
 
-from hidden_states.engine import HiddenStatesCollector
+from hidden_states.engine import HiddenStatesCollector, RowBatch
 
 Route = Literal["completions", "chat", "hidden_states"]
 
@@ -26,6 +34,36 @@ def encode_vector(vec: np.ndarray, encoding: str) -> list[float] | str:
     if encoding == "base64":
         return base64.b64encode(np.asarray(vec, dtype="<f4").tobytes()).decode("ascii")
     return np.asarray(vec, dtype=np.float32).tolist()
+
+
+def _b64(arr: np.ndarray) -> str:
+    return base64.b64encode(np.ascontiguousarray(arr).tobytes()).decode("ascii")
+
+
+def encode_rows(batch: RowBatch | None, layer: int, encoding: str, multi: bool, topk: int | None,
+                width: int) -> list | dict | str:
+    """One layer's rows: floats (the cast values, widened exactly) as a list of lists, or base64 of
+    the row-major little-endian array of the asked dtype (bfloat16: the high 16 bits of float32);
+    top-k as {"indices", "values"} per position (largest magnitude first), or one such object of
+    base64 arrays [n, k] (indices int32). One position (`multi` false): 1-D, as ever."""
+    if batch is None:  # no row (a range that selects nothing of this sequence)
+        values = np.zeros((0, width), "<f4")
+        indices = np.zeros((0, width), "<i4") if topk else None
+        floats = values
+    else:
+        values = batch.values[layer]
+        indices = batch.indices[layer] if topk else None
+        floats = batch.floats(layer)
+    if not multi:
+        values, floats = values[0], floats[0]
+        indices = None if indices is None else indices[0]
+    if encoding == "base64":
+        return _b64(values) if indices is None else {"indices": _b64(indices.astype("<i4")), "values": _b64(values)}
+    if indices is None:
+        return floats.tolist()
+    if not multi:
+        return {"indices": indices.tolist(), "values": floats.tolist()}
+    return [{"indices": i.tolist(), "values": v.tolist()} for i, v in zip(indices, floats)]
 
 
 def error_body(message: str, status: int, err_type: str | None = None, param: str | None = None) -> bytes:
@@ -42,14 +80,52 @@ class ChoiceVectors:
     choices `ordinal * n + index`), (0, index) for chat; fails the request if one has none.
     Nothing else in the response changes."""
 
-    def __init__(self, engine, collector: HiddenStatesCollector, request, route: Route, replica_id: str):
+    def __init__(self, engine, collector: HiddenStatesCollector, request, route: Route, replica_id: str,
+                 adapter: str | None = None):
         self.engine, self.collector, self.route, self.replica_id = engine, collector, route, replica_id
+        self.adapter = adapter  # the LoRA adapter the request named (None: the base model)
         self.encoding = request.hidden_states_encoding
         self.by_layer = request.hidden_states_layers is not None
         self.n = (getattr(request, "n", None) or 1) if route == "completions" else 0
+        self._sent_bytes: dict = {}  # rowwise: payload bytes handed out per choice
+
+    def _row_fields(self, index: int, finishing: bool) -> dict | None:
+        """A rowwise choice's rows received since its last chunk (all of them, unstreamed)."""
+        col = self.collector
+        key = divmod(index, self.n) if self.n else (0, index)
+        if finishing and key not in col.done:
+            raise self.engine.missing(f"choice {index}")
+        batch = col.take(key)
+        if batch is None and not finishing:
+            return None
+        width = col.topk or getattr(self.engine, "hidden_size", 0)
+        rows = {layer: encode_rows(batch, layer, self.encoding, col.multi, col.topk, width) for layer in col.layers}
+        out = {"hidden_states_by_layer": {str(layer): v for layer, v in rows.items()}} if self.by_layer \
+            else {"hidden_states": rows[-1]}
+        nbytes = batch.nbytes if batch is not None else 0
+        self._sent_bytes[key] = self._sent_bytes.get(key, 0) + nbytes
+        meta = {"position": col.position, "dtype": col.dtype}
+        if col.topk:
+            meta["topk"] = col.topk
+        n = len(batch) if batch is not None else 0
+        if col.multi:
+            meta.update(positions=batch.positions.tolist() if batch is not None else [], shape=[n, width])
+        else:
+            meta["shape"] = [width]
+        meta.update(bytes=nbytes, adapter=self.adapter, replica=self.replica_id)
+        if finishing:
+            st = col.stats.get(key)
+            if st is not None:
+                meta.update(via=st.via, tokens=st.tokens, cached_tokens=st.cached_tokens,
+                            computed_tokens=st.computed_tokens, extraction_seconds=round(st.seconds, 6))
+            self.engine.vector_sent(col.position_label, st, self._sent_bytes.pop(key, 0))
+        out["hidden_states_meta"] = meta
+        return out
 
     def fields(self, index: int) -> dict:
         """The vector fields of response choice `index`."""
+        if self.collector.rowwise:
+            return self._row_fields(index, finishing=True)
         key = divmod(index, self.n) if self.n else (0, index)
         vecs = self.collector.vectors.get(key)
         if vecs is None:
@@ -59,7 +135,7 @@ class ChoiceVectors:
             out["hidden_states_by_layer"] = {str(layer): encode_vector(v, self.encoding) for layer, v in vecs.items()}
         else:
             out["hidden_states"] = encode_vector(vecs[-1], self.encoding)
-        meta = {"position": self.collector.position, "replica": self.replica_id}
+        meta = {"position": self.collector.position, "adapter": self.adapter, "replica": self.replica_id}
         st = self.collector.stats.get(key)
         if st is not None:
             meta.update(via=st.via, tokens=st.tokens, cached_tokens=st.cached_tokens,
@@ -79,13 +155,22 @@ class ChoiceVectors:
                 setattr(choice, name, value)
 
     def fill_chunk(self, chunk: str) -> str:
-        """One SSE event: vectors put on the choices it finishes; any other event unchanged."""
-        if not _FINISHING.search(chunk):
+        """One SSE event: vectors put on the choices it finishes (rows of several positions on
+        every chunk of their choice, as they arrive); any other event unchanged."""
+        streams_rows = self.collector.rowwise and self.collector.multi
+        if not streams_rows and not _FINISHING.search(chunk):
             return chunk
         data = json.loads(chunk[6:])
+        changed = False
         for choice in data.get("choices") or ():
             if choice.get("finish_reason") is not None:
                 choice.update(self.fields(choice.get("index", 0)))
+                changed = True
+            elif streams_rows and (rows := self._row_fields(choice.get("index", 0), finishing=False)) is not None:
+                choice.update(rows)
+                changed = True
+        if not changed:
+            return chunk
         return "data: " + json.dumps(data, separators=(",", ":"), ensure_ascii=False) + "\n\n"
 
 

@@ -9,13 +9,20 @@ extends them (hidden_states/vllm/openai.py), Python-handle requests
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
 
-POSITIONS = ("completion_end", "prompt_end")
+SINGLE_POSITIONS = ("completion_end", "prompt_end")  # one vector per choice (1-D)
+POSITIONS = (*SINGLE_POSITIONS, "completion", "all")  # and a range: {"start", "end", "stride"}
 ENCODINGS = ("float", "base64")
+DTYPES = ("float32", "float16", "bfloat16")
+ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
+TOPK_INDEX_BYTES = 4  # a top-k entry's index: int32
+DEFAULT_MAX_HIDDEN_STATES_BYTES = 64 * 2**20
 
 DISABLED = ("hidden states are disabled on this server: set `enable_return_hidden_states: true` in the app's args "
             "(config.yaml: applications[0].args) and redeploy (a Python engine: "
@@ -30,11 +37,33 @@ class HiddenStatesRequestError(ValueError):
         self.param = param
 
 
+class UnknownModelError(LookupError):
+    """A request whose `model` is neither the served model nor one of its LoRA adapters (a 404)."""
+
+    def __init__(self, model: str, served: Sequence[str]):
+        super().__init__(unknown_model(model, served))
+
+
+def unknown_model(model: str, served: Sequence[str]) -> str:
+    names = ", ".join(f"`{name}`" for name in served)
+    return f"the model `{model}` does not exist; this server serves {names}"
+
+
 class HiddenStatesDisabledError(HiddenStatesRequestError):
     """Hidden states asked of a server or engine started without them."""
 
     def __init__(self):
         super().__init__(DISABLED, "return_hidden_states")
+
+
+class PositionRange(BaseModel):
+    """Absolute positions in prompt+completion: range(start, end, stride); negative values count from
+    the end of prompt+completion (`{"start": -1}` is the final token); `end` is exclusive, default the end."""
+
+    model_config = ConfigDict(extra="forbid")
+    start: int
+    end: int | None = None
+    stride: int = Field(1, ge=1)
 
 
 class HiddenStatesFields(BaseModel):
@@ -46,8 +75,13 @@ class HiddenStatesFields(BaseModel):
     hidden_states_layers: list[int] | None = Field(
         None, description="layers as transformers numbers output_hidden_states (0 = embeddings, -1 = after the "
                           "final norm); the choice then carries hidden_states_by_layer")
-    hidden_states_position: Literal["completion_end", "prompt_end"] = Field(
-        "completion_end", description="the final token of prompt+completion, or the last prompt token")
+    hidden_states_position: Literal["completion_end", "prompt_end", "completion", "all"] | PositionRange = Field(
+        "completion_end", description="the final token of prompt+completion, the last prompt token, every "
+                                      "generated token, every token, or a range of positions in prompt+completion")
+    hidden_states_dtype: Literal["float32", "float16", "bfloat16"] = Field(
+        "float32", description="the rows' dtype, cast on the device (base64 carries its little-endian bytes)")
+    hidden_states_topk: int | None = Field(
+        None, ge=1, description="per position only the k largest-magnitude entries: {indices, values}")
 
 
 def check_fields(req: Mapping[str, Any], *, enabled: bool) -> None:
@@ -67,13 +101,195 @@ def check_fields(req: Mapping[str, Any], *, enabled: bool) -> None:
         raise HiddenStatesRequestError("hidden_states_layers must be a non-empty list of integers (-1 = last layer)",
                                        "hidden_states_layers")
     check_position(req.get("hidden_states_position", "completion_end"))
+    check_dtype(req.get("hidden_states_dtype", "float32"))
+    check_topk(req.get("hidden_states_topk"))
 
 
-def check_position(position: str) -> None:
-    if position not in POSITIONS:
+_POSITION_KEYS = ("start", "end", "stride")
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def check_position(position: Any) -> "str | dict[str, int | None]":
+    """The position as asked: one of POSITIONS, or a range as {"start", "end", "stride"} (end None: to the end)."""
+    if isinstance(position, BaseModel):
+        position = position.model_dump()
+    if isinstance(position, str) and position in POSITIONS:
+        return position
+    if not isinstance(position, Mapping):
         raise HiddenStatesRequestError(
-            f"hidden_states_position must be 'completion_end' or 'prompt_end', not {position!r}",
+            "hidden_states_position must be 'completion_end', 'prompt_end', 'completion', 'all', or a range "
+            f'{{"start": int, "end": int, "stride": int}}, not {position!r}', "hidden_states_position")
+    unknown = sorted(str(k) for k in position if k not in _POSITION_KEYS)
+    if unknown:
+        raise HiddenStatesRequestError(
+            f"a hidden_states_position range takes start, end and stride only, not {unknown}",
             "hidden_states_position")
+    start, end, stride = position.get("start"), position.get("end"), position.get("stride", 1)
+    if not _is_int(start):
+        raise HiddenStatesRequestError(
+            "hidden_states_position.start must be an integer (an absolute position in prompt+completion; "
+            "negative counts from the end, -1 = the final token)", "hidden_states_position")
+    if end is not None and not _is_int(end):
+        raise HiddenStatesRequestError(
+            "hidden_states_position.end must be an integer (exclusive; negative counts from the end) or absent "
+            "(to the end)", "hidden_states_position")
+    if not _is_int(stride) or stride < 1:
+        raise HiddenStatesRequestError("hidden_states_position.stride must be a positive integer",
+                                       "hidden_states_position")
+    if end is not None and (start < 0) == (end < 0) and end <= start:
+        raise HiddenStatesRequestError(
+            f"hidden_states_position selects no position: end ({end}) must come after start ({start})",
+            "hidden_states_position")
+    return {"start": start, "end": end, "stride": stride}
+
+
+def check_dtype(dtype: Any) -> str:
+    if dtype not in DTYPES:
+        raise HiddenStatesRequestError(
+            f"hidden_states_dtype must be 'float32', 'float16' or 'bfloat16', not {dtype!r}", "hidden_states_dtype")
+    return dtype
+
+
+def check_topk(topk: Any, hidden_size: int | None = None) -> int | None:
+    """None (every entry), or k in 1..hidden_size."""
+    if topk is None:
+        return None
+    if not _is_int(topk) or topk < 1:
+        raise HiddenStatesRequestError(f"hidden_states_topk must be a positive integer, not {topk!r}",
+                                       "hidden_states_topk")
+    if hidden_size is not None and topk > hidden_size:
+        raise HiddenStatesRequestError(
+            f"hidden_states_topk {topk} exceeds the model's hidden size ({hidden_size})", "hidden_states_topk")
+    return topk
+
+
+def rowwise(position: Any, dtype: str = "float32", topk: int | None = None) -> bool:
+    """Whether a request's vectors travel as rows (every new position, dtype and top-k); else the
+    original one-vector path (completion_end / prompt_end in float32, whole)."""
+    return position not in SINGLE_POSITIONS or dtype != "float32" or topk is not None
+
+
+@dataclasses.dataclass(frozen=True)
+class Span:
+    """Positions of prompt+completion as the engine captures them: range(start, end, stride) on a
+    sequence of `total` tokens; negative start/end count from the end (end None: to the end).
+    The position p row is the hidden state of token p (token p as input)."""
+
+    start: int
+    end: int | None = None
+    stride: int = 1
+
+    @staticmethod
+    def of(position: "str | Mapping[str, Any]", prompt_len: int) -> "Span":
+        if position == "completion":
+            return Span(prompt_len)
+        if position == "all":
+            return Span(0)
+        if position == "completion_end":
+            return Span(-1)
+        if position == "prompt_end":
+            return Span(prompt_len - 1, prompt_len)
+        return Span(position["start"], position.get("end"), position.get("stride", 1) or 1)
+
+    def to_list(self) -> list:
+        return [self.start, self.end, self.stride]
+
+    @staticmethod
+    def from_list(raw: Sequence) -> "Span":
+        return Span(int(raw[0]), None if raw[1] is None else int(raw[1]), int(raw[2]))
+
+    def positions(self, total: int) -> range:
+        """The positions of a sequence of `total` tokens."""
+        s = max(self.start + total if self.start < 0 else self.start, 0)
+        e = total if self.end is None else min(self.end + total if self.end < 0 else self.end, total)
+        return range(s, max(s, e), self.stride)
+
+    def lowest(self, prompt_len: int) -> int:
+        """The lowest position that can be asked of a completion of at least one token."""
+        return max(self.start + prompt_len + 1, 0) if self.start < 0 else self.start
+
+    def classify(self, p: np.ndarray, known: int, total: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """(wanted, undecided) masks of captured positions `p`, given a sequence of at least `known`
+        tokens (and of exactly `total` once it ended); the rest is never wanted."""
+        p = np.asarray(p, dtype=np.int64)
+        none = np.zeros(p.shape, dtype=bool)
+        if total is not None:
+            r = self.positions(total)
+            return (p >= r.start) & (p < r.stop) & ((p - r.start) % r.step == 0), none
+        if self.start < 0:  # aligned to the end: decided once the sequence ends
+            undecided = p >= known + self.start
+            if self.end is not None and self.end >= 0:
+                undecided &= p < self.end
+            return none, undecided
+        ok = (p >= self.start) & ((p - self.start) % self.stride == 0)
+        if self.end is None:
+            return ok, none
+        if self.end >= 0:
+            return ok & (p < self.end), none
+        sure = ok & (p < known + self.end)
+        return sure, ok & ~sure
+
+    def capturable(self, first: int, stop: int) -> list[int]:
+        """Of the positions first..stop-1 a step computes (the sequence has at least `stop` tokens),
+        those that may be wanted."""
+        if self.start >= 0:
+            lo = max(first, self.start)
+            lo += (-(lo - self.start)) % self.stride
+            hi = stop if self.end is None or self.end < 0 else min(stop, self.end)
+            return list(range(lo, hi, self.stride))
+        lo = max(first, stop + self.start)
+        hi = stop if self.end is None or self.end < 0 else min(stop, self.end)
+        return list(range(lo, hi))
+
+
+def rows_bytes(count: int, layers: int, hidden_size: int, dtype: str, topk: int | None) -> int:
+    """The payload of `count` positions x `layers`: dense rows, or top-k values + int32 indices."""
+    width = hidden_size * ITEMSIZE[dtype] if topk is None else topk * (ITEMSIZE[dtype] + TOPK_INDEX_BYTES)
+    return count * layers * width
+
+
+def check_rows_budget(span: Span, prompt_len: int, max_tokens: int, choices: int, layers: int, hidden_size: int,
+                      dtype: str, topk: int | None, limit: int) -> None:
+    """The 400 for a request whose worst case (prompt + max_tokens tokens) exceeds `limit` bytes."""
+    count = len(span.positions(prompt_len + max_tokens))
+    worst = choices * rows_bytes(count, layers, hidden_size, dtype, topk)
+    if worst > limit:
+        what = f"{hidden_size} x {ITEMSIZE[dtype]} bytes" if topk is None else \
+            f"top-{topk} x {ITEMSIZE[dtype] + TOPK_INDEX_BYTES} bytes"
+        raise HiddenStatesRequestError(
+            f"hidden states of up to {count} positions x {layers} layer(s) x {what} x {choices} choice(s) = "
+            f"{worst} bytes (a prompt of {prompt_len} tokens + max_tokens {max_tokens}) exceed this server's "
+            f"max_hidden_states_bytes ({limit}): ask for fewer positions (a range, a stride), fewer layers, "
+            "hidden_states_dtype float16/bfloat16, hidden_states_topk, or a smaller max_tokens",
+            "hidden_states_position")
+
+
+def absolute_layer(layer: int, num_layers: int) -> int:
+    """transformers' numbering: 0 = embeddings, num_layers = after the final norm; negative counts from the end."""
+    return layer if layer >= 0 else num_layers + 1 + layer
+
+
+def room_for_completion(prompt_tokens: int, max_model_len: int) -> int:
+    """The most tokens a completion may have with hidden states: the final token needs one more
+    position (the tail row, or the extraction step's prefill), so prompt+completion stays below
+    max_model_len. Below 1: no room (`check_room`)."""
+    return max_model_len - 1 - prompt_tokens
+
+
+def check_room(num_tokens: int, max_model_len: int, param: str, completing: bool) -> None:
+    """Raises the 400 for `num_tokens` that leave no room for the vector's position."""
+    if completing and room_for_completion(num_tokens, max_model_len) < 1:
+        raise HiddenStatesRequestError(
+            f"a prompt of {num_tokens} tokens leaves no room for a completion with hidden states: prompt + "
+            f"completion must stay below max_model_len ({max_model_len}), since the final token needs one "
+            "more position", param)
+    if not completing and num_tokens >= max_model_len:
+        raise HiddenStatesRequestError(
+            f"{num_tokens} tokens leave no room: the extraction needs them below max_model_len ({max_model_len})",
+            param)
 
 
 def check_layers(layers: Sequence[int], num_layers: int) -> tuple[int, ...]:

@@ -12,6 +12,11 @@ The vector rides vLLM's own output path (the seed's diagram):
   (attribute `STEP_ATTR`): every row captured in the step, one array, and which
   request each row belongs to. It travels wherever vLLM moves that output
   (in process, or through the multiprocess executor's own transport).
+- `CapturedRows` (requests flagged with a `span` of positions) is what the
+  scheduler puts on *every* EngineCoreOutput of such a request that has rows
+  to send (those captured since its last output), under `ROWS_KEY`: rows of
+  absolute positions of prompt+completion, cast (and top-k selected) on the
+  device, raw little-endian bytes.
 - `CapturedVector` is what the scheduler puts on the EngineCoreOutput that
   finishes a captured request: a msgspec struct, encoded to builtins under
   `OUTPUT_KEY` in its `kv_transfer_params` (vLLM's msgpack carries the raw
@@ -26,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import NamedTuple
 
 import msgspec
 import numpy as np
@@ -39,10 +45,23 @@ RESERVED_EXTRA_ARGS_PREFIX = "hidden_states"
 STEP_ATTR = "hidden_states_step"  # ModelRunnerOutput attribute: the step's StepCapture
 TAILS_ATTR = "hidden_states_tails"  # SchedulerOutput attribute: request ids whose tail row runs in this step
 OUTPUT_KEY = "hidden_states"  # EngineCoreOutput.kv_transfer_params key: the CapturedVector
+ROWS_KEY = "hidden_states_rows"  # EngineCoreOutput.kv_transfer_params key: CapturedRows
 
 # dtype name -> bytes per element. bfloat16 has no numpy dtype: decoded by hand.
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 _NUMPY_DTYPE = {"float32": "<f4", "float16": "<f2", "bfloat16": "<u2"}
+
+
+def numpy_dtype(dtype: str) -> np.dtype:
+    """The raw element type of `dtype` on the wire (uint16 bit patterns for bfloat16)."""
+    return np.dtype(_NUMPY_DTYPE[dtype])
+
+
+def widen(values: np.ndarray, dtype: str) -> np.ndarray:
+    """Raw elements of `dtype` as float32 (exact: float16 and bfloat16 widen without loss)."""
+    if dtype == "bfloat16":
+        return (np.asarray(values, dtype="<u2").astype(np.uint32) << 16).view(np.float32)
+    return np.asarray(values).astype(np.float32, copy=False)
 
 
 class HiddenStatesProtocolError(ValueError):
@@ -56,6 +75,11 @@ class HiddenStatesExtractionRequest(msgspec.Struct, omit_defaults=True, forbid_u
     # False: capture at the last prompt token. True: at the tail step, the extra decode row of the
     # final token that the scheduler runs when the request stops (hidden_states/vllm/scheduler.py).
     tail: bool = False
+    # Positions of prompt+completion to capture in every step that computes them:
+    # params.Span as [start, end | None, stride]; None: the one position above.
+    span: list[int | None] | None = None
+    dtype: str = "float32"  # rows cast on the device (span requests)
+    topk: int = 0  # > 0: per position the k largest-magnitude entries (span requests)
 
     def to_extra_args(self) -> dict:
         return {EXTRA_ARGS_KEY: msgspec.to_builtins(self)}
@@ -66,14 +90,86 @@ class HiddenStatesExtractionRequest(msgspec.Struct, omit_defaults=True, forbid_u
         return None if raw is None else msgspec.convert(raw, HiddenStatesExtractionRequest)
 
 
+class RowBlock(NamedTuple):
+    """One request's rows of one layer in a step's buffer: `positions` (absolute, in
+    prompt+completion) x `width` elements of `dtype` at byte `values_at`, and for top-k their
+    int32 indices at `indices_at` (-1: dense rows)."""
+
+    num_tokens: int  # tokens the request's scheduled span reaches in the step
+    layer: int  # absolute (transformers numbering)
+    positions: list[int]
+    dtype: str
+    width: int
+    values_at: int
+    indices_at: int = -1
+
+    def values(self, data: np.ndarray) -> np.ndarray:
+        n = len(self.positions) * self.width * ITEMSIZE[self.dtype]
+        return data[self.values_at:self.values_at + n].view(_NUMPY_DTYPE[self.dtype]).reshape(-1, self.width)
+
+    def indices(self, data: np.ndarray) -> np.ndarray | None:
+        if self.indices_at < 0:
+            return None
+        n = len(self.positions) * self.width * 4
+        return data[self.indices_at:self.indices_at + n].view("<i4").reshape(-1, self.width)
+
+
 @dataclasses.dataclass
 class StepCapture:
-    """One engine step's captured rows: `rows` [k, D] in `dtype` (uint16 bit patterns for
-    bfloat16), and per request id (num_tokens, [(absolute layer, row index)])."""
+    """One engine step's captured rows: one byte buffer (`data`, what the step's single
+    device-to-host copy brought), and per request id where its rows are in it."""
 
+    data: np.ndarray  # uint8
+    requests: dict[str, list[RowBlock]]
+
+
+class CapturedRows(msgspec.Struct, array_like=True, gc=False):
+    """Rows of one engine request at absolute positions of prompt+completion, as many layers:
+    `values` [len(layers), len(positions), width] row-major little-endian `dtype` (width = hidden
+    size, or k for top-k, with int32 `indices` of the same shape)."""
+
+    key: str
     dtype: str
-    rows: np.ndarray
-    requests: dict[str, tuple[int, list[tuple[int, int]]]]
+    topk: int  # 0: dense rows
+    width: int
+    layers: list[int]  # absolute layer numbers (transformers')
+    positions: list[int]
+    values: bytes
+    indices: bytes = b""
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray | None]:
+        """(values [layers, positions, width] raw dtype, indices int32 or None)."""
+        shape = (len(self.layers), len(self.positions), self.width)
+        values = np.frombuffer(self.values, dtype=_NUMPY_DTYPE[self.dtype]).reshape(shape)
+        indices = np.frombuffer(self.indices, dtype="<i4").reshape(shape) if self.topk else None
+        return values, indices
+
+    def to_output(self) -> list:
+        return msgspec.to_builtins(self, builtin_types=(bytes,))
+
+    @staticmethod
+    def from_output(raw) -> "CapturedRows":
+        try:
+            cr = msgspec.convert(raw, CapturedRows)
+        except (msgspec.ValidationError, TypeError) as e:
+            raise HiddenStatesProtocolError(f"malformed captured rows: {e}") from None
+        if cr.dtype not in ITEMSIZE:
+            raise HiddenStatesProtocolError(f"unsupported dtype {cr.dtype!r}; expected one of {sorted(ITEMSIZE)}")
+        n = len(cr.layers) * len(cr.positions) * cr.width
+        if cr.width < 1 or n * ITEMSIZE[cr.dtype] != len(cr.values) or len(cr.indices) != (4 * n if cr.topk else 0):
+            raise HiddenStatesProtocolError(
+                f"{len(cr.values)} + {len(cr.indices)} bytes do not hold {len(cr.layers)} x {len(cr.positions)} x "
+                f"{cr.width} of {cr.dtype}" + (" with int32 indices" if cr.topk else ""))
+        return cr
+
+
+def captured_rows(key: str, dtype: str, topk: int, layers: list[int], positions: list[int],
+                  values: np.ndarray, indices: np.ndarray | None) -> CapturedRows:
+    """`values` [len(layers), len(positions), width] raw elements of `dtype`; `indices` int32 alike (top-k)."""
+    values = np.ascontiguousarray(values, dtype=_NUMPY_DTYPE[dtype])
+    ind = b"" if not topk else np.ascontiguousarray(indices, dtype="<i4").tobytes()
+    return CapturedRows(key, dtype, int(topk), int(values.shape[-1]), list(layers), [int(p) for p in positions],
+                        values.tobytes(), ind)
 
 
 class CapturedVector(msgspec.Struct, array_like=True, gc=False):

@@ -34,7 +34,8 @@ import numpy as np
 from hidden_states.engine import (Completion, CompletionChoice, ExtractionStats, HiddenStatesCollector,
                                   MissingHiddenStatesError, SamplingOptions, VectorObservers)
 from hidden_states.openai_format import ChoiceVectors, error_body
-from hidden_states.params import HiddenStatesDisabledError, HiddenStatesRequestError, check_layers, check_position
+from hidden_states.params import (SINGLE_POSITIONS, HiddenStatesDisabledError, HiddenStatesRequestError, check_layers,
+                                  check_position)
 
 HIDDEN_SIZE = 8
 NUM_LAYERS = 2
@@ -86,7 +87,9 @@ class FakeEngine(VectorObservers):
     def check_request(self, layers: Sequence[int] = (-1,), position: str = "completion_end") -> tuple[int, ...]:
         if not self.enabled:
             raise HiddenStatesDisabledError()
-        check_position(position)
+        if check_position(position) not in SINGLE_POSITIONS:
+            raise HiddenStatesRequestError("the fake engine serves hidden_states_position completion_end and "
+                                           "prompt_end only", "hidden_states_position")
         return check_layers(layers, NUM_LAYERS)
 
     def missing(self, what: str) -> MissingHiddenStatesError:
@@ -117,7 +120,7 @@ class FakeEngine(VectorObservers):
 
     async def complete(self, prompt: str | Sequence[int], options: SamplingOptions | None = None, *,
                        return_hidden_states: bool = True, layers: Sequence[int] = (-1,),
-                       position: str = "completion_end") -> Completion:
+                       position: str = "completion_end", model: str | None = None) -> Completion:
         o = options or SamplingOptions()
         ids = list(prompt.encode()) if isinstance(prompt, str) else list(prompt)
         choices = []
@@ -130,7 +133,7 @@ class FakeEngine(VectorObservers):
                                                     None if vecs is None else vecs.get(-1), None, vecs))
         return Completion(f"cmpl-{uuid.uuid4().hex}", tuple(ids), tuple(choices))
 
-    async def openai(self, served_model_name: str, replica_id: str) -> "FakeOpenAI":
+    async def openai(self, served_model_name: str, replica_id: str, lora_modules: Sequence[dict] = ()) -> "FakeOpenAI":
         return FakeOpenAI(self, served_model_name, replica_id)
 
     async def stats(self) -> dict:

@@ -113,14 +113,19 @@ def model_dir() -> str:
 
 
 class Reference:
-    """Hugging Face transformers on the same weights: the oracle."""
+    """Hugging Face transformers on the same weights: the oracle; with `adapter`, transformers +
+    peft on the same LoRA adapter (PeftModel.from_pretrained)."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, adapter: str | None = None):
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.torch = torch
         self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        if adapter is not None:
+            from peft import PeftModel
+
+            self.model = PeftModel.from_pretrained(self.model, adapter).eval()
         self.tokenizer = AutoTokenizer.from_pretrained(path)
 
     def last_hidden(self, token_ids, layer: int = -1) -> np.ndarray:
@@ -146,6 +151,45 @@ class Reference:
 @pytest.fixture(scope="session")
 def reference(model_dir) -> Reference:
     return Reference(model_dir)
+
+
+# The test adapters: random LoRA weights, A and B both non-zero (PEFT's init_lora_weights=False),
+# scaled alpha / r = 1/8 so the adapted model stays a perturbation of its base.
+LORA_TARGETS = {
+    "qv": ("q_proj", "v_proj"),  # the common choice; vLLM packs q, k, v: k gets no adapter
+    "all": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+}
+
+
+def build_lora(base: str, targets: str, seed: int, rank: int = 8) -> str:
+    """A PEFT LoRA adapter for the model folder `base`, built deterministically from `seed` into the
+    built-in models' cache (once; the folder name hashes the recipe), saved as PEFT saves it."""
+    import hashlib
+    import json
+    from pathlib import Path
+
+    from hidden_states.tiny_model import cache_root
+
+    recipe = json.dumps([Path(base).name, LORA_TARGETS[targets], seed, rank, "peft-v1"])
+    out = cache_root().parent / "test-adapters" / f"{Path(base).name}-{targets}-{hashlib.sha1(recipe.encode()).hexdigest()[:10]}"
+    if (out / "adapter_config.json").exists():
+        return str(out)
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    torch.manual_seed(seed)
+    config = LoraConfig(r=rank, lora_alpha=1, lora_dropout=0.0, target_modules=list(LORA_TARGETS[targets]),
+                        init_lora_weights=False)
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    get_peft_model(model, config).save_pretrained(str(tmp))
+    try:
+        tmp.rename(out)  # adapter_config.json appears whole, or not at all
+    except OSError:  # another process built it first
+        if not (out / "adapter_config.json").exists():
+            raise
+    return str(out)
 
 
 @pytest.fixture(scope="session")

@@ -5,8 +5,9 @@
 - `scheduler.py` the engine core half: vectors onto outputs, the tail step;
 - `openai.py`  vLLM's own OpenAI serving classes, plus the vectors;
 - `worker.py`  the model-runner hook in every worker;
+- `engine_args.py` every vLLM engine argument: exercised, refused at start, or irrelevant;
 - `cpu.py`     CPU engines' start-up steps (pre-faulted KV cache, warm-up, malloc_trim)
-               and the CPU generator fix.
+               and the CPU fixes (generator, LoRA ops).
 
 Ledger of patched points (supported: vLLM {SUPPORTED}):
 
@@ -28,6 +29,15 @@ Ledger of patched points (supported: vLLM {SUPPORTED}):
    How: no vLLM code is modified. The step's capture plan is dropped when
    execute_model returns or raises, so forwards outside a step (dummy
    batches) see none.
+   Rows of many positions (hidden_states_position "completion", "all", a
+   range) come from `execute_model_state.hidden_states` (every scheduled
+   token's row after the final norm, in `input_batch` order at
+   `runner.query_start_loc` offsets; a request's rows are positions
+   `requests[id].num_computed_tokens` (as of before the step) onward), gathered,
+   cast and top-k selected on the device, and packed with every other row of
+   the step into one byte buffer: still one copy per step. Under async
+   scheduling (untested, no GPU) the positions rely on num_computed_tokens
+   meaning the same there.
    Remove when: vLLM returns last-token hidden states inline (RFC #48743).
    Under async scheduling (vLLM's GPU default; untested here, no GPU), read
    from vLLM 0.32's sources: the engine core still calls execute_model then
@@ -40,9 +50,14 @@ Ledger of patched points (supported: vLLM {SUPPORTED}):
 3. Model Runner V2 (`vllm/v1/worker/gpu/`) is turned off with
    `VLLM_USE_V2_MODEL_RUNNER=0` (engine.py sets it): it has no
    `execute_model_state`. Remove when point 2 is ported to V2.
-4. Speculative decoding, pipeline parallelism and KV connectors are refused at
-   start (worker.check_engine_config): rows no longer map one per request, the
-   last rank holds them, or a remote prefill skips the step that computes them.
+4. Speculative decoding, pipeline and data parallelism, KV connectors and the
+   other arguments in engine_args.REFUSED are refused at start, by name
+   (engine_args.refuse, from HiddenStatesEngine.start before vLLM starts, and
+   again on the resolved config in each worker's install): rows no longer map
+   one per request, the last rank holds them, or a remote prefill skips the
+   step that computes them. Tensor parallelism needs nothing: after each
+   layer's all-reduce every rank holds whole rows, and only rank 0, whose
+   ModelRunnerOutput the executor returns, slices and sends them.
 5. CPU only: `GPUModelRunner._bookkeeping_sync` rewinds the generator of a
    seeded request whose sampled token is discarded (a partial prefill chunk)
    with `gen.set_offset(gen.get_offset() - 4)`, which CPU generators refuse
@@ -111,7 +126,18 @@ Ledger of patched points (supported: vLLM {SUPPORTED}):
    serving names the engine requests of a request's prompts `{id}-{i}`
    (extraction.prompt_ordinal), which is how a response choice finds its
    vector: `ordinal * n + index`, as vLLM numbers choices.
+   Rows of many positions ride the same field under another key
+   (`protocol.ROWS_KEY`), on every output of the request that has rows to send,
+   not only the finishing one.
    Remove when vLLM's outputs carry hidden states (RFC #48743).
+11. CPU only, LoRA engines: `vllm.lora.ops.torch_ops.lora_ops.bgmv_shrink`,
+   `bgmv_expand` and `bgmv_expand_slice` (also the names `punica_cpu` imported)
+   are replaced in the worker process (cpu.patch_cpu_lora_ops) by wrappers that
+   give rows without an adapter (index -1) zero input. Why: the PyTorch ops gather
+   `weights[indices]`, so -1 picks the last adapter slot: a base-model request in a
+   batch with adapter requests was computed (tokens and vectors) with the last-loaded
+   adapter (found by tests/engine/test_lora.py; vLLM's Triton kernels skip -1).
+   Remove when vLLM's torch LoRA ops skip -1 (open PRs #48421, #49656).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
-"""CPU engines: the start-up steps before a replica takes traffic, and a CPU generator fix.
+"""CPU engines: the start-up steps before a replica takes traffic, and CPU fixes (generator, LoRA).
 
 Engine side, `cpu_start_up()` runs them through `collective_rpc`; worker side,
 `CPUWorkerSteps` (mixed into the worker extension) does them. Ledger points 5-7
-in __init__.py. Malloc trimming itself is hidden_states/malloc_trim.py.
+and 11 in __init__.py. Malloc trimming itself is hidden_states/malloc_trim.py.
 """
 
 from __future__ import annotations
@@ -36,6 +36,8 @@ async def cpu_start_up(llm: Any, prefault_kv_cache: bool, warm_up_s: float, mall
                         timeout_s: float) -> dict[str, Any]:
     """A CPU engine's start-up steps, before it takes requests; returns what they did."""
     out: dict[str, Any] = {}
+    if llm.vllm_config.lora_config is not None:  # base rows next to adapter rows stay base rows (point 11)
+        out["cpu_lora_fix"] = all(await llm.collective_rpc("hidden_states_fix_cpu_lora", timeout=timeout_s))
     if prefault_kv_cache:  # resident memory flat from the start (ledger point 6)
         touched = await llm.collective_rpc("hidden_states_prefault_kv_cache", timeout=timeout_s)
         out["kv_cache_prefaulted_bytes"] = sum(touched)
@@ -94,6 +96,11 @@ class CPUWorkerSteps:
         logger.info("warmed up %d of %d batch sizes in %.1f s", done, len(sizes), took)
         return done, took
 
+    def hidden_states_fix_cpu_lora(self) -> bool:
+        """Ledger point 11 in this worker process."""
+        patch_cpu_lora_ops()
+        return True
+
     def hidden_states_start_trimmer(self, interval_s: float) -> bool:
         """Starts the worker's malloc_trim thread (hidden_states/malloc_trim.py; not a patch)."""
         from hidden_states.malloc_trim import MallocTrimmer
@@ -138,3 +145,37 @@ def patch_cpu_generator_rewind(runner: Any) -> None:
 
     runner.execute_model = execute_model
     runner._bookkeeping_sync = bookkeeping_sync
+
+
+_LORA_OPS = ("bgmv_shrink", "bgmv_expand", "bgmv_expand_slice")
+
+
+def patch_cpu_lora_ops() -> None:
+    """Ledger point 11: vLLM's PyTorch LoRA ops (the CPU platform's) gather
+    `weights[indices]`, and a row without an adapter (index -1) gets the last slot's
+    adapter. The rows marked -1 are given zero input, so their LoRA delta is zero, as in
+    the Triton kernels, which skip them (vLLM PR #48421). Idempotent."""
+    import vllm.lora.ops.torch_ops as package
+    import vllm.lora.ops.torch_ops.lora_ops as ops
+    from vllm.lora.punica_wrapper import punica_cpu
+
+    _require(all(hasattr(ops, name) for name in _LORA_OPS), "vllm.lora.ops.torch_ops.lora_ops.bgmv_*")
+    if getattr(ops, "_hidden_states_no_lora_rows", False):
+        return
+    for name in _LORA_OPS:
+        fixed = _skipping_no_lora_rows(getattr(ops, name))
+        for module in (ops, package, punica_cpu):  # sgmv_* call ops' bgmv_*; punica_cpu imported its own names
+            if hasattr(module, name):
+                setattr(module, name, fixed)
+    ops._hidden_states_no_lora_rows = True
+
+
+def _skipping_no_lora_rows(op):
+    def op_skipping_no_lora_rows(inputs, weights, output, indices, *args, **kwargs):
+        skip = indices < 0
+        if skip.shape[:1] == inputs.shape[:1] and bool(skip.any()):
+            inputs = inputs.masked_fill(skip.unsqueeze(-1), 0)
+            indices = indices.clamp_min(0)
+        return op(inputs, weights, output, indices, *args, **kwargs)
+
+    return op_skipping_no_lora_rows

@@ -27,6 +27,12 @@ Ways in, one path:
 - beam search (vLLM's serving runs it as one-token engine requests per step,
   which carry no tag): `extract_beams()` wraps its final output and extracts
   one vector per returned beam.
+
+LoRA adapters (engine argument `enable_lora`) are loaded and named by vLLM's
+OpenAI serving (`openai(..., lora_modules)`); `complete(model=NAME)` and the
+OpenAI routes' `model` select one. The tail step is a decode row of the
+request itself, so on its adapter; the extraction step carries the adapter
+(extraction.Origin), so every vector is the adapter's.
 """
 
 from __future__ import annotations
@@ -38,16 +44,19 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from hidden_states.preflight import EngineStartupError, check_architecture, check_cpu_memory, check_model_folder
-from hidden_states.params import (HiddenStatesDisabledError, HiddenStatesRequestError, check_layers,
-                                  check_position)
+from hidden_states.params import (DEFAULT_MAX_HIDDEN_STATES_BYTES, HiddenStatesDisabledError, HiddenStatesRequestError,
+                                  UnknownModelError, absolute_layer, check_dtype, check_layers, check_position,
+                                  check_topk)
 from hidden_states.tiny_model import DEFAULT_MODEL, resolve_model
 from hidden_states.engine import Completion, CompletionChoice, HiddenStatesCollector, SamplingOptions, VectorObservers
 from hidden_states.vllm import (ENGINE_ENV, SUPPORTED_LAYER_ARCHS, WORKER_EXTENSION, VLLMIncompatibleError,
                                 check_vllm_version)
 from hidden_states.vllm.cpu import cpu_start_up, on_cpu
 from hidden_states.vllm.extraction import Extraction, make_async_llm_class
-from hidden_states.vllm.worker import check_engine_config
+from hidden_states.vllm.engine_args import refuse
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +115,9 @@ class HiddenStatesEngine(Extraction, VectorObservers):
         self.mailboxes = {}  # a capture key -> {choice index: CapturedVector} (extraction.py)
         self.malformed_vectors = 0  # vectors on outputs that did not decode (a bug)
         self.unclaimed_vectors = 0  # vectors whose request had already ended (an abort raced the finish)
+        self.late_rows = 0  # rows on outputs of requests that had ended (a stop string cut them: not a fault)
+        self.max_hidden_states_bytes = DEFAULT_MAX_HIDDEN_STATES_BYTES
+        self.hidden_size = int(llm.vllm_config.model_config.get_hidden_size())
         hf = llm.vllm_config.model_config.hf_config
         self.num_layers = int(hf.num_hidden_layers)
         self.architecture = (getattr(hf, "architectures", None) or ["?"])[0]
@@ -124,6 +136,9 @@ class HiddenStatesEngine(Extraction, VectorObservers):
         self.startup: dict[str, Any] = {}  # set by start(): what the CPU start-up steps did
         self._workers: list[dict] = []  # the workers' stats when last asked, and the engine's counts then
         self._workers_mark: tuple[int, int] | None = None
+        # LoRA adapters by name: vLLM's OpenAI serving registry (its --lora-modules), shared once openai() ran.
+        self.served_model_name: str | None = None
+        self.adapters: dict[str, Any] = {}
 
     @property
     def enabled(self) -> bool:
@@ -142,6 +157,7 @@ class HiddenStatesEngine(Extraction, VectorObservers):
         malloc_trim_interval_s: float = 5.0,
         tail_step: bool = True,
         ray_metrics: bool = False,
+        max_hidden_states_bytes: int = DEFAULT_MAX_HIDDEN_STATES_BYTES,
         **engine_args: Any,
     ) -> "HiddenStatesEngine":
         check_vllm_version()
@@ -156,17 +172,15 @@ class HiddenStatesEngine(Extraction, VectorObservers):
             engine_args.setdefault("scheduling_policy", "priority")
             if on_cpu():
                 engine_args.setdefault("block_size", CPU_EXTRACTION_BLOCK_SIZE)
-        if enable_return_hidden_states and "scheduler_cls" in engine_args:
-            raise EngineStartupError(
-                "engine argument scheduler_cls cannot be combined with hidden states: this server's scheduler "
-                "(hidden_states/vllm/scheduler.py) is what delivers the vectors")
+        if enable_return_hidden_states:
+            refuse(engine_args)  # engine arguments hidden states cannot serve, named (engine_args.py)
         engine_args["worker_extension_cls"] = WORKER_EXTENSION
         path = _preflight(model, engine_args)
         try:
             vllm_config = AsyncEngineArgs(model=path, **engine_args).create_engine_config()
             tail = False
             if enable_return_hidden_states:
-                check_engine_config(vllm_config)
+                refuse(engine_args, vllm_config)  # and however the resolved configuration came to them
                 # From the configuration vLLM resolved (async scheduling after its own defaults):
                 # the tail step needs a synchronous scheduler (ledger point 9).
                 tail = tail_step and not vllm_config.scheduler_config.async_scheduling
@@ -180,6 +194,8 @@ class HiddenStatesEngine(Extraction, VectorObservers):
 
                 loggers = [RayPrometheusStatLogger]
             llm = make_async_llm_class().from_vllm_config(vllm_config, stat_loggers=loggers)
+        except EngineStartupError:
+            raise
         except VLLMIncompatibleError as e:
             raise EngineStartupError(str(e)) from e
         except Exception as e:
@@ -204,18 +220,22 @@ class HiddenStatesEngine(Extraction, VectorObservers):
         engine.layer_capture = {**installed[0], "layer_capture": all(w["layer_capture"] for w in installed)} \
             if installed else None
         engine.tail_enabled = tail
+        engine.max_hidden_states_bytes = max_hidden_states_bytes  # a request's worst case of rows (params.py)
         engine.extraction_priority = EXTRACTION_PRIORITY if llm.vllm_config.scheduler_config.policy == "priority" else 0
         llm.hidden_states = engine
         return engine
 
-    def check_request(self, layers: Sequence[int] = (-1,), position: str = "completion_end") -> tuple[int, ...]:
+    def check_request(self, layers: Sequence[int] = (-1,), position: Any = "completion_end", dtype: str = "float32",
+                      topk: int | None = None) -> tuple[int, ...]:
         """Raises HiddenStatesRequestError with the fix if this engine cannot serve it."""
         if not self.enabled:
             raise HiddenStatesDisabledError()
         check_position(position)
+        check_dtype(dtype)
+        check_topk(topk, getattr(self, "hidden_size", None))
         layers = check_layers(layers, self.num_layers)
         L = self.num_layers
-        if any(self._absolute(l) != L for l in layers):
+        if any(absolute_layer(l, L) != L for l in layers):
             # The workers' install result; without one (no engine), the checked architectures.
             found = getattr(self, "layer_capture", None)
             if not (found["layer_structure"] if found else self.architecture in SUPPORTED_LAYER_ARCHS):
@@ -238,10 +258,16 @@ class HiddenStatesEngine(Extraction, VectorObservers):
 
     async def complete(
         self, prompt: str | Sequence[int], sampling: SamplingOptions | Any = None, *, return_hidden_states: bool = True,
-        layers: Sequence[int] = (-1,), position: str = "completion_end",
+        layers: Sequence[int] = (-1,), position: Any = "completion_end", model: str | None = None,
+        dtype: str = "float32", topk: int | None = None,
     ) -> Completion:
         """One prompt (text or token ids) to a finished Completion with a vector per choice.
-        `sampling`: SamplingOptions, or (Python callers of this engine) vLLM's own SamplingParams."""
+        `sampling`: SamplingOptions, or (Python callers of this engine) vLLM's own SamplingParams.
+        `model`: a LoRA adapter's name (`lora_request`), which generates and computes every vector.
+        `position`: "completion_end", "prompt_end" (one vector [D]), or "completion", "all",
+        {"start", "end", "stride"}: rows [n, D] with `choice.positions`. `dtype`: the rows cast
+        on the device (returned widened to float32); `topk`: per position the k largest-magnitude
+        values, their indices in `choice.hidden_states_indices`."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -252,18 +278,23 @@ class HiddenStatesEngine(Extraction, VectorObservers):
         else:
             params = sampling.clone()
         params.output_kind = RequestOutputKind.FINAL_ONLY
+        lora = self.lora_request(model)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         if isinstance(prompt, str):
             prompt = self.llm.tokenizer.encode(prompt)
         engine_prompt = {"prompt_token_ids": list(prompt)}
         final, choices = None, []
-        with self.collecting(layers, position) if return_hidden_states else contextlib.nullcontext() as collector:
+        with self.collecting(layers, position, dtype, topk) if return_hidden_states else contextlib.nullcontext() \
+                as collector:
             if collector is not None:
                 params.extra_args = {**(params.extra_args or {}), **collector.extra_args}
-            async for out in self.llm.generate(engine_prompt, params, request_id):
+            async for out in self.llm.generate(engine_prompt, params, request_id, lora_request=lora):
                 final = out
         for o in final.outputs:
             vecs = stats = None
+            if collector is not None and collector.rowwise:
+                choices.append(self._rows_choice(collector, o))
+                continue
             if collector is not None:
                 vecs, stats = collector.vectors.get((0, o.index)), collector.stats.get((0, o.index))
                 if vecs is None:
@@ -273,13 +304,42 @@ class HiddenStatesEngine(Extraction, VectorObservers):
                                             None if vecs is None else vecs.get(-1), stats, vecs))
         return Completion(request_id=request_id, prompt_token_ids=tuple(final.prompt_token_ids), choices=tuple(choices))
 
+    def _rows_choice(self, collector: HiddenStatesCollector, o: Any) -> CompletionChoice:
+        """A finished choice of a rowwise collector: float32 rows [n, D] (or [D] for one position)."""
+        key = (0, o.index)
+        if key not in collector.done:
+            raise self.missing(f"choice {o.index}")
+        batch, stats = collector.take(key), collector.stats.get(key)
+        width = collector.topk or self.hidden_size
+        values = {l: batch.floats(l) if batch else np.zeros((0, width), np.float32) for l in collector.layers}
+        indices = None
+        if collector.topk:
+            indices = {l: batch.indices[l] if batch else np.zeros((0, width), np.int32) for l in collector.layers}
+        positions = tuple(batch.positions.tolist()) if batch else ()
+        if not collector.multi:  # one vector, 1-D as ever
+            values = {l: v[0] for l, v in values.items()}
+            indices = None if indices is None else {l: i[0] for l, i in indices.items()}
+        self.vector_sent(collector.position_label, stats, batch.nbytes if batch else 0)
+        return CompletionChoice(o.index, o.text, tuple(o.token_ids), o.finish_reason, values.get(-1), stats, values,
+                                positions if collector.multi else None, collector.dtype,
+                                None if indices is None else indices.get(-1), indices)
+
+    def lora_request(self, model: str | None) -> Any:
+        """The LoRA adapter a request names by `model`, as vLLM's serving resolves it (None: the base model)."""
+        if model is None or model == self.served_model_name:
+            return None
+        if model in self.adapters:
+            return self.adapters[model]
+        raise UnknownModelError(model, [self.served_model_name or "(the base model: model=None)", *self.adapters])
+
     # -- operations -----------------------------------------------------------
 
-    async def openai(self, served_model_name: str, replica_id: str):
-        """vLLM's own OpenAI serving over this engine, plus the vectors (openai.py)."""
+    async def openai(self, served_model_name: str, replica_id: str, lora_modules: Sequence[dict] = ()):
+        """vLLM's own OpenAI serving over this engine, plus the vectors (openai.py); it loads
+        `lora_modules` ([{name, path}]) and from then on names this engine's adapters."""
         from hidden_states.vllm.openai import OpenAIFrontend
 
-        return await OpenAIFrontend.create(self, served_model_name, replica_id)
+        return await OpenAIFrontend.create(self, served_model_name, replica_id, lora_modules)
 
     def healthy(self) -> bool:
         return not self.llm.errored
@@ -314,6 +374,7 @@ class HiddenStatesEngine(Extraction, VectorObservers):
             "pending": len(self.mailboxes),  # engine requests whose vector may still come
             "malformed_vectors": self.malformed_vectors,
             "unclaimed_vectors": self.unclaimed_vectors,
+            "late_rows": self.late_rows,
             "unfinished_requests": self.llm.output_processor.get_num_unfinished_requests(),
             "workers": workers,
             "startup": self.startup,

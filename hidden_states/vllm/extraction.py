@@ -15,6 +15,19 @@
   gets the extraction step at once: a prefill-only request of
   prompt+completion, max one token, whose vector comes back the same way.
 
+Rows across the completion (`collector.rowwise`: hidden_states_position
+"completion", "all" or a range, any hidden_states_dtype or top-k): the engine
+request is flagged with its span of positions; the rows come on every output
+of it (scheduler.py) and go straight into the collector under the choice
+(`RowSink`), where the next SSE chunk of that choice takes them
+(openai_format.ChoiceVectors). When the choice finishes, the positions it asked
+for that no step computed (the final token's row where the tail step could not
+run, prompt positions a prefix-cache hit skipped) come from one extraction step
+of exactly those positions (`extract_rows`), with a cache salt of its own when
+they lie before the last cache block. A request that asks for "all" or a range
+starting in the prompt gets a unique `cache_salt`, so its prefill computes
+every prompt position rather than reading them from the prefix cache.
+
 vLLM's beam search makes its own untagged one-token requests per step;
 `extract_beams` extracts its returned beams instead. Every wait has a timeout.
 """
@@ -26,16 +39,17 @@ import contextlib
 import dataclasses
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import numpy as np
 
 from hidden_states.engine import (ChoiceKey, ExtractionStats, HiddenStatesCollector, HiddenStatesTimeout,
-                                  MissingHiddenStatesError)
-from hidden_states.params import HiddenStatesRequestError
-from hidden_states.protocol import (COLLECTOR_TAG_KEY, OUTPUT_KEY, CapturedVector, HiddenStatesExtractionRequest,
-                                    HiddenStatesProtocolError)
+                                  MissingHiddenStatesError, RowBatch)
+from hidden_states.params import (HiddenStatesRequestError, Span, absolute_layer, check_position, check_room,
+                                  check_rows_budget, room_for_completion)
+from hidden_states.protocol import (COLLECTOR_TAG_KEY, OUTPUT_KEY, ROWS_KEY, CapturedRows, CapturedVector,
+                                    HiddenStatesExtractionRequest, HiddenStatesProtocolError)
 
 _FAILED = ("abort", "error")
 
@@ -54,6 +68,13 @@ class Origin:
     def of(prompt: Any, kwargs: dict) -> "Origin":
         salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
         return Origin(kwargs.get("lora_request"), salt, int(kwargs.get("priority") or 0))
+
+
+class RowSink:
+    """A span request's mailbox: where the rows on its outputs go (choice index, RowBatch)."""
+
+    def __init__(self, put: Callable[[int, RowBatch], None], layers: Sequence[int]):
+        self.put, self.layers = put, tuple(layers)
 
 
 def prompt_ordinal(request_id: str) -> int:
@@ -82,12 +103,16 @@ def make_async_llm_class():
                 if hs is not None and hs.mailboxes:
                     for eco in engine_core_outputs:
                         params = eco.kv_transfer_params
-                        if params is not None and OUTPUT_KEY in params:
-                            raw = params.pop(OUTPUT_KEY)
+                        if params is not None and (OUTPUT_KEY in params or ROWS_KEY in params):
+                            vector, rows = params.pop(OUTPUT_KEY, None), params.pop(ROWS_KEY, None)
                             if not params:
                                 eco.kv_transfer_params = None
                             state = processor.request_states.get(eco.request_id)
-                            hs.deliver(raw, state.request_index if state is not None else None)
+                            index = state.request_index if state is not None else None
+                            if rows is not None:
+                                hs.deliver_rows(rows, index)
+                            if vector is not None:
+                                hs.deliver(vector, index)
                 return process(engine_core_outputs, *a, **kw)
 
             processor.process_outputs = process_outputs
@@ -102,19 +127,25 @@ def make_async_llm_class():
             prompt_end = collector.position == "prompt_end"
             if not prompt_end:
                 sampling_params = hs._leave_room_for_extraction(prompt, sampling_params)
-            # prompt_end: the generating request's own prefill computes the last prompt position.
-            # completion_end: its tail step, where the engine can take it; else no capture here.
-            capture = prompt_end or hs.takes_tail(sampling_params)
             key = uuid.uuid4().hex
-            if capture:
-                sampling_params = sampling_params.clone()
-                sampling_params.extra_args = {**(sampling_params.extra_args or {}), **HiddenStatesExtractionRequest(
-                    key=key, layers=list(collector.layers), tail=not prompt_end).to_extra_args()}
             ordinal, origin = prompt_ordinal(request_id), Origin.of(prompt, kwargs)
+            tail = False
+            if collector.rowwise:  # every output brings the rows decided since the last one
+                prompt, sampling_params, tail = hs._flag_rows(collector, prompt, sampling_params, key)
+                box = RowSink(lambda index, batch: collector.add_rows((ordinal, index), batch), collector.layers)
+            else:
+                # prompt_end: the generating request's own prefill computes the last prompt position.
+                # completion_end: its tail step, where the engine can take it; else no capture here.
+                if prompt_end or hs.takes_tail(sampling_params):
+                    sampling_params = sampling_params.clone()
+                    sampling_params.extra_args = {**(sampling_params.extra_args or {}),
+                                                  **HiddenStatesExtractionRequest(
+                        key=key, layers=list(collector.layers), tail=not prompt_end).to_extra_args()}
+                box = {}
             delta = sampling_params.output_kind == RequestOutputKind.DELTA
             tokens: dict[int, list[int]] = {}
             prompt_ids: list[int] = []
-            box = hs.mailboxes[key] = {}
+            hs.mailboxes[key] = box
             hs.vector_requests += 1
             settled: set[int] = set()  # cumulative outputs repeat finished choices
             try:
@@ -131,7 +162,7 @@ def make_async_llm_class():
                             finished.append(o.index)
                             settled.add(o.index)
                     if finished:
-                        await hs.settle(collector, box, ordinal, prompt_ids, tokens, finished, origin)
+                        await hs.settle(collector, box, ordinal, prompt_ids, tokens, finished, origin, tail=tail)
                     yield out
             finally:
                 hs.mailboxes.pop(key, None)
@@ -144,7 +175,7 @@ class Extraction:
     which sets `llm`, `num_layers`, `extraction_timeout_s`, `extraction_priority`, the
     counters, `mailboxes` and `_collectors`)."""
 
-    mailboxes: dict[str, dict[int, CapturedVector]]
+    mailboxes: dict[str, "dict[int, CapturedVector] | RowSink"]
 
     def deliver(self, raw: Any, index: int | None) -> None:
         """A CapturedVector off an engine output, into the mailbox of the call that asked."""
@@ -154,16 +185,99 @@ class Extraction:
             self.malformed_vectors += 1
             return
         box = self.mailboxes.get(cv.key)
-        if box is None or index is None:  # its generate() already ended (an abort raced the finish)
+        if not isinstance(box, dict) or index is None:  # its generate() already ended (an abort raced the finish)
             self.unclaimed_vectors += 1
             return
         box[index] = cv
 
+    def deliver_rows(self, raw: Any, index: int | None) -> None:
+        """CapturedRows off an engine output, into the sink of the call that asked (a request that
+        already ended, e.g. one a stop string cut while the engine ran ahead, gets none)."""
+        try:
+            cr = CapturedRows.from_output(raw)
+        except HiddenStatesProtocolError:
+            self.malformed_vectors += 1
+            return
+        sink = self.mailboxes.get(cr.key)
+        if not isinstance(sink, RowSink) or index is None:
+            self.late_rows += 1
+            return
+        values, indices = cr.arrays()
+        at = {layer: i for i, layer in enumerate(cr.layers)}
+        rows = [at[absolute_layer(l, self.num_layers)] for l in sink.layers]
+        sink.put(index, RowBatch(np.asarray(cr.positions, dtype=np.int64),
+                                 {l: values[i] for l, i in zip(sink.layers, rows)}, cr.dtype,
+                                 None if indices is None else {l: indices[i] for l, i in zip(sink.layers, rows)}))
+
+    def _flag_rows(self, collector: HiddenStatesCollector, prompt: Any, params: Any, key: str) -> tuple[Any, Any, bool]:
+        """A generating request of a rowwise collector: the memory bound checked, flagged with its
+        span (positions, dtype, top-k), a tail step where the span can reach the final token, and a
+        unique cache salt where its prompt positions must be computed. (prompt, params, tail)."""
+        ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else None
+        if ids is None:
+            raise HiddenStatesRequestError("hidden states of positions need the prompt as token ids", "prompt")
+        P = len(ids)
+        span = Span.of(collector.position, P)
+        try:
+            check_rows_budget(span, P, params.max_tokens or 0, params.n or 1, len(collector.layers), self.hidden_size,
+                              collector.dtype, collector.topk, self.max_hidden_states_bytes)
+        except HiddenStatesRequestError as e:
+            collector.refusal = e  # the OpenAI layer answers it as a 400, streaming or not
+            raise
+        tail = self.takes_tail(params) and (span.end is None or span.end < 0 or span.end > P)
+        if 0 <= span.start < P - 1 and self.llm.vllm_config.cache_config.enable_prefix_caching:
+            # Prompt positions are wanted: a prefix-cache hit would skip computing them.
+            prompt = {**prompt, "cache_salt": f"hs-{uuid.uuid4().hex}"}
+        params = params.clone()
+        params.extra_args = {**(params.extra_args or {}), **HiddenStatesExtractionRequest(
+            key=key, layers=list(collector.layers), tail=tail, span=span.to_list(), dtype=collector.dtype,
+            topk=collector.topk or 0).to_extra_args()}
+        return prompt, params, tail
+
+    def check_beam_rows(self, collector: HiddenStatesCollector, prompt_len: int, max_tokens: int, beams: int) -> None:
+        """The memory bound for a beam search's returned beams (their rows all come from extraction)."""
+        try:
+            check_rows_budget(Span.of(collector.position, prompt_len), prompt_len, max_tokens, beams,
+                              len(collector.layers), self.hidden_size, collector.dtype, collector.topk,
+                              self.max_hidden_states_bytes)
+        except HiddenStatesRequestError as e:
+            collector.refusal = e
+            raise
+
+    async def settle_rows(self, collector: HiddenStatesCollector, ordinal: int, prompt_ids: list[int],
+                          tokens: dict[int, list[int]], finished: list[int], origin: Origin = Origin(),
+                          tail: bool = False) -> None:
+        """Each finished choice's positions, resolved on its length: the rows its outputs
+        brought, and one extraction step for the positions no step computed."""
+        P, jobs = len(prompt_ids), []
+        for index in finished:
+            seq = prompt_ids if collector.position == "prompt_end" else [*prompt_ids, *tokens.get(index, ())]
+            wanted = list(Span.of(collector.position, P).positions(len(seq)))
+            missing = sorted(set(wanted) - collector.held_positions((ordinal, index)))
+            jobs.append(((ordinal, index), seq, wanted, missing))
+        todo = [job for job in jobs if job[3]]
+        results = await asyncio.gather(*(self.extract_rows(seq, missing, collector.layers, collector.dtype,
+                                                           collector.topk, origin) for _, seq, _, missing in todo))
+        extracted = {job[0]: result for job, result in zip(todo, results)}
+        for key, seq, wanted, missing in jobs:
+            stats = None
+            if key in extracted:
+                batch, stats = extracted[key]
+                collector.add_rows(key, batch)
+            elif collector.position != "prompt_end":
+                n = len(seq)
+                via = "tail" if tail and n - 1 in wanted else "generation"
+                stats = ExtractionStats(n, n - 1 if via == "tail" else n, 0.0, via=via)
+                self.tails += via == "tail"
+            collector.settle_rows(key, wanted, None if collector.position == "prompt_end" else stats)
+
     async def settle(self, collector: HiddenStatesCollector, box: dict[int, CapturedVector], ordinal: int,
                      prompt_ids: list[int], tokens: dict[int, list[int]], finished: list[int],
-                     origin: Origin = Origin()) -> None:
+                     origin: Origin = Origin(), tail: bool = False) -> None:
         """Puts each finished choice's vector in the collector: the one its output brought,
         else the extraction step's, at once (choices with identical sequences share one)."""
+        if collector.rowwise:
+            return await self.settle_rows(collector, ordinal, prompt_ids, tokens, finished, origin, tail)
         todo: dict[tuple[int, ...], list[int]] = {}
         for index in finished:
             cv = box.pop(index, None)
@@ -184,31 +298,22 @@ class Extraction:
                 collector.put((ordinal, index), vecs, None if collector.position == "prompt_end" else stats)
 
     def _leave_room_for_extraction(self, prompt: Any, params: Any) -> Any:
-        """The final token needs one more position (the tail row, or the extraction step's
-        prefill of prompt+completion): prompt+completion must stay below max_model_len,
-        so max_tokens is capped by one."""
+        """max_tokens capped to `params.room_for_completion` (the final token's one more position)."""
         ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else None
         if ids is None:
             return params
         limit = self.llm.model_config.max_model_len
-        room = limit - 1 - len(ids)
-        if room < 1:
-            raise HiddenStatesRequestError(
-                f"a prompt of {len(ids)} tokens leaves no room for a completion with hidden states: "
-                f"prompt + completion must stay below max_model_len ({limit}), since the final token "
-                "needs one more position", "prompt")
+        check_room(len(ids), limit, "prompt", completing=True)
+        room = room_for_completion(len(ids), limit)
         if params.max_tokens is None or params.max_tokens > room:
             params = params.clone()
             params.max_tokens = room
         return params
 
-    def _absolute(self, layer: int) -> int:
-        return layer if layer >= 0 else self.num_layers + 1 + layer
-
     def _by_layer(self, cv: CapturedVector, layers: Sequence[int]) -> dict[int, np.ndarray]:
         rows = cv.to_numpy()
         at = {layer: i for i, layer in enumerate(cv.layers)}
-        return {l: rows[at[self._absolute(l)]] for l in layers}
+        return {l: rows[at[absolute_layer(l, self.num_layers)]] for l in layers}
 
     def _timed_out(self, num_tokens: int) -> HiddenStatesTimeout:
         self.timeouts += 1
@@ -217,11 +322,12 @@ class Extraction:
             f"{self.extraction_timeout_s:g}s (extraction_timeout_s): the engine is overloaded")
 
     @contextlib.contextmanager
-    def collecting(self, layers: Sequence[int] = (-1,), position: str = "completion_end"):
+    def collecting(self, layers: Sequence[int] = (-1,), position: Any = "completion_end", dtype: str = "float32",
+                   topk: int | None = None):
         """A collector for one request's vectors: tag its sampling params with
         `collector.extra_args` (SamplingParams.extra_args, or an OpenAI request's `vllm_xargs`)."""
-        layers = self.check_request(layers, position)
-        collector = HiddenStatesCollector(uuid.uuid4().hex, layers, position)
+        layers = self.check_request(layers, position, dtype, topk)
+        collector = HiddenStatesCollector(uuid.uuid4().hex, layers, check_position(position), dtype=dtype, topk=topk)
         self._collectors[collector.tag] = collector
         try:
             yield collector
@@ -264,9 +370,55 @@ class Extraction:
 
     def beam_search_room(self, prompt_len: int, max_tokens: int) -> int:
         """max_tokens for a beam search whose beams each need one more position to extract."""
-        return max(1, min(max_tokens, self.llm.model_config.max_model_len - 1 - prompt_len))
+        return max(1, min(max_tokens, room_for_completion(prompt_len, self.llm.model_config.max_model_len)))
 
     # -- the extraction step --------------------------------------------------
+
+    async def extract_rows(self, token_ids: Sequence[int], positions: Sequence[int], layers: Sequence[int],
+                           dtype: str = "float32", topk: int | None = None,
+                           origin: Origin = Origin()) -> tuple[RowBatch, ExtractionStats]:
+        """The rows of `positions` of `token_ids` (a prefill of exactly those tokens): as cast and
+        selected as a generating request's. A cache salt of its own where a prefix-cache hit
+        would skip some of them (vLLM always computes from the last whole cache block on)."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        total, lo = len(token_ids), min(positions)
+        key = uuid.uuid4().hex
+        params = SamplingParams(
+            max_tokens=1, temperature=0.0, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY,
+            extra_args=HiddenStatesExtractionRequest(key=key, layers=list(layers), span=[lo, total, 1], dtype=dtype,
+                                                     topk=topk or 0).to_extra_args())
+        prompt = TokensPrompt(prompt_token_ids=list(token_ids))
+        cache = self.llm.vllm_config.cache_config
+        if cache.enable_prefix_caching and lo < (total - 1) // cache.block_size * cache.block_size:
+            prompt["cache_salt"] = f"hs-{key}"
+        elif origin.cache_salt is not None:
+            prompt["cache_salt"] = origin.cache_salt
+        got: list[RowBatch] = []
+        t0, cached = time.perf_counter(), 0
+        self.mailboxes[key] = RowSink(lambda index, batch: got.append(batch), layers)
+        self.vector_requests += 1
+        try:
+            async with asyncio.timeout(self.extraction_timeout_s):
+                async for out in AsyncLLM.generate(self.llm, prompt, params, f"hs-{key}",
+                                                  lora_request=origin.lora_request,
+                                                  priority=origin.priority + self.extraction_priority):
+                    cached = out.num_cached_tokens or 0
+        except TimeoutError:
+            raise self._timed_out(total) from None
+        finally:
+            self.mailboxes.pop(key, None)
+        merged = RowBatch.merge(got)
+        want = np.asarray(sorted(positions), dtype=np.int64)
+        if merged is None or not np.isin(want, merged.positions).all():
+            raise self.missing(f"the extraction step of {len(want)} position(s) of a sequence of {total} tokens")
+        self.extractions += 1
+        self.extraction_tokens += total
+        self.extraction_cached_tokens += cached
+        return merged.select(np.isin(merged.positions, want)), ExtractionStats(total, cached, time.perf_counter() - t0)
 
     async def extract_one(self, token_ids: Sequence[int], origin: Origin = Origin()) -> tuple[np.ndarray, ExtractionStats]:
         """The last-layer hidden state of the final token of `token_ids` (float32 [D])."""

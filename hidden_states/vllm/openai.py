@@ -8,6 +8,16 @@ fields and put each choice's vector into its final choice object:
 - `return_hidden_states: bool` -> `choices[i].hidden_states`
 - `hidden_states_encoding: "float" | "base64"` (base64 of little-endian float32)
 - (vLLM's own) `return_token_ids: bool` -> `prompt_token_ids`, `choices[i].token_ids`
+- `hidden_states_position` "completion" | "all" | a range, `hidden_states_dtype`,
+  `hidden_states_topk`: rows of many positions, on every chunk as they arrive
+  (openai_format.ChoiceVectors); a request above `max_hidden_states_bytes` is a 400
+  even when streaming (its first chunk is awaited before the answer starts)
+
+LoRA adapters are vLLM's server's (`--lora-modules`): a request names one by
+`model`, vLLM's serving hands its `lora_request` to the engine, and every vector
+of the request comes from that adapter: the tail step is a decode row of the
+request itself, and the extraction step carries the request's adapter
+(extraction.Origin); `hidden_states_meta.adapter` names it.
 
 The vectors come from this replica's engine (the tail step, or the extraction
 step where the engine could not take it: extraction.py) through a collector
@@ -23,9 +33,10 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import json
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from http import HTTPStatus
 
 from pydantic import ValidationError
@@ -34,8 +45,9 @@ from hidden_states.engine import HiddenStatesCollector, HiddenStatesTimeout, Mis
 from hidden_states import errors, verify
 from hidden_states.openai_format import (ChoiceVectors, Route, encode_vector, error_body, not_from_token_ids,
                                          validation_message)
-from hidden_states.vllm.extraction import Origin, prompt_ordinal
-from hidden_states.params import HiddenStatesDisabledError, HiddenStatesFields, HiddenStatesRequestError
+from hidden_states.vllm.extraction import Origin
+from hidden_states.params import (HiddenStatesDisabledError, HiddenStatesFields, HiddenStatesRequestError,
+                                  UnknownModelError)
 from hidden_states.protocol import COLLECTOR_TAG_KEY, RESERVED_EXTRA_ARGS_PREFIX
 
 logger = logging.getLogger(__name__)
@@ -61,18 +73,23 @@ class OpenAIFrontend:
         self.completion_request, self.chat_request = _request_models()
 
     @classmethod
-    async def create(cls, engine, served_model_name: str, replica_id: str) -> "OpenAIFrontend":
+    async def create(cls, engine, served_model_name: str, replica_id: str,
+                     lora_modules: Sequence[dict] = ()) -> "OpenAIFrontend":
         from starlette.datastructures import State
         from vllm.entrypoints.launchers.api_server.app_state import init_app_state
         from vllm.entrypoints.launchers.cli_args import make_arg_parser
         from vllm.utils.argparse_utils import FlexibleArgumentParser
 
         model_path = engine.llm.vllm_config.model_config.model
-        args = make_arg_parser(FlexibleArgumentParser()).parse_args(
-            ["--model", model_path, "--served-model-name", served_model_name]
-        )
+        argv = ["--model", model_path, "--served-model-name", served_model_name]
+        if lora_modules:  # vLLM's server's own flag (JSON form: any path); its serving loads them at start
+            argv += ["--lora-modules", *(json.dumps({"name": m["name"], "path": m["path"],
+                                                     "base_model_name": served_model_name}) for m in lora_modules)]
+        args = make_arg_parser(FlexibleArgumentParser()).parse_args(argv)
         state = State()
         await init_app_state(engine.llm, state, args, supported_tasks=await engine.llm.get_supported_tasks())
+        # A request names an adapter by `model`, as in vLLM's server: the engine resolves names in the same registry.
+        engine.served_model_name, engine.adapters = served_model_name, state.openai_serving_models.lora_requests
         for serving in (state.openai_serving_completion, state.openai_serving_chat):
             if serving is not None and engine.enabled:
                 _wrap_beam_search(serving, engine)
@@ -94,6 +111,11 @@ class OpenAIFrontend:
             err = serving.create_error_response(e)
             yield err.error.code, err.model_dump_json().encode()
             return
+        try:  # the ingress checked it; a handle caller's unknown model gets the same 404 naming what is served
+            self.engine.lora_request(request.model)
+        except UnknownModelError as e:
+            yield errors.error_response(e)
+            return
         if request.return_hidden_states and not self.engine.enabled:
             yield errors.error_response(HiddenStatesDisabledError())
             return
@@ -110,16 +132,18 @@ class OpenAIFrontend:
                 yield part
             return
         layers, position = request.hidden_states_layers or (-1,), request.hidden_states_position
+        dtype, topk = request.hidden_states_dtype, request.hidden_states_topk
         try:
-            self.engine.check_request(layers, position)
+            self.engine.check_request(layers, position, dtype, topk)
         except HiddenStatesRequestError as e:
             yield errors.error_response(e)
             return
-        with self.engine.collecting(layers, position) as collector:
+        with self.engine.collecting(layers, position, dtype, topk) as collector:
             # The tag rides in vllm_xargs -> SamplingParams.extra_args of every engine
             # request vLLM makes for this request.
             request.vllm_xargs = {**(request.vllm_xargs or {}), COLLECTOR_TAG_KEY: collector.tag}
-            choices = ChoiceVectors(self.engine, collector, request, route, self.replica_id)
+            adapter = request.model if request.model in self.engine.adapters else None
+            choices = ChoiceVectors(self.engine, collector, request, route, self.replica_id, adapter)
             async for part in self._serve(serving, route, request, collector, choices):
                 yield part
 
@@ -140,6 +164,9 @@ class OpenAIFrontend:
             err = serving.create_error_response(e)
             yield err.error.code, err.model_dump_json().encode()
             return
+        if collector is not None and collector.refusal is not None:  # the memory bound (extraction._flag_rows)
+            yield errors.error_response(collector.refusal)
+            return
         if hasattr(result, "error"):
             yield result.error.code, result.model_dump_json().encode()
             return
@@ -154,8 +181,23 @@ class OpenAIFrontend:
                 return
             yield 200, result.model_dump_json().encode()
             return
+        first = None
+        if collector is not None and collector.rowwise:
+            # The memory bound is checked as the engine requests start, inside vLLM's stream: its
+            # first chunk tells whether they did, so a refusal is a 400, not an error event.
+            try:
+                first = await anext(result)
+            except StopAsyncIteration:
+                pass
+            except Exception as e:  # noqa: BLE001 - answered through the one table, as a whole answer
+                yield errors.error_response(e)
+                return
+            if collector.refusal is not None:
+                await result.aclose()
+                yield errors.error_response(collector.refusal)
+                return
         yield 200, b""
-        async for chunk in result:
+        async for chunk in _prepend(first, result):
             if choices is not None and chunk.startswith("data: {"):
                 try:
                     chunk = choices.fill_chunk(chunk)
@@ -176,6 +218,7 @@ class OpenAIFrontend:
             if not eng.enabled:
                 raise HiddenStatesDisabledError()
             layers = eng.check_request(req.hidden_states_layers or (-1,))
+            lora = eng.lora_request(req.model)
             ids = self._token_ids(req)
             limit = eng.llm.model_config.max_model_len
             if len(ids) >= limit:
@@ -184,14 +227,14 @@ class OpenAIFrontend:
                     "prompt" if req.prompt is not None else "messages")
             if req.compare is not None:  # a malformed claim is a 400 before any engine work
                 verify.decode_claimed(req.compare.vector, eng.llm.model_config.get_hidden_size())
-            vecs, stats = await eng.extract_layers(ids, layers)
+            vecs, stats = await eng.extract_layers(ids, layers, Origin(lora_request=lora))
             eng.vector_sent("completion_end", stats, sum(v.nbytes for v in vecs.values()))
-        except (HiddenStatesRequestError, HiddenStatesTimeout, MissingHiddenStatesError) as e:
+        except (HiddenStatesRequestError, HiddenStatesTimeout, MissingHiddenStatesError, UnknownModelError) as e:
             return errors.error_response(e)
         meta = {"via": stats.via, "tokens": stats.tokens, "cached_tokens": stats.cached_tokens,
                 "computed_tokens": stats.computed_tokens, "extraction_seconds": round(stats.seconds, 6),
-                "replica": self.replica_id}
-        model = self.state.openai_serving_models.base_model_paths[0].name
+                "adapter": lora.lora_name if lora is not None else None, "replica": self.replica_id}
+        model = lora.lora_name if lora is not None else self.state.openai_serving_models.base_model_paths[0].name
         return 200, verify.response(model, ids, vecs, req, meta, encode_vector)
 
     def _token_ids(self, req: "verify.HiddenStatesRequest") -> list[int]:
@@ -223,6 +266,13 @@ class OpenAIFrontend:
         return ids + checked(list(req.completion), "completion")
 
 
+async def _prepend(first: str | None, rest: AsyncIterator[str]) -> AsyncIterator[str]:
+    if first is not None:
+        yield first
+    async for chunk in rest:
+        yield chunk
+
+
 _BEAM_COLLECTOR: contextvars.ContextVar[HiddenStatesCollector | None] = contextvars.ContextVar(
     "hidden_states_beam_collector", default=None)
 
@@ -241,9 +291,13 @@ def _wrap_beam_search(serving, engine) -> None:
             return original(prompt, request_id, params, *args, **kwargs)
         prompt_len = len(prompt.get("prompt_token_ids") or ())
         params = msgspec.structs.replace(params, max_tokens=engine.beam_search_room(prompt_len, params.max_tokens))
+        if collector.rowwise:  # the memory bound, for its returned beams
+            engine.check_beam_rows(collector, prompt_len, params.max_tokens, params.beam_width)
         origin = Origin.of(prompt, {"lora_request": kwargs.get("lora_request", args[0] if args else None)})
-        return engine.extract_beams(original(prompt, request_id, params, *args, **kwargs), collector,
-                                    prompt_ordinal(request_id), origin)
+        # vLLM's completions serving passes beam search the request's id without its per-prompt
+        # `-{i}`, calling it for prompt 0, 1, ... in order: the calls are counted instead.
+        ordinal, collector.beam_calls = collector.beam_calls, collector.beam_calls + 1
+        return engine.extract_beams(original(prompt, request_id, params, *args, **kwargs), collector, ordinal, origin)
 
     serving.beam_search = beam_search
 

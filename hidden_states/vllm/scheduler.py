@@ -25,6 +25,16 @@ start to finish, so it decides, and says, what happens to its vector:
   would have seen without hidden states, one step later (vLLM's detokenizer
   leaves a stop token out of the text only when it arrives with its finish).
 
+- **Rows across the completion.** A request flagged with a `span` of positions
+  (hidden_states_position "completion", "all", a range) gets its rows captured
+  in every step that computes them. They are filed here per request and sent on
+  *every* output the request emits (`protocol.CapturedRows` under `ROWS_KEY`):
+  the rows decided since its last output. A position is decided once it is
+  wanted whatever the final length (a range that counts from the end waits for
+  the finish, keeping only the rows it can still want); the hold step emits no
+  output, so its row goes with the finish. A resumed request's recomputed
+  positions are not sent twice. Nothing stays once the request is freed.
+
 A preempted held request is recomputed on resume; the step whose scheduled
 span reaches its final token is still its tail step (the runner checks the
 span). Requests finished from outside (an abort) are forgotten in
@@ -41,12 +51,15 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import numpy as np
+
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 
-from hidden_states.protocol import (OUTPUT_KEY, STEP_ATTR, TAILS_ATTR, CapturedVector, HiddenStatesExtractionRequest,
-                                    captured_vector)
+from hidden_states.params import Span
+from hidden_states.protocol import (OUTPUT_KEY, ROWS_KEY, STEP_ATTR, TAILS_ATTR, CapturedRows, CapturedVector,
+                                    HiddenStatesExtractionRequest, captured_rows, captured_vector)
 from hidden_states.vllm import _require
 
 _HOLD = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_REPETITION)
@@ -63,6 +76,45 @@ class _Held:
     sampling_mask: Any
 
 
+@dataclasses.dataclass
+class _Rows:
+    """A span request's captured rows not sent yet."""
+
+    flag: HiddenStatesExtractionRequest
+    span: Span
+    next: int = 0  # positions below were captured already (a resumed request recomputes them)
+    layers: list[int] | None = None
+    dtype: str = "float32"
+    positions: np.ndarray | None = None  # [m]
+    values: np.ndarray | None = None  # [layers, m, width] raw elements
+    indices: np.ndarray | None = None  # int32, alike (top-k)
+
+    def add(self, positions: np.ndarray, values: np.ndarray, indices: np.ndarray | None) -> None:
+        if self.positions is None or not len(self.positions):
+            self.positions, self.values, self.indices = positions, values, indices
+            return
+        self.positions = np.concatenate([self.positions, positions])
+        self.values = np.concatenate([self.values, values], axis=1)
+        if indices is not None:
+            self.indices = np.concatenate([self.indices, indices], axis=1)
+
+    def take(self, known: int, total: int | None = None) -> CapturedRows | None:
+        """The rows decided wanted (all of them, resolved on `total` tokens, once it ended); the
+        undecided stay, the unwanted go."""
+        if self.positions is None or not len(self.positions):
+            return None
+        wanted, undecided = self.span.classify(self.positions, known, total)
+        out = None
+        if wanted.any():
+            out = captured_rows(self.flag.key, self.dtype, self.flag.topk, self.layers, self.positions[wanted].tolist(),
+                                self.values[:, wanted],
+                                None if self.indices is None else self.indices[:, wanted])
+        if not undecided.all():
+            self.positions, self.values = self.positions[undecided], self.values[:, undecided]
+            self.indices = None if self.indices is None else self.indices[:, undecided]
+        return out
+
+
 class _VectorsOnOutputs:
     """Mixed into a vLLM v1 scheduler: vectors onto finishing outputs, and (if `holds`) the tail step."""
 
@@ -77,6 +129,8 @@ class _VectorsOnOutputs:
         self._held: dict[str, _Held] = {}
         self._released: dict[str, _Held] = {}  # held tokens emitted in this update: their logprobs
         self._finished: dict[str, CapturedVector | None] = {}  # flagged requests freed since the last update
+        self._rows: dict[str, _Rows] = {}  # live span requests: rows captured and not sent yet
+        self._finished_rows: dict[str, CapturedRows] = {}  # span requests finished in this update: their last rows
         self._step_output: Any = None  # the ModelRunnerOutput being applied (for a held token's logprobs)
         self.tails_run = 0
 
@@ -85,6 +139,8 @@ class _VectorsOnOutputs:
         flag = HiddenStatesExtractionRequest.from_extra_args(sp.extra_args if sp is not None else None)
         if flag is not None:
             self._flags[request.request_id] = flag
+            if flag.span is not None:
+                self._rows[request.request_id] = _Rows(flag, Span.from_list(flag.span), dtype=flag.dtype)
         super().add_request(request)
 
     def schedule(self, *args: Any, **kwargs: Any):
@@ -101,6 +157,8 @@ class _VectorsOnOutputs:
             outputs = super().update_from_output(scheduler_output, model_runner_output)
         finally:
             self._step_output = None
+        if self._rows or self._finished_rows:
+            self._send_rows(outputs)
         if self._finished or self._released:
             for batch in outputs.values():
                 for eco in batch.outputs:
@@ -116,14 +174,46 @@ class _VectorsOnOutputs:
             self._released.clear()
         return outputs
 
+    def _send_rows(self, outputs: dict) -> None:
+        """Every output of a span request carries the rows decided since its last one."""
+        for batch in outputs.values():
+            for eco in batch.outputs:
+                rid = eco.request_id
+                if eco.finish_reason is not None:
+                    rows = self._finished_rows.pop(rid, None)
+                elif (acc := self._rows.get(rid)) is not None and (req := self.requests.get(rid)) is not None:
+                    rows = acc.take(req.num_tokens)
+                else:
+                    rows = None
+                if rows is not None:
+                    eco.kv_transfer_params = {**(eco.kv_transfer_params or {}), ROWS_KEY: rows.to_output()}
+        self._finished_rows.clear()
+
     def _file(self, step: Any) -> None:
-        for rid, (num_tokens, rows) in step.requests.items():
+        for rid, blocks in step.requests.items():
             flag = self._flags.get(rid)
             if flag is None:
                 continue
-            layers = [layer for layer, _ in rows]
-            self._captured[rid] = captured_vector(flag.key, "tail" if flag.tail else "prefill", num_tokens,
-                                                  step.dtype, layers, step.rows[[i for _, i in rows]])
+            if flag.span is None:  # one vector: [len(layers), D] of the request's last scheduled token
+                rows = np.stack([b.values(step.data)[0] for b in blocks])
+                self._captured[rid] = captured_vector(flag.key, "tail" if flag.tail else "prefill",
+                                                      blocks[0].num_tokens, blocks[0].dtype,
+                                                      [b.layer for b in blocks], rows)
+                continue
+            acc = self._rows.get(rid)
+            if acc is None:
+                continue
+            blocks = sorted(blocks, key=lambda b: b.layer)
+            positions = np.asarray(blocks[0].positions, dtype=np.int64)
+            wanted, undecided = acc.span.classify(positions, blocks[0].num_tokens)
+            keep = (wanted | undecided) & (positions >= acc.next)  # a resumed request's recomputed rows: once
+            acc.next = max(acc.next, int(positions[-1]) + 1)
+            if not keep.any():
+                continue
+            acc.layers = [b.layer for b in blocks]
+            values = np.stack([b.values(step.data)[keep] for b in blocks])
+            indices = np.stack([b.indices(step.data)[keep] for b in blocks]) if flag.topk else None
+            acc.add(positions[keep], values, indices)
 
     def _update_request_with_output(self, request: Any, new_token_ids: list[int], *args: Any, **kwargs: Any):
         rid = request.request_id
@@ -161,6 +251,11 @@ class _VectorsOnOutputs:
         if self._flags.pop(rid, None) is not None:
             self._held.pop(rid, None)
             self._finished[rid] = self._captured.pop(rid, None)
+            acc = self._rows.pop(rid, None)
+            if acc is not None and request.status != RequestStatus.FINISHED_ABORTED:
+                rows = acc.take(request.num_tokens, total=request.num_tokens)
+                if rows is not None:
+                    self._finished_rows[rid] = rows
         return super()._free_request(request, *args, **kwargs)
 
 

@@ -43,7 +43,10 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from hidden_states.protocol import STEP_ATTR, TAILS_ATTR, HiddenStatesExtractionRequest, StepCapture
+from typing import NamedTuple
+
+from hidden_states.params import Span, absolute_layer
+from hidden_states.protocol import STEP_ATTR, TAILS_ATTR, HiddenStatesExtractionRequest, RowBlock, StepCapture
 from hidden_states.vllm import SUPPORTED_LAYER_ARCHS, VLLMIncompatibleError, _require, check_vllm_version  # noqa: F401
 from hidden_states.vllm.cpu import CPUWorkerSteps, patch_cpu_generator_rewind
 
@@ -138,6 +141,42 @@ def layer_capture_support(model: Any, num_layers: int, hidden_size: int) -> tupl
     return list(layers), None
 
 
+class _Entry(NamedTuple):
+    """One request's rows in a step's plan."""
+
+    rid: str
+    layers: list[int]  # absolute
+    flat: list[int]  # the rows' indices among the step's scheduled tokens
+    positions: list[int]  # their absolute positions in prompt+completion
+    num_tokens: int  # tokens the request's scheduled span reaches
+    dtype: str | None  # None: the engine's own (the one-vector path)
+    topk: int
+
+
+_TORCH_DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16"}
+
+
+def _encode(x: Any, dtype: str | None, topk: int) -> tuple[Any, Any]:
+    """Rows [m, D] on the device -> (values [m, D or k] in `dtype`, int32 indices [m, k] or None):
+    top-k by magnitude (torch.topk on abs, largest first), then cast."""
+    import torch
+
+    indices = None
+    if topk:
+        indices = torch.topk(x.float().abs(), topk, dim=-1).indices
+        x = torch.gather(x, -1, indices)
+        indices = indices.to(torch.int32)
+    if dtype is not None:
+        x = x.to(getattr(torch, _TORCH_DTYPES[dtype]))
+    elif x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        x = x.float()
+    return x.contiguous(), indices
+
+
+def _dtype_name(t: Any) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
 class _RunnerHook:
     """Per-worker state: which live requests are flagged, this step's capture plan, its rows.
 
@@ -150,23 +189,33 @@ class _RunnerHook:
     call): forwards outside a step (dummy and warm-up batches) capture nothing.
     The rows it sliced (still on the device) wait for the step's sampling
     (`attach`): they leave with the step's ModelRunnerOutput, on vLLM's own path.
+
+    Requests flagged with a `span` of positions (protocol.HiddenStatesExtractionRequest)
+    get, in every step, the rows of the positions the step computes that their span
+    may want: the step's full per-token hidden states (`execute_model_state.hidden_states`,
+    [num_scheduled_tokens, D] after the final norm, laid out in `input_batch` order at
+    `query_start_loc` offsets) gathered at those flat rows, cast (and top-k selected) on the
+    device per (dtype, k) group, and packed with every other row of the step into one byte
+    buffer: one device-to-host copy per step, whatever the requests ask.
     """
 
     def __init__(self, runner: Any):
         self.runner = runner
         self.flagged: dict[str, HiddenStatesExtractionRequest] = {}  # captured at their last prompt token
         self.tail_flagged: dict[str, HiddenStatesExtractionRequest] = {}  # captured in their tail step
+        # captured at every position of their span a step computes
+        self.span_flagged: dict[str, tuple[HiddenStatesExtractionRequest, Span]] = {}
         self._tails: Any = ()  # this step's held requests (the scheduler output's TAILS_ATTR)
+        self.attaches = True  # this worker's ModelRunnerOutput is the one the executor returns (install sets it)
         self.tails_captured = 0
         self.captured = 0
         self.steps_with_capture = 0
         self.num_layers = runner.vllm_config.model_config.hf_config.num_hidden_layers
         self._so: Any = None
-        # (request id, batch row, absolute layers, num_tokens): num_tokens is how many tokens the row ends
-        self._plan: list[tuple[str, int, list[int], int]] | None = None
-        self._layer_rows: dict[int, tuple[Any, list[str]]] = {}  # layer -> (flat positions, request ids)
-        self._slices: list[tuple[int, list[str], Any]] = []  # (layer, request ids, [k, D] on device)
-        self._ready: tuple[Any, list[tuple[str, int]], dict[str, int]] | None = None  # rows, labels, num_tokens
+        self._plan: list[_Entry] | None = None
+        self._layer_rows: dict[int, tuple[list[int], list[int]]] = {}  # layer -> (flat rows, plan entries)
+        self._slices: list[tuple[int, list[int], Any]] = []  # (layer, plan entries, [k, D] on device)
+        self._ready: tuple[Any, list[tuple[_Entry, int, str, int, int, int]]] | None = None  # bytes, layout
 
     def install_layer_hooks(self) -> dict[str, Any]:
         """Hooks the decoder layers if the model supports it; returns what it found
@@ -196,10 +245,13 @@ class _RunnerHook:
         for rid in so.finished_req_ids:
             self.flagged.pop(rid, None)
             self.tail_flagged.pop(rid, None)
+            self.span_flagged.pop(rid, None)
         for new in so.scheduled_new_reqs:
             sp = new.sampling_params
             req = HiddenStatesExtractionRequest.from_extra_args(sp.extra_args if sp is not None else None)
-            if req is not None:
+            if req is not None and req.span is not None:
+                self.span_flagged[new.req_id] = (req, Span.from_list(req.span))
+            elif req is not None:
                 (self.tail_flagged if req.tail else self.flagged)[new.req_id] = req
         self._tails = getattr(so, TAILS_ATTR, None) or ()  # set by the scheduler (scheduler.py)
         self._so, self._plan, self._layer_rows, self._slices, self._ready = so, None, {}, [], None
@@ -210,15 +262,19 @@ class _RunnerHook:
 
     @property
     def _capturing(self) -> bool:
-        return bool(self.flagged or self._tails) and self._so is not None
+        # Only the rank that sends (`attaches`) slices rows: the other tensor-parallel ranks hold the same ones.
+        return self.attaches and bool(self.flagged or self._tails or self.span_flagged) and self._so is not None
 
-    def _step_plan(self) -> list[tuple[str, int, list[int], int]]:
-        """Flagged requests whose last scheduled position is their last prompt token, and
-        held requests (tail step) whose last scheduled position is their final token."""
+    def _step_plan(self) -> list[_Entry]:
+        """Flagged requests whose last scheduled position is their last prompt token, held
+        requests (tail step) whose last scheduled position is their final token, and span
+        requests at the positions of their span the step computes."""
         if self._plan is not None:
             return self._plan
         plan, so, L = [], self._so, self.num_layers
         index = self.runner.input_batch.req_id_to_index
+        ends = self.runner.query_start_loc.np
+        one: list[tuple[str, int, list[int], int]] = []  # (request, batch row, layers, num_tokens)
         for rid, req in self.flagged.items():
             n_sched = so.num_scheduled_tokens.get(rid)
             if not n_sched:
@@ -227,7 +283,7 @@ class _RunnerHook:
             # Capture when that position is the last prompt token (prompt+completion
             # for an extraction request), whatever chunking or caching came before.
             if rs.num_computed_tokens + n_sched == rs.num_prompt_tokens:
-                plan.append((rid, index[rid], absolute_layers(req.layers, L), rs.num_prompt_tokens))
+                one.append((rid, index[rid], absolute_layers(req.layers, L), rs.num_prompt_tokens))
         for rid in self._tails:
             req, n_sched = self.tail_flagged.get(rid), so.num_scheduled_tokens.get(rid)
             if req is None or not n_sched:
@@ -235,19 +291,30 @@ class _RunnerHook:
             rs = self.runner.requests[rid]
             # The span reaches the final token: a one-token decode, or a resumed request's last chunk.
             if rs.num_computed_tokens + n_sched == rs.num_tokens:
-                plan.append((rid, index[rid], absolute_layers(req.layers, L), rs.num_tokens))
+                one.append((rid, index[rid], absolute_layers(req.layers, L), rs.num_tokens))
                 self.tails_captured += 1
+        # The one-vector path: the request's last scheduled token, in the engine's dtype.
+        for rid, row, ls, n in one:
+            plan.append(_Entry(rid, ls, [int(ends[row + 1]) - 1], [n - 1], n, None, 0))
+        for rid, (req, span) in self.span_flagged.items():
+            n_sched = so.num_scheduled_tokens.get(rid)
+            if not n_sched:
+                continue
+            # The step computes positions c..c+n-1 (c: tokens already computed, as of before the step).
+            c = self.runner.requests[rid].num_computed_tokens
+            positions = span.capturable(c, c + n_sched)
+            if positions:
+                base = int(ends[index[rid]]) - c
+                plan.append(_Entry(rid, absolute_layers(req.layers, L), [base + p for p in positions], positions,
+                                   c + n_sched, req.dtype, req.topk))
         self._plan = plan
         self._layer_rows = {}
-        if any(l < L for _, _, ls, _ in plan for l in ls):
-            # Flat position of each request's last scheduled token in this step's batch.
-            ends = self.runner.query_start_loc.np
-            for rid, row, ls, _ in plan:
-                for l in ls:
-                    if l < L:
-                        pos, rids = self._layer_rows.setdefault(l, ([], []))
-                        pos.append(int(ends[row + 1]) - 1)
-                        rids.append(rid)
+        for i, e in enumerate(plan):
+            for l in e.layers:
+                if l < L:
+                    flat, owners = self._layer_rows.setdefault(l, ([], []))
+                    flat += e.flat
+                    owners.append(i)
         return plan
 
     def _make_pre_hook(self, layer: int):
@@ -282,17 +349,46 @@ class _RunnerHook:
         import torch
 
         L = self.num_layers
-        final = [(rid, row) for rid, row, ls, _ in plan if L in ls]
-        parts, labels = [], []
+        blocks: list[tuple[int, int, Any]] = []  # (plan entry, layer, rows [m, D] on the device)
+        final = [i for i, e in enumerate(plan) if L in e.layers]
         if final:
-            rows = torch.tensor([row for _, row in final], device=state.sample_hidden_states.device)
-            parts.append(state.sample_hidden_states[rows])
-            labels += [(rid, L) for rid, _ in final]
-        for layer, rids, sel in self._slices:
-            parts.append(sel)
-            labels += [(rid, layer) for rid in rids]
+            hidden = state.hidden_states  # every scheduled token's row, after the final norm
+            rows = hidden[torch.tensor([f for i in final for f in plan[i].flat], device=hidden.device)]
+            at = 0
+            for i in final:
+                blocks.append((i, L, rows[at:at + len(plan[i].flat)]))
+                at += len(plan[i].flat)
+        for layer, owners, sel in self._slices:
+            at = 0
+            for i in owners:
+                blocks.append((i, layer, sel[at:at + len(plan[i].flat)]))
+                at += len(plan[i].flat)
         self._slices = []
-        self._ready = (torch.cat(parts) if len(parts) > 1 else parts[0], labels, {rid: n for rid, _, _, n in plan})
+        # Cast / top-k per (dtype, k) group, then every byte of the step in one buffer.
+        groups: dict[tuple[str | None, int], list[int]] = {}
+        for b, (i, _, _) in enumerate(blocks):
+            groups.setdefault((plan[i].dtype, plan[i].topk), []).append(b)
+        parts, layout, offset = [], [None] * len(blocks), 0
+        for (dtype, k), members in groups.items():
+            x = torch.cat([blocks[b][2] for b in members]) if len(members) > 1 else blocks[members[0]][2]
+            values, indices = _encode(x, dtype, k)
+            width, name = int(values.shape[-1]), _dtype_name(values)
+            row_bytes = width * values.element_size()
+            values_at = offset
+            parts.append(values.view(torch.uint8).reshape(-1))
+            offset += values.shape[0] * row_bytes
+            indices_at = -1
+            if indices is not None:
+                indices_at = offset
+                parts.append(indices.contiguous().view(torch.uint8).reshape(-1))
+                offset += indices.shape[0] * width * 4
+            row = 0
+            for b in members:
+                layout[b] = (name, width, values_at + row * row_bytes,
+                             -1 if indices is None else indices_at + row * width * 4)
+                row += blocks[b][2].shape[0]
+        data = torch.cat(parts) if len(parts) > 1 else parts[0]
+        self._ready = (data, [(plan[i], layer, *layout[b]) for b, (i, layer, _) in enumerate(blocks)])
 
     def attach(self, out: Any) -> Any:
         """Hangs the step's rows on its ModelRunnerOutput (protocol.STEP_ATTR). Under async
@@ -315,40 +411,27 @@ class _RunnerHook:
         return out
 
     def _to_host(self, ready) -> StepCapture:
-        import torch
-
-        rows, labels, num_tokens = ready
-        host = rows.to("cpu")  # the step's one device-to-host transfer
-        if host.dtype == torch.bfloat16:
-            arr, dtype = host.view(torch.uint16).numpy(), "bfloat16"
-        elif host.dtype == torch.float16:
-            arr, dtype = host.numpy(), "float16"
-        else:
-            arr, dtype = host.float().numpy(), "float32"
-        requests: dict[str, tuple[int, list[tuple[int, int]]]] = {}
-        for i, (rid, layer) in enumerate(labels):
-            requests.setdefault(rid, (num_tokens[rid], []))[1].append((layer, i))
+        data, layout = ready
+        host = data.to("cpu").numpy()  # the step's one device-to-host transfer (uint8)
+        requests: dict[str, list[RowBlock]] = {}
+        for e, layer, dtype, width, values_at, indices_at in layout:
+            requests.setdefault(e.rid, []).append(
+                RowBlock(e.num_tokens, layer, e.positions, dtype, width, values_at, indices_at))
         self.captured += len(requests)
         self.steps_with_capture += 1
-        return StepCapture(dtype, arr, requests)
+        return StepCapture(host, requests)
 
 
 def absolute_layers(layers, num_layers: int) -> list[int]:
-    """transformers' numbering: -1 is the last layer (num_layers), 0 the embeddings."""
-    return [l if l >= 0 else num_layers + 1 + l for l in layers]
+    return [absolute_layer(l, num_layers) for l in layers]
 
 
 def check_engine_config(vcfg: Any) -> None:
-    """Engine shapes the hook cannot serve, refused with the argument that asks for them."""
-    if vcfg.speculative_config is not None:
-        raise VLLMIncompatibleError("hidden states cannot be combined with speculative decoding "
-                                    "(speculative_config): rows no longer map one per request")
-    if vcfg.parallel_config.pipeline_parallel_size > 1:
-        raise VLLMIncompatibleError("hidden states need pipeline_parallel_size=1: the last rank holds the rows")
-    if getattr(vcfg, "kv_transfer_config", None) is not None:
-        raise VLLMIncompatibleError("hidden states cannot be combined with a KV connector (kv_transfer_config): "
-                                    "vectors ride the outputs' kv_transfer_params, and a remote prefill "
-                                    "skips the step that computes them")
+    """The second guard (HiddenStatesEngine.start() refuses first, before vLLM starts): engine
+    shapes the hook cannot serve, refused with the argument that asks for them (engine_args.py)."""
+    from hidden_states.vllm.engine_args import refuse
+
+    refuse({}, vcfg)
 
 
 class HiddenStatesWorkerExtension(CPUWorkerSteps):
@@ -370,7 +453,7 @@ class HiddenStatesWorkerExtension(CPUWorkerSteps):
         hook = _RunnerHook(runner)
         # Tensor-parallel ranks hold identical rows after the all-reduce; the executor returns
         # only the output rank's ModelRunnerOutput (rank 0 without pipeline parallelism).
-        attaches = getattr(self, "rank", 0) == 0
+        attaches = hook.attaches = getattr(self, "rank", 0) == 0
         execute, sample = runner.execute_model, runner.sample_tokens
 
         def execute_model(scheduler_output, *args, **kwargs):
@@ -404,7 +487,7 @@ class HiddenStatesWorkerExtension(CPUWorkerSteps):
         return {
             **trim,
             "installed": True,
-            "flagged_live": len(hook.flagged) + len(hook.tail_flagged),
+            "flagged_live": len(hook.flagged) + len(hook.tail_flagged) + len(hook.span_flagged),
             "tails_captured": hook.tails_captured,
             "captured": hook.captured,
             "steps_with_capture": hook.steps_with_capture,

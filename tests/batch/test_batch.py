@@ -20,10 +20,10 @@ ROOT = Path(__file__).resolve().parents[2]
 ROWS = 200
 
 
-def start(inp: Path, out: Path) -> subprocess.Popen:
+def start(inp: Path, out: Path, *extra: str) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "deployments.batch", "--input", str(inp), "--output", str(out),
            "--model", "builtin:tiny-llama", "--max-tokens", "6", "--batch-size", "10",
-           "--engine", json.dumps({"kv_cache_memory_bytes": 128 * 2**20})]
+           "--engine", json.dumps({"kv_cache_memory_bytes": 128 * 2**20}), *extra]
     env = {**os.environ, "RAY_ADDRESS": "local"}  # its own Ray, as a user's job
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
@@ -93,3 +93,30 @@ def test_batch_interrupted_and_resumed(tmp_path, reference):
         err, scale = reference.assert_matches(r["prompt_token_ids"] + r["token_ids"], vec)
         worst = max(worst, err / scale)
     print(f"batch: {ROWS} vectors, worst relative error {worst:.2e}")
+
+
+def test_batch_with_an_adapter(tmp_path, model_dir, reference):
+    """`--lora-modules NAME=PATH --adapter NAME`: every row generated and its vector computed with the
+    adapter (transformers + peft), not the base model."""
+    import pytest
+
+    from tests.conftest import Reference, build_lora
+
+    adapter = build_lora(model_dir, "all", seed=2)
+    inp, out = tmp_path / "prompts.jsonl", tmp_path / "out"
+    inp.write_text("".join(json.dumps({"prompt": long_text(6, seed=i)}) + "\n" for i in range(8)))
+    proc = start(inp, out, "--lora-modules", f"lora-all={adapter}", "--adapter", "lora-all")
+    try:
+        log, _ = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            kill_group(proc)
+    assert proc.returncode == 0, log[-3000:]
+    peft = Reference(model_dir, adapter)
+    final = rows(out)
+    assert len(final) == 8
+    for r in final:
+        ids, vec = r["prompt_token_ids"] + r["token_ids"], np.asarray(r["hidden_states"], np.float32)
+        peft.assert_matches(ids, vec)
+        with pytest.raises(AssertionError):
+            reference.assert_matches(ids, vec)

@@ -12,6 +12,7 @@ import os
 import time
 import uuid
 
+import numpy as np
 import pytest
 
 from tests.conftest import ON_GPU, TEST_MODEL
@@ -52,7 +53,7 @@ def scheduler(core):
     return core.engine_core.engine_core.scheduler
 
 
-def params(flagged: bool, **kw):
+def params(flagged: bool, span: list | None = None, **kw):
     from vllm import SamplingParams
 
     from hidden_states.protocol import HiddenStatesExtractionRequest
@@ -60,7 +61,8 @@ def params(flagged: bool, **kw):
     kw.setdefault("max_tokens", 40)
     kw.setdefault("temperature", 0.0)
     kw.setdefault("ignore_eos", True)
-    extra = HiddenStatesExtractionRequest(key=uuid.uuid4().hex, tail=True).to_extra_args() if flagged else None
+    extra = HiddenStatesExtractionRequest(key=uuid.uuid4().hex, tail=True, span=span).to_extra_args() \
+        if flagged else None
     return [SamplingParams(extra_args=extra, **kw)]
 
 
@@ -101,6 +103,7 @@ def assert_nothing_left(core):
     s = scheduler(core)
     assert not s._held and not s._flags and not s._captured and not s._finished, \
         (s._held, s._flags, s._captured, s._finished)
+    assert not s._rows and not s._finished_rows, (s._rows, s._finished_rows)
     assert not core.has_unfinished_requests()
 
 
@@ -174,3 +177,77 @@ def test_under_a_small_kv_cache_vllm_preempts_and_every_vector_is_exact(core, re
         assert_same_outputs(out, plain[p])
         reference.assert_matches(list(out.prompt_token_ids) + list(out.outputs[0].token_ids), vector(out))
     assert_nothing_left(core)
+
+
+def test_rows_of_every_position_come_once_even_when_preempted_and_an_abort_leaves_nothing(core, reference):
+    """Span requests (hidden_states_position "all"): rows ride every output; a request preempted
+    mid-generation recomputes its positions on resume, and each position is still sent once,
+    exact. An aborted one leaves nothing in the scheduler or the runner."""
+    from hidden_states.protocol import ROWS_KEY, CapturedRows
+
+    s = scheduler(core)
+    sent: dict[str, list] = {}
+    outputs_with_rows: dict[str, int] = {}
+    update, schedule, preempted = s.update_from_output, s.schedule, []
+
+    def capturing(*a, **k):  # every output's rows, as the engine core sends them
+        outs = update(*a, **k)
+        for batch in outs.values():
+            for eco in batch.outputs:
+                raw = (eco.kv_transfer_params or {}).pop(ROWS_KEY, None)
+                if raw is not None:
+                    sent.setdefault(eco.request_id, []).append(CapturedRows.from_output(raw))
+                    outputs_with_rows[eco.request_id] = outputs_with_rows.get(eco.request_id, 0) + 1
+        return outs
+
+    def preempting(*a, **k):  # each request once, a few tokens into its decode (its rows partly sent)
+        for req in list(s.running):
+            if req.request_id not in preempted and req.num_output_tokens >= 4:
+                s.running.remove(req)
+                s._preempt_request(req, time.monotonic())
+                preempted.append(req.request_id)
+        return schedule(*a, **k)
+
+    s.update_from_output, s.schedule = capturing, preempting
+    try:
+        ids, done = {}, {}
+        for p in PROMPTS[:2]:
+            rid = f"r-{uuid.uuid4().hex}"
+            core.add_request(rid, {"prompt_token_ids": core.get_tokenizer().encode(p)},
+                             params(True, span=[0, None, 1], max_tokens=12)[0])
+            ids[rid] = p
+        deadline = time.monotonic() + 120
+        while core.has_unfinished_requests():
+            assert time.monotonic() < deadline, "the engine did not finish in time"
+            for out in core.step():
+                if out.finished:
+                    done[out.request_id] = out
+    finally:
+        s.update_from_output, s.schedule = update, schedule
+    assert len(preempted) == len(done) == 2, (preempted, list(done))
+    for rid, out in done.items():
+        (core_id,) = [r for r in sent if r.startswith(rid)]  # the engine core's id: the request's, suffixed
+        assert core_id in preempted
+        seq = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
+        positions = [p for rows in sent[core_id] for p in rows.positions]
+        assert positions == list(range(len(seq))), positions  # each once, in order: none resent on resume
+        assert outputs_with_rows[core_id] >= 8  # on the outputs as they went, not all at the end
+        values = np.concatenate([rows.arrays()[0][0] for rows in sent[core_id]])
+        with reference.torch.no_grad():
+            ref = reference.model(reference.torch.tensor([seq]), output_hidden_states=True).hidden_states[-1][0]
+        diff, scale = float(np.abs(values - ref.numpy()).max()), float(ref.abs().max())
+        assert diff <= 1e-5 * scale and diff <= 1e-4, (diff, scale)
+    # aborted mid-generation, rows pending
+    rid = f"r-{uuid.uuid4().hex}"
+    core.add_request(rid, {"prompt_token_ids": core.get_tokenizer().encode(PROMPTS[3])},
+                     params(True, span=[-4, None, 1], max_tokens=30)[0])
+    for _ in range(4):
+        core.step()
+    (window,) = s._rows.values()
+    assert 0 < len(window.positions) <= 4  # a window kept for the end, no longer than the range
+    core.abort_request([rid])
+    for _ in range(3):
+        core.step()
+    assert_nothing_left(core)
+    (worker,) = core.collective_rpc("hidden_states_stats")
+    assert worker["flagged_live"] == 0, worker

@@ -253,7 +253,8 @@ class _FakeRunner:
         return hidden
 
     def execute_model(self, so):
-        self.execute_model_state = types.SimpleNamespace(sample_hidden_states=self._forward(3)[[2]])
+        hidden = self._forward(3)
+        self.execute_model_state = types.SimpleNamespace(hidden_states=hidden, sample_hidden_states=hidden[[2]])
         return None  # sampling pending, as on the real runner
 
     def sample_tokens(self, grammar_output=None):
@@ -282,7 +283,9 @@ def test_no_capture_plan_outlives_its_step():
     runner.execute_model(so)
     out = runner.sample_tokens(None)
     step = getattr(out, STEP_ATTR)
-    assert step.requests == {"r": (3, [(1, 0)])} and step.rows.shape == (1, 8)
+    (block,) = step.requests["r"]  # layer 1 of the last prompt token (flat row 2), float32 [1, 8] in the step's bytes
+    assert (block.num_tokens, block.layer, block.positions, block.dtype, block.width) == (3, 1, [2], "float32", 8)
+    assert step.data.dtype == np.uint8 and step.data.nbytes == 8 * 4 and block.values(step.data).shape == (1, 8)
     assert hook._so is None and hook._plan is None and not hook._layer_rows and not hook._slices
     # "r" stays flagged until the next step reports it finished: a stale plan would
     # slice this one-row batch at flat row 2 (IndexError) or queue a stale row.

@@ -73,6 +73,16 @@ def app_args(**over) -> dict:
     return args
 
 
+def tiny_lora_modules() -> list[dict]:
+    """The LoRA app's adapters on the tiny model (tests/conftest.py build_lora; built once, cached)."""
+    from hidden_states.tiny_model import build
+    from tests.conftest import build_lora
+
+    base = str(build("tiny-llama"))
+    return [{"name": "lora-qv", "path": build_lora(base, "qv", seed=1)},
+            {"name": "lora-all", "path": build_lora(base, "all", seed=2)}]
+
+
 # The suite's apps. At most one runs at a time, so the suite holds at most two engines
 # (the main app's two replicas) and fits a machine with 8 GiB: each engine costs about
 # 2.6 GB even on the tiny model (Serve replica, EngineCore, worker).
@@ -84,15 +94,21 @@ APPS = {
     "hs-guarded": (GUARDED, lambda: app_args(ingress="replica", api_key=API_KEY, max_request_body_bytes=64 * 1024,
                                              request_timeout_s=60, extraction_timeout_s=20,
                                              replica_autoscaling={"min_replicas": 1, "max_replicas": 1})),
+    # two LoRA adapters served by name (lora_modules), 1 replica
+    "hs-lora": ("/lora", lambda: app_args(lora_modules=tiny_lora_modules(),
+                                          replica_autoscaling={"min_replicas": 1, "max_replicas": 1})),
     # like the guarded one, for the engine-fault test to break
     "hs-fault": ("/fault", lambda: app_args(ingress="replica", api_key=API_KEY, request_timeout_s=60,
                                             extraction_timeout_s=20,
                                             replica_autoscaling={"min_replicas": 1, "max_replicas": 1})),
+    # one replica whose engine runs tensor parallelism 2: two CPU worker processes (2 CPUs)
+    "hs-tp2": ("/tp2", lambda: app_args(engine={**TEST_ENGINE_ARGS, "tensor_parallel_size": 2},
+                                        replica_autoscaling={"min_replicas": 1, "max_replicas": 1})),
 }
 # Tests run grouped by the app they use (tests/conftest.py orders them), so each app
 # deploys once; any order still works, only slower.
 APP_FIXTURES = {"serve_app": APP, "client": APP, "off_app": "hs-off", "guarded_app": "hs-guarded",
-                "fault_app": "hs-fault"}
+                "fault_app": "hs-fault", "lora_app": "hs-lora", "tp2_app": "hs-tp2"}
 
 
 class AppSlot:
@@ -168,11 +184,23 @@ def guarded_app(app_slot) -> str:
 
 
 @pytest.fixture
+def lora_app(app_slot) -> str:
+    """One engine replica serving the tiny model and two LoRA adapters (`tiny_lora_modules`)."""
+    return app_slot.use("hs-lora")
+
+
+@pytest.fixture
 def fault_app(app_slot):
     """An app for the engine-fault test to break: deleted after it."""
     base = app_slot.use("hs-fault")
     yield base
     app_slot.release()
+
+
+@pytest.fixture
+def tp2_app(app_slot) -> str:
+    """One engine replica running tensor parallelism 2, behind a Router."""
+    return app_slot.use("hs-tp2")
 
 
 @pytest.fixture

@@ -84,6 +84,8 @@ CASES = [
                                "n": 2}),
     Case("token-id-prompts", C, {"prompt": [[0, 693, 262, 261], [0, 300, 301]], "temperature": 1.0, "seed": 8}),
     Case("beam-search", C, {"use_beam_search": True, "n": 2, "length_penalty": 0.8}, refused_streaming="beam search"),
+    Case("prompt-list-beam-search", C, {"prompt": ["A user reads", "The cache holds"], "use_beam_search": True,
+                                        "n": 2}, refused_streaming="beam search"),
     # the prompt's tokens
     Case("no-special-tokens", C, {"add_special_tokens": False}),
     Case("truncate-left", C, {"truncate_prompt_tokens": 3}),

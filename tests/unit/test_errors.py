@@ -15,7 +15,7 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayTaskError
 from deployments import http
 from hidden_states import errors
 from hidden_states.engine import HiddenStatesTimeout, MissingHiddenStatesError
-from hidden_states.params import HiddenStatesDisabledError, HiddenStatesRequestError
+from hidden_states.params import HiddenStatesDisabledError, HiddenStatesRequestError, UnknownModelError
 from hidden_states.testing import EngineDeadError
 
 
@@ -32,6 +32,7 @@ def remote(e: BaseException) -> BaseException:
      "BadRequestError", "hidden_states_layers", "out of range"),
     (HiddenStatesDisabledError(), 400, "BadRequestError", "return_hidden_states", "enable_return_hidden_states"),
     (ValueError("max_tokens must be at least 1"), 400, "BadRequestError", None, "max_tokens"),
+    (UnknownModelError("lora-x", ["base", "lora-a"]), 404, "NotFoundError", "model", "serves `base`, `lora-a`"),
     (HiddenStatesTimeout("no vector within extraction_timeout_s"), 504, "TimeoutError", None, "extraction_timeout_s"),
     (asyncio.TimeoutError(), 504, "TimeoutError", None, "request_timeout_s"),
     (TimeoutError(), 504, "TimeoutError", None, "request_timeout_s"),

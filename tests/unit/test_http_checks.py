@@ -58,3 +58,44 @@ def test_handle_requests_get_the_same_checks():
     assert handle_refusal(OFF, HandleCompletionRequest(prompt="x")).status == 400
     assert handle_refusal(ARGS, HandleCompletionRequest(prompt="x", n=9)).status == 400
     assert handle_refusal(ARGS, HandleCompletionRequest(prompt="x", n=2)) is None
+
+
+def test_lora_modules_are_served_by_name(tmp_path):
+    """`lora_modules`: each adapter is a `model` the checks accept, /v1/models lists it with its
+    base, the engine gets enable_lora with room for all of them, and unknown names are 404s."""
+    from deployments.config import lora_rank
+    from deployments.http import models_list
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "adapter_config.json").write_text(json.dumps({"r": 24}))
+    args = AppArgs(model="builtin:tiny-llama", lora_modules=[{"name": "a", "path": str(tmp_path / "a")},
+                                                             {"name": "b", "path": "org/hub-adapter"}])
+    assert args.served_model_names == ["tiny-llama", "a", "b"]
+    engine = args.engine_args()
+    assert (engine["enable_lora"], engine["max_loras"], engine["max_lora_rank"]) == (True, 2, 32)  # 24 -> 32
+    assert lora_rank(args.lora_modules[1:]) == 16  # nothing readable: vLLM's default
+    assert AppArgs(model="builtin:tiny-llama", lora_modules=args.lora_modules,
+                   engine={"max_lora_rank": 64}).engine_args()["max_lora_rank"] == 64  # `engine` wins
+    assert "enable_lora" not in ARGS.engine_args()
+    for body in ({"model": "a", "prompt": "x"}, {"model": "tiny-llama", "prompt": "x"}):
+        assert check(args, json.dumps(body).encode()) == body
+    code, err = refusal(args, {"model": "c", "prompt": "x"})
+    assert code == 404 and err["param"] == "model" and "`tiny-llama`, `a`, `b`" in err["message"], err
+    assert handle_refusal(args, HandleCompletionRequest(prompt="x", model="b")) is None
+    assert handle_refusal(args, HandleCompletionRequest(prompt="x", model="c")).status == 404
+    cards = json.loads(models_list(args, None).body)["data"]
+    assert [(c["id"], c["parent"]) for c in cards] == [("tiny-llama", None), ("a", "tiny-llama"), ("b", "tiny-llama")]
+    assert cards[1]["root"] == str(tmp_path / "a")
+
+
+@pytest.mark.parametrize("modules, engine, words", [
+    ([{"name": "x", "path": "p"}, {"name": "x", "path": "q"}], {}, "distinct"),
+    ([{"name": "tiny-llama", "path": "p"}], {}, "distinct"),
+    ([{"name": "x", "path": "p"}], {"enable_lora": False}, "enable_lora"),
+    ([{"name": "x"}], {}, "path"),
+])
+def test_bad_lora_modules_are_refused_at_the_boundary(modules, engine, words):
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match=words):
+        AppArgs(model="builtin:tiny-llama", lora_modules=modules, engine=engine)

@@ -1,0 +1,118 @@
+"""LoRA adapters over HTTP and Python handles: the app's `lora_modules`, each served by name.
+
+The app (tests/serve/conftest.py "hs-lora") serves the tiny model and two random,
+non-zero adapters; every vector is checked against transformers + peft on the
+same adapter, and against the other models, which it must not match.
+"""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from tests.conftest import Reference
+from tests.serve.conftest import decode_vector, tiny_lora_modules
+
+BASE = "tiny-llama"
+HS = {"return_hidden_states": True, "return_token_ids": True, "hidden_states_encoding": "base64"}
+
+
+@pytest.fixture(scope="module")
+def refs(model_dir, reference) -> dict[str | None, Reference]:
+    return {None: reference, **{m["name"]: Reference(model_dir, m["path"]) for m in tiny_lora_modules()}}
+
+
+@pytest.fixture
+def lora_client(lora_app):
+    return openai.OpenAI(base_url=f"{lora_app}/v1", api_key="unused", timeout=120, max_retries=0)
+
+
+def assert_adapters(refs, model: str | None, token_ids, vector) -> None:
+    """`model`'s oracle (transformers + peft) matches, no other model's does."""
+    err, scale = refs[model].assert_matches(list(token_ids), vector)
+    print(f"{model or BASE}: {len(token_ids)} tokens, max abs err {err:.3g}, max|ref| {scale:.3g}")
+    for other, ref in refs.items():
+        if other != model:
+            with pytest.raises(AssertionError):
+                ref.assert_matches(list(token_ids), vector)
+
+
+def test_models_lists_the_adapters_with_their_base(lora_app):
+    data = httpx.get(f"{lora_app}/v1/models", timeout=30).json()["data"]
+    assert [m["id"] for m in data] == [BASE, "lora-qv", "lora-all"]
+    assert data[0]["parent"] is None
+    paths = {m["name"]: m["path"] for m in tiny_lora_modules()}
+    for card in data[1:]:
+        assert card["parent"] == BASE and card["root"] == paths[card["id"]], card
+
+
+def test_completion_and_chat_on_adapters(lora_client, refs):
+    r = lora_client.completions.create(model="lora-qv", prompt="The adapter reads a prompt", max_tokens=10,
+                                       temperature=0, extra_body=HS)
+    (c,) = r.choices
+    assert r.model == "lora-qv"
+    assert c.hidden_states_meta["adapter"] == "lora-qv" and c.hidden_states_meta["via"] == "tail", c.hidden_states_meta
+    assert_adapters(refs, "lora-qv", c.prompt_token_ids + c.token_ids, decode_vector(c.hidden_states))
+    chat = lora_client.chat.completions.create(
+        model="lora-all", messages=[{"role": "user", "content": "Say something."}], max_tokens=10, temperature=0.8,
+        seed=5, stop=["e"], extra_body=HS)  # a stop string: the extraction step, on the adapter
+    (ch,) = chat.choices
+    assert ch.finish_reason == "stop" and ch.hidden_states_meta["via"] == "extraction", ch
+    assert ch.hidden_states_meta["adapter"] == "lora-all", ch.hidden_states_meta
+    assert_adapters(refs, "lora-all", chat.prompt_token_ids + ch.token_ids, decode_vector(ch.hidden_states))
+    base = lora_client.completions.create(model=BASE, prompt="The adapter reads a prompt", max_tokens=10,
+                                          temperature=0, extra_body=HS).choices[0]
+    assert base.hidden_states_meta["adapter"] is None
+    assert_adapters(refs, None, base.prompt_token_ids + base.token_ids, decode_vector(base.hidden_states))
+
+
+def test_hidden_states_route_takes_an_adapter(lora_app, lora_client, refs):
+    messages = [{"role": "user", "content": "Verify me."}]
+    chat = lora_client.chat.completions.create(model="lora-all", messages=messages, max_tokens=8, temperature=0,
+                                               extra_body=HS)
+    claimed = decode_vector(chat.choices[0].hidden_states)
+    body = {"messages": messages, "completion": chat.choices[0].token_ids,
+            "compare": {"vector": chat.choices[0].hidden_states}}
+    out = httpx.post(f"{lora_app}/v1/hidden_states", json={"model": "lora-all", **body, **{
+        "hidden_states_encoding": "base64"}}, timeout=120).json()
+    assert out["model"] == "lora-all" and out["hidden_states_meta"]["adapter"] == "lora-all", out
+    assert out["comparison"]["match"] and out["comparison"]["max_abs_error"] == 0.0, out["comparison"]
+    assert out["token_ids"] == chat.prompt_token_ids + chat.choices[0].token_ids
+    assert_adapters(refs, "lora-all", out["token_ids"], decode_vector(out["hidden_states"]))
+    # The same claim against the base model: it does not match.
+    base = httpx.post(f"{lora_app}/v1/hidden_states", json=body, timeout=120).json()
+    assert base["model"] == BASE and base["hidden_states_meta"]["adapter"] is None
+    assert not base["comparison"]["match"], base["comparison"]
+    assert_adapters(refs, None, base["token_ids"], decode_vector(base["hidden_states"]))
+    assert not (decode_vector(base["hidden_states"]) == claimed).all()
+
+
+def test_python_handles_take_an_adapter(lora_app, refs):
+    from ray import serve
+
+    from deployments.client import HandleRequestError, complete, verify
+
+    handle = serve.get_app_handle("hs-lora")
+    c = complete(handle, "A handle names its adapter", model="lora-qv", max_tokens=8, timeout_s=120)
+    ids = c.prompt_token_ids + c.choices[0].token_ids
+    assert_adapters(refs, "lora-qv", ids, c.choices[0].hidden_states)
+    out = verify(handle, model="lora-qv", prompt=list(ids), timeout_s=120)
+    assert (out["hidden_states"] == c.choices[0].hidden_states).all()
+    for call in (lambda: complete(handle, "x", model="lora-nope", timeout_s=60),
+                 lambda: verify(handle, model="lora-nope", prompt="x", timeout_s=60)):
+        with pytest.raises(HandleRequestError, match="lora-nope.*`tiny-llama`, `lora-qv`, `lora-all`") as e:
+            call()
+        assert e.value.status == 404
+
+
+@pytest.mark.parametrize("route, body", [
+    ("completions", {"prompt": "x"}),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}]}),
+    ("hidden_states", {"prompt": "x"}),
+])
+def test_unknown_adapter_is_404_naming_what_is_served(lora_app, route, body):
+    r = httpx.post(f"{lora_app}/v1/{route}", json={"model": "lora-nope", **body}, timeout=60)
+    assert r.status_code == 404, r.text
+    err = r.json()["error"]
+    assert err["param"] == "model" and "`tiny-llama`, `lora-qv`, `lora-all`" in err["message"], err

@@ -1,0 +1,86 @@
+"""The real app with a tensor-parallel engine: `engine: {tensor_parallel_size: 2}`, one replica.
+
+Over HTTP with the openai client: completions and chat, streamed and not, n = 2, a stop
+string (the extraction step), float and base64, each vector checked against transformers
+on its own choice's tokens; the replica's engine reports two workers, of which rank 0
+alone captured and sent the vectors. (tests/engine/test_parallel.py checks the engine.)
+"""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from tests.conftest import cpu_only
+from tests.serve.conftest import APPS, decode_vector, replica_stats
+
+pytestmark = cpu_only  # two CPU ranks; on GPUs the app would need two GPUs per replica
+
+MODEL = "tiny-llama"
+HS = {"return_hidden_states": True, "return_token_ids": True}
+
+
+@pytest.fixture
+def tp2_client(tp2_app):
+    return openai.OpenAI(base_url=f"{tp2_app}/v1", api_key="unused", timeout=120, max_retries=0)
+
+
+def test_the_replica_asks_for_a_cpu_per_rank():
+    from deployments.config import AppArgs
+
+    args = AppArgs(**APPS["hs-tp2"][1](), accelerator="cpu")
+    opts = args.replica_options()
+    assert opts["ray_actor_options"]["num_cpus"] == 2
+    assert opts["ray_actor_options"]["runtime_env"]["env_vars"]["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_vectors_exact_over_http_on_two_ranks(tp2_app, tp2_client, reference, stream):
+    before = replica_stats(tp2_app)["replica"]
+    r = tp2_client.completions.create(
+        model=MODEL, prompt=["The replica computes the hidden state", "Two ranks hold the same rows"],
+        max_tokens=10, n=2, temperature=1.0, seed=3, stream=stream,
+        extra_body={**HS, "hidden_states_encoding": "base64"})
+    choices: dict[int, dict] = {}
+    prompts: dict[int, list[int]] = {}
+    if stream:
+        for chunk in r:
+            for ch in chunk.choices:
+                got = choices.setdefault(ch.index, {"token_ids": []})
+                extra = ch.model_extra or {}
+                got["token_ids"] += extra.get("token_ids") or []
+                if extra.get("prompt_token_ids"):
+                    prompts[ch.index] = extra["prompt_token_ids"]
+                for key in ("hidden_states", "hidden_states_meta"):
+                    if extra.get(key) is not None:
+                        got[key] = extra[key]
+    else:
+        for ch in r.choices:
+            choices[ch.index] = ch.model_extra
+            prompts[ch.index] = ch.model_extra["prompt_token_ids"]
+    assert sorted(choices) == [0, 1, 2, 3]
+    for index, ch in choices.items():
+        ids = prompts[index] + ch["token_ids"]
+        meta = ch["hidden_states_meta"]
+        assert meta["via"] == "tail" and meta["computed_tokens"] == 1 and meta["tokens"] == len(ids), meta
+        reference.assert_matches(ids, decode_vector(ch["hidden_states"]))
+
+    # a stop string (cut from the middle of the greedy answer): the extraction step, on the same two ranks
+    messages = [{"role": "user", "content": "Tell me about the cache."}]
+    free = tp2_client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0)
+    text = free.choices[0].message.content
+    assert len(text) > 8, text
+    stop = text[len(text) // 2: len(text) // 2 + 3]
+    chat = tp2_client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0,
+                                              stop=[stop], extra_body=HS)
+    c = chat.choices[0]
+    assert c.finish_reason == "stop" and c.model_extra["hidden_states_meta"]["via"] == "extraction"
+    reference.assert_matches(chat.prompt_token_ids + c.token_ids, decode_vector(c.hidden_states))
+
+    after = replica_stats(tp2_app)["replica"]
+    workers, old = after["workers"], before["workers"]
+    assert len(workers) == 2 and all(w["installed"] for w in workers), workers
+    assert workers[0]["captured"] - old[0]["captured"] == 5  # four tail rows and one extraction row, each once
+    assert workers[1]["captured"] == workers[1]["steps_with_capture"] == 0, workers[1]
+    assert after["pending"] == 0 and after["missing_vectors"] == 0
+    assert after["startup"]["enforce_eager"] is True
