@@ -52,7 +52,7 @@ async def measure(model: str, rounds: int, concurrencies: list[int]) -> dict:
     from vllm import SamplingParams
 
     from hidden_states.vllm.engine import HiddenStatesEngine
-    from hidden_states.tiny_model import build
+    from hidden_states.models.builtin import build
 
     path = str(build(model))
     eng = await HiddenStatesEngine.start(path, **ENGINE_ARGS)

@@ -42,7 +42,7 @@ async def _arm(model: str, on: bool, requests: int, concurrency: int) -> dict:
 
     from bench import workload
     from hidden_states.vllm.engine import HiddenStatesEngine
-    from hidden_states.tiny_model import build
+    from hidden_states.models.builtin import build
 
     extra = {} if on else {"warm_up_s": 0, "malloc_trim_interval_s": 0}
     t0 = time.perf_counter()

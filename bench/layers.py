@@ -31,7 +31,7 @@ async def run(args) -> dict:
     from vllm import SamplingParams
 
     from hidden_states.vllm.engine import HiddenStatesEngine
-    from hidden_states.tiny_model import build
+    from hidden_states.models.builtin import build
 
     path = str(build("llama-100m"))
     eng = await HiddenStatesEngine.start(path, **{**CPU_ENGINE_DEFAULTS, "max_model_len": 2048})

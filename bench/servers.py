@@ -38,7 +38,7 @@ ENGINE_ENV = {"VLLM_USE_V2_MODEL_RUNNER": "0", "VLLM_CPU_OMP_THREADS_BIND": "nob
 
 
 def build_model(name: str) -> str:
-    out = subprocess.run([str(PYTHON), "-m", "hidden_states.tiny_model", name], cwd=ROOT, check=True,
+    out = subprocess.run([str(PYTHON), "-m", "hidden_states.models.builtin", name], cwd=ROOT, check=True,
                          capture_output=True, text=True, timeout=1800)
     path = out.stdout.strip().splitlines()[-1].strip()
     if not Path(path, "config.json").exists():

@@ -32,6 +32,7 @@ import logging
 import os
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -124,6 +125,7 @@ def run(args: argparse.Namespace) -> int:
 
     from deployments.config import AppArgs
 
+    t0 = time.monotonic()
     output = Path(args.output)
     skip = done_ids(output)
     ray.init(address=os.environ.get("RAY_ADDRESS"), logging_level="WARNING", include_dashboard=False)
@@ -141,10 +143,13 @@ def run(args: argparse.Namespace) -> int:
     modules = [m.model_dump() for m in app.lora_modules]
     out = ds.map_batches(EngineWorker, fn_constructor_args=(app.model, args.max_tokens, engine_args, modules,
                                                             args.adapter),
-                         batch_size=args.batch_size, concurrency=args.engines, num_cpus=1, batch_format="numpy")
+                         batch_size=args.batch_size, compute=ray.data.ActorPoolStrategy(size=args.engines),
+                         num_cpus=1, batch_format="numpy")
     out.write_parquet(str(output))
+    ray.shutdown()  # the engines' actors end here, not in the interpreter's exit hooks
     total = len(done_ids(output))
-    print(f"batch: {total} rows in {output}", file=sys.stderr)
+    print(f"batch: {total - len(skip)} rows written, {len(skip)} already there: {total} rows in {output} "
+          f"({time.monotonic() - t0:.0f} s)", file=sys.stderr)
     return 0
 
 

@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from hidden_states.tiny_model import DEFAULT_MODEL
+from hidden_states.models.builtin import DEFAULT_MODEL
 
 # The engine arguments CPU engines start with (config.yaml's `engine` overrides each).
 # GPU engines start with vLLM's own defaults (gpu_memory_utilization and all).

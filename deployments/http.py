@@ -217,9 +217,10 @@ def check(args: AppArgs, body: bytes) -> Response | dict:
         params.check_fields(req, enabled=args.enable_return_hidden_states)
     except params.HiddenStatesRequestError as e:
         return error(400, str(e), e.param)
-    n = req.get("n", 1)
-    if n is not None and (not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= args.max_n):
-        return error(400, f"n must be an integer from 1 to {args.max_n}", "n")
+    try:
+        params.check_n(req.get("n", 1), args.max_n)
+    except params.HiddenStatesRequestError as e:
+        return error(400, str(e), e.param)
     return req
 
 
@@ -346,8 +347,10 @@ def handle_refusal(args: AppArgs, req: HandleCompletionRequest) -> HandleError |
         params.check_fields(fields, enabled=args.enable_return_hidden_states)
     except params.HiddenStatesRequestError as e:
         return HandleError(400, str(e))
-    if not 1 <= req.n <= args.max_n:
-        return HandleError(400, f"n must be from 1 to {args.max_n}")
+    try:
+        params.check_n(req.n, args.max_n)
+    except params.HiddenStatesRequestError as e:
+        return HandleError(400, str(e))
     if req.hidden_states_position not in params.SINGLE_POSITIONS:
         return HandleError(400, "hidden_states_position over a Python handle is 'completion_end' or 'prompt_end'; "
                                 "rows of several positions come over the OpenAI routes or HiddenStatesEngine.complete")

@@ -279,6 +279,12 @@ def room_for_completion(prompt_tokens: int, max_model_len: int) -> int:
     return max_model_len - 1 - prompt_tokens
 
 
+def check_n(n: Any, max_n: int) -> None:
+    """`n` (choices per prompt): an integer from 1 to the server's max_n."""
+    if n is not None and (not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= max_n):
+        raise HiddenStatesRequestError(f"n must be an integer from 1 to {max_n}", "n")
+
+
 def check_room(num_tokens: int, max_model_len: int, param: str, completing: bool) -> None:
     """Raises the 400 for `num_tokens` that leave no room for the vector's position."""
     if completing and room_for_completion(num_tokens, max_model_len) < 1:

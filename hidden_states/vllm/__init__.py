@@ -4,7 +4,9 @@
 - `extraction.py` the frontend half: vectors off vLLM's outputs, the extraction step;
 - `scheduler.py` the engine core half: vectors onto outputs, the tail step;
 - `openai.py`  vLLM's own OpenAI serving classes, plus the vectors;
-- `worker.py`  the model-runner hook in every worker;
+- `worker.py`  the worker extension: installs the capture in every worker, reports its counts;
+- `capture.py` the capture: each step's plan, rows sliced on the device, one copy to the host;
+- `layers.py`  which models' intermediate layers can be captured (the decoder-layer convention);
 - `engine_args.py` every vLLM engine argument: exercised, refused at start, or irrelevant;
 - `cpu.py`     CPU engines' start-up steps (pre-faulted KV cache, warm-up, malloc_trim)
                and the CPU fixes (generator, LoRA ops).

@@ -4,7 +4,7 @@ The vector is computed in the engine's dtype (float32 on CPU by default;
 bfloat16/float16 widen exactly) and returned as float32.
 
 How (the seed's diagram): a request that asks is flagged in its
-`SamplingParams.extra_args`; the runner hook (worker.py) slices its row on the
+`SamplingParams.extra_args`; the runner hook (capture.py) slices its row on the
 device in the step that computes it and hangs the step's rows on the
 ModelRunnerOutput; the scheduler (scheduler.py) files them and puts each
 request's vector on the EngineCoreOutput that finishes it; the frontend
@@ -50,23 +50,16 @@ from hidden_states.preflight import EngineStartupError, check_architecture, chec
 from hidden_states.params import (DEFAULT_MAX_HIDDEN_STATES_BYTES, HiddenStatesDisabledError, HiddenStatesRequestError,
                                   UnknownModelError, absolute_layer, check_dtype, check_layers, check_position,
                                   check_topk)
-from hidden_states.tiny_model import DEFAULT_MODEL, resolve_model
+from hidden_states.models.builtin import DEFAULT_MODEL, resolve_model
 from hidden_states.engine import Completion, CompletionChoice, HiddenStatesCollector, SamplingOptions, VectorObservers
 from hidden_states.vllm import (ENGINE_ENV, SUPPORTED_LAYER_ARCHS, WORKER_EXTENSION, VLLMIncompatibleError,
                                 check_vllm_version)
 from hidden_states.vllm.cpu import cpu_start_up, on_cpu
 from hidden_states.vllm.extraction import Extraction, make_async_llm_class
-from hidden_states.vllm.engine_args import refuse
+from hidden_states.vllm.engine_args import refuse, with_defaults
 
 logger = logging.getLogger(__name__)
 
-
-
-
-# Defaults start() gives the engine when hidden states are on (an explicit
-# engine argument wins). vLLM's CPU backend defaults to 128-token blocks, so the
-# step would recompute up to 128 tokens; its attention takes multiples of 32.
-CPU_EXTRACTION_BLOCK_SIZE = 32
 TAIL_SCHEDULER = "hidden_states.vllm.scheduler.TailScheduler"  # synchronous: vectors on outputs + the tail step
 ASYNC_SCHEDULER = "hidden_states.vllm.scheduler.AsyncVectorScheduler"  # async scheduling: vectors on outputs
 PLAIN_SCHEDULER = "hidden_states.vllm.scheduler.VectorScheduler"  # tail_step=False: vectors on outputs only
@@ -164,14 +157,7 @@ class HiddenStatesEngine(Extraction, VectorObservers):
         os.environ.update(ENGINE_ENV)  # inherited by the engine-core process
         from vllm.engine.arg_utils import AsyncEngineArgs
 
-        engine_args.setdefault("enable_prefix_caching", True)
-        if enable_return_hidden_states:
-            # The extraction step is one short prefill that a client is waiting on:
-            # it goes ahead of queued generation (priority -1), and smaller blocks
-            # bound what it recomputes (prefix caching matches whole blocks only).
-            engine_args.setdefault("scheduling_policy", "priority")
-            if on_cpu():
-                engine_args.setdefault("block_size", CPU_EXTRACTION_BLOCK_SIZE)
+        engine_args = with_defaults(engine_args, enable_return_hidden_states, on_cpu())
         if enable_return_hidden_states:
             refuse(engine_args)  # engine arguments hidden states cannot serve, named (engine_args.py)
         engine_args["worker_extension_cls"] = WORKER_EXTENSION

@@ -12,7 +12,7 @@ Each field of vLLM's `AsyncEngineArgs` (`dataclasses.fields`) is in exactly one 
   hidden state the served engine computes for the choice's own tokens. Many of
   these choose *what* is computed (the model, its weights, a kernel): the vector
   is then that computation's, as the tokens are; the hook reads the rows where
-  the LM head reads them (worker.py), whatever produced them.
+  the LM head reads them (capture.py), whatever produced them.
 
 `tests/engine/test_engine_args.py::test_every_engine_argument_is_classified`
 fails on a field in none of them (a new vLLM argument), in two, on a name vLLM
@@ -131,9 +131,9 @@ _PLACES = ("where processes run and how they reach each other (addresses, ports,
            "devices, transports): not what they compute")
 _LOADING = "how and from where the weights, config or tokenizer are fetched and loaded: the same model is served"
 _MODEL = ("which model, or which numerics of it, is served: the vector is that model's own final-norm output for "
-          "the choice's tokens, read where its LM head reads it (worker.py), as its tokens are sampled from it")
+          "the choice's tokens, read where its LM head reads it (capture.py), as its tokens are sampled from it")
 _KERNELS = ("a kernel or backend choice: the same model computed another way; the vector is read after it, where "
-            "the LM head reads (worker.py), so it is the engine's own, as its tokens are")
+            "the LM head reads (capture.py), so it is the engine's own, as its tokens are")
 _COMPILE = ("how the forward pass is compiled or graphed: the hook reads the rows after it "
             "(tests/engine/test_compiled.py: a compiled engine is exact); intermediate layers need an eager engine "
             "and are refused otherwise (400)")
@@ -278,6 +278,26 @@ def _refusal(name: str, value: Any) -> EngineStartupError:
     return EngineStartupError(
         f"engine argument {name}={value!r} cannot be combined with hidden states: {REFUSED[name]} "
         f"(hidden_states/vllm/engine_args.py; or start with enable_return_hidden_states: false)")
+
+
+# vLLM's CPU backend defaults to 128-token blocks, so an extraction step would recompute up to
+# 128 tokens; its attention takes multiples of 32.
+CPU_EXTRACTION_BLOCK_SIZE = 32
+
+
+def with_defaults(engine_args: Mapping[str, Any], hidden_states: bool, cpu: bool) -> dict[str, Any]:
+    """The engine arguments HiddenStatesEngine.start() runs with: the defaults hidden states need
+    under the caller's (an explicit argument wins). The app's own engine defaults (dtype, the KV
+    cache, chunk sizes) are deployments/config.py's; these are the engine's, for any caller."""
+    out = {"enable_prefix_caching": True, **engine_args}
+    if hidden_states:
+        # The extraction step is one short prefill that a client is waiting on: it goes ahead of
+        # queued generation (priority -1), and smaller blocks bound what it recomputes (prefix
+        # caching matches whole blocks only).
+        out.setdefault("scheduling_policy", "priority")
+        if cpu:
+            out.setdefault("block_size", CPU_EXTRACTION_BLOCK_SIZE)
+    return out
 
 
 def refuse(engine_args: Mapping[str, Any], vllm_config: Any = None) -> None:

@@ -44,7 +44,7 @@ from typing import Any
 
 import numpy as np
 
-from hidden_states.engine import (ChoiceKey, ExtractionStats, HiddenStatesCollector, HiddenStatesTimeout,
+from hidden_states.engine import (ExtractionStats, HiddenStatesCollector, HiddenStatesTimeout,
                                   MissingHiddenStatesError, RowBatch)
 from hidden_states.params import (HiddenStatesRequestError, Span, absolute_layer, check_position, check_room,
                                   check_rows_budget, room_for_completion)

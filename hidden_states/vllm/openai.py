@@ -47,7 +47,7 @@ from hidden_states.openai_format import (ChoiceVectors, Route, encode_vector, er
                                          validation_message)
 from hidden_states.vllm.extraction import Origin
 from hidden_states.params import (HiddenStatesDisabledError, HiddenStatesFields, HiddenStatesRequestError,
-                                  UnknownModelError)
+                                  UnknownModelError, check_room)
 from hidden_states.protocol import COLLECTOR_TAG_KEY, RESERVED_EXTRA_ARGS_PREFIX
 
 logger = logging.getLogger(__name__)
@@ -220,11 +220,8 @@ class OpenAIFrontend:
             layers = eng.check_request(req.hidden_states_layers or (-1,))
             lora = eng.lora_request(req.model)
             ids = self._token_ids(req)
-            limit = eng.llm.model_config.max_model_len
-            if len(ids) >= limit:
-                raise HiddenStatesRequestError(
-                    f"{len(ids)} tokens leave no room: the extraction needs them below max_model_len ({limit})",
-                    "prompt" if req.prompt is not None else "messages")
+            check_room(len(ids), eng.llm.model_config.max_model_len,
+                       "prompt" if req.prompt is not None else "messages", completing=False)
             if req.compare is not None:  # a malformed claim is a 400 before any engine work
                 verify.decode_claimed(req.compare.vector, eng.llm.model_config.get_hidden_size())
             vecs, stats = await eng.extract_layers(ids, layers, Origin(lora_request=lora))

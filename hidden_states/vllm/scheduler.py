@@ -4,7 +4,7 @@
 One authority. The engine core's scheduler sees every flagged request from
 start to finish, so it decides, and says, what happens to its vector:
 
-- **Capture.** The runner hook (worker.py) hangs each step's captured rows on
+- **Capture.** The runner hook (capture.py) hangs each step's captured rows on
   the step's ModelRunnerOutput (`protocol.StepCapture`); `update_from_output`
   files each row under its engine request.
 - **Delivery.** When a flagged request finishes, its vector leaves on the very

@@ -81,6 +81,9 @@ def test_batch_interrupted_and_resumed(tmp_path, reference):
             kill_group(second)
     assert second.returncode == 0, log[-3000:]
     assert f"{len({r['id'] for r in partial})} rows already in" in log  # resumed, not restarted
+    # a successful run ends cleanly: no traceback, and one closing line saying how many rows went where
+    assert "Traceback" not in log, log[-3000:]
+    assert log.rstrip().splitlines()[-1].startswith("batch: ") and f"{ROWS} rows in {out}" in log, log[-1000:]
     for f, mtime in written.items():  # the first run's files are kept as they were
         assert not f.exists() or f.stat().st_mtime_ns == mtime
     final = rows(out)

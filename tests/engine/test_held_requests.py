@@ -15,7 +15,7 @@ import uuid
 import numpy as np
 import pytest
 
-from tests.conftest import ON_GPU, TEST_MODEL
+from tests.conftest import ON_GPU
 
 pytestmark = pytest.mark.skipif(ON_GPU, reason="steps an in-process CPU engine core")
 

@@ -38,7 +38,7 @@ REL_TOL, ABS_TOL = 1e-5, 1e-4
 @pytest.fixture(scope="module", params=FAMILIES)
 def setup(request, loop_thread):
     from hidden_states.vllm.engine import HiddenStatesEngine
-    from hidden_states.tiny_model import build
+    from hidden_states.models.builtin import build
 
     path = str(build(request.param))
     eng = loop_thread.run(HiddenStatesEngine.start(path, **ENGINE_ARGS))
@@ -147,7 +147,7 @@ def test_bad_layer_requests_are_refused_clearly(setup, loop_thread):
 def test_layer_convention_is_read_from_the_layer(module, layer_cls, supported):
     import importlib
 
-    from hidden_states.vllm.worker import _residual_norm_of
+    from hidden_states.vllm.layers import _residual_norm_of
 
     cls = getattr(importlib.import_module(f"vllm.model_executor.models.{module}"), layer_cls)
     norm, why = _residual_norm_of(cls)
@@ -181,7 +181,7 @@ class _Layer(torch.nn.Module):
 
 
 def _fake_hook(eager: bool, adds: bool = True):
-    from hidden_states.vllm.worker import _RunnerHook
+    from hidden_states.vllm.capture import _RunnerHook
 
     hf = types.SimpleNamespace(num_hidden_layers=2, architectures=["ToyForCausalLM"])
     mc = types.SimpleNamespace(hf_config=hf, enforce_eager=eager, get_hidden_size=lambda: 8)

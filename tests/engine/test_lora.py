@@ -215,7 +215,7 @@ def test_base_requests_say_no_adapter_and_unknown_names_are_404(served, loop_thr
 
 def test_smollm2_with_an_adapter(loop_thread, record_property):
     """The real model: an adapter on every linear layer; the vector is transformers + peft's."""
-    from hidden_states.tiny_model import resolve_model
+    from hidden_states.models.builtin import resolve_model
     from hidden_states.vllm.engine import HiddenStatesEngine
     from tests.engine.test_smollm2 import ENGINE_ARGS, FRANCE, MODEL, chat_ids, check_vector
 

@@ -5,7 +5,6 @@ which positions a range selects is checked against Python's own slicing of promp
 
 from __future__ import annotations
 
-import asyncio
 import uuid
 
 import numpy as np

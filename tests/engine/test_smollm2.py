@@ -1,5 +1,5 @@
 """Real vLLM on the real built-in model `builtin:smollm2-135m-instruct` (SmolLM2-135M-Instruct,
-Q4_1 GGUF dequantized to float32; see hidden_states/smollm2.py): it answers a chat
+Q4_1 GGUF dequantized to float32; see hidden_states/models/smollm2.py): it answers a chat
 sensibly and its hidden-state vectors match transformers on the same folder.
 
 The first run builds the model folder (~40 s, needs PyPI once); later runs reuse it.
@@ -27,7 +27,7 @@ REL_TOL = 1e-5  # max abs error <= REL_TOL * max|reference|
 
 @pytest.fixture(scope="module")
 def smollm2_dir() -> str:
-    from hidden_states.tiny_model import resolve_model
+    from hidden_states.models.builtin import resolve_model
 
     return resolve_model(MODEL)
 

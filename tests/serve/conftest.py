@@ -75,7 +75,7 @@ def app_args(**over) -> dict:
 
 def tiny_lora_modules() -> list[dict]:
     """The LoRA app's adapters on the tiny model (tests/conftest.py build_lora; built once, cached)."""
-    from hidden_states.tiny_model import build
+    from hidden_states.models.builtin import build
     from tests.conftest import build_lora
 
     base = str(build("tiny-llama"))

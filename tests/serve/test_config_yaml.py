@@ -50,7 +50,7 @@ def _router_port() -> int:
 def test_serve_run_config_yaml_answers_curl():
     """The README's first command: the built-in SmolLM2 answers a real question, with
     its vector (checked against transformers on the same folder, relative 1e-5)."""
-    from hidden_states.tiny_model import resolve_model
+    from hidden_states.models.builtin import resolve_model
 
     env = {**os.environ, "RAY_ADDRESS": "local"}  # its own cluster, whatever else runs here
     env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"

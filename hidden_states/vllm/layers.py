@@ -1,0 +1,118 @@
+"""Which models' intermediate layers can be captured: the decoder-layer convention (ledger point 8).
+
+Intermediate layers (transformers numbering, see `_RunnerHook`) come from
+forward pre-hooks on the decoder layers (ledger point 8) of any model whose
+layers carry the residual stream as vLLM's Llama does; `layer_capture_support`
+decides that per model at install, from the model itself (no list of
+architectures), and the worker reports the result to the engine, which refuses
+intermediate layers on any other model with a 400 that says why. Hooks need an
+eager engine (a compiled model does not run hooks added after compilation, or
+recompiles for them): they are registered only when `enforce_eager` is set, and
+the engine refuses intermediate layers otherwise.
+
+Checked against transformers in float32 (tests/engine/test_layers.py,
+`SUPPORTED_LAYER_ARCHS`): Llama, Qwen2, Qwen3, Gemma2 and Gemma3 (text), and
+Gemma and Phi3 under HS_LONG_TESTS=1; Mistral's decoder layer is Llama's. The
+Gemma families scale the embeddings by sqrt(hidden_size) in
+`embed_input_ids`, before layer 0, as transformers' hidden_states[0] does; their
+(1 + w) RMSNorms, attention softcapping and sliding windows (checked with a
+window shorter than the prompt) are inside the layers. Refused by the check:
+e.g. Granite and StableLM (layers take and return the whole stream; Granite
+also scales it by residual_multiplier), Cohere (parallel block: its residual
+argument is ignored), DeepSeek-V2/V3 (sequence-parallel and float16 rescaling
+at the layer entry), hybrid models whose Mamba/conv layers take no positions
+(Jamba, NemotronH, LFM2, Qwen3-Next: refused although they may well follow the
+convention), and models run by vLLM's transformers backend (Olmo2, ...): they
+keep the last layer only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+def _residual_norm_of(layer_cls: type) -> tuple[str | None, str | None]:
+    """(name of the norm that adds the residual at the layer's entry, None) if the
+    class's forward follows the residual-stream convention, else (None, why not)."""
+    import ast
+    import inspect
+    import textwrap
+
+    name = layer_cls.__name__
+    try:
+        params = list(inspect.signature(layer_cls.forward).parameters)[1:]
+    except (TypeError, ValueError):
+        return None, f"{name}.forward has no inspectable signature"
+    if params[:3] != ["positions", "hidden_states", "residual"]:
+        return None, f"{name}.forward takes ({', '.join(params)}), not (positions, hidden_states, residual)"
+    try:
+        fn = ast.parse(textwrap.dedent(inspect.getsource(layer_cls.forward))).body[0]
+    except (OSError, TypeError, SyntaxError):
+        return None, f"the source of {name}.forward is not available"
+
+    def is_name(node, ident):
+        return isinstance(node, ast.Name) and node.id == ident
+
+    def uses_residual(node):
+        return any(is_name(n, "residual") for n in ast.walk(node))
+
+    for stmt in fn.body:
+        if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant):
+            continue  # docstring
+        # if residual is None: residual = hidden_states; ...
+        # else: hidden_states, residual = self.<norm>(hidden_states, residual)
+        if (isinstance(stmt, ast.If) and isinstance(stmt.test, ast.Compare) and is_name(stmt.test.left, "residual")
+                and isinstance(stmt.test.ops[0], ast.Is) and isinstance(stmt.test.comparators[0], ast.Constant)
+                and stmt.test.comparators[0].value is None):
+            first = stmt.body[0]
+            starts = (isinstance(first, ast.Assign) and len(first.targets) == 1
+                      and is_name(first.targets[0], "residual") and is_name(first.value, "hidden_states"))
+            fused = stmt.orelse[0] if len(stmt.orelse) == 1 else None
+            if (starts and isinstance(fused, ast.Assign) and len(fused.targets) == 1
+                    and isinstance(fused.targets[0], ast.Tuple)
+                    and [getattr(e, "id", None) for e in fused.targets[0].elts] == ["hidden_states", "residual"]
+                    and isinstance(fused.value, ast.Call) and isinstance(fused.value.func, ast.Attribute)
+                    and is_name(fused.value.func.value, "self") and not fused.value.keywords
+                    and [getattr(a, "id", None) for a in fused.value.args] == ["hidden_states", "residual"]):
+                return fused.value.func.attr, None
+            break
+        if uses_residual(stmt):
+            break
+    return None, (f"{name}.forward does not begin by adding its residual argument to hidden_states "
+                  "in a fused norm (`if residual is None: ... else: hidden_states, residual = "
+                  "self.<norm>(hidden_states, residual)`)")
+
+
+def layer_capture_support(model: Any, num_layers: int, hidden_size: int) -> tuple[list | None, str | None]:
+    """The decoder layers of a vLLM model whose layer inputs carry the residual stream
+    as hidden + residual (see the module docstring), or (None, why not)."""
+    import torch
+
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList):
+        return None, f"{type(model).__name__} has no decoder layer list at .model.layers"
+    if len(layers) != num_layers:
+        return None, f"{type(model).__name__}.model.layers holds {len(layers)} layers, the config {num_layers}"
+    norms: dict[type, str] = {}
+    for cls in dict.fromkeys(type(layer) for layer in layers):
+        norm, why = _residual_norm_of(cls)
+        if norm is None:
+            return None, why
+        norms[cls] = norm
+    # The norm must return (norm(h + r), h + r): probe it once per layer class on random rows.
+    for cls, attr in norms.items():
+        module = getattr(next(layer for layer in layers if type(layer) is cls), attr, None)
+        weight = next((p for p in module.parameters()), None) if isinstance(module, torch.nn.Module) else None
+        if weight is None:
+            return None, f"{cls.__name__}.{attr} is not a norm module with weights"
+        gen = torch.Generator().manual_seed(0)
+        h, r = (torch.randn(2, hidden_size, generator=gen).to(weight.device, weight.dtype) for _ in range(2))
+        expected = h.float() + r.float()
+        try:
+            with torch.inference_mode():
+                out = module(h.clone(), r.clone())
+        except Exception as e:  # noqa: BLE001 - any failure means "not this convention"
+            return None, f"{cls.__name__}.{attr}(hidden, residual) failed: {e}"
+        if not (isinstance(out, tuple) and len(out) == 2 and out[1].shape == h.shape
+                and torch.allclose(out[1].float(), expected, rtol=1e-2, atol=1e-2)):
+            return None, f"{cls.__name__}.{attr}(hidden, residual) does not return hidden + residual"
+    return list(layers), None
