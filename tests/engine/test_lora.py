@@ -129,6 +129,19 @@ def test_two_adapters_and_the_base_in_one_batch(engine, loop_thread, refs):
         assert_adapters(refs, "lora-all", pair.prompt_token_ids + ch.token_ids, ch.hidden_states)
 
 
+def test_intermediate_layers_come_from_the_adapter(engine, loop_thread, refs):
+    """hidden_states_layers on an adapter: every layer the adapter's; layer 1 and the last differ
+    from the base model's (the embeddings, layer 0, are the base's by construction)."""
+    c = loop_thread.run(engine.complete(PROMPTS[1], sp(max_tokens=8), model="lora-qv", layers=(0, 1, -1)))
+    (choice,) = c.choices
+    ids = list(c.prompt_token_ids + choice.token_ids)
+    for layer, vec in choice.hidden_states_by_layer.items():
+        refs["lora-qv"].assert_matches(ids, vec, layer=layer)
+        if layer != 0:
+            with pytest.raises(AssertionError):
+                refs[None].assert_matches(ids, vec, layer=layer)
+
+
 def test_stop_string_extraction_on_the_adapters_prefix_cache(engine, loop_thread, refs):
     """A stop string: the extraction step runs on the request's adapter, so on that adapter's
     prefix cache (all but the last block cached); the base model has no cache for it."""
