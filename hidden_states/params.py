@@ -11,15 +11,24 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-SINGLE_POSITIONS = ("completion_end", "prompt_end")  # one vector per choice (1-D)
-POSITIONS = (*SINGLE_POSITIONS, "completion", "all")  # and a range: {"start", "end", "stride"}
-ENCODINGS = ("float", "base64")
-DTYPES = ("float32", "float16", "bfloat16")
+# Each set of values once: the request model's types, and the tuples the checks use.
+SinglePosition = Literal["completion_end", "prompt_end"]  # one vector per choice (1-D)
+NamedPosition = Literal[SinglePosition, "completion", "all"]  # and a range: {"start", "end", "stride"}
+Encoding = Literal["float", "base64"]
+Dtype = Literal["float32", "float16", "bfloat16"]
+SINGLE_POSITIONS, POSITIONS = get_args(SinglePosition), get_args(NamedPosition)
+ENCODINGS, DTYPES = get_args(Encoding), get_args(Dtype)
+
+
+def _one_of(values) -> str:
+    quoted = [repr(v) for v in values]
+    return ", ".join(quoted[:-1]) + f" or {quoted[-1]}"
+
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 TOPK_INDEX_BYTES = 4  # a top-k entry's index: int32
 DEFAULT_MAX_HIDDEN_STATES_BYTES = 64 * 2**20
@@ -70,15 +79,15 @@ class HiddenStatesFields(BaseModel):
     """The request fields this server adds to vLLM's OpenAI API."""
 
     return_hidden_states: bool = Field(False, description="attach each choice's final-token hidden state")
-    hidden_states_encoding: Literal["float", "base64"] = Field(
+    hidden_states_encoding: Encoding = Field(
         "float", description="a JSON list of floats, or base64 of the little-endian float32 bytes")
     hidden_states_layers: list[int] | None = Field(
         None, description="layers as transformers numbers output_hidden_states (0 = embeddings, -1 = after the "
                           "final norm); the choice then carries hidden_states_by_layer")
-    hidden_states_position: Literal["completion_end", "prompt_end", "completion", "all"] | PositionRange = Field(
+    hidden_states_position: NamedPosition | PositionRange = Field(
         "completion_end", description="the final token of prompt+completion, the last prompt token, every "
                                       "generated token, every token, or a range of positions in prompt+completion")
-    hidden_states_dtype: Literal["float32", "float16", "bfloat16"] = Field(
+    hidden_states_dtype: Dtype = Field(
         "float32", description="the rows' dtype, cast on the device (base64 carries its little-endian bytes)")
     hidden_states_topk: int | None = Field(
         None, ge=1, description="per position only the k largest-magnitude entries: {indices, values}")
@@ -93,7 +102,7 @@ def check_fields(req: Mapping[str, Any], *, enabled: bool) -> None:
         raise HiddenStatesDisabledError()
     enc = req.get("hidden_states_encoding", "float")
     if enc not in ENCODINGS:
-        raise HiddenStatesRequestError(f"hidden_states_encoding must be 'float' or 'base64', not {enc!r}",
+        raise HiddenStatesRequestError(f"hidden_states_encoding must be {_one_of(ENCODINGS)}, not {enc!r}",
                                        "hidden_states_encoding")
     layers = req.get("hidden_states_layers")
     if layers is not None and (not isinstance(layers, list) or not layers
@@ -120,7 +129,7 @@ def check_position(position: Any) -> "str | dict[str, int | None]":
         return position
     if not isinstance(position, Mapping):
         raise HiddenStatesRequestError(
-            "hidden_states_position must be 'completion_end', 'prompt_end', 'completion', 'all', or a range "
+            f"hidden_states_position must be {', '.join(map(repr, POSITIONS))}, or a range "
             f'{{"start": int, "end": int, "stride": int}}, not {position!r}', "hidden_states_position")
     unknown = sorted(str(k) for k in position if k not in _POSITION_KEYS)
     if unknown:
@@ -149,7 +158,7 @@ def check_position(position: Any) -> "str | dict[str, int | None]":
 def check_dtype(dtype: Any) -> str:
     if dtype not in DTYPES:
         raise HiddenStatesRequestError(
-            f"hidden_states_dtype must be 'float32', 'float16' or 'bfloat16', not {dtype!r}", "hidden_states_dtype")
+            f"hidden_states_dtype must be {_one_of(DTYPES)}, not {dtype!r}", "hidden_states_dtype")
     return dtype
 
 
