@@ -202,8 +202,8 @@ def loop_thread():
 def long_text(words: int, seed: int = 0) -> str:
     from pathlib import Path
 
-    import hidden_states
+    import hidden_states.models
 
-    lines = (Path(hidden_states.__file__).parent / "data" / "corpus.txt").read_text().split()
+    lines = (Path(hidden_states.models.__file__).parent / "data" / "corpus.txt").read_text().split()
     rng = np.random.default_rng(seed)
     return " ".join(rng.choice(lines, size=words))
