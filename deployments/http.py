@@ -173,8 +173,20 @@ async def until(parts: AsyncIterator, deadline: float) -> AsyncIterator:
 
 
 def openapi_body(model: type[BaseModel]) -> dict:
-    # Request bodies are read raw (forwarded as bytes), so document them explicitly.
-    return {"requestBody": {"required": True, "content": {"application/json": {"schema": model.model_json_schema()}}}}
+    """Request bodies are read raw (forwarded as bytes), so document them explicitly. Nested models
+    are inlined: pydantic's `#/$defs/...` refs would point into the OpenAPI document's root."""
+    schema = model.model_json_schema()
+    defs = schema.pop("$defs", {})
+
+    def inline(node):
+        if isinstance(node, dict):
+            ref = node.get("$ref", "")
+            if ref.startswith("#/$defs/"):
+                return inline({**defs[ref.removeprefix("#/$defs/")], **{k: v for k, v in node.items() if k != "$ref"}})
+            return {k: inline(v) for k, v in node.items()}
+        return [inline(v) for v in node] if isinstance(node, list) else node
+
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": inline(schema)}}}}
 
 
 def error(status: int, message: str, param: str | None = None) -> Response:
