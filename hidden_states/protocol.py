@@ -68,6 +68,17 @@ class HiddenStatesProtocolError(ValueError):
     """A captured vector that does not decode (a bug or a version mismatch, never a client's doing)."""
 
 
+def _convert(raw, cls, what: str):
+    """`raw` (builtins off an engine output) as `cls`, with a known dtype; else HiddenStatesProtocolError."""
+    try:
+        out = msgspec.convert(raw, cls)
+    except (msgspec.ValidationError, TypeError) as e:
+        raise HiddenStatesProtocolError(f"malformed {what}: {e}") from None
+    if out.dtype not in ITEMSIZE:
+        raise HiddenStatesProtocolError(f"unsupported dtype {out.dtype!r}; expected one of {sorted(ITEMSIZE)}")
+    return out
+
+
 class HiddenStatesExtractionRequest(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
     key: str
     # Layers as transformers numbers `output_hidden_states` (-1 = after the final norm).
@@ -149,12 +160,7 @@ class CapturedRows(msgspec.Struct, array_like=True, gc=False):
 
     @staticmethod
     def from_output(raw) -> "CapturedRows":
-        try:
-            cr = msgspec.convert(raw, CapturedRows)
-        except (msgspec.ValidationError, TypeError) as e:
-            raise HiddenStatesProtocolError(f"malformed captured rows: {e}") from None
-        if cr.dtype not in ITEMSIZE:
-            raise HiddenStatesProtocolError(f"unsupported dtype {cr.dtype!r}; expected one of {sorted(ITEMSIZE)}")
+        cr = _convert(raw, CapturedRows, "captured rows")
         n = len(cr.layers) * len(cr.positions) * cr.width
         if cr.width < 1 or n * ITEMSIZE[cr.dtype] != len(cr.values) or len(cr.indices) != (4 * n if cr.topk else 0):
             raise HiddenStatesProtocolError(
@@ -199,12 +205,7 @@ class CapturedVector(msgspec.Struct, array_like=True, gc=False):
 
     @staticmethod
     def from_output(raw) -> "CapturedVector":
-        try:
-            cv = msgspec.convert(raw, CapturedVector)
-        except (msgspec.ValidationError, TypeError) as e:
-            raise HiddenStatesProtocolError(f"malformed captured vector: {e}") from None
-        if cv.dtype not in ITEMSIZE:
-            raise HiddenStatesProtocolError(f"unsupported dtype {cv.dtype!r}; expected one of {sorted(ITEMSIZE)}")
+        cv = _convert(raw, CapturedVector, "captured vector")
         if cv.hidden_size < 1 or math.prod((len(cv.layers), cv.hidden_size)) * ITEMSIZE[cv.dtype] != len(cv.data):
             raise HiddenStatesProtocolError(
                 f"{len(cv.data)} bytes do not hold {len(cv.layers)} x {cv.hidden_size} of {cv.dtype}")

@@ -177,29 +177,33 @@ class Extraction:
 
     mailboxes: dict[str, "dict[int, CapturedVector] | RowSink"]
 
-    def deliver(self, raw: Any, index: int | None) -> None:
-        """A CapturedVector off an engine output, into the mailbox of the call that asked."""
+    def _addressee(self, cls: type, raw: Any, index: int | None, box_type: type):
+        """(the decoded message, the mailbox of the call that asked, or None if that call already
+        ended: an abort, or a stop string cut while the engine ran ahead), or None if malformed."""
         try:
-            cv = CapturedVector.from_output(raw)
+            msg = cls.from_output(raw)
         except HiddenStatesProtocolError:
             self.malformed_vectors += 1
+            return None
+        box = self.mailboxes.get(msg.key)
+        return msg, box if isinstance(box, box_type) and index is not None else None
+
+    def deliver(self, raw: Any, index: int | None) -> None:
+        """A CapturedVector off an engine output, into the mailbox of the call that asked."""
+        if (got := self._addressee(CapturedVector, raw, index, dict)) is None:
             return
-        box = self.mailboxes.get(cv.key)
-        if not isinstance(box, dict) or index is None:  # its generate() already ended (an abort raced the finish)
+        cv, box = got
+        if box is None:
             self.unclaimed_vectors += 1
             return
         box[index] = cv
 
     def deliver_rows(self, raw: Any, index: int | None) -> None:
-        """CapturedRows off an engine output, into the sink of the call that asked (a request that
-        already ended, e.g. one a stop string cut while the engine ran ahead, gets none)."""
-        try:
-            cr = CapturedRows.from_output(raw)
-        except HiddenStatesProtocolError:
-            self.malformed_vectors += 1
+        """CapturedRows off an engine output, into the sink of the call that asked."""
+        if (got := self._addressee(CapturedRows, raw, index, RowSink)) is None:
             return
-        sink = self.mailboxes.get(cr.key)
-        if not isinstance(sink, RowSink) or index is None:
+        cr, sink = got
+        if sink is None:
             self.late_rows += 1
             return
         values, indices = cr.arrays()

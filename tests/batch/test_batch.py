@@ -29,6 +29,17 @@ def start(inp: Path, out: Path, *extra: str) -> subprocess.Popen:
                             start_new_session=True)
 
 
+def finish(proc: subprocess.Popen, timeout: float) -> str:
+    """The run's output once it ended successfully (its whole process group killed if it did not end)."""
+    try:
+        log, _ = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            kill_group(proc)
+    assert proc.returncode == 0, log[-3000:]
+    return log
+
+
 def kill_group(proc: subprocess.Popen) -> None:
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(30)
@@ -73,13 +84,7 @@ def test_batch_interrupted_and_resumed(tmp_path, reference):
     partial = rows(out)
     assert 0 < len(partial) < ROWS, len(partial)
 
-    second = start(inp, out)
-    try:
-        log, _ = second.communicate(timeout=900)
-    finally:
-        if second.poll() is None:
-            kill_group(second)
-    assert second.returncode == 0, log[-3000:]
+    log = finish(start(inp, out), 900)
     assert f"{len({r['id'] for r in partial})} rows already in" in log  # resumed, not restarted
     # a successful run ends cleanly: no traceback, and one closing line saying how many rows went where
     assert "Traceback" not in log, log[-3000:]
@@ -108,13 +113,7 @@ def test_batch_with_an_adapter(tmp_path, model_dir, reference):
     adapter = build_lora(model_dir, "all", seed=2)
     inp, out = tmp_path / "prompts.jsonl", tmp_path / "out"
     inp.write_text("".join(json.dumps({"prompt": long_text(6, seed=i)}) + "\n" for i in range(8)))
-    proc = start(inp, out, "--lora-modules", f"lora-all={adapter}", "--adapter", "lora-all")
-    try:
-        log, _ = proc.communicate(timeout=600)
-    finally:
-        if proc.poll() is None:
-            kill_group(proc)
-    assert proc.returncode == 0, log[-3000:]
+    finish(start(inp, out, "--lora-modules", f"lora-all={adapter}", "--adapter", "lora-all"), 600)
     peft = Reference(model_dir, adapter)
     final = rows(out)
     assert len(final) == 8
