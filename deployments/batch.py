@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import atexit
 import hashlib
 import json
 import logging
@@ -79,6 +80,9 @@ class EngineWorker:
         self.engine.lora_request(adapter)  # an unknown name fails here, before any row
         self.max_tokens, self.adapter = max_tokens, adapter
         self.tokenizer = self.engine.llm.tokenizer
+        # Ray Data deletes this object when its actor exits gracefully (then `__del__`), but not always before the
+        # interpreter's exit hooks stop vLLM's engine core under a live output handler: stop it here first.
+        atexit.register(self.engine.shutdown)
 
     def __del__(self):
         engine = getattr(self, "engine", None)

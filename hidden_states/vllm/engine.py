@@ -37,6 +37,7 @@ request itself, so on its adapter; the extraction step carries the adapter
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
@@ -367,5 +368,27 @@ class HiddenStatesEngine(Extraction, VectorObservers):
         }
 
     def shutdown(self) -> None:
+        """Stop the engine, its output handler first. vLLM's `AsyncLLM.shutdown` stops the engine core and only
+        then cancels the handler, which in between reads the core's death and logs it as a traceback
+        (`EngineDeadError`) at the end of every clean run. Callable from any thread, and more than once."""
+        if getattr(self, "_shut_down", False):
+            return
+        self._shut_down = True
+        handler = getattr(self.llm, "output_handler", None)
+        if handler is not None and not handler.done():
+            loop = handler.get_loop()
+            try:
+                running = asyncio.get_running_loop()
+            except RuntimeError:
+                running = None
+            if running is loop or not loop.is_running():
+                handler.cancel()  # delivered before the handler reads anything more from the core
+            else:
+                async def cancel():
+                    handler.cancel()
+                    with contextlib.suppress(BaseException):
+                        await asyncio.wait_for(handler, 5)
+                with contextlib.suppress(Exception):
+                    asyncio.run_coroutine_threadsafe(cancel(), loop).result(10)
         self.llm.shutdown()
 

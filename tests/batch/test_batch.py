@@ -122,3 +122,19 @@ def test_batch_with_an_adapter(tmp_path, model_dir, reference):
         peft.assert_matches(ids, vec)
         with pytest.raises(AssertionError):
             reference.assert_matches(ids, vec)
+
+
+def test_an_engine_actor_ends_cleanly_without_being_deleted():
+    """The batch's engine actor exits cleanly even when Ray Data never deletes it: stopped by vLLM's exit hooks
+    alone, the engine core dies under a live output handler, which logs an `EngineDeadError` traceback."""
+    script = (
+        "import numpy as np\n"
+        "from deployments.batch import EngineWorker\n"
+        "w = EngineWorker('builtin:tiny-llama', 2, {'kv_cache_memory_bytes': 128 * 2**20})\n"
+        "out = w({'id': np.array(['a']), 'prompt': np.array(['Hello there'])})\n"
+        "print('rows', out.num_rows, 'width', len(out['hidden_states'][0]))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "rows 1 width 128" in proc.stdout, log[-3000:]
+    assert "Traceback" not in log and "output_handler failed" not in log, log[-3000:]
