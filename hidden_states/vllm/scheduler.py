@@ -78,40 +78,69 @@ class _Held:
 
 @dataclasses.dataclass
 class _Rows:
-    """A span request's captured rows not sent yet."""
+    """A span request's captured rows not sent yet: a window over a buffer that grows by doubling.
+    Rows still undecided (a range aligned to the end waits for the end) are a suffix of the window,
+    so a step appends its rows and drops the decided ones in place: O(1) copies per row, not a
+    concatenation of everything held on every step."""
 
     flag: HiddenStatesExtractionRequest
     span: Span
     next: int = 0  # positions below were captured already (a resumed request recomputes them)
     layers: list[int] | None = None
     dtype: str = "float32"
-    positions: np.ndarray | None = None  # [m]
-    values: np.ndarray | None = None  # [layers, m, width] raw elements
-    indices: np.ndarray | None = None  # int32, alike (top-k)
+    _pos: np.ndarray | None = None  # [capacity]
+    _val: np.ndarray | None = None  # [layers, capacity, width] raw elements
+    _ind: np.ndarray | None = None  # int32, alike (top-k)
+    lo: int = 0  # the window: buffer slots lo..hi-1
+    hi: int = 0
 
     def add(self, positions: np.ndarray, values: np.ndarray, indices: np.ndarray | None) -> None:
-        if self.positions is None or not len(self.positions):
-            self.positions, self.values, self.indices = positions, values, indices
-            return
-        self.positions = np.concatenate([self.positions, positions])
-        self.values = np.concatenate([self.values, values], axis=1)
+        m = len(positions)
+        if self._pos is None:
+            self._pos = np.empty(max(m, 8), np.int64)
+            self._val = np.empty((values.shape[0], len(self._pos), values.shape[2]), values.dtype)
+            self._ind = None if indices is None else np.empty(self._val.shape[:2] + indices.shape[2:], indices.dtype)
+        elif self.hi + m > len(self._pos):
+            self._resize(max(2 * (self.hi - self.lo), self.hi - self.lo + m, 8))
+        sl = slice(self.hi, self.hi + m)
+        self._pos[sl], self._val[:, sl] = positions, values
         if indices is not None:
-            self.indices = np.concatenate([self.indices, indices], axis=1)
+            self._ind[:, sl] = indices
+        self.hi += m
+
+    def _resize(self, capacity: int) -> None:
+        """The window moved to slot 0 of a buffer of `capacity` slots."""
+        n, w = self.hi - self.lo, slice(self.lo, self.hi)
+        pos, val = np.empty(capacity, np.int64), np.empty(self._val.shape[:1] + (capacity,) + self._val.shape[2:],
+                                                          self._val.dtype)
+        pos[:n], val[:, :n] = self._pos[w], self._val[:, w]
+        if self._ind is not None:
+            ind = np.empty(self._ind.shape[:1] + (capacity,) + self._ind.shape[2:], self._ind.dtype)
+            ind[:, :n] = self._ind[:, w]
+            self._ind = ind
+        self._pos, self._val, self.lo, self.hi = pos, val, 0, n
 
     def take(self, known: int, total: int | None = None) -> CapturedRows | None:
         """The rows decided wanted (all of them, resolved on `total` tokens, once it ended); the
         undecided stay, the unwanted go."""
-        if self.positions is None or not len(self.positions):
+        if self.hi == self.lo:
             return None
-        wanted, undecided = self.span.classify(self.positions, known, total)
+        w = slice(self.lo, self.hi)
+        wanted, undecided = self.span.classify(self._pos[w], known, total)
         out = None
         if wanted.any():
-            out = captured_rows(self.flag.key, self.dtype, self.flag.topk, self.layers, self.positions[wanted].tolist(),
-                                self.values[:, wanted],
-                                None if self.indices is None else self.indices[:, wanted])
-        if not undecided.all():
-            self.positions, self.values = self.positions[undecided], self.values[:, undecided]
-            self.indices = None if self.indices is None else self.indices[:, undecided]
+            out = captured_rows(self.flag.key, self.dtype, self.flag.topk, self.layers, self._pos[w][wanted].tolist(),
+                                self._val[:, w][:, wanted], None if self._ind is None else self._ind[:, w][:, wanted])
+        first = int(np.argmax(undecided)) if undecided.any() else len(undecided)
+        if undecided[first:].all():  # a suffix: drop the decided prefix in place
+            self.lo += first
+        else:  # not expected of any span; kept correct all the same
+            keep = np.flatnonzero(undecided) + self.lo
+            n = len(keep)
+            self._pos[:n], self._val[:, :n] = self._pos[keep], self._val[:, keep]
+            if self._ind is not None:
+                self._ind[:, :n] = self._ind[:, keep]
+            self.lo, self.hi = 0, n
         return out
 
 
