@@ -28,15 +28,16 @@ import yaml
 
 from tqdm import tqdm
 
-from bench import compare, measure, memory, payload, profile, report, switches, targets, workload
+from bench import compare, measure, memory, payload, positions, profile, report, switches, targets, workload
 from deployments.config import CPU_ENGINE_DEFAULTS
+from hidden_states.params import DEFAULT_MAX_HIDDEN_STATES_BYTES
 from deployments.serve_env import SERVE_SWITCHES
 from bench.procs import ROOT, WORK, StartError
 from bench.servers import (Endpoint, RayCluster, ServeApps, VLLMServer, build_model, engine_processes,
                            find_ray_worker, replica_info, ENGINE_ENV)
 
 RESULTS = ROOT / "bench" / "results"
-PARTS = ("hs", "serve", "switches", "payload", "memory", "profile")
+PARTS = ("hs", "positions", "serve", "switches", "payload", "memory", "profile")
 MODELS = ("tiny-llama", "llama-100m", "smollm2-135m-instruct")  # random, random, the real built-in one
 
 # One set of engine arguments for every server: config.yaml's, plus the two
@@ -71,8 +72,9 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="a few minutes: tiny model, fewer requests and rounds")
-    ap.add_argument("--parts", default="hs,serve,switches,payload,memory,profile",
-                    help="comma list of: hs (cost of hidden states), serve (Serve layer vs vLLM and Ray Serve LLM), "
+    ap.add_argument("--parts", default="hs,positions,serve,switches,payload,memory,profile",
+                    help="comma list of: hs (cost of hidden states), positions (rows of every generated token: "
+                         "float16 and top-k against off, with an A/A control; payload per token; copies per step), serve (Serve layer vs vLLM and Ray Serve LLM), "
                          "switches (Ray Serve's switches, each on a cluster of its own, first model only), "
                          "payload, memory, profile (py-spy of the Serve layer; runs when a Serve target is missed "
                          "or --profile-always)")
@@ -177,9 +179,9 @@ class Bench:
         n = 0
         for m in self.args.models:
             p = self.plan[m]
-            for part, arms in (("hs", 2), ("serve", 5), ("switches", 3 * len(switches.SWITCHES))):
+            for part, arms in (("hs", 2), ("positions", 4), ("serve", 5), ("switches", 3 * len(switches.SWITCHES))):
                 if part in self.args.parts and (part != "switches" or m == self.args.models[0]):
-                    rounds = self.args.rounds or p["rounds"][part]
+                    rounds = self.args.rounds or p["rounds"]["hs" if part == "positions" else part]
                     n += sum(p["per_round"].get(c, 8) for c in self.args.concurrency) * rounds * arms
         if "memory" in self.args.parts:
             n += self.args.memory_requests
@@ -235,7 +237,7 @@ class Bench:
         vocab, dim = int(cfg["vocab_size"]), int(cfg["hidden_size"])
         out["model"] = {"path": path.replace(str(Path.home()), "~"), "hidden_size": dim, "layers": cfg["num_hidden_layers"], "vocab_size": vocab,
                         "parameters": _param_count(cfg)}
-        pending = [p for p in ("memory", "hs", "serve", "switches", "profile") if p in args.parts
+        pending = [p for p in ("memory", "hs", "positions", "serve", "switches", "profile") if p in args.parts
                    and (first or p not in ("memory", "profile", "switches"))]
         attempt = 0
         while pending and attempt < args.attempts:
@@ -327,6 +329,9 @@ class Bench:
                         out[name] = self.part_memory(eps["ours"], vocab, cluster, check)
                     elif name == "hs":
                         out[name] = self.part_hs(model, eps["ours"], vocab, cpu, check)
+                    elif name == "positions":
+                        out[name] = positions.run(self, model, eps["ours"], vocab, cpu, check,
+                                                  DEFAULT_MAX_HIDDEN_STATES_BYTES)
                     elif name == "serve":
                         out[name] = self.part_serve(model, eps, vocab, cpu, check)
                     elif name == "switches":

@@ -23,6 +23,9 @@ class Result:
     hs_cached: list[int] = field(default_factory=list)     # hidden_states_meta.cached_tokens per choice
     hs_via: list[str] = field(default_factory=list)        # hidden_states_meta.via per choice: "tail" or "extraction"
     hs_dim: int = 0
+    hs_rows: int = 0          # rows over the choices (hidden_states_meta.positions, or 1 per vector)
+    hs_bytes: int = 0         # hidden_states_meta.bytes over the choices: the rows' payload before encoding
+    body_bytes: int = 0       # the response body as received
     error: str | None = None
 
     @property
@@ -48,11 +51,14 @@ def _parse(r: Result, raw: bytes) -> None:
     for ch in doc.get("choices", ()):
         meta = ch.get("hidden_states_meta")
         if meta is not None:
-            r.hs_tokens.append(int(meta["tokens"]))
-            r.hs_cached.append(int(meta["cached_tokens"]))
-            r.hs_via.append(str(meta.get("via")))
+            if "tokens" in meta:
+                r.hs_tokens.append(int(meta["tokens"]))
+                r.hs_cached.append(int(meta["cached_tokens"]))
+                r.hs_via.append(str(meta.get("via")))
             hs = ch.get("hidden_states")
             r.hs_dim = len(hs) if isinstance(hs, list) else 0
+            r.hs_rows += len(meta["positions"]) if "positions" in meta else 1
+            r.hs_bytes += int(meta.get("bytes") or 0)
 
 
 async def _run(url: str, bodies: list[tuple[Result, bytes]], concurrency: int, timeout: float,
@@ -76,6 +82,7 @@ async def _run(url: str, bodies: list[tuple[Result, bytes]], concurrency: int, t
                         raw = await resp.read()
                         r.latency = time.perf_counter() - t0
                         r.status = resp.status
+                    r.body_bytes = len(raw)
                     if r.status == 200:
                         _parse(r, raw)
                     else:

@@ -53,6 +53,25 @@ def target_rows(res: dict) -> list[dict]:
                 ex["recomputed_max"], f"exactly {T.HS_TOKENS_PER_VECTOR} on every request", T.status(ok), "{:.0f}")
         if "error" in hs:
             add("1 hidden states", model, "-", "part failed", None, "-", "ERROR")
+        pos = m.get("positions", {})
+        for c, row in pos.get("by_concurrency", {}).items():
+            for key, label, minimum in (("f16_vs_off", "completion float16 / off", T.POSITIONS_F16_MIN),
+                                        ("topk_vs_off", f"completion top-{T.POSITIONS_TOPK} / off", T.POSITIONS_TOPK_MIN)):
+                r = row[key]
+                add("1b positions", model, c, f"{label}, req/s", r["req_per_s"], f">= {minimum:.2f}x",
+                    T.at_least(r["req_per_s"], minimum), bad=failed(row["off"], row[key[:key.index("_vs")]]),
+                    ci=r.get("req_per_s_ci95"))
+            k = row["control_ratio"]
+            add("1b positions", model, c, "(diagnostic) A/A control: off / off again, req/s", k["req_per_s"], "1.00x",
+                "info", ci=k.get("req_per_s_ci95"))
+            add("1b positions", model, c, "rows = generated tokens (requests)", row["rows_equal_completion_tokens"],
+                f"all {row['requests_with_rows']}", T.status(row["rows_equal_completion_tokens"] == row["requests_with_rows"]),
+                "{:.0f}")
+        if eng := pos.get("engine"):
+            add("1b positions", model, "-", "device-to-host copies per step with rows", eng["copies_per_step_with_rows"],
+                "exactly 1", T.status(eng["copies_per_step_with_rows"] == 1.0), "{:.3f}")
+        if "error" in pos:
+            add("1b positions", model, "-", "part failed", None, "-", "ERROR")
         sv = m.get("serve", {})
         for c, row in sv.get("by_concurrency", {}).items():
             r, q = row["ours_vs_vllm"], row["ours_vs_rsllm"]
@@ -397,6 +416,15 @@ def markdown(res: dict, plot_name: str | None) -> str:
                   f"latency with - without, paired by request shape and round):", "",
                   _md_table(["conc", "vectors", "missing", "tokens = prompt+completion", "via", "computed mean", "p50", "max",
                              "exactly 1", "gcd(cached)", "added ms p50", "added ms p90"], rows), ""]
+        pos = m.get("positions", {})
+        if pos.get("by_concurrency"):
+            from bench import positions
+
+            L += ["Rows across the completion (`--parts positions`: every generated token's row, base64, against "
+                  "hidden states off on the same engine, interleaved; the A/A control is off against off):", "",
+                  *positions.lines(pos), ""]
+        elif pos:
+            L += [f"Positions: {pos.get('error', pos)}", ""]
         sv = m.get("serve", {})
         if sv.get("by_concurrency"):
             L += ["CPU per request (milliseconds of CPU, all processes of a server; the Serve layer = proxy, controller, "

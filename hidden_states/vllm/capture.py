@@ -95,6 +95,9 @@ class _RunnerHook:
         self.tails_captured = 0
         self.captured = 0
         self.steps_with_capture = 0
+        self.steps_with_rows = 0  # steps whose plan had rows (after_step): each should make one host copy
+        self.host_copies = 0  # device-to-host transfers made (_to_host)
+        self.bytes_copied = 0
         self.num_layers = runner.vllm_config.model_config.hf_config.num_hidden_layers
         self._so: Any = None
         self._plan: list[_Entry] | None = None
@@ -249,6 +252,7 @@ class _RunnerHook:
                 blocks.append((i, layer, sel[at:at + len(plan[i].flat)]))
                 at += len(plan[i].flat)
         self._slices = []
+        self.steps_with_rows += 1
         # Cast / top-k per (dtype, k) group, then every byte of the step in one buffer.
         groups: dict[tuple[str | None, int], list[int]] = {}
         for b, (i, _, _) in enumerate(blocks):
@@ -298,6 +302,8 @@ class _RunnerHook:
     def _to_host(self, ready) -> StepCapture:
         data, layout = ready
         host = data.to("cpu").numpy()  # the step's one device-to-host transfer (uint8)
+        self.host_copies += 1
+        self.bytes_copied += host.nbytes
         requests: dict[str, list[RowBlock]] = {}
         for e, layer, dtype, width, values_at, indices_at in layout:
             requests.setdefault(e.rid, []).append(

@@ -87,5 +87,8 @@ class HiddenStatesWorkerExtension(CPUWorkerSteps):
             "tails_captured": hook.tails_captured,
             "captured": hook.captured,
             "steps_with_capture": hook.steps_with_capture,
+            "steps_with_rows": hook.steps_with_rows,
+            "host_copies": hook.host_copies,
+            "bytes_copied": hook.bytes_copied,
             "layer_hooks": hook.layer_hooks,
         }
