@@ -3,6 +3,8 @@
     python -m deployments.batch --input prompts.jsonl --output out/ [--model builtin:smollm2-135m-instruct]
                                 [--max-tokens 32] [--engines 1] [--batch-size 16]
                                 [--lora-modules NAME=PATH ... --adapter NAME]
+                                [--position completion|all|prompt_end|'{"start": -8, "stride": 2}']
+                                [--dtype float32|float16|bfloat16] [--topk K]
 
 Input rows (JSONL, or Parquet with the same columns): `{"prompt": "..."}` or
 `{"messages": [{"role": ..., "content": ...}]}`, with an optional string `id`
@@ -10,6 +12,15 @@ Input rows (JSONL, or Parquet with the same columns): `{"prompt": "..."}` or
 with `id`, `prompt_token_ids`, `completion`, `token_ids`, `finish_reason` and
 `hidden_states`, a fixed-size float32 list column of the model's hidden size:
 each row's vector of prompt + completion, as the server returns it.
+
+`--position`, `--dtype` and `--topk` ask what the API's hidden_states_position,
+hidden_states_dtype and hidden_states_topk ask (a range as JSON). Several positions
+("completion", "all", a range): `hidden_states` is a list of rows per row
+(list<fixed_size_list<hidden size>>) and `positions` (list<int32>) their absolute
+positions in prompt + completion; one position stays one fixed-size vector. float16 is
+Arrow's halffloat; bfloat16, which Arrow lacks, is written as float32 of the
+bfloat16-rounded values. With `--topk K`, `topk_indices` (int32) and `topk_values`
+(K per position, largest |value| first, same layout) replace `hidden_states`.
 
 Engines run in a Ray Data actor pool (`map_batches` with a callable class):
 each actor hosts this project's engine, greedy decoding by default. A rerun
@@ -39,6 +50,8 @@ from typing import Any
 
 import numpy as np
 
+from hidden_states.params import DTYPES, check_position, check_topk
+
 logger = logging.getLogger(__name__)
 
 
@@ -65,11 +78,34 @@ def done_ids(output: Path) -> set[str]:
     return ids
 
 
+def checked(rule):
+    """An argparse type: the API's rule for the field (hidden_states/params.py), its message on failure."""
+    def parse(value: str):
+        try:
+            return rule(value)
+        except ValueError as e:  # HiddenStatesRequestError, bad JSON, not an integer
+            raise argparse.ArgumentTypeError(str(e)) from None
+    return parse
+
+
+def vectors_column(per_row: list[np.ndarray]):
+    """Arrow: a fixed-size list per row from arrays [width], a list of them from arrays [n, width]
+    (float16 as halffloat)."""
+    import pyarrow as pa
+
+    width = per_row[0].shape[-1]
+    inner = pa.FixedSizeListArray.from_arrays(pa.array(np.concatenate([a.reshape(-1) for a in per_row])), width)
+    if per_row[0].ndim == 1:
+        return inner
+    return pa.ListArray.from_arrays(pa.array(np.cumsum([0] + [len(a) for a in per_row]), pa.int32()), inner)
+
+
 class EngineWorker:
     """A Ray Data actor: one engine, completing a batch of rows concurrently."""
 
     def __init__(self, model: str, max_tokens: int, engine_args: dict[str, Any],
-                 lora_modules: list[dict] = (), adapter: str | None = None):
+                 lora_modules: list[dict] = (), adapter: str | None = None, position: str | dict = "completion_end",
+                 dtype: str = "float32", topk: int | None = None):
         from hidden_states.vllm.engine import HiddenStatesEngine
 
         self.loop = asyncio.new_event_loop()
@@ -78,7 +114,9 @@ class EngineWorker:
         if lora_modules:  # loaded by vLLM's serving, as in the server: adapters are then known by name
             self._run(self.engine.openai(model, "batch", lora_modules), 300)
         self.engine.lora_request(adapter)  # an unknown name fails here, before any row
+        self.engine.check_request((-1,), position, dtype, topk)  # so does what the model cannot serve
         self.max_tokens, self.adapter = max_tokens, adapter
+        self.hs = dict(position=position, dtype=dtype, topk=topk)
         self.tokenizer = self.engine.llm.tokenizer
         # Ray Data deletes this object when its actor exits gracefully (then `__del__`), but not always before the
         # interpreter's exit hooks stop vLLM's engine core under a live output handler: stop it here first.
@@ -110,18 +148,28 @@ class EngineWorker:
         options = SamplingOptions(max_tokens=self.max_tokens, temperature=0.0)
 
         async def all_rows():
-            return await asyncio.gather(*(self.engine.complete(p, options, model=self.adapter) for p in ids))
+            return await asyncio.gather(*(self.engine.complete(p, options, model=self.adapter, **self.hs)
+                                          for p in ids))
 
         done = self._run(all_rows(), 600 + 10 * n)
-        vecs = np.stack([c.choices[0].hidden_states for c in done]).astype(np.float32)
-        return pa.table({
+        choices = [c.choices[0] for c in done]
+        cast = np.float16 if self.hs["dtype"] == "float16" else np.float32  # bfloat16: float32 of its values
+        out = {
             "id": pa.array([str(x) for x in batch["id"]]),
             "prompt_token_ids": pa.array([list(c.prompt_token_ids) for c in done], pa.list_(pa.int32())),
-            "completion": pa.array([c.choices[0].text for c in done]),
-            "token_ids": pa.array([list(c.choices[0].token_ids) for c in done], pa.list_(pa.int32())),
-            "finish_reason": pa.array([c.choices[0].finish_reason for c in done]),
-            "hidden_states": pa.FixedSizeListArray.from_arrays(pa.array(vecs.reshape(-1)), vecs.shape[1]),
-        })
+            "completion": pa.array([ch.text for ch in choices]),
+            "token_ids": pa.array([list(ch.token_ids) for ch in choices], pa.list_(pa.int32())),
+            "finish_reason": pa.array([ch.finish_reason for ch in choices]),
+        }
+        values = vectors_column([np.asarray(ch.hidden_states).astype(cast) for ch in choices])
+        if self.hs["topk"]:
+            out["topk_indices"] = vectors_column([np.asarray(ch.hidden_states_indices, np.int32) for ch in choices])
+            out["topk_values"] = values
+        else:
+            out["hidden_states"] = values
+        if choices[0].positions is not None:
+            out["positions"] = pa.array([list(ch.positions) for ch in choices], pa.list_(pa.int32()))
+        return pa.table(out)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -146,7 +194,7 @@ def run(args: argparse.Namespace) -> int:
     engine_args = {**app.engine_args(), "warm_up_s": args.warm_up_s}
     modules = [m.model_dump() for m in app.lora_modules]
     out = ds.map_batches(EngineWorker, fn_constructor_args=(app.model, args.max_tokens, engine_args, modules,
-                                                            args.adapter),
+                                                            args.adapter, args.position, args.dtype, args.topk),
                          batch_size=args.batch_size, compute=ray.data.ActorPoolStrategy(size=args.engines),
                          num_cpus=1, batch_format="numpy")
     out.write_parquet(str(output))
@@ -170,6 +218,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
                     help="LoRA adapters (the app's lora_modules; vLLM's --lora-modules name=path)")
     ap.add_argument("--adapter", default=None, help="the LoRA adapter (a --lora-modules NAME) to generate with")
+    ap.add_argument("--position", default="completion_end",
+                    type=checked(lambda v: check_position(json.loads(v) if v.lstrip().startswith("{") else v)),
+                    help='hidden_states_position: completion_end (default), prompt_end, completion, all, or a range '
+                         'as JSON, e.g. \'{"start": -8, "end": null, "stride": 2}\'')
+    ap.add_argument("--dtype", choices=DTYPES, default="float32", help="hidden_states_dtype")
+    ap.add_argument("--topk", type=checked(lambda v: check_topk(int(v))), default=None,
+                    help="hidden_states_topk: the K largest |values| per position")
     return run(ap.parse_args(argv))
 
 

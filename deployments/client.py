@@ -6,6 +6,10 @@
     result = complete(handle, "Hello!", max_tokens=16)       # blocking; model="my-adapter": a LoRA adapter
     result = await complete_async(handle, "Hello!")          # in async code
     result.choices[0].hidden_states  # numpy float32 [hidden_size]
+    rows = complete(handle, "Hello!", hidden_states_position={"start": -8, "stride": 2}, hidden_states_dtype="float16")
+    rows.choices[0].hidden_states, rows.choices[0].positions  # numpy float16 [n, hidden_size], (p0, p1, ...)
+    top = complete(handle, "Hello!", hidden_states_position="completion", hidden_states_topk=16)
+    top.choices[0].hidden_states_indices, top.choices[0].hidden_states  # int32 [n, 16], float32 [n, 16]
     check = verify(handle, prompt=ids, compare={"vector": claimed.tolist()})   # POST /v1/hidden_states
     check["hidden_states"], check["comparison"]["match"]
 
@@ -23,8 +27,10 @@ import numpy as np
 import base64
 import json
 
-from deployments.wire import ENCODER, REPLY_BODY_DECODER, REPLY_DECODER, HandleCompletionRequest, HandleReply
-from hidden_states.engine import Completion, CompletionChoice, ExtractionStats
+from deployments.wire import (ENCODER, REPLY_BODY_DECODER, REPLY_DECODER, HandleCompletionRequest, HandleReply,
+                              from_wire)
+from hidden_states.engine import Completion
+from hidden_states.protocol import widen
 
 
 class HandleRequestError(RuntimeError):
@@ -34,6 +40,9 @@ class HandleRequestError(RuntimeError):
 
 
 def _request(prompt: str | list[int], **kw: Any) -> bytes:
+    position = kw.get("hidden_states_position")
+    if hasattr(position, "model_dump"):  # a params.PositionRange
+        kw["hidden_states_position"] = position.model_dump()
     return ENCODER.encode(HandleCompletionRequest(prompt=prompt, **kw))
 
 
@@ -43,19 +52,8 @@ def _result(raw: bytes) -> Completion:
         raise HandleRequestError(reply.error.status, reply.error.message)
     c = reply.ok
     total = len(c.prompt_token_ids)
-    return Completion(
-        request_id=c.request_id,
-        prompt_token_ids=tuple(c.prompt_token_ids),
-        choices=tuple(
-            CompletionChoice(
-                ch.index, ch.text, tuple(ch.token_ids), ch.finish_reason,
-                None if ch.hidden_states is None else np.frombuffer(ch.hidden_states, "<f4").copy(),
-                None if ch.hidden_states is None else ExtractionStats(total + len(ch.token_ids), ch.cached_tokens, 0.0),
-                {layer: np.frombuffer(b, "<f4").copy() for layer, b in ch.hidden_states_by_layer.items()} or None,
-            )
-            for ch in c.choices
-        ),
-    )
+    return Completion(request_id=c.request_id, prompt_token_ids=tuple(c.prompt_token_ids),
+                      choices=tuple(from_wire(ch, total) for ch in c.choices))
 
 
 def _wait(response: Any, timeout_s: float) -> bytes:
@@ -85,8 +83,14 @@ def _cancel(response: Any) -> None:
 
 def complete(handle: Any, prompt: str | list[int], *, timeout_s: float = 600, **kw: Any) -> Completion:
     """Blocking. kw: model (a LoRA adapter's name; default: the base model), max_tokens, temperature, top_p,
-    seed, n, stop, return_hidden_states, hidden_states_layers (default [-1]), hidden_states_position
-    ("completion_end" | "prompt_end"). An unknown model raises HandleRequestError (404)."""
+    seed, n, stop, return_hidden_states, hidden_states_layers (default [-1]), and as over HTTP
+    hidden_states_position ("completion_end" | "prompt_end": one vector [D]; "completion" | "all" |
+    {"start", "end", "stride"}: rows [n, D] at `choice.positions`), hidden_states_dtype ("float32" |
+    "float16": numpy arrays of that dtype; "bfloat16", which numpy lacks: float32 arrays of the
+    bfloat16-rounded values, `choice.dtype` says so) and hidden_states_topk (k: `hidden_states` holds the
+    values [n, k], `hidden_states_indices` their int32 indices, largest |value| first). Every layer asked
+    for is in `hidden_states_by_layer` (and `hidden_states_indices_by_layer`). A request above the server's
+    max_hidden_states_bytes raises HandleRequestError (400); an unknown model, 404."""
     return _result(_wait(handle.complete.remote(_request(prompt, **kw)), timeout_s))
 
 
@@ -106,8 +110,20 @@ def _verify_result(raw: bytes) -> dict[str, Any]:
     if reply.head.status != 200:
         raise HandleRequestError(reply.head.status, out.get("error", {}).get("message", reply.body.decode()))
 
-    def vec(b64: str) -> np.ndarray:
-        return np.frombuffer(base64.b64decode(b64), "<f4").copy()
+    meta = out.get("hidden_states_meta") or {}
+    dtype, shape = meta.get("dtype", "float32"), meta.get("shape")
+
+    def array(b64: str, raw_dtype: str) -> np.ndarray:
+        a = np.frombuffer(base64.b64decode(b64), raw_dtype)
+        return a.reshape(shape) if shape else a.copy()
+
+    def vec(value: str | dict) -> np.ndarray | dict[str, np.ndarray]:
+        """Base64 rows as numpy, in the dtype asked (bfloat16: float32 of its values), shaped as the meta says."""
+        if isinstance(value, dict):  # top-k: {"indices", "values"}
+            return {"indices": array(value["indices"], "<i4"), "values": vec(value["values"])}
+        if dtype == "bfloat16":
+            return widen(array(value, "<u2"), "bfloat16")
+        return array(value, "<f2" if dtype == "float16" else "<f4").copy()
 
     if "hidden_states" in out:
         out["hidden_states"] = vec(out["hidden_states"])
@@ -118,8 +134,9 @@ def _verify_result(raw: bytes) -> dict[str, Any]:
 
 def verify(handle: Any, *, timeout_s: float = 600, **fields: Any) -> dict[str, Any]:
     """POST /v1/hidden_states over a handle (blocking). fields: model (a LoRA adapter), prompt | messages (+ completion),
-    hidden_states_layers, compare={"vector": floats or base64, "tolerance": 1e-5}. Vectors come
-    back as numpy float32."""
+    hidden_states_layers, hidden_states_position / _dtype / _topk, compare={"vector": floats or base64, "tolerance":
+    1e-5} (or per position: "vectors", "topk"). Vectors and rows come back as numpy ([D] or [n, D], in the dtype asked;
+    bfloat16 as float32 of its values; top-k as {"indices", "values"})."""
     return _verify_result(_wait(handle.hidden_states.remote(_verify_request(fields)), timeout_s))
 
 

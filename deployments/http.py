@@ -363,9 +363,6 @@ def handle_refusal(args: AppArgs, req: HandleCompletionRequest) -> HandleError |
         params.check_n(req.n, args.max_n)
     except params.HiddenStatesRequestError as e:
         return HandleError(400, str(e))
-    if req.hidden_states_position not in params.SINGLE_POSITIONS:
-        return HandleError(400, "hidden_states_position over a Python handle is 'completion_end' or 'prompt_end'; "
-                                "rows of several positions come over the OpenAI routes or HiddenStatesEngine.complete")
     if req.model is not None and req.model not in args.served_model_names:
         return HandleError(404, params.unknown_model(req.model, args.served_model_names))
     return None

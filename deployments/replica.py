@@ -30,16 +30,16 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
-import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from ray import serve
 
 from deployments import http, metrics, wire
 from deployments.config import AppArgs
-from deployments.wire import HandleChoice, HandleCompletion, HandleError, HandleReply, Reply, ResponseHead
+from deployments.wire import HandleCompletion, HandleError, HandleReply, Reply, ResponseHead
 from hidden_states.engine import SamplingOptions
 from hidden_states.openai_format import error_body
+from hidden_states.params import rowwise
 
 logger = logging.getLogger(__name__)
 
@@ -168,25 +168,16 @@ class EngineReplica(http.ingress_routes(app, "replica")):
         try:
             c = await self.engine.complete(req.prompt, options, return_hidden_states=req.return_hidden_states,
                                            layers=req.hidden_states_layers, position=req.hidden_states_position,
-                                           model=req.model)
+                                           model=req.model, dtype=req.hidden_states_dtype,
+                                           topk=req.hidden_states_topk)
         except Exception as e:  # the one table: a bad request 400, a vector's timeout 504, ...
             return wire.ENCODER.encode(HandleReply(error=http.handle_failure(e)))
         finally:
             self.in_flight -= 1
+        rows = rowwise(req.hidden_states_position, req.hidden_states_dtype, req.hidden_states_topk)
         return wire.ENCODER.encode(HandleReply(ok=HandleCompletion(
-            request_id=c.request_id,
-            replica=self.replica_id,
-            prompt_token_ids=list(c.prompt_token_ids),
-            choices=[
-                HandleChoice(
-                    ch.index, ch.text, list(ch.token_ids), ch.finish_reason,
-                    None if ch.hidden_states is None else np.asarray(ch.hidden_states, "<f4").tobytes(),
-                    ch.extraction.cached_tokens if ch.extraction else 0,
-                    {layer: np.asarray(v, "<f4").tobytes() for layer, v in (ch.hidden_states_by_layer or {}).items()},
-                )
-                for ch in c.choices
-            ],
-        )))
+            request_id=c.request_id, replica=self.replica_id, prompt_token_ids=list(c.prompt_token_ids),
+            choices=[wire.to_wire(ch, rows) for ch in c.choices])))
 
     async def hidden_states(self, body: bytes) -> bytes:
         """The Python-handle form of POST /v1/hidden_states (`deployments.client.verify`): JSON in, a Reply out."""

@@ -5,12 +5,19 @@ Ray carries the bytes; our code never hands it a Python object to pickle.
   request a `ResponseHead` frame, then SSE chunks (bytes) on a streaming
   handle; otherwise one `Reply` (head and body) on a plain call.
 - Python handle callers (`deployments.client`) <-> router <-> replica:
-  `HandleCompletionRequest` / `HandleCompletion`.
+  `HandleCompletionRequest` / `HandleCompletion`; vectors and rows as raw
+  little-endian bytes (`to_wire` / `from_wire`).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
+import numpy as np
+
+from hidden_states.engine import CompletionChoice, ExtractionStats
+from hidden_states.protocol import narrow, numpy_dtype, widen
 
 
 class ResponseHead(msgspec.Struct, array_like=True, gc=False):
@@ -35,7 +42,9 @@ class HandleCompletionRequest(msgspec.Struct, omit_defaults=True, forbid_unknown
     stop: list[str] = []
     return_hidden_states: bool = True
     hidden_states_layers: list[int] = msgspec.field(default_factory=lambda: [-1])
-    hidden_states_position: str = "completion_end"
+    hidden_states_position: str | dict[str, Any] = "completion_end"  # params.check_position's forms
+    hidden_states_dtype: str = "float32"
+    hidden_states_topk: int | None = None
 
 
 class HandleChoice(msgspec.Struct, array_like=True, gc=False):
@@ -43,9 +52,56 @@ class HandleChoice(msgspec.Struct, array_like=True, gc=False):
     text: str
     token_ids: list[int]
     finish_reason: str | None
-    hidden_states: bytes | None  # little-endian float32, the last layer
+    hidden_states: bytes | None  # little-endian float32, the last layer (one-vector requests)
     cached_tokens: int = 0
     hidden_states_by_layer: dict[int, bytes] = {}
+    # Rows (params.rowwise: a position other than completion_end/prompt_end, a dtype, top-k): by layer only,
+    # each row-major little-endian `dtype` (bfloat16: the high 16 bits of float32) of `shape` ([n, width];
+    # [width] for one position), top-k's indices int32 alike; None: the one-vector fields above.
+    shape: list[int] | None = None
+    dtype: str = "float32"
+    positions: list[int] | None = None
+    hidden_states_indices_by_layer: dict[int, bytes] = {}
+
+
+def to_wire(ch: CompletionChoice, rows: bool) -> HandleChoice:
+    """A finished choice for the handle; `rows`: the request was rowwise (values narrowed back to the
+    dtype they were cast to, exactly)."""
+    cached = ch.extraction.cached_tokens if ch.extraction else 0
+    by_layer = ch.hidden_states_by_layer or {}
+    if not rows:
+        return HandleChoice(ch.index, ch.text, list(ch.token_ids), ch.finish_reason,
+                            None if ch.hidden_states is None else np.asarray(ch.hidden_states, "<f4").tobytes(),
+                            cached, {layer: np.asarray(v, "<f4").tobytes() for layer, v in by_layer.items()})
+    shape = list(next(iter(by_layer.values())).shape) if by_layer else None
+    return HandleChoice(ch.index, ch.text, list(ch.token_ids), ch.finish_reason, None, cached,
+                        {layer: narrow(v, ch.dtype).tobytes() for layer, v in by_layer.items()}, shape, ch.dtype,
+                        None if ch.positions is None else list(ch.positions),
+                        {layer: np.asarray(i, "<i4").tobytes()
+                         for layer, i in (ch.hidden_states_indices_by_layer or {}).items()})
+
+
+def decode_rows(raw: bytes, dtype: str, shape: list[int]) -> np.ndarray:
+    """Rows off the wire: numpy float32 or float16 as sent; bfloat16 (no numpy dtype) widened exactly to float32."""
+    arr = np.frombuffer(raw, numpy_dtype(dtype))
+    arr = widen(arr, dtype) if dtype == "bfloat16" else arr.astype(arr.dtype.newbyteorder("="))
+    return arr.reshape(shape)
+
+
+def from_wire(ch: HandleChoice, total: int) -> CompletionChoice:
+    """A HandleChoice as the engine's CompletionChoice; `total`: the prompt's tokens."""
+    if ch.shape is None:  # one float32 vector per layer, as ever
+        values = {layer: np.frombuffer(b, "<f4").copy() for layer, b in ch.hidden_states_by_layer.items()}
+        last = None if ch.hidden_states is None else np.frombuffer(ch.hidden_states, "<f4").copy()
+        indices, positions, asked = None, None, last is not None
+    else:
+        values = {layer: decode_rows(b, ch.dtype, ch.shape) for layer, b in ch.hidden_states_by_layer.items()}
+        indices = {layer: np.frombuffer(b, "<i4").reshape(ch.shape).copy()
+                   for layer, b in ch.hidden_states_indices_by_layer.items()} or None
+        last, positions, asked = values.get(-1), None if ch.positions is None else tuple(ch.positions), bool(values)
+    stats = ExtractionStats(total + len(ch.token_ids), ch.cached_tokens, 0.0) if asked else None
+    return CompletionChoice(ch.index, ch.text, tuple(ch.token_ids), ch.finish_reason, last, stats, values or None,
+                            positions, ch.dtype, None if indices is None else indices.get(-1), indices)
 
 
 class HandleCompletion(msgspec.Struct, array_like=True, gc=False):

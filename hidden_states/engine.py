@@ -207,6 +207,29 @@ class CompletionChoice:
     hidden_states_indices_by_layer: dict[int, np.ndarray] | None = None
 
 
+def rows_choice(engine: Any, collector: HiddenStatesCollector, index: int, text: str, token_ids: Sequence[int],
+                finish_reason: str | None) -> CompletionChoice:
+    """A finished choice of a rowwise collector: float32 rows [n, D] (or [D] for one position), their
+    positions, top-k indices. `engine`: its `hidden_size`, `missing` and `vector_sent`."""
+    key = (0, index)
+    if key not in collector.done:
+        raise engine.missing(f"choice {index}")
+    batch, stats = collector.take(key), collector.stats.get(key)
+    width = collector.topk or engine.hidden_size
+    values = {l: batch.floats(l) if batch else np.zeros((0, width), np.float32) for l in collector.layers}
+    indices = None
+    if collector.topk:
+        indices = {l: batch.indices[l] if batch else np.zeros((0, width), np.int32) for l in collector.layers}
+    positions = tuple(batch.positions.tolist()) if batch else ()
+    if not collector.multi:  # one vector, 1-D as ever
+        values = {l: v[0] for l, v in values.items()}
+        indices = None if indices is None else {l: i[0] for l, i in indices.items()}
+    engine.vector_sent(collector.position_label, stats, batch.nbytes if batch else 0)
+    return CompletionChoice(index, text, tuple(token_ids), finish_reason, values.get(-1), stats, values,
+                            positions if collector.multi else None, collector.dtype,
+                            None if indices is None else indices.get(-1), indices)
+
+
 @dataclasses.dataclass(frozen=True)
 class Completion:
     request_id: str
@@ -268,8 +291,10 @@ class Engine(Protocol):
         ...
 
     async def complete(self, prompt: str | Sequence[int], options: SamplingOptions, *, return_hidden_states: bool,
-                       layers: Sequence[int], position: str, model: str | None = None) -> Completion:
-        """`model`: a LoRA adapter's name (None: the base model); an unknown one raises UnknownModelError."""
+                       layers: Sequence[int], position: Any, model: str | None = None, dtype: str = "float32",
+                       topk: int | None = None) -> Completion:
+        """`model`: a LoRA adapter's name (None: the base model); an unknown one raises UnknownModelError.
+        `position`, `dtype`, `topk`: as the API's fields; rowwise requests give `rows_choice`'s choices."""
         ...
 
     async def stats(self) -> dict: ...

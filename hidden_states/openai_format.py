@@ -66,6 +66,33 @@ def encode_rows(batch: RowBatch | None, layer: int, encoding: str, multi: bool, 
     return [{"indices": i.tolist(), "values": v.tolist()} for i, v in zip(indices, floats)]
 
 
+def vector_fields(vecs: dict[int, np.ndarray], by_layer: bool, encoding: str) -> dict:
+    """One float32 vector per layer: `hidden_states`, or `hidden_states_by_layer` (layers as asked)."""
+    if by_layer:
+        return {"hidden_states_by_layer": {str(layer): encode_vector(v, encoding) for layer, v in vecs.items()}}
+    return {"hidden_states": encode_vector(vecs[-1], encoding)}
+
+
+def row_fields(batch: RowBatch | None, layers, encoding: str, by_layer: bool, multi: bool, position, dtype: str,
+               topk: int | None, width: int) -> dict:
+    """Rows as a choice carries them (and POST /v1/hidden_states): `hidden_states` (or
+    `hidden_states_by_layer`), and `hidden_states_meta` with position, dtype, topk, positions, shape, bytes."""
+    rows = {layer: encode_rows(batch, layer, encoding, multi, topk, width) for layer in layers}
+    out = {"hidden_states_by_layer": {str(layer): v for layer, v in rows.items()}} if by_layer \
+        else {"hidden_states": rows[-1]}
+    meta = {"position": position, "dtype": dtype}
+    if topk:
+        meta["topk"] = topk
+    n = len(batch) if batch is not None else 0
+    if multi:
+        meta.update(positions=batch.positions.tolist() if batch is not None else [], shape=[n, width])
+    else:
+        meta["shape"] = [width]
+    meta["bytes"] = batch.nbytes if batch is not None else 0
+    out["hidden_states_meta"] = meta
+    return out
+
+
 def error_body(message: str, status: int, err_type: str | None = None, param: str | None = None) -> bytes:
     err_type = err_type or HTTPStatus(status).phrase.replace(" ", "") + "Error"
     return json.dumps({"error": {"message": message, "type": err_type, "param": param, "code": status}}).encode()
@@ -99,27 +126,17 @@ class ChoiceVectors:
         if batch is None and not finishing:
             return None
         width = col.topk or getattr(self.engine, "hidden_size", 0)
-        rows = {layer: encode_rows(batch, layer, self.encoding, col.multi, col.topk, width) for layer in col.layers}
-        out = {"hidden_states_by_layer": {str(layer): v for layer, v in rows.items()}} if self.by_layer \
-            else {"hidden_states": rows[-1]}
-        nbytes = batch.nbytes if batch is not None else 0
-        self._sent_bytes[key] = self._sent_bytes.get(key, 0) + nbytes
-        meta = {"position": col.position, "dtype": col.dtype}
-        if col.topk:
-            meta["topk"] = col.topk
-        n = len(batch) if batch is not None else 0
-        if col.multi:
-            meta.update(positions=batch.positions.tolist() if batch is not None else [], shape=[n, width])
-        else:
-            meta["shape"] = [width]
-        meta.update(bytes=nbytes, adapter=self.adapter, replica=self.replica_id)
+        out = row_fields(batch, col.layers, self.encoding, self.by_layer, col.multi, col.position, col.dtype,
+                         col.topk, width)
+        meta = out["hidden_states_meta"]
+        self._sent_bytes[key] = self._sent_bytes.get(key, 0) + meta["bytes"]
+        meta.update(adapter=self.adapter, replica=self.replica_id)
         if finishing:
             st = col.stats.get(key)
             if st is not None:
                 meta.update(via=st.via, tokens=st.tokens, cached_tokens=st.cached_tokens,
                             computed_tokens=st.computed_tokens, extraction_seconds=round(st.seconds, 6))
             self.engine.vector_sent(col.position_label, st, self._sent_bytes.pop(key, 0))
-        out["hidden_states_meta"] = meta
         return out
 
     def fields(self, index: int) -> dict:
@@ -130,11 +147,7 @@ class ChoiceVectors:
         vecs = self.collector.vectors.get(key)
         if vecs is None:
             raise self.engine.missing(f"choice {index}")
-        out = {}
-        if self.by_layer:
-            out["hidden_states_by_layer"] = {str(layer): encode_vector(v, self.encoding) for layer, v in vecs.items()}
-        else:
-            out["hidden_states"] = encode_vector(vecs[-1], self.encoding)
+        out = vector_fields(vecs, self.by_layer, self.encoding)
         meta = {"position": self.collector.position, "adapter": self.adapter, "replica": self.replica_id}
         st = self.collector.stats.get(key)
         if st is not None:

@@ -75,22 +75,27 @@ class PositionRange(BaseModel):
     stride: int = Field(1, ge=1)
 
 
-class HiddenStatesFields(BaseModel):
-    """The request fields this server adds to vLLM's OpenAI API."""
+class VectorFields(BaseModel):
+    """Which vectors, and how they travel: the fields POST /v1/hidden_states shares with the completion routes."""
 
-    return_hidden_states: bool = Field(False, description="attach each choice's final-token hidden state")
     hidden_states_encoding: Encoding = Field(
         "float", description="a JSON list of floats, or base64 of the little-endian float32 bytes")
     hidden_states_layers: list[int] | None = Field(
         None, description="layers as transformers numbers output_hidden_states (0 = embeddings, -1 = after the "
-                          "final norm); the choice then carries hidden_states_by_layer")
+                          "final norm); the answer then carries hidden_states_by_layer")
     hidden_states_position: NamedPosition | PositionRange = Field(
         "completion_end", description="the final token of prompt+completion, the last prompt token, every "
-                                      "generated token, every token, or a range of positions in prompt+completion")
+                                      "completion token, every token, or a range of positions in prompt+completion")
     hidden_states_dtype: Dtype = Field(
         "float32", description="the rows' dtype, cast on the device (base64 carries its little-endian bytes)")
     hidden_states_topk: int | None = Field(
         None, ge=1, description="per position only the k largest-magnitude entries: {indices, values}")
+
+
+class HiddenStatesFields(VectorFields):
+    """The request fields this server adds to vLLM's OpenAI API."""
+
+    return_hidden_states: bool = Field(False, description="attach each choice's final-token hidden state")
 
 
 def check_fields(req: Mapping[str, Any], *, enabled: bool) -> None:
@@ -260,20 +265,39 @@ def rows_bytes(count: int, layers: int, hidden_size: int, dtype: str, topk: int 
     return count * layers * width
 
 
-def check_rows_budget(span: Span, prompt_len: int, max_tokens: int, choices: int, layers: int, hidden_size: int,
-                      dtype: str, topk: int | None, limit: int) -> None:
-    """The 400 for a request whose worst case (prompt + max_tokens tokens) exceeds `limit` bytes."""
-    count = len(span.positions(prompt_len + max_tokens))
+def check_rows_budget(span: Span, prompt_len: int, max_tokens: int | None, choices: int, layers: int,
+                      hidden_size: int, dtype: str, topk: int | None, limit: int) -> None:
+    """The 400 for a request whose worst case (prompt + max_tokens tokens) exceeds `limit` bytes;
+    max_tokens None: `prompt_len` given tokens, no generation (POST /v1/hidden_states)."""
+    count = len(span.positions(prompt_len + (max_tokens or 0)))
     worst = choices * rows_bytes(count, layers, hidden_size, dtype, topk)
     if worst > limit:
         what = f"{hidden_size} x {ITEMSIZE[dtype]} bytes" if topk is None else \
             f"top-{topk} x {ITEMSIZE[dtype] + TOPK_INDEX_BYTES} bytes"
+        given = max_tokens is None
+        of = f"{prompt_len} given tokens" if given else f"a prompt of {prompt_len} tokens + max_tokens {max_tokens}"
         raise HiddenStatesRequestError(
-            f"hidden states of up to {count} positions x {layers} layer(s) x {what} x {choices} choice(s) = "
-            f"{worst} bytes (a prompt of {prompt_len} tokens + max_tokens {max_tokens}) exceed this server's "
-            f"max_hidden_states_bytes ({limit}): ask for fewer positions (a range, a stride), fewer layers, "
-            "hidden_states_dtype float16/bfloat16, hidden_states_topk, or a smaller max_tokens",
+            f"hidden states of {'' if given else 'up to '}{count} positions x {layers} layer(s) x {what} x "
+            f"{choices} choice(s) = {worst} bytes ({of}) exceed this server's max_hidden_states_bytes ({limit}): "
+            "ask for fewer positions (a range, a stride), fewer layers, hidden_states_dtype float16/bfloat16"
+            + (" or hidden_states_topk" if given else ", hidden_states_topk, or a smaller max_tokens"),
             "hidden_states_position")
+
+
+def given_span(position: "str | Mapping[str, Any]", total: int, completion_start: int | None) -> Span:
+    """POST /v1/hidden_states (no generation): the span of `position` on `total` given tokens whose
+    completion, if any, starts at `completion_start`, meaning what it means on a completion's
+    prompt_token_ids + token_ids; a 400 if it selects nothing."""
+    if position == "completion" and completion_start is None:
+        raise HiddenStatesRequestError(
+            'hidden_states_position "completion" selects the tokens of `completion`: send `messages` with a '
+            "`completion` (or ask for a range of positions)", "hidden_states_position")
+    span = Span.of(position, total if completion_start is None else completion_start)
+    if not span.positions(total):
+        raise HiddenStatesRequestError(
+            f"hidden_states_position {position!r} selects no position of the {total} given tokens",
+            "hidden_states_position")
+    return span
 
 
 def absolute_layer(layer: int, num_layers: int) -> int:

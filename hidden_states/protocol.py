@@ -64,6 +64,16 @@ def widen(values: np.ndarray, dtype: str) -> np.ndarray:
     return np.asarray(values).astype(np.float32, copy=False)
 
 
+def narrow(values: np.ndarray, dtype: str) -> np.ndarray:
+    """float32 values as raw elements of `dtype` (uint16 bit patterns for bfloat16), rounded to nearest
+    even as torch casts; exact for values of that dtype (what `widen` gave): `widen`'s inverse."""
+    values = np.asarray(values, dtype=np.float32)
+    if dtype == "bfloat16":
+        bits = values.view(np.uint32).astype(np.uint64)
+        return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype("<u2")
+    return values.astype(numpy_dtype(dtype))
+
+
 class HiddenStatesProtocolError(ValueError):
     """A captured vector that does not decode (a bug or a version mismatch, never a client's doing)."""
 

@@ -2,11 +2,14 @@
 
 Deterministic and instant: a prompt's token ids are its UTF-8 bytes, a choice
 generates `max_tokens` ids counting up from the prompt's length plus its index,
-and the vector of a token sequence is `fake_vector(ids)`. Responses go through
-the same formatting as the real frontend (`hidden_states.openai_format`), so
-the ingress, relay, counters and vector placement are tested for real; only
-vLLM is not there. `FakeEngine.fail_next` makes the next OpenAI request raise
-mid-stream what vLLM raises when its engine core died (`EngineDeadError`).
+and the vector of a token sequence is `fake_vector(ids)`: the row of position p
+is `fake_vector(ids[:p + 1])`, so every hidden_states_position, dtype and top-k
+is served (`fake_rows`: cast and selected as the engine does), within
+`max_hidden_states_bytes`. Responses go through the same formatting as the
+real frontend (`hidden_states.openai_format`), so the ingress, relay, counters
+and vector placement are tested for real; only vLLM is not there.
+`FakeEngine.fail_next` makes the next OpenAI request raise mid-stream what
+vLLM raises when its engine core died (`EngineDeadError`).
 
 Like vLLM's AsyncLLM, it knows which requests are still running: a request is
 live from its start until its generator ends, and one whose caller closed or
@@ -32,10 +35,11 @@ from typing import Any
 import numpy as np
 
 from hidden_states.engine import (Completion, CompletionChoice, ExtractionStats, HiddenStatesCollector,
-                                  MissingHiddenStatesError, SamplingOptions, VectorObservers)
+                                  MissingHiddenStatesError, RowBatch, SamplingOptions, VectorObservers, rows_choice)
 from hidden_states.openai_format import ChoiceVectors, error_body
-from hidden_states.params import (SINGLE_POSITIONS, HiddenStatesDisabledError, HiddenStatesRequestError, check_layers,
-                                  check_position)
+from hidden_states.params import (DEFAULT_MAX_HIDDEN_STATES_BYTES, HiddenStatesDisabledError, HiddenStatesRequestError,
+                                  Span, check_dtype, check_layers, check_position, check_rows_budget, check_topk)
+from hidden_states.protocol import narrow
 
 HIDDEN_SIZE = 8
 NUM_LAYERS = 2
@@ -46,15 +50,35 @@ def fake_vector(ids: Sequence[int], layer: int = -1) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal(HIDDEN_SIZE).astype(np.float32)
 
 
+def fake_rows(ids: Sequence[int], positions: Sequence[int], layers: Sequence[int] = (-1,), dtype: str = "float32",
+              topk: int | None = None) -> RowBatch:
+    """The rows of `ids` at `positions` (row p: `fake_vector(ids[:p + 1])`) as the engine sends them:
+    top-k of the float32 rows by magnitude (int32 indices, largest first), then cast to `dtype` (raw)."""
+    pos = np.asarray(positions, dtype=np.int64)
+    values, indices = {}, {} if topk else None
+    for layer in layers:
+        rows = np.stack([fake_vector(ids[:p + 1], layer) for p in pos]) if len(pos) else \
+            np.zeros((0, HIDDEN_SIZE), np.float32)
+        if topk:
+            indices[layer] = np.argsort(-np.abs(rows), axis=-1, kind="stable")[:, :topk].astype(np.int32)
+            rows = np.take_along_axis(rows, indices[layer], axis=-1)
+        values[layer] = narrow(rows, dtype)
+    return RowBatch(pos, values, dtype, indices)
+
+
 class EngineDeadError(RuntimeError):
     """vLLM's name for "the engine core died" (hidden_states/errors.py matches it by name: a 503)."""
 
 
 class FakeEngine(VectorObservers):
-    def __init__(self, enabled: bool, token_delay_s: float = 0.0):
+    hidden_size = HIDDEN_SIZE
+
+    def __init__(self, enabled: bool, token_delay_s: float = 0.0,
+                 max_hidden_states_bytes: int = DEFAULT_MAX_HIDDEN_STATES_BYTES):
         super().__init__()
         self.enabled = enabled
         self.token_delay_s = token_delay_s
+        self.max_hidden_states_bytes = max_hidden_states_bytes
         self.missing_vectors = 0
         self.requests = 0
         self.live: set[str] = set()  # requests started and not ended
@@ -64,8 +88,8 @@ class FakeEngine(VectorObservers):
 
     @classmethod
     async def start(cls, model: str = "fake", *, enable_return_hidden_states: bool = True, token_delay_s: float = 0.0,
-                    **_: Any) -> "FakeEngine":
-        return cls(enable_return_hidden_states, token_delay_s)
+                    max_hidden_states_bytes: int = DEFAULT_MAX_HIDDEN_STATES_BYTES, **_: Any) -> "FakeEngine":
+        return cls(enable_return_hidden_states, token_delay_s, max_hidden_states_bytes)
 
     @contextlib.asynccontextmanager
     async def running(self):
@@ -84,12 +108,13 @@ class FakeEngine(VectorObservers):
         """One token's worth of work: a point where a request can be cancelled, as in vLLM."""
         await asyncio.sleep(self.token_delay_s)
 
-    def check_request(self, layers: Sequence[int] = (-1,), position: str = "completion_end") -> tuple[int, ...]:
+    def check_request(self, layers: Sequence[int] = (-1,), position: Any = "completion_end", dtype: str = "float32",
+                      topk: int | None = None) -> tuple[int, ...]:
         if not self.enabled:
             raise HiddenStatesDisabledError()
-        if check_position(position) not in SINGLE_POSITIONS:
-            raise HiddenStatesRequestError("the fake engine serves hidden_states_position completion_end and "
-                                           "prompt_end only", "hidden_states_position")
+        check_position(position)
+        check_dtype(dtype)
+        check_topk(topk, HIDDEN_SIZE)
         return check_layers(layers, NUM_LAYERS)
 
     def missing(self, what: str) -> MissingHiddenStatesError:
@@ -97,8 +122,16 @@ class FakeEngine(VectorObservers):
         return MissingHiddenStatesError(f"{what} finished without its hidden states")
 
     @contextlib.contextmanager
-    def collecting(self, layers: Sequence[int] = (-1,), position: str = "completion_end"):
-        yield HiddenStatesCollector(uuid.uuid4().hex, self.check_request(layers, position), position)
+    def collecting(self, layers: Sequence[int] = (-1,), position: Any = "completion_end", dtype: str = "float32",
+                   topk: int | None = None):
+        layers = self.check_request(layers, position, dtype, topk)
+        yield HiddenStatesCollector(uuid.uuid4().hex, layers, check_position(position), dtype=dtype, topk=topk)
+
+    def check_budget(self, col: HiddenStatesCollector | None, prompt_len: int, max_tokens: int, n: int) -> None:
+        """The engine's memory bound on a rowwise request (params.check_rows_budget), before it starts."""
+        if col is not None and col.rowwise:
+            check_rows_budget(Span.of(col.position, prompt_len), prompt_len, max_tokens, n, len(col.layers),
+                              HIDDEN_SIZE, col.dtype, col.topk, self.max_hidden_states_bytes)
 
     def _generate(self, prompt_ids: list[int], index: int, max_tokens: int) -> list[int]:
         return [(len(prompt_ids) + index + i) % 256 for i in range(max_tokens)]
@@ -111,25 +144,37 @@ class FakeEngine(VectorObservers):
 
     def _collect(self, collector: HiddenStatesCollector, index: int, prompt_ids: list[int],
                  token_ids: list[int]) -> dict[int, np.ndarray]:
-        """Choice `index` of the request's one prompt: its vectors, filed as the real engine files them."""
+        """Choice `index` of the request's one prompt: its vectors (or rows), filed as the real engine files them."""
         seq = list(prompt_ids) if collector.position == "prompt_end" else [*prompt_ids, *token_ids]
+        stats = None if collector.position == "prompt_end" else ExtractionStats(len(seq), len(seq) - 1, 0.0)
+        if collector.rowwise:
+            wanted = list(Span.of(collector.position, len(prompt_ids)).positions(len(seq)))
+            collector.add_rows((0, index), fake_rows(seq, wanted, collector.layers, collector.dtype, collector.topk))
+            collector.settle_rows((0, index), wanted, stats)
+            return {}
         vectors = {layer: fake_vector(seq, layer) for layer in collector.layers}
-        stats = ExtractionStats(len(seq), len(seq) - 1, 0.0) if collector.position == "completion_end" else None
         collector.put((0, index), vectors, stats)
         return vectors
 
     async def complete(self, prompt: str | Sequence[int], options: SamplingOptions | None = None, *,
                        return_hidden_states: bool = True, layers: Sequence[int] = (-1,),
-                       position: str = "completion_end", model: str | None = None) -> Completion:
+                       position: Any = "completion_end", model: str | None = None, dtype: str = "float32",
+                       topk: int | None = None) -> Completion:
         o = options or SamplingOptions()
         ids = list(prompt.encode()) if isinstance(prompt, str) else list(prompt)
         choices = []
         async with self.running():
-            with self.collecting(layers, position) if return_hidden_states else contextlib.nullcontext() as col:
+            with self.collecting(layers, position, dtype, topk) if return_hidden_states else \
+                    contextlib.nullcontext() as col:
+                self.check_budget(col, len(ids), o.max_tokens or 16, o.n)
                 for i in range(o.n):
                     toks = await self._generate_slowly(ids, i, o.max_tokens or 16)
+                    text = bytes(toks).decode("latin-1")
                     vecs = None if col is None else self._collect(col, i, ids, toks)
-                    choices.append(CompletionChoice(i, bytes(toks).decode("latin-1"), tuple(toks), "length",
+                    if col is not None and col.rowwise:
+                        choices.append(rows_choice(self, col, i, text, toks, "length"))
+                        continue
+                    choices.append(CompletionChoice(i, text, tuple(toks), "length",
                                                     None if vecs is None else vecs.get(-1), None, vecs))
         return Completion(f"cmpl-{uuid.uuid4().hex}", tuple(ids), tuple(choices))
 
@@ -168,21 +213,19 @@ class FakeOpenAI:
             e = HiddenStatesDisabledError()
             yield 400, error_body(str(e), 400, "BadRequestError", e.param)
             return
-        if req.get("return_hidden_states"):
-            try:
-                eng.check_request(req.get("hidden_states_layers") or (-1,),
-                                  req.get("hidden_states_position", "completion_end"))
-            except HiddenStatesRequestError as e:
-                yield 400, error_body(str(e), 400, "BadRequestError", e.param)
-                return
+        fields = (req.get("hidden_states_layers") or (-1,), req.get("hidden_states_position", "completion_end"),
+                  req.get("hidden_states_dtype", "float32"), req.get("hidden_states_topk"))
         text = req.get("prompt") if route == "completions" else " ".join(m["content"] for m in req["messages"])
         prompt_ids = list(str(text).encode())
         n, max_tokens = req.get("n") or 1, req.get("max_tokens") or 4
         ids_asked = bool(req.get("return_token_ids"))  # as vLLM: token ids only when asked for
-        col_cm = eng.collecting(req.get("hidden_states_layers") or (-1,),
-                                req.get("hidden_states_position", "completion_end")) \
-            if req.get("return_hidden_states") else contextlib.nullcontext()
-        with col_cm as col:
+        with contextlib.ExitStack() as stack:
+            try:  # the engine's checks: the fields against the model, then the memory bound
+                col = stack.enter_context(eng.collecting(*fields)) if req.get("return_hidden_states") else None
+                eng.check_budget(col, len(prompt_ids), max_tokens, n)
+            except HiddenStatesRequestError as e:
+                yield 400, error_body(str(e), 400, "BadRequestError", e.param)
+                return
             vectors = None
             if col is not None:
                 asked = types.SimpleNamespace(hidden_states_encoding=req.get("hidden_states_encoding", "float"),

@@ -1,14 +1,23 @@
-"""`POST /v1/hidden_states`: the true vector for given tokens, and a comparison with a claimed one.
+"""`POST /v1/hidden_states`: the true vectors of given tokens, and a comparison with claimed ones.
 
 For verifiers (TopLOC-style checks of inference done elsewhere), reward models
-and probes: no generation, one prefill of the given tokens on the prefix cache
-(the extraction step), returning the final token's vector(s) and the token ids
-they belong to. Input: `prompt` (text or token ids), or `messages` rendered
-with the chat template plus an optional assistant `completion` (text or token
-ids) appended after the generation prompt: exactly the `prompt_token_ids +
-token_ids` of a chat completion. With `compare`, the answer adds the error of
-a claimed vector against the true one and whether it is within `tolerance`
-(relative: max |claimed - true| <= tolerance x max |true|).
+and probes: no generation, one prefill of the given tokens (the extraction
+step), returning their vector(s) and the token ids they belong to. Input:
+`prompt` (text or token ids), or `messages` rendered with the chat template
+plus an optional assistant `completion` (text or token ids) appended after the
+generation prompt: exactly the `prompt_token_ids + token_ids` of a chat
+completion. Which vectors: the completion routes' `hidden_states_position`
+(params.given_span: "completion" is the `completion`'s tokens), dtype, top-k
+and layers, encoded as on choices (openai_format); the default is the final
+token's vector, as ever.
+
+With `compare`, the answer adds the error of the claim against the true rows
+(float32, or cast to `hidden_states_dtype` as the answer's rows are): a dense
+claim per row, max |claimed - true| <= tolerance x max |true|; a top-k claim
+per row, its indices the true top-k (ties at the k-th magnitude count either
+way) and its values within tolerance x max |true row| of the true values at
+those indices. One position: the one comparison, as ever; several: per
+position, and the worst.
 
 This module is the request model and the arithmetic; the engine's frontend
 (hidden_states/vllm/openai.py) tokenizes and extracts.
@@ -18,29 +27,45 @@ from __future__ import annotations
 
 import base64
 import json
-from typing import Any, Literal
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from hidden_states.params import HiddenStatesRequestError
+from hidden_states.params import HiddenStatesRequestError, VectorFields
+
+
+class TopkClaim(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    indices: list[int]
+    values: list[float]
 
 
 class Compare(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    vector: list[float] | str = Field(description="the claimed vector: floats, or base64 of little-endian float32")
+    vector: list[float] | list[list[float]] | str | None = Field(
+        None, description="the claimed vector: floats, or base64 of little-endian float32; with several positions "
+                          "one row per position (a list of lists, or base64 of the row-major [n, D] array)")
+    vectors: list[list[float]] | str | None = Field(None, description="one claimed row per position, as `vector`")
+    topk: list[TopkClaim] | None = Field(
+        None, description="per position the claimed largest-magnitude entries {indices, values} (TOPLOC-style)")
     tolerance: float = Field(1e-5, gt=0, description="largest relative error that still matches")
 
+    @model_validator(mode="after")
+    def _one_claim(self) -> "Compare":
+        if sum(x is not None for x in (self.vector, self.vectors, self.topk)) != 1:
+            raise ValueError("send exactly one of `compare.vector`, `compare.vectors` and `compare.topk`")
+        return self
 
-class HiddenStatesRequest(BaseModel):
+
+class HiddenStatesRequest(VectorFields):
     model_config = ConfigDict(extra="forbid")
     model: str | None = None
     prompt: str | list[int] | None = None
     messages: list[dict[str, Any]] | None = None
     completion: str | list[int] | None = Field(None, description="with messages: the assistant's answer")
     add_special_tokens: bool = Field(True, description="for a text prompt, as /v1/completions")
-    hidden_states_layers: list[int] | None = None
-    hidden_states_encoding: Literal["float", "base64"] = "float"
     compare: Compare | None = None
 
     @model_validator(mode="after")
@@ -53,45 +78,121 @@ class HiddenStatesRequest(BaseModel):
             raise ValueError("`prompt` is empty")
         if self.compare is not None and self.hidden_states_layers not in (None, [-1]):
             raise ValueError("`compare` checks the last layer: leave hidden_states_layers unset")
+        if self.compare is not None and self.hidden_states_topk is not None:
+            raise ValueError("`compare` checks against the whole rows: leave hidden_states_topk unset "
+                             "(compare.topk checks top-k claims)")
         return self
 
 
-def decode_claimed(value: list[float] | str, dim: int) -> np.ndarray:
+def decode_rows(value: list[float] | list[list[float]] | str, n: int, dim: int, field: str) -> np.ndarray:
+    """A dense claim as float32 [n, dim]: a 400 naming `field` for another count of rows or width."""
+    def refuse(message: str):
+        raise HiddenStatesRequestError(f"{field} {message}", field)
+
+    positions = f"hidden_states_position selects {n} position(s)"
     if isinstance(value, str):
         try:
             raw = base64.b64decode(value, validate=True)
         except ValueError:
-            raise HiddenStatesRequestError("compare.vector is not valid base64", "compare") from None
+            refuse("is not valid base64")
         if len(raw) % 4:
-            raise HiddenStatesRequestError("compare.vector: base64 of float32 needs a multiple of 4 bytes", "compare")
-        vec = np.frombuffer(raw, "<f4")
-    else:
-        vec = np.asarray(value, dtype=np.float32)
-    if vec.shape != (dim,):
-        raise HiddenStatesRequestError(f"compare.vector has {vec.size} values; this model's vectors have {dim}",
-                                       "compare")
-    return vec
+            refuse("is base64 of float32: it needs a multiple of 4 bytes")
+        flat = np.frombuffer(raw, "<f4")
+        if flat.size != n * dim:
+            refuse(f"has {flat.size} values; this model's vectors have {dim}" if n == 1 else
+                   f"has {flat.size} values; {positions} x {dim} values (the row-major [n, D] array)")
+        return flat.reshape(n, dim)
+    if value and isinstance(value[0], list):
+        if len(value) != n:
+            refuse(f"has {len(value)} rows; {positions}")
+        bad = next((i for i, row in enumerate(value) if len(row) != dim), None)
+        if bad is not None:
+            refuse(f"row {bad} has {len(value[bad])} values; this model's vectors have {dim}")
+        return np.asarray(value, np.float32)
+    if len(value) != dim:
+        refuse(f"has {len(value)} values; this model's vectors have {dim}")
+    if n != 1:
+        refuse(f"is one vector; {positions}: send one row per position")
+    return np.asarray(value, np.float32)[None]
+
+
+def decode_claimed(value: list[float] | str, dim: int) -> np.ndarray:
+    """One claimed vector, float32 [dim]."""
+    return decode_rows(value, 1, dim, "compare.vector")[0]
+
+
+def claims(compare: Compare, n: int, dim: int) -> np.ndarray | list[tuple[np.ndarray, np.ndarray]]:
+    """The claim of `n` positions: dense rows float32 [n, dim], or per position (indices, values);
+    a 400 naming the field for a count of rows other than `n` or entries that do not fit `dim`."""
+    if compare.topk is None:
+        field = "compare.vector" if compare.vector is not None else "compare.vectors"
+        return decode_rows(compare.vector if compare.vector is not None else compare.vectors, n, dim, field)
+    if len(compare.topk) != n:
+        raise HiddenStatesRequestError(f"compare.topk has {len(compare.topk)} rows; hidden_states_position selects "
+                                       f"{n} position(s)", "compare.topk")
+    out = []
+    for i, c in enumerate(compare.topk):
+        k = len(c.indices)
+        why = (f"has {k} indices and {len(c.values)} values" if k != len(c.values) else
+               "is empty" if k == 0 else
+               f"has {k} entries; this model's vectors have {dim}" if k > dim else
+               f"indices must lie in 0..{dim - 1}" if not all(0 <= j < dim for j in c.indices) else
+               "repeats an index" if len(set(c.indices)) != k else None)
+        if why is not None:
+            raise HiddenStatesRequestError(f"compare.topk[{i}] {why}", "compare.topk")
+        out.append((np.asarray(c.indices, np.int64), np.asarray(c.values, np.float32)))
+    return out
+
+
+def _relative(diff: float, scale: float) -> float:
+    return diff / scale if scale > 0 else (0.0 if diff == 0 else float("inf"))
 
 
 def comparison(claimed: np.ndarray, true: np.ndarray, tolerance: float) -> dict[str, Any]:
     diff = float(np.abs(claimed.astype(np.float64) - true).max())
     scale = float(np.abs(true).max())
     norm = float(np.linalg.norm(claimed) * np.linalg.norm(true))
-    rel = diff / scale if scale > 0 else (0.0 if diff == 0 else float("inf"))
+    rel = _relative(diff, scale)
     return {"max_abs_error": diff, "max_abs_reference": scale, "relative_error": rel,
             "cosine_similarity": float(np.dot(claimed.astype(np.float64), true) / norm) if norm > 0 else None,
             "tolerance": tolerance, "match": bool(rel <= tolerance)}
 
 
-def response(model: str, token_ids: list[int], vecs: dict[int, np.ndarray], req: HiddenStatesRequest,
-             meta: dict[str, Any], encode) -> bytes:
-    out: dict[str, Any] = {"object": "hidden_states", "model": model, "token_ids": token_ids}
-    if req.hidden_states_layers is None:
-        out["hidden_states"] = encode(vecs[-1], req.hidden_states_encoding)
+def topk_comparison(indices: np.ndarray, values: np.ndarray, true: np.ndarray, tolerance: float) -> dict[str, Any]:
+    """A top-k claim on one row: `index_overlap`, the fraction of its k indices among the true row's
+    k largest magnitudes (ties at the k-th count either way); its values against the true values at
+    its indices, relative to max |true row|. A match: every index, and values within tolerance."""
+    mag = np.abs(true)
+    kth = np.partition(mag, mag.size - indices.size)[mag.size - indices.size]
+    overlap = float(np.count_nonzero(mag[indices] >= kth)) / indices.size
+    diff, scale = float(np.abs(values.astype(np.float64) - true[indices]).max()), float(mag.max())
+    rel = _relative(diff, scale)
+    return {"index_overlap": overlap, "max_abs_error": diff, "max_abs_reference": scale, "relative_error": rel,
+            "tolerance": tolerance, "match": bool(overlap == 1.0 and rel <= tolerance)}
+
+
+def compared(claim: np.ndarray | list[tuple[np.ndarray, np.ndarray]], true: np.ndarray, positions: Sequence[int],
+             tolerance: float, multi: bool) -> dict[str, Any]:
+    """A claim (`claims`) against the true rows [n, D]: one position's comparison as ever, or
+    several positions' per position with the worst (lowest index overlap, then largest error)."""
+    if isinstance(claim, np.ndarray):
+        rows = [comparison(c, t, tolerance) for c, t in zip(claim, true)]
     else:
-        out["hidden_states_by_layer"] = {str(layer): encode(v, req.hidden_states_encoding) for layer, v in vecs.items()}
-    out["hidden_states_meta"] = meta
-    if req.compare is not None:
-        true = vecs[-1]
-        out["comparison"] = comparison(decode_claimed(req.compare.vector, true.size), true, req.compare.tolerance)
+        rows = [topk_comparison(i, v, t, tolerance) for (i, v), t in zip(claim, true)]
+    if not multi:
+        return rows[0]
+    per = [{"position": int(p), **{k: v for k, v in r.items() if k != "tolerance"}} for p, r in zip(positions, rows)]
+    worst = max(per, key=lambda r: (1.0 - r.get("index_overlap", 1.0), r["relative_error"]))
+    out = {"match": all(r["match"] for r in per), "tolerance": tolerance, "worst_position": worst["position"],
+           "worst_relative_error": worst["relative_error"]}
+    if "index_overlap" in worst:
+        out["worst_index_overlap"] = worst["index_overlap"]
+    return {**out, "per_position": per}
+
+
+def response(model: str, token_ids: list[int], fields: dict[str, Any], comparison: dict[str, Any] | None) -> bytes:
+    """The answer: the token ids, the vector fields as on a choice (openai_format), the comparison."""
+    out: dict[str, Any] = {"object": "hidden_states", "model": model, "token_ids": token_ids, **fields}
+    if comparison is not None:
+        out["comparison"] = comparison
     return json.dumps(out, separators=(",", ":")).encode()

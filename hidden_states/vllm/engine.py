@@ -45,14 +45,13 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
-
 from hidden_states.preflight import EngineStartupError, check_architecture, check_cpu_memory, check_model_folder
 from hidden_states.params import (DEFAULT_MAX_HIDDEN_STATES_BYTES, HiddenStatesDisabledError, HiddenStatesRequestError,
                                   UnknownModelError, absolute_layer, check_dtype, check_layers, check_position,
                                   check_topk)
 from hidden_states.models.builtin import DEFAULT_MODEL, resolve_model
-from hidden_states.engine import Completion, CompletionChoice, HiddenStatesCollector, SamplingOptions, VectorObservers
+from hidden_states.engine import (Completion, CompletionChoice, HiddenStatesCollector, SamplingOptions, VectorObservers,
+                                  rows_choice)
 from hidden_states.vllm import (ENGINE_ENV, SUPPORTED_LAYER_ARCHS, WORKER_EXTENSION, VLLMIncompatibleError,
                                 check_vllm_version)
 from hidden_states.vllm.cpu import cpu_start_up, on_cpu
@@ -280,7 +279,7 @@ class HiddenStatesEngine(Extraction, VectorObservers):
         for o in final.outputs:
             vecs = stats = None
             if collector is not None and collector.rowwise:
-                choices.append(self._rows_choice(collector, o))
+                choices.append(rows_choice(self, collector, o.index, o.text, o.token_ids, o.finish_reason))
                 continue
             if collector is not None:
                 vecs, stats = collector.vectors.get((0, o.index)), collector.stats.get((0, o.index))
@@ -290,26 +289,6 @@ class HiddenStatesEngine(Extraction, VectorObservers):
             choices.append(CompletionChoice(o.index, o.text, tuple(o.token_ids), o.finish_reason,
                                             None if vecs is None else vecs.get(-1), stats, vecs))
         return Completion(request_id=request_id, prompt_token_ids=tuple(final.prompt_token_ids), choices=tuple(choices))
-
-    def _rows_choice(self, collector: HiddenStatesCollector, o: Any) -> CompletionChoice:
-        """A finished choice of a rowwise collector: float32 rows [n, D] (or [D] for one position)."""
-        key = (0, o.index)
-        if key not in collector.done:
-            raise self.missing(f"choice {o.index}")
-        batch, stats = collector.take(key), collector.stats.get(key)
-        width = collector.topk or self.hidden_size
-        values = {l: batch.floats(l) if batch else np.zeros((0, width), np.float32) for l in collector.layers}
-        indices = None
-        if collector.topk:
-            indices = {l: batch.indices[l] if batch else np.zeros((0, width), np.int32) for l in collector.layers}
-        positions = tuple(batch.positions.tolist()) if batch else ()
-        if not collector.multi:  # one vector, 1-D as ever
-            values = {l: v[0] for l, v in values.items()}
-            indices = None if indices is None else {l: i[0] for l, i in indices.items()}
-        self.vector_sent(collector.position_label, stats, batch.nbytes if batch else 0)
-        return CompletionChoice(o.index, o.text, tuple(o.token_ids), o.finish_reason, values.get(-1), stats, values,
-                                positions if collector.multi else None, collector.dtype,
-                                None if indices is None else indices.get(-1), indices)
 
     def lora_request(self, model: str | None) -> Any:
         """The LoRA adapter a request names by `model`, as vLLM's serving resolves it (None: the base model)."""

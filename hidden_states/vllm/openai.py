@@ -43,11 +43,12 @@ from pydantic import ValidationError
 
 from hidden_states.engine import HiddenStatesCollector, HiddenStatesTimeout, MissingHiddenStatesError
 from hidden_states import errors, verify
-from hidden_states.openai_format import (ChoiceVectors, Route, encode_vector, error_body, not_from_token_ids,
-                                         validation_message)
+from hidden_states.openai_format import (ChoiceVectors, Route, error_body, not_from_token_ids, row_fields,
+                                         validation_message, vector_fields)
 from hidden_states.vllm.extraction import Origin
-from hidden_states.params import (HiddenStatesDisabledError, HiddenStatesFields, HiddenStatesRequestError,
-                                  UnknownModelError, check_room)
+from hidden_states.params import (SINGLE_POSITIONS, HiddenStatesDisabledError, HiddenStatesFields,
+                                  HiddenStatesRequestError, UnknownModelError, check_position, check_room,
+                                  check_rows_budget, given_span, rowwise)
 from hidden_states.protocol import COLLECTOR_TAG_KEY, RESERVED_EXTRA_ARGS_PREFIX
 
 logger = logging.getLogger(__name__)
@@ -213,28 +214,50 @@ class OpenAIFrontend:
             req = verify.HiddenStatesRequest.model_validate_json(body)
         except ValidationError as e:
             return 400, error_body(validation_message(e), 400, "BadRequestError")
-        eng = self.engine
+        eng, by_layer, encoding = self.engine, req.hidden_states_layers is not None, req.hidden_states_encoding
+        dtype, topk = req.hidden_states_dtype, req.hidden_states_topk
         try:
             if not eng.enabled:
                 raise HiddenStatesDisabledError()
-            layers = eng.check_request(req.hidden_states_layers or (-1,))
+            layers = eng.check_request(req.hidden_states_layers or (-1,), req.hidden_states_position, dtype, topk)
+            position = check_position(req.hidden_states_position)
             lora = eng.lora_request(req.model)
-            ids = self._token_ids(req)
+            ids, completion_start = self._token_ids(req)
             check_room(len(ids), eng.llm.model_config.max_model_len,
                        "prompt" if req.prompt is not None else "messages", completing=False)
-            if req.compare is not None:  # a malformed claim is a 400 before any engine work
-                verify.decode_claimed(req.compare.vector, eng.llm.model_config.get_hidden_size())
-            vecs, stats = await eng.extract_layers(ids, layers, Origin(lora_request=lora))
-            eng.vector_sent("completion_end", stats, sum(v.nbytes for v in vecs.values()))
+            span = given_span(position, len(ids), completion_start)
+            positions, multi = list(span.positions(len(ids))), position not in SINGLE_POSITIONS
+            rows = rowwise(position, dtype, topk)  # else one float32 vector per layer, as ever
+            if rows:
+                check_rows_budget(span, len(ids), None, 1, len(layers), eng.hidden_size, dtype, topk,
+                                  eng.max_hidden_states_bytes)
+            # A malformed claim is a 400 before any engine work.
+            claim = None if req.compare is None else verify.claims(req.compare, len(positions), eng.hidden_size)
+            # Only the tokens up to the last position asked for: the rows before it are the same.
+            seq, origin = ids[:positions[-1] + 1], Origin(lora_request=lora)
+            if rows:
+                batch, stats = await eng.extract_rows(seq, positions, layers, dtype, topk, origin)
+                out = row_fields(batch, layers, encoding, by_layer, multi, position, dtype, topk,
+                                 topk or eng.hidden_size)
+                true, nbytes = (batch.floats(-1) if claim is not None else None), batch.nbytes
+            else:  # completion_end (the default) or prompt_end
+                vecs, stats = await eng.extract_layers(seq, layers, origin)
+                out = {**vector_fields(vecs, by_layer, encoding),
+                       "hidden_states_meta": {} if position == "completion_end" else {"position": position}}
+                true, nbytes = vecs[-1][None], sum(v.nbytes for v in vecs.values())
+            eng.vector_sent(position if isinstance(position, str) else "range", stats, nbytes)
         except (HiddenStatesRequestError, HiddenStatesTimeout, MissingHiddenStatesError, UnknownModelError) as e:
             return errors.error_response(e)
-        meta = {"via": stats.via, "tokens": stats.tokens, "cached_tokens": stats.cached_tokens,
-                "computed_tokens": stats.computed_tokens, "extraction_seconds": round(stats.seconds, 6),
-                "adapter": lora.lora_name if lora is not None else None, "replica": self.replica_id}
+        out["hidden_states_meta"].update(
+            via=stats.via, tokens=stats.tokens, cached_tokens=stats.cached_tokens,
+            computed_tokens=stats.computed_tokens, extraction_seconds=round(stats.seconds, 6),
+            adapter=lora.lora_name if lora is not None else None, replica=self.replica_id)
         model = lora.lora_name if lora is not None else self.state.openai_serving_models.base_model_paths[0].name
-        return 200, verify.response(model, ids, vecs, req, meta, encode_vector)
+        comparison = None if claim is None else verify.compared(claim, true, positions, req.compare.tolerance, multi)
+        return 200, verify.response(model, ids, out, comparison)
 
-    def _token_ids(self, req: "verify.HiddenStatesRequest") -> list[int]:
+    def _token_ids(self, req: "verify.HiddenStatesRequest") -> tuple[list[int], int | None]:
+        """The given tokens, and where the `completion` starts in them (None: no completion)."""
         tok = self.engine.llm.tokenizer
         vocab = self.engine.llm.model_config.get_vocab_size()
 
@@ -247,8 +270,8 @@ class OpenAIFrontend:
 
         if req.prompt is not None:
             if isinstance(req.prompt, str):
-                return list(tok.encode(req.prompt, add_special_tokens=req.add_special_tokens))
-            return checked(list(req.prompt), "prompt")
+                return list(tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)), None
+            return checked(list(req.prompt), "prompt"), None
         if (refusal := not_from_token_ids(req)) is not None:
             raise HiddenStatesRequestError(refusal[1], refusal[0])
         try:
@@ -257,10 +280,10 @@ class OpenAIFrontend:
         except Exception as e:  # a template that cannot render these messages
             raise HiddenStatesRequestError(f"the chat template cannot render these messages: {e}", "messages") from e
         if req.completion is None:
-            return ids
+            return ids, None
         if isinstance(req.completion, str):
-            return ids + list(tok.encode(req.completion, add_special_tokens=False))
-        return ids + checked(list(req.completion), "completion")
+            return ids + list(tok.encode(req.completion, add_special_tokens=False)), len(ids)
+        return ids + checked(list(req.completion), "completion"), len(ids)
 
 
 async def _prepend(first: str | None, rest: AsyncIterator[str]) -> AsyncIterator[str]:

@@ -138,3 +138,47 @@ def test_an_engine_actor_ends_cleanly_without_being_deleted():
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0 and "rows 1 width 128" in proc.stdout, log[-3000:]
     assert "Traceback" not in log and "output_handler failed" not in log, log[-3000:]
+
+
+def test_batch_rows_of_positions_dtypes_and_topk(tmp_path, reference):
+    """`--position`, `--dtype`, `--topk`: a strided range of float16 rows (Arrow halffloat) with their positions,
+    then top-k of the completion's rows in bfloat16 (float32 of the rounded values), each against transformers on
+    the row's prompt + completion, the reference cast and selected the same way."""
+    import pyarrow.parquet as pq
+
+    from tests.serve.test_positions import reference_rows
+
+    inp = tmp_path / "prompts.jsonl"
+    inp.write_text("".join(json.dumps({"prompt": long_text(6, seed=50 + i)}) + "\n" for i in range(4)))
+    worst = {}
+    for name, extra in {"range, float16": ("--position", '{"start": 2, "stride": 3}', "--dtype", "float16"),
+                        "completion, top-5, bfloat16": ("--position", "completion", "--topk", "5",
+                                                        "--dtype", "bfloat16")}.items():
+        out = tmp_path / name.replace(", ", "-")
+        finish(start(inp, out, *extra), 600)
+        schema = pq.read_schema(next(out.glob("*.parquet")))
+        final = rows(out)
+        assert len(final) == 4
+        for r in final:
+            ids = r["prompt_token_ids"] + r["token_ids"]
+            if "--topk" not in extra:
+                assert str(schema.field("hidden_states").type) == \
+                    "list<element: fixed_size_list<element: halffloat>[128]>"
+                assert r["positions"] == list(range(len(ids)))[2::3]
+                got, ref = np.asarray(r["hidden_states"], np.float32), reference_rows(reference, ids, r["positions"])
+                cast = ref.astype(np.float16).astype(np.float32)  # within one float16 step of the cast reference
+                assert (np.abs(got - cast) <= np.spacing(np.abs(cast).astype(np.float16)).astype(np.float32)).all()
+            else:
+                assert "hidden_states" not in schema.names and str(schema.field("topk_values").type) == \
+                    "list<element: fixed_size_list<element: float>[5]>"
+                assert r["positions"] == list(range(len(r["prompt_token_ids"]), len(ids)))
+                indices, got = np.asarray(r["topk_indices"]), np.asarray(r["topk_values"], np.float32)
+                assert indices.shape == got.shape == (len(r["token_ids"]), 5)
+                full = reference_rows(reference, ids, r["positions"])
+                ref = np.take_along_axis(full, indices, axis=-1)
+                assert (np.abs(got - ref) <= 2**-8 * np.abs(ref) + 1e-4).all()  # bfloat16: 8 significant bits
+                rest = np.abs(full)
+                np.put_along_axis(rest, indices, -np.inf, axis=-1)
+                assert (np.abs(ref).min(axis=-1) >= rest.max(axis=-1) - 1e-4).all()  # no larger entry left out
+            worst[name] = max(worst.get(name, 0.0), float(np.abs(got - ref).max() / np.abs(ref).max()))
+    print("batch rows: worst relative error " + ", ".join(f"{k} {v:.2e}" for k, v in worst.items()))

@@ -12,11 +12,13 @@ from __future__ import annotations
 import asyncio
 import time
 
+import json
+
 import httpx
 import numpy as np
 import pytest
 
-from hidden_states.testing import fake_vector
+from hidden_states.testing import fake_rows, fake_vector
 
 INGRESSES = ("router", "replica")
 
@@ -54,6 +56,25 @@ def test_completions_with_and_without_vectors(fake_serve, ingress):
         assert np.allclose(ch["hidden_states"], fake_vector(ids))
     s = stats(base)
     assert s["replica"]["vllm_imported"] is False  # the fast tier never loads vLLM
+
+
+@pytest.mark.parametrize("ingress", INGRESSES)
+def test_rows_of_positions_in_a_dtype_and_streamed_topk(fake_serve, ingress):
+    base, ids = fake_serve[ingress], list(b"Hi there") + [8, 9, 10]
+    r = post(base, {"prompt": "Hi there", "max_tokens": 3, "return_hidden_states": True,
+                    "hidden_states_position": {"start": 2, "stride": 4}, "hidden_states_dtype": "float16"})
+    ch = r.json()["choices"][0]
+    assert ch["hidden_states_meta"]["positions"] == [2, 6, 10] and ch["hidden_states_meta"]["dtype"] == "float16"
+    np.testing.assert_array_equal(ch["hidden_states"], fake_rows(ids, [2, 6, 10], dtype="float16").floats(-1))
+    with httpx.stream("POST", f"{base}/v1/completions", timeout=30, json={
+            "prompt": "Hi there", "max_tokens": 3, "stream": True, "return_hidden_states": True,
+            "hidden_states_position": "completion", "hidden_states_topk": 2}) as s:
+        chunks = [json.loads(line[6:])["choices"][0] for line in s.iter_lines() if line[6:].startswith("{")]
+    rows = [row for c in chunks for row in c.get("hidden_states", [])]
+    positions = [p for c in chunks for p in c.get("hidden_states_meta", {}).get("positions", [])]
+    want = fake_rows(ids, [8, 9, 10], topk=2)
+    assert positions == [8, 9, 10] and [row["indices"] for row in rows] == want.indices[-1].tolist()
+    assert [row["values"] for row in rows] == want.values[-1].tolist()
 
 
 @pytest.mark.parametrize("ingress", INGRESSES)
