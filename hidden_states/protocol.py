@@ -101,6 +101,9 @@ class HiddenStatesExtractionRequest(msgspec.Struct, omit_defaults=True, forbid_u
     span: list[int | None] | None = None
     dtype: str = "float32"  # rows cast on the device (span requests)
     topk: int = 0  # > 0: per position the k largest-magnitude entries (span requests)
+    # Span requests: rows on every output (a stream's, RequestOutputKind.DELTA / CUMULATIVE), or all of
+    # them on the finishing output only (FINAL_ONLY: no per-step work for rows nobody reads before the end).
+    every_step: bool = False
 
     def to_extra_args(self) -> dict:
         return {EXTRA_ARGS_KEY: msgspec.to_builtins(self)}

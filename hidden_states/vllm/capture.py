@@ -58,6 +58,19 @@ def _encode(x: Any, dtype: str | None, topk: int) -> tuple[Any, Any]:
     return x.contiguous(), indices
 
 
+def _rows_of(blocks: list, members: list[int]) -> Any:
+    """The members' rows, in order, as one tensor: a view where they are one stretch of one source
+    (the usual step: every request's rows of the final layer, one dtype), else a concatenation."""
+    import torch
+
+    src, first, end = blocks[members[0]][2], blocks[members[0]][3], blocks[members[0]][4]
+    for b in members[1:]:
+        if blocks[b][2] is not src or blocks[b][3] != end:
+            return torch.cat([blocks[m][2][blocks[m][3]:blocks[m][4]] for m in members])
+        end = blocks[b][4]
+    return src[first:end]
+
+
 def _dtype_name(t: Any) -> str:
     return str(t.dtype).removeprefix("torch.")
 
@@ -138,6 +151,7 @@ class _RunnerHook:
             sp = new.sampling_params
             req = HiddenStatesExtractionRequest.from_extra_args(sp.extra_args if sp is not None else None)
             if req is not None and req.span is not None:
+                req.layers = absolute_layers(req.layers, self.num_layers)  # once, not per step
                 self.span_flagged[new.req_id] = (req, Span.from_list(req.span))
             elif req is not None:
                 (self.tail_flagged if req.tail else self.flagged)[new.req_id] = req
@@ -193,7 +207,7 @@ class _RunnerHook:
             positions = span.capturable(c, c + n_sched)
             if positions:
                 base = int(ends[index[rid]]) - c
-                plan.append(_Entry(rid, absolute_layers(req.layers, L), [base + p for p in positions], positions,
+                plan.append(_Entry(rid, req.layers, [base + p for p in positions], positions,
                                    c + n_sched, req.dtype, req.topk))
         self._plan = plan
         self._layer_rows = {}
@@ -237,30 +251,30 @@ class _RunnerHook:
         import torch
 
         L = self.num_layers
-        blocks: list[tuple[int, int, Any]] = []  # (plan entry, layer, rows [m, D] on the device)
+        # (plan entry, layer, source rows on the device, first, end): the entry's rows are source[first:end]
+        blocks: list[tuple[int, int, Any, int, int]] = []
         final = [i for i, e in enumerate(plan) if L in e.layers]
         if final:
             hidden = state.hidden_states  # every scheduled token's row, after the final norm
             rows = hidden[torch.tensor([f for i in final for f in plan[i].flat], device=hidden.device)]
             at = 0
             for i in final:
-                blocks.append((i, L, rows[at:at + len(plan[i].flat)]))
+                blocks.append((i, L, rows, at, at + len(plan[i].flat)))
                 at += len(plan[i].flat)
         for layer, owners, sel in self._slices:
             at = 0
             for i in owners:
-                blocks.append((i, layer, sel[at:at + len(plan[i].flat)]))
+                blocks.append((i, layer, sel, at, at + len(plan[i].flat)))
                 at += len(plan[i].flat)
         self._slices = []
         self.steps_with_rows += 1
         # Cast / top-k per (dtype, k) group, then every byte of the step in one buffer.
         groups: dict[tuple[str | None, int], list[int]] = {}
-        for b, (i, _, _) in enumerate(blocks):
+        for b, (i, *_) in enumerate(blocks):
             groups.setdefault((plan[i].dtype, plan[i].topk), []).append(b)
         parts, layout, offset = [], [None] * len(blocks), 0
         for (dtype, k), members in groups.items():
-            x = torch.cat([blocks[b][2] for b in members]) if len(members) > 1 else blocks[members[0]][2]
-            values, indices = _encode(x, dtype, k)
+            values, indices = _encode(_rows_of(blocks, members), dtype, k)
             width, name = int(values.shape[-1]), _dtype_name(values)
             row_bytes = width * values.element_size()
             values_at = offset
@@ -275,9 +289,9 @@ class _RunnerHook:
             for b in members:
                 layout[b] = (name, width, values_at + row * row_bytes,
                              -1 if indices is None else indices_at + row * width * 4)
-                row += blocks[b][2].shape[0]
+                row += blocks[b][4] - blocks[b][3]
         data = torch.cat(parts) if len(parts) > 1 else parts[0]
-        self._ready = (data, [(plan[i], layer, *layout[b]) for b, (i, layer, _) in enumerate(blocks)])
+        self._ready = (data, [(plan[i], layer, *layout[b]) for b, (i, layer, *_) in enumerate(blocks)])
 
     def attach(self, out: Any) -> Any:
         """Hangs the step's rows on its ModelRunnerOutput (protocol.STEP_ATTR). Under async

@@ -217,6 +217,8 @@ class Extraction:
         """A generating request of a rowwise collector: the memory bound checked, flagged with its
         span (positions, dtype, top-k), a tail step where the span can reach the final token, and a
         unique cache salt where its prompt positions must be computed. (prompt, params, tail)."""
+        from vllm.sampling_params import RequestOutputKind
+
         ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else None
         if ids is None:
             raise HiddenStatesRequestError("hidden states of positions need the prompt as token ids", "prompt")
@@ -235,7 +237,7 @@ class Extraction:
         params = params.clone()
         params.extra_args = {**(params.extra_args or {}), **HiddenStatesExtractionRequest(
             key=key, layers=list(collector.layers), tail=tail, span=span.to_list(), dtype=collector.dtype,
-            topk=collector.topk or 0).to_extra_args()}
+            topk=collector.topk or 0, every_step=params.output_kind != RequestOutputKind.FINAL_ONLY).to_extra_args()}
         return prompt, params, tail
 
     def check_beam_rows(self, collector: HiddenStatesCollector, prompt_len: int, max_tokens: int, beams: int) -> None:

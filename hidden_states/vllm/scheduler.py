@@ -120,6 +120,14 @@ class _Rows:
             self._ind = ind
         self._pos, self._val, self.lo, self.hi = pos, val, 0, n
 
+    def prune(self, known: int) -> None:
+        """Drops the oldest rows that can no longer be wanted (a request whose rows all go at its
+        finish keeps the rest): the window stays as long as the range."""
+        if self.hi > self.lo:
+            wanted, undecided = self.span.classify(self._pos[self.lo:self.hi], known)
+            keep = wanted | undecided
+            self.lo += int(np.argmax(keep)) if keep.any() else len(keep)
+
     def take(self, known: int, total: int | None = None) -> CapturedRows | None:
         """The rows decided wanted (all of them, resolved on `total` tokens, once it ended); the
         undecided stay, the unwanted go."""
@@ -142,6 +150,45 @@ class _Rows:
                 self._ind[:, :n] = self._ind[:, keep]
             self.lo, self.hi = 0, n
         return out
+
+
+@dataclasses.dataclass
+class _StepRefs:
+    """A span request whose every captured row is wanted (start >= 0 and no end counted from the
+    end: "completion", "all", most ranges): per step only a reference to the step's host buffer
+    and the request's blocks in it; the rows are copied out once, when sent (at the finish, or
+    per output for a stream). The buffers are the steps' own, whose rows are all wanted."""
+
+    flag: HiddenStatesExtractionRequest
+    span: Span
+    next: int = 0  # positions below were captured already (a resumed request recomputes them)
+    layers: list[int] | None = None
+    pieces: list = dataclasses.field(default_factory=list)  # (step data, blocks by layer, row mask or None)
+
+    def add(self, data: np.ndarray, blocks: list, first: list[int]) -> None:
+        keep = None
+        if first[0] < self.next:  # a resumed request's recomputed rows: once
+            keep = np.asarray(first) >= self.next
+            if not keep.any():
+                return
+        self.pieces.append((data, blocks, keep))
+        self.next = max(self.next, first[-1] + 1)
+        self.layers = [b.layer for b in blocks]
+
+    def take(self, known: int, total: int | None = None) -> CapturedRows | None:
+        if not self.pieces:
+            return None
+        pieces, self.pieces = self.pieces, []
+
+        def cat(get) -> np.ndarray:
+            per_layer = [[get(blocks[j], data) if keep is None else get(blocks[j], data)[keep]
+                          for data, blocks, keep in pieces] for j in range(len(self.layers))]
+            return np.stack([np.concatenate(p) if len(p) > 1 else p[0] for p in per_layer])
+
+        positions = [p for _, blocks, keep in pieces
+                     for p in (blocks[0].positions if keep is None else np.asarray(blocks[0].positions)[keep].tolist())]
+        return captured_rows(self.flag.key, self.flag.dtype, self.flag.topk, self.layers, positions,
+                             cat(lambda b, d: b.values(d)), cat(lambda b, d: b.indices(d)) if self.flag.topk else None)
 
 
 class _VectorsOnOutputs:
@@ -169,7 +216,9 @@ class _VectorsOnOutputs:
         if flag is not None:
             self._flags[request.request_id] = flag
             if flag.span is not None:
-                self._rows[request.request_id] = _Rows(flag, Span.from_list(flag.span), dtype=flag.dtype)
+                span = Span.from_list(flag.span)
+                self._rows[request.request_id] = _StepRefs(flag, span) if span.start >= 0 and \
+                    (span.end is None or span.end >= 0) else _Rows(flag, span, dtype=flag.dtype)
         super().add_request(request)
 
     def schedule(self, *args: Any, **kwargs: Any):
@@ -204,13 +253,15 @@ class _VectorsOnOutputs:
         return outputs
 
     def _send_rows(self, outputs: dict) -> None:
-        """Every output of a span request carries the rows decided since its last one."""
+        """Every output of a span request carries the rows decided since its last one (a request
+        whose outputs are final-only: its finishing output carries them all)."""
         for batch in outputs.values():
             for eco in batch.outputs:
                 rid = eco.request_id
                 if eco.finish_reason is not None:
                     rows = self._finished_rows.pop(rid, None)
-                elif (acc := self._rows.get(rid)) is not None and (req := self.requests.get(rid)) is not None:
+                elif (acc := self._rows.get(rid)) is not None and acc.flag.every_step and \
+                        (req := self.requests.get(rid)) is not None:
                     rows = acc.take(req.num_tokens)
                 else:
                     rows = None
@@ -232,17 +283,25 @@ class _VectorsOnOutputs:
             acc = self._rows.get(rid)
             if acc is None:
                 continue
-            blocks = sorted(blocks, key=lambda b: b.layer)
-            positions = np.asarray(blocks[0].positions, dtype=np.int64)
-            wanted, undecided = acc.span.classify(positions, blocks[0].num_tokens)
-            keep = (wanted | undecided) & (positions >= acc.next)  # a resumed request's recomputed rows: once
-            acc.next = max(acc.next, int(positions[-1]) + 1)
+            if len(blocks) > 1:
+                blocks = sorted(blocks, key=lambda b: b.layer)
+            first = blocks[0]
+            if isinstance(acc, _StepRefs):  # the worker captured only wanted rows (Span.capturable)
+                acc.add(step.data, blocks, first.positions)
+                continue
+            positions = np.asarray(first.positions, dtype=np.int64)
+            # An end-aligned span: some rows wait for the end; a resumed request recomputes rows sent already.
+            wanted, undecided = acc.span.classify(positions, first.num_tokens)
+            keep = (wanted | undecided) & (positions >= acc.next)
+            acc.next = max(acc.next, first.positions[-1] + 1)
             if not keep.any():
                 continue
             acc.layers = [b.layer for b in blocks]
             values = np.stack([b.values(step.data)[keep] for b in blocks])
             indices = np.stack([b.indices(step.data)[keep] for b in blocks]) if flag.topk else None
             acc.add(positions[keep], values, indices)
+            if not flag.every_step:  # nothing taken before the finish: drop what the end can no longer want
+                acc.prune(first.num_tokens)
 
     def _update_request_with_output(self, request: Any, new_token_ids: list[int], *args: Any, **kwargs: Any):
         rid = request.request_id

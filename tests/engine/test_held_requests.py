@@ -53,7 +53,7 @@ def scheduler(core):
     return core.engine_core.engine_core.scheduler
 
 
-def params(flagged: bool, span: list | None = None, **kw):
+def params(flagged: bool, span: list | None = None, every_step: bool = False, **kw):
     from vllm import SamplingParams
 
     from hidden_states.protocol import HiddenStatesExtractionRequest
@@ -61,8 +61,8 @@ def params(flagged: bool, span: list | None = None, **kw):
     kw.setdefault("max_tokens", 40)
     kw.setdefault("temperature", 0.0)
     kw.setdefault("ignore_eos", True)
-    extra = HiddenStatesExtractionRequest(key=uuid.uuid4().hex, tail=True, span=span).to_extra_args() \
-        if flagged else None
+    extra = HiddenStatesExtractionRequest(key=uuid.uuid4().hex, tail=True, span=span,
+                                          every_step=every_step).to_extra_args() if flagged else None
     return [SamplingParams(extra_args=extra, **kw)]
 
 
@@ -180,7 +180,8 @@ def test_under_a_small_kv_cache_vllm_preempts_and_every_vector_is_exact(core, re
 
 
 def test_rows_of_every_position_come_once_even_when_preempted_and_an_abort_leaves_nothing(core, reference):
-    """Span requests (hidden_states_position "all"): rows ride every output; a request preempted
+    """Span requests (hidden_states_position "all"): rows ride every output of a request whose
+    outputs stream (`every_step`), the finishing output of one that is final-only; a request preempted
     mid-generation recomputes its positions on resume, and each position is still sent once,
     exact. An aborted one leaves nothing in the scheduler or the runner."""
     from hidden_states.protocol import ROWS_KEY, CapturedRows
@@ -210,12 +211,12 @@ def test_rows_of_every_position_come_once_even_when_preempted_and_an_abort_leave
 
     s.update_from_output, s.schedule = capturing, preempting
     try:
-        ids, done = {}, {}
-        for p in PROMPTS[:2]:
+        ids, done, every = {}, {}, {}
+        for i, p in enumerate(PROMPTS[:2]):
             rid = f"r-{uuid.uuid4().hex}"
             core.add_request(rid, {"prompt_token_ids": core.get_tokenizer().encode(p)},
-                             params(True, span=[0, None, 1], max_tokens=12)[0])
-            ids[rid] = p
+                             params(True, span=[0, None, 1], every_step=i == 0, max_tokens=12)[0])
+            ids[rid], every[rid] = p, i == 0
         deadline = time.monotonic() + 120
         while core.has_unfinished_requests():
             assert time.monotonic() < deadline, "the engine did not finish in time"
@@ -231,7 +232,10 @@ def test_rows_of_every_position_come_once_even_when_preempted_and_an_abort_leave
         seq = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
         positions = [p for rows in sent[core_id] for p in rows.positions]
         assert positions == list(range(len(seq))), positions  # each once, in order: none resent on resume
-        assert outputs_with_rows[core_id] >= 8  # on the outputs as they went, not all at the end
+        if every[rid]:
+            assert outputs_with_rows[core_id] >= 8  # on the outputs as they went, not all at the end
+        else:
+            assert outputs_with_rows[core_id] == 1  # all on the finishing output
         values = np.concatenate([rows.arrays()[0][0] for rows in sent[core_id]])
         with reference.torch.no_grad():
             ref = reference.model(reference.torch.tensor([seq]), output_hidden_states=True).hidden_states[-1][0]
@@ -244,7 +248,7 @@ def test_rows_of_every_position_come_once_even_when_preempted_and_an_abort_leave
     for _ in range(4):
         core.step()
     (window,) = s._rows.values()
-    assert 0 < len(window.positions) <= 4  # a window kept for the end, no longer than the range
+    assert 0 < window.hi - window.lo <= 4  # a window kept for the end, no longer than the range
     core.abort_request([rid])
     for _ in range(3):
         core.step()

@@ -25,9 +25,11 @@ def _step(acc, span, first: int, stop: int, topk: bool) -> None:
         acc.add(positions[keep], values, indices)
 
 
+@pytest.mark.parametrize("every_output", [True, False])
 @pytest.mark.parametrize("topk", [False, True])
 @pytest.mark.parametrize("start, end, stride", RANGES)
-def test_every_wanted_row_once_in_order(start, end, stride, topk):
+def test_every_wanted_row_once_in_order(start, end, stride, topk, every_output):
+    """Rows taken on every output (a stream), or pruned per step and all taken at the finish."""
     from hidden_states.vllm.scheduler import _Rows
 
     span = Span(start, end, stride)
@@ -40,8 +42,10 @@ def test_every_wanted_row_once_in_order(start, end, stride, topk):
             _step(acc, span, known, stop, topk)
             known = stop
             held = max(held, acc.hi - acc.lo)
-            if known < total and (rows := acc.take(known)) is not None:
+            if known < total and every_output and (rows := acc.take(known)) is not None:
                 sent.append(rows)
+            elif not every_output:
+                acc.prune(known)
         if (rows := acc.take(total, total=total)) is not None:
             sent.append(rows)
         positions = [p for r in sent for p in r.positions]
@@ -52,3 +56,45 @@ def test_every_wanted_row_once_in_order(start, end, stride, topk):
             assert (indices is not None) == topk
         if start < 0:  # held: the last -start positions and one step's worth
             assert held <= -start + chunk, held
+
+
+@pytest.mark.parametrize("topk", [False, True])
+def test_step_references_send_every_row_once_at_the_end_or_per_output(topk):
+    """`scheduler._StepRefs` (spans whose every captured row is wanted, e.g. "completion"): rows
+    referenced per step, copied once when sent; a resumed request's recomputed rows dropped; two
+    layers kept apart."""
+    from hidden_states.protocol import RowBlock
+    from hidden_states.vllm.scheduler import _StepRefs
+
+    def step(first: int, stop: int, base: float):
+        """A step buffer holding rows first..stop-1 of layers 2 and 5 (row p of layer l: p*10 + l + 0..D-1),
+        and its blocks, as the worker lays them out."""
+        pos = list(range(first, stop))
+        layers = []
+        for layer in (2, 5):
+            layers.append((np.asarray(pos)[:, None] * 10.0 + layer + base + np.arange(D)).astype(np.float32))
+        raw = [l.tobytes() for l in layers]
+        ind = [np.tile(np.arange(D, dtype=np.int32), (len(pos), 1)).tobytes() for _ in layers] if topk else []
+        data = np.frombuffer(b"".join(raw + ind), np.uint8)
+        n = len(raw[0])
+        blocks = [RowBlock(stop, layer, pos, "float32", D, i * n, (2 * n + i * len(ind[0])) if topk else -1)
+                  for i, layer in enumerate((2, 5))]
+        return data, blocks
+
+    flag = HiddenStatesExtractionRequest(key="k", layers=[2, 5], span=[4, None, 1], topk=D if topk else 0)
+    for every_output in (False, True):
+        acc, sent = _StepRefs(flag, Span(4, None, 1)), []
+        for first, stop in [(4, 7), (7, 8), (8, 9), (6, 10), (10, 11)]:  # (6, 10): resumed, recomputes 6..8
+            data, blocks = step(first, stop, base=0.0)
+            acc.add(data, blocks, blocks[0].positions)
+            if every_output and (rows := acc.take(stop)) is not None:
+                sent.append(rows)
+        if (rows := acc.take(11, total=11)) is not None:
+            sent.append(rows)
+        assert acc.take(11, total=11) is None  # nothing twice
+        assert [p for r in sent for p in r.positions] == list(range(4, 11))
+        for r in sent:
+            values, indices = r.arrays()
+            assert r.layers == [2, 5] and (indices is not None) == topk
+            for j, layer in enumerate((2, 5)):
+                assert np.array_equal(values[j], np.asarray(r.positions)[:, None] * 10.0 + layer + np.arange(D))
