@@ -1,6 +1,8 @@
 """The cost of hidden states below Ray Serve: where does the on/off gap come from?
 
     .venv/bin/python -m bench.below_serve [--rounds 6] [--concurrency 1,8] [--model tiny-llama]
+    .venv/bin/python -m bench.below_serve --levels engine --concurrency 8,32 --control \
+        --position completion --dtype float16 --name below-serve-rows   # issue 24: rows of every token
 
 One engine (HiddenStatesEngine, the benchmark's engine arguments and environment),
 no Ray. Two levels, each with hidden states on vs off, in alternating rounds (the
@@ -10,6 +12,9 @@ different token contents, ignore_eos):
 - `engine`: `HiddenStatesEngine.complete()` (the tail step, the side channel);
 - `openai`: vLLM's OpenAI serving over it plus our vector merge
   (`OpenAIFrontend.handle`, what a replica runs for POST /v1/completions).
+
+`--position`, `--dtype`, `--topk`: what the "on" arm asks (default: the final token's
+vector); `--control`: a third arm, off again (A/A), whose ratio to off is the noise floor.
 
 Throughput ratio = summed wall time off / on, as `make bench` computes it. Set-up as
 `make bench` (the bench extra). Prints and writes bench/results/below-serve.{json,md}.
@@ -48,7 +53,8 @@ async def _batch(run, items, concurrency: int) -> float:
     return time.perf_counter() - t0
 
 
-async def measure(model: str, rounds: int, concurrencies: list[int]) -> dict:
+async def measure(model: str, rounds: int, concurrencies: list[int], levels: list[str] = ("engine", "openai"),
+                  rows: dict | None = None, control: bool = False) -> dict:
     from vllm import SamplingParams
 
     from hidden_states.vllm.engine import HiddenStatesEngine
@@ -59,20 +65,25 @@ async def measure(model: str, rounds: int, concurrencies: list[int]) -> dict:
     vocab = eng.llm.model_config.get_vocab_size()
     frontend = await eng.openai(model, "below-serve")
 
+    rows = rows or {}
+    fields = {"return_hidden_states": True, **{f"hidden_states_{k}": v for k, v in rows.items()}}
+    if rows:
+        fields["hidden_states_encoding"] = "base64"
+
     def engine_call(hs: bool):
         async def run(item):
             tag, shape = item
             rng = random.Random(tag)
             prompt = [rng.randrange(2, vocab) for _ in range(shape.prompt_tokens)]
             c = await eng.complete(prompt, SamplingParams(max_tokens=shape.max_tokens, temperature=0.0, ignore_eos=True),
-                                   return_hidden_states=hs)
+                                   return_hidden_states=hs, **(rows if hs else {}))
             assert (c.choices[0].hidden_states is not None) == hs
         return run
 
     def openai_call(hs: bool):
         async def run(item):
             tag, shape = item
-            body = workload.body(model, shape, vocab, tag, {"return_hidden_states": True} if hs else None)
+            body = workload.body(model, shape, vocab, tag, fields if hs else None)
             parts = [p async for p in frontend.handle("completions", body)]
             status, raw = parts[0]
             assert status == 200 and (b'"hidden_states"' in raw) == hs, raw[:300]
@@ -81,23 +92,32 @@ async def measure(model: str, rounds: int, concurrencies: list[int]) -> dict:
     out = {}
     try:
         for level, call in (("engine", engine_call), ("openai", openai_call)):
+            if level not in levels:
+                continue
             for c in concurrencies:
                 per = PER_ROUND.get(c, 8)
                 shapes = workload.shapes(rounds * per, seed=workload.SEED + c)
-                wall = {True: [], False: []}
+                arms = ["on", "off", "off2"] if control else ["on", "off"]
+                wall: dict[str, list[float]] = {a: [] for a in arms}
                 for r in range(rounds):
                     sh = shapes[r * per:(r + 1) * per]
-                    for hs in ((True, False) if r % 2 == 0 else (False, True)):
-                        items = [(f"{level}-{c}-{r}-{hs}-{i}", s) for i, s in enumerate(sh)]
-                        wall[hs].append(await _batch(call(hs), items, c))
-                ratio = sum(wall[False]) / sum(wall[True])
-                per_round = [off / on for on, off in zip(wall[True], wall[False])]
-                ci = paired_ratio_ci([(per, w) for w in wall[True]], [(per, w) for w in wall[False]])
-                out[f"{level} c={c}"] = {"throughput_on_off": ratio, "per_round": per_round, "ci95": ci,
-                                         "on_s": sum(wall[True]), "off_s": sum(wall[False]), "requests_per_arm": rounds * per}
-                print(f"{level:7s} c={c:<3d} on/off {ratio:.3f}  95% CI {ci_text(ci)}  "
-                      f"rounds {min(per_round):.2f}..{max(per_round):.2f}",
-                      flush=True)
+                    for arm in arms[r % len(arms):] + arms[:r % len(arms)]:  # the first arm rotates
+                        items = [(f"{level}-{c}-{r}-{arm}-{i}", s) for i, s in enumerate(sh)]
+                        wall[arm].append(await _batch(call(arm == "on"), items, c))
+                ratio = sum(wall["off"]) / sum(wall["on"])
+                per_round = [off / on for on, off in zip(wall["on"], wall["off"])]
+                ci = paired_ratio_ci([(per, w) for w in wall["on"]], [(per, w) for w in wall["off"]])
+                res = {"throughput_on_off": ratio, "per_round": per_round, "ci95": ci, "on_s": sum(wall["on"]),
+                       "off_s": sum(wall["off"]), "requests_per_arm": rounds * per}
+                line = (f"{level:7s} c={c:<3d} on/off {ratio:.3f}  95% CI {ci_text(ci)}  "
+                        f"rounds {min(per_round):.2f}..{max(per_round):.2f}")
+                if control:
+                    res["control_off2_off"] = sum(wall["off"]) / sum(wall["off2"])
+                    res["control_ci95"] = paired_ratio_ci([(per, w) for w in wall["off2"]],
+                                                          [(per, w) for w in wall["off"]])
+                    line += f"  | A/A off2/off {res['control_off2_off']:.3f}  95% CI {ci_text(res['control_ci95'])}"
+                out[f"{level} c={c}"] = res
+                print(line, flush=True)
     finally:
         eng.shutdown()
     return out
@@ -108,27 +128,41 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--concurrency", default="1,8")
     ap.add_argument("--model", default="tiny-llama")
+    ap.add_argument("--levels", default="engine,openai")
+    ap.add_argument("--position", default=None, help="the on arm's hidden_states_position, e.g. completion")
+    ap.add_argument("--dtype", default=None, help="the on arm's hidden_states_dtype")
+    ap.add_argument("--topk", type=int, default=None, help="the on arm's hidden_states_topk")
+    ap.add_argument("--control", action="store_true", help="a third arm, off again: the A/A noise floor")
+    ap.add_argument("--name", default="below-serve", help="results file name under bench/results/")
     args = ap.parse_args()
+    rows = {k: v for k, v in (("position", args.position), ("dtype", args.dtype), ("topk", args.topk))
+            if v is not None}
     for k, v in ENGINE_ENV.items():  # the engine environment of every server in `make bench`
         os.environ.setdefault(k, v)
     t0 = time.time()
-    res = asyncio.run(measure(args.model, args.rounds, [int(x) for x in args.concurrency.split(",")]))
+    res = asyncio.run(measure(args.model, args.rounds, [int(x) for x in args.concurrency.split(",")],
+                              args.levels.split(","), rows, args.control))
     cmd = "python -m bench.below_serve " + " ".join(sys.argv[1:])
     doc = {"command": cmd.strip(), "started": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(t0)),
            "seconds": round(time.time() - t0, 1), "model": args.model, "rounds": args.rounds,
-           "engine_args": ENGINE_ARGS, "env": {k: os.environ.get(k) for k in ENGINE_ENV}, "results": res}
+           "engine_args": ENGINE_ARGS, "env": {k: os.environ.get(k) for k in ENGINE_ENV}, "on_arm": rows or "vector",
+           "results": res}
     out = ROOT / "bench" / "results"
-    (out / "below-serve.json").write_text(json.dumps(doc, indent=1))
+    (out / f"{args.name}.json").write_text(json.dumps(doc, indent=1))
     lines = ["# Hidden states on/off below Ray Serve", "", f"Command: `{doc['command']}` ({doc['started']}, "
              f"{doc['seconds']:.0f} s); model {args.model}, {args.rounds} alternating rounds; engine arguments "
              f"`{json.dumps(ENGINE_ARGS)}`, environment `{json.dumps(doc['env'])}`.", "",
-             "| level | throughput on/off | 95% CI | per-round range | requests per arm |", "|---|---|---|---|---|"]
+             f"The on arm asks: {json.dumps(rows) if rows else 'the final token vector'}.", "",
+             "| level | throughput on/off | 95% CI | per-round range | requests per arm | A/A off2/off (95% CI) |",
+             "|---|---|---|---|---|---|"]
     for name, r in res.items():
         lines.append(f"| {name} | {r['throughput_on_off']:.3f} | {ci_text(r.get('ci95'))} "
                      f"| {min(r['per_round']):.2f}..{max(r['per_round']):.2f} "
-                     f"| {r['requests_per_arm']} |")
-    (out / "below-serve.md").write_text("\n".join(lines) + "\n")
-    print(f"wrote {out / 'below-serve.md'}")
+                     f"| {r['requests_per_arm']} | "
+                     + (f"{r['control_off2_off']:.3f} ({ci_text(r.get('control_ci95'))})" if "control_off2_off" in r
+                        else "-") + " |")
+    (out / f"{args.name}.md").write_text("\n".join(lines) + "\n")
+    print(f"wrote {out / (args.name + '.md')}")
 
 
 if __name__ == "__main__":
