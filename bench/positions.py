@@ -67,16 +67,17 @@ def run(bench, model: str, ep, vocab: int, cpu, check, max_bytes: int) -> dict:
                                            if counts["steps_with_rows"] else None)
     counts["requests_per_copy"] = counts["captured"] / counts["host_copies"] if counts["host_copies"] else None
     out["engine"] = counts
-    out["payload"] = _payload(model, ep, vocab)
-    held = [r.hs_bytes for r in (out["payload"].pop("_results"))]
+    out["payload"], answered = _payload(model, ep, vocab)
+    held = [r.hs_bytes for r in answered]
     out["memory"] = {"max_bytes_held_per_request": max(held) if held else None, "bound_bytes": max_bytes,
                      "note": "a request's rows wait in the frontend until its finish (streams: until the next chunk); "
                              "the engine's scheduler holds a step's rows until that step's output"}
     return out
 
 
-def _payload(model: str, ep, vocab: int, n: int = 8) -> dict:
-    """Bytes per generated token of each encoding, over the same `n` requests (one at a time)."""
+def _payload(model: str, ep, vocab: int, n: int = 8) -> tuple[dict, list[Result]]:
+    """Bytes per generated token of each encoding, over the same `n` requests (one at a time);
+    and every answered request."""
     shapes = workload.shapes(n, seed=workload.SEED + 99)
     table, everything = {}, []
     for name, extra in [("off", {}), *ENCODINGS.items()]:
@@ -92,8 +93,7 @@ def _payload(model: str, ep, vocab: int, n: int = 8) -> dict:
     for name in ENCODINGS:
         b = table[name]["body_bytes_per_token"]
         table[name]["added_body_bytes_per_token"] = None if b is None or base is None else b - base
-    table["_results"] = everything
-    return table
+    return table, everything
 
 
 def lines(res: dict) -> list[str]:
