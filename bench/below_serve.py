@@ -11,7 +11,14 @@ different token contents, ignore_eos):
 
 - `engine`: `HiddenStatesEngine.complete()` (the tail step, the side channel);
 - `openai`: vLLM's OpenAI serving over it plus our vector merge
-  (`OpenAIFrontend.handle`, what a replica runs for POST /v1/completions).
+  (`OpenAIFrontend.handle`, what a replica runs for POST /v1/completions);
+- `plain` (its own run, `--levels plain`): requests that do not ask for hidden
+  states, on our engine with hidden states enabled (our scheduler subclass, the
+  worker's hooks, our AsyncLLM) as the "on" arm, against vLLM's own AsyncLLM
+  with the same arguments (`scheduling_policy: priority`, which ours sets) as
+  "off": what the server costs a user who does not ask. Both engines are up in
+  one process; each round waits 1.5 s first, so the other engine's busy-wait
+  after its last step (1 s, vLLM's SpinCondition) is over.
 
 `--position`, `--dtype`, `--topk`: what the "on" arm asks (default: the final token's
 vector); `--control`: a third arm, off again (A/A), whose ratio to off is the noise floor.
@@ -24,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import random
@@ -104,23 +112,73 @@ async def measure(model: str, rounds: int, concurrencies: list[int], levels: lis
                     for arm in arms[r % len(arms):] + arms[:r % len(arms)]:  # the first arm rotates
                         items = [(f"{level}-{c}-{r}-{arm}-{i}", s) for i, s in enumerate(sh)]
                         wall[arm].append(await _batch(call(arm == "on"), items, c))
-                ratio = sum(wall["off"]) / sum(wall["on"])
-                per_round = [off / on for on, off in zip(wall["on"], wall["off"])]
-                ci = paired_ratio_ci([(per, w) for w in wall["on"]], [(per, w) for w in wall["off"]])
-                res = {"throughput_on_off": ratio, "per_round": per_round, "ci95": ci, "on_s": sum(wall["on"]),
-                       "off_s": sum(wall["off"]), "requests_per_arm": rounds * per}
-                line = (f"{level:7s} c={c:<3d} on/off {ratio:.3f}  95% CI {ci_text(ci)}  "
-                        f"rounds {min(per_round):.2f}..{max(per_round):.2f}")
-                if control:
-                    res["control_off2_off"] = sum(wall["off"]) / sum(wall["off2"])
-                    res["control_ci95"] = paired_ratio_ci([(per, w) for w in wall["off2"]],
-                                                          [(per, w) for w in wall["off"]])
-                    line += f"  | A/A off2/off {res['control_off2_off']:.3f}  95% CI {ci_text(res['control_ci95'])}"
-                out[f"{level} c={c}"] = res
-                print(line, flush=True)
+                out[f"{level} c={c}"] = _ratios(wall, per, rounds, control, f"{level:7s} c={c:<3d} on/off")
     finally:
         eng.shutdown()
     return out
+
+
+async def measure_plain(model: str, rounds: int, concurrencies: list[int], control: bool = False) -> dict:
+    """Level `plain`: unflagged requests, our engine (hidden states enabled) vs vLLM's AsyncLLM."""
+    from vllm import SamplingParams
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from hidden_states.models.builtin import build
+    from hidden_states.vllm.engine import HiddenStatesEngine
+
+    path = str(build(model))
+    ours = await HiddenStatesEngine.start(path, **ENGINE_ARGS)
+    theirs = AsyncLLM.from_engine_args(AsyncEngineArgs(model=path, scheduling_policy="priority", **ENGINE_ARGS))
+    vocab = ours.llm.model_config.get_vocab_size()
+
+    def call(llm):
+        async def run(item):
+            tag, shape = item
+            rng = random.Random(tag)
+            prompt = {"prompt_token_ids": [rng.randrange(2, vocab) for _ in range(shape.prompt_tokens)]}
+            sp = SamplingParams(max_tokens=shape.max_tokens, temperature=0.0, ignore_eos=True)
+            async for _ in llm.generate(prompt, sp, f"plain-{tag}"):
+                pass
+        return run
+
+    engines = {"on": ours.llm, "off": theirs, "off2": theirs}
+    out = {}
+    try:
+        for c in concurrencies:
+            per = PER_ROUND.get(c, 8)
+            for name, llm in (("on", ours.llm), ("off", theirs)):  # warm both the same way (first batches)
+                await _batch(call(llm), [(f"warm-{c}-{name}-{i}", s) for i, s in
+                                         enumerate(workload.shapes(per, seed=workload.SEED - c))], c)
+            shapes = workload.shapes(rounds * per, seed=workload.SEED + c)
+            arms = ["on", "off", "off2"] if control else ["on", "off"]
+            wall: dict[str, list[float]] = {a: [] for a in arms}
+            for r in range(rounds):
+                sh = shapes[r * per:(r + 1) * per]
+                for arm in arms[r % len(arms):] + arms[:r % len(arms)]:  # the first arm rotates
+                    await asyncio.sleep(1.5)  # the other engine's spin after its last step ends
+                    items = [(f"plain-{c}-{r}-{arm}-{i}", s) for i, s in enumerate(sh)]
+                    wall[arm].append(await _batch(call(engines[arm]), items, c))
+            out[f"plain c={c}"] = _ratios(wall, per, rounds, control, f"plain   c={c:<3d} ours/vLLM")
+    finally:
+        theirs.shutdown()
+        ours.shutdown()
+    return out
+
+
+def _ratios(wall: dict[str, list[float]], per: int, rounds: int, control: bool, label: str) -> dict:
+    ratio = sum(wall["off"]) / sum(wall["on"])
+    per_round = [off / on for on, off in zip(wall["on"], wall["off"])]
+    ci = paired_ratio_ci([(per, w) for w in wall["on"]], [(per, w) for w in wall["off"]])
+    res = {"throughput_on_off": ratio, "per_round": per_round, "ci95": ci, "on_s": sum(wall["on"]),
+           "off_s": sum(wall["off"]), "requests_per_arm": rounds * per}
+    line = f"{label} {ratio:.3f}  95% CI {ci_text(ci)}  rounds {min(per_round):.2f}..{max(per_round):.2f}"
+    if control:
+        res["control_off2_off"] = sum(wall["off"]) / sum(wall["off2"])
+        res["control_ci95"] = paired_ratio_ci([(per, w) for w in wall["off2"]], [(per, w) for w in wall["off"]])
+        line += f"  | A/A off2/off {res['control_off2_off']:.3f}  95% CI {ci_text(res['control_ci95'])}"
+    print(line, flush=True)
+    return res
 
 
 def main() -> None:
@@ -140,8 +198,14 @@ def main() -> None:
     for k, v in ENGINE_ENV.items():  # the engine environment of every server in `make bench`
         os.environ.setdefault(k, v)
     t0 = time.time()
-    res = asyncio.run(measure(args.model, args.rounds, [int(x) for x in args.concurrency.split(",")],
-                              args.levels.split(","), rows, args.control))
+    concurrencies, levels = [int(x) for x in args.concurrency.split(",")], args.levels.split(",")
+    if levels == ["plain"]:
+        res = asyncio.run(measure_plain(args.model, args.rounds, concurrencies, args.control))
+        gc.collect()  # vLLM's AsyncLLM shuts down again in __del__: while the interpreter still runs
+    elif "plain" in levels:
+        sys.exit("--levels plain runs on its own (two engines, other arms)")
+    else:
+        res = asyncio.run(measure(args.model, args.rounds, concurrencies, levels, rows, args.control))
     cmd = "python -m bench.below_serve " + " ".join(sys.argv[1:])
     doc = {"command": cmd.strip(), "started": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(t0)),
            "seconds": round(time.time() - t0, 1), "model": args.model, "rounds": args.rounds,

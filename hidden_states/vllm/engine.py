@@ -18,14 +18,15 @@ token) whose output brings the vector the same way; the prefix cache holds all
 but the last block, and it goes ahead of waiting generation (priority -1).
 
 Ways in, one path:
-- `complete()/extract_layers()` for Python callers;
+- `complete()/extract_layers()` for Python callers (the work is extraction.py's
+  `Extraction`, which the engine owns as `engine.extraction`);
 - vLLM's own OpenAI serving classes (openai.py) driving the engine through
   vLLM's EngineClient interface with sampling params tagged by a collector
   (`with engine.collecting() as c:` put `c.extra_args` in the sampling params'
   extra_args; an OpenAI request carries the tag in `vllm_xargs`): vectors land
   in that collector under (prompt ordinal, choice index);
 - beam search (vLLM's serving runs it as one-token engine requests per step,
-  which carry no tag): `extract_beams()` wraps its final output and extracts
+  which carry no tag): `extraction.extract_beams()` wraps its final output and extracts
   one vector per returned beam.
 
 LoRA adapters (engine argument `enable_lora`) are loaded and named by vLLM's
@@ -50,12 +51,12 @@ from hidden_states.params import (DEFAULT_MAX_HIDDEN_STATES_BYTES, HiddenStatesD
                                   UnknownModelError, absolute_layer, check_dtype, check_layers, check_position,
                                   check_topk)
 from hidden_states.models.builtin import DEFAULT_MODEL, resolve_model
-from hidden_states.engine import (Completion, CompletionChoice, HiddenStatesCollector, SamplingOptions, VectorObservers,
+from hidden_states.engine import (Completion, CompletionChoice, ExtractionStats, SamplingOptions, VectorObservers,
                                   rows_choice)
 from hidden_states.vllm import (ENGINE_ENV, SUPPORTED_LAYER_ARCHS, WORKER_EXTENSION, VLLMIncompatibleError,
                                 check_vllm_version)
 from hidden_states.vllm.cpu import cpu_start_up, on_cpu
-from hidden_states.vllm.extraction import Extraction, make_async_llm_class
+from hidden_states.vllm.extraction import Extraction, Origin, make_async_llm_class
 from hidden_states.vllm.engine_args import refuse, with_defaults
 
 logger = logging.getLogger(__name__)
@@ -94,38 +95,30 @@ def _execution_mode(cfg: Any) -> dict[str, Any]:
     }
 
 
-class HiddenStatesEngine(Extraction, VectorObservers):
+class HiddenStatesEngine(VectorObservers):
     """A vLLM v1 engine that returns hidden states of finished completions.
 
     Start with `await HiddenStatesEngine.start(model, **engine_args)`; stop with
     `shutdown()`. Engine arguments are vLLM's (`AsyncEngineArgs`).
     """
 
-    def __init__(self, llm: Any, enabled: bool, extraction_timeout_s: float):
+    def __init__(self, llm: Any, enabled: bool, extraction_timeout_s: float = 60.0, *, tail_enabled: bool = False,
+                 max_hidden_states_bytes: int = DEFAULT_MAX_HIDDEN_STATES_BYTES):
         self.llm = llm
         self._enabled = enabled
-        self.vector_requests = 0  # engine requests that asked for a vector (a mailbox each)
-        self.mailboxes = {}  # a capture key -> {choice index: CapturedVector} (extraction.py)
-        self.malformed_vectors = 0  # vectors on outputs that did not decode (a bug)
-        self.unclaimed_vectors = 0  # vectors whose request had already ended (an abort raced the finish)
-        self.late_rows = 0  # rows on outputs of requests that had ended (a stop string cut them: not a fault)
-        self.max_hidden_states_bytes = DEFAULT_MAX_HIDDEN_STATES_BYTES
         self.hidden_size = int(llm.vllm_config.model_config.get_hidden_size())
         hf = llm.vllm_config.model_config.hf_config
         self.num_layers = int(hf.num_hidden_layers)
         self.architecture = (getattr(hf, "architectures", None) or ["?"])[0]
         self.eager = bool(llm.vllm_config.model_config.enforce_eager)
-        self._collectors: dict[str, HiddenStatesCollector] = {}
-        self.extraction_timeout_s = extraction_timeout_s
-        self.extractions = 0
-        self.extraction_tokens = 0
-        self.extraction_cached_tokens = 0
+        self.max_hidden_states_bytes = max_hidden_states_bytes  # a request's worst case of rows (params.py)
+        # Vectors off the outputs and the extraction step (extraction.py); vLLM's AsyncLLM reaches it too.
+        self.extraction = llm.extraction = Extraction(
+            llm, self.check_request, timeout_s=extraction_timeout_s, tail_enabled=tail_enabled,
+            priority=EXTRACTION_PRIORITY if llm.vllm_config.scheduler_config.policy == "priority" else 0,
+            max_hidden_states_bytes=max_hidden_states_bytes)
         VectorObservers.__init__(self)
-        self.missing_vectors = 0  # choices that finished without their vector (each failed its request)
-        self.timeouts = 0  # extraction steps that did not finish within extraction_timeout_s
-        self.tail_enabled = False  # set by start(): the engine's scheduler runs tail steps
-        self.tails = 0  # vectors from tail steps (one computed position each)
-        self.extraction_priority = 0  # set by start(): vLLM refuses priorities under its fcfs policy
+        self.layer_capture: dict[str, Any] | None = None  # set by start(): what the workers found at install
         self.startup: dict[str, Any] = {}  # set by start(): what the CPU start-up steps did
         self._workers: list[dict] = []  # the workers' stats when last asked, and the engine's counts then
         self._workers_mark: tuple[int, int] | None = None
@@ -199,16 +192,13 @@ class HiddenStatesEngine(Extraction, VectorObservers):
         except BaseException:
             llm.shutdown()
             raise
-        engine = cls(llm, enable_return_hidden_states, extraction_timeout_s)
+        engine = cls(llm, enable_return_hidden_states, extraction_timeout_s, tail_enabled=tail,
+                     max_hidden_states_bytes=max_hidden_states_bytes)
         engine.startup = {**startup, **_execution_mode(llm.vllm_config)}
         logger.info("engine execution mode: %s", _execution_mode(llm.vllm_config))
         # What the workers found at install (worker.layer_capture_support); check_request reads it.
         engine.layer_capture = {**installed[0], "layer_capture": all(w["layer_capture"] for w in installed)} \
             if installed else None
-        engine.tail_enabled = tail
-        engine.max_hidden_states_bytes = max_hidden_states_bytes  # a request's worst case of rows (params.py)
-        engine.extraction_priority = EXTRACTION_PRIORITY if llm.vllm_config.scheduler_config.policy == "priority" else 0
-        llm.hidden_states = engine
         return engine
 
     def check_request(self, layers: Sequence[int] = (-1,), position: Any = "completion_end", dtype: str = "float32",
@@ -223,7 +213,7 @@ class HiddenStatesEngine(Extraction, VectorObservers):
         L = self.num_layers
         if any(absolute_layer(l, L) != L for l in layers):
             # The workers' install result; without one (no engine), the checked architectures.
-            found = getattr(self, "layer_capture", None)
+            found = self.layer_capture
             if not (found["layer_structure"] if found else self.architecture in SUPPORTED_LAYER_ARCHS):
                 why = f" ({found['layer_capture_reason']})" if found else ""
                 families = ", ".join(a.removesuffix("ForCausalLM") for a in SUPPORTED_LAYER_ARCHS)
@@ -290,6 +280,25 @@ class HiddenStatesEngine(Extraction, VectorObservers):
                                             None if vecs is None else vecs.get(-1), stats, vecs))
         return Completion(request_id=request_id, prompt_token_ids=tuple(final.prompt_token_ids), choices=tuple(choices))
 
+    def collecting(self, layers: Sequence[int] = (-1,), position: Any = "completion_end", dtype: str = "float32",
+                   topk: int | None = None):
+        """A collector for one request's vectors (context manager): tag its sampling params with
+        `collector.extra_args` (SamplingParams.extra_args, or an OpenAI request's `vllm_xargs`)."""
+        return self.extraction.collecting(layers, position, dtype, topk)
+
+    async def extract_layers(self, token_ids: Sequence[int], layers: Sequence[int] = (-1,),
+                             origin: Origin = Origin()) -> tuple[dict[int, Any], ExtractionStats]:
+        """The final token's hidden state of `token_ids` at each of `layers` (the extraction step)."""
+        return await self.extraction.extract_layers(token_ids, layers, origin)
+
+    async def extract_one(self, token_ids: Sequence[int], origin: Origin = Origin()) -> tuple[Any, ExtractionStats]:
+        """The last-layer hidden state of the final token of `token_ids` (float32 [D])."""
+        return await self.extraction.extract_one(token_ids, origin)
+
+    def missing(self, what: str) -> Exception:
+        """Counts a choice that finished without its vector; the error to fail its request with."""
+        return self.extraction.missing(what)
+
     def lora_request(self, model: str | None) -> Any:
         """The LoRA adapter a request names by `model`, as vLLM's serving resolves it (None: the base model)."""
         if model is None or model == self.served_model_name:
@@ -323,24 +332,14 @@ class HiddenStatesEngine(Extraction, VectorObservers):
         if not self.enabled:
             workers = []
         else:
-            mark = (self.vector_requests, len(self.mailboxes))
+            mark = (self.extraction.vector_requests, len(self.extraction.mailboxes))
             if fresh_workers or mark != self._workers_mark or mark[1] > 0:
                 self._workers = await self.llm.collective_rpc("hidden_states_stats", timeout=30)
                 self._workers_mark = mark
             workers = self._workers
         return {
             "enabled": self.enabled,
-            "extractions": self.extractions,
-            "extraction_tokens": self.extraction_tokens,
-            "extraction_cached_tokens": self.extraction_cached_tokens,
-            "missing_vectors": self.missing_vectors,
-            "timeouts": self.timeouts,
-            "tail_enabled": self.tail_enabled,
-            "tails": self.tails,
-            "pending": len(self.mailboxes),  # engine requests whose vector may still come
-            "malformed_vectors": self.malformed_vectors,
-            "unclaimed_vectors": self.unclaimed_vectors,
-            "late_rows": self.late_rows,
+            **self.extraction.counts(),
             "unfinished_requests": self.llm.output_processor.get_num_unfinished_requests(),
             "workers": workers,
             "startup": self.startup,

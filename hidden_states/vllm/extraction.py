@@ -46,8 +46,8 @@ import numpy as np
 
 from hidden_states.engine import (ExtractionStats, HiddenStatesCollector, HiddenStatesTimeout,
                                   MissingHiddenStatesError, RowBatch)
-from hidden_states.params import (HiddenStatesRequestError, Span, absolute_layer, check_position, check_room,
-                                  check_rows_budget, room_for_completion)
+from hidden_states.params import (DEFAULT_MAX_HIDDEN_STATES_BYTES, HiddenStatesRequestError, Span, absolute_layer,
+                                  check_position, check_room, check_rows_budget, room_for_completion)
 from hidden_states.protocol import (COLLECTOR_TAG_KEY, OUTPUT_KEY, ROWS_KEY, CapturedRows, CapturedVector,
                                     HiddenStatesExtractionRequest, HiddenStatesProtocolError)
 
@@ -91,7 +91,7 @@ def make_async_llm_class():
     class ExtractingAsyncLLM(AsyncLLM):
         """AsyncLLM whose outputs bring vectors, and whose generate() files them."""
 
-        hidden_states: "Extraction"
+        extraction: "Extraction"  # set by HiddenStatesEngine.start()
 
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
@@ -99,7 +99,7 @@ def make_async_llm_class():
             process = processor.process_outputs
 
             def process_outputs(engine_core_outputs, *a, **kw):
-                hs = getattr(self, "hidden_states", None)
+                hs = getattr(self, "extraction", None)
                 if hs is not None and hs.mailboxes:
                     for eco in engine_core_outputs:
                         params = eco.kv_transfer_params
@@ -118,8 +118,8 @@ def make_async_llm_class():
             processor.process_outputs = process_outputs
 
         async def generate(self, prompt, sampling_params, request_id, *args, **kwargs):
-            hs = self.hidden_states
-            collector = hs.collector_for(sampling_params)
+            hs = getattr(self, "extraction", None)
+            collector = hs.collector_for(sampling_params) if hs is not None else None
             if collector is None:
                 async for out in super().generate(prompt, sampling_params, request_id, *args, **kwargs):
                     yield out
@@ -171,11 +171,42 @@ def make_async_llm_class():
 
 
 class Extraction:
-    """The engine's vector bookkeeping and extraction step (mixed into HiddenStatesEngine,
-    which sets `llm`, `num_layers`, `extraction_timeout_s`, `extraction_priority`, the
-    counters, `mailboxes` and `_collectors`)."""
+    """One engine's frontend half: the mailboxes of the `generate()` calls in flight, the
+    collectors of the requests that asked, what arrives on outputs, the extraction step, and
+    their counters. The engine builds it once it knows its configuration (`start()`); the
+    AsyncLLM reaches it as `llm.extraction`."""
 
-    mailboxes: dict[str, "dict[int, CapturedVector] | RowSink"]
+    def __init__(self, llm: Any, check_request: Callable[..., tuple[int, ...]], *, timeout_s: float = 60.0,
+                 tail_enabled: bool = False, priority: int = 0,
+                 max_hidden_states_bytes: int = DEFAULT_MAX_HIDDEN_STATES_BYTES):
+        self.llm = llm
+        self.check_request = check_request  # the engine's: layers, position, dtype, top-k it can serve
+        self.num_layers = int(llm.vllm_config.model_config.hf_config.num_hidden_layers)
+        self.hidden_size = int(llm.vllm_config.model_config.get_hidden_size())
+        self.extraction_timeout_s = timeout_s
+        self.tail_enabled = tail_enabled  # the engine's scheduler runs tail steps
+        self.extraction_priority = priority  # vLLM refuses priorities under its fcfs policy
+        self.max_hidden_states_bytes = max_hidden_states_bytes  # a request's worst case of rows (params.py)
+        self.mailboxes: dict[str, dict[int, CapturedVector] | RowSink] = {}  # by capture key
+        self._collectors: dict[str, HiddenStatesCollector] = {}  # by tag
+        self.vector_requests = 0  # engine requests that asked for a vector (a mailbox each)
+        self.extractions = 0
+        self.extraction_tokens = 0
+        self.extraction_cached_tokens = 0
+        self.tails = 0  # vectors from tail steps (one computed position each)
+        self.missing_vectors = 0  # choices that finished without their vector (each failed its request)
+        self.timeouts = 0  # extraction steps that did not finish within extraction_timeout_s
+        self.malformed_vectors = 0  # vectors on outputs that did not decode (a bug)
+        self.unclaimed_vectors = 0  # vectors whose request had already ended (an abort raced the finish)
+        self.late_rows = 0  # rows on outputs of requests that had ended (a stop string cut them: not a fault)
+
+    def counts(self) -> dict[str, Any]:
+        return {"extractions": self.extractions, "extraction_tokens": self.extraction_tokens,
+                "extraction_cached_tokens": self.extraction_cached_tokens, "missing_vectors": self.missing_vectors,
+                "timeouts": self.timeouts, "tail_enabled": self.tail_enabled, "tails": self.tails,
+                "pending": len(self.mailboxes),  # engine requests whose vector may still come
+                "malformed_vectors": self.malformed_vectors, "unclaimed_vectors": self.unclaimed_vectors,
+                "late_rows": self.late_rows}
 
     def _addressee(self, cls: type, raw: Any, index: int | None, box_type: type):
         """(the decoded message, the mailbox of the call that asked, or None if that call already

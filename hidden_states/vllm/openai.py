@@ -236,7 +236,7 @@ class OpenAIFrontend:
             # Only the tokens up to the last position asked for: the rows before it are the same.
             seq, origin = ids[:positions[-1] + 1], Origin(lora_request=lora)
             if rows:
-                batch, stats = await eng.extract_rows(seq, positions, layers, dtype, topk, origin)
+                batch, stats = await eng.extraction.extract_rows(seq, positions, layers, dtype, topk, origin)
                 out = row_fields(batch, layers, encoding, by_layer, multi, position, dtype, topk,
                                  topk or eng.hidden_size)
                 true, nbytes = (batch.floats(-1) if claim is not None else None), batch.nbytes
@@ -310,14 +310,15 @@ def _wrap_beam_search(serving, engine) -> None:
         if collector is None:
             return original(prompt, request_id, params, *args, **kwargs)
         prompt_len = len(prompt.get("prompt_token_ids") or ())
-        params = msgspec.structs.replace(params, max_tokens=engine.beam_search_room(prompt_len, params.max_tokens))
+        extraction = engine.extraction
+        params = msgspec.structs.replace(params, max_tokens=extraction.beam_search_room(prompt_len, params.max_tokens))
         if collector.rowwise:  # the memory bound, for its returned beams
-            engine.check_beam_rows(collector, prompt_len, params.max_tokens, params.beam_width)
+            extraction.check_beam_rows(collector, prompt_len, params.max_tokens, params.beam_width)
         origin = Origin.of(prompt, {"lora_request": kwargs.get("lora_request", args[0] if args else None)})
         # vLLM's completions serving passes beam search the request's id without its per-prompt
         # `-{i}`, calling it for prompt 0, 1, ... in order: the calls are counted instead.
         ordinal, collector.beam_calls = collector.beam_calls, collector.beam_calls + 1
-        return engine.extract_beams(original(prompt, request_id, params, *args, **kwargs), collector, ordinal, origin)
+        return extraction.extract_beams(original(prompt, request_id, params, *args, **kwargs), collector, ordinal, origin)
 
     serving.beam_search = beam_search
 

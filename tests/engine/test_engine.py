@@ -254,7 +254,7 @@ def test_disabled_engine_refuses_clearly(plain_engine, loop_thread):
 @cpu_only
 def test_engine_defaults_for_the_extraction_step(engine, plain_engine):
     assert engine.llm.vllm_config.scheduler_config.policy == "priority"
-    assert engine.extraction_priority < 0  # ahead of generation, which vLLM gives priority 0
+    assert engine.extraction.extraction_priority < 0  # ahead of generation, which vLLM gives priority 0
     assert engine.llm.vllm_config.cache_config.block_size == 32
 
 
@@ -312,7 +312,7 @@ def test_a_finish_without_its_vector_takes_the_extraction_step_at_once(engine, l
     """The output that finishes a choice brings its vector or nothing ("not captured"): with
     the first vector lost on the way, and another one garbled, those choices get the
     extraction step at once, not after extraction_timeout_s, and the rest are untouched."""
-    original = engine.deliver
+    original = engine.extraction.deliver
     dropped: list = []
 
     def lossy(raw, index):
@@ -324,7 +324,7 @@ def test_a_finish_without_its_vector_takes_the_extraction_step_at_once(engine, l
             return original({"garbled": True}, index)
         return original(raw, index)
 
-    engine.deliver = lossy
+    engine.extraction.deliver = lossy
     before = loop_thread.run(engine.stats())
     try:
         async def run():
@@ -334,9 +334,9 @@ def test_a_finish_without_its_vector_takes_the_extraction_step_at_once(engine, l
 
         outs, seconds = loop_thread.run(run())
     finally:
-        engine.deliver = original
+        engine.extraction.deliver = original
     after = loop_thread.run(engine.stats())
-    assert seconds < 30 < engine.extraction_timeout_s, seconds  # no timer
+    assert seconds < 30 < engine.extraction.extraction_timeout_s, seconds  # no timer
     vias = sorted(c.choices[0].extraction.via for c in outs)
     assert vias == ["extraction", "extraction", "tail", "tail"], vias
     assert after["malformed_vectors"] == before["malformed_vectors"] + 1

@@ -110,9 +110,9 @@ def test_every_layer_matches_transformers(setup, loop_thread):
 def test_prompt_end_needs_no_extraction_step(setup, loop_thread):
     eng, ref = setup
     prompt = long_text(200, seed=10)
-    before = eng.extractions
+    before = eng.extraction.extractions
     c = loop_thread.run(eng.complete(prompt, sp(n=2, temperature=1.0, seed=1), layers=[-1, 1], position="prompt_end"))
-    assert eng.extractions == before  # no extraction request was made
+    assert eng.extraction.extractions == before  # no extraction request was made
     for ch in c.choices:
         assert ch.extraction is None
         assert_close(ref, c.prompt_token_ids, ch.hidden_states_by_layer[-1], -1, eng.architecture)

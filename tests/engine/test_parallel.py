@@ -51,7 +51,7 @@ def test_tail_and_extraction_vectors_exact_on_two_ranks(tp_engine, loop_thread, 
     cfg = tp_engine.llm.vllm_config
     assert cfg.parallel_config.tensor_parallel_size == 2 and cfg.parallel_config.world_size == 2
     assert cfg.parallel_config.distributed_executor_backend == "mp"
-    assert tp_engine.tail_enabled
+    assert tp_engine.extraction.tail_enabled
     prompts = PROMPTS + [long_text(300, seed=21)]  # one prompt over the 256-token prefill chunk
 
     async def run():

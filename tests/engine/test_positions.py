@@ -264,7 +264,7 @@ def test_nothing_stays_after_an_abort(engine, loop_thread, reference):
                     break
             await gen.aclose()
             assert col.rows, "rows arrived before the abort"
-            return len(engine.mailboxes)
+            return len(engine.extraction.mailboxes)
 
     assert loop_thread.run(run()) == 0
     c = complete(engine, loop_thread, PROMPTS[1], sp(max_tokens=6), position="completion")

@@ -13,12 +13,13 @@ import pytest
 from hidden_states.engine import HiddenStatesCollector, MissingHiddenStatesError
 from hidden_states.openai_format import ChoiceVectors
 from hidden_states.vllm.engine import HiddenStatesEngine
-from hidden_states.vllm.extraction import prompt_ordinal
+from hidden_states.vllm.extraction import Extraction, prompt_ordinal
 
 
 def engine():
     eng = HiddenStatesEngine.__new__(HiddenStatesEngine)
-    eng.missing_vectors, eng.observers = 0, []
+    eng.extraction, eng.observers = Extraction.__new__(Extraction), []
+    eng.extraction.missing_vectors = 0
     return eng
 
 
@@ -76,7 +77,7 @@ def test_a_choice_without_its_vector_fails_the_request_and_is_counted():
     col.put((0, 0), vec(7), None)
     with pytest.raises(MissingHiddenStatesError, match="choice 1"):
         cv.fill_response({"choices": [{"index": 0}, {"index": 1}]})
-    assert cv.engine.missing_vectors == 1
+    assert cv.engine.extraction.missing_vectors == 1
 
 
 def chunk(data) -> str:

@@ -8,6 +8,7 @@ from hidden_states.vllm.engine import HiddenStatesEngine, HiddenStatesRequestErr
 def fake_engine(arch="LlamaForCausalLM", layers=12, eager=True):
     eng = HiddenStatesEngine.__new__(HiddenStatesEngine)
     eng._enabled, eng.num_layers, eng.architecture, eng.eager = True, layers, arch, eager
+    eng.layer_capture = None  # no workers: the checked architectures decide
     return eng
 
 
