@@ -103,23 +103,18 @@ async def measure(model: str, rounds: int, concurrencies: list[int], levels: lis
             if level not in levels:
                 continue
             for c in concurrencies:
-                per = PER_ROUND.get(c, 8)
-                shapes = workload.shapes(rounds * per, seed=workload.SEED + c)
-                arms = ["on", "off", "off2"] if control else ["on", "off"]
-                wall: dict[str, list[float]] = {a: [] for a in arms}
-                for r in range(rounds):
-                    sh = shapes[r * per:(r + 1) * per]
-                    for arm in arms[r % len(arms):] + arms[:r % len(arms)]:  # the first arm rotates
-                        items = [(f"{level}-{c}-{r}-{arm}-{i}", s) for i, s in enumerate(sh)]
-                        wall[arm].append(await _batch(call(arm == "on"), items, c))
-                out[f"{level} c={c}"] = _ratios(wall, per, rounds, control, f"{level:7s} c={c:<3d} on/off")
+                wall = await _alternate(level, c, rounds, control, lambda arm: call(arm == "on"))
+                out[f"{level} c={c}"] = _ratios(wall, PER_ROUND.get(c, 8), rounds, control,
+                                                f"{level:7s} c={c:<3d} on/off")
     finally:
         eng.shutdown()
     return out
 
 
-async def measure_plain(model: str, rounds: int, concurrencies: list[int], control: bool = False) -> dict:
-    """Level `plain`: unflagged requests, our engine (hidden states enabled) vs vLLM's AsyncLLM."""
+async def measure_plain(model: str, rounds: int, concurrencies: list[int], control: bool = False,
+                        ours_args: dict | None = None) -> dict:
+    """Level `plain`: unflagged requests, our engine (hidden states enabled; `ours_args`: more
+    HiddenStatesEngine.start() arguments) vs vLLM's AsyncLLM."""
     from vllm import SamplingParams
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
@@ -128,7 +123,7 @@ async def measure_plain(model: str, rounds: int, concurrencies: list[int], contr
     from hidden_states.vllm.engine import HiddenStatesEngine
 
     path = str(build(model))
-    ours = await HiddenStatesEngine.start(path, **ENGINE_ARGS)
+    ours = await HiddenStatesEngine.start(path, **ENGINE_ARGS, **(ours_args or {}))
     theirs = AsyncLLM.from_engine_args(AsyncEngineArgs(model=path, scheduling_policy="priority", **ENGINE_ARGS))
     vocab = ours.llm.model_config.get_vocab_size()
 
@@ -150,20 +145,35 @@ async def measure_plain(model: str, rounds: int, concurrencies: list[int], contr
             for name, llm in (("on", ours.llm), ("off", theirs)):  # warm both the same way (first batches)
                 await _batch(call(llm), [(f"warm-{c}-{name}-{i}", s) for i, s in
                                          enumerate(workload.shapes(per, seed=workload.SEED - c))], c)
-            shapes = workload.shapes(rounds * per, seed=workload.SEED + c)
-            arms = ["on", "off", "off2"] if control else ["on", "off"]
-            wall: dict[str, list[float]] = {a: [] for a in arms}
-            for r in range(rounds):
-                sh = shapes[r * per:(r + 1) * per]
-                for arm in arms[r % len(arms):] + arms[:r % len(arms)]:  # the first arm rotates
-                    await asyncio.sleep(1.5)  # the other engine's spin after its last step ends
-                    items = [(f"plain-{c}-{r}-{arm}-{i}", s) for i, s in enumerate(sh)]
-                    wall[arm].append(await _batch(call(engines[arm]), items, c))
+            # Each batch after a pause: the other engine's busy-wait after its last step (1 s) is over.
+            wall = await _alternate("plain", c, rounds, control, lambda arm: call(engines[arm]), pause_s=1.5)
             out[f"plain c={c}"] = _ratios(wall, per, rounds, control, f"plain   c={c:<3d} ours/vLLM")
+        workers = (await ours.stats())["workers"]
+        trims = sum(w.get("malloc_trim", {}).get("trims", 0) for w in workers)
+        for r in out.values():
+            r["ours_malloc_trims_in_run"] = trims
+        print(f"ours: malloc_trim ran {trims} times (idle between its rounds)", flush=True)
     finally:
         theirs.shutdown()
         ours.shutdown()
     return out
+
+
+async def _alternate(level: str, c: int, rounds: int, control: bool, run_for, pause_s: float = 0.0) -> dict:
+    """Wall seconds per arm per round: the arms alternate round by round (the first arm rotates),
+    on the same request lengths in a round, with different token contents per arm."""
+    per = PER_ROUND.get(c, 8)
+    shapes = workload.shapes(rounds * per, seed=workload.SEED + c)
+    arms = ["on", "off", "off2"] if control else ["on", "off"]
+    wall: dict[str, list[float]] = {a: [] for a in arms}
+    for r in range(rounds):
+        sh = shapes[r * per:(r + 1) * per]
+        for arm in arms[r % len(arms):] + arms[:r % len(arms)]:
+            if pause_s:
+                await asyncio.sleep(pause_s)
+            items = [(f"{level}-{c}-{r}-{arm}-{i}", s) for i, s in enumerate(sh)]
+            wall[arm].append(await _batch(run_for(arm), items, c))
+    return wall
 
 
 def _ratios(wall: dict[str, list[float]], per: int, rounds: int, control: bool, label: str) -> dict:
@@ -192,6 +202,8 @@ def main() -> None:
     ap.add_argument("--topk", type=int, default=None, help="the on arm's hidden_states_topk")
     ap.add_argument("--control", action="store_true", help="a third arm, off again: the A/A noise floor")
     ap.add_argument("--name", default="below-serve", help="results file name under bench/results/")
+    ap.add_argument("--ours", action="append", default=[], metavar="KEY=JSON",
+                    help="level plain: a HiddenStatesEngine.start() argument for our engine, e.g. malloc_trim_interval_s=0")
     args = ap.parse_args()
     rows = {k: v for k, v in (("position", args.position), ("dtype", args.dtype), ("topk", args.topk))
             if v is not None}
@@ -199,8 +211,9 @@ def main() -> None:
         os.environ.setdefault(k, v)
     t0 = time.time()
     concurrencies, levels = [int(x) for x in args.concurrency.split(",")], args.levels.split(",")
+    ours_args = {k: json.loads(v) for k, v in (a.split("=", 1) for a in args.ours)}
     if levels == ["plain"]:
-        res = asyncio.run(measure_plain(args.model, args.rounds, concurrencies, args.control))
+        res = asyncio.run(measure_plain(args.model, args.rounds, concurrencies, args.control, ours_args))
         gc.collect()  # vLLM's AsyncLLM shuts down again in __del__: while the interpreter still runs
     elif "plain" in levels:
         sys.exit("--levels plain runs on its own (two engines, other arms)")
@@ -210,16 +223,21 @@ def main() -> None:
     doc = {"command": cmd.strip(), "started": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(t0)),
            "seconds": round(time.time() - t0, 1), "model": args.model, "rounds": args.rounds,
            "engine_args": ENGINE_ARGS, "env": {k: os.environ.get(k) for k in ENGINE_ENV}, "on_arm": rows or "vector",
-           "results": res}
+           "ours_args": ours_args if levels == ["plain"] else None, "results": res}
     out = ROOT / "bench" / "results"
     (out / f"{args.name}.json").write_text(json.dumps(doc, indent=1))
     lines = ["# Hidden states on/off below Ray Serve", "", f"Command: `{doc['command']}` ({doc['started']}, "
              f"{doc['seconds']:.0f} s); model {args.model}, {args.rounds} alternating rounds; engine arguments "
              f"`{json.dumps(ENGINE_ARGS)}`, environment `{json.dumps(doc['env'])}`.", "",
-             f"The on arm asks: {json.dumps(rows) if rows else 'the final token vector'}.", "",
+             (f"Level plain: requests without hidden states; on = our engine (hidden states enabled"
+              f"{', ' + json.dumps(doc['ours_args']) if doc['ours_args'] else ''}), off = vLLM's own AsyncLLM, "
+              "each batch after a 1.5 s pause." if levels == ["plain"] else
+              f"The on arm asks: {json.dumps(rows) if rows else 'the final token vector'}."), "",
              "| level | throughput on/off | 95% CI | per-round range | requests per arm | A/A off2/off (95% CI) |",
              "|---|---|---|---|---|---|"]
     for name, r in res.items():
+        if "ours_malloc_trims_in_run" in r:
+            name += f" (our malloc_trim ran {r['ours_malloc_trims_in_run']}x)"
         lines.append(f"| {name} | {r['throughput_on_off']:.3f} | {ci_text(r.get('ci95'))} "
                      f"| {min(r['per_round']):.2f}..{max(r['per_round']):.2f} "
                      f"| {r['requests_per_arm']} | "

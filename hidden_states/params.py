@@ -344,3 +344,15 @@ def check_layers(layers: Sequence[int], num_layers: int) -> tuple[int, ...]:
             f"(0 = embeddings, {L} = after the final norm; negative counts from the end, -1 = {L})",
             "hidden_states_layers")
     return layers
+
+
+def check_vector_request(enabled: bool, layers: Sequence[int], position: Any, dtype: Any, topk: Any,
+                         num_layers: int, hidden_size: int | None) -> tuple[int, ...]:
+    """What every engine checks first of a request for hidden states, in one order: enabled, the
+    position, the dtype, top-k, the layers; returns the layers, deduplicated."""
+    if not enabled:
+        raise HiddenStatesDisabledError()
+    check_position(position)
+    check_dtype(dtype)
+    check_topk(topk, hidden_size)
+    return check_layers(layers, num_layers)

@@ -38,7 +38,7 @@ from hidden_states.engine import (Completion, CompletionChoice, ExtractionStats,
                                   MissingHiddenStatesError, RowBatch, SamplingOptions, VectorObservers, rows_choice)
 from hidden_states.openai_format import ChoiceVectors, error_body
 from hidden_states.params import (DEFAULT_MAX_HIDDEN_STATES_BYTES, HiddenStatesDisabledError, HiddenStatesRequestError,
-                                  Span, check_dtype, check_layers, check_position, check_rows_budget, check_topk)
+                                  Span, check_position, check_rows_budget, check_vector_request)
 from hidden_states.protocol import narrow
 
 HIDDEN_SIZE = 8
@@ -110,12 +110,7 @@ class FakeEngine(VectorObservers):
 
     def check_request(self, layers: Sequence[int] = (-1,), position: Any = "completion_end", dtype: str = "float32",
                       topk: int | None = None) -> tuple[int, ...]:
-        if not self.enabled:
-            raise HiddenStatesDisabledError()
-        check_position(position)
-        check_dtype(dtype)
-        check_topk(topk, HIDDEN_SIZE)
-        return check_layers(layers, NUM_LAYERS)
+        return check_vector_request(self.enabled, layers, position, dtype, topk, NUM_LAYERS, HIDDEN_SIZE)
 
     def missing(self, what: str) -> MissingHiddenStatesError:
         self.missing_vectors += 1

@@ -47,9 +47,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from hidden_states.preflight import EngineStartupError, check_architecture, check_cpu_memory, check_model_folder
-from hidden_states.params import (DEFAULT_MAX_HIDDEN_STATES_BYTES, HiddenStatesDisabledError, HiddenStatesRequestError,
-                                  UnknownModelError, absolute_layer, check_dtype, check_layers, check_position,
-                                  check_topk)
+from hidden_states.params import (DEFAULT_MAX_HIDDEN_STATES_BYTES, HiddenStatesRequestError, UnknownModelError,
+                                  absolute_layer, check_vector_request)
 from hidden_states.models.builtin import DEFAULT_MODEL, resolve_model
 from hidden_states.engine import (Completion, CompletionChoice, ExtractionStats, SamplingOptions, VectorObservers,
                                   rows_choice)
@@ -204,12 +203,8 @@ class HiddenStatesEngine(VectorObservers):
     def check_request(self, layers: Sequence[int] = (-1,), position: Any = "completion_end", dtype: str = "float32",
                       topk: int | None = None) -> tuple[int, ...]:
         """Raises HiddenStatesRequestError with the fix if this engine cannot serve it."""
-        if not self.enabled:
-            raise HiddenStatesDisabledError()
-        check_position(position)
-        check_dtype(dtype)
-        check_topk(topk, getattr(self, "hidden_size", None))
-        layers = check_layers(layers, self.num_layers)
+        layers = check_vector_request(self.enabled, layers, position, dtype, topk, self.num_layers,
+                                      getattr(self, "hidden_size", None))
         L = self.num_layers
         if any(absolute_layer(l, L) != L for l in layers):
             # The workers' install result; without one (no engine), the checked architectures.
