@@ -112,7 +112,7 @@ async def measure(model: str, rounds: int, concurrencies: list[int], levels: lis
 
 
 async def measure_plain(model: str, rounds: int, concurrencies: list[int], control: bool = False,
-                        ours_args: dict | None = None) -> dict:
+                        ours_args: dict | None = None, swap: bool = False) -> dict:
     """Level `plain`: unflagged requests, our engine (hidden states enabled; `ours_args`: more
     HiddenStatesEngine.start() arguments) vs vLLM's AsyncLLM."""
     from vllm import SamplingParams
@@ -137,7 +137,8 @@ async def measure_plain(model: str, rounds: int, concurrencies: list[int], contr
                 pass
         return run
 
-    engines = {"on": ours.llm, "off": theirs, "off2": theirs}
+    # swap: vLLM's engine is the on arm and ours off/off2 (does the arm's place in the rotation decide?)
+    engines = {"on": theirs, "off": ours.llm, "off2": ours.llm} if swap else {"on": ours.llm, "off": theirs, "off2": theirs}
     out = {}
     try:
         for c in concurrencies:
@@ -147,7 +148,8 @@ async def measure_plain(model: str, rounds: int, concurrencies: list[int], contr
                                          enumerate(workload.shapes(per, seed=workload.SEED - c))], c)
             # Each batch after a pause: the other engine's busy-wait after its last step (1 s) is over.
             wall = await _alternate("plain", c, rounds, control, lambda arm: call(engines[arm]), pause_s=1.5)
-            out[f"plain c={c}"] = _ratios(wall, per, rounds, control, f"plain   c={c:<3d} ours/vLLM")
+            out[f"plain c={c}"] = _ratios(wall, per, rounds, control,
+                                          f"plain   c={c:<3d} " + ("vLLM/ours" if swap else "ours/vLLM"))
         workers = (await ours.stats())["workers"]
         trims = sum(w.get("malloc_trim", {}).get("trims", 0) for w in workers)
         for r in out.values():
@@ -202,6 +204,7 @@ def main() -> None:
     ap.add_argument("--topk", type=int, default=None, help="the on arm's hidden_states_topk")
     ap.add_argument("--control", action="store_true", help="a third arm, off again: the A/A noise floor")
     ap.add_argument("--name", default="below-serve", help="results file name under bench/results/")
+    ap.add_argument("--swap", action="store_true", help="level plain: vLLM's engine as the on arm, ours as off and off2")
     ap.add_argument("--ours", action="append", default=[], metavar="KEY=JSON",
                     help="level plain: a HiddenStatesEngine.start() argument for our engine, e.g. malloc_trim_interval_s=0")
     args = ap.parse_args()
@@ -213,7 +216,8 @@ def main() -> None:
     concurrencies, levels = [int(x) for x in args.concurrency.split(",")], args.levels.split(",")
     ours_args = {k: json.loads(v) for k, v in (a.split("=", 1) for a in args.ours)}
     if levels == ["plain"]:
-        res = asyncio.run(measure_plain(args.model, args.rounds, concurrencies, args.control, ours_args))
+        res = asyncio.run(measure_plain(args.model, args.rounds, concurrencies, args.control, ours_args,
+                                        args.swap))
         gc.collect()  # vLLM's AsyncLLM shuts down again in __del__: while the interpreter still runs
     elif "plain" in levels:
         sys.exit("--levels plain runs on its own (two engines, other arms)")
@@ -223,15 +227,16 @@ def main() -> None:
     doc = {"command": cmd.strip(), "started": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(t0)),
            "seconds": round(time.time() - t0, 1), "model": args.model, "rounds": args.rounds,
            "engine_args": ENGINE_ARGS, "env": {k: os.environ.get(k) for k in ENGINE_ENV}, "on_arm": rows or "vector",
-           "ours_args": ours_args if levels == ["plain"] else None, "results": res}
+           "ours_args": ours_args if levels == ["plain"] else None, "swap": args.swap, "results": res}
     out = ROOT / "bench" / "results"
     (out / f"{args.name}.json").write_text(json.dumps(doc, indent=1))
     lines = ["# Hidden states on/off below Ray Serve", "", f"Command: `{doc['command']}` ({doc['started']}, "
              f"{doc['seconds']:.0f} s); model {args.model}, {args.rounds} alternating rounds; engine arguments "
              f"`{json.dumps(ENGINE_ARGS)}`, environment `{json.dumps(doc['env'])}`.", "",
-             (f"Level plain: requests without hidden states; on = our engine (hidden states enabled"
-              f"{', ' + json.dumps(doc['ours_args']) if doc['ours_args'] else ''}), off = vLLM's own AsyncLLM, "
-              "each batch after a 1.5 s pause." if levels == ["plain"] else
+             (f"Level plain: requests without hidden states; our engine (hidden states enabled"
+              f"{', ' + json.dumps(doc['ours_args']) if doc['ours_args'] else ''}) and vLLM's own AsyncLLM, "
+              + ("on = vLLM's, off and off2 = ours" if args.swap else "on = ours, off and off2 = vLLM's")
+              + ", each batch after a 1.5 s pause." if levels == ["plain"] else
               f"The on arm asks: {json.dumps(rows) if rows else 'the final token vector'}."), "",
              "| level | throughput on/off | 95% CI | per-round range | requests per arm | A/A off2/off (95% CI) |",
              "|---|---|---|---|---|---|"]

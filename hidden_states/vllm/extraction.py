@@ -117,13 +117,15 @@ def make_async_llm_class():
 
             processor.process_outputs = process_outputs
 
-        async def generate(self, prompt, sampling_params, request_id, *args, **kwargs):
+        def generate(self, prompt, sampling_params, request_id, *args, **kwargs):
+            """vLLM's own generator for a request that asks for nothing (no layer of ours per output)."""
             hs = getattr(self, "extraction", None)
             collector = hs.collector_for(sampling_params) if hs is not None else None
             if collector is None:
-                async for out in super().generate(prompt, sampling_params, request_id, *args, **kwargs):
-                    yield out
-                return
+                return super().generate(prompt, sampling_params, request_id, *args, **kwargs)
+            return self._generate_with_vectors(hs, collector, prompt, sampling_params, request_id, *args, **kwargs)
+
+        async def _generate_with_vectors(self, hs, collector, prompt, sampling_params, request_id, *args, **kwargs):
             prompt_end = collector.position == "prompt_end"
             if not prompt_end:
                 sampling_params = hs._leave_room_for_extraction(prompt, sampling_params)
@@ -149,7 +151,7 @@ def make_async_llm_class():
             hs.vector_requests += 1
             settled: set[int] = set()  # cumulative outputs repeat finished choices
             try:
-                async for out in super().generate(prompt, sampling_params, request_id, *args, **kwargs):
+                async for out in AsyncLLM.generate(self, prompt, sampling_params, request_id, *args, **kwargs):
                     if out.prompt_token_ids is not None:
                         prompt_ids = list(out.prompt_token_ids)
                     finished = []
