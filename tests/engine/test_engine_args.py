@@ -259,7 +259,7 @@ def test_small_chunks_and_two_sequences_queue_requests_and_stay_exact(small, loo
     tokens are those the same requests get without hidden states."""
     sc = small.llm.vllm_config.scheduler_config
     assert (sc.max_num_batched_tokens, sc.max_num_seqs, sc.policy) == (64, 2, "fcfs")
-    assert small.extraction_priority == 0
+    assert small.extraction.extraction_priority == 0
     prompts = [long_text(60 + 45 * i, seed=40 + i) for i in range(6)]
     params = [sp(max_tokens=12 + 2 * i, stop=["e"] if i % 2 else None) for i in range(6)]
     flagged = _run(loop_thread, *(small.complete(p, s) for p, s in zip(prompts, params)))
@@ -279,7 +279,7 @@ def test_small_chunks_and_two_sequences_queue_requests_and_stay_exact(small, loo
 def test_async_scheduling_is_off_on_cpu_and_vectors_take_the_tail_step(small, loop_thread, reference):
     """async_scheduling=True reaches vLLM, whose CPU platform turns it off: the engine runs
     synchronously, so the TailScheduler (not the AsyncVectorScheduler) and the tail step."""
-    assert small.startup["async_scheduling"] is False and small.tail_enabled
+    assert small.startup["async_scheduling"] is False and small.extraction.tail_enabled
     assert small.llm.vllm_config.scheduler_config.scheduler_cls.endswith("TailScheduler")
     c = loop_thread.run(small.complete(PROMPTS[1], sp(max_tokens=9)), timeout=120)
     assert c.choices[0].extraction.via == "tail"
