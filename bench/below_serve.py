@@ -3,6 +3,8 @@
     .venv/bin/python -m bench.below_serve [--rounds 6] [--concurrency 1,8] [--model tiny-llama]
     .venv/bin/python -m bench.below_serve --levels engine --concurrency 8,32 --control \
         --position completion --dtype float16 --name below-serve-rows   # issue 24: rows of every token
+    .venv/bin/python -m bench.below_serve --levels plain --concurrency 32 --rounds 30 --control \
+        --name below-serve-plain   # requests that do not ask: our engine vs vLLM's (--swap, --ours K=V)
 
 One engine (HiddenStatesEngine, the benchmark's engine arguments and environment),
 no Ray. Two levels, each with hidden states on vs off, in alternating rounds (the
@@ -17,8 +19,10 @@ different token contents, ignore_eos):
   worker's hooks, our AsyncLLM) as the "on" arm, against vLLM's own AsyncLLM
   with the same arguments (`scheduling_policy: priority`, which ours sets) as
   "off": what the server costs a user who does not ask. Both engines are up in
-  one process; each round waits 1.5 s first, so the other engine's busy-wait
-  after its last step (1 s, vLLM's SpinCondition) is over.
+  one process; each batch waits 1.5 s first, so the other engine's busy-wait
+  after its last step (1 s, vLLM's SpinCondition) is over. `--swap` makes
+  vLLM's engine the on arm; `--ours KEY=JSON` passes HiddenStatesEngine.start()
+  arguments (e.g. `enable_return_hidden_states=false`).
 
 `--position`, `--dtype`, `--topk`: what the "on" arm asks (default: the final token's
 vector); `--control`: a third arm, off again (A/A), whose ratio to off is the noise floor.
