@@ -142,12 +142,13 @@ async def measure_plain(model: str, rounds: int, concurrencies: list[int], contr
         return run
 
     # swap: vLLM's engine is the on arm and ours off/off2 (does the arm's place in the rotation decide?)
-    engines = {"on": theirs, "off": ours.llm, "off2": ours.llm} if swap else {"on": ours.llm, "off": theirs, "off2": theirs}
+    on, off = (theirs, ours.llm) if swap else (ours.llm, theirs)
+    engines = {"on": on, "off": off, "off2": off}
     out = {}
     try:
         for c in concurrencies:
             per = PER_ROUND.get(c, 8)
-            for name, llm in (("on", ours.llm), ("off", theirs)):  # warm both the same way (first batches)
+            for name, llm in (("on", on), ("off", off)):  # warm both the same way (first batches)
                 await _batch(call(llm), [(f"warm-{c}-{name}-{i}", s) for i, s in
                                          enumerate(workload.shapes(per, seed=workload.SEED - c))], c)
             # Each batch after a pause: the other engine's busy-wait after its last step (1 s) is over.
@@ -208,9 +209,11 @@ def main() -> None:
     ap.add_argument("--topk", type=int, default=None, help="the on arm's hidden_states_topk")
     ap.add_argument("--control", action="store_true", help="a third arm, off again: the A/A noise floor")
     ap.add_argument("--name", default="below-serve", help="results file name under bench/results/")
-    ap.add_argument("--swap", action="store_true", help="level plain: vLLM's engine as the on arm, ours as off and off2")
+    ap.add_argument("--swap", action="store_true",
+                    help="level plain: vLLM's engine as the on arm, ours as off and off2")
     ap.add_argument("--ours", action="append", default=[], metavar="KEY=JSON",
-                    help="level plain: a HiddenStatesEngine.start() argument for our engine, e.g. malloc_trim_interval_s=0")
+                    help="level plain: a HiddenStatesEngine.start() argument for our engine, "
+                         "e.g. malloc_trim_interval_s=0")
     args = ap.parse_args()
     rows = {k: v for k, v in (("position", args.position), ("dtype", args.dtype), ("topk", args.topk))
             if v is not None}

@@ -110,7 +110,6 @@ class HiddenStatesEngine(VectorObservers):
         self.num_layers = int(hf.num_hidden_layers)
         self.architecture = (getattr(hf, "architectures", None) or ["?"])[0]
         self.eager = bool(llm.vllm_config.model_config.enforce_eager)
-        self.max_hidden_states_bytes = max_hidden_states_bytes  # a request's worst case of rows (params.py)
         # Vectors off the outputs and the extraction step (extraction.py); vLLM's AsyncLLM reaches it too.
         self.extraction = llm.extraction = Extraction(
             llm, self.check_request, timeout_s=extraction_timeout_s, tail_enabled=tail_enabled,
@@ -128,6 +127,11 @@ class HiddenStatesEngine(VectorObservers):
     @property
     def enabled(self) -> bool:
         return self._enabled
+
+    @property
+    def max_hidden_states_bytes(self) -> int:
+        """A request's worst case of rows (params.check_rows_budget), as its extraction holds it."""
+        return self.extraction.max_hidden_states_bytes
 
     @classmethod
     async def start(

@@ -318,7 +318,8 @@ def _wrap_beam_search(serving, engine) -> None:
         # vLLM's completions serving passes beam search the request's id without its per-prompt
         # `-{i}`, calling it for prompt 0, 1, ... in order: the calls are counted instead.
         ordinal, collector.beam_calls = collector.beam_calls, collector.beam_calls + 1
-        return extraction.extract_beams(original(prompt, request_id, params, *args, **kwargs), collector, ordinal, origin)
+        beams = original(prompt, request_id, params, *args, **kwargs)
+        return extraction.extract_beams(beams, collector, ordinal, origin)
 
     serving.beam_search = beam_search
 
