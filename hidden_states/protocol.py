@@ -5,9 +5,13 @@ The vector rides vLLM's own output path (the seed's diagram):
     worker -> ModelRunnerOutput -> EngineCore's scheduler -> EngineCoreOutput -> AsyncLLM
 
 - `HiddenStatesExtractionRequest` rides inside `SamplingParams.extra_args`
-  (key `EXTRA_ARGS_KEY`) from the frontend to the scheduler and the model
-  runner: it marks an engine request for capture, says where (`tail`), and
-  carries the key its vector comes back under (vLLM rewrites request ids).
+  (key `EXTRA_ARGS_KEY`) from the frontend to the scheduler: it marks an
+  engine request for capture, says where (`tail`, `span`), and carries the key
+  its vector comes back under (vLLM rewrites request ids). The worker never
+  reads it.
+- `PlanEntry`, per request, is the step's capture plan that the scheduler hangs
+  on the SchedulerOutput (attribute `PLAN_ATTR`): which of the request's
+  scheduled rows to capture, at which layers, in which dtype and top-k.
 - `StepCapture` is what the runner hook hangs on the step's ModelRunnerOutput
   (attribute `STEP_ATTR`): every row captured in the step, one array, and which
   request each row belongs to. It travels wherever vLLM moves that output
@@ -43,7 +47,7 @@ COLLECTOR_TAG_KEY = "hidden_states_collector"
 # from what clients send, so no client can forge a capture or join a collector.
 RESERVED_EXTRA_ARGS_PREFIX = "hidden_states"
 STEP_ATTR = "hidden_states_step"  # ModelRunnerOutput attribute: the step's StepCapture
-TAILS_ATTR = "hidden_states_tails"  # SchedulerOutput attribute: request ids whose tail row runs in this step
+PLAN_ATTR = "hidden_states_plan"  # SchedulerOutput attribute: the step's capture plan, {request id: PlanEntry}
 OUTPUT_KEY = "hidden_states"  # EngineCoreOutput.kv_transfer_params key: the CapturedVector
 ROWS_KEY = "hidden_states_rows"  # EngineCoreOutput.kv_transfer_params key: CapturedRows
 
@@ -112,6 +116,20 @@ class HiddenStatesExtractionRequest(msgspec.Struct, omit_defaults=True, forbid_u
     def from_extra_args(extra_args: dict | None) -> "HiddenStatesExtractionRequest | None":
         raw = (extra_args or {}).get(EXTRA_ARGS_KEY)
         return None if raw is None else msgspec.convert(raw, HiddenStatesExtractionRequest)
+
+
+class PlanEntry(NamedTuple):
+    """What the scheduler asks the worker to capture of one request in one step (scheduler.py
+    decides; capture.py only gathers). `offsets` index the request's scheduled tokens in the step
+    (0 = its first scheduled token), `positions` are the same rows' absolute positions in
+    prompt+completion. Builtins only: it rides the SchedulerOutput wherever vLLM moves it."""
+
+    offsets: list[int]
+    positions: list[int]
+    layers: list[int]  # absolute (transformers numbering)
+    num_tokens: int  # tokens the request's scheduled span reaches in the step
+    dtype: str | None  # None: the engine's own (a single vector)
+    topk: int
 
 
 class RowBlock(NamedTuple):

@@ -1,16 +1,18 @@
-"""The capture: each step's plan, the rows sliced on the device, one copy to the host (ledger point 2).
+"""The capture: the scheduler's plan gathered on the device, one copy to the host (ledger point 2).
 
-Contract: for every request whose `SamplingParams.extra_args` carries a
-`HiddenStatesExtractionRequest`, the row the LM head consumes for that request
-(the last-layer hidden state after the final norm) is sliced on the device in
-the step that computes its position of interest: for a tail-flagged request,
-its tail step (the scheduler names those in `TAILS_ATTR`: the final token as one
-more decode row); otherwise its last *prompt* position (an extraction request's
-prompt is prompt+completion; a generating request's gives the prompt-end
-vector). All rows of a step move to the CPU in one transfer, after sampling,
-and leave on the step's ModelRunnerOutput (`protocol.StepCapture`), where the
-scheduler finds them (scheduler.py). Nothing is captured for unflagged
-requests; nothing is per-request on the device.
+Contract: the scheduler decides, every step, which rows of which request are
+captured (scheduler.py builds a `protocol.PlanEntry` per request and hangs the
+plan on the step's SchedulerOutput, `PLAN_ATTR`). This worker half holds no
+request state and reads no request flags: it only gathers. Its whole view of
+the runner is a small adapter (`_V1Runner`): the step's per-token rows after
+the final norm, where each request's scheduled tokens start among them, and the
+host copy. Rows are sliced on the device (a planned row is a request's first
+scheduled token plus its offset), cast and top-k selected there, and every row
+of a step moves to the CPU in one transfer, after sampling, on the step's
+ModelRunnerOutput (`protocol.StepCapture`), where the scheduler files them.
+
+A second runner (Model Runner V2, tpu-inference) needs only its own adapter:
+see docs/how-it-works.md, "Porting the capture".
 """
 
 from __future__ import annotations
@@ -18,8 +20,8 @@ from __future__ import annotations
 import logging
 from typing import Any, NamedTuple
 
-from hidden_states.params import Span, absolute_layer
-from hidden_states.protocol import STEP_ATTR, TAILS_ATTR, HiddenStatesExtractionRequest, RowBlock, StepCapture
+from hidden_states.params import absolute_layer
+from hidden_states.protocol import PLAN_ATTR, STEP_ATTR, PlanEntry, RowBlock, StepCapture
 from hidden_states.vllm import SUPPORTED_LAYER_ARCHS
 from hidden_states.vllm.layers import layer_capture_support
 
@@ -75,44 +77,58 @@ def _dtype_name(t: Any) -> str:
     return str(t.dtype).removeprefix("torch.")
 
 
+class _V1Runner:
+    """The runner adapter: what the capture reads of Model Runner V1 (GPUModelRunner and the CPU
+    and XPU runners that subclass it). A port to another runner provides these four."""
+
+    def __init__(self, runner: Any):
+        self.runner = runner
+
+    def step_rows(self) -> Any:
+        """Every scheduled token's last-layer row (after the final norm), [num_scheduled_tokens, D] on
+        the device, or None outside a step."""
+        state = getattr(self.runner, "execute_model_state", None)
+        return None if state is None else state.hidden_states
+
+    def starts(self, rids) -> dict[str, int]:
+        """Each request's first scheduled token's index among the step's rows."""
+        index, starts = self.runner.input_batch.req_id_to_index, self.runner.query_start_loc.np
+        return {rid: int(starts[index[rid]]) for rid in rids}
+
+    @staticmethod
+    def to_host(data: Any) -> Any:
+        return data.to("cpu").numpy()  # the step's one device-to-host transfer (uint8)
+
+
 class _RunnerHook:
-    """Per-worker state: which live requests are flagged, this step's capture plan, its rows.
+    """Per-worker: this step's capture plan (the scheduler's) and its rows.
 
     Layers are numbered as transformers' `output_hidden_states`: 0 is the
     embedding output, l in 1..L-1 the residual stream entering decoder layer l
     (vLLM keeps it split as hidden + residual), L the final-norm output (the
     rows the LM head consumes). Intermediate layers are sliced in forward
-    pre-hooks on the decoder layers, only at the planned flat token positions.
-    The step's plan lives from `before_step` to `end_step` (one execute_model
-    call): forwards outside a step (dummy and warm-up batches) capture nothing.
-    The rows it sliced (still on the device) wait for the step's sampling
-    (`attach`): they leave with the step's ModelRunnerOutput, on vLLM's own path.
-
-    Requests flagged with a `span` of positions (protocol.HiddenStatesExtractionRequest)
-    get, in every step, the rows of the positions the step computes that their span
-    may want: the step's full per-token hidden states (`execute_model_state.hidden_states`,
-    [num_scheduled_tokens, D] after the final norm, laid out in `input_batch` order at
-    `query_start_loc` offsets) gathered at those flat rows, cast (and top-k selected) on the
-    device per (dtype, k) group, and packed with every other row of the step into one byte
-    buffer: one device-to-host copy per step, whatever the requests ask.
+    pre-hooks on the decoder layers, only at the planned rows. The step's plan
+    lives from `before_step` to `end_step` (one execute_model call): forwards
+    outside a step (dummy and warm-up batches) capture nothing. The rows it
+    sliced (still on the device) wait for the step's sampling (`attach`): they
+    leave with the step's ModelRunnerOutput, on vLLM's own path. The final
+    layer's rows are gathered from the step's rows, the planned rows of every
+    request in one index, cast (and top-k selected) per (dtype, k) group, and
+    packed with every other row of the step into one byte buffer: one
+    device-to-host copy per step, whatever the requests ask.
     """
 
     def __init__(self, runner: Any):
         self.runner = runner
-        self.flagged: dict[str, HiddenStatesExtractionRequest] = {}  # captured at their last prompt token
-        self.tail_flagged: dict[str, HiddenStatesExtractionRequest] = {}  # captured in their tail step
-        # captured at every position of their span a step computes
-        self.span_flagged: dict[str, tuple[HiddenStatesExtractionRequest, Span]] = {}
-        self._tails: Any = ()  # this step's held requests (the scheduler output's TAILS_ATTR)
+        self.adapter = _V1Runner(runner)
         self.attaches = True  # this worker's ModelRunnerOutput is the one the executor returns (install sets it)
-        self.tails_captured = 0
         self.captured = 0
         self.steps_with_capture = 0
         self.steps_with_rows = 0  # steps whose plan had rows (after_step): each should make one host copy
         self.host_copies = 0  # device-to-host transfers made (_to_host)
         self.bytes_copied = 0
         self.num_layers = runner.vllm_config.model_config.hf_config.num_hidden_layers
-        self._so: Any = None
+        self._given: dict[str, PlanEntry] | None = None  # the scheduler's plan for this step
         self._plan: list[_Entry] | None = None
         self._layer_rows: dict[int, tuple[list[int], list[int]]] = {}  # layer -> (flat rows, plan entries)
         self._slices: list[tuple[int, list[int], Any]] = []  # (layer, plan entries, [k, D] on device)
@@ -143,72 +159,27 @@ class _RunnerHook:
                 "layer_capture_reason": why}
 
     def before_step(self, so: Any) -> None:
-        for rid in so.finished_req_ids:
-            self.flagged.pop(rid, None)
-            self.tail_flagged.pop(rid, None)
-            self.span_flagged.pop(rid, None)
-        for new in so.scheduled_new_reqs:
-            sp = new.sampling_params
-            req = HiddenStatesExtractionRequest.from_extra_args(sp.extra_args if sp is not None else None)
-            if req is not None and req.span is not None:
-                req.layers = absolute_layers(req.layers, self.num_layers)  # once, not per step
-                self.span_flagged[new.req_id] = (req, Span.from_list(req.span))
-            elif req is not None:
-                (self.tail_flagged if req.tail else self.flagged)[new.req_id] = req
-        self._tails = getattr(so, TAILS_ATTR, None) or ()  # set by the scheduler (scheduler.py)
-        self._so, self._plan, self._layer_rows, self._slices, self._ready = so, None, {}, [], None
+        self._given = getattr(so, PLAN_ATTR, None) or None  # set by the scheduler (scheduler.py)
+        self._plan, self._layer_rows, self._slices, self._ready = None, {}, [], None
 
     def end_step(self) -> None:
         """After every execute_model call, captured or not: no plan outlives its step."""
-        self._so, self._plan, self._layer_rows, self._slices, self._tails = None, None, {}, [], ()
+        self._given, self._plan, self._layer_rows, self._slices = None, None, {}, []
 
     @property
     def _capturing(self) -> bool:
         # Only the rank that sends (`attaches`) slices rows: the other tensor-parallel ranks hold the same ones.
-        return self.attaches and bool(self.flagged or self._tails or self.span_flagged) and self._so is not None
+        return self.attaches and self._given is not None
 
     def _step_plan(self) -> list[_Entry]:
-        """Flagged requests whose last scheduled position is their last prompt token, held
-        requests (tail step) whose last scheduled position is their final token, and span
-        requests at the positions of their span the step computes."""
+        """The scheduler's plan as flat row indices among the step's scheduled tokens."""
         if self._plan is not None:
             return self._plan
-        plan, so, L = [], self._so, self.num_layers
-        index = self.runner.input_batch.req_id_to_index
-        ends = self.runner.query_start_loc.np
-        one: list[tuple[str, int, list[int], int]] = []  # (request, batch row, layers, num_tokens)
-        for rid, req in self.flagged.items():
-            n_sched = so.num_scheduled_tokens.get(rid)
-            if not n_sched:
-                continue
-            rs = self.runner.requests[rid]
-            # Capture when that position is the last prompt token (prompt+completion
-            # for an extraction request), whatever chunking or caching came before.
-            if rs.num_computed_tokens + n_sched == rs.num_prompt_tokens:
-                one.append((rid, index[rid], absolute_layers(req.layers, L), rs.num_prompt_tokens))
-        for rid in self._tails:
-            req, n_sched = self.tail_flagged.get(rid), so.num_scheduled_tokens.get(rid)
-            if req is None or not n_sched:
-                continue
-            rs = self.runner.requests[rid]
-            # The span reaches the final token: a one-token decode, or a resumed request's last chunk.
-            if rs.num_computed_tokens + n_sched == rs.num_tokens:
-                one.append((rid, index[rid], absolute_layers(req.layers, L), rs.num_tokens))
-                self.tails_captured += 1
-        # The one-vector path: the request's last scheduled token, in the engine's dtype.
-        for rid, row, ls, n in one:
-            plan.append(_Entry(rid, ls, [int(ends[row + 1]) - 1], [n - 1], n, None, 0))
-        for rid, (req, span) in self.span_flagged.items():
-            n_sched = so.num_scheduled_tokens.get(rid)
-            if not n_sched:
-                continue
-            # The step computes positions c..c+n-1 (c: tokens already computed, as of before the step).
-            c = self.runner.requests[rid].num_computed_tokens
-            positions = span.capturable(c, c + n_sched)
-            if positions:
-                base = int(ends[index[rid]]) - c
-                plan.append(_Entry(rid, req.layers, [base + p for p in positions], positions,
-                                   c + n_sched, req.dtype, req.topk))
+        given = self._given
+        starts = self.adapter.starts(given)
+        plan = [_Entry(rid, list(e.layers), [starts[rid] + o for o in e.offsets], list(e.positions), e.num_tokens,
+                       e.dtype, e.topk) for rid, e in ((rid, PlanEntry(*e)) for rid, e in given.items())]
+        L = self.num_layers
         self._plan = plan
         self._layer_rows = {}
         for i, e in enumerate(plan):
@@ -242,8 +213,8 @@ class _RunnerHook:
 
     def after_step(self) -> None:
         """After the forward pass (sampling pending): the step's rows, sliced on the device."""
-        state = getattr(self.runner, "execute_model_state", None)
-        if state is None or not self._capturing:
+        hidden = self.adapter.step_rows()
+        if hidden is None or not self._capturing:
             return
         plan = self._step_plan()
         if not plan:
@@ -255,7 +226,6 @@ class _RunnerHook:
         blocks: list[tuple[int, int, Any, int, int]] = []
         final = [i for i, e in enumerate(plan) if L in e.layers]
         if final:
-            hidden = state.hidden_states  # every scheduled token's row, after the final norm
             rows = hidden[torch.tensor([f for i in final for f in plan[i].flat], device=hidden.device)]
             at = 0
             for i in final:
@@ -315,7 +285,7 @@ class _RunnerHook:
 
     def _to_host(self, ready) -> StepCapture:
         data, layout = ready
-        host = data.to("cpu").numpy()  # the step's one device-to-host transfer (uint8)
+        host = self.adapter.to_host(data)
         self.host_copies += 1
         self.bytes_copied += host.nbytes
         requests: dict[str, list[RowBlock]] = {}

@@ -48,24 +48,22 @@ EXERCISED: dict[str, str] = {
     "kv_cache_memory_bytes": "tests/engine/test_engine.py::test_kv_cache_is_resident_from_the_start",
     "enforce_eager": "tests/engine/test_compiled.py::test_last_layer_exact_on_compiled_engine",
     "enable_lora": "tests/engine/test_lora.py::test_tail_step_vector_is_the_adapters",
+    "speculative_config": "tests/engine/test_spec_decode.py::test_vectors_rows_and_layers_exact_at_batch_8",
     "max_loras": "tests/engine/test_lora.py::test_two_adapters_and_the_base_in_one_batch",
     "max_lora_rank": "tests/engine/test_lora.py::test_two_adapters_and_the_base_in_one_batch",
 }
 
 _V2 = ("needs vLLM's Model Runner V2, which hidden states turn off (VLLM_USE_V2_MODEL_RUNNER=0: the runner hook "
        "reads Model Runner V1's execute_model_state, ledger point 3)")
-_SPEC = ("speculative decoding verifies several tokens per request in one step: the rows no longer map one per "
-         "request, and the final token's row is not a decode row of its own (ledger point 4); kept refused until "
-         "the final-token vector is exact under multi-token acceptance")
+_SPEC_ASYNC = ("speculative decoding under async scheduling: the scheduler plans a step's rows before the previous "
+               "step's rejected draft tokens are rolled back, so it cannot place them; run it with "
+               "async_scheduling: false (tested: n-gram and draft-model speculative decoding, "
+               "tests/engine/test_spec_decode.py)")
 
 REFUSED: dict[str, str] = {
     "scheduler_cls": "this server's scheduler (hidden_states/vllm/scheduler.py) is what delivers the vectors",
     "worker_extension_cls": "this server's worker extension (hidden_states/vllm/worker.py) installs the hook",
     "worker_cls": "the hook is installed on and checked against vLLM's own workers only",
-    "speculative_config": _SPEC,
-    "spec_method": _SPEC,
-    "spec_model": _SPEC,
-    "spec_tokens": _SPEC,
     "diffusion_config": "diffusion models fill many positions per step: there is no one row of the final token",
     "pipeline_parallel_size": "the rows are read on rank 0, and under pipeline parallelism only the last stage "
                               "holds them (ledger point 4)",
@@ -152,7 +150,8 @@ _ADMISSION = ("which requests run when (admission, chunk sizes, KV headroom): th
 _CACHE_POLICY = ("what the prefix cache keeps and how it matches: how much an extraction step recomputes "
                  "(reported as computed_tokens), never what it computes")
 _DP_ONLY = "configures data parallelism, which is refused (data_parallel_size)"
-_SPEC_ONLY = "configures speculative decoding, which is refused (speculative_config)"
+_SPEC_ONLY = ("a shorthand for, or a setting of, speculative decoding (speculative_config, exercised): vLLM folds "
+              "it into the same SpeculativeConfig, whose accepted tokens the scheduler's plan follows")
 _CP_ONLY = "configures context parallelism, which is refused (prefill/decode_context_parallel_size)"
 _HYBRID = ("hybrid (Mamba, linear-attention) models' state cache and kernels: the served model's own computation; "
            "their intermediate layers are refused by structure (worker.layer_capture_support)")
@@ -228,7 +227,8 @@ IRRELEVANT: dict[str, str] = {
     "enable_expert_parallel": _MOE, "enable_ep_weight_filter": _MOE, "moe_backend": _MOE, "all2all_backend": _MOE,
     "enable_elastic_ep": _MOE, "elastic_ep_max_dp_size": _MOE, "eplb_config": _MOE, "enable_eplb": _MOE,
     "expert_placement_strategy": _MOE,
-    "per_request_spec_decode_metrics": _SPEC_ONLY,
+    "per_request_spec_decode_metrics": _SPEC_ONLY, "spec_method": _SPEC_ONLY, "spec_model": _SPEC_ONLY,
+    "spec_tokens": _SPEC_ONLY,
     # hybrid models
     "mamba_config": _HYBRID, "mamba_cache_dtype": _HYBRID, "mamba_ssm_cache_dtype": _HYBRID,
     "mamba_block_size": _HYBRID, "mamba_cache_mode": _HYBRID, "enable_mamba_shared_prefix_checkpoint": _HYBRID,
@@ -307,11 +307,17 @@ def refuse(engine_args: Mapping[str, Any], vllm_config: Any = None) -> None:
     for name, value in engine_args.items():
         if name in REFUSED and not ACCEPTED[name](value):
             raise _refusal(name, value)
+    if not _unset(engine_args.get("speculative_config")) and engine_args.get("async_scheduling") is True:
+        raise EngineStartupError(f"engine arguments speculative_config and async_scheduling=True cannot be combined "
+                                 f"with hidden states: {_SPEC_ASYNC}")
     if vllm_config is None:
         return
+    if getattr(vllm_config, "speculative_config", None) is not None and \
+            getattr(getattr(vllm_config, "scheduler_config", None), "async_scheduling", False):
+        raise EngineStartupError(f"the resolved engine runs speculative decoding under async scheduling (vLLM's "
+                                 f"default on GPUs), which cannot be combined with hidden states: {_SPEC_ASYNC}")
     pc, mc = getattr(vllm_config, "parallel_config", None), getattr(vllm_config, "model_config", None)
     resolved = {  # read as vLLM 0.32 names them; an attribute a config lacks counts as the feature off
-        "speculative_config": getattr(vllm_config, "speculative_config", None),
         "pipeline_parallel_size": getattr(pc, "pipeline_parallel_size", 1),
         "data_parallel_size": getattr(pc, "data_parallel_size", 1),
         "prefill_context_parallel_size": getattr(pc, "prefill_context_parallel_size", 1),

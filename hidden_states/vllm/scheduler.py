@@ -17,9 +17,9 @@ start to finish, so it decides, and says, what happens to its vector:
   `max_tokens`, repetition) is held back one step: its final token is appended
   to the request (so the next step computes it as an ordinary one-token decode
   row, in the batch that runs anyway, with every earlier K/V in place) but not
-  emitted. That step's scheduler output names the held requests (`TAILS_ATTR`,
-  an attribute that rides along wherever the scheduler output goes), so the
-  runner captures their rows. The token sampled from the tail row is dropped,
+  emitted. That step's capture plan (`PLAN_ATTR`, built in `_plan`, an
+  attribute that rides along wherever the scheduler output goes) names their
+  final positions, so the runner captures those rows. The token sampled from the tail row is dropped,
   and the held token is emitted then, with its own logprobs, together with the
   original finish and stop reason: the frontend sees exactly the outputs it
   would have seen without hidden states, one step later (vLLM's detokenizer
@@ -57,9 +57,9 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 
-from hidden_states.params import Span
-from hidden_states.protocol import (OUTPUT_KEY, ROWS_KEY, STEP_ATTR, TAILS_ATTR, CapturedRows, CapturedVector,
-                                    HiddenStatesExtractionRequest, captured_rows, captured_vector)
+from hidden_states.params import Span, absolute_layer
+from hidden_states.protocol import (OUTPUT_KEY, PLAN_ATTR, ROWS_KEY, STEP_ATTR, CapturedRows, CapturedVector,
+                                    HiddenStatesExtractionRequest, PlanEntry, captured_rows, captured_vector)
 from hidden_states.vllm import _require
 
 _HOLD = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_REPETITION)
@@ -128,6 +128,12 @@ class _Rows:
             keep = wanted | undecided
             self.lo += int(np.argmax(keep)) if keep.any() else len(keep)
 
+    def trim(self, limit: int) -> None:
+        """Drops rows at `limit` and past it (a suffix of the window: positions only grow)."""
+        if self.hi > self.lo:
+            self.hi = self.lo + int(np.count_nonzero(self._pos[self.lo:self.hi] < limit))
+        self.next = min(self.next, limit)
+
     def take(self, known: int, total: int | None = None) -> CapturedRows | None:
         """The rows decided wanted (all of them, resolved on `total` tokens, once it ended); the
         undecided stay, the unwanted go."""
@@ -165,15 +171,29 @@ class _StepRefs:
     layers: list[int] | None = None
     pieces: list = dataclasses.field(default_factory=list)  # (step data, blocks by layer, row mask or None)
 
-    def add(self, data: np.ndarray, blocks: list, first: list[int]) -> None:
+    def add(self, data: np.ndarray, blocks: list, first: list[int], bound: int) -> None:
+        """A step's rows of positions `first`; those at `bound` and past it (rejected draft tokens'
+        rows) never count."""
         keep = None
-        if first[0] < self.next:  # a resumed request's recomputed rows: once
-            keep = np.asarray(first) >= self.next
+        if first[0] < self.next or first[-1] >= bound:  # recomputed rows (a resumed request): once
+            keep = (np.asarray(first) >= self.next) & (np.asarray(first) < bound)
             if not keep.any():
                 return
         self.pieces.append((data, blocks, keep))
-        self.next = max(self.next, first[-1] + 1)
+        self.next = max(self.next, min(first[-1] + 1, bound))
         self.layers = [b.layer for b in blocks]
+
+    def trim(self, limit: int) -> None:
+        """Drops rows at `limit` and past it (tokens accepted past a stop: never part of the sequence)."""
+        if self.next <= limit:
+            return
+        pieces, self.pieces = self.pieces, []
+        for data, blocks, keep in pieces:
+            pos = np.asarray(blocks[0].positions)
+            k = (pos < limit) if keep is None else keep & (pos < limit)
+            if k.any():
+                self.pieces.append((data, blocks, None if k.all() else k))
+        self.next = limit
 
     def take(self, known: int, total: int | None = None) -> CapturedRows | None:
         if not self.pieces:
@@ -207,29 +227,70 @@ class _VectorsOnOutputs:
         self._finished: dict[str, CapturedVector | None] = {}  # flagged requests freed since the last update
         self._rows: dict[str, _Rows] = {}  # live span requests: rows captured and not sent yet
         self._finished_rows: dict[str, CapturedRows] = {}  # span requests finished in this update: their last rows
+        self._spans: dict[str, Span] = {}  # live span requests' spans
         self._step_output: Any = None  # the ModelRunnerOutput being applied (for a held token's logprobs)
         self.tails_run = 0
+        self.tails_planned = 0
 
     def add_request(self, request: Any) -> None:
         sp = request.sampling_params
         flag = HiddenStatesExtractionRequest.from_extra_args(sp.extra_args if sp is not None else None)
         if flag is not None:
+            L = self.vllm_config.model_config.hf_config.num_hidden_layers
+            flag.layers = [absolute_layer(l, L) for l in flag.layers]  # once, for every step's plan
             self._flags[request.request_id] = flag
             if flag.span is not None:
                 span = Span.from_list(flag.span)
+                self._spans[request.request_id] = span
                 self._rows[request.request_id] = _StepRefs(flag, span) if span.start >= 0 and \
                     (span.end is None or span.end >= 0) else _Rows(flag, span, dtype=flag.dtype)
         super().add_request(request)
 
     def schedule(self, *args: Any, **kwargs: Any):
+        for rid in self._held:  # a tail step computes the final token alone: no draft tokens after it
+            if (req := self.requests.get(rid)) is not None and req.spec_token_ids:
+                req.spec_token_ids = []
         out = super().schedule(*args, **kwargs)
-        setattr(out, TAILS_ATTR, [rid for rid in self._held if rid in out.num_scheduled_tokens] if self._held else ())
+        setattr(out, PLAN_ATTR, self._plan(out) if self._flags else None)
         return out
+
+    def _plan(self, out: Any) -> dict[str, PlanEntry] | None:
+        """The step's capture plan, the one place it is decided: per flagged request scheduled in
+        the step, the rows to capture among the positions first..stop-1 it computes.
+
+        - a span request: the positions of its span the step computes (with draft tokens, their
+          rows too: those of rejected drafts are dropped when the step's output says which);
+        - a held request (its tail step): the final token, the one position of its vector;
+        - any other one-vector request: its last prompt token, when the step reaches it (an
+          extraction request's prompt is prompt+completion; else the prompt-end vector).
+        """
+        plan, sched = {}, out.num_scheduled_tokens
+        for rid, flag in self._flags.items():
+            n = sched.get(rid)
+            if not n:
+                continue
+            req = self.requests[rid]
+            stop = req.num_computed_tokens  # advanced by this step already (Scheduler._update_after_schedule)
+            first = stop - n
+            span = self._spans.get(rid)
+            if span is not None:
+                positions = span.capturable(first, stop)
+            elif rid in self._held:
+                positions = [stop - 1] if stop == req.num_tokens else []
+            elif not flag.tail:
+                positions = [stop - 1] if stop == req.num_prompt_tokens else []
+            else:
+                continue
+            if positions:
+                plan[rid] = PlanEntry([p - first for p in positions], positions, flag.layers, stop,
+                                      flag.dtype if span is not None else None, flag.topk if span is not None else 0)
+                self.tails_planned += rid in self._held
+        return plan or None
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any):
         step = getattr(model_runner_output, STEP_ATTR, None)
         if step is not None:
-            self._file(step)
+            self._file(step, scheduler_output, model_runner_output)
         self._step_output = model_runner_output
         try:
             outputs = super().update_from_output(scheduler_output, model_runner_output)
@@ -269,12 +330,13 @@ class _VectorsOnOutputs:
                     eco.kv_transfer_params = {**(eco.kv_transfer_params or {}), ROWS_KEY: rows.to_output()}
         self._finished_rows.clear()
 
-    def _file(self, step: Any) -> None:
+    def _file(self, step: Any, so: Any, mro: Any) -> None:
+        spec = so.scheduled_spec_decode_tokens
         for rid, blocks in step.requests.items():
             flag = self._flags.get(rid)
             if flag is None:
                 continue
-            if flag.span is None:  # one vector: [len(layers), D] of the request's last scheduled token
+            if flag.span is None:  # one vector: [len(layers), D] of the request's planned position
                 rows = np.stack([b.values(step.data)[0] for b in blocks])
                 self._captured[rid] = captured_vector(flag.key, "tail" if flag.tail else "prefill",
                                                       blocks[0].num_tokens, blocks[0].dtype,
@@ -286,14 +348,17 @@ class _VectorsOnOutputs:
             if len(blocks) > 1:
                 blocks = sorted(blocks, key=lambda b: b.layer)
             first = blocks[0]
-            if isinstance(acc, _StepRefs):  # the worker captured only wanted rows (Span.capturable)
-                acc.add(step.data, blocks, first.positions)
+            # Rows past the accepted tokens are rejected drafts' (speculative decoding): the step
+            # computed tokens up to num_tokens - rejected (the scheduler's own rollback).
+            bound = first.num_tokens - _rejected(rid, spec, mro)
+            if isinstance(acc, _StepRefs):  # the plan asked only for rows the span wants (Span.capturable)
+                acc.add(step.data, blocks, first.positions, bound)
                 continue
             positions = np.asarray(first.positions, dtype=np.int64)
             # An end-aligned span: some rows wait for the end; a resumed request recomputes rows sent already.
             wanted, undecided = acc.span.classify(positions, first.num_tokens)
-            keep = (wanted | undecided) & (positions >= acc.next)
-            acc.next = max(acc.next, first.positions[-1] + 1)
+            keep = (wanted | undecided) & (positions >= acc.next) & (positions < bound)
+            acc.next = max(acc.next, min(first.positions[-1] + 1, bound))
             if not keep.any():
                 continue
             acc.layers = [b.layer for b in blocks]
@@ -313,9 +378,15 @@ class _VectorsOnOutputs:
             self.tails_run += 1
             return list(held.tokens), True
         new_token_ids, stopped = super()._update_request_with_output(request, new_token_ids, *args, **kwargs)
+        if stopped and (acc := self._rows.get(rid)) is not None:
+            acc.trim(request.num_tokens)  # draft tokens accepted past the stop: their rows go too
         if stopped and self.holds and self._holds(request):
             self._held[rid] = self._hold(request, new_token_ids)
             request.status, request.stop_reason = RequestStatus.RUNNING, None
+            # The tail step computes the final token, once: with draft tokens accepted past a stop,
+            # the step computed beyond it (those positions are no longer the request's).
+            request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
+            request.spec_token_ids = []
             return [], False
         return new_token_ids, stopped
 
@@ -338,6 +409,7 @@ class _VectorsOnOutputs:
         rid = request.request_id
         if self._flags.pop(rid, None) is not None:
             self._held.pop(rid, None)
+            self._spans.pop(rid, None)
             self._finished[rid] = self._captured.pop(rid, None)
             acc = self._rows.pop(rid, None)
             if acc is not None and request.status != RequestStatus.FINISHED_ABORTED:
@@ -345,6 +417,15 @@ class _VectorsOnOutputs:
                 if rows is not None:
                     self._finished_rows[rid] = rows
         return super()._free_request(request, *args, **kwargs)
+
+
+def _rejected(rid: str, spec: dict, mro: Any) -> int:
+    """Draft tokens of `rid` the step rejected (0 without speculative decoding), as vLLM counts them."""
+    drafts = spec.get(rid) if spec else None
+    if not drafts:
+        return 0
+    sampled = mro.sampled_token_ids[mro.req_id_to_index[rid]] if mro.sampled_token_ids else []
+    return len(drafts) - max(len(sampled) - 1, 0)
 
 
 class TailScheduler(_VectorsOnOutputs, Scheduler):

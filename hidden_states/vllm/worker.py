@@ -83,8 +83,6 @@ class HiddenStatesWorkerExtension(CPUWorkerSteps):
         return {
             **trim,
             "installed": True,
-            "flagged_live": len(hook.flagged) + len(hook.tail_flagged) + len(hook.span_flagged),
-            "tails_captured": hook.tails_captured,
             "captured": hook.captured,
             "steps_with_capture": hook.steps_with_capture,
             "steps_with_rows": hook.steps_with_rows,

@@ -120,7 +120,6 @@ def test_every_refused_argument_is_refused_by_name_and_its_default_passes():
 
 @pytest.mark.parametrize("arg", [
     {"data_parallel_size": 2},
-    {"speculative_config": BAD["speculative_config"]},
     {"pipeline_parallel_size": 2},
     {"scheduler_cls": BAD["scheduler_cls"]},
     {"kv_offloading_size": 1.0},
@@ -138,6 +137,27 @@ def test_refused_arguments_stop_the_engine_before_vllm_starts(loop_thread, arg):
     with pytest.raises(EngineStartupError, match=rf"engine argument {name}=.*cannot be combined with hidden states"):
         loop_thread.run(HiddenStatesEngine.start(TEST_MODEL, **TEST_ENGINE_ARGS, **arg), timeout=60)
     assert time.monotonic() - t0 < 5
+
+
+def test_speculative_decoding_under_async_scheduling_is_refused():
+    """Speculative decoding is served (tests/engine/test_spec_decode.py), synchronously: asked
+    together with async scheduling, or resolved to it (vLLM's GPU default), it is refused by name."""
+    import types
+
+    from hidden_states.preflight import EngineStartupError
+    from hidden_states.vllm.engine_args import refuse
+
+    spec = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}
+    refuse({"speculative_config": spec})
+    refuse({"speculative_config": spec, "async_scheduling": False})
+    with pytest.raises(EngineStartupError, match="speculative_config and async_scheduling=True"):
+        refuse({"speculative_config": spec, "async_scheduling": True})
+    resolved = types.SimpleNamespace(speculative_config=object(),
+                                     scheduler_config=types.SimpleNamespace(async_scheduling=True))
+    with pytest.raises(EngineStartupError, match="async_scheduling: false"):
+        refuse({}, resolved)
+    refuse({}, types.SimpleNamespace(speculative_config=object(),
+                                     scheduler_config=types.SimpleNamespace(async_scheduling=False)))
 
 
 def test_the_resolved_configuration_is_checked_too(model_dir):

@@ -50,7 +50,6 @@ def served(loop_thread, adapters):
         loop_thread.run(eng.complete(PROMPTS[0], sp(max_tokens=2), return_hidden_states=False))  # one more step
         stats = loop_thread.run(eng.stats())
         assert stats["pending"] == 0 and stats["missing_vectors"] == 0, stats
-        assert stats["workers"][0]["flagged_live"] == 0
     finally:
         eng.shutdown()
 

@@ -86,15 +86,36 @@ def test_step_references_send_every_row_once_at_the_end_or_per_output(topk):
         acc, sent = _StepRefs(flag, Span(4, None, 1)), []
         for first, stop in [(4, 7), (7, 8), (8, 9), (6, 10), (10, 11)]:  # (6, 10): resumed, recomputes 6..8
             data, blocks = step(first, stop, base=0.0)
-            acc.add(data, blocks, blocks[0].positions)
+            acc.add(data, blocks, blocks[0].positions, stop)
             if every_output and (rows := acc.take(stop)) is not None:
                 sent.append(rows)
         if (rows := acc.take(11, total=11)) is not None:
             sent.append(rows)
         assert acc.take(11, total=11) is None  # nothing twice
         assert [p for r in sent for p in r.positions] == list(range(4, 11))
-        for r in sent:
-            values, indices = r.arrays()
-            assert r.layers == [2, 5] and (indices is not None) == topk
-            for j, layer in enumerate((2, 5)):
-                assert np.array_equal(values[j], np.asarray(r.positions)[:, None] * 10.0 + layer + np.arange(D))
+        _check_values(sent, topk)
+
+    # Speculative decoding: a step computes its drafts' rows too; those past `bound` (rejected) never
+    # count, the next step recomputes from the bound, and a stop inside accepted drafts trims the rest.
+    for every_output in (False, True):
+        acc, sent = _StepRefs(flag, Span(4, None, 1)), []
+        for first, stop, bound in [(4, 8, 8), (8, 12, 10), (10, 14, 14), (14, 18, 17)]:
+            data, blocks = step(first, stop, base=0.0)
+            acc.add(data, blocks, blocks[0].positions, bound)
+            if every_output and stop != 18 and (rows := acc.take(bound)) is not None:
+                sent.append(rows)
+        acc.trim(16)  # the stop token is position 15: positions 16 (accepted past it) go
+        data, blocks = step(15, 16, base=0.0)  # the tail step recomputes the final token: not twice
+        acc.add(data, blocks, blocks[0].positions, 16)
+        if (rows := acc.take(16, total=16)) is not None:
+            sent.append(rows)
+        assert [p for r in sent for p in r.positions] == list(range(4, 16))
+        _check_values(sent, topk)
+
+
+def _check_values(sent, topk: bool) -> None:
+    for r in sent:
+        values, indices = r.arrays()
+        assert r.layers == [2, 5] and (indices is not None) == topk
+        for j, layer in enumerate((2, 5)):
+            assert np.array_equal(values[j], np.asarray(r.positions)[:, None] * 10.0 + layer + np.arange(D))
