@@ -2,10 +2,10 @@
 
 - `engine.py`  the vLLM implementation of the engine interface (hidden_states/engine.py);
 - `extraction.py` the frontend half: vectors off vLLM's outputs, the extraction step;
-- `scheduler.py` the engine core half: vectors onto outputs, the tail step;
+- `scheduler.py` the engine core half: each step's capture plan, vectors onto outputs, the tail step;
 - `openai.py`  vLLM's own OpenAI serving classes, plus the vectors;
 - `worker.py`  the worker extension: installs the capture in every worker, reports its counts;
-- `capture.py` the capture: each step's plan, rows sliced on the device, one copy to the host;
+- `capture.py` the capture: gathers the scheduler's plan on the device, one copy to the host;
 - `layers.py`  which models' intermediate layers can be captured (the decoder-layer convention);
 - `engine_args.py` every vLLM engine argument: exercised, refused at start, or irrelevant;
 - `cpu.py`     CPU engines' start-up steps (pre-faulted KV cache, warm-up, malloc_trim)
@@ -28,14 +28,17 @@ Ledger of patched points (supported: vLLM {SUPPORTED}):
    instance whole, with its own transport). The one device-to-host copy of a
    step happens there, after sampling: under async scheduling (GPU) inside the
    output's `get_output`, where vLLM copies its own results.
-   How: no vLLM code is modified. The step's capture plan is dropped when
-   execute_model returns or raises, so forwards outside a step (dummy
+   How: no vLLM code is modified. The plan is the scheduler's (point 9): it
+   rides the SchedulerOutput (`protocol.PLAN_ATTR`) as offsets into each
+   request's scheduled tokens; the worker reads `input_batch.req_id_to_index`
+   and `query_start_loc` only to find where a request's tokens start
+   (`capture._V1Runner`, the runner adapter). The step's plan is dropped
+   when execute_model returns or raises, so forwards outside a step (dummy
    batches) see none.
    Rows of many positions (hidden_states_position "completion", "all", a
    range) come from `execute_model_state.hidden_states` (every scheduled
    token's row after the final norm, in `input_batch` order at
-   `runner.query_start_loc` offsets; a request's rows are positions
-   `requests[id].num_computed_tokens` (as of before the step) onward), gathered,
+   `runner.query_start_loc` offsets), gathered,
    cast and top-k selected on the device, and packed with every other row of
    the step into one byte buffer: still one copy per step. Under async
    scheduling (untested, no GPU) the positions rely on num_computed_tokens
@@ -52,8 +55,9 @@ Ledger of patched points (supported: vLLM {SUPPORTED}):
 3. Model Runner V2 (`vllm/v1/worker/gpu/`) is turned off with
    `VLLM_USE_V2_MODEL_RUNNER=0` (engine.py sets it): it has no
    `execute_model_state`. Remove when point 2 is ported to V2.
-4. Speculative decoding, pipeline and data parallelism, KV connectors and the
-   other arguments in engine_args.REFUSED are refused at start, by name
+4. Pipeline and data parallelism, KV connectors, speculative decoding under
+   async scheduling and the other arguments in engine_args.REFUSED are
+   refused at start, by name
    (engine_args.refuse, from HiddenStatesEngine.start before vLLM starts, and
    again on the resolved config in each worker's install): rows no longer map
    one per request, the last rank holds them, or a remote prefill skips the
@@ -95,15 +99,25 @@ Ledger of patched points (supported: vLLM {SUPPORTED}):
 9. The scheduler (scheduler.py): the engine core's scheduler is always ours
    when hidden states are on, chosen from the configuration vLLM resolved
    (`scheduler_config.scheduler_cls` set on the VllmConfig after
-   `create_engine_config`): `TailScheduler` (a v1 `Scheduler`) under
+   `create_engine_config`). It decides each step's capture plan (`_plan`,
+   from `num_computed_tokens` as `_update_after_schedule` advanced it, so the
+   step computed positions num_computed - scheduled .. num_computed - 1).
+   Speculative decoding (synchronous scheduling): rows at and past
+   `num_tokens - rejected` of a step (rejected drafts; `rejected` counted from
+   `scheduled_spec_decode_tokens` and the sampled tokens, as vLLM's own
+   rollback counts it) are dropped, rows past a stop among accepted drafts are
+   trimmed in `_update_request_with_output`, and a held request's
+   `num_computed_tokens` is set back to its final token with its
+   `spec_token_ids` cleared, so its tail step computes that one token.
+   `TailScheduler` (a v1 `Scheduler`) under
    synchronous scheduling, `AsyncVectorScheduler` (an `AsyncScheduler`) under
    async scheduling. Both override `add_request` (note flagged requests),
    `update_from_output` (file the step's captured rows; put each finished
    request's vector on its EngineCoreOutput's `kv_transfer_params`), and
-   `_free_request` (forget a request however it ends). The TailScheduler also
-   overrides `schedule` (adds `hidden_states_tails` to the SchedulerOutput:
-   held requests scheduled in this step; the dataclass instance travels whole
-   to the workers) and `_update_request_with_output` (holds a flagged
+   `_free_request` (forget a request however it ends). All override
+   `schedule` (adds the step's plan, `PLAN_ATTR`, to the SchedulerOutput; the
+   dataclass instance travels whole to the workers). The TailScheduler also
+   overrides `_update_request_with_output` (holds a flagged
    request's stop for one step: the final token is appended but not emitted;
    in the next step the token sampled from its row is dropped and the held
    token is emitted with its own logprobs and the original finish).

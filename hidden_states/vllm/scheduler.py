@@ -19,11 +19,14 @@ start to finish, so it decides, and says, what happens to its vector:
   row, in the batch that runs anyway, with every earlier K/V in place) but not
   emitted. That step's capture plan (`PLAN_ATTR`, built in `_plan`, an
   attribute that rides along wherever the scheduler output goes) names their
-  final positions, so the runner captures those rows. The token sampled from the tail row is dropped,
-  and the held token is emitted then, with its own logprobs, together with the
-  original finish and stop reason: the frontend sees exactly the outputs it
-  would have seen without hidden states, one step later (vLLM's detokenizer
-  leaves a stop token out of the text only when it arrives with its finish).
+  final positions, so the runner captures those rows. The token sampled from
+  the tail row is dropped, and the held token is emitted then, with its own
+  logprobs, together with the original finish and stop reason: the frontend
+  sees exactly the outputs it would have seen without hidden states, one step
+  later (vLLM's detokenizer leaves a stop token out of the text only when it
+  arrives with its finish). Under speculative decoding a held request's tail
+  step runs its final token alone (its drafts cleared), and rows of rejected
+  drafts, or of tokens accepted past a stop, are dropped here.
 
 - **Rows across the completion.** A request flagged with a `span` of positions
   (hidden_states_position "completion", "all", a range) gets its rows captured

@@ -195,7 +195,6 @@ def test_the_resolved_configuration_is_checked_too(model_dir):
     for change, name in (({"pipeline_parallel_size": 2}, "pipeline_parallel_size"),
                          ({"data_parallel_size": 2}, "data_parallel_size"),
                          ({"decode_context_parallel_size": 2}, "decode_context_parallel_size"),
-                         ({"speculative_config": object()}, "speculative_config"),
                          ({"runner_type": "pooling"}, "runner"),  # e.g. `runner: auto` on an embedding model
                          ({"is_diffusion": True}, "diffusion_config")):
         with pytest.raises(EngineStartupError, match=rf"engine argument {name}="):

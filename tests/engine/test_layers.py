@@ -268,7 +268,7 @@ class _FakeRunner:
 def test_no_capture_plan_outlives_its_step():
     """A forward outside execute_model (a dummy batch) sees no plan, even right after a capture;
     the step's rows leave on its ModelRunnerOutput, and only there."""
-    from hidden_states.protocol import STEP_ATTR, HiddenStatesExtractionRequest
+    from hidden_states.protocol import PLAN_ATTR, STEP_ATTR, PlanEntry
     from hidden_states.vllm.worker import HiddenStatesWorkerExtension
 
     runner = _FakeRunner()
@@ -276,19 +276,17 @@ def test_no_capture_plan_outlives_its_step():
     found = HiddenStatesWorkerExtension.hidden_states_install(worker)
     assert found["installed"] and found["layer_capture"]
     hook = runner._hidden_states_hook
-    extra = HiddenStatesExtractionRequest(key="k", layers=[1]).to_extra_args()
-    so = types.SimpleNamespace(
-        finished_req_ids=set(), num_scheduled_tokens={"r": 3},
-        scheduled_new_reqs=[types.SimpleNamespace(req_id="r", sampling_params=types.SimpleNamespace(extra_args=extra))])
+    # The scheduler's plan: layer 1 of "r"'s third scheduled token (its last prompt token).
+    so = types.SimpleNamespace(finished_req_ids=set(), num_scheduled_tokens={"r": 3},
+                               **{PLAN_ATTR: {"r": PlanEntry([2], [2], [1], 3, None, 0)}})
     runner.execute_model(so)
     out = runner.sample_tokens(None)
     step = getattr(out, STEP_ATTR)
     (block,) = step.requests["r"]  # layer 1 of the last prompt token (flat row 2), float32 [1, 8] in the step's bytes
     assert (block.num_tokens, block.layer, block.positions, block.dtype, block.width) == (3, 1, [2], "float32", 8)
     assert step.data.dtype == np.uint8 and step.data.nbytes == 8 * 4 and block.values(step.data).shape == (1, 8)
-    assert hook._so is None and hook._plan is None and not hook._layer_rows and not hook._slices
-    # "r" stays flagged until the next step reports it finished: a stale plan would
-    # slice this one-row batch at flat row 2 (IndexError) or queue a stale row.
+    assert hook._given is None and hook._plan is None and not hook._layer_rows and not hook._slices
+    # A stale plan would slice this one-row batch at flat row 2 (IndexError) or queue a stale row.
     runner._dummy_run(1)
     assert not hook._slices and hook._ready is None
     assert not hasattr(runner.sample_tokens(None), STEP_ATTR)  # nothing captured, nothing attached

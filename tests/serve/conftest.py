@@ -60,6 +60,9 @@ def ray_cluster():
         ray.shutdown()
 
 
+SPEC_NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+
+
 def app_args(**over) -> dict:
     args = {
         "model": "builtin:tiny-llama",
@@ -104,11 +107,15 @@ APPS = {
     # one replica whose engine runs tensor parallelism 2: two CPU worker processes (2 CPUs)
     "hs-tp2": ("/tp2", lambda: app_args(engine={**TEST_ENGINE_ARGS, "tensor_parallel_size": 2},
                                         replica_autoscaling={"min_replicas": 1, "max_replicas": 1})),
+    # one replica whose engine runs n-gram speculative decoding (3 draft tokens per step)
+    "hs-spec": ("/spec", lambda: app_args(engine={**TEST_ENGINE_ARGS, "speculative_config": SPEC_NGRAM},
+                                          replica_autoscaling={"min_replicas": 1, "max_replicas": 1})),
 }
 # Tests run grouped by the app they use (tests/conftest.py orders them), so each app
 # deploys once; any order still works, only slower.
 APP_FIXTURES = {"serve_app": APP, "client": APP, "off_app": "hs-off", "guarded_app": "hs-guarded",
-                "fault_app": "hs-fault", "lora_app": "hs-lora", "tp2_app": "hs-tp2"}
+                "fault_app": "hs-fault", "lora_app": "hs-lora", "tp2_app": "hs-tp2",
+                "spec_app": "hs-spec"}
 
 
 class AppSlot:
@@ -195,6 +202,12 @@ def fault_app(app_slot):
     base = app_slot.use("hs-fault")
     yield base
     app_slot.release()
+
+
+@pytest.fixture
+def spec_app(app_slot) -> str:
+    """One engine replica running n-gram speculative decoding, behind a Router."""
+    return app_slot.use("hs-spec")
 
 
 @pytest.fixture
