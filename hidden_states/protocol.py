@@ -47,6 +47,7 @@ COLLECTOR_TAG_KEY = "hidden_states_collector"
 # from what clients send, so no client can forge a capture or join a collector.
 RESERVED_EXTRA_ARGS_PREFIX = "hidden_states"
 STEP_ATTR = "hidden_states_step"  # ModelRunnerOutput attribute: the step's StepCapture
+SEQ_ATTR = "hidden_states_seq"  # SchedulerOutput attribute: the step's sequence number (async scheduling)
 PLAN_ATTR = "hidden_states_plan"  # SchedulerOutput attribute: the step's capture plan, {request id: PlanEntry}
 OUTPUT_KEY = "hidden_states"  # EngineCoreOutput.kv_transfer_params key: the CapturedVector
 ROWS_KEY = "hidden_states_rows"  # EngineCoreOutput.kv_transfer_params key: CapturedRows

@@ -125,13 +125,18 @@ Ledger of patched points (supported: vLLM {SUPPORTED}):
    that runs anyway, and the frontend sees the outputs it would see without
    hidden states (vLLM's detokenizer leaves a stop token out of the text only
    when it arrives together with its finish).
-   Async scheduling (vLLM's GPU default, never used on CPU): when a stop is
-   seen, the step with the final token as input is usually already in flight,
-   unmarked, so no tail is held and the frontend's extraction step computes
-   the vector, at once. The design for async: mark every flagged running
-   request whose next token may be its last so the runner keeps that row on
-   the device, and attach it once the scheduler confirms the stop. Not built,
-   not tested: no GPU.
+   Async scheduling (vLLM's GPU default): when a stop is seen, the step
+   after it is usually scheduled already, with the final token as its input.
+   `AsyncVectorScheduler` plans every decode row of a tail-flagged request
+   (one row per request per step), and a stopped request's finishing output
+   waits one update for the step in flight (`_async_tails`), whose row is the
+   final token's; it leaves then with the vector (`via: tail`, one position).
+   vLLM's async scheduler skips the step after one that reaches `max_tokens`;
+   for tail-flagged requests their `max_tokens` reads one more while
+   `schedule()` runs (restored at once; `check_stop` reads the real one), so
+   that step runs. Where the step in flight does not compute the row, the
+   frontend's extraction step does. Tested on the CPU engine with vLLM's own
+   async path (point 12); the CUDA stream and pinned-copy side is untested.
    Remove when vLLM returns the final token's hidden state itself.
 10. The vector's way to the frontend: `EngineCoreOutput.kv_transfer_params`
    (a `dict[str, Any]` that vLLM's msgpack carries; raw bytes stay bytes).
@@ -154,6 +159,18 @@ Ledger of patched points (supported: vLLM {SUPPORTED}):
    batch with adapter requests was computed (tokens and vectors) with the last-loaded
    adapter (found by tests/engine/test_lora.py; vLLM's Triton kernels skip -1).
    Remove when vLLM's torch LoRA ops skip -1 (open PRs #48421, #49656).
+12. Tests only, CPU: vLLM's async scheduling path on the CPU engine. With
+   `HIDDEN_STATES_TEST_CPU_ASYNC=1`, `HiddenStatesEngine.start` sets
+   `scheduler_config.async_scheduling = True` after vLLM resolved the
+   configuration (its CPU platform turns it off: "not required on CPU"), and
+   the worker module, imported in the engine-core process before the runner
+   is built, replaces `torch.cuda.Stream`, `torch.cuda.Event`, `torch.Event`,
+   `torch.cuda.current_stream` and `torch.cuda.stream` with CPU stand-ins
+   (cpu.install_cpu_async_shim): CPU ops run in order on one thread, so
+   waiting on a stream or an event is a no-op. Then vLLM's AsyncScheduler,
+   batch-queue engine loop and the runner's AsyncGPUModelRunnerOutput run as
+   on a GPU (tests/engine/test_async_scheduling.py). Never set in production.
+   Remove when vLLM's CPU platform allows async scheduling.
 """
 
 from __future__ import annotations

@@ -179,3 +179,37 @@ def _skipping_no_lora_rows(op):
         return op(inputs, weights, output, indices, *args, **kwargs)
 
     return op_skipping_no_lora_rows
+
+
+# -- tests only: vLLM's async scheduling path on the CPU engine (ledger point 12) -------------
+CPU_ASYNC_ENV = "HIDDEN_STATES_TEST_CPU_ASYNC"  # "1": the engine runs vLLM's async scheduling on CPU
+
+
+def install_cpu_async_shim() -> None:
+    """CPU stand-ins for the CUDA stream and event calls of Model Runner V1's async path
+    (AsyncGPUModelRunnerOutput, the prepare-inputs event). CPU ops run in order on the calling
+    thread, so a stream is the current thread, recording an event and waiting on it are no-ops,
+    and the copies vLLM makes `non_blocking` are done when they return. For tests: vLLM's CPU
+    platform turns async scheduling off ("not required on CPU"); this lets its own async
+    scheduler, engine loop and runner path run here."""
+    import contextlib
+
+    import torch
+
+    class _Stream:
+        def __init__(self, *a, **k): pass
+        def wait_stream(self, other): pass
+        def wait_event(self, event): pass
+        def synchronize(self): pass
+        def record_event(self, event=None): return event or _Event()
+
+    class _Event:
+        def __init__(self, *a, **k): pass
+        def record(self, stream=None): pass
+        def synchronize(self): pass
+        def wait(self, stream=None): pass
+        def query(self): return True
+
+    torch.cuda.Stream, torch.cuda.Event, torch.Event = _Stream, _Event, _Event
+    torch.cuda.current_stream = lambda *a, **k: _Stream()
+    torch.cuda.stream = lambda s=None: contextlib.nullcontext()

@@ -54,7 +54,7 @@ from hidden_states.engine import (Completion, CompletionChoice, ExtractionStats,
                                   rows_choice)
 from hidden_states.vllm import (ENGINE_ENV, SUPPORTED_LAYER_ARCHS, WORKER_EXTENSION, VLLMIncompatibleError,
                                 check_vllm_version)
-from hidden_states.vllm.cpu import cpu_start_up, on_cpu
+from hidden_states.vllm.cpu import CPU_ASYNC_ENV, cpu_start_up, on_cpu
 from hidden_states.vllm.extraction import Extraction, Origin, make_async_llm_class
 from hidden_states.vllm.engine_args import refuse, with_defaults
 
@@ -160,12 +160,14 @@ class HiddenStatesEngine(VectorObservers):
         path = _preflight(model, engine_args)
         try:
             vllm_config = AsyncEngineArgs(model=path, **engine_args).create_engine_config()
+            if os.environ.get(CPU_ASYNC_ENV) == "1":  # tests only: vLLM's async path on CPU (ledger point 12)
+                vllm_config.scheduler_config.async_scheduling = True
             tail = False
             if enable_return_hidden_states:
                 refuse(engine_args, vllm_config)  # and however the resolved configuration came to them
                 # From the configuration vLLM resolved (async scheduling after its own defaults):
                 # the tail step needs a synchronous scheduler (ledger point 9).
-                tail = tail_step and not vllm_config.scheduler_config.async_scheduling
+                tail = tail_step  # synchronous: the held tail step; async: the step in flight (scheduler.py)
                 vllm_config.scheduler_config.scheduler_cls = (
                     TAIL_SCHEDULER if not vllm_config.scheduler_config.async_scheduling else ASYNC_SCHEDULER)
                 if not tail_step:

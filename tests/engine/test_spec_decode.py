@@ -43,8 +43,9 @@ def _spec(method: str, model_dir: str) -> dict:
 def spec_engine(request, loop_thread, model_dir):
     from hidden_states.vllm.engine import HiddenStatesEngine
 
-    eng = loop_thread.run(HiddenStatesEngine.start(TEST_MODEL, speculative_config=_spec(request.param, model_dir),
-                                                   **TEST_ENGINE_ARGS), timeout=600)
+    # Synchronous scheduling (refused with speculative decoding under async: the GPU check's default).
+    args = {**TEST_ENGINE_ARGS, "async_scheduling": False, "speculative_config": _spec(request.param, model_dir)}
+    eng = loop_thread.run(HiddenStatesEngine.start(TEST_MODEL, **args), timeout=600)
     eng.method = request.param
     yield eng
     try:

@@ -108,7 +108,8 @@ APPS = {
     "hs-tp2": ("/tp2", lambda: app_args(engine={**TEST_ENGINE_ARGS, "tensor_parallel_size": 2},
                                         replica_autoscaling={"min_replicas": 1, "max_replicas": 1})),
     # one replica whose engine runs n-gram speculative decoding (3 draft tokens per step)
-    "hs-spec": ("/spec", lambda: app_args(engine={**TEST_ENGINE_ARGS, "speculative_config": SPEC_NGRAM},
+    "hs-spec": ("/spec", lambda: app_args(engine={**TEST_ENGINE_ARGS, "speculative_config": SPEC_NGRAM,
+                                                                  "async_scheduling": False},
                                           replica_autoscaling={"min_replicas": 1, "max_replicas": 1})),
 }
 # Tests run grouped by the app they use (tests/conftest.py orders them), so each app

@@ -1,0 +1,111 @@
+"""vLLM's own async scheduling path, on the CPU engine, against transformers.
+
+vLLM's CPU platform turns async scheduling off ("not required on CPU"). With the test-only shim
+(`hidden_states.vllm.cpu.install_cpu_async_shim`, ledger point 12: CPU stand-ins for the CUDA
+stream and event calls of Model Runner V1's async path, and `async_scheduling` set back on after
+vLLM resolved the configuration) the engine runs vLLM's AsyncScheduler, its batch-queue engine
+loop and the runner's async output path, with our AsyncVectorScheduler. Its tail: the step in
+flight after a stop computes the final token (its input is the token the stop came with), and the
+finishing output waits one step for that row. Checked at batch 12: every final-token vector from
+that step (`via: tail`, 1 position computed), exact, with max_tokens and stop-token finishes and
+n > 1; rows across the completion and prompt_end exact too; the same requests without hidden
+states give the same tokens. What the device (CUDA streams, pinned copies) would add is not
+tested here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import numpy as np
+import pytest
+
+from tests.conftest import TEST_ENGINE_ARGS, TEST_MODEL, cpu_only, long_text
+
+pytestmark = cpu_only  # the shim stands in for CUDA: on a GPU the real async path runs (make gpu-check)
+
+PROMPTS = ["Hello! How are you today?", "The router sends every completion to a replica",
+           "What is the capital of France? The capital of France is", "Code: def add(a, b):",
+           long_text(40, seed=3), "one two three one two three one two", long_text(300, seed=4), "a b a b a b a b"]
+
+
+@pytest.fixture(scope="module")
+def async_engine(loop_thread):
+    import hidden_states.vllm.worker  # noqa: F401  (imported here without the shim: this process keeps CUDA's)
+    from hidden_states.vllm.cpu import CPU_ASYNC_ENV
+    from hidden_states.vllm.engine import HiddenStatesEngine
+
+    os.environ[CPU_ASYNC_ENV] = "1"  # read by start() and, inherited, by the engine-core process
+    try:
+        eng = loop_thread.run(HiddenStatesEngine.start(TEST_MODEL, **TEST_ENGINE_ARGS), timeout=600)
+    finally:
+        del os.environ[CPU_ASYNC_ENV]
+    yield eng
+    try:
+        stats = loop_thread.run(eng.stats())
+        assert stats["pending"] == 0 and stats["missing_vectors"] == 0, stats
+    finally:
+        eng.shutdown()
+
+
+def sp(**kw):
+    from vllm import SamplingParams
+
+    kw.setdefault("max_tokens", 16)
+    kw.setdefault("temperature", 0.0)
+    return SamplingParams(**kw)
+
+
+def _rows(reference, ids) -> np.ndarray:
+    torch = reference.torch
+    with torch.no_grad():
+        return reference.model(torch.tensor([list(ids)]), output_hidden_states=True).hidden_states[-1][0].numpy()
+
+
+def _close(got, ref, what):
+    err, scale = float(np.abs(got - ref).max()), float(np.abs(ref).max())
+    assert err <= 1e-5 * scale + 1e-6, f"{what}: max abs error {err:.3g}, max |reference| {scale:.3g}"
+
+
+def test_async_tail_vectors_exact_and_one_position_each(async_engine, loop_thread, reference):
+    eng = async_engine
+    assert loop_thread.run(eng.stats())["startup"]["async_scheduling"] is True  # vLLM's async path, really
+    probe = loop_thread.run(eng.complete(PROMPTS[5], sp(max_tokens=16), return_hidden_states=False))
+    stop_id = probe.choices[0].token_ids[6]
+    cases = [*((p, sp(max_tokens=10 + i), {}) for i, p in enumerate(PROMPTS)),
+             (PROMPTS[5], sp(max_tokens=16, stop_token_ids=[stop_id]), {}),
+             (PROMPTS[0], sp(max_tokens=12, n=2, temperature=0.9, seed=3), {}),
+             (PROMPTS[1], sp(max_tokens=12), {"position": "completion"}),
+             (PROMPTS[2], sp(max_tokens=8), {"position": "prompt_end"})]
+
+    async def run(hs: bool):
+        return await asyncio.gather(*(eng.complete(p, s, return_hidden_states=hs, **(kw if hs else {}))
+                                      for p, s, kw in cases))
+
+    before = loop_thread.run(eng.stats())
+    flagged, plain = loop_thread.run(run(True), timeout=600), loop_thread.run(run(False), timeout=600)
+    computed, finishes = [], set()
+    for (prompt, params, kw), c, q in zip(cases, flagged, plain):
+        assert [(ch.token_ids, ch.finish_reason) for ch in c.choices] == \
+               [(ch.token_ids, ch.finish_reason) for ch in q.choices], (prompt, kw)
+        position = kw.get("position", "completion_end")
+        for ch in c.choices:
+            ids = list(c.prompt_token_ids) + list(ch.token_ids)
+            ref = _rows(reference, ids)
+            finishes.add(ch.finish_reason)
+            if position == "completion_end":
+                _close(ch.hidden_states, ref[-1], prompt[:20])
+                assert ch.extraction.via == "tail", ch.extraction  # the step in flight, not an extraction
+                computed.append(ch.extraction.computed_tokens)
+            elif position == "prompt_end":
+                _close(ch.hidden_states, _rows(reference, c.prompt_token_ids)[-1], "prompt_end")
+            else:
+                P = len(c.prompt_token_ids)
+                assert list(ch.positions) == list(range(P, len(ids)))
+                _close(ch.hidden_states, ref[P:], "rows")
+    assert {"stop", "length"} <= finishes, finishes
+    assert computed and set(computed) == {1}, computed  # tokens computed per vector under async scheduling
+    after = loop_thread.run(eng.stats())
+    assert after["extractions"] - before["extractions"] <= 1  # at most the rows' final row
+    print(f"\nasync scheduling: {len(computed)} vectors, tokens computed per vector {set(computed)}")
