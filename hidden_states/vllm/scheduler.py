@@ -242,6 +242,7 @@ class _VectorsOnOutputs:
         self._scheduled: dict[int, frozenset] = {}  # recent steps' scheduled request ids, by sequence
         self._awaiting: dict[str, tuple[HiddenStatesExtractionRequest, int, int]] = {}  # rid -> (flag, tokens, seq)
         self._stashed: dict[int, list[tuple[int, Any]]] = {}  # seq -> finishing outputs (client, eco) to release
+        self._awaiting_rows: dict[str, Any] = {}  # rid -> its rows (_StepRefs | _Rows), awaiting the final one
 
     def add_request(self, request: Any) -> None:
         sp = request.sampling_params
@@ -267,7 +268,7 @@ class _VectorsOnOutputs:
             # max_tokens; a tail-flagged request needs it (it computes the final token's row): its
             # max_tokens is one more while scheduling only (check_stop reads the real one).
             for rid, flag in self._flags.items():
-                if flag.tail and flag.span is None and (req := self.requests.get(rid)) is not None \
+                if flag.tail and (req := self.requests.get(rid)) is not None \
                         and req.num_output_placeholders > 0 and req.max_tokens is not None:
                     req.max_tokens += 1
                     bumped.append(req)
@@ -360,7 +361,10 @@ class _VectorsOnOutputs:
         for client, eco in self._stashed.pop(seq, ()):  # this step computed their final tokens
             flag, tokens, _ = self._awaiting.pop(eco.request_id)
             cv = self._captured.pop(eco.request_id, None)
-            if cv is not None and cv.num_tokens == tokens:
+            if (acc := self._awaiting_rows.pop(eco.request_id, None)) is not None:  # rows: theirs, the final one too
+                if (rows := acc.take(tokens, total=tokens)) is not None:
+                    self._finished_rows[eco.request_id] = rows  # sent by _send_rows, on this very output
+            elif cv is not None and cv.num_tokens == tokens:
                 eco.kv_transfer_params = {**(eco.kv_transfer_params or {}), OUTPUT_KEY: cv.to_output()}
                 self.tails_run += 1
             if client not in outputs:
@@ -407,7 +411,7 @@ class _VectorsOnOutputs:
                                                       blocks[0].num_tokens, blocks[0].dtype,
                                                       [b.layer for b in blocks], rows)
                 continue
-            acc = self._rows.get(rid)
+            acc = self._rows.get(rid) or self._awaiting_rows.get(rid)
             if acc is None:
                 continue
             if len(blocks) > 1:
@@ -480,6 +484,10 @@ class _VectorsOnOutputs:
                 cv = self._await_tail(request, flag, cv)
             self._finished[rid] = cv
             acc = self._rows.pop(rid, None)
+            if acc is not None and self.async_tail and flag.tail:
+                self._await_tail(request, flag, None)
+                if rid in self._awaiting:  # the step in flight computes its final row: the rows wait for it
+                    self._awaiting_rows[rid], acc = acc, None
             if acc is not None and request.status != RequestStatus.FINISHED_ABORTED:
                 rows = acc.take(request.num_tokens, total=request.num_tokens)
                 if rows is not None:
