@@ -161,3 +161,47 @@ def test_vectors_rows_and_layers_exact_at_batch_8(spec_engine, loop_thread, refe
     print(f"\n{eng.method}: {accepted:.0f} draft tokens accepted over {len(cases)} requests x 2 runs; worst "
           f"relative error {rel:.2g} (max |reference| {scale:.3g}, {what})")
     WORST.clear()
+
+
+def test_smollm2_under_ngram_exact(loop_thread):
+    """A real model (SmolLM2-135M-Instruct, entries up to ~50) under n-gram speculative decoding:
+    chat answers, their final-token vectors and every row across the completion, against
+    transformers at relative 1e-5; its chat still answers Paris."""
+    import torch
+
+    from hidden_states.models.builtin import resolve_model
+    from hidden_states.vllm.engine import HiddenStatesEngine
+    from tests.conftest import Reference
+    from tests.engine.test_smollm2 import ENGINE_ARGS, MODEL
+
+    ref = Reference(resolve_model(MODEL))
+    spec = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    eng = loop_thread.run(HiddenStatesEngine.start(MODEL, speculative_config=spec, async_scheduling=False,
+                                                   **ENGINE_ARGS), timeout=600)
+    try:
+        questions = ["What is the capital of France? Answer in one word.", "Count from one to ten.",
+                     "Repeat: the cat sat on the mat, the cat sat on the mat."]
+        prompts = [ref.tokenizer.encode(ref.tokenizer.apply_chat_template(
+            [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)) for q in questions]
+
+        async def run():
+            return await asyncio.gather(*(eng.complete(list(p), sp(max_tokens=40), position=pos)
+                                          for p in prompts for pos in ("completion_end", "completion")))
+
+        outs = loop_thread.run(run(), timeout=600)
+        assert "Paris" in outs[0].choices[0].text
+        for c in outs:
+            ch = c.choices[0]
+            ids = list(c.prompt_token_ids) + list(ch.token_ids)
+            with torch.no_grad():
+                rows = ref.model(torch.tensor([ids]), output_hidden_states=True).hidden_states[-1][0].numpy()
+            want = rows[-1] if ch.positions is None else rows[list(ch.positions)]
+            if ch.positions is not None:
+                assert list(ch.positions) == list(range(len(c.prompt_token_ids), len(ids)))
+            assert ch.extraction.via == "tail" and ch.extraction.computed_tokens == 1, ch.extraction
+            _close(ch.hidden_states, want, f"smollm2 {ch.text[:20]!r}")
+        rel, scale, what = max(WORST)
+        print(f"\nsmollm2 under n-gram: worst relative error {rel:.2g} (max |reference| {scale:.3g}, {what})")
+        WORST.clear()
+    finally:
+        eng.shutdown()
