@@ -41,27 +41,22 @@ def _prompts(n: int, seed: int) -> list[str]:
     return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 8))) * rng.randint(2, 4) for _ in range(n)]
 
 
-def _spec_counts() -> tuple[float, float]:
-    """(draft tokens proposed, accepted) so far, from vLLM's Prometheus counters in this process."""
+def _spec_counts() -> tuple[float, float, float]:
+    """(verify steps, draft tokens proposed, accepted) so far, from vLLM's Prometheus counters in this process."""
     import prometheus_client
 
-    drafts = accepted = 0.0
+    steps = drafts = accepted = 0.0
     for metric in prometheus_client.REGISTRY.collect():
         for s in metric.samples:
             if not s.name.endswith("_total"):
                 continue
             if s.name.startswith("vllm:spec_decode_num_draft_tokens"):
                 drafts += s.value
+            elif s.name.startswith("vllm:spec_decode_num_drafts"):
+                steps += s.value
             elif s.name.startswith("vllm:spec_decode_num_accepted_tokens") and "per_pos" not in s.name:
                 accepted += s.value
-    return drafts, accepted
-
-
-def _spec_steps() -> float:
-    import prometheus_client
-
-    return sum(s.value for m in prometheus_client.REGISTRY.collect() for s in m.samples
-               if s.name.startswith("vllm:spec_decode_num_drafts") and s.name.endswith("_total"))
+    return steps, drafts, accepted
 
 
 async def _arm(engine, prompts, hs: bool, concurrency: int, max_tokens: int):
@@ -91,8 +86,7 @@ async def _method(method: str, model_dir: str, args) -> dict:
         walls: dict[str, list[tuple[int, float]]] = {a: [] for a in arms}
         vias: dict[str, int] = {}
         computed: list[int] = []
-        d0, a0 = _spec_counts()
-        s0 = _spec_steps()
+        s0, d0, a0 = _spec_counts()
         for r in range(args.rounds):
             prompts = _prompts(args.requests, r)
             for arm in arms[r % 3:] + arms[:r % 3]:
@@ -103,8 +97,8 @@ async def _method(method: str, model_dir: str, args) -> dict:
                         for ch in c.choices:
                             vias[ch.extraction.via] = vias.get(ch.extraction.via, 0) + 1
                             computed.append(ch.extraction.computed_tokens)
-        d1, a1 = _spec_counts()
-        steps = _spec_steps() - s0
+        s1, d1, a1 = _spec_counts()
+        steps = s1 - s0
         rate = {a: sum(n for n, _ in w) / sum(t for _, t in w) for a, w in walls.items()}
         return {
             "method": method, "rounds": args.rounds, "requests_per_round": args.requests,

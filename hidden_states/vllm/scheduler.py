@@ -233,10 +233,8 @@ class _VectorsOnOutputs:
         self._finished: dict[str, CapturedVector | None] = {}  # flagged requests freed since the last update
         self._rows: dict[str, _Rows] = {}  # live span requests: rows captured and not sent yet
         self._finished_rows: dict[str, CapturedRows] = {}  # span requests finished in this update: their last rows
-        self._spans: dict[str, Span] = {}  # live span requests' spans
         self._step_output: Any = None  # the ModelRunnerOutput being applied (for a held token's logprobs)
         self.tails_run = 0
-        self.tails_planned = 0
         # Async scheduling: the step after a stop is in flight with the final token as its input.
         self._seq = 0  # schedule() calls so far: a step's sequence number
         self._scheduled: dict[int, frozenset] = {}  # recent steps' scheduled request ids, by sequence
@@ -253,7 +251,6 @@ class _VectorsOnOutputs:
             self._flags[request.request_id] = flag
             if flag.span is not None:
                 span = Span.from_list(flag.span)
-                self._spans[request.request_id] = span
                 self._rows[request.request_id] = _StepRefs(flag, span) if span.start >= 0 and \
                     (span.end is None or span.end >= 0) else _Rows(flag, span, dtype=flag.dtype)
         super().add_request(request)
@@ -303,7 +300,7 @@ class _VectorsOnOutputs:
             req = self.requests[rid]
             stop = req.num_computed_tokens  # advanced by this step already (Scheduler._update_after_schedule)
             first = stop - n
-            span = self._spans.get(rid)
+            span = acc.span if (acc := self._rows.get(rid)) is not None else None
             if span is not None:
                 positions = span.capturable(first, stop)
             elif rid in self._held:
@@ -319,7 +316,6 @@ class _VectorsOnOutputs:
             if positions:
                 plan[rid] = PlanEntry([p - first for p in positions], positions, flag.layers, stop,
                                       flag.dtype if span is not None else None, flag.topk if span is not None else 0)
-                self.tails_planned += rid in self._held
         return plan or None
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any):
@@ -478,7 +474,6 @@ class _VectorsOnOutputs:
         rid = request.request_id
         if (flag := self._flags.pop(rid, None)) is not None:
             self._held.pop(rid, None)
-            self._spans.pop(rid, None)
             cv = self._captured.pop(rid, None)
             if self.async_tail and flag.tail and flag.span is None:
                 cv = self._await_tail(request, flag, cv)
