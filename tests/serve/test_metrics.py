@@ -28,13 +28,20 @@ def family(sums: dict[str, float], prefix: str) -> float:
     return sum(sums[n] for n in names)
 
 
+REPORT_INTERVAL_S = 10  # Ray's default metrics_report_interval_ms: counters reach Prometheus this late
+
+
 def settled() -> dict[str, float]:
-    """A scrape after earlier tests' counts have all been exported (two equal reads)."""
-    last = scrape()
-    for _ in range(10):
-        time.sleep(5)
+    """A scrape after earlier tests' counts have all been exported: unchanged for longer than
+    Ray's report interval (two equal reads 5 s apart can both fall inside one interval)."""
+    last, since = scrape(), time.monotonic()
+    deadline = since + 120
+    while time.monotonic() < deadline:
+        time.sleep(4)
         now = scrape()
-        if family(now, "ray_hidden_states_vectors") == family(last, "ray_hidden_states_vectors"):
+        if family(now, "ray_hidden_states_vectors") != family(last, "ray_hidden_states_vectors"):
+            since = time.monotonic()
+        elif time.monotonic() - since > REPORT_INTERVAL_S + 2:
             return now
         last = now
     return last
