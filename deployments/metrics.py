@@ -48,7 +48,7 @@ def _metrics() -> dict[str, Any] | None:
         "refused": Counter("hidden_states_requests_refused", "requests refused before any engine work, by status",
                            tag_keys=("status",)),
         "faults": Gauge("hidden_states_vector_faults", "the replica's vector fault counters since start "
-                        "(timeouts, malformed_vectors, unclaimed_vectors, missing_vectors)", tag_keys=("counter",)),
+                        "(timeouts, malformed_vectors, missing_vectors)", tag_keys=("counter",)),
     }
 
 
@@ -74,7 +74,7 @@ def refused(status: int) -> None:
         m["refused"].inc(tags={"status": str(status)})
 
 
-FAULTS = ("timeouts", "malformed_vectors", "unclaimed_vectors", "missing_vectors")
+FAULTS = ("timeouts", "malformed_vectors", "missing_vectors")
 
 
 def faults(stats: dict) -> None:

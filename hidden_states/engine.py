@@ -25,7 +25,7 @@ from typing import Any, Callable, Protocol
 
 import numpy as np
 
-from hidden_states.params import SINGLE_POSITIONS, rowwise
+from hidden_states.params import SINGLE_POSITIONS
 from hidden_states.protocol import COLLECTOR_TAG_KEY, widen
 
 logger = logging.getLogger(__name__)
@@ -104,32 +104,27 @@ class RowBatch:
 
 @dataclasses.dataclass
 class HiddenStatesCollector:
-    """Per-request sink for vectors, registered with `HiddenStatesEngine.collecting()`.
+    """Per-request sink for rows, registered with `HiddenStatesEngine.collecting()`.
 
     Engine requests reach it through `tag` in their `SamplingParams.extra_args`.
-    Vectors are filed by engine request and choice: (the prompt's ordinal in the
+    Rows are filed by engine request and choice: (the prompt's ordinal in the
     OpenAI request, the choice's index among that prompt's n), which is how vLLM's
-    serving numbers response choices (`ordinal * n + index`)."""
+    serving numbers response choices (`ordinal * n + index`). A vector is the row of
+    one position: 1-D or 2-D is decided when the response is formatted (`multi`)."""
 
     tag: str
     layers: tuple[int, ...] = (-1,)
     position: Any = "completion_end"  # params.POSITIONS, or a range {"start", "end", "stride"}
-    vectors: dict[ChoiceKey, dict[int, np.ndarray]] = dataclasses.field(default_factory=dict)  # {layer: float32 [D]}
     stats: dict[ChoiceKey, "ExtractionStats"] = dataclasses.field(default_factory=dict)
     beam_calls: int = 0  # vLLM's beam searches started for this request (one per prompt, in order)
     dtype: str = "float32"  # hidden_states_dtype
     topk: int | None = None  # hidden_states_topk
-    # Rows (`rowwise` requests): received and not handed out yet, the positions handed out, and
-    # for each settled choice how many positions it has in all.
+    # Rows received and not handed out yet, the positions handed out, and for each settled choice
+    # how many positions it has in all.
     rows: dict[ChoiceKey, list[RowBatch]] = dataclasses.field(default_factory=dict)
     sent: dict[ChoiceKey, set[int]] = dataclasses.field(default_factory=dict)
     done: dict[ChoiceKey, int] = dataclasses.field(default_factory=dict)
     refusal: Exception | None = None  # a 400 raised while its engine requests started (the memory bound)
-
-    @property
-    def rowwise(self) -> bool:
-        """Vectors travel as rows: every position but the two single ones, and any dtype or top-k."""
-        return rowwise(self.position, self.dtype, self.topk)
 
     @property
     def multi(self) -> bool:
@@ -182,11 +177,6 @@ class HiddenStatesCollector:
         vllm_xargs) for its vectors to land here."""
         return {COLLECTOR_TAG_KEY: self.tag}
 
-    def put(self, key: ChoiceKey, vectors: dict[int, np.ndarray], stats: "ExtractionStats | None") -> None:
-        self.vectors[key] = vectors
-        if stats is not None:
-            self.stats[key] = stats
-
 
 @dataclasses.dataclass(frozen=True)
 class CompletionChoice:
@@ -209,7 +199,7 @@ class CompletionChoice:
 
 def rows_choice(engine: Any, collector: HiddenStatesCollector, index: int, text: str, token_ids: Sequence[int],
                 finish_reason: str | None) -> CompletionChoice:
-    """A finished choice of a rowwise collector: float32 rows [n, D] (or [D] for one position), their
+    """A finished choice of a collector: float32 rows [n, D] (or [D] for one position), their
     positions, top-k indices. `engine`: its `hidden_size`, `missing` and `vector_sent`."""
     key = (0, index)
     if key not in collector.done:
@@ -294,7 +284,7 @@ class Engine(Protocol):
                        layers: Sequence[int], position: Any, model: str | None = None, dtype: str = "float32",
                        topk: int | None = None) -> Completion:
         """`model`: a LoRA adapter's name (None: the base model); an unknown one raises UnknownModelError.
-        `position`, `dtype`, `topk`: as the API's fields; rowwise requests give `rows_choice`'s choices."""
+        `position`, `dtype`, `topk`: as the API's fields; the choices are `rows_choice`'s."""
         ...
 
     async def stats(self) -> dict: ...

@@ -4,13 +4,14 @@
 stream chunk, found in the request's `HiddenStatesCollector` by engine request
 and choice; a choice without one fails the request.
 
-Rowwise requests (hidden_states_position "completion", "all" or a range;
-hidden_states_dtype; hidden_states_topk) carry rows: `hidden_states` is 2-D
-(positions x D) for several positions, 1-D for completion_end/prompt_end, in
-the asked dtype; `hidden_states_meta` adds `dtype`, `bytes` (the payload before
-JSON/base64), `shape`, and `positions` (absolute positions of the rows). When
-streaming, every chunk of a choice carries the rows received since its last
-chunk (its finishing chunk the rest), so clients concatenate them by position.
+Every choice's vector travels as rows (a vector is the row of one position):
+`hidden_states` is 1-D for completion_end/prompt_end, 2-D (positions x D) for
+several positions ("completion", "all", a range), in the asked dtype;
+`hidden_states_meta` has `dtype`, `bytes` (the payload before JSON/base64),
+`shape`, and for several positions `positions` (absolute positions of the
+rows). When streaming, every chunk of a choice of several positions carries
+the rows received since its last chunk (its finishing chunk the rest), so
+clients concatenate them by position.
 Used by the vLLM frontend (hidden_states/vllm/openai.py) and the fake engine.
 """
 
@@ -66,13 +67,6 @@ def encode_rows(batch: RowBatch | None, layer: int, encoding: str, multi: bool, 
     return [{"indices": i.tolist(), "values": v.tolist()} for i, v in zip(indices, floats)]
 
 
-def vector_fields(vecs: dict[int, np.ndarray], by_layer: bool, encoding: str) -> dict:
-    """One float32 vector per layer: `hidden_states`, or `hidden_states_by_layer` (layers as asked)."""
-    if by_layer:
-        return {"hidden_states_by_layer": {str(layer): encode_vector(v, encoding) for layer, v in vecs.items()}}
-    return {"hidden_states": encode_vector(vecs[-1], encoding)}
-
-
 def row_fields(batch: RowBatch | None, layers, encoding: str, by_layer: bool, multi: bool, position, dtype: str,
                topk: int | None, width: int) -> dict:
     """Rows as a choice carries them (and POST /v1/hidden_states): `hidden_states` (or
@@ -114,10 +108,10 @@ class ChoiceVectors:
         self.encoding = request.hidden_states_encoding
         self.by_layer = request.hidden_states_layers is not None
         self.n = (getattr(request, "n", None) or 1) if route == "completions" else 0
-        self._sent_bytes: dict = {}  # rowwise: payload bytes handed out per choice
+        self._sent_bytes: dict = {}  # payload bytes handed out per choice
 
     def _row_fields(self, index: int, finishing: bool) -> dict | None:
-        """A rowwise choice's rows received since its last chunk (all of them, unstreamed)."""
+        """A choice's rows received since its last chunk (all of them, unstreamed)."""
         col = self.collector
         key = divmod(index, self.n) if self.n else (0, index)
         if finishing and key not in col.done:
@@ -141,21 +135,7 @@ class ChoiceVectors:
 
     def fields(self, index: int) -> dict:
         """The vector fields of response choice `index`."""
-        if self.collector.rowwise:
-            return self._row_fields(index, finishing=True)
-        key = divmod(index, self.n) if self.n else (0, index)
-        vecs = self.collector.vectors.get(key)
-        if vecs is None:
-            raise self.engine.missing(f"choice {index}")
-        out = vector_fields(vecs, self.by_layer, self.encoding)
-        meta = {"position": self.collector.position, "adapter": self.adapter, "replica": self.replica_id}
-        st = self.collector.stats.get(key)
-        if st is not None:
-            meta.update(via=st.via, tokens=st.tokens, cached_tokens=st.cached_tokens,
-                        computed_tokens=st.computed_tokens, extraction_seconds=round(st.seconds, 6))
-        out["hidden_states_meta"] = meta
-        self.engine.vector_sent(self.collector.position, st, sum(v.nbytes for v in vecs.values()))
-        return out
+        return self._row_fields(index, finishing=True)
 
     def fill_response(self, response) -> None:
         """A whole response: a dict, or vLLM's pydantic response (its models allow extra fields)."""
@@ -170,7 +150,7 @@ class ChoiceVectors:
     def fill_chunk(self, chunk: str) -> str:
         """One SSE event: vectors put on the choices it finishes (rows of several positions on
         every chunk of their choice, as they arrive); any other event unchanged."""
-        streams_rows = self.collector.rowwise and self.collector.multi
+        streams_rows = self.collector.multi
         if not streams_rows and not _FINISHING.search(chunk):
             return chunk
         data = json.loads(chunk[6:])

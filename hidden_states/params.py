@@ -211,6 +211,11 @@ class Span:
     def to_list(self) -> list:
         return [self.start, self.end, self.stride]
 
+    @property
+    def final_only(self) -> bool:
+        """The final position alone (completion_end): its row is the tail step's, nothing before."""
+        return self.start == -1 and self.end is None
+
     @staticmethod
     def from_list(raw: Sequence) -> "Span":
         return Span(int(raw[0]), None if raw[1] is None else int(raw[1]), int(raw[2]))

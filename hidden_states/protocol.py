@@ -16,16 +16,16 @@ The vector rides vLLM's own output path (the seed's diagram):
   (attribute `STEP_ATTR`): every row captured in the step, one array, and which
   request each row belongs to. It travels wherever vLLM moves that output
   (in process, or through the multiprocess executor's own transport).
-- `CapturedRows` (requests flagged with a `span` of positions) is what the
-  scheduler puts on *every* EngineCoreOutput of such a request that has rows
-  to send (those captured since its last output), under `ROWS_KEY`: rows of
-  absolute positions of prompt+completion, cast (and top-k selected) on the
-  device, raw little-endian bytes.
-- `CapturedVector` is what the scheduler puts on the EngineCoreOutput that
-  finishes a captured request: a msgspec struct, encoded to builtins under
-  `OUTPUT_KEY` in its `kv_transfer_params` (vLLM's msgpack carries the raw
-  bytes; never pickled, never a Python list). The frontend takes it off before
-  vLLM's output processor reads that field, so nothing leaks into responses.
+- `CapturedRows` is what the scheduler puts on the EngineCoreOutputs of a
+  flagged request, under `ROWS_KEY` in their `kv_transfer_params`: the rows
+  decided since its last output (a stream's), or all of them on its finishing
+  output, at absolute positions of prompt+completion, cast (and top-k
+  selected) on the device, raw little-endian bytes. A single vector
+  (`completion_end`, `prompt_end`) is one row of it: one type for every
+  request, 1-D or 2-D decided only when a response is formatted. vLLM's msgpack
+  carries the raw bytes (never pickled, never a Python list); the frontend
+  takes them off before vLLM's output processor reads that field, so nothing
+  leaks into responses.
 
 Decoding validates what arrives and raises `HiddenStatesProtocolError` saying
 what was wrong; nothing here can execute code from a message.
@@ -34,7 +34,6 @@ what was wrong; nothing here can execute code from a message.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import NamedTuple
 
 import msgspec
@@ -49,7 +48,6 @@ RESERVED_EXTRA_ARGS_PREFIX = "hidden_states"
 STEP_ATTR = "hidden_states_step"  # ModelRunnerOutput attribute: the step's StepCapture
 SEQ_ATTR = "hidden_states_seq"  # SchedulerOutput attribute: the step's sequence number (async scheduling)
 PLAN_ATTR = "hidden_states_plan"  # SchedulerOutput attribute: the step's capture plan, {request id: PlanEntry}
-OUTPUT_KEY = "hidden_states"  # EngineCoreOutput.kv_transfer_params key: the CapturedVector
 ROWS_KEY = "hidden_states_rows"  # EngineCoreOutput.kv_transfer_params key: CapturedRows
 
 # dtype name -> bytes per element. bfloat16 has no numpy dtype: decoded by hand.
@@ -96,18 +94,18 @@ def _convert(raw, cls, what: str):
 
 class HiddenStatesExtractionRequest(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
     key: str
+    # Positions of prompt+completion to capture in every step that computes them: params.Span as
+    # [start, end | None, stride]. [-1, None, 1] (completion_end) is planned in the tail step only.
+    span: list[int | None]
     # Layers as transformers numbers `output_hidden_states` (-1 = after the final norm).
     layers: list[int] = msgspec.field(default_factory=lambda: [-1])
-    # False: capture at the last prompt token. True: at the tail step, the extra decode row of the
-    # final token that the scheduler runs when the request stops (hidden_states/vllm/scheduler.py).
+    # True: the request's span reaches its final token, whose row the tail step computes: the extra
+    # decode row the scheduler runs when the request stops (hidden_states/vllm/scheduler.py).
     tail: bool = False
-    # Positions of prompt+completion to capture in every step that computes them:
-    # params.Span as [start, end | None, stride]; None: the one position above.
-    span: list[int | None] | None = None
-    dtype: str = "float32"  # rows cast on the device (span requests)
-    topk: int = 0  # > 0: per position the k largest-magnitude entries (span requests)
-    # Span requests: rows on every output (a stream's, RequestOutputKind.DELTA / CUMULATIVE), or all of
-    # them on the finishing output only (FINAL_ONLY: no per-step work for rows nobody reads before the end).
+    dtype: str = "float32"  # rows cast on the device
+    topk: int = 0  # > 0: per position the k largest-magnitude entries
+    # Rows on every output (a stream of several positions, RequestOutputKind.DELTA / CUMULATIVE), or
+    # all of them on the finishing output only (no per-step work for rows nobody reads before the end).
     every_step: bool = False
 
     def to_extra_args(self) -> dict:
@@ -129,7 +127,7 @@ class PlanEntry(NamedTuple):
     positions: list[int]
     layers: list[int]  # absolute (transformers numbering)
     num_tokens: int  # tokens the request's scheduled span reaches in the step
-    dtype: str | None  # None: the engine's own (a single vector)
+    dtype: str  # the rows cast to it on the device
     topk: int
 
 
@@ -203,53 +201,13 @@ class CapturedRows(msgspec.Struct, array_like=True, gc=False):
 
 def captured_rows(key: str, dtype: str, topk: int, layers: list[int], positions: list[int],
                   values: np.ndarray, indices: np.ndarray | None) -> CapturedRows:
-    """`values` [len(layers), len(positions), width] raw elements of `dtype`; `indices` int32 alike (top-k)."""
+    """`values` [len(layers), len(positions), width] raw elements of `dtype` (uint16 bit patterns for
+    bfloat16; any byte order); `indices` int32 alike (top-k)."""
+    if dtype not in ITEMSIZE:
+        raise ValueError(f"unsupported dtype {dtype!r}")
+    if values.dtype.newbyteorder("<") != np.dtype(_NUMPY_DTYPE[dtype]):
+        raise ValueError(f"array of {values.dtype} cannot be sent as {dtype}")
     values = np.ascontiguousarray(values, dtype=_NUMPY_DTYPE[dtype])
     ind = b"" if not topk else np.ascontiguousarray(indices, dtype="<i4").tobytes()
     return CapturedRows(key, dtype, int(topk), int(values.shape[-1]), list(layers), [int(p) for p in positions],
                         values.tobytes(), ind)
-
-
-class CapturedVector(msgspec.Struct, array_like=True, gc=False):
-    """One engine request's vectors: the final-token state of its first `num_tokens` tokens."""
-
-    key: str  # the HiddenStatesExtractionRequest's key
-    via: str  # "tail" | "prompt" (the step that computed the last prompt token)
-    num_tokens: int
-    dtype: str
-    layers: list[int]  # absolute layer numbers (transformers'), one row each
-    hidden_size: int
-    data: bytes  # [len(layers), hidden_size] row-major, little-endian
-
-    def to_numpy(self) -> np.ndarray:
-        """[len(layers), hidden_size] as float32 (bfloat16 and float16 widen exactly)."""
-        if self.dtype == "float32":
-            arr = np.frombuffer(self.data, dtype="<f4")
-        elif self.dtype == "float16":
-            arr = np.frombuffer(self.data, dtype="<f2").astype(np.float32)
-        else:  # bfloat16: the high half of a float32
-            arr = (np.frombuffer(self.data, dtype="<u2").astype(np.uint32) << 16).view(np.float32)
-        return arr.reshape(len(self.layers), self.hidden_size).astype(np.float32, copy=False)
-
-    def to_output(self) -> list:
-        """Builtins for vLLM's msgpack (array-like; `data` stays raw bytes, not base64)."""
-        return msgspec.to_builtins(self, builtin_types=(bytes,))
-
-    @staticmethod
-    def from_output(raw) -> "CapturedVector":
-        cv = _convert(raw, CapturedVector, "captured vector")
-        if cv.hidden_size < 1 or math.prod((len(cv.layers), cv.hidden_size)) * ITEMSIZE[cv.dtype] != len(cv.data):
-            raise HiddenStatesProtocolError(
-                f"{len(cv.data)} bytes do not hold {len(cv.layers)} x {cv.hidden_size} of {cv.dtype}")
-        return cv
-
-
-def captured_vector(key: str, via: str, num_tokens: int, dtype: str, layers: list[int],
-                    rows: np.ndarray) -> CapturedVector:
-    """`rows` [len(layers), D] of raw elements: float32/float16, or uint16 bit patterns for bfloat16."""
-    if dtype not in ITEMSIZE:
-        raise ValueError(f"unsupported dtype {dtype!r}")
-    if rows.dtype.newbyteorder("<") != np.dtype(_NUMPY_DTYPE[dtype]):
-        raise ValueError(f"array of {rows.dtype} cannot be sent as {dtype}")
-    rows = np.ascontiguousarray(rows, dtype=rows.dtype.newbyteorder("<"))
-    return CapturedVector(key, via, num_tokens, dtype, list(layers), int(rows.shape[-1]), rows.tobytes())

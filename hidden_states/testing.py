@@ -123,8 +123,8 @@ class FakeEngine(VectorObservers):
         yield HiddenStatesCollector(uuid.uuid4().hex, layers, check_position(position), dtype=dtype, topk=topk)
 
     def check_budget(self, col: HiddenStatesCollector | None, prompt_len: int, max_tokens: int, n: int) -> None:
-        """The engine's memory bound on a rowwise request (params.check_rows_budget), before it starts."""
-        if col is not None and col.rowwise:
+        """The engine's memory bound on a request (params.check_rows_budget), before it starts."""
+        if col is not None:
             check_rows_budget(Span.of(col.position, prompt_len), prompt_len, max_tokens, n, len(col.layers),
                               HIDDEN_SIZE, col.dtype, col.topk, self.max_hidden_states_bytes)
 
@@ -138,18 +138,13 @@ class FakeEngine(VectorObservers):
         return toks
 
     def _collect(self, collector: HiddenStatesCollector, index: int, prompt_ids: list[int],
-                 token_ids: list[int]) -> dict[int, np.ndarray]:
-        """Choice `index` of the request's one prompt: its vectors (or rows), filed as the real engine files them."""
+                 token_ids: list[int]) -> None:
+        """Choice `index` of the request's one prompt: its rows, filed as the real engine files them."""
         seq = list(prompt_ids) if collector.position == "prompt_end" else [*prompt_ids, *token_ids]
         stats = None if collector.position == "prompt_end" else ExtractionStats(len(seq), len(seq) - 1, 0.0)
-        if collector.rowwise:
-            wanted = list(Span.of(collector.position, len(prompt_ids)).positions(len(seq)))
-            collector.add_rows((0, index), fake_rows(seq, wanted, collector.layers, collector.dtype, collector.topk))
-            collector.settle_rows((0, index), wanted, stats)
-            return {}
-        vectors = {layer: fake_vector(seq, layer) for layer in collector.layers}
-        collector.put((0, index), vectors, stats)
-        return vectors
+        wanted = list(Span.of(collector.position, len(prompt_ids)).positions(len(seq)))
+        collector.add_rows((0, index), fake_rows(seq, wanted, collector.layers, collector.dtype, collector.topk))
+        collector.settle_rows((0, index), wanted, stats)
 
     async def complete(self, prompt: str | Sequence[int], options: SamplingOptions | None = None, *,
                        return_hidden_states: bool = True, layers: Sequence[int] = (-1,),
@@ -165,12 +160,11 @@ class FakeEngine(VectorObservers):
                 for i in range(o.n):
                     toks = await self._generate_slowly(ids, i, o.max_tokens or 16)
                     text = bytes(toks).decode("latin-1")
-                    vecs = None if col is None else self._collect(col, i, ids, toks)
-                    if col is not None and col.rowwise:
-                        choices.append(rows_choice(self, col, i, text, toks, "length"))
+                    if col is None:
+                        choices.append(CompletionChoice(i, text, tuple(toks), "length", None))
                         continue
-                    choices.append(CompletionChoice(i, text, tuple(toks), "length",
-                                                    None if vecs is None else vecs.get(-1), None, vecs))
+                    self._collect(col, i, ids, toks)
+                    choices.append(rows_choice(self, col, i, text, toks, "length"))
         return Completion(f"cmpl-{uuid.uuid4().hex}", tuple(ids), tuple(choices))
 
     async def openai(self, served_model_name: str, replica_id: str, lora_modules: Sequence[dict] = ()) -> "FakeOpenAI":
@@ -178,7 +172,7 @@ class FakeEngine(VectorObservers):
 
     async def stats(self) -> dict:
         return {"enabled": self.enabled, "missing_vectors": self.missing_vectors, "pending": 0,
-                "unclaimed_vectors": 0, "requests_seen": self.requests,
+                "late_rows": 0, "requests_seen": self.requests,
                 "unfinished_requests": len(self.live), "cancelled_requests": self.cancelled,
                 "vllm_imported": "vllm" in sys.modules}  # the fake-engine tier must never load vLLM
 

@@ -112,8 +112,9 @@ Ledger of patched points (supported: vLLM {SUPPORTED}):
    `TailScheduler` (a v1 `Scheduler`) under
    synchronous scheduling, `AsyncVectorScheduler` (an `AsyncScheduler`) under
    async scheduling. Both override `add_request` (note flagged requests),
-   `update_from_output` (file the step's captured rows; put each finished
-   request's vector on its EngineCoreOutput's `kv_transfer_params`), and
+   `update_from_output` (file the step's captured rows; put the rows decided
+   on the request's EngineCoreOutput's `kv_transfer_params`: a stream's on
+   each output, the rest on the finishing one), and
    `_free_request` (forget a request however it ends). All override
    `schedule` (adds the step's plan, `PLAN_ATTR`, to the SchedulerOutput; the
    dataclass instance travels whole to the workers). The TailScheduler also
@@ -138,7 +139,7 @@ Ledger of patched points (supported: vLLM {SUPPORTED}):
    frontend's extraction step does. Tested on the CPU engine with vLLM's own
    async path (point 12); the CUDA stream and pinned-copy side is untested.
    Remove when vLLM returns the final token's hidden state itself.
-10. The vector's way to the frontend: `EngineCoreOutput.kv_transfer_params`
+10. The rows' way to the frontend: `EngineCoreOutput.kv_transfer_params`
    (a `dict[str, Any]` that vLLM's msgpack carries; raw bytes stay bytes).
    `ExtractingAsyncLLM` wraps its output processor's `process_outputs` on the
    instance and takes our key off each output before vLLM reads the field,
@@ -146,10 +147,9 @@ Ledger of patched points (supported: vLLM {SUPPORTED}):
    the field's real users, are refused at start. And vLLM's completions
    serving names the engine requests of a request's prompts `{id}-{i}`
    (extraction.prompt_ordinal), which is how a response choice finds its
-   vector: `ordinal * n + index`, as vLLM numbers choices.
-   Rows of many positions ride the same field under another key
-   (`protocol.ROWS_KEY`), on every output of the request that has rows to send,
-   not only the finishing one.
+   vector: `ordinal * n + index`, as vLLM numbers choices. One key
+   (`protocol.ROWS_KEY`) and one type (`protocol.CapturedRows`) for every
+   request: a vector is the row of one position.
    Remove when vLLM's outputs carry hidden states (RFC #48743).
 11. CPU only, LoRA engines: `vllm.lora.ops.torch_ops.lora_ops.bgmv_shrink`,
    `bgmv_expand` and `bgmv_expand_slice` (also the names `punica_cpu` imported)

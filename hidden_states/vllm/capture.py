@@ -36,7 +36,7 @@ class _Entry(NamedTuple):
     flat: list[int]  # the rows' indices among the step's scheduled tokens
     positions: list[int]  # their absolute positions in prompt+completion
     num_tokens: int  # tokens the request's scheduled span reaches
-    dtype: str | None  # None: the engine's own (the one-vector path)
+    dtype: str | None  # None: the engine's own, uncast
     topk: int
 
 

@@ -268,17 +268,10 @@ class HiddenStatesEngine(VectorObservers):
             async for out in self.llm.generate(engine_prompt, params, request_id, lora_request=lora):
                 final = out
         for o in final.outputs:
-            vecs = stats = None
-            if collector is not None and collector.rowwise:
-                choices.append(rows_choice(self, collector, o.index, o.text, o.token_ids, o.finish_reason))
-                continue
             if collector is not None:
-                vecs, stats = collector.vectors.get((0, o.index)), collector.stats.get((0, o.index))
-                if vecs is None:
-                    raise self.missing(f"choice {o.index}")
-                self.vector_sent(position, stats, sum(v.nbytes for v in vecs.values()))
-            choices.append(CompletionChoice(o.index, o.text, tuple(o.token_ids), o.finish_reason,
-                                            None if vecs is None else vecs.get(-1), stats, vecs))
+                choices.append(rows_choice(self, collector, o.index, o.text, o.token_ids, o.finish_reason))
+            else:
+                choices.append(CompletionChoice(o.index, o.text, tuple(o.token_ids), o.finish_reason, None))
         return Completion(request_id=request_id, prompt_token_ids=tuple(final.prompt_token_ids), choices=tuple(choices))
 
     def collecting(self, layers: Sequence[int] = (-1,), position: Any = "completion_end", dtype: str = "float32",

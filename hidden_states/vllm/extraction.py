@@ -1,32 +1,30 @@
-"""The frontend half: vectors off vLLM's outputs, and the extraction step where none came.
+"""The frontend half: rows off vLLM's outputs, and the extraction step where none came.
 
 `ExtractingAsyncLLM` is vLLM's AsyncLLM with two additions:
 
-- its output processor first takes each `CapturedVector` off the
-  EngineCoreOutputs the engine core sends (scheduler.py puts it on the output
-  that finishes a captured request) and files it in the mailbox of the
-  `generate()` call that asked, under the choice's index;
+- its output processor first takes the `CapturedRows` off each EngineCoreOutput
+  the engine core sends (scheduler.py puts them on the outputs of a flagged
+  request) and files them in the mailbox of the `generate()` call that asked
+  (`RowSink`), under the choice's index, in the request's collector;
 - `generate()`, for requests tagged with a collector (`vllm_xargs` ->
-  `SamplingParams.extra_args`), flags the engine request for capture (the tail
-  step where the engine can see the stop, else nothing), and when a choice
-  finishes puts its vector in the collector under (prompt ordinal, choice
-  index). A finished choice whose output brought no vector (the engine could
-  not take the tail: a stop string, a grammar, no room left, async scheduling)
-  gets the extraction step at once: a prefill-only request of
-  prompt+completion, max one token, whose vector comes back the same way.
+  `SamplingParams.extra_args`), flags the engine request with its span of
+  positions (`params.Span`: one position for completion_end or prompt_end; a
+  tail step where the span reaches the final token and the engine can see the
+  stop), and when a choice finishes resolves the positions it asked for on its
+  length.
 
-Rows across the completion (`collector.rowwise`: hidden_states_position
-"completion", "all" or a range, any hidden_states_dtype or top-k): the engine
-request is flagged with its span of positions; the rows come on every output
-of it (scheduler.py) and go straight into the collector under the choice
-(`RowSink`), where the next SSE chunk of that choice takes them
-(openai_format.ChoiceVectors). When the choice finishes, the positions it asked
-for that no step computed (the final token's row where the tail step could not
-run, prompt positions a prefix-cache hit skipped) come from one extraction step
-of exactly those positions (`extract_rows`), with a cache salt of its own when
-they lie before the last cache block. A request that asks for "all" or a range
-starting in the prompt gets a unique `cache_salt`, so its prefill computes
-every prompt position rather than reading them from the prefix cache.
+One path for every request: a vector is the row of one position. The positions a
+finished choice asked for that no step computed (the final token's row where the
+tail step could not run: a stop string, a grammar, no room left; prompt
+positions a prefix-cache hit skipped) come from one extraction step of exactly
+those positions (`extract_rows`): a prefill-only request of prompt+completion,
+max one token, with a cache salt of its own when they lie before the last cache
+block. A completion_end request the engine cannot take the tail of is not
+flagged at all (its rows would cost one per step): its position is computed by
+the extraction step. Streams of several positions take their rows as they come
+(openai_format.ChoiceVectors). A request that asks for "all" or a range starting
+in the prompt gets a unique `cache_salt`, so its prefill computes every prompt
+position rather than reading them from the prefix cache.
 
 vLLM's beam search makes its own untagged one-token requests per step;
 `extract_beams` extracts its returned beams instead. Every wait has a timeout.
@@ -48,8 +46,8 @@ from hidden_states.engine import (ExtractionStats, HiddenStatesCollector, Hidden
                                   MissingHiddenStatesError, RowBatch)
 from hidden_states.params import (DEFAULT_MAX_HIDDEN_STATES_BYTES, HiddenStatesRequestError, Span, absolute_layer,
                                   check_position, check_room, check_rows_budget, room_for_completion)
-from hidden_states.protocol import (COLLECTOR_TAG_KEY, OUTPUT_KEY, ROWS_KEY, CapturedRows, CapturedVector,
-                                    HiddenStatesExtractionRequest, HiddenStatesProtocolError)
+from hidden_states.protocol import (COLLECTOR_TAG_KEY, ROWS_KEY, CapturedRows, HiddenStatesExtractionRequest,
+                                    HiddenStatesProtocolError)
 
 _FAILED = ("abort", "error")
 
@@ -71,7 +69,7 @@ class Origin:
 
 
 class RowSink:
-    """A span request's mailbox: where the rows on its outputs go (choice index, RowBatch)."""
+    """A flagged request's mailbox: where the rows on its outputs go (choice index, RowBatch)."""
 
     def __init__(self, put: Callable[[int, RowBatch], None], layers: Sequence[int]):
         self.put, self.layers = put, tuple(layers)
@@ -103,16 +101,12 @@ def make_async_llm_class():
                 if hs is not None and hs.mailboxes:
                     for eco in engine_core_outputs:
                         params = eco.kv_transfer_params
-                        if params is not None and (OUTPUT_KEY in params or ROWS_KEY in params):
-                            vector, rows = params.pop(OUTPUT_KEY, None), params.pop(ROWS_KEY, None)
+                        if params is not None and ROWS_KEY in params:
+                            rows = params.pop(ROWS_KEY)
                             if not params:
                                 eco.kv_transfer_params = None
                             state = processor.request_states.get(eco.request_id)
-                            index = state.request_index if state is not None else None
-                            if rows is not None:
-                                hs.deliver_rows(rows, index)
-                            if vector is not None:
-                                hs.deliver(vector, index)
+                            hs.deliver(rows, state.request_index if state is not None else None)
                 return process(engine_core_outputs, *a, **kw)
 
             processor.process_outputs = process_outputs
@@ -131,19 +125,8 @@ def make_async_llm_class():
                 sampling_params = hs._leave_room_for_extraction(prompt, sampling_params)
             key = uuid.uuid4().hex
             ordinal, origin = prompt_ordinal(request_id), Origin.of(prompt, kwargs)
-            tail = False
-            if collector.rowwise:  # every output brings the rows decided since the last one
-                prompt, sampling_params, tail = hs._flag_rows(collector, prompt, sampling_params, key)
-                box = RowSink(lambda index, batch: collector.add_rows((ordinal, index), batch), collector.layers)
-            else:
-                # prompt_end: the generating request's own prefill computes the last prompt position.
-                # completion_end: its tail step, where the engine can take it; else no capture here.
-                if prompt_end or hs.takes_tail(sampling_params):
-                    sampling_params = sampling_params.clone()
-                    sampling_params.extra_args = {**(sampling_params.extra_args or {}),
-                                                  **HiddenStatesExtractionRequest(
-                        key=key, layers=list(collector.layers), tail=not prompt_end).to_extra_args()}
-                box = {}
+            prompt, sampling_params, tail = hs._flag(collector, prompt, sampling_params, key)
+            box = RowSink(lambda index, batch: collector.add_rows((ordinal, index), batch), collector.layers)
             delta = sampling_params.output_kind == RequestOutputKind.DELTA
             tokens: dict[int, list[int]] = {}
             prompt_ids: list[int] = []
@@ -164,7 +147,7 @@ def make_async_llm_class():
                             finished.append(o.index)
                             settled.add(o.index)
                     if finished:
-                        await hs.settle(collector, box, ordinal, prompt_ids, tokens, finished, origin, tail=tail)
+                        await hs.settle(collector, ordinal, prompt_ids, tokens, finished, origin, tail=tail)
                     yield out
             finally:
                 hs.mailboxes.pop(key, None)
@@ -189,7 +172,7 @@ class Extraction:
         self.tail_enabled = tail_enabled  # the engine's scheduler runs tail steps
         self.extraction_priority = priority  # vLLM refuses priorities under its fcfs policy
         self.max_hidden_states_bytes = max_hidden_states_bytes  # a request's worst case of rows (params.py)
-        self.mailboxes: dict[str, dict[int, CapturedVector] | RowSink] = {}  # by capture key
+        self.mailboxes: dict[str, RowSink] = {}  # by capture key
         self._collectors: dict[str, HiddenStatesCollector] = {}  # by tag
         self.vector_requests = 0  # engine requests that asked for a vector (a mailbox each)
         self.extractions = 0
@@ -199,44 +182,25 @@ class Extraction:
         self.missing_vectors = 0  # choices that finished without their vector (each failed its request)
         self.timeouts = 0  # extraction steps that did not finish within extraction_timeout_s
         self.malformed_vectors = 0  # vectors on outputs that did not decode (a bug)
-        self.unclaimed_vectors = 0  # vectors whose request had already ended (an abort raced the finish)
-        self.late_rows = 0  # rows on outputs of requests that had ended (a stop string cut them: not a fault)
+        self.late_rows = 0  # rows on outputs of requests that had ended (an abort, a stop string: not a fault)
 
     def counts(self) -> dict[str, Any]:
         return {"extractions": self.extractions, "extraction_tokens": self.extraction_tokens,
                 "extraction_cached_tokens": self.extraction_cached_tokens, "missing_vectors": self.missing_vectors,
                 "timeouts": self.timeouts, "tail_enabled": self.tail_enabled, "tails": self.tails,
                 "pending": len(self.mailboxes),  # engine requests whose vector may still come
-                "malformed_vectors": self.malformed_vectors, "unclaimed_vectors": self.unclaimed_vectors,
-                "late_rows": self.late_rows}
-
-    def _addressee(self, cls: type, raw: Any, index: int | None, box_type: type):
-        """(the decoded message, the mailbox of the call that asked, or None if that call already
-        ended: an abort, or a stop string cut while the engine ran ahead), or None if malformed."""
-        try:
-            msg = cls.from_output(raw)
-        except HiddenStatesProtocolError:
-            self.malformed_vectors += 1
-            return None
-        box = self.mailboxes.get(msg.key)
-        return msg, box if isinstance(box, box_type) and index is not None else None
+                "malformed_vectors": self.malformed_vectors, "late_rows": self.late_rows}
 
     def deliver(self, raw: Any, index: int | None) -> None:
-        """A CapturedVector off an engine output, into the mailbox of the call that asked."""
-        if (got := self._addressee(CapturedVector, raw, index, dict)) is None:
+        """CapturedRows off an engine output, into the sink of the call that asked (none: that call
+        already ended, an abort, or a stop string cut while the engine ran ahead)."""
+        try:
+            cr = CapturedRows.from_output(raw)
+        except HiddenStatesProtocolError:
+            self.malformed_vectors += 1
             return
-        cv, box = got
-        if box is None:
-            self.unclaimed_vectors += 1
-            return
-        box[index] = cv
-
-    def deliver_rows(self, raw: Any, index: int | None) -> None:
-        """CapturedRows off an engine output, into the sink of the call that asked."""
-        if (got := self._addressee(CapturedRows, raw, index, RowSink)) is None:
-            return
-        cr, sink = got
-        if sink is None:
+        sink = self.mailboxes.get(cr.key)
+        if sink is None or index is None:
             self.late_rows += 1
             return
         values, indices = cr.arrays()
@@ -246,15 +210,17 @@ class Extraction:
                                  {l: values[i] for l, i in zip(sink.layers, rows)}, cr.dtype,
                                  None if indices is None else {l: indices[i] for l, i in zip(sink.layers, rows)}))
 
-    def _flag_rows(self, collector: HiddenStatesCollector, prompt: Any, params: Any, key: str) -> tuple[Any, Any, bool]:
-        """A generating request of a rowwise collector: the memory bound checked, flagged with its
-        span (positions, dtype, top-k), a tail step where the span can reach the final token, and a
-        unique cache salt where its prompt positions must be computed. (prompt, params, tail)."""
+    def _flag(self, collector: HiddenStatesCollector, prompt: Any, params: Any, key: str) -> tuple[Any, Any, bool]:
+        """A generating request of a collector: the memory bound checked, flagged with its span
+        (positions, layers, dtype, top-k), a tail step where the span reaches the final token and
+        the engine can take it, and a unique cache salt where its prompt positions must be
+        computed. (prompt, params, tail). A completion_end request without the tail is not
+        flagged: the extraction step computes its one position."""
         from vllm.sampling_params import RequestOutputKind
 
         ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else None
         if ids is None:
-            raise HiddenStatesRequestError("hidden states of positions need the prompt as token ids", "prompt")
+            raise HiddenStatesRequestError("hidden states need the prompt as token ids", "prompt")
         P = len(ids)
         span = Span.of(collector.position, P)
         try:
@@ -264,13 +230,16 @@ class Extraction:
             collector.refusal = e  # the OpenAI layer answers it as a 400, streaming or not
             raise
         tail = self.takes_tail(params) and (span.end is None or span.end < 0 or span.end > P)
+        if span.final_only and not tail:
+            return prompt, params, False
         if 0 <= span.start < P - 1 and self.llm.vllm_config.cache_config.enable_prefix_caching:
             # Prompt positions are wanted: a prefix-cache hit would skip computing them.
             prompt = {**prompt, "cache_salt": f"hs-{uuid.uuid4().hex}"}
         params = params.clone()
         params.extra_args = {**(params.extra_args or {}), **HiddenStatesExtractionRequest(
-            key=key, layers=list(collector.layers), tail=tail, span=span.to_list(), dtype=collector.dtype,
-            topk=collector.topk or 0, every_step=params.output_kind != RequestOutputKind.FINAL_ONLY).to_extra_args()}
+            key=key, span=span.to_list(), layers=list(collector.layers), tail=tail, dtype=collector.dtype,
+            topk=collector.topk or 0,
+            every_step=collector.multi and params.output_kind != RequestOutputKind.FINAL_ONLY).to_extra_args()}
         return prompt, params, tail
 
     def check_beam_rows(self, collector: HiddenStatesCollector, prompt_len: int, max_tokens: int, beams: int) -> None:
@@ -283,25 +252,26 @@ class Extraction:
             collector.refusal = e
             raise
 
-    async def settle_rows(self, collector: HiddenStatesCollector, ordinal: int, prompt_ids: list[int],
-                          tokens: dict[int, list[int]], finished: list[int], origin: Origin = Origin(),
-                          tail: bool = False) -> None:
-        """Each finished choice's positions, resolved on its length: the rows its outputs
-        brought, and one extraction step for the positions no step computed."""
+    async def settle(self, collector: HiddenStatesCollector, ordinal: int, prompt_ids: list[int],
+                     tokens: dict[int, list[int]], finished: list[int], origin: Origin = Origin(),
+                     tail: bool = False) -> None:
+        """Each finished choice's positions, resolved on its length: the rows its outputs brought,
+        and one extraction step for the positions no step computed (choices with identical
+        sequences share one), at once."""
         P, jobs = len(prompt_ids), []
         for index in finished:
             seq = prompt_ids if collector.position == "prompt_end" else [*prompt_ids, *tokens.get(index, ())]
             wanted = list(Span.of(collector.position, P).positions(len(seq)))
             missing = sorted(set(wanted) - collector.held_positions((ordinal, index)))
             jobs.append(((ordinal, index), seq, wanted, missing))
-        todo = [job for job in jobs if job[3]]
+        todo = {(tuple(seq), tuple(missing)) for _, seq, _, missing in jobs if missing}
         results = await asyncio.gather(*(self.extract_rows(seq, missing, collector.layers, collector.dtype,
-                                                           collector.topk, origin) for _, seq, _, missing in todo))
-        extracted = {job[0]: result for job, result in zip(todo, results)}
+                                                           collector.topk, origin) for seq, missing in todo))
+        extracted = dict(zip(todo, results))
         for key, seq, wanted, missing in jobs:
             stats = None
-            if key in extracted:
-                batch, stats = extracted[key]
+            if missing:
+                batch, stats = extracted[(tuple(seq), tuple(missing))]
                 collector.add_rows(key, batch)
             elif collector.position != "prompt_end":
                 n = len(seq)
@@ -309,32 +279,6 @@ class Extraction:
                 stats = ExtractionStats(n, n - 1 if via == "tail" else n, 0.0, via=via)
                 self.tails += via == "tail"
             collector.settle_rows(key, wanted, None if collector.position == "prompt_end" else stats)
-
-    async def settle(self, collector: HiddenStatesCollector, box: dict[int, CapturedVector], ordinal: int,
-                     prompt_ids: list[int], tokens: dict[int, list[int]], finished: list[int],
-                     origin: Origin = Origin(), tail: bool = False) -> None:
-        """Puts each finished choice's vector in the collector: the one its output brought,
-        else the extraction step's, at once (choices with identical sequences share one)."""
-        if collector.rowwise:
-            return await self.settle_rows(collector, ordinal, prompt_ids, tokens, finished, origin, tail)
-        todo: dict[tuple[int, ...], list[int]] = {}
-        for index in finished:
-            cv = box.pop(index, None)
-            n = len(prompt_ids) if collector.position == "prompt_end" else len(prompt_ids) + len(tokens.get(index, ()))
-            if cv is not None and cv.num_tokens == n:
-                tail = cv.via == "tail"
-                stats = ExtractionStats(n, n - 1, 0.0, via="tail") if tail else None
-                collector.put((ordinal, index), self._by_layer(cv, collector.layers), stats)
-                self.tails += tail
-                continue
-            seq = tuple(prompt_ids) if collector.position == "prompt_end" else (*prompt_ids, *tokens.get(index, ()))
-            todo.setdefault(seq, []).append(index)
-        if not todo:
-            return
-        results = await asyncio.gather(*(self.extract_layers(seq, collector.layers, origin) for seq in todo))
-        for indices, (vecs, stats) in zip(todo.values(), results):
-            for index in indices:
-                collector.put((ordinal, index), vecs, None if collector.position == "prompt_end" else stats)
 
     def _leave_room_for_extraction(self, prompt: Any, params: Any) -> Any:
         """max_tokens capped to `params.room_for_completion` (the final token's one more position)."""
@@ -348,11 +292,6 @@ class Extraction:
             params = params.clone()
             params.max_tokens = room
         return params
-
-    def _by_layer(self, cv: CapturedVector, layers: Sequence[int]) -> dict[int, np.ndarray]:
-        rows = cv.to_numpy()
-        at = {layer: i for i, layer in enumerate(cv.layers)}
-        return {l: rows[at[absolute_layer(l, self.num_layers)]] for l in layers}
 
     def _timed_out(self, num_tokens: int) -> HiddenStatesTimeout:
         self.timeouts += 1
@@ -394,10 +333,8 @@ class Extraction:
         async for out in outputs:
             done = [o for o in out.outputs if o.finish_reason is not None]
             if done:
-                prompt_ids = list(out.prompt_token_ids)
-                box: dict[int, CapturedVector] = {}  # beams bring no vectors: all extracted
-                await self.settle(collector, box, ordinal, prompt_ids, {o.index: list(o.token_ids) for o in done},
-                                  [o.index for o in done], origin)
+                await self.settle(collector, ordinal, list(out.prompt_token_ids),  # beams bring no rows: all extracted
+                                  {o.index: list(o.token_ids) for o in done}, [o.index for o in done], origin)
             yield out
 
     def takes_tail(self, params: Any) -> bool:
@@ -428,7 +365,7 @@ class Extraction:
         key = uuid.uuid4().hex
         params = SamplingParams(
             max_tokens=1, temperature=0.0, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY,
-            extra_args=HiddenStatesExtractionRequest(key=key, layers=list(layers), span=[lo, total, 1], dtype=dtype,
+            extra_args=HiddenStatesExtractionRequest(key=key, span=[lo, total, 1], layers=list(layers), dtype=dtype,
                                                      topk=topk or 0).to_extra_args())
         prompt = TokensPrompt(prompt_token_ids=list(token_ids))
         cache = self.llm.vllm_config.cache_config
@@ -466,44 +403,11 @@ class Extraction:
 
     async def extract_layers(self, token_ids: Sequence[int], layers: Sequence[int],
                              origin: Origin = Origin()) -> tuple[dict[int, np.ndarray], ExtractionStats]:
-        """The final token's hidden state at each of `layers` (transformers numbering): a
-        prefill-only engine request whose output brings the vector (scheduler.py), with the
-        adapter, cache salt and priority of the request it serves (`origin`)."""
+        """The final token's hidden state (float32 [D]) at each of `layers` (transformers numbering):
+        the extraction step of its one position, with the adapter, cache salt and priority of the
+        request it serves (`origin`)."""
         layers = self.check_request(layers)
         if not token_ids:
             raise ValueError("extraction needs at least one token id")
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
-        from vllm.sampling_params import RequestOutputKind
-        from vllm.v1.engine.async_llm import AsyncLLM
-
-        key = uuid.uuid4().hex
-        params = SamplingParams(
-            max_tokens=1, temperature=0.0, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY,
-            extra_args=HiddenStatesExtractionRequest(key=key, layers=list(layers)).to_extra_args(),
-        )
-        t0 = time.perf_counter()
-        cached = 0
-        box = self.mailboxes[key] = {}
-        self.vector_requests += 1
-        try:
-            async with asyncio.timeout(self.extraction_timeout_s):
-                # AsyncLLM.generate, not ours: an extraction never triggers another.
-                prompt = TokensPrompt(prompt_token_ids=list(token_ids))
-                if origin.cache_salt is not None:
-                    prompt["cache_salt"] = origin.cache_salt
-                async for out in AsyncLLM.generate(self.llm, prompt, params, f"hs-{key}",
-                                                  lora_request=origin.lora_request,
-                                                  priority=origin.priority + self.extraction_priority):
-                    cached = out.num_cached_tokens or 0
-        except TimeoutError:
-            raise self._timed_out(len(token_ids)) from None
-        finally:
-            self.mailboxes.pop(key, None)
-        cv = box.get(0)
-        if cv is None or cv.num_tokens != len(token_ids):
-            raise self.missing(f"the extraction step of a sequence of {len(token_ids)} tokens")
-        self.extractions += 1
-        self.extraction_tokens += len(token_ids)
-        self.extraction_cached_tokens += cached
-        return self._by_layer(cv, layers), ExtractionStats(len(token_ids), cached, time.perf_counter() - t0)
+        batch, stats = await self.extract_rows(token_ids, [len(token_ids) - 1], layers, origin=origin)
+        return {l: batch.floats(l)[0] for l in layers}, stats

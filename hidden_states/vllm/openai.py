@@ -44,11 +44,11 @@ from pydantic import ValidationError
 from hidden_states.engine import HiddenStatesCollector, HiddenStatesTimeout, MissingHiddenStatesError
 from hidden_states import errors, verify
 from hidden_states.openai_format import (ChoiceVectors, Route, error_body, not_from_token_ids, row_fields,
-                                         validation_message, vector_fields)
+                                         validation_message)
 from hidden_states.vllm.extraction import Origin
 from hidden_states.params import (SINGLE_POSITIONS, HiddenStatesDisabledError, HiddenStatesFields,
                                   HiddenStatesRequestError, UnknownModelError, check_position, check_room,
-                                  check_rows_budget, given_span, rowwise)
+                                  check_rows_budget, given_span)
 from hidden_states.protocol import COLLECTOR_TAG_KEY, RESERVED_EXTRA_ARGS_PREFIX
 
 logger = logging.getLogger(__name__)
@@ -183,7 +183,7 @@ class OpenAIFrontend:
             yield 200, result.model_dump_json().encode()
             return
         first = None
-        if collector is not None and collector.rowwise:
+        if collector is not None:
             # The memory bound is checked as the engine requests start, inside vLLM's stream: its
             # first chunk tells whether they did, so a refusal is a 400, not an error event.
             try:
@@ -227,25 +227,16 @@ class OpenAIFrontend:
                        "prompt" if req.prompt is not None else "messages", completing=False)
             span = given_span(position, len(ids), completion_start)
             positions, multi = list(span.positions(len(ids))), position not in SINGLE_POSITIONS
-            rows = rowwise(position, dtype, topk)  # else one float32 vector per layer, as ever
-            if rows:
-                check_rows_budget(span, len(ids), None, 1, len(layers), eng.hidden_size, dtype, topk,
-                                  eng.max_hidden_states_bytes)
+            check_rows_budget(span, len(ids), None, 1, len(layers), eng.hidden_size, dtype, topk,
+                              eng.max_hidden_states_bytes)
             # A malformed claim is a 400 before any engine work.
             claim = None if req.compare is None else verify.claims(req.compare, len(positions), eng.hidden_size)
             # Only the tokens up to the last position asked for: the rows before it are the same.
             seq, origin = ids[:positions[-1] + 1], Origin(lora_request=lora)
-            if rows:
-                batch, stats = await eng.extraction.extract_rows(seq, positions, layers, dtype, topk, origin)
-                out = row_fields(batch, layers, encoding, by_layer, multi, position, dtype, topk,
-                                 topk or eng.hidden_size)
-                true, nbytes = (batch.floats(-1) if claim is not None else None), batch.nbytes
-            else:  # completion_end (the default) or prompt_end
-                vecs, stats = await eng.extract_layers(seq, layers, origin)
-                out = {**vector_fields(vecs, by_layer, encoding),
-                       "hidden_states_meta": {} if position == "completion_end" else {"position": position}}
-                true, nbytes = vecs[-1][None], sum(v.nbytes for v in vecs.values())
-            eng.vector_sent(position if isinstance(position, str) else "range", stats, nbytes)
+            batch, stats = await eng.extraction.extract_rows(seq, positions, layers, dtype, topk, origin)
+            out = row_fields(batch, layers, encoding, by_layer, multi, position, dtype, topk, topk or eng.hidden_size)
+            true = batch.floats(-1) if claim is not None else None
+            eng.vector_sent(position if isinstance(position, str) else "range", stats, batch.nbytes)
         except (HiddenStatesRequestError, HiddenStatesTimeout, MissingHiddenStatesError, UnknownModelError) as e:
             return errors.error_response(e)
         out["hidden_states_meta"].update(
@@ -312,8 +303,7 @@ def _wrap_beam_search(serving, engine) -> None:
         prompt_len = len(prompt.get("prompt_token_ids") or ())
         extraction = engine.extraction
         params = msgspec.structs.replace(params, max_tokens=extraction.beam_search_room(prompt_len, params.max_tokens))
-        if collector.rowwise:  # the memory bound, for its returned beams
-            extraction.check_beam_rows(collector, prompt_len, params.max_tokens, params.beam_width)
+        extraction.check_beam_rows(collector, prompt_len, params.max_tokens, params.beam_width)
         origin = Origin.of(prompt, {"lora_request": kwargs.get("lora_request", args[0] if args else None)})
         # vLLM's completions serving passes beam search the request's id without its per-prompt
         # `-{i}`, calling it for prompt 0, 1, ... in order: the calls are counted instead.

@@ -7,10 +7,13 @@ start to finish, so it decides, and says, what happens to its vector:
 - **Capture.** The runner hook (capture.py) hangs each step's captured rows on
   the step's ModelRunnerOutput (`protocol.StepCapture`); `update_from_output`
   files each row under its engine request.
-- **Delivery.** When a flagged request finishes, its vector leaves on the very
-  EngineCoreOutput that carries the finish (`protocol.CapturedVector` in its
-  `kv_transfer_params`), on vLLM's own path to the frontend. A finish without
-  one means "not captured": the frontend then runs its extraction step at
+- **Delivery.** Every flagged request has a span of positions (a single vector
+  is a span of one: the final position, or the prompt's last). Its rows leave on
+  vLLM's own path to the frontend, in the `kv_transfer_params` of its
+  EngineCoreOutputs (`protocol.CapturedRows` under `ROWS_KEY`): the rows decided
+  since its last output for a stream of several positions, else all of them on
+  the output that carries the finish. A wanted position that no output brought
+  was not computed: the frontend's extraction step computes exactly those, at
   once (extraction.py). Nothing waits on a timer.
 - **The tail step** (`TailScheduler`, synchronous scheduling only). A request
   flagged `tail=True` that stops inside the engine (EOS, a stop token id,
@@ -28,11 +31,11 @@ start to finish, so it decides, and says, what happens to its vector:
   step runs its final token alone (its drafts cleared), and rows of rejected
   drafts, or of tokens accepted past a stop, are dropped here.
 
-- **Rows across the completion.** A request flagged with a `span` of positions
+- **Rows across the completion.** A span of several positions
   (hidden_states_position "completion", "all", a range) gets its rows captured
-  in every step that computes them. They are filed here per request and sent on
-  *every* output the request emits (`protocol.CapturedRows` under `ROWS_KEY`):
-  the rows decided since its last output. A position is decided once it is
+  in every step that computes them (`completion_end`, a span of the final
+  position alone, only in its tail step: one row per vector). They are filed
+  here per request. A position is decided once it is
   wanted whatever the final length (a range that counts from the end waits for
   the finish, keeping only the rows it can still want); the hold step emits no
   output, so its row goes with the finish. A resumed request's recomputed
@@ -61,8 +64,8 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 
 from hidden_states.params import Span, absolute_layer
-from hidden_states.protocol import (OUTPUT_KEY, PLAN_ATTR, ROWS_KEY, SEQ_ATTR, STEP_ATTR, CapturedRows, CapturedVector,
-                                    HiddenStatesExtractionRequest, PlanEntry, captured_rows, captured_vector)
+from hidden_states.protocol import (PLAN_ATTR, ROWS_KEY, SEQ_ATTR, STEP_ATTR, CapturedRows,
+                                    HiddenStatesExtractionRequest, PlanEntry, captured_rows)
 from hidden_states.vllm import _require
 
 _HOLD = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_REPETITION)
@@ -227,12 +230,10 @@ class _VectorsOnOutputs:
             _require(hasattr(Scheduler, name), f"Scheduler.{name} (the scheduler hook, ledger point 9)")
         super().__init__(*args, **kwargs)
         self._flags: dict[str, HiddenStatesExtractionRequest] = {}  # live flagged requests
-        self._captured: dict[str, CapturedVector] = {}  # captured, until the request finishes
         self._held: dict[str, _Held] = {}
         self._released: dict[str, _Held] = {}  # held tokens emitted in this update: their logprobs
-        self._finished: dict[str, CapturedVector | None] = {}  # flagged requests freed since the last update
-        self._rows: dict[str, _Rows] = {}  # live span requests: rows captured and not sent yet
-        self._finished_rows: dict[str, CapturedRows] = {}  # span requests finished in this update: their last rows
+        self._rows: dict[str, _Rows | _StepRefs] = {}  # live flagged requests: rows captured and not sent yet
+        self._finished_rows: dict[str, CapturedRows] = {}  # requests finished in this update: their last rows
         self._step_output: Any = None  # the ModelRunnerOutput being applied (for a held token's logprobs)
         self.tails_run = 0
         # Async scheduling: the step after a stop is in flight with the final token as its input.
@@ -249,10 +250,9 @@ class _VectorsOnOutputs:
             L = self.vllm_config.model_config.hf_config.num_hidden_layers
             flag.layers = [absolute_layer(l, L) for l in flag.layers]  # once, for every step's plan
             self._flags[request.request_id] = flag
-            if flag.span is not None:
-                span = Span.from_list(flag.span)
-                self._rows[request.request_id] = _StepRefs(flag, span) if span.start >= 0 and \
-                    (span.end is None or span.end >= 0) else _Rows(flag, span, dtype=flag.dtype)
+            span = Span.from_list(flag.span)
+            self._rows[request.request_id] = _StepRefs(flag, span) if span.start >= 0 and \
+                (span.end is None or span.end >= 0) else _Rows(flag, span, dtype=flag.dtype)
         super().add_request(request)
 
     def schedule(self, *args: Any, **kwargs: Any):
@@ -284,38 +284,30 @@ class _VectorsOnOutputs:
 
     def _plan(self, out: Any) -> dict[str, PlanEntry] | None:
         """The step's capture plan, the one place it is decided: per flagged request scheduled in
-        the step, the rows to capture among the positions first..stop-1 it computes.
-
-        - a span request: the positions of its span the step computes (with draft tokens, their
-          rows too: those of rejected drafts are dropped when the step's output says which);
-        - a held request (its tail step): the final token, the one position of its vector;
-        - any other one-vector request: its last prompt token, when the step reaches it (an
-          extraction request's prompt is prompt+completion; else the prompt-end vector).
-        """
+        the step, the rows of its span to capture among the positions first..stop-1 it computes
+        (with draft tokens, their rows too: those of rejected drafts are dropped when the step's
+        output says which). A span of the final position alone (completion_end) is planned only
+        where that position can be computed: a held request's tail step; under async scheduling,
+        every decode row (the step after a stop is scheduled before the stop is seen)."""
         plan, sched = {}, out.num_scheduled_tokens
         for rid, flag in self._flags.items():
             n = sched.get(rid)
             if not n:
                 continue
-            req = self.requests[rid]
+            req, span = self.requests[rid], self._rows[rid].span
             stop = req.num_computed_tokens  # advanced by this step already (Scheduler._update_after_schedule)
             first = stop - n
-            span = acc.span if (acc := self._rows.get(rid)) is not None else None
-            if span is not None:
+            if not span.final_only:
                 positions = span.capturable(first, stop)
             elif rid in self._held:
                 positions = [stop - 1] if stop == req.num_tokens else []
-            elif not flag.tail:
-                positions = [stop - 1] if stop == req.num_prompt_tokens else []
-            elif self.async_tail and stop > req.num_prompt_tokens:
-                # Async scheduling: this decode row may be the final token's (the step after a stop is
-                # scheduled before the stop is seen); the scheduler keeps it only if it is.
-                positions = [stop - 1]
+            elif self.async_tail and flag.tail and stop > req.num_prompt_tokens:
+                positions = [stop - 1]  # kept only if it is the final token's (_async_tails)
             else:
                 continue
             if positions:
-                plan[rid] = PlanEntry([p - first for p in positions], positions, flag.layers, stop,
-                                      flag.dtype if span is not None else None, flag.topk if span is not None else 0)
+                plan[rid] = PlanEntry([p - first for p in positions], positions, flag.layers, stop, flag.dtype,
+                                      flag.topk)
         return plan or None
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any):
@@ -332,18 +324,14 @@ class _VectorsOnOutputs:
             self._async_tails(outputs)
         if self._rows or self._finished_rows:
             self._send_rows(outputs)
-        if self._finished or self._released:
+        if self._released:
             for batch in outputs.values():
                 for eco in batch.outputs:
-                    rid = eco.request_id
-                    held = self._released.pop(rid, None)
+                    held = self._released.pop(eco.request_id, None)
                     if held is not None:  # the held token's own logprobs, not the dropped tail sample's
                         eco.new_logprobs = held.logprobs
                         if held.sampling_mask is not None:
                             eco.new_sampling_mask = held.sampling_mask
-                    if eco.finish_reason is not None and (cv := self._finished.pop(rid, None)) is not None:
-                        eco.kv_transfer_params = {**(eco.kv_transfer_params or {}), OUTPUT_KEY: cv.to_output()}
-            self._finished.clear()
             self._released.clear()
         return outputs
 
@@ -355,14 +343,11 @@ class _VectorsOnOutputs:
 
         seq = self._updating
         for client, eco in self._stashed.pop(seq, ()):  # this step computed their final tokens
-            flag, tokens, _ = self._awaiting.pop(eco.request_id)
-            cv = self._captured.pop(eco.request_id, None)
-            if (acc := self._awaiting_rows.pop(eco.request_id, None)) is not None:  # rows: theirs, the final one too
-                if (rows := acc.take(tokens, total=tokens)) is not None:
-                    self._finished_rows[eco.request_id] = rows  # sent by _send_rows, on this very output
-            elif cv is not None and cv.num_tokens == tokens:
-                eco.kv_transfer_params = {**(eco.kv_transfer_params or {}), OUTPUT_KEY: cv.to_output()}
-                self.tails_run += 1
+            _, tokens, _ = self._awaiting.pop(eco.request_id)
+            acc = self._awaiting_rows.pop(eco.request_id)
+            if (rows := acc.take(tokens, total=tokens)) is not None:  # their rows, the final one too
+                self._finished_rows[eco.request_id] = rows  # sent by _send_rows, on this very output
+                self.tails_run += rows.positions[-1] == tokens - 1
             if client not in outputs:
                 outputs[client] = EngineCoreOutputs(outputs=[])
             outputs[client].outputs.append(eco)
@@ -401,12 +386,6 @@ class _VectorsOnOutputs:
                 if rid not in self._awaiting:
                     continue
                 flag = self._awaiting[rid][0]
-            if flag.span is None:  # one vector: [len(layers), D] of the request's planned position
-                rows = np.stack([b.values(step.data)[0] for b in blocks])
-                self._captured[rid] = captured_vector(flag.key, "tail" if flag.tail else "prefill",
-                                                      blocks[0].num_tokens, blocks[0].dtype,
-                                                      [b.layer for b in blocks], rows)
-                continue
             acc = self._rows.get(rid) or self._awaiting_rows.get(rid)
             if acc is None:
                 continue
@@ -474,31 +453,24 @@ class _VectorsOnOutputs:
         rid = request.request_id
         if (flag := self._flags.pop(rid, None)) is not None:
             self._held.pop(rid, None)
-            cv = self._captured.pop(rid, None)
-            if self.async_tail and flag.tail and flag.span is None:
-                cv = self._await_tail(request, flag, cv)
-            self._finished[rid] = cv
-            acc = self._rows.pop(rid, None)
-            if acc is not None and self.async_tail and flag.tail:
-                self._await_tail(request, flag, None)
-                if rid in self._awaiting:  # the step in flight computes its final row: the rows wait for it
-                    self._awaiting_rows[rid], acc = acc, None
+            acc = self._rows.pop(rid)
+            if self.async_tail and flag.tail and self._await_tail(request, flag):
+                self._awaiting_rows[rid], acc = acc, None  # the step in flight computes its final row
             if acc is not None and request.status != RequestStatus.FINISHED_ABORTED:
                 rows = acc.take(request.num_tokens, total=request.num_tokens)
                 if rows is not None:
                     self._finished_rows[rid] = rows
         return super()._free_request(request, *args, **kwargs)
 
-    def _await_tail(self, request: Any, flag: HiddenStatesExtractionRequest, cv: CapturedVector | None):
-        """Async scheduling, a stopped request: its vector if captured already; else, if the step
-        after the one being applied (already scheduled) computes its final token, wait for it
-        (`_async_tails`); else none (the frontend's extraction step)."""
-        if cv is not None and cv.num_tokens == request.num_tokens:
-            return cv
+    def _await_tail(self, request: Any, flag: HiddenStatesExtractionRequest) -> bool:
+        """Async scheduling, a stopped request: whether the step after the one being applied
+        (already scheduled) computes its final token; if so its finishing output waits for it
+        (`_async_tails`), else the frontend's extraction step computes that row."""
         nxt = None if self._updating is None else self._updating + 1
         if request.status != RequestStatus.FINISHED_ABORTED and request.request_id in self._scheduled.get(nxt, ()):
             self._awaiting[request.request_id] = (flag, request.num_tokens, nxt)
-        return None
+            return True
+        return False
 
 
 def _rejected(rid: str, spec: dict, mro: Any) -> int:

@@ -61,7 +61,7 @@ def params(flagged: bool, span: list | None = None, every_step: bool = False, **
     kw.setdefault("max_tokens", 40)
     kw.setdefault("temperature", 0.0)
     kw.setdefault("ignore_eos", True)
-    extra = HiddenStatesExtractionRequest(key=uuid.uuid4().hex, tail=True, span=span,
+    extra = HiddenStatesExtractionRequest(key=uuid.uuid4().hex, tail=True, span=span or [-1, None, 1],
                                           every_step=every_step).to_extra_args() if flagged else None
     return [SamplingParams(extra_args=extra, **kw)]
 
@@ -86,11 +86,11 @@ def run(core, prompts, flagged: bool, on_step=None, timeout_s: float = 300, **kw
 
 
 def vector(out):
-    from hidden_states.protocol import OUTPUT_KEY, CapturedVector
+    from hidden_states.protocol import ROWS_KEY, CapturedRows, widen
 
-    cv = CapturedVector.from_output((out.kv_transfer_params or {})[OUTPUT_KEY])
-    assert cv.via == "tail" and cv.num_tokens == len(out.prompt_token_ids) + len(out.outputs[0].token_ids)
-    return cv.to_numpy()[0]
+    cr = CapturedRows.from_output((out.kv_transfer_params or {})[ROWS_KEY])
+    assert cr.positions == [len(out.prompt_token_ids) + len(out.outputs[0].token_ids) - 1]  # the final token's
+    return widen(cr.arrays()[0], cr.dtype)[0, 0]
 
 
 def assert_same_outputs(a, b):
@@ -101,8 +101,7 @@ def assert_same_outputs(a, b):
 
 def assert_nothing_left(core):
     s = scheduler(core)
-    assert not s._held and not s._flags and not s._captured and not s._finished, \
-        (s._held, s._flags, s._captured, s._finished)
+    assert not s._held and not s._flags, (s._held, s._flags)
     assert not s._rows and not s._finished_rows, (s._rows, s._finished_rows)
     assert not core.has_unfinished_requests()
 

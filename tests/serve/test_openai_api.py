@@ -192,7 +192,7 @@ def test_router_left_nothing_pending(serve_app, client):
     client.completions.create(model="tiny-llama", prompt="flush", max_tokens=2)
     stats = replica_stats(serve_app)
     assert stats["ingress"]["pending"] == 0 and stats["ingress"]["failed"] == 0, stats
-    assert stats["replica"]["pending"] == 0 and stats["replica"]["unclaimed_vectors"] == 0
+    assert stats["replica"]["pending"] == 0 and stats["replica"]["malformed_vectors"] == 0
 
 
 @eager_only

@@ -537,7 +537,7 @@ def test_beam_search_vectors_are_the_final_beams(client, reference):
 def test_no_vector_went_missing(serve_app, client):
     client.completions.create(model=MODEL, prompt="flush", max_tokens=2)
     stats = replica_stats(serve_app)["replica"]
-    assert stats["missing_vectors"] == 0 and stats["unclaimed_vectors"] == 0, stats
+    assert stats["missing_vectors"] == 0 and stats["malformed_vectors"] == 0, stats
 
 
 def test_every_vllm_request_field_is_classified():

@@ -10,7 +10,7 @@ import types
 import numpy as np
 import pytest
 
-from hidden_states.engine import HiddenStatesCollector, MissingHiddenStatesError
+from hidden_states.engine import HiddenStatesCollector, MissingHiddenStatesError, RowBatch
 from hidden_states.openai_format import ChoiceVectors
 from hidden_states.vllm.engine import HiddenStatesEngine
 from hidden_states.vllm.extraction import Extraction, prompt_ordinal
@@ -24,7 +24,7 @@ def engine():
 
 
 def vectors(route="completions", n=1, position="completion_end", layers=None):
-    collector = HiddenStatesCollector("tag", (-1,), position)
+    collector = HiddenStatesCollector("tag", tuple(layers or (-1,)), position)
     request = types.SimpleNamespace(hidden_states_encoding="float", hidden_states_layers=layers, n=n)
     return ChoiceVectors(engine(), collector, request, route, "r0"), collector
 
@@ -33,11 +33,17 @@ def vec(x):
     return {-1: np.full(4, x, np.float32)}
 
 
+def put(col: HiddenStatesCollector, key, vectors: dict, position: int = 9) -> None:
+    """A choice's vector as the engine files it: the row of its one position, then settled."""
+    col.add_rows(key, RowBatch(np.asarray([position]), {l: v[None] for l, v in vectors.items()}))
+    col.settle_rows(key, [position], None)
+
+
 def test_completion_choices_are_numbered_ordinal_times_n_plus_index():
     cv, col = vectors(n=2)
     for ordinal in range(2):
         for index in range(2):
-            col.put((ordinal, index), vec(10 * ordinal + index), None)
+            put(col, (ordinal, index), vec(10 * ordinal + index))
     payload = {"choices": [{"index": i, "text": "x"} for i in range(4)]}
     cv.fill_response(payload)
     assert [c["hidden_states"][0] for c in payload["choices"]] == [0.0, 1.0, 10.0, 11.0]
@@ -46,7 +52,7 @@ def test_completion_choices_are_numbered_ordinal_times_n_plus_index():
 
 def test_chat_choices_are_the_one_prompt_s():
     cv, col = vectors("chat", n=3)
-    col.put((0, 2), vec(5), None)
+    put(col, (0, 2), vec(5))
     payload = {"choices": [{"index": 2, "message": {"content": "a"}}]}
     cv.fill_response(payload)
     assert payload["choices"][0]["hidden_states"] == [5.0] * 4
@@ -65,7 +71,7 @@ def test_vllm_pydantic_responses_take_the_fields_as_extras():
         choices: list[Choice]
 
     cv, col = vectors()
-    col.put((0, 0), vec(3), None)
+    put(col, (0, 0), vec(3))
     r = Response(choices=[Choice(index=0, text="hi")])
     cv.fill_response(r)
     out = json.loads(r.model_dump_json())
@@ -74,7 +80,7 @@ def test_vllm_pydantic_responses_take_the_fields_as_extras():
 
 def test_a_choice_without_its_vector_fails_the_request_and_is_counted():
     cv, col = vectors()
-    col.put((0, 0), vec(7), None)
+    put(col, (0, 0), vec(7))
     with pytest.raises(MissingHiddenStatesError, match="choice 1"):
         cv.fill_response({"choices": [{"index": 0}, {"index": 1}]})
     assert cv.engine.extraction.missing_vectors == 1
@@ -86,8 +92,8 @@ def chunk(data) -> str:
 
 def test_stream_events_pass_untouched_until_a_choice_finishes():
     cv, col = vectors(n=2)
-    col.put((0, 1), vec(6), None)
-    col.put((0, 0), vec(5), None)
+    put(col, (0, 1), vec(6))
+    put(col, (0, 0), vec(5))
     raw = [chunk(c) for c in (
         {"choices": [{"index": 0, "text": "a", "finish_reason": None}]},
         {"choices": [{"index": 1, "text": "b\"finish_reason\":\"", "finish_reason": "stop"}]},
@@ -104,7 +110,7 @@ def test_stream_events_pass_untouched_until_a_choice_finishes():
 
 def test_prompt_end_vectors_by_layer():
     cv, col = vectors(position="prompt_end", layers=[0, -1])
-    col.put((0, 0), {0: np.zeros(2, np.float32), -1: np.ones(2, np.float32)}, None)
+    put(col, (0, 0), {0: np.zeros(2, np.float32), -1: np.ones(2, np.float32)})
     payload = {"choices": [{"index": 0}]}
     cv.fill_response(payload)
     assert payload["choices"][0]["hidden_states_by_layer"] == {"0": [0.0, 0.0], "-1": [1.0, 1.0]}
@@ -113,7 +119,7 @@ def test_prompt_end_vectors_by_layer():
 
 def test_a_failing_metrics_observer_fails_no_request():
     cv, col = vectors()
-    col.put((0, 0), vec(2), None)
+    put(col, (0, 0), vec(2))
     seen = []
     cv.engine.observers += [lambda e: 1 / 0, seen.append]
     payload = {"choices": [{"index": 0}]}

@@ -7,88 +7,103 @@ import numpy as np
 import pytest
 import torch
 
-from hidden_states.protocol import (EXTRA_ARGS_KEY, CapturedVector, HiddenStatesExtractionRequest,
-                                    HiddenStatesProtocolError, captured_vector)
+from hidden_states.protocol import (EXTRA_ARGS_KEY, ROWS_KEY, CapturedRows, HiddenStatesExtractionRequest,
+                                    HiddenStatesProtocolError, captured_rows, widen)
 
 D = 4096
 
 
-def _over_the_wire(cv: CapturedVector) -> CapturedVector:
+def _over_the_wire(cr: CapturedRows) -> CapturedRows:
     """As the engine core sends it: inside an EngineCoreOutput's kv_transfer_params, msgpack-encoded."""
-    frame = msgspec.msgpack.encode({"hidden_states": cv.to_output()})
-    return CapturedVector.from_output(msgspec.msgpack.decode(frame)["hidden_states"])
+    frame = msgspec.msgpack.encode({ROWS_KEY: cr.to_output()})
+    return CapturedRows.from_output(msgspec.msgpack.decode(frame)[ROWS_KEY])
+
+
+def _vector(key: str, dtype: str, layers: list[int], rows: np.ndarray, position: int = 16) -> CapturedRows:
+    """A single vector as the scheduler sends it: the row of one position, per layer ([layers, D])."""
+    return captured_rows(key, dtype, 0, layers, [position], rows[:, None], None)
 
 
 def test_float32_roundtrip_exact_and_raw_bytes():
     rows = np.random.default_rng(0).standard_normal((2, D)).astype(np.float32)
-    cv = captured_vector("k", "tail", 17, "float32", [12, 24], rows)
-    wire = msgspec.msgpack.encode(cv.to_output())
+    cr = _vector("k", "float32", [12, 24], rows)
+    wire = msgspec.msgpack.encode(cr.to_output())
     assert len(wire) < rows.nbytes + 100  # raw bytes on the wire, not base64 or a list of floats
-    out = _over_the_wire(cv)
-    assert (out.key, out.via, out.num_tokens, out.layers, out.hidden_size) == ("k", "tail", 17, [12, 24], D)
-    got = out.to_numpy()
-    assert got.dtype == np.float32 and got.shape == (2, D)
-    np.testing.assert_array_equal(got, rows)
+    out = _over_the_wire(cr)
+    assert (out.key, out.positions, out.layers, out.width, out.topk) == ("k", [16], [12, 24], D, 0)
+    values, indices = out.arrays()
+    assert values.shape == (2, 1, D) and indices is None
+    np.testing.assert_array_equal(widen(values, "float32")[:, 0], rows)
 
 
 def test_float16_widens_exactly():
     rows = np.random.default_rng(1).standard_normal((1, 64)).astype(np.float16)
-    out = _over_the_wire(captured_vector("k", "prefill", 3, "float16", [-1], rows))
-    np.testing.assert_array_equal(out.to_numpy(), rows.astype(np.float32))
+    out = _over_the_wire(_vector("k", "float16", [-1], rows))
+    np.testing.assert_array_equal(widen(out.arrays()[0], "float16")[:, 0], rows.astype(np.float32))
 
 
 def test_bfloat16_bit_exact_with_special_values():
     t = torch.tensor([[0.0, -0.0, 1.0, -2.5, float("inf"), float("-inf"), 3.0e38, 1e-40]], dtype=torch.bfloat16)
-    out = _over_the_wire(captured_vector("k", "tail", 1, "bfloat16", [2], t.view(torch.uint16).numpy()))
-    got, want = out.to_numpy(), t.float().numpy()
+    out = _over_the_wire(_vector("k", "bfloat16", [2], t.view(torch.uint16).numpy()))
+    got, want = widen(out.arrays()[0], "bfloat16")[:, 0], t.float().numpy()
     assert got.view(np.uint32).tobytes() == want.view(np.uint32).tobytes()
+
+
+def test_rows_of_many_positions_with_top_k_indices():
+    values = np.random.default_rng(2).standard_normal((2, 3, 5)).astype(np.float16)
+    indices = np.arange(30, dtype=np.int32).reshape(2, 3, 5)
+    out = _over_the_wire(captured_rows("k", "float16", 5, [0, 2], [4, 5, 6], values, indices))
+    got_values, got_indices = out.arrays()
+    np.testing.assert_array_equal(got_values, values)
+    np.testing.assert_array_equal(got_indices, indices)
 
 
 def test_non_contiguous_and_big_endian_inputs():
     base = np.random.default_rng(3).standard_normal((8, 6)).astype(np.float32)
-    np.testing.assert_array_equal(_over_the_wire(captured_vector("t", "tail", 1, "float32", list(range(6)),
-                                                                 base.T)).to_numpy(), base.T)
-    np.testing.assert_array_equal(_over_the_wire(captured_vector("b", "tail", 1, "float32", [0],
-                                                                 base[:1].astype(">f4"))).to_numpy(), base[:1])
+    got = _over_the_wire(_vector("t", "float32", list(range(6)), base.T)).arrays()[0][:, 0]
+    np.testing.assert_array_equal(got, base.T)
+    got = _over_the_wire(_vector("b", "float32", [0], base[:1].astype(">f4"))).arrays()[0][:, 0]
+    np.testing.assert_array_equal(got, base[:1])
 
 
-def test_captured_vector_rejects_unknown_or_mismatched_dtype():
+def test_captured_rows_reject_unknown_or_mismatched_dtype():
     with pytest.raises(ValueError, match="unsupported dtype"):
-        captured_vector("k", "tail", 1, "float64", [0], np.zeros((1, 4), np.float64))
+        _vector("k", "float64", [0], np.zeros((1, 4), np.float64))
     with pytest.raises(ValueError, match="cannot be sent as"):
-        captured_vector("k", "tail", 1, "float16", [0], np.zeros((1, 4), np.float32))
+        _vector("k", "float16", [0], np.zeros((1, 4), np.float32))
 
 
 @pytest.mark.parametrize("raw", [
     None, "garbage", {"garbled": True}, [1, 2, 3],
-    ["k", "tail", 1, "float64", [0], 4, b"\0" * 32],  # unknown dtype
-    ["k", "tail", 1, "float32", [0, 1], 4, b"\0" * 16],  # 16 bytes cannot hold 2 x 4 float32
-    ["k", "tail", 1, "float32", [0], 0, b""],  # empty
+    ["k", "float64", 0, 4, [0], [1], b"\0" * 32],  # unknown dtype
+    ["k", "float32", 0, 4, [0, 1], [1], b"\0" * 16],  # 16 bytes cannot hold 2 x 1 x 4 float32
+    ["k", "float32", 0, 0, [0], [1], b""],  # empty
+    ["k", "float16", 4, 4, [0], [1], b"\0" * 8],  # top-k without its indices
 ])
-def test_malformed_vectors_are_refused_with_what_was_wrong(raw):
+def test_malformed_rows_are_refused_with_what_was_wrong(raw):
     with pytest.raises(HiddenStatesProtocolError, match="malformed|unsupported dtype|do not hold"):
-        CapturedVector.from_output(raw)
+        CapturedRows.from_output(raw)
 
 
 # ------------------------------------------------------------ extra_args
 
 
 def test_extraction_request_extra_args_roundtrip():
-    req = HiddenStatesExtractionRequest(key="req-1", layers=[-1, 10], tail=True)
+    req = HiddenStatesExtractionRequest(key="req-1", span=[-1, None, 1], layers=[-1, 10], tail=True)
     extra = req.to_extra_args()
     assert set(extra) == {EXTRA_ARGS_KEY}
-    assert extra[EXTRA_ARGS_KEY] == {"key": "req-1", "layers": [-1, 10], "tail": True}
+    assert extra[EXTRA_ARGS_KEY] == {"key": "req-1", "span": [-1, None, 1], "layers": [-1, 10], "tail": True}
     assert HiddenStatesExtractionRequest.from_extra_args(extra) == req
 
 
 def test_extraction_request_default_layers_roundtrip():
-    req = HiddenStatesExtractionRequest(key="req-2")
+    req = HiddenStatesExtractionRequest(key="req-2", span=[4, 5, 1])
     back = HiddenStatesExtractionRequest.from_extra_args(req.to_extra_args())
     assert back == req and back.layers == [-1] and not back.tail
 
 
 def test_extraction_request_survives_other_extra_args():
-    extra = {"something_else": 1, **HiddenStatesExtractionRequest(key="k").to_extra_args()}
+    extra = {"something_else": 1, **HiddenStatesExtractionRequest(key="k", span=[-1, None, 1]).to_extra_args()}
     assert HiddenStatesExtractionRequest.from_extra_args(extra).key == "k"
 
 
@@ -102,7 +117,7 @@ def test_extraction_request_unknown_field_rejected():
         HiddenStatesExtractionRequest.from_extra_args({EXTRA_ARGS_KEY: {"key": "k", "evil": 1}})
 
 
-@pytest.mark.parametrize("raw", [{}, {"key": 5}, {"key": "k", "layers": "all"}, "k"])
+@pytest.mark.parametrize("raw", [{}, {"key": 5}, {"key": "k"}, {"key": "k", "span": [-1, None, 1], "layers": "all"}, "k"])
 def test_extraction_request_invalid_rejected(raw):
     with pytest.raises(msgspec.ValidationError):
         HiddenStatesExtractionRequest.from_extra_args({EXTRA_ARGS_KEY: raw})
