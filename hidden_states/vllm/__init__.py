@@ -95,6 +95,12 @@ Ledger of patched points (supported: vLLM {SUPPORTED}):
    hidden_states, residual = self.<norm>(hidden_states, residual)`, with a norm
    that returns (norm(h + r), h + r) (probed once on random rows). The stream
    entering layer l is then hidden + residual (hidden alone before layer 0).
+   The last layer is the model's forward output, which vLLM's models return
+   after the final norm, except where `compute_logits` applies it (MiMo, whose
+   MTP layer reads the un-normed stream): a probe at install
+   (layers.final_norm_in_logits: `compute_logits(x)` against the LM head on x
+   and on `model.model.norm(x)`) finds those, and the capture applies that norm
+   to the planned rows (found by `tests/engine/test_spec_decode.py`'s MTP case).
    Remove when vLLM returns chosen layers itself (RFC #48743).
 9. The scheduler (scheduler.py): the engine core's scheduler is always ours
    when hidden states are on, chosen from the configuration vLLM resolved

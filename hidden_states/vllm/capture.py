@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 from hidden_states.params import absolute_layer
 from hidden_states.protocol import PLAN_ATTR, STEP_ATTR, PlanEntry, RowBlock, StepCapture
 from hidden_states.vllm import SUPPORTED_LAYER_ARCHS
-from hidden_states.vllm.layers import layer_capture_support
+from hidden_states.vllm.layers import final_norm_in_logits, layer_capture_support
 
 logger = logging.getLogger(__name__)
 
@@ -128,6 +128,7 @@ class _RunnerHook:
         self.host_copies = 0  # device-to-host transfers made (_to_host)
         self.bytes_copied = 0
         self.num_layers = runner.vllm_config.model_config.hf_config.num_hidden_layers
+        self.final_norm = None  # the model's final norm where its forward stops before it (layers.final_norm_in_logits)
         self._given: dict[str, PlanEntry] | None = None  # the scheduler's plan for this step
         self._plan: list[_Entry] | None = None
         self._layer_rows: dict[int, tuple[list[int], list[int]]] = {}  # layer -> (flat rows, plan entries)
@@ -145,6 +146,8 @@ class _RunnerHook:
         if layers is not None and not mc.enforce_eager:
             # A compiled model does not run hooks added after compilation (or recompiles for them).
             layers, why = None, "the engine is not eager (enforce_eager=False): compiled models do not run layer hooks"
+        self.final_norm = final_norm_in_logits(self.runner.model, mc.get_hidden_size())
+        info["final_norm_in_logits"] = self.final_norm is not None
         self.layer_hooks = 0
         if layers is not None:
             for i, layer in enumerate(layers):
@@ -227,6 +230,8 @@ class _RunnerHook:
         final = [i for i, e in enumerate(plan) if L in e.layers]
         if final:
             rows = hidden[torch.tensor([f for i in final for f in plan[i].flat], device=hidden.device)]
+            if self.final_norm is not None:  # the rows the LM head consumes: normed in compute_logits
+                rows = self.final_norm(rows)
             at = 0
             for i in final:
                 blocks.append((i, L, rows, at, at + len(plan[i].flat)))

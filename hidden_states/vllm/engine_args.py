@@ -58,7 +58,7 @@ _V2 = ("needs vLLM's Model Runner V2, which hidden states turn off (VLLM_USE_V2_
        "'Model Runner V2 requires Triton', so no V2 adapter can be tested here)")
 _SPEC_ASYNC = ("speculative decoding under async scheduling: the scheduler plans a step's rows before the previous "
                "step's rejected draft tokens are rolled back, so it cannot place them; run it with "
-               "async_scheduling: false (tested: n-gram and draft-model speculative decoding, "
+               "async_scheduling: false (tested: n-gram, draft-model, EAGLE, EAGLE-3 and MTP speculative decoding, "
                "tests/engine/test_spec_decode.py)")
 
 REFUSED: dict[str, str] = {

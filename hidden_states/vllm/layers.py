@@ -116,3 +116,35 @@ def layer_capture_support(model: Any, num_layers: int, hidden_size: int) -> tupl
                 and torch.allclose(out[1].float(), expected, rtol=1e-2, atol=1e-2)):
             return None, f"{cls.__name__}.{attr}(hidden, residual) does not return hidden + residual"
     return list(layers), None
+
+
+def final_norm_in_logits(model: Any, hidden_size: int) -> Any | None:
+    """The model's final norm if its forward returns the residual stream *before* it and its
+    `compute_logits` applies it (vLLM's MiMo does, for its MTP layer reads the un-normed state;
+    ledger point 8), else None: the rows the runner keeps are then not what the LM head consumes,
+    and the capture applies this norm to the planned final-layer rows. Decided by a probe at
+    install: `compute_logits(x)` against the LM head on x and on norm(x), on random rows. Every
+    call runs on every tensor-parallel rank, in the same order (the LM head gathers across them)."""
+    import logging
+
+    import torch
+
+    norm = getattr(getattr(model, "model", None), "norm", None)
+    head, logits = getattr(model, "lm_head", None), getattr(model, "logits_processor", None)
+    if not isinstance(norm, torch.nn.Module) or head is None or logits is None or not hasattr(model, "compute_logits"):
+        return None
+    weight = next(model.parameters())
+    x = (torch.randn(3, hidden_size, generator=torch.Generator().manual_seed(0)) * 4).to(weight.device, weight.dtype)
+    try:
+        with torch.inference_mode():
+            got, plain, normed = model.compute_logits(x), logits(head, x), logits(head, norm(x))
+    except Exception as e:  # noqa: BLE001 - a head the probe cannot call (e.g. LoRA state unset): as before
+        logging.getLogger(__name__).info("final-norm probe skipped on %s: %s", type(model).__name__, e)
+        return None
+    if got is None or plain is None or normed is None:  # logits gathered on another rank
+        return None
+
+    def same(a, b) -> bool:
+        return bool(torch.allclose(a.float(), b.float(), rtol=1e-3, atol=1e-3))
+
+    return norm if not same(got, plain) and same(got, normed) else None

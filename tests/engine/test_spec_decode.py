@@ -1,4 +1,4 @@
-"""Speculative decoding (n-gram and a draft model) on the real CPU engine, against transformers.
+"""Speculative decoding (n-gram, a draft model, EAGLE, EAGLE-3) on the real CPU engine, against transformers.
 
 Under speculative decoding a step computes a request's last token and its draft tokens, and
 accepts a prefix of them: the scheduler's capture plan asks for the rows of the positions the
@@ -8,17 +8,22 @@ stopped request for its tail step (its final token alone, no drafts after it). H
 prompt_end, chosen layers, n > 1, stop-token and max_tokens finishes, each checked against
 transformers on the choice's own tokens (relative 1e-5), and the same requests without hidden
 states give the same tokens and finishes. The draft model is the target itself (every draft
-accepted: several tokens per step); n-gram accepts where the text repeats (a random model repeats).
+accepted: several tokens per step); n-gram accepts where the text repeats (a random model repeats);
+the EAGLE and EAGLE-3 heads (tests/engine/draft_heads.py) draft the target's last token again,
+accepted where the target repeats one, through vLLM's own EAGLE proposer (EAGLE-3: the target's
+auxiliary hidden states of layers 0, 1, 2 in).
 """
 
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from tests.conftest import TEST_ENGINE_ARGS, TEST_MODEL, long_text
+from tests.engine.draft_heads import build_eagle_head, build_mimo_target
 
 PROMPTS = [
     "Hello! How are you today?",
@@ -33,20 +38,32 @@ PROMPTS = [
 K = 3  # draft tokens per step
 
 
-def _spec(method: str, model_dir: str) -> dict:
+def _spec(method: str, model_dir: str, tmp: Path) -> dict:
     if method == "ngram":
         return {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    if method in ("eagle", "eagle3"):  # a copy head: its drafts accepted where the target repeats a token
+        head = build_eagle_head(model_dir, tmp / method, method)
+        return {"method": method, "model": str(head), "num_speculative_tokens": K}
     return {"method": "draft_model", "model": model_dir, "num_speculative_tokens": K}
 
 
-@pytest.fixture(scope="module", params=["ngram", "draft_model"])
-def spec_engine(request, loop_thread, model_dir):
+@pytest.fixture(scope="module", params=["ngram", "draft_model", "eagle", "eagle3", "mtp"])
+def spec_engine(request, loop_thread, model_dir, reference, tmp_path_factory):
+    from hidden_states.models.builtin import build
     from hidden_states.vllm.engine import HiddenStatesEngine
+    from tests.conftest import Reference
 
+    tmp = tmp_path_factory.mktemp("heads")
+    model, ref = TEST_MODEL, reference
+    if request.param == "mtp":  # MTP needs a model with an MTP layer: MiMo, built on the tiny Qwen2
+        model = str(build_mimo_target(build("tiny-qwen2"), tmp / "mimo"))
+        spec, ref = {"method": "mtp", "model": model, "num_speculative_tokens": K}, Reference(model)
+    else:
+        spec = _spec(request.param, model_dir, tmp)
     # Synchronous scheduling (refused with speculative decoding under async: the GPU check's default).
-    args = {**TEST_ENGINE_ARGS, "async_scheduling": False, "speculative_config": _spec(request.param, model_dir)}
-    eng = loop_thread.run(HiddenStatesEngine.start(TEST_MODEL, **args), timeout=600)
-    eng.method = request.param
+    args = {**TEST_ENGINE_ARGS, "async_scheduling": False, "speculative_config": spec}
+    eng = loop_thread.run(HiddenStatesEngine.start(model, **args), timeout=600)
+    eng.method, eng.reference = request.param, ref
     yield eng
     try:
         loop_thread.run(eng.complete(PROMPTS[0], sp(max_tokens=2), return_hidden_states=False))  # one more step
@@ -91,8 +108,8 @@ def _accepted_tokens() -> float:
     return total
 
 
-def test_vectors_rows_and_layers_exact_at_batch_8(spec_engine, loop_thread, reference):
-    eng = spec_engine
+def test_vectors_rows_and_layers_exact_at_batch_8(spec_engine, loop_thread):
+    eng, reference = spec_engine, spec_engine.reference
     # A stop token id the greedy completion of PROMPTS[5] reaches mid-way: a stop-token finish.
     probe = loop_thread.run(eng.complete(PROMPTS[5], sp(max_tokens=16), return_hidden_states=False))
     stop_id = probe.choices[0].token_ids[6]
