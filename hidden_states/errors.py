@@ -5,7 +5,7 @@ helpers under it), so the same failure is the same status whichever way it
 came: over HTTP through the Router or `ingress: replica`
 (deployments/http.py, router.py, replica.py), over a Python handle
 (`HandleError.status`, deployments/client.py), as an SSE error event mid-stream,
-and from the replica's OpenAI layer (hidden_states/vllm/openai.py; vLLM's own
+and from the replica's OpenAI layer (hidden_states/vllm/frontend/openai.py; vLLM's own
 exceptions keep vLLM's own table there, `serving.create_error_response`).
 
     HiddenStatesRequestError, HiddenStatesDisabledError  400  BadRequestError (+ its `param`)

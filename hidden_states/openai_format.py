@@ -12,7 +12,7 @@ several positions ("completion", "all", a range), in the asked dtype;
 rows). When streaming, every chunk of a choice of several positions carries
 the rows received since its last chunk (its finishing chunk the rest), so
 clients concatenate them by position.
-Used by the vLLM frontend (hidden_states/vllm/openai.py) and the fake engine.
+Used by the vLLM frontend (hidden_states/vllm/frontend/openai.py) and the fake engine.
 """
 
 from __future__ import annotations

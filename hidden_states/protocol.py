@@ -100,7 +100,7 @@ class HiddenStatesExtractionRequest(msgspec.Struct, omit_defaults=True, forbid_u
     # Layers as transformers numbers `output_hidden_states` (-1 = after the final norm).
     layers: list[int] = msgspec.field(default_factory=lambda: [-1])
     # True: the request's span reaches its final token, whose row the tail step computes: the extra
-    # decode row the scheduler runs when the request stops (hidden_states/vllm/scheduler.py).
+    # decode row the scheduler runs when the request stops (hidden_states/vllm/core/scheduler.py).
     tail: bool = False
     dtype: str = "float32"  # rows cast on the device
     topk: int = 0  # > 0: per position the k largest-magnitude entries

@@ -20,7 +20,7 @@ those indices. One position: the one comparison, as ever; several: per
 position, and the worst.
 
 This module is the request model and the arithmetic; the engine's frontend
-(hidden_states/vllm/openai.py) tokenizes and extracts.
+(hidden_states/vllm/frontend/openai.py) tokenizes and extracts.
 """
 
 from __future__ import annotations

@@ -188,7 +188,7 @@ __doc__ = __doc__.replace("{SUPPORTED}", ", ".join(v + "x" for v in SUPPORTED_VL
 # install (`layer_capture_support`); these name the families in the engine's refusals.
 SUPPORTED_LAYER_ARCHS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM",
                          "GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM")
-WORKER_EXTENSION = "hidden_states.vllm.worker.HiddenStatesWorkerExtension"
+WORKER_EXTENSION = "hidden_states.vllm.worker.extension.HiddenStatesWorkerExtension"
 ENGINE_ENV = {"VLLM_USE_V2_MODEL_RUNNER": "0"}
 
 

@@ -55,14 +55,14 @@ from hidden_states.engine import (Completion, CompletionChoice, ExtractionStats,
 from hidden_states.vllm import (ENGINE_ENV, SUPPORTED_LAYER_ARCHS, WORKER_EXTENSION, VLLMIncompatibleError,
                                 check_vllm_version)
 from hidden_states.vllm.cpu import CPU_ASYNC_ENV, cpu_start_up, on_cpu
-from hidden_states.vllm.extraction import Extraction, Origin, make_async_llm_class
+from hidden_states.vllm.frontend.extraction import Extraction, Origin, make_async_llm_class
 from hidden_states.vllm.engine_args import refuse, with_defaults
 
 logger = logging.getLogger(__name__)
 
-TAIL_SCHEDULER = "hidden_states.vllm.scheduler.TailScheduler"  # synchronous: vectors on outputs + the tail step
-ASYNC_SCHEDULER = "hidden_states.vllm.scheduler.AsyncVectorScheduler"  # async scheduling: vectors on outputs
-PLAIN_SCHEDULER = "hidden_states.vllm.scheduler.VectorScheduler"  # tail_step=False: vectors on outputs only
+TAIL_SCHEDULER = "hidden_states.vllm.core.scheduler.TailScheduler"  # synchronous: vectors on outputs + the tail step
+ASYNC_SCHEDULER = "hidden_states.vllm.core.scheduler.AsyncVectorScheduler"  # async scheduling: vectors on outputs
+PLAIN_SCHEDULER = "hidden_states.vllm.core.scheduler.VectorScheduler"  # tail_step=False: vectors on outputs only
 EXTRACTION_PRIORITY = -1  # lower runs first under vLLM's priority policy; requests default to 0
 
 
@@ -306,7 +306,7 @@ class HiddenStatesEngine(VectorObservers):
     async def openai(self, served_model_name: str, replica_id: str, lora_modules: Sequence[dict] = ()):
         """vLLM's own OpenAI serving over this engine, plus the vectors (openai.py); it loads
         `lora_modules` ([{name, path}]) and from then on names this engine's adapters."""
-        from hidden_states.vllm.openai import OpenAIFrontend
+        from hidden_states.vllm.frontend.openai import OpenAIFrontend
 
         return await OpenAIFrontend.create(self, served_model_name, replica_id, lora_modules)
 

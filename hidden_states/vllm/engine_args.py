@@ -62,8 +62,8 @@ _SPEC_ASYNC = ("speculative decoding under async scheduling: the scheduler plans
                "tests/engine/test_spec_decode.py)")
 
 REFUSED: dict[str, str] = {
-    "scheduler_cls": "this server's scheduler (hidden_states/vllm/scheduler.py) is what delivers the vectors",
-    "worker_extension_cls": "this server's worker extension (hidden_states/vllm/worker.py) installs the hook",
+    "scheduler_cls": "this server's scheduler (hidden_states/vllm/core/scheduler.py) is what delivers the vectors",
+    "worker_extension_cls": "this server's worker extension (hidden_states/vllm/worker/extension.py) installs the hook",
     "worker_cls": "the hook is installed on and checked against vLLM's own workers only",
     "diffusion_config": "diffusion models fill many positions per step: there is no one row of the final token",
     "pipeline_parallel_size": "the rows are read on rank 0, and under pipeline parallelism only the last stage "
@@ -114,7 +114,7 @@ def _aux_off(v: Any) -> bool:
 # The values each refused argument may take with hidden states on: the ones that turn its feature off.
 ACCEPTED: dict[str, Callable[[Any], bool]] = {
     **{name: _unset for name in REFUSED},
-    "worker_extension_cls": lambda v: _unset(v) or v == "hidden_states.vllm.worker.HiddenStatesWorkerExtension",
+    "worker_extension_cls": lambda v: _unset(v) or v == "hidden_states.vllm.worker.extension.HiddenStatesWorkerExtension",
     "worker_cls": lambda v: _unset(v) or v == "auto",
     "pipeline_parallel_size": lambda v: int(v) == 1,
     "data_parallel_size": lambda v: int(v) == 1,

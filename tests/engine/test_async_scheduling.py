@@ -32,7 +32,7 @@ PROMPTS = ["Hello! How are you today?", "The router sends every completion to a 
 
 @pytest.fixture(scope="module")
 def async_engine(loop_thread):
-    import hidden_states.vllm.worker  # noqa: F401  (imported here without the shim: this process keeps CUDA's)
+    import hidden_states.vllm.worker.extension  # noqa: F401  (imported here without the shim: this process keeps CUDA's)
     from hidden_states.vllm.cpu import CPU_ASYNC_ENV
     from hidden_states.vllm.engine import HiddenStatesEngine
 

@@ -168,7 +168,7 @@ def test_the_resolved_configuration_is_checked_too(model_dir):
 
     from hidden_states.preflight import EngineStartupError
     from hidden_states.vllm.engine_args import refuse
-    from hidden_states.vllm.worker import check_engine_config
+    from hidden_states.vllm.worker.extension import check_engine_config
 
     cfg = AsyncEngineArgs(model=model_dir, **TEST_ENGINE_ARGS).create_engine_config()
     refuse({}, cfg)

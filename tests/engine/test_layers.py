@@ -147,7 +147,7 @@ def test_bad_layer_requests_are_refused_clearly(setup, loop_thread):
 def test_layer_convention_is_read_from_the_layer(module, layer_cls, supported):
     import importlib
 
-    from hidden_states.vllm.layers import _residual_norm_of
+    from hidden_states.vllm.worker.layers import _residual_norm_of
 
     cls = getattr(importlib.import_module(f"vllm.model_executor.models.{module}"), layer_cls)
     norm, why = _residual_norm_of(cls)
@@ -181,7 +181,7 @@ class _Layer(torch.nn.Module):
 
 
 def _fake_hook(eager: bool, adds: bool = True):
-    from hidden_states.vllm.capture import _RunnerHook
+    from hidden_states.vllm.worker.capture import _RunnerHook
 
     hf = types.SimpleNamespace(num_hidden_layers=2, architectures=["ToyForCausalLM"])
     mc = types.SimpleNamespace(hf_config=hf, enforce_eager=eager, get_hidden_size=lambda: 8)
@@ -269,7 +269,7 @@ def test_no_capture_plan_outlives_its_step():
     """A forward outside execute_model (a dummy batch) sees no plan, even right after a capture;
     the step's rows leave on its ModelRunnerOutput, and only there."""
     from hidden_states.protocol import PLAN_ATTR, STEP_ATTR, PlanEntry
-    from hidden_states.vllm.worker import HiddenStatesWorkerExtension
+    from hidden_states.vllm.worker.extension import HiddenStatesWorkerExtension
 
     runner = _FakeRunner()
     worker = types.SimpleNamespace(model_runner=runner, rank=0)

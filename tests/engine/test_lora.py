@@ -144,7 +144,7 @@ def test_intermediate_layers_come_from_the_adapter(engine, loop_thread, refs):
 def test_stop_string_extraction_on_the_adapters_prefix_cache(engine, loop_thread, refs):
     """A stop string: the extraction step runs on the request's adapter, so on that adapter's
     prefix cache (all but the last block cached); the base model has no cache for it."""
-    from hidden_states.vllm.extraction import Origin
+    from hidden_states.vllm.frontend.extraction import Origin
 
     prompt = long_text(120, seed=23)
     free = loop_thread.run(engine.complete(prompt, sp(max_tokens=24), model="lora-all", return_hidden_states=False))

@@ -13,7 +13,7 @@ import pytest
 from hidden_states.engine import HiddenStatesCollector, MissingHiddenStatesError, RowBatch
 from hidden_states.openai_format import ChoiceVectors
 from hidden_states.vllm.engine import HiddenStatesEngine
-from hidden_states.vllm.extraction import Extraction, prompt_ordinal
+from hidden_states.vllm.frontend.extraction import Extraction, prompt_ordinal
 
 
 def engine():

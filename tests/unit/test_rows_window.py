@@ -30,7 +30,7 @@ def _step(acc, span, first: int, stop: int, topk: bool) -> None:
 @pytest.mark.parametrize("start, end, stride", RANGES)
 def test_every_wanted_row_once_in_order(start, end, stride, topk, every_output):
     """Rows taken on every output (a stream), or pruned per step and all taken at the finish."""
-    from hidden_states.vllm.scheduler import _Rows
+    from hidden_states.vllm.core.scheduler import _Rows
 
     span = Span(start, end, stride)
     for prompt, total, chunk in [(5, 14, 2), (1, 9, 9), (7, 40, 3)]:
@@ -64,7 +64,7 @@ def test_step_references_send_every_row_once_at_the_end_or_per_output(topk):
     referenced per step, copied once when sent; a resumed request's recomputed rows dropped; two
     layers kept apart."""
     from hidden_states.protocol import RowBlock
-    from hidden_states.vllm.scheduler import _StepRefs
+    from hidden_states.vllm.core.scheduler import _StepRefs
 
     def step(first: int, stop: int, base: float):
         """A step buffer holding rows first..stop-1 of layers 2 and 5 (row p of layer l: p*10 + l + 0..D-1),

@@ -45,7 +45,7 @@ from hidden_states.engine import HiddenStatesCollector, HiddenStatesTimeout, Mis
 from hidden_states import errors, verify
 from hidden_states.openai_format import (ChoiceVectors, Route, error_body, not_from_token_ids, row_fields,
                                          validation_message)
-from hidden_states.vllm.extraction import Origin
+from hidden_states.vllm.frontend.extraction import Origin
 from hidden_states.params import (SINGLE_POSITIONS, HiddenStatesDisabledError, HiddenStatesFields,
                                   HiddenStatesRequestError, UnknownModelError, check_position, check_room,
                                   check_rows_budget, given_span)

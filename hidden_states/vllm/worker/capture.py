@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 from hidden_states.params import absolute_layer
 from hidden_states.protocol import PLAN_ATTR, STEP_ATTR, PlanEntry, RowBlock, StepCapture
 from hidden_states.vllm import SUPPORTED_LAYER_ARCHS
-from hidden_states.vllm.layers import final_norm_in_logits, layer_capture_support
+from hidden_states.vllm.worker.layers import final_norm_in_logits, layer_capture_support
 
 logger = logging.getLogger(__name__)
 

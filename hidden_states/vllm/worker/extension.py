@@ -17,7 +17,7 @@ import os
 from typing import Any
 
 from hidden_states.vllm import _require, check_vllm_version
-from hidden_states.vllm.capture import _RunnerHook
+from hidden_states.vllm.worker.capture import _RunnerHook
 from hidden_states.vllm.cpu import CPU_ASYNC_ENV, CPUWorkerSteps, install_cpu_async_shim, patch_cpu_generator_rewind
 
 logger = logging.getLogger(__name__)
