@@ -4,7 +4,7 @@
                                 [--max-tokens 32] [--engines 1] [--batch-size 16]
                                 [--lora-modules NAME=PATH ... --adapter NAME]
                                 [--position completion|all|prompt_end|'{"start": -8, "stride": 2}']
-                                [--dtype float32|float16|bfloat16] [--topk K]
+                                [--dtype float32|float16|bfloat16] [--topk K] [--proof toploc|JSON]
 
 Input rows (JSONL, or Parquet with the same columns): `{"prompt": "..."}` or
 `{"messages": [{"role": ..., "content": ...}]}`, with an optional string `id`
@@ -21,6 +21,8 @@ positions in prompt + completion; one position stays one fixed-size vector. floa
 Arrow's halffloat; bfloat16, which Arrow lacks, is written as float32 of the
 bfloat16-rounded values. With `--topk K`, `topk_indices` (int32) and `topk_values`
 (K per position, largest |value| first, same layout) replace `hidden_states`.
+With `--proof toploc` (or the API's hidden_states_proof as JSON), `proofs` (list<string>: each
+row's TOPLOC proofs, as a choice carries them) replaces `hidden_states`.
 
 Engines run in a Ray Data actor pool (`map_batches` with a callable class):
 each actor hosts this project's engine, greedy decoding by default. A rerun
@@ -50,7 +52,7 @@ from typing import Any
 
 import numpy as np
 
-from hidden_states.params import DTYPES, check_position, check_topk
+from hidden_states.params import DTYPES, check_position, check_proof, check_topk
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +107,7 @@ class EngineWorker:
 
     def __init__(self, model: str, max_tokens: int, engine_args: dict[str, Any],
                  lora_modules: list[dict] = (), adapter: str | None = None, position: str | dict = "completion_end",
-                 dtype: str = "float32", topk: int | None = None):
+                 dtype: str = "float32", topk: int | None = None, proof: dict | None = None):
         from hidden_states.vllm.engine import HiddenStatesEngine
 
         self.loop = asyncio.new_event_loop()
@@ -116,7 +118,7 @@ class EngineWorker:
         self.engine.lora_request(adapter)  # an unknown name fails here, before any row
         self.engine.check_request((-1,), position, dtype, topk)  # so does what the model cannot serve
         self.max_tokens, self.adapter = max_tokens, adapter
-        self.hs = dict(position=position, dtype=dtype, topk=topk)
+        self.hs = dict(position=position, dtype=dtype, topk=topk, proof=check_proof(proof, self.engine.hidden_size))
         self.tokenizer = self.engine.llm.tokenizer
         # Ray Data deletes this object when its actor exits gracefully (then `__del__`), but not always before the
         # interpreter's exit hooks stop vLLM's engine core under a live output handler: stop it here first.
@@ -161,6 +163,9 @@ class EngineWorker:
             "token_ids": pa.array([list(ch.token_ids) for ch in choices], pa.list_(pa.int32())),
             "finish_reason": pa.array([ch.finish_reason for ch in choices]),
         }
+        if self.hs["proof"] is not None:
+            out["proofs"] = pa.array([list(ch.proofs) for ch in choices], pa.list_(pa.string()))
+            return pa.table(out)
         values = vectors_column([np.asarray(ch.hidden_states).astype(cast) for ch in choices])
         if self.hs["topk"]:
             out["topk_indices"] = vectors_column([np.asarray(ch.hidden_states_indices, np.int32) for ch in choices])
@@ -194,7 +199,8 @@ def run(args: argparse.Namespace) -> int:
     engine_args = {**app.engine_args(), "warm_up_s": args.warm_up_s}
     modules = [m.model_dump() for m in app.lora_modules]
     out = ds.map_batches(EngineWorker, fn_constructor_args=(app.model, args.max_tokens, engine_args, modules,
-                                                            args.adapter, args.position, args.dtype, args.topk),
+                                                            args.adapter, args.position, args.dtype, args.topk,
+                                                            args.proof),
                          batch_size=args.batch_size, compute=ray.data.ActorPoolStrategy(size=args.engines),
                          num_cpus=1, batch_format="numpy")
     out.write_parquet(str(output))
@@ -225,6 +231,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", choices=DTYPES, default="float32", help="hidden_states_dtype")
     ap.add_argument("--topk", type=checked(lambda v: check_topk(int(v))), default=None,
                     help="hidden_states_topk: the K largest |values| per position")
+    ap.add_argument("--proof", default=None,
+                    type=checked(lambda v: check_proof({"scheme": v} if not v.lstrip().startswith("{")
+                                                       else json.loads(v)).model_dump()),
+                    help='hidden_states_proof: each row\'s TOPLOC proofs (a "proofs" column): toploc, or JSON, e.g. '
+                         '\'{"scheme": "toploc", "topk": 128, "decode_batching_size": 32}\'')
     return run(ap.parse_args(argv))
 
 

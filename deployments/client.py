@@ -43,6 +43,10 @@ def _request(prompt: str | list[int], **kw: Any) -> bytes:
     position = kw.get("hidden_states_position")
     if hasattr(position, "model_dump"):  # a params.PositionRange
         kw["hidden_states_position"] = position.model_dump()
+    if hasattr(kw.get("hidden_states_proof"), "model_dump"):  # a proofs.ProofRequest
+        kw["hidden_states_proof"] = kw["hidden_states_proof"].model_dump()
+    if kw.get("hidden_states_proof") is not None:  # proofs instead of the default vector
+        kw.setdefault("return_hidden_states", False)
     return ENCODER.encode(HandleCompletionRequest(prompt=prompt, **kw))
 
 
@@ -89,8 +93,10 @@ def complete(handle: Any, prompt: str | list[int], *, timeout_s: float = 600, **
     "float16": numpy arrays of that dtype; "bfloat16", which numpy lacks: float32 arrays of the
     bfloat16-rounded values, `choice.dtype` says so) and hidden_states_topk (k: `hidden_states` holds the
     values [n, k], `hidden_states_indices` their int32 indices, largest |value| first). Every layer asked
-    for is in `hidden_states_by_layer` (and `hidden_states_indices_by_layer`). A request above the server's
-    max_hidden_states_bytes raises HandleRequestError (400); an unknown model, 404."""
+    for is in `hidden_states_by_layer` (and `hidden_states_indices_by_layer`). hidden_states_proof
+    ({"scheme": "toploc", "topk": 128, "decode_batching_size": 32}): each choice carries its TOPLOC proofs in
+    `choice.proofs` instead of a vector. A request above the server's max_hidden_states_bytes raises
+    HandleRequestError (400); an unknown model, 404."""
     return _result(_wait(handle.complete.remote(_request(prompt, **kw)), timeout_s))
 
 

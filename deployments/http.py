@@ -355,7 +355,8 @@ def ingress_routes(app: FastAPI, kind: str) -> type:
 def handle_refusal(args: AppArgs, req: HandleCompletionRequest) -> HandleError | None:
     """The same checks for Python-handle requests (`deployments.client`)."""
     try:
-        fields = {name: getattr(req, name) for name in req.__struct_fields__}  # defaults included
+        fields = {name: getattr(req, name) for name in req.__struct_fields__ if name.startswith(
+            ("hidden_states", "return_hidden"))}  # defaults included
         params.check_fields(fields, enabled=args.enable_return_hidden_states)
     except params.HiddenStatesRequestError as e:
         return HandleError(400, str(e))

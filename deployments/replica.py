@@ -169,7 +169,7 @@ class EngineReplica(http.ingress_routes(app, "replica")):
             c = await self.engine.complete(req.prompt, options, return_hidden_states=req.return_hidden_states,
                                            layers=req.hidden_states_layers, position=req.hidden_states_position,
                                            model=req.model, dtype=req.hidden_states_dtype,
-                                           topk=req.hidden_states_topk)
+                                           topk=req.hidden_states_topk, proof=req.hidden_states_proof)
         except Exception as e:  # the one table: a bad request 400, a vector's timeout 504, ...
             return wire.ENCODER.encode(HandleReply(error=http.handle_failure(e)))
         finally:

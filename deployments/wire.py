@@ -45,6 +45,7 @@ class HandleCompletionRequest(msgspec.Struct, omit_defaults=True, forbid_unknown
     hidden_states_position: str | dict[str, Any] = "completion_end"  # params.check_position's forms
     hidden_states_dtype: str = "float32"
     hidden_states_topk: int | None = None
+    hidden_states_proof: dict[str, Any] | None = None  # proofs.ProofRequest's fields: the choices carry proofs
 
 
 class HandleChoice(msgspec.Struct, array_like=True, gc=False):
@@ -62,6 +63,7 @@ class HandleChoice(msgspec.Struct, array_like=True, gc=False):
     dtype: str = "float32"
     positions: list[int] | None = None
     hidden_states_indices_by_layer: dict[int, bytes] = {}
+    proofs: list[str] | None = None  # hidden_states_proof: base64, the scheme's format
 
 
 def to_wire(ch: CompletionChoice, rows: bool) -> HandleChoice:
@@ -69,6 +71,9 @@ def to_wire(ch: CompletionChoice, rows: bool) -> HandleChoice:
     dtype they were cast to, exactly)."""
     cached = ch.extraction.cached_tokens if ch.extraction else 0
     by_layer = ch.hidden_states_by_layer or {}
+    if ch.proofs is not None:
+        return HandleChoice(ch.index, ch.text, list(ch.token_ids), ch.finish_reason, None, cached,
+                            proofs=list(ch.proofs))
     if not rows:
         return HandleChoice(ch.index, ch.text, list(ch.token_ids), ch.finish_reason,
                             None if ch.hidden_states is None else np.asarray(ch.hidden_states, "<f4").tobytes(),
@@ -90,6 +95,10 @@ def decode_rows(raw: bytes, dtype: str, shape: list[int]) -> np.ndarray:
 
 def from_wire(ch: HandleChoice, total: int) -> CompletionChoice:
     """A HandleChoice as the engine's CompletionChoice; `total`: the prompt's tokens."""
+    if ch.proofs is not None:
+        return CompletionChoice(ch.index, ch.text, tuple(ch.token_ids), ch.finish_reason, None,
+                                ExtractionStats(total + len(ch.token_ids), ch.cached_tokens, 0.0, via="generation"),
+                                proofs=tuple(ch.proofs))
     if ch.shape is None:  # one float32 vector per layer, as ever
         values = {layer: np.frombuffer(b, "<f4").copy() for layer, b in ch.hidden_states_by_layer.items()}
         last = None if ch.hidden_states is None else np.frombuffer(ch.hidden_states, "<f4").copy()

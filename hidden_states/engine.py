@@ -125,6 +125,10 @@ class HiddenStatesCollector:
     sent: dict[ChoiceKey, set[int]] = dataclasses.field(default_factory=dict)
     done: dict[ChoiceKey, int] = dataclasses.field(default_factory=dict)
     refusal: Exception | None = None  # a 400 raised while its engine requests started (the memory bound)
+    # hidden_states_proof (proofs.ProofRequest): the rows are the scheme's (position, dtype, top-k), and
+    # choices carry proofs built from them; each prompt's length (by ordinal) bounds its prefill's proof.
+    proof: Any = None
+    prompt_lens: dict[int, int] = dataclasses.field(default_factory=dict)
 
     @property
     def multi(self) -> bool:
@@ -195,6 +199,8 @@ class CompletionChoice:
     # Top-k: hidden_states holds the k values per position, these their indices (largest |value| first).
     hidden_states_indices: np.ndarray | None = None
     hidden_states_indices_by_layer: dict[int, np.ndarray] | None = None
+    # hidden_states_proof: the choice's proofs (base64, the scheme's format), in chunk order.
+    proofs: tuple[str, ...] | None = None
 
 
 def rows_choice(engine: Any, collector: HiddenStatesCollector, index: int, text: str, token_ids: Sequence[int],
@@ -218,6 +224,22 @@ def rows_choice(engine: Any, collector: HiddenStatesCollector, index: int, text:
     return CompletionChoice(index, text, tuple(token_ids), finish_reason, values.get(-1), stats, values,
                             positions if collector.multi else None, collector.dtype,
                             None if indices is None else indices.get(-1), indices)
+
+
+def proof_choice(engine: Any, collector: HiddenStatesCollector, index: int, text: str, token_ids: Sequence[int],
+                 finish_reason: str | None) -> CompletionChoice:
+    """A finished choice of a proof collector: its proofs (hidden_states/proofs) from its rows."""
+    from hidden_states.proofs import ProofBuilder
+
+    key = (0, index)
+    if key not in collector.done:
+        raise engine.missing(f"choice {index}")
+    batch, stats = collector.take(key), collector.stats.get(key)
+    builder = ProofBuilder(collector.proof, collector.prompt_lens[0], engine.hidden_size)
+    proofs = [] if batch is None else builder.add(batch.positions, batch.indices[-1], batch.values[-1])
+    proofs += builder.finish()
+    engine.vector_sent("proof", stats, sum(len(p) for p in proofs))
+    return CompletionChoice(index, text, tuple(token_ids), finish_reason, None, stats, proofs=tuple(proofs))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -282,9 +304,10 @@ class Engine(Protocol):
 
     async def complete(self, prompt: str | Sequence[int], options: SamplingOptions, *, return_hidden_states: bool,
                        layers: Sequence[int], position: Any, model: str | None = None, dtype: str = "float32",
-                       topk: int | None = None) -> Completion:
+                       topk: int | None = None, proof: Any = None) -> Completion:
         """`model`: a LoRA adapter's name (None: the base model); an unknown one raises UnknownModelError.
-        `position`, `dtype`, `topk`: as the API's fields; the choices are `rows_choice`'s."""
+        `position`, `dtype`, `topk`: as the API's fields; the choices are `rows_choice`'s. `proof`
+        (hidden_states_proof): `proof_choice`'s, with proofs instead of vectors."""
         ...
 
     async def stats(self) -> dict: ...

@@ -27,6 +27,7 @@ import numpy as np
 from pydantic import ValidationError
 
 from hidden_states.engine import HiddenStatesCollector, RowBatch
+from hidden_states.proofs import ProofBuilder
 
 Route = Literal["completions", "chat", "hidden_states"]
 
@@ -109,6 +110,7 @@ class ChoiceVectors:
         self.by_layer = request.hidden_states_layers is not None
         self.n = (getattr(request, "n", None) or 1) if route == "completions" else 0
         self._sent_bytes: dict = {}  # payload bytes handed out per choice
+        self._provers: dict = {}  # hidden_states_proof: each choice's proofs, built as its rows arrive
 
     def _row_fields(self, index: int, finishing: bool) -> dict | None:
         """A choice's rows received since its last chunk (all of them, unstreamed)."""
@@ -133,8 +135,46 @@ class ChoiceVectors:
             self.engine.vector_sent(col.position_label, st, self._sent_bytes.pop(key, 0))
         return out
 
+    def _proof_fields(self, index: int, finishing: bool) -> dict | None:
+        """A proof choice's proofs completed since its last chunk (on its finishing chunk, the rest):
+        `hidden_states_proof` {scheme, topk, decode_batching_size, index (of its first proof), proofs}."""
+        col = self.collector
+        key = divmod(index, self.n) if self.n else (0, index)
+        if finishing and key not in col.done:
+            raise self.engine.missing(f"choice {index}")
+        prover = self._provers.get(key)
+        if prover is None:
+            width = getattr(self.engine, "hidden_size", 0)
+            prover = self._provers[key] = ProofBuilder(col.proof, col.prompt_lens[key[0]], width)
+        first = prover.count
+        batch = col.take(key)
+        proofs = [] if batch is None else prover.add(batch.positions, batch.indices[-1], batch.values[-1])
+        if finishing:
+            proofs += prover.finish()
+            del self._provers[key]
+        if not proofs and not finishing:
+            return None
+        spec = col.proof
+        out = {"hidden_states_proof": {"scheme": spec.scheme, "topk": spec.topk,
+                                       "decode_batching_size": spec.decode_batching_size, "index": first,
+                                       "proofs": proofs}}
+        nbytes = sum(len(p) for p in proofs)
+        self._sent_bytes[key] = self._sent_bytes.get(key, 0) + nbytes
+        if finishing:
+            meta = {"position": "proof", "adapter": self.adapter, "replica": self.replica_id,
+                    "proofs": first + len(proofs), "prompt_tokens": prover.prompt_len}
+            st = col.stats.get(key)
+            if st is not None:
+                meta.update(via=st.via, tokens=st.tokens, cached_tokens=st.cached_tokens,
+                            computed_tokens=st.computed_tokens)
+            out["hidden_states_meta"] = meta
+            self.engine.vector_sent("proof", st, self._sent_bytes.pop(key, 0))
+        return out
+
     def fields(self, index: int) -> dict:
         """The vector fields of response choice `index`."""
+        if self.collector.proof is not None:
+            return self._proof_fields(index, finishing=True)
         return self._row_fields(index, finishing=True)
 
     def fill_response(self, response) -> None:
@@ -146,6 +186,11 @@ class ChoiceVectors:
         for choice in response.choices:
             for name, value in self.fields(choice.index).items():
                 setattr(choice, name, value)
+
+    def _partial(self, index: int) -> dict | None:
+        if self.collector.proof is not None:
+            return self._proof_fields(index, finishing=False)
+        return self._row_fields(index, finishing=False)
 
     def fill_chunk(self, chunk: str) -> str:
         """One SSE event: vectors put on the choices it finishes (rows of several positions on
@@ -159,7 +204,7 @@ class ChoiceVectors:
             if choice.get("finish_reason") is not None:
                 choice.update(self.fields(choice.get("index", 0)))
                 changed = True
-            elif streams_rows and (rows := self._row_fields(choice.get("index", 0), finishing=False)) is not None:
+            elif streams_rows and (rows := self._partial(choice.get("index", 0))) is not None:
                 choice.update(rows)
                 changed = True
         if not changed:

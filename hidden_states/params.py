@@ -14,7 +14,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Literal, get_args
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from hidden_states.proofs import ProofRequest
 
 # Each set of values once: the request model's types, and the tuples the checks use.
 SinglePosition = Literal["completion_end", "prompt_end"]  # one vector per choice (1-D)
@@ -96,15 +98,32 @@ class HiddenStatesFields(VectorFields):
     """The request fields this server adds to vLLM's OpenAI API."""
 
     return_hidden_states: bool = Field(False, description="attach each choice's final-token hidden state")
+    hidden_states_proof: ProofRequest | None = Field(
+        None, description="attach each choice's proofs of inference (TOPLOC): built on the server from the rows "
+                          "it computes; the rows themselves are not returned")
+
+
+# Fields of ours that a request may carry; any other `hidden_states*` field is refused by name.
+OUR_FIELDS = frozenset(HiddenStatesFields.model_fields)
 
 
 def check_fields(req: Mapping[str, Any], *, enabled: bool) -> None:
     """The field rules on a raw JSON object, before any engine work; raises HiddenStatesRequestError."""
+    unknown = sorted(k for k in req if isinstance(k, str) and k.startswith(("hidden_states", "return_hidden"))
+                     and k not in OUR_FIELDS)
+    if unknown:
+        raise HiddenStatesRequestError(
+            f"unknown field {unknown[0]!r}: this server's fields are {', '.join(sorted(OUR_FIELDS))}", unknown[0])
     hs = req.get("return_hidden_states", False)
     if not isinstance(hs, bool):
         raise HiddenStatesRequestError("return_hidden_states must be a boolean", "return_hidden_states")
-    if hs and not enabled:
+    proof = check_proof(req.get("hidden_states_proof"))
+    if (hs or proof is not None) and not enabled:
         raise HiddenStatesDisabledError()
+    if hs and proof is not None:
+        raise HiddenStatesRequestError(
+            "hidden_states_proof cannot be combined with return_hidden_states yet: a choice carries its proofs or "
+            "its hidden states; send two requests (the same seed gives the same completion)", "hidden_states_proof")
     enc = req.get("hidden_states_encoding", "float")
     if enc not in ENCODINGS:
         raise HiddenStatesRequestError(f"hidden_states_encoding must be {_one_of(ENCODINGS)}, not {enc!r}",
@@ -158,6 +177,30 @@ def check_position(position: Any) -> "str | dict[str, int | None]":
             f"hidden_states_position selects no position: end ({end}) must come after start ({start})",
             "hidden_states_position")
     return {"start": start, "end": end, "stride": stride}
+
+
+def check_proof(proof: Any, hidden_size: int | None = None) -> "ProofRequest | None":
+    """`hidden_states_proof` as asked (None: no proofs), or a 400 naming what is wrong."""
+    if proof is None:
+        return None
+    if isinstance(proof, ProofRequest):
+        spec = proof
+    else:
+        if not isinstance(proof, Mapping):
+            raise HiddenStatesRequestError(
+                'hidden_states_proof must be an object, e.g. {"scheme": "toploc", "topk": 128, '
+                f'"decode_batching_size": 32}}, not {proof!r}', "hidden_states_proof")
+        try:
+            spec = ProofRequest.model_validate(proof)
+        except ValidationError as e:
+            err = e.errors()[0]
+            where = ".".join(str(x) for x in err.get("loc", ()))
+            raise HiddenStatesRequestError(f"hidden_states_proof.{where}: {err.get('msg')}",
+                                           "hidden_states_proof") from None
+    if hidden_size is not None and spec.topk > hidden_size:
+        raise HiddenStatesRequestError(f"hidden_states_proof.topk {spec.topk} exceeds the model's hidden size "
+                                       f"({hidden_size}): the engine sends each row's top-k", "hidden_states_proof")
+    return spec
 
 
 def check_dtype(dtype: Any) -> str:

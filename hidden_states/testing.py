@@ -35,10 +35,11 @@ from typing import Any
 import numpy as np
 
 from hidden_states.engine import (Completion, CompletionChoice, ExtractionStats, HiddenStatesCollector,
-                                  MissingHiddenStatesError, RowBatch, SamplingOptions, VectorObservers, rows_choice)
+                                  MissingHiddenStatesError, RowBatch, SamplingOptions, VectorObservers, proof_choice,
+                                  rows_choice)
 from hidden_states.openai_format import ChoiceVectors, error_body
 from hidden_states.params import (DEFAULT_MAX_HIDDEN_STATES_BYTES, HiddenStatesDisabledError, HiddenStatesRequestError,
-                                  Span, check_position, check_rows_budget, check_vector_request)
+                                  Span, check_position, check_proof, check_rows_budget, check_vector_request)
 from hidden_states.protocol import narrow
 
 HIDDEN_SIZE = 8
@@ -118,9 +119,12 @@ class FakeEngine(VectorObservers):
 
     @contextlib.contextmanager
     def collecting(self, layers: Sequence[int] = (-1,), position: Any = "completion_end", dtype: str = "float32",
-                   topk: int | None = None):
+                   topk: int | None = None, proof: Any = None):
+        if proof is not None:  # the scheme's rows, as the real engine's Extraction.collecting
+            layers, position, dtype, topk = (-1,), proof.capture_position, proof.capture_dtype, proof.topk
         layers = self.check_request(layers, position, dtype, topk)
-        yield HiddenStatesCollector(uuid.uuid4().hex, layers, check_position(position), dtype=dtype, topk=topk)
+        yield HiddenStatesCollector(uuid.uuid4().hex, layers, check_position(position), dtype=dtype, topk=topk,
+                                    proof=proof)
 
     def check_budget(self, col: HiddenStatesCollector | None, prompt_len: int, max_tokens: int, n: int) -> None:
         """The engine's memory bound on a request (params.check_rows_budget), before it starts."""
@@ -143,18 +147,20 @@ class FakeEngine(VectorObservers):
         seq = list(prompt_ids) if collector.position == "prompt_end" else [*prompt_ids, *token_ids]
         stats = None if collector.position == "prompt_end" else ExtractionStats(len(seq), len(seq) - 1, 0.0)
         wanted = list(Span.of(collector.position, len(prompt_ids)).positions(len(seq)))
+        collector.prompt_lens[0] = len(prompt_ids)
         collector.add_rows((0, index), fake_rows(seq, wanted, collector.layers, collector.dtype, collector.topk))
         collector.settle_rows((0, index), wanted, stats)
 
     async def complete(self, prompt: str | Sequence[int], options: SamplingOptions | None = None, *,
                        return_hidden_states: bool = True, layers: Sequence[int] = (-1,),
                        position: Any = "completion_end", model: str | None = None, dtype: str = "float32",
-                       topk: int | None = None) -> Completion:
+                       topk: int | None = None, proof: Any = None) -> Completion:
         o = options or SamplingOptions()
         ids = list(prompt.encode()) if isinstance(prompt, str) else list(prompt)
         choices = []
+        proof = check_proof(proof, HIDDEN_SIZE)
         async with self.running():
-            with self.collecting(layers, position, dtype, topk) if return_hidden_states else \
+            with self.collecting(layers, position, dtype, topk, proof) if return_hidden_states or proof else \
                     contextlib.nullcontext() as col:
                 self.check_budget(col, len(ids), o.max_tokens or 16, o.n)
                 for i in range(o.n):
@@ -164,7 +170,8 @@ class FakeEngine(VectorObservers):
                         choices.append(CompletionChoice(i, text, tuple(toks), "length", None))
                         continue
                     self._collect(col, i, ids, toks)
-                    choices.append(rows_choice(self, col, i, text, toks, "length"))
+                    choice = proof_choice if proof is not None else rows_choice
+                    choices.append(choice(self, col, i, text, toks, "length"))
         return Completion(f"cmpl-{uuid.uuid4().hex}", tuple(ids), tuple(choices))
 
     async def openai(self, served_model_name: str, replica_id: str, lora_modules: Sequence[dict] = ()) -> "FakeOpenAI":

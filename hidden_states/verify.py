@@ -11,6 +11,12 @@ completion. Which vectors: the completion routes' `hidden_states_position`
 and layers, encoded as on choices (openai_format); the default is the final
 token's vector, as ever.
 
+With `compare.toploc` (a choice's `hidden_states_proof` and its thresholds), the prompt
+and the completion's tokens are checked as TOPLOC checks them: one prefill of every fed
+position (the final token is never fed) in bfloat16, each proof against its chunk's rows
+(hidden_states/proofs), per proof the exponent mismatches, the mantissa error mean and
+median, and a verdict; the rows are not returned.
+
 With `compare`, the answer adds the error of the claim against the true rows
 (float32, or cast to `hidden_states_dtype` as the answer's rows are): a dense
 claim per row, max |claimed - true| <= tolerance x max |true|; a top-k claim
@@ -34,6 +40,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from hidden_states.params import HiddenStatesRequestError, VectorFields
+from hidden_states.proofs import ProofClaim
 
 
 class TopkClaim(BaseModel):
@@ -50,12 +57,16 @@ class Compare(BaseModel):
     vectors: list[list[float]] | str | None = Field(None, description="one claimed row per position, as `vector`")
     topk: list[TopkClaim] | None = Field(
         None, description="per position the claimed largest-magnitude entries {indices, values} (TOPLOC-style)")
+    toploc: ProofClaim | None = Field(
+        None, description="a choice's TOPLOC proofs (its hidden_states_proof): checked against the rows one "
+                          "prefill of the given tokens computes, under TOPLOC's thresholds or the given ones")
     tolerance: float = Field(1e-5, gt=0, description="largest relative error that still matches")
 
     @model_validator(mode="after")
     def _one_claim(self) -> "Compare":
-        if sum(x is not None for x in (self.vector, self.vectors, self.topk)) != 1:
-            raise ValueError("send exactly one of `compare.vector`, `compare.vectors` and `compare.topk`")
+        if sum(x is not None for x in (self.vector, self.vectors, self.topk, self.toploc)) != 1:
+            raise ValueError("send exactly one of `compare.vector`, `compare.vectors`, `compare.topk` and "
+                             "`compare.toploc`")
         return self
 
 
@@ -72,8 +83,12 @@ class HiddenStatesRequest(VectorFields):
     def _one_input(self) -> "HiddenStatesRequest":
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("send exactly one of `prompt` and `messages`")
-        if self.completion is not None and self.messages is None:
+        proofs = self.compare is not None and self.compare.toploc is not None
+        if self.completion is not None and self.messages is None and not proofs:
             raise ValueError("`completion` goes with `messages` (with `prompt`, append it to the prompt)")
+        if proofs and self.completion is None:
+            raise ValueError("`compare.toploc` needs the `completion` (its token ids): the proofs' chunks start "
+                             "where it does")
         if self.prompt is not None and len(self.prompt) == 0:
             raise ValueError("`prompt` is empty")
         if self.compare is not None and self.hidden_states_layers not in (None, [-1]):

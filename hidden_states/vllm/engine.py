@@ -48,10 +48,10 @@ from typing import Any
 
 from hidden_states.preflight import EngineStartupError, check_architecture, check_cpu_memory, check_model_folder
 from hidden_states.params import (DEFAULT_MAX_HIDDEN_STATES_BYTES, HiddenStatesRequestError, UnknownModelError,
-                                  absolute_layer, check_vector_request)
+                                  absolute_layer, check_proof, check_vector_request)
 from hidden_states.models.builtin import DEFAULT_MODEL, resolve_model
 from hidden_states.engine import (Completion, CompletionChoice, ExtractionStats, SamplingOptions, VectorObservers,
-                                  rows_choice)
+                                  proof_choice, rows_choice)
 from hidden_states.vllm import (ENGINE_ENV, SUPPORTED_LAYER_ARCHS, WORKER_EXTENSION, VLLMIncompatibleError,
                                 check_vllm_version)
 from hidden_states.vllm.cpu import CPU_ASYNC_ENV, cpu_start_up, on_cpu
@@ -236,7 +236,7 @@ class HiddenStatesEngine(VectorObservers):
     async def complete(
         self, prompt: str | Sequence[int], sampling: SamplingOptions | Any = None, *, return_hidden_states: bool = True,
         layers: Sequence[int] = (-1,), position: Any = "completion_end", model: str | None = None,
-        dtype: str = "float32", topk: int | None = None,
+        dtype: str = "float32", topk: int | None = None, proof: Any = None,
     ) -> Completion:
         """One prompt (text or token ids) to a finished Completion with a vector per choice.
         `sampling`: SamplingOptions, or (Python callers of this engine) vLLM's own SamplingParams.
@@ -244,7 +244,8 @@ class HiddenStatesEngine(VectorObservers):
         `position`: "completion_end", "prompt_end" (one vector [D]), or "completion", "all",
         {"start", "end", "stride"}: rows [n, D] with `choice.positions`. `dtype`: the rows cast
         on the device (returned widened to float32); `topk`: per position the k largest-magnitude
-        values, their indices in `choice.hidden_states_indices`."""
+        values, their indices in `choice.hidden_states_indices`. `proof` (proofs.ProofRequest, or its
+        fields as a dict): each choice carries its proofs (`choice.proofs`) instead of vectors."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -261,24 +262,29 @@ class HiddenStatesEngine(VectorObservers):
             prompt = self.llm.tokenizer.encode(prompt)
         engine_prompt = {"prompt_token_ids": list(prompt)}
         final, choices = None, []
-        with self.collecting(layers, position, dtype, topk) if return_hidden_states else contextlib.nullcontext() \
+        proof = check_proof(proof, self.hidden_size)
+        wants = return_hidden_states or proof is not None
+        with self.collecting(layers, position, dtype, topk, proof) if wants else contextlib.nullcontext() \
                 as collector:
             if collector is not None:
                 params.extra_args = {**(params.extra_args or {}), **collector.extra_args}
             async for out in self.llm.generate(engine_prompt, params, request_id, lora_request=lora):
                 final = out
         for o in final.outputs:
-            if collector is not None:
+            if collector is not None and proof is not None:
+                choices.append(proof_choice(self, collector, o.index, o.text, o.token_ids, o.finish_reason))
+            elif collector is not None:
                 choices.append(rows_choice(self, collector, o.index, o.text, o.token_ids, o.finish_reason))
             else:
                 choices.append(CompletionChoice(o.index, o.text, tuple(o.token_ids), o.finish_reason, None))
         return Completion(request_id=request_id, prompt_token_ids=tuple(final.prompt_token_ids), choices=tuple(choices))
 
     def collecting(self, layers: Sequence[int] = (-1,), position: Any = "completion_end", dtype: str = "float32",
-                   topk: int | None = None):
+                   topk: int | None = None, proof: Any = None):
         """A collector for one request's vectors (context manager): tag its sampling params with
-        `collector.extra_args` (SamplingParams.extra_args, or an OpenAI request's `vllm_xargs`)."""
-        return self.extraction.collecting(layers, position, dtype, topk)
+        `collector.extra_args` (SamplingParams.extra_args, or an OpenAI request's `vllm_xargs`);
+        with `proof` (proofs.ProofRequest), for its proofs."""
+        return self.extraction.collecting(layers, position, dtype, topk, proof)
 
     async def extract_layers(self, token_ids: Sequence[int], layers: Sequence[int] = (-1,),
                              origin: Origin = Origin()) -> tuple[dict[int, Any], ExtractionStats]:

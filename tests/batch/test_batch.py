@@ -182,3 +182,32 @@ def test_batch_rows_of_positions_dtypes_and_topk(tmp_path, reference):
                 assert (np.abs(ref).min(axis=-1) >= rest.max(axis=-1) - 1e-4).all()  # no larger entry left out
             worst[name] = max(worst.get(name, 0.0), float(np.abs(got - ref).max() / np.abs(ref).max()))
     print("batch rows: worst relative error " + ", ".join(f"{k} {v:.2e}" for k, v in worst.items()))
+
+
+def test_batch_proofs_column(tmp_path, reference):
+    """`--proof`: each row's TOPLOC proofs in a `proofs` column, accepted by the real toploc library on
+    transformers' rows of the row's prompt + completion."""
+    import pyarrow.parquet as pq
+    import torch
+
+    from hidden_states.proofs import toploc as ours
+    from tests.toploc_ref import load_toploc
+
+    tl = load_toploc()
+    inp = tmp_path / "prompts.jsonl"
+    inp.write_text("".join(json.dumps({"prompt": long_text(8, seed=70 + i)}) + "\n" for i in range(3)))
+    out = tmp_path / "proofs"
+    finish(start(inp, out, "--proof", '{"scheme": "toploc", "topk": 128, "decode_batching_size": 2}'), 600)
+    schema = pq.read_schema(next(out.glob("*.parquet")))
+    assert "hidden_states" not in schema.names and str(schema.field("proofs").type) == "list<element: string>"
+    final = rows(out)
+    assert len(final) == 3
+    for r in final:
+        ids, P = r["prompt_token_ids"] + r["token_ids"], len(r["prompt_token_ids"])
+        assert len(r["proofs"]) == len(ours.chunk_bounds(P, len(ids), 2)) >= 2  # the prefill, then windows of 2
+        with torch.no_grad():
+            fed = reference.model(torch.tensor([ids[:-1]]), output_hidden_states=True).hidden_states[-1][0]
+        fed = fed.to(torch.bfloat16)
+        acts = [fed[:P]] + [fed[p:p + 1] for p in range(P, len(ids) - 1)]
+        results = tl.verify_proofs_base64(acts, r["proofs"], 2, 128)
+        assert all(x.exp_mismatches <= 38 and x.mant_err_mean <= 10 and x.mant_err_median <= 8 for x in results), results

@@ -45,7 +45,7 @@ import numpy as np
 from hidden_states.engine import (ExtractionStats, HiddenStatesCollector, HiddenStatesTimeout,
                                   MissingHiddenStatesError, RowBatch)
 from hidden_states.params import (DEFAULT_MAX_HIDDEN_STATES_BYTES, HiddenStatesRequestError, Span, absolute_layer,
-                                  check_position, check_room, check_rows_budget, room_for_completion)
+                                  check_position, check_proof, check_room, check_rows_budget, room_for_completion)
 from hidden_states.protocol import (COLLECTOR_TAG_KEY, ROWS_KEY, CapturedRows, HiddenStatesExtractionRequest,
                                     HiddenStatesProtocolError)
 
@@ -126,6 +126,7 @@ def make_async_llm_class():
             key = uuid.uuid4().hex
             ordinal, origin = prompt_ordinal(request_id), Origin.of(prompt, kwargs)
             prompt, sampling_params, tail = hs._flag(collector, prompt, sampling_params, key)
+            collector.prompt_lens[ordinal] = len(prompt["prompt_token_ids"])
             box = RowSink(lambda index, batch: collector.add_rows((ordinal, index), batch), collector.layers)
             delta = sampling_params.output_kind == RequestOutputKind.DELTA
             tokens: dict[int, list[int]] = {}
@@ -229,7 +230,9 @@ class Extraction:
         except HiddenStatesRequestError as e:
             collector.refusal = e  # the OpenAI layer answers it as a 400, streaming or not
             raise
-        tail = self.takes_tail(params) and (span.end is None or span.end < 0 or span.end > P)
+        # The tail step where the span can hold the final position (an end counted from the end
+        # never does: -1 stops before it).
+        tail = self.takes_tail(params) and (span.end is None or span.end > P)
         if span.final_only and not tail:
             return prompt, params, False
         if 0 <= span.start < P - 1 and self.llm.vllm_config.cache_config.enable_prefix_caching:
@@ -301,11 +304,16 @@ class Extraction:
 
     @contextlib.contextmanager
     def collecting(self, layers: Sequence[int] = (-1,), position: Any = "completion_end", dtype: str = "float32",
-                   topk: int | None = None):
+                   topk: int | None = None, proof: Any = None):
         """A collector for one request's vectors: tag its sampling params with
-        `collector.extra_args` (SamplingParams.extra_args, or an OpenAI request's `vllm_xargs`)."""
+        `collector.extra_args` (SamplingParams.extra_args, or an OpenAI request's `vllm_xargs`).
+        With `proof` (proofs.ProofRequest) its rows are the scheme's, and choices carry proofs."""
+        if proof is not None:
+            check_proof(proof, self.hidden_size)
+            layers, position, dtype, topk = (-1,), proof.capture_position, proof.capture_dtype, proof.topk
         layers = self.check_request(layers, position, dtype, topk)
-        collector = HiddenStatesCollector(uuid.uuid4().hex, layers, check_position(position), dtype=dtype, topk=topk)
+        collector = HiddenStatesCollector(uuid.uuid4().hex, layers, check_position(position), dtype=dtype, topk=topk,
+                                          proof=proof)
         self._collectors[collector.tag] = collector
         try:
             yield collector

@@ -37,17 +37,19 @@ import json
 import logging
 import uuid
 from collections.abc import AsyncIterator, Sequence
+from typing import Any
 from http import HTTPStatus
 
 from pydantic import ValidationError
 
 from hidden_states.engine import HiddenStatesCollector, HiddenStatesTimeout, MissingHiddenStatesError
-from hidden_states import errors, verify
+from hidden_states import errors, proofs, verify
 from hidden_states.openai_format import (ChoiceVectors, Route, error_body, not_from_token_ids, row_fields,
                                          validation_message)
 from hidden_states.vllm.frontend.extraction import Origin
 from hidden_states.params import (SINGLE_POSITIONS, HiddenStatesDisabledError, HiddenStatesFields,
-                                  HiddenStatesRequestError, UnknownModelError, check_position, check_room,
+                                  HiddenStatesRequestError, UnknownModelError, check_fields, check_position,
+                                  Span, check_proof, check_room,
                                   check_rows_budget, given_span)
 from hidden_states.protocol import COLLECTOR_TAG_KEY, RESERVED_EXTRA_ARGS_PREFIX
 
@@ -117,10 +119,18 @@ class OpenAIFrontend:
         except UnknownModelError as e:
             yield errors.error_response(e)
             return
-        if request.return_hidden_states and not self.engine.enabled:
+        proof = request.hidden_states_proof
+        wants = request.return_hidden_states or proof is not None
+        if wants and not self.engine.enabled:
             yield errors.error_response(HiddenStatesDisabledError())
             return
-        if request.return_hidden_states and (refusal := not_from_token_ids(request)) is not None:
+        try:  # the ingress checks these too; a handle's or a direct caller's body comes here first
+            check_fields({**(request.model_extra or {}), "return_hidden_states": request.return_hidden_states,
+                          "hidden_states_proof": proof}, enabled=self.engine.enabled)
+        except HiddenStatesRequestError as e:
+            yield errors.error_response(e)
+            return
+        if wants and (refusal := not_from_token_ids(request)) is not None:
             yield errors.error_response(HiddenStatesRequestError(refusal[1], refusal[0]))
             return
         # A client's request_id is replaced; a letter first, so vLLM's `{id}-{i}` per prompt is unambiguous.
@@ -128,18 +138,21 @@ class OpenAIFrontend:
         if request.vllm_xargs:  # our extra_args keys are ours alone: no forged capture, no joined collector
             request.vllm_xargs = {k: v for k, v in request.vllm_xargs.items()
                                   if not k.startswith(RESERVED_EXTRA_ARGS_PREFIX)} or None
-        if not request.return_hidden_states:
+        if not wants:
             async for part in self._serve(serving, route, request, None):
                 yield part
             return
         layers, position = request.hidden_states_layers or (-1,), request.hidden_states_position
         dtype, topk = request.hidden_states_dtype, request.hidden_states_topk
         try:
-            self.engine.check_request(layers, position, dtype, topk)
+            if proof is None:
+                self.engine.check_request(layers, position, dtype, topk)
+            else:
+                check_proof(proof, self.engine.hidden_size)
         except HiddenStatesRequestError as e:
             yield errors.error_response(e)
             return
-        with self.engine.collecting(layers, position, dtype, topk) as collector:
+        with self.engine.collecting(layers, position, dtype, topk, proof=proof) as collector:
             # The tag rides in vllm_xargs -> SamplingParams.extra_args of every engine
             # request vLLM makes for this request.
             request.vllm_xargs = {**(request.vllm_xargs or {}), COLLECTOR_TAG_KEY: collector.tag}
@@ -225,6 +238,8 @@ class OpenAIFrontend:
             ids, completion_start = self._token_ids(req)
             check_room(len(ids), eng.llm.model_config.max_model_len,
                        "prompt" if req.prompt is not None else "messages", completing=False)
+            if req.compare is not None and req.compare.toploc is not None:
+                return await self._check_proofs(req, ids, completion_start, lora)
             span = given_span(position, len(ids), completion_start)
             positions, multi = list(span.positions(len(ids))), position not in SINGLE_POSITIONS
             check_rows_budget(span, len(ids), None, 1, len(layers), eng.hidden_size, dtype, topk,
@@ -247,6 +262,39 @@ class OpenAIFrontend:
         comparison = None if claim is None else verify.compared(claim, true, positions, req.compare.tolerance, multi)
         return 200, verify.response(model, ids, out, comparison)
 
+    async def _check_proofs(self, req: "verify.HiddenStatesRequest", ids: list[int], prompt_len: int,
+                            lora: Any) -> tuple[int, bytes]:
+        """compare.toploc: the rows of every fed position (one prefill, bfloat16), each proof
+        against its chunk's (hidden_states/proofs); a 400 for proofs that do not fit the tokens."""
+        eng, claim = self.engine, req.compare.toploc
+        if len(ids) - prompt_len < 1:
+            raise HiddenStatesRequestError("`completion` is empty: a proof covers a prompt and its completion",
+                                           "completion")
+        check_proof(claim, eng.hidden_size)
+        bounds = proofs.SCHEMES[claim.scheme].chunk_bounds(prompt_len, len(ids), claim.decode_batching_size)
+        if len(claim.proofs) != len(bounds):
+            raise HiddenStatesRequestError(
+                f"compare.toploc.proofs has {len(claim.proofs)} proofs; a prompt of {prompt_len} tokens and a "
+                f"completion of {len(ids) - prompt_len} have {len(bounds)} (the prefill's, then one per "
+                f"{claim.decode_batching_size} fed decode positions)", "compare.toploc.proofs")
+        fed = list(range(len(ids) - 1))  # the final token is never fed
+        check_rows_budget(Span(0, len(ids) - 1), len(ids), None, 1, 1, eng.hidden_size, "bfloat16", None,
+                          eng.max_hidden_states_bytes)
+        batch, stats = await eng.extraction.extract_rows(ids[:-1], fed, (-1,), "bfloat16", None,
+                                                         Origin(lora_request=lora))
+        bits = batch.values[-1]
+        try:
+            comparison = proofs.check_claim(claim, [bits[lo:hi] for lo, hi in bounds])
+        except proofs.ProofError as e:
+            raise HiddenStatesRequestError(str(e), "compare.toploc.proofs") from None
+        eng.vector_sent("proof", stats, 0)
+        meta = {"position": "proof", "prompt_tokens": prompt_len, "via": stats.via, "tokens": stats.tokens,
+                "cached_tokens": stats.cached_tokens, "computed_tokens": stats.computed_tokens,
+                "extraction_seconds": round(stats.seconds, 6),
+                "adapter": lora.lora_name if lora is not None else None, "replica": self.replica_id}
+        model = lora.lora_name if lora is not None else self.state.openai_serving_models.base_model_paths[0].name
+        return 200, verify.response(model, ids, {"hidden_states_meta": meta}, comparison)
+
     def _token_ids(self, req: "verify.HiddenStatesRequest") -> tuple[list[int], int | None]:
         """The given tokens, and where the `completion` starts in them (None: no completion)."""
         tok = self.engine.llm.tokenizer
@@ -261,8 +309,14 @@ class OpenAIFrontend:
 
         if req.prompt is not None:
             if isinstance(req.prompt, str):
-                return list(tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)), None
-            return checked(list(req.prompt), "prompt"), None
+                ids = list(tok.encode(req.prompt, add_special_tokens=req.add_special_tokens))
+            else:
+                ids = checked(list(req.prompt), "prompt")
+            if req.completion is None:
+                return ids, None
+            if isinstance(req.completion, str):
+                return ids + list(tok.encode(req.completion, add_special_tokens=False)), len(ids)
+            return ids + checked(list(req.completion), "completion"), len(ids)
         if (refusal := not_from_token_ids(req)) is not None:
             raise HiddenStatesRequestError(refusal[1], refusal[0])
         try:

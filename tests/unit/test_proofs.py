@@ -1,0 +1,133 @@
+"""TOPLOC proofs built and checked natively (hidden_states/proofs), against the real toploc
+library (0.1.6, its C++ rebuilt against this torch: tests/toploc_ref.py). No vLLM."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from hidden_states.proofs import ProofBuilder, ProofClaim, ProofRequest, check_claim, toploc as ours
+from tests.toploc_ref import load_toploc
+
+D, K, B = 576, 128, 32  # SmolLM2's width, TOPLOC's top-k and decode batching
+
+
+@pytest.fixture(scope="module")
+def tl():
+    return load_toploc()
+
+
+def bits(t: torch.Tensor) -> np.ndarray:
+    return t.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+
+
+def distinct_activations(rng, P: int, C: int) -> list[torch.Tensor]:
+    """A prefill [P, D] and C - 1 decode rows [1, D] in bfloat16 whose magnitudes are all distinct
+    within each chunk (no tie at the k-th place: one top-k, so one proof)."""
+    magnitudes = rng.permutation(np.arange(0x0100, 0x7F00, dtype=np.uint16))  # finite bfloat16 patterns
+    signs = rng.integers(0, 2, magnitudes.size).astype(np.uint16) << 15
+
+    def rows(n: int, at: int) -> torch.Tensor:
+        raw = (magnitudes[at:at + n * D] | signs[at:at + n * D]).astype(np.uint16)
+        return torch.from_numpy(raw.view(np.int16).copy()).view(torch.bfloat16).reshape(n, D)
+
+    acts, at = [rows(P, 0)], 0
+    for i in range(C - 1):
+        at = (P * D + (i % B) * D) % (magnitudes.size - D)  # a window's rows never repeat magnitudes
+        acts.append(rows(1, at))
+    return acts
+
+
+def row_topk(rows: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's top-k as the engine sends it: indices by magnitude, bfloat16 bits."""
+    idx = rows.float().abs().topk(K, dim=-1).indices
+    return idx.numpy().astype(np.int32), bits(torch.gather(rows, 1, idx))
+
+
+def server_proofs(acts: list[torch.Tensor], spec: ProofRequest, pieces: int = 3, seed: int = 0) -> list[str]:
+    """The server's proofs of these activations, its rows arriving in `pieces` uneven parts (a stream)."""
+    rows = torch.cat(acts)
+    idx, vals = row_topk(rows)
+    positions = np.arange(len(rows))
+    builder, out = ProofBuilder(spec, acts[0].shape[0], D), []
+    cuts = sorted(np.random.default_rng(seed).choice(np.arange(1, len(rows)), pieces - 1, replace=False))
+    for lo, hi in zip([0, *cuts], [*cuts, len(rows)]):
+        out += builder.add(positions[lo:hi], idx[lo:hi], vals[lo:hi])
+    return out + builder.finish()
+
+
+def test_the_polynomial_is_toplocs_byte_for_byte(tl):
+    rng = np.random.default_rng(0)
+    for n, span in ((128, 20_000), (128, 200_000), (7, 40), (64, 65_497 * 3)):
+        x = rng.choice(span, n, replace=False)
+        if span > 65_497:  # two indices equal mod 65497: the modulus must step down
+            x[1] = x[0] + 65_497 if x[0] + 65_497 < span else x[0] - 65_497
+        y = torch.from_numpy(rng.standard_normal(n).astype(np.float32)).to(torch.bfloat16)
+        theirs = tl.ProofPoly.from_points_tensor(torch.from_numpy(x.astype(np.int64)), y)
+        modulus, coeffs = ours.interpolate(x.tolist(), bits(y).tolist())
+        assert (modulus, coeffs) == (theirs.modulus, list(theirs.coeffs))
+        assert ours.encode(modulus, coeffs) == theirs.to_base64()
+        assert (ours.evaluate(coeffs, x % modulus) == bits(y).astype(np.int64) % ours.PRIME).all()
+
+
+@pytest.mark.parametrize("P,C", [(20, 70), (9, 33), (5, 1), (3, 2)])
+def test_proofs_from_each_row_s_top_k_equal_build_proofs_base64(tl, P, C):
+    """The server sends each row's top-k; the chunk's top-k, and so the proof, is the library's
+    on the whole activations: byte for byte, however the rows arrive."""
+    acts = distinct_activations(np.random.default_rng(P * 100 + C), P, C)
+    want = tl.build_proofs_base64(acts, B, K)
+    assert len(want) == len(ours.chunk_bounds(P, P + C, B))
+    for pieces in (1, 2, 5):
+        assert server_proofs(acts, ProofRequest(), pieces=min(pieces, P + C - 1)) == want
+
+
+def test_ties_at_the_k_th_place_give_another_valid_top_k(tl):
+    """Real-looking rows in bfloat16 tie often: any of the tied entries completes a top-k. The
+    proof then takes the lowest indices; its values are the library's top-k values, and the
+    library's own validator accepts it on the same activations."""
+    g = torch.Generator().manual_seed(1)
+    acts = [torch.randn(12, D, generator=g).to(torch.bfloat16)] + \
+           [torch.randn(1, D, generator=g).to(torch.bfloat16) for _ in range(40)]
+    mine = server_proofs(acts, ProofRequest())
+    for proof, (lo, hi) in zip(mine, ours.chunk_bounds(12, 53, B)):
+        flat = torch.cat(acts)[lo:hi].reshape(-1)
+        m, coeffs = ours.decode(proof, K)
+        top = flat.abs().topk(K).values.float().numpy()
+        idx, _ = ours.chunk_topk(*_rows_of(acts, lo, hi), lo, D, K)
+        assert sorted(np.abs(flat[torch.from_numpy(idx)].float().numpy())) == sorted(top)  # the same top-k values
+    results = tl.verify_proofs_base64(acts, mine, B, K)
+    assert all(r.exp_mismatches <= 2 and r.mant_err_median == 0 for r in results), results
+
+
+def _rows_of(acts, lo, hi):
+    rows = torch.cat(acts)[lo:hi]
+    idx, vals = row_topk(rows)
+    return np.arange(lo, hi), idx, vals
+
+
+def test_the_check_gives_toplocs_figures_on_honest_and_tampered_rows(tl):
+    g = torch.Generator().manual_seed(2)
+    acts = [torch.randn(20, D, generator=g) * 3] + [torch.randn(1, D, generator=g) * 3 for _ in range(45)]
+    honest = [a.to(torch.bfloat16) for a in acts]
+    proofs = tl.build_proofs_base64(honest, B, K)
+    bounds = ours.chunk_bounds(20, 66, B)
+    for name, rows in (("honest", honest),
+                       ("recomputed", [(a + 0.01 * torch.randn(a.shape, generator=g)).to(torch.bfloat16) for a in acts]),
+                       ("other", [torch.randn(a.shape, generator=g).to(torch.bfloat16) for a in acts])):
+        theirs = tl.verify_proofs_base64(rows, proofs, B, K)
+        flat = torch.cat(rows)
+        claim = ProofClaim(proofs=proofs)
+        mine = check_claim(claim, [bits(flat[lo:hi]) for lo, hi in bounds])["proofs"]
+        assert [(p["exp_mismatches"], p["mant_err_mean"], p["mant_err_median"]) for p in mine] == \
+               [(r.exp_mismatches, r.mant_err_mean, r.mant_err_median) for r in theirs], name
+        passes = [r.exp_mismatches <= 38 and r.mant_err_mean <= 10 and r.mant_err_median <= 8 for r in theirs]
+        assert [p["ok"] for p in mine] == passes, name
+        assert all(passes) == (name != "other"), (name, theirs)
+
+
+@pytest.mark.parametrize("proof,words", [("not base64!", "not base64"), ("AAAA", "holds 3 bytes"),
+                                         ("A" * 344, "modulus 0")])
+def test_malformed_proofs_say_what_is_wrong(proof, words):
+    with pytest.raises(ours.ProofError, match=words):
+        ours.decode(proof, K)
