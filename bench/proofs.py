@@ -26,8 +26,7 @@ import random
 import time
 
 from bench.measure import paired_ratio_ci
-from bench.procs import ROOT
-from bench.report import ci_text
+from bench.report import ci_text, command_line, write_results
 from bench.servers import ENGINE_ENV
 
 MODEL = "builtin:smollm2-135m-instruct"
@@ -140,8 +139,7 @@ def main() -> None:
     v = r["validation"]
     lines = [f"# TOPLOC proofs on the server (SmolLM2-135M-Instruct, float32, {args.rounds} rounds x "
              f"{args.requests} requests, {args.max_tokens} tokens each; top-128, 32 tokens per proof)", "",
-             "`.venv/bin/python -m bench.proofs " + " ".join(
-                 f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()) + "`", "",
+             command_line("bench.proofs", args), "",
              "| c | proofs on/off req/s (95% CI) | A/A off2/off (95% CI) | frontend CPU ms/request off, on | "
              "bytes per proof (raw, base64) | bytes per 32 tokens |", "| --- | --- | --- | --- | --- | --- |"]
     for c in r["by_concurrency"]:
@@ -152,13 +150,7 @@ def main() -> None:
     lines += ["", f"Validation (compare.toploc, {v['sequences']} sequences, {v['tokens']} tokens): "
                   f"{v['validate_s_per_1k_tokens']:.3f} s per 1,000 tokens against a plain prefill's "
                   f"{v['plain_prefill_s_per_1k_tokens']:.3f} s ({v['validate_over_prefill']:.2f}x)."]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    out = ROOT / "bench" / "results"
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{args.name}.json").write_text(json.dumps(r, indent=1) + "\n")
-    (out / f"{args.name}.md").write_text(text)
-
+    write_results(args.name, r, "\n".join(lines) + "\n")
 
 if __name__ == "__main__":
     main()

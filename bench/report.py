@@ -580,3 +580,20 @@ def write(res: dict, out: Path, quick: bool) -> list[Path]:
     md.write_text(markdown(res, png.name if has_plot else None))
     paths.append(md)
     return paths
+
+
+def command_line(module: str, args) -> str:
+    """The command that produced a result, as the result's Markdown records it."""
+    return f"`.venv/bin/python -m {module} " + " ".join(
+        f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()) + "`"
+
+
+def write_results(name: str, results, text: str) -> None:
+    """Prints `text` and writes bench/results/<name>.json (the figures) and .md (`text`)."""
+    from bench.procs import ROOT
+
+    print(text)
+    out = ROOT / "bench" / "results"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(results, indent=1) + "\n")
+    (out / f"{name}.md").write_text(text)

@@ -18,15 +18,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import random
 import statistics
 import time
 
 from bench.measure import paired_ratio_ci
-from bench.procs import ROOT
-from bench.report import ci_text
+from bench.report import ci_text, command_line, write_results
 from bench.servers import ENGINE_ENV
 
 ENGINE_ARGS = {"dtype": "float32", "enforce_eager": True, "kv_cache_memory_bytes": 2**30, "max_model_len": 4096,
@@ -131,8 +129,7 @@ def main() -> None:
     results = [asyncio.run(_method(m, model_dir, args)) for m in args.methods.split(",")]
     lines = [f"# Hidden states under speculative decoding (tiny model, {args.rounds} rounds x {args.requests} "
              f"requests, c={args.concurrency}, {args.max_tokens} tokens each, 3 draft tokens)", "",
-             "`.venv/bin/python -m bench.spec " + " ".join(
-                 f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()) + "`", "",
+             command_line("bench.spec", args), "",
              "| drafter | on/off req/s (95% CI) | A/A off2/off (95% CI) | vectors | via | computed tokens per vector "
              "(mean, max) | accepted drafts per verify step | acceptance rate |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -143,13 +140,7 @@ def main() -> None:
                      f"{r['aa_over_off']:.3f} ({ci_text(r['aa_over_off_ci95'])}) | {r['vectors']} | {r['via']} | "
                      f"{r['computed_tokens_per_vector']['mean']:.2f}, {r['computed_tokens_per_vector']['max']} | "
                      f"{'-' if acc is None else f'{acc:.2f}'} | {'-' if rate is None else f'{rate:.2f}'} |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    out = ROOT / "bench" / "results"
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{args.name}.json").write_text(json.dumps(results, indent=1) + "\n")
-    (out / f"{args.name}.md").write_text(text)
-
+    write_results(args.name, results, "\n".join(lines) + "\n")
 
 if __name__ == "__main__":
     main()

@@ -53,6 +53,17 @@ def _modpow(base: np.ndarray, exp: int) -> np.ndarray:
     return out
 
 
+_INVERSES: np.ndarray | None = None
+
+
+def _inverse_table() -> np.ndarray:
+    """1 / v in GF(65497) for every v (0 -> 0): one table, built once (a gather per proof after)."""
+    global _INVERSES
+    if _INVERSES is None:
+        _INVERSES = _modpow(np.arange(PRIME, dtype=np.int64), PRIME - 2)
+    return _INVERSES
+
+
 def _modulus(x: np.ndarray) -> int:
     """The largest m <= 65497 under which `x` stays injective (poly.cpp from_points)."""
     for m in range(PRIME, 0, -1):
@@ -69,7 +80,7 @@ def interpolate(x: Sequence[int], y: Sequence[int]) -> tuple[int, list[int]]:
     xm = x % m
     n = len(xm)
     dd = np.asarray(y, dtype=np.int64) % PRIME
-    inverses = _modpow((xm[:, None] - xm[None, :]) % PRIME, PRIME - 2)  # 1 / (x_i - x_j), all pairs at once
+    inverses = _inverse_table()[(xm[:, None] - xm[None, :]) % PRIME]  # 1 / (x_i - x_j), all pairs at once
     rows = np.arange(n)
     for k in range(1, n):  # dd[i] = (dd[i] - dd[i-1]) / (x[i] - x[i-k]), i = n-1 .. k, old values
         dd[k:] = (dd[k:] - dd[k - 1:-1]) % PRIME * inverses[rows[k:], rows[:-k]] % PRIME

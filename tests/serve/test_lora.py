@@ -116,3 +116,27 @@ def test_unknown_adapter_is_404_naming_what_is_served(lora_app, route, body):
     assert r.status_code == 404, r.text
     err = r.json()["error"]
     assert err["param"] == "model" and "`tiny-llama`, `lora-qv`, `lora-all`" in err["message"], err
+
+
+def test_proofs_on_an_adapter_are_the_adapter_s(lora_client, lora_app, refs):
+    """hidden_states_proof with `model` an adapter: the proofs are of the adapter's activations (the
+    library accepts them on transformers + peft), and the server validates them on the adapter, not on
+    the base model."""
+    from tests.serve.test_proofs import PROOF, activations, verified
+    from tests.toploc_ref import load_toploc
+
+    tl = load_toploc()
+    r = lora_client.completions.create(model="lora-all", prompt="An adapter proves its work", max_tokens=24,
+                                       temperature=0, extra_body={"hidden_states_proof": PROOF,
+                                                                  "return_token_ids": True})
+    (c,) = r.choices
+    proofs = c.hidden_states_proof["proofs"]
+    ids, P = list(c.prompt_token_ids) + list(c.token_ids), len(c.prompt_token_ids)
+    assert all(verified(tl, activations(refs["lora-all"], ids, P), proofs))
+    body = {"prompt": list(c.prompt_token_ids), "completion": list(c.token_ids),
+            "compare": {"toploc": {**PROOF, "proofs": proofs}}}
+    on = [httpx.post(f"{lora_app}/v1/hidden_states", json={"model": m, **body}, timeout=120).json()["comparison"]
+          for m in ("lora-all", BASE)]
+    assert on[0]["ok"] is True, on[0]
+    base_lib = verified(tl, activations(refs[None], ids, P), proofs)
+    assert [p["ok"] for p in on[1]["proofs"]] == base_lib, (on[1], base_lib)
