@@ -137,7 +137,8 @@ def test_every_position_and_the_completion_s_rows_match_transformers(serve_app, 
     reference.assert_matches(ids[:start], decode_vector(end["hidden_states"]))
     # the default is the final token's vector, as ever
     default = post(serve_app, body).json()
-    assert "position" not in default["hidden_states_meta"] and len(default["hidden_states"]) == 128
+    meta = default["hidden_states_meta"]
+    assert meta["position"] == "completion_end" and meta["shape"] == [128] and len(default["hidden_states"]) == 128
     reference.assert_matches(ids, decode_vector(default["hidden_states"]))
 
 
