@@ -36,3 +36,19 @@ def load_toploc():
     import toploc
 
     return toploc
+
+
+def fed_rows(model, ids: list[int], prompt_len: int) -> list:
+    """transformers' float32 last-layer rows of every fed position (the final token never is), cast to
+    bfloat16 as TOPLOC's validator casts them: the prefill [P, D], then one [1, D] per decode step."""
+    import torch
+
+    with torch.no_grad():
+        rows = model(torch.tensor([ids[:-1]]), output_hidden_states=True).hidden_states[-1][0].to(torch.bfloat16)
+    return [rows[:prompt_len]] + [rows[p:p + 1] for p in range(prompt_len, len(ids) - 1)]
+
+
+def library_ok(tl, acts, proofs, decode_batching_size: int, topk: int = 128) -> list[bool]:
+    """toploc.verify_proofs_base64 per proof, under TOPLOC's thresholds (38, 10, 8)."""
+    return [r.exp_mismatches <= 38 and r.mant_err_mean <= 10 and r.mant_err_median <= 8
+            for r in tl.verify_proofs_base64(acts, proofs, decode_batching_size, topk)]

@@ -188,10 +188,9 @@ def test_batch_proofs_column(tmp_path, reference):
     """`--proof`: each row's TOPLOC proofs in a `proofs` column, accepted by the real toploc library on
     transformers' rows of the row's prompt + completion."""
     import pyarrow.parquet as pq
-    import torch
 
     from hidden_states.proofs import toploc as ours
-    from tests.toploc_ref import load_toploc
+    from tests.toploc_ref import fed_rows, load_toploc
 
     tl = load_toploc()
     inp = tmp_path / "prompts.jsonl"
@@ -205,9 +204,5 @@ def test_batch_proofs_column(tmp_path, reference):
     for r in final:
         ids, P = r["prompt_token_ids"] + r["token_ids"], len(r["prompt_token_ids"])
         assert len(r["proofs"]) == len(ours.chunk_bounds(P, len(ids), 2)) >= 2  # the prefill, then windows of 2
-        with torch.no_grad():
-            fed = reference.model(torch.tensor([ids[:-1]]), output_hidden_states=True).hidden_states[-1][0]
-        fed = fed.to(torch.bfloat16)
-        acts = [fed[:P]] + [fed[p:p + 1] for p in range(P, len(ids) - 1)]
-        results = tl.verify_proofs_base64(acts, r["proofs"], 2, 128)
+        results = tl.verify_proofs_base64(fed_rows(reference.model, ids, P), r["proofs"], 2, 128)
         assert all(x.exp_mismatches <= 38 and x.mant_err_mean <= 10 and x.mant_err_median <= 8 for x in results), results

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from hidden_states.proofs import toploc as ours
-from tests.toploc_ref import load_toploc
+from tests.toploc_ref import fed_rows, library_ok, load_toploc
 
 QUESTIONS = ["What is the capital of France? Answer in one sentence.", "Name three colours, then count to five.",
              "Explain in two sentences why the sky is blue."]
@@ -50,15 +50,12 @@ def smol(request, loop_thread):
     eng.shutdown()
 
 
-def activations(model, ids: list[int], prompt_len: int) -> list[torch.Tensor]:
-    with torch.no_grad():
-        rows = model(torch.tensor([ids[:-1]]), output_hidden_states=True).hidden_states[-1][0].to(torch.bfloat16)
-    return [rows[:prompt_len]] + [rows[p:p + 1] for p in range(prompt_len, len(ids) - 1)]
+def activations(model, ids: list[int], prompt_len: int):
+    return fed_rows(model, ids, prompt_len)
 
 
-def library_ok(tl, acts, proofs) -> list[bool]:
-    return [r.exp_mismatches <= 38 and r.mant_err_mean <= 10 and r.mant_err_median <= 8
-            for r in tl.verify_proofs_base64(acts, proofs, PROOF["decode_batching_size"], PROOF["topk"])]
+def _ok(tl, acts, proofs) -> list[bool]:
+    return library_ok(tl, acts, proofs, PROOF["decode_batching_size"], PROOF["topk"])
 
 
 def server_check(loop_thread, routes, prompt: list[int], completion: list[int], proofs: list[str]) -> dict:
@@ -98,7 +95,7 @@ def test_proofs_pass_the_library_on_transformers_rows_and_the_server_agrees(smol
             completion, proofs = list(ch.token_ids), list(ch.proofs)
             ids = prompt + completion
             assert ch.hidden_states is None and len(proofs) == len(ours.chunk_bounds(P, len(ids), 32)) >= 2
-            honest = library_ok(tl, activations(smol_ref.model, ids, P), proofs)
+            honest = _ok(tl, activations(smol_ref.model, ids, P), proofs)
             assert all(honest), (eng.dtype, ch.text[:30], honest)
             server = server_check(loop_thread, routes, prompt, completion, proofs)
             assert server["ok"] is True and [p["ok"] for p in server["proofs"]] == honest, server
@@ -108,7 +105,7 @@ def test_proofs_pass_the_library_on_transformers_rows_and_the_server_agrees(smol
                                    "another completion": (prompt, completion[::-1]),
                                    "one prompt token": (prompt[:P // 2] + [(prompt[P // 2] + 7) % tok.vocab_size]
                                                         + prompt[P // 2 + 1:], completion)}.items():
-                lib = library_ok(tl, activations(smol_ref.model, p2 + c2, len(p2)), proofs)
+                lib = _ok(tl, activations(smol_ref.model, p2 + c2, len(p2)), proofs)
                 srv = [p["ok"] for p in server_check(loop_thread, routes, p2, c2, proofs)["proofs"]]
                 if eng.dtype == "float32":  # the server recomputes the rows transformers does: proof by proof
                     assert srv == lib, (what, lib, srv)
@@ -116,7 +113,7 @@ def test_proofs_pass_the_library_on_transformers_rows_and_the_server_agrees(smol
                     one_token.append(all(lib))
                 else:  # the request's verdict, whatever the precision the server recomputes in
                     assert not all(lib) and not all(srv), (what, eng.dtype, lib, srv)
-            assert not all(library_ok(tl, activations(perturbed, ids, P), proofs)), "another model"
+            assert not all(_ok(tl, activations(perturbed, ids, P), proofs)), "another model"
             counted += 1
     assert counted == 5
     print(f"\n{eng.dtype}: one mid-prompt token changed was accepted by TOPLOC for {sum(one_token)} of "

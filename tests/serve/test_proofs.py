@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import httpx
 import pytest
-import torch
 
 from hidden_states.proofs import toploc as ours
-from tests.toploc_ref import load_toploc
+from tests.toploc_ref import fed_rows, library_ok, load_toploc
 
 MODEL = "tiny-llama"
 MSGS = [{"role": "user", "content": "Prove what you say about proofs"}]
@@ -22,18 +21,12 @@ def tl():
     return load_toploc()
 
 
-def activations(reference, ids: list[int], prompt_len: int) -> list[torch.Tensor]:
-    """transformers' float32 last-layer rows of every fed position, cast to bfloat16 as TOPLOC's
-    validator casts them: the prefill [P, D], then one [1, D] per decode step."""
-    with torch.no_grad():
-        rows = reference.model(torch.tensor([ids[:-1]]), output_hidden_states=True).hidden_states[-1][0]
-    rows = rows.to(torch.bfloat16)
-    return [rows[:prompt_len]] + [rows[p:p + 1] for p in range(prompt_len, len(ids) - 1)]
+def activations(reference, ids: list[int], prompt_len: int):
+    return fed_rows(reference.model, ids, prompt_len)
 
 
 def verified(tl, acts, proofs) -> list[bool]:
-    return [r.exp_mismatches <= 38 and r.mant_err_mean <= 10 and r.mant_err_median <= 8
-            for r in tl.verify_proofs_base64(acts, proofs, PROOF["decode_batching_size"], PROOF["topk"])]
+    return library_ok(tl, acts, proofs, PROOF["decode_batching_size"], PROOF["topk"])
 
 
 def check(base: str, body: dict) -> dict:

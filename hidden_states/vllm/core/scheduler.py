@@ -251,8 +251,12 @@ class _VectorsOnOutputs:
             flag.layers = [absolute_layer(l, L) for l in flag.layers]  # once, for every step's plan
             self._flags[request.request_id] = flag
             span = Span.from_list(flag.span)
-            self._rows[request.request_id] = _StepRefs(flag, span) if span.start >= 0 and \
-                (span.end is None or span.end >= 0) else _Rows(flag, span, dtype=flag.dtype)
+            # Every captured row is wanted where the span starts at an absolute position and either has
+            # no end counted from the end, or stops just before the final token without a tail step
+            # (a proof's: that row is computed only by a draft in the finishing step, and the frontend
+            # keeps what was asked): references to the steps' buffers, no window per step.
+            every_row = span.start >= 0 and (span.end is None or span.end >= 0 or (span.end == -1 and not flag.tail))
+            self._rows[request.request_id] = _StepRefs(flag, span) if every_row else _Rows(flag, span, dtype=flag.dtype)
         super().add_request(request)
 
     def schedule(self, *args: Any, **kwargs: Any):

@@ -238,15 +238,9 @@ class Extraction:
         if 0 <= span.start < P - 1 and self.llm.vllm_config.cache_config.enable_prefix_caching:
             # Prompt positions are wanted: a prefix-cache hit would skip computing them.
             prompt = {**prompt, "cache_salt": f"hs-{uuid.uuid4().hex}"}
-        # A span that stops just before the final token ({"start": s, "end": -1}: a proof's) is every
-        # computed row from s on: the final one is never computed without the tail step (a draft that
-        # computes it is the finishing step, and settle keeps only what was asked). The scheduler then
-        # keeps references to the steps' buffers (`_StepRefs`) instead of windowing rows per step.
-        engine_span = Span(span.start, None, span.stride) if span.end == -1 and span.start >= 0 and not tail \
-            else span
         params = params.clone()
         params.extra_args = {**(params.extra_args or {}), **HiddenStatesExtractionRequest(
-            key=key, span=engine_span.to_list(), layers=list(collector.layers), tail=tail, dtype=collector.dtype,
+            key=key, span=span.to_list(), layers=list(collector.layers), tail=tail, dtype=collector.dtype,
             topk=collector.topk or 0,
             every_step=collector.multi and params.output_kind != RequestOutputKind.FINAL_ONLY).to_extra_args()}
         return prompt, params, tail
