@@ -44,24 +44,34 @@ class ProofError(ValueError):
     """A proof that does not decode, or does not fit the request (the message says which)."""
 
 
-def _modpow(base: np.ndarray, exp: int) -> np.ndarray:
-    out, b = np.ones_like(base), base % PRIME
-    while exp:
-        if exp & 1:
-            out = out * b % PRIME
-        b, exp = b * b % PRIME, exp >> 1
+def _modpow(base: np.ndarray, exp: np.ndarray | int) -> np.ndarray:
+    """base ** exp mod 65497, elementwise (square and multiply over the exponents' bits)."""
+    out, b, e = np.ones(np.broadcast(base, exp).shape, np.int64), base % PRIME, np.asarray(exp, np.int64)
+    while e.any():
+        out = np.where(e & 1, out * b % PRIME, out)
+        b, e = b * b % PRIME, e >> 1
     return out
 
 
-_INVERSES: np.ndarray | None = None
+_GENERATOR = 7  # a primitive root of GF(65497): 65496 = 2^3 * 3 * 2729, and 7^(65496/q) != 1 for each q
+_TABLES: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
 
 
-def _inverse_table() -> np.ndarray:
-    """1 / v in GF(65497) for every v (0 -> 0): one table, built once (a gather per proof after)."""
-    global _INVERSES
-    if _INVERSES is None:
-        _INVERSES = _modpow(np.arange(PRIME, dtype=np.int64), PRIME - 2)
-    return _INVERSES
+def _tables() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(exp, log, inverse) over GF(65497), built once: exp[k] = 7^k, log[v] for v != 0 laid out
+    twice (a difference of two residues offset by 65497 indexes it unreduced), inverse[v] = 1 / v
+    (0 -> 0)."""
+    global _TABLES
+    if _TABLES is None:
+        assert all(pow(_GENERATOR, (PRIME - 1) // q, PRIME) != 1 for q in (2, 3, 2729))
+        k = np.arange(PRIME - 1, dtype=np.int64)
+        exp = _modpow(np.int64(_GENERATOR), k)
+        log = np.zeros(PRIME, np.int64)
+        log[exp] = k
+        inverse = np.zeros(PRIME, np.int64)
+        inverse[exp] = exp[(-k) % (PRIME - 1)]
+        _TABLES = exp, np.concatenate([log, log]), inverse
+    return _TABLES
 
 
 def _modulus(x: np.ndarray) -> int:
@@ -72,35 +82,64 @@ def _modulus(x: np.ndarray) -> int:
     raise ProofError("no injective modulus")  # pragma: no cover - 128 distinct ints always have one
 
 
+_SUMS: dict[tuple[int, int], np.ndarray] = {}
+
+
+def _roots_polynomial(roots: np.ndarray) -> np.ndarray:
+    """The coefficients (ascending, n + 1 of them) of prod_j (X - roots_j) over GF(65497): a
+    product tree, each level's products in one pass (bincount over i + j sums the outer products'
+    anti-diagonals; every partial sum stays below 2^53, so float64 adds them exactly)."""
+    n, size = len(roots), 1
+    while size < n:
+        size *= 2
+    polys = np.zeros((size, 2), np.int64)
+    polys[:, 0] = 1  # padding: the constant 1
+    polys[:n, 0], polys[:n, 1] = (-roots) % PRIME, 1
+    while len(polys) > 1:
+        k, r = len(polys) // 2, polys.shape[1]
+        if (k, r) not in _SUMS:
+            i = np.arange(r)
+            _SUMS[k, r] = ((i[:, None] + i[None, :])[None] + (np.arange(k) * (2 * r - 1))[:, None, None]).ravel()
+        outer = polys[0::2, :, None] * polys[1::2, None, :]
+        sums = np.bincount(_SUMS[k, r], weights=outer.ravel().astype(np.float64), minlength=k * (2 * r - 1))
+        polys = (sums.astype(np.int64) % PRIME).reshape(k, 2 * r - 1)
+    return polys[0, :n + 1]
+
+
+def _powers(x: np.ndarray, n: int) -> np.ndarray:
+    """[len(x), n]: x_i^t for t < n over GF(65497), through logs (0^0 = 1)."""
+    exp, log, _ = _tables()
+    powers = exp[log[x][:, None] * np.arange(n)[None, :] % (PRIME - 1)]
+    zero = x == 0
+    powers[zero] = 0
+    powers[zero, 0] = 1
+    return powers
+
+
 def interpolate(x: Sequence[int], y: Sequence[int]) -> tuple[int, list[int]]:
     """(modulus, coefficients in ascending order) of the polynomial through (x mod m, y) over
-    GF(65497): ndd.cpp's compute_newton_coefficients, vectorized (the same integers)."""
+    GF(65497): the one polynomial of degree < n through those points, so the integers of ndd.cpp's
+    Newton interpolation, found with a constant number of array passes (Lagrange's form):
+    with P = prod_j (X - x_j) and c_i = y_i / prod_{j != i} (x_i - x_j), the coefficient of X^j is
+    sum_t P[j + 1 + t] * S_t, where S_t = sum_i c_i * x_i^t (powers and products through logs)."""
+    exp, log, inverse = _tables()
     x = np.asarray(x, dtype=np.int64)
     m = _modulus(x)
     xm = x % m
     n = len(xm)
-    dd = np.asarray(y, dtype=np.int64) % PRIME
-    inverses = _inverse_table()[(xm[:, None] - xm[None, :]) % PRIME]  # 1 / (x_i - x_j), all pairs at once
-    rows = np.arange(n)
-    for k in range(1, n):  # dd[i] = (dd[i] - dd[i-1]) / (x[i] - x[i-k]), i = n-1 .. k, old values
-        dd[k:] = (dd[k:] - dd[k - 1:-1]) % PRIME * inverses[rows[k:], rows[:-k]] % PRIME
-    coeffs, factor = np.zeros(n, np.int64), np.zeros(n + 1, np.int64)
-    factor[0] = 1
-    for i in range(n):  # coeffs += dd[i] * prod_{j<i} (X - x_j)
-        coeffs[:i + 1] = (coeffs[:i + 1] + dd[i] * factor[:i + 1]) % PRIME
-        if i + 1 < n:
-            shifted = np.concatenate([[0], factor[:-1]])
-            factor = (shifted + factor * ((-xm[i]) % PRIME)) % PRIME
+    diff_logs = log[xm[:, None] - xm[None, :] + PRIME]  # distinct residues: no difference is 0
+    np.fill_diagonal(diff_logs, 0)
+    c = np.asarray(y, dtype=np.int64) % PRIME * inverse[exp[diff_logs.sum(1) % (PRIME - 1)]] % PRIME
+    s = c @ _powers(xm, n) % PRIME
+    p = _roots_polynomial(xm)
+    coeffs = np.convolve(p[1:][::-1], s)[:n][::-1] % PRIME  # sum_t P[j + 1 + t] * S_t
     return m, coeffs.tolist()
 
 
 def evaluate(coeffs: Sequence[int], x: np.ndarray) -> np.ndarray:
-    """The polynomial at points `x` (Horner, mod 65497: ndd.cpp evaluate_polynomial)."""
+    """The polynomial at points `x`, mod 65497 (ndd.cpp evaluate_polynomial's integers)."""
     x = np.asarray(x, dtype=np.int64) % PRIME
-    out = np.full(x.shape, coeffs[-1], np.int64)
-    for c in coeffs[-2::-1]:
-        out = (out * x + c) % PRIME
-    return out
+    return _powers(x.reshape(-1), len(coeffs)) @ np.asarray(coeffs, np.int64) % PRIME
 
 
 def encode(modulus: int, coeffs: Sequence[int]) -> str:
@@ -137,6 +176,9 @@ def chunk_topk(positions: np.ndarray, indices: np.ndarray, bits: np.ndarray, lo:
     [n, k] uint16. Largest magnitude first; ties by lowest flat index."""
     flat = ((positions[:, None] - lo) * width + indices).reshape(-1).astype(np.int64)
     b = bits.reshape(-1).astype(np.int64)
+    if len(b) > topk:  # only entries at or above the k-th magnitude can be in it
+        keep = (b & 0x7FFF) >= np.partition(b & 0x7FFF, len(b) - topk)[len(b) - topk]
+        flat, b = flat[keep], b[keep]
     order = np.lexsort((flat, -(b & 0x7FFF)))[:topk]
     return flat[order], b[order]
 

@@ -58,12 +58,20 @@ def server_proofs(acts: list[torch.Tensor], spec: ProofRequest, pieces: int = 3,
 
 
 def test_the_polynomial_is_toplocs_byte_for_byte(tl):
+    """Interpolation is ours (Lagrange's form, through logs), toploc's is Newton's: the same
+    integers on every shape of input, the index 0 (no log) and a modulus that steps down included."""
     rng = np.random.default_rng(0)
-    for n, span in ((128, 20_000), (128, 200_000), (7, 40), (64, 65_497 * 3)):
+    cases = [(128, 20_000), (128, 200_000), (7, 40), (64, 65_497 * 3), (1, 3), (2, 3), (3, 3), (128, 128)]
+    cases += [(int(rng.integers(1, 200)), int(rng.choice([300, 30_000, 70_000]))) for _ in range(40)]
+    for case, (n, span) in enumerate(cases):
         x = rng.choice(span, n, replace=False)
-        if span > 65_497:  # two indices equal mod 65497: the modulus must step down
-            x[1] = x[0] + 65_497 if x[0] + 65_497 < span else x[0] - 65_497
-        y = torch.from_numpy(rng.standard_normal(n).astype(np.float32)).to(torch.bfloat16)
+        if case % 3 == 0 and 0 not in x:
+            x[-1] = 0
+        if span > 65_497 and n > 1:  # two indices equal mod 65497: the modulus must step down
+            x[0] = x[0] % (span - 65_497)
+            x[1] = x[0] + 65_497
+            x = np.unique(x)
+        y = torch.from_numpy(rng.standard_normal(len(x)).astype(np.float32)).to(torch.bfloat16)
         theirs = tl.ProofPoly.from_points_tensor(torch.from_numpy(x.astype(np.int64)), y)
         modulus, coeffs = ours.interpolate(x.tolist(), bits(y).tolist())
         assert (modulus, coeffs) == (theirs.modulus, list(theirs.coeffs))
