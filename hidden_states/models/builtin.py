@@ -4,7 +4,8 @@ Each is a deterministic random-weight decoder (the same bytes on every machine
 for the same spec) with a byte-level BPE tokenizer trained on
 `hidden_states/models/data/corpus.txt`, bos/eos tokens and a chat template. Their
 outputs are meaningless: they exist for smoke tests, correctness tests against
-transformers and benchmarks. Built once into a cache folder, reused after.
+transformers and benchmarks. Built once into a cache folder, reused after. A build
+says what it does on stderr (stdout may carry the paths, as `python -m` prints them).
 
     python -m hidden_states.models.builtin              # builds the server's default, prints its path
     python -m hidden_states.models.builtin llama-100m   # the benchmark's larger model
@@ -102,6 +103,7 @@ def build(name: str = "tiny-llama") -> Path:
     out = cache_root() / f"{name}-{_VERSION}"
     if (out / "DONE").exists():
         return out
+    say(f"building builtin:{name} (random weights, a tokenizer trained on the corpus) into {out}")
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
     spec = SPECS[name]
@@ -114,7 +116,17 @@ def build(name: str = "tiny-llama") -> Path:
     except OSError:  # another process built it first
         if not (out / "DONE").exists():
             raise
+    say(f"done: {out} ({folder_mb(out)} MB)")
     return out
+
+
+def say(line: str) -> None:
+    """A build's progress, on stderr: stdout is the paths `python -m` prints."""
+    print(f"builtin models: {line}", file=sys.stderr, flush=True)
+
+
+def folder_mb(path: Path) -> int:
+    return round(sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 1e6)
 
 
 def _train_tokenizer(vocab_size: int):

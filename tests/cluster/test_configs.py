@@ -5,6 +5,8 @@
   ray-schema.json shipped in the ray package), plus the pool's shape.
 - rayservice.yaml: the fields KubeRay needs, and its serveConfigV2 through Ray
   Serve's own pydantic schema and the app's own argument model.
+- All of them: the Ray pyproject.toml pins (and the venv has), a Python the
+  project supports, and the app named as config.yaml names it.
 
 Every validator is also shown a deliberately broken copy and must reject it,
 so a validator that accepts anything fails here.
@@ -16,6 +18,7 @@ import copy
 import dataclasses
 import json
 import re
+import tomllib
 from pathlib import Path
 
 import jsonschema
@@ -27,6 +30,7 @@ from ray.autoscaler._private.util import prepare_config, validate_config
 
 CLUSTER = Path(__file__).resolve().parents[2] / "cluster"
 REPO = CLUSTER.parent
+PROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
 IMPORT_PATH = "deployments.app:build_app"
 SCHEMA_PATH = Path(ray.__file__).parent / "autoscaler" / "ray-schema.json"
 
@@ -451,13 +455,55 @@ def test_gpu_capacity_fits_serve_max_replicas():
     assert gpu_pool_errors(load("gpu-aws.yaml"), serve_cfg) == []
 
 
-def test_ray_versions_match_the_installed_ray():
-    """`ray up` needs the same Ray on both sides; the images and rayVersion say which."""
-    want = ray.__version__
-    assert load("rayservice.yaml")["spec"]["rayClusterConfig"]["rayVersion"] == want
-    assert load("gpu-aws.yaml")["docker"]["image"].startswith(f"rayproject/ray:{want}-")
-    assert f"FROM rayproject/ray:{want}-" in (CLUSTER / "Dockerfile").read_text()
-    assert f'"ray[default,serve]=={want}"' in " ".join(load("tpu-gcp.yaml")["setup_commands"])
+def _first(rx: str, text: str) -> str | None:
+    m = re.search(rx, text, re.M)
+    return m.group(1) if m else None
+
+
+def pinned_ray() -> str | None:
+    """The version pyproject.toml pins Ray to (`ray[...]==X`): the one Ray the project runs."""
+    pins = [v for d in PROJECT["dependencies"] if (v := _first(r"^ray(?:\[[\w,]+\])?==([\w.]+)$", d.replace(" ", "")))]
+    return pins[0] if len(pins) == 1 else None
+
+
+def cluster_ray_versions() -> dict[str, str | None]:
+    """The Ray each cluster file runs."""
+    return {
+        "rayservice.yaml rayVersion": load("rayservice.yaml")["spec"]["rayClusterConfig"]["rayVersion"],
+        "gpu-aws.yaml docker.image": _first(r"^rayproject/ray:([\w.]+)-py3\d+-gpu$", load("gpu-aws.yaml")["docker"]["image"]),
+        "Dockerfile FROM": _first(r"^FROM rayproject/ray:([\w.]+)-py3\d+-gpu$", (CLUSTER / "Dockerfile").read_text()),
+        "tpu-gcp.yaml setup_commands": _first(r'"ray\[[\w,]+\]==([\w.]+)"', " ".join(load("tpu-gcp.yaml")["setup_commands"])),
+    }
+
+
+def test_ray_is_one_version_everywhere():
+    """pyproject.toml pins Ray exactly, every cluster file runs that Ray (`ray up` needs the same Ray
+    on both sides) and so does this venv: a newer Ray on the registry changes none of them."""
+    pin = pinned_ray()
+    assert pin, "pyproject.toml must pin Ray exactly once: ray[...]==X"
+    assert {k: v for k, v in cluster_ray_versions().items() if v != pin} == {}, f"pyproject.toml pins ray {pin}"
+    assert ray.__version__ == pin, f"installed ray {ray.__version__} != pyproject's {pin}: run scripts/setup.sh"
+
+
+def test_cluster_pythons_are_ones_the_project_supports():
+    """The images' Python (pyNNN in the tag) and the TPU nodes' venv within requires-python."""
+    lo, hi = re.fullmatch(r">=3\.(\d+),<3\.(\d+)", PROJECT["requires-python"]).groups()
+    minors = {
+        "Dockerfile": _first(r"^FROM rayproject/ray:[\w.]+-py3(\d+)-", (CLUSTER / "Dockerfile").read_text()),
+        "gpu-aws.yaml": _first(r"-py3(\d+)-", load("gpu-aws.yaml")["docker"]["image"]),
+        "tpu-gcp.yaml": _first(r"uv venv --python 3\.(\d+)", " ".join(load("tpu-gcp.yaml")["setup_commands"])),
+    }
+    assert {k: v for k, v in minors.items() if v is None or not int(lo) <= int(v) < int(hi)} == {}
+
+
+def test_every_serve_config_names_the_app_as_config_yaml():
+    """Handles find the app by its name (README.md: `serve.get_app_handle(...)`): one name in every
+    shipped Serve config, the README's example included."""
+    (want,) = [a["name"] for a in yaml.safe_load((REPO / "config.yaml").read_text())["applications"]]
+    names = {"cluster/serve-gpu.yaml": [a["name"] for a in load("serve-gpu.yaml")["applications"]],
+             "cluster/rayservice.yaml serveConfigV2": [a["name"] for a in embedded_serve_config()["applications"]],
+             "README.md get_app_handle": re.findall(r'get_app_handle\("([^"]+)"\)', (REPO / "README.md").read_text())}
+    assert {k: v for k, v in names.items() if set(v) - {want}} == {}, f"config.yaml names its app {want!r}"
 
 
 # --------------------------------------------------------------------------
