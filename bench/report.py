@@ -492,7 +492,64 @@ def _strip(d):
 
 # -- plot ------------------------------------------------------------------------------
 
+def ratio_series(res: dict) -> dict[str, list[dict]]:
+    """The plot's ratio lines, {"hs": [...], "serve": [...]}: each {label, marker, ls, points: [(concurrency,
+    ratio, (low, high) or None)]}, the interval the ratio's recorded `req_per_s_ci95` (None before those were
+    recorded, or with too few rounds). Ratios that are None are left out."""
+    out: dict[str, list[dict]] = {"hs": [], "serve": []}
+
+    def add(panel, label, bc, get, key="req_per_s", marker="o", ls="-"):
+        points = []
+        for c, row in bc.items():
+            r = get(row)
+            if r is not None and r.get(key) is not None:
+                ci = r.get(f"{key}_ci95")
+                points.append((c, r[key], tuple(ci) if ci else None))
+        if points:
+            no_ci = "" if any(ci for _, _, ci in points) else " (no 95% CI)"
+            out[panel].append({"label": label + no_ci, "marker": marker, "ls": ls, "points": points})
+
+    for model, m in res.get("models", {}).items():
+        bc = m.get("hs", {}).get("by_concurrency", {})
+        add("hs", f"{model} req/s", bc, lambda row: row["ratio"])
+        add("hs", f"{model} tok/s", bc, lambda row: row["ratio"], key="out_tok_per_s", marker="x", ls=":")
+        add("hs", f"{model} A/A control (off / off again)", bc, lambda row: row.get("control_ratio"),
+            marker=".", ls="--")
+        bc = m.get("positions", {}).get("by_concurrency", {})
+        add("hs", f"{model} rows float16 / off", bc, lambda row: row["f16_vs_off"], marker="v")
+        add("hs", f"{model} rows top-{T.POSITIONS_TOPK} / off", bc, lambda row: row["topk_vs_off"], marker="^")
+        add("hs", f"{model} rows A/A control", bc, lambda row: row.get("control_ratio"), marker=".", ls="--")
+        bc = m.get("serve", {}).get("by_concurrency", {})
+        add("serve", f"{model}: ours / vLLM", bc, lambda row: row["ours_vs_vllm"])
+        add("serve", f"{model}: ours / Ray Serve LLM", bc, lambda row: row["ours_vs_rsllm"], marker="s")
+        add("serve", f"{model}: Ray Serve LLM / vLLM", bc, lambda row: row["rsllm_vs_vllm"], marker="^", ls=":")
+        add("serve", f"{model}: ours (Router's own port) / vLLM", bc, lambda row: row.get("port_vs_vllm"),
+            marker="P", ls="-.")
+        add("serve", f"{model}: ours (ingress: replica) / vLLM", bc, lambda row: row.get("direct_vs_vllm"),
+            marker="D", ls="--")
+    return out
+
+
+def error_bars(points: list[tuple]) -> tuple[list[float], list[float]]:
+    """matplotlib's yerr for a series' points: how far each interval reaches below and above its ratio
+    (0 where there is none; a ratio outside its bootstrap interval gets 0 on that side)."""
+    return ([max(0.0, y - ci[0]) if ci else 0.0 for _, y, ci in points],
+            [max(0.0, ci[1] - y) if ci else 0.0 for _, y, ci in points])
+
+
+def _draw_ratios(ax, series: list[dict]) -> None:
+    """Each series with its 95% intervals as error bars, on one x slot per concurrency (series side by side)."""
+    cs = sorted({c for s in series for c, _, _ in s["points"]}, key=lambda c: float(c))
+    slot = {c: i for i, c in enumerate(cs)}
+    for k, s in enumerate(series):
+        dx = 0.05 * (k - (len(series) - 1) / 2)
+        ax.errorbar([slot[c] + dx for c, _, _ in s["points"]], [y for _, y, _ in s["points"]],
+                    yerr=error_bars(s["points"]), marker=s["marker"], ls=s["ls"], capsize=3, label=s["label"])
+    ax.set_xticks(range(len(cs)), cs)
+
+
 def plot(res: dict, path: Path) -> bool:
+    """The four panels; every ratio drawn with its 95% interval as error bars where one was recorded."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -500,35 +557,19 @@ def plot(res: dict, path: Path) -> bool:
     except Exception:
         return False
     models = res.get("models", {})
+    series = ratio_series(res)
     fig, axes = plt.subplots(2, 2, figsize=(13, 9))
     ax = axes[0][0]
-    for model, m in models.items():
-        bc = m.get("hs", {}).get("by_concurrency", {})
-        if bc:
-            cs = list(bc)
-            ax.plot(cs, [bc[c]["ratio"]["req_per_s"] for c in cs], marker="o", label=f"{model} req/s")
-            ax.plot(cs, [bc[c]["ratio"]["out_tok_per_s"] for c in cs], marker="x", ls=":", label=f"{model} tok/s")
+    _draw_ratios(ax, series["hs"])
     ax.axhline(T.HS_THROUGHPUT_MIN, color="red", ls="--", lw=1, label=f"target {T.HS_THROUGHPUT_MIN:.2f}")
-    ax.set_title("1. Hidden states on / off: throughput ratio")
+    ax.set_title("1. Hidden states on / off: throughput ratio (95% CI)")
     ax.set_xlabel("concurrency")
     ax.legend(fontsize=8)
     ax = axes[0][1]
-    for model, m in models.items():
-        bc = m.get("serve", {}).get("by_concurrency", {})
-        if bc:
-            cs = list(bc)
-            ax.plot(cs, [bc[c]["ours_vs_vllm"]["req_per_s"] for c in cs], marker="o", label=f"{model}: ours / vLLM")
-            ax.plot(cs, [bc[c]["ours_vs_rsllm"]["req_per_s"] for c in cs], marker="s", label=f"{model}: ours / Ray Serve LLM")
-            ax.plot(cs, [bc[c]["rsllm_vs_vllm"]["req_per_s"] for c in cs], marker="^", ls=":", label=f"{model}: Ray Serve LLM / vLLM")
-            if all("port" in bc[c] for c in cs):
-                ax.plot(cs, [bc[c]["port_vs_vllm"]["req_per_s"] for c in cs], marker="P", ls="-.",
-                        label=f"{model}: ours (Router's own port) / vLLM")
-            if all("direct" in bc[c] for c in cs):
-                ax.plot(cs, [bc[c]["direct_vs_vllm"]["req_per_s"] for c in cs], marker="D", ls="--",
-                        label=f"{model}: ours (ingress: replica) / vLLM")
+    _draw_ratios(ax, series["serve"])
     ax.axhline(T.SERVE_VS_VLLM_MIN, color="red", ls="--", lw=1, label=f"target ours/vLLM {T.SERVE_VS_VLLM_MIN:.2f}")
     ax.axhline(1.0, color="gray", ls=":", lw=1)
-    ax.set_title("2. Serve layer: throughput ratio (req/s)")
+    ax.set_title("2. Serve layer: throughput ratio (req/s, 95% CI)")
     ax.set_xlabel("concurrency")
     ax.legend(fontsize=8)
     ax = axes[1][0]
@@ -597,3 +638,34 @@ def write_results(name: str, results, text: str) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.json").write_text(json.dumps(results, indent=1) + "\n")
     (out / f"{name}.md").write_text(text)
+
+
+def main(argv=None) -> int:
+    """`python -m bench.report RESULTS_JSON ...`: each recorded run's plot drawn again from its results JSON
+    (plot.png next to it, plot-quick.png for a --quick run), its summary untouched; nothing is run."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m bench.report", description=main.__doc__)
+    ap.add_argument("results", nargs="+", type=Path, help="a `python -m bench` results JSON, e.g. "
+                                                          "bench/results/tiny-hs-long/results.json")
+    ap.add_argument("--out", type=Path, help="where to write the PNG (one results JSON only); default: next to it")
+    args = ap.parse_args(argv)
+    if args.out and len(args.results) > 1:
+        ap.error("--out takes one results JSON")
+    for js in args.results:
+        res = json.loads(js.read_text())
+        if not res.get("models") and not res.get("payload"):
+            print(f"{js}: not a `python -m bench` results JSON (no models, no payload)")
+            return 1
+        png = args.out or js.with_name(f"plot{'-quick' if res.get('quick') else ''}.png")
+        if not plot(res, png):
+            print("matplotlib is not installed: `make bench` installs pyproject's bench extra")
+            return 1
+        print(f"wrote {png}")
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())

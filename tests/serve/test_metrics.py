@@ -76,6 +76,12 @@ def test_vllm_and_our_metrics_count_what_was_sent(serve_app, client):
     for name in ("ray_hidden_states_vector_bytes", "ray_hidden_states_extraction_seconds_count",
                  "ray_hidden_states_vector_faults", "ray_vllm_num_requests_running", "ray_vllm_kv_cache_usage_perc"):
         assert any(n.startswith(name) for n in after), (name, sorted(n for n in after if n.startswith("ray_vllm"))[:40])
+    # docs/operations.md names each metric as this scrape shows it, exactly
+    from tests.docs_metrics import documented_metric_names
+
+    named = documented_metric_names()
+    assert len(named) >= 10 and not [n for n in named if n not in after], \
+        ([n for n in named if n not in after], sorted(n for n in after if n.startswith("ray_hidden")))
 
 
 def test_the_dashboard_plots_metrics_that_exist(serve_app, client):

@@ -1,4 +1,5 @@
-"""The docs name only what exists: README.md (README.new.md while that draft exists) and docs/*.md.
+"""The docs name only what exists: README.md (README.new.md while that draft exists), docs/*.md
+and cluster/README.md.
 
 Every path under tests/, bench/, scripts/, cluster/, hidden_states/, deployments/ exists;
 every `tests/...py::name` is a test function or class defined in that file (a bare
@@ -43,7 +44,7 @@ def readme() -> Path:
 
 
 def doc_files() -> list[Path]:
-    return [readme(), *sorted((ROOT / "docs").glob("*.md"))]
+    return [readme(), *sorted((ROOT / "docs").glob("*.md")), ROOT / "cluster" / "README.md"]
 
 
 def text(path: Path) -> str:
