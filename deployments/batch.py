@@ -134,8 +134,7 @@ class EngineWorker:
 
     def _prompt_ids(self, prompt: Any, messages: Any) -> list[int]:
         if messages is not None and len(messages):
-            return list(self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True,
-                                                           return_dict=False))
+            return self.engine.chat_prompt(list(messages))
         return list(self.tokenizer.encode(str(prompt)))
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, Any]:
@@ -177,6 +176,15 @@ class EngineWorker:
         return pa.table(out)
 
 
+def worker_resources(app: Any) -> dict[str, float]:
+    """Ray resources for one engine actor (AppArgs `app`), as a replica's: a CPU engine one CPU per
+    tensor-parallel worker; a GPU engine one GPU per worker (vLLM runs them as the actor's own processes)."""
+    tp = int(app.engine.get("tensor_parallel_size", 1))
+    if app.resolved_accelerator() == "cpu":
+        return {"num_cpus": tp}
+    return {"num_cpus": 1, "num_gpus": tp}
+
+
 def run(args: argparse.Namespace) -> int:
     import ray
 
@@ -185,7 +193,8 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.monotonic()
     output = Path(args.output)
     skip = done_ids(output)
-    ray.init(address=os.environ.get("RAY_ADDRESS"), logging_level="WARNING", include_dashboard=False)
+    # A cluster of its own unless RAY_ADDRESS names one: never a running server's, whose engines hold its CPUs.
+    ray.init(address=os.environ.get("RAY_ADDRESS") or "local", logging_level="WARNING", include_dashboard=False)
     source = Path(args.input)
     ds = ray.data.read_parquet(str(source)) if source.suffix == ".parquet" else ray.data.read_json(str(source))
     ds = ds.map(lambda row: {**row, "id": row_id(row)})
@@ -193,7 +202,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"batch: {len(skip)} rows already in {output}: skipping them", file=sys.stderr)
         ds = ds.filter(lambda row: row["id"] not in skip)
     app = AppArgs(model=args.model, engine=json.loads(args.engine) if args.engine else {},
-                  lora_modules=[dict(zip(("name", "path"), m.split("=", 1))) for m in args.lora_modules])
+                  accelerator=args.accelerator, lora_modules=[dict(zip(("name", "path"), m.split("=", 1))) for m in args.lora_modules])
     if args.adapter is not None and args.adapter not in app.served_model_names[1:]:
         raise SystemExit(f"--adapter {args.adapter}: not among --lora-modules ({app.served_model_names[1:]})")
     engine_args = {**app.engine_args(), "warm_up_s": args.warm_up_s}
@@ -202,7 +211,7 @@ def run(args: argparse.Namespace) -> int:
                                                             args.adapter, args.position, args.dtype, args.topk,
                                                             args.proof),
                          batch_size=args.batch_size, compute=ray.data.ActorPoolStrategy(size=args.engines),
-                         num_cpus=1, batch_format="numpy")
+                         batch_format="numpy", **worker_resources(app))
     out.write_parquet(str(output))
     ray.shutdown()  # the engines' actors end here, not in the interpreter's exit hooks
     total = len(done_ids(output))
@@ -217,7 +226,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--output", required=True, help="a folder for the Parquet files (reruns resume)")
     ap.add_argument("--model", default="builtin:smollm2-135m-instruct")
     ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--engines", type=int, default=1, help="engine actors (one CPU each on CPU engines)")
+    ap.add_argument("--engines", type=int, default=1,
+                    help="engine actors (each asks for what its engine runs on: --accelerator)")
+    ap.add_argument("--accelerator", choices=("auto", "cpu", "gpu"), default="auto",
+                    help="what each engine actor asks Ray for: a CPU per tensor-parallel worker (cpu), or a GPU "
+                         "per worker (gpu); auto: cpu where vLLM's CPU build is installed, else gpu")
     ap.add_argument("--batch-size", type=int, default=16, help="rows per engine call")
     ap.add_argument("--engine", default=None, help="vLLM engine arguments as JSON, over the defaults")
     ap.add_argument("--warm-up-s", type=float, default=0.0, help="CPU warm-up per engine (see AppArgs.warm_up_s)")

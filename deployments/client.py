@@ -4,6 +4,7 @@
     from deployments.client import complete
     handle = serve.get_app_handle("hidden-states")
     result = complete(handle, "Hello!", max_tokens=16)       # blocking; model="my-adapter": a LoRA adapter
+    chat = complete(handle, messages=[{"role": "user", "content": "Hi"}])   # the chat template, as over HTTP
     result = await complete_async(handle, "Hello!")          # in async code
     result.choices[0].hidden_states  # numpy float32 [hidden_size]
     rows = complete(handle, "Hello!", hidden_states_position={"start": -8, "stride": 2}, hidden_states_dtype="float16")
@@ -39,7 +40,7 @@ class HandleRequestError(RuntimeError):
         self.status = status
 
 
-def _request(prompt: str | list[int], **kw: Any) -> bytes:
+def _request(prompt: str | list[int] | None, messages: list[dict] | None, **kw: Any) -> bytes:
     position = kw.get("hidden_states_position")
     if hasattr(position, "model_dump"):  # a params.PositionRange
         kw["hidden_states_position"] = position.model_dump()
@@ -47,7 +48,10 @@ def _request(prompt: str | list[int], **kw: Any) -> bytes:
         kw["hidden_states_proof"] = kw["hidden_states_proof"].model_dump()
     if kw.get("hidden_states_proof") is not None:  # proofs instead of the default vector
         kw.setdefault("return_hidden_states", False)
-    return ENCODER.encode(HandleCompletionRequest(prompt=prompt, **kw))
+    if (prompt is None) == (messages is None):
+        raise TypeError("complete() takes a prompt (text or token ids) or messages=[...] (chat), not both")
+    return ENCODER.encode(HandleCompletionRequest(prompt=prompt, messages=None if messages is None else list(messages),
+                                                  **kw))
 
 
 def _result(raw: bytes) -> Completion:
@@ -85,8 +89,11 @@ def _cancel(response: Any) -> None:
         pass
 
 
-def complete(handle: Any, prompt: str | list[int], *, timeout_s: float = 600, **kw: Any) -> Completion:
-    """Blocking. kw: model (a LoRA adapter's name; default: the base model), max_tokens, temperature, top_p,
+def complete(handle: Any, prompt: str | list[int] | None = None, *, messages: list[dict] | None = None,
+             timeout_s: float = 600, **kw: Any) -> Completion:
+    """Blocking. A `prompt` (text or token ids), or chat `messages` ([{"role", "content"}], rendered with the
+    model's chat template and its generation prompt, as /v1/chat/completions does). Defaults unlike HTTP's:
+    greedy (temperature 0), max_tokens 16, and return_hidden_states true. kw: model (a LoRA adapter's name; default: the base model), max_tokens, temperature, top_p,
     seed, n, stop, return_hidden_states, hidden_states_layers (default [-1]), and as over HTTP
     hidden_states_position ("completion_end" | "prompt_end": one vector [D]; "completion" | "all" |
     {"start", "end", "stride"}: rows [n, D] at `choice.positions`), hidden_states_dtype ("float32" |
@@ -97,11 +104,12 @@ def complete(handle: Any, prompt: str | list[int], *, timeout_s: float = 600, **
     ({"scheme": "toploc", "topk": 128, "decode_batching_size": 32}): each choice carries its TOPLOC proofs in
     `choice.proofs` instead of a vector. A request above the server's max_hidden_states_bytes raises
     HandleRequestError (400); an unknown model, 404."""
-    return _result(_wait(handle.complete.remote(_request(prompt, **kw)), timeout_s))
+    return _result(_wait(handle.complete.remote(_request(prompt, messages, **kw)), timeout_s))
 
 
-async def complete_async(handle: Any, prompt: str | list[int], **kw: Any) -> Completion:
-    return _result(await _await(handle.complete.remote(_request(prompt, **kw))))
+async def complete_async(handle: Any, prompt: str | list[int] | None = None, *, messages: list[dict] | None = None,
+                         **kw: Any) -> Completion:
+    return _result(await _await(handle.complete.remote(_request(prompt, messages, **kw))))
 
 
 def _verify_request(fields: dict[str, Any]) -> bytes:

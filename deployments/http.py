@@ -24,6 +24,8 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
+import secrets
 import time
 from collections.abc import AsyncIterator
 from typing import Any, Callable
@@ -70,7 +72,9 @@ class CompletionBody(_Body):
 
 
 class ChatBody(_Body):
-    messages: list[dict[str, str]] = Field(min_length=1)
+    messages: list[dict[str, Any]] = Field(
+        min_length=1, description="OpenAI chat messages, as vLLM takes them: a role, and content as a string or a "
+                                  "list of content parts; tool calls and the rest of each message pass through")
 
 
 def failure(e: BaseException) -> Response:
@@ -193,10 +197,25 @@ def error(status: int, message: str, param: str | None = None) -> Response:
     return Response(error_body(message, status, param=param), status_code=status, media_type="application/json")
 
 
+API_KEY_ENV = "HIDDEN_STATES_API_KEY"  # the key out of the config (which Ray's dashboard shows), as vLLM's VLLM_API_KEY
+
+
+def api_key(args: AppArgs) -> str | None:
+    """The key /v1 routes require: `api_key`, or the environment variable in the ingress's process
+    (set where Ray starts: `HIDDEN_STATES_API_KEY=... make serve`, a Kubernetes secret as env).
+    Both set and different is a start-up error, never a guess."""
+    env = os.environ.get(API_KEY_ENV) or None
+    if env is not None and args.api_key is not None and not secrets.compare_digest(env.encode(), args.api_key.encode()):
+        raise ValueError(f"api_key in the app's args and ${API_KEY_ENV} differ: set one")
+    return env or args.api_key
+
+
 def auth(args: AppArgs, request: Request) -> Response | None:
-    if args.api_key is None:
+    key = api_key(args)
+    if key is None:
         return None
-    if request.headers.get("authorization", "") != f"Bearer {args.api_key}":
+    given = request.headers.get("authorization", "").encode()
+    if not secrets.compare_digest(given, b"Bearer " + key.encode()):  # constant time: no timing oracle on the key
         return error(401, "invalid or missing API key: send Authorization: Bearer <key>")
     return None
 
@@ -265,11 +284,12 @@ async def _admit(args: AppArgs, request: Request, route: str) -> tuple[bytes, di
     return body, req
 
 
-def models_list(args: AppArgs, request: Request) -> Response:
+def models_list(args: AppArgs, request: Request, max_model_len: int | None = None) -> Response:
     if (denied := auth(args, request)) is not None:
         return denied
-    # As vLLM's /v1/models: the model, then each LoRA adapter with its folder (`root`) and base (`parent`).
-    card = {"object": "model", "created": 0, "owned_by": "hidden-states-serve"}
+    # As vLLM's /v1/models: the model, then each LoRA adapter with its folder (`root`) and base (`parent`),
+    # each with the engine's max_model_len (prompt + completion tokens; None while no engine answered).
+    card = {"object": "model", "created": 0, "owned_by": "hidden-states-serve", "max_model_len": max_model_len}
     return JSONResponse({"object": "list", "data": [
         {"id": args.model_name, **card, "parent": None},
         *({"id": m.name, **card, "root": m.path, "parent": args.model_name} for m in args.lora_modules),
@@ -292,8 +312,8 @@ def asgi_app(routes_app: FastAPI, instance: Any) -> FastAPI:
 def ingress_routes(app: FastAPI, kind: str) -> type:
     """The routes of an ingress deployment, registered on `app`, as a base class.
 
-    The deployment supplies `args` (AppArgs), `_serve(route, request)`,
-    `_replica_stats()` and, if it can be up without an engine, `_not_ready()`; it gets the routes, the one
+    The deployment supplies `args` (AppArgs), `_serve(route, request)`, `_replica_stats()`,
+    `_max_model_len()` and, if it can be up without an engine, `_not_ready()`; it gets the routes, the one
     relay and the counters that `/debug/stats` reports (a test checks that nothing is left pending).
     """
 
@@ -312,7 +332,7 @@ def ingress_routes(app: FastAPI, kind: str) -> type:
                 return denied
             if (why := await self._not_ready()) is not None:
                 return error(503, why)
-            return models_list(self.args, request)
+            return models_list(self.args, request, await self._max_model_len())
 
         @app.post("/v1/completions", openapi_extra=openapi_body(CompletionBody))
         async def completions(self, request: Request) -> Response:
@@ -327,6 +347,16 @@ def ingress_routes(app: FastAPI, kind: str) -> type:
             """The true final-token vector of given tokens, optionally compared with a claimed one."""
             return await self._serve("hidden_states", request)
 
+        @app.post("/tokenize")
+        async def tokenize(self, request: Request) -> Response:
+            """vLLM's: a prompt or messages as the token ids a completion would see."""
+            return await self._serve("tokenize", request)
+
+        @app.post("/detokenize")
+        async def detokenize(self, request: Request) -> Response:
+            """vLLM's: token ids as text."""
+            return await self._serve("detokenize", request)
+
         @app.get("/debug/stats")
         async def debug_stats(self, request: Request) -> Response:
             if (denied := auth(self.args, request)) is not None:
@@ -334,6 +364,10 @@ def ingress_routes(app: FastAPI, kind: str) -> type:
             out = {"ingress": {"kind": kind, "pending": self.pending, "served": self.served, "failed": self.failed,
                                "cancelled": self.cancelled}}
             return JSONResponse(out | await self._replica_stats())
+
+        async def _max_model_len(self) -> int | None:
+            """The engine's max_model_len (/v1/models), or None if no engine says."""
+            return None
 
         async def _not_ready(self) -> str | None:
             """Why no engine can serve now (a 503's message), or None. An engine replica
@@ -354,6 +388,11 @@ def ingress_routes(app: FastAPI, kind: str) -> type:
 
 def handle_refusal(args: AppArgs, req: HandleCompletionRequest) -> HandleError | None:
     """The same checks for Python-handle requests (`deployments.client`)."""
+    if (req.prompt is None) == (req.messages is None):
+        return HandleError(400, "send exactly one of `prompt` (text or token ids) and `messages` (chat)")
+    if req.messages is not None and not (req.messages and all(isinstance(m, dict) and "role" in m
+                                                               for m in req.messages)):
+        return HandleError(400, "`messages` must be a non-empty list of chat messages ({\"role\", \"content\"})")
     try:
         fields = {name: getattr(req, name) for name in req.__struct_fields__ if name.startswith(
             ("hidden_states", "return_hidden"))}  # defaults included

@@ -38,7 +38,7 @@ from deployments import http, metrics, wire
 from deployments.config import AppArgs
 from deployments.wire import HandleCompletion, HandleError, HandleReply, Reply, ResponseHead
 from hidden_states.engine import SamplingOptions
-from hidden_states.openai_format import error_body
+from hidden_states.openai_format import ROUTES, error_body
 from hidden_states.params import rowwise
 
 logger = logging.getLogger(__name__)
@@ -50,6 +50,7 @@ class EngineReplica(http.ingress_routes(app, "replica")):
         """`engine_cls`: the engine interface's implementation (hidden_states/engine.py);
         vLLM's by default, `hidden_states.testing.FakeEngine` in unit tests."""
         self.args = AppArgs.model_validate(args)
+        http.api_key(self.args)  # a conflicting key fails the start, with the reason
         if engine_cls is None:
             from hidden_states.vllm.engine import HiddenStatesEngine as engine_cls
         try:
@@ -78,7 +79,7 @@ class EngineReplica(http.ingress_routes(app, "replica")):
 
     async def _answer(self, route: str, body: bytes) -> AsyncIterator[ResponseHead | bytes]:
         """A ResponseHead, then the body: one JSON document, or SSE chunks."""
-        if route not in ("completions", "chat", "hidden_states"):
+        if route not in ROUTES:
             yield ResponseHead(404, "application/json", self.replica_id)
             yield error_body(f"unknown route {route!r}", 404)
             return
@@ -120,6 +121,13 @@ class EngineReplica(http.ingress_routes(app, "replica")):
 
     async def _replica_stats(self) -> dict:
         return {"replica": json.loads(await self.stats())}
+
+    async def _max_model_len(self) -> int | None:
+        return self.engine.max_model_len
+
+    async def model_card(self) -> bytes:
+        """What /v1/models reports of the engine, for the Router: JSON bytes."""
+        return json.dumps({"max_model_len": self.engine.max_model_len}).encode()
 
     async def _serve(self, route: str, request: Request) -> Response:
         admitted = await http.admit(self.args, request, route)
@@ -166,7 +174,8 @@ class EngineReplica(http.ingress_routes(app, "replica")):
             return wire.ENCODER.encode(HandleReply(error=HandleError(400, f"invalid request: {e}")))
         self.in_flight += 1
         try:
-            c = await self.engine.complete(req.prompt, options, return_hidden_states=req.return_hidden_states,
+            prompt = req.prompt if req.messages is None else self.engine.chat_prompt(req.messages)
+            c = await self.engine.complete(prompt, options, return_hidden_states=req.return_hidden_states,
                                            layers=req.hidden_states_layers, position=req.hidden_states_position,
                                            model=req.model, dtype=req.hidden_states_dtype,
                                            topk=req.hidden_states_topk, proof=req.hidden_states_proof)

@@ -86,12 +86,24 @@ def _remaining(deadline: float) -> float:
 class Router(http.ingress_routes(app, "router")):
     def __init__(self, replica: DeploymentHandle, args: dict):
         self.args = AppArgs.model_validate(args)
+        http.api_key(self.args)  # a conflicting key fails the start, with the reason
         self.replica = replica
         self.replica_stream = replica.options(stream=True)  # built once: options() is not free
         self.readiness = Readiness(serve.get_replica_context().app_name)
+        self.max_model_len: int | None = None
 
     async def _not_ready(self) -> str | None:
         return await self.readiness.why_not()
+
+    async def _max_model_len(self) -> int | None:
+        """Asked of a replica once (every replica runs the same engine arguments), then kept."""
+        if self.max_model_len is None:
+            try:
+                card = json.loads(await self._call_once(self.replica.model_card, time.monotonic() + 30))
+                self.max_model_len = card["max_model_len"]
+            except Exception as e:  # /v1/models still answers, without it
+                logger.warning("no replica told max_model_len: %s", e)
+        return self.max_model_len
 
     async def _replica_stats(self) -> dict:
         try:

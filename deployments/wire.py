@@ -32,7 +32,8 @@ class Reply(msgspec.Struct, array_like=True, gc=False):
 
 
 class HandleCompletionRequest(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
-    prompt: str | list[int]
+    prompt: str | list[int] | None = None  # exactly one of prompt and messages
+    messages: list[dict[str, Any]] | None = None  # chat: rendered with the model's chat template, as over HTTP
     model: str | None = None  # a LoRA adapter's name (lora_modules); None or the model's own: the base model
     max_tokens: int = 16
     temperature: float = 0.0

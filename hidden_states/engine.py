@@ -293,6 +293,7 @@ class Engine(Protocol):
     """What an EngineReplica needs of its engine."""
 
     enabled: bool  # hidden states on
+    max_model_len: int  # prompt + completion tokens, at most (/v1/models reports it)
 
     @classmethod
     async def start(cls, model: str, **kwargs: Any) -> "Engine": ...
@@ -308,6 +309,10 @@ class Engine(Protocol):
         """`model`: a LoRA adapter's name (None: the base model); an unknown one raises UnknownModelError.
         `position`, `dtype`, `topk`: as the API's fields; the choices are `rows_choice`'s. `proof`
         (hidden_states_proof): `proof_choice`'s, with proofs instead of vectors."""
+        ...
+
+    def chat_prompt(self, messages: Sequence[dict]) -> list[int]:
+        """Chat messages as the prompt's token ids: the model's chat template with its generation prompt."""
         ...
 
     async def stats(self) -> dict: ...

@@ -21,7 +21,7 @@ import base64
 import json
 import re
 from http import HTTPStatus
-from typing import Literal
+from typing import Literal, get_args
 
 import numpy as np
 from pydantic import ValidationError
@@ -29,7 +29,8 @@ from pydantic import ValidationError
 from hidden_states.engine import HiddenStatesCollector, RowBatch
 from hidden_states.proofs import ProofBuilder
 
-Route = Literal["completions", "chat", "hidden_states"]
+Route = Literal["completions", "chat", "hidden_states", "tokenize", "detokenize"]
+ROUTES: tuple[str, ...] = get_args(Route)
 
 
 def encode_vector(vec: np.ndarray, encoding: str) -> list[float] | str:

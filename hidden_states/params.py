@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Literal, get_args
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError
 
 from hidden_states.proofs import ProofRequest
 
@@ -81,7 +81,9 @@ class VectorFields(BaseModel):
     """Which vectors, and how they travel: the fields POST /v1/hidden_states shares with the completion routes."""
 
     hidden_states_encoding: Encoding = Field(
-        "float", description="a JSON list of floats, or base64 of the little-endian float32 bytes")
+        "float", validation_alias=AliasChoices("hidden_states_encoding", "encoding_format"),
+        description="a JSON list of floats, or base64 of the little-endian bytes; OpenAI's `encoding_format` "
+                    "is taken as an alias")
     hidden_states_layers: list[int] | None = Field(
         None, description="layers as transformers numbers output_hidden_states (0 = embeddings, -1 = after the "
                           "final norm); the answer then carries hidden_states_by_layer")
@@ -125,6 +127,12 @@ def check_fields(req: Mapping[str, Any], *, enabled: bool) -> None:
             "hidden_states_proof cannot be combined with return_hidden_states yet: a choice carries its proofs or "
             "its hidden states; send two requests (the same seed gives the same completion)", "hidden_states_proof")
     enc = req.get("hidden_states_encoding", "float")
+    if "encoding_format" in req:  # OpenAI's name (its embeddings API): an alias
+        if "hidden_states_encoding" in req and req["encoding_format"] != enc:
+            raise HiddenStatesRequestError(
+                f"encoding_format ({req['encoding_format']!r}) and hidden_states_encoding ({enc!r}) disagree: "
+                "send one (encoding_format is its alias)", "encoding_format")
+        enc = req["encoding_format"]
     if enc not in ENCODINGS:
         raise HiddenStatesRequestError(f"hidden_states_encoding must be {_one_of(ENCODINGS)}, not {enc!r}",
                                        "hidden_states_encoding")

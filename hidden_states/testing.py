@@ -174,6 +174,12 @@ class FakeEngine(VectorObservers):
                     choices.append(choice(self, col, i, text, toks, "length"))
         return Completion(f"cmpl-{uuid.uuid4().hex}", tuple(ids), tuple(choices))
 
+    max_model_len = 4096
+
+    def chat_prompt(self, messages: Sequence[dict]) -> list[int]:
+        """As FakeOpenAI renders chat: the messages' contents joined, as bytes."""
+        return list(" ".join(str(m.get("content", "")) for m in messages).encode())
+
     async def openai(self, served_model_name: str, replica_id: str, lora_modules: Sequence[dict] = ()) -> "FakeOpenAI":
         return FakeOpenAI(self, served_model_name, replica_id)
 
@@ -211,8 +217,7 @@ class FakeOpenAI:
             return
         fields = (req.get("hidden_states_layers") or (-1,), req.get("hidden_states_position", "completion_end"),
                   req.get("hidden_states_dtype", "float32"), req.get("hidden_states_topk"))
-        text = req.get("prompt") if route == "completions" else " ".join(m["content"] for m in req["messages"])
-        prompt_ids = list(str(text).encode())
+        prompt_ids = list(str(req.get("prompt")).encode()) if route == "completions" else eng.chat_prompt(req["messages"])
         n, max_tokens = req.get("n") or 1, req.get("max_tokens") or 4
         ids_asked = bool(req.get("return_token_ids"))  # as vLLM: token ids only when asked for
         with contextlib.ExitStack() as stack:

@@ -2,7 +2,50 @@
 # `make serve`: `serve run config.yaml` with the Ray Serve switches of deployments/serve_env.py
 # (direct ingress: Serve's proxy on port 8000, the Router replica also on 8001 or the next free port).
 # Any of them can be overridden from the environment, e.g. RAY_SERVE_ENABLE_DIRECT_INGRESS=0.
+#
+# Without RAY_ADDRESS it starts a Ray cluster of its own with `ray start --head` (port 6379), which
+# records its address, so another Ray job on this machine joins it with ray.init(address="auto")
+# (the README's handle example), with this machine's token for Ray's token authentication. The
+# cluster ends with this script (Ctrl-C or SIGTERM). RAY_ADDRESS=host:port serves on that cluster
+# instead; RAY_ADDRESS=local lets `serve run` start a private one that no other job can find.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 eval "$(.venv/bin/python -m deployments.serve_env)"
-exec .venv/bin/serve run "${1:-config.yaml}"
+config="${1:-config.yaml}"
+if [ -n "${RAY_ADDRESS:-}" ]; then
+  exec .venv/bin/serve run "$config"
+fi
+
+log="$(mktemp -t hidden-states-ray-start.XXXXXX)"
+marker="$log"  # `ray start` writes its address file after this one exists
+ray_pid="" serve_pid="" address=""
+stop() {
+  [ -z "$serve_pid" ] || kill -TERM "$serve_pid" 2>/dev/null || true
+  [ -z "$ray_pid" ] || kill -TERM "$ray_pid" 2>/dev/null || true  # --block: its processes end with it
+  wait 2>/dev/null || true
+  # as `ray stop` does: no address file left naming a cluster that is gone
+  if [ -n "$address" ] && [ "$(cat /tmp/ray/ray_current_cluster 2>/dev/null)" = "$address" ]; then
+    rm -f /tmp/ray/ray_current_cluster
+  fi
+  rm -f "$log"
+}
+trap stop EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+sleep 0.01
+.venv/bin/ray start --head --block --disable-usage-stats >"$log" 2>&1 &
+ray_pid=$!
+for _ in $(seq 120); do
+  [ /tmp/ray/ray_current_cluster -nt "$marker" ] && break
+  if ! kill -0 "$ray_pid" 2>/dev/null; then
+    echo "serve.sh: \`ray start --head\` failed (another Ray cluster on port 6379? then set RAY_ADDRESS):" >&2
+    cat "$log" >&2
+    exit 1
+  fi
+  sleep 1
+done
+address="$(cat /tmp/ray/ray_current_cluster)"
+echo "serve.sh: a Ray cluster at $address (other Ray jobs here: ray.init(address=\"auto\"))" >&2
+.venv/bin/serve run "$config" &
+serve_pid=$!
+wait "$serve_pid"

@@ -106,6 +106,7 @@ class HiddenStatesEngine(VectorObservers):
         self.llm = llm
         self._enabled = enabled
         self.hidden_size = int(llm.vllm_config.model_config.get_hidden_size())
+        self.max_model_len = int(llm.vllm_config.model_config.max_model_len)
         hf = llm.vllm_config.model_config.hf_config
         self.num_layers = int(hf.num_hidden_layers)
         self.architecture = (getattr(hf, "architectures", None) or ["?"])[0]
@@ -298,6 +299,15 @@ class HiddenStatesEngine(VectorObservers):
     def missing(self, what: str) -> Exception:
         """Counts a choice that finished without its vector; the error to fail its request with."""
         return self.extraction.missing(what)
+
+    def chat_prompt(self, messages: Sequence[dict]) -> list[int]:
+        """The token ids of chat `messages` rendered with the model's chat template and its generation
+        prompt, as vLLM's chat route renders them (a 400 naming `messages` if the template cannot)."""
+        try:
+            return list(self.llm.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True,
+                                                               tokenize=True, return_dict=False))
+        except Exception as e:  # a template that cannot render these messages
+            raise HiddenStatesRequestError(f"the chat template cannot render these messages: {e}", "messages") from e
 
     def lora_request(self, model: str | None) -> Any:
         """The LoRA adapter a request names by `model`, as vLLM's serving resolves it (None: the base model)."""

@@ -1,5 +1,6 @@
 """`make serve` (scripts/serve.sh: `serve run config.yaml` with direct ingress on) answers a curl
-request with a real answer and its vector, on Serve's proxy port and on the Router's own port.
+request with a real answer and its vector, on Serve's proxy port and on the Router's own port, and
+every server-facing example of the docs runs against it as written (tests/docs_examples.py).
 
 It starts its own local Ray cluster (independent of the serve suite's
 session cluster) and stops everything it started by process group.
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -17,6 +19,7 @@ from pathlib import Path
 
 import httpx
 import psutil
+import pytest
 
 from tests.conftest import Reference
 from tests.serve.conftest import wait_http
@@ -47,30 +50,24 @@ def _router_port() -> int:
     raise AssertionError("no Router replica answers on ports 8001-8020 (direct ingress)")
 
 
-def test_serve_run_config_yaml_answers_curl():
-    """The README's first command: the built-in SmolLM2 answers a real question, with
-    its vector (checked against transformers on the same folder, relative 1e-5)."""
-    from hidden_states.models.builtin import resolve_model
-
-    env = {**os.environ, "RAY_ADDRESS": "local"}  # its own cluster, whatever else runs here
+def test_serve_run_without_a_config_file():
+    """`serve run deployments.app:build_app model=...` (the docs' form without YAML: each key=value an
+    arg) serves that model; stopping it leaves nothing running. First in the module: Serve's proxy
+    takes port 8000 (`serve run` has no port flag), which `make_serve` then takes."""
+    env = {**os.environ, "RAY_ADDRESS": "local"}
     env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"
-    proc = subprocess.Popen(["bash", "scripts/serve.sh", "config.yaml"], cwd=ROOT, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    port = 8000
+    proc = subprocess.Popen([str(Path(sys.executable).parent / "serve"), "run", "deployments.app:build_app",
+                             "model=builtin:tiny-llama", "served_model_name=tiny"],
+                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
     try:
-        wait_http("http://127.0.0.1:8000/health", 600)
-        body = _curl(8000)  # Serve's proxy
-        choice = body["choices"][0]
-        assert "Paris" in choice["message"]["content"], choice
-        assert len(choice["hidden_states"]) == 576
-        reference = Reference(resolve_model("builtin:smollm2-135m-instruct"))
-        err, scale = reference.assert_matches(body["prompt_token_ids"] + choice["token_ids"], choice["hidden_states"],
-                                              atol=None)
-        print(f"smollm2 via serve run: max abs error {err:.3g}, max|reference| {scale:.3g}")
-        direct = _curl(_router_port())  # the Router's own port: no proxy hop, the same answer
-        d = direct["choices"][0]
-        assert d["token_ids"] == choice["token_ids"] and d["message"]["content"] == choice["message"]["content"]
-        err, scale = reference.assert_matches(direct["prompt_token_ids"] + d["token_ids"], d["hidden_states"], atol=None)
-        print(f"smollm2 via the Router's own port: max abs error {err:.3g}, max|reference| {scale:.3g}")
+        wait_http(f"http://127.0.0.1:{port}/health", 600)
+        models = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=30).json()
+        assert [m["id"] for m in models["data"]] == ["tiny"], models
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=120, json={
+            "model": "tiny", "prompt": "no yaml", "max_tokens": 3, "return_hidden_states": True}).json()
+        assert len(r["choices"][0]["hidden_states"]) == 128, r
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
@@ -78,11 +75,137 @@ def test_serve_run_config_yaml_answers_curl():
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(30)
-    # Stopped: nothing answers on the port, and no process of its group is left.
+        _assert_stopped(proc.pid, port)
+
+
+@pytest.fixture(scope="module")
+def make_serve():
+    """`make serve`'s script as a user runs it (no RAY_ADDRESS: it starts its own cluster with
+    `ray start --head`, which other Ray jobs here join with address="auto"). Stopping it (SIGTERM to
+    its process group) must leave nothing answering, no process running and no address file."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"
+    proc = subprocess.Popen(["bash", "scripts/serve.sh", "config.yaml"], cwd=ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        wait_http("http://127.0.0.1:8000/health", 600)
+        address = Path("/tmp/ray/ray_current_cluster").read_text().strip()
+        yield address
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+        _assert_stopped(proc.pid)
+    current = Path("/tmp/ray/ray_current_cluster")
+    assert not (current.exists() and current.read_text().strip() == address), "a stale address file is left"
+
+
+def test_serve_run_config_yaml_answers_curl(make_serve):
+    """The README's first command: the built-in SmolLM2 answers a real question, with
+    its vector (checked against transformers on the same folder, relative 1e-5)."""
+    from hidden_states.models.builtin import resolve_model
+
+    body = _curl(8000)  # Serve's proxy
+    choice = body["choices"][0]
+    assert "Paris" in choice["message"]["content"], choice
+    assert len(choice["hidden_states"]) == 576
+    reference = Reference(resolve_model("builtin:smollm2-135m-instruct"))
+    err, scale = reference.assert_matches(body["prompt_token_ids"] + choice["token_ids"], choice["hidden_states"],
+                                          atol=None)
+    print(f"smollm2 via serve run: max abs error {err:.3g}, max|reference| {scale:.3g}")
+    direct = _curl(_router_port())  # the Router's own port: no proxy hop, the same answer
+    d = direct["choices"][0]
+    assert d["token_ids"] == choice["token_ids"] and d["message"]["content"] == choice["message"]["content"]
+    err, scale = reference.assert_matches(direct["prompt_token_ids"] + d["token_ids"], d["hidden_states"], atol=None)
+    print(f"smollm2 via the Router's own port: max abs error {err:.3g}, max|reference| {scale:.3g}")
+
+
+def test_the_docs_examples_run_as_written(make_serve, tmp_path):
+    """Every server-facing example of the README, docs/ and cluster/README.md (tests/docs_examples.py),
+    run as written against `make serve`'s server: curl with bash, each doc's Python blocks in one
+    process as another Ray job on this machine (ray.init(address="auto") finds `make serve`'s
+    cluster), the batch commands in a folder of their own; each answer checked against the `# ->` shape the text shows. Lists every problem."""
+    from tests import docs_examples as dx
+
+    found = dx.examples()
+    kinds = {k: [e for e in found if e.kind == k] for k in ("curl", "python", "batch")}
+    print(f"docs examples: {len(found)} ({', '.join(f'{len(v)} {k}' for k, v in kinds.items())}):")
+    for e in found:
+        print(f"  {e.where} {e.kind}")
+    env = {**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, "PYTHONPATH": str(ROOT)}
+    env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"
+    problems = []
+    for e in kinds["curl"]:
+        out = subprocess.run(["bash", "-c", e.code], capture_output=True, text=True, timeout=300, env=env)
+        try:
+            answer = json.loads(out.stdout)
+        except ValueError:
+            problems.append(f"{e.where}: not a JSON answer: {out.stdout[:200]!r} {out.stderr[-300:]!r}")
+            continue
+        if "error" in answer:
+            problems.append(f"{e.where}: an error: {answer['error']}")
+        want = dx.expectation(e.code)
+        problems += [f"{e.where}: {p}" for p in (dx.problems(answer, want) if want else ["no `# ->` shape shown"])]
+    for doc in sorted({e.doc for e in kinds["python"]}):
+        blocks = [e for e in kinds["python"] if e.doc == doc]
+        script = dx.PRELUDE + "\n".join(f"print('EXAMPLE {e.where}', flush=True)\n{dx.checked_python(e.code)}"
+                                          for e in blocks)
+        if not any("_expect(" in dx.checked_python(e.code) for e in blocks):
+            problems.append(f"{doc}: no Python example shows its answer (`expression  # -> value`)")
+        out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, env=env,
+                             cwd=tmp_path)
+        if out.returncode != 0:
+            ran = [ln.split()[1] for ln in out.stdout.splitlines() if ln.startswith("EXAMPLE ")]
+            problems.append(f"{ran[-1] if ran else doc}: failed: {out.stderr[-1500:]}")
+    batch_dir = tmp_path / "batch"
+    batch_dir.mkdir()
+    (batch_dir / ".venv").symlink_to(ROOT / ".venv")  # the commands name .venv/bin/python, as from the repo
+    batch_env = env  # a batch needs no server; on a machine where one runs it joins its cluster, as here
+    for e in kinds["batch"]:
+        out = subprocess.run(["bash", "-c", e.code], capture_output=True, text=True, timeout=900, env=batch_env,
+                             cwd=batch_dir)
+        if out.returncode != 0:
+            problems.append(f"{e.where}: failed: {out.stderr[-1500:]}")
+            continue
+        problems += [f"{e.where}: {p}" for p in _batch_problems(e.code, batch_dir)]
+    assert not problems, "\n".join(problems)
+    # the newcomer's paths are among them
+    text = {k: "\n".join(e.code for e in v) for k, v in kinds.items()}
+    assert "/v1/chat/completions" in text["curl"] and "get_app_handle" in text["python"]
+    assert "messages=" in text["python"] and "/v1/hidden_states" in text["python"] and kinds["batch"]
+
+
+def _batch_problems(code: str, cwd: Path) -> list[str]:
+    """A batch command's output folder holds a row per input row, with the columns the docs list."""
+    import pyarrow.parquet as pq
+
+    rows = sum(1 for ln in (cwd / "prompts.jsonl").read_text().splitlines() if ln.strip())
+    out = []
+    for m in re.finditer(r"--output (\S+)", code):
+        table = pq.read_table(cwd / m.group(1))
+        want = {"id", "prompt_token_ids", "completion", "token_ids", "finish_reason", "hidden_states"}
+        if "--position" in code:
+            want.add("positions")
+        if missing := want - set(table.column_names):
+            out.append(f"{m.group(1)}: no column {sorted(missing)}")
+        if table.num_rows != rows:
+            out.append(f"{m.group(1)}: {table.num_rows} rows for {rows} prompts")
+        first = table.column("hidden_states")[0].as_py() if "hidden_states" in table.column_names else None
+        width = len(first[0]) if first and isinstance(first[0], list) else len(first or [])
+        if width != 576:
+            out.append(f"{m.group(1)}: hidden_states rows of {width} values, not SmolLM2's 576")
+    return out
+
+
+def _assert_stopped(pgid: int, port: int = 8000) -> None:
+    """Stopped: nothing answers on the port, and no process of its group is left."""
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         try:
-            httpx.get("http://127.0.0.1:8000/health", timeout=2)
+            httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
         except httpx.HTTPError:
             break
         time.sleep(2)
@@ -90,7 +213,7 @@ def test_serve_run_config_yaml_answers_curl():
         raise AssertionError("serve run config.yaml still answers after SIGTERM")
     # Ray's daemons get a few seconds to exit; zombies have exited (only not reaped yet).
     deadline = time.monotonic() + 60
-    while (left := _running_in_group(proc.pid)) and time.monotonic() < deadline:
+    while (left := _running_in_group(pgid)) and time.monotonic() < deadline:
         time.sleep(2)
     for p in left:
         p.kill()

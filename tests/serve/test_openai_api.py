@@ -147,8 +147,11 @@ def test_two_replicas_vectors_are_local_and_one_token(serve_app, reference):
 @eager_only  # it asks for layer 1 too
 def test_handle_from_second_driver_matches_http(serve_app, ray_cluster, reference):
     prompt = "A verifier reads the hidden state"
+    messages = [{"role": "user", "content": "Which vector does a verifier read?"}]
     http = httpx.post(f"{serve_app}/v1/completions", timeout=120, json={
         "model": "tiny-llama", "prompt": prompt, "max_tokens": 10, "temperature": 0, **HS}).json()["choices"][0]
+    chat = httpx.post(f"{serve_app}/v1/chat/completions", timeout=120, json={
+        "model": "tiny-llama", "messages": messages, "max_tokens": 10, "temperature": 0, **HS}).json()
     script = textwrap.dedent(f"""
         import json, ray
         from ray import serve
@@ -158,9 +161,12 @@ def test_handle_from_second_driver_matches_http(serve_app, ray_cluster, referenc
         result = complete(handle, {prompt!r}, max_tokens=10, temperature=0.0)
         ch = result.choices[0]
         layered = complete(handle, {prompt!r}, max_tokens=10, temperature=0.0, hidden_states_layers=[1, -1])
+        chat = complete(handle, messages={messages!r}, max_tokens=10)  # greedy: the handle's default
         print("RESULT" + json.dumps({{"token_ids": list(ch.token_ids), "prompt": list(result.prompt_token_ids),
               "vector": ch.hidden_states.tolist(), "dtype": str(ch.hidden_states.dtype),
-              "layer1": layered.choices[0].hidden_states_by_layer[1].tolist()}}))
+              "layer1": layered.choices[0].hidden_states_by_layer[1].tolist(),
+              "chat_prompt": list(chat.prompt_token_ids), "chat_ids": list(chat.choices[0].token_ids),
+              "chat_text": chat.choices[0].text, "chat_vector": chat.choices[0].hidden_states.tolist()}}))
     """)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
                          cwd=Path(__file__).resolve().parents[2])
@@ -172,6 +178,12 @@ def test_handle_from_second_driver_matches_http(serve_app, ray_cluster, referenc
     assert np.array_equal(np.asarray(got["vector"], np.float32), decode_vector(http["hidden_states"]))
     reference.assert_matches(got["prompt"] + got["token_ids"], got["vector"])
     reference.assert_matches(got["prompt"] + got["token_ids"], got["layer1"], layer=1)
+    # chat messages over the handle: the chat template as over HTTP, the same answer and vector
+    (c,) = chat["choices"]
+    assert got["chat_prompt"] == chat["prompt_token_ids"] and got["chat_ids"] == c["token_ids"]
+    assert got["chat_text"] == c["message"]["content"]
+    assert np.array_equal(np.asarray(got["chat_vector"], np.float32), decode_vector(c["hidden_states"]))
+    reference.assert_matches(got["chat_prompt"] + got["chat_ids"], got["chat_vector"])
 
 
 def test_router_own_port_serves_the_same_api(serve_app, reference):
@@ -186,6 +198,28 @@ def test_router_own_port_serves_the_same_api(serve_app, reference):
     assert c.hidden_states_meta["via"] == "tail" and c.hidden_states_meta["computed_tokens"] == 1
     models = httpx.get(f"http://127.0.0.1:{ports[0]}/v1/models", timeout=30).json()
     assert [m["id"] for m in models["data"]] == ["tiny-llama"]
+
+
+def test_conventions_users_bring(serve_app, client, reference):
+    """OpenAI's encoding_format, vLLM's /tokenize and /detokenize, and max_model_len on /v1/models."""
+    r = client.completions.create(model="tiny-llama", prompt="The alias", max_tokens=4,
+                                  extra_body={**HS, "encoding_format": "base64"})
+    (c,) = r.choices
+    assert isinstance(c.hidden_states, str)  # base64, as hidden_states_encoding would give
+    reference.assert_matches(c.prompt_token_ids + c.token_ids, decode_vector(c.hidden_states))
+    tok = httpx.post(f"{serve_app}/tokenize", timeout=60, json={"model": "tiny-llama", "prompt": "The alias"}).json()
+    assert tok["tokens"] == c.prompt_token_ids and tok["count"] == len(c.prompt_token_ids), tok
+    assert tok["max_model_len"] == 4096
+    messages = [{"role": "user", "content": "Hi"}]
+    chat = client.chat.completions.create(model="tiny-llama", messages=messages, max_tokens=2, extra_body=HS)
+    tok = httpx.post(f"{serve_app}/tokenize", timeout=60, json={"model": "tiny-llama", "messages": messages}).json()
+    assert tok["tokens"] == chat.prompt_token_ids, tok
+    text = httpx.post(f"{serve_app}/detokenize", timeout=60, json={"model": "tiny-llama", "tokens": c.prompt_token_ids})
+    assert text.status_code == 200 and text.json()["prompt"].endswith("The alias"), text.text
+    bad = httpx.post(f"{serve_app}/detokenize", timeout=60, json={"model": "tiny-llama", "tokens": "nope"})
+    assert bad.status_code == 400, bad.text
+    models = httpx.get(f"{serve_app}/v1/models", timeout=30).json()["data"]
+    assert [(m["id"], m["max_model_len"]) for m in models] == [("tiny-llama", 4096)]
 
 
 def test_router_left_nothing_pending(serve_app, client):

@@ -217,6 +217,8 @@ def test_topk_compare_checks_the_index_set_per_position(serve_app, reference):
     ({"prompt": "x", "messages": [{"role": "user", "content": "x"}]}, "exactly one of"),
     ({}, "exactly one of"),
     ({"prompt": "x", "completion": "y"}, "goes with `messages`"),
+    ({"messages": MSGS, "completion": "The capital of France is Paris.", "compare": {"vector": [0.0] * 128}},
+     "send `completion` as the choice's `token_ids`"),
     ({"prompt": [1, 2, 99999]}, "outside the vocabulary"),
     ({"prompt": list(range(5, 700)) * 6}, "max_model_len"),
     ({"prompt": "x", "compare": {"vector": [1.0, 2.0]}}, "has 2 values"),

@@ -25,7 +25,7 @@ IDS = list(PROMPT.encode())
 def complete(replica_args: dict | None = None, **kw):
     async def go():
         r = await make(**(replica_args or {}))
-        return client._result(await r.complete(client._request(PROMPT, max_tokens=5, **kw)))
+        return client._result(await r.complete(client._request(PROMPT, None, max_tokens=5, **kw)))
 
     return run(go())
 
@@ -161,3 +161,18 @@ def test_the_fake_engine_casts_and_selects_as_the_engine_does():
                                               dtype="bfloat16", topk=2))
     assert [ch.positions for ch in c.choices] == [tuple(range(10))] * 2
     assert c.choices[1].hidden_states.shape == (10, 2) and c.choices[1].dtype == "bfloat16"
+
+
+def test_chat_messages_over_a_handle_are_the_chat_route_s_prompt():
+    async def go():
+        r = await make()
+        chat = client._result(await r.complete(client._request(None, [{"role": "user", "content": PROMPT}],
+                                                                max_tokens=5)))
+        return chat, client._result(await r.complete(client._request(PROMPT, None, max_tokens=5)))
+
+    chat, plain = run(go())
+    assert chat.prompt_token_ids == tuple(IDS)  # the fake's chat template: the contents joined
+    assert chat.choices[0].token_ids == plain.choices[0].token_ids  # the fake renders chat as the joined text
+    assert np.array_equal(chat.choices[0].hidden_states, plain.choices[0].hidden_states)
+    with pytest.raises(TypeError, match="not both"):
+        client._request(PROMPT, [{"role": "user", "content": PROMPT}])

@@ -28,6 +28,8 @@ def refusal(args: AppArgs, body) -> tuple[int, dict] | None:
     ({"model": "gpt-4", "prompt": "x"}, 404, "tiny-llama"),
     ({"prompt": "x", "return_hidden_states": "yes"}, 400, "boolean"),
     ({"prompt": "x", "hidden_states_encoding": "hex"}, 400, "'float' or 'base64'"),
+    ({"prompt": "x", "encoding_format": "hex"}, 400, "'float' or 'base64'"),
+    ({"prompt": "x", "encoding_format": "base64", "hidden_states_encoding": "float"}, 400, "disagree"),
     ({"prompt": "x", "hidden_states_layers": []}, 400, "non-empty list"),
     ({"prompt": "x", "hidden_states_layers": [True]}, 400, "non-empty list"),
     ({"prompt": "x", "hidden_states_position": "middle"}, 400, "prompt_end"),
@@ -99,3 +101,26 @@ def test_bad_lora_modules_are_refused_at_the_boundary(modules, engine, words):
 
     with pytest.raises(ValidationError, match=words):
         AppArgs(model="builtin:tiny-llama", lora_modules=modules, engine=engine)
+
+
+def test_a_handle_request_takes_a_prompt_or_chat_messages():
+    chat = HandleCompletionRequest(messages=[{"role": "user", "content": "Hi"}])
+    assert handle_refusal(ARGS, chat) is None
+    for bad, words in ((HandleCompletionRequest(), "exactly one"),
+                       (HandleCompletionRequest(prompt="x", messages=[{"role": "user", "content": "Hi"}]), "exactly one"),
+                       (HandleCompletionRequest(messages=[]), "non-empty list"),
+                       (HandleCompletionRequest(messages=[{"content": "no role"}]), "non-empty list")):
+        refused = handle_refusal(ARGS, bad)
+        assert refused is not None and refused.status == 400 and words in refused.message, (bad, refused)
+
+
+@pytest.mark.parametrize("accelerator, engine, want", [
+    ("cpu", {}, {"num_cpus": 1}),
+    ("cpu", {"tensor_parallel_size": 2}, {"num_cpus": 2}),
+    ("gpu", {}, {"num_cpus": 1, "num_gpus": 1}),
+    ("gpu", {"tensor_parallel_size": 4}, {"num_cpus": 1, "num_gpus": 4}),
+])
+def test_batch_engine_actors_ask_for_what_their_engine_runs_on(accelerator, engine, want):
+    from deployments.batch import worker_resources
+
+    assert worker_resources(AppArgs(model="builtin:tiny-llama", accelerator=accelerator, engine=engine)) == want

@@ -119,6 +119,23 @@ def test_api_key_guards_stats_and_models_too():
     assert models.status_code == debug.status_code == 401 and ok.status_code == 200
 
 
+def test_api_key_from_the_environment_and_a_conflict_fails_the_start(monkeypatch):
+    from deployments.http import API_KEY_ENV
+
+    monkeypatch.setenv(API_KEY_ENV, "from-env")
+
+    async def go():
+        r = await make()
+        return [await call(r, "GET", "/v1/models", headers=h)
+                for h in ({}, {"authorization": "Bearer from-env"}, {"authorization": "Bearer from-en"})]
+
+    none, ok, near = run(go())
+    assert (none.status_code, ok.status_code, near.status_code) == (401, 200, 401)
+    with pytest.raises(ValueError, match=f"{API_KEY_ENV} differ"):
+        run(make(api_key="from-yaml"))
+    run(make(api_key="from-env"))  # the same key twice is no conflict
+
+
 # -- one request's lifecycle: however it ends, nothing is left running ---------
 
 SLOW = {"engine": {"token_delay_s": 0.05}}  # 400 tokens: 20 s, unless cancelled

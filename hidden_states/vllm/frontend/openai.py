@@ -55,6 +55,13 @@ from hidden_states.protocol import COLLECTOR_TAG_KEY, RESERVED_EXTRA_ARGS_PREFIX
 
 logger = logging.getLogger(__name__)
 
+# A claim belongs to the tokens generated, not to a text: text re-tokenizes without the end-of-turn token
+# (EOS) a chat completion ends on, where its vector sits, and need not tokenize back to the same ids.
+TEXT_CLAIM = ("`compare` needs the completion as the token ids it was generated as: send `completion` as the "
+              "choice's `token_ids` (ask with `return_token_ids: true`); its text re-tokenizes without the "
+              "end-of-sequence token a completion that stopped ends on, and may split into other tokens")
+
+
 def _request_models():
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
     from vllm.entrypoints.openai.completion.protocol import CompletionRequest
@@ -102,6 +109,9 @@ class OpenAIFrontend:
         """Yields (status, first body bytes) for a whole response, or (200, b"") then SSE chunks."""
         if route == "hidden_states":
             yield await self._hidden_states(body)
+            return
+        if route in ("tokenize", "detokenize"):
+            yield await self._tokenization(route, body)
             return
         serving = self.state.openai_serving_completion if route == "completions" else self.state.openai_serving_chat
         try:
@@ -221,6 +231,26 @@ class OpenAIFrontend:
             yield chunk.encode()
 
 
+    async def _tokenization(self, route: Route, body: bytes) -> tuple[int, bytes]:
+        """POST /tokenize and /detokenize: vLLM's own (prompt or messages -> the ids a completion would
+        see, with `count` and `max_model_len`; ids -> text), for verifiers that need a text's ids."""
+        from pydantic import TypeAdapter
+        from vllm.entrypoints.serve.tokenize.protocol import DetokenizeRequest, TokenizeRequest
+
+        serving = self.state.serving_tokenization
+        try:
+            request = TypeAdapter(TokenizeRequest if route == "tokenize" else DetokenizeRequest).validate_json(body)
+            create = serving.create_tokenize if route == "tokenize" else serving.create_detokenize
+            result = await create(request, None)
+        except ValidationError as e:
+            return 400, error_body(validation_message(e), 400, "BadRequestError")
+        except Exception as e:  # vLLM maps its own errors (an unknown model, a template that fails ...)
+            err = serving.create_error_response(e)
+            return err.error.code, err.model_dump_json().encode()
+        if hasattr(result, "error"):
+            return result.error.code, result.model_dump_json().encode()
+        return 200, result.model_dump_json().encode()
+
     async def _hidden_states(self, body: bytes) -> tuple[int, bytes]:
         """POST /v1/hidden_states (hidden_states/verify.py): tokenize, one extraction, compare."""
         try:
@@ -235,6 +265,8 @@ class OpenAIFrontend:
             layers = eng.check_request(req.hidden_states_layers or (-1,), req.hidden_states_position, dtype, topk)
             position = check_position(req.hidden_states_position)
             lora = eng.lora_request(req.model)
+            if req.compare is not None and isinstance(req.completion, str):
+                raise HiddenStatesRequestError(TEXT_CLAIM, "completion")
             ids, completion_start = self._token_ids(req)
             check_room(len(ids), eng.llm.model_config.max_model_len,
                        "prompt" if req.prompt is not None else "messages", completing=False)
@@ -319,11 +351,7 @@ class OpenAIFrontend:
             return ids + checked(list(req.completion), "completion"), len(ids)
         if (refusal := not_from_token_ids(req)) is not None:
             raise HiddenStatesRequestError(refusal[1], refusal[0])
-        try:
-            ids = list(tok.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=True,
-                                               return_dict=False))
-        except Exception as e:  # a template that cannot render these messages
-            raise HiddenStatesRequestError(f"the chat template cannot render these messages: {e}", "messages") from e
+        ids = self.engine.chat_prompt(req.messages)
         if req.completion is None:
             return ids, None
         if isinstance(req.completion, str):
