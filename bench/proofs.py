@@ -9,10 +9,11 @@ Ray. Per concurrency, each round runs three arms in a rotating order on the same
 (hidden_states_proof: TOPLOC, top-128, 32 decode tokens per proof), and `off2` (off again: the
 A/A control, whose ratio to off is the noise floor). Throughput ratio = requests per second of
 an arm over off's, pooled over rounds, with a 95% bootstrap interval over paired rounds. Also:
-the proofs' bytes per 32 tokens (raw and base64), this process's CPU seconds per request in
-each arm (the frontend: proofs are built here), and the validation (POST /v1/hidden_states with
-compare.toploc, through the engine's OpenAI routes) per 1,000 tokens against a plain prefill
-of the same tokens (max_tokens 1, nothing asked). Prints and writes bench/results/<name>.{json,md}.
+the proofs' bytes per 32 tokens (raw and base64), CPU per request in each arm in this process
+(the frontend: proofs are built here) and in its children (vLLM's engine core and worker: the
+rows' top-k and their copies), the work wall time on 2 cores cannot settle, and the validation
+(POST /v1/hidden_states with compare.toploc, through the engine's OpenAI routes) per 1,000 tokens
+against a plain prefill of the same tokens (max_tokens 1, nothing asked). Prints and writes bench/results/<name>.{json,md}.
 """
 
 from __future__ import annotations
@@ -52,9 +53,23 @@ async def _arm(engine, prompts, proof: bool, concurrency: int, max_tokens: int):
         async with sem:
             return await engine.complete(p, params, return_hidden_states=False, proof=PROOF if proof else None)
 
-    t0, c0 = time.perf_counter(), time.process_time()
+    t0, c0, e0 = time.perf_counter(), time.process_time(), _engine_cpu_s()
     out = await asyncio.gather(*(one(p) for p in prompts))
-    return time.perf_counter() - t0, time.process_time() - c0, out
+    return time.perf_counter() - t0, time.process_time() - c0, _engine_cpu_s() - e0, out
+
+
+def _engine_cpu_s() -> float:
+    """CPU seconds (user + system) of this process's children: vLLM's engine core and its worker."""
+    import psutil
+
+    total = 0.0
+    for child in psutil.Process().children(recursive=True):
+        try:
+            t = child.cpu_times()
+            total += t.user + t.system
+        except psutil.Error:
+            pass
+    return total
 
 
 async def _validation(engine, routes, outs) -> dict:
@@ -92,13 +107,16 @@ async def _run(args) -> dict:
             arms = ["off", "on", "off2"]
             walls: dict[str, list[tuple[int, float]]] = {a: [] for a in arms}
             cpu: dict[str, float] = {a: 0.0 for a in arms}
+            engine_cpu: dict[str, float] = {a: 0.0 for a in arms}
             proof_bytes, proofs, decode_tokens = 0, 0, 0
             for r in range(args.rounds):
                 prompts = _prompts(args.requests, 1000 * concurrency + r)
                 for arm in arms[r % 3:] + arms[:r % 3]:
-                    wall, cpu_s, out = await _arm(engine, prompts, arm == "on", concurrency, args.max_tokens)
+                    wall, cpu_s, engine_s, out = await _arm(engine, prompts, arm == "on", concurrency,
+                                                            args.max_tokens)
                     walls[arm].append((len(out), wall))
                     cpu[arm] += cpu_s
+                    engine_cpu[arm] += engine_s
                     if arm == "on":
                         last = out
                         for c in out:
@@ -115,6 +133,7 @@ async def _run(args) -> dict:
                 "aa_over_off": rate["off2"] / rate["off"],
                 "aa_over_off_ci95": paired_ratio_ci(walls["off2"], walls["off"]),
                 "frontend_cpu_ms_per_request": {a: 1000 * cpu[a] / n for a in arms},
+                "engine_cpu_ms_per_request": {a: 1000 * engine_cpu[a] / n for a in arms},
                 "proofs": proofs, "proof_bytes_raw": proof_bytes // max(proofs, 1),
                 "proof_bytes_base64": 4 * -(-(proof_bytes // max(proofs, 1)) // 3),
                 "bytes_per_32_tokens": 32 * proof_bytes / max(decode_tokens, 1),
@@ -140,12 +159,15 @@ def main() -> None:
     lines = [f"# TOPLOC proofs on the server (SmolLM2-135M-Instruct, float32, {args.rounds} rounds x "
              f"{args.requests} requests, {args.max_tokens} tokens each; top-128, 32 tokens per proof)", "",
              command_line("bench.proofs", args), "",
-             "| c | proofs on/off req/s (95% CI) | A/A off2/off (95% CI) | frontend CPU ms/request off, on | "
-             "bytes per proof (raw, base64) | bytes per 32 tokens |", "| --- | --- | --- | --- | --- | --- |"]
+             "| c | proofs on/off req/s (95% CI) | A/A off2/off (95% CI) | frontend CPU ms/request off, on, off2 | "
+             "engine CPU ms/request off, on, off2 | bytes per proof (raw, base64) | bytes per 32 tokens |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
     for c in r["by_concurrency"]:
-        cpu = c["frontend_cpu_ms_per_request"]
+        cpu, eng = c["frontend_cpu_ms_per_request"], c["engine_cpu_ms_per_request"]
         lines.append(f"| {c['concurrency']} | {c['on_over_off']:.3f} ({ci_text(c['on_over_off_ci95'])}) | "
-                     f"{c['aa_over_off']:.3f} ({ci_text(c['aa_over_off_ci95'])}) | {cpu['off']:.1f}, {cpu['on']:.1f} | "
+                     f"{c['aa_over_off']:.3f} ({ci_text(c['aa_over_off_ci95'])}) | "
+                     f"{cpu['off']:.1f}, {cpu['on']:.1f}, {cpu['off2']:.1f} | "
+                     f"{eng['off']:.1f}, {eng['on']:.1f}, {eng['off2']:.1f} | "
                      f"{c['proof_bytes_raw']}, {c['proof_bytes_base64']} | {c['bytes_per_32_tokens']:.0f} |")
     lines += ["", f"Validation (compare.toploc, {v['sequences']} sequences, {v['tokens']} tokens): "
                   f"{v['validate_s_per_1k_tokens']:.3f} s per 1,000 tokens against a plain prefill's "
