@@ -69,13 +69,7 @@ def test_serve_run_without_a_config_file():
             "model": "tiny", "prompt": "no yaml", "max_tokens": 3, "return_hidden_states": True}).json()
         assert len(r["choices"][0]["hidden_states"]) == 128, r
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(30)
-        _assert_stopped(proc.pid, port)
+        _stop(proc, port)
 
 
 @pytest.fixture(scope="module")
@@ -92,13 +86,7 @@ def make_serve():
         address = Path("/tmp/ray/ray_current_cluster").read_text().strip()
         yield address
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(30)
-        _assert_stopped(proc.pid)
+        _stop(proc)
     current = Path("/tmp/ray/ray_current_cluster")
     assert not (current.exists() and current.read_text().strip() == address), "a stale address file is left"
 
@@ -198,6 +186,17 @@ def _batch_problems(code: str, cwd: Path) -> list[str]:
         if width != 576:
             out.append(f"{m.group(1)}: hidden_states rows of {width} values, not SmolLM2's 576")
     return out
+
+
+def _stop(proc: subprocess.Popen, port: int = 8000) -> None:
+    """SIGTERM to the server's process group (SIGKILL after 60 s), then `_assert_stopped`."""
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+    _assert_stopped(proc.pid, port)
 
 
 def _assert_stopped(pgid: int, port: int = 8000) -> None:
