@@ -2,7 +2,7 @@
 
     python -m bench                      # the full run (~70 min on 2 cores): the three models, every part
     python -m bench --quick              # a few minutes: the built-in tiny model, fewer requests
-    python -m bench --parts hs,payload   # only some parts (hs, serve, payload, memory, profile)
+    python -m bench --parts hs,payload   # only some parts (hs, positions, serve, payload, memory)
     python -m bench --models tiny-llama  # only some models
 
 Starts everything it needs (a Ray cluster, our app and Ray Serve LLM with `serve
@@ -28,16 +28,16 @@ import yaml
 
 from tqdm import tqdm
 
-from bench import compare, measure, memory, payload, positions, profile, report, switches, targets, workload
+from bench import compare, measure, memory, payload, positions, report, targets, workload
 from deployments.config import CPU_ENGINE_DEFAULTS
 from hidden_states.params import DEFAULT_MAX_HIDDEN_STATES_BYTES
 from deployments.serve_env import SERVE_SWITCHES
-from bench.procs import ROOT, WORK, StartError
+from bench.procs import ROOT, StartError
 from bench.servers import (Endpoint, RayCluster, ServeApps, VLLMServer, build_model, engine_processes,
                            find_ray_worker, replica_info, ENGINE_ENV)
 
 RESULTS = ROOT / "bench" / "results"
-PARTS = ("hs", "positions", "serve", "switches", "payload", "memory", "profile")
+PARTS = ("hs", "positions", "serve", "payload", "memory")
 MODELS = ("tiny-llama", "llama-100m", "smollm2-135m-instruct")  # random, random, the real built-in one
 
 # One set of engine arguments for every server: config.yaml's, plus the two
@@ -53,14 +53,14 @@ MAIN_CLUSTER_ENV = {**SERVE_SWITCHES, "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": 
 
 # requests per arm per round, by model and concurrency; rounds by model and part
 FULL = {
-    "tiny-llama": {"per_round": {1: 8, 8: 32, 32: 64}, "rounds": {"hs": 6, "serve": 6, "switches": 2}},
-    "llama-100m": {"per_round": {1: 3, 8: 16, 32: 48}, "rounds": {"hs": 2, "serve": 2, "switches": 1}},
-    "smollm2-135m-instruct": {"per_round": {1: 3, 8: 16, 32: 48}, "rounds": {"hs": 2, "serve": 2, "switches": 1}},
+    "tiny-llama": {"per_round": {1: 8, 8: 32, 32: 64}, "rounds": {"hs": 6, "serve": 6}},
+    "llama-100m": {"per_round": {1: 3, 8: 16, 32: 48}, "rounds": {"hs": 2, "serve": 2}},
+    "smollm2-135m-instruct": {"per_round": {1: 3, 8: 16, 32: 48}, "rounds": {"hs": 2, "serve": 2}},
 }
 QUICK = {
-    "tiny-llama": {"per_round": {1: 4, 8: 16, 32: 32}, "rounds": {"hs": 2, "serve": 2, "switches": 2}},
-    "llama-100m": {"per_round": {1: 1, 8: 8, 32: 32}, "rounds": {"hs": 1, "serve": 1, "switches": 1}},
-    "smollm2-135m-instruct": {"per_round": {1: 1, 8: 8, 32: 32}, "rounds": {"hs": 1, "serve": 1, "switches": 1}},
+    "tiny-llama": {"per_round": {1: 4, 8: 16, 32: 32}, "rounds": {"hs": 2, "serve": 2}},
+    "llama-100m": {"per_round": {1: 1, 8: 8, 32: 32}, "rounds": {"hs": 1, "serve": 1}},
+    "smollm2-135m-instruct": {"per_round": {1: 1, 8: 8, 32: 32}, "rounds": {"hs": 1, "serve": 1}},
 }
 
 
@@ -72,19 +72,15 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="a few minutes: tiny model, fewer requests and rounds")
-    ap.add_argument("--parts", default="hs,positions,serve,switches,payload,memory,profile",
+    ap.add_argument("--parts", default=",".join(PARTS),
                     help="comma list of: hs (cost of hidden states), positions (rows of every generated token: "
-                         "float16 and top-k against off, with an A/A control; payload per token; copies per step), serve (Serve layer vs vLLM and Ray Serve LLM), "
-                         "switches (Ray Serve's switches, each on a cluster of its own, first model only), "
-                         "payload, memory, profile (py-spy of the Serve layer; runs when a Serve target is missed "
-                         "or --profile-always)")
+                         "float16 and top-k against off, with an A/A control; payload per token; copies per step), "
+                         "serve (Serve layer vs vLLM and Ray Serve LLM), payload, memory")
     ap.add_argument("--models", default=None, help=f"comma list of {', '.join(MODELS)} (default: all; --quick: tiny-llama)")
     ap.add_argument("--concurrency", default="1,8,32")
     ap.add_argument("--rounds", type=int, default=None, help="override the rounds of every comparison")
     ap.add_argument("--memory-requests", type=int, default=None, help="default 2000 (--quick: 300)")
     ap.add_argument("--memory-concurrency", type=int, default=16)
-    ap.add_argument("--profile-seconds", type=int, default=None, help="default 20 (--quick: 8)")
-    ap.add_argument("--profile-always", action="store_true")
     ap.add_argument("--out", default=None, help="results folder (default bench/results)")
     ap.add_argument("--hs-control", action="store_true",
                     help="part hs: a third arm, hidden states off again (A/A): how far two identical arms differ "
@@ -112,7 +108,6 @@ def parse_args(argv=None):
         ap.error(f"unknown model in {args.models}; choose from {MODELS}")
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     args.memory_requests = args.memory_requests or (200 if args.quick else 2000)
-    args.profile_seconds = args.profile_seconds or (8 if args.quick else 20)
     args.out = Path(args.out) if args.out else RESULTS
     overrides = {}
     for item in args.engine_arg:
@@ -179,8 +174,8 @@ class Bench:
         n = 0
         for m in self.args.models:
             p = self.plan[m]
-            for part, arms in (("hs", 2), ("positions", 4), ("serve", 5), ("switches", 3 * len(switches.SWITCHES))):
-                if part in self.args.parts and (part != "switches" or m == self.args.models[0]):
+            for part, arms in (("hs", 2), ("positions", 4), ("serve", 5)):
+                if part in self.args.parts:
                     rounds = self.args.rounds or p["rounds"]["hs" if part == "positions" else part]
                     n += sum(p["per_round"].get(c, 8) for c in self.args.concurrency) * rounds * arms
         if "memory" in self.args.parts:
@@ -237,8 +232,7 @@ class Bench:
         vocab, dim = int(cfg["vocab_size"]), int(cfg["hidden_size"])
         out["model"] = {"path": path.replace(str(Path.home()), "~"), "hidden_size": dim, "layers": cfg["num_hidden_layers"], "vocab_size": vocab,
                         "parameters": _param_count(cfg)}
-        pending = [p for p in ("memory", "hs", "positions", "serve", "switches", "profile") if p in args.parts
-                   and (first or p not in ("memory", "profile", "switches"))]
+        pending = [p for p in ("memory", "hs", "positions", "serve") if p in args.parts and (first or p != "memory")]
         attempt = 0
         while pending and attempt < args.attempts:
             attempt += 1
@@ -261,9 +255,7 @@ class Bench:
         return out
 
     def run_stages(self, model: str, path: str, vocab: int, pending: list[str], out: dict) -> None:
-        args = self.args
-        need_vllm = any(p in pending for p in ("serve", "switches", "profile"))
-        need_rsllm = "serve" in pending
+        need_vllm = need_rsllm = "serve" in pending  # the Serve part compares against both
         cluster = RayCluster(extra_env=MAIN_CLUSTER_ENV)
         serve = vllm = None
         stopped: dict = {}
@@ -334,13 +326,6 @@ class Bench:
                                                   DEFAULT_MAX_HIDDEN_STATES_BYTES)
                     elif name == "serve":
                         out[name] = self.part_serve(model, eps, vocab, cpu, check)
-                    elif name == "switches":
-                        out[name] = switches.run(self, model, path, vocab, eps, cpu, check)
-                    elif name == "profile":
-                        if args.profile_always or _serve_missed(out.get("serve")) or "serve" not in args.parts:
-                            out[name] = self.part_profile(eps, vocab, cluster, vllm, check)
-                        else:
-                            out[name] = {"skipped": "every Serve-layer target passed"}
                 except ServerDied:
                     raise
                 except Exception as e:
@@ -463,48 +448,6 @@ class Bench:
         check()
         return res
 
-    # -- profile ---------------------------------------------------------------------
-
-    def part_profile(self, eps: dict, vocab: int, cluster, vllm, check) -> dict:
-        check()
-        secs = self.args.profile_seconds
-        out_dir = WORK / ("profiles-quick" if self.args.quick else "profiles")  # raw stacks: not kept in git
-        rinfo = replica_info(eps["ours"].stats_url)["replica"]
-        pids = {"ours_replica": int(rinfo["pid"])}
-        for needle, name in (("ServeReplica:hidden-states:Router", "ours_router"), ("ProxyActor", "serve_proxy")):
-            found = find_ray_worker(cluster, needle)
-            if found:
-                pids[name] = found[0]
-        c = 8
-        sh = workload.shapes(64, seed=workload.SEED + 99)
-        counter = [0]
-
-        def load(ep):
-            def go():
-                from bench.load import Result, run_batch
-                bodies = [(Result(i, s.prompt_tokens, s.max_tokens),
-                           workload.body(ep.model, s, vocab, f"prof-{ep.key}-{counter[0]}-{i}")) for i, s in enumerate(sh[:16])]
-                counter[0] += 1
-                run_batch(ep.url, bodies, c)
-                self.idle_tick()
-                return len(bodies)
-            return go
-
-        cpu = measure.CpuAccount()
-        cpu.add_root(cluster.proc.pid, "ray: system")
-        cpu.add_root(vllm.proc.pid, "vllm")
-        self.phase(f"profile: py-spy on our Serve layer ({secs}s)")
-        a = cpu.snapshot()
-        ours = profile.record(pids, out_dir, secs, load(eps["ours"]))
-        ours_cpu = cpu.delta(a, cpu.snapshot())
-        self.phase(f"profile: py-spy on vLLM's API server ({secs}s)")
-        a = cpu.snapshot()
-        theirs = profile.record({"vllm_api_server": vllm.proc.pid}, out_dir, secs, load(eps["vllm"]))
-        vllm_cpu = cpu.delta(a, cpu.snapshot())
-        check()
-        return {"concurrency": c, "seconds": secs, "processes": ours | theirs,
-                "cpu_during_ours": ours_cpu, "cpu_during_vllm": vllm_cpu, "dir": str(out_dir)}
-
 
 def others_running() -> list[str]:
     """Processes on this machine the benchmark did not start that compete for the 2 cores (tests, other Rays, engines)."""
@@ -531,17 +474,6 @@ def _param_count(cfg: dict) -> int:
     mlp = 3 * h * i
     emb = v * h * (1 if cfg.get("tie_word_embeddings") else 2)
     return L * (attn + mlp + 2 * h) + emb + h
-
-
-def _serve_missed(serve: dict | None) -> bool:
-    if not serve or "by_concurrency" not in serve:
-        return False
-    for c, row in serve["by_concurrency"].items():
-        r, q = row["ours_vs_vllm"], row["ours_vs_rsllm"]
-        if (r["req_per_s"] or 0) < targets.SERVE_VS_VLLM_MIN or (r["p50_added_ms"] or 0) > targets.added_p50_max(c) \
-                or (q["req_per_s"] or 0) < targets.SERVE_VS_RSLLM_MIN:
-            return True
-    return False
 
 
 def main(argv=None) -> int:

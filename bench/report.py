@@ -216,24 +216,6 @@ def part_tables(res: dict) -> list[tuple[str, list[str], list[list[str]]]]:
                            if any("port" in row for row in sv["by_concurrency"].values()) else [])
                         + (["direct req/s", "direct/vLLM req/s", "direct-vLLM p50 ms", "direct/ours req/s", "direct errors"]
                            if any("direct" in row for row in sv["by_concurrency"].values()) else []), rows))
-    for model, m in res.get("models", {}).items():
-        sw = m.get("switches", {}).get("by_switch", {})
-        if sw:
-            rows = []
-            for key, x in sw.items():
-                if "error" in x and not x.get("by_concurrency"):
-                    rows.append([key, "-", "-", "-", "-", "-", "-", "-", "-", "-", x["error"].splitlines()[0][:80]])
-                    continue
-                for c, row in x.get("by_concurrency", {}).items():
-                    r, v, o = row["switched_vs_ours"], row["switched_vs_vllm"], row["ours_vs_vllm"]
-                    rows.append([key, c, _f(row["ours"]["req_per_s"]), _f(row["switched"]["req_per_s"]),
-                                 _f(r["req_per_s"], "{:.3f}"), ci_text(r.get("req_per_s_ci95")), _range(r),
-                                 _f(r["p50_added_ms"], "{:+.1f}"), _f(v["req_per_s"], "{:.3f}"), _f(o["req_per_s"], "{:.3f}"),
-                                 f"{row['ours']['errors']}/{row['switched']['errors']}/{row['vllm']['errors']}"])
-            out.append((f"Part 2b, Ray Serve switches — {model} (each on a Ray cluster of its own, against our app "
-                        f"without it and vLLM's server, rounds alternating)",
-                        ["switch", "conc", "ours req/s", "switched req/s", "switched/ours req/s", "95% CI", "per-round range",
-                         "switched-ours p50 ms", "switched/vLLM req/s", "ours/vLLM req/s", "errors o/s/v"], rows))
     pl = res.get("payload")
     if pl:
         rows = []
@@ -449,31 +431,6 @@ def markdown(res: dict, plot_name: str | None) -> str:
                       f"({_f(100 * mem['settled_vs_start'], '{:+.2f}%')}). The KV cache is resident from the start "
                       "(pre-faulted), so what end adds over after-100 and settled gives back is the allocators' "
                       "high-water mark under load; what settled keeps over start, the run left behind.", ""]
-        prof = m.get("profile")
-        if prof and "processes" in prof:
-            L += [f"### Where the Serve layer's time goes (py-spy, {prof['seconds']} s at concurrency {prof['concurrency']}, "
-                  "hidden states off)", ""]
-            for which, key in (("our app", "cpu_during_ours"), ("vLLM's server", "cpu_during_vllm")):
-                d = prof.get(key)
-                if d:
-                    L.append(f"- CPU while profiling {which} (cores busy by role): "
-                             + ", ".join(f"{k} {v / d['wall']:.2f}" for k, v in sorted(d["roles"].items(), key=lambda kv: -kv[1])
-                                         if v / d["wall"] >= 0.02))
-            L.append("")
-            for name, p in prof["processes"].items():
-                if "top_inclusive" not in p:
-                    L.append(f"- {name}: {p.get('error')}")
-                    continue
-                th = p.get("threads", {})
-                L += [f"**{name}** (pid {p['pid']}): {th.get('cpu_ms_per_request', 0):.1f} CPU ms per request over "
-                      f"{p.get('requests')} requests; by thread (ms/request): "
-                      + ", ".join(f"{n} {v:.1f}" for n, v in th.get("threads_ms_per_request", [])) + ". "
-                      f"py-spy: {p['samples']} samples, {p.get('busy_samples')} in Python work (shares below are of those), "
-                      f"the rest waiting in C; folded stacks: `{Path(p['file']).name}`", "",
-                      _md_table(["function (inclusive)", "share"], [[f, f"{s:.0%}"] for f, _, s in p["top_inclusive"][:10]]), "",
-                      _md_table(["function (self)", "share"], [[f, f"{s:.0%}"] for f, _, s in p["top_self"][:8]]), ""]
-        elif prof:
-            L += [f"Profile: {prof}", ""]
     if res.get("notes"):
         L += ["## Notes", "", *res["notes"], ""]
     notes = Path(__file__).with_name("NOTES.md")

@@ -91,7 +91,7 @@ class RayCluster:
     def __init__(self, num_cpus: int = 8, extra_env: dict[str, str] | None = None, second: bool = False):
         self.num_cpus = num_cpus
         self.extra_env = dict(extra_env or {})  # Ray Serve switches: every Ray process of this cluster gets them
-        self.second = second  # a second cluster at once (the switches part): its own temp dir and log
+        self.second = second  # a second cluster at once (bench.serve_cpu's switch clusters): its own temp dir and log
         self.token = secrets.token_hex(32)
         self.port = free_port(6390)
         self.proc: Proc | None = None
@@ -107,7 +107,7 @@ class RayCluster:
 
     @property
     def temp_dir(self) -> Path:
-        # a second cluster at once (the switches part) needs its own temp dir: Ray keeps one session per temp dir
+        # a second cluster at once needs its own temp dir: Ray keeps one session per temp dir
         return RAY_TMP if not self.second else RAY_TMP.with_name(f"hsbench_ray_{self.port}")
 
     def start(self, timeout: float = 180) -> float:
@@ -278,7 +278,7 @@ class VLLMServer:
         return self.proc.stop(timeout=30) if self.proc else []
 
 
-# -- finding processes: for memory, CPU accounting and py-spy ------------------
+# -- finding processes: for memory and CPU accounting ----------------------------
 
 def proc_title(p: psutil.Process) -> str:
     try:

@@ -1,8 +1,9 @@
 """The docs name only what exists: README.md (README.new.md while that draft exists), docs/*.md
 and cluster/README.md.
 
-Every path under tests/, bench/, scripts/, cluster/, hidden_states/, deployments/ exists;
-every `tests/...py::name` is a test function or class defined in that file (a bare
+Every path under tests/, bench/, scripts/, cluster/, hidden_states/, deployments/ exists
+(one written `COMMIT:path`, git's name for it in a commit, is in that commit instead: what
+was removed is cited from history); every `tests/...py::name` is a test function or class defined in that file (a bare
 `::name` refers to the test file named last before it); every `make X` is a Makefile
 target; every `python -m X` is a module; every relative link resolves, and its #anchor
 is a heading there; every docs page is linked from the README; the README stays under
@@ -15,8 +16,11 @@ from __future__ import annotations
 import ast
 import importlib.util
 import re
+import subprocess
 from functools import cache
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 README_LIMIT = 10_000  # bytes: a README read in minutes; the rest goes to docs/
@@ -31,6 +35,8 @@ PATH = re.compile(r"(?<![\w.-])(?:\.\./)*((?:%s)/(?:[\w.-]+/)*(?:[\w.-]+\.(?:py|
 # `tests/x/test_y.py::name` (or `::Class::name`; a parametrized id's `[...]` is not part of
 # the name); a test file named alone sets the file for a bare `::name` after it.
 TEST_ID = re.compile(r"(?<![\w/.:-])(?=tests/|::)(tests/(?:[\w.-]+/)*test_\w+\.py)?(?:::(\w+)(?:::(\w+))?)?")
+# git's `COMMIT:path`: a path as it was in that commit (a removed module, a superseded result).
+IN_COMMIT = re.compile(r"(?<![\w.-])([0-9a-f]{7,40}):$")
 CODE = re.compile(r"```.*?```|`[^`\n]+`", re.S)
 MAKE = re.compile(r"(?<![\w/.-])make[ \t]+([A-Za-z][\w-]*)")
 PY_M = re.compile(r"(?<![\w-])python3?[ \t]+-m[ \t]+([A-Za-z_][\w.]*)")
@@ -56,8 +62,21 @@ def code_spans(s: str) -> list[str]:
     return [m.group(0).strip("`") for m in CODE.finditer(s)]
 
 
+def in_commit(s: str, start: int):
+    """The `COMMIT:` just before s[start:], if there is one."""
+    return IN_COMMIT.search(s, max(0, start - 41), start)
+
+
 def named_paths(s: str):
-    return (m.group(1) for m in PATH.finditer(s))
+    """Paths as they are now; not those written `COMMIT:path` (named_history_paths)."""
+    return (m.group(1) for m in PATH.finditer(s) if not in_commit(s, m.start(1)))
+
+
+def named_history_paths(s: str):
+    """(commit, path) of each path written `COMMIT:path`."""
+    for m in PATH.finditer(s):
+        if c := in_commit(s, m.start(1)):
+            yield c.group(1), m.group(1)
 
 
 def named_tests(s: str):
@@ -151,6 +170,36 @@ def test_named_paths_exist():
     assert not problems, report(problems, "paths named in the docs do not exist")
 
 
+def missing_in_history(pairs) -> list[tuple[str, str]] | None:
+    """The (commit, path) pairs git does not have (a folder as `path/`), or None without git or the commits."""
+    try:
+        commits = sorted({c for c, _ in pairs})
+        have = subprocess.run(["git", "cat-file", "--batch-check"], cwd=ROOT, capture_output=True, text=True,
+                              input="".join(f"{c}^{{commit}}\n" for c in commits), timeout=30)
+        if have.returncode or "missing" in have.stdout:
+            return None  # not a git checkout, or a shallow one without those commits
+        out = subprocess.run(["git", "cat-file", "--batch-check"], cwd=ROOT, capture_output=True, text=True,
+                             input="".join(f"{c}:{p.rstrip('/')}\n" for c, p in pairs), timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    lines = out.stdout.splitlines()
+    return [pair for pair, line in zip(pairs, lines) if line.endswith(" missing")
+            or pair[1].endswith("/") and " tree " not in line]
+
+
+def test_paths_named_in_history_exist_there():
+    named = everything(named_history_paths)
+    if not named:
+        return
+    pairs = [x for _, x in named]
+    missing = missing_in_history(pairs)
+    if missing is None:
+        pytest.skip("no git history here to check `COMMIT:path` against")
+    problems = [f"{doc} names {c}:{p}, which that commit does not have" for doc, (c, p) in named if (c, p) in missing]
+    assert missing_in_history([(pairs[0][0], "bench/no_such_file.py")]), "the history check cannot fail"
+    assert not problems, report(problems, "paths named in git history are not there")
+
+
 def test_named_tests_are_defined():
     named = everything(named_tests)
     assert named, "the docs name no tests at all: the pattern is broken"
@@ -204,13 +253,16 @@ def test_the_checks_can_fail():
                      "https://example.com/tests/x.py; run `make nope` and `.venv/bin/python -m bench.nope`. "
                      "It cannot make a vector differ; needs `make`.")
     assert list(named_paths(s)) == ["tests/unit/test_docs.py", "bench/results/tiny-quiet/"]
+    old = "`git show 1234abc:bench/gone.py` and 1234abc:bench/results/gone/ (now bench/results/kept/)"
+    assert list(named_paths(old)) == ["bench/results/kept/"]
+    assert list(named_history_paths(old)) == [("1234abc", "bench/gone.py"), ("1234abc", "bench/results/gone/")]
     assert list(named_tests(s + " `tests/unit/test_docs.py`: `::test_too`; `::A::b`")) == [
         "tests/unit/test_docs.py::test_nope", "tests/unit/test_docs.py::test_too", "tests/unit/test_docs.py::A::b"]
     assert list(named_tests("`::orphan`")) == ["::orphan"]  # no file before it: reported as such
     assert "test_nope" not in defined_names(ROOT / "tests/unit/test_docs.py")
     assert list(named_targets(s)) == ["nope"] and "nope" not in make_targets() and "test" in make_targets()
     assert list(named_modules(s)) == ["bench.nope"] and not module_exists("bench.nope")
-    assert module_exists("bench.layers") and module_exists("deployments.batch") and module_exists("pytest")
+    assert module_exists("bench.spec") and module_exists("deployments.batch") and module_exists("pytest")
     assert not module_exists("no_such_module_here") and not module_exists("pytest.no_such_module")
     assert link_problem("docs/api.md", "../cluster/README.md") is None
     assert link_problem("docs/api.md", "missing.md") and link_problem("docs/api.md", "#no-such-heading")
