@@ -18,6 +18,11 @@ aborts it. `stats()` reports both (`unfinished_requests`, the key the vLLM
 engine reports too, and `cancelled_requests`), so tests over Serve can check
 that nothing is left running. `token_delay_s` (an `engine` arg in the app's
 args) makes each generated token take that long, so a client has time to hang up.
+`first_token_delay_s` (an `engine` arg too, default 0: none) adds one wait per
+request before its first token, as an engine's prefill: a request of `max_tokens`
+then sleeps `first_token_delay_s + max_tokens * token_delay_s` (per choice for the
+tokens, once for the prefill), which `bench/simulate.py` sets from a real engine's
+measured time to first token and time per token.
 """
 
 from __future__ import annotations
@@ -75,10 +80,11 @@ class FakeEngine(VectorObservers):
     hidden_size = HIDDEN_SIZE
 
     def __init__(self, enabled: bool, token_delay_s: float = 0.0,
-                 max_hidden_states_bytes: int = DEFAULT_MAX_HIDDEN_STATES_BYTES):
+                 max_hidden_states_bytes: int = DEFAULT_MAX_HIDDEN_STATES_BYTES, first_token_delay_s: float = 0.0):
         super().__init__()
         self.enabled = enabled
         self.token_delay_s = token_delay_s
+        self.first_token_delay_s = first_token_delay_s
         self.max_hidden_states_bytes = max_hidden_states_bytes
         self.missing_vectors = 0
         self.requests = 0
@@ -89,8 +95,9 @@ class FakeEngine(VectorObservers):
 
     @classmethod
     async def start(cls, model: str = "fake", *, enable_return_hidden_states: bool = True, token_delay_s: float = 0.0,
-                    max_hidden_states_bytes: int = DEFAULT_MAX_HIDDEN_STATES_BYTES, **_: Any) -> "FakeEngine":
-        return cls(enable_return_hidden_states, token_delay_s, max_hidden_states_bytes)
+                    max_hidden_states_bytes: int = DEFAULT_MAX_HIDDEN_STATES_BYTES, first_token_delay_s: float = 0.0,
+                    **_: Any) -> "FakeEngine":
+        return cls(enable_return_hidden_states, token_delay_s, max_hidden_states_bytes, first_token_delay_s)
 
     @contextlib.asynccontextmanager
     async def running(self):
@@ -108,6 +115,11 @@ class FakeEngine(VectorObservers):
     async def _tick(self) -> None:
         """One token's worth of work: a point where a request can be cancelled, as in vLLM."""
         await asyncio.sleep(self.token_delay_s)
+
+    async def _prefill(self) -> None:
+        """A request's wait before its first token (`first_token_delay_s`); none by default."""
+        if self.first_token_delay_s > 0:
+            await asyncio.sleep(self.first_token_delay_s)
 
     def check_request(self, layers: Sequence[int] = (-1,), position: Any = "completion_end", dtype: str = "float32",
                       topk: int | None = None) -> tuple[int, ...]:
@@ -163,6 +175,7 @@ class FakeEngine(VectorObservers):
             with self.collecting(layers, position, dtype, topk, proof) if return_hidden_states or proof else \
                     contextlib.nullcontext() as col:
                 self.check_budget(col, len(ids), o.max_tokens or 16, o.n)
+                await self._prefill()
                 for i in range(o.n):
                     toks = await self._generate_slowly(ids, i, o.max_tokens or 16)
                     text = bytes(toks).decode("latin-1")
@@ -232,6 +245,7 @@ class FakeOpenAI:
                 asked = types.SimpleNamespace(hidden_states_encoding=req.get("hidden_states_encoding", "float"),
                                               hidden_states_layers=req.get("hidden_states_layers"), n=n)
                 vectors = ChoiceVectors(eng, col, asked, route, self.replica_id)
+            await eng._prefill()
             if not req.get("stream"):
                 outs = [await self._generate_choice(prompt_ids, i, max_tokens, col) for i in range(n)]
                 payload = {"id": "cmpl-fake", "object": "text_completion", "created": int(time.time()),
