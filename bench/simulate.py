@@ -982,6 +982,18 @@ SIZE_HEADERS = ["N", "Router ms/req", "proxy ms/req", "controller ms/req", "rout
                 "replicas hit", "start s", "replica RSS MiB"]
 
 
+def _save_by_n(plt, fig, axes, ns, out, name: str) -> str:
+    """A figure whose panels plot against N: N's ticks, a grid and a legend on each, saved as `name`."""
+    for x in axes:
+        x.set_xticks(ns, [str(n) for n in ns])
+        x.grid(alpha=0.3)
+        x.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / name, dpi=110)
+    plt.close(fig)
+    return name
+
+
 def plot(res: dict, out: Path) -> list[str]:
     """cpu_per_request.png, added_latency.png, ramp.png (those with data); their names."""
     import matplotlib
@@ -1003,14 +1015,7 @@ def plot(res: dict, out: Path) -> list[str]:
                title=f"CPU per request at {res['settings']['rate_per_s']:g} req/s, by process")
         bx.set(xscale="log", xlabel="replicas N", ylabel="cores busy, idle (no requests)",
                title="Idle CPU by process: what N costs with no traffic")
-        for x in (ax, bx):
-            x.set_xticks(ns, [str(n) for n in ns])
-            x.grid(alpha=0.3)
-            x.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(out / "cpu_per_request.png", dpi=110)
-        plt.close(fig)
-        names.append("cpu_per_request.png")
+        names.append(_save_by_n(plt, fig, (ax, bx), ns, out, "cpu_per_request.png"))
 
         fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.5))
         for key, label, m in (("added_ms_p50", "p50", "o"), ("added_ms_p90", "p90", "^"), ("added_ms_p99", "p99", "s")):
@@ -1020,14 +1025,7 @@ def plot(res: dict, out: Path) -> list[str]:
         bx.plot(ns, [r["start_s"] for _, r in sizes], marker="o", label="deploy -> N running + a request answered")
         bx.plot(ns, [r.get("delete_s") for _, r in sizes], marker="x", ls=":", label="delete -> all gone")
         bx.set(xscale="log", xlabel="replicas N", ylabel="s", title="Replicas' start (and stop) time")
-        for x in (ax, bx):
-            x.set_xticks(ns, [str(n) for n in ns])
-            x.grid(alpha=0.3)
-            x.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(out / "added_latency.png", dpi=110)
-        plt.close(fig)
-        names.append("added_latency.png")
+        names.append(_save_by_n(plt, fig, (ax, bx), ns, out, "added_latency.png"))
 
     ramp = res.get("ramp") or {}
     if ramp.get("samples"):
