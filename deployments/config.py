@@ -110,6 +110,11 @@ class AppArgs(BaseModel):
     ingress: Literal["router", "replica"] = Field(
         "router", description="who takes HTTP: a Router deployment in front of the replicas (retries a request "
                               "whose replica died before answering), or the replicas themselves (one hop fewer)")
+    replica_routing: Literal["auto", "prefix", "power_of_two"] = Field(
+        "auto", description="how the Router picks an engine replica: `prefix` (a request goes where the longest "
+                            "prefix of its prompt was sent, for the replica's prefix cache: deployments/routing.py), "
+                            "`power_of_two` (Serve's default: the less loaded of two at random), or `auto`: prefix "
+                            "with ingress: router and more than one replica (max_replicas > 1), else power_of_two")
     replica_max_ongoing_requests: int = Field(
         256, ge=1, description="requests a replica takes at once: vLLM batches them (Serve's default, 5, starves it)")
     replica_max_per_node: int | None = Field(None, ge=1, description="Serve's max_replicas_per_node")
@@ -143,6 +148,21 @@ class AppArgs(BaseModel):
             if os.path.exists(m.path):
                 m.path = os.path.abspath(m.path)
         return self
+
+    @model_validator(mode="after")
+    def _check_replica_routing(self) -> "AppArgs":
+        if self.replica_routing == "prefix" and self.ingress == "replica":
+            raise ValueError("replica_routing: prefix needs ingress: router: with ingress: replica, Serve's proxy "
+                             "routes HTTP to the replicas without reading the body (use ingress: router, or "
+                             "replica_routing: auto or power_of_two)")
+        return self
+
+    def resolved_replica_routing(self) -> str:
+        """`prefix` or `power_of_two`: what `auto` means for this app."""
+        if self.replica_routing != "auto":
+            return self.replica_routing
+        scaled_out = self.replica_autoscaling.max_replicas > 1
+        return "prefix" if self.ingress == "router" and scaled_out else "power_of_two"
 
     @property
     def served_model_names(self) -> list[str]:
@@ -198,4 +218,8 @@ class AppArgs(BaseModel):
             opts["ray_actor_options"]["resources"] = dict(self.replica_resources)
         if self.replica_max_per_node is not None:
             opts["max_replicas_per_node"] = self.replica_max_per_node
+        if self.resolved_replica_routing() == "prefix":  # the Router's handle routes by prompt prefix
+            from deployments.routing import CLASS_PATH
+
+            opts["request_router_config"] = {"request_router_class": CLASS_PATH}
         return opts

@@ -93,8 +93,9 @@ class EngineReplica(http.ingress_routes(app, "replica")):
             async for part in parts:
                 yield part
 
-    async def openai(self, route: str, body: bytes) -> AsyncIterator[bytes]:
-        """For a streaming handle: a ResponseHead frame, then the body's frames."""
+    async def openai(self, route: str, body: bytes, routing_key: str = "") -> AsyncIterator[bytes]:
+        """For a streaming handle: a ResponseHead frame, then the body's frames. `routing_key` is for
+        the Router's request router (deployments/routing.py), which read it before sending: unused here."""
         self.in_flight += 1
         answer = self._answer(route, body)
         try:
@@ -105,7 +106,7 @@ class EngineReplica(http.ingress_routes(app, "replica")):
             self.in_flight -= 1
             await answer.aclose()
 
-    async def openai_unary(self, route: str, body: bytes) -> bytes:
+    async def openai_unary(self, route: str, body: bytes, routing_key: str = "") -> bytes:
         """A whole answer in one `Reply`: for non-streaming requests, one return
         value instead of a generator's frames (Ray reports each item separately)."""
         self.in_flight += 1
@@ -162,8 +163,8 @@ class EngineReplica(http.ingress_routes(app, "replica")):
 
     # -- Python handles -------------------------------------------------------
 
-    async def complete(self, request: bytes) -> bytes:
-        """The Python-handle route: HandleCompletionRequest bytes -> HandleReply bytes."""
+    async def complete(self, request: bytes, routing_key: str = "") -> bytes:
+        """The Python-handle route: HandleCompletionRequest bytes -> HandleReply bytes (`routing_key`: as openai's)."""
         try:
             req = wire.REQUEST_DECODER.decode(request)
             if (refused := http.handle_refusal(self.args, req)) is not None:

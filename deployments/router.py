@@ -4,7 +4,9 @@ It does no tokenization and no engine work: it runs the checks of
 `deployments/http.py` (auth, body limit, what the server cannot do), sends the
 raw body to an EngineReplica (one call for a plain request, a streaming handle
 for `stream: true`) and relays its answer; a replica that dies before answering
-gets the request again on another. Failures are answered through the one table
+gets the request again on another. With `replica_routing: prefix` each call also
+carries the request's routing key, made from the body parsed for the checks, for
+the handle's request router to pick the replica by (deployments/routing.py). Failures are answered through the one table
 (hidden_states/errors.py), over HTTP and over Python handles alike.
 
 It counts requests (`/debug/stats` -> `ingress`: pending, served, failed,
@@ -30,7 +32,7 @@ from fastapi.responses import Response
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from deployments import http, wire
+from deployments import http, routing, wire
 from deployments.config import AppArgs
 from deployments.readiness import Readiness
 from deployments.wire import HandleError, HandleReply
@@ -84,12 +86,15 @@ def _remaining(deadline: float) -> float:
 @serve.deployment(max_ongoing_requests=1000)
 @serve.ingress(app)
 class Router(http.ingress_routes(app, "router")):
+    prefix_routing = False  # replica_routing resolved to prefix: the replica calls carry a routing key
+
     def __init__(self, replica: DeploymentHandle, args: dict):
         self.args = AppArgs.model_validate(args)
         http.api_key(self.args)  # a conflicting key fails the start, with the reason
         self.replica = replica
         self.replica_stream = replica.options(stream=True)  # built once: options() is not free
         self.readiness = Readiness(serve.get_replica_context().app_name)
+        self.prefix_routing = self.args.resolved_replica_routing() == "prefix"
         self.max_model_len: int | None = None
 
     async def _not_ready(self) -> str | None:
@@ -119,15 +124,16 @@ class Router(http.ingress_routes(app, "router")):
         if (why := await self._not_ready()) is not None:  # rather than wait for a replica until the timeout
             return http.error(503, why)
         deadline = time.monotonic() + self.args.request_timeout_s
+        routed = self._routing(routing.http_key(route, req, self.args.model_name) if self.prefix_routing else "")
         self.pending += 1
         how = http.CANCELLED  # unless it gets an answer: the client went away
         try:
             if req.get("stream") is not True:
-                reply = await self._call(route, body, deadline)
+                reply = await self._call(route, body, deadline, routed)
                 how = http.outcome(reply.head.status)
                 return Response(reply.body, status_code=reply.head.status, media_type=reply.head.media_type,
                                 headers={"x-replica-id": reply.head.replica})
-            stream, head = await self._open(route, body, deadline)
+            stream, head = await self._open(route, body, deadline, routed)
             parts = ReplicaStream(stream)
             if head.media_type != "text/event-stream":  # an error answer to a streaming request
                 async with contextlib.aclosing(parts):
@@ -145,32 +151,37 @@ class Router(http.ingress_routes(app, "router")):
             if how is not None:
                 self._finish(how)
 
-    async def _call_once(self, method, deadline: float, *args):
+    @staticmethod
+    def _routing(key: str) -> dict:
+        """A replica call's keyword arguments for the request router (deployments/routing.py): its routing key."""
+        return {routing.KEY_KWARG: key} if key else {}
+
+    async def _call_once(self, method, deadline: float, *args, **kwargs):
         """One replica call by `deadline`; however the wait ends early (timeout, cancellation), the call is cancelled."""
-        ref = method.remote(*args)
+        ref = method.remote(*args, **kwargs)
         try:
             return await asyncio.wait_for(ref, _remaining(deadline))
         except BaseException:
             _cancel(ref)
             raise
 
-    async def _call(self, route: str, body: bytes, deadline: float) -> wire.Reply:
+    async def _call(self, route: str, body: bytes, deadline: float, routed: dict | None = None) -> wire.Reply:
         """A non-streaming request: one call, one reply. A replica that died
         before answering gets one retry elsewhere (nothing was sent yet)."""
         for attempt in (1, 2):
             try:
                 return wire.REPLY_BODY_DECODER.decode(await self._call_once(self.replica.openai_unary, deadline,
-                                                                            route, body))
+                                                                            route, body, **(routed or {})))
             except Exception as e:
                 if attempt == 2 or not errors.replica_gone(e):
                     raise
                 logger.warning("replica died before answering (%s); retrying once", type(e).__name__)
 
-    async def _open(self, route: str, body: bytes, deadline: float):
+    async def _open(self, route: str, body: bytes, deadline: float, routed: dict | None = None):
         """Sends a streaming request: (the replica's stream, its ResponseHead). A replica that died
         before answering gets one retry elsewhere; however the wait ends early, the stream is cancelled."""
         for attempt in (1, 2):
-            stream = self.replica_stream.openai.remote(route, body)
+            stream = self.replica_stream.openai.remote(route, body, **(routed or {}))
             try:
                 head = await asyncio.wait_for(stream.__anext__(), _remaining(deadline))
                 return stream, wire.HEAD_DECODER.decode(head)
@@ -215,8 +226,9 @@ class Router(http.ingress_routes(app, "router")):
         self.pending += 1
         how = http.CANCELLED
         try:
+            routed = self._routing(routing.handle_key(req, self.args.model_name) if self.prefix_routing else "")
             raw = await self._call_once(self.replica.complete, time.monotonic() + self.args.request_timeout_s,
-                                        request)
+                                        request, **routed)
             error = wire.REPLY_DECODER.decode(raw).error
             how = http.outcome(error.status) if error is not None else http.SERVED
             return raw

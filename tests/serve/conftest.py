@@ -90,7 +90,9 @@ def tiny_lora_modules() -> list[dict]:
 # (the main app's two replicas) and fits a machine with 8 GiB: each engine costs about
 # 2.6 GB even on the tiny model (Serve replica, EngineCore, worker).
 APPS = {
-    APP: ("/", lambda: app_args()),
+    APP: ("/", lambda: app_args()),  # replica_routing auto: prefix (two replicas behind the Router)
+    # the main app routing as Serve does by default, to compare prefix cache hits with (test_prefix_routing.py)
+    "hs-p2c": ("/p2c", lambda: app_args(replica_routing="power_of_two")),
     "hs-off": ("/off", lambda: app_args(enable_return_hidden_states=False,
                                         replica_autoscaling={"min_replicas": 1, "max_replicas": 1})),
     # the replica is its own HTTP ingress: API key, small body limit, short timeouts

@@ -91,7 +91,9 @@ class OpenAIFrontend:
         from vllm.utils.argparse_utils import FlexibleArgumentParser
 
         model_path = engine.llm.vllm_config.model_config.model
-        argv = ["--model", model_path, "--served-model-name", served_model_name]
+        # usage.prompt_tokens_details.cached_tokens (OpenAI's field): the prompt tokens the prefix cache held,
+        # on every completion, with hidden states or without (vLLM's server reports it only when asked)
+        argv = ["--model", model_path, "--served-model-name", served_model_name, "--enable-prompt-tokens-details"]
         if lora_modules:  # vLLM's server's own flag (JSON form: any path); its serving loads them at start
             argv += ["--lora-modules", *(json.dumps({"name": m["name"], "path": m["path"],
                                                      "base_model_name": served_model_name}) for m in lora_modules)]
