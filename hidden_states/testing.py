@@ -22,7 +22,9 @@ args) makes each generated token take that long, so a client has time to hang up
 request before its first token, as an engine's prefill: a request of `max_tokens`
 then sleeps `first_token_delay_s + max_tokens * token_delay_s` (per choice for the
 tokens, once for the prefill), which `bench/simulate.py` sets from a real engine's
-measured time to first token and time per token.
+measured time to first token and time per token. `hidden_size` (an `engine` arg,
+default 8) sets the vectors' width, for payloads the size of a real model's
+(`bench/payloads.py`: 4,096).
 """
 
 from __future__ import annotations
@@ -51,20 +53,20 @@ HIDDEN_SIZE = 8
 NUM_LAYERS = 2
 
 
-def fake_vector(ids: Sequence[int], layer: int = -1) -> np.ndarray:
+def fake_vector(ids: Sequence[int], layer: int = -1, size: int = HIDDEN_SIZE) -> np.ndarray:
     seed = (hash(tuple(ids)) ^ (layer * 7919)) & 0xFFFFFFFF
-    return np.random.default_rng(seed).standard_normal(HIDDEN_SIZE).astype(np.float32)
+    return np.random.default_rng(seed).standard_normal(size).astype(np.float32)
 
 
 def fake_rows(ids: Sequence[int], positions: Sequence[int], layers: Sequence[int] = (-1,), dtype: str = "float32",
-              topk: int | None = None) -> RowBatch:
+              topk: int | None = None, size: int = HIDDEN_SIZE) -> RowBatch:
     """The rows of `ids` at `positions` (row p: `fake_vector(ids[:p + 1])`) as the engine sends them:
     top-k of the float32 rows by magnitude (int32 indices, largest first), then cast to `dtype` (raw)."""
     pos = np.asarray(positions, dtype=np.int64)
     values, indices = {}, {} if topk else None
     for layer in layers:
-        rows = np.stack([fake_vector(ids[:p + 1], layer) for p in pos]) if len(pos) else \
-            np.zeros((0, HIDDEN_SIZE), np.float32)
+        rows = np.stack([fake_vector(ids[:p + 1], layer, size) for p in pos]) if len(pos) else \
+            np.zeros((0, size), np.float32)
         if topk:
             indices[layer] = np.argsort(-np.abs(rows), axis=-1, kind="stable")[:, :topk].astype(np.int32)
             rows = np.take_along_axis(rows, indices[layer], axis=-1)
@@ -80,8 +82,10 @@ class FakeEngine(VectorObservers):
     hidden_size = HIDDEN_SIZE
 
     def __init__(self, enabled: bool, token_delay_s: float = 0.0,
-                 max_hidden_states_bytes: int = DEFAULT_MAX_HIDDEN_STATES_BYTES, first_token_delay_s: float = 0.0):
+                 max_hidden_states_bytes: int = DEFAULT_MAX_HIDDEN_STATES_BYTES, first_token_delay_s: float = 0.0,
+                 hidden_size: int = HIDDEN_SIZE):
         super().__init__()
+        self.hidden_size = hidden_size
         self.enabled = enabled
         self.token_delay_s = token_delay_s
         self.first_token_delay_s = first_token_delay_s
@@ -96,8 +100,9 @@ class FakeEngine(VectorObservers):
     @classmethod
     async def start(cls, model: str = "fake", *, enable_return_hidden_states: bool = True, token_delay_s: float = 0.0,
                     max_hidden_states_bytes: int = DEFAULT_MAX_HIDDEN_STATES_BYTES, first_token_delay_s: float = 0.0,
-                    **_: Any) -> "FakeEngine":
-        return cls(enable_return_hidden_states, token_delay_s, max_hidden_states_bytes, first_token_delay_s)
+                    hidden_size: int = HIDDEN_SIZE, **_: Any) -> "FakeEngine":
+        return cls(enable_return_hidden_states, token_delay_s, max_hidden_states_bytes, first_token_delay_s,
+                   hidden_size)
 
     @contextlib.asynccontextmanager
     async def running(self):
@@ -123,7 +128,7 @@ class FakeEngine(VectorObservers):
 
     def check_request(self, layers: Sequence[int] = (-1,), position: Any = "completion_end", dtype: str = "float32",
                       topk: int | None = None) -> tuple[int, ...]:
-        return check_vector_request(self.enabled, layers, position, dtype, topk, NUM_LAYERS, HIDDEN_SIZE)
+        return check_vector_request(self.enabled, layers, position, dtype, topk, NUM_LAYERS, self.hidden_size)
 
     def missing(self, what: str) -> MissingHiddenStatesError:
         self.missing_vectors += 1
@@ -142,7 +147,7 @@ class FakeEngine(VectorObservers):
         """The engine's memory bound on a request (params.check_rows_budget), before it starts."""
         if col is not None:
             check_rows_budget(Span.of(col.position, prompt_len), prompt_len, max_tokens, n, len(col.layers),
-                              HIDDEN_SIZE, col.dtype, col.topk, self.max_hidden_states_bytes)
+                              self.hidden_size, col.dtype, col.topk, self.max_hidden_states_bytes)
 
     def _generate(self, prompt_ids: list[int], index: int, max_tokens: int) -> list[int]:
         return [(len(prompt_ids) + index + i) % 256 for i in range(max_tokens)]
@@ -160,7 +165,8 @@ class FakeEngine(VectorObservers):
         stats = None if collector.position == "prompt_end" else ExtractionStats(len(seq), len(seq) - 1, 0.0)
         wanted = list(Span.of(collector.position, len(prompt_ids)).positions(len(seq)))
         collector.prompt_lens[0] = len(prompt_ids)
-        collector.add_rows((0, index), fake_rows(seq, wanted, collector.layers, collector.dtype, collector.topk))
+        collector.add_rows((0, index), fake_rows(seq, wanted, collector.layers, collector.dtype, collector.topk,
+                                                   self.hidden_size))
         collector.settle_rows((0, index), wanted, stats)
 
     async def complete(self, prompt: str | Sequence[int], options: SamplingOptions | None = None, *,
@@ -170,7 +176,7 @@ class FakeEngine(VectorObservers):
         o = options or SamplingOptions()
         ids = list(prompt.encode()) if isinstance(prompt, str) else list(prompt)
         choices = []
-        proof = check_proof(proof, HIDDEN_SIZE)
+        proof = check_proof(proof, self.hidden_size)
         async with self.running():
             with self.collecting(layers, position, dtype, topk, proof) if return_hidden_states or proof else \
                     contextlib.nullcontext() as col:

@@ -176,3 +176,19 @@ def test_chat_messages_over_a_handle_are_the_chat_route_s_prompt():
     assert np.array_equal(chat.choices[0].hidden_states, plain.choices[0].hidden_states)
     with pytest.raises(TypeError, match="not both"):
         client._request(PROMPT, [{"role": "user", "content": PROMPT}])
+
+
+def test_the_fake_engine_takes_a_model_s_width_and_its_bounds():
+    """`hidden_size` (bench/payloads.py's 4,096): rows of that width, and the rows budget counts it."""
+    from bench.payloads import HIDDEN, serve_config
+    from deployments.config import AppArgs
+    from hidden_states.params import HiddenStatesRequestError
+
+    wide = FakeEngine(True, hidden_size=HIDDEN)
+    c = asyncio.run(wide.complete(IDS, SamplingOptions(max_tokens=3), position="completion", dtype="float16"))
+    assert c.choices[0].hidden_states.shape == (3, HIDDEN) and c.choices[0].dtype == "float16"
+    tight = FakeEngine(True, max_hidden_states_bytes=2 * HIDDEN * 2, hidden_size=HIDDEN)  # two float16 rows
+    with pytest.raises(HiddenStatesRequestError):
+        asyncio.run(tight.complete(IDS, SamplingOptions(max_tokens=3), position="completion", dtype="float16"))
+    for app in serve_config(8000, ("a", "b"), 2**20)["applications"]:  # the bench's apps are valid AppArgs
+        assert AppArgs.model_validate(app["args"]).engine_args()["hidden_size"] == HIDDEN

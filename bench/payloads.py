@@ -1,0 +1,205 @@
+"""Large payloads through each path (issue 32, part 1): 8-16 MB of rows per response, bytes per second and CPU per MB.
+
+    .venv/bin/python -m bench.payloads        # writes bench/results/payloads.{json,md}
+
+A 4,096-wide model's `completion` rows in float16 over 1,000 and 2,000 tokens (8 and 16 MiB of rows; 10.7 and
+21.3 MB of JSON with base64, 26-52 MB with floats) come from hidden_states.testing.FakeEngine (`hidden_size`
+4096), behind the real Router, replicas, relay, Serve's proxy and HAProxy, on two Ray clusters of the bench
+(bench.servers.RayCluster, bench.serve_cpu's ports): `main`, with `make serve`'s switches, and `haproxy`, with
+`RAY_SERVE_ENABLE_HA_PROXY=1`. The paths, as bench.serve_cpu names them: `proxy` (Serve's proxy -> Router ->
+replica), `port` (the Router's own port -> replica), `replica_port` (`ingress: replica` on its own port),
+`haproxy` (HAProxy -> Router's port -> replica) and `haproxy_replica` (HAProxy -> the replica's port).
+
+Per path and size: `--requests` non-streaming requests, `--concurrency` at a time, each response read whole and
+parsed by the client (its rows' shape checked); then the same with `stream: true` (rows arrive with each
+token's chunk). Bytes per second is response bytes over wall time; CPU per MB is each role's CPU seconds
+(bench.serve_cpu.Roles: psutil times of every process, the idle rate subtracted) per MB of response. The
+replica's figure includes the FakeEngine making its rows (random normals; measured alone, in this process,
+and printed beside it), which a real engine does on the device instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import time
+
+import httpx
+import yaml
+
+from bench.procs import BIN, WORK, Proc, StartError, free_port, wait_until
+from bench.report import command_line, write_results
+from bench.serve_cpu import CLUSTERS, Roles, cluster_env, find_ingress
+from bench.servers import RayCluster, http_ok
+
+MODEL = "fake"
+HIDDEN = 4096
+PATH_ROLES = {  # the processes a request passes through (bench.serve_cpu.Roles' names)
+    "proxy": ["main: proxy", "pl: router", "pl: replica"],
+    "port": ["pl: router", "pl: replica"],
+    "replica_port": ["pl-direct: replica"],
+    "haproxy": ["haproxy: haproxy", "haproxy: proxy", "pl-ha: router", "pl-ha: replica"],
+    "haproxy_replica": ["haproxy: haproxy", "haproxy: proxy", "pl-ha-direct: replica"],
+}
+
+
+def serve_config(http_port: int, names: tuple[str, str], max_body: int) -> dict:
+    """Two FakeEngine apps (`bench.simulate:fake_app`): one behind the Router, one `ingress: replica`."""
+    args = {"model": "builtin:tiny-llama", "served_model_name": MODEL, "engine": {"hidden_size": HIDDEN},
+            "request_timeout_s": 120, "max_request_body_bytes": max_body}
+    return {"proxy_location": "HeadOnly", "http_options": {"host": "127.0.0.1", "port": http_port},
+            "applications": [
+                {"name": names[0], "route_prefix": "/", "import_path": "bench.simulate:fake_app", "args": args},
+                {"name": names[1], "route_prefix": "/direct", "import_path": "bench.simulate:fake_app",
+                 "args": dict(args, ingress="replica")}]}
+
+
+class FakeApps:
+    """`serve run CONFIG` of serve_config() on one cluster."""
+
+    def __init__(self, cluster: RayCluster, names: tuple[str, str], tag: str):
+        self.cluster, self.names, self.tag = cluster, names, tag
+        self.http_port = free_port(8410)
+        self.base = f"http://127.0.0.1:{self.http_port}"
+        self.proc: Proc | None = None
+
+    def launch(self) -> None:
+        path = WORK / "cfg" / f"serve-{self.tag}.yaml"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(yaml.safe_dump(serve_config(self.http_port, self.names, 4 * 2**20), sort_keys=False))
+        self.proc = Proc(f"serve-run-{self.tag}", [BIN / "serve", "run", "--address", self.cluster.address, path],
+                         env=self.cluster.env())
+
+    def wait_ready(self, timeout: float) -> None:
+        def ready() -> bool:
+            if not self.cluster.alive():
+                raise StartError(f"the Ray cluster died:\n{self.cluster.proc.tail()}")
+            return http_ok(f"{self.base}/health") and http_ok(f"{self.base}/direct/health")
+
+        wait_until(ready, timeout, f"serve run ({self.tag})", [self.proc], poll=2)
+
+    def stop(self) -> list[int]:
+        return self.proc.stop(timeout=20) if self.proc else []
+
+
+def body(tokens: int, stream: bool) -> bytes:
+    return json.dumps({"model": MODEL, "prompt": "Rows, please.", "max_tokens": tokens, "stream": stream,
+                       "return_hidden_states": True, "hidden_states_position": "completion",
+                       "hidden_states_dtype": "float16", "hidden_states_encoding": "base64"}).encode()
+
+
+def one(client: httpx.Client, url: str, tokens: int, stream: bool) -> int:
+    """One request; its response's bytes, after checking it carries `tokens` rows of HIDDEN."""
+    r = client.post(url, content=body(tokens, stream), headers={"content-type": "application/json"})
+    if r.status_code != 200:
+        raise RuntimeError(f"{r.status_code}: {r.text[:200]}")
+    if stream:
+        rows = 0
+        for line in r.text.splitlines():
+            if line.startswith("data: {"):
+                for c in json.loads(line[6:])["choices"]:
+                    rows += len((c.get("hidden_states_meta") or {}).get("positions") or ())
+    else:
+        meta = r.json()["choices"][0]["hidden_states_meta"]
+        rows = meta["shape"][0] if meta["shape"][-1] == HIDDEN else -1
+    if rows != tokens:
+        raise RuntimeError(f"{rows} rows of {HIDDEN}, not {tokens}")
+    return len(r.content)
+
+
+def run_arm(roles: Roles, url: str, tokens: int, stream: bool, requests: int, concurrency: int,
+            path: str) -> dict:
+    a = roles.snapshot()
+    sizes, errors = [], []
+    with httpx.Client(timeout=300) as client, concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
+        for f in [pool.submit(one, client, url, tokens, stream) for _ in range(requests)]:
+            try:
+                sizes.append(f.result(timeout=600))
+            except Exception as e:  # counted and shown, never dropped
+                errors.append(f"{type(e).__name__}: {e}"[:200])
+    d = roles.delta(a, roles.snapshot())
+    mb = sum(sizes) / 1e6
+    cpu = {r: max(0.0, d["roles"].get(r, 0.0) - roles.idle.get(r, 0.0) * d["wall"]) for r in PATH_ROLES[path]}
+    return {"requests": requests, "ok": len(sizes), "errors": len(errors), "error_samples": errors[:3],
+            "mb_per_response": round(mb / max(1, len(sizes)), 2), "mb_per_s": round(mb / d["wall"], 1),
+            "cpu_ms_per_mb": {r: round(s / mb * 1e3, 2) for r, s in cpu.items()} if mb else {},
+            "cpu_ms_per_mb_total": round(sum(cpu.values()) / mb * 1e3, 2) if mb else None}
+
+
+def fake_rows_cpu_ms(tokens: int) -> float:
+    """CPU the FakeEngine spends making one response's rows (part of the replica's figure)."""
+    from hidden_states.protocol import narrow
+    from hidden_states.testing import fake_rows
+
+    ids = list(range(tokens + 13))
+    t0 = time.process_time()
+    narrow(fake_rows(ids, range(13, tokens + 13), size=HIDDEN).values[-1], "float16")
+    return round((time.process_time() - t0) * 1e3, 1)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", default="1000,2000", help="completion tokens: rows per response")
+    ap.add_argument("--requests", type=int, default=12, help="requests per path, size and mode")
+    ap.add_argument("--concurrency", type=int, default=2)
+    ap.add_argument("--idle-s", type=float, default=15.0)
+    ap.add_argument("--name", default="payloads")
+    args = ap.parse_args()
+    shown = argparse.Namespace(**vars(args))
+    tokens = [int(t) for t in args.tokens.split(",")]
+    roles, started = Roles(), []
+    results: dict = {"hidden_size": HIDDEN, "dtype": "float16", "encoding": "base64", "paths": PATH_ROLES,
+                     "fake_rows_cpu_ms": {str(t): fake_rows_cpu_ms(t) for t in tokens}, "runs": {}}
+    try:
+        urls = {}
+        for name, names, second in (("main", ("pl", "pl-direct"), False), ("haproxy", ("pl-ha", "pl-ha-direct"), True)):
+            cluster = RayCluster(extra_env=cluster_env(name), second=second)
+            cluster.start()
+            started.insert(0, cluster)
+            apps = FakeApps(cluster, names, f"payloads-{name}")
+            apps.launch()
+            started.insert(0, apps)
+            apps.wait_ready(600)
+            roles.add_root(cluster.proc.pid, name)
+            ports = CLUSTERS[name][2]
+            if name == "main":
+                urls["proxy"] = f"{apps.base}/v1/completions"
+                urls["port"] = f"{find_ingress('router', ports)}/v1/completions"
+                urls["replica_port"] = f"{find_ingress('replica', ports, '/direct')}/v1/completions"
+            else:
+                urls["haproxy"] = f"{apps.base}/v1/completions"
+                urls["haproxy_replica"] = f"{apps.base}/direct/v1/completions"
+        roles.measure_idle(args.idle_s)
+        for t in tokens:
+            for stream in (False, True):
+                for path, url in urls.items():
+                    one(httpx.Client(timeout=300), url, t, stream)  # warm: the first large answer
+                    key = f"{path}/{t}/{'stream' if stream else 'unary'}"
+                    print(f"[{time.strftime('%H:%M:%S')}] {key}", flush=True)
+                    results["runs"][key] = run_arm(roles, url, t, stream, args.requests, args.concurrency, path)
+    finally:
+        results["stopped"] = {type(s).__name__: s.stop() for s in started}
+    write_results(args.name, results, report(results, shown))
+
+
+def report(r: dict, args) -> str:
+    lines = [command_line("bench.payloads", args), "",
+             f"Rows of a {r['hidden_size']}-wide model, {r['dtype']}, {r['encoding']}; FakeEngine replicas. "
+             "MB/s of responses, and CPU ms per MB of response by process (idle subtracted); the replica's "
+             f"includes making the rows ({', '.join(f'{v} ms per {t} rows' for t, v in r['fake_rows_cpu_ms'].items())},"
+             " measured alone).", "",
+             "| path | rows | mode | MB per response | MB/s | CPU ms/MB, outside the replica | replica | "
+             "errors |", "|---|---|---|---|---|---|---|---|"]
+    for key, x in r["runs"].items():
+        path, t, mode = key.split("/")
+        per = x["cpu_ms_per_mb"]
+        replica = sum(v for k, v in per.items() if k.endswith(": replica"))
+        outside = ", ".join(f"{k.split(': ')[-1]} {v}" for k, v in per.items() if not k.endswith(": replica"))
+        lines.append(f"| {path} | {t} | {mode} | {x['mb_per_response']} | {x['mb_per_s']} | "
+                     f"{outside or '-'} | {replica:.2f} | {x['errors']} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
