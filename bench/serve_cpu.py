@@ -49,7 +49,6 @@ import json
 import os
 import platform
 import re
-import shutil
 import time
 from collections import defaultdict
 
@@ -339,9 +338,6 @@ def main() -> None:
         if switches:
             second: dict[str, Endpoint] = {"vllm": main_paths["vllm"], "proxy": main_paths["proxy"]}
             for sw in switches:
-                if sw == "haproxy" and shutil.which("haproxy") is None:
-                    results["phases"]["skipped_haproxy"] = "haproxy is not installed (apt-get install haproxy)"
-                    continue
                 cl = RayCluster(extra_env=cluster_env(sw), second=True)
                 cl.start()
                 started.insert(0, cl)

