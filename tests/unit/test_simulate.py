@@ -8,6 +8,7 @@ import time
 import pytest
 
 from bench import simulate as sim
+from bench.measure import pct
 from hidden_states.engine import SamplingOptions
 from hidden_states.testing import FakeEngine
 
@@ -82,8 +83,8 @@ def test_scale_times_from_polled_samples():
 
 
 def test_percentile_and_deploy_config():
-    assert sim.percentile([], 50) is None
-    assert sim.percentile([3, 1, 2], 50) == 2 and sim.percentile([0, 10], 99) == pytest.approx(9.9)
+    assert pct([], 50) is None  # bench.measure's, which bench.simulate uses
+    assert pct([3, 1, 2], 50) == 2 and pct([0, 10], 99) == pytest.approx(9.9)
     args = sim.app_args({"token_delay_s": 0.0, "first_token_delay_s": 2.6},
                         {"min_replicas": 4, "max_replicas": 4})
     cfg = sim.deploy_config(args, 8410)
@@ -93,3 +94,79 @@ def test_percentile_and_deploy_config():
     # only num_cpus differs from the product's replica options; its runtime_env stays
     assert dep["name"] == "EngineReplica" and dep["ray_actor_options"]["num_cpus"] == 0
     assert dep["ray_actor_options"]["runtime_env"]["env_vars"]["RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD"] == "0"
+
+
+# -- bench/failures.py's pure logic: the figures of one kill ------------------------------------------
+
+def _req(sent, latency, status=None, error=None, timed_out=False):
+    status = (200 if error is None else 0) if status is None else status  # an exception leaves no status
+    return sim.Req(at=sent, sent=sent, latency=latency, status=status, error=error, timed_out=timed_out, done=True)
+
+
+def test_kill_figures_count_in_flight_and_recovery():
+    from bench.failures import kill_figures, outcome
+
+    reqs = [_req(0.0, 1.0), _req(1.0, 1.0), _req(7.0, 2.0),                    # answered before the kill at 10
+            _req(9.5, 0.6, status=500, error="boom"),                         # in flight: a 500
+            _req(9.8, 0.4, error="ServerDisconnectedError: gone"),             # in flight: dropped
+            _req(9.9, 1.5),                                                    # in flight: survived
+            _req(10.5, 0.01, error="ClientConnectorError: refused"),           # after: refused
+            _req(12.0, 30.0, error="TimeoutError: ", timed_out=True),          # after: hung until the client gave up
+            _req(13.0, 2.0), _req(14.0, 9.0), _req(15.0, 2.0)]                 # after: ok, one of them slow
+    assert [outcome(r) for r in reqs[3:8]] == ["http 500", "ServerDisconnectedError", "ok", "ClientConnectorError",
+                                               "timeout"]
+    f = kill_figures(reqs, kill_t=10.0)
+    assert f["answered_before_kill"] == 3 and f["in_flight_at_kill"] == 3
+    assert f["in_flight_outcomes"] == {"http 500": 1, "ServerDisconnectedError": 1, "ok": 1}
+    assert f["sent_after_kill"] == 5 and f["after_outcomes"] == {"ClientConnectorError": 1, "timeout": 1, "ok": 3}
+    assert f["failed"] == 4 and f["timeouts"] == 1 and f["not_done"] == 0
+    assert f["first_ok_sent_s"] == pytest.approx(3.0) and f["first_ok_answered_s"] == pytest.approx(5.0)
+    assert f["all_ok_from_s"] == pytest.approx(2.0)      # the last failure was sent 2 s after the kill
+    assert f["normal_from_s"] == pytest.approx(4.0)      # 9 s > 2 x the p99 before (about 2 s): not normal
+    assert f["latency_max_after_s"] == pytest.approx(9.0)
+    assert dict(f["by_send_second"])[0.0] == {"ClientConnectorError": 1}
+
+
+def test_kill_figures_without_failures_and_a_request_left_unfinished():
+    from bench.failures import kill_figures
+
+    clean = kill_figures([_req(t, 1.0) for t in range(20)], kill_t=10.5)
+    assert clean["failed"] == 0 and clean["all_ok_from_s"] == 0.0 and clean["normal_from_s"] == 0.0
+    assert clean["in_flight_at_kill"] == 1 and clean["first_ok_sent_s"] == pytest.approx(0.5)
+    hung = sim.Req(at=9.0, sent=9.0)  # never done: in flight, not ok
+    f = kill_figures([_req(1.0, 1.0), hung], kill_t=10.0)
+    assert f["in_flight_at_kill"] == 1 and f["not_done"] == 1 and f["sent_after_kill"] == 0
+    assert f["all_ok_from_s"] is None and f["first_ok_sent_s"] is None
+
+
+def test_serve_times_from_polled_samples():
+    from bench.failures import serve_times
+
+    s = lambda t, **kw: {"t": t, "proxy_pids": [1], "proxy_status": ["HEALTHY"], "router_pids": [5],
+                         "engine_running": 8, "nodes_alive": {"n2": True}, "watched_alive": 1} | kw
+    samples = [s(9.0), s(11.0), s(12.0, error="timeout"), s(13.0, proxy_pids=[2], proxy_status=["STARTING"]),
+               s(15.0, proxy_pids=[2], watched_alive=0), s(16.0, router_pids=[]), s(18.0, router_pids=[6])]
+    p = serve_times(samples, 10.0, "proxy", old_pid=1)
+    assert p == {"watched_gone_s": 5.0, "replaced_s": 5.0}  # HEALTHY again, under another pid
+    assert serve_times(samples, 10.0, "router", old_pid=5)["replaced_s"] == 8.0
+    node = [s(9.0), s(12.0, nodes_alive={"n2": False}), s(14.0, nodes_alive={"n2": False}, engine_running=4)]
+    n = serve_times(node, 10.0, "node", None, node_id="n2")
+    assert n["node_dead_s"] == 2.0 and n["replicas_dropped_s"] == 4.0 and n["watched_gone_s"] is None
+
+
+def test_poller_samples_on_its_clock_and_keeps_errors():
+    calls = iter([{"v": 1}, RuntimeError("controller busy"), {"v": 3}] + [{"v": 9}] * 100)
+
+    def sample():
+        x = next(calls)
+        if isinstance(x, Exception):
+            raise x
+        return x
+
+    t0 = time.monotonic()
+    poller = sim.Poller(sample, 0.02, t0)
+    time.sleep(0.2)
+    samples = poller.stop()
+    assert not poller.is_alive() and 5 <= len(samples) <= 12
+    assert [s.get("v") for s in samples[:3]] == [1, None, 3] and samples[1]["error"] == "controller busy"
+    assert all(b["t"] > a["t"] for a, b in zip(samples, samples[1:])) and samples[0]["t"] < 0.02
