@@ -201,7 +201,13 @@ def driver_main(address: str, http_port: int) -> None:
                               for r in dep.get("replicas") or []]}
             for dn, dep in (a.get("deployments") or {}).items()}} for name, a in (d.get("applications") or {}).items()}
         return {"controller_pid": (d.get("controller_info") or {}).get("pid"), "applications": apps,
-                "proxies": [p.get("pid") for p in proxies], "proxy_status": [p.get("status") for p in proxies]}
+                "proxies": [proxy_pid(p.get("actor_id")) for p in proxies],
+                "proxy_status": [p.get("status") for p in proxies]}
+
+    def proxy_pid(actor_id: str | None) -> int | None:  # Serve's ProxyDetails has no pid; the GCS's actor table does
+        import ray._private.state
+
+        return (ray._private.state.actors(actor_id=actor_id) or {}).get("Pid") if actor_id else None
 
     ops = {"deploy": lambda c: client.deploy_apps(ServeDeploySchema.model_validate(c["config"]), _blocking=False),
            "details": lambda c: details(),
@@ -530,11 +536,16 @@ class Sim:
                 out[f"{name}_rss_mib"] = sum(x[0] for x in xs) / 2**20
         return out
 
+    def serve_env(self) -> dict:
+        """SIM_ENV, then each --serve-env KEY=VALUE (Ray Serve's own switches, e.g. its probe deadline)."""
+        return {**SIM_ENV, **dict(kv.split("=", 1) for kv in self.args.serve_env)}
+
     def start(self, extra_env: dict | None = None) -> None:
         from bench.procs import free_port
         from bench.servers import RayCluster
 
-        self.cluster = RayCluster(num_cpus=8, extra_env={**SIM_ENV, **(extra_env or {})}, second=True)
+        self.cluster = RayCluster(num_cpus=8, extra_env={**self.serve_env(), **(extra_env or {})},
+                                  second=True)
         log(f"ray start (port {self.cluster.port})")
         self.res["ray_start_s"] = self.cluster.start(timeout=240)
         self.http_port = free_port(8410)
@@ -615,7 +626,7 @@ class Sim:
         probes0, load = self.probe_timeouts(), Load([Req(at) for at in arrivals])
         busy = window(lambda: run_load(self.url, arrivals, self.body, a.request_timeout, load))
         lat = row["load"] = latency_summary(load, slept_s(delays, a.max_tokens))
-        per_req = lambda d: {k: v / max(1, lat["ok"]) * 1e3 for k, v in d.items()}
+        per_req = lambda d: {k: v / lat["ok"] * 1e3 for k, v in d.items()} if lat["ok"] else {}  # none answered: none
         row.update(cpu_ms_per_request=per_req(busy["roles"]),
                    ray_system_ms_per_request=per_req(busy["ray_system_detail"]),
                    net_cpu_ms_per_request=per_req({k: v - row["idle_cores"].get(k, 0.0) * busy["wall"]
@@ -625,7 +636,7 @@ class Sim:
                    worked=lat["failed"] <= FAILED_MAX * lat["requests"])
         self.res["sizes"][str(n)] = row
         self.save()
-        log(f"N={n}: ok {lat['ok']}/{lat['requests']}, routing CPU {routing_ms(row):.2f} ms/request, added p50 "
+        log(f"N={n}: ok {lat['ok']}/{lat['requests']}, routing CPU {_f(routing_ms(row))} ms/request, added p50 "
             f"{_f(lat['added_ms_p50'], '{:.1f}')} p99 {_f(lat['added_ms_p99'], '{:.1f}')} ms, {lat['replicas_hit']} "
             f"replicas hit, {row['router_probe_timeouts']} queue-length probe timeouts logged by the Router")
         row["delete_s"] = self.delete()
@@ -723,7 +734,7 @@ class Sim:
             "seed": a.seed, "slept_ms_per_request": slept_s(delays, a.max_tokens) * 1e3, "pacing": a.pacing,
             "replica_num_cpus": 0.0, "router": "1 replica (router_autoscaling 1..1)",
             "ray_cluster": "ray start --head --num-cpus 8 (logical), own ports, temp dir and auth token",
-            "serve_env": SIM_ENV, "request": "POST /v1/completions through Serve's proxy, non-streaming, "
+            "serve_env": self.serve_env(), "request": "POST /v1/completions through Serve's proxy, non-streaming, "
                                              "return_hidden_states true (the FakeEngine's 8-float vector)"}
         try:
             self.start()
@@ -765,8 +776,10 @@ def by_n(rows: dict) -> list[tuple[str, dict]]:
     return sorted(rows.items(), key=lambda kv: int(kv[0]))
 
 
-def routing_ms(r: dict) -> float:
-    return sum(r["cpu_ms_per_request"].get(k, 0.0) for k in ROUTING_ROLES)
+def routing_ms(r: dict) -> float | None:
+    """Router + proxy + controller CPU per request answered (None if none was)."""
+    c = r["cpu_ms_per_request"]
+    return sum(c.get(k, 0.0) for k in ROUTING_ROLES) if c else None
 
 
 def size_rows(res: dict) -> list[list[str]]:
@@ -775,7 +788,7 @@ def size_rows(res: dict) -> list[list[str]]:
     for n, r in by_n(res.get("sizes", {})):
         c, lat = r["cpu_ms_per_request"], r["load"]
         idle = sum(r["idle_cores"].get(k, 0.0) for k in ROLES_SHOWN[:-1])
-        rows.append([n, *(_f(c.get(k)) for k in ROUTING_ROLES), f"**{routing_ms(r):.2f}**", _f(c.get("ray: system")),
+        rows.append([n, *(_f(c.get(k)) for k in ROUTING_ROLES), f"**{_f(routing_ms(r))}**", _f(c.get("ray: system")),
                      _f(c.get("ours: replica")), _f(idle, "{:.3f}"), _f(lat["added_ms_p50"], "{:.1f}"),
                      _f(lat["added_ms_p99"], "{:.1f}"), f"{lat['ok']}/{lat['requests']}", f"{lat['replicas_hit']}",
                      _f(r["start_s"], "{:.1f}"), f'{_f(r["memory"].get("replica_rss_mib_mean"), "{:.0f}")} / '
@@ -808,7 +821,7 @@ def plot(res: dict, out: Path) -> list[str]:
         ns = [int(n) for n, _ in sizes]
         fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.5))
         for role in ROLES_SHOWN[:-1]:
-            ax.plot(ns, [r["cpu_ms_per_request"].get(role, 0.0) for _, r in sizes], marker="o", label=SHORT[role])
+            ax.plot(ns, [r["cpu_ms_per_request"].get(role) for _, r in sizes], marker="o", label=SHORT[role])
             bx.plot(ns, [r["idle_cores"].get(role, 0.0) for _, r in sizes], marker="o", label=SHORT[role])
         ax.plot(ns, [routing_ms(r) for _, r in sizes], marker="s", lw=2.5, color="k",
                 label="routing = Router + proxy + controller")
@@ -920,14 +933,19 @@ def summary_md(res: dict, figures: list[str]) -> str:
          "of the memory, x N) would leave under 4 GiB available is skipped.", "", "## Figures by N", "", _md_table(SIZE_HEADERS, size_rows(res)),
          "", *(f"- N={n} skipped: {why}" for n, why in res.get("skipped", {}).items()),
          *([""] if res.get("skipped") else []),
+         *(f"- N={n} did not work: {r['load']['ok']}/{r['load']['requests']} answered 200 (at most "
+           f"{FAILED_MAX:.0%} may fail), {r['router_probe_timeouts']} queue-length probe timeouts logged by the Router, "
+           f"cores busy (all processes) {r['busy_cores_under_load']:.2f}; no larger size was run."
+           for n, r in by_n(res.get("sizes", {})) if not r["worked"]),
+         *([""] if any(not r["worked"] for r in res.get("sizes", {}).values()) else []),
          "Net of idle (the load window's CPU minus the idle window's rate over the same time), ms per request: "
-         + per_n(lambda r: ", ".join(f"{SHORT[k]} {r['net_cpu_ms_per_request'].get(k, 0.0):.2f}"
+         + per_n(lambda r: ", ".join(f"{SHORT[k]} {_f(r['net_cpu_ms_per_request'].get(k))}"
                                      for k in ROLES_SHOWN[:-1])), "",
          "Idle cores by role (no requests): "
          + per_n(lambda r: ", ".join(f"{SHORT[k]} {r['idle_cores'].get(k, 0.0):.3f}" for k in ROLES_SHOWN)), "",
          "Ray's daemons under load, ms per request: "
          + per_n(lambda r: ", ".join(f"{k[5:]} {v:.2f}" for k, v in sorted(r["ray_system_ms_per_request"].items(),
-                                                                         key=lambda kv: -kv[1])[:4])), "",
+                                                                         key=lambda kv: -kv[1])[:4]) or "-"), "",
          "Load checks per N (send lag = actual - scheduled send at the client): "
          + per_n(lambda r: f"send lag p99 {_f(r['load']['send_lag_ms_p99'], '{:.1f}')} ms, requests per replica "
                            f"{'..'.join(map(str, r['load']['requests_per_replica_min_max']))}, cores busy (all "
@@ -984,6 +1002,8 @@ def parse(argv=None):
         help="the FakeEngine's wait: one timer (once) or one per token (tokens); the same total")
     add("--fill", action=argparse.BooleanOptionalAction, default=True,
         help="a size that does not fit: run the largest multiple of 8 that does, instead")
+    add("--serve-env", action="append", default=[], metavar="KEY=VALUE",
+        help="an environment variable for the Ray cluster (Serve's switches), after SIM_ENV; repeatable")
     add("--out", type=Path, default=Path("bench/results/simulate"))
     add("--report", type=Path, help="only draw the figures and summary.md again from this results.json")
     add("--failures", action="store_true", help="instead: kill the proxy, the Router, a node under load "
