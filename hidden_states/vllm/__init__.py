@@ -177,6 +177,18 @@ Ledger of patched points (supported: vLLM {SUPPORTED}):
    batch-queue engine loop and the runner's AsyncGPUModelRunnerOutput run as
    on a GPU (tests/engine/test_async_scheduling.py). Never set in production.
    Remove when vLLM's CPU platform allows async scheduling.
+13. CPU only, speculative decoding: the CPU platform's stand-in for the rejection
+   sampler's `expand_kernel` (`cpu_triton_utils._expand_kernel_impl`, registered as
+   a `KernelOverride`) hands the C++ kernel `_ensure_int64(output)`, a new tensor for
+   the float32 temperatures and top-p and the int32 top-k, and never copies it back:
+   in a batch that is not all greedy, `apply_sampling_constraints` divides every
+   draft position's logits, greedy rows' included, by uninitialised memory, and
+   greedy requests take wrong tokens (hidden states or not). How: in each worker,
+   at start-up when a drafter is configured (cpu.fix_cpu_spec_sampling), the shared
+   `KernelOverride`'s implementation becomes a torch one that writes the expansion
+   in place at the output's dtype. GPU engines run vLLM's Triton kernel, untouched.
+   Remove when vLLM's CPU stand-in writes its output (report text:
+   docs/how-it-works.md, "The ledger, in short").
 """
 
 from __future__ import annotations

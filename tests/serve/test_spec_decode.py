@@ -3,12 +3,14 @@
 Over HTTP with the openai client, at batch 8: completions and chat, streamed and not, the
 final-token vector and every row across the completion, each checked against transformers on
 the choice's own tokens; every vector from the tail step (one position computed); the same
-requests without hidden states give the same text, tokens and finishes.
+requests without hidden states give the same text, tokens and finishes; and vLLM's own counters,
+scraped from Ray's metrics endpoint, show drafts proposed and accepted while they ran.
 (tests/engine/test_spec_decode.py checks the engine, under a draft model too.)
 """
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -16,6 +18,7 @@ import openai
 import pytest
 
 from tests.serve.conftest import decode_vector, replica_stats
+from tests.serve.test_metrics import family, scrape
 
 MODEL = "tiny-llama"
 HS = {"return_hidden_states": True, "return_token_ids": True}
@@ -78,6 +81,7 @@ def _one(client, i: int, prompt: str, hs: bool, stream: bool):
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 def test_vectors_exact_under_ngram_speculative_decoding(spec_app, spec_client, reference, stream):
+    before = _spec_counts()
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
         flagged = list(pool.map(lambda a: _one(spec_client, *a, True, stream), enumerate(PROMPTS)))
         plain = list(pool.map(lambda a: _one(spec_client, *a, False, stream), enumerate(PROMPTS)))
@@ -97,3 +101,19 @@ def test_vectors_exact_under_ngram_speculative_decoding(spec_app, spec_client, r
         assert err <= 1e-5 * scale + 1e-6, (i, err, scale)
     stats = replica_stats(spec_app)["replica"]
     assert stats["pending"] == 0 and stats["missing_vectors"] == 0, stats
+    # Speculative decoding ran: vLLM's counters moved (Ray exports them every few seconds).
+    deadline, after = time.monotonic() + 60, before
+    while time.monotonic() < deadline and not after[1] > before[1]:
+        time.sleep(3)
+        after = _spec_counts()
+    drafted, accepted = after[0] - before[0], after[1] - before[1]
+    assert accepted > 0 and drafted >= accepted, (drafted, accepted)
+    print(f"\nn-gram through Serve ({'stream' if stream else 'whole'}): {accepted:.0f} of {drafted:.0f} "
+          "draft tokens accepted")
+
+
+def _spec_counts() -> tuple[float, float]:
+    """vLLM's draft tokens proposed and accepted, as Ray's metrics endpoint exports them."""
+    sums = scrape()
+    return (family(sums, "ray_vllm_spec_decode_num_draft_tokens"),
+            family(sums, "ray_vllm_spec_decode_num_accepted_tokens"))
