@@ -34,7 +34,8 @@ what was wrong; nothing here can execute code from a message.
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
 
 import msgspec
 import numpy as np
@@ -75,6 +76,89 @@ def narrow(values: np.ndarray, dtype: str) -> np.ndarray:
         bits = values.view(np.uint32).astype(np.uint64)
         return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype("<u2")
     return values.astype(numpy_dtype(dtype))
+
+
+@dataclasses.dataclass(frozen=True)
+class Span:
+    """Positions of prompt+completion as the engine captures them: range(start, end, stride) on a
+    sequence of `total` tokens; negative start/end count from the end (end None: to the end).
+    The position p row is the hidden state of token p (token p as input)."""
+
+    start: int
+    end: int | None = None
+    stride: int = 1
+
+    @staticmethod
+    def of(position: "str | Mapping[str, Any]", prompt_len: int) -> "Span":
+        if position == "completion":
+            return Span(prompt_len)
+        if position == "all":
+            return Span(0)
+        if position == "completion_end":
+            return Span(-1)
+        if position == "prompt_end":
+            return Span(prompt_len - 1, prompt_len)
+        return Span(position["start"], position.get("end"), position.get("stride", 1) or 1)
+
+    def to_list(self) -> list:
+        return [self.start, self.end, self.stride]
+
+    @property
+    def final_only(self) -> bool:
+        """The final position alone (completion_end): its row is the tail step's, nothing before."""
+        return self.start == -1 and self.end is None
+
+    @staticmethod
+    def from_list(raw: Sequence) -> "Span":
+        return Span(int(raw[0]), None if raw[1] is None else int(raw[1]), int(raw[2]))
+
+    def positions(self, total: int) -> range:
+        """The positions of a sequence of `total` tokens."""
+        s = max(self.start + total if self.start < 0 else self.start, 0)
+        e = total if self.end is None else min(self.end + total if self.end < 0 else self.end, total)
+        return range(s, max(s, e), self.stride)
+
+    def lowest(self, prompt_len: int) -> int:
+        """The lowest position that can be asked of a completion of at least one token."""
+        return max(self.start + prompt_len + 1, 0) if self.start < 0 else self.start
+
+    def classify(self, p: np.ndarray, known: int, total: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """(wanted, undecided) masks of captured positions `p`, given a sequence of at least `known`
+        tokens (and of exactly `total` once it ended); the rest is never wanted."""
+        p = np.asarray(p, dtype=np.int64)
+        none = np.zeros(p.shape, dtype=bool)
+        if total is not None:
+            r = self.positions(total)
+            return (p >= r.start) & (p < r.stop) & ((p - r.start) % r.step == 0), none
+        if self.start < 0:  # aligned to the end: decided once the sequence ends
+            undecided = p >= known + self.start
+            if self.end is not None and self.end >= 0:
+                undecided &= p < self.end
+            return none, undecided
+        ok = (p >= self.start) & ((p - self.start) % self.stride == 0)
+        if self.end is None:
+            return ok, none
+        if self.end >= 0:
+            return ok & (p < self.end), none
+        sure = ok & (p < known + self.end)
+        return sure, ok & ~sure
+
+    def capturable(self, first: int, stop: int) -> list[int]:
+        """Of the positions first..stop-1 a step computes (the sequence has at least `stop` tokens),
+        those that may be wanted."""
+        if self.start >= 0:
+            lo = max(first, self.start)
+            lo += (-(lo - self.start)) % self.stride
+            hi = stop if self.end is None or self.end < 0 else min(stop, self.end)
+            return list(range(lo, hi, self.stride))
+        lo = max(first, stop + self.start)
+        hi = stop if self.end is None or self.end < 0 else min(stop, self.end)
+        return list(range(lo, hi))
+
+
+def absolute_layer(layer: int, num_layers: int) -> int:
+    """transformers' numbering: 0 = embeddings, num_layers = after the final norm; negative counts from the end."""
+    return layer if layer >= 0 else num_layers + 1 + layer
 
 
 class HiddenStatesProtocolError(ValueError):

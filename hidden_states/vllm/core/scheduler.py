@@ -63,9 +63,8 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 
-from hidden_states.params import Span, absolute_layer
 from hidden_states.protocol import (PLAN_ATTR, ROWS_KEY, SEQ_ATTR, STEP_ATTR, CapturedRows,
-                                    HiddenStatesExtractionRequest, PlanEntry, captured_rows)
+                                    HiddenStatesExtractionRequest, PlanEntry, Span, absolute_layer, captured_rows)
 from hidden_states.vllm import _require
 
 _HOLD = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_REPETITION)

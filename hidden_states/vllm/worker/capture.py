@@ -20,8 +20,7 @@ from __future__ import annotations
 import logging
 from typing import Any, NamedTuple
 
-from hidden_states.params import absolute_layer
-from hidden_states.protocol import PLAN_ATTR, STEP_ATTR, PlanEntry, RowBlock, StepCapture
+from hidden_states.protocol import PLAN_ATTR, STEP_ATTR, PlanEntry, RowBlock, StepCapture, absolute_layer
 from hidden_states.vllm import SUPPORTED_LAYER_ARCHS
 from hidden_states.vllm.worker.layers import final_norm_in_logits, layer_capture_support
 
