@@ -1,20 +1,32 @@
 """The docs' examples, found and checked as written (tests/serve/test_config_yaml.py runs them).
 
-An example is a fenced block of the README, `docs/*.md` or `cluster/README.md` that talks to the
-server: `curl` to `localhost:8000` (sh), Python that uses the openai SDK, httpx or
-`deployments.client` against it, and the batch command (`python -m deployments.batch`). Blocks
-that start or provision something (`make serve`, `ray up`, `ray start`, `docker build`) are not
-examples of talking to it; `SET_UP` names what they are.
+Every fenced block of the README, `docs/*.md` and `cluster/README.md` is accounted for: it is an
+example the test runs, or `LISTED` names it (by its doc and the start of its first line) with why.
+A block that is neither is a problem (`audit`), so a new example cannot drop out unnoticed, whatever
+its tag or wording. What runs:
+- a shell block (`sh`, `bash`, `shell`, `console`, `zsh`) with `python -m deployments.batch`: the
+  batch command, in a folder of its own (its output folder checked for a row per input row and the
+  columns the docs list);
+- any other shell block with `curl`: run with bash against the server, its stdout the JSON answer;
+- every Python block (`python`, `py`, `python3`): a doc's Python blocks run in one process, in order
+  (a later block may use an earlier one's `client`), as another Ray job would: `RAY_ADDRESS` names
+  the server's cluster.
+Blocks of any other tag (`json`, `yaml`, none) and shell blocks of neither kind must be listed.
+`LISTED` says of each listed block whether it is `not run` (it starts or provisions something, or
+is not code to run) or `set-up` (it runs, in its place, and shows no answer).
 
-What an example says it answers is its `# ->` comments, checked against what it printed:
+What an example says it answers is its own `# ->` comments, checked against what it printed, each:
 - after curl, `"key": value` pairs: the key must be in the JSON answer (anywhere in it) and its
   value as written: a JSON value equal, `[N floats]` a list of N numbers, `[a, ..., b]` a list
   from a to b, `"<base64 of DTYPE [d0, d1]>"` base64 of that many values, `{...}` the same rules
   inside, a `...` element anything more;
-- after a Python expression statement, the expression's value: equal to the comment if that is a
-  Python literal, else its `str()` must match the comment with `...` standing for anything.
-A Python doc's blocks run in one process, in order (a later block may use an earlier one's
-`client`), as another Ray job would: `RAY_ADDRESS` names the server's cluster.
+- after a Python expression statement (at the block's top level, the comment on its last line), the
+  expression's value: equal to the comment if that is a Python literal, else its `str()` must match
+  the comment with `...` standing for anything. Each check prints a mark when it passes, and the
+  run must show every block's marks: a check that did not run is a problem too.
+Every curl and Python example must show an answer of its own (a `set-up` block excepted), and a
+`# ->` the harness cannot turn into a check (on an assignment, inside a loop, on a line of its own
+after Python) is a problem, not a comment skipped.
 """
 
 from __future__ import annotations
@@ -22,56 +34,190 @@ from __future__ import annotations
 import ast
 import base64
 import dataclasses
+import io
 import json
 import math
 import re
+import subprocess
+import sys
+import tokenize
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-FENCE = re.compile(r"^( *)```(\w*)\n(.*?)^\1```", re.S | re.M)
-SET_UP = ("make serve", "ray up", "ray start", "docker build", "make bench")
+SHELL = {"sh", "bash", "shell", "console", "zsh"}
+PYTHON = {"python", "py", "python3"}
+KINDS = ("curl", "python", "batch")
+NOT_RUN, SET_UP = "not run", "set-up"
+
+# The one list of blocks that are not examples with an answer of their own: (doc, the start of the
+# block's first line) -> (NOT_RUN or SET_UP, why). Each entry must name exactly one block.
+LISTED: dict[tuple[str, str], tuple[str, str]] = {
+    ("README.md", "make serve "): (NOT_RUN, "starts the server the examples talk to (the test's own fixture "
+                                            "runs its script, scripts/serve.sh config.yaml)"),
+    ("docs/api.md", '"hidden_states_proof": {"scheme": "toploc"'): (NOT_RUN, "a fragment of an answer, not code"),
+    ("docs/benchmarks.md", "make bench "): (NOT_RUN, "the benchmarks: an hour and more, on a machine of their own"),
+    ("docs/configuration.md", "args:"): (NOT_RUN, "a fragment of a config's `args`"),
+    ("docs/how-it-works.md", "request -> deployments/router.py"): (NOT_RUN, "a diagram"),
+    ("docs/how-it-works.md", "import torch"): (NOT_RUN, "vLLM's bug report's reproduction: it prints uninitialised "
+                                                        "memory, unfixed (tests/engine/test_spec_decode.py tests "
+                                                        "the fix)"),
+    ("docs/how-it-works.md", "def _expand_kernel_impl("): (NOT_RUN, "the bug report's fix, as vLLM would take it "
+                                                                     "(hidden_states/vllm/cpu.py applies it)"),
+    ("docs/operations.md", "ray start --head --metrics-export-port=8080"): (NOT_RUN, "starts a Ray cluster and a "
+                                                                                     "server of its own"),
+    ("cluster/README.md", "ray up cluster/gpu-aws.yaml"): (NOT_RUN, "provisions GPU machines on AWS"),
+    ("cluster/README.md", "docker build -f cluster/Dockerfile"): (NOT_RUN, "builds and pushes an image, deploys "
+                                                                           "on Kubernetes"),
+}
 
 
 @dataclasses.dataclass(frozen=True)
-class Example:
+class Block:
     doc: str  # repository-relative path
     line: int  # of the opening fence
-    kind: str  # "curl", "python" or "batch"
-    code: str
+    lang: str  # the info string's first word, "" for none
+    code: str  # dedented by the fence's indent
 
     @property
     def where(self) -> str:
         return f"{self.doc}:{self.line}"
+
+    @property
+    def first(self) -> str:
+        """The block's first non-blank line, stripped: what `LISTED` names it by."""
+        return next((ln.strip() for ln in self.code.splitlines() if ln.strip()), "")
+
+
+@dataclasses.dataclass(frozen=True)
+class Example(Block):
+    kind: str = ""  # "curl", "python" or "batch"
+    set_up: bool = False  # listed as SET_UP: runs, shows no answer of its own
 
 
 def doc_files() -> list[Path]:
     return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "cluster" / "README.md"]
 
 
-def kind_of(lang: str, code: str) -> str | None:
-    if any(code.lstrip().startswith(s) or f"\n{s}" in code for s in SET_UP):
-        return None
-    if lang == "sh" and "deployments.batch" in code:
-        return "batch"
-    if lang == "sh" and re.search(r"\bcurl\b.*localhost:8000", code):
-        return "curl"
-    if lang == "python" and re.search(r"openai\.|httpx\.|deployments\.client", code):
+_OPEN = re.compile(r"^( *)(`{3,}|~{3,})(.*)$")
+
+
+def blocks_of(doc: str, text: str) -> list[Block]:
+    """Every fenced block of a Markdown text (backticks or tildes, any info string, any indent; one left
+    open runs to the end, as CommonMark has it)."""
+    out, lines, i = [], text.splitlines(), 0
+    while i < len(lines):
+        m = _OPEN.match(lines[i])
+        if m is None or (m.group(2)[0] == "`" and "`" in m.group(3)):
+            i += 1
+            continue
+        indent, fence, info = len(m.group(1)), m.group(2), m.group(3).strip()
+        close = re.compile(rf"^ *{re.escape(fence[0])}{{{len(fence)},}}\s*$")
+        j = i + 1
+        while j < len(lines) and not close.match(lines[j]):
+            j += 1
+        body = [ln[indent:] if ln[:indent].strip() == "" else ln.lstrip() for ln in lines[i + 1:j]]
+        out.append(Block(doc, i + 1, info.split()[0].lower() if info else "", "\n".join(body)))
+        i = j + 1
+    return out
+
+
+def blocks() -> list[Block]:
+    return [b for path in doc_files()
+            for b in blocks_of(path.relative_to(ROOT).as_posix(), path.read_text(encoding="utf-8"))]
+
+
+def kind_of(block: Block) -> str | None:
+    """What the test runs a block as, by what it is; None: not an example (it must be listed)."""
+    if block.lang in PYTHON:
         return "python"
+    if block.lang in SHELL:
+        if re.search(r"-m\s+deployments\.batch\b", block.code):
+            return "batch"
+        if re.search(r"\bcurl\b", block.code):
+            return "curl"
     return None
 
 
+def listing(found: list[Block], listed: dict | None = None) -> tuple[dict[Block, tuple[str, str]], list[str]]:
+    """Each listed block's entry, and the list's own problems (an entry naming no block, or several)."""
+    listed = LISTED if listed is None else listed
+    out, problems = {}, []
+    for (doc, start), entry in listed.items():
+        if entry[0] not in (NOT_RUN, SET_UP):
+            problems.append(f"LISTED[{doc!r}, {start!r}]: {entry[0]!r} is neither {NOT_RUN!r} nor {SET_UP!r}")
+        named = [b for b in found if b.doc == doc and b.first.startswith(start)]
+        if len(named) != 1:
+            problems.append(f"LISTED[{doc!r}, {start!r}] names {len(named)} blocks, not one"
+                            + (": " + ", ".join(b.where for b in named) if named else " (drop or fix the entry)"))
+        out.update((b, entry) for b in named)
+    return out, problems
+
+
+def audit(found: list[Block] | None = None, listed: dict | None = None) -> tuple[list[Example], list[str]]:
+    """The examples to run, in order, and every problem found without running them: a block neither run
+    nor listed, an entry of the list naming no block or several, an example without an answer of its own,
+    a `# ->` that would not be checked."""
+    found = blocks() if found is None else found
+    named, problems = listing(found, listed)
+    examples = []
+    for b in found:
+        kind, entry = kind_of(b), named.get(b)
+        if entry is not None and entry[0] == NOT_RUN:
+            continue
+        if kind is None:
+            if entry is None:
+                problems.append(f"{b.where}: a ```{b.lang} block ({b.first[:60]!r}) the test neither runs nor lists: "
+                                f"make it an example, or name it in tests/docs_examples.py's LISTED")
+            else:
+                problems.append(f"{b.where}: listed as {SET_UP!r}, but not a block the test can run")
+            continue
+        e = Example(b.doc, b.line, b.lang, b.code, kind=kind, set_up=entry is not None)
+        examples.append(e)
+        problems += [f"{e.where}: {p}" for p in check_problems(e)]
+    return examples, problems
+
+
 def examples() -> list[Example]:
-    out = []
-    for path in doc_files():
-        text = path.read_text(encoding="utf-8")
-        for m in FENCE.finditer(text):
-            indent, lang, code = m.group(1), m.group(2), m.group(3)
-            code = "\n".join(line[len(indent):] for line in code.splitlines())
-            kind = kind_of(lang, code)
-            if kind is not None:
-                out.append(Example(path.relative_to(ROOT).as_posix(), text[:m.start()].count("\n") + 1, kind, code))
-    return out
+    return audit()[0]
+
+
+def arrows(code: str) -> list[int]:
+    """The lines (1-based) of a block's `# ->` comments."""
+    try:
+        toks = list(tokenize.generate_tokens(io.StringIO(code).readline))
+        return [t.start[0] for t in toks if t.type == tokenize.COMMENT and re.match(r"#\s*->", t.string)]
+    except (tokenize.TokenError, SyntaxError, IndentationError):
+        return [i for i, ln in enumerate(code.splitlines(), 1) if re.search(r"#\s*->", ln)]
+
+
+def check_problems(e: Example) -> list[str]:
+    """What keeps an example's answer from being checked, each of its `# ->` lines in turn."""
+    if e.kind == "python":
+        try:
+            checks = python_checks(e.code)
+        except SyntaxError as err:
+            return [f"not Python: {err}"]
+        out = [f"line {e.line + n}: a `# ->` the harness cannot check (it checks one at the end of a top-level "
+               f"expression statement)" for n in sorted(set(arrows(e.code)) - set(checks))]
+        if not checks and not e.set_up:
+            out.append("a Python example that shows no answer (`expression  # -> value`); list it as "
+                       f"{SET_UP!r} if it only sets up the next")
+        return out
+    if e.kind == "curl":
+        out = [f"line {e.line + n}: a `# ->` the harness cannot check (it reads `# ->` comment lines)"
+               for n, ln in enumerate(e.code.splitlines(), 1) if re.search(r"#\s*->", ln)
+               and not ln.strip().startswith("# ->")]
+        want = expectation(e.code)
+        if not want and not e.set_up:
+            out.append("a curl example that shows no answer (`# -> \"key\": value, ...`)")
+        try:
+            pairs(want)
+        except ValueError as err:
+            out.append(str(err))
+        return out
+    return [f"line {e.line + n}: a `# ->` after a batch command is not checked" for n in
+            [i for i, ln in enumerate(e.code.splitlines(), 1) if re.search(r"#\s*->", ln)]]
 
 
 # -- curl: `# -> "key": value, ...` against the JSON answer ---------------------------------------
@@ -192,26 +338,34 @@ def problems(answer: Any, want: str, nested: bool = False) -> list[str]:
 
 # -- Python: `expr  # -> value` lines become checks --------------------------------------------
 
-def checked_python(code: str) -> str:
-    """The block with each `expression  # -> value` statement turned into `_expect(expression, value)`."""
+def python_checks(code: str) -> dict[int, tuple[ast.Expr, str]]:
+    """The block's checks, by the line of their `# ->`: each top-level expression statement whose last
+    line ends in `# -> value`, with that value's text."""
+    lines, out = code.splitlines(), {}
+    for node in ast.parse(code).body:
+        if isinstance(node, ast.Expr) and (m := re.search(r"#\s*->\s*(.+)$", lines[node.end_lineno - 1])):
+            if node.end_lineno in arrows(code):  # a comment, not `->` inside a string
+                out[node.end_lineno] = (node, m.group(1).strip())
+    return out
+
+
+def checked_python(code: str, where: str | None = None, offset: int = 0) -> str:
+    """The block with each `expression  # -> value` statement turned into `_expect(expression, value, line)`;
+    `line` is the statement's in the block plus `offset` (the fence's line: then the doc's line), and with
+    `where` (the doc) each check prints `CHECKED doc:line` when it passes."""
     lines = code.splitlines()
-    tree = ast.parse(code)
-    for node in reversed(tree.body):
-        if not isinstance(node, ast.Expr):
-            continue
-        last = lines[node.end_lineno - 1]
-        m = re.search(r"#\s*->\s*(.+)$", last)
-        if m is None:
-            continue
+    for _, (node, want) in sorted(python_checks(code).items(), reverse=True):
         expr = ast.get_source_segment(code, node)
         indent = re.match(r"\s*", lines[node.lineno - 1]).group(0)
-        lines[node.lineno - 1:node.end_lineno] = [f"{indent}_expect(({expr}), {m.group(1).strip()!r}, {node.lineno})"]
+        tail = f", {where!r}" if where else ""
+        lines[node.lineno - 1:node.end_lineno] = [
+            f"{indent}_expect(({expr}), {want!r}, {node.end_lineno + offset}{tail})"]
     return "\n".join(lines)
 
 
-def expect(value: Any, want: str, line: int) -> None:
+def expect(value: Any, want: str, line: int, doc: str | None = None) -> None:
     """The check `checked_python` calls: a literal is compared as a value, anything else as text
-    with `...` for anything (`(..., 576)` matches `(7, 576)`)."""
+    with `...` for anything (`(..., 576)` matches `(7, 576)`). Passed, with `doc`: prints its mark."""
     try:
         if "..." in want:
             raise ValueError("a pattern")
@@ -220,12 +374,53 @@ def expect(value: Any, want: str, line: int) -> None:
         pattern = ".*".join(re.escape(part) for part in want.split("..."))
         if re.fullmatch(pattern, str(value), re.S) is None:
             raise AssertionError(f"line {line}: {value!s} is not what the docs show: {want}") from None
-        return
-    if value != literal:
-        raise AssertionError(f"line {line}: {value!r} != {literal!r} (the docs show {want})")
+    else:
+        if value != literal:
+            raise AssertionError(f"line {line}: {value!r} != {literal!r} (the docs show {want})")
+    if doc is not None:
+        print(f"CHECKED {doc}:{line}", flush=True)
 
 
 PRELUDE = '''
 import sys
 from tests.docs_examples import expect as _expect
 '''
+
+
+def marks(e: Example) -> set[str]:
+    """The `CHECKED` marks a Python example's run must print: one per check."""
+    return {f"{e.doc}:{e.line + n}" for n in python_checks(e.code)}
+
+
+# -- running them (tests/serve/test_config_yaml.py, against a server) ------------------------------
+
+def run_curl(e: Example, env: dict, timeout: float = 300) -> list[str]:
+    """A curl example run with bash: its answer against its `# ->` shape; what differs, one line each."""
+    out = subprocess.run(["bash", "-c", e.code], capture_output=True, text=True, timeout=timeout, env=env)
+    try:
+        answer = json.loads(out.stdout)
+    except ValueError:
+        return [f"{e.where}: not a JSON answer: {out.stdout[:200]!r} {out.stderr[-300:]!r}"]
+    got = [f"an error: {answer['error']}"] if isinstance(answer, dict) and "error" in answer else []
+    want = expectation(e.code)
+    if want:
+        got += problems(answer, want)
+    elif not e.set_up:
+        got.append("no `# ->` shape shown")
+    return [f"{e.where}: {p}" for p in got]
+
+
+def run_python(doc_examples: list[Example], env: dict, cwd: Path | str, timeout: float = 600) -> list[str]:
+    """One doc's Python examples in one process, in order: the first that fails, and every check that
+    did not print its mark (did not run)."""
+    script = PRELUDE + "\n".join(f"print('EXAMPLE {e.where}', flush=True)\n"
+                                 f"{checked_python(e.code, e.doc, e.line)}" for e in doc_examples)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=timeout, env=env,
+                         cwd=cwd)
+    printed = out.stdout.splitlines()
+    if out.returncode != 0:
+        ran = [ln.split()[1] for ln in printed if ln.startswith("EXAMPLE ")]
+        return [f"{ran[-1] if ran else doc_examples[0].doc}: failed: {out.stderr[-1500:]}"]
+    done = {ln.split()[1] for ln in printed if ln.startswith("CHECKED ")}
+    missing = sorted(set().union(*(marks(e) for e in doc_examples)) - done)
+    return [f"{m}: its check did not run (the run ended before it, exit status 0)" for m in missing]

@@ -1,6 +1,7 @@
 """`make serve` (scripts/serve.sh: `serve run config.yaml` with direct ingress on) answers a curl
 request with a real answer and its vector, on Serve's proxy port and on the Router's own port, and
-every server-facing example of the docs runs against it as written (tests/docs_examples.py).
+every example of the docs runs against it as written, each fenced block of them being an example or
+listed as none (tests/docs_examples.py).
 
 It starts its own local Ray cluster (independent of the serve suite's
 session cluster) and stops everything it started by process group.
@@ -112,42 +113,26 @@ def test_serve_run_config_yaml_answers_curl(make_serve):
 
 
 def test_the_docs_examples_run_as_written(make_serve, tmp_path):
-    """Every server-facing example of the README, docs/ and cluster/README.md (tests/docs_examples.py),
-    run as written against `make serve`'s server: curl with bash, each doc's Python blocks in one
-    process as another Ray job on this machine (ray.init(address="auto") finds `make serve`'s
-    cluster), the batch commands in a folder of their own; each answer checked against the `# ->` shape the text shows. Lists every problem."""
+    """Every fenced block of the README, docs/ and cluster/README.md is an example run here or is named
+    in tests/docs_examples.py's LISTED (`dx.audit`: anything else is a problem before a thing runs).
+    The examples run as written against `make serve`'s server: curl with bash, each doc's Python
+    blocks in one process as another Ray job on this machine (ray.init(address="auto") finds `make
+    serve`'s cluster), the batch commands in a folder of their own; each block's own `# ->` lines
+    checked against what it printed, and every Python check must have run. Lists every problem."""
     from tests import docs_examples as dx
 
-    found = dx.examples()
-    kinds = {k: [e for e in found if e.kind == k] for k in ("curl", "python", "batch")}
-    print(f"docs examples: {len(found)} ({', '.join(f'{len(v)} {k}' for k, v in kinds.items())}):")
+    found, problems = dx.audit()
+    kinds = {k: [e for e in found if e.kind == k] for k in dx.KINDS}
+    print(f"docs examples: {len(found)} ({', '.join(f'{len(v)} {k}' for k, v in kinds.items())}) of "
+          f"{len(dx.blocks())} fenced blocks, {len(dx.LISTED)} listed:")
     for e in found:
-        print(f"  {e.where} {e.kind}")
+        print(f"  {e.where} {e.kind}" + (" (set-up)" if e.set_up else ""))
     env = {**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, "PYTHONPATH": str(ROOT)}
     env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"
-    problems = []
     for e in kinds["curl"]:
-        out = subprocess.run(["bash", "-c", e.code], capture_output=True, text=True, timeout=300, env=env)
-        try:
-            answer = json.loads(out.stdout)
-        except ValueError:
-            problems.append(f"{e.where}: not a JSON answer: {out.stdout[:200]!r} {out.stderr[-300:]!r}")
-            continue
-        if "error" in answer:
-            problems.append(f"{e.where}: an error: {answer['error']}")
-        want = dx.expectation(e.code)
-        problems += [f"{e.where}: {p}" for p in (dx.problems(answer, want) if want else ["no `# ->` shape shown"])]
+        problems += dx.run_curl(e, env)
     for doc in sorted({e.doc for e in kinds["python"]}):
-        blocks = [e for e in kinds["python"] if e.doc == doc]
-        script = dx.PRELUDE + "\n".join(f"print('EXAMPLE {e.where}', flush=True)\n{dx.checked_python(e.code)}"
-                                          for e in blocks)
-        if not any("_expect(" in dx.checked_python(e.code) for e in blocks):
-            problems.append(f"{doc}: no Python example shows its answer (`expression  # -> value`)")
-        out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, env=env,
-                             cwd=tmp_path)
-        if out.returncode != 0:
-            ran = [ln.split()[1] for ln in out.stdout.splitlines() if ln.startswith("EXAMPLE ")]
-            problems.append(f"{ran[-1] if ran else doc}: failed: {out.stderr[-1500:]}")
+        problems += dx.run_python([e for e in kinds["python"] if e.doc == doc], env, tmp_path)
     batch_dir = tmp_path / "batch"
     batch_dir.mkdir()
     (batch_dir / ".venv").symlink_to(ROOT / ".venv")  # the commands name .venv/bin/python, as from the repo

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import types
 
 import httpx
 import pytest
 from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router import PrefixCacheAffinityRouter
+from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_tree import PrefixTree
 from ray.serve.config import RequestRouterConfig
 
 from bench.routing import FakeReplica, pending
@@ -20,6 +22,7 @@ from deployments import http, router, routing, wire
 from deployments.config import AppArgs
 from deployments.routing import KEY_KWARG, PrefixRouter, handle_key, http_key
 from deployments.wire import HandleCompletion, HandleCompletionRequest, HandleReply, Reply, ResponseHead
+from tests.serve import test_prefix_routing as served  # the serve test's conversations and checks
 
 BASE = "tiny-llama"
 LONG = "The replica keeps the prefix of every conversation it served in its cache. " * 4
@@ -246,6 +249,136 @@ def test_ray_s_router_as_shipped_cannot_read_our_calls():
 
     with pytest.raises(ValueError, match="No request with message or prompt"):
         run(go())
+
+
+# -- the serve test's checks over this router, and over it broken ---------------------------------
+
+
+class InMemory:
+    """What tests/serve/test_prefix_routing.py records of real Serve, from PrefixRouter over fake
+    replicas: a turn goes to one of the replicas the router offers (Serve takes the least loaded; all
+    are idle here, so one at random), and reads from that replica's prefix cache the whole blocks it
+    shares with a prompt the replica computed before (a word of the chat text a token). Made, and
+    used, on an event loop (Serve's router's)."""
+
+    def __init__(self, *names: str):
+        self.replicas = {n: FakeReplica(n) for n in names}
+        self.router = make(*self.replicas.values())
+        self.computed: dict[str, list[list[str]]] = {n: [] for n in names}
+        self.rng = random.Random(0)
+
+    async def turns(self, chats: list[served.Chat], n: int = 1) -> None:
+        for _ in range(n):
+            for chat in chats:
+                await self.send(chat)
+
+    async def send(self, chat: served.Chat) -> None:
+        key = http_key("chat", chat.body(), BASE)
+        (offered,) = await self.router.choose_replicas(self.router._replicas_list, pending(key))
+        replica = self.rng.choice(sorted(offered, key=lambda r: r.replica_id.unique_id))
+        name = replica.replica_id.unique_id
+        self.router.on_request_routed(pending(key), replica.replica_id, None)
+        tokens = routing.chat_text(chat.messages).split()
+        cached = max((shared(tokens, seen) for seen in self.computed[name]), default=0) // served.BLOCK * served.BLOCK
+        self.computed[name].append(tokens)
+        chat.answered({"replica": name, "prompt_tokens": len(tokens), "cached_tokens": cached},
+                      f"reply {len(chat.turns)} of conversation {chat.seed}")
+
+    def replace(self, gone: str, new: str) -> None:
+        """`gone` crashes and Serve replaces it by `new`: the router hears of both, as from Serve."""
+        self.router.on_replica_actor_died(self.replicas.pop(gone).replica_id)
+        self.router.update_replicas(list(self.replicas.values()))
+        self.replicas[new], self.computed[new] = FakeReplica(new), []
+        self.router.update_replicas(list(self.replicas.values()))
+
+
+def steady() -> list[served.Chat]:
+    """The serve test's first run: 8 conversations, 4 to each of a and b by their anchors, 4 turns each."""
+    chats = served.pick({"a": 4, "b": 4}, start=500)
+
+    async def go():
+        await InMemory("a", "b").turns(chats, served.TURNS)
+
+    run(go())
+    return chats
+
+
+def replacement(going: list[served.Chat] | None = None) -> list[served.Chat]:
+    """The serve test's second: 12 conversations on a and 4 on b, one turn; b replaced by c; two more."""
+    going = served.pick({"a": 12, "b": 4}, start=2000) if going is None else going
+
+    async def go():
+        sim = InMemory("a", "b")
+        await sim.turns(going)
+        sim.replace("b", "c")
+        await sim.turns(going, 2)
+
+    run(go())
+    return going
+
+
+def test_the_serve_test_s_checks_pass_on_this_router():
+    chats = steady()
+    assert served.spread_problems(chats, {"a", "b"}) == []
+    assert served.stay_problems(chats) == [] and served.cache_problems(chats) == []
+    going = replacement()
+    assert served.tree_problems(going, {"a", "b"}, {"a", "c"}, turn=1) == []
+    kept = [c for c in going if c.replicas()[0] == "a" and served.rendezvous(c.anchor, {"a", "c"}) == "c"]
+    assert kept and all(c.replicas() == ["a"] * 3 for c in kept)  # hashing alone: to c
+    assert served.stay_problems(going, since=2) == [] and served.cache_problems(going, since=2) == []
+    assert served.cache_problems([c for c in going if c.replicas()[0] == "a"]) == []
+
+
+async def _to_one_replica(self, pending_request, candidate_replicas):
+    """Broken: every request to the same replica (the first by name)."""
+    return [[min(candidate_replicas, key=lambda r: r.replica_id.unique_id)]]
+
+
+async def _power_of_two(self, pending_request, candidate_replicas):
+    """Broken: no affinity, Serve's power of two choices for every request."""
+    return [[]]
+
+
+def test_everything_on_one_replica_fails_the_spread_check(monkeypatch):
+    monkeypatch.setattr(PrefixRouter, "_prefix_match_best_replicas", _to_one_replica)
+    chats = steady()
+    problems = served.spread_problems(chats, {"a", "b"})
+    assert problems[0] == "turn 1 of each conversation served by ['a'], not by each of ['a', 'b']"
+    assert len(problems) == 1 + 4  # and the 4 conversations whose anchors pick b
+    assert served.stay_problems(chats) == []  # sticky, as one replica is: the spread check is what fails
+
+
+def test_power_of_two_choices_fail_the_stay_and_cache_checks(monkeypatch):
+    monkeypatch.setattr(PrefixRouter, "_prefix_match_best_replicas", _power_of_two)
+    chats = steady()
+    moved = served.stay_problems(chats)
+    assert moved and all("turn" in p for p in moved), moved
+    missed = served.cache_problems(chats)
+    assert missed and len(missed) >= len(moved) // 2, (moved, missed)
+    assert served.spread_problems(chats, {"a", "b"})
+
+
+def test_hashing_alone_passes_the_steady_checks_and_fails_the_tree_check(monkeypatch):
+    """The tree bypassed (it never matches: every request a new prefix, its rendezvous replica): the
+    steady-state checks cannot tell, the replacement's can."""
+    monkeypatch.setattr(PrefixTree, "prefix_match", lambda self, text, available_tenants=None: ("", None))
+    chats = steady()
+    assert served.spread_problems(chats, {"a", "b"}) == []
+    assert served.stay_problems(chats) == [] and served.cache_problems(chats) == []
+    going = replacement()
+    problems = served.tree_problems(going, {"a", "b"}, {"a", "c"}, turn=1)
+    assert problems and all("moved from a, still serving, to c" in p for p in problems), problems
+    assert served.cache_problems([c for c in going if c.replicas()[0] == "a"])  # and their cache is missed
+
+
+def test_the_tree_check_needs_a_conversation_hashing_would_move():
+    """A run in which hashing over the new replicas keeps every conversation in place shows nothing:
+    the check says so rather than pass."""
+    going = [c for c in served.pick({"a": 12, "b": 4}, start=2000) if served.rendezvous(c.anchor, {"a", "c"}) == "a"]
+    replacement(going)
+    assert served.tree_problems(going, {"a", "b"}, {"a", "c"}, turn=1) == [
+        "no conversation that stayed would have moved by hashing alone: nothing here tells the tree from the hash "
+        "(more conversations on the surviving replica)"]
 
 
 # -- the option ----------------------------------------------------------------
