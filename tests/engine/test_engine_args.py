@@ -13,14 +13,20 @@ is shut down first, so the module never holds two), each checked against transfo
 - `bf16`: dtype bfloat16, against transformers in bfloat16 at a derived tolerance;
 - `fp8`: an fp8 KV cache and no chunked prefill, exact against transformers whose
   attention reads K and V rounded as the CPU kernel stores them.
+
+A configuration is skipped only where vLLM's CPU engine refuses it for an instruction set this
+CPU lacks, saying so (CPU_FEATURES: fp8 without AVX-512 or AMX); any other failure to start fails.
 """
 
 from __future__ import annotations
 
 import ast
 import asyncio
+import contextlib
 import dataclasses
 import os
+import threading
+import time
 import types
 
 import numpy as np
@@ -204,27 +210,106 @@ def test_the_resolved_configuration_is_checked_too(model_dir):
 # -- real engines, one configuration at a time ------------------------------------------------
 
 
+# The configurations vLLM's CPU engine refuses on a CPU without an instruction set: what it needs,
+# the message vLLM's worker logs then (vllm/v1/attention/backends/cpu_attn.py `_get_attn_isa`, vLLM
+# 0.32), and vLLM's own test of the CPU. Found on an x86_64 CPU with AVX2 and without AVX-512 or AMX
+# (this machine with torch's CPU queries answering so and ATEN_CPU_CAPABILITY=avx2, ONEDNN_MAX_CPU_ISA=AVX2):
+# the fp8 KV cache is refused so, and only so; bfloat16 starts and runs there (vLLM's AVX2 kernels
+# carry it), so it has no entry: it never skips.
+CPU_FEATURES = {
+    "fp8": ("AVX-512 or AMX", "FP8 KV cache on CPU requires x86 with AVX-512 or AMX.",
+            lambda cpu: not (cpu._is_avx512_supported() or cpu._is_amx_tile_supported())),
+}
+
+
+def missing_cpu_feature(name: str, error: BaseException, engine_output: str) -> str | None:
+    """Why `name`'s tests are skipped on this machine, or None (the error is a failure): only an
+    EngineStartupError of a configuration in CPU_FEATURES, on a CPU that lacks what it needs as vLLM
+    tests it, whose engine said so in vLLM's words (`engine_output`: what its processes logged)."""
+    import torch
+
+    from hidden_states.preflight import EngineStartupError
+
+    if name not in CPU_FEATURES or not isinstance(error, EngineStartupError):
+        return None
+    feature, message, lacks = CPU_FEATURES[name]
+    if not lacks(torch.cpu) or message not in engine_output:
+        return None
+    return f"vLLM's CPU engine cannot run {name} on this CPU (no {feature}): {message!r}"
+
+
+class _Output:
+    """File descriptors 1 and 2 through pipes while an engine starts: vLLM's engine-core and worker
+    processes inherit them and log there (the cause of a failed start reaches this process only as
+    "Engine core initialization failed"). A thread per pipe copies everything on to where it went
+    before, for as long as those processes live, and keeps the text written during the start."""
+
+    def __init__(self):
+        self.chunks: list[bytes] = []
+        self.recording, self.last = True, time.monotonic()
+
+    def _copy(self, read_fd: int, to_fd: int) -> None:
+        with os.fdopen(read_fd, "rb", buffering=0) as pipe:
+            while data := pipe.read(65536):
+                if self.recording:
+                    self.chunks.append(data)
+                    self.last = time.monotonic()
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(to_fd, view):]
+        os.close(to_fd)
+
+    @contextlib.contextmanager
+    def during(self):
+        import sys
+
+        saved = {}
+        for fd, stream in ((1, sys.stdout), (2, sys.stderr)):
+            stream.flush()
+            read_fd, write_fd = os.pipe()
+            saved[fd] = os.dup(fd)
+            threading.Thread(target=self._copy, args=(read_fd, os.dup(fd)), daemon=True).start()
+            os.dup2(write_fd, fd)
+            os.close(write_fd)
+        try:
+            yield self
+        finally:
+            for fd, stream in ((1, sys.stdout), (2, sys.stderr)):
+                stream.flush()
+                os.dup2(saved[fd], fd)
+                os.close(saved[fd])
+            deadline = time.monotonic() + 5  # what the processes wrote before this one heard of it
+            while time.monotonic() < deadline and time.monotonic() - self.last < 0.5:
+                time.sleep(0.1)
+            self.recording = False
+
+    def text(self) -> str:
+        return b"".join(self.chunks).decode(errors="replace")
+
+
 class _Slot:
     """Starts the engine of a configuration, shutting down the one before it."""
 
     def __init__(self, loop_thread):
         self.loop_thread, self.name, self.engine = loop_thread, None, None
 
-    def use(self, name: str, cpu_feature: bool = False):
-        """`cpu_feature`: the configuration needs CPU instructions (bfloat16, fp8 kernels) that
-        machines of this kind may lack: if vLLM refuses it here, the test is skipped, saying why."""
-        from hidden_states.preflight import EngineStartupError
+    def use(self, name: str):
+        """A configuration of CPU_FEATURES that vLLM refuses here for the instruction set it names
+        skips its test, saying why; any other failure to start fails it."""
         from hidden_states.vllm.engine import HiddenStatesEngine
 
         if self.name != name:
             self.close()
+            output = _Output()
             try:
-                self.engine = self.loop_thread.run(
-                    HiddenStatesEngine.start(TEST_MODEL, warm_up_s=0, **CONFIGS[name]), timeout=600)
-            except EngineStartupError as e:
-                if not cpu_feature:
+                with output.during() if name in CPU_FEATURES else contextlib.nullcontext():
+                    self.engine = self.loop_thread.run(
+                        HiddenStatesEngine.start(TEST_MODEL, warm_up_s=0, **CONFIGS[name]), timeout=600)
+            except Exception as e:
+                reason = missing_cpu_feature(name, e, output.text())
+                if reason is None:
                     raise
-                pytest.skip(f"vLLM's CPU engine cannot run {name} on this machine: {e}")
+                pytest.skip(reason)
             self.name = name
         return self.engine
 
@@ -232,6 +317,55 @@ class _Slot:
         if self.engine is not None:
             engine, self.engine, self.name = self.engine, None, None
             engine.shutdown()
+
+
+class _Here:
+    """A loop thread that runs the coroutine on the spot (no engine starts)."""
+
+    def run(self, coro, timeout=None):
+        return asyncio.run(coro)
+
+
+@pytest.mark.parametrize("name,lacks,logged,fails", [
+    ("fp8", True, CPU_FEATURES["fp8"][1], None),  # vLLM's refusal, on a CPU without AVX-512 or AMX: skipped
+    ("fp8", True, "AttributeError: 'NoneType' object has no attribute 'hidden_states_install'", "EngineStartupError"),
+    ("fp8", False, CPU_FEATURES["fp8"][1], "EngineStartupError"),  # the CPU has them: not the reason
+    ("fp8", True, CPU_FEATURES["fp8"][1], "TimeoutError"),  # not a refusal to start
+    ("bf16", True, CPU_FEATURES["fp8"][1], "EngineStartupError"),  # bfloat16 runs on AVX2: never skipped
+    ("small", True, CPU_FEATURES["fp8"][1], "EngineStartupError"),
+], ids=["fp8-refused-for-the-cpu", "fp8-broken", "fp8-cpu-has-it", "fp8-timeout", "bf16", "small"])
+def test_an_engine_that_fails_to_start_fails_its_tests_unless_the_cpu_lacks_what_vllm_names(
+        monkeypatch, name, lacks, logged, fails):
+    """The breaking variant of the bf16 and fp8 tests: their engine fails to start (start() stands in,
+    logging to the inherited file descriptors as vLLM's engine-core process does, then raising what
+    start() raises). The test then fails, unless vLLM named the instruction set this CPU lacks."""
+    import torch
+
+    from hidden_states.preflight import EngineStartupError
+    from hidden_states.vllm.engine import HiddenStatesEngine
+
+    async def start(*args, **kwargs):
+        os.write(1, f"(Worker pid=1) ERROR ... {logged}\n".encode())
+        if fails == "TimeoutError":
+            raise TimeoutError("the engine did not start in 600 s")
+        raise EngineStartupError("the vLLM engine for builtin:tiny-llama failed to start (RuntimeError: Engine "
+                                 "core initialization failed. See root cause above. Failed core proc(s): {})")
+
+    monkeypatch.setattr(HiddenStatesEngine, "start", start)
+    for query in ("_is_avx512_supported", "_is_amx_tile_supported"):
+        monkeypatch.setattr(torch.cpu, query, lambda: not lacks)
+    if fails is None:
+        with pytest.raises(pytest.skip.Exception, match=r"cannot run fp8 on this CPU \(no AVX-512 or AMX\)"):
+            _Slot(_Here()).use(name)
+        return
+    try:
+        _Slot(_Here()).use(name)
+    except pytest.skip.Exception as e:  # a skip is what hid the failure: it must not be one
+        pytest.fail(f"{name} was skipped, not failed: {e}")
+    except (EngineStartupError, TimeoutError) as e:
+        assert type(e).__name__ == fails
+    else:
+        pytest.fail(f"{name} started")
 
 
 @pytest.fixture(scope="module")
@@ -352,9 +486,8 @@ def test_bfloat16_vectors_within_the_derived_tolerance(slot, loop_thread, refere
     vector must be further than 1e-4 from float32 (it really is bfloat16: a float32
     engine is within 1e-6), and the vector of the wrong token (the sequence without its
     final token) must miss it (measured: 117u-343u)."""
-    engine = slot.use("bf16", cpu_feature=True)
-    if str(engine.llm.vllm_config.model_config.dtype) != "torch.bfloat16":
-        pytest.skip(f"vLLM runs {engine.llm.vllm_config.model_config.dtype} on this CPU, not bfloat16")
+    engine = slot.use("bf16")
+    assert str(engine.llm.vllm_config.model_config.dtype) == "torch.bfloat16", engine.llm.vllm_config.model_config
     prompts = PROMPTS + [long_text(60, seed=1), long_text(300, seed=3), long_text(700, seed=5)]
     outs = _run(loop_thread, *(engine.complete(p, sp(max_tokens=16)) for p in prompts),
                 *(engine.complete(p, sp(max_tokens=16, stop=["e"])) for p in prompts))
@@ -436,7 +569,7 @@ def test_fp8_kv_cache_vectors_exact_against_truncated_kv(slot, loop_thread, refe
     1e-4 absolute) against transformers reading the same fp8 K/V, and 1e-2 away from plain
     float32 (so the fp8 cache is in effect and the check can fail). With
     enable_chunked_prefill false, a 900-token prompt prefills in one step."""
-    engine = slot.use("fp8", cpu_feature=True)
+    engine = slot.use("fp8")
     cfg = engine.llm.vllm_config
     assert cfg.cache_config.cache_dtype == "fp8" and not cfg.scheduler_config.enable_chunked_prefill
     prompts = PROMPTS + [long_text(300, seed=3), long_text(700, seed=5)]

@@ -2,12 +2,14 @@
 
 The app (tests/serve/conftest.py "hs-lora") serves the tiny model and two random,
 non-zero adapters; every vector is checked against transformers + peft on the
-same adapter, and against the other models, which it must not match.
+same adapter, and against the other models, which it must not match. Proofs made on an adapter
+pass validation on it and fail on the other models, as the library judges each model's rows.
 """
 
 from __future__ import annotations
 
 import httpx
+import numpy as np
 import openai
 import pytest
 
@@ -118,25 +120,75 @@ def test_unknown_adapter_is_404_naming_what_is_served(lora_app, route, body):
     assert err["param"] == "model" and "`tiny-llama`, `lora-qv`, `lora-all`" in err["message"], err
 
 
+def adapter_proofs(validate, tl, refs, model: str | None, prompt: list[int], completion: list[int],
+                   proofs: list[str]) -> dict:
+    """What a proof proves about an adapter (docs/api.md, Proofs of inference): `model`'s proofs are of
+    `model`'s rows (the library accepts them on transformers + peft); validation recomputes with the model
+    it names (`validate(name, body)`: POST /v1/hidden_states's comparison), so each model checks them
+    against its own rows, proof by proof as the library does on that model's transformers rows. The proof
+    names no adapter: only those rows decide. The test adapters move the largest activations beyond
+    TOPLOC's tolerance: `model`'s proofs pass on `model` only. The figures, by model."""
+    from tests.serve.test_proofs import PROOF, activations, verified
+
+    ids, P = prompt + completion, len(prompt)
+    assert all(verified(tl, activations(refs[model], ids, P), proofs)), model
+    body = {"prompt": prompt, "completion": completion, "compare": {"toploc": {**PROOF, "proofs": proofs}}}
+    figures = {}
+    for other, ref in refs.items():
+        name = other or BASE
+        comparison = validate(name, body)
+        lib = verified(tl, activations(ref, ids, P), proofs)
+        assert [p["ok"] for p in comparison["proofs"]] == lib, (model, name, comparison, lib)
+        assert comparison["ok"] is (other == model), (model, name, comparison)
+        figures[name] = [(p["exp_mismatches"], round(p["mant_err_mean"], 1)) for p in comparison["proofs"]]
+    return figures
+
+
 def test_proofs_on_an_adapter_are_the_adapter_s(lora_client, lora_app, refs):
     """hidden_states_proof with `model` an adapter: the proofs are of the adapter's activations (the
-    library accepts them on transformers + peft), and the server validates them on the adapter, not on
-    the base model."""
-    from tests.serve.test_proofs import PROOF, activations, verified
+    library accepts them on transformers + peft), and the server validates them on the model the
+    validation names: the adapter passes them; the base model and the other adapter reject them, as the
+    library does on their rows. The base model's proofs: rejected by an adapter the same way."""
+    from tests.serve.test_proofs import PROOF
     from tests.toploc_ref import load_toploc
 
     tl = load_toploc()
-    r = lora_client.completions.create(model="lora-all", prompt="An adapter proves its work", max_tokens=24,
-                                       temperature=0, extra_body={"hidden_states_proof": PROOF,
-                                                                  "return_token_ids": True})
-    (c,) = r.choices
-    proofs = c.hidden_states_proof["proofs"]
-    ids, P = list(c.prompt_token_ids) + list(c.token_ids), len(c.prompt_token_ids)
-    assert all(verified(tl, activations(refs["lora-all"], ids, P), proofs))
-    body = {"prompt": list(c.prompt_token_ids), "completion": list(c.token_ids),
-            "compare": {"toploc": {**PROOF, "proofs": proofs}}}
-    on = [httpx.post(f"{lora_app}/v1/hidden_states", json={"model": m, **body}, timeout=120).json()["comparison"]
-          for m in ("lora-all", BASE)]
-    assert on[0]["ok"] is True, on[0]
-    base_lib = verified(tl, activations(refs[None], ids, P), proofs)  # the base model's rows: the library's verdict
-    assert on[1]["ok"] == all(base_lib), (on[1], base_lib)
+
+    def validate(name: str, body: dict) -> dict:
+        r = httpx.post(f"{lora_app}/v1/hidden_states", json={"model": name, **body}, timeout=120)
+        assert r.status_code == 200, r.text
+        assert r.json()["hidden_states_meta"]["adapter"] == (None if name == BASE else name), r.json()
+        return r.json()["comparison"]
+
+    for model in ("lora-all", None):
+        r = lora_client.completions.create(model=model or BASE, prompt="An adapter proves its work", max_tokens=24,
+                                           temperature=0, extra_body={"hidden_states_proof": PROOF,
+                                                                      "return_token_ids": True})
+        (c,) = r.choices
+        figures = adapter_proofs(validate, tl, refs, model, list(c.prompt_token_ids), list(c.token_ids),
+                                 c.hidden_states_proof["proofs"])
+        print(f"{model or BASE}'s proofs (exponent mismatches, mean mantissa error per proof), validated on each "
+              f"model: {figures}")
+
+
+def test_adapter_proof_checks_fail_against_a_broken_validation(refs, monkeypatch):
+    """The breaking variant, without Serve: the check above against the route's validation on each
+    model's transformers (+ peft) rows passes; with that validation broken (accepting every proof, never
+    looking at the rows, ignoring the thresholds: tests/unit/test_proofs.py) it fails."""
+    from tests.serve.test_proofs import PROOF, activations, stand_in_server
+    from tests.toploc_ref import load_toploc
+    from tests.unit.test_proofs import BROKEN_VALIDATION
+
+    tl = load_toploc()
+    servers = {other or BASE: stand_in_server(ref) for other, ref in refs.items()}
+    prompt = refs[None].tokenizer("An adapter proves its work")["input_ids"]
+    completion = [int(t) for t in np.random.default_rng(6).integers(5, 250, 24)]
+    proofs = tl.build_proofs_base64(activations(refs["lora-all"], prompt + completion, len(prompt)),
+                                    PROOF["decode_batching_size"], PROOF["topk"])
+    adapter_proofs(lambda name, body: servers[name](body), tl, refs, "lora-all", prompt, completion, proofs)
+    for broken, breaks in sorted(BROKEN_VALIDATION.items()):
+        with monkeypatch.context() as m:
+            breaks(m)
+            with pytest.raises(AssertionError):
+                adapter_proofs(lambda name, body: servers[name](body), tl, refs, "lora-all", prompt, completion,
+                               proofs)

@@ -1,24 +1,37 @@
 """TOPLOC proofs through Serve (HTTP and the openai client): built on the server for completions
 and chat, streamed and not, n > 1; checked against the real toploc library on transformers'
-activations; validated by POST /v1/hidden_states, which agrees with the library. Unknown fields
-of ours are refused by name."""
+activations; validated by POST /v1/hidden_states, which agrees with the library on honest proofs and
+rejects tampered ones (another completion, another prompt, another model, a well-formed proof with a
+coefficient altered: `REJECTIONS`, each of which fails against a validation that is broken, shown
+without Serve by `test_each_rejection_fails_against_a_broken_validation`). Unknown fields of ours are
+refused by name."""
 
 from __future__ import annotations
 
 import httpx
+import numpy as np
 import pytest
 
 from hidden_states.proofs import toploc as ours
-from tests.toploc_ref import fed_rows, library_ok, load_toploc
+from tests.toploc_ref import altered, fed_rows, library_ok, load_toploc, perturbed
 
 MODEL = "tiny-llama"
 MSGS = [{"role": "user", "content": "Prove what you say about proofs"}]
 PROOF = {"scheme": "toploc", "topk": 128, "decode_batching_size": 8}  # small windows: several proofs per choice
+# Another model: the tiny model's weights with 20% noise. Its random weights have no massive activations
+# and TOPLOC's tolerance is wide on them: 5% noise passes every proof (at most 32 exponent mismatches,
+# mean mantissa error up to 9.9), 10% fails them all, 20% by a margin (56-82 mismatches, means of 19-30).
+OTHER_MODEL_NOISE = 0.2
 
 
 @pytest.fixture(scope="module")
 def tl():
     return load_toploc()
+
+
+@pytest.fixture(scope="module")
+def other_model(reference):
+    return perturbed(reference.model, OTHER_MODEL_NOISE)
 
 
 def activations(reference, ids: list[int], prompt_len: int):
@@ -35,7 +48,75 @@ def check(base: str, body: dict) -> dict:
     return r.json()
 
 
-def test_completions_carry_proofs_the_library_accepts_and_the_server_validates(serve_app, client, reference, tl):
+class Choice:
+    """A choice's tokens and proofs, and `validate`: the server's answer (its `comparison`) to
+    POST /v1/hidden_states with these tokens and `compare.toploc` of the given proofs."""
+
+    def __init__(self, validate, tl, reference, other_model, prompt, completion, proofs):
+        self.validate, self.tl, self.ref, self.other_model = validate, tl, reference, other_model
+        self.prompt, self.completion, self.proofs = list(prompt), list(completion), list(proofs)
+
+    def body(self, prompt=None, completion=None, proofs=None) -> dict:
+        return {"prompt": self.prompt if prompt is None else prompt,
+                "completion": self.completion if completion is None else completion,
+                "compare": {"toploc": {**PROOF, "proofs": self.proofs if proofs is None else proofs}}}
+
+    def library(self, model, prompt, completion, proofs) -> list[bool]:
+        return verified(self.tl, fed_rows(model, prompt + completion, len(prompt)), proofs)
+
+
+def honest(c: Choice) -> None:
+    comparison = c.validate(c.body())
+    assert comparison["ok"] is True and len(comparison["proofs"]) == len(c.proofs), comparison
+
+
+def _rejected(c: Choice, what: str, prompt, completion, proofs=None) -> list[bool]:
+    """The server's verdict is the library's on transformers' rows, proof by proof, and a rejection."""
+    proofs = c.proofs if proofs is None else proofs
+    lib = c.library(c.ref.model, prompt, completion, proofs)
+    bad = c.validate(c.body(prompt, completion, proofs))
+    assert [p["ok"] for p in bad["proofs"]] == lib and not all(lib) and bad["ok"] is False, (what, lib, bad)
+    return lib
+
+
+def another_completion(c: Choice) -> None:
+    """The same prompt and length, the completion's tokens reversed: its decode proofs fail."""
+    other = c.completion[::-1]
+    assert other != c.completion
+    _rejected(c, "another completion", c.prompt, other)
+
+
+def another_prompt(c: Choice) -> None:
+    """One prompt token changed: the prefill's proof fails."""
+    tampered = [c.prompt[0], (c.prompt[1] + 1) % 256, *c.prompt[2:]]
+    assert not _rejected(c, "another prompt", tampered, c.completion)[0]
+
+
+def another_model(c: Choice) -> None:
+    """Proofs of the same tokens from another model (the library's, on the perturbed model's rows): rejected;
+    the library's proofs from this model's rows pass (what fails is the model)."""
+    ids, P = c.prompt + c.completion, len(c.prompt)
+    own = c.tl.build_proofs_base64(fed_rows(c.ref.model, ids, P), PROOF["decode_batching_size"], PROOF["topk"])
+    assert c.validate(c.body(proofs=own))["ok"] is True, "the library's proofs of this model"
+    theirs = c.tl.build_proofs_base64(fed_rows(c.other_model, ids, P), PROOF["decode_batching_size"],
+                                      PROOF["topk"])
+    assert not any(_rejected(c, "another model", c.prompt, c.completion, theirs))
+
+
+def altered_proof(c: Choice) -> None:
+    """The choice's own tokens, its prefill's proof (then its last) altered but well formed: that proof fails."""
+    for i, how in ((0, "linear"), (len(c.proofs) - 1, "exponent")):
+        proofs = [altered(p, how) if j == i else p for j, p in enumerate(c.proofs)]
+        bad = c.validate(c.body(proofs=proofs))
+        assert [p["ok"] for p in bad["proofs"]] == [j != i for j in range(len(proofs))] and bad["ok"] is False, \
+            (how, i, bad)
+
+
+REJECTIONS = [another_completion, another_prompt, another_model, altered_proof]
+
+
+def test_completions_carry_proofs_the_library_accepts_and_the_server_validates(serve_app, client, reference, tl,
+                                                                              other_model):
     out = client.completions.create(model=MODEL, prompt="Proofs of inference, built where the rows are",
                                     max_tokens=30, n=2, temperature=1.0, seed=3,
                                     extra_body={"hidden_states_proof": PROOF, "return_token_ids": True})
@@ -49,21 +130,53 @@ def test_completions_carry_proofs_the_library_accepts_and_the_server_validates(s
         assert len(proof["proofs"]) == len(ours.chunk_bounds(P, len(ids), 8)) >= 4
         assert all(verified(tl, activations(reference, ids, P), proof["proofs"])), choice.index
         assert choice.hidden_states_meta["proofs"] == len(proof["proofs"])
-        # The server's validation: honest passes; another completion, another prompt fail.
-        body = {"prompt": prompt_ids, "completion": list(choice.token_ids),
-                "compare": {"toploc": {**PROOF, "proofs": proof["proofs"]}}}
-        honest = check(serve_app, body)["comparison"]
-        assert honest["ok"] is True and len(honest["proofs"]) == len(proof["proofs"]), honest
-        assert "hidden_states" not in check(serve_app, body)
-        other = out.choices[1 - choice.index].token_ids
-        if list(other) != list(choice.token_ids) and len(other) == len(choice.token_ids):
-            bad = check(serve_app, {**body, "completion": list(other)})["comparison"]
-            lib = verified(tl, activations(reference, prompt_ids + list(other), P), proof["proofs"])
-            assert [p["ok"] for p in bad["proofs"]] == lib and not all(lib), bad
-        tampered = [prompt_ids[0], (prompt_ids[1] + 1) % 256, *prompt_ids[2:]]
-        bad = check(serve_app, {**body, "prompt": tampered})["comparison"]
-        lib = verified(tl, activations(reference, tampered + list(choice.token_ids), P), proof["proofs"])
-        assert [p["ok"] for p in bad["proofs"]] == lib and not lib[0], bad  # the prefill's proof fails
+        # The server's validation: honest passes; each tampered case fails, as the library says.
+        c = Choice(lambda body: check(serve_app, body)["comparison"], tl, reference, other_model, prompt_ids,
+                   choice.token_ids, proof["proofs"])
+        assert "hidden_states" not in check(serve_app, c.body())
+        for case in [honest, *REJECTIONS]:
+            case(c)
+
+
+def stand_in_server(reference):
+    """POST /v1/hidden_states's answer to `compare.toploc` without Serve: the route's own steps
+    (hidden_states/vllm/frontend/openai.py `_check_proofs`) on transformers' rows, as a float32 engine
+    recomputes them: the chunks, then `hidden_states.proofs.check_claim`, looked up when called (so a
+    broken one is the one used)."""
+    import torch
+
+    import hidden_states.proofs as server
+
+    def validate(body: dict) -> dict:
+        claim = server.ProofClaim(**body["compare"]["toploc"])
+        ids, P = body["prompt"] + body["completion"], len(body["prompt"])
+        rows = torch.cat(fed_rows(reference.model, ids, P)).view(torch.int16).numpy().view(np.uint16)  # bfloat16 bits
+        bounds = ours.chunk_bounds(P, len(ids), claim.decode_batching_size)
+        assert len(claim.proofs) == len(bounds)
+        return server.check_claim(claim, [rows[lo:hi] for lo, hi in bounds])
+
+    return validate
+
+
+def test_each_rejection_fails_against_a_broken_validation(reference, tl, other_model, monkeypatch):
+    """The breaking variants, without Serve: the checks above against the route's validation on
+    transformers' rows pass; with that validation broken (tests/unit/test_proofs.py BROKEN_VALIDATION:
+    accepting every proof, never looking at the rows, ignoring the thresholds) each fails."""
+    from tests.unit.test_proofs import BROKEN_VALIDATION
+
+    prompt = reference.tokenizer("Proofs of inference, built where the rows are")["input_ids"]
+    completion = np.random.default_rng(5).integers(5, 250, 30).tolist()
+    ids = prompt + completion
+    proofs = tl.build_proofs_base64(activations(reference, ids, len(prompt)), 8, 128)  # a server's, as built
+    c = Choice(stand_in_server(reference), tl, reference, other_model, prompt, completion, proofs)
+    for case in [honest, *REJECTIONS]:
+        case(c)
+    for broken, breaks in sorted(BROKEN_VALIDATION.items()):
+        with monkeypatch.context() as m:
+            breaks(m)
+            for case in REJECTIONS:
+                with pytest.raises(AssertionError):
+                    case(c)
 
 
 def test_a_streamed_chat_carries_each_window_once_decided(serve_app, client, reference, tl):

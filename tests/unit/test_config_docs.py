@@ -191,9 +191,32 @@ def test_every_quoted_run_is_drawable(tmp_path):
         if sorted(map(tuple, recorded)) != sorted(ci for ci in drawn if ci):
             problems.append(f"{js.relative_to(ROOT)}: {len(recorded)} intervals recorded, {sum(map(bool, drawn))} drawn")
     assert not problems, f"{len(problems)} problems:\n  " + "\n  ".join(problems)
-    pytest.importorskip("matplotlib")  # the bench extra's; drawn: the full run (every panel) and one with intervals
+    assert_plots(tmp_path)
+
+
+def assert_plots(tmp_path: Path) -> None:
+    """The full run (every panel) and one with intervals, drawn to PNG files. matplotlib is the test extra's
+    (and the bench extra's): missing, this fails, it does not skip."""
+    import matplotlib  # noqa: F401  (an ImportError here names what `make test`'s set-up did not install)
+
     for js in (RESULTS / "results.json", RESULTS / "tiny-hs-long" / "results.json"):
-        assert report.plot(json.loads(js.read_text()), tmp_path / f"{js.parent.name}.png"), js
+        png = tmp_path / f"{js.parent.name}.png"
+        assert report.plot(json.loads(js.read_text()), png), f"{js}: bench.report.plot drew nothing"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000, png
+
+
+def test_without_matplotlib_the_plot_check_fails(tmp_path, monkeypatch):
+    """The breaking variant: matplotlib unimportable (as it was under `make test` before the test extra
+    declared it) fails the check instead of skipping it; so does a plot that draws nothing."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
+    with pytest.raises(ImportError):
+        assert_plots(tmp_path)
+    monkeypatch.undo()
+    monkeypatch.setattr(report, "plot", lambda res, path: False)
+    with pytest.raises(AssertionError, match="drew nothing"):
+        assert_plots(tmp_path)
 
 
 def test_the_checks_can_fail(tmp_path):

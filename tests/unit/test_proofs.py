@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 import torch
 
+import hidden_states.proofs as server
 from hidden_states.proofs import ProofBuilder, ProofClaim, ProofRequest, check_claim, toploc as ours
-from tests.toploc_ref import load_toploc
+from tests.toploc_ref import altered, load_toploc
 
 D, K, B = 576, 128, 32  # SmolLM2's width, TOPLOC's top-k and decode batching
 
@@ -132,6 +133,101 @@ def test_the_check_gives_toplocs_figures_on_honest_and_tampered_rows(tl):
         passes = [r.exp_mismatches <= 38 and r.mant_err_mean <= 10 and r.mant_err_median <= 8 for r in theirs]
         assert [p["ok"] for p in mine] == passes, name
         assert all(passes) == (name != "other"), (name, theirs)
+
+
+def figures(verdicts) -> list[tuple]:
+    return [(v["exp_mismatches"], v["mant_err_mean"], v["mant_err_median"], v["ok"]) for v in verdicts]
+
+
+def library_figures(results) -> list[tuple]:
+    return [(r.exp_mismatches, r.mant_err_mean, r.mant_err_median,
+             r.exp_mismatches <= 38 and r.mant_err_mean <= 10 and r.mant_err_median <= 8) for r in results]
+
+
+def altered_proofs_are_rejected(tl) -> None:
+    """Honest rows, honest proofs with one of them altered but well formed (tests/toploc_ref.py
+    ALTERATIONS: a coefficient changed, it still decodes). The server's validation (`check_claim`,
+    what POST /v1/hidden_states answers with) rejects the request and that proof, passes the others,
+    and gives the library's figures; the one alteration TOPLOC tolerates (every value one mantissa
+    unit off) passes both, and so does a modulus that still exceeds every index (the same points)."""
+    g = torch.Generator().manual_seed(3)
+    acts = [(torch.randn(20, D, generator=g) * 3).to(torch.bfloat16)] + \
+           [(torch.randn(1, D, generator=g) * 3).to(torch.bfloat16) for _ in range(45)]
+    honest = tl.build_proofs_base64(acts, B, K)
+    flat = torch.cat(acts)
+    rows = [bits(flat[lo:hi]) for lo, hi in ours.chunk_bounds(20, 66, B)]
+    assert server.check_claim(ProofClaim(proofs=honest), rows)["ok"] is True
+    for how in ("linear", "exponent", "mantissa"):
+        for i in range(len(honest)):
+            proofs = [altered(p, how) if j == i else p for j, p in enumerate(honest)]
+            verdict = server.check_claim(ProofClaim(proofs=proofs), rows)
+            assert figures(verdict["proofs"]) == library_figures(tl.verify_proofs_base64(acts, proofs, B, K)), how
+            tolerated = how == "mantissa"
+            assert [p["ok"] for p in verdict["proofs"]] == [j != i or tolerated for j in range(len(proofs))], (how, i)
+            assert verdict["ok"] is tolerated, (how, i, verdict)
+            if not tolerated:
+                assert verdict["proofs"][i]["exp_mismatches"] > 100, (how, i, verdict["proofs"][i])
+    # The modulus only reduces indices: any value above the chunk's largest index gives the same points.
+    modulus, coeffs = ours.decode(honest[0], K)
+    assert modulus == ours.PRIME and rows[0].size < modulus - 1
+    moved = [ours.encode(modulus - 1, coeffs)] + honest[1:]
+    assert server.check_claim(ProofClaim(proofs=moved), rows) == server.check_claim(ProofClaim(proofs=honest), rows)
+
+
+def exponents_beyond_the_threshold_are_rejected(tl) -> None:
+    """A proof through the chunk's true top-k indices with n of its values' exponents changed: n exponent
+    mismatches exactly, accepted up to TOPLOC's 38 (one changed value passes: it is a tolerance, not a
+    signature), rejected from 39, by the server's validation and the library alike."""
+    acts = distinct_activations(np.random.default_rng(4), 20, 1)
+    positions, idx, vals = _rows_of(acts, 0, 20)
+    x, y = ours.chunk_topk(positions, idx, vals, 0, D, K)
+    for n, ok in ((0, True), (1, True), (38, True), (39, False), (K, False)):
+        claimed = y.copy()
+        claimed[:n] ^= 0x0080  # the exponent's lowest bit of the n largest values
+        proof = ours.encode(*ours.interpolate(x.tolist(), claimed.tolist()))
+        verdict = server.check_claim(ProofClaim(proofs=[proof]), [bits(acts[0])])
+        assert figures(verdict["proofs"]) == library_figures(tl.verify_proofs_base64(acts, [proof], B, K)), n
+        assert verdict["proofs"][0]["exp_mismatches"] == n and verdict["ok"] is ok, (n, verdict)
+
+
+def test_a_well_formed_altered_proof_is_rejected(tl):
+    altered_proofs_are_rejected(tl)
+
+
+def test_exponents_changed_beyond_toplocs_threshold_are_rejected(tl):
+    exponents_beyond_the_threshold_are_rejected(tl)
+
+
+def accept_every_proof(monkeypatch):
+    """The breaking variant: the scheme's check passes any proof (figures of an honest one)."""
+    monkeypatch.setattr(ours, "check", lambda proof, rows, topk, thresholds=None, what="proof":
+                        ours.Verdict(0, 0.0, 0.0, True))
+
+
+def skip_the_compare(monkeypatch):
+    """The breaking variant: the request's check never looks at the rows."""
+    monkeypatch.setattr(server, "check_claim", lambda claim, chunk_rows: {
+        "scheme": claim.scheme, "ok": True,
+        "proofs": [{"exp_mismatches": 0, "mant_err_mean": 0.0, "mant_err_median": 0.0, "ok": True}] * len(claim.proofs)})
+
+
+def ignore_the_thresholds(monkeypatch):
+    """The breaking variant: the figures are right, the request's thresholds are not applied."""
+    monkeypatch.setattr(server, "Thresholds", lambda **given: ours.Thresholds(10**6, 1e9, 1e9))
+
+
+BROKEN_VALIDATION = {"accepts-every-proof": accept_every_proof, "skips-the-compare": skip_the_compare,
+                     "ignores-the-thresholds": ignore_the_thresholds}
+
+
+@pytest.mark.parametrize("broken", sorted(BROKEN_VALIDATION))
+@pytest.mark.parametrize("check", [altered_proofs_are_rejected, exponents_beyond_the_threshold_are_rejected],
+                         ids=["altered-proof", "exponents"])
+def test_the_checks_fail_when_validation_is_broken(tl, monkeypatch, broken, check):
+    """Each check above, with the server's validation broken: it fails."""
+    BROKEN_VALIDATION[broken](monkeypatch)
+    with pytest.raises(AssertionError):
+        check(tl)
 
 
 @pytest.mark.parametrize("proof,words", [("not base64!", "not base64"), ("AAAA", "holds 3 bytes"),
