@@ -68,6 +68,7 @@ class RowBatch:
     values: dict[int, np.ndarray]  # requested layer -> [n, width]
     dtype: str = "float32"
     indices: dict[int, np.ndarray] | None = None  # requested layer -> int32 [n, k]
+    tail_positions: int = 0  # positions the engine core scheduled for the final token's row (a count)
 
     def __len__(self) -> int:
         return len(self.positions)
@@ -129,6 +130,7 @@ class HiddenStatesCollector:
     # choices carry proofs built from them; each prompt's length (by ordinal) bounds its prefill's proof.
     proof: Any = None
     prompt_lens: dict[int, int] = dataclasses.field(default_factory=dict)
+    tail_positions: dict[ChoiceKey, int] = dataclasses.field(default_factory=dict)  # counted by the engine core
 
     @property
     def multi(self) -> bool:
@@ -142,6 +144,8 @@ class HiddenStatesCollector:
     def add_rows(self, key: ChoiceKey, batch: RowBatch) -> None:
         if key not in self.done and len(batch):
             self.rows.setdefault(key, []).append(batch)
+            if batch.tail_positions:
+                self.tail_positions[key] = self.tail_positions.get(key, 0) + batch.tail_positions
 
     def held_positions(self, key: ChoiceKey) -> set[int]:
         """Positions received for the choice (handed out or not)."""

@@ -6,7 +6,7 @@ The vector rides vLLM's own output path (the seed's diagram):
 
 - `HiddenStatesExtractionRequest` rides inside `SamplingParams.extra_args`
   (key `EXTRA_ARGS_KEY`) from the frontend to the scheduler: it marks an
-  engine request for capture, says where (`tail`, `span`), and carries the key
+  engine request for capture, says where (`span`, `reaches_final`), and carries the key
   its vector comes back under (vLLM rewrites request ids). The worker never
   reads it.
 - `PlanEntry`, per request, is the step's capture plan that the scheduler hangs
@@ -183,9 +183,10 @@ class HiddenStatesExtractionRequest(msgspec.Struct, omit_defaults=True, forbid_u
     span: list[int | None]
     # Layers as transformers numbers `output_hidden_states` (-1 = after the final norm).
     layers: list[int] = msgspec.field(default_factory=lambda: [-1])
-    # True: the request's span reaches its final token, whose row the tail step computes: the extra
-    # decode row the scheduler runs when the request stops (hidden_states/vllm/core/scheduler.py).
-    tail: bool = False
+    # True: the span can hold the request's final token, whose row no generation step computes
+    # (the final token is an output). The scheduler decides whether a tail step computes it
+    # (hidden_states/vllm/core/scheduler.py); where none does, the frontend's extraction step.
+    reaches_final: bool = False
     dtype: str = "float32"  # rows cast on the device
     topk: int = 0  # > 0: per position the k largest-magnitude entries
     # Rows on every output (a stream of several positions, RequestOutputKind.DELTA / CUMULATIVE), or
@@ -261,6 +262,9 @@ class CapturedRows(msgspec.Struct, array_like=True, gc=False):
     positions: list[int]
     values: bytes
     indices: bytes = b""
+    # On a finishing output: the positions the scheduler's steps scheduled to compute the final
+    # token's row (a tail step: 1; a held request recomputed after preemption: more). 0: none ran.
+    tail_positions: int = 0
 
     def arrays(self) -> tuple[np.ndarray, np.ndarray | None]:
         """(values [layers, positions, width] raw dtype, indices int32 or None)."""

@@ -61,7 +61,7 @@ def params(flagged: bool, span: list | None = None, every_step: bool = False, **
     kw.setdefault("max_tokens", 40)
     kw.setdefault("temperature", 0.0)
     kw.setdefault("ignore_eos", True)
-    extra = HiddenStatesExtractionRequest(key=uuid.uuid4().hex, tail=True, span=span or [-1, None, 1],
+    extra = HiddenStatesExtractionRequest(key=uuid.uuid4().hex, reaches_final=True, span=span or [-1, None, 1],
                                           every_step=every_step).to_extra_args() if flagged else None
     return [SamplingParams(extra_args=extra, **kw)]
 
@@ -85,10 +85,16 @@ def run(core, prompts, flagged: bool, on_step=None, timeout_s: float = 300, **kw
     return done
 
 
-def vector(out):
-    from hidden_states.protocol import ROWS_KEY, CapturedRows, widen
+def captured(out):
+    from hidden_states.protocol import ROWS_KEY, CapturedRows
 
-    cr = CapturedRows.from_output((out.kv_transfer_params or {})[ROWS_KEY])
+    return CapturedRows.from_output((out.kv_transfer_params or {})[ROWS_KEY])
+
+
+def vector(out):
+    from hidden_states.protocol import widen
+
+    cr = captured(out)
     assert cr.positions == [len(out.prompt_token_ids) + len(out.outputs[0].token_ids) - 1]  # the final token's
     return widen(cr.arrays()[0], cr.dtype)[0, 0]
 
@@ -101,8 +107,8 @@ def assert_same_outputs(a, b):
 
 def assert_nothing_left(core):
     s = scheduler(core)
-    assert not s._held and not s._flags, (s._held, s._flags)
-    assert not s._rows and not s._finished_rows, (s._rows, s._finished_rows)
+    assert not s._held and not s._live, (s._held, s._live)
+    assert not s._finished_rows, s._finished_rows
     assert not core.has_unfinished_requests()
 
 
@@ -132,6 +138,11 @@ def test_a_held_request_preempted_then_resumed_keeps_its_exact_vector(core, refe
     for p, out in flagged.items():
         assert_same_outputs(out, plain[p])
         reference.assert_matches(list(out.prompt_token_ids) + list(out.outputs[0].token_ids), vector(out))
+        # The work is counted, not labelled: the resumed prefill recomputed more than the final token.
+        total = len(out.prompt_token_ids) + len(out.outputs[0].token_ids)
+        assert 1 < captured(out).tail_positions <= total, (captured(out).tail_positions, total)
+    again = run(core, PROMPTS[:2], True, max_tokens=12)  # not preempted: the tail step's one position
+    assert [captured(out).tail_positions for out in again.values()] == [1, 1]
     assert_nothing_left(core)
 
 
@@ -245,7 +256,7 @@ def test_rows_of_every_position_come_once_even_when_preempted_and_an_abort_leave
                      params(True, span=[-4, None, 1], max_tokens=30)[0])
     for _ in range(4):
         core.step()
-    (window,) = s._rows.values()
+    (window,) = [c.rows for c in s._live.values()]
     assert 0 < window.hi - window.lo <= 4  # a window kept for the end, no longer than the range
     core.abort_request([rid])
     for _ in range(3):

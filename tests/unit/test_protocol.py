@@ -89,17 +89,17 @@ def test_malformed_rows_are_refused_with_what_was_wrong(raw):
 
 
 def test_extraction_request_extra_args_roundtrip():
-    req = HiddenStatesExtractionRequest(key="req-1", span=[-1, None, 1], layers=[-1, 10], tail=True)
+    req = HiddenStatesExtractionRequest(key="req-1", span=[-1, None, 1], layers=[-1, 10], reaches_final=True)
     extra = req.to_extra_args()
     assert set(extra) == {EXTRA_ARGS_KEY}
-    assert extra[EXTRA_ARGS_KEY] == {"key": "req-1", "span": [-1, None, 1], "layers": [-1, 10], "tail": True}
+    assert extra[EXTRA_ARGS_KEY] == {"key": "req-1", "span": [-1, None, 1], "layers": [-1, 10], "reaches_final": True}
     assert HiddenStatesExtractionRequest.from_extra_args(extra) == req
 
 
 def test_extraction_request_default_layers_roundtrip():
     req = HiddenStatesExtractionRequest(key="req-2", span=[4, 5, 1])
     back = HiddenStatesExtractionRequest.from_extra_args(req.to_extra_args())
-    assert back == req and back.layers == [-1] and not back.tail
+    assert back == req and back.layers == [-1] and not back.reaches_final
 
 
 def test_extraction_request_survives_other_extra_args():

@@ -216,6 +216,19 @@ class _StepRefs:
                              cat(lambda b, d: b.values(d)), cat(lambda b, d: b.indices(d)) if self.flag.topk else None)
 
 
+@dataclasses.dataclass
+class _Capture:
+    """One flagged request in the engine core, from `add_request` to its last output: what it
+    asked (`flag`), whether a tail step (or, under async scheduling, the step in flight) computes
+    its final row (decided once, in `add_request`), its rows not sent yet, and the positions the
+    steps scheduled for that tail (counted as they ran; sent with its final rows)."""
+
+    flag: HiddenStatesExtractionRequest
+    tail: bool
+    rows: "_Rows | _StepRefs"
+    tail_positions: int = 0
+
+
 class _VectorsOnOutputs:
     """Mixed into a vLLM v1 scheduler: vectors onto finishing outputs, and (if `holds`) the tail step;
     (if `async_tail`) the tail under async scheduling."""
@@ -228,19 +241,17 @@ class _VectorsOnOutputs:
         for name in ("add_request", "schedule", "update_from_output", "_update_request_with_output", "_free_request"):
             _require(hasattr(Scheduler, name), f"Scheduler.{name} (the scheduler hook, ledger point 9)")
         super().__init__(*args, **kwargs)
-        self._flags: dict[str, HiddenStatesExtractionRequest] = {}  # live flagged requests
+        self._live: dict[str, _Capture] = {}  # flagged requests not freed yet
         self._held: dict[str, _Held] = {}
         self._released: dict[str, _Held] = {}  # held tokens emitted in this update: their logprobs
-        self._rows: dict[str, _Rows | _StepRefs] = {}  # live flagged requests: rows captured and not sent yet
         self._finished_rows: dict[str, CapturedRows] = {}  # requests finished in this update: their last rows
         self._step_output: Any = None  # the ModelRunnerOutput being applied (for a held token's logprobs)
         self.tails_run = 0
         # Async scheduling: the step after a stop is in flight with the final token as its input.
         self._seq = 0  # schedule() calls so far: a step's sequence number
-        self._scheduled: dict[int, frozenset] = {}  # recent steps' scheduled request ids, by sequence
-        self._awaiting: dict[str, tuple[HiddenStatesExtractionRequest, int, int]] = {}  # rid -> (flag, tokens, seq)
+        self._scheduled: dict[int, dict[str, int]] = {}  # recent steps' scheduled tokens per request, by sequence
+        self._awaiting: dict[str, tuple[_Capture, int, int]] = {}  # freed, awaiting the step in flight: (its, tokens, seq)
         self._stashed: dict[int, list[tuple[int, Any]]] = {}  # seq -> finishing outputs (client, eco) to release
-        self._awaiting_rows: dict[str, Any] = {}  # rid -> its rows (_StepRefs | _Rows), awaiting the final one
 
     def add_request(self, request: Any) -> None:
         sp = request.sampling_params
@@ -248,15 +259,24 @@ class _VectorsOnOutputs:
         if flag is not None:
             L = self.vllm_config.model_config.hf_config.num_hidden_layers
             flag.layers = [absolute_layer(l, L) for l in flag.layers]  # once, for every step's plan
-            self._flags[request.request_id] = flag
             span = Span.from_list(flag.span)
+            tail = flag.reaches_final and self._takes_tail(sp)
             # Every captured row is wanted where the span starts at an absolute position and either has
             # no end counted from the end, or stops just before the final token without a tail step
             # (a proof's: that row is computed only by a draft in the finishing step, and the frontend
             # keeps what was asked): references to the steps' buffers, no window per step.
-            every_row = span.start >= 0 and (span.end is None or span.end >= 0 or (span.end == -1 and not flag.tail))
-            self._rows[request.request_id] = _StepRefs(flag, span) if every_row else _Rows(flag, span, dtype=flag.dtype)
+            every_row = span.start >= 0 and (span.end is None or span.end >= 0 or (span.end == -1 and not tail))
+            rows = _StepRefs(flag, span) if every_row else _Rows(flag, span, dtype=flag.dtype)
+            self._live[request.request_id] = _Capture(flag, tail, rows)
         super().add_request(request)
+
+    def _takes_tail(self, sp: Any) -> bool:
+        """The one place a request's tail is decided: this scheduler runs tail steps (or takes the
+        step in flight), and the stop is one the engine sees (stop strings are cut in the frontend,
+        which then aborts) without a grammar (its matcher is done once the request stops). The
+        frontend's extraction step computes the final row of any other request. (`_holds` adds
+        what only the stop can tell: room for one more position.)"""
+        return (self.holds or self.async_tail) and not sp.stop and getattr(sp, "structured_outputs", None) is None
 
     def schedule(self, *args: Any, **kwargs: Any):
         for rid in self._held:  # a tail step computes the final token alone: no draft tokens after it
@@ -267,8 +287,8 @@ class _VectorsOnOutputs:
             # vLLM's async scheduler does not schedule the step after the one that reaches
             # max_tokens; a tail-flagged request needs it (it computes the final token's row): its
             # max_tokens is one more while scheduling only (check_stop reads the real one).
-            for rid, flag in self._flags.items():
-                if flag.tail and (req := self.requests.get(rid)) is not None \
+            for rid, cap in self._live.items():
+                if cap.tail and (req := self.requests.get(rid)) is not None \
                         and req.num_output_placeholders > 0 and req.max_tokens is not None:
                     req.max_tokens += 1
                     bumped.append(req)
@@ -277,11 +297,13 @@ class _VectorsOnOutputs:
         finally:
             for req in bumped:
                 req.max_tokens -= 1
-        setattr(out, PLAN_ATTR, self._plan(out) if self._flags else None)
+        setattr(out, PLAN_ATTR, self._plan(out) if self._live else None)
+        for rid in self._held:  # the work a tail step adds, counted as scheduled (1 position, unless recomputed)
+            self._live[rid].tail_positions += out.num_scheduled_tokens.get(rid, 0)
         if self.async_tail:
             self._seq += 1
             setattr(out, SEQ_ATTR, self._seq)
-            self._scheduled[self._seq] = frozenset(out.num_scheduled_tokens)
+            self._scheduled[self._seq] = dict(out.num_scheduled_tokens)
             self._scheduled.pop(self._seq - 4, None)
         return out
 
@@ -293,18 +315,18 @@ class _VectorsOnOutputs:
         where that position can be computed: a held request's tail step; under async scheduling,
         every decode row (the step after a stop is scheduled before the stop is seen)."""
         plan, sched = {}, out.num_scheduled_tokens
-        for rid, flag in self._flags.items():
+        for rid, cap in self._live.items():
             n = sched.get(rid)
             if not n:
                 continue
-            req, span = self.requests[rid], self._rows[rid].span
+            req, span, flag = self.requests[rid], cap.rows.span, cap.flag
             stop = req.num_computed_tokens  # advanced by this step already (Scheduler._update_after_schedule)
             first = stop - n
             if not span.final_only:
                 positions = span.capturable(first, stop)
             elif rid in self._held:
                 positions = [stop - 1] if stop == req.num_tokens else []
-            elif self.async_tail and flag.tail and stop > req.num_prompt_tokens:
+            elif self.async_tail and cap.tail and stop > req.num_prompt_tokens:
                 positions = [stop - 1]  # kept only if it is the final token's (_async_tails)
             else:
                 continue
@@ -325,7 +347,7 @@ class _VectorsOnOutputs:
             self._step_output = None
         if self._awaiting or self._stashed:
             self._async_tails(outputs)
-        if self._rows or self._finished_rows:
+        if self._live or self._finished_rows:
             self._send_rows(outputs)
         if self._released:
             for batch in outputs.values():
@@ -346,11 +368,12 @@ class _VectorsOnOutputs:
 
         seq = self._updating
         for client, eco in self._stashed.pop(seq, ()):  # this step computed their final tokens
-            _, tokens, _ = self._awaiting.pop(eco.request_id)
-            acc = self._awaiting_rows.pop(eco.request_id)
-            if (rows := acc.take(tokens, total=tokens)) is not None:  # their rows, the final one too
+            cap, tokens, _ = self._awaiting.pop(eco.request_id)
+            if (rows := cap.rows.take(tokens, total=tokens)) is not None:  # their rows, the final one too
+                if rows.positions[-1] == tokens - 1:  # the step in flight's row: the positions it scheduled
+                    rows.tail_positions = self._scheduled.get(seq, {}).get(eco.request_id, 0)
+                    self.tails_run += 1
                 self._finished_rows[eco.request_id] = rows  # sent by _send_rows, on this very output
-                self.tails_run += rows.positions[-1] == tokens - 1
             if client not in outputs:
                 outputs[client] = EngineCoreOutputs(outputs=[])
             outputs[client].outputs.append(eco)
@@ -372,9 +395,9 @@ class _VectorsOnOutputs:
                 rid = eco.request_id
                 if eco.finish_reason is not None:
                     rows = self._finished_rows.pop(rid, None)
-                elif (acc := self._rows.get(rid)) is not None and acc.flag.every_step and \
+                elif (cap := self._live.get(rid)) is not None and cap.flag.every_step and \
                         (req := self.requests.get(rid)) is not None:
-                    rows = acc.take(req.num_tokens)
+                    rows = cap.rows.take(req.num_tokens)
                 else:
                     rows = None
                 if rows is not None:
@@ -384,14 +407,10 @@ class _VectorsOnOutputs:
     def _file(self, step: Any, so: Any, mro: Any) -> None:
         spec = so.scheduled_spec_decode_tokens
         for rid, blocks in step.requests.items():
-            flag = self._flags.get(rid)
-            if flag is None:
-                if rid not in self._awaiting:
-                    continue
-                flag = self._awaiting[rid][0]
-            acc = self._rows.get(rid) or self._awaiting_rows.get(rid)
-            if acc is None:
+            cap = self._live.get(rid) or (self._awaiting[rid][0] if rid in self._awaiting else None)
+            if cap is None:
                 continue
+            flag, acc = cap.flag, cap.rows
             if len(blocks) > 1:
                 blocks = sorted(blocks, key=lambda b: b.layer)
             first = blocks[0]
@@ -425,8 +444,8 @@ class _VectorsOnOutputs:
             self.tails_run += 1
             return list(held.tokens), True
         new_token_ids, stopped = super()._update_request_with_output(request, new_token_ids, *args, **kwargs)
-        if stopped and (acc := self._rows.get(rid)) is not None:
-            acc.trim(request.num_tokens)  # draft tokens accepted past the stop: their rows go too
+        if stopped and (cap := self._live.get(rid)) is not None:
+            cap.rows.trim(request.num_tokens)  # draft tokens accepted past the stop: their rows go too
         if stopped and self.holds and self._holds(request):
             self._held[rid] = self._hold(request, new_token_ids)
             request.status, request.stop_reason = RequestStatus.RUNNING, None
@@ -438,9 +457,11 @@ class _VectorsOnOutputs:
         return new_token_ids, stopped
 
     def _holds(self, request: Any) -> bool:
-        flag = self._flags.get(request.request_id)
-        return (flag is not None and flag.tail and request.status in _HOLD
-                and request.num_tokens < self.max_model_len and request.structured_output_request is None)
+        cap = self._live.get(request.request_id)
+        n = request.num_tokens
+        return (cap is not None and cap.tail and request.status in _HOLD and n < self.max_model_len
+                and request.structured_output_request is None
+                and n - 1 in cap.rows.span.positions(n))  # its span wants the final token, now its length is known
 
     def _hold(self, request: Any, tokens: list[int]) -> _Held:
         out, n = self._step_output, len(tokens)
@@ -454,24 +475,24 @@ class _VectorsOnOutputs:
 
     def _free_request(self, request: Any, *args: Any, **kwargs: Any):
         rid = request.request_id
-        if (flag := self._flags.pop(rid, None)) is not None:
+        if (cap := self._live.pop(rid, None)) is not None:
             self._held.pop(rid, None)
-            acc = self._rows.pop(rid)
-            if self.async_tail and flag.tail and self._await_tail(request, flag):
-                self._awaiting_rows[rid], acc = acc, None  # the step in flight computes its final row
-            if acc is not None and request.status != RequestStatus.FINISHED_ABORTED:
-                rows = acc.take(request.num_tokens, total=request.num_tokens)
+            if self.async_tail and cap.tail and self._await_tail(request, cap):
+                pass  # the step in flight computes its final row (_async_tails sends the rows)
+            elif request.status != RequestStatus.FINISHED_ABORTED:
+                rows = cap.rows.take(request.num_tokens, total=request.num_tokens)
                 if rows is not None:
+                    rows.tail_positions = cap.tail_positions
                     self._finished_rows[rid] = rows
         return super()._free_request(request, *args, **kwargs)
 
-    def _await_tail(self, request: Any, flag: HiddenStatesExtractionRequest) -> bool:
+    def _await_tail(self, request: Any, cap: _Capture) -> bool:
         """Async scheduling, a stopped request: whether the step after the one being applied
         (already scheduled) computes its final token; if so its finishing output waits for it
         (`_async_tails`), else the frontend's extraction step computes that row."""
         nxt = None if self._updating is None else self._updating + 1
         if request.status != RequestStatus.FINISHED_ABORTED and request.request_id in self._scheduled.get(nxt, ()):
-            self._awaiting[request.request_id] = (flag, request.num_tokens, nxt)
+            self._awaiting[request.request_id] = (cap, request.num_tokens, nxt)
             return True
         return False
 

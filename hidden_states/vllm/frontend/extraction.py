@@ -8,10 +8,11 @@
   (`RowSink`), under the choice's index, in the request's collector;
 - `generate()`, for requests tagged with a collector (`vllm_xargs` ->
   `SamplingParams.extra_args`), flags the engine request with its span of
-  positions (`params.Span`: one position for completion_end or prompt_end; a
-  tail step where the span reaches the final token and the engine can see the
-  stop), and when a choice finishes resolves the positions it asked for on its
-  length.
+  positions (`protocol.Span`: one position for completion_end or prompt_end),
+  and when a choice finishes resolves the positions it asked for on its
+  length. Whether a tail step computes the final token's row is the engine
+  core's decision (scheduler.py); its finishing output says how many positions
+  that took.
 
 One path for every request: a vector is the row of one position. The positions a
 finished choice asked for that no step computed (the final token's row where the
@@ -19,9 +20,7 @@ tail step could not run: a stop string, a grammar, no room left; prompt
 positions a prefix-cache hit skipped) come from one extraction step of exactly
 those positions (`extract_rows`): a prefill-only request of prompt+completion,
 max one token, with a cache salt of its own when they lie before the last cache
-block. A completion_end request the engine cannot take the tail of is not
-flagged at all (its rows would cost one per step): its position is computed by
-the extraction step. Streams of several positions take their rows as they come
+block. Streams of several positions take their rows as they come
 (openai_format.ChoiceVectors). A request that asks for "all" or a range starting
 in the prompt gets a unique `cache_salt`, so its prefill computes every prompt
 position rather than reading them from the prefix cache.
@@ -125,7 +124,7 @@ def make_async_llm_class():
                 sampling_params = hs._leave_room_for_extraction(prompt, sampling_params)
             key = uuid.uuid4().hex
             ordinal, origin = prompt_ordinal(request_id), Origin.of(prompt, kwargs)
-            prompt, sampling_params, tail = hs._flag(collector, prompt, sampling_params, key)
+            prompt, sampling_params = hs._flag(collector, prompt, sampling_params, key)
             collector.prompt_lens[ordinal] = len(prompt["prompt_token_ids"])
             box = RowSink(lambda index, batch: collector.add_rows((ordinal, index), batch), collector.layers)
             delta = sampling_params.output_kind == RequestOutputKind.DELTA
@@ -148,7 +147,7 @@ def make_async_llm_class():
                             finished.append(o.index)
                             settled.add(o.index)
                     if finished:
-                        await hs.settle(collector, ordinal, prompt_ids, tokens, finished, origin, tail=tail)
+                        await hs.settle(collector, ordinal, prompt_ids, tokens, finished, origin)
                     yield out
             finally:
                 hs.mailboxes.pop(key, None)
@@ -209,14 +208,14 @@ class Extraction:
         rows = [at[absolute_layer(l, self.num_layers)] for l in sink.layers]
         sink.put(index, RowBatch(np.asarray(cr.positions, dtype=np.int64),
                                  {l: values[i] for l, i in zip(sink.layers, rows)}, cr.dtype,
-                                 None if indices is None else {l: indices[i] for l, i in zip(sink.layers, rows)}))
+                                 None if indices is None else {l: indices[i] for l, i in zip(sink.layers, rows)},
+                                 tail_positions=cr.tail_positions))
 
-    def _flag(self, collector: HiddenStatesCollector, prompt: Any, params: Any, key: str) -> tuple[Any, Any, bool]:
+    def _flag(self, collector: HiddenStatesCollector, prompt: Any, params: Any, key: str) -> tuple[Any, Any]:
         """A generating request of a collector: the memory bound checked, flagged with its span
-        (positions, layers, dtype, top-k), a tail step where the span reaches the final token and
-        the engine can take it, and a unique cache salt where its prompt positions must be
-        computed. (prompt, params, tail). A completion_end request without the tail is not
-        flagged: the extraction step computes its one position."""
+        (positions, layers, dtype, top-k, whether it can hold the final token: the scheduler
+        decides whether a tail step computes that row), and a unique cache salt where its prompt
+        positions must be computed. (prompt, params)."""
         from vllm.sampling_params import RequestOutputKind
 
         ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else None
@@ -230,20 +229,16 @@ class Extraction:
         except HiddenStatesRequestError as e:
             collector.refusal = e  # the OpenAI layer answers it as a 400, streaming or not
             raise
-        # The tail step where the span can hold the final position (an end counted from the end
-        # never does: -1 stops before it).
-        tail = self.takes_tail(params) and (span.end is None or span.end > P)
-        if span.final_only and not tail:
-            return prompt, params, False
         if 0 <= span.start < P - 1 and self.llm.vllm_config.cache_config.enable_prefix_caching:
             # Prompt positions are wanted: a prefix-cache hit would skip computing them.
             prompt = {**prompt, "cache_salt": f"hs-{uuid.uuid4().hex}"}
         params = params.clone()
         params.extra_args = {**(params.extra_args or {}), **HiddenStatesExtractionRequest(
-            key=key, span=span.to_list(), layers=list(collector.layers), tail=tail, dtype=collector.dtype,
+            key=key, span=span.to_list(), layers=list(collector.layers), dtype=collector.dtype,
+            reaches_final=span.end is None or span.end > P,  # an end counted from the end stops before it
             topk=collector.topk or 0,
             every_step=collector.multi and params.output_kind != RequestOutputKind.FINAL_ONLY).to_extra_args()}
-        return prompt, params, tail
+        return prompt, params
 
     def check_beam_rows(self, collector: HiddenStatesCollector, prompt_len: int, max_tokens: int, beams: int) -> None:
         """The memory bound for a beam search's returned beams (their rows all come from extraction)."""
@@ -256,11 +251,11 @@ class Extraction:
             raise
 
     async def settle(self, collector: HiddenStatesCollector, ordinal: int, prompt_ids: list[int],
-                     tokens: dict[int, list[int]], finished: list[int], origin: Origin = Origin(),
-                     tail: bool = False) -> None:
+                     tokens: dict[int, list[int]], finished: list[int], origin: Origin = Origin()) -> None:
         """Each finished choice's positions, resolved on its length: the rows its outputs brought,
         and one extraction step for the positions no step computed (choices with identical
-        sequences share one), at once."""
+        sequences share one), at once. The work reported is counted: the positions the engine
+        core's tail steps scheduled (on the final rows), or the extraction step's uncached tokens."""
         P, jobs = len(prompt_ids), []
         for index in finished:
             seq = prompt_ids if collector.position == "prompt_end" else [*prompt_ids, *tokens.get(index, ())]
@@ -277,9 +272,9 @@ class Extraction:
                 batch, stats = extracted[(tuple(seq), tuple(missing))]
                 collector.add_rows(key, batch)
             elif collector.position != "prompt_end":
-                n = len(seq)
-                via = "tail" if tail and n - 1 in wanted else "generation"
-                stats = ExtractionStats(n, n - 1 if via == "tail" else n, 0.0, via=via)
+                n, counted = len(seq), collector.tail_positions.get(key, 0)
+                via = "tail" if counted and n - 1 in wanted else "generation"
+                stats = ExtractionStats(n, n - counted, 0.0, via=via)
                 self.tails += via == "tail"
             collector.settle_rows(key, wanted, None if collector.position == "prompt_end" else stats)
 
@@ -344,13 +339,6 @@ class Extraction:
                 await self.settle(collector, ordinal, list(out.prompt_token_ids),  # beams bring no rows: all extracted
                                   {o.index: list(o.token_ids) for o in done}, [o.index for o in done], origin)
             yield out
-
-    def takes_tail(self, params: Any) -> bool:
-        """Whether to flag a generating request for the tail step (scheduler.py, which
-        still decides per request): a stop the engine sees (stop strings are cut in the
-        frontend, which then aborts), no grammar (its matcher is done once the request stops)."""
-        return (self.tail_enabled and not params.stop
-                and getattr(params, "structured_outputs", None) is None)
 
     def beam_search_room(self, prompt_len: int, max_tokens: int) -> int:
         """max_tokens for a beam search whose beams each need one more position to extract."""
