@@ -7,6 +7,12 @@ Ray carries the bytes; our code never hands it a Python object to pickle.
 - Python handle callers (`deployments.client`) <-> router <-> replica:
   `HandleCompletionRequest` / `HandleCompletion`; vectors and rows as raw
   little-endian bytes (`to_wire` / `from_wire`).
+
+Every message names its wire version (`WIRE`, a msgspec tag: the first element of an
+array-like struct, the `wire` field of a map). During a rolling upgrade the Router, the
+replicas and handle callers may run different releases: a message of another version is
+refused with a `WireVersionError` that names both versions, never decoded into the wrong
+fields. Bump `WIRE_VERSION` whenever a struct here changes shape.
 """
 
 from __future__ import annotations
@@ -20,18 +26,27 @@ from hidden_states.engine import CompletionChoice, ExtractionStats
 from hidden_states.protocol import narrow, numpy_dtype, widen
 
 
-class ResponseHead(msgspec.Struct, array_like=True, gc=False):
+WIRE_VERSION = 2
+WIRE = f"hidden-states-wire/{WIRE_VERSION}"
+_VERSIONED = dict(tag=WIRE, tag_field="wire")
+
+
+class WireVersionError(ValueError):
+    """A message of another wire version: its sender runs another release of this project."""
+
+
+class ResponseHead(msgspec.Struct, array_like=True, gc=False, **_VERSIONED):
     status: int
     media_type: str
     replica: str
 
 
-class Reply(msgspec.Struct, array_like=True, gc=False):
+class Reply(msgspec.Struct, array_like=True, gc=False, **_VERSIONED):
     head: ResponseHead
     body: bytes
 
 
-class HandleCompletionRequest(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
+class HandleCompletionRequest(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True, **_VERSIONED):
     prompt: str | list[int] | None = None  # exactly one of prompt and messages
     messages: list[dict[str, Any]] | None = None  # chat: rendered with the model's chat template, as over HTTP
     model: str | None = None  # a LoRA adapter's name (lora_modules); None or the model's own: the base model
@@ -126,13 +141,60 @@ class HandleError(msgspec.Struct, array_like=True, gc=False):
     message: str
 
 
-class HandleReply(msgspec.Struct, array_like=True, gc=False):
+class HandleReply(msgspec.Struct, array_like=True, gc=False, **_VERSIONED):
     ok: HandleCompletion | None = None
     error: HandleError | None = None
 
 
+def wire_version(raw: bytes) -> str | None:
+    """The version a message names (None: a release from before wire versions, or not a message)."""
+    try:
+        msg = msgspec.msgpack.decode(raw)
+    except msgspec.DecodeError:
+        return None
+    first = msg[0] if isinstance(msg, list) and msg else msg.get("wire") if isinstance(msg, dict) else None
+    return first if isinstance(first, str) and first.startswith("hidden-states-wire/") else None
+
+
+def _message_shaped(raw: bytes) -> bool:
+    try:
+        return isinstance(msgspec.msgpack.decode(raw), (list, dict))
+    except msgspec.DecodeError:
+        return False
+
+
+class _MapVersion(msgspec.Struct):
+    wire: str | None = None
+
+
+_MAP_VERSION = msgspec.msgpack.Decoder(_MapVersion)
+
+
+class Decoder:
+    """msgspec's decoder for one message type, refusing another wire version by name. (msgspec
+    takes a map without its tag field: a map message's version is read first.)"""
+
+    def __init__(self, cls: type):
+        self._decoder, self._what = msgspec.msgpack.Decoder(cls), cls.__name__
+        self._map = not cls.__struct_config__.array_like
+
+    def decode(self, raw: bytes) -> Any:
+        try:
+            if self._map and _MAP_VERSION.decode(raw).wire != WIRE:
+                raise msgspec.ValidationError("another wire version")
+            return self._decoder.decode(raw)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            theirs = wire_version(raw)
+            if theirs == WIRE or (theirs is None and not _message_shaped(raw)):
+                raise  # malformed, not another version
+            raise WireVersionError(
+                f"a {self._what} of {theirs or 'a release from before wire versions'} reached a process that "
+                f"speaks {WIRE}: the Router, the engine replicas and Python handle callers (deployments.client) "
+                "must run the same release of hidden-states-serve; finish the rolling upgrade and retry") from None
+
+
 ENCODER = msgspec.msgpack.Encoder()
-HEAD_DECODER = msgspec.msgpack.Decoder(ResponseHead)
-REPLY_BODY_DECODER = msgspec.msgpack.Decoder(Reply)
-REQUEST_DECODER = msgspec.msgpack.Decoder(HandleCompletionRequest)
-REPLY_DECODER = msgspec.msgpack.Decoder(HandleReply)
+HEAD_DECODER = Decoder(ResponseHead)
+REPLY_BODY_DECODER = Decoder(Reply)
+REQUEST_DECODER = Decoder(HandleCompletionRequest)
+REPLY_DECODER = Decoder(HandleReply)

@@ -37,9 +37,9 @@ def expected(position_rows, layers=(-1,), dtype="float32", topk=None, index=0):
 
 
 def test_a_default_request_and_its_single_vector_are_as_they_were():
-    # the request's bytes: the new fields are omitted at their defaults
-    assert wire.ENCODER.encode(HandleCompletionRequest(prompt="x")) == \
-        msgspec.msgpack.encode({"prompt": "x", "hidden_states_layers": [-1]})
+    # the request's bytes: its wire version, and the new fields omitted at their defaults
+    assert msgspec.msgpack.decode(wire.ENCODER.encode(HandleCompletionRequest(prompt="x"))) == \
+        {"wire": wire.WIRE, "prompt": "x", "hidden_states_layers": [-1]}
     c = complete(n=2, hidden_states_layers=[0, -1])
     for ch in c.choices:
         seq = IDS + list(ch.token_ids)

@@ -1,0 +1,84 @@
+"""The handle's wire during a rolling upgrade (deployments/wire.py): a message of another wire
+version is refused by name, never decoded into the wrong fields."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from deployments import wire
+from deployments.wire import (HandleChoice, HandleCompletion, HandleCompletionRequest, HandleReply, Reply,
+                              ResponseHead, WireVersionError)
+
+
+class OldRequest(msgspec.Struct, omit_defaults=True):  # the request as releases before wire versions sent it
+    prompt: str | None = None
+    max_tokens: int = 16
+
+
+class OldHead(msgspec.Struct, array_like=True):  # the head before wire versions: no tag
+    status: int
+    media_type: str
+    replica: str
+
+
+class NextHead(msgspec.Struct, array_like=True, tag="hidden-states-wire/3", tag_field="wire"):  # a later release
+    replica: str  # fields reordered: an untagged decoder would misread them
+    status: int
+    media_type: str
+
+
+def test_the_same_version_round_trips():
+    reply = HandleReply(ok=HandleCompletion("r", "replica-1", [1, 2], [HandleChoice(0, "hi", [3], "stop", None)]))
+    assert wire.REPLY_DECODER.decode(wire.ENCODER.encode(reply)) == reply
+    head = Reply(ResponseHead(200, "application/json", "replica-1"), b"{}")
+    assert wire.REPLY_BODY_DECODER.decode(wire.ENCODER.encode(head)) == head
+    req = HandleCompletionRequest(prompt="x", max_tokens=3)
+    assert wire.REQUEST_DECODER.decode(wire.ENCODER.encode(req)) == req
+    assert wire.wire_version(wire.ENCODER.encode(req)) == wire.WIRE == wire.wire_version(wire.ENCODER.encode(head))
+
+
+@pytest.mark.parametrize("raw, theirs", [
+    (msgspec.msgpack.encode(OldRequest(prompt="x", max_tokens=3)), "a release from before wire versions"),
+    (msgspec.msgpack.encode({"wire": "hidden-states-wire/3", "prompt": "x"}), "hidden-states-wire/3"),
+])
+def test_a_request_of_another_version_is_refused_by_name(raw, theirs):
+    with pytest.raises(WireVersionError, match=f"HandleCompletionRequest of {theirs}.*speaks {wire.WIRE}"):
+        wire.REQUEST_DECODER.decode(raw)
+
+
+def test_a_reordered_head_of_another_release_is_refused_not_misread():
+    later = msgspec.msgpack.encode(NextHead("replica-9", 200, "application/json"))
+    with pytest.raises(WireVersionError, match="hidden-states-wire/3"):
+        wire.HEAD_DECODER.decode(later)
+    old = msgspec.msgpack.encode(OldHead(200, "application/json", "replica-1"))
+    with pytest.raises(WireVersionError, match="before wire versions"):
+        wire.HEAD_DECODER.decode(old)
+
+
+def test_without_versions_the_reordered_head_would_be_misread():
+    """What the versions guard against: an untagged head decodes a same-shaped message of another
+    layout into the wrong fields (here both fields that swapped are strings), silently."""
+    class Untagged(msgspec.Struct, array_like=True):
+        status: int
+        media_type: str
+        replica: str
+
+    class Swapped(msgspec.Struct, array_like=True):
+        status: int
+        replica: str
+        media_type: str
+
+    misread = msgspec.msgpack.decode(msgspec.msgpack.encode(Swapped(200, "replica-9", "application/json")),
+                                     type=Untagged)
+    assert misread.media_type == "replica-9"  # no error: the wrong field
+    tagged = msgspec.msgpack.encode(Swapped(200, "replica-9", "application/json"))
+    with pytest.raises(WireVersionError):  # the versioned decoder refuses the untagged sender instead
+        wire.HEAD_DECODER.decode(tagged)
+
+
+def test_a_malformed_message_is_not_called_another_version():
+    for raw in (b"\xc1", msgspec.msgpack.encode("just a string")):
+        with pytest.raises(msgspec.MsgspecError) as e:
+            wire.REQUEST_DECODER.decode(raw)
+        assert not isinstance(e.value, WireVersionError)
