@@ -4,7 +4,7 @@
     request -> EngineReplica (HTTP ingress, vLLM + extraction step) -> response      (`ingress: replica`)
 
 `build(args, engine_cls)` is the same app on another engine implementation
-(hidden_states/engine.py's interface): `hidden_states.testing.FakeEngine` runs
+(hidden_states/interface.py's interface): `hidden_states.testing.FakeEngine` runs
 the real Router, replicas, relay and Serve's proxy in seconds, without vLLM
 (tests/fast). `build_app` keeps the one parameter Serve requires of a builder.
 """

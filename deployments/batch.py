@@ -140,7 +140,7 @@ class EngineWorker:
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, Any]:
         import pyarrow as pa
 
-        from hidden_states.engine import SamplingOptions
+        from hidden_states.interface import SamplingOptions
 
         n = len(batch["id"])
         prompts = batch.get("prompt", [None] * n)

@@ -30,7 +30,7 @@ import json
 
 from deployments.wire import (ENCODER, REPLY_BODY_DECODER, REPLY_DECODER, HandleCompletionRequest, HandleReply,
                               from_wire)
-from hidden_states.engine import Completion
+from hidden_states.interface import Completion
 from hidden_states.protocol import widen
 
 

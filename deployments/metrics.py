@@ -17,7 +17,7 @@ import functools
 import logging
 from typing import Any
 
-from hidden_states.engine import VectorEvent
+from hidden_states.interface import VectorEvent
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""EngineReplica: one Ray Serve replica hosting one engine (hidden_states/engine.py's interface).
+"""EngineReplica: one Ray Serve replica hosting one engine (hidden_states/interface.py's interface).
 
 It answers OpenAI requests end to end (vLLM's serving code, plus the vectors),
 so the extraction step of every choice runs on the engine that generated it:
@@ -37,7 +37,7 @@ from ray import serve
 from deployments import http, metrics, wire
 from deployments.config import AppArgs
 from deployments.wire import HandleCompletion, HandleError, HandleReply, Reply, ResponseHead
-from hidden_states.engine import SamplingOptions
+from hidden_states.interface import SamplingOptions
 from hidden_states.openai_format import ROUTES, error_body
 from hidden_states.params import rowwise
 
@@ -47,7 +47,7 @@ app = FastAPI(title="hidden-states-serve", description="OpenAI-compatible comple
 
 class EngineReplica(http.ingress_routes(app, "replica")):
     async def __init__(self, args: dict, engine_cls: type | None = None):
-        """`engine_cls`: the engine interface's implementation (hidden_states/engine.py);
+        """`engine_cls`: the engine interface's implementation (hidden_states/interface.py);
         vLLM's by default, `hidden_states.testing.FakeEngine` in unit tests."""
         self.args = AppArgs.model_validate(args)
         http.api_key(self.args)  # a conflicting key fails the start, with the reason

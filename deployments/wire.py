@@ -22,7 +22,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from hidden_states.engine import CompletionChoice, ExtractionStats
+from hidden_states.interface import CompletionChoice, ExtractionStats
 from hidden_states.protocol import narrow, numpy_dtype, widen
 
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 import logging
 from typing import NamedTuple
 
-from hidden_states.engine import MissingHiddenStatesError
+from hidden_states.interface import MissingHiddenStatesError
 from hidden_states.openai_format import error_body
 from hidden_states.params import HiddenStatesRequestError, UnknownModelError
 

@@ -26,7 +26,7 @@ from typing import Literal, get_args
 import numpy as np
 from pydantic import ValidationError
 
-from hidden_states.engine import HiddenStatesCollector, RowBatch
+from hidden_states.interface import HiddenStatesCollector, RowBatch
 from hidden_states.proofs import ProofBuilder
 
 Route = Literal["completions", "chat", "hidden_states", "tokenize", "detokenize"]

@@ -4,7 +4,7 @@ Every surface uses this module: the HTTP ingress checks and their OpenAPI
 schema (deployments/http.py), vLLM's OpenAI request models as the replica
 extends them (hidden_states/vllm/frontend/openai.py), Python-handle requests
 (deployments/wire.py), and the engine, which checks layers against its model
-(hidden_states/engine.py). Messages name the fix.
+(hidden_states/interface.py). Messages name the fix.
 """
 
 from __future__ import annotations

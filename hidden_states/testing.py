@@ -1,4 +1,4 @@
-"""FakeEngine: the engine interface (hidden_states/engine.py) without vLLM, for Serve-layer unit tests.
+"""FakeEngine: the engine interface (hidden_states/interface.py) without vLLM, for Serve-layer unit tests.
 
 Deterministic and instant: a prompt's token ids are its UTF-8 bytes, a choice
 generates `max_tokens` ids counting up from the prompt's length plus its index,
@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from hidden_states.engine import (Completion, CompletionChoice, ExtractionStats, HiddenStatesCollector,
+from hidden_states.interface import (Completion, CompletionChoice, ExtractionStats, HiddenStatesCollector,
                                   MissingHiddenStatesError, RowBatch, SamplingOptions, VectorObservers, proof_choice,
                                   rows_choice)
 from hidden_states.openai_format import ChoiceVectors, error_body

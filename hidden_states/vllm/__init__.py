@@ -1,15 +1,18 @@
 """Everything that touches vLLM lives in this package; nothing else imports vllm.
 
-- `engine.py`  the vLLM implementation of the engine interface (hidden_states/engine.py);
-- `extraction.py` the frontend half: vectors off vLLM's outputs, the extraction step;
-- `scheduler.py` the engine core half: each step's capture plan, vectors onto outputs, the tail step;
-- `openai.py`  vLLM's own OpenAI serving classes, plus the vectors;
-- `worker.py`  the worker extension: installs the capture in every worker, reports its counts;
-- `capture.py` the capture: gathers the scheduler's plan on the device, one copy to the host;
-- `layers.py`  which models' intermediate layers can be captured (the decoder-layer convention);
-- `engine_args.py` every vLLM engine argument: exercised, refused at start, or irrelevant;
-- `cpu.py`     CPU engines' start-up steps (pre-faulted KV cache, warm-up, malloc_trim)
-               and the CPU fixes (generator, LoRA ops).
+- `engine.py`       HiddenStatesEngine: the vLLM implementation of the interface (hidden_states/interface.py);
+- `engine_args.py`  every vLLM engine argument: exercised, refused at start, or irrelevant;
+- `cpu.py`          CPU engines' start-up steps (pre-faulted KV cache, warm-up, malloc_trim) and the
+                    CPU fixes (generator, LoRA ops, the speculative sampler's expand kernel);
+- `frontend/`       the AsyncLLM's process: `extraction.py` (rows off vLLM's outputs, the extraction
+                    step), `openai.py` (vLLM's OpenAI serving classes, plus the vectors);
+- `core/`           the engine-core process: `scheduler.py` (each step's capture plan, rows onto
+                    outputs, the tail step and its count);
+- `worker/`         the worker processes: `extension.py` (installs the capture, reports its counts),
+                    `capture.py` (gathers the plan's rows on the device, one copy to the host),
+                    `layers.py` (which models' intermediate layers can be captured).
+
+The three processes import none of each other; what crosses between them is hidden_states/protocol.py.
 
 Ledger of patched points (supported: vLLM {SUPPORTED}):
 

@@ -1,4 +1,4 @@
-"""HiddenStatesEngine: the engine interface (hidden_states/engine.py) on vLLM's AsyncLLM.
+"""HiddenStatesEngine: the engine interface (hidden_states/interface.py) on vLLM's AsyncLLM.
 
 The vector is computed in the engine's dtype (float32 on CPU by default;
 bfloat16/float16 widen exactly) and returned as float32.
@@ -50,7 +50,7 @@ from hidden_states.preflight import EngineStartupError, check_architecture, chec
 from hidden_states.params import (DEFAULT_MAX_HIDDEN_STATES_BYTES, HiddenStatesRequestError, UnknownModelError,
                                   absolute_layer, check_proof, check_vector_request)
 from hidden_states.models.builtin import DEFAULT_MODEL, resolve_model
-from hidden_states.engine import (Completion, CompletionChoice, ExtractionStats, SamplingOptions, VectorObservers,
+from hidden_states.interface import (Completion, CompletionChoice, ExtractionStats, SamplingOptions, VectorObservers,
                                   proof_choice, rows_choice)
 from hidden_states.vllm import (ENGINE_ENV, SUPPORTED_LAYER_ARCHS, WORKER_EXTENSION, VLLMIncompatibleError,
                                 check_vllm_version)

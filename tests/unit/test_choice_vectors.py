@@ -10,7 +10,7 @@ import types
 import numpy as np
 import pytest
 
-from hidden_states.engine import HiddenStatesCollector, MissingHiddenStatesError, RowBatch
+from hidden_states.interface import HiddenStatesCollector, MissingHiddenStatesError, RowBatch
 from hidden_states.openai_format import ChoiceVectors
 from hidden_states.vllm.engine import HiddenStatesEngine
 from hidden_states.vllm.frontend.extraction import Extraction, prompt_ordinal

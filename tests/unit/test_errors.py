@@ -14,7 +14,7 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayTaskError
 
 from deployments import http
 from hidden_states import errors
-from hidden_states.engine import HiddenStatesTimeout, MissingHiddenStatesError
+from hidden_states.interface import HiddenStatesTimeout, MissingHiddenStatesError
 from hidden_states.params import HiddenStatesDisabledError, HiddenStatesRequestError, UnknownModelError
 from hidden_states.testing import EngineDeadError
 

@@ -12,7 +12,7 @@ import pytest
 
 from deployments import client, wire
 from deployments.wire import HandleCompletionRequest
-from hidden_states.engine import SamplingOptions
+from hidden_states.interface import SamplingOptions
 from hidden_states.params import PositionRange
 from hidden_states.protocol import widen
 from hidden_states.testing import HIDDEN_SIZE, FakeEngine, fake_rows, fake_vector

@@ -203,7 +203,7 @@ def test_handle_calls_cancelled_by_the_router_cancel_the_engine_request():
 def test_python_handle_failures_use_the_one_table():
     """A vector that timed out is a 504 over a handle as over HTTP (it was a 500 here)."""
     from deployments.wire import ENCODER, REPLY_DECODER, HandleCompletionRequest
-    from hidden_states.engine import HiddenStatesTimeout
+    from hidden_states.interface import HiddenStatesTimeout
 
     async def go(exc):
         r = await make()

@@ -11,7 +11,7 @@ import types
 import numpy as np
 import pytest
 
-from hidden_states.engine import HiddenStatesCollector, RowBatch
+from hidden_states.interface import HiddenStatesCollector, RowBatch
 from hidden_states.openai_format import ChoiceVectors
 from hidden_states.params import HiddenStatesRequestError, Span, check_fields, check_rows_budget
 

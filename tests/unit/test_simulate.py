@@ -9,7 +9,7 @@ import pytest
 
 from bench import simulate as sim
 from bench.measure import pct
-from hidden_states.engine import SamplingOptions
+from hidden_states.interface import SamplingOptions
 from hidden_states.testing import FakeEngine
 
 

@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from hidden_states.engine import (ExtractionStats, HiddenStatesCollector, HiddenStatesTimeout,
+from hidden_states.interface import (ExtractionStats, HiddenStatesCollector, HiddenStatesTimeout,
                                   MissingHiddenStatesError, RowBatch)
 from hidden_states.params import (DEFAULT_MAX_HIDDEN_STATES_BYTES, HiddenStatesRequestError, Span, absolute_layer,
                                   check_position, check_proof, check_room, check_rows_budget, room_for_completion)

@@ -42,7 +42,7 @@ from http import HTTPStatus
 
 from pydantic import ValidationError
 
-from hidden_states.engine import HiddenStatesCollector, HiddenStatesTimeout, MissingHiddenStatesError
+from hidden_states.interface import HiddenStatesCollector, HiddenStatesTimeout, MissingHiddenStatesError
 from hidden_states import errors, proofs, verify
 from hidden_states.openai_format import (ChoiceVectors, Route, error_body, not_from_token_ids, row_fields,
                                          validation_message)

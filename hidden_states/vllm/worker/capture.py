@@ -299,7 +299,3 @@ class _RunnerHook:
         self.captured += len(requests)
         self.steps_with_capture += 1
         return StepCapture(host, requests)
-
-
-def absolute_layers(layers, num_layers: int) -> list[int]:
-    return [absolute_layer(l, num_layers) for l in layers]
