@@ -52,7 +52,7 @@ from typing import Any
 
 import numpy as np
 
-from hidden_states.params import DTYPES, check_position, check_proof, check_topk
+from hidden_states.params import DTYPES, HiddenStatesFields, HiddenStatesRequestError, spec_of
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ def done_ids(output: Path) -> set[str]:
 
 
 def checked(rule):
-    """An argparse type: the API's rule for the field (hidden_states/params.py), its message on failure."""
+    """An argparse type: the value converted (JSON, an integer), its message on failure."""
     def parse(value: str):
         try:
             return rule(value)
@@ -106,8 +106,7 @@ class EngineWorker:
     """A Ray Data actor: one engine, completing a batch of rows concurrently."""
 
     def __init__(self, model: str, max_tokens: int, engine_args: dict[str, Any],
-                 lora_modules: list[dict] = (), adapter: str | None = None, position: str | dict = "completion_end",
-                 dtype: str = "float32", topk: int | None = None, proof: dict | None = None):
+                 lora_modules: list[dict] = (), adapter: str | None = None, spec: bytes = b""):
         from hidden_states.vllm.engine import HiddenStatesEngine
 
         self.loop = asyncio.new_event_loop()
@@ -116,9 +115,11 @@ class EngineWorker:
         if lora_modules:  # loaded by vLLM's serving, as in the server: adapters are then known by name
             self._run(self.engine.openai(model, "batch", lora_modules), 300)
         self.engine.lora_request(adapter)  # an unknown name fails here, before any row
-        self.engine.check_request((-1,), position, dtype, topk)  # so does what the model cannot serve
+        # The job's spec, as main() parsed it (default: the final token's vector); what the model cannot
+        # serve fails here, before any row.
+        self.spec = HiddenStatesFields.from_json(spec) if spec else spec_of(enabled=True)
+        self.engine.check_spec(self.spec)
         self.max_tokens, self.adapter = max_tokens, adapter
-        self.hs = dict(position=position, dtype=dtype, topk=topk, proof=check_proof(proof, self.engine.hidden_size))
         self.tokenizer = self.engine.llm.tokenizer
         # Ray Data deletes this object when its actor exits gracefully (then `__del__`), but not always before the
         # interpreter's exit hooks stop vLLM's engine core under a live output handler: stop it here first.
@@ -149,12 +150,12 @@ class EngineWorker:
         options = SamplingOptions(max_tokens=self.max_tokens, temperature=0.0)
 
         async def all_rows():
-            return await asyncio.gather(*(self.engine.complete(p, options, model=self.adapter, **self.hs)
+            return await asyncio.gather(*(self.engine.complete(p, options, model=self.adapter, spec=self.spec)
                                           for p in ids))
 
         done = self._run(all_rows(), 600 + 10 * n)
         choices = [c.choices[0] for c in done]
-        cast = np.float16 if self.hs["dtype"] == "float16" else np.float32  # bfloat16: float32 of its values
+        cast = np.float16 if self.spec.hidden_states_dtype == "float16" else np.float32  # bfloat16: float32 of its values
         out = {
             "id": pa.array([str(x) for x in batch["id"]]),
             "prompt_token_ids": pa.array([list(c.prompt_token_ids) for c in done], pa.list_(pa.int32())),
@@ -162,11 +163,11 @@ class EngineWorker:
             "token_ids": pa.array([list(ch.token_ids) for ch in choices], pa.list_(pa.int32())),
             "finish_reason": pa.array([ch.finish_reason for ch in choices]),
         }
-        if self.hs["proof"] is not None:
+        if self.spec.hidden_states_proof is not None:
             out["proofs"] = pa.array([list(ch.proofs) for ch in choices], pa.list_(pa.string()))
             return pa.table(out)
         values = vectors_column([np.asarray(ch.hidden_states).astype(cast) for ch in choices])
-        if self.hs["topk"]:
+        if self.spec.hidden_states_topk:
             out["topk_indices"] = vectors_column([np.asarray(ch.hidden_states_indices, np.int32) for ch in choices])
             out["topk_values"] = values
         else:
@@ -208,8 +209,7 @@ def run(args: argparse.Namespace) -> int:
     engine_args = {**app.engine_args(), "warm_up_s": args.warm_up_s}
     modules = [m.model_dump() for m in app.lora_modules]
     out = ds.map_batches(EngineWorker, fn_constructor_args=(app.model, args.max_tokens, engine_args, modules,
-                                                            args.adapter, args.position, args.dtype, args.topk,
-                                                            args.proof),
+                                                            args.adapter, args.spec),
                          batch_size=args.batch_size, compute=ray.data.ActorPoolStrategy(size=args.engines),
                          batch_format="numpy", **worker_resources(app))
     out.write_parquet(str(output))
@@ -238,18 +238,22 @@ def main(argv: list[str] | None = None) -> int:
                     help="LoRA adapters (the app's lora_modules; vLLM's --lora-modules name=path)")
     ap.add_argument("--adapter", default=None, help="the LoRA adapter (a --lora-modules NAME) to generate with")
     ap.add_argument("--position", default="completion_end",
-                    type=checked(lambda v: check_position(json.loads(v) if v.lstrip().startswith("{") else v)),
+                    type=checked(lambda v: json.loads(v) if v.lstrip().startswith("{") else v),
                     help='hidden_states_position: completion_end (default), prompt_end, completion, all, or a range '
                          'as JSON, e.g. \'{"start": -8, "end": null, "stride": 2}\'')
     ap.add_argument("--dtype", choices=DTYPES, default="float32", help="hidden_states_dtype")
-    ap.add_argument("--topk", type=checked(lambda v: check_topk(int(v))), default=None,
+    ap.add_argument("--topk", type=checked(int), default=None,
                     help="hidden_states_topk: the K largest |values| per position")
     ap.add_argument("--proof", default=None,
-                    type=checked(lambda v: check_proof({"scheme": v} if not v.lstrip().startswith("{")
-                                                       else json.loads(v)).model_dump()),
+                    type=checked(lambda v: {"scheme": v} if not v.lstrip().startswith("{") else json.loads(v)),
                     help='hidden_states_proof: each row\'s TOPLOC proofs (a "proofs" column): toploc, or JSON, e.g. '
                          '\'{"scheme": "toploc", "topk": 128, "decode_batching_size": 32}\'')
-    return run(ap.parse_args(argv))
+    args = ap.parse_args(argv)
+    try:  # the job's hidden-states fields: parsed once, as a request's (params.parse_fields)
+        args.spec = spec_of(True, None, args.position, args.dtype, args.topk, args.proof, enabled=True).to_json()
+    except HiddenStatesRequestError as e:
+        ap.error(str(e))
+    return run(args)
 
 
 if __name__ == "__main__":

@@ -41,17 +41,15 @@ class HandleRequestError(RuntimeError):
 
 
 def _request(prompt: str | list[int] | None, messages: list[dict] | None, **kw: Any) -> bytes:
-    position = kw.get("hidden_states_position")
-    if hasattr(position, "model_dump"):  # a params.PositionRange
-        kw["hidden_states_position"] = position.model_dump()
-    if hasattr(kw.get("hidden_states_proof"), "model_dump"):  # a proofs.ProofRequest
-        kw["hidden_states_proof"] = kw["hidden_states_proof"].model_dump()
-    if kw.get("hidden_states_proof") is not None:  # proofs instead of the default vector
-        kw.setdefault("return_hidden_states", False)
+    """The request's bytes: generation options as HandleCompletionRequest's fields, the hidden-states
+    fields (as over HTTP; PositionRange and ProofRequest values as their JSON) in `hidden_states`."""
+    fields = {k: kw.pop(k) for k in list(kw) if k.startswith(("hidden_states", "return_hidden"))}
+    fields = {k: v.model_dump() if hasattr(v, "model_dump") else v for k, v in fields.items()}
+    fields.setdefault("return_hidden_states", fields.get("hidden_states_proof") is None)  # proofs, or the vector
     if (prompt is None) == (messages is None):
         raise TypeError("complete() takes a prompt (text or token ids) or messages=[...] (chat), not both")
     return ENCODER.encode(HandleCompletionRequest(prompt=prompt, messages=None if messages is None else list(messages),
-                                                  **kw))
+                                                  hidden_states=fields, **kw))
 
 
 def _result(raw: bytes) -> Completion:

@@ -53,7 +53,7 @@ SERVED, FAILED, CANCELLED = "served", "failed", "cancelled"
 
 class _Body(HiddenStatesFields):
     """The request fields this server adds or checks itself; every other field
-    of vLLM's OpenAI API is accepted too (the replica validates the whole body)."""
+    of vLLM's OpenAI API is accepted too (vLLM's own request models validate them in the replica)."""
 
     model_config = ConfigDict(extra="allow")
     model: str | None = None
@@ -233,8 +233,10 @@ async def read_body(args: AppArgs, request: Request) -> bytes | Response:
     return bytes(body)
 
 
-def check(args: AppArgs, body: bytes) -> Response | dict:
-    """The parsed body, or the refusal."""
+def check(args: AppArgs, body: bytes, route: str = "completions") -> "Response | tuple[dict, params.HiddenStatesFields]":
+    """The parsed body and its hidden-states spec (params.parse_fields: the fields' one check), or the
+    refusal. POST /v1/hidden_states's body is the replica's to parse (verify.HiddenStatesRequest, the
+    same schema): its spec here is params.NOTHING."""
     try:
         req = json.loads(body)
     except (ValueError, UnicodeDecodeError) as e:
@@ -245,14 +247,12 @@ def check(args: AppArgs, body: bytes) -> Response | dict:
     if model is not None and model not in args.served_model_names:  # the model, or one of its LoRA adapters
         return error(404, params.unknown_model(model, args.served_model_names), "model")
     try:
-        params.check_fields(req, enabled=args.enable_return_hidden_states)
-    except params.HiddenStatesRequestError as e:
-        return error(400, str(e), e.param)
-    try:
+        spec = params.NOTHING if route == "hidden_states" else \
+            params.parse_fields(req, enabled=args.enable_return_hidden_states)
         params.check_n(req.get("n", 1), args.max_n)
     except params.HiddenStatesRequestError as e:
         return error(400, str(e), e.param)
-    return req
+    return req, spec
 
 
 def route_refusal(args: AppArgs, route: str) -> bytes | None:
@@ -262,15 +262,16 @@ def route_refusal(args: AppArgs, route: str) -> bytes | None:
     return None
 
 
-async def admit(args: AppArgs, request: Request, route: str = "completions") -> tuple[bytes, dict] | Response:
-    """auth, body limit, checks: (raw body, parsed body) or the refusal (counted by status)."""
+async def admit(args: AppArgs, request: Request,
+                route: str = "completions") -> "tuple[bytes, dict, params.HiddenStatesFields] | Response":
+    """auth, body limit, checks: (raw body, parsed body, its spec) or the refusal (counted by status)."""
     out = await _admit(args, request, route)
     if isinstance(out, Response):
         metrics.refused(out.status_code)
     return out
 
 
-async def _admit(args: AppArgs, request: Request, route: str) -> tuple[bytes, dict] | Response:
+async def _admit(args: AppArgs, request: Request, route: str) -> "tuple[bytes, dict, params.HiddenStatesFields] | Response":
     if (denied := auth(args, request)) is not None:
         return denied
     if (refused := route_refusal(args, route)) is not None:
@@ -278,10 +279,10 @@ async def _admit(args: AppArgs, request: Request, route: str) -> tuple[bytes, di
     body = await read_body(args, request)
     if isinstance(body, Response):
         return body
-    req = check(args, body)
-    if isinstance(req, Response):
-        return req
-    return body, req
+    checked = check(args, body, route)
+    if isinstance(checked, Response):
+        return checked
+    return (body, *checked)
 
 
 def models_list(args: AppArgs, request: Request, max_model_len: int | None = None) -> Response:
@@ -362,7 +363,7 @@ def ingress_routes(app: FastAPI, kind: str) -> type:
             if (denied := auth(self.args, request)) is not None:
                 return denied
             out = {"ingress": {"kind": kind, "pending": self.pending, "served": self.served, "failed": self.failed,
-                               "cancelled": self.cancelled}}
+                               "cancelled": self.cancelled, "specs_parsed": params.PARSED[0]}}
             return JSONResponse(out | await self._replica_stats())
 
         async def _max_model_len(self) -> int | None:
@@ -386,23 +387,18 @@ def ingress_routes(app: FastAPI, kind: str) -> type:
     return IngressRoutes
 
 
-def handle_refusal(args: AppArgs, req: HandleCompletionRequest) -> HandleError | None:
-    """The same checks for Python-handle requests (`deployments.client`)."""
+def handle_refusal(args: AppArgs, req: HandleCompletionRequest) -> "HandleError | params.HiddenStatesFields":
+    """The same checks for Python-handle requests (`deployments.client`): the refusal, or the request's spec."""
     if (req.prompt is None) == (req.messages is None):
         return HandleError(400, "send exactly one of `prompt` (text or token ids) and `messages` (chat)")
     if req.messages is not None and not (req.messages and all(isinstance(m, dict) and "role" in m
                                                                for m in req.messages)):
         return HandleError(400, "`messages` must be a non-empty list of chat messages ({\"role\", \"content\"})")
     try:
-        fields = {name: getattr(req, name) for name in req.__struct_fields__ if name.startswith(
-            ("hidden_states", "return_hidden"))}  # defaults included
-        params.check_fields(fields, enabled=args.enable_return_hidden_states)
-    except params.HiddenStatesRequestError as e:
-        return HandleError(400, str(e))
-    try:
+        spec = params.parse_fields(req.hidden_states, enabled=args.enable_return_hidden_states)
         params.check_n(req.n, args.max_n)
     except params.HiddenStatesRequestError as e:
         return HandleError(400, str(e))
     if req.model is not None and req.model not in args.served_model_names:
         return HandleError(404, params.unknown_model(req.model, args.served_model_names))
-    return None
+    return spec

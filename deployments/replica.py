@@ -39,7 +39,7 @@ from deployments.config import AppArgs
 from deployments.wire import HandleCompletion, HandleError, HandleReply, Reply, ResponseHead
 from hidden_states.interface import SamplingOptions
 from hidden_states.openai_format import ROUTES, error_body
-from hidden_states.params import rowwise
+from hidden_states.params import PARSED, HiddenStatesFields
 
 logger = logging.getLogger(__name__)
 
@@ -77,14 +77,15 @@ class EngineReplica(http.ingress_routes(app, "replica")):
                                                  [m.model_dump() for m in self.args.lora_modules])
         logger.info("replica %s ready (pid %d)", self.replica_id, os.getpid())
 
-    async def _answer(self, route: str, body: bytes) -> AsyncIterator[ResponseHead | bytes]:
+    async def _answer(self, route: str, body: bytes, spec: HiddenStatesFields | None = None
+                      ) -> AsyncIterator[ResponseHead | bytes]:
         """A ResponseHead, then the body: one JSON document, or SSE chunks."""
         if route not in ROUTES:
             yield ResponseHead(404, "application/json", self.replica_id)
             yield error_body(f"unknown route {route!r}", 404)
             return
         self.requests += 1
-        async with contextlib.aclosing(self.frontend.handle(route, body)) as parts:  # closed early: aborted
+        async with contextlib.aclosing(self.frontend.handle(route, body, spec)) as parts:  # closed early: aborted
             status, payload = await anext(parts)
             media = "text/event-stream" if status == 200 and not payload else "application/json"
             yield ResponseHead(int(status), media, self.replica_id)
@@ -93,11 +94,12 @@ class EngineReplica(http.ingress_routes(app, "replica")):
             async for part in parts:
                 yield part
 
-    async def openai(self, route: str, body: bytes, routing_key: str = "") -> AsyncIterator[bytes]:
-        """For a streaming handle: a ResponseHead frame, then the body's frames. `routing_key` is for
-        the Router's request router (deployments/routing.py), which read it before sending: unused here."""
+    async def openai(self, route: str, body: bytes, fields: bytes = b"", routing_key: str = "") -> AsyncIterator[bytes]:
+        """For a streaming handle: a ResponseHead frame, then the body's frames. `fields`: the body's
+        spec as the Router parsed it (HiddenStatesFields.to_json; empty: parsed here). `routing_key` is
+        for the Router's request router (deployments/routing.py), which read it before sending: unused here."""
         self.in_flight += 1
-        answer = self._answer(route, body)
+        answer = self._answer(route, body, HiddenStatesFields.from_json(fields) if fields else None)
         try:
             yield wire.ENCODER.encode(await anext(answer))
             async for part in answer:
@@ -106,11 +108,11 @@ class EngineReplica(http.ingress_routes(app, "replica")):
             self.in_flight -= 1
             await answer.aclose()
 
-    async def openai_unary(self, route: str, body: bytes, routing_key: str = "") -> bytes:
+    async def openai_unary(self, route: str, body: bytes, fields: bytes = b"", routing_key: str = "") -> bytes:
         """A whole answer in one `Reply`: for non-streaming requests, one return
         value instead of a generator's frames (Ray reports each item separately)."""
         self.in_flight += 1
-        answer = self._answer(route, body)
+        answer = self._answer(route, body, HiddenStatesFields.from_json(fields) if fields else None)
         try:
             head = await anext(answer)
             return wire.ENCODER.encode(Reply(head, b"".join([p async for p in answer])))
@@ -134,11 +136,11 @@ class EngineReplica(http.ingress_routes(app, "replica")):
         admitted = await http.admit(self.args, request, route)
         if isinstance(admitted, Response):
             return admitted
-        body, _ = admitted
+        body, _, spec = admitted
         self.requests += 1
         self.pending += 1
         deadline = time.monotonic() + self.args.request_timeout_s
-        parts = self.frontend.handle(route, body)
+        parts = self.frontend.handle(route, body, spec)
         headers = {"x-replica-id": self.replica_id}
         how = http.CANCELLED  # unless it gets an answer: the client went away
         try:
@@ -163,12 +165,14 @@ class EngineReplica(http.ingress_routes(app, "replica")):
 
     # -- Python handles -------------------------------------------------------
 
-    async def complete(self, request: bytes, routing_key: str = "") -> bytes:
-        """The Python-handle route: HandleCompletionRequest bytes -> HandleReply bytes (`routing_key`: as openai's)."""
+    async def complete(self, request: bytes, fields: bytes = b"", routing_key: str = "") -> bytes:
+        """The Python-handle route: HandleCompletionRequest bytes -> HandleReply bytes (`fields`,
+        `routing_key`: as openai's)."""
         try:
             req = wire.REQUEST_DECODER.decode(request)
-            if (refused := http.handle_refusal(self.args, req)) is not None:
-                return wire.ENCODER.encode(HandleReply(error=refused))
+            spec = HiddenStatesFields.from_json(fields) if fields else http.handle_refusal(self.args, req)
+            if isinstance(spec, HandleError):
+                return wire.ENCODER.encode(HandleReply(error=spec))
             options = SamplingOptions(n=req.n, max_tokens=req.max_tokens, temperature=req.temperature,
                                       top_p=req.top_p, seed=req.seed, stop=tuple(req.stop))
         except Exception as e:
@@ -176,15 +180,12 @@ class EngineReplica(http.ingress_routes(app, "replica")):
         self.in_flight += 1
         try:
             prompt = req.prompt if req.messages is None else self.engine.chat_prompt(req.messages)
-            c = await self.engine.complete(prompt, options, return_hidden_states=req.return_hidden_states,
-                                           layers=req.hidden_states_layers, position=req.hidden_states_position,
-                                           model=req.model, dtype=req.hidden_states_dtype,
-                                           topk=req.hidden_states_topk, proof=req.hidden_states_proof)
+            c = await self.engine.complete(prompt, options, model=req.model, spec=spec)
         except Exception as e:  # the one table: a bad request 400, a vector's timeout 504, ...
             return wire.ENCODER.encode(HandleReply(error=http.handle_failure(e)))
         finally:
             self.in_flight -= 1
-        rows = rowwise(req.hidden_states_position, req.hidden_states_dtype, req.hidden_states_topk)
+        rows = spec.rowwise
         return wire.ENCODER.encode(HandleReply(ok=HandleCompletion(
             request_id=c.request_id, replica=self.replica_id, prompt_token_ids=list(c.prompt_token_ids),
             choices=[wire.to_wire(ch, rows) for ch in c.choices])))
@@ -210,6 +211,7 @@ class EngineReplica(http.ingress_routes(app, "replica")):
         s["requests"] = self.requests
         s["in_flight"] = self.in_flight
         s["pid"] = os.getpid()
+        s["specs_parsed"] = PARSED[0]  # requests whose fields this process parsed (params.parse_fields)
         from ray.serve._private import constants  # shows whether `serve_env` reached this process
 
         s["serve_user_code_in_separate_thread"] = bool(constants.RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD)

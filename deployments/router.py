@@ -1,9 +1,10 @@
 """Router: the HTTP ingress (`ingress: router`, the default). Checks, forwards, relays.
 
 It does no tokenization and no engine work: it runs the checks of
-`deployments/http.py` (auth, body limit, what the server cannot do), sends the
-raw body to an EngineReplica (one call for a plain request, a streaming handle
-for `stream: true`) and relays its answer; a replica that dies before answering
+`deployments/http.py` (auth, body limit, what the server cannot do; the request's
+hidden-states fields parsed once into their spec, params.parse_fields), sends the
+raw body and that spec to an EngineReplica (one call for a plain request, a
+streaming handle for `stream: true`) and relays its answer; a replica that dies before answering
 gets the request again on another. With `replica_routing: prefix` each call also
 carries the request's routing key, made from the body parsed for the checks, for
 the handle's request router to pick the replica by (deployments/routing.py). Failures are answered through the one table
@@ -120,7 +121,8 @@ class Router(http.ingress_routes(app, "router")):
         admitted = await http.admit(self.args, request, route)
         if isinstance(admitted, Response):
             return admitted
-        body, req = admitted
+        body, req, spec = admitted
+        fields = spec.to_json()  # the spec crosses as the value parsed here: the replica does not check it again
         if (why := await self._not_ready()) is not None:  # rather than wait for a replica until the timeout
             return http.error(503, why)
         deadline = time.monotonic() + self.args.request_timeout_s
@@ -129,11 +131,11 @@ class Router(http.ingress_routes(app, "router")):
         how = http.CANCELLED  # unless it gets an answer: the client went away
         try:
             if req.get("stream") is not True:
-                reply = await self._call(route, body, deadline, routed)
+                reply = await self._call(route, body, deadline, routed, fields)
                 how = http.outcome(reply.head.status)
                 return Response(reply.body, status_code=reply.head.status, media_type=reply.head.media_type,
                                 headers={"x-replica-id": reply.head.replica})
-            stream, head = await self._open(route, body, deadline, routed)
+            stream, head = await self._open(route, body, deadline, routed, fields)
             parts = ReplicaStream(stream)
             if head.media_type != "text/event-stream":  # an error answer to a streaming request
                 async with contextlib.aclosing(parts):
@@ -165,23 +167,24 @@ class Router(http.ingress_routes(app, "router")):
             _cancel(ref)
             raise
 
-    async def _call(self, route: str, body: bytes, deadline: float, routed: dict | None = None) -> wire.Reply:
+    async def _call(self, route: str, body: bytes, deadline: float, routed: dict | None = None,
+                    fields: bytes = b"") -> wire.Reply:
         """A non-streaming request: one call, one reply. A replica that died
         before answering gets one retry elsewhere (nothing was sent yet)."""
         for attempt in (1, 2):
             try:
                 return wire.REPLY_BODY_DECODER.decode(await self._call_once(self.replica.openai_unary, deadline,
-                                                                            route, body, **(routed or {})))
+                                                                            route, body, fields, **(routed or {})))
             except Exception as e:
                 if attempt == 2 or not errors.replica_gone(e):
                     raise
                 logger.warning("replica died before answering (%s); retrying once", type(e).__name__)
 
-    async def _open(self, route: str, body: bytes, deadline: float, routed: dict | None = None):
+    async def _open(self, route: str, body: bytes, deadline: float, routed: dict | None = None, fields: bytes = b""):
         """Sends a streaming request: (the replica's stream, its ResponseHead). A replica that died
         before answering gets one retry elsewhere; however the wait ends early, the stream is cancelled."""
         for attempt in (1, 2):
-            stream = self.replica_stream.openai.remote(route, body, **(routed or {}))
+            stream = self.replica_stream.openai.remote(route, body, fields, **(routed or {}))
             try:
                 head = await asyncio.wait_for(stream.__anext__(), _remaining(deadline))
                 return stream, wire.HEAD_DECODER.decode(head)
@@ -219,8 +222,9 @@ class Router(http.ingress_routes(app, "router")):
             req = wire.REQUEST_DECODER.decode(request)
         except Exception as e:
             return wire.ENCODER.encode(HandleReply(error=HandleError(400, f"invalid request: {e}")))
-        if (refused := http.handle_refusal(self.args, req)) is not None:
-            return wire.ENCODER.encode(HandleReply(error=refused))
+        spec = http.handle_refusal(self.args, req)
+        if isinstance(spec, HandleError):
+            return wire.ENCODER.encode(HandleReply(error=spec))
         if (why := await self._not_ready()) is not None:
             return wire.ENCODER.encode(HandleReply(error=HandleError(503, why)))
         self.pending += 1
@@ -228,7 +232,7 @@ class Router(http.ingress_routes(app, "router")):
         try:
             routed = self._routing(routing.handle_key(req, self.args.model_name) if self.prefix_routing else "")
             raw = await self._call_once(self.replica.complete, time.monotonic() + self.args.request_timeout_s,
-                                        request, **routed)
+                                        request, spec.to_json(), **routed)
             error = wire.REPLY_DECODER.decode(raw).error
             how = http.outcome(error.status) if error is not None else http.SERVED
             return raw

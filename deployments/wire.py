@@ -7,6 +7,9 @@ Ray carries the bytes; our code never hands it a Python object to pickle.
 - Python handle callers (`deployments.client`) <-> router <-> replica:
   `HandleCompletionRequest` / `HandleCompletion`; vectors and rows as raw
   little-endian bytes (`to_wire` / `from_wire`).
+- A request's hidden-states spec, parsed once where the request is first read
+  (params.parse_fields), travels beside the body to the replica as its JSON
+  (`HiddenStatesFields.to_json`), read there without being checked again.
 
 Every message names its wire version (`WIRE`, a msgspec tag: the first element of an
 array-like struct, the `wire` field of a map). During a rolling upgrade the Router, the
@@ -26,7 +29,7 @@ from hidden_states.interface import CompletionChoice, ExtractionStats
 from hidden_states.protocol import narrow, numpy_dtype, widen
 
 
-WIRE_VERSION = 2
+WIRE_VERSION = 3
 WIRE = f"hidden-states-wire/{WIRE_VERSION}"
 _VERSIONED = dict(tag=WIRE, tag_field="wire")
 
@@ -56,12 +59,9 @@ class HandleCompletionRequest(msgspec.Struct, omit_defaults=True, forbid_unknown
     seed: int | None = None
     n: int = 1
     stop: list[str] = []
-    return_hidden_states: bool = True
-    hidden_states_layers: list[int] = msgspec.field(default_factory=lambda: [-1])
-    hidden_states_position: str | dict[str, Any] = "completion_end"  # params.check_position's forms
-    hidden_states_dtype: str = "float32"
-    hidden_states_topk: int | None = None
-    hidden_states_proof: dict[str, Any] | None = None  # proofs.ProofRequest's fields: the choices carry proofs
+    # The request's hidden-states fields as a JSON object, as over HTTP (params.HiddenStatesFields, parsed
+    # once by the Router: params.parse_fields); a handle asks for the final token's vector by default.
+    hidden_states: dict[str, Any] = msgspec.field(default_factory=lambda: {"return_hidden_states": True})
 
 
 class HandleChoice(msgspec.Struct, array_like=True, gc=False):

@@ -54,6 +54,14 @@ class ExtractionStats:
         """Positions computed to get the vector: 1 is the floor."""
         return self.tokens - self.cached_tokens
 
+    def meta(self, timed: bool = True) -> dict[str, Any]:
+        """The work in a response's `hidden_states_meta` (the one place it is formatted)."""
+        out = {"via": self.via, "tokens": self.tokens, "cached_tokens": self.cached_tokens,
+               "computed_tokens": self.computed_tokens}
+        if timed:
+            out["extraction_seconds"] = round(self.seconds, 6)
+        return out
+
 
 ChoiceKey = tuple[int, int]  # (the request's prompt ordinal, the choice's index within that prompt)
 
@@ -131,6 +139,13 @@ class HiddenStatesCollector:
     proof: Any = None
     prompt_lens: dict[int, int] = dataclasses.field(default_factory=dict)
     tail_positions: dict[ChoiceKey, int] = dataclasses.field(default_factory=dict)  # counted by the engine core
+    spec: Any = None  # params.HiddenStatesFields: the request's spec as parsed (encoding, by-layer)
+
+    @classmethod
+    def of(cls, tag: str, spec: Any, layers: tuple[int, ...]) -> "HiddenStatesCollector":
+        """The collector of a parsed spec (params.HiddenStatesFields) whose `layers` the engine checked."""
+        _, position, dtype, topk = spec.capture()
+        return cls(tag, layers, position, dtype=dtype, topk=topk, proof=spec.hidden_states_proof, spec=spec)
 
     @property
     def multi(self) -> bool:

@@ -107,8 +107,8 @@ class ChoiceVectors:
                  adapter: str | None = None):
         self.engine, self.collector, self.route, self.replica_id = engine, collector, route, replica_id
         self.adapter = adapter  # the LoRA adapter the request named (None: the base model)
-        self.encoding = request.hidden_states_encoding
-        self.by_layer = request.hidden_states_layers is not None
+        self.encoding = collector.spec.hidden_states_encoding
+        self.by_layer = collector.spec.hidden_states_layers is not None
         self.n = (getattr(request, "n", None) or 1) if route == "completions" else 0
         self._sent_bytes: dict = {}  # payload bytes handed out per choice
         self._provers: dict = {}  # hidden_states_proof: each choice's proofs, built as its rows arrive
@@ -131,8 +131,7 @@ class ChoiceVectors:
         if finishing:
             st = col.stats.get(key)
             if st is not None:
-                meta.update(via=st.via, tokens=st.tokens, cached_tokens=st.cached_tokens,
-                            computed_tokens=st.computed_tokens, extraction_seconds=round(st.seconds, 6))
+                meta.update(st.meta())
             self.engine.vector_sent(col.position_label, st, self._sent_bytes.pop(key, 0))
         return out
 
@@ -166,8 +165,7 @@ class ChoiceVectors:
                     "proofs": first + len(proofs), "prompt_tokens": prover.prompt_len}
             st = col.stats.get(key)
             if st is not None:
-                meta.update(via=st.via, tokens=st.tokens, cached_tokens=st.cached_tokens,
-                            computed_tokens=st.computed_tokens)
+                meta.update(st.meta(timed=False))
             out["hidden_states_meta"] = meta
             self.engine.vector_sent("proof", st, self._sent_bytes.pop(key, 0))
         return out

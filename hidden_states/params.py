@@ -1,20 +1,23 @@
-"""The hidden-states request fields and their rules: the one definition.
+"""The hidden-states request fields and their rules: one schema, one parse.
 
-Every surface uses this module: the HTTP ingress checks and their OpenAPI
-schema (deployments/http.py), vLLM's OpenAI request models as the replica
-extends them (hidden_states/vllm/frontend/openai.py), Python-handle requests
-(deployments/wire.py), and the engine, which checks layers against its model
-(hidden_states/interface.py). Messages name the fix.
+`HiddenStatesFields` is the schema (pydantic; the OpenAPI of deployments/http.py is
+generated from it) and the value a request's spec travels as. Its validators are the
+shape rules; `parse_fields` is the one place they run, in whichever process first
+reads the request (the Router; the replica under `ingress: replica`; a Python engine's
+`complete`). The spec then crosses to the replica as its JSON (`to_json`/`from_json`,
+not checked again), and the engine checks what needs the model once (`check_model`,
+the engine's `check_spec`). Messages name the fix.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal, get_args
 
 import numpy as np
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from hidden_states.proofs import ProofRequest
 from hidden_states.protocol import Span, absolute_layer  # noqa: F401 (the engine-facing forms; re-exported)
@@ -72,15 +75,21 @@ class PositionRange(BaseModel):
     """Absolute positions in prompt+completion: range(start, end, stride); negative values count from
     the end of prompt+completion (`{"start": -1}` is the final token); `end` is exclusive, default the end."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", frozen=True)
     start: int
     end: int | None = None
     stride: int = Field(1, ge=1)
 
 
-class VectorFields(BaseModel):
-    """Which vectors, and how they travel: the fields POST /v1/hidden_states shares with the completion routes."""
+def _checked(check):
+    return lambda cls, value: check(value)
 
+
+class VectorFields(BaseModel):
+    """Which vectors, and how they travel: the fields POST /v1/hidden_states shares with the completion routes.
+    Each field's rule is its validator (the messages name the fix)."""
+
+    model_config = ConfigDict(frozen=True)
     hidden_states_encoding: Encoding = Field(
         "float", validation_alias=AliasChoices("hidden_states_encoding", "encoding_format"),
         description="a JSON list of floats, or base64 of the little-endian bytes; OpenAI's `encoding_format` "
@@ -96,55 +105,144 @@ class VectorFields(BaseModel):
     hidden_states_topk: int | None = Field(
         None, ge=1, description="per position only the k largest-magnitude entries: {indices, values}")
 
+    _encoding = field_validator("hidden_states_encoding", mode="before")(_checked(lambda v: check_encoding(v)))
+    _layers = field_validator("hidden_states_layers", mode="before")(_checked(lambda v: check_layer_list(v)))
+    _position = field_validator("hidden_states_position", mode="before")(_checked(lambda v: check_position(v)))
+    _dtype = field_validator("hidden_states_dtype", mode="before")(_checked(lambda v: check_dtype(v)))
+    _topk = field_validator("hidden_states_topk", mode="before")(_checked(lambda v: check_topk(v)))
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        """The layers asked, as given (the last layer by default); the engine checks them against its model."""
+        return tuple(self.hidden_states_layers or (-1,))
+
+    @property
+    def position(self) -> "str | dict[str, int | None]":
+        """The position as the engine takes it: one of POSITIONS, or a range {"start", "end", "stride"}."""
+        p = self.hidden_states_position
+        return p if isinstance(p, str) else {"start": p.start, "end": p.end, "stride": p.stride}
+
+    def capture(self) -> "tuple[tuple[int, ...], str | dict[str, int | None], str, int | None]":
+        """(layers, position, dtype, top-k) the engine captures."""
+        return self.layers, self.position, self.hidden_states_dtype, self.hidden_states_topk
+
 
 class HiddenStatesFields(VectorFields):
-    """The request fields this server adds to vLLM's OpenAI API."""
+    """The request fields this server adds to vLLM's OpenAI API: the one schema of a request's
+    hidden-states spec. `parse_fields` makes one from a request's fields (the shape rules,
+    checked once, where the body is first read); it crosses to the replica as its JSON
+    (`to_json`/`from_json`, not checked again); the engine checks it against its model
+    (`check_spec`) and every later stage reads this value."""
 
+    model_config = ConfigDict(frozen=True, extra="forbid")
     return_hidden_states: bool = Field(False, description="attach each choice's final-token hidden state")
     hidden_states_proof: ProofRequest | None = Field(
         None, description="attach each choice's proofs of inference (TOPLOC): built on the server from the rows "
                           "it computes; the rows themselves are not returned")
+
+    _wants = field_validator("return_hidden_states", mode="before")(_checked(lambda v: check_bool(v)))
+    _proof = field_validator("hidden_states_proof", mode="before")(_checked(lambda v: check_proof(v)))
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> "HiddenStatesFields":
+        if self.return_hidden_states and self.hidden_states_proof is not None:
+            raise HiddenStatesRequestError(
+                "hidden_states_proof cannot be combined with return_hidden_states yet: a choice carries its proofs "
+                "or its hidden states; send two requests (the same seed gives the same completion)",
+                "hidden_states_proof")
+        return self
+
+    @property
+    def wants(self) -> bool:
+        """The request asks for rows: vectors or proofs."""
+        return self.return_hidden_states or self.hidden_states_proof is not None
+
+    def capture(self) -> "tuple[tuple[int, ...], str | dict[str, int | None], str, int | None]":
+        """(layers, position, dtype, top-k) the engine captures: the vectors' as asked, or the proof scheme's rows."""
+        proof = self.hidden_states_proof
+        if proof is not None:
+            return (-1,), proof.capture_position, proof.capture_dtype, proof.topk
+        return super().capture()
+
+    @property
+    def rowwise(self) -> bool:
+        """The vectors travel as rows (params.rowwise)."""
+        return rowwise(self.position, self.hidden_states_dtype, self.hidden_states_topk)
+
+    def to_json(self) -> bytes:
+        return self.model_dump_json().encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> "HiddenStatesFields":
+        """A spec `parse_fields` made in another process, as it was made: read, not checked again."""
+        d = json.loads(raw)
+        position, proof = d["hidden_states_position"], d["hidden_states_proof"]
+        d["hidden_states_position"] = position if isinstance(position, str) else PositionRange.model_construct(**position)
+        d["hidden_states_proof"] = None if proof is None else ProofRequest.model_construct(**proof)
+        return cls.model_construct(**d)
 
 
 # Fields of ours that a request may carry; any other `hidden_states*` field is refused by name.
 OUR_FIELDS = frozenset(HiddenStatesFields.model_fields)
 
 
-def check_fields(req: Mapping[str, Any], *, enabled: bool) -> None:
-    """The field rules on a raw JSON object, before any engine work; raises HiddenStatesRequestError."""
+def refuse_unknown(req: Mapping[str, Any], ours: "frozenset[str]" = OUR_FIELDS) -> None:
     unknown = sorted(k for k in req if isinstance(k, str) and k.startswith(("hidden_states", "return_hidden"))
-                     and k not in OUR_FIELDS)
+                     and k not in ours)
     if unknown:
         raise HiddenStatesRequestError(
-            f"unknown field {unknown[0]!r}: this server's fields are {', '.join(sorted(OUR_FIELDS))}", unknown[0])
-    hs = req.get("return_hidden_states", False)
-    if not isinstance(hs, bool):
-        raise HiddenStatesRequestError("return_hidden_states must be a boolean", "return_hidden_states")
-    proof = check_proof(req.get("hidden_states_proof"))
-    if (hs or proof is not None) and not enabled:
-        raise HiddenStatesDisabledError()
-    if hs and proof is not None:
+            f"unknown field {unknown[0]!r}: this server's fields are {', '.join(sorted(ours))}", unknown[0])
+NOTHING = HiddenStatesFields()  # a request that asks for no rows
+
+# How many specs this process has parsed (parse_fields): a test reads it to show each request is checked once.
+PARSED = [0]
+
+
+def parse_fields(req: Mapping[str, Any], *, enabled: bool) -> HiddenStatesFields:
+    """A request's hidden-states spec from its raw JSON fields (other keys ignored): the one place
+    the shape rules run; raises HiddenStatesRequestError (a 400) naming the field."""
+    PARSED[0] += 1
+    refuse_unknown(req)
+    if "encoding_format" in req and "hidden_states_encoding" in req \
+            and req["encoding_format"] != req["hidden_states_encoding"]:  # OpenAI's name (embeddings): an alias
         raise HiddenStatesRequestError(
-            "hidden_states_proof cannot be combined with return_hidden_states yet: a choice carries its proofs or "
-            "its hidden states; send two requests (the same seed gives the same completion)", "hidden_states_proof")
-    enc = req.get("hidden_states_encoding", "float")
-    if "encoding_format" in req:  # OpenAI's name (its embeddings API): an alias
-        if "hidden_states_encoding" in req and req["encoding_format"] != enc:
-            raise HiddenStatesRequestError(
-                f"encoding_format ({req['encoding_format']!r}) and hidden_states_encoding ({enc!r}) disagree: "
-                "send one (encoding_format is its alias)", "encoding_format")
-        enc = req["encoding_format"]
+            f"encoding_format ({req['encoding_format']!r}) and hidden_states_encoding "
+            f"({req['hidden_states_encoding']!r}) disagree: send one (encoding_format is its alias)", "encoding_format")
+    fields = {k: v for k, v in req.items() if k in OUR_FIELDS}
+    if "encoding_format" in req and "hidden_states_encoding" not in req:
+        fields["encoding_format"] = req["encoding_format"]
+    asks = fields.get("return_hidden_states") is True or fields.get("hidden_states_proof") is not None
+    if asks and not enabled:
+        raise HiddenStatesDisabledError()
+    try:
+        return HiddenStatesFields.model_validate(fields)
+    except ValidationError as e:
+        if (ours := request_error(e)) is not None:
+            raise ours from None
+        err = e.errors()[0]
+        where = ".".join(str(x) for x in err.get("loc", ()))
+        raise HiddenStatesRequestError(f"{where}: {err.get('msg')}", str(err.get("loc", ("",))[0])) from None
+
+
+def check_bool(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise HiddenStatesRequestError("return_hidden_states must be a boolean", "return_hidden_states")
+    return value
+
+
+def check_encoding(enc: Any) -> str:
     if enc not in ENCODINGS:
         raise HiddenStatesRequestError(f"hidden_states_encoding must be {_one_of(ENCODINGS)}, not {enc!r}",
                                        "hidden_states_encoding")
-    layers = req.get("hidden_states_layers")
+    return enc
+
+
+def check_layer_list(layers: Any) -> list[int] | None:
     if layers is not None and (not isinstance(layers, list) or not layers
                                or not all(isinstance(x, int) and not isinstance(x, bool) for x in layers)):
         raise HiddenStatesRequestError("hidden_states_layers must be a non-empty list of integers (-1 = last layer)",
                                        "hidden_states_layers")
-    check_position(req.get("hidden_states_position", "completion_end"))
-    check_dtype(req.get("hidden_states_dtype", "float32"))
-    check_topk(req.get("hidden_states_topk"))
+    return layers
 
 
 _POSITION_KEYS = ("start", "end", "stride")
@@ -188,7 +286,7 @@ def check_position(position: Any) -> "str | dict[str, int | None]":
     return {"start": start, "end": end, "stride": stride}
 
 
-def check_proof(proof: Any, hidden_size: int | None = None) -> "ProofRequest | None":
+def check_proof(proof: Any) -> "ProofRequest | None":
     """`hidden_states_proof` as asked (None: no proofs), or a 400 naming what is wrong."""
     if proof is None:
         return None
@@ -206,9 +304,6 @@ def check_proof(proof: Any, hidden_size: int | None = None) -> "ProofRequest | N
             where = ".".join(str(x) for x in err.get("loc", ()))
             raise HiddenStatesRequestError(f"hidden_states_proof.{where}: {err.get('msg')}",
                                            "hidden_states_proof") from None
-    if hidden_size is not None and spec.topk > hidden_size:
-        raise HiddenStatesRequestError(f"hidden_states_proof.topk {spec.topk} exceeds the model's hidden size "
-                                       f"({hidden_size}): the engine sends each row's top-k", "hidden_states_proof")
     return spec
 
 
@@ -219,16 +314,13 @@ def check_dtype(dtype: Any) -> str:
     return dtype
 
 
-def check_topk(topk: Any, hidden_size: int | None = None) -> int | None:
-    """None (every entry), or k in 1..hidden_size."""
+def check_topk(topk: Any) -> int | None:
+    """None (every entry), or a positive k (check_model: at most the hidden size)."""
     if topk is None:
         return None
     if not _is_int(topk) or topk < 1:
         raise HiddenStatesRequestError(f"hidden_states_topk must be a positive integer, not {topk!r}",
                                        "hidden_states_topk")
-    if hidden_size is not None and topk > hidden_size:
-        raise HiddenStatesRequestError(
-            f"hidden_states_topk {topk} exceeds the model's hidden size ({hidden_size})", "hidden_states_topk")
     return topk
 
 
@@ -320,13 +412,41 @@ def check_layers(layers: Sequence[int], num_layers: int) -> tuple[int, ...]:
     return layers
 
 
-def check_vector_request(enabled: bool, layers: Sequence[int], position: Any, dtype: Any, topk: Any,
-                         num_layers: int, hidden_size: int | None) -> tuple[int, ...]:
-    """What every engine checks first of a request for hidden states, in one order: enabled, the
-    position, the dtype, top-k, the layers; returns the layers, deduplicated."""
-    if not enabled:
-        raise HiddenStatesDisabledError()
-    check_position(position)
-    check_dtype(dtype)
-    check_topk(topk, hidden_size)
+def check_model(spec: VectorFields, num_layers: int, hidden_size: int) -> tuple[int, ...]:
+    """The rules of a spec that need the model, checked once where it is known (the replica's engine):
+    top-k within the hidden size, the layers in range; returns the layers captured, deduplicated."""
+    layers, _, _, topk = spec.capture()
+    if (proof := getattr(spec, "hidden_states_proof", None)) is not None:
+        check_proof_width(proof, hidden_size)
+    elif topk is not None and topk > hidden_size:
+        raise HiddenStatesRequestError(
+            f"hidden_states_topk {topk} exceeds the model's hidden size ({hidden_size})", "hidden_states_topk")
     return check_layers(layers, num_layers)
+
+
+def spec_of(return_hidden_states: bool = True, layers: Sequence[int] | None = None, position: Any = "completion_end",
+            dtype: str = "float32", topk: int | None = None, proof: Any = None, *, enabled: bool) -> HiddenStatesFields:
+    """A Python caller's keyword arguments as a spec (parse_fields: the same rules as a request's fields)."""
+    if isinstance(position, BaseModel):
+        position = position.model_dump()
+    if isinstance(proof, BaseModel):
+        proof = proof.model_dump()
+    return parse_fields({"return_hidden_states": return_hidden_states and proof is None,
+                         "hidden_states_layers": None if layers is None else list(layers),
+                         "hidden_states_position": position, "hidden_states_dtype": dtype,
+                         "hidden_states_topk": topk, "hidden_states_proof": proof}, enabled=enabled)
+
+
+def check_proof_width(proof: ProofRequest, hidden_size: int) -> None:
+    if proof.topk > hidden_size:
+        raise HiddenStatesRequestError(f"hidden_states_proof.topk {proof.topk} exceeds the model's hidden size "
+                                       f"({hidden_size}): the engine sends each row's top-k", "hidden_states_proof")
+
+
+def request_error(e: ValidationError) -> "HiddenStatesRequestError | None":
+    """The rule of ours a schema's validation failed on (its message and field), or None: pydantic's own."""
+    for err in e.errors():
+        cause = (err.get("ctx") or {}).get("error")
+        if isinstance(cause, HiddenStatesRequestError):
+            return cause
+    return None

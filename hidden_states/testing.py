@@ -45,8 +45,8 @@ from hidden_states.interface import (Completion, CompletionChoice, ExtractionSta
                                   MissingHiddenStatesError, RowBatch, SamplingOptions, VectorObservers, proof_choice,
                                   rows_choice)
 from hidden_states.openai_format import ChoiceVectors, error_body
-from hidden_states.params import (DEFAULT_MAX_HIDDEN_STATES_BYTES, HiddenStatesDisabledError, HiddenStatesRequestError,
-                                  Span, check_position, check_proof, check_rows_budget, check_vector_request)
+from hidden_states.params import (DEFAULT_MAX_HIDDEN_STATES_BYTES, HiddenStatesFields, HiddenStatesRequestError, Span,
+                                  check_layers, check_model, check_rows_budget, parse_fields, spec_of)
 from hidden_states.protocol import narrow
 
 HIDDEN_SIZE = 8
@@ -126,22 +126,19 @@ class FakeEngine(VectorObservers):
         if self.first_token_delay_s > 0:
             await asyncio.sleep(self.first_token_delay_s)
 
-    def check_request(self, layers: Sequence[int] = (-1,), position: Any = "completion_end", dtype: str = "float32",
-                      topk: int | None = None) -> tuple[int, ...]:
-        return check_vector_request(self.enabled, layers, position, dtype, topk, NUM_LAYERS, self.hidden_size)
+    def check_spec(self, spec: HiddenStatesFields) -> tuple[int, ...]:
+        return check_model(spec, NUM_LAYERS, self.hidden_size)
+
+    def check_layers(self, layers: Sequence[int]) -> tuple[int, ...]:
+        return check_layers(layers, NUM_LAYERS)
 
     def missing(self, what: str) -> MissingHiddenStatesError:
         self.missing_vectors += 1
         return MissingHiddenStatesError(f"{what} finished without its hidden states")
 
     @contextlib.contextmanager
-    def collecting(self, layers: Sequence[int] = (-1,), position: Any = "completion_end", dtype: str = "float32",
-                   topk: int | None = None, proof: Any = None):
-        if proof is not None:  # the scheme's rows, as the real engine's Extraction.collecting
-            layers, position, dtype, topk = (-1,), proof.capture_position, proof.capture_dtype, proof.topk
-        layers = self.check_request(layers, position, dtype, topk)
-        yield HiddenStatesCollector(uuid.uuid4().hex, layers, check_position(position), dtype=dtype, topk=topk,
-                                    proof=proof)
+    def collecting(self, spec: HiddenStatesFields):
+        yield HiddenStatesCollector.of(uuid.uuid4().hex, spec, self.check_spec(spec))
 
     def check_budget(self, col: HiddenStatesCollector | None, prompt_len: int, max_tokens: int, n: int) -> None:
         """The engine's memory bound on a request (params.check_rows_budget), before it starts."""
@@ -172,14 +169,15 @@ class FakeEngine(VectorObservers):
     async def complete(self, prompt: str | Sequence[int], options: SamplingOptions | None = None, *,
                        return_hidden_states: bool = True, layers: Sequence[int] = (-1,),
                        position: Any = "completion_end", model: str | None = None, dtype: str = "float32",
-                       topk: int | None = None, proof: Any = None) -> Completion:
+                       topk: int | None = None, proof: Any = None, spec: HiddenStatesFields | None = None) -> Completion:
         o = options or SamplingOptions()
         ids = list(prompt.encode()) if isinstance(prompt, str) else list(prompt)
         choices = []
-        proof = check_proof(proof, self.hidden_size)
+        if spec is None:
+            spec = spec_of(return_hidden_states, layers, position, dtype, topk, proof, enabled=self.enabled)
+        proof = spec.hidden_states_proof
         async with self.running():
-            with self.collecting(layers, position, dtype, topk, proof) if return_hidden_states or proof else \
-                    contextlib.nullcontext() as col:
+            with self.collecting(spec) if spec.wants else contextlib.nullcontext() as col:
                 self.check_budget(col, len(ids), o.max_tokens or 16, o.n)
                 await self._prefill()
                 for i in range(o.n):
@@ -221,36 +219,35 @@ class FakeOpenAI:
     def __init__(self, engine: FakeEngine, model: str, replica_id: str):
         self.engine, self.model, self.replica_id = engine, model, replica_id
 
-    async def handle(self, route: str, body: bytes) -> AsyncIterator[tuple[int, bytes] | bytes]:
-        async with self.engine.running(), contextlib.aclosing(self._handle(route, body)) as parts:
+    async def handle(self, route: str, body: bytes,
+                     spec: HiddenStatesFields | None = None) -> AsyncIterator[tuple[int, bytes] | bytes]:
+        async with self.engine.running(), contextlib.aclosing(self._handle(route, body, spec)) as parts:
             async for part in parts:
                 yield part
 
-    async def _handle(self, route: str, body: bytes) -> AsyncIterator[tuple[int, bytes] | bytes]:
+    async def _handle(self, route: str, body: bytes,
+                      spec: HiddenStatesFields | None) -> AsyncIterator[tuple[int, bytes] | bytes]:
         eng = self.engine
         eng.requests += 1
         req = json.loads(body)
-        if req.get("return_hidden_states") and not eng.enabled:
-            e = HiddenStatesDisabledError()
+        try:  # as the real frontend: the ingress's spec, or this one parses the fields
+            spec = spec or parse_fields(req, enabled=eng.enabled)
+        except HiddenStatesRequestError as e:
             yield 400, error_body(str(e), 400, "BadRequestError", e.param)
             return
-        fields = (req.get("hidden_states_layers") or (-1,), req.get("hidden_states_position", "completion_end"),
-                  req.get("hidden_states_dtype", "float32"), req.get("hidden_states_topk"))
         prompt_ids = list(str(req.get("prompt")).encode()) if route == "completions" else eng.chat_prompt(req["messages"])
         n, max_tokens = req.get("n") or 1, req.get("max_tokens") or 4
         ids_asked = bool(req.get("return_token_ids"))  # as vLLM: token ids only when asked for
         with contextlib.ExitStack() as stack:
             try:  # the engine's checks: the fields against the model, then the memory bound
-                col = stack.enter_context(eng.collecting(*fields)) if req.get("return_hidden_states") else None
+                col = stack.enter_context(eng.collecting(spec)) if spec.return_hidden_states else None
                 eng.check_budget(col, len(prompt_ids), max_tokens, n)
             except HiddenStatesRequestError as e:
                 yield 400, error_body(str(e), 400, "BadRequestError", e.param)
                 return
             vectors = None
             if col is not None:
-                asked = types.SimpleNamespace(hidden_states_encoding=req.get("hidden_states_encoding", "float"),
-                                              hidden_states_layers=req.get("hidden_states_layers"), n=n)
-                vectors = ChoiceVectors(eng, col, asked, route, self.replica_id)
+                vectors = ChoiceVectors(eng, col, types.SimpleNamespace(n=n), route, self.replica_id)
             await eng._prefill()
             if not req.get("stream"):
                 outs = [await self._generate_choice(prompt_ids, i, max_tokens, col) for i in range(n)]

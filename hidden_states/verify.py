@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from hidden_states.params import HiddenStatesRequestError, VectorFields
+from hidden_states.params import HiddenStatesRequestError, VectorFields, refuse_unknown
 from hidden_states.proofs import ProofClaim
 
 
@@ -71,7 +71,15 @@ class Compare(BaseModel):
 
 
 class HiddenStatesRequest(VectorFields):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _our_fields(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            refuse_unknown(data, frozenset(k for k in cls.model_fields if k.startswith("hidden_states")))
+        return data
+
     model: str | None = None
     prompt: str | list[int] | None = None
     messages: list[dict[str, Any]] | None = None

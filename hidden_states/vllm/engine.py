@@ -47,8 +47,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from hidden_states.preflight import EngineStartupError, check_architecture, check_cpu_memory, check_model_folder
-from hidden_states.params import (DEFAULT_MAX_HIDDEN_STATES_BYTES, HiddenStatesRequestError, UnknownModelError,
-                                  absolute_layer, check_proof, check_vector_request)
+from hidden_states.params import (DEFAULT_MAX_HIDDEN_STATES_BYTES, HiddenStatesFields, HiddenStatesRequestError,
+                                  UnknownModelError, absolute_layer, check_layers, check_model, spec_of)
 from hidden_states.models.builtin import DEFAULT_MODEL, resolve_model
 from hidden_states.interface import (Completion, CompletionChoice, ExtractionStats, SamplingOptions, VectorObservers,
                                   proof_choice, rows_choice)
@@ -113,7 +113,7 @@ class HiddenStatesEngine(VectorObservers):
         self.eager = bool(llm.vllm_config.model_config.enforce_eager)
         # Vectors off the outputs and the extraction step (extraction.py); vLLM's AsyncLLM reaches it too.
         self.extraction = llm.extraction = Extraction(
-            llm, self.check_request, timeout_s=extraction_timeout_s, tail_enabled=tail_enabled,
+            llm, self.check_spec, self.check_layers, timeout_s=extraction_timeout_s, tail_enabled=tail_enabled,
             priority=EXTRACTION_PRIORITY if llm.vllm_config.scheduler_config.policy == "priority" else 0,
             max_hidden_states_bytes=max_hidden_states_bytes)
         VectorObservers.__init__(self)
@@ -202,16 +202,20 @@ class HiddenStatesEngine(VectorObservers):
                      max_hidden_states_bytes=max_hidden_states_bytes)
         engine.startup = {**startup, **_execution_mode(llm.vllm_config)}
         logger.info("engine execution mode: %s", _execution_mode(llm.vllm_config))
-        # What the workers found at install (worker.layer_capture_support); check_request reads it.
+        # What the workers found at install (worker.layer_capture_support); check_layers reads it.
         engine.layer_capture = {**installed[0], "layer_capture": all(w["layer_capture"] for w in installed)} \
             if installed else None
         return engine
 
-    def check_request(self, layers: Sequence[int] = (-1,), position: Any = "completion_end", dtype: str = "float32",
-                      topk: int | None = None) -> tuple[int, ...]:
-        """Raises HiddenStatesRequestError with the fix if this engine cannot serve it."""
-        layers = check_vector_request(self.enabled, layers, position, dtype, topk, self.num_layers,
-                                      getattr(self, "hidden_size", None))
+    def check_spec(self, spec: HiddenStatesFields) -> tuple[int, ...]:
+        """A parsed spec against this model (params.check_model, then the layers this engine can
+        capture): the layers captured, or HiddenStatesRequestError with the fix."""
+        check_model(spec, self.num_layers, getattr(self, "hidden_size", None) or 2**31)
+        return self.check_layers(spec.capture()[0])
+
+    def check_layers(self, layers: Sequence[int]) -> tuple[int, ...]:
+        """The layers, deduplicated, if this model has them and this engine can capture them."""
+        layers = check_layers(layers, self.num_layers)
         L = self.num_layers
         if any(absolute_layer(l, L) != L for l in layers):
             # The workers' install result; without one (no engine), the checked architectures.
@@ -237,7 +241,7 @@ class HiddenStatesEngine(VectorObservers):
     async def complete(
         self, prompt: str | Sequence[int], sampling: SamplingOptions | Any = None, *, return_hidden_states: bool = True,
         layers: Sequence[int] = (-1,), position: Any = "completion_end", model: str | None = None,
-        dtype: str = "float32", topk: int | None = None, proof: Any = None,
+        dtype: str = "float32", topk: int | None = None, proof: Any = None, spec: HiddenStatesFields | None = None,
     ) -> Completion:
         """One prompt (text or token ids) to a finished Completion with a vector per choice.
         `sampling`: SamplingOptions, or (Python callers of this engine) vLLM's own SamplingParams.
@@ -246,7 +250,8 @@ class HiddenStatesEngine(VectorObservers):
         {"start", "end", "stride"}: rows [n, D] with `choice.positions`. `dtype`: the rows cast
         on the device (returned widened to float32); `topk`: per position the k largest-magnitude
         values, their indices in `choice.hidden_states_indices`. `proof` (proofs.ProofRequest, or its
-        fields as a dict): each choice carries its proofs (`choice.proofs`) instead of vectors."""
+        fields as a dict): each choice carries its proofs (`choice.proofs`) instead of vectors.
+        `spec`: those fields as a request's parsed spec (params.parse_fields), in place of the keywords."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -263,10 +268,10 @@ class HiddenStatesEngine(VectorObservers):
             prompt = self.llm.tokenizer.encode(prompt)
         engine_prompt = {"prompt_token_ids": list(prompt)}
         final, choices = None, []
-        proof = check_proof(proof, self.hidden_size)
-        wants = return_hidden_states or proof is not None
-        with self.collecting(layers, position, dtype, topk, proof) if wants else contextlib.nullcontext() \
-                as collector:
+        if spec is None:
+            spec = spec_of(return_hidden_states, layers, position, dtype, topk, proof, enabled=self.enabled)
+        proof = spec.hidden_states_proof
+        with self.collecting(spec) if spec.wants else contextlib.nullcontext() as collector:
             if collector is not None:
                 params.extra_args = {**(params.extra_args or {}), **collector.extra_args}
             async for out in self.llm.generate(engine_prompt, params, request_id, lora_request=lora):
@@ -280,12 +285,10 @@ class HiddenStatesEngine(VectorObservers):
                 choices.append(CompletionChoice(o.index, o.text, tuple(o.token_ids), o.finish_reason, None))
         return Completion(request_id=request_id, prompt_token_ids=tuple(final.prompt_token_ids), choices=tuple(choices))
 
-    def collecting(self, layers: Sequence[int] = (-1,), position: Any = "completion_end", dtype: str = "float32",
-                   topk: int | None = None, proof: Any = None):
-        """A collector for one request's vectors (context manager): tag its sampling params with
-        `collector.extra_args` (SamplingParams.extra_args, or an OpenAI request's `vllm_xargs`);
-        with `proof` (proofs.ProofRequest), for its proofs."""
-        return self.extraction.collecting(layers, position, dtype, topk, proof)
+    def collecting(self, spec: HiddenStatesFields):
+        """A collector for one request's rows (context manager): tag its sampling params with
+        `collector.extra_args` (SamplingParams.extra_args, or an OpenAI request's `vllm_xargs`)."""
+        return self.extraction.collecting(spec)
 
     async def extract_layers(self, token_ids: Sequence[int], layers: Sequence[int] = (-1,),
                              origin: Origin = Origin()) -> tuple[dict[int, Any], ExtractionStats]:

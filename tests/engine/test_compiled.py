@@ -42,6 +42,6 @@ def test_last_layer_exact_on_compiled_engine(compiled_engine, loop_thread, refer
 def test_intermediate_layers_refused_on_compiled_engine(compiled_engine):
     from hidden_states.params import HiddenStatesRequestError
 
-    assert compiled_engine.check_request([-1]) == (-1,)
+    assert compiled_engine.check_layers([-1]) == (-1,)
     with pytest.raises(HiddenStatesRequestError, match="enforce_eager=True"):
-        compiled_engine.check_request([1, -1])
+        compiled_engine.check_layers([1, -1])

@@ -7,6 +7,7 @@ import asyncio
 import numpy as np
 import pytest
 
+from hidden_states.params import spec_of
 from tests.conftest import TEST_ENGINE_ARGS, TEST_MODEL, cpu_only, long_text
 
 PROMPTS = [
@@ -349,7 +350,7 @@ def _generate(engine, loop_thread, prompt: str, params, hs: bool):
 
     async def run():
         ids = engine.llm.tokenizer.encode(prompt)
-        with engine.collecting() as col:
+        with engine.collecting(spec_of(enabled=True)) as col:
             p = params.clone()
             if hs:
                 p.extra_args = {**(p.extra_args or {}), **col.extra_args}

@@ -120,15 +120,17 @@ def test_prompt_end_needs_no_extraction_step(setup, loop_thread):
 
 
 def test_bad_layer_requests_are_refused_clearly(setup, loop_thread):
-    from hidden_states.params import HiddenStatesRequestError
+    from hidden_states.params import HiddenStatesRequestError, spec_of
 
     eng, _ = setup
     with pytest.raises(HiddenStatesRequestError, match="out of range"):
-        eng.check_request([eng.num_layers + 1])
+        eng.check_layers([eng.num_layers + 1])
+    with pytest.raises(HiddenStatesRequestError, match="out of range"):
+        eng.check_spec(spec_of(True, [eng.num_layers + 1], enabled=True))
     with pytest.raises(HiddenStatesRequestError, match="hidden_states_position"):
-        eng.check_request([-1], "middle")
+        eng.check_spec(spec_of(True, [-1], "middle", enabled=True))
     with pytest.raises(HiddenStatesRequestError, match="at least one"):
-        eng.check_request([])
+        eng.check_layers([])
 
 
 # -- support detection, without an engine ----------------------------------------
@@ -216,15 +218,15 @@ def test_unsupported_models_get_the_reason():
     eng._enabled, eng.num_layers, eng.architecture, eng.eager = True, 4, "GraniteForCausalLM", True
     eng.layer_capture = {"layer_structure": False, "layer_capture": False,
                          "layer_capture_reason": "GraniteDecoderLayer.forward takes (positions, hidden_states)"}
-    assert eng.check_request([-1, 4]) == (-1, 4)  # the last layer works on every model
+    assert eng.check_layers([-1, 4]) == (-1, 4)  # the last layer works on every model
     with pytest.raises(HiddenStatesRequestError) as e:
-        eng.check_request([2])
+        eng.check_layers([2])
     for part in ("GraniteForCausalLM", "GraniteDecoderLayer.forward takes", "Gemma2", "Qwen3", "(-1)"):
         assert part in str(e.value)
     eng.layer_capture = {"layer_structure": True, "layer_capture": False, "layer_capture_reason": "x"}
     eng.eager = False
     with pytest.raises(HiddenStatesRequestError, match="enforce_eager=True"):
-        eng.check_request([1])
+        eng.check_layers([1])
 
 
 class _FakeRunner:

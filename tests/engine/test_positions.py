@@ -10,6 +10,7 @@ import uuid
 import numpy as np
 import pytest
 
+from hidden_states.params import spec_of
 from tests.conftest import TEST_ENGINE_ARGS, TEST_MODEL, long_text
 
 PROMPTS = [
@@ -145,7 +146,7 @@ def test_rows_arrive_across_outputs_and_concatenate_to_the_whole(engine, loop_th
 
     async def run():
         ids = engine.llm.tokenizer.encode(PROMPTS[2])
-        with engine.collecting([-1], "completion") as col:
+        with engine.collecting(spec_of(position="completion", enabled=True)) as col:
             params = sp(max_tokens=12, output_kind=RequestOutputKind.DELTA)
             params.extra_args = col.extra_args
             seen, parts = 0, []
@@ -252,7 +253,7 @@ def test_nothing_stays_after_an_abort(engine, loop_thread, reference):
 
     async def run():
         ids = engine.llm.tokenizer.encode(long_text(300, seed=5))
-        with engine.collecting([-1], "all") as col:
+        with engine.collecting(spec_of(position="all", enabled=True)) as col:
             params = sp(max_tokens=500, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
             params.extra_args = col.extra_args
             gen = engine.llm.generate({"prompt_token_ids": ids}, params, f"t-{uuid.uuid4().hex}")
@@ -274,20 +275,23 @@ def test_nothing_stays_after_an_abort(engine, loop_thread, reference):
 
 
 def test_bad_position_requests_are_refused_clearly(engine):
-    from hidden_states.params import HiddenStatesRequestError
+    from hidden_states.params import HiddenStatesRequestError, spec_of
+
+    def check(layers, position, dtype="float32", topk=None):  # a Python caller's fields, then the model's rules
+        return engine.check_spec(spec_of(True, layers, position, dtype, topk, enabled=engine.enabled))
 
     cases = [({"start": 3, "end": 3}, "selects no position"), ({"start": 1, "stride": 0}, "stride"),
              ({"end": 4}, "start must be an integer"), ({"start": 0, "step": 2}, "start, end and stride"),
              ("middle", "'completion', 'all'")]
     for position, words in cases:
         with pytest.raises(HiddenStatesRequestError, match=words) as e:
-            engine.check_request([-1], position)
+            check([-1], position)
         assert e.value.param == "hidden_states_position"
     with pytest.raises(HiddenStatesRequestError, match="hidden size") as e:
-        engine.check_request([-1], "completion", "float32", 129)
+        check([-1], "completion", "float32", 129)
     assert e.value.param == "hidden_states_topk"
     with pytest.raises(HiddenStatesRequestError, match="float16") as e:
-        engine.check_request([-1], "completion", "float64")
+        check([-1], "completion", "float64")
     assert e.value.param == "hidden_states_dtype"
 
 

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import pytest
 
+from hidden_states.params import spec_of
 from tests.conftest import TEST_ENGINE_ARGS, TEST_MODEL, cpu_only
 
 HOOK = '''
@@ -111,7 +112,7 @@ async def _streamed(eng, prompt_ids, params, hs: bool):
         async for out in eng.llm.generate({"prompt_token_ids": prompt_ids}, params, f"s-{uuid.uuid4().hex}"):
             tokens += out.outputs[0].token_ids
         return tokens, None
-    with eng.collecting() as col:
+    with eng.collecting(spec_of(enabled=True)) as col:
         params.extra_args = col.extra_args
         async for out in eng.llm.generate({"prompt_token_ids": prompt_ids}, params, f"s-{uuid.uuid4().hex}"):
             tokens += out.outputs[0].token_ids

@@ -186,6 +186,34 @@ def test_handle_from_second_driver_matches_http(serve_app, ray_cluster, referenc
     reference.assert_matches(got["chat_prompt"] + got["chat_ids"], got["chat_vector"])
 
 
+def test_each_request_s_fields_are_parsed_once_where_it_is_first_read(serve_app, client):
+    """The Router parses a request's hidden-states fields (params.parse_fields) and the engine
+    replicas take that spec as it was parsed: over HTTP, streamed or not, with or without
+    hidden states, refused, and from a Python handle, each request is parsed exactly once, in a
+    Router, and never in a replica (counted in each process: /debug/stats' `specs_parsed`)."""
+    from ray import serve
+
+    from deployments.client import complete
+    from tests.serve.test_lifecycle import engine_replicas
+
+    def counts():
+        routers = sum(replica_stats(f"http://127.0.0.1:{p}")["ingress"]["specs_parsed"] for p in router_ports())
+        return routers, {rid: s["specs_parsed"] for rid, s in engine_replicas().items()}
+
+    routers, replicas = counts()
+    client.completions.create(model="tiny-llama", prompt="one", max_tokens=3, extra_body={**HS, "n": 2})
+    list(client.chat.completions.create(model="tiny-llama", messages=[{"role": "user", "content": "two"}],
+                                        max_tokens=3, stream=True, extra_body=HS))
+    client.completions.create(model="tiny-llama", prompt="three", max_tokens=3)
+    bad = httpx.post(f"{serve_app}/v1/completions", timeout=60, json={
+        "model": "tiny-llama", "prompt": "four", **HS, "hidden_states_position": "middle"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "hidden_states_position"
+    assert complete(serve.get_app_handle(APP), "five", max_tokens=3).choices[0].hidden_states is not None
+    routers_after, replicas_after = counts()
+    assert routers_after - routers == 5, (routers, routers_after)
+    assert replicas_after == replicas, (replicas, replicas_after)
+
+
 def test_router_own_port_serves_the_same_api(serve_app, reference):
     """Direct ingress (on, as `make serve` runs): the Router replica's own port takes the same
     requests as Serve's proxy, vectors included, with no proxy hop."""

@@ -23,6 +23,7 @@ import dataclasses
 import inspect
 import json
 import math
+import os
 import re
 import uuid
 from typing import Any
@@ -326,6 +327,25 @@ def _post(base: str, route: str, body: dict[str, Any], stream: bool) -> tuple[in
             return r.status_code, events
 
 
+# HS_RECORD_MATRIX=DIR: test_parity writes each case's responses, ids and timestamps normalised, to
+# DIR/<case>.json, so that two releases' answers can be compared byte for byte (scripts/compare_matrix.py).
+RECORD = os.environ.get("HS_RECORD_MATRIX")
+
+
+def _normalised(x: Any) -> Any:
+    if isinstance(x, dict):
+        return {k: "<per-request>" if k in PER_REQUEST else _normalised(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_normalised(v) for v in x]
+    return x
+
+
+def _record(name: str, responses: dict[str, Any]) -> None:
+    os.makedirs(RECORD, exist_ok=True)
+    with open(os.path.join(RECORD, f"{name}.json"), "w") as f:
+        json.dump(_normalised(responses), f, sort_keys=True, indent=1)
+
+
 def _without_vectors(event: Any) -> Any:
     """A response or chunk with hidden states, without what legitimately differs: the
     per-request keys and each choice's vector keys."""
@@ -467,12 +487,17 @@ def _assert_vectors_present(on: Any, stream: bool) -> None:
 def test_parity(serve_app, case: Case, stream: bool):
     refused = case.refused or (case.refused_streaming if stream else None)
     if refused is not None:
+        if RECORD:
+            _record(case.id(stream), {"with": _post(serve_app, case.route, {**_body(case), "return_hidden_states": True,
+                                                                           "seed": PARITY_SEED}, stream)})
         pytest.skip(f"exempt from parity: refused with hidden states (a 400 naming {refused!r}), "
                     "so there is no response to compare")
     body = _body(case)
     body.setdefault("seed", PARITY_SEED)
     status_off, off = _post(serve_app, case.route, body, stream)
     status_on, on = _post(serve_app, case.route, {**body, "return_hidden_states": True}, stream)
+    if RECORD:
+        _record(case.id(stream), {"without": (status_off, off), "with": (status_on, on)})
     assert (status_off, status_on) == (200, 200), f"without: {status_off} {_short(off)}; with: {status_on} {_short(on)}"
     _assert_vectors_present(on, stream)
     if case.finish is not None:

@@ -12,6 +12,7 @@ import pytest
 
 from hidden_states.interface import HiddenStatesCollector, MissingHiddenStatesError, RowBatch
 from hidden_states.openai_format import ChoiceVectors
+from hidden_states.params import parse_fields
 from hidden_states.vllm.engine import HiddenStatesEngine
 from hidden_states.vllm.frontend.extraction import Extraction, prompt_ordinal
 
@@ -24,8 +25,10 @@ def engine():
 
 
 def vectors(route="completions", n=1, position="completion_end", layers=None):
-    collector = HiddenStatesCollector("tag", tuple(layers or (-1,)), position)
-    request = types.SimpleNamespace(hidden_states_encoding="float", hidden_states_layers=layers, n=n)
+    spec = parse_fields({"return_hidden_states": True, "hidden_states_position": position,
+                         "hidden_states_layers": layers}, enabled=True)
+    collector = HiddenStatesCollector.of("tag", spec, tuple(layers or (-1,)))
+    request = types.SimpleNamespace(n=n)
     return ChoiceVectors(engine(), collector, request, route, "r0"), collector
 
 

@@ -1,4 +1,4 @@
-"""HiddenStatesEngine.check_request: our validation logic, no vLLM engine started."""
+"""HiddenStatesEngine.check_layers: our validation logic, no vLLM engine started."""
 
 import pytest
 
@@ -13,25 +13,25 @@ def fake_engine(arch="LlamaForCausalLM", layers=12, eager=True):
 
 
 def test_layers_normalise_and_dedupe():
-    assert fake_engine().check_request([-1, 12, 0, 0]) == (-1, 12, 0)
+    assert fake_engine().check_layers([-1, 12, 0, 0]) == (-1, 12, 0)
 
 
 def test_unsupported_family_names_the_supported_ones():
     eng = fake_engine("GPT2LMHeadModel")
-    assert eng.check_request([-1]) == (-1,)  # the last layer works on every model
+    assert eng.check_layers([-1]) == (-1,)  # the last layer works on every model
     with pytest.raises(HiddenStatesRequestError) as e:
-        eng.check_request([3])
+        eng.check_layers([3])
     for family in ("Llama", "Qwen2", "Mistral", "GPT2LMHeadModel"):
         assert family in str(e.value)
 
 
 def test_intermediate_layers_need_eager():
     with pytest.raises(HiddenStatesRequestError, match="enforce_eager"):
-        fake_engine(eager=False).check_request([0])
-    assert fake_engine(eager=False).check_request([-1, 12]) == (-1, 12)
+        fake_engine(eager=False).check_layers([0])
+    assert fake_engine(eager=False).check_layers([-1, 12]) == (-1, 12)
 
 
 @pytest.mark.parametrize("layers", [[13], [-14], [100]])
 def test_out_of_range(layers):
     with pytest.raises(HiddenStatesRequestError, match=r"0\.\.12"):
-        fake_engine().check_request(layers)
+        fake_engine().check_layers(layers)

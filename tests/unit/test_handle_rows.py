@@ -37,9 +37,9 @@ def expected(position_rows, layers=(-1,), dtype="float32", topk=None, index=0):
 
 
 def test_a_default_request_and_its_single_vector_are_as_they_were():
-    # the request's bytes: its wire version, and the new fields omitted at their defaults
+    # the request's bytes: its wire version, the prompt, and the hidden-states fields as over HTTP
     assert msgspec.msgpack.decode(wire.ENCODER.encode(HandleCompletionRequest(prompt="x"))) == \
-        {"wire": wire.WIRE, "prompt": "x", "hidden_states_layers": [-1]}
+        {"wire": wire.WIRE, "prompt": "x", "hidden_states": {"return_hidden_states": True}}
     c = complete(n=2, hidden_states_layers=[0, -1])
     for ch in c.choices:
         seq = IDS + list(ch.token_ids)

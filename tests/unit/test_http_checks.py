@@ -8,7 +8,8 @@ import pytest
 
 from deployments.config import AppArgs
 from deployments.http import check, handle_refusal
-from deployments.wire import HandleCompletionRequest
+from deployments.wire import HandleCompletionRequest, HandleError
+from hidden_states.params import NOTHING, parse_fields
 
 ARGS = AppArgs(model="builtin:tiny-llama", max_n=4)
 OFF = AppArgs(model="builtin:tiny-llama", enable_return_hidden_states=False)
@@ -17,7 +18,7 @@ OFF = AppArgs(model="builtin:tiny-llama", enable_return_hidden_states=False)
 def refusal(args: AppArgs, body) -> tuple[int, dict] | None:
     raw = body if isinstance(body, bytes) else json.dumps(body).encode()
     out = check(args, raw)
-    if isinstance(out, dict):
+    if isinstance(out, tuple):
         return None
     return out.status_code, json.loads(out.body)["error"]
 
@@ -46,8 +47,9 @@ def test_refusals_are_openai_errors_that_name_the_fix(body, status, words):
 def test_valid_bodies_pass_and_come_back_parsed():
     body = {"model": "tiny-llama", "prompt": [1, 2, 3], "n": 4, "stream": True, "return_hidden_states": True,
             "hidden_states_layers": [-1, 0], "hidden_states_position": "prompt_end"}
-    assert check(ARGS, json.dumps(body).encode()) == body
-    assert check(ARGS, b'{"prompt": "x"}') == {"prompt": "x"}  # no model: the served one
+    req, spec = check(ARGS, json.dumps(body).encode())
+    assert req == body and spec == parse_fields(body, enabled=True) and spec.position == "prompt_end"
+    assert check(ARGS, b'{"prompt": "x"}') == ({"prompt": "x"}, NOTHING)  # no model: the served one
 
 
 def test_hidden_states_on_a_server_with_them_off():
@@ -59,7 +61,7 @@ def test_hidden_states_on_a_server_with_them_off():
 def test_handle_requests_get_the_same_checks():
     assert handle_refusal(OFF, HandleCompletionRequest(prompt="x")).status == 400
     assert handle_refusal(ARGS, HandleCompletionRequest(prompt="x", n=9)).status == 400
-    assert handle_refusal(ARGS, HandleCompletionRequest(prompt="x", n=2)) is None
+    assert handle_refusal(ARGS, HandleCompletionRequest(prompt="x", n=2)).return_hidden_states is True
 
 
 def test_lora_modules_are_served_by_name(tmp_path):
@@ -80,10 +82,10 @@ def test_lora_modules_are_served_by_name(tmp_path):
                    engine={"max_lora_rank": 64}).engine_args()["max_lora_rank"] == 64  # `engine` wins
     assert "enable_lora" not in ARGS.engine_args()
     for body in ({"model": "a", "prompt": "x"}, {"model": "tiny-llama", "prompt": "x"}):
-        assert check(args, json.dumps(body).encode()) == body
+        assert check(args, json.dumps(body).encode())[0] == body
     code, err = refusal(args, {"model": "c", "prompt": "x"})
     assert code == 404 and err["param"] == "model" and "`tiny-llama`, `a`, `b`" in err["message"], err
-    assert handle_refusal(args, HandleCompletionRequest(prompt="x", model="b")) is None
+    assert not isinstance(handle_refusal(args, HandleCompletionRequest(prompt="x", model="b")), HandleError)
     assert handle_refusal(args, HandleCompletionRequest(prompt="x", model="c")).status == 404
     cards = json.loads(models_list(args, None).body)["data"]
     assert [(c["id"], c["parent"]) for c in cards] == [("tiny-llama", None), ("a", "tiny-llama"), ("b", "tiny-llama")]
@@ -105,7 +107,7 @@ def test_bad_lora_modules_are_refused_at_the_boundary(modules, engine, words):
 
 def test_a_handle_request_takes_a_prompt_or_chat_messages():
     chat = HandleCompletionRequest(messages=[{"role": "user", "content": "Hi"}])
-    assert handle_refusal(ARGS, chat) is None
+    assert not isinstance(handle_refusal(ARGS, chat), HandleError)
     for bad, words in ((HandleCompletionRequest(), "exactly one"),
                        (HandleCompletionRequest(prompt="x", messages=[{"role": "user", "content": "Hi"}]), "exactly one"),
                        (HandleCompletionRequest(messages=[]), "non-empty list"),

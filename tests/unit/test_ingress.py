@@ -34,10 +34,17 @@ async def call(replica, method: str, path: str, **kw) -> httpx.Response:
 
 
 def stats(replica) -> dict:
-    return run(call(replica, "GET", "/debug/stats")).json()["ingress"]
+    """The ingress counters (`specs_parsed`, a count for the process's life, left out)."""
+    out = run(call(replica, "GET", "/debug/stats")).json()["ingress"]
+    out.pop("specs_parsed")
+    return out
 
 
 def test_health_models_and_a_completion_with_its_vector():
+    from hidden_states.params import PARSED
+
+    parsed = PARSED[0]
+
     async def go():
         r = await make()
         assert (await call(r, "GET", "/health")).status_code == 200
@@ -55,6 +62,7 @@ def test_health_models_and_a_completion_with_its_vector():
         assert np.array_equal(got, fake_vector(ids))
         assert ch["token_ids"] is None  # not asked for: hidden again
     assert stats(r) | {"kind": "replica"} == {"kind": "replica", "pending": 0, "served": 1, "failed": 0, "cancelled": 0}
+    assert PARSED[0] - parsed == 1  # `ingress: replica`: the fields parsed once, by the ingress; the frontend reads them
 
 
 def test_stream_vectors_on_final_chunks_and_done():

@@ -13,7 +13,7 @@ import pytest
 
 from hidden_states.interface import HiddenStatesCollector, RowBatch
 from hidden_states.openai_format import ChoiceVectors
-from hidden_states.params import HiddenStatesRequestError, Span, check_fields, check_rows_budget
+from hidden_states.params import HiddenStatesRequestError, Span, check_rows_budget, parse_fields
 
 RANGES = [(s, e, k) for s in (-7, -3, -1, 0, 2, 5) for e in (None, -4, -1, 3, 9, 40) for k in (1, 2, 3)]
 
@@ -45,7 +45,7 @@ def test_what_is_captured_and_sent_before_the_end_is_never_wrong(start, end, str
 def test_field_rules_one_message_each():
     ok = {"return_hidden_states": True}
     for position in ("completion", "all", {"start": -1}, {"start": 2, "end": -1, "stride": 3}):
-        check_fields({**ok, "hidden_states_position": position}, enabled=True)
+        parse_fields({**ok, "hidden_states_position": position}, enabled=True)
     bad = [({"hidden_states_position": "middle"}, "'completion', 'all'"),
            ({"hidden_states_position": {"start": "1"}}, "start must be an integer"),
            ({"hidden_states_position": {"start": 1, "end": 1.5}}, "end must be an integer"),
@@ -56,7 +56,7 @@ def test_field_rules_one_message_each():
            ({"hidden_states_topk": 0}, "positive integer")]
     for fields, words in bad:
         with pytest.raises(HiddenStatesRequestError, match=words) as e:
-            check_fields({**ok, **fields}, enabled=True)
+            parse_fields({**ok, **fields}, enabled=True)
         assert e.value.param == next(iter(fields))
 
 
@@ -72,8 +72,10 @@ def test_the_memory_bound_counts_positions_layers_width_and_choices():
 
 
 def _vectors(position, encoding="float", dtype="float32", topk=None):
-    collector = HiddenStatesCollector("t", (-1,), position, dtype=dtype, topk=topk)
-    request = types.SimpleNamespace(hidden_states_encoding=encoding, hidden_states_layers=None, n=1)
+    spec = parse_fields({"return_hidden_states": True, "hidden_states_position": position, "hidden_states_encoding": encoding,
+                         "hidden_states_dtype": dtype, "hidden_states_topk": topk}, enabled=True)
+    collector = HiddenStatesCollector.of("t", spec, (-1,))
+    request = types.SimpleNamespace(n=1)
     engine = types.SimpleNamespace(missing=lambda what: AssertionError(what), vector_sent=lambda *a: None,
                                    hidden_size=4)
     return ChoiceVectors(engine, collector, request, "completions", "r0"), collector

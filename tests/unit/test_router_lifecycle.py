@@ -261,13 +261,16 @@ def test_python_handle_call_cancelled_cancels_the_replica_call():
     assert counts(r) == (0, 0, 0, 1) and r.replica.calls[0][1].cancelled
 
 
-def test_debug_stats_reports_the_four_counters():
+def test_debug_stats_reports_the_four_counters_and_the_specs_parsed():
     async def go():
         r = make_router(Replica((json.dumps({"replica": "r1"}).encode(), 0.01)))
         transport = httpx.ASGITransport(app=http.asgi_app(router.app, r))
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
             return (await client.get("/debug/stats")).json()
 
+    from hidden_states.params import PARSED
+
     out = run(go())
-    assert out["ingress"] == {"kind": "router", "pending": 0, "served": 0, "failed": 0, "cancelled": 0}
+    assert out["ingress"] == {"kind": "router", "pending": 0, "served": 0, "failed": 0, "cancelled": 0,
+                              "specs_parsed": PARSED[0]}
     assert out["replica"] == {"replica": "r1"}

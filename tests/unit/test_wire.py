@@ -22,7 +22,7 @@ class OldHead(msgspec.Struct, array_like=True):  # the head before wire versions
     replica: str
 
 
-class NextHead(msgspec.Struct, array_like=True, tag="hidden-states-wire/3", tag_field="wire"):  # a later release
+class NextHead(msgspec.Struct, array_like=True, tag="hidden-states-wire/4", tag_field="wire"):  # a later release
     replica: str  # fields reordered: an untagged decoder would misread them
     status: int
     media_type: str
@@ -40,7 +40,7 @@ def test_the_same_version_round_trips():
 
 @pytest.mark.parametrize("raw, theirs", [
     (msgspec.msgpack.encode(OldRequest(prompt="x", max_tokens=3)), "a release from before wire versions"),
-    (msgspec.msgpack.encode({"wire": "hidden-states-wire/3", "prompt": "x"}), "hidden-states-wire/3"),
+    (msgspec.msgpack.encode({"wire": "hidden-states-wire/4", "prompt": "x"}), "hidden-states-wire/4"),
 ])
 def test_a_request_of_another_version_is_refused_by_name(raw, theirs):
     with pytest.raises(WireVersionError, match=f"HandleCompletionRequest of {theirs}.*speaks {wire.WIRE}"):
@@ -49,7 +49,7 @@ def test_a_request_of_another_version_is_refused_by_name(raw, theirs):
 
 def test_a_reordered_head_of_another_release_is_refused_not_misread():
     later = msgspec.msgpack.encode(NextHead("replica-9", 200, "application/json"))
-    with pytest.raises(WireVersionError, match="hidden-states-wire/3"):
+    with pytest.raises(WireVersionError, match="hidden-states-wire/4"):
         wire.HEAD_DECODER.decode(later)
     old = msgspec.msgpack.encode(OldHead(200, "application/json", "replica-1"))
     with pytest.raises(WireVersionError, match="before wire versions"):

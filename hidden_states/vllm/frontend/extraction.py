@@ -43,8 +43,8 @@ import numpy as np
 
 from hidden_states.interface import (ExtractionStats, HiddenStatesCollector, HiddenStatesTimeout,
                                   MissingHiddenStatesError, RowBatch)
-from hidden_states.params import (DEFAULT_MAX_HIDDEN_STATES_BYTES, HiddenStatesRequestError, Span, absolute_layer,
-                                  check_position, check_proof, check_room, check_rows_budget, room_for_completion)
+from hidden_states.params import (DEFAULT_MAX_HIDDEN_STATES_BYTES, HiddenStatesFields, HiddenStatesRequestError, Span,
+                                  absolute_layer, check_room, check_rows_budget, room_for_completion)
 from hidden_states.protocol import (COLLECTOR_TAG_KEY, ROWS_KEY, CapturedRows, HiddenStatesExtractionRequest,
                                     HiddenStatesProtocolError)
 
@@ -161,11 +161,12 @@ class Extraction:
     their counters. The engine builds it once it knows its configuration (`start()`); the
     AsyncLLM reaches it as `llm.extraction`."""
 
-    def __init__(self, llm: Any, check_request: Callable[..., tuple[int, ...]], *, timeout_s: float = 60.0,
+    def __init__(self, llm: Any, check_spec: Callable[..., tuple[int, ...]],
+                 check_layers: Callable[..., tuple[int, ...]], *, timeout_s: float = 60.0,
                  tail_enabled: bool = False, priority: int = 0,
                  max_hidden_states_bytes: int = DEFAULT_MAX_HIDDEN_STATES_BYTES):
         self.llm = llm
-        self.check_request = check_request  # the engine's: layers, position, dtype, top-k it can serve
+        self.check_spec, self.check_layers = check_spec, check_layers  # the engine's checks against its model
         self.num_layers = int(llm.vllm_config.model_config.hf_config.num_hidden_layers)
         self.hidden_size = int(llm.vllm_config.model_config.get_hidden_size())
         self.extraction_timeout_s = timeout_s
@@ -298,17 +299,10 @@ class Extraction:
             f"{self.extraction_timeout_s:g}s (extraction_timeout_s): the engine is overloaded")
 
     @contextlib.contextmanager
-    def collecting(self, layers: Sequence[int] = (-1,), position: Any = "completion_end", dtype: str = "float32",
-                   topk: int | None = None, proof: Any = None):
-        """A collector for one request's vectors: tag its sampling params with
-        `collector.extra_args` (SamplingParams.extra_args, or an OpenAI request's `vllm_xargs`).
-        With `proof` (proofs.ProofRequest) its rows are the scheme's, and choices carry proofs."""
-        if proof is not None:
-            check_proof(proof, self.hidden_size)
-            layers, position, dtype, topk = (-1,), proof.capture_position, proof.capture_dtype, proof.topk
-        layers = self.check_request(layers, position, dtype, topk)
-        collector = HiddenStatesCollector(uuid.uuid4().hex, layers, check_position(position), dtype=dtype, topk=topk,
-                                          proof=proof)
+    def collecting(self, spec: HiddenStatesFields):
+        """A collector for one request's rows: tag its sampling params with `collector.extra_args`
+        (SamplingParams.extra_args, or an OpenAI request's `vllm_xargs`)."""
+        collector = HiddenStatesCollector.of(uuid.uuid4().hex, spec, self.check_spec(spec))
         self._collectors[collector.tag] = collector
         try:
             yield collector
@@ -402,7 +396,7 @@ class Extraction:
         """The final token's hidden state (float32 [D]) at each of `layers` (transformers numbering):
         the extraction step of its one position, with the adapter, cache salt and priority of the
         request it serves (`origin`)."""
-        layers = self.check_request(layers)
+        layers = self.check_layers(layers)
         if not token_ids:
             raise ValueError("extraction needs at least one token id")
         batch, stats = await self.extract_rows(token_ids, [len(token_ids) - 1], layers, origin=origin)

@@ -32,6 +32,7 @@ vector fails the request (500).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import json
 import logging
@@ -48,9 +49,8 @@ from hidden_states.openai_format import (ChoiceVectors, Route, error_body, not_f
                                          validation_message)
 from hidden_states.vllm.frontend.extraction import Origin
 from hidden_states.params import (SINGLE_POSITIONS, HiddenStatesDisabledError, HiddenStatesFields,
-                                  HiddenStatesRequestError, UnknownModelError, check_fields, check_position,
-                                  Span, check_proof, check_room,
-                                  check_rows_budget, given_span)
+                                  HiddenStatesRequestError, Span, UnknownModelError, check_proof_width, check_room,
+                                  check_rows_budget, given_span, parse_fields, request_error)
 from hidden_states.protocol import COLLECTOR_TAG_KEY, RESERVED_EXTRA_ARGS_PREFIX
 
 logger = logging.getLogger(__name__)
@@ -63,16 +63,11 @@ TEXT_CLAIM = ("`compare` needs the completion as the token ids it was generated 
 
 
 def _request_models():
+    """vLLM's own request models: our fields stay in `model_extra`, read once (params.parse_fields)."""
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
     from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 
-    class HiddenStatesCompletionRequest(CompletionRequest, HiddenStatesFields):
-        pass
-
-    class HiddenStatesChatCompletionRequest(ChatCompletionRequest, HiddenStatesFields):
-        pass
-
-    return HiddenStatesCompletionRequest, HiddenStatesChatCompletionRequest
+    return CompletionRequest, ChatCompletionRequest
 
 
 class OpenAIFrontend:
@@ -107,8 +102,10 @@ class OpenAIFrontend:
                 _wrap_beam_search(serving, engine)
         return cls(engine, state, replica_id)
 
-    async def handle(self, route: Route, body: bytes) -> AsyncIterator[tuple[int, bytes] | bytes]:
-        """Yields (status, first body bytes) for a whole response, or (200, b"") then SSE chunks."""
+    async def handle(self, route: Route, body: bytes,
+                     spec: HiddenStatesFields | None = None) -> AsyncIterator[tuple[int, bytes] | bytes]:
+        """Yields (status, first body bytes) for a whole response, or (200, b"") then SSE chunks.
+        `spec`: the body's hidden-states fields as the ingress parsed them; None: parsed here."""
         if route == "hidden_states":
             yield await self._hidden_states(body)
             return
@@ -131,17 +128,13 @@ class OpenAIFrontend:
         except UnknownModelError as e:
             yield errors.error_response(e)
             return
-        proof = request.hidden_states_proof
-        wants = request.return_hidden_states or proof is not None
-        if wants and not self.engine.enabled:
-            yield errors.error_response(HiddenStatesDisabledError())
-            return
-        try:  # the ingress checks these too; a handle's or a direct caller's body comes here first
-            check_fields({**(request.model_extra or {}), "return_hidden_states": request.return_hidden_states,
-                          "hidden_states_proof": proof}, enabled=self.engine.enabled)
-        except HiddenStatesRequestError as e:
-            yield errors.error_response(e)
-            return
+        if spec is None:  # this replica is the first to read the body (a direct caller)
+            try:
+                spec = parse_fields(request.model_extra or {}, enabled=self.engine.enabled)
+            except HiddenStatesRequestError as e:
+                yield errors.error_response(e)
+                return
+        wants = spec.wants
         if wants and (refusal := not_from_token_ids(request)) is not None:
             yield errors.error_response(HiddenStatesRequestError(refusal[1], refusal[0]))
             return
@@ -154,17 +147,12 @@ class OpenAIFrontend:
             async for part in self._serve(serving, route, request, None):
                 yield part
             return
-        layers, position = request.hidden_states_layers or (-1,), request.hidden_states_position
-        dtype, topk = request.hidden_states_dtype, request.hidden_states_topk
-        try:
-            if proof is None:
-                self.engine.check_request(layers, position, dtype, topk)
-            else:
-                check_proof(proof, self.engine.hidden_size)
-        except HiddenStatesRequestError as e:
-            yield errors.error_response(e)
-            return
-        with self.engine.collecting(layers, position, dtype, topk, proof=proof) as collector:
+        with contextlib.ExitStack() as stack:
+            try:  # the spec against the model: a 400 before any engine work
+                collector = stack.enter_context(self.engine.collecting(spec))
+            except HiddenStatesRequestError as e:
+                yield errors.error_response(e)
+                return
             # The tag rides in vllm_xargs -> SamplingParams.extra_args of every engine
             # request vLLM makes for this request.
             request.vllm_xargs = {**(request.vllm_xargs or {}), COLLECTOR_TAG_KEY: collector.tag}
@@ -258,14 +246,15 @@ class OpenAIFrontend:
         try:
             req = verify.HiddenStatesRequest.model_validate_json(body)
         except ValidationError as e:
+            if (ours := request_error(e)) is not None:
+                return errors.error_response(ours)
             return 400, error_body(validation_message(e), 400, "BadRequestError")
         eng, by_layer, encoding = self.engine, req.hidden_states_layers is not None, req.hidden_states_encoding
-        dtype, topk = req.hidden_states_dtype, req.hidden_states_topk
+        dtype, topk, position = req.hidden_states_dtype, req.hidden_states_topk, req.position
         try:
             if not eng.enabled:
                 raise HiddenStatesDisabledError()
-            layers = eng.check_request(req.hidden_states_layers or (-1,), req.hidden_states_position, dtype, topk)
-            position = check_position(req.hidden_states_position)
+            layers = eng.check_spec(req)
             lora = eng.lora_request(req.model)
             if req.compare is not None and isinstance(req.completion, str):
                 raise HiddenStatesRequestError(TEXT_CLAIM, "completion")
@@ -289,9 +278,7 @@ class OpenAIFrontend:
         except (HiddenStatesRequestError, HiddenStatesTimeout, MissingHiddenStatesError, UnknownModelError) as e:
             return errors.error_response(e)
         out["hidden_states_meta"].update(
-            via=stats.via, tokens=stats.tokens, cached_tokens=stats.cached_tokens,
-            computed_tokens=stats.computed_tokens, extraction_seconds=round(stats.seconds, 6),
-            adapter=lora.lora_name if lora is not None else None, replica=self.replica_id)
+            **stats.meta(), adapter=lora.lora_name if lora is not None else None, replica=self.replica_id)
         model = lora.lora_name if lora is not None else self.state.openai_serving_models.base_model_paths[0].name
         comparison = None if claim is None else verify.compared(claim, true, positions, req.compare.tolerance, multi)
         return 200, verify.response(model, ids, out, comparison)
@@ -304,7 +291,7 @@ class OpenAIFrontend:
         if len(ids) - prompt_len < 1:
             raise HiddenStatesRequestError("`completion` is empty: a proof covers a prompt and its completion",
                                            "completion")
-        check_proof(claim, eng.hidden_size)
+        check_proof_width(claim, eng.hidden_size)
         bounds = proofs.SCHEMES[claim.scheme].chunk_bounds(prompt_len, len(ids), claim.decode_batching_size)
         if len(claim.proofs) != len(bounds):
             raise HiddenStatesRequestError(
@@ -322,9 +309,7 @@ class OpenAIFrontend:
         except proofs.ProofError as e:
             raise HiddenStatesRequestError(str(e), "compare.toploc.proofs") from None
         eng.vector_sent("proof", stats, 0)
-        meta = {"position": "proof", "prompt_tokens": prompt_len, "via": stats.via, "tokens": stats.tokens,
-                "cached_tokens": stats.cached_tokens, "computed_tokens": stats.computed_tokens,
-                "extraction_seconds": round(stats.seconds, 6),
+        meta = {"position": "proof", "prompt_tokens": prompt_len, **stats.meta(),
                 "adapter": lora.lora_name if lora is not None else None, "replica": self.replica_id}
         model = lora.lora_name if lora is not None else self.state.openai_serving_models.base_model_paths[0].name
         return 200, verify.response(model, ids, {"hidden_states_meta": meta}, comparison)
