@@ -3,10 +3,7 @@
     request -> Router (HTTP ingress) -> EngineReplica (vLLM + extraction step) -> Router -> response
     request -> EngineReplica (HTTP ingress, vLLM + extraction step) -> response      (`ingress: replica`)
 
-`build(args, engine_cls)` is the same app on another engine implementation
-(hidden_states/interface.py's interface): `hidden_states.testing.FakeEngine` runs
-the real Router, replicas, relay and Serve's proxy in seconds, without vLLM
-(tests/fast). `build_app` keeps the one parameter Serve requires of a builder.
+`build(args, engine_cls)` is the same app on another engine (e.g. `hidden_states.testing.FakeEngine`).
 """
 
 from __future__ import annotations

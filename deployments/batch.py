@@ -6,33 +6,15 @@
                                 [--position completion|all|prompt_end|'{"start": -8, "stride": 2}']
                                 [--dtype float32|float16|bfloat16] [--topk K] [--proof toploc|JSON]
 
-Input rows (JSONL, or Parquet with the same columns): `{"prompt": "..."}` or
-`{"messages": [{"role": ..., "content": ...}]}`, with an optional string `id`
-(otherwise a hash of the prompt or messages). Output: a folder of Parquet files
-with `id`, `prompt_token_ids`, `completion`, `token_ids`, `finish_reason` and
-`hidden_states`, a fixed-size float32 list column of the model's hidden size:
-each row's vector of prompt + completion, as the server returns it.
+Input rows (JSONL or Parquet): `{"prompt": "..."}` or `{"messages": [...]}`, optional string
+`id` (default: a hash of the input). Output Parquet columns: `id`, `prompt_token_ids`,
+`completion`, `token_ids`, `finish_reason`, `hidden_states` (fixed-size float32 list of the
+hidden size). Several positions: `hidden_states` is list<fixed_size_list> with `positions`
+(list<int32>); float16 is halffloat, bfloat16 is float32 of the rounded values; `--topk`
+gives `topk_indices`/`topk_values`, `--proof` gives `proofs` (list<string>) instead.
 
-`--position`, `--dtype` and `--topk` ask what the API's hidden_states_position,
-hidden_states_dtype and hidden_states_topk ask (a range as JSON). Several positions
-("completion", "all", a range): `hidden_states` is a list of rows per row
-(list<fixed_size_list<hidden size>>) and `positions` (list<int32>) their absolute
-positions in prompt + completion; one position stays one fixed-size vector. float16 is
-Arrow's halffloat; bfloat16, which Arrow lacks, is written as float32 of the
-bfloat16-rounded values. With `--topk K`, `topk_indices` (int32) and `topk_values`
-(K per position, largest |value| first, same layout) replace `hidden_states`.
-With `--proof toploc` (or the API's hidden_states_proof as JSON), `proofs` (list<string>: each
-row's TOPLOC proofs, as a choice carries them) replaces `hidden_states`.
-
-Engines run in a Ray Data actor pool (`map_batches` with a callable class):
-each actor hosts this project's engine, greedy decoding by default. A rerun
-with the same output folder skips the ids already written there, so an
-interrupted job resumes instead of starting over (unreadable files a killed
-writer left are moved aside). Ray Data shows its own progress on stderr.
-
-LoRA: `--lora-modules` takes the app's adapters (as its `lora_modules`, or
-vLLM's `--lora-modules name=path`), `--adapter NAME` picks the one every row is
-generated with, and its vectors computed with (default: the base model).
+A rerun into the same folder skips ids already written (unreadable files are moved aside).
+`--adapter NAME` picks the LoRA adapter (of `--lora-modules`) every row uses.
 """
 
 from __future__ import annotations

@@ -1,22 +1,13 @@
 """Python callers: complete() over a Serve handle, typed results, numpy vectors.
 
-    from ray import serve
     from deployments.client import complete
     handle = serve.get_app_handle("hidden-states")
-    result = complete(handle, "Hello!", max_tokens=16)       # blocking; model="my-adapter": a LoRA adapter
-    chat = complete(handle, messages=[{"role": "user", "content": "Hi"}])   # the chat template, as over HTTP
-    result = await complete_async(handle, "Hello!")          # in async code
+    result = complete(handle, "Hello!", max_tokens=16)       # or await complete_async(...)
     result.choices[0].hidden_states  # numpy float32 [hidden_size]
-    rows = complete(handle, "Hello!", hidden_states_position={"start": -8, "stride": 2}, hidden_states_dtype="float16")
-    rows.choices[0].hidden_states, rows.choices[0].positions  # numpy float16 [n, hidden_size], (p0, p1, ...)
-    top = complete(handle, "Hello!", hidden_states_position="completion", hidden_states_topk=16)
-    top.choices[0].hidden_states_indices, top.choices[0].hidden_states  # int32 [n, 16], float32 [n, 16]
     check = verify(handle, prompt=ids, compare={"vector": claimed.tolist()})   # POST /v1/hidden_states
-    check["hidden_states"], check["comparison"]["match"]
 
 Only msgspec bytes cross the handle (deployments/wire.py). A failed request raises
-`HandleRequestError` with the status HTTP would give it (hidden_states/errors.py); a
-caller that stops waiting (timeout, Ctrl-C, a cancelled task) cancels the request.
+`HandleRequestError` with the status HTTP would give it; a caller that stops waiting cancels it.
 """
 
 from __future__ import annotations
@@ -41,8 +32,7 @@ class HandleRequestError(RuntimeError):
 
 
 def _request(prompt: str | list[int] | None, messages: list[dict] | None, **kw: Any) -> bytes:
-    """The request's bytes: generation options as HandleCompletionRequest's fields, the hidden-states
-    fields (as over HTTP; PositionRange and ProofRequest values as their JSON) in `hidden_states`."""
+    """The request's bytes; the hidden-states fields as over HTTP, in `hidden_states`."""
     fields = {k: kw.pop(k) for k in list(kw) if k.startswith(("hidden_states", "return_hidden"))}
     fields = {k: v.model_dump() if hasattr(v, "model_dump") else v for k, v in fields.items()}
     fields.setdefault("return_hidden_states", fields.get("hidden_states_proof") is None)  # proofs, or the vector
@@ -63,8 +53,7 @@ def _result(raw: bytes) -> Completion:
 
 
 def _wait(response: Any, timeout_s: float) -> bytes:
-    """A handle call's answer; a caller that stops waiting (timeout, Ctrl-C) cancels the call,
-    and with it the Router's and the engine's work."""
+    """A handle call's answer; a caller that stops waiting cancels the call."""
     try:
         return response.result(timeout_s=timeout_s)
     except BaseException:
@@ -89,19 +78,13 @@ def _cancel(response: Any) -> None:
 
 def complete(handle: Any, prompt: str | list[int] | None = None, *, messages: list[dict] | None = None,
              timeout_s: float = 600, **kw: Any) -> Completion:
-    """Blocking. A `prompt` (text or token ids), or chat `messages` ([{"role", "content"}], rendered with the
-    model's chat template and its generation prompt, as /v1/chat/completions does). Defaults unlike HTTP's:
-    greedy (temperature 0), max_tokens 16, and return_hidden_states true. kw: model (a LoRA adapter's name; default: the base model), max_tokens, temperature, top_p,
-    seed, n, stop, return_hidden_states, hidden_states_layers (default [-1]), and as over HTTP
-    hidden_states_position ("completion_end" | "prompt_end": one vector [D]; "completion" | "all" |
-    {"start", "end", "stride"}: rows [n, D] at `choice.positions`), hidden_states_dtype ("float32" |
-    "float16": numpy arrays of that dtype; "bfloat16", which numpy lacks: float32 arrays of the
-    bfloat16-rounded values, `choice.dtype` says so) and hidden_states_topk (k: `hidden_states` holds the
-    values [n, k], `hidden_states_indices` their int32 indices, largest |value| first). Every layer asked
-    for is in `hidden_states_by_layer` (and `hidden_states_indices_by_layer`). hidden_states_proof
-    ({"scheme": "toploc", "topk": 128, "decode_batching_size": 32}): each choice carries its TOPLOC proofs in
-    `choice.proofs` instead of a vector. A request above the server's max_hidden_states_bytes raises
-    HandleRequestError (400); an unknown model, 404."""
+    """Blocking. A `prompt` (text or token ids) or chat `messages`. Defaults unlike HTTP's: greedy,
+    max_tokens 16, return_hidden_states true. kw as over HTTP (model: a LoRA adapter; the
+    hidden_states_* fields). Vectors are numpy: [D] for one position, [n, D] at `choice.positions`
+    for several, in the dtype asked (bfloat16: float32 of its values, `choice.dtype` says so);
+    with topk, `hidden_states` holds values and `hidden_states_indices` int32 indices; every layer is
+    in `hidden_states_by_layer`; with a proof, `choice.proofs`. Raises HandleRequestError (400 too
+    large, 404 unknown model, ...)."""
     return _result(_wait(handle.complete.remote(_request(prompt, messages, **kw)), timeout_s))
 
 
@@ -145,10 +128,8 @@ def _verify_result(raw: bytes) -> dict[str, Any]:
 
 
 def verify(handle: Any, *, timeout_s: float = 600, **fields: Any) -> dict[str, Any]:
-    """POST /v1/hidden_states over a handle (blocking). fields: model (a LoRA adapter), prompt | messages (+ completion),
-    hidden_states_layers, hidden_states_position / _dtype / _topk, compare={"vector": floats or base64, "tolerance":
-    1e-5} (or per position: "vectors", "topk"). Vectors and rows come back as numpy ([D] or [n, D], in the dtype asked;
-    bfloat16 as float32 of its values; top-k as {"indices", "values"})."""
+    """POST /v1/hidden_states over a handle (blocking), fields as over HTTP. Vectors come back as numpy
+    ([D] or [n, D], bfloat16 as float32; top-k as {"indices", "values"})."""
     return _verify_result(_wait(handle.hidden_states.remote(_verify_request(fields)), timeout_s))
 
 

@@ -1,14 +1,8 @@
 """The app's arguments (`applications[0].args` in config.yaml), validated at the boundary.
 
-Replica resources are derived here from the engine arguments, never hard-coded:
-GPUs = tensor_parallel_size on GPU engines (a placement group when above 1),
-CPUs = tensor_parallel_size on CPU engines (one worker process each, started by
-vLLM's multiprocessing executor on the replica's node).
-
-LoRA adapters (`lora_modules`, vLLM's `--lora-modules`) turn on the engine's
-`enable_lora` with `max_loras` = their number (all in one batch) and
-`max_lora_rank` = the largest rank in their adapter_config.json, rounded up to
-a rank vLLM accepts (16 if none is readable); `engine` overrides each.
+Replica resources derive from the engine arguments: tensor_parallel_size GPUs (GPU engines) or
+CPUs (CPU engines). `lora_modules` turn on `enable_lora` with `max_loras` = their number and
+`max_lora_rank` = their largest rank; `engine` overrides each.
 """
 
 from __future__ import annotations

@@ -1,21 +1,11 @@
 """The HTTP surface both ingresses share: request models, cheap checks, OpenAI-style errors, counters.
 
-Whichever deployment takes HTTP (the Router by default, the EngineReplica with
-`ingress: replica`) authenticates, bounds the body and refuses what the server
-cannot do here, before any engine work. Failures become statuses through the
-one table, `hidden_states/errors.py`. Module-level only: Serve serializes a
-deployment class when its decorator runs, capturing only names defined by then.
-
-One request's lifecycle, the same in both ingresses: admitted, it is counted
-`pending` until it ends, exactly once, as one of
-- `served`: the answer was delivered (any status below 500; a stream counts once
-  its `data: [DONE]` was sent, even if the client hangs up right after);
-- `failed`: a 5xx answer, or a stream that ended with an SSE error event
-  (a timeout, a replica or engine that died);
-- `cancelled`: the client went away first (it hung up, or Serve cancelled the
-  handler): the replica's call or stream is cancelled with it, and so the engine
-  request (vLLM aborts it when its generator is closed).
-`/debug/stats` shows the four (`ingress`); pending returns to 0 however requests end.
+Module-level only: Serve serializes a deployment class when its decorator runs.
+An admitted request is `pending` until it ends, exactly once, as one of
+- `served`: an answer below 500 delivered (a stream: its `data: [DONE]` sent);
+- `failed`: a 5xx, or a stream ended with an SSE error event;
+- `cancelled`: the client went away first (the replica's call and the engine request are
+  cancelled with it).
 """
 
 from __future__ import annotations
@@ -52,8 +42,7 @@ SSE_ERROR = b'data: {"error"'  # an error event mid-stream (errors.sse_error, vL
 SERVED, FAILED, CANCELLED = "served", "failed", "cancelled"
 
 class _Body(HiddenStatesFields):
-    """The request fields this server adds or checks itself; every other field
-    of vLLM's OpenAI API is accepted too (vLLM's own request models validate them in the replica)."""
+    """The fields this server checks itself; vLLM's request models validate the rest in the replica."""
 
     model_config = ConfigDict(extra="allow")
     model: str | None = None
@@ -95,11 +84,8 @@ def outcome(status: int) -> str:
 
 
 class Stream(StreamingResponse):
-    """A streamed answer (its body a `Relay`) that is closed however the response ends.
-
-    Starlette leaves an unfinished body iterator to the garbage collector when the
-    client hangs up or the handler is cancelled; closing the relay here ends the
-    request at once: the counters, the replica's stream, the engine request."""
+    """A streamed answer (its body a `Relay`) closed however the response ends: Starlette leaves an
+    unfinished body to the garbage collector, so closing here ends the request at once."""
 
     async def __call__(self, scope, receive, send) -> None:
         try:
@@ -115,13 +101,9 @@ class Stream(StreamingResponse):
 
 
 class Relay:
-    """A stream to the client, ending by `deadline`: the one relay of both ingresses.
-
-    Iterating it relays `parts` (SSE chunks; a failure mid-stream becomes an SSE error
-    event); `aclose()` ends it, once, whether or not it ever started: `parts` is closed
-    (which cancels the work behind it unless it ended) and `finish` gets the request's
-    outcome: SERVED once `[DONE]` went out (or the stream ended), FAILED if an error event
-    went out (ours, or the engine's own), else CANCELLED."""
+    """A stream to the client, ending by `deadline`: the one relay of both ingresses. `aclose()` ends
+    it once, started or not: closes `parts` and passes `finish` SERVED (`[DONE]` sent), FAILED (an
+    error event sent) or CANCELLED."""
 
     def __init__(self, parts: AsyncIterator[bytes], deadline: float, finish: Callable[[str], None]):
         self.parts, self.deadline, self.finish = parts, deadline, finish
@@ -177,8 +159,7 @@ async def until(parts: AsyncIterator, deadline: float) -> AsyncIterator:
 
 
 def openapi_body(model: type[BaseModel]) -> dict:
-    """Request bodies are read raw (forwarded as bytes), so document them explicitly. Nested models
-    are inlined: pydantic's `#/$defs/...` refs would point into the OpenAPI document's root."""
+    """Documents the raw-read request bodies, nested models inlined (no `$defs` refs)."""
     schema = model.model_json_schema()
     defs = schema.pop("$defs", {})
 
@@ -201,9 +182,8 @@ API_KEY_ENV = "HIDDEN_STATES_API_KEY"  # the key out of the config (which Ray's 
 
 
 def api_key(args: AppArgs) -> str | None:
-    """The key /v1 routes require: `api_key`, or the environment variable in the ingress's process
-    (set where Ray starts: `HIDDEN_STATES_API_KEY=... make serve`, a Kubernetes secret as env).
-    Both set and different is a start-up error, never a guess."""
+    """The key /v1 routes require: `api_key` or the environment variable in the ingress's process;
+    both set and different is a start-up error."""
     env = os.environ.get(API_KEY_ENV) or None
     if env is not None and args.api_key is not None and not secrets.compare_digest(env.encode(), args.api_key.encode()):
         raise ValueError(f"api_key in the app's args and ${API_KEY_ENV} differ: set one")
@@ -234,9 +214,8 @@ async def read_body(args: AppArgs, request: Request) -> bytes | Response:
 
 
 def check(args: AppArgs, body: bytes, route: str = "completions") -> "Response | tuple[dict, params.HiddenStatesFields]":
-    """The parsed body and its hidden-states spec (params.parse_fields: the fields' one check), or the
-    refusal. POST /v1/hidden_states's body is the replica's to parse (verify.HiddenStatesRequest, the
-    same schema): its spec here is params.NOTHING."""
+    """The parsed body and its spec (params.parse_fields), or the refusal. /v1/hidden_states's body is
+    the replica's to parse: its spec here is params.NOTHING."""
     try:
         req = json.loads(body)
     except (ValueError, UnicodeDecodeError) as e:
@@ -298,8 +277,7 @@ def models_list(args: AppArgs, request: Request, max_model_len: int | None = Non
 
 
 def asgi_app(routes_app: FastAPI, instance: Any) -> FastAPI:
-    """The routes registered on `routes_app` by `ingress_routes`, bound to one instance,
-    on a plain FastAPI app: the ingress without Serve, for unit tests over ASGI."""
+    """The ingress routes on a plain FastAPI app, without Serve (unit tests over ASGI)."""
     from fastapi.routing import APIRoute
 
     bound = FastAPI(title=routes_app.title)
@@ -314,8 +292,7 @@ def ingress_routes(app: FastAPI, kind: str) -> type:
     """The routes of an ingress deployment, registered on `app`, as a base class.
 
     The deployment supplies `args` (AppArgs), `_serve(route, request)`, `_replica_stats()`,
-    `_max_model_len()` and, if it can be up without an engine, `_not_ready()`; it gets the routes, the one
-    relay and the counters that `/debug/stats` reports (a test checks that nothing is left pending).
+    `_max_model_len()` and optionally `_not_ready()`; it gets the routes, the relay and the counters.
     """
 
     class IngressRoutes:
@@ -371,8 +348,7 @@ def ingress_routes(app: FastAPI, kind: str) -> type:
             return None
 
         async def _not_ready(self) -> str | None:
-            """Why no engine can serve now (a 503's message), or None. An engine replica
-            that answers is itself ready; the Router asks Serve (deployments/readiness.py)."""
+            """Why no engine can serve now (a 503's message), or None."""
             return None
 
         def _relay(self, parts: AsyncIterator[bytes], deadline: float) -> "Relay":

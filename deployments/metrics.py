@@ -1,14 +1,6 @@
-"""The server's own metrics, through `ray.serve.metrics` (Ray's Prometheus endpoint).
+"""The server's own metrics, through `ray.serve.metrics` (Ray's Prometheus endpoint, beside vLLM's).
 
-Ray prefixes custom metrics with `ray_` and tags them with the application,
-deployment and replica. vLLM's engine metrics (queue, KV-cache usage, TTFT,
-...) arrive on the same endpoint from vLLM's `RayPrometheusStatLogger`, tagged
-`ReplicaId` (hidden_states/vllm/engine.py, `ray_metrics`). Scrape it with
-`ray start --metrics-export-port=PORT` (README); `cluster/grafana-dashboard.json`
-plots both.
-
-Metrics are created on first use in the process that records them, so the
-module imports anywhere (unit tests without Ray record nothing).
+Metrics are created on first use in the recording process, so the module imports anywhere.
 """
 
 from __future__ import annotations

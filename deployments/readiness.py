@@ -1,13 +1,7 @@
 """Is an engine replica running, and if not, why not: what the Router tells clients.
 
-Serve knows (from its controller) how many engine replicas run and, when their
-constructor failed, the exception, in the deployment's status message. Without
-a running replica a request routed to the replicas would wait for one until its
-timeout; instead `/health`, `/v1/models` and every request answer 503 with the
-cause: still starting, or the start-up failure's own message
-(`hidden_states.preflight.EngineStartupError`: the model path, memory, the
-architecture). Serve retries a failing replica constructor 3 times per replica
-(`RAY_SERVE_MAX_PER_REPLICA_RETRY_COUNT`), then marks the app DEPLOY_FAILED.
+Without a running replica `/health`, `/v1/models` and every request answer 503 with the cause
+(still starting, or the start-up failure's own message) instead of waiting for a timeout.
 """
 
 from __future__ import annotations
@@ -33,8 +27,7 @@ def startup_cause(message: str) -> str:
 
 
 def why_not_ready(deployment) -> str | None:
-    """None if the engine deployment (Serve's DeploymentStatusOverview) has a running
-    replica; otherwise the reason, for a 503 body."""
+    """None if the engine deployment has a running replica; else the reason, for a 503 body."""
     if deployment is None:
         return "the engine deployment is not deployed yet"
     states = {str(getattr(k, "value", k)): v for k, v in (deployment.replica_states or {}).items()}
@@ -49,9 +42,8 @@ def why_not_ready(deployment) -> str | None:
 
 
 class Readiness:
-    """The Router's cached view of its engine replicas: one controller call (a full status
-    read) per `ready_ttl_s` while they serve, per `not_ready_ttl_s` while they do not, so
-    traffic costs the controller almost nothing and a recovery shows within a second."""
+    """The Router's cached view of its engine replicas: one controller call per `ready_ttl_s` while
+    they serve, per `not_ready_ttl_s` while they do not."""
 
     def __init__(self, app_name: str, ready_ttl_s: float = 10.0, not_ready_ttl_s: float = 1.0,
                  timeout_s: float = 10.0):

@@ -1,22 +1,10 @@
-"""EngineReplica: one Ray Serve replica hosting one engine (hidden_states/interface.py's interface).
+"""EngineReplica: one Ray Serve replica hosting one engine (hidden_states/interface.py).
 
-It answers OpenAI requests end to end (vLLM's serving code, plus the vectors),
-so the extraction step of every choice runs on the engine that generated it:
-locality by construction, with no second hop through the router. Serve's
-health check calls `check_health`, which fails once the engine has died, so
-Serve replaces the replica.
-
-Requests arrive from the Router (`openai`, `openai_unary`), from Python
-handles (`complete`, `hidden_states`), or, with `ingress: replica`, as HTTP
-straight from Serve's proxy (the routes below, with the same checks, relay and
-counters as the Router's, deployments/http.py): one hop fewer, at the price of
-the Router's retry of a request whose replica died.
-
-A call that is cancelled (the Router cancels it when its client hangs up or
-times out; Serve cancels the handler when an HTTP client of this ingress goes
-away) closes the OpenAI generator it drives, and so vLLM aborts the engine
-request. `stats()` reports `in_flight`: handle calls still running here.
-Failures are answered through the one table (hidden_states/errors.py).
+It answers OpenAI requests end to end, so each choice's extraction step runs on the engine that
+generated it. Requests come from the Router (`openai`, `openai_unary`), Python handles
+(`complete`, `hidden_states`), or with `ingress: replica` as HTTP (deployments/http.py).
+A cancelled call closes its OpenAI generator, so vLLM aborts the engine request.
+`check_health` fails once the engine has died.
 """
 
 from __future__ import annotations
@@ -47,8 +35,7 @@ app = FastAPI(title="hidden-states-serve", description="OpenAI-compatible comple
 
 class EngineReplica(http.ingress_routes(app, "replica")):
     async def __init__(self, args: dict, engine_cls: type | None = None):
-        """`engine_cls`: the engine interface's implementation (hidden_states/interface.py);
-        vLLM's by default, `hidden_states.testing.FakeEngine` in unit tests."""
+        """`engine_cls`: the engine implementation; vLLM's by default."""
         self.args = AppArgs.model_validate(args)
         http.api_key(self.args)  # a conflicting key fails the start, with the reason
         if engine_cls is None:
@@ -95,9 +82,8 @@ class EngineReplica(http.ingress_routes(app, "replica")):
                 yield part
 
     async def openai(self, route: str, body: bytes, fields: bytes = b"", routing_key: str = "") -> AsyncIterator[bytes]:
-        """For a streaming handle: a ResponseHead frame, then the body's frames. `fields`: the body's
-        spec as the Router parsed it (HiddenStatesFields.to_json; empty: parsed here). `routing_key` is
-        for the Router's request router (deployments/routing.py), which read it before sending: unused here."""
+        """For a streaming handle: a ResponseHead frame, then the body's frames. `fields`: the spec's JSON
+        as the Router parsed it (empty: parsed here). `routing_key`: for the Router's request router."""
         self.in_flight += 1
         answer = self._answer(route, body, HiddenStatesFields.from_json(fields) if fields else None)
         try:
@@ -109,8 +95,7 @@ class EngineReplica(http.ingress_routes(app, "replica")):
             await answer.aclose()
 
     async def openai_unary(self, route: str, body: bytes, fields: bytes = b"", routing_key: str = "") -> bytes:
-        """A whole answer in one `Reply`: for non-streaming requests, one return
-        value instead of a generator's frames (Ray reports each item separately)."""
+        """A whole answer in one `Reply` (one return value instead of a generator's frames)."""
         self.in_flight += 1
         answer = self._answer(route, body, HiddenStatesFields.from_json(fields) if fields else None)
         try:
@@ -166,8 +151,7 @@ class EngineReplica(http.ingress_routes(app, "replica")):
     # -- Python handles -------------------------------------------------------
 
     async def complete(self, request: bytes, fields: bytes = b"", routing_key: str = "") -> bytes:
-        """The Python-handle route: HandleCompletionRequest bytes -> HandleReply bytes (`fields`,
-        `routing_key`: as openai's)."""
+        """HandleCompletionRequest bytes -> HandleReply bytes (`fields`, `routing_key`: as openai's)."""
         try:
             req = wire.REQUEST_DECODER.decode(request)
             spec = HiddenStatesFields.from_json(fields) if fields else http.handle_refusal(self.args, req)

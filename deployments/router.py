@@ -1,23 +1,9 @@
 """Router: the HTTP ingress (`ingress: router`, the default). Checks, forwards, relays.
 
-It does no tokenization and no engine work: it runs the checks of
-`deployments/http.py` (auth, body limit, what the server cannot do; the request's
-hidden-states fields parsed once into their spec, params.parse_fields), sends the
-raw body and that spec to an EngineReplica (one call for a plain request, a
-streaming handle for `stream: true`) and relays its answer; a replica that dies before answering
-gets the request again on another. With `replica_routing: prefix` each call also
-carries the request's routing key, made from the body parsed for the checks, for
-the handle's request router to pick the replica by (deployments/routing.py). Failures are answered through the one table
-(hidden_states/errors.py), over HTTP and over Python handles alike.
-
-It counts requests (`/debug/stats` -> `ingress`: pending, served, failed,
-cancelled; http.py's docstring defines them), so a test can see that nothing is
-left behind. Whatever ends a request early (the client hanging up, Serve
-cancelling the handler, `request_timeout_s`) cancels the replica's call or
-stream too (`DeploymentResponse.cancel()`): Serve then cancels the replica's
-task, whose OpenAI generator closes, and vLLM aborts the engine request. A
-plain request cancelled while waiting counts `cancelled`; a stream closed
-before its `[DONE]` too; a timeout counts `failed` (the client got a 504).
+No tokenization, no engine work: it runs deployments/http.py's checks (the spec parsed once),
+sends the raw body and spec to an EngineReplica and relays the answer; a replica that dies
+before answering gets one retry on another. Whatever ends a request early cancels the
+replica's call or stream (`DeploymentResponse.cancel()`), and so the engine request.
 """
 
 from __future__ import annotations
@@ -49,9 +35,8 @@ app = FastAPI(title="hidden-states-serve", description="OpenAI-compatible comple
 
 
 class ReplicaStream:
-    """A replica's response stream (a streaming handle's DeploymentResponseGenerator) as
-    the relay's `parts`: `aclose()` cancels the replica's work unless the stream ended,
-    even if it was never iterated."""
+    """A replica's response stream as the relay's `parts`: `aclose()` cancels the replica's work unless
+    the stream ended, even if never iterated."""
 
     def __init__(self, stream):
         self.stream, self.done = stream, False
@@ -169,8 +154,7 @@ class Router(http.ingress_routes(app, "router")):
 
     async def _call(self, route: str, body: bytes, deadline: float, routed: dict | None = None,
                     fields: bytes = b"") -> wire.Reply:
-        """A non-streaming request: one call, one reply. A replica that died
-        before answering gets one retry elsewhere (nothing was sent yet)."""
+        """A non-streaming request; a replica that died before answering gets one retry elsewhere."""
         for attempt in (1, 2):
             try:
                 return wire.REPLY_BODY_DECODER.decode(await self._call_once(self.replica.openai_unary, deadline,
@@ -181,8 +165,8 @@ class Router(http.ingress_routes(app, "router")):
                 logger.warning("replica died before answering (%s); retrying once", type(e).__name__)
 
     async def _open(self, route: str, body: bytes, deadline: float, routed: dict | None = None, fields: bytes = b""):
-        """Sends a streaming request: (the replica's stream, its ResponseHead). A replica that died
-        before answering gets one retry elsewhere; however the wait ends early, the stream is cancelled."""
+        """A streaming request: (the replica's stream, its ResponseHead); one retry as `_call`; however the
+        wait ends early, the stream is cancelled."""
         for attempt in (1, 2):
             stream = self.replica_stream.openai.remote(route, body, fields, **(routed or {}))
             try:

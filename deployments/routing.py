@@ -1,63 +1,20 @@
-"""Prefix-aware routing to the engine replicas (`replica_routing: prefix`): Ray's PrefixCacheAffinityRouter
-on a routing key the Router computes, so a conversation's next turn lands where its prefix is cached.
+"""Prefix-aware routing (`replica_routing: prefix`): Ray's PrefixCacheAffinityRouter on a routing
+key the Router computes, so a conversation's next turn lands where its prefix is cached.
 
-The routing key. The Router has already parsed the request's body for its checks; from that parse it
-builds a short string, the key (`http_key`, `handle_key`), and passes it to the replica call as the
-keyword argument `routing_key`: Serve hands the call's arguments to the handle's request router, in
-the Router's process, which reads the key there (the replica ignores it). The key is plain text
-(msgpack on Ray's wire, as the route and body are), never the body again, never pickled.
+The key: the Router builds it from the body it already parsed (`http_key`, `handle_key`) and
+passes it as the call's `routing_key` keyword, read by the handle's router in the Router's
+process. Chat messages: role, 0x1F, text, 0x1E per message, led by an anchor character (a hash
+of the messages up to the first user message); text prompts: the text; token ids: 4-byte
+integers; /v1/hidden_states: prompt extended by its `completion`; anything else: no key
+(power of two choices). The bytes are cut into 32-byte chunks, one 20-bit-hash character each,
+seeded by form, adapter and `cache_salt` (vLLM's prefix cache is per adapter and salt). A miss
+costs prefill, never a wrong answer.
 
-- Chat messages (`/v1/chat/completions`, a handle's `messages`): each message as its role, 0x1F, its
-  text content (a string, or the `text` of each content part; images and tool calls are left out),
-  0x1E, one after the other. The next turn's messages extend this one's, so its key does too. The
-  key starts with one more character, the conversation's anchor: a hash of its opening (the messages
-  up to and including the first user message), which every turn of it shares.
-- Text prompts (`/v1/completions` `prompt`, a list of prompts joined): the text itself.
-- Token-id prompts (`prompt` as ids, or a list of them joined): the ids as 4-byte unsigned integers.
-- `/v1/hidden_states`: its prompt or messages as above, extended by its `completion` when that is of
-  the same form (text after text or chat, ids after ids): a verification of a choice lands where the
-  choice was generated, whose prefix cache holds it.
-- `/tokenize`, `/detokenize`, anything unreadable: no key, so Serve's power of two choices.
-
-That text (UTF-8) or those ids are cut into 32-byte chunks (about 8 tokens of text; 8 ids), the last
-one shorter, and each chunk becomes one character (a 20-bit hash, in Unicode's planes 1-16), seeded
-by the form (chat, text, ids), the adapter the request names (`model`, when it is not the base
-model) and its `cache_salt`: vLLM keeps a prefix cache per adapter and salt, so these never share a
-key prefix. Two keys share their first k characters exactly when (up to a 2^-20 chance per chunk)
-the requests share their form, adapter, salt and first k chunks. The key is 1/32 of the prompt's
-length (4 bytes a character on the wire: 1/8 of the prompt's bytes), and so is the work on it.
-Chat keys come from the messages, not the rendered chat template, so a chat request and a text
-prompt of the same tokens do not share a key; nor do a text prompt and its token ids. Tools,
-documents and chat-template arguments are not part of the key (a routing hint: a miss costs
-prefill, never a wrong answer).
-
-The router (`PrefixRouter`) is Ray's policy but for new prefixes: when the candidates' queue lengths
-differ by more than `imbalanced_threshold`, power of two choices; else the replicas holding the
-longest prefix of the key, if it covers at least `match_rate_threshold` of it, the least loaded of
-them taking the request; else (a new prefix) the replica the key's first character picks by
-rendezvous hashing over the candidates. The key is inserted for the replica the request went to.
-Where it differs from Ray's:
-- a new prefix goes to its rendezvous replica, where Ray's picks the smallest share of its tree:
-  every Router replica picks the same one without sharing a tree, so a conversation whose turns
-  reach different Router replicas still lands on one engine replica (a chat key's first character
-  is its conversation's anchor; a text's, its first 32 bytes); new conversations spread evenly
-  in expectation, and when a replica leaves, only its own conversations move;
-- the tree is Ray's `PrefixTree`, in this process (one per handle: one per Router replica), not
-  the detached `PrefixTreeActor` Ray's router calls with a blocking `ray.get`, without timeout,
-  two or three times per request, on the routing loop (a wait with no deadline, on the loop every
-  request of this Router is routed on);
-- a replica's share of the tree is kept under `max_chars_per_replica` key characters (evicted
-  least recently used first, down to 90%), so the tree's memory is bounded (Ray's eviction is
-  off by default);
-- a request without a key routes by power of two choices (Ray's divides by its length: an empty
-  text raises);
-- replicas added or removed by autoscaling or replaced after a failure become tenants of the tree
-  or leave it as Serve reports them (`update_replicas`, `on_replica_actor_died`); a new replica
-  takes its rendezvous share of new conversations, and the conversations of one that left move
-  to theirs.
-LoRA adapters: Serve's model multiplexing is not used here (a request names its adapter by `model`,
-and every replica serves every adapter), so requests carry no multiplexed model id and Ray's
-multiplexing branch never runs; the adapter is in the key's seed instead.
+`PrefixRouter` is Ray's policy except: a new prefix goes to the key's first character's
+rendezvous replica (the same in every Router replica, no shared tree); the tree is Ray's
+`PrefixTree` in this process, not the `PrefixTreeActor` (a blocking `ray.get` on the routing
+loop); each replica's share is bounded by `max_chars_per_replica` (LRU down to 90%); a request
+without a key uses power of two choices; replicas join and leave the tree as Serve reports them.
 """
 
 from __future__ import annotations

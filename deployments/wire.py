@@ -1,21 +1,12 @@
 """What travels between Ray processes: msgspec structs as bytes, never pickled objects.
 
-Ray carries the bytes; our code never hands it a Python object to pickle.
-- Router -> replica: the raw HTTP body. Replica -> router: for a streaming
-  request a `ResponseHead` frame, then SSE chunks (bytes) on a streaming
-  handle; otherwise one `Reply` (head and body) on a plain call.
-- Python handle callers (`deployments.client`) <-> router <-> replica:
-  `HandleCompletionRequest` / `HandleCompletion`; vectors and rows as raw
-  little-endian bytes (`to_wire` / `from_wire`).
-- A request's hidden-states spec, parsed once where the request is first read
-  (params.parse_fields), travels beside the body to the replica as its JSON
-  (`HiddenStatesFields.to_json`), read there without being checked again.
+- Router -> replica: the raw HTTP body, and the spec's JSON (`HiddenStatesFields.to_json`).
+- Replica -> Router: a `ResponseHead` then SSE chunks (streaming), or one `Reply`.
+- Handle callers <-> Router <-> replica: `HandleCompletionRequest` / `HandleCompletion`;
+  vectors as raw little-endian bytes (`to_wire` / `from_wire`).
 
-Every message names its wire version (`WIRE`, a msgspec tag: the first element of an
-array-like struct, the `wire` field of a map). During a rolling upgrade the Router, the
-replicas and handle callers may run different releases: a message of another version is
-refused with a `WireVersionError` that names both versions, never decoded into the wrong
-fields. Bump `WIRE_VERSION` whenever a struct here changes shape.
+Every message names its wire version (`WIRE`, a msgspec tag); another version is refused with
+`WireVersionError` naming both. Bump `WIRE_VERSION` whenever a struct here changes shape.
 """
 
 from __future__ import annotations
@@ -115,7 +106,7 @@ def from_wire(ch: HandleChoice, total: int) -> CompletionChoice:
         return CompletionChoice(ch.index, ch.text, tuple(ch.token_ids), ch.finish_reason, None,
                                 ExtractionStats(total + len(ch.token_ids), ch.cached_tokens, 0.0, via="generation"),
                                 proofs=tuple(ch.proofs))
-    if ch.shape is None:  # one float32 vector per layer, as ever
+    if ch.shape is None:  # one float32 vector per layer
         values = {layer: np.frombuffer(b, "<f4").copy() for layer, b in ch.hidden_states_by_layer.items()}
         last = None if ch.hidden_states is None else np.frombuffer(ch.hidden_states, "<f4").copy()
         indices, positions, asked = None, None, last is not None
@@ -171,8 +162,7 @@ _MAP_VERSION = msgspec.msgpack.Decoder(_MapVersion)
 
 
 class Decoder:
-    """msgspec's decoder for one message type, refusing another wire version by name. (msgspec
-    takes a map without its tag field: a map message's version is read first.)"""
+    """msgspec's decoder for one message type, refusing another wire version by name."""
 
     def __init__(self, cls: type):
         self._decoder, self._what = msgspec.msgpack.Decoder(cls), cls.__name__

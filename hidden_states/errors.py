@@ -1,30 +1,20 @@
 """One table: which HTTP status and OpenAI error type an exception becomes.
 
-Every surface that turns a failure into an answer asks `status_of` (or the
-helpers under it), so the same failure is the same status whichever way it
-came: over HTTP through the Router or `ingress: replica`
-(deployments/http.py, router.py, replica.py), over a Python handle
-(`HandleError.status`, deployments/client.py), as an SSE error event mid-stream,
-and from the replica's OpenAI layer (hidden_states/vllm/frontend/openai.py; vLLM's own
-exceptions keep vLLM's own table there, `serving.create_error_response`).
+Every surface that answers a failure (HTTP, Python handles, SSE error events, the replica's
+OpenAI layer) asks `status_of`, so a failure gets the same status whichever way it came.
 
     HiddenStatesRequestError, HiddenStatesDisabledError  400  BadRequestError (+ its `param`)
     UnknownModelError (neither the model nor an adapter)  404  NotFoundError (param model)
     any other ValueError                                  400  BadRequestError
-    any TimeoutError (an extraction's HiddenStatesTimeout, asyncio's, request_timeout_s)
-                                                          504  TimeoutError
+    any TimeoutError                                      504  TimeoutError
     MissingHiddenStatesError                              500  InternalServerError (param return_hidden_states)
-    Ray's RayActorError, ActorUnavailableError (and subclasses: ActorDiedError),
+    Ray's RayActorError, ActorUnavailableError (and subclasses),
     vLLM's EngineDeadError: the replica or its engine is gone
                                                           503  ServiceUnavailableError ("...; retry")
     anything else                                         500  InternalServerError
 
-An exception raised in another Ray process arrives as Ray's RayTaskError: it is
-judged, and worded, by the exception it wraps. Classes from Ray and vLLM are
-matched by name along the exception's MRO, so this module imports neither (the
-fake-engine tests and the Router never load vLLM).
-A cancellation (`asyncio.CancelledError`: the client went away) is not an error
-and not in the table: no one is left to answer.
+A RayTaskError is judged by the exception it wraps. Ray and vLLM classes are matched by name
+along the MRO, so this module imports neither. `asyncio.CancelledError` is not in the table.
 """
 
 from __future__ import annotations
@@ -63,8 +53,7 @@ def cause(e: BaseException) -> BaseException:
 
 
 def status_of(e: BaseException) -> Failure:
-    """The table above: (status, OpenAI error type, message, param) for a request that failed with `e`.
-    An exception raised in another Ray process (RayTaskError) is judged by its cause."""
+    """(status, OpenAI error type, message, param) for a request that failed with `e` (the table above)."""
     e = cause(e)
     if isinstance(e, HiddenStatesRequestError):
         return Failure(400, "BadRequestError", str(e), e.param)

@@ -1,19 +1,12 @@
 """The engine interface the Serve layer uses, and what crosses it.
 
-The vector (what every caller gets): the last-layer hidden state of the final
-token of prompt+completion, i.e. of `prompt_token_ids + choice.token_ids`:
-- the tokens are the token ids the engine reports for the choice: a generated
-  EOS counts; a stop *string* cuts the text but not the token ids used;
-- "last layer" is the tensor the LM head consumes, after the model's final
-  norm: transformers' `output_hidden_states[-1][0, -1]` on the same ids;
-- returned as numpy float32 of shape [hidden_size].
+The vector: the last-layer hidden state (after the final norm, transformers'
+`output_hidden_states[-1][0, -1]`) of the final token of `prompt_token_ids + choice.token_ids`
+(a generated EOS counts; a stop string cuts the text, not the ids), as numpy float32 [hidden_size].
 
-`Engine` is what a replica needs: start, the OpenAI routes, Python-handle
-completions, stats, health. `hidden_states.vllm.engine.HiddenStatesEngine` is
-the real one (vLLM; it is the only code that imports vllm, with the rest of
-`hidden_states/vllm/`); `hidden_states.testing.FakeEngine` stands in for the
-Serve layer's unit tests. Vectors are collected per request by a
-`HiddenStatesCollector`, filed by engine request and choice.
+`Engine` is what a replica needs; `hidden_states.vllm.engine.HiddenStatesEngine` is the real
+one, `hidden_states.testing.FakeEngine` the stand-in. Vectors are collected per request by a
+`HiddenStatesCollector`.
 """
 
 from __future__ import annotations
@@ -32,8 +25,7 @@ logger = logging.getLogger(__name__)
 
 
 class MissingHiddenStatesError(RuntimeError):
-    """A choice finished without its vector although the request asked for it (a bug:
-    the request fails rather than return a partial answer)."""
+    """A choice finished without the vector it asked for (a bug: the request fails)."""
 
 
 class HiddenStatesTimeout(TimeoutError):
@@ -68,9 +60,8 @@ ChoiceKey = tuple[int, int]  # (the request's prompt ordinal, the choice's index
 
 @dataclasses.dataclass
 class RowBatch:
-    """Rows of one choice at absolute positions of prompt+completion, per requested layer, as
-    the engine sent them: raw elements of `dtype` (uint16 bit patterns for bfloat16), and for
-    top-k the int32 indices of the values (largest magnitude first)."""
+    """Rows of one choice at absolute positions, per requested layer: raw elements of `dtype` (uint16
+    bits for bfloat16), and for top-k int32 indices (largest magnitude first)."""
 
     positions: np.ndarray  # int64 [n], ascending
     values: dict[int, np.ndarray]  # requested layer -> [n, width]
@@ -113,13 +104,9 @@ class RowBatch:
 
 @dataclasses.dataclass
 class HiddenStatesCollector:
-    """Per-request sink for rows, registered with `HiddenStatesEngine.collecting()`.
-
-    Engine requests reach it through `tag` in their `SamplingParams.extra_args`.
-    Rows are filed by engine request and choice: (the prompt's ordinal in the
-    OpenAI request, the choice's index among that prompt's n), which is how vLLM's
-    serving numbers response choices (`ordinal * n + index`). A vector is the row of
-    one position: 1-D or 2-D is decided when the response is formatted (`multi`)."""
+    """Per-request sink for rows, registered with `HiddenStatesEngine.collecting()` and reached
+    through `tag` in `SamplingParams.extra_args`. Rows are filed by (prompt ordinal, choice index):
+    vLLM numbers response choices `ordinal * n + index`."""
 
     tag: str
     layers: tuple[int, ...] = (-1,)
@@ -196,8 +183,7 @@ class HiddenStatesCollector:
 
     @property
     def extra_args(self) -> dict[str, str]:
-        """What an engine request carries (SamplingParams.extra_args, an OpenAI request's
-        vllm_xargs) for its vectors to land here."""
+        """What an engine request carries (SamplingParams.extra_args) for its vectors to land here."""
         return {COLLECTOR_TAG_KEY: self.tag}
 
 
@@ -224,8 +210,7 @@ class CompletionChoice:
 
 def rows_choice(engine: Any, collector: HiddenStatesCollector, index: int, text: str, token_ids: Sequence[int],
                 finish_reason: str | None) -> CompletionChoice:
-    """A finished choice of a collector: float32 rows [n, D] (or [D] for one position), their
-    positions, top-k indices. `engine`: its `hidden_size`, `missing` and `vector_sent`."""
+    """A finished choice: float32 rows [n, D] (or [D] for one position), positions, top-k indices."""
     key = (0, index)
     if key not in collector.done:
         raise engine.missing(f"choice {index}")
@@ -236,7 +221,7 @@ def rows_choice(engine: Any, collector: HiddenStatesCollector, index: int, text:
     if collector.topk:
         indices = {l: batch.indices[l] if batch else np.zeros((0, width), np.int32) for l in collector.layers}
     positions = tuple(batch.positions.tolist()) if batch else ()
-    if not collector.multi:  # one vector, 1-D as ever
+    if not collector.multi:  # one vector, 1-D
         values = {l: v[0] for l, v in values.items()}
         indices = None if indices is None else {l: i[0] for l, i in indices.items()}
     engine.vector_sent(collector.position_label, stats, batch.nbytes if batch else 0)
@@ -325,9 +310,8 @@ class Engine(Protocol):
     async def complete(self, prompt: str | Sequence[int], options: SamplingOptions, *, return_hidden_states: bool,
                        layers: Sequence[int], position: Any, model: str | None = None, dtype: str = "float32",
                        topk: int | None = None, proof: Any = None) -> Completion:
-        """`model`: a LoRA adapter's name (None: the base model); an unknown one raises UnknownModelError.
-        `position`, `dtype`, `topk`: as the API's fields; the choices are `rows_choice`'s. `proof`
-        (hidden_states_proof): `proof_choice`'s, with proofs instead of vectors."""
+        """`model`: a LoRA adapter's name (None: base; unknown raises UnknownModelError). `position`,
+        `dtype`, `topk`, `proof`: as the API's fields (choices of `rows_choice` or `proof_choice`)."""
         ...
 
     def chat_prompt(self, messages: Sequence[dict]) -> list[int]:

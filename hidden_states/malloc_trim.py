@@ -1,15 +1,9 @@
 """Worker-side memory housekeeping: when the engine goes idle, hand the allocator's free pages back to the OS.
 
-A CPU engine's worker allocates activations of a different size at almost every
-step, and glibc keeps what they free in its heaps, so the worker's resident
-memory stays at its high-water mark after a burst of load, though the memory is
-free. A daemon thread checks every `interval_s` seconds how much CPU the worker
-process used; once it has been idle for a whole interval (under 10% of a core:
-no engine steps, vLLM's post-step spinning over), it calls `malloc_trim(0)` once,
-which returns those pages. It never trims under load: there the pages would be
-faulted straight back in (measured: trimming every 5 s under load cost about 3%
-of the tiny model's throughput). The call releases the GIL (ctypes).
-Started in the vLLM worker by `HiddenStatesWorkerExtension.hidden_states_start_trimmer`.
+glibc keeps freed activations in its heaps, so a CPU worker's RSS stays at its high-water mark.
+A daemon thread calls `malloc_trim(0)` once after a whole `interval_s` under 10% of a core;
+never under load, where the pages would fault straight back. Started by
+`HiddenStatesWorkerExtension.hidden_states_start_trimmer`.
 """
 
 from __future__ import annotations

@@ -1,17 +1,8 @@
 """OpenAI response formatting of vectors and errors: no vLLM here.
 
-`ChoiceVectors` puts each finished choice's vector into an OpenAI response or
-stream chunk, found in the request's `HiddenStatesCollector` by engine request
-and choice; a choice without one fails the request.
-
-Every choice's vector travels as rows (a vector is the row of one position):
-`hidden_states` is 1-D for completion_end/prompt_end, 2-D (positions x D) for
-several positions ("completion", "all", a range), in the asked dtype;
-`hidden_states_meta` has `dtype`, `bytes` (the payload before JSON/base64),
-`shape`, and for several positions `positions` (absolute positions of the
-rows). When streaming, every chunk of a choice of several positions carries
-the rows received since its last chunk (its finishing chunk the rest), so
-clients concatenate them by position.
+`hidden_states` is 1-D for one position, 2-D (positions x D) for several, in the asked dtype;
+`hidden_states_meta` has `dtype`, `bytes`, `shape` and, for several positions, `positions`.
+Streaming: each chunk of a multi-position choice carries the rows received since its last one.
 Used by the vLLM frontend (hidden_states/vllm/frontend/openai.py) and the fake engine.
 """
 
@@ -45,10 +36,9 @@ def _b64(arr: np.ndarray) -> str:
 
 def encode_rows(batch: RowBatch | None, layer: int, encoding: str, multi: bool, topk: int | None,
                 width: int) -> list | dict | str:
-    """One layer's rows: floats (the cast values, widened exactly) as a list of lists, or base64 of
-    the row-major little-endian array of the asked dtype (bfloat16: the high 16 bits of float32);
-    top-k as {"indices", "values"} per position (largest magnitude first), or one such object of
-    base64 arrays [n, k] (indices int32). One position (`multi` false): 1-D, as ever."""
+    """One layer's rows: floats as a list of lists, or base64 of the row-major little-endian array of
+    the dtype (bfloat16: the high 16 bits of float32); top-k as {"indices", "values"} (int32
+    indices, largest magnitude first). `multi` false: 1-D."""
     if batch is None:  # no row (a range that selects nothing of this sequence)
         values = np.zeros((0, width), "<f4")
         indices = np.zeros((0, width), "<i4") if topk else None
@@ -71,8 +61,7 @@ def encode_rows(batch: RowBatch | None, layer: int, encoding: str, multi: bool, 
 
 def row_fields(batch: RowBatch | None, layers, encoding: str, by_layer: bool, multi: bool, position, dtype: str,
                topk: int | None, width: int) -> dict:
-    """Rows as a choice carries them (and POST /v1/hidden_states): `hidden_states` (or
-    `hidden_states_by_layer`), and `hidden_states_meta` with position, dtype, topk, positions, shape, bytes."""
+    """Rows as a choice carries them: `hidden_states` (or `_by_layer`) and `hidden_states_meta`."""
     rows = {layer: encode_rows(batch, layer, encoding, multi, topk, width) for layer in layers}
     out = {"hidden_states_by_layer": {str(layer): v for layer, v in rows.items()}} if by_layer \
         else {"hidden_states": rows[-1]}
@@ -98,10 +87,9 @@ _FINISHING = re.compile(r'"finish_reason":\s*"')  # an SSE chunk that finishes a
 
 
 class ChoiceVectors:
-    """Puts each finished choice's vector into the response, found by engine request and
-    choice: (prompt ordinal, index) = divmod(response index, n) for completions (vLLM numbers
-    choices `ordinal * n + index`), (0, index) for chat; fails the request if one has none.
-    Nothing else in the response changes."""
+    """Puts each finished choice's vector into the response, found by (prompt ordinal, index) =
+    divmod(response index, n) for completions, (0, index) for chat; fails the request if one has
+    none."""
 
     def __init__(self, engine, collector: HiddenStatesCollector, request, route: Route, replica_id: str,
                  adapter: str | None = None):
@@ -136,8 +124,8 @@ class ChoiceVectors:
         return out
 
     def _proof_fields(self, index: int, finishing: bool) -> dict | None:
-        """A proof choice's proofs completed since its last chunk (on its finishing chunk, the rest):
-        `hidden_states_proof` {scheme, topk, decode_batching_size, index (of its first proof), proofs}."""
+        """A proof choice's proofs completed since its last chunk: `hidden_states_proof` {scheme, topk,
+        decode_batching_size, index, proofs}."""
         col = self.collector
         key = divmod(index, self.n) if self.n else (0, index)
         if finishing and key not in col.done:
@@ -212,8 +200,7 @@ class ChoiceVectors:
 
 
 def not_from_token_ids(request) -> tuple[str, str] | None:
-    """(param, message) if the request's input is not token ids alone: the extraction
-    step replays prompt + completion as token ids, which would not be the same input."""
+    """(param, message) if the input is not token ids alone (the extraction step replays token ids)."""
     if getattr(request, "prompt_embeds", None):
         return "prompt_embeds", ("prompt_embeds cannot be combined with return_hidden_states: the vector is "
                                  "computed from token ids; send the prompt as text or token ids")

@@ -1,12 +1,8 @@
 """The hidden-states request fields and their rules: one schema, one parse.
 
-`HiddenStatesFields` is the schema (pydantic; the OpenAPI of deployments/http.py is
-generated from it) and the value a request's spec travels as. Its validators are the
-shape rules; `parse_fields` is the one place they run, in whichever process first
-reads the request (the Router; the replica under `ingress: replica`; a Python engine's
-`complete`). The spec then crosses to the replica as its JSON (`to_json`/`from_json`,
-not checked again), and the engine checks what needs the model once (`check_model`,
-the engine's `check_spec`). Messages name the fix.
+`HiddenStatesFields` is the schema; `parse_fields` runs its validators once, in whichever
+process first reads the request. The spec crosses to the replica as JSON (`to_json`/`from_json`,
+not re-checked) and the engine checks what needs the model (`check_model`).
 """
 
 from __future__ import annotations
@@ -86,8 +82,7 @@ def _checked(check):
 
 
 class VectorFields(BaseModel):
-    """Which vectors, and how they travel: the fields POST /v1/hidden_states shares with the completion routes.
-    Each field's rule is its validator (the messages name the fix)."""
+    """Which vectors and how they travel: the fields POST /v1/hidden_states shares with completions."""
 
     model_config = ConfigDict(frozen=True)
     hidden_states_encoding: Encoding = Field(
@@ -128,11 +123,7 @@ class VectorFields(BaseModel):
 
 
 class HiddenStatesFields(VectorFields):
-    """The request fields this server adds to vLLM's OpenAI API: the one schema of a request's
-    hidden-states spec. `parse_fields` makes one from a request's fields (the shape rules,
-    checked once, where the body is first read); it crosses to the replica as its JSON
-    (`to_json`/`from_json`, not checked again); the engine checks it against its model
-    (`check_spec`) and every later stage reads this value."""
+    """The request fields this server adds to vLLM's OpenAI API (see the module docstring)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
     return_hidden_states: bool = Field(False, description="attach each choice's final-token hidden state")
@@ -325,8 +316,7 @@ def check_topk(topk: Any) -> int | None:
 
 
 def rowwise(position: Any, dtype: str = "float32", topk: int | None = None) -> bool:
-    """Whether a request's vectors travel as rows (every new position, dtype and top-k); else the
-    original one-vector path (completion_end / prompt_end in float32, whole)."""
+    """Whether vectors travel as rows; else the one-vector float32 path."""
     return position not in SINGLE_POSITIONS or dtype != "float32" or topk is not None
 
 
@@ -356,9 +346,8 @@ def check_rows_budget(span: Span, prompt_len: int, max_tokens: int | None, choic
 
 
 def given_span(position: "str | Mapping[str, Any]", total: int, completion_start: int | None) -> Span:
-    """POST /v1/hidden_states (no generation): the span of `position` on `total` given tokens whose
-    completion, if any, starts at `completion_start`, meaning what it means on a completion's
-    prompt_token_ids + token_ids; a 400 if it selects nothing."""
+    """POST /v1/hidden_states: the span of `position` on `total` given tokens (completion from
+    `completion_start`); a 400 if it selects nothing."""
     if position == "completion" and completion_start is None:
         raise HiddenStatesRequestError(
             'hidden_states_position "completion" selects the tokens of `completion`: send `messages` with a '
@@ -372,9 +361,8 @@ def given_span(position: "str | Mapping[str, Any]", total: int, completion_start
 
 
 def room_for_completion(prompt_tokens: int, max_model_len: int) -> int:
-    """The most tokens a completion may have with hidden states: the final token needs one more
-    position (the tail row, or the extraction step's prefill), so prompt+completion stays below
-    max_model_len. Below 1: no room (`check_room`)."""
+    """The most completion tokens with hidden states: the final token needs one more position, so
+    prompt+completion stays below max_model_len. Below 1: no room."""
     return max_model_len - 1 - prompt_tokens
 
 
@@ -413,8 +401,8 @@ def check_layers(layers: Sequence[int], num_layers: int) -> tuple[int, ...]:
 
 
 def check_model(spec: VectorFields, num_layers: int, hidden_size: int) -> tuple[int, ...]:
-    """The rules of a spec that need the model, checked once where it is known (the replica's engine):
-    top-k within the hidden size, the layers in range; returns the layers captured, deduplicated."""
+    """The spec's rules that need the model (top-k within hidden size, layers in range); returns the
+    layers, deduplicated."""
     layers, _, _, topk = spec.capture()
     if (proof := getattr(spec, "hidden_states_proof", None)) is not None:
         check_proof_width(proof, hidden_size)

@@ -1,16 +1,8 @@
 """Checks before an engine starts, so a replica that cannot serve says why at once.
 
-vLLM reports most start-up failures from its engine-core process as "Engine
-core initialization failed. See root cause above": the cause is in another
-process's log, not in the exception a replica (and so `serve status`) sees.
-These checks find the common causes first, in this process, and raise
-`EngineStartupError` with the cause and the setting to change:
-
-- the model folder: missing, no `config.json`, no weight files;
-- the architecture: not one vLLM can run;
-- memory, on CPU engines: the weights plus the KV cache (`kv_cache_memory_bytes`)
-  must fit in the memory available now (MemAvailable, or the cgroup's limit if
-  lower). This is a check, not a size: nothing is sized from the machine's RAM.
+vLLM reports start-up failures from another process ("See root cause above"); these checks
+raise `EngineStartupError` with the cause and the setting to change: the model folder, the
+architecture, and on CPU whether weights plus KV cache fit in the memory available now.
 """
 
 from __future__ import annotations

@@ -1,34 +1,15 @@
 """What crosses a process boundary, and its codec.
 
-The vector rides vLLM's own output path (the seed's diagram):
-
     worker -> ModelRunnerOutput -> EngineCore's scheduler -> EngineCoreOutput -> AsyncLLM
 
-- `HiddenStatesExtractionRequest` rides inside `SamplingParams.extra_args`
-  (key `EXTRA_ARGS_KEY`) from the frontend to the scheduler: it marks an
-  engine request for capture, says where (`span`, `reaches_final`), and carries the key
-  its vector comes back under (vLLM rewrites request ids). The worker never
-  reads it.
-- `PlanEntry`, per request, is the step's capture plan that the scheduler hangs
-  on the SchedulerOutput (attribute `PLAN_ATTR`): which of the request's
-  scheduled rows to capture, at which layers, in which dtype and top-k.
-- `StepCapture` is what the runner hook hangs on the step's ModelRunnerOutput
-  (attribute `STEP_ATTR`): every row captured in the step, one array, and which
-  request each row belongs to. It travels wherever vLLM moves that output
-  (in process, or through the multiprocess executor's own transport).
-- `CapturedRows` is what the scheduler puts on the EngineCoreOutputs of a
-  flagged request, under `ROWS_KEY` in their `kv_transfer_params`: the rows
-  decided since its last output (a stream's), or all of them on its finishing
-  output, at absolute positions of prompt+completion, cast (and top-k
-  selected) on the device, raw little-endian bytes. A single vector
-  (`completion_end`, `prompt_end`) is one row of it: one type for every
-  request, 1-D or 2-D decided only when a response is formatted. vLLM's msgpack
-  carries the raw bytes (never pickled, never a Python list); the frontend
-  takes them off before vLLM's output processor reads that field, so nothing
-  leaks into responses.
+- `HiddenStatesExtractionRequest` (in `SamplingParams.extra_args[EXTRA_ARGS_KEY]`): frontend to
+  scheduler; marks a request for capture, its span, and the key its rows come back under.
+- `PlanEntry` (SchedulerOutput attribute `PLAN_ATTR`): scheduler to worker, what to capture.
+- `StepCapture` (ModelRunnerOutput attribute `STEP_ATTR`): worker to scheduler, one buffer per step.
+- `CapturedRows` (`kv_transfer_params[ROWS_KEY]`): scheduler to frontend, raw little-endian bytes
+  (vLLM's msgpack, never pickled), taken off before vLLM reads that field.
 
-Decoding validates what arrives and raises `HiddenStatesProtocolError` saying
-what was wrong; nothing here can execute code from a message.
+Decoding validates and raises `HiddenStatesProtocolError`; nothing here executes message code.
 """
 
 from __future__ import annotations
@@ -69,8 +50,8 @@ def widen(values: np.ndarray, dtype: str) -> np.ndarray:
 
 
 def narrow(values: np.ndarray, dtype: str) -> np.ndarray:
-    """float32 values as raw elements of `dtype` (uint16 bit patterns for bfloat16), rounded to nearest
-    even as torch casts; exact for values of that dtype (what `widen` gave): `widen`'s inverse."""
+    """float32 as raw elements of `dtype` (uint16 bits for bfloat16), round-to-nearest-even as torch:
+    `widen`'s inverse."""
     values = np.asarray(values, dtype=np.float32)
     if dtype == "bfloat16":
         bits = values.view(np.uint32).astype(np.uint64)
@@ -203,10 +184,8 @@ class HiddenStatesExtractionRequest(msgspec.Struct, omit_defaults=True, forbid_u
 
 
 class PlanEntry(NamedTuple):
-    """What the scheduler asks the worker to capture of one request in one step (scheduler.py
-    decides; capture.py only gathers). `offsets` index the request's scheduled tokens in the step
-    (0 = its first scheduled token), `positions` are the same rows' absolute positions in
-    prompt+completion. Builtins only: it rides the SchedulerOutput wherever vLLM moves it."""
+    """What the worker captures of one request in one step. `offsets` index the request's scheduled
+    tokens (0 = its first), `positions` are their absolute positions. Builtins only."""
 
     offsets: list[int]
     positions: list[int]

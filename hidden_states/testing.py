@@ -1,30 +1,11 @@
 """FakeEngine: the engine interface (hidden_states/interface.py) without vLLM, for Serve-layer unit tests.
 
-Deterministic and instant: a prompt's token ids are its UTF-8 bytes, a choice
-generates `max_tokens` ids counting up from the prompt's length plus its index,
-and the vector of a token sequence is `fake_vector(ids)`: the row of position p
-is `fake_vector(ids[:p + 1])`, so every hidden_states_position, dtype and top-k
-is served (`fake_rows`: cast and selected as the engine does), within
-`max_hidden_states_bytes`. Responses go through the same formatting as the
-real frontend (`hidden_states.openai_format`), so the ingress, relay, counters
-and vector placement are tested for real; only vLLM is not there.
-`FakeEngine.fail_next` makes the next OpenAI request raise mid-stream what
-vLLM raises when its engine core died (`EngineDeadError`).
-
-Like vLLM's AsyncLLM, it knows which requests are still running: a request is
-live from its start until its generator ends, and one whose caller closed or
-cancelled it first (a client that hung up) is counted `cancelled`, as vLLM
-aborts it. `stats()` reports both (`unfinished_requests`, the key the vLLM
-engine reports too, and `cancelled_requests`), so tests over Serve can check
-that nothing is left running. `token_delay_s` (an `engine` arg in the app's
-args) makes each generated token take that long, so a client has time to hang up.
-`first_token_delay_s` (an `engine` arg too, default 0: none) adds one wait per
-request before its first token, as an engine's prefill: a request of `max_tokens`
-then sleeps `first_token_delay_s + max_tokens * token_delay_s` (per choice for the
-tokens, once for the prefill), which `bench/simulate.py` sets from a real engine's
-measured time to first token and time per token. `hidden_size` (an `engine` arg,
-default 8) sets the vectors' width, for payloads the size of a real model's
-(`bench/payloads.py`: 4,096).
+Deterministic and instant: token ids are UTF-8 bytes; a choice generates `max_tokens` ids
+counting up; the row of position p is `fake_vector(ids[:p + 1])`, cast and selected as the
+engine does. Responses go through `hidden_states.openai_format`. `fail_next` raises
+`EngineDeadError` mid-stream. `stats()` reports `unfinished_requests` and `cancelled_requests`.
+`engine` args: `token_delay_s` per token, `first_token_delay_s` once (prefill), `hidden_size`
+(default 8).
 """
 
 from __future__ import annotations

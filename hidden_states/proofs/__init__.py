@@ -1,12 +1,8 @@
 """Proofs of inference, built on the server from the rows the engine computes anyway, and checked
-by it: one seam, one small module per scheme (`toploc.py` is the first).
+by it: one module per scheme (`toploc.py`).
 
-A scheme says which rows it needs (`Scheme.capture`: the positions of prompt+completion, the
-dtype, the per-row top-k the engine sends), how a choice's rows group into proofs (`chunks`),
-how one chunk's rows become a proof (`prove`), and how a proof is checked against the rows a
-validator recomputes (`check`). Choices build theirs as rows arrive (`ProofBuilder`): a stream's
-chunk carries each proof once its rows are decided. No vLLM here, no torch but the validator's
-top-k.
+A `Scheme` says which rows it needs (`capture`), how they group (`chunks`), how a chunk becomes
+a proof (`prove`) and how one is checked (`check`). `ProofBuilder` builds a choice's as rows arrive.
 """
 
 from __future__ import annotations

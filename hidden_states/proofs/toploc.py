@@ -1,29 +1,12 @@
 """TOPLOC proofs (PrimeIntellect-ai/toploc 0.1.6, arXiv 2501.16007), built and checked natively:
 numpy only, no torch extension, no toploc at run time.
 
-What a proof is. A request's activations are the last layer's rows after the final norm, as
-bfloat16, at every position that was fed: the prompt (one chunk, the prefill), then each decode
-step's row, in chunks of `decode_batching_size` (the final token is never fed). Per chunk, the
-`topk` entries of largest magnitude of the flattened chunk (row-major: element (p, d) of a chunk
-of rows p is at p * D + d) are encoded as the polynomial through the points (index mod m, the
-value's bfloat16 bit pattern) over GF(65497), m the largest modulus <= 65497 under which the
-indices stay distinct; the proof is m then the coefficients, 16 bits big-endian each, in base64.
-That is toploc's `ProofPoly.from_points_tensor(...).to_base64()`, byte for byte (its
-`C/csrc/ndd.cpp` and `poly.cpp`), and `build_proofs_base64(activations, decode_batching_size,
-topk)` chunk by chunk.
-
-The top-k of a chunk needs only each row's top-k (the chunk's largest entries are among its
-rows' largest), so the engine sends k entries per row. Where entries of equal magnitude straddle
-the k-th place, any of them completes a top-k: this module takes the lowest flat indices first;
-torch.topk takes whichever its selection algorithm leaves, so the two proofs can differ in those
-points (both are top-k proofs of the same activations, and a validator accepts either).
-
-Checking a proof (`check`) is toploc's `verify_proofs`: the validator's own activations of the
-chunk, its top-k indices (torch.topk's), the proof evaluated there, and per proof the exponent
-mismatches and the mantissa error mean and median (bfloat16 fields) where the exponents match,
-against thresholds (TOPLOC's by default). Indices are reduced by the proof's modulus before
-evaluation, as toploc's C++ path does (its Python path skips that, and misjudges chunks of more
-than 65,497 entries whose modulus is smaller).
+Per chunk of fed positions (the prefill, then `decode_batching_size` decode steps) of bfloat16
+last-layer rows, the `topk` entries of largest magnitude (flat index p * D + d) are encoded as
+the polynomial through (index mod m, bfloat16 bits) over GF(65497): m then the coefficients,
+16-bit big-endian, base64; byte for byte toploc's `build_proofs_base64`. Ties at the k-th place
+take the lowest flat index (torch.topk may differ; a validator accepts either). `check` is
+toploc's `verify_proofs`, with indices reduced by the modulus as its C++ path does.
 """
 
 from __future__ import annotations
@@ -58,9 +41,7 @@ _TABLES: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
 
 
 def _tables() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(exp, log, inverse) over GF(65497), built once: exp[k] = 7^k, log[v] for v != 0 laid out
-    twice (a difference of two residues offset by 65497 indexes it unreduced), inverse[v] = 1 / v
-    (0 -> 0)."""
+    """(exp, log, inverse) over GF(65497), built once; log laid out twice so differences index it unreduced."""
     global _TABLES
     if _TABLES is None:
         assert all(pow(_GENERATOR, (PRIME - 1) // q, PRIME) != 1 for q in (2, 3, 2729))
@@ -86,9 +67,8 @@ _SUMS: dict[tuple[int, int], np.ndarray] = {}
 
 
 def _roots_polynomial(roots: np.ndarray) -> np.ndarray:
-    """The coefficients (ascending, n + 1 of them) of prod_j (X - roots_j) over GF(65497): a
-    product tree, each level's products in one pass (bincount over i + j sums the outer products'
-    anti-diagonals; every partial sum stays below 2^53, so float64 adds them exactly)."""
+    """Ascending coefficients of prod_j (X - roots_j) over GF(65497), by a product tree (float64
+    partial sums stay below 2^53: exact)."""
     n, size = len(roots), 1
     while size < n:
         size *= 2
@@ -117,11 +97,8 @@ def _powers(x: np.ndarray, n: int) -> np.ndarray:
 
 
 def interpolate(x: Sequence[int], y: Sequence[int]) -> tuple[int, list[int]]:
-    """(modulus, coefficients in ascending order) of the polynomial through (x mod m, y) over
-    GF(65497): the one polynomial of degree < n through those points, so the integers of ndd.cpp's
-    Newton interpolation, found with a constant number of array passes (Lagrange's form):
-    with P = prod_j (X - x_j) and c_i = y_i / prod_{j != i} (x_i - x_j), the coefficient of X^j is
-    sum_t P[j + 1 + t] * S_t, where S_t = sum_i c_i * x_i^t (powers and products through logs)."""
+    """(modulus, ascending coefficients) of the polynomial of degree < n through (x mod m, y) over
+    GF(65497), ndd.cpp's integers, in Lagrange's form with a constant number of array passes."""
     exp, log, inverse = _tables()
     x = np.asarray(x, dtype=np.int64)
     m = _modulus(x)
@@ -171,9 +148,8 @@ def chunk_bounds(prompt_len: int, total: int, decode_batching_size: int) -> list
 
 def chunk_topk(positions: np.ndarray, indices: np.ndarray, bits: np.ndarray, lo: int, width: int,
                topk: int) -> tuple[np.ndarray, np.ndarray]:
-    """The chunk's top-k (flat indices, bfloat16 bits) from its rows' top-k: `positions` [n] of
-    the rows (absolute, from `lo`), `indices` [n, k] within each row of `width` entries, `bits`
-    [n, k] uint16. Largest magnitude first; ties by lowest flat index."""
+    """The chunk's top-k (flat indices, bfloat16 bits) from its rows' top-k (`indices`, `bits` [n, k]
+    at `positions`, rows of `width`). Largest magnitude first; ties by lowest flat index."""
     flat = ((positions[:, None] - lo) * width + indices).reshape(-1).astype(np.int64)
     b = bits.reshape(-1).astype(np.int64)
     if len(b) > topk:  # only entries at or above the k-th magnitude can be in it

@@ -1,9 +1,6 @@
-"""CPU engines: the start-up steps before a replica takes traffic, and CPU fixes (generator, LoRA,
-the speculative sampler's expand kernel).
-
-Engine side, `cpu_start_up()` runs them through `collective_rpc`; worker side,
-`CPUWorkerSteps` (mixed into the worker extension) does them. Ledger points 5-7,
-11 and 13 in __init__.py. Malloc trimming itself is hidden_states/malloc_trim.py.
+"""CPU engines: start-up steps before a replica takes traffic, and CPU fixes (ledger points 5-7,
+11, 13 in __init__.py). `cpu_start_up()` runs them from the engine through `collective_rpc`;
+`CPUWorkerSteps` (mixed into the worker extension) does them in each worker.
 """
 
 from __future__ import annotations
@@ -23,10 +20,8 @@ def on_cpu() -> bool:
 
 
 def warm_up_sizes(max_tokens: int) -> list[int]:
-    """Every batch size (tokens per step) from 1 to `max_tokens` (the engine's
-    max_num_batched_tokens), most useful first: every size up to 64 (decode
-    batches), every 8th up to 512 and every 64th beyond (prefill chunks), then the
-    rest. A CPU engine is warmed up with as many of them as its time budget allows."""
+    """Batch sizes 1..`max_tokens`, most useful first: every size to 64, every 8th to 512, every
+    64th beyond, then the rest."""
     first = [*range(1, 65), *range(72, 513, 8), *range(576, max_tokens + 1, 64)]
     first = [n for n in first if n <= max_tokens]
     seen = set(first)
@@ -170,14 +165,9 @@ def expand_batch_to_tokens(output, input, cu_num_tokens, replace_from, replace_t
 
 
 def fix_cpu_spec_sampling(fixed: bool = True) -> bool:
-    """Ledger point 13: the CPU platform's stand-in for the rejection sampler's `expand_kernel`
-    writes into an int64 copy of its output and drops it, so the expanded temperatures, top-k
-    and top-p of a batch that is not all greedy are uninitialised memory. The platform registered
-    its stand-in as a `KernelOverride` (vllm.triton_utils.dispatcher) that every holder of the
-    kernel shares; its implementation is swapped for the torch one above (`fixed=False`: vLLM's
-    back). Re-registering through `register_kernels` would rescan every loaded module, which
-    fails in the worker on a torch library object. Returns whether the fix is in place: False
-    where vLLM runs the Triton kernel itself (Triton's CPU backend), which needs none."""
+    """Ledger point 13: swaps the shared `KernelOverride`'s implementation for `expand_batch_to_tokens`
+    (`fixed=False`: vLLM's back); re-registering would rescan modules and fail in the worker.
+    Returns whether the fix is in place (False where vLLM runs Triton itself)."""
     import inspect
 
     import vllm.v1.sample.rejection_sampler as rejection_sampler
@@ -199,10 +189,8 @@ _LORA_OPS = ("bgmv_shrink", "bgmv_expand", "bgmv_expand_slice")
 
 
 def patch_cpu_lora_ops() -> None:
-    """Ledger point 11: vLLM's PyTorch LoRA ops (the CPU platform's) gather
-    `weights[indices]`, and a row without an adapter (index -1) gets the last slot's
-    adapter. The rows marked -1 are given zero input, so their LoRA delta is zero, as in
-    the Triton kernels, which skip them (vLLM PR #48421). Idempotent."""
+    """Ledger point 11: rows with index -1 get zero input, so a zero LoRA delta, as the Triton kernels
+    skip them. Idempotent."""
     import vllm.lora.ops.torch_ops as package
     import vllm.lora.ops.torch_ops.lora_ops as ops
     from vllm.lora.punica_wrapper import punica_cpu
@@ -234,12 +222,9 @@ CPU_ASYNC_ENV = "HIDDEN_STATES_TEST_CPU_ASYNC"  # "1": the engine runs vLLM's as
 
 
 def install_cpu_async_shim() -> None:
-    """CPU stand-ins for the CUDA stream and event calls of Model Runner V1's async path
-    (AsyncGPUModelRunnerOutput, the prepare-inputs event). CPU ops run in order on the calling
-    thread, so a stream is the current thread, recording an event and waiting on it are no-ops,
-    and the copies vLLM makes `non_blocking` are done when they return. For tests: vLLM's CPU
-    platform turns async scheduling off ("not required on CPU"); this lets its own async
-    scheduler, engine loop and runner path run here."""
+    """Ledger point 12 (tests only): CPU stand-ins for Model Runner V1's CUDA stream and event calls.
+    CPU ops run in order on the calling thread, so streams are the current thread and events
+    no-ops."""
     import contextlib
 
     import torch

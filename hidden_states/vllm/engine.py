@@ -1,39 +1,12 @@
 """HiddenStatesEngine: the engine interface (hidden_states/interface.py) on vLLM's AsyncLLM.
 
-The vector is computed in the engine's dtype (float32 on CPU by default;
-bfloat16/float16 widen exactly) and returned as float32.
-
-How (the seed's diagram): a request that asks is flagged in its
-`SamplingParams.extra_args`; the runner hook (capture.py) slices its row on the
-device in the step that computes it and hangs the step's rows on the
-ModelRunnerOutput; the scheduler (scheduler.py) files them and puts each
-request's vector on the EngineCoreOutput that finishes it; the frontend
-(extraction.py) takes it off there and files it under the choice. The final
-token's row comes from the *tail step*: a stopping request is held for one
-decode row in the batch that runs anyway (one position computed). Where the
-engine cannot take the tail (stop strings, grammars, async scheduling), the
-finished output says "not captured" by carrying nothing, and the *extraction
-step* runs at once: a prefill-only request of prompt+completion (max one
-token) whose output brings the vector the same way; the prefix cache holds all
-but the last block, and it goes ahead of waiting generation (priority -1).
-
-Ways in, one path:
-- `complete()/extract_layers()` for Python callers (the work is extraction.py's
-  `Extraction`, which the engine owns as `engine.extraction`);
-- vLLM's own OpenAI serving classes (openai.py) driving the engine through
-  vLLM's EngineClient interface with sampling params tagged by a collector
-  (`with engine.collecting() as c:` put `c.extra_args` in the sampling params'
-  extra_args; an OpenAI request carries the tag in `vllm_xargs`): vectors land
-  in that collector under (prompt ordinal, choice index);
-- beam search (vLLM's serving runs it as one-token engine requests per step,
-  which carry no tag): `extraction.extract_beams()` wraps its final output and extracts
-  one vector per returned beam.
-
-LoRA adapters (engine argument `enable_lora`) are loaded and named by vLLM's
-OpenAI serving (`openai(..., lora_modules)`); `complete(model=NAME)` and the
-OpenAI routes' `model` select one. The tail step is a decode row of the
-request itself, so on its adapter; the extraction step carries the adapter
-(extraction.Origin), so every vector is the adapter's.
+Vectors are computed in the engine's dtype and returned as float32. A flagged request's rows
+are captured on the device (capture.py), filed and put on its outputs by the scheduler
+(scheduler.py), and taken off by the frontend (extraction.py); the final token's row comes from
+the tail step, or else the extraction step (a prefill-only request, priority one ahead).
+Ways in: `complete()`/`extract_layers()`, vLLM's OpenAI serving (openai.py, tagged through
+`collecting()`), and beam search (`extraction.extract_beams`). A LoRA request's vectors are its
+adapter's (the extraction step carries it, extraction.Origin).
 """
 
 from __future__ import annotations
@@ -96,9 +69,7 @@ def _execution_mode(cfg: Any) -> dict[str, Any]:
 
 class HiddenStatesEngine(VectorObservers):
     """A vLLM v1 engine that returns hidden states of finished completions.
-
-    Start with `await HiddenStatesEngine.start(model, **engine_args)`; stop with
-    `shutdown()`. Engine arguments are vLLM's (`AsyncEngineArgs`).
+    `await HiddenStatesEngine.start(model, **engine_args)` (vLLM's `AsyncEngineArgs`); `shutdown()`.
     """
 
     def __init__(self, llm: Any, enabled: bool, extraction_timeout_s: float = 60.0, *, tail_enabled: bool = False,
@@ -243,15 +214,10 @@ class HiddenStatesEngine(VectorObservers):
         layers: Sequence[int] = (-1,), position: Any = "completion_end", model: str | None = None,
         dtype: str = "float32", topk: int | None = None, proof: Any = None, spec: HiddenStatesFields | None = None,
     ) -> Completion:
-        """One prompt (text or token ids) to a finished Completion with a vector per choice.
-        `sampling`: SamplingOptions, or (Python callers of this engine) vLLM's own SamplingParams.
-        `model`: a LoRA adapter's name (`lora_request`), which generates and computes every vector.
-        `position`: "completion_end", "prompt_end" (one vector [D]), or "completion", "all",
-        {"start", "end", "stride"}: rows [n, D] with `choice.positions`. `dtype`: the rows cast
-        on the device (returned widened to float32); `topk`: per position the k largest-magnitude
-        values, their indices in `choice.hidden_states_indices`. `proof` (proofs.ProofRequest, or its
-        fields as a dict): each choice carries its proofs (`choice.proofs`) instead of vectors.
-        `spec`: those fields as a request's parsed spec (params.parse_fields), in place of the keywords."""
+        """One prompt (text or token ids) to a finished Completion with a vector per choice. `sampling`:
+        SamplingOptions or vLLM's SamplingParams; `model`: a LoRA adapter; `position`, `dtype`, `topk`,
+        `proof`: as the API's fields (rows returned widened to float32); `spec`: a parsed spec in
+        place of those keywords."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -304,8 +270,8 @@ class HiddenStatesEngine(VectorObservers):
         return self.extraction.missing(what)
 
     def chat_prompt(self, messages: Sequence[dict]) -> list[int]:
-        """The token ids of chat `messages` rendered with the model's chat template and its generation
-        prompt, as vLLM's chat route renders them (a 400 naming `messages` if the template cannot)."""
+        """Token ids of `messages` with the chat template and generation prompt, as vLLM's chat route
+        renders them (a 400 naming `messages` if it cannot)."""
         try:
             return list(self.llm.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True,
                                                                tokenize=True, return_dict=False))
@@ -335,12 +301,8 @@ class HiddenStatesEngine(VectorObservers):
     async def stats(self, fresh_workers: bool = True) -> dict:
         """The engine's counters and its workers' (`workers`).
 
-        `fresh_workers=False` (the replica's 5 s metrics poll) asks the workers only if a
-        flagged request was registered or pending since they were last asked; else it
-        returns their last figures: their capture and send counters cannot have moved
-        (the malloc-trim count can; it is not a metric). Asking wakes the engine core and
-        its workers, which then busy-wait for up to a second (vLLM's SpinCondition):
-        every 5 s, that kept an idle tiny-model engine at 0.21 cores instead of 0.01.
+        `fresh_workers=False` asks the workers only if a flagged request came since last asked: asking
+        wakes them into up to a second of busy-waiting (vLLM's SpinCondition).
         """
         if not self.enabled:
             workers = []
@@ -359,9 +321,8 @@ class HiddenStatesEngine(VectorObservers):
         }
 
     def shutdown(self) -> None:
-        """Stop the engine, its output handler first. vLLM's `AsyncLLM.shutdown` stops the engine core and only
-        then cancels the handler, which in between reads the core's death and logs it as a traceback
-        (`EngineDeadError`) at the end of every clean run. Callable from any thread, and more than once."""
+        """Stop the engine, its output handler first (else vLLM logs the core's death as a traceback on
+        every clean run). Callable from any thread, more than once."""
         if getattr(self, "_shut_down", False):
             return
         self._shut_down = True

@@ -1,24 +1,12 @@
 """Every vLLM engine argument, classified for hidden states: the one table.
 
-Each field of vLLM's `AsyncEngineArgs` (`dataclasses.fields`) is in exactly one of:
-
-- `EXERCISED`: name -> the test that starts a real engine with it set and checks
-  the vectors against transformers (exact, or at a tolerance that test derives);
-- `REFUSED`: name -> why it cannot be combined with hidden states. `refuse()`
-  raises `EngineStartupError` naming the argument, from
-  `HiddenStatesEngine.start()` before vLLM starts (never a 5xx at request
-  time); a value in `ACCEPTED` (the harmless ones: its default) passes;
-- `IRRELEVANT`: name -> why it cannot make a returned vector differ from the
-  hidden state the served engine computes for the choice's own tokens. Many of
-  these choose *what* is computed (the model, its weights, a kernel): the vector
-  is then that computation's, as the tokens are; the hook reads the rows where
-  the LM head reads them (capture.py), whatever produced them.
-
-`tests/engine/test_engine_args.py::test_every_engine_argument_is_classified`
-fails on a field in none of them (a new vLLM argument), in two, on a name vLLM
-no longer has, and on an EXERCISED test that does not exist. The refusals
-apply only with hidden states on (`enable_return_hidden_states`); vLLM's own
-checks run after ours.
+Each field of `AsyncEngineArgs` is in exactly one of:
+- `EXERCISED`: name -> the test that runs a real engine with it and checks the vectors;
+- `REFUSED`: name -> why; `refuse()` raises `EngineStartupError` naming it before vLLM
+  starts (values in `ACCEPTED` pass);
+- `IRRELEVANT`: name -> why it cannot make a vector differ from the hidden state the engine
+  computes for the choice's tokens.
+`tests/engine/test_engine_args.py::test_every_engine_argument_is_classified` enforces it.
 """
 
 from __future__ import annotations
@@ -289,9 +277,8 @@ CPU_EXTRACTION_BLOCK_SIZE = 32
 
 
 def with_defaults(engine_args: Mapping[str, Any], hidden_states: bool, cpu: bool) -> dict[str, Any]:
-    """The engine arguments HiddenStatesEngine.start() runs with: the defaults hidden states need
-    under the caller's (an explicit argument wins). The app's own engine defaults (dtype, the KV
-    cache, chunk sizes) are deployments/config.py's; these are the engine's, for any caller."""
+    """The engine arguments HiddenStatesEngine.start() runs with: hidden states' defaults under the
+    caller's (an explicit argument wins)."""
     out = {"enable_prefix_caching": True, **engine_args}
     if hidden_states:
         # The extraction step is one short prefill that a client is waiting on: it goes ahead of
@@ -304,9 +291,8 @@ def with_defaults(engine_args: Mapping[str, Any], hidden_states: bool, cpu: bool
 
 
 def refuse(engine_args: Mapping[str, Any], vllm_config: Any = None) -> None:
-    """Raises EngineStartupError naming the argument if the engine arguments ask for a refused
-    feature; with `vllm_config` (vLLM's resolved VllmConfig), also if the resolved configuration
-    has one however it was asked for (a platform default, a model config, a shorthand)."""
+    """Raises EngineStartupError naming a refused argument; with `vllm_config`, also a refused feature
+    in the resolved configuration however it was asked for."""
     for name, value in engine_args.items():
         if name in REFUSED and not ACCEPTED[name](value):
             raise _refusal(name, value)

@@ -1,55 +1,20 @@
-"""The scheduler: where vectors meet the outputs they belong to, and the tail step
+"""The engine core's scheduler: each step's capture plan, rows onto outputs, the tail step
 (ledger point 9 in __init__.py).
 
-One authority. The engine core's scheduler sees every flagged request from
-start to finish, so it decides, and says, what happens to its vector:
+- **Capture.** `_plan` names each step's rows (`PLAN_ATTR`); the runner hangs them on the
+  ModelRunnerOutput (`protocol.StepCapture`) and `update_from_output` files them per request.
+- **Delivery.** Rows leave in the `kv_transfer_params` of the request's EngineCoreOutputs
+  (`protocol.CapturedRows` under `ROWS_KEY`): a stream's on each output, the rest on the
+  finishing one. A wanted position no output brought is computed by the frontend's
+  extraction step. Nothing waits on a timer.
+- **The tail step** (`TailScheduler`, synchronous only). A `tail=True` request that stops
+  inside the engine is held one step: its final token is appended but not emitted, the next
+  step computes its row as an ordinary decode row, the token sampled from it is dropped, and
+  the held token is emitted with its logprobs and the original finish (vLLM's detokenizer
+  drops a stop token from the text only when it arrives with its finish).
 
-- **Capture.** The runner hook (capture.py) hangs each step's captured rows on
-  the step's ModelRunnerOutput (`protocol.StepCapture`); `update_from_output`
-  files each row under its engine request.
-- **Delivery.** Every flagged request has a span of positions (a single vector
-  is a span of one: the final position, or the prompt's last). Its rows leave on
-  vLLM's own path to the frontend, in the `kv_transfer_params` of its
-  EngineCoreOutputs (`protocol.CapturedRows` under `ROWS_KEY`): the rows decided
-  since its last output for a stream of several positions, else all of them on
-  the output that carries the finish. A wanted position that no output brought
-  was not computed: the frontend's extraction step computes exactly those, at
-  once (extraction.py). Nothing waits on a timer.
-- **The tail step** (`TailScheduler`, synchronous scheduling only). A request
-  flagged `tail=True` that stops inside the engine (EOS, a stop token id,
-  `max_tokens`, repetition) is held back one step: its final token is appended
-  to the request (so the next step computes it as an ordinary one-token decode
-  row, in the batch that runs anyway, with every earlier K/V in place) but not
-  emitted. That step's capture plan (`PLAN_ATTR`, built in `_plan`, an
-  attribute that rides along wherever the scheduler output goes) names their
-  final positions, so the runner captures those rows. The token sampled from
-  the tail row is dropped, and the held token is emitted then, with its own
-  logprobs, together with the original finish and stop reason: the frontend
-  sees exactly the outputs it would have seen without hidden states, one step
-  later (vLLM's detokenizer leaves a stop token out of the text only when it
-  arrives with its finish). Under speculative decoding a held request's tail
-  step runs its final token alone (its drafts cleared), and rows of rejected
-  drafts, or of tokens accepted past a stop, are dropped here.
-
-- **Rows across the completion.** A span of several positions
-  (hidden_states_position "completion", "all", a range) gets its rows captured
-  in every step that computes them (`completion_end`, a span of the final
-  position alone, only in its tail step: one row per vector). They are filed
-  here per request. A position is decided once it is
-  wanted whatever the final length (a range that counts from the end waits for
-  the finish, keeping only the rows it can still want); the hold step emits no
-  output, so its row goes with the finish. A resumed request's recomputed
-  positions are not sent twice. Nothing stays once the request is freed.
-
-A preempted held request is recomputed on resume; the step whose scheduled
-span reaches its final token is still its tail step (the runner checks the
-span). Requests finished from outside (an abort) are forgotten in
-`_free_request`. Nothing changes for unflagged requests.
-
-Not held (the vector then comes from the extraction step): a request with no
-room for one more position (`num_tokens >= max_model_len`), a request with a
-grammar (its matcher is done once the request stops), and any request the
-frontend did not flag for the tail (stop strings, which the frontend cuts).
+Not held (the extraction step computes the row): no room for one more position, a grammar,
+or a stop the frontend cuts (stop strings).
 """
 
 from __future__ import annotations
@@ -83,10 +48,8 @@ class _Held:
 
 @dataclasses.dataclass
 class _Rows:
-    """A span request's captured rows not sent yet: a window over a buffer that grows by doubling.
-    Rows still undecided (a range aligned to the end waits for the end) are a suffix of the window,
-    so a step appends its rows and drops the decided ones in place: O(1) copies per row, not a
-    concatenation of everything held on every step."""
+    """A span request's unsent rows: a window over a buffer that grows by doubling. Undecided rows
+    are a suffix, so a step appends and drops in place: O(1) copies per row."""
 
     flag: HiddenStatesExtractionRequest
     span: Span
@@ -126,8 +89,7 @@ class _Rows:
         self._pos, self._val, self.lo, self.hi = pos, val, 0, n
 
     def prune(self, known: int) -> None:
-        """Drops the oldest rows that can no longer be wanted (a request whose rows all go at its
-        finish keeps the rest): the window stays as long as the range."""
+        """Drops the oldest rows no longer wantable; the window stays as long as the range."""
         if self.hi > self.lo:
             wanted, undecided = self.span.classify(self._pos[self.lo:self.hi], known)
             keep = wanted | undecided
@@ -140,8 +102,7 @@ class _Rows:
         self.next = min(self.next, limit)
 
     def take(self, known: int, total: int | None = None) -> CapturedRows | None:
-        """The rows decided wanted (all of them, resolved on `total` tokens, once it ended); the
-        undecided stay, the unwanted go."""
+        """The rows decided wanted (all of them, on `total` tokens, once ended); undecided stay."""
         if self.hi == self.lo:
             return None
         w = slice(self.lo, self.hi)
@@ -165,10 +126,8 @@ class _Rows:
 
 @dataclasses.dataclass
 class _StepRefs:
-    """A span request whose every captured row is wanted (start >= 0 and no end counted from the
-    end: "completion", "all", most ranges): per step only a reference to the step's host buffer
-    and the request's blocks in it; the rows are copied out once, when sent (at the finish, or
-    per output for a stream). The buffers are the steps' own, whose rows are all wanted."""
+    """A span request whose every row is wanted: per step only a reference to the step's host
+    buffer and its blocks; rows are copied out once, when sent."""
 
     flag: HiddenStatesExtractionRequest
     span: Span
@@ -177,8 +136,7 @@ class _StepRefs:
     pieces: list = dataclasses.field(default_factory=list)  # (step data, blocks by layer, row mask or None)
 
     def add(self, data: np.ndarray, blocks: list, first: list[int], bound: int) -> None:
-        """A step's rows of positions `first`; those at `bound` and past it (rejected draft tokens'
-        rows) never count."""
+        """A step's rows from position `first`; rows at `bound` and past (rejected drafts) never count."""
         keep = None
         if first[0] < self.next or first[-1] >= bound:  # recomputed rows (a resumed request): once
             keep = (np.asarray(first) >= self.next) & (np.asarray(first) < bound)
@@ -189,7 +147,7 @@ class _StepRefs:
         self.layers = [b.layer for b in blocks]
 
     def trim(self, limit: int) -> None:
-        """Drops rows at `limit` and past it (tokens accepted past a stop: never part of the sequence)."""
+        """Drops rows at `limit` and past it (tokens accepted past a stop)."""
         if self.next <= limit:
             return
         pieces, self.pieces = self.pieces, []
@@ -218,10 +176,8 @@ class _StepRefs:
 
 @dataclasses.dataclass
 class _Capture:
-    """One flagged request in the engine core, from `add_request` to its last output: what it
-    asked (`flag`), whether a tail step (or, under async scheduling, the step in flight) computes
-    its final row (decided once, in `add_request`), its rows not sent yet, and the positions the
-    steps scheduled for that tail (counted as they ran; sent with its final rows)."""
+    """One flagged request from `add_request` to its last output: its `flag`, whether a tail step
+    computes its final row (decided once), its unsent rows, and the tail steps' positions."""
 
     flag: HiddenStatesExtractionRequest
     tail: bool
@@ -271,11 +227,9 @@ class _VectorsOnOutputs:
         super().add_request(request)
 
     def _takes_tail(self, sp: Any) -> bool:
-        """The one place a request's tail is decided: this scheduler runs tail steps (or takes the
-        step in flight), and the stop is one the engine sees (stop strings are cut in the frontend,
-        which then aborts) without a grammar (its matcher is done once the request stops). The
-        frontend's extraction step computes the final row of any other request. (`_holds` adds
-        what only the stop can tell: room for one more position.)"""
+        """The one place a request's tail is decided: this scheduler takes tails, the stop is seen by
+        the engine (not a stop string) and there is no grammar. (`_holds` adds room for one more
+        position.)"""
         return (self.holds or self.async_tail) and not sp.stop and getattr(sp, "structured_outputs", None) is None
 
     def schedule(self, *args: Any, **kwargs: Any):
@@ -308,12 +262,10 @@ class _VectorsOnOutputs:
         return out
 
     def _plan(self, out: Any) -> dict[str, PlanEntry] | None:
-        """The step's capture plan, the one place it is decided: per flagged request scheduled in
-        the step, the rows of its span to capture among the positions first..stop-1 it computes
-        (with draft tokens, their rows too: those of rejected drafts are dropped when the step's
-        output says which). A span of the final position alone (completion_end) is planned only
-        where that position can be computed: a held request's tail step; under async scheduling,
-        every decode row (the step after a stop is scheduled before the stop is seen)."""
+        """The step's capture plan: per flagged request scheduled, the rows of its span among the
+        positions first..stop-1 it computes (drafts included; rejected ones dropped on output). A
+        final-position-only span is planned only where that position can be computed: a held
+        request's tail step, or under async scheduling every decode row."""
         plan, sched = {}, out.num_scheduled_tokens
         for rid, cap in self._live.items():
             n = sched.get(rid)
@@ -361,9 +313,8 @@ class _VectorsOnOutputs:
         return outputs
 
     def _async_tails(self, outputs: dict) -> None:
-        """Async scheduling: a stopped request's finishing output waits for the step in flight
-        after it, whose row of that request is the final token's (its input is the token the
-        stop came with); the output then leaves with the vector, one step later."""
+        """Async: a stopped request's finishing output waits for the step in flight, whose row is the
+        final token's, and leaves with the vector one step later."""
         from vllm.v1.engine import EngineCoreOutputs
 
         seq = self._updating
@@ -487,9 +438,8 @@ class _VectorsOnOutputs:
         return super()._free_request(request, *args, **kwargs)
 
     def _await_tail(self, request: Any, cap: _Capture) -> bool:
-        """Async scheduling, a stopped request: whether the step after the one being applied
-        (already scheduled) computes its final token; if so its finishing output waits for it
-        (`_async_tails`), else the frontend's extraction step computes that row."""
+        """Async, a stopped request: whether the already-scheduled next step computes its final token
+        (then its output waits, `_async_tails`), else the extraction step computes it."""
         nxt = None if self._updating is None else self._updating + 1
         if request.status != RequestStatus.FINISHED_ABORTED and request.request_id in self._scheduled.get(nxt, ()):
             self._awaiting[request.request_id] = (cap, request.num_tokens, nxt)
@@ -513,19 +463,16 @@ class TailScheduler(_VectorsOnOutputs, Scheduler):
 
 
 class AsyncVectorScheduler(_VectorsOnOutputs, AsyncScheduler):
-    """vLLM's AsyncScheduler (the GPU default): vectors on outputs, and the tail taken from the
-    step in flight. When a stop is seen, the step after it is usually scheduled already, with
-    the final token as its input: every decode row of a tail-flagged request is planned (one row
-    per request per step: the price of not knowing which one is last), and the finishing output
-    waits one step for that row (`_async_tails`). Where that step does not compute it (the
-    request was not scheduled in it), the frontend's extraction step does."""
+    """vLLM's AsyncScheduler (the GPU default): vectors on outputs, the tail taken from the step in
+    flight. Every decode row of a tail-flagged request is planned, since the stop is seen after
+    the next step is scheduled; the finishing output waits one step for it."""
 
     holds = False
     async_tail = True
 
 
 class VectorScheduler(_VectorsOnOutputs, Scheduler):
-    """vLLM's v1 Scheduler with vectors on outputs and no tail step (`tail_step=False`: every
-    completion-end vector from the extraction step, as a baseline to measure the tail against)."""
+    """vLLM's v1 Scheduler with vectors on outputs and no tail step (`tail_step=False`): a baseline
+    to measure the tail against."""
 
     holds = False

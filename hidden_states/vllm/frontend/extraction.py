@@ -1,32 +1,11 @@
 """The frontend half: rows off vLLM's outputs, and the extraction step where none came.
 
-`ExtractingAsyncLLM` is vLLM's AsyncLLM with two additions:
-
-- its output processor first takes the `CapturedRows` off each EngineCoreOutput
-  the engine core sends (scheduler.py puts them on the outputs of a flagged
-  request) and files them in the mailbox of the `generate()` call that asked
-  (`RowSink`), under the choice's index, in the request's collector;
-- `generate()`, for requests tagged with a collector (`vllm_xargs` ->
-  `SamplingParams.extra_args`), flags the engine request with its span of
-  positions (`protocol.Span`: one position for completion_end or prompt_end),
-  and when a choice finishes resolves the positions it asked for on its
-  length. Whether a tail step computes the final token's row is the engine
-  core's decision (scheduler.py); its finishing output says how many positions
-  that took.
-
-One path for every request: a vector is the row of one position. The positions a
-finished choice asked for that no step computed (the final token's row where the
-tail step could not run: a stop string, a grammar, no room left; prompt
-positions a prefix-cache hit skipped) come from one extraction step of exactly
-those positions (`extract_rows`): a prefill-only request of prompt+completion,
-max one token, with a cache salt of its own when they lie before the last cache
-block. Streams of several positions take their rows as they come
-(openai_format.ChoiceVectors). A request that asks for "all" or a range starting
-in the prompt gets a unique `cache_salt`, so its prefill computes every prompt
-position rather than reading them from the prefix cache.
-
-vLLM's beam search makes its own untagged one-token requests per step;
-`extract_beams` extracts its returned beams instead. Every wait has a timeout.
+`ExtractingAsyncLLM` is vLLM's AsyncLLM whose output processor first takes `CapturedRows` off
+each EngineCoreOutput into the asking `generate()` call's mailbox (`RowSink`), and whose
+`generate()` flags tagged requests with their span (`protocol.Span`). Positions a finished
+choice asked for that no step computed come from one extraction step (`extract_rows`): a
+prefill-only request, with its own cache salt where the prefix cache would skip them. Beam
+search: `extract_beams`. Every wait has a timeout.
 """
 
 from __future__ import annotations
@@ -53,9 +32,7 @@ _FAILED = ("abort", "error")
 
 @dataclasses.dataclass(frozen=True)
 class Origin:
-    """What an extraction step takes over from the request whose vector it computes, so the
-    vector is that request's: its LoRA adapter, its prefix-cache salt (and so its cache),
-    and its priority (the step goes one ahead of it)."""
+    """What an extraction step takes from the request it serves: adapter, cache salt, priority."""
 
     lora_request: Any = None
     cache_salt: str | None = None
@@ -156,10 +133,8 @@ def make_async_llm_class():
 
 
 class Extraction:
-    """One engine's frontend half: the mailboxes of the `generate()` calls in flight, the
-    collectors of the requests that asked, what arrives on outputs, the extraction step, and
-    their counters. The engine builds it once it knows its configuration (`start()`); the
-    AsyncLLM reaches it as `llm.extraction`."""
+    """One engine's frontend half: mailboxes, collectors, the extraction step, counters. Built in
+    `start()`; the AsyncLLM reaches it as `llm.extraction`."""
 
     def __init__(self, llm: Any, check_spec: Callable[..., tuple[int, ...]],
                  check_layers: Callable[..., tuple[int, ...]], *, timeout_s: float = 60.0,
@@ -193,8 +168,7 @@ class Extraction:
                 "malformed_vectors": self.malformed_vectors, "late_rows": self.late_rows}
 
     def deliver(self, raw: Any, index: int | None) -> None:
-        """CapturedRows off an engine output, into the sink of the call that asked (none: that call
-        already ended, an abort, or a stop string cut while the engine ran ahead)."""
+        """CapturedRows off an engine output, into the asking call's sink (if it still runs)."""
         try:
             cr = CapturedRows.from_output(raw)
         except HiddenStatesProtocolError:
@@ -213,10 +187,8 @@ class Extraction:
                                  tail_positions=cr.tail_positions))
 
     def _flag(self, collector: HiddenStatesCollector, prompt: Any, params: Any, key: str) -> tuple[Any, Any]:
-        """A generating request of a collector: the memory bound checked, flagged with its span
-        (positions, layers, dtype, top-k, whether it can hold the final token: the scheduler
-        decides whether a tail step computes that row), and a unique cache salt where its prompt
-        positions must be computed. (prompt, params)."""
+        """A collector's generating request: memory bound checked, flagged with its span, a unique cache
+        salt where prompt positions must be computed. Returns (prompt, params)."""
         from vllm.sampling_params import RequestOutputKind
 
         ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else None
@@ -253,10 +225,8 @@ class Extraction:
 
     async def settle(self, collector: HiddenStatesCollector, ordinal: int, prompt_ids: list[int],
                      tokens: dict[int, list[int]], finished: list[int], origin: Origin = Origin()) -> None:
-        """Each finished choice's positions, resolved on its length: the rows its outputs brought,
-        and one extraction step for the positions no step computed (choices with identical
-        sequences share one), at once. The work reported is counted: the positions the engine
-        core's tail steps scheduled (on the final rows), or the extraction step's uncached tokens."""
+        """Each finished choice's positions resolved on its length: the rows its outputs brought, plus one
+        extraction step (shared by identical sequences) for the rest; the work counted."""
         P, jobs = len(prompt_ids), []
         for index in finished:
             seq = prompt_ids if collector.position == "prompt_end" else [*prompt_ids, *tokens.get(index, ())]
@@ -300,8 +270,7 @@ class Extraction:
 
     @contextlib.contextmanager
     def collecting(self, spec: HiddenStatesFields):
-        """A collector for one request's rows: tag its sampling params with `collector.extra_args`
-        (SamplingParams.extra_args, or an OpenAI request's `vllm_xargs`)."""
+        """A collector for one request's rows (see HiddenStatesEngine.collecting)."""
         collector = HiddenStatesCollector.of(uuid.uuid4().hex, spec, self.check_spec(spec))
         self._collectors[collector.tag] = collector
         try:
@@ -325,8 +294,7 @@ class Extraction:
 
     async def extract_beams(self, outputs: AsyncIterator[Any], collector: HiddenStatesCollector,
                             ordinal: int, origin: Origin = Origin()) -> AsyncIterator[Any]:
-        """vLLM's beam search output with one extraction per returned beam, on that
-        beam's own prompt + token_ids (its per-step engine requests carry no tag)."""
+        """vLLM's beam search output with one extraction per returned beam."""
         async for out in outputs:
             done = [o for o in out.outputs if o.finish_reason is not None]
             if done:
@@ -343,9 +311,8 @@ class Extraction:
     async def extract_rows(self, token_ids: Sequence[int], positions: Sequence[int], layers: Sequence[int],
                            dtype: str = "float32", topk: int | None = None,
                            origin: Origin = Origin()) -> tuple[RowBatch, ExtractionStats]:
-        """The rows of `positions` of `token_ids` (a prefill of exactly those tokens): as cast and
-        selected as a generating request's. A cache salt of its own where a prefix-cache hit
-        would skip some of them (vLLM always computes from the last whole cache block on)."""
+        """The rows of `positions` of `token_ids` by a prefill, cast and selected as a generating
+        request's; own cache salt where a prefix-cache hit would skip some."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
@@ -393,9 +360,8 @@ class Extraction:
 
     async def extract_layers(self, token_ids: Sequence[int], layers: Sequence[int],
                              origin: Origin = Origin()) -> tuple[dict[int, np.ndarray], ExtractionStats]:
-        """The final token's hidden state (float32 [D]) at each of `layers` (transformers numbering):
-        the extraction step of its one position, with the adapter, cache salt and priority of the
-        request it serves (`origin`)."""
+        """The final token's hidden state (float32 [D]) at each of `layers`, with `origin`'s adapter, salt
+        and priority."""
         layers = self.check_layers(layers)
         if not token_ids:
             raise ValueError("extraction needs at least one token id")

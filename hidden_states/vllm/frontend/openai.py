@@ -1,32 +1,13 @@
 """The OpenAI layer inside a replica: vLLM's own serving classes over our engine.
 
-vLLM's `OpenAIServingCompletion`/`OpenAIServingChat` (built by vLLM's own
-`init_app_state`, as Ray Serve LLM does) parse requests, apply chat templates,
-drive the engine and build responses, streaming or not. We add three request
-fields and put each choice's vector into its final choice object:
-
-- `return_hidden_states: bool` -> `choices[i].hidden_states`
-- `hidden_states_encoding: "float" | "base64"` (base64 of little-endian float32)
-- (vLLM's own) `return_token_ids: bool` -> `prompt_token_ids`, `choices[i].token_ids`
-- `hidden_states_position` "completion" | "all" | a range, `hidden_states_dtype`,
-  `hidden_states_topk`: rows of many positions, on every chunk as they arrive
-  (openai_format.ChoiceVectors); a request above `max_hidden_states_bytes` is a 400
-  even when streaming (its first chunk is awaited before the answer starts)
-
-LoRA adapters are vLLM's server's (`--lora-modules`): a request names one by
-`model`, vLLM's serving hands its `lora_request` to the engine, and every vector
-of the request comes from that adapter: the tail step is a decode row of the
-request itself, and the extraction step carries the request's adapter
-(extraction.Origin); `hidden_states_meta.adapter` names it.
-
-The vectors come from this replica's engine (the tail step, or the extraction
-step where the engine could not take it: extraction.py) through a collector
-bound to this request (`HiddenStatesEngine.collecting`, its tag carried in
-`vllm_xargs`), filed by engine request and choice. The request vLLM serves is
-otherwise the client's own: nothing else is asked of vLLM, so the response is
-the one the client would get without hidden states, plus the vector fields on
-each finished choice (`openai_format.ChoiceVectors`); a choice without its
-vector fails the request (500).
+vLLM's `OpenAIServingCompletion`/`OpenAIServingChat` (from its `init_app_state`) parse, apply
+chat templates, drive the engine and build responses. We add the hidden-states fields
+(params.HiddenStatesFields) and put each choice's vector on its final choice object
+(`openai_format.ChoiceVectors`), through a collector bound to the request
+(`HiddenStatesEngine.collecting`, tag in `vllm_xargs`). Nothing else is asked of vLLM, so the
+response is the one without hidden states plus the vector fields; a choice without its vector
+fails the request (500). A request above `max_hidden_states_bytes` is a 400 even when
+streaming (its first chunk is awaited before the answer starts).
 """
 
 from __future__ import annotations
@@ -222,8 +203,8 @@ class OpenAIFrontend:
 
 
     async def _tokenization(self, route: Route, body: bytes) -> tuple[int, bytes]:
-        """POST /tokenize and /detokenize: vLLM's own (prompt or messages -> the ids a completion would
-        see, with `count` and `max_model_len`; ids -> text), for verifiers that need a text's ids."""
+        """POST /tokenize and /detokenize: vLLM's own (prompt or messages -> ids, with `count` and
+        `max_model_len`; ids -> text)."""
         from pydantic import TypeAdapter
         from vllm.entrypoints.serve.tokenize.protocol import DetokenizeRequest, TokenizeRequest
 
@@ -285,8 +266,8 @@ class OpenAIFrontend:
 
     async def _check_proofs(self, req: "verify.HiddenStatesRequest", ids: list[int], prompt_len: int,
                             lora: Any) -> tuple[int, bytes]:
-        """compare.toploc: the rows of every fed position (one prefill, bfloat16), each proof
-        against its chunk's (hidden_states/proofs); a 400 for proofs that do not fit the tokens."""
+        """compare.toploc: one bfloat16 prefill of every fed position, each proof against its chunk's rows;
+        a 400 for proofs that do not fit the tokens."""
         eng, claim = self.engine, req.compare.toploc
         if len(ids) - prompt_len < 1:
             raise HiddenStatesRequestError("`completion` is empty: a proof covers a prompt and its completion",
@@ -358,9 +339,8 @@ _BEAM_COLLECTOR: contextvars.ContextVar[HiddenStatesCollector | None] = contextv
 
 
 def _wrap_beam_search(serving, engine) -> None:
-    """vLLM's serving runs beam search as its own one-token engine requests per step,
-    which carry no collector tag; the final beams are extracted here instead, one
-    vector per returned beam on its own prompt + token_ids, with room left for it."""
+    """Beam search's per-step engine requests carry no tag: its final beams are extracted instead, one
+    vector per returned beam, with room left for it."""
     import msgspec
 
     original = serving.beam_search

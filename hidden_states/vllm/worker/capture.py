@@ -1,18 +1,10 @@
 """The capture: the scheduler's plan gathered on the device, one copy to the host (ledger point 2).
 
-Contract: the scheduler decides, every step, which rows of which request are
-captured (scheduler.py builds a `protocol.PlanEntry` per request and hangs the
-plan on the step's SchedulerOutput, `PLAN_ATTR`). This worker half holds no
-request state and reads no request flags: it only gathers. Its whole view of
-the runner is a small adapter (`_V1Runner`): the step's per-token rows after
-the final norm, where each request's scheduled tokens start among them, and the
-host copy. Rows are sliced on the device (a planned row is a request's first
-scheduled token plus its offset), cast and top-k selected there, and every row
-of a step moves to the CPU in one transfer, after sampling, on the step's
-ModelRunnerOutput (`protocol.StepCapture`), where the scheduler files them.
-
-A second runner (Model Runner V2, tpu-inference) needs only its own adapter:
-see docs/how-it-works.md, "Porting the capture".
+Holds no request state: it gathers the rows the plan names (`protocol.PlanEntry` under
+`PLAN_ATTR`), casts and top-k selects them on the device, and moves the step's rows in one
+transfer after sampling, on the ModelRunnerOutput (`protocol.StepCapture`). Its view of the
+runner is one adapter (`_V1Runner`); another runner needs only its own (docs/how-it-works.md,
+"Porting the capture").
 """
 
 from __future__ import annotations
@@ -60,8 +52,8 @@ def _encode(x: Any, dtype: str | None, topk: int) -> tuple[Any, Any]:
 
 
 def _rows_of(blocks: list, members: list[int]) -> Any:
-    """The members' rows, in order, as one tensor: a view where they are one stretch of one source
-    (the usual step: every request's rows of the final layer, one dtype), else a concatenation."""
+    """The members' rows in order as one tensor: a view where they are one stretch of one source,
+    else a concatenation."""
     import torch
 
     src, first, end = blocks[members[0]][2], blocks[members[0]][3], blocks[members[0]][4]
@@ -77,8 +69,7 @@ def _dtype_name(t: Any) -> str:
 
 
 class _V1Runner:
-    """The runner adapter: what the capture reads of Model Runner V1 (GPUModelRunner and the CPU
-    and XPU runners that subclass it). A port to another runner provides these four."""
+    """The runner adapter: what the capture reads of Model Runner V1 (and its CPU/XPU subclasses)."""
 
     def __init__(self, runner: Any):
         self.runner = runner
@@ -102,19 +93,11 @@ class _V1Runner:
 class _RunnerHook:
     """Per-worker: this step's capture plan (the scheduler's) and its rows.
 
-    Layers are numbered as transformers' `output_hidden_states`: 0 is the
-    embedding output, l in 1..L-1 the residual stream entering decoder layer l
-    (vLLM keeps it split as hidden + residual), L the final-norm output (the
-    rows the LM head consumes). Intermediate layers are sliced in forward
-    pre-hooks on the decoder layers, only at the planned rows. The step's plan
-    lives from `before_step` to `end_step` (one execute_model call): forwards
-    outside a step (dummy and warm-up batches) capture nothing. The rows it
-    sliced (still on the device) wait for the step's sampling (`attach`): they
-    leave with the step's ModelRunnerOutput, on vLLM's own path. The final
-    layer's rows are gathered from the step's rows, the planned rows of every
-    request in one index, cast (and top-k selected) per (dtype, k) group, and
-    packed with every other row of the step into one byte buffer: one
-    device-to-host copy per step, whatever the requests ask.
+    Layers are numbered as transformers' `output_hidden_states`: 0 the embeddings, l in 1..L-1
+    the stream entering decoder layer l (hidden + residual), L the final-norm output. The plan
+    lives from `before_step` to `end_step`, so dummy batches capture nothing. Intermediate layers
+    are sliced in forward pre-hooks; every row of a step is packed into one byte buffer for one
+    device-to-host copy.
     """
 
     def __init__(self, runner: Any):
@@ -135,8 +118,8 @@ class _RunnerHook:
         self._ready: tuple[Any, list[tuple[_Entry, int, str, int, int, int]]] | None = None  # bytes, layout
 
     def install_layer_hooks(self) -> dict[str, Any]:
-        """Hooks the decoder layers if the model supports it; returns what it found
-        (`layer_capture`: intermediate layers can be served; else `layer_capture_reason`)."""
+        """Hooks the decoder layers if the model allows; returns `layer_capture` (or
+        `layer_capture_reason`)."""
         mc = self.runner.vllm_config.model_config
         arch = (getattr(mc.hf_config, "architectures", None) or ["?"])[0]
         layers, why = layer_capture_support(self.runner.model, self.num_layers, mc.get_hidden_size())
@@ -268,9 +251,8 @@ class _RunnerHook:
         self._ready = (data, [(plan[i], layer, *layout[b]) for b, (i, layer, *_) in enumerate(blocks)])
 
     def attach(self, out: Any) -> Any:
-        """Hangs the step's rows on its ModelRunnerOutput (protocol.STEP_ATTR). Under async
-        scheduling (GPU), in the output's `get_output`, where vLLM copies its own results
-        to the host: the one device-to-host copy of the step then overlaps the next step."""
+        """Hangs the step's rows on its ModelRunnerOutput (protocol.STEP_ATTR); under async scheduling in
+        its `get_output`, so the copy overlaps the next step."""
         ready, self._ready = self._ready, None
         if ready is None or out is None:
             return out

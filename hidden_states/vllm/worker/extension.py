@@ -1,13 +1,6 @@
 """The worker extension: installs the capture in every vLLM worker and reports its counts
-(ledger points 1, 2 in __init__.py).
-
-`HiddenStatesWorkerExtension` is mixed into vLLM's Worker through the public
-`worker_extension_cls` engine argument; the engine calls its methods with
-`collective_rpc`. `hidden_states_install` wraps the runner's `execute_model`
-and `sample_tokens` on the instance around the step's capture (capture.py),
-and hooks the decoder layers where the model allows it (layers.py);
-`hidden_states_stats` reports what was captured. The CPU engines' start-up
-steps come from `cpu.CPUWorkerSteps`.
+(ledger points 1, 2 in __init__.py). Mixed into vLLM's Worker through `worker_extension_cls`;
+the engine calls it with `collective_rpc`. CPU start-up steps come from `cpu.CPUWorkerSteps`.
 """
 
 from __future__ import annotations
@@ -27,8 +20,8 @@ if os.environ.get(CPU_ASYNC_ENV) == "1":  # tests only: imported before the runn
 
 
 def check_engine_config(vcfg: Any) -> None:
-    """The second guard (HiddenStatesEngine.start() refuses first, before vLLM starts): engine
-    shapes the hook cannot serve, refused with the argument that asks for them (engine_args.py)."""
+    """The second guard (after HiddenStatesEngine.start()): refuses engine shapes the hook cannot
+    serve, naming the argument (engine_args.py)."""
     from hidden_states.vllm.engine_args import refuse
 
     refuse({}, vcfg)

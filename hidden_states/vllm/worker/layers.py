@@ -1,29 +1,10 @@
 """Which models' intermediate layers can be captured: the decoder-layer convention (ledger point 8).
 
-Intermediate layers (transformers numbering, see `_RunnerHook`) come from
-forward pre-hooks on the decoder layers (ledger point 8) of any model whose
-layers carry the residual stream as vLLM's Llama does; `layer_capture_support`
-decides that per model at install, from the model itself (no list of
-architectures), and the worker reports the result to the engine, which refuses
-intermediate layers on any other model with a 400 that says why. Hooks need an
-eager engine (a compiled model does not run hooks added after compilation, or
-recompiles for them): they are registered only when `enforce_eager` is set, and
-the engine refuses intermediate layers otherwise.
-
-Checked against transformers in float32 (tests/engine/test_layers.py,
-`SUPPORTED_LAYER_ARCHS`): Llama, Qwen2, Qwen3, Gemma2 and Gemma3 (text), and
-Gemma and Phi3 under HS_LONG_TESTS=1; Mistral's decoder layer is Llama's. The
-Gemma families scale the embeddings by sqrt(hidden_size) in
-`embed_input_ids`, before layer 0, as transformers' hidden_states[0] does; their
-(1 + w) RMSNorms, attention softcapping and sliding windows (checked with a
-window shorter than the prompt) are inside the layers. Refused by the check:
-e.g. Granite and StableLM (layers take and return the whole stream; Granite
-also scales it by residual_multiplier), Cohere (parallel block: its residual
-argument is ignored), DeepSeek-V2/V3 (sequence-parallel and float16 rescaling
-at the layer entry), hybrid models whose Mamba/conv layers take no positions
-(Jamba, NemotronH, LFM2, Qwen3-Next: refused although they may well follow the
-convention), and models run by vLLM's transformers backend (Olmo2, ...): they
-keep the last layer only.
+`layer_capture_support` decides per model at install, from the model itself (no architecture
+list); the engine refuses intermediate layers on other models, and on non-eager engines (a
+compiled model does not run hooks added later), with a 400 saying why. Checked against
+transformers in `SUPPORTED_LAYER_ARCHS` (tests/engine/test_layers.py). Refused e.g.: Granite,
+StableLM, Cohere, DeepSeek-V2/V3, hybrid Mamba models, vLLM's transformers backend.
 """
 
 from __future__ import annotations
@@ -119,12 +100,9 @@ def layer_capture_support(model: Any, num_layers: int, hidden_size: int) -> tupl
 
 
 def final_norm_in_logits(model: Any, hidden_size: int) -> Any | None:
-    """The model's final norm if its forward returns the residual stream *before* it and its
-    `compute_logits` applies it (vLLM's MiMo does, for its MTP layer reads the un-normed state;
-    ledger point 8), else None: the rows the runner keeps are then not what the LM head consumes,
-    and the capture applies this norm to the planned final-layer rows. Decided by a probe at
-    install: `compute_logits(x)` against the LM head on x and on norm(x), on random rows. Every
-    call runs on every tensor-parallel rank, in the same order (the LM head gathers across them)."""
+    """The model's final norm if its forward returns the stream before it and `compute_logits` applies
+    it (MiMo; ledger point 8), else None; the capture then applies it to the final-layer rows.
+    Decided by a probe on random rows; runs on every tensor-parallel rank in the same order."""
     import logging
 
     import torch
