@@ -47,9 +47,8 @@ def _result(raw: bytes) -> Completion:
     if reply.error is not None:
         raise HandleRequestError(reply.error.status, reply.error.message)
     c = reply.ok
-    total = len(c.prompt_token_ids)
     return Completion(request_id=c.request_id, prompt_token_ids=tuple(c.prompt_token_ids),
-                      choices=tuple(from_wire(ch, total) for ch in c.choices))
+                      choices=tuple(from_wire(ch) for ch in c.choices))
 
 
 def _wait(response: Any, timeout_s: float) -> bytes:

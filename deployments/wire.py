@@ -55,13 +55,22 @@ class HandleCompletionRequest(msgspec.Struct, omit_defaults=True, forbid_unknown
     hidden_states: dict[str, Any] = msgspec.field(default_factory=lambda: {"return_hidden_states": True})
 
 
+class HandleStats(msgspec.Struct, array_like=True, gc=False):
+    """A choice's work as the engine counted it (interface.ExtractionStats)."""
+
+    tokens: int
+    cached_tokens: int
+    seconds: float
+    via: str
+
+
 class HandleChoice(msgspec.Struct, array_like=True, gc=False):
     index: int
     text: str
     token_ids: list[int]
     finish_reason: str | None
     hidden_states: bytes | None  # little-endian float32, the last layer (one-vector requests)
-    cached_tokens: int = 0
+    stats: HandleStats | None = None  # None: no rows computed for it (prompt_end, or none asked)
     hidden_states_by_layer: dict[int, bytes] = {}
     # Rows (params.rowwise: a position other than completion_end/prompt_end, a dtype, top-k): by layer only,
     # each row-major little-endian `dtype` (bfloat16: the high 16 bits of float32) of `shape` ([n, width];
@@ -76,7 +85,8 @@ class HandleChoice(msgspec.Struct, array_like=True, gc=False):
 def to_wire(ch: CompletionChoice, rows: bool) -> HandleChoice:
     """A finished choice for the handle; `rows`: the request was rowwise (values narrowed back to the
     dtype they were cast to, exactly)."""
-    cached = ch.extraction.cached_tokens if ch.extraction else 0
+    st = ch.extraction
+    cached = None if st is None else HandleStats(st.tokens, st.cached_tokens, st.seconds, st.via)
     by_layer = ch.hidden_states_by_layer or {}
     if ch.proofs is not None:
         return HandleChoice(ch.index, ch.text, list(ch.token_ids), ch.finish_reason, None, cached,
@@ -100,22 +110,22 @@ def decode_rows(raw: bytes, dtype: str, shape: list[int]) -> np.ndarray:
     return arr.reshape(shape)
 
 
-def from_wire(ch: HandleChoice, total: int) -> CompletionChoice:
-    """A HandleChoice as the engine's CompletionChoice; `total`: the prompt's tokens."""
+def from_wire(ch: HandleChoice) -> CompletionChoice:
+    """A HandleChoice as the engine's CompletionChoice, its work as the engine counted it."""
+    stats = None if ch.stats is None else ExtractionStats(ch.stats.tokens, ch.stats.cached_tokens, ch.stats.seconds,
+                                                          ch.stats.via)
     if ch.proofs is not None:
-        return CompletionChoice(ch.index, ch.text, tuple(ch.token_ids), ch.finish_reason, None,
-                                ExtractionStats(total + len(ch.token_ids), ch.cached_tokens, 0.0, via="generation"),
+        return CompletionChoice(ch.index, ch.text, tuple(ch.token_ids), ch.finish_reason, None, stats,
                                 proofs=tuple(ch.proofs))
     if ch.shape is None:  # one float32 vector per layer
         values = {layer: np.frombuffer(b, "<f4").copy() for layer, b in ch.hidden_states_by_layer.items()}
         last = None if ch.hidden_states is None else np.frombuffer(ch.hidden_states, "<f4").copy()
-        indices, positions, asked = None, None, last is not None
+        indices, positions = None, None
     else:
         values = {layer: decode_rows(b, ch.dtype, ch.shape) for layer, b in ch.hidden_states_by_layer.items()}
         indices = {layer: np.frombuffer(b, "<i4").reshape(ch.shape).copy()
                    for layer, b in ch.hidden_states_indices_by_layer.items()} or None
-        last, positions, asked = values.get(-1), None if ch.positions is None else tuple(ch.positions), bool(values)
-    stats = ExtractionStats(total + len(ch.token_ids), ch.cached_tokens, 0.0) if asked else None
+        last, positions = values.get(-1), None if ch.positions is None else tuple(ch.positions)
     return CompletionChoice(ch.index, ch.text, tuple(ch.token_ids), ch.finish_reason, last, stats, values or None,
                             positions, ch.dtype, None if indices is None else indices.get(-1), indices)
 

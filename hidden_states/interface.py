@@ -127,6 +127,7 @@ class HiddenStatesCollector:
     prompt_lens: dict[int, int] = dataclasses.field(default_factory=dict)
     tail_positions: dict[ChoiceKey, int] = dataclasses.field(default_factory=dict)  # counted by the engine core
     spec: Any = None  # params.HiddenStatesFields: the request's spec as parsed (encoding, by-layer)
+    engine_requests: dict[str, int] = dataclasses.field(default_factory=dict)  # capture key -> prompt ordinal
 
     @classmethod
     def of(cls, tag: str, spec: Any, layers: tuple[int, ...]) -> "HiddenStatesCollector":

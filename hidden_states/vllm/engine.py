@@ -307,7 +307,7 @@ class HiddenStatesEngine(VectorObservers):
         if not self.enabled:
             workers = []
         else:
-            mark = (self.extraction.vector_requests, len(self.extraction.mailboxes))
+            mark = (self.extraction.vector_requests, self.extraction.pending())
             if fresh_workers or mark != self._workers_mark or mark[1] > 0:
                 self._workers = await self.llm.collective_rpc("hidden_states_stats", timeout=30)
                 self._workers_mark = mark

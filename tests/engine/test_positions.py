@@ -247,7 +247,7 @@ def test_a_request_above_the_memory_bound_is_refused_before_any_engine_work(engi
 
 
 def test_nothing_stays_after_an_abort(engine, loop_thread, reference):
-    """A caller that stops reading (vLLM aborts the engine request): its mailbox goes at once,
+    """A caller that stops reading (vLLM aborts the engine request): its state goes at once,
     the runner forgets the request with the next step, and a request after it is exact."""
     from vllm.sampling_params import RequestOutputKind
 
@@ -264,7 +264,7 @@ def test_nothing_stays_after_an_abort(engine, loop_thread, reference):
                     break
             await gen.aclose()
             assert col.rows, "rows arrived before the abort"
-            return len(engine.extraction.mailboxes)
+            return engine.extraction.pending()
 
     assert loop_thread.run(run()) == 0
     c = complete(engine, loop_thread, PROMPTS[1], sp(max_tokens=6), position="completion")

@@ -4,11 +4,13 @@ version is refused by name, never decoded into the wrong fields."""
 from __future__ import annotations
 
 import msgspec
+import numpy as np
 import pytest
 
 from deployments import wire
 from deployments.wire import (HandleChoice, HandleCompletion, HandleCompletionRequest, HandleReply, Reply,
                               ResponseHead, WireVersionError)
+from hidden_states.interface import CompletionChoice, ExtractionStats
 
 
 class OldRequest(msgspec.Struct, omit_defaults=True):  # the request as releases before wire versions sent it
@@ -82,3 +84,17 @@ def test_a_malformed_message_is_not_called_another_version():
         with pytest.raises(msgspec.MsgspecError) as e:
             wire.REQUEST_DECODER.decode(raw)
         assert not isinstance(e.value, WireVersionError)
+
+
+@pytest.mark.parametrize("stats", [ExtractionStats(12, 11, 0.0, via="tail"),
+                                   ExtractionStats(12, 4, 0.031, via="extraction"),
+                                   ExtractionStats(12, 11, 0.0, via="generation"), None])
+def test_a_choice_s_work_crosses_the_handle_as_the_engine_counted_it(stats):
+    """via, tokens, cached tokens and seconds reach a handle caller as the engine reported them (None:
+    no step computed a row for it, as for prompt_end), not relabelled on the way."""
+    vec = np.arange(4, dtype=np.float32)
+    ch = CompletionChoice(0, "hi", (3, 4), "stop", vec, stats, {-1: vec})
+    raw = wire.ENCODER.encode(HandleReply(ok=HandleCompletion("r", "replica-1", [1, 2], [wire.to_wire(ch, False)])))
+    back = wire.from_wire(wire.REPLY_DECODER.decode(raw).ok.choices[0])
+    assert back.extraction == stats
+    np.testing.assert_array_equal(back.hidden_states, vec)

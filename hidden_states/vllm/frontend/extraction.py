@@ -1,11 +1,11 @@
 """The frontend half: rows off vLLM's outputs, and the extraction step where none came.
 
 `ExtractingAsyncLLM` is vLLM's AsyncLLM whose output processor first takes `CapturedRows` off
-each EngineCoreOutput into the asking `generate()` call's mailbox (`RowSink`), and whose
-`generate()` flags tagged requests with their span (`protocol.Span`). Positions a finished
-choice asked for that no step computed come from one extraction step (`extract_rows`): a
-prefill-only request, with its own cache salt where the prefix cache would skip them. Beam
-search: `extract_beams`. Every wait has a timeout.
+each EngineCoreOutput into the collector of the engine request that asked (`Extraction.live`: a
+request's one state), and whose `generate()` flags tagged requests with their span
+(`protocol.Span`). Positions a finished choice asked for that no step computed come from one
+extraction step (`extract_rows`): a prefill-only request, with its own cache salt where the
+prefix cache would skip them. Beam search: `extract_beams`. Every wait has a timeout.
 """
 
 from __future__ import annotations
@@ -44,13 +44,6 @@ class Origin:
         return Origin(kwargs.get("lora_request"), salt, int(kwargs.get("priority") or 0))
 
 
-class RowSink:
-    """A flagged request's mailbox: where the rows on its outputs go (choice index, RowBatch)."""
-
-    def __init__(self, put: Callable[[int, RowBatch], None], layers: Sequence[int]):
-        self.put, self.layers = put, tuple(layers)
-
-
 def prompt_ordinal(request_id: str) -> int:
     """Which prompt of an OpenAI request an engine request serves: vLLM's completions serving
     names them `{request_id}-{i}` (ledger point 10); chat and Python callers send one prompt."""
@@ -74,7 +67,7 @@ def make_async_llm_class():
 
             def process_outputs(engine_core_outputs, *a, **kw):
                 hs = getattr(self, "extraction", None)
-                if hs is not None and hs.mailboxes:
+                if hs is not None and hs.live:
                     for eco in engine_core_outputs:
                         params = eco.kv_transfer_params
                         if params is not None and ROWS_KEY in params:
@@ -103,12 +96,10 @@ def make_async_llm_class():
             ordinal, origin = prompt_ordinal(request_id), Origin.of(prompt, kwargs)
             prompt, sampling_params = hs._flag(collector, prompt, sampling_params, key)
             collector.prompt_lens[ordinal] = len(prompt["prompt_token_ids"])
-            box = RowSink(lambda index, batch: collector.add_rows((ordinal, index), batch), collector.layers)
             delta = sampling_params.output_kind == RequestOutputKind.DELTA
             tokens: dict[int, list[int]] = {}
             prompt_ids: list[int] = []
-            hs.mailboxes[key] = box
-            hs.vector_requests += 1
+            hs.engine_request(collector, key, ordinal)
             settled: set[int] = set()  # cumulative outputs repeat finished choices
             try:
                 async for out in AsyncLLM.generate(self, prompt, sampling_params, request_id, *args, **kwargs):
@@ -127,14 +118,14 @@ def make_async_llm_class():
                         await hs.settle(collector, ordinal, prompt_ids, tokens, finished, origin)
                     yield out
             finally:
-                hs.mailboxes.pop(key, None)
+                hs.engine_request_ended(collector, key)
 
     return ExtractingAsyncLLM
 
 
 class Extraction:
-    """One engine's frontend half: mailboxes, collectors, the extraction step, counters. Built in
-    `start()`; the AsyncLLM reaches it as `llm.extraction`."""
+    """One engine's frontend half: the requests in flight (`live`), the extraction step, counters.
+    Built in `start()`; the AsyncLLM reaches it as `llm.extraction`."""
 
     def __init__(self, llm: Any, check_spec: Callable[..., tuple[int, ...]],
                  check_layers: Callable[..., tuple[int, ...]], *, timeout_s: float = 60.0,
@@ -148,9 +139,10 @@ class Extraction:
         self.tail_enabled = tail_enabled  # the engine's scheduler runs tail steps
         self.extraction_priority = priority  # vLLM refuses priorities under its fcfs policy
         self.max_hidden_states_bytes = max_hidden_states_bytes  # a request's worst case of rows (params.py)
-        self.mailboxes: dict[str, RowSink] = {}  # by capture key
-        self._collectors: dict[str, HiddenStatesCollector] = {}  # by tag
-        self.vector_requests = 0  # engine requests that asked for a vector (a mailbox each)
+        # Each request's one state (its collector), from admission to its last chunk: by the request's tag,
+        # and by the capture key of each of its engine requests in flight (collector.engine_requests).
+        self.live: dict[str, HiddenStatesCollector] = {}
+        self.vector_requests = 0  # engine requests that asked for rows
         self.extractions = 0
         self.extraction_tokens = 0
         self.extraction_cached_tokens = 0
@@ -164,27 +156,41 @@ class Extraction:
         return {"extractions": self.extractions, "extraction_tokens": self.extraction_tokens,
                 "extraction_cached_tokens": self.extraction_cached_tokens, "missing_vectors": self.missing_vectors,
                 "timeouts": self.timeouts, "tail_enabled": self.tail_enabled, "tails": self.tails,
-                "pending": len(self.mailboxes),  # engine requests whose vector may still come
+                "pending": self.pending(),  # engine requests whose rows may still come
                 "malformed_vectors": self.malformed_vectors, "late_rows": self.late_rows}
 
+    def pending(self) -> int:
+        """Engine requests in flight whose rows may still come."""
+        return sum(key in col.engine_requests for key, col in self.live.items())
+
+    def engine_request(self, collector: HiddenStatesCollector, key: str, ordinal: int) -> None:
+        """An engine request of `collector` (its prompt `ordinal`) starts: its rows come under `key`."""
+        collector.engine_requests[key] = ordinal
+        self.live[key] = collector
+        self.vector_requests += 1
+
+    def engine_request_ended(self, collector: HiddenStatesCollector, key: str) -> None:
+        collector.engine_requests.pop(key, None)
+        self.live.pop(key, None)
+
     def deliver(self, raw: Any, index: int | None) -> None:
-        """CapturedRows off an engine output, into the asking call's sink (if it still runs)."""
+        """CapturedRows off an engine output, into its request's collector (if it still runs)."""
         try:
             cr = CapturedRows.from_output(raw)
         except HiddenStatesProtocolError:
             self.malformed_vectors += 1
             return
-        sink = self.mailboxes.get(cr.key)
-        if sink is None or index is None:
+        col = self.live.get(cr.key)
+        if col is None or index is None or cr.key not in col.engine_requests:
             self.late_rows += 1
             return
         values, indices = cr.arrays()
         at = {layer: i for i, layer in enumerate(cr.layers)}
-        rows = [at[absolute_layer(l, self.num_layers)] for l in sink.layers]
-        sink.put(index, RowBatch(np.asarray(cr.positions, dtype=np.int64),
-                                 {l: values[i] for l, i in zip(sink.layers, rows)}, cr.dtype,
-                                 None if indices is None else {l: indices[i] for l, i in zip(sink.layers, rows)},
-                                 tail_positions=cr.tail_positions))
+        rows = [at[absolute_layer(l, self.num_layers)] for l in col.layers]
+        col.add_rows((col.engine_requests[cr.key], index), RowBatch(
+            np.asarray(cr.positions, dtype=np.int64), {l: values[i] for l, i in zip(col.layers, rows)}, cr.dtype,
+            None if indices is None else {l: indices[i] for l, i in zip(col.layers, rows)},
+            tail_positions=cr.tail_positions))
 
     def _flag(self, collector: HiddenStatesCollector, prompt: Any, params: Any, key: str) -> tuple[Any, Any]:
         """A collector's generating request: memory bound checked, flagged with its span, a unique cache
@@ -272,18 +278,18 @@ class Extraction:
     def collecting(self, spec: HiddenStatesFields):
         """A collector for one request's rows (see HiddenStatesEngine.collecting)."""
         collector = HiddenStatesCollector.of(uuid.uuid4().hex, spec, self.check_spec(spec))
-        self._collectors[collector.tag] = collector
+        self.live[collector.tag] = collector
         try:
             yield collector
         finally:
-            del self._collectors[collector.tag]
+            del self.live[collector.tag]
 
     def collector_for(self, sampling_params: Any) -> HiddenStatesCollector | None:
         extra = getattr(sampling_params, "extra_args", None)
-        if not extra or not self._collectors:
+        if not extra or not self.live:
             return None
-        tag = extra.get(COLLECTOR_TAG_KEY)
-        return None if tag is None else self._collectors.get(tag)
+        col = self.live.get(extra.get(COLLECTOR_TAG_KEY, ""))
+        return col if col is not None and col.tag == extra[COLLECTOR_TAG_KEY] else None
 
     def missing(self, what: str) -> MissingHiddenStatesError:
         """Counts a choice that finished without its vector; the error to fail its request with."""
@@ -330,10 +336,9 @@ class Extraction:
             prompt["cache_salt"] = f"hs-{key}"
         elif origin.cache_salt is not None:
             prompt["cache_salt"] = origin.cache_salt
-        got: list[RowBatch] = []
+        step = HiddenStatesCollector(f"step-{key}", tuple(layers), dtype=dtype, topk=topk)  # the step's own state
         t0, cached = time.perf_counter(), 0
-        self.mailboxes[key] = RowSink(lambda index, batch: got.append(batch), layers)
-        self.vector_requests += 1
+        self.engine_request(step, key, 0)
         try:
             async with asyncio.timeout(self.extraction_timeout_s):
                 async for out in AsyncLLM.generate(self.llm, prompt, params, f"hs-{key}",
@@ -343,8 +348,8 @@ class Extraction:
         except TimeoutError:
             raise self._timed_out(total) from None
         finally:
-            self.mailboxes.pop(key, None)
-        merged = RowBatch.merge(got)
+            self.engine_request_ended(step, key)
+        merged = RowBatch.merge([b for batches in step.rows.values() for b in batches])
         want = np.asarray(sorted(positions), dtype=np.int64)
         if merged is None or not np.isin(want, merged.positions).all():
             raise self.missing(f"the extraction step of {len(want)} position(s) of a sequence of {total} tokens")
