@@ -3,7 +3,7 @@
 Module-level only: Serve serializes a deployment class when its decorator runs.
 An admitted request is `pending` until it ends, exactly once, as one of
 - `served`: an answer below 500 delivered (a stream: its `data: [DONE]` sent);
-- `failed`: a 5xx, or a stream ended with an SSE error event;
+- `failed`: a 5xx, or a stream with a 5xx SSE error event (a 4xx event, a refusal once the stream began, counts served);
 - `cancelled`: the client went away first (the replica's call and the engine request are
   cancelled with it).
 """
@@ -78,6 +78,16 @@ def handle_failure(e: BaseException) -> HandleError:
     return HandleError(f.status, f.message)
 
 
+def error_event_status(chunk: bytes) -> int:
+    """The status an SSE error event carries (`{"error": {"code": ...}}`); 500 if it says none. A
+    refusal that reaches a client as an event once the stream started (vLLM's) is a 4xx, as whole."""
+    try:
+        code = json.loads(chunk.split(b"\n\n", 1)[0][len(b"data: "):])["error"].get("code")
+    except (ValueError, KeyError, AttributeError, TypeError):
+        return 500
+    return code if isinstance(code, int) and 400 <= code < 600 else 500
+
+
 def outcome(status: int) -> str:
     """How a request that got an answer with this status counts."""
     return SERVED if status < 500 else FAILED
@@ -120,7 +130,7 @@ class Relay:
         try:
             async with contextlib.aclosing(until(self.parts, self.deadline)) as chunks:
                 async for chunk in chunks:
-                    failed = failed or chunk.startswith(SSE_ERROR)
+                    failed = failed or (chunk.startswith(SSE_ERROR) and error_event_status(chunk) >= 500)
                     if chunk.endswith(SSE_DONE):  # delivered, even if the client hangs up before the stream ends
                         self.how = FAILED if failed else SERVED
                     yield chunk

@@ -132,3 +132,18 @@ def test_an_engine_error_event_counts_failed_even_if_done_follows():
 
     assert asyncio.run(go())[-1] == SSE_DONE
     assert counts(r) == (0, 0, 1, 0)
+
+
+def test_a_refusal_sent_as_an_error_event_counts_served_as_its_whole_form_does():
+    """vLLM refuses some options only once the stream started (a 400 error event, then [DONE]):
+    a client error, counted as the same request's 400 is when not streamed, not as a failure."""
+    refusal = b'data: {"error":{"message":"no reasoning parser","type":"BadRequestError","param":null,"code":400}}\n\n'
+    malformed = b'data: {"error": "no object"}\n\n'
+    for event, want in ((refusal, (0, 1, 0, 0)), (malformed, (0, 0, 1, 0))):
+        r, stream = router(), FakeStream([b"data: {}\n\n", event, SSE_DONE], end=True)
+
+        async def go():
+            return [c async for c in r._relay(stream, time.monotonic() + 30)]
+
+        assert asyncio.run(go())[-1] == SSE_DONE
+        assert counts(r) == want, event
