@@ -77,10 +77,6 @@ class PositionRange(BaseModel):
     stride: int = Field(1, ge=1)
 
 
-def _checked(check):
-    return lambda cls, value: check(value)
-
-
 class VectorFields(BaseModel):
     """Which vectors and how they travel: the fields POST /v1/hidden_states shares with completions."""
 
@@ -100,11 +96,11 @@ class VectorFields(BaseModel):
     hidden_states_topk: int | None = Field(
         None, ge=1, description="per position only the k largest-magnitude entries: {indices, values}")
 
-    _encoding = field_validator("hidden_states_encoding", mode="before")(_checked(lambda v: check_encoding(v)))
-    _layers = field_validator("hidden_states_layers", mode="before")(_checked(lambda v: check_layer_list(v)))
-    _position = field_validator("hidden_states_position", mode="before")(_checked(lambda v: check_position(v)))
-    _dtype = field_validator("hidden_states_dtype", mode="before")(_checked(lambda v: check_dtype(v)))
-    _topk = field_validator("hidden_states_topk", mode="before")(_checked(lambda v: check_topk(v)))
+    _encoding = field_validator("hidden_states_encoding", mode="before")(lambda cls, v: check_encoding(v))
+    _layers = field_validator("hidden_states_layers", mode="before")(lambda cls, v: check_layer_list(v))
+    _position = field_validator("hidden_states_position", mode="before")(lambda cls, v: check_position(v))
+    _dtype = field_validator("hidden_states_dtype", mode="before")(lambda cls, v: check_dtype(v))
+    _topk = field_validator("hidden_states_topk", mode="before")(lambda cls, v: check_topk(v))
 
     @property
     def layers(self) -> tuple[int, ...]:
@@ -131,8 +127,8 @@ class HiddenStatesFields(VectorFields):
         None, description="attach each choice's proofs of inference (TOPLOC): built on the server from the rows "
                           "it computes; the rows themselves are not returned")
 
-    _wants = field_validator("return_hidden_states", mode="before")(_checked(lambda v: check_bool(v)))
-    _proof = field_validator("hidden_states_proof", mode="before")(_checked(lambda v: check_proof(v)))
+    _wants = field_validator("return_hidden_states", mode="before")(lambda cls, v: check_bool(v))
+    _proof = field_validator("hidden_states_proof", mode="before")(lambda cls, v: check_proof(v))
 
     @model_validator(mode="after")
     def _one_kind(self) -> "HiddenStatesFields":

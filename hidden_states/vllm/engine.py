@@ -181,7 +181,7 @@ class HiddenStatesEngine(VectorObservers):
     def check_spec(self, spec: HiddenStatesFields) -> tuple[int, ...]:
         """A parsed spec against this model (params.check_model, then the layers this engine can
         capture): the layers captured, or HiddenStatesRequestError with the fix."""
-        check_model(spec, self.num_layers, getattr(self, "hidden_size", None) or 2**31)
+        check_model(spec, self.num_layers, self.hidden_size)
         return self.check_layers(spec.capture()[0])
 
     def check_layers(self, layers: Sequence[int]) -> tuple[int, ...]:
