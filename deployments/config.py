@@ -100,6 +100,13 @@ class AppArgs(BaseModel):
                                                   "out of the config Ray's dashboard shows")
     max_request_body_bytes: int = Field(
         4 * 1024 * 1024, gt=0, description="a request body above this many bytes is a 413, read no further")
+    max_media_bytes: int = Field(
+        8 * 2**20, gt=0, description="a chat request's image or audio part whose decoded bytes are above this is a "
+                                     "400 before any engine work (per part; the whole body is bounded by "
+                                     "max_request_body_bytes too)")
+    remote_media: bool = Field(
+        False, description="whether image/audio URLs over http(s) are fetched by the engine; off: such a part is "
+                           "refused with a 400 (send the media as a data URL)")
     max_n: int = Field(16, ge=1, description="the largest `n` a request may ask for")
     ingress: Literal["router", "replica"] = Field(
         "router", description="who takes HTTP: a Router deployment in front of the replicas (retries a request "

@@ -29,7 +29,7 @@ from deployments import metrics
 from deployments.config import AppArgs
 from hidden_states.openai_format import error_body
 from deployments.wire import HandleCompletionRequest, HandleError
-from hidden_states import errors, params
+from hidden_states import errors, media, params
 from hidden_states.params import HiddenStatesFields
 from hidden_states.verify import HiddenStatesRequest
 
@@ -239,9 +239,17 @@ def check(args: AppArgs, body: bytes, route: str = "completions") -> "Response |
         spec = params.NOTHING if route == "hidden_states" else \
             params.parse_fields(req, enabled=args.enable_return_hidden_states)
         params.check_n(req.get("n", 1), args.max_n)
+        if route in ("chat", "hidden_states"):
+            check_media(args, req)
     except params.HiddenStatesRequestError as e:
         return error(400, str(e), e.param)
     return req, spec
+
+
+def check_media(args: AppArgs, req: dict) -> None:
+    """A request's image and audio parts (hidden_states/media.py), before any engine work."""
+    media.check_media(req, max_media_bytes=args.max_media_bytes, remote_media=args.remote_media,
+                      local_media=bool(args.engine.get("allowed_local_media_path")))
 
 
 def route_refusal(args: AppArgs, route: str) -> bytes | None:
@@ -383,6 +391,8 @@ def handle_refusal(args: AppArgs, req: HandleCompletionRequest) -> "HandleError 
     try:
         spec = params.parse_fields(req.hidden_states, enabled=args.enable_return_hidden_states)
         params.check_n(req.n, args.max_n)
+        if req.messages is not None:
+            check_media(args, {"messages": req.messages})
     except params.HiddenStatesRequestError as e:
         return HandleError(400, str(e))
     if req.model is not None and req.model not in args.served_model_names:

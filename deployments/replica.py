@@ -163,7 +163,7 @@ class EngineReplica(http.ingress_routes(app, "replica")):
             return wire.ENCODER.encode(HandleReply(error=HandleError(400, f"invalid request: {e}")))
         self.in_flight += 1
         try:
-            prompt = req.prompt if req.messages is None else self.engine.chat_prompt(req.messages)
+            prompt = req.prompt if req.messages is None else await self.engine.chat_input(req.messages)
             c = await self.engine.complete(prompt, options, model=req.model, spec=spec)
         except Exception as e:  # the one table: a bad request 400, a vector's timeout 504, ...
             return wire.ENCODER.encode(HandleReply(error=http.handle_failure(e)))

@@ -3,7 +3,8 @@ key the Router computes, so a conversation's next turn lands where its prefix is
 
 The key: the Router builds it from the body it already parsed (`http_key`, `handle_key`) and
 passes it as the call's `routing_key` keyword, read by the handle's router in the Router's
-process. Chat messages: role, 0x1F, text, 0x1E per message, led by an anchor character (a hash
+process. Chat messages: role, 0x1F, text (an image or audio part: a digest of its data or URL),
+0x1E per message, led by an anchor character (a hash
 of the messages up to the first user message); text prompts: the text; token ids: 4-byte
 integers; /v1/hidden_states: prompt extended by its `completion`; anything else: no key
 (power of two choices). The bytes are cut into 32-byte chunks, one 20-bit-hash character each,
@@ -59,11 +60,25 @@ def key_of(form: str, data: bytes, adapter: str = "", salt: str = "") -> str:
     return ((h & np.uint64(_HASH_MASK)).astype("<u4") + np.uint32(_PLANE1)).tobytes().decode("utf-32-le")
 
 
+def _part_text(part: Any) -> str:
+    """A content part's text; an image's or audio's: a digest of its payload between 0x1D marks, so
+    the same text about different media keys apart, and the same media keys alike."""
+    if not isinstance(part, dict):
+        return ""
+    if isinstance(part.get("text"), str):
+        return part["text"]
+    media = part.get(part.get("type") or "")
+    if media is None:
+        return ""
+    payload = media.get("url") or media.get("data") if isinstance(media, dict) else media
+    return "\x1d" + hashlib.blake2b(str(payload).encode("utf-8", "surrogatepass"), digest_size=8).hexdigest() + "\x1d"
+
+
 def _content_text(content: Any) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        return "".join(p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+        return "".join(_part_text(p) for p in content)
     return ""
 
 

@@ -125,6 +125,7 @@ class HiddenStatesCollector:
     # choices carry proofs built from them; each prompt's length (by ordinal) bounds its prefill's proof.
     proof: Any = None
     prompt_lens: dict[int, int] = dataclasses.field(default_factory=dict)
+    modalities: dict[int, list[dict]] = dataclasses.field(default_factory=dict)  # by ordinal: Origin.modalities
     tail_positions: dict[ChoiceKey, int] = dataclasses.field(default_factory=dict)  # counted by the engine core
     spec: Any = None  # params.HiddenStatesFields: the request's spec as parsed (encoding, by-layer)
     engine_requests: dict[str, int] = dataclasses.field(default_factory=dict)  # capture key -> prompt ordinal

@@ -116,6 +116,8 @@ class ChoiceVectors:
         meta = out["hidden_states_meta"]
         self._sent_bytes[key] = self._sent_bytes.get(key, 0) + meta["bytes"]
         meta.update(adapter=self.adapter, replica=self.replica_id)
+        if key[0] in col.modalities:  # a multimodal prompt: which positions are images' (audio's) tokens
+            meta["modalities"] = col.modalities[key[0]]
         if finishing:
             st = col.stats.get(key)
             if st is not None:
@@ -204,14 +206,19 @@ def not_from_token_ids(request) -> tuple[str, str] | None:
     if getattr(request, "prompt_embeds", None):
         return "prompt_embeds", ("prompt_embeds cannot be combined with return_hidden_states: the vector is "
                                  "computed from token ids; send the prompt as text or token ids")
-    for message in getattr(request, "messages", None) or ():
+    return None
+
+
+def media_parts(messages) -> list[str]:
+    """The types of the non-text content parts of chat `messages` (image_url, input_audio, ...)."""
+    kinds = []
+    for message in messages or ():
         content = message.get("content") if isinstance(message, dict) else getattr(message, "content", None)
         for part in content if isinstance(content, list) else ():
             kind = part.get("type") if isinstance(part, dict) else getattr(part, "type", None)
             if kind not in ("text", None):
-                return "messages", (f"a {kind!r} content part cannot be combined with return_hidden_states: the "
-                                    "vector is computed from token ids, so only text messages are supported")
-    return None
+                kinds.append(kind)
+    return kinds
 
 
 def validation_message(e: ValidationError) -> str:

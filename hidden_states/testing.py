@@ -152,6 +152,8 @@ class FakeEngine(VectorObservers):
                        position: Any = "completion_end", model: str | None = None, dtype: str = "float32",
                        topk: int | None = None, proof: Any = None, spec: HiddenStatesFields | None = None) -> Completion:
         o = options or SamplingOptions()
+        if isinstance(prompt, dict):
+            prompt = prompt["prompt_token_ids"]
         ids = list(prompt.encode()) if isinstance(prompt, str) else list(prompt)
         choices = []
         if spec is None:
@@ -173,6 +175,9 @@ class FakeEngine(VectorObservers):
         return Completion(f"cmpl-{uuid.uuid4().hex}", tuple(ids), tuple(choices))
 
     max_model_len = 4096
+
+    async def chat_input(self, messages: Sequence[dict]) -> dict:
+        return {"prompt_token_ids": self.chat_prompt(messages)}
 
     def chat_prompt(self, messages: Sequence[dict]) -> list[int]:
         """As FakeOpenAI renders chat: the messages' contents joined, as bytes."""

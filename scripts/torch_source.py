@@ -11,8 +11,9 @@ on its own CPU wheel index, not on PyPI, whose torch of the same version is the 
 
 The same sources are asked for the CPU builds of torchvision and torchaudio, in the versions vLLM's
 CUDA build pins beside the same torch (constraints-gpu.txt: the one place those versions come
-from). Found ones are installed; PyPI's builds target the CUDA torch, so for each one missing,
-setup.sh removes PyPI's and one line says what is missing and how to get it.
+from). Found ones are installed. PyPI's builds target the CUDA torch: for a missing torchvision,
+setup.sh keeps PyPI's with its C ops unloaded (hidden_states/torchvision_compat.py); a missing
+torchaudio is removed; one line says what is missing and how to get it.
 
 Prints the engine install's extra pip arguments on stdout, one a line; what it decided goes to
 stderr. The probes are `pip index versions` (index pages only, never a wheel) with a short
@@ -169,8 +170,9 @@ def main(argv: list[str] | None = None) -> int:
         listed = ", ".join(f"{p}=={want[p]}" if p in want else p for p in missing)
         why = None if extra_index else reachable(index)
         where = f"could not be reached ({why})" if why else "does not have them"
-        say(f"no {listed} in pip's sources here, and PyTorch's CPU index {index} {where}: PyPI's builds (made "
-            f"for the CUDA torch) are removed. Multimodal models need torchvision's CPU build: set "
+        say(f"no {listed} in pip's sources here, and PyTorch's CPU index {index} {where}: PyPI's torchvision "
+            "(a CUDA build) is kept with its C ops unloaded (hidden_states/torchvision_compat.py: image "
+            "preprocessing works, detection ops do not); PyPI's torchaudio is removed. For the +cpu builds, set "
             f"HS_TORCH_INDEX_URL to a reachable copy of {DEFAULT_INDEX}, or HS_WHEELS to a folder with the "
             "wheels, and run the set-up again")
     print("\n".join([*local, *extra_index, *(f"{p}=={want[p]}" for p in COMPANIONS if p in have)]))

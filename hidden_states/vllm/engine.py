@@ -23,6 +23,7 @@ from hidden_states.preflight import EngineStartupError, check_architecture, chec
 from hidden_states.params import (DEFAULT_MAX_HIDDEN_STATES_BYTES, HiddenStatesFields, HiddenStatesRequestError,
                                   UnknownModelError, absolute_layer, check_layers, check_model, spec_of)
 from hidden_states.models.builtin import DEFAULT_MODEL, resolve_model
+from hidden_states.openai_format import media_parts
 from hidden_states.interface import (Completion, CompletionChoice, ExtractionStats, SamplingOptions, VectorObservers,
                                   proof_choice, rows_choice)
 from hidden_states.vllm import (ENGINE_ENV, SUPPORTED_LAYER_ARCHS, WORKER_EXTENSION, VLLMIncompatibleError,
@@ -79,7 +80,7 @@ class HiddenStatesEngine(VectorObservers):
         self.hidden_size = int(llm.vllm_config.model_config.get_hidden_size())
         self.max_model_len = int(llm.vllm_config.model_config.max_model_len)
         hf = llm.vllm_config.model_config.hf_config
-        self.num_layers = int(hf.num_hidden_layers)
+        self.num_layers = int(llm.vllm_config.model_config.hf_text_config.num_hidden_layers)  # a VLM's text stack
         self.architecture = (getattr(hf, "architectures", None) or ["?"])[0]
         self.eager = bool(llm.vllm_config.model_config.enforce_eager)
         # Vectors off the outputs and the extraction step (extraction.py); vLLM's AsyncLLM reaches it too.
@@ -210,11 +211,12 @@ class HiddenStatesEngine(VectorObservers):
         return layers
 
     async def complete(
-        self, prompt: str | Sequence[int], sampling: SamplingOptions | Any = None, *, return_hidden_states: bool = True,
+        self, prompt: str | Sequence[int] | dict, sampling: SamplingOptions | Any = None, *,
+        return_hidden_states: bool = True,
         layers: Sequence[int] = (-1,), position: Any = "completion_end", model: str | None = None,
         dtype: str = "float32", topk: int | None = None, proof: Any = None, spec: HiddenStatesFields | None = None,
     ) -> Completion:
-        """One prompt (text or token ids) to a finished Completion with a vector per choice. `sampling`:
+        """One prompt (text, token ids, or an engine input such as `chat_input`'s) to a finished Completion with a vector per choice. `sampling`:
         SamplingOptions or vLLM's SamplingParams; `model`: a LoRA adapter; `position`, `dtype`, `topk`,
         `proof`: as the API's fields (rows returned widened to float32); `spec`: a parsed spec in
         place of those keywords."""
@@ -232,7 +234,7 @@ class HiddenStatesEngine(VectorObservers):
         request_id = f"cmpl-{uuid.uuid4().hex}"
         if isinstance(prompt, str):
             prompt = self.llm.tokenizer.encode(prompt)
-        engine_prompt = {"prompt_token_ids": list(prompt)}
+        engine_prompt = prompt if isinstance(prompt, dict) else {"prompt_token_ids": list(prompt)}
         final, choices = None, []
         if spec is None:
             spec = spec_of(return_hidden_states, layers, position, dtype, topk, proof, enabled=self.enabled)
@@ -277,6 +279,21 @@ class HiddenStatesEngine(VectorObservers):
                                                                tokenize=True, return_dict=False))
         except Exception as e:  # a template that cannot render these messages
             raise HiddenStatesRequestError(f"the chat template cannot render these messages: {e}", "messages") from e
+
+    async def chat_input(self, messages: Sequence[dict]) -> dict:
+        """The engine input of chat `messages`: their token ids (`chat_prompt`) or, with image or audio
+        parts, vLLM's processed multimodal input, rendered by vLLM's renderer as its chat route renders
+        it (a 400 naming `messages` if it cannot)."""
+        if not media_parts(messages):
+            return {"prompt_token_ids": self.chat_prompt(messages)}
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+        try:
+            req = ChatCompletionRequest(model=self.served_model_name or "", messages=list(messages))
+            _, (prompt,) = await self.llm.renderer.render_chat_async([req.messages], req.build_chat_params(None, "auto"))
+        except Exception as e:  # unreadable media, too many items, a template that cannot render them
+            raise HiddenStatesRequestError(f"the messages cannot be rendered: {e}", "messages") from e
+        return prompt
 
     def lora_request(self, model: str | None) -> Any:
         """The LoRA adapter a request names by `model`, as vLLM's serving resolves it (None: the base model)."""

@@ -88,9 +88,22 @@ def test_prompt_lists_and_content_parts():
     assert http_key("completions", {"prompt": ["ab", "cd"]}, BASE) == http_key("completions", {"prompt": "abcd"}, BASE)
     assert http_key("completions", {"prompt": [[1, 2], [3]]}, BASE) == http_key("completions", {"prompt": [1, 2, 3]},
                                                                                 BASE)
-    parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": LONG},
-                                                       {"type": "image_url", "image_url": {"url": "x"}}]}]}
+    parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": LONG}]}]}
     assert http_key("chat", parts, BASE) == http_key("chat", chat(LONG), BASE)
+
+
+def test_media_join_the_key_so_a_conversation_about_one_image_stays_with_its_caches():
+    def about(url: str, text: str = LONG) -> dict:
+        return {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                                          {"type": "text", "text": text}]}]}
+
+    a, b = "data:image/png;base64,AAAA", "data:image/png;base64,BBBB"
+    assert http_key("chat", about(a), BASE) == http_key("chat", about(a), BASE)
+    assert http_key("chat", about(a), BASE) != http_key("chat", about(b), BASE)  # same text, other image
+    assert http_key("chat", about(a), BASE) != http_key("chat", chat(LONG), BASE)
+    audio = {"messages": [{"role": "user", "content": [{"type": "input_audio",
+                                                        "input_audio": {"data": "UklG", "format": "wav"}}]}]}
+    assert http_key("chat", audio, BASE) != http_key("chat", chat(""), BASE)
 
 
 def test_a_verification_lands_where_its_choice_was_generated():

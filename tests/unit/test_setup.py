@@ -247,8 +247,9 @@ def test_without_cpu_torchvision_setup_says_what_is_missing(registries, tmp_path
     proc, _ = run_setup(env, "--resolve-only")
     assert proc.returncode == 0, proc.stderr
     assert f"torch-{TORCH_CPU}" in would_install(proc)
-    (line,) = [line for line in proc.stderr.splitlines() if "Multimodal" in line]
+    (line,) = [line for line in proc.stderr.splitlines() if "torchvision_compat" in line]
     assert all(f"{p}=={v}" in line for p, v in VISION.items()) and "HS_TORCH_INDEX_URL" in line
+    assert "C ops unloaded" in line and "torchaudio is removed" in line
 
 
 def test_the_matching_vision_versions_come_from_the_gpu_lock():

@@ -1,25 +1,38 @@
-"""hidden_states/torchvision_compat.py: PyPI's torchvision imports on the +cpu torch (its Python
-transforms run; the C detection ops stay unavailable). Needs a torchvision install: HS_TORCHVISION_DIR
-(a folder with the unpacked wheel) until set-up installs it."""
+"""hidden_states/torchvision_compat.py, as scripts/setup.sh installs it: where no `+cpu` torchvision was
+found, PyPI's (a CUDA build) imports on the +cpu torch through the .pth hook in every interpreter of the
+venv, its Python transforms run, and its C detection ops stay unavailable. Without the hook the same
+import fails, so the hook is what makes it work."""
 
 import os
 import subprocess
 import sys
+import sysconfig
+from pathlib import Path
 
 import pytest
 
-TV = os.environ.get("HS_TORCHVISION_DIR")
+PTH = Path(sysconfig.get_paths()["purelib"]) / "hidden_states_torchvision.pth"
+CODE = ("import torch, torchvision\nfrom torchvision.transforms.v2 import functional as F\n"
+        "print(tuple(F.resize(torch.rand(3, 64, 48), [32, 32]).shape), torchvision.extension._has_ops())\n")
 
 
-@pytest.mark.skipif(not TV, reason="set HS_TORCHVISION_DIR to an unpacked torchvision==0.28.0 wheel")
-def test_torchvision_imports_and_resizes_with_the_hook_and_fails_without_it():
-    code = ("import torch, hidden_states.torchvision_compat as c\n{hook}"
-            "import torchvision\nfrom torchvision.transforms.v2 import functional as F\n"
-            "print(tuple(F.resize(torch.rand(3, 64, 48), [32, 32]).shape), torchvision.extension._has_ops())\n")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([TV, os.getcwd()])}
-    ok = subprocess.run([sys.executable, "-c", code.format(hook="c.install()\n")], env=env, capture_output=True,
-                        text=True, timeout=120)
+def run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": os.getcwd()})
+
+
+@pytest.mark.skipif(not PTH.exists(), reason="a +cpu torchvision is installed: set-up wrote no hook")
+def test_a_fresh_interpreter_imports_torchvision_through_the_hook_and_fails_without_it():
+    ok = run("-c", CODE)
     assert ok.returncode == 0 and "(3, 32, 32) False" in ok.stdout, ok.stderr[-2000:]
-    bare = subprocess.run([sys.executable, "-c", code.format(hook="")], env=env, capture_output=True, text=True,
-                          timeout=120)
+    # The same import with site's .pth files skipped (site-packages added by hand): the CUDA build fails.
+    bare = run("-S", "-c", f"import sys; sys.path.append({sysconfig.get_paths()['purelib']!r})\n" + CODE)
     assert bare.returncode != 0 and "torchvision::nms does not exist" in bare.stderr, bare.stderr[-2000:]
+
+
+@pytest.mark.skipif(not PTH.exists(), reason="a +cpu torchvision is installed: set-up wrote no hook")
+def test_transformers_and_vllm_see_torchvision_s_image_processors():
+    code = ("import transformers\nfrom transformers.models.gemma3 import image_processing_gemma3\n"
+            "import vllm.model_executor.models.gemma3_mm\nprint(transformers.utils.is_torchvision_available())\n")
+    out = run("-c", code)
+    assert out.returncode == 0 and out.stdout.strip().endswith("True"), out.stderr[-2000:]

@@ -213,7 +213,7 @@ class _VectorsOnOutputs:
         sp = request.sampling_params
         flag = HiddenStatesExtractionRequest.from_extra_args(sp.extra_args if sp is not None else None)
         if flag is not None:
-            L = self.vllm_config.model_config.hf_config.num_hidden_layers
+            L = self.vllm_config.model_config.hf_text_config.num_hidden_layers
             flag.layers = [absolute_layer(l, L) for l in flag.layers]  # once, for every step's plan
             span = Span.from_list(flag.span)
             tail = flag.reaches_final and self._takes_tail(sp)

@@ -32,16 +32,39 @@ _FAILED = ("abort", "error")
 
 @dataclasses.dataclass(frozen=True)
 class Origin:
-    """What an extraction step takes from the request it serves: adapter, cache salt, priority."""
+    """What an extraction step takes from the request it serves: adapter, cache salt, priority, and a
+    multimodal prompt's processed inputs (vLLM's MultiModalInput: items, hashes, placeholders), so the
+    step sees the same images and audio (by their hashes: the engine core's caches) as the request."""
 
     lora_request: Any = None
     cache_salt: str | None = None
     priority: int = 0
+    mm: Any = None  # (mm_kwargs, mm_hashes, mm_placeholders) of a multimodal prompt
 
     @staticmethod
     def of(prompt: Any, kwargs: dict) -> "Origin":
         salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
-        return Origin(kwargs.get("lora_request"), salt, int(kwargs.get("priority") or 0))
+        mm = None
+        if isinstance(prompt, dict) and prompt.get("type") == "multimodal":
+            mm = (prompt["mm_kwargs"], prompt["mm_hashes"], prompt["mm_placeholders"])
+        return Origin(kwargs.get("lora_request"), salt, int(kwargs.get("priority") or 0), mm)
+
+    def prompt(self, token_ids: Sequence[int], cache_salt: str | None) -> dict:
+        """The engine input of an extraction step over `token_ids` (the prompt's, then the completion's):
+        the same multimodal items at the same placeholders, which all lie in the prompt."""
+        from vllm.inputs.engine import mm_input, tokens_input
+
+        if self.mm is None:
+            return tokens_input(list(token_ids), cache_salt=cache_salt)
+        return mm_input(list(token_ids), *self.mm, cache_salt=cache_salt)
+
+    def modalities(self) -> list[dict]:
+        """Which prompt positions are which modality's placeholder tokens: [{modality, start, end}]."""
+        if self.mm is None:
+            return []
+        spans = [{"modality": modality, "start": r.offset, "end": r.offset + r.length}
+                 for modality, ranges in self.mm[2].items() for r in ranges]
+        return sorted(spans, key=lambda s: s["start"])
 
 
 def prompt_ordinal(request_id: str) -> int:
@@ -96,6 +119,8 @@ def make_async_llm_class():
             ordinal, origin = prompt_ordinal(request_id), Origin.of(prompt, kwargs)
             prompt, sampling_params = hs._flag(collector, prompt, sampling_params, key)
             collector.prompt_lens[ordinal] = len(prompt["prompt_token_ids"])
+            if origin.mm is not None:
+                collector.modalities[ordinal] = origin.modalities()
             delta = sampling_params.output_kind == RequestOutputKind.DELTA
             tokens: dict[int, list[int]] = {}
             prompt_ids: list[int] = []
@@ -133,7 +158,7 @@ class Extraction:
                  max_hidden_states_bytes: int = DEFAULT_MAX_HIDDEN_STATES_BYTES):
         self.llm = llm
         self.check_spec, self.check_layers = check_spec, check_layers  # the engine's checks against its model
-        self.num_layers = int(llm.vllm_config.model_config.hf_config.num_hidden_layers)
+        self.num_layers = int(llm.vllm_config.model_config.hf_text_config.num_hidden_layers)
         self.hidden_size = int(llm.vllm_config.model_config.get_hidden_size())
         self.extraction_timeout_s = timeout_s
         self.tail_enabled = tail_enabled  # the engine's scheduler runs tail steps
@@ -320,7 +345,6 @@ class Extraction:
         """The rows of `positions` of `token_ids` by a prefill, cast and selected as a generating
         request's; own cache salt where a prefix-cache hit would skip some."""
         from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
         from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -330,12 +354,11 @@ class Extraction:
             max_tokens=1, temperature=0.0, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY,
             extra_args=HiddenStatesExtractionRequest(key=key, span=[lo, total, 1], layers=list(layers), dtype=dtype,
                                                      topk=topk or 0).to_extra_args())
-        prompt = TokensPrompt(prompt_token_ids=list(token_ids))
         cache = self.llm.vllm_config.cache_config
+        salt = origin.cache_salt
         if cache.enable_prefix_caching and lo < (total - 1) // cache.block_size * cache.block_size:
-            prompt["cache_salt"] = f"hs-{key}"
-        elif origin.cache_salt is not None:
-            prompt["cache_salt"] = origin.cache_salt
+            salt = f"hs-{key}"
+        prompt = origin.prompt(token_ids, salt)
         step = HiddenStatesCollector(f"step-{key}", tuple(layers), dtype=dtype, topk=topk)  # the step's own state
         t0, cached = time.perf_counter(), 0
         self.engine_request(step, key, 0)

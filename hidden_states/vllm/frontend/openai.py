@@ -239,11 +239,11 @@ class OpenAIFrontend:
             lora = eng.lora_request(req.model)
             if req.compare is not None and isinstance(req.completion, str):
                 raise HiddenStatesRequestError(TEXT_CLAIM, "completion")
-            ids, completion_start = self._token_ids(req)
+            ids, completion_start, mm = await self._token_ids(req)
             check_room(len(ids), eng.llm.model_config.max_model_len,
                        "prompt" if req.prompt is not None else "messages", completing=False)
             if req.compare is not None and req.compare.toploc is not None:
-                return await self._check_proofs(req, ids, completion_start, lora)
+                return await self._check_proofs(req, ids, completion_start, lora, mm)
             span = given_span(position, len(ids), completion_start)
             positions, multi = list(span.positions(len(ids))), position not in SINGLE_POSITIONS
             check_rows_budget(span, len(ids), None, 1, len(layers), eng.hidden_size, dtype, topk,
@@ -251,7 +251,7 @@ class OpenAIFrontend:
             # A malformed claim is a 400 before any engine work.
             claim = None if req.compare is None else verify.claims(req.compare, len(positions), eng.hidden_size)
             # Only the tokens up to the last position asked for: the rows before it are the same.
-            seq, origin = ids[:positions[-1] + 1], Origin(lora_request=lora)
+            seq, origin = ids[:positions[-1] + 1], Origin(lora_request=lora, mm=mm)
             batch, stats = await eng.extraction.extract_rows(seq, positions, layers, dtype, topk, origin)
             out = row_fields(batch, layers, encoding, by_layer, multi, position, dtype, topk, topk or eng.hidden_size)
             true = batch.floats(-1) if claim is not None else None
@@ -260,12 +260,14 @@ class OpenAIFrontend:
             return errors.error_response(e)
         out["hidden_states_meta"].update(
             **stats.meta(), adapter=lora.lora_name if lora is not None else None, replica=self.replica_id)
+        if mm is not None:
+            out["hidden_states_meta"]["modalities"] = origin.modalities()
         model = lora.lora_name if lora is not None else self.state.openai_serving_models.base_model_paths[0].name
         comparison = None if claim is None else verify.compared(claim, true, positions, req.compare.tolerance, multi)
         return 200, verify.response(model, ids, out, comparison)
 
     async def _check_proofs(self, req: "verify.HiddenStatesRequest", ids: list[int], prompt_len: int,
-                            lora: Any) -> tuple[int, bytes]:
+                            lora: Any, mm: Any = None) -> tuple[int, bytes]:
         """compare.toploc: one bfloat16 prefill of every fed position, each proof against its chunk's rows;
         a 400 for proofs that do not fit the tokens."""
         eng, claim = self.engine, req.compare.toploc
@@ -283,7 +285,7 @@ class OpenAIFrontend:
         check_rows_budget(Span(0, len(ids) - 1), len(ids), None, 1, 1, eng.hidden_size, "bfloat16", None,
                           eng.max_hidden_states_bytes)
         batch, stats = await eng.extraction.extract_rows(ids[:-1], fed, (-1,), "bfloat16", None,
-                                                         Origin(lora_request=lora))
+                                                         Origin(lora_request=lora, mm=mm))
         bits = batch.values[-1]
         try:
             comparison = proofs.check_claim(claim, [bits[lo:hi] for lo, hi in bounds])
@@ -295,8 +297,9 @@ class OpenAIFrontend:
         model = lora.lora_name if lora is not None else self.state.openai_serving_models.base_model_paths[0].name
         return 200, verify.response(model, ids, {"hidden_states_meta": meta}, comparison)
 
-    def _token_ids(self, req: "verify.HiddenStatesRequest") -> tuple[list[int], int | None]:
-        """The given tokens, and where the `completion` starts in them (None: no completion)."""
+    async def _token_ids(self, req: "verify.HiddenStatesRequest") -> tuple[list[int], int | None, Any]:
+        """The given tokens, where the `completion` starts in them (None: no completion), and the
+        messages' processed multimodal inputs (Origin.mm; None for text)."""
         tok = self.engine.llm.tokenizer
         vocab = self.engine.llm.model_config.get_vocab_size()
 
@@ -312,19 +315,17 @@ class OpenAIFrontend:
                 ids = list(tok.encode(req.prompt, add_special_tokens=req.add_special_tokens))
             else:
                 ids = checked(list(req.prompt), "prompt")
-            if req.completion is None:
-                return ids, None
-            if isinstance(req.completion, str):
-                return ids + list(tok.encode(req.completion, add_special_tokens=False)), len(ids)
-            return ids + checked(list(req.completion), "completion"), len(ids)
-        if (refusal := not_from_token_ids(req)) is not None:
-            raise HiddenStatesRequestError(refusal[1], refusal[0])
-        ids = self.engine.chat_prompt(req.messages)
+            mm = None
+        else:
+            if (refusal := not_from_token_ids(req)) is not None:
+                raise HiddenStatesRequestError(refusal[1], refusal[0])
+            prompt = await self.engine.chat_input(req.messages)
+            ids, mm = list(prompt["prompt_token_ids"]), Origin.of(prompt, {}).mm
         if req.completion is None:
-            return ids, None
+            return ids, None, mm
         if isinstance(req.completion, str):
-            return ids + list(tok.encode(req.completion, add_special_tokens=False)), len(ids)
-        return ids + checked(list(req.completion), "completion"), len(ids)
+            return ids + list(tok.encode(req.completion, add_special_tokens=False)), len(ids), mm
+        return ids + checked(list(req.completion), "completion"), len(ids), mm
 
 
 async def _prepend(first: str | None, rest: AsyncIterator[str]) -> AsyncIterator[str]:

@@ -109,7 +109,7 @@ class _RunnerHook:
         self.steps_with_rows = 0  # steps whose plan had rows (after_step): each should make one host copy
         self.host_copies = 0  # device-to-host transfers made (_to_host)
         self.bytes_copied = 0
-        self.num_layers = runner.vllm_config.model_config.hf_config.num_hidden_layers
+        self.num_layers = runner.vllm_config.model_config.hf_text_config.num_hidden_layers
         self.final_norm = None  # the model's final norm where its forward stops before it (layers.final_norm_in_logits)
         self._given: dict[str, PlanEntry] | None = None  # the scheduler's plan for this step
         self._plan: list[_Entry] | None = None

@@ -63,11 +63,20 @@ def _residual_norm_of(layer_cls: type) -> tuple[str | None, str | None]:
                   "self.<norm>(hidden_states, residual)`)")
 
 
+def text_model(model: Any) -> Any:
+    """The decoder-only language model: a multimodal model's text stack (vLLM's SupportsMultiModal
+    `get_language_model`), else the model itself."""
+    get = getattr(model, "get_language_model", None)
+    inner = get() if callable(get) else None
+    return model if inner is None else inner
+
+
 def layer_capture_support(model: Any, num_layers: int, hidden_size: int) -> tuple[list | None, str | None]:
-    """The decoder layers of a vLLM model whose layer inputs carry the residual stream
-    as hidden + residual (see the module docstring), or (None, why not)."""
+    """The decoder layers of a vLLM model (a multimodal model's text stack) whose layer inputs carry
+    the residual stream as hidden + residual (see the module docstring), or (None, why not)."""
     import torch
 
+    model = text_model(model)
     layers = getattr(getattr(model, "model", None), "layers", None)
     if not isinstance(layers, torch.nn.ModuleList):
         return None, f"{type(model).__name__} has no decoder layer list at .model.layers"
@@ -107,6 +116,7 @@ def final_norm_in_logits(model: Any, hidden_size: int) -> Any | None:
 
     import torch
 
+    model = text_model(model)
     norm = getattr(getattr(model, "model", None), "norm", None)
     head, logits = getattr(model, "lm_head", None), getattr(model, "logits_processor", None)
     if not isinstance(norm, torch.nn.Module) or head is None or logits is None or not hasattr(model, "compute_logits"):
