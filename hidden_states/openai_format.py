@@ -201,14 +201,6 @@ class ChoiceVectors:
         return "data: " + json.dumps(data, separators=(",", ":"), ensure_ascii=False) + "\n\n"
 
 
-def not_from_token_ids(request) -> tuple[str, str] | None:
-    """(param, message) if the input is not token ids alone (the extraction step replays token ids)."""
-    if getattr(request, "prompt_embeds", None):
-        return "prompt_embeds", ("prompt_embeds cannot be combined with return_hidden_states: the vector is "
-                                 "computed from token ids; send the prompt as text or token ids")
-    return None
-
-
 def media_parts(messages) -> list[str]:
     """The types of the non-text content parts of chat `messages` (image_url, input_audio, ...)."""
     kinds = []

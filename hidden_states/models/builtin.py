@@ -67,7 +67,9 @@ REAL_MODELS = {SMOLLM2: "smollm2-135m-instruct-q4_1-f32"}
 
 
 def builtin_names() -> list[str]:
-    return sorted(SPECS) + sorted(REAL_MODELS)
+    from hidden_states.models.vlm import VLM_MODELS
+
+    return sorted(SPECS) + sorted(REAL_MODELS) + sorted(VLM_MODELS)
 
 
 def cache_root() -> Path:
@@ -89,6 +91,10 @@ def build(name: str = "tiny-llama") -> Path:
         from hidden_states.models import smollm2
 
         return smollm2.build(cache_root() / REAL_MODELS[SMOLLM2])
+    from hidden_states.models import vlm  # tiny vision-language models (hidden_states/models/vlm.py)
+
+    if name in vlm.VLM_MODELS:
+        return vlm.build(name)
     if name not in SPECS:
         raise ValueError(f"unknown built-in model {name!r}; choose one of {builtin_names()}")
     out = cache_root() / f"{name}-{_VERSION}"

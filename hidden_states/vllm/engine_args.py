@@ -129,8 +129,9 @@ _COMPILE = ("how the forward pass is compiled or graphed: the hook reads the row
 _TOKENIZER = "the tokenizer or text handling: vectors are computed from the token ids, which responses return"
 _SAMPLING = ("how tokens are chosen or reported: the vector follows the choice's tokens, whichever they are "
              "(tests/serve/test_option_matrix.py checks every sampling option)")
-_MULTIMODAL = ("multimodal inputs only: with return_hidden_states a request with non-text parts is refused (400), "
-               "so text prompts never use it")
+_MULTIMODAL = ("how images and audio are read, processed, cached and encoded: the vector is read from the text "
+               "stack after it, where the LM head reads, so it is the engine's own for the same inputs "
+               "(tests/engine/test_multimodal.py); the extraction step sends the same processed items, by hash")
 _GPU_MEMORY = ("GPU memory management (sleep mode, allocators, offloading, graph memory): where tensors live, not "
                "what is computed; the CPU engine ignores it")
 _MOE = ("mixture-of-experts placement, balancing and kernels (dense models ignore it): expert outputs are combined "
@@ -170,8 +171,8 @@ IRRELEVANT: dict[str, str] = {
     "tokenizer": _TOKENIZER, "tokenizer_mode": _TOKENIZER, "tokenizer_revision": _TOKENIZER,
     "skip_tokenizer_init": _TOKENIZER, "tokens_only": _TOKENIZER, "renderer_num_workers": _TOKENIZER,
     "served_model_name": "the model's name in responses and metrics",
-    "enable_prompt_embeds": "prompt_embeds requests are refused with return_hidden_states (400): the vector is "
-                            "computed from token ids",
+    "enable_prompt_embeds": "lets requests send prompt_embeds; with hidden states the extraction step sends the "
+                            "same embeddings then the completion's token ids (tests/engine/test_multimodal.py)",
     # sampling and outputs
     "max_logprobs": _SAMPLING, "logprobs_mode": _SAMPLING, "use_fp64_gumbel": _SAMPLING,
     "logits_processors": _SAMPLING, "generation_config": _SAMPLING, "override_generation_config": _SAMPLING,

@@ -40,23 +40,34 @@ class Origin:
     cache_salt: str | None = None
     priority: int = 0
     mm: Any = None  # (mm_kwargs, mm_hashes, mm_placeholders) of a multimodal prompt
+    embeds: Any = None  # a prompt_embeds prompt's embeddings [P, D] (torch)
 
     @staticmethod
     def of(prompt: Any, kwargs: dict) -> "Origin":
         salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
-        mm = None
+        mm = embeds = None
         if isinstance(prompt, dict) and prompt.get("type") == "multimodal":
             mm = (prompt["mm_kwargs"], prompt["mm_hashes"], prompt["mm_placeholders"])
-        return Origin(kwargs.get("lora_request"), salt, int(kwargs.get("priority") or 0), mm)
+        elif isinstance(prompt, dict) and prompt.get("type") == "embeds":
+            embeds = prompt["prompt_embeds"]
+        return Origin(kwargs.get("lora_request"), salt, int(kwargs.get("priority") or 0), mm, embeds)
 
     def prompt(self, token_ids: Sequence[int], cache_salt: str | None) -> dict:
         """The engine input of an extraction step over `token_ids` (the prompt's, then the completion's):
-        the same multimodal items at the same placeholders, which all lie in the prompt."""
-        from vllm.inputs.engine import mm_input, tokens_input
+        the same multimodal items at the same placeholders, which all lie in the prompt; or the same
+        prompt embeddings followed by the completion's token ids (vLLM's mixed input, `is_token_ids`)."""
+        from vllm.inputs.engine import embeds_input, mm_input, tokens_input
 
-        if self.mm is None:
-            return tokens_input(list(token_ids), cache_salt=cache_salt)
-        return mm_input(list(token_ids), *self.mm, cache_salt=cache_salt)
+        if self.mm is not None:
+            return mm_input(list(token_ids), *self.mm, cache_salt=cache_salt)
+        if self.embeds is not None:
+            import torch
+
+            P, T = len(self.embeds), len(token_ids)
+            tail = torch.zeros(T - P, self.embeds.shape[1], dtype=self.embeds.dtype, device=self.embeds.device)
+            return embeds_input(torch.cat([self.embeds, tail]), cache_salt=cache_salt,
+                                prompt_token_ids=[0] * P + list(token_ids[P:]), is_token_ids=[False] * P + [True] * (T - P))
+        return tokens_input(list(token_ids), cache_salt=cache_salt)
 
     def modalities(self) -> list[dict]:
         """Which prompt positions are which modality's placeholder tokens: [{modality, start, end}]."""
@@ -65,6 +76,16 @@ class Origin:
         spans = [{"modality": modality, "start": r.offset, "end": r.offset + r.length}
                  for modality, ranges in self.mm[2].items() for r in ranges]
         return sorted(spans, key=lambda s: s["start"])
+
+
+def prompt_length(prompt: Any) -> int | None:
+    """Positions of an engine input's prompt: its token ids (a multimodal one's include the
+    placeholders) or its embeddings; None if it is neither."""
+    if not isinstance(prompt, dict):
+        return None
+    if prompt.get("prompt_token_ids") is not None:
+        return len(prompt["prompt_token_ids"])
+    return len(prompt["prompt_embeds"]) if prompt.get("prompt_embeds") is not None else None
 
 
 def prompt_ordinal(request_id: str) -> int:
@@ -118,7 +139,7 @@ def make_async_llm_class():
             key = uuid.uuid4().hex
             ordinal, origin = prompt_ordinal(request_id), Origin.of(prompt, kwargs)
             prompt, sampling_params = hs._flag(collector, prompt, sampling_params, key)
-            collector.prompt_lens[ordinal] = len(prompt["prompt_token_ids"])
+            collector.prompt_lens[ordinal] = prompt_length(prompt)
             if origin.mm is not None:
                 collector.modalities[ordinal] = origin.modalities()
             delta = sampling_params.output_kind == RequestOutputKind.DELTA
@@ -222,10 +243,9 @@ class Extraction:
         salt where prompt positions must be computed. Returns (prompt, params)."""
         from vllm.sampling_params import RequestOutputKind
 
-        ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else None
-        if ids is None:
-            raise HiddenStatesRequestError("hidden states need the prompt as token ids", "prompt")
-        P = len(ids)
+        P = prompt_length(prompt)
+        if P is None:
+            raise HiddenStatesRequestError("hidden states need the prompt as token ids or embeddings", "prompt")
         span = Span.of(collector.position, P)
         try:
             check_rows_budget(span, P, params.max_tokens or 0, params.n or 1, len(collector.layers), self.hidden_size,
@@ -282,12 +302,12 @@ class Extraction:
 
     def _leave_room_for_extraction(self, prompt: Any, params: Any) -> Any:
         """max_tokens capped to `params.room_for_completion` (the final token's one more position)."""
-        ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else None
-        if ids is None:
+        P = prompt_length(prompt)
+        if P is None:
             return params
         limit = self.llm.model_config.max_model_len
-        check_room(len(ids), limit, "prompt", completing=True)
-        room = room_for_completion(len(ids), limit)
+        check_room(P, limit, "prompt", completing=True)
+        room = room_for_completion(P, limit)
         if params.max_tokens is None or params.max_tokens > room:
             params = params.clone()
             params.max_tokens = room

@@ -26,7 +26,7 @@ from pydantic import ValidationError
 
 from hidden_states.interface import HiddenStatesCollector, HiddenStatesTimeout, MissingHiddenStatesError
 from hidden_states import errors, proofs, verify
-from hidden_states.openai_format import (ChoiceVectors, Route, error_body, not_from_token_ids, row_fields,
+from hidden_states.openai_format import (ChoiceVectors, Route, error_body, row_fields,
                                          validation_message)
 from hidden_states.vllm.frontend.extraction import Origin
 from hidden_states.params import (SINGLE_POSITIONS, HiddenStatesDisabledError, HiddenStatesFields,
@@ -116,9 +116,6 @@ class OpenAIFrontend:
                 yield errors.error_response(e)
                 return
         wants = spec.wants
-        if wants and (refusal := not_from_token_ids(request)) is not None:
-            yield errors.error_response(HiddenStatesRequestError(refusal[1], refusal[0]))
-            return
         # A client's request_id is replaced; a letter first, so vLLM's `{id}-{i}` per prompt is unambiguous.
         request.request_id = "hs" + uuid.uuid4().hex
         if request.vllm_xargs:  # our extra_args keys are ours alone: no forged capture, no joined collector
@@ -317,8 +314,6 @@ class OpenAIFrontend:
                 ids = checked(list(req.prompt), "prompt")
             mm = None
         else:
-            if (refusal := not_from_token_ids(req)) is not None:
-                raise HiddenStatesRequestError(refusal[1], refusal[0])
             prompt = await self.engine.chat_input(req.messages)
             ids, mm = list(prompt["prompt_token_ids"]), Origin.of(prompt, {}).mm
         if req.completion is None:

@@ -109,6 +109,7 @@ class _RunnerHook:
         self.steps_with_rows = 0  # steps whose plan had rows (after_step): each should make one host copy
         self.host_copies = 0  # device-to-host transfers made (_to_host)
         self.bytes_copied = 0
+        self.encoder_items = 0  # multimodal items the model's encoder embedded (_count_encoder_items)
         self.num_layers = runner.vllm_config.model_config.hf_text_config.num_hidden_layers
         self.final_norm = None  # the model's final norm where its forward stops before it (layers.final_norm_in_logits)
         self._given: dict[str, PlanEntry] | None = None  # the scheduler's plan for this step
@@ -140,8 +141,25 @@ class _RunnerHook:
                                "carry hidden + residual) but not checked against transformers", arch)
         else:
             logger.info("intermediate hidden-state layers unavailable on %s: %s", arch, why)
+        self._count_encoder_items()
         return {**info, "layer_capture": layers is not None, "layer_hooks": self.layer_hooks,
                 "layer_capture_reason": why}
+
+    def _count_encoder_items(self) -> None:
+        """A multimodal model's encoder work, counted: `encoder_items` (images, audio clips) its
+        `embed_multimodal` encoded, so a test can see an extraction step reuse the encoder cache."""
+        model = self.runner.model
+        encode = getattr(model, "embed_multimodal", None)
+        if encode is None or getattr(encode, "_hidden_states_counted", False):
+            return
+
+        def embed_multimodal(**kwargs):
+            out = encode(**kwargs)
+            self.encoder_items += len(out) if isinstance(out, (list, tuple)) else int(out.shape[0])
+            return out
+
+        embed_multimodal._hidden_states_counted = True
+        model.embed_multimodal = embed_multimodal
 
     def before_step(self, so: Any) -> None:
         self._given = getattr(so, PLAN_ATTR, None) or None  # set by the scheduler (scheduler.py)

@@ -86,4 +86,5 @@ class HiddenStatesWorkerExtension(CPUWorkerSteps):
             "host_copies": hook.host_copies,
             "bytes_copied": hook.bytes_copied,
             "layer_hooks": hook.layer_hooks,
+            "encoder_items": hook.encoder_items,
         }

