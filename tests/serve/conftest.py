@@ -76,6 +76,11 @@ def app_args(**over) -> dict:
     return args
 
 
+def vlm_args(model: str) -> dict:
+    return app_args(model=model, engine={**TEST_ENGINE_ARGS, "max_model_len": 1024, "limit_mm_per_prompt": {"image": 2}},
+                    replica_autoscaling={"min_replicas": 1, "max_replicas": 1})
+
+
 def tiny_lora_modules() -> list[dict]:
     """The LoRA app's adapters on the tiny model (tests/conftest.py build_lora; built once, cached)."""
     from hidden_states.models.builtin import build
@@ -113,12 +118,15 @@ APPS = {
     "hs-spec": ("/spec", lambda: app_args(engine={**TEST_ENGINE_ARGS, "speculative_config": SPEC_NGRAM,
                                                                   "async_scheduling": False},
                                           replica_autoscaling={"min_replicas": 1, "max_replicas": 1})),
+    # the two built-in VLM families (hidden_states/models/vlm.py), 1 replica each, two images a prompt at most
+    "hs-gemma3-vlm": ("/gemma3-vlm", lambda: vlm_args("builtin:tiny-gemma3-vlm")),
+    "hs-llava": ("/llava", lambda: vlm_args("builtin:tiny-llava")),
 }
 # Tests run grouped by the app they use (tests/conftest.py orders them), so each app
 # deploys once; any order still works, only slower.
 APP_FIXTURES = {"serve_app": APP, "client": APP, "off_app": "hs-off", "guarded_app": "hs-guarded",
                 "fault_app": "hs-fault", "lora_app": "hs-lora", "tp2_app": "hs-tp2",
-                "spec_app": "hs-spec"}
+                "spec_app": "hs-spec", "gemma3_vlm_app": "hs-gemma3-vlm", "llava_app": "hs-llava"}
 
 
 class AppSlot:
@@ -217,6 +225,18 @@ def spec_app(app_slot) -> str:
 def tp2_app(app_slot) -> str:
     """One engine replica running tensor parallelism 2, behind a Router."""
     return app_slot.use("hs-tp2")
+
+
+@pytest.fixture
+def gemma3_vlm_app(app_slot) -> str:
+    """One engine replica serving the built-in tiny Gemma 3 VLM, behind a Router."""
+    return app_slot.use("hs-gemma3-vlm")
+
+
+@pytest.fixture
+def llava_app(app_slot) -> str:
+    """One engine replica serving the built-in tiny LLaVA, behind a Router."""
+    return app_slot.use("hs-llava")
 
 
 @pytest.fixture

@@ -1,0 +1,115 @@
+"""Chats with images through the real app (`serve.run` of deployments/app.py, as `serve run` does),
+over HTTP with the openai client and over a Python handle, on the two built-in VLM families: every
+vector and row exact against transformers on the same processor outputs and the returned token ids
+(tests/vlm_ref.py), streamed with n=2 too; bad media refused by name while the app keeps serving."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import numpy as np
+import pytest
+
+from tests.engine.test_multimodal import REL_TOL, about, image
+from tests.serve.conftest import decode_vector
+
+APPS = {"gemma3_vlm_app": ("builtin:tiny-gemma3-vlm", "hs-gemma3-vlm"), "llava_app": ("builtin:tiny-llava", "hs-llava")}
+
+
+def folder_of(model: str) -> str:
+    from hidden_states.models.builtin import resolve_model
+
+    return resolve_model(model)
+
+
+def check(vector, model: str, prompt_ids, seeds, completion_ids, rows=None) -> float:
+    """Relative error of `vector` (or `rows` of prompt + completion) against transformers."""
+    from tests.vlm_ref import reference_hidden_states
+
+    ref = reference_hidden_states(folder_of(model), prompt_ids, [image(s) for s in seeds], completion_ids)[-1]
+    got, want = (np.asarray(vector, np.float32), ref[-1]) if rows is None else (np.asarray(rows, np.float32), ref)
+    err = float(np.abs(got - want).max() / np.abs(want).max())
+    assert err <= REL_TOL, err
+    return err
+
+
+def chat_over_http(base: str, model: str, served: str) -> None:
+    import openai
+
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", timeout=120, max_retries=0)
+    r = client.chat.completions.create(model=served, messages=about(0), max_tokens=6, temperature=0,
+                                       extra_body={"return_hidden_states": True, "return_token_ids": True,
+                                                   "hidden_states_position": "all"})
+    ch = r.choices[0].model_dump()
+    meta = ch["hidden_states_meta"]
+    assert meta["modalities"][0]["modality"] == "image" and meta["via"] == "tail", meta
+    err = check(None, model, r.prompt_token_ids, [0], ch["token_ids"], rows=ch["hidden_states"])
+    # streamed, n=2 (sampled, seeded): each choice's vector on its final chunk, each exact
+    stream = client.chat.completions.create(model=served, messages=about(1, 2), max_tokens=5, n=2, temperature=1.0,
+                                            seed=7, stream=True,
+                                            extra_body={"return_hidden_states": True, "return_token_ids": True})
+    tokens: dict[int, list[int]] = {}
+    vectors, prompt_ids = {}, None
+    for chunk in stream:
+        data = chunk.model_dump()
+        prompt_ids = data.get("prompt_token_ids") or prompt_ids
+        for c in data["choices"]:
+            tokens.setdefault(c["index"], []).extend(c.get("token_ids") or [])
+            if c.get("hidden_states") is not None:
+                vectors[c["index"]] = decode_vector(c["hidden_states"])
+    assert sorted(vectors) == [0, 1] and prompt_ids, (vectors, prompt_ids)
+    errs = [check(vectors[i], model, prompt_ids, [1, 2], tokens[i]) for i in (0, 1)]
+    print(f"{served}: rows over HTTP {err:.1e}, streamed n=2 {max(errs):.1e} (relative)")
+
+
+def chat_over_a_handle(app_name: str, model: str) -> None:
+    from ray import serve
+
+    from deployments.client import complete
+
+    handle = serve.get_app_handle(app_name)
+    c = complete(handle, messages=about(3), max_tokens=6, timeout_s=120)
+    (ch,) = c.choices
+    check(ch.hidden_states, model, list(c.prompt_token_ids), [3], list(ch.token_ids))
+
+
+def refuses_bad_media_and_keeps_serving(base: str, served: str) -> None:
+    bad = about(4)
+    bad[0]["content"][0]["image_url"]["url"] = "data:image/png;base64,not base64!"
+    r = httpx.post(f"{base}/v1/chat/completions", timeout=60, json={
+        "model": served, "messages": bad, "max_tokens": 4, "return_hidden_states": True})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "messages[0].content[0].image_url", err
+    three = httpx.post(f"{base}/v1/chat/completions", timeout=60, json={
+        "model": served, "messages": about(1, 2, 3), "max_tokens": 4, "return_hidden_states": True})
+    assert three.status_code == 400 and "At most 2 image" in three.text, three.text
+    ok = httpx.post(f"{base}/v1/chat/completions", timeout=60, json={
+        "model": served, "messages": about(5), "max_tokens": 4, "return_hidden_states": True})
+    assert ok.status_code == 200 and ok.json()["choices"][0]["hidden_states"], ok.text
+
+
+def served_name(base: str) -> str:
+    return httpx.get(f"{base}/v1/models", timeout=30).json()["data"][0]["id"]
+
+
+def test_gemma3_vlm_chats_with_images_over_http_and_a_handle(gemma3_vlm_app):
+    model, app = APPS["gemma3_vlm_app"]
+    chat_over_http(gemma3_vlm_app, model, served_name(gemma3_vlm_app))
+    chat_over_a_handle(app, model)
+    refuses_bad_media_and_keeps_serving(gemma3_vlm_app, served_name(gemma3_vlm_app))
+
+
+def test_llava_chats_with_images_over_http_and_a_handle(llava_app):
+    model, app = APPS["llava_app"]
+    chat_over_http(llava_app, model, served_name(llava_app))
+    chat_over_a_handle(app, model)
+    refuses_bad_media_and_keeps_serving(llava_app, served_name(llava_app))
+
+
+def test_an_image_sent_to_a_text_model_is_refused_by_name(client, serve_app):
+    r = httpx.post(f"{serve_app}/v1/chat/completions", timeout=60, json={
+        "model": "tiny-llama", "messages": about(0), "max_tokens": 4, "return_hidden_states": True})
+    assert r.status_code == 400 and "not a multimodal model" in r.json()["error"]["message"], r.text
+    ok = client.completions.create(model="tiny-llama", prompt="still serving", max_tokens=2)
+    assert ok.choices[0].text is not None
