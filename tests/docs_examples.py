@@ -66,6 +66,8 @@ LISTED: dict[tuple[str, str], tuple[str, str]] = {
                                                                      "(hidden_states/vllm/cpu.py applies it)"),
     ("docs/operations.md", "ray start --head --metrics-export-port=8080"): (NOT_RUN, "starts a Ray cluster and a "
                                                                                      "server of its own"),
+    ("docs/multimodal.md", "from ray import serve"): (SET_UP, "deploys the tiny VLM the next blocks talk to"),
+    ("docs/multimodal.md", 'serve.delete("vision")'): (SET_UP, "removes it again"),
     ("cluster/README.md", "ray up cluster/gpu-aws.yaml"): (NOT_RUN, "provisions GPU machines on AWS"),
     ("cluster/README.md", "docker build -f cluster/Dockerfile"): (NOT_RUN, "builds and pushes an image, deploys "
                                                                            "on Kubernetes"),

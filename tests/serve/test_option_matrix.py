@@ -92,6 +92,7 @@ CASES = [
     Case("truncate-left", C, {"truncate_prompt_tokens": 3}),
     Case("truncate-right", C, {"truncate_prompt_tokens": 3, "truncation_side": "right"}),
     Case("suffix", C, {"suffix": "end"}, refused="suffix"),
+    # this app's engine has no enable_prompt_embeds: vLLM refuses (with it: tests/engine/test_multimodal.py)
     Case("prompt-embeds", C, {"prompt_embeds": "AAAA"}, refused="prompt_embeds"),
     Case("cache-salt", C, {"cache_salt": "tenant-a"}),
     # output options (must not lose a vector)
@@ -122,7 +123,7 @@ CASES = [
     Case("response-format-json", H, {"response_format": {"type": "json_object"}, "max_tokens": 12}),
     Case("image-part", H, {"messages": [{"role": "user", "content": [
         {"type": "text", "text": "What is this?"},
-        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}, refused="image_url"),
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}, refused="image_url"),  # not an image
     Case("stop-skip-special", H, {"temperature": 1.0, "seed": 12, "stop": ["e"], "skip_special_tokens": False,
                                   "spaces_between_special_tokens": False, "ignore_eos": True}),
     # EOS (id 1) forced after min_tokens, special tokens kept: its text must not reach the content
@@ -144,8 +145,9 @@ IRRELEVANT = {
     "routed_experts_prompt_start": "mixture-of-experts routing output only",
     "mm_payload": "what a render response carries for multimodal items: output only",
     "return_mm_kwargs": "deprecated alias of mm_payload",
-    "media_io_kwargs": "how media are loaded; media parts are refused with hidden states (image-part case)",
-    "mm_processor_kwargs": "multimodal processor options; media parts are refused with hidden states",
+    "media_io_kwargs": "how media are loaded; this app's model is text-only (the image-part case: its image is "
+                       "refused by name; images on VLMs: tests/serve/test_multimodal.py)",
+    "mm_processor_kwargs": "multimodal processor options; this app's model is text-only (image-part case)",
     "kv_transfer_params": "disaggregated prefill; this server configures no KV connector",
     "ec_transfer_params": "encoder-cache transfer; this server configures no connector",
     "messages": "every chat case sends messages",
