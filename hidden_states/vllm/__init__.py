@@ -112,7 +112,9 @@ __doc__ = __doc__.replace("{SUPPORTED}", ", ".join(v + "x" for v in SUPPORTED_VL
 # suite; Mistral's decoder layer is Llama's). Support itself is detected per model at
 # install (`layer_capture_support`); these name the families in the engine's refusals.
 SUPPORTED_LAYER_ARCHS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM",
-                         "GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM")
+                         "GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM",
+                         # vision-language models' text stacks (tests/engine/test_multimodal.py)
+                         "Gemma3ForConditionalGeneration", "LlavaForConditionalGeneration")
 WORKER_EXTENSION = "hidden_states.vllm.worker.extension.HiddenStatesWorkerExtension"
 ENGINE_ENV = {"VLLM_USE_V2_MODEL_RUNNER": "0"}
 
