@@ -42,14 +42,21 @@ def about(*seeds: int, text: str = "What is in this picture?") -> list[dict]:
     return [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]
 
 
+@pytest.fixture(scope="module")
+def media_dir(tmp_path_factory):
+    """The engines' allowed_local_media_path: file: URLs under it are read by vLLM."""
+    return tmp_path_factory.mktemp("media")
+
+
 @pytest.fixture(scope="module", params=FAMILIES, ids=lambda m: m.split(":")[1])
-def vlm(request, loop_thread):
+def vlm(request, loop_thread, media_dir):
     """(model folder, engine, frontend) of one VLM family; one engine per family for the module."""
     from hidden_states.models.builtin import resolve_model
     from hidden_states.vllm.engine import HiddenStatesEngine
 
     folder = resolve_model(request.param)
-    eng = loop_thread.run(HiddenStatesEngine.start(request.param, **ENGINE_ARGS))
+    eng = loop_thread.run(HiddenStatesEngine.start(request.param, allowed_local_media_path=str(media_dir),
+                                                   **ENGINE_ARGS))
     frontend = loop_thread.run(eng.openai("vlm", "r0"))
     yield folder, eng, frontend
     eng.shutdown()
@@ -191,6 +198,56 @@ def test_a_handle_and_a_verifier_get_the_same_vector(vlm, loop_thread):
     verified = json.loads(raw)
     assert status == 200 and verified["hidden_states"] == want, verified
     assert verified["hidden_states_meta"]["modalities"] == out["choices"][0]["hidden_states_meta"]["modalities"]
+
+
+def test_a_local_file_under_the_allowed_path_is_the_same_image(vlm, loop_thread, media_dir):
+    folder, eng, fe = vlm
+    image(12).save(media_dir / "twelve.png")
+    local = about(12)
+    local[0]["content"][0]["image_url"]["url"] = f"file://{media_dir / 'twelve.png'}"
+    a = loop_thread.run(chat(fe, local, return_hidden_states=True))[1]
+    b = loop_thread.run(chat(fe, about(12), return_hidden_states=True))[1]
+    assert a["choices"][0]["hidden_states"] == b["choices"][0]["hidden_states"], a
+
+
+def test_dtypes_and_top_k_rows_of_an_image_chat(vlm, loop_thread):
+    """float16 rows across the prompt and completion, and their top-8 by magnitude: the float32
+    rows' values cast, at transformers' largest entries."""
+    import torch
+
+    folder, eng, fe = vlm
+    whole = loop_thread.run(chat(fe, about(13), return_hidden_states=True, hidden_states_position="all"))[1]
+    ch = whole["choices"][0]
+    f32 = np.asarray(ch["hidden_states"], np.float32)
+    ref = reference(folder, whole["prompt_token_ids"], [13], ch["token_ids"])[-1]
+    assert_close(f32, ref)
+    half = loop_thread.run(chat(fe, about(13), return_hidden_states=True, hidden_states_position="all",
+                                hidden_states_dtype="float16"))[1]["choices"][0]
+    np.testing.assert_array_equal(np.asarray(half["hidden_states"], np.float32), f32.astype(np.float16).astype(np.float32))
+    top = loop_thread.run(chat(fe, about(13), return_hidden_states=True, hidden_states_position="all",
+                               hidden_states_topk=8))[1]["choices"][0]
+    indices = np.asarray([row["indices"] for row in top["hidden_states"]])
+    np.testing.assert_array_equal(indices, torch.topk(torch.from_numpy(f32).abs(), 8, dim=-1).indices.numpy())
+    picked = np.take_along_axis(ref, indices, axis=-1)
+    assert_close([row["values"] for row in top["hidden_states"]], picked)
+
+
+def test_proofs_of_an_image_chat_hold_for_a_verifier_sending_the_same_image(vlm, loop_thread):
+    folder, eng, fe = vlm
+    messages = about(14)
+    out = loop_thread.run(chat(fe, messages, max_tokens=40, hidden_states_proof={"scheme": "toploc"}))[1]
+    ch = out["choices"][0]
+    proofs = ch["hidden_states_proof"]["proofs"]
+
+    async def verify(messages):
+        body = {"model": "vlm", "messages": messages, "completion": ch["token_ids"],
+                "compare": {"toploc": {"proofs": proofs}}}
+        return [x async for x in fe.handle("hidden_states", json.dumps(body).encode())][0]
+
+    status, raw = loop_thread.run(verify(messages))
+    assert status == 200 and json.loads(raw)["comparison"]["ok"] is True, raw[:500]
+    # (Whether another image's proofs fail is TOPLOC's tolerance on a tiny random model: the tiny Gemma 3's
+    # do, the tiny LLaVA's image barely moves the rows its proofs sample. Vectors: the different-images test.)
 
 
 def test_bad_media_are_refused_and_the_engine_keeps_serving(vlm, loop_thread):
