@@ -102,6 +102,15 @@ Ledger of patched points (supported: vLLM {SUPPORTED}):
    (cpu.fix_cpu_spec_sampling) swaps in a torch implementation writing in place.
    Remove when vLLM's CPU stand-in writes its output (report text:
    docs/how-it-works.md, "The ledger, in short").
+14. Multimodal prompts and prompt embeddings (not patches; internals read):
+   the extraction step rebuilds the request's engine input with
+   `vllm.inputs.engine.mm_input` (the processed items, hashes and placeholders of
+   the `MultiModalInput` `AsyncLLM.generate` received) or `embeds_input` (the
+   embeddings, then the completion's ids with `is_token_ids`); a VLM's text stack
+   is `get_language_model()` and its depth `hf_text_config`; handle and verifier
+   `messages` with media are rendered by `AsyncLLM.renderer.render_chat_async`;
+   each worker counts `embed_multimodal`'s items (`encoder_items`, wrapped on the
+   model instance). Remove: never; re-check when vLLM's input types change.
 """
 
 from __future__ import annotations
