@@ -97,17 +97,27 @@ def build(name: str = "tiny-llama") -> Path:
         return vlm.build(name)
     if name not in SPECS:
         raise ValueError(f"unknown built-in model {name!r}; choose one of {builtin_names()}")
-    out = cache_root() / f"{name}-{_VERSION}"
+    spec = SPECS[name]
+
+    def write(folder: Path) -> str:
+        tokenizer = _train_tokenizer(spec.vocab_size)
+        tokenizer.save_pretrained(folder)
+        _build_weights(spec, len(tokenizer), tokenizer).save_pretrained(folder, safe_serialization=True)
+        return json.dumps(dataclasses.asdict(spec))
+
+    return build_once(cache_root() / f"{name}-{_VERSION}",
+                      f"builtin:{name} (random weights, a tokenizer trained on the corpus)", write)
+
+
+def build_once(out: Path, what: str, write) -> Path:
+    """`out`, built once: `write(folder)` fills a fresh folder and returns its DONE record, and the
+    folder becomes `out` (a later call finds it; so does a process that lost a race to build it)."""
     if (out / "DONE").exists():
         return out
-    say(f"building builtin:{name} (random weights, a tokenizer trained on the corpus) into {out}")
+    say(f"building {what} into {out}")
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
-    spec = SPECS[name]
-    tokenizer = _train_tokenizer(spec.vocab_size)
-    tokenizer.save_pretrained(tmp)
-    _build_weights(spec, len(tokenizer), tokenizer).save_pretrained(tmp, safe_serialization=True)
-    (tmp / "DONE").write_text(json.dumps(dataclasses.asdict(spec)))
+    (tmp / "DONE").write_text(write(tmp))
     try:
         tmp.rename(out)
     except OSError:  # another process built it first

@@ -27,12 +27,11 @@ Both chat templates take a string content or OpenAI-style content lists (text pa
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Callable
 
-from hidden_states.models.builtin import _train_tokenizer, cache_root, folder_mb, say
+from hidden_states.models.builtin import _train_tokenizer, build_once, cache_root, say
 
 _VERSION = "v1"  # bump when a builder changes: a new cache folder
 VOCAB = 1024  # the trained BPE's size, before the image and newline tokens
@@ -177,21 +176,13 @@ VLM_MODELS: dict[str, Callable[[Path], None]] = {
 def build(name: str) -> Path:
     if name not in VLM_MODELS:
         raise ValueError(f"unknown built-in VLM {name!r}; choose one of {sorted(VLM_MODELS)}")
-    out = cache_root() / f"{name}-{_VERSION}"
-    if (out / "DONE").exists():
-        return out
-    say(f"building builtin:{name} (random-weight VLM, a tokenizer trained on the corpus) into {out}")
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    tmp.mkdir(parents=True, exist_ok=True)
-    VLM_MODELS[name](tmp)
-    (tmp / "DONE").write_text(json.dumps({"name": name, "version": _VERSION}))
-    try:
-        tmp.rename(out)
-    except OSError:  # another process built it first
-        if not (out / "DONE").exists():
-            raise
-    say(f"done: {out} ({folder_mb(out)} MB)")
-    return out
+
+    def write(folder: Path) -> str:
+        VLM_MODELS[name](folder)
+        return json.dumps({"name": name, "version": _VERSION})
+
+    return build_once(cache_root() / f"{name}-{_VERSION}",
+                      f"builtin:{name} (random-weight VLM, a tokenizer trained on the corpus)", write)
 
 
 if __name__ == "__main__":
