@@ -113,6 +113,21 @@ def test_greedy_tokens_are_transformers_own_with_one_and_two_images(vlm, loop_th
         assert out["choices"][0]["token_ids"] == want
 
 
+def test_prompt_end_and_a_range_over_the_image_s_positions(vlm, loop_thread):
+    folder, eng, fe = vlm
+    status, out = loop_thread.run(chat(fe, about(16), return_hidden_states=True, hidden_states_position="prompt_end"))
+    assert status == 200, out
+    ch = out["choices"][0]
+    ref = reference(folder, out["prompt_token_ids"], [16], ch["token_ids"])[-1]
+    assert_close(ch["hidden_states"], ref[len(out["prompt_token_ids"]) - 1])
+    (span,) = ch["hidden_states_meta"]["modalities"]
+    status, out = loop_thread.run(chat(fe, about(16), return_hidden_states=True, hidden_states_position={
+        "start": span["start"], "end": span["end"]}))
+    rows = out["choices"][0]
+    assert rows["hidden_states_meta"]["positions"] == list(range(span["start"], span["end"]))
+    assert_close(rows["hidden_states"], ref[span["start"]:span["end"]])
+
+
 def test_two_images_and_a_batch_mixing_text_and_image_requests_are_exact(vlm, loop_thread):
     folder, eng, fe = vlm
 
