@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import base64
 import binascii
+import importlib.util
 import io
 import re
+import wave
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -107,7 +109,9 @@ def check_media(req: Mapping[str, Any], *, max_media_bytes: int = DEFAULT_MAX_ME
                 raise HiddenStatesRequestError(
                     f"{field} must be an object {{\"data\": <base64 of the audio file>, \"format\": \"wav\" or "
                     f"\"mp3\"}} with non-empty data", field)
-            _decode(data, field, "audio", max_media_bytes)
+            audio = _decode(data, field, "audio", max_media_bytes)
+            if str(value.get("format", "")).lower() == "wav":
+                _check_wav_rate(audio, field)
             continue
         url = value.get("url") if isinstance(value, dict) else value if "type" not in part else None
         if url is None and cached:
@@ -169,6 +173,30 @@ def _decode(payload: str, field: str, modality: str, max_bytes: int) -> bytes:
     if len(data) > max_bytes:
         raise _too_large(field, modality, len(data), max_bytes)
     return data
+
+
+# The rate every audio model vLLM's CPU engine runs here takes (Whisper-style feature extractors). Without
+# torchaudio (set-up removes PyPI's CUDA build) vLLM cannot resample, and another rate would fail in the
+# engine with an error naming no part; with torchaudio installed, any rate is vLLM's to resample.
+AUDIO_RATE = 16000
+_RESAMPLES = importlib.util.find_spec("torchaudio") is not None
+
+
+def _check_wav_rate(data: bytes, field: str) -> None:
+    """A WAV clip at a rate other than AUDIO_RATE, where vLLM cannot resample: a 400 saying so."""
+    if _RESAMPLES:
+        return
+    try:
+        with wave.open(io.BytesIO(data)) as w:
+            rate = w.getframerate()
+    except (wave.Error, EOFError) as e:  # not PCM WAV: vLLM's decoder (soundfile) reads other codings
+        if isinstance(e, EOFError) or "unknown format" not in str(e):
+            raise HiddenStatesRequestError(f"{field}: the data is not a readable WAV file ({e})", field) from None
+        return
+    if rate != AUDIO_RATE:
+        raise HiddenStatesRequestError(
+            f"{field}: the clip is sampled at {rate} Hz; this server takes {AUDIO_RATE} Hz audio (the engine "
+            "cannot resample: torchaudio is not installed); resample it before sending", field)
 
 
 def _too_large(field: str, modality: str, size: int, max_bytes: int) -> HiddenStatesRequestError:

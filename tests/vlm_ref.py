@@ -1,4 +1,4 @@
-"""The transformers reference for the built-in vision-language models (hidden_states/models/vlm.py).
+"""The transformers reference for the built-in multimodal models (hidden_states/models/vlm.py, audio.py).
 
 Independent of the server: only transformers, on the model folder, with the folder's own processor
 (AutoProcessor) for the images. Token ids come from the caller (the prompt ids as vLLM produced
@@ -107,3 +107,22 @@ def reference_greedy(model_dir, messages_or_prompt_ids, images: Sequence = (), m
         out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, top_k=None, top_p=None,
                              temperature=None, pad_token_id=model.config.get_text_config().eos_token_id)
     return out[0, len(ids):].tolist()
+
+
+def reference_audio_hidden_states(model_dir, token_ids: Sequence[int], clips: Sequence[np.ndarray],
+                                  rate: int = 16000) -> np.ndarray:
+    """An audio LM's (Qwen2-Audio's) `hidden_states` as float32 [L + 1, T, D] for `token_ids` as given
+    and each clip (float samples at `rate`) through the folder's feature extractor, padded to its 30 s
+    as vLLM's processor pads it."""
+    import torch
+    from transformers import AutoProcessor, Qwen2AudioForConditionalGeneration
+
+    model = Qwen2AudioForConditionalGeneration.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    extractor = AutoProcessor.from_pretrained(str(model_dir)).feature_extractor
+    feats = extractor(list(clips), sampling_rate=rate, return_attention_mask=True, padding="max_length",
+                      truncation=True, return_tensors="pt")
+    ids = torch.tensor([list(token_ids)], dtype=torch.long)
+    with torch.no_grad():
+        out = model(input_ids=ids, input_features=feats["input_features"], feature_attention_mask=feats["attention_mask"],
+                    attention_mask=torch.ones_like(ids), output_hidden_states=True, use_cache=False)
+    return np.stack([h[0].float().numpy() for h in out.hidden_states])

@@ -66,10 +66,19 @@ SMOLLM2 = "smollm2-135m-instruct"
 REAL_MODELS = {SMOLLM2: "smollm2-135m-instruct-q4_1-f32"}
 
 
-def builtin_names() -> list[str]:
-    from hidden_states.models.vlm import VLM_MODELS
+def multimodal_models() -> dict:
+    """Tiny random-weight multimodal models, name -> its writer (a function filling a folder): the
+    VLMs (hidden_states/models/vlm.py) and the audio LM (hidden_states/models/audio.py)."""
+    from hidden_states.models import audio, vlm
 
-    return sorted(SPECS) + sorted(REAL_MODELS) + sorted(VLM_MODELS)
+    return {**vlm.VLM_MODELS, **audio.AUDIO_MODELS}
+
+
+_MULTIMODAL_VERSION = "v1"  # bump when a multimodal writer changes: new cache folders
+
+
+def builtin_names() -> list[str]:
+    return sorted(SPECS) + sorted(REAL_MODELS) + sorted(multimodal_models())
 
 
 def cache_root() -> Path:
@@ -91,10 +100,13 @@ def build(name: str = "tiny-llama") -> Path:
         from hidden_states.models import smollm2
 
         return smollm2.build(cache_root() / REAL_MODELS[SMOLLM2])
-    from hidden_states.models import vlm  # tiny vision-language models (hidden_states/models/vlm.py)
+    if name in (multimodal := multimodal_models()):
+        def write_multimodal(folder: Path) -> str:
+            multimodal[name](folder)
+            return json.dumps({"name": name, "version": _MULTIMODAL_VERSION})
 
-    if name in vlm.VLM_MODELS:
-        return vlm.build(name)
+        return build_once(cache_root() / f"{name}-{_MULTIMODAL_VERSION}",
+                          f"builtin:{name} (random weights, the family's processor)", write_multimodal)
     if name not in SPECS:
         raise ValueError(f"unknown built-in model {name!r}; choose one of {builtin_names()}")
     spec = SPECS[name]

@@ -21,19 +21,16 @@ What vLLM 0.32 needs that transformers 5.19 does not write by itself:
 Both chat templates take a string content or OpenAI-style content lists (text parts and
 {"type": "image"} parts: vLLM's chat renderer turns image_url parts into the latter).
 
-    python -m hidden_states.models.vlm [NAME ...]
+    python -m hidden_states.models.builtin tiny-gemma3-vlm tiny-llava
 """
 
 from __future__ import annotations
 
-import json
-import sys
 from pathlib import Path
 from typing import Callable
 
-from hidden_states.models.builtin import _train_tokenizer, build_once, cache_root, say
+from hidden_states.models.builtin import _train_tokenizer, say
 
-_VERSION = "v1"  # bump when a builder changes: a new cache folder
 VOCAB = 1024  # the trained BPE's size, before the image and newline tokens
 
 
@@ -171,20 +168,3 @@ VLM_MODELS: dict[str, Callable[[Path], None]] = {
     "tiny-gemma3-vlm": write_gemma3,
     "tiny-llava": write_llava,
 }
-
-
-def build(name: str) -> Path:
-    if name not in VLM_MODELS:
-        raise ValueError(f"unknown built-in VLM {name!r}; choose one of {sorted(VLM_MODELS)}")
-
-    def write(folder: Path) -> str:
-        VLM_MODELS[name](folder)
-        return json.dumps({"name": name, "version": _VERSION})
-
-    return build_once(cache_root() / f"{name}-{_VERSION}",
-                      f"builtin:{name} (random-weight VLM, a tokenizer trained on the corpus)", write)
-
-
-if __name__ == "__main__":
-    for name in sys.argv[1:] or sorted(VLM_MODELS):
-        print(build(name))

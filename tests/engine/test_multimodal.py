@@ -80,6 +80,7 @@ def assert_close(got, want):
     assert got.shape == want.shape, (got.shape, want.shape)
     err, scale = float(np.abs(got - want).max()), float(np.abs(want).max())
     assert err <= REL_TOL * scale, f"max abs error {err} > {REL_TOL} x max|reference| {scale}"
+    print(f"max abs error {err:.3g}, max|reference| {scale:.3g} (relative {err / scale:.2g})")
 
 
 def test_a_chat_with_an_image_returns_its_vector_and_rows_exact(vlm, loop_thread):
@@ -317,3 +318,62 @@ def test_prompt_embeds_with_vectors_are_exact_by_tail_and_by_extraction(embeds_e
         assert ch["token_ids"] == tokens and ch["hidden_states_meta"]["via"] == name, ch["hidden_states_meta"]
         assert_close(ch["hidden_states"], ref[-1])
     assert_close(outs["all"][1]["choices"][0]["hidden_states"], ref)
+
+
+def wav_clip(seconds: float, freq: float, rate: int = 16000) -> tuple[bytes, np.ndarray]:
+    """A 16-bit mono WAV tone and its samples as vLLM's decoder reads them (int16 / 32768)."""
+    import wave
+
+    t = np.arange(int(rate * seconds)) / rate
+    noise = 0.05 * np.random.default_rng(int(freq)).standard_normal(t.size)
+    pcm = (np.clip(0.5 * np.sin(2 * np.pi * freq * t) + noise, -1, 1) * 32767).astype("<i2")
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        w.writeframes(pcm.tobytes())
+    return buf.getvalue(), pcm.astype(np.float32) / 32768.0
+
+
+@pytest.fixture(scope="module")
+def audio_engine(loop_thread):
+    """The built-in tiny Qwen2-Audio (hidden_states/models/audio.py): one engine for the module."""
+    from hidden_states.models.builtin import resolve_model
+    from hidden_states.vllm.engine import HiddenStatesEngine
+
+    folder = resolve_model("builtin:tiny-qwen2-audio")
+    eng = loop_thread.run(HiddenStatesEngine.start("builtin:tiny-qwen2-audio",
+                                                   **{**ENGINE_ARGS, "limit_mm_per_prompt": {"audio": 1}}))
+    yield folder, eng, loop_thread.run(eng.openai("vlm", "r0"))
+    eng.shutdown()
+
+
+def test_a_chat_with_audio_returns_its_rows_exact_and_the_extraction_step_hears_the_same_clip(audio_engine,
+                                                                                              loop_thread):
+    from tests.vlm_ref import reference_audio_hidden_states
+
+    folder, eng, fe = audio_engine
+    data, samples = wav_clip(1.0, 440)
+    messages = [{"role": "user", "content": [
+        {"type": "input_audio", "input_audio": {"data": base64.b64encode(data).decode(), "format": "wav"}},
+        {"type": "text", "text": "What is this sound?"}]}]
+    status, out = loop_thread.run(chat(fe, messages, return_hidden_states=True, hidden_states_position="all"))
+    assert status == 200, out
+    ch = out["choices"][0]
+    (span,) = ch["hidden_states_meta"]["modalities"]
+    assert span["modality"] == "audio" and span["end"] - span["start"] == 25, span  # 1 s: 25 audio tokens
+    ref = reference_audio_hidden_states(folder, out["prompt_token_ids"] + ch["token_ids"], [samples])[-1]
+    assert_close(ch["hidden_states"], ref)
+    tail = loop_thread.run(chat(fe, messages, return_hidden_states=True))[1]["choices"][0]
+    before = loop_thread.run(eng.stats())
+    extracted = loop_thread.run(chat(fe, messages, return_hidden_states=True, stop=["never in this text"]))[1]
+    after = loop_thread.run(eng.stats())
+    b = extracted["choices"][0]
+    assert b["hidden_states_meta"]["via"] == "extraction" and b["token_ids"] == tail["token_ids"]
+    assert b["hidden_states"] == tail["hidden_states"]
+    assert sum(w["encoder_items"] for w in after["workers"]) - sum(w["encoder_items"] for w in before["workers"]) <= 1
+    other, _ = wav_clip(1.0, 1234)
+    messages[0]["content"][0]["input_audio"]["data"] = base64.b64encode(other).decode()
+    assert loop_thread.run(chat(fe, messages, return_hidden_states=True))[1]["choices"][0]["hidden_states"] != \
+        tail["hidden_states"]

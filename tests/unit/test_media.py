@@ -52,7 +52,19 @@ def refused(req: dict, **kw) -> HiddenStatesRequestError:
 
 
 PNG = image_bytes("PNG")
-WAV_B64 = base64.b64encode(b"RIFF\x24\x00\x00\x00WAVEfmt ").decode()
+def wav(rate: int = 16000, seconds: float = 0.001) -> bytes:
+    import wave
+
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        w.writeframes(b"\0\0" * int(rate * seconds))
+    return buf.getvalue()
+
+
+WAV_B64 = base64.b64encode(wav()).decode()
 
 
 @pytest.mark.parametrize("part, param, words", [
@@ -169,9 +181,18 @@ def test_the_size_limit_is_per_part_and_inclusive():
 
     for size in (1, 2, 3, 4, 5, 6):  # every padding: the size checked before decoding is the decoded size
         data = base64.b64encode(b"\1" * size).decode()
-        media.check_media(chat(audio_part(data)), max_media_bytes=size, remote_media=False)
-        err = refused(chat(audio_part(data)), max_media_bytes=size - 1 or 1) if size > 1 else None
+        media.check_media(chat(audio_part(data, "mp3")), max_media_bytes=size, remote_media=False)
+        err = refused(chat(audio_part(data, "mp3")), max_media_bytes=size - 1 or 1) if size > 1 else None
         assert err is None or (err.param == "messages[1].content[1].input_audio" and f"is {size} bytes" in str(err))
+
+
+@pytest.mark.skipif(media._RESAMPLES, reason="torchaudio is installed: vLLM resamples any rate")
+def test_a_wav_clip_at_another_rate_than_16_khz_is_refused_where_the_engine_cannot_resample():
+    err = refused(chat(audio_part(base64.b64encode(wav(22050)).decode())))
+    assert err.param == "messages[1].content[1].input_audio" and "22050 Hz" in str(err) and "16000 Hz" in str(err)
+    err = refused(chat(audio_part(base64.b64encode(b"RIFF\x24\x00\x00\x00WAVEfmt ").decode())))
+    assert "not a readable WAV file" in str(err), err
+    media.check_media(chat(audio_part(WAV_B64)), max_media_bytes=2**20)
 
 
 def test_a_payload_above_the_limit_is_not_decoded(monkeypatch):
