@@ -201,18 +201,6 @@ class ChoiceVectors:
         return "data: " + json.dumps(data, separators=(",", ":"), ensure_ascii=False) + "\n\n"
 
 
-def media_parts(messages) -> list[str]:
-    """The types of the non-text content parts of chat `messages` (image_url, input_audio, ...)."""
-    kinds = []
-    for message in messages or ():
-        content = message.get("content") if isinstance(message, dict) else getattr(message, "content", None)
-        for part in content if isinstance(content, list) else ():
-            kind = part.get("type") if isinstance(part, dict) else getattr(part, "type", None)
-            if kind not in ("text", None):
-                kinds.append(kind)
-    return kinds
-
-
 def validation_message(e: ValidationError) -> str:
     parts = []
     for err in e.errors()[:5]:

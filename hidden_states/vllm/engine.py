@@ -23,7 +23,7 @@ from hidden_states.preflight import EngineStartupError, check_architecture, chec
 from hidden_states.params import (DEFAULT_MAX_HIDDEN_STATES_BYTES, HiddenStatesFields, HiddenStatesRequestError,
                                   UnknownModelError, absolute_layer, check_layers, check_model, spec_of)
 from hidden_states.models.builtin import DEFAULT_MODEL, resolve_model
-from hidden_states.openai_format import media_parts
+from hidden_states.media import media_parts
 from hidden_states.interface import (Completion, CompletionChoice, ExtractionStats, SamplingOptions, VectorObservers,
                                   proof_choice, rows_choice)
 from hidden_states.vllm import (ENGINE_ENV, SUPPORTED_LAYER_ARCHS, WORKER_EXTENSION, VLLMIncompatibleError,
@@ -284,7 +284,7 @@ class HiddenStatesEngine(VectorObservers):
         """The engine input of chat `messages`: their token ids (`chat_prompt`) or, with image or audio
         parts, vLLM's processed multimodal input, rendered by vLLM's renderer as its chat route renders
         it (a 400 naming `messages` if it cannot)."""
-        if not media_parts(messages):
+        if next(media_parts({"messages": list(messages)}), None) is None:
             return {"prompt_token_ids": self.chat_prompt(messages)}
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 

@@ -186,7 +186,7 @@ def _fake_hook(eager: bool, adds: bool = True):
     from hidden_states.vllm.worker.capture import _RunnerHook
 
     hf = types.SimpleNamespace(num_hidden_layers=2, architectures=["ToyForCausalLM"])
-    mc = types.SimpleNamespace(hf_config=hf, enforce_eager=eager, get_hidden_size=lambda: 8)
+    mc = types.SimpleNamespace(hf_config=hf, hf_text_config=hf, enforce_eager=eager, get_hidden_size=lambda: 8)
     model = torch.nn.Module()
     model.model = torch.nn.Module()
     model.model.layers = torch.nn.ModuleList([_Layer(adds), _Layer(adds)])
@@ -235,7 +235,7 @@ class _FakeRunner:
 
     def __init__(self):
         hf = types.SimpleNamespace(num_hidden_layers=2, architectures=["ToyForCausalLM"])
-        mc = types.SimpleNamespace(hf_config=hf, enforce_eager=True, get_hidden_size=lambda: 8)
+        mc = types.SimpleNamespace(hf_config=hf, hf_text_config=hf, enforce_eager=True, get_hidden_size=lambda: 8)
         self.vllm_config = types.SimpleNamespace(model_config=mc, speculative_config=None,
                                                  parallel_config=types.SimpleNamespace(pipeline_parallel_size=1))
         self.model = torch.nn.Module()
