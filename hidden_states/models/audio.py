@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Callable
 
 from hidden_states.models.builtin import say
-from hidden_states.models.vlm import _randomize, _tokenizer
+from hidden_states.models.vlm import _randomize, _tokenizer, rename_weights
 
 _VERSION = "v1"  # bump when a builder changes: a new cache folder
 AUDIO_TEXT = "<|audio_bos|><|AUDIO|><|audio_eos|>"
@@ -64,7 +64,6 @@ def _hub_layout(folder: Path) -> None:
     `^language_model.model -> language_model`, both reversed): -> `language_model.model.*`, which
     transformers loads as well. The in-memory names (`model.audio_tower.*`, ..., `lm_head.*`) are
     mapped too, should a later transformers save those."""
-    from safetensors.torch import load_file, save_file
 
     def rename(k: str) -> str:
         for old, new in (("language_model.model.model.", "language_model.model."),
@@ -76,10 +75,7 @@ def _hub_layout(folder: Path) -> None:
                 return new + k[len(old):]
         return k
 
-    path = folder / "model.safetensors"
-    weights = load_file(path)
-    save_file({rename(k): v for k, v in weights.items()}, path, metadata={"format": "pt"})
-    say(f"renamed {sum(k != rename(k) for k in weights)} of {len(weights)} weights to the hub layout")
+    say(f"renamed {rename_weights(folder, rename)} weights to the hub layout")
 
 
 def write_qwen2_audio(out: Path) -> None:

@@ -75,7 +75,6 @@ def _vision_model_layout(folder: Path) -> None:
     """`vision_tower.X` -> `vision_tower.vision_model.X` in the saved weights: transformers 5.19 saves
     the tower's weights without the `vision_model.` level, vLLM 0.32 (its SiglipVisionModel and
     CLIPVisionModel) loads them with it (the hub checkpoints' layout); transformers loads both."""
-    from safetensors.torch import load_file, save_file
 
     def rename(k: str) -> str:
         for old in ("model.vision_tower.", "vision_tower."):
@@ -83,10 +82,17 @@ def _vision_model_layout(folder: Path) -> None:
                 return k if k.startswith(old + "vision_model.") else old + "vision_model." + k[len(old):]
         return k
 
+    say(f"renamed {rename_weights(folder, rename)} vision tower weights to vision_tower.vision_model.*")
+
+
+def rename_weights(folder: Path, rename) -> int:
+    """The folder's model.safetensors with each key `k` saved as `rename(k)`; how many changed."""
+    from safetensors.torch import load_file, save_file
+
     path = folder / "model.safetensors"
     weights = load_file(path)
     save_file({rename(k): v for k, v in weights.items()}, path, metadata={"format": "pt"})
-    say(f"renamed {sum(k != rename(k) for k in weights)} vision tower weights to vision_tower.vision_model.*")
+    return sum(k != rename(k) for k in weights)
 
 
 def write_gemma3(out: Path) -> None:
