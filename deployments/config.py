@@ -64,6 +64,22 @@ class AutoscalingConfig(BaseModel):
     target_ongoing_requests: float = 8
 
 
+class HeadEntry(BaseModel):
+    """A head run on the device (hidden_states/heads.py): an SAE in SAELens's folder format or a linear
+    head (a safetensors file with weight [C, D] and bias [C]); checked against the model at start."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    path: str
+    kind: Literal["sae", "linear"] | None = Field(None, description="default: sae for a folder, linear for a file")
+    layer: int | None = Field(None, description="hidden_states_layers' numbering; a linear head's default -1 (after "
+                                                "the final norm); an SAE takes its layer from its hook point")
+    activation: Literal["none", "sigmoid", "softmax"] | None = None
+    labels: list[str] | None = None
+    topk: int | None = Field(None, ge=1, description="an SAE's features per position when a request gives none "
+                                                     "(default: a top-k SAE's k, else 64)")
+
+
 class AppArgs(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -107,6 +123,9 @@ class AppArgs(BaseModel):
     remote_media: bool = Field(
         False, description="whether image/audio URLs over http(s) are fetched by the engine; off: such a part is "
                            "refused with a 400 (send the media as a data URL)")
+    heads: list[HeadEntry] = Field(
+        default_factory=list, description="heads run on the device over captured rows, read per request with "
+                                          "hidden_states_heads (docs/heads.md): [{name, path, layer, ...}]")
     max_n: int = Field(16, ge=1, description="the largest `n` a request may ask for")
     ingress: Literal["router", "replica"] = Field(
         "router", description="who takes HTTP: a Router deployment in front of the replicas (retries a request "
@@ -145,7 +164,7 @@ class AppArgs(BaseModel):
                              f"{names}")
         if self.lora_modules and self.engine.get("enable_lora") is False:
             raise ValueError("lora_modules need the engine's enable_lora: drop `enable_lora: false` from `engine`")
-        for m in self.lora_modules:  # replicas may run elsewhere than where the config was read
+        for m in [*self.lora_modules, *self.heads]:  # replicas may run elsewhere than where the config was read
             if os.path.exists(m.path):
                 m.path = os.path.abspath(m.path)
         return self

@@ -282,12 +282,15 @@ async def _admit(args: AppArgs, request: Request, route: str) -> "tuple[bytes, d
     return (body, *checked)
 
 
-def models_list(args: AppArgs, request: Request, max_model_len: int | None = None) -> Response:
+def models_list(args: AppArgs, request: Request, engine_card: dict | None = None) -> Response:
     if (denied := auth(args, request)) is not None:
         return denied
     # As vLLM's /v1/models: the model, then each LoRA adapter with its folder (`root`) and base (`parent`),
-    # each with the engine's max_model_len (prompt + completion tokens; None while no engine answered).
-    card = {"object": "model", "created": 0, "owned_by": "hidden-states-serve", "max_model_len": max_model_len}
+    # each with the engine's max_model_len (prompt + completion tokens; None while no engine answered)
+    # and the heads a request may read (hidden_states_heads; an adapter's requests read them too).
+    engine_card = engine_card or {}
+    card = {"object": "model", "created": 0, "owned_by": "hidden-states-serve",
+            "max_model_len": engine_card.get("max_model_len"), "heads": engine_card.get("heads", [])}
     return JSONResponse({"object": "list", "data": [
         {"id": args.model_name, **card, "parent": None},
         *({"id": m.name, **card, "root": m.path, "parent": args.model_name} for m in args.lora_modules),
@@ -310,7 +313,7 @@ def ingress_routes(app: FastAPI, kind: str) -> type:
     """The routes of an ingress deployment, registered on `app`, as a base class.
 
     The deployment supplies `args` (AppArgs), `_serve(route, request)`, `_replica_stats()`,
-    `_max_model_len()` and optionally `_not_ready()`; it gets the routes, the relay and the counters.
+    `_engine_card()` and optionally `_not_ready()`; it gets the routes, the relay and the counters.
     """
 
     class IngressRoutes:
@@ -328,7 +331,7 @@ def ingress_routes(app: FastAPI, kind: str) -> type:
                 return denied
             if (why := await self._not_ready()) is not None:
                 return error(503, why)
-            return models_list(self.args, request, await self._max_model_len())
+            return models_list(self.args, request, await self._engine_card())
 
         @app.post("/v1/completions", openapi_extra=openapi_body(CompletionBody))
         async def completions(self, request: Request) -> Response:
@@ -361,8 +364,8 @@ def ingress_routes(app: FastAPI, kind: str) -> type:
                                "cancelled": self.cancelled, "specs_parsed": params.PARSED[0]}}
             return JSONResponse(out | await self._replica_stats())
 
-        async def _max_model_len(self) -> int | None:
-            """The engine's max_model_len (/v1/models), or None if no engine says."""
+        async def _engine_card(self) -> dict | None:
+            """What /v1/models says of the engine ({max_model_len, heads}), or None if no engine says."""
             return None
 
         async def _not_ready(self) -> str | None:

@@ -50,6 +50,7 @@ class EngineReplica(http.ingress_routes(app, "replica")):
             enable_return_hidden_states=self.args.enable_return_hidden_states,
             extraction_timeout_s=self.args.extraction_timeout_s,
             max_hidden_states_bytes=self.args.max_hidden_states_bytes,
+            heads=[h.model_dump(exclude_none=True) for h in self.args.heads],
             prefault_kv_cache=self.args.prefault_kv_cache,
             warm_up_s=self.args.warm_up_s,
             malloc_trim_interval_s=self.args.malloc_trim_interval_s,
@@ -110,12 +111,13 @@ class EngineReplica(http.ingress_routes(app, "replica")):
     async def _replica_stats(self) -> dict:
         return {"replica": json.loads(await self.stats())}
 
-    async def _max_model_len(self) -> int | None:
-        return self.engine.max_model_len
+    async def _engine_card(self) -> dict:
+        return {"max_model_len": self.engine.max_model_len,
+                "heads": [h.public() for h in getattr(self.engine, "heads", {}).values()]}
 
     async def model_card(self) -> bytes:
         """What /v1/models reports of the engine, for the Router: JSON bytes."""
-        return json.dumps({"max_model_len": self.engine.max_model_len}).encode()
+        return json.dumps(await self._engine_card()).encode()
 
     async def _serve(self, route: str, request: Request) -> Response:
         admitted = await http.admit(self.args, request, route)

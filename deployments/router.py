@@ -81,20 +81,19 @@ class Router(http.ingress_routes(app, "router")):
         self.replica_stream = replica.options(stream=True)  # built once: options() is not free
         self.readiness = Readiness(serve.get_replica_context().app_name)
         self.prefix_routing = self.args.resolved_replica_routing() == "prefix"
-        self.max_model_len: int | None = None
+        self.engine_card: dict | None = None
 
     async def _not_ready(self) -> str | None:
         return await self.readiness.why_not()
 
-    async def _max_model_len(self) -> int | None:
+    async def _engine_card(self) -> dict | None:
         """Asked of a replica once (every replica runs the same engine arguments), then kept."""
-        if self.max_model_len is None:
+        if self.engine_card is None:
             try:
-                card = json.loads(await self._call_once(self.replica.model_card, time.monotonic() + 30))
-                self.max_model_len = card["max_model_len"]
+                self.engine_card = json.loads(await self._call_once(self.replica.model_card, time.monotonic() + 30))
             except Exception as e:  # /v1/models still answers, without it
-                logger.warning("no replica told max_model_len: %s", e)
-        return self.max_model_len
+                logger.warning("no replica told its engine card (max_model_len, heads): %s", e)
+        return self.engine_card
 
     async def _replica_stats(self) -> dict:
         try:

@@ -80,6 +80,7 @@ class HandleChoice(msgspec.Struct, array_like=True, gc=False):
     positions: list[int] | None = None
     hidden_states_indices_by_layer: dict[int, bytes] = {}
     proofs: list[str] | None = None  # hidden_states_proof: base64, the scheme's format
+    heads: dict[str, Any] | None = None  # hidden_states_heads: {head: outputs} as over HTTP
 
 
 def to_wire(ch: CompletionChoice, rows: bool) -> HandleChoice:
@@ -94,13 +95,14 @@ def to_wire(ch: CompletionChoice, rows: bool) -> HandleChoice:
     if not rows:
         return HandleChoice(ch.index, ch.text, list(ch.token_ids), ch.finish_reason,
                             None if ch.hidden_states is None else np.asarray(ch.hidden_states, "<f4").tobytes(),
-                            cached, {layer: np.asarray(v, "<f4").tobytes() for layer, v in by_layer.items()})
+                            cached, {layer: np.asarray(v, "<f4").tobytes() for layer, v in by_layer.items()},
+                            heads=ch.heads)
     shape = list(next(iter(by_layer.values())).shape) if by_layer else None
     return HandleChoice(ch.index, ch.text, list(ch.token_ids), ch.finish_reason, None, cached,
                         {layer: narrow(v, ch.dtype).tobytes() for layer, v in by_layer.items()}, shape, ch.dtype,
                         None if ch.positions is None else list(ch.positions),
                         {layer: np.asarray(i, "<i4").tobytes()
-                         for layer, i in (ch.hidden_states_indices_by_layer or {}).items()})
+                         for layer, i in (ch.hidden_states_indices_by_layer or {}).items()}, heads=ch.heads)
 
 
 def decode_rows(raw: bytes, dtype: str, shape: list[int]) -> np.ndarray:
@@ -127,7 +129,7 @@ def from_wire(ch: HandleChoice) -> CompletionChoice:
                    for layer, b in ch.hidden_states_indices_by_layer.items()} or None
         last, positions = values.get(-1), None if ch.positions is None else tuple(ch.positions)
     return CompletionChoice(ch.index, ch.text, tuple(ch.token_ids), ch.finish_reason, last, stats, values or None,
-                            positions, ch.dtype, None if indices is None else indices.get(-1), indices)
+                            positions, ch.dtype, None if indices is None else indices.get(-1), indices, heads=ch.heads)
 
 
 class HandleCompletion(msgspec.Struct, array_like=True, gc=False):

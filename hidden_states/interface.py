@@ -18,6 +18,7 @@ from typing import Any, Callable, Protocol
 
 import numpy as np
 
+from hidden_states.heads import head_fields
 from hidden_states.params import SINGLE_POSITIONS
 from hidden_states.protocol import COLLECTOR_TAG_KEY, widen
 
@@ -61,20 +62,25 @@ ChoiceKey = tuple[int, int]  # (the request's prompt ordinal, the choice's index
 @dataclasses.dataclass
 class RowBatch:
     """Rows of one choice at absolute positions, per requested layer: raw elements of `dtype` (uint16
-    bits for bfloat16), and for top-k int32 indices (largest magnitude first)."""
+    bits for bfloat16), and for top-k int32 indices (largest magnitude first); and each head's
+    outputs at the same positions (float32, with int32 feature indices for an SAE)."""
 
     positions: np.ndarray  # int64 [n], ascending
     values: dict[int, np.ndarray]  # requested layer -> [n, width]
     dtype: str = "float32"
     indices: dict[int, np.ndarray] | None = None  # requested layer -> int32 [n, k]
     tail_positions: int = 0  # positions the engine core scheduled for the final token's row (a count)
+    heads: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)  # head -> float32 [n, width]
+    head_indices: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)  # SAE head -> int32 [n, k]
 
     def __len__(self) -> int:
         return len(self.positions)
 
     def select(self, mask: np.ndarray) -> "RowBatch":
         return RowBatch(self.positions[mask], {l: v[mask] for l, v in self.values.items()}, self.dtype,
-                        None if self.indices is None else {l: i[mask] for l, i in self.indices.items()})
+                        None if self.indices is None else {l: i[mask] for l, i in self.indices.items()},
+                        heads={h: v[mask] for h, v in self.heads.items()},
+                        head_indices={h: i[mask] for h, i in self.head_indices.items()})
 
     @staticmethod
     def merge(batches: Sequence["RowBatch"]) -> "RowBatch | None":
@@ -89,7 +95,9 @@ class RowBatch:
         _, order = np.unique(positions, return_index=True)  # sorted, first occurrence of each
         cat = RowBatch(positions, {l: np.concatenate([b.values[l] for b in batches]) for l in first.values},
                        first.dtype, None if first.indices is None else
-                       {l: np.concatenate([b.indices[l] for b in batches]) for l in first.indices})
+                       {l: np.concatenate([b.indices[l] for b in batches]) for l in first.indices},
+                       heads={h: np.concatenate([b.heads[h] for b in batches]) for h in first.heads},
+                       head_indices={h: np.concatenate([b.head_indices[h] for b in batches]) for h in first.head_indices})
         return cat.select(order)
 
     def floats(self, layer: int) -> np.ndarray:
@@ -98,8 +106,13 @@ class RowBatch:
 
     @property
     def nbytes(self) -> int:
-        """The payload: every layer's values, and top-k indices."""
+        """The payload: every layer's values, and top-k indices (rows only; `head_nbytes`: the heads')."""
         return sum(v.nbytes for v in self.values.values()) + sum(i.nbytes for i in (self.indices or {}).values())
+
+    @property
+    def head_nbytes(self) -> int:
+        """The heads' payload as it travelled: float32 outputs, and an SAE's int32 indices."""
+        return sum(v.nbytes for v in self.heads.values()) + sum(i.nbytes for i in self.head_indices.values())
 
 
 @dataclasses.dataclass
@@ -129,12 +142,16 @@ class HiddenStatesCollector:
     tail_positions: dict[ChoiceKey, int] = dataclasses.field(default_factory=dict)  # counted by the engine core
     spec: Any = None  # params.HiddenStatesFields: the request's spec as parsed (encoding, by-layer)
     engine_requests: dict[str, int] = dataclasses.field(default_factory=dict)  # capture key -> prompt ordinal
+    heads: tuple[tuple[str, int], ...] = ()  # (head, k) the engine runs over the same positions (params.resolve_heads)
+    rows_wanted: bool = True  # False: heads alone, no rows travel
 
     @classmethod
-    def of(cls, tag: str, spec: Any, layers: tuple[int, ...]) -> "HiddenStatesCollector":
-        """The collector of a parsed spec (params.HiddenStatesFields) whose `layers` the engine checked."""
+    def of(cls, tag: str, spec: Any, layers: tuple[int, ...],
+           heads: tuple[tuple[str, int], ...] = ()) -> "HiddenStatesCollector":
+        """The collector of a parsed spec (params.HiddenStatesFields) whose `layers` and `heads` the engine checked."""
         _, position, dtype, topk = spec.capture()
-        return cls(tag, layers, position, dtype=dtype, topk=topk, proof=spec.hidden_states_proof, spec=spec)
+        return cls(tag, layers, position, dtype=dtype, topk=topk, proof=spec.hidden_states_proof, spec=spec,
+                   heads=heads, rows_wanted=getattr(spec, "rows_asked", True))
 
     @property
     def multi(self) -> bool:
@@ -208,6 +225,8 @@ class CompletionChoice:
     hidden_states_indices_by_layer: dict[int, np.ndarray] | None = None
     # hidden_states_proof: the choice's proofs (base64, the scheme's format), in chunk order.
     proofs: tuple[str, ...] | None = None
+    # hidden_states_heads: {head: outputs} as the API gives them (openai_format.head_outputs)
+    heads: dict[str, Any] | None = None
 
 
 def rows_choice(engine: Any, collector: HiddenStatesCollector, index: int, text: str, token_ids: Sequence[int],
@@ -218,18 +237,24 @@ def rows_choice(engine: Any, collector: HiddenStatesCollector, index: int, text:
         raise engine.missing(f"choice {index}")
     batch, stats = collector.take(key), collector.stats.get(key)
     width = collector.topk or engine.hidden_size
-    values = {l: batch.floats(l) if batch else np.zeros((0, width), np.float32) for l in collector.layers}
+    layers = collector.layers if collector.rows_wanted else ()  # heads alone: no rows
+    values = {l: batch.floats(l) if batch else np.zeros((0, width), np.float32) for l in layers}
     indices = None
-    if collector.topk:
-        indices = {l: batch.indices[l] if batch else np.zeros((0, width), np.int32) for l in collector.layers}
+    if collector.topk and layers:
+        indices = {l: batch.indices[l] if batch else np.zeros((0, width), np.int32) for l in layers}
     positions = tuple(batch.positions.tolist()) if batch else ()
     if not collector.multi:  # one vector, 1-D
         values = {l: v[0] for l, v in values.items()}
         indices = None if indices is None else {l: i[0] for l, i in indices.items()}
-    engine.vector_sent(collector.position_label, stats, batch.nbytes if batch else 0)
-    return CompletionChoice(index, text, tuple(token_ids), finish_reason, values.get(-1), stats, values,
+    heads = None
+    if collector.heads:
+        heads = head_fields(batch, collector.heads, getattr(engine, "heads", {}), collector.multi)
+    engine.vector_sent(collector.position_label, stats,
+                       (batch.nbytes + batch.head_nbytes) if batch else 0)
+    return CompletionChoice(index, text, tuple(token_ids), finish_reason, values.get(-1), stats,
+                            values if collector.rows_wanted else None,
                             positions if collector.multi else None, collector.dtype,
-                            None if indices is None else indices.get(-1), indices)
+                            None if indices is None else indices.get(-1), indices, heads=heads)
 
 
 def proof_choice(engine: Any, collector: HiddenStatesCollector, index: int, text: str, token_ids: Sequence[int],

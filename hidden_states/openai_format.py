@@ -17,6 +17,7 @@ from typing import Literal, get_args
 import numpy as np
 from pydantic import ValidationError
 
+from hidden_states.heads import head_fields
 from hidden_states.interface import HiddenStatesCollector, RowBatch
 from hidden_states.proofs import ProofBuilder
 
@@ -111,10 +112,21 @@ class ChoiceVectors:
         if batch is None and not finishing:
             return None
         width = col.topk or getattr(self.engine, "hidden_size", 0)
-        out = row_fields(batch, col.layers, self.encoding, self.by_layer, col.multi, col.position, col.dtype,
-                         col.topk, width)
+        if col.rows_wanted:
+            out = row_fields(batch, col.layers, self.encoding, self.by_layer, col.multi, col.position, col.dtype,
+                             col.topk, width)
+        else:  # heads alone: their outputs, no rows
+            meta = {"position": col.position}
+            if col.multi:
+                meta["positions"] = batch.positions.tolist() if batch is not None else []
+            out = {"hidden_states_meta": meta}
         meta = out["hidden_states_meta"]
-        self._sent_bytes[key] = self._sent_bytes.get(key, 0) + meta["bytes"]
+        sent = meta.get("bytes", 0)
+        if col.heads:
+            out["hidden_states_heads"] = head_fields(batch, col.heads, getattr(self.engine, "heads", {}), col.multi)
+            meta["head_bytes"] = batch.head_nbytes if batch is not None else 0
+            sent += meta["head_bytes"]
+        self._sent_bytes[key] = self._sent_bytes.get(key, 0) + sent
         meta.update(adapter=self.adapter, replica=self.replica_id)
         if key[0] in col.modalities:  # a multimodal prompt: which positions are images' (audio's) tokens
             meta["modalities"] = col.modalities[key[0]]

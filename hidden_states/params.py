@@ -118,6 +118,14 @@ class VectorFields(BaseModel):
         return self.layers, self.position, self.hidden_states_dtype, self.hidden_states_topk
 
 
+class HeadAsk(BaseModel):
+    """One head a request reads: its name, and for an SAE how many features per position (default: the head's)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    name: str
+    topk: int | None = Field(None, ge=1)
+
+
 class HiddenStatesFields(VectorFields):
     """The request fields this server adds to vLLM's OpenAI API (see the module docstring)."""
 
@@ -127,11 +135,21 @@ class HiddenStatesFields(VectorFields):
         None, description="attach each choice's proofs of inference (TOPLOC): built on the server from the rows "
                           "it computes; the rows themselves are not returned")
 
+    hidden_states_heads: list[HeadAsk] | None = Field(
+        None, description="heads registered on the server (SAEs, linear probes) run on the device over the rows of "
+                          "hidden_states_position; each choice carries hidden_states_heads {name: outputs}, without "
+                          "the rows unless return_hidden_states is true too. Items: a name, or {name, topk}")
+
     _wants = field_validator("return_hidden_states", mode="before")(lambda cls, v: check_bool(v))
     _proof = field_validator("hidden_states_proof", mode="before")(lambda cls, v: check_proof(v))
+    _heads = field_validator("hidden_states_heads", mode="before")(lambda cls, v: check_heads(v))
 
     @model_validator(mode="after")
     def _one_kind(self) -> "HiddenStatesFields":
+        if self.hidden_states_heads and self.hidden_states_proof is not None:
+            raise HiddenStatesRequestError(
+                "hidden_states_heads cannot be combined with hidden_states_proof: send two requests (the same seed "
+                "gives the same completion)", "hidden_states_heads")
         if self.return_hidden_states and self.hidden_states_proof is not None:
             raise HiddenStatesRequestError(
                 "hidden_states_proof cannot be combined with return_hidden_states yet: a choice carries its proofs "
@@ -141,7 +159,17 @@ class HiddenStatesFields(VectorFields):
 
     @property
     def wants(self) -> bool:
-        """The request asks for rows: vectors or proofs."""
+        """The request asks for rows: vectors, proofs, or heads' outputs."""
+        return self.return_hidden_states or self.hidden_states_proof is not None or bool(self.hidden_states_heads)
+
+    @property
+    def heads(self) -> tuple[tuple[str, int | None], ...]:
+        """(name, topk or None) of each head asked, in order."""
+        return tuple((h.name, h.topk) for h in self.hidden_states_heads or ())
+
+    @property
+    def rows_asked(self) -> bool:
+        """The rows themselves travel (vectors or a proof's rows); heads alone send none."""
         return self.return_hidden_states or self.hidden_states_proof is not None
 
     def capture(self) -> "tuple[tuple[int, ...], str | dict[str, int | None], str, int | None]":
@@ -166,6 +194,8 @@ class HiddenStatesFields(VectorFields):
         position, proof = d["hidden_states_position"], d["hidden_states_proof"]
         d["hidden_states_position"] = position if isinstance(position, str) else PositionRange.model_construct(**position)
         d["hidden_states_proof"] = None if proof is None else ProofRequest.model_construct(**proof)
+        if d.get("hidden_states_heads") is not None:
+            d["hidden_states_heads"] = [HeadAsk.model_construct(**h) for h in d["hidden_states_heads"]]
         return cls.model_construct(**d)
 
 
@@ -199,6 +229,9 @@ def parse_fields(req: Mapping[str, Any], *, enabled: bool) -> HiddenStatesFields
     if "encoding_format" in req and "hidden_states_encoding" not in req:
         fields["encoding_format"] = req["encoding_format"]
     asks = fields.get("return_hidden_states") is True or fields.get("hidden_states_proof") is not None
+    if fields.get("hidden_states_heads") and not enabled:
+        raise HiddenStatesRequestError(DISABLED.replace("hidden states are disabled", "heads are disabled"),
+                                       "hidden_states_heads")
     if asks and not enabled:
         raise HiddenStatesDisabledError()
     try:
@@ -292,6 +325,65 @@ def check_proof(proof: Any) -> "ProofRequest | None":
             raise HiddenStatesRequestError(f"hidden_states_proof.{where}: {err.get('msg')}",
                                            "hidden_states_proof") from None
     return spec
+
+
+def check_heads(heads: Any) -> "list[HeadAsk] | None":
+    """`hidden_states_heads` as asked: a non-empty list of names or {name, topk}, each head once."""
+    if heads is None:
+        return None
+    bad = HiddenStatesRequestError(
+        'hidden_states_heads must be a non-empty list of head names or {"name": ..., "topk": k} objects, '
+        f"not {heads!r}", "hidden_states_heads")
+    if not isinstance(heads, list) or not heads:
+        raise bad
+    out = []
+    for h in heads:
+        if isinstance(h, HeadAsk):
+            out.append(h)
+        elif isinstance(h, str) and h:
+            out.append(HeadAsk(name=h))
+        elif isinstance(h, Mapping):
+            if unknown := sorted(str(k) for k in h if k not in ("name", "topk")):
+                raise HiddenStatesRequestError(f"a hidden_states_heads item takes name and topk only, not {unknown}",
+                                               "hidden_states_heads")
+            name, topk = h.get("name"), h.get("topk")
+            if not isinstance(name, str) or not name:
+                raise bad
+            if topk is not None and (not _is_int(topk) or topk < 1):
+                raise HiddenStatesRequestError(f"hidden_states_heads[{name!r}].topk must be a positive integer, "
+                                               f"not {topk!r}", "hidden_states_heads")
+            out.append(HeadAsk(name=name, topk=topk))
+        else:
+            raise bad
+    names = [h.name for h in out]
+    if len(set(names)) != len(names):
+        raise HiddenStatesRequestError(f"hidden_states_heads names a head twice: {names}", "hidden_states_heads")
+    return out
+
+
+def resolve_heads(spec: "HiddenStatesFields", heads: Mapping[str, Any]) -> tuple[tuple[str, int], ...]:
+    """The asked heads against the registered ones (heads.HeadSpec by name): (name, k) with k an SAE's
+    features per position (its default where not asked) and 0 for a linear head; a 400 naming an
+    unknown head and listing this server's."""
+    out = []
+    for name, topk in spec.heads:
+        head = heads.get(name)
+        if head is None:
+            have = ", ".join(sorted(heads)) or "none"
+            raise HiddenStatesRequestError(f"unknown head {name!r}: this server's heads are {have} "
+                                           "(GET /v1/models lists them)", "hidden_states_heads")
+        if head.kind != "sae":
+            if topk is not None:
+                raise HiddenStatesRequestError(f"head {name!r} is a linear head: topk applies to SAE heads only",
+                                               "hidden_states_heads")
+            out.append((name, 0))
+            continue
+        k = topk or head.topk
+        if k > head.width:
+            raise HiddenStatesRequestError(f"hidden_states_heads[{name!r}].topk {k} exceeds the SAE's {head.width} "
+                                           "features", "hidden_states_heads")
+        out.append((name, k))
+    return tuple(out)
 
 
 def check_dtype(dtype: Any) -> str:
@@ -409,7 +501,8 @@ def check_model(spec: VectorFields, num_layers: int, hidden_size: int) -> tuple[
 
 
 def spec_of(return_hidden_states: bool = True, layers: Sequence[int] | None = None, position: Any = "completion_end",
-            dtype: str = "float32", topk: int | None = None, proof: Any = None, *, enabled: bool) -> HiddenStatesFields:
+            dtype: str = "float32", topk: int | None = None, proof: Any = None, heads: Any = None, *,
+            enabled: bool) -> HiddenStatesFields:
     """A Python caller's keyword arguments as a spec (parse_fields: the same rules as a request's fields)."""
     if isinstance(position, BaseModel):
         position = position.model_dump()
@@ -418,7 +511,8 @@ def spec_of(return_hidden_states: bool = True, layers: Sequence[int] | None = No
     return parse_fields({"return_hidden_states": return_hidden_states and proof is None,
                          "hidden_states_layers": None if layers is None else list(layers),
                          "hidden_states_position": position, "hidden_states_dtype": dtype,
-                         "hidden_states_topk": topk, "hidden_states_proof": proof}, enabled=enabled)
+                         "hidden_states_topk": topk, "hidden_states_proof": proof,
+                         "hidden_states_heads": None if heads is None else list(heads)}, enabled=enabled)
 
 
 def check_proof_width(proof: ProofRequest, hidden_size: int) -> None:

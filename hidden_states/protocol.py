@@ -31,6 +31,7 @@ STEP_ATTR = "hidden_states_step"  # ModelRunnerOutput attribute: the step's Step
 SEQ_ATTR = "hidden_states_seq"  # SchedulerOutput attribute: the step's sequence number (async scheduling)
 PLAN_ATTR = "hidden_states_plan"  # SchedulerOutput attribute: the step's capture plan, {request id: PlanEntry}
 ROWS_KEY = "hidden_states_rows"  # EngineCoreOutput.kv_transfer_params key: CapturedRows
+HEADS_KEY = "hidden_states_heads"  # EngineCoreOutput.kv_transfer_params key: {head name: CapturedRows}
 
 # dtype name -> bytes per element. bfloat16 has no numpy dtype: decoded by hand.
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -173,6 +174,14 @@ class HiddenStatesExtractionRequest(msgspec.Struct, omit_defaults=True, forbid_u
     # Rows on every output (a stream of several positions, RequestOutputKind.DELTA / CUMULATIVE), or
     # all of them on the finishing output only (no per-step work for rows nobody reads before the end).
     every_step: bool = False
+    # Heads (hidden_states/heads.py) run on the device over the same positions: [name, k] (k: an
+    # SAE's features per position; 0 for a linear head's every output). `layers` may then be empty
+    # (heads alone: no rows travel).
+    heads: list[list] = msgspec.field(default_factory=list)
+
+    def head_flag(self, name: str, k: int) -> "HiddenStatesExtractionRequest":
+        """The flag a head's outputs are kept under in the engine core: float32, `k` wide top-k or dense."""
+        return msgspec.structs.replace(self, dtype="float32", topk=k, heads=[])
 
     def to_extra_args(self) -> dict:
         return {EXTRA_ARGS_KEY: msgspec.to_builtins(self)}
@@ -193,6 +202,7 @@ class PlanEntry(NamedTuple):
     num_tokens: int  # tokens the request's scheduled span reaches in the step
     dtype: str  # the rows cast to it on the device
     topk: int
+    heads: Sequence = ()  # [name, k] of the request's heads (HiddenStatesExtractionRequest.heads)
 
 
 class RowBlock(NamedTuple):
@@ -207,6 +217,7 @@ class RowBlock(NamedTuple):
     width: int
     values_at: int
     indices_at: int = -1
+    head: str = ""  # a head's outputs (float32, width = its outputs or k) at `layer`; "": rows
 
     def values(self, data: np.ndarray) -> np.ndarray:
         n = len(self.positions) * self.width * ITEMSIZE[self.dtype]

@@ -19,9 +19,13 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
+import msgspec
+
+from hidden_states.heads import HeadConfigError, HeadSpec, load_heads
 from hidden_states.preflight import EngineStartupError, check_architecture, check_cpu_memory, check_model_folder
 from hidden_states.params import (DEFAULT_MAX_HIDDEN_STATES_BYTES, HiddenStatesFields, HiddenStatesRequestError,
-                                  UnknownModelError, absolute_layer, check_layers, check_model, spec_of)
+                                  UnknownModelError, absolute_layer, check_layers, check_model, resolve_heads,
+                                  spec_of)
 from hidden_states.models.builtin import DEFAULT_MODEL, resolve_model
 from hidden_states.media import media_parts
 from hidden_states.interface import (Completion, CompletionChoice, ExtractionStats, SamplingOptions, VectorObservers,
@@ -68,6 +72,15 @@ def _execution_mode(cfg: Any) -> dict[str, Any]:
     }
 
 
+def _check_head_layers(specs: Sequence[HeadSpec], installed: list[dict], num_layers: int) -> None:
+    """Heads at an intermediate layer need the decoder-layer hooks the workers installed."""
+    for h in specs:
+        if h.layer != num_layers and not all(w["layer_capture"] for w in installed):
+            raise EngineStartupError(
+                f"heads: head {h.name!r} reads layer {h.layer}, an intermediate layer, which this engine cannot "
+                f"capture ({installed[0]['layer_capture_reason']}); serve it on an eager engine (enforce_eager: true)")
+
+
 class HiddenStatesEngine(VectorObservers):
     """A vLLM v1 engine that returns hidden states of finished completions.
     `await HiddenStatesEngine.start(model, **engine_args)` (vLLM's `AsyncEngineArgs`); `shutdown()`.
@@ -85,7 +98,7 @@ class HiddenStatesEngine(VectorObservers):
         self.eager = bool(llm.vllm_config.model_config.enforce_eager)
         # Vectors off the outputs and the extraction step (extraction.py); vLLM's AsyncLLM reaches it too.
         self.extraction = llm.extraction = Extraction(
-            llm, self.check_spec, self.check_layers, timeout_s=extraction_timeout_s, tail_enabled=tail_enabled,
+            llm, self.check_spec, self.check_layers, heads_of=self.heads_of, timeout_s=extraction_timeout_s, tail_enabled=tail_enabled,
             priority=EXTRACTION_PRIORITY if llm.vllm_config.scheduler_config.policy == "priority" else 0,
             max_hidden_states_bytes=max_hidden_states_bytes)
         VectorObservers.__init__(self)
@@ -96,6 +109,7 @@ class HiddenStatesEngine(VectorObservers):
         # LoRA adapters by name: vLLM's OpenAI serving registry (its --lora-modules), shared once openai() ran.
         self.served_model_name: str | None = None
         self.adapters: dict[str, Any] = {}
+        self.heads: dict[str, HeadSpec] = {}  # registered heads (start(heads=...)), checked against the model
 
     @property
     def enabled(self) -> bool:
@@ -120,9 +134,15 @@ class HiddenStatesEngine(VectorObservers):
         tail_step: bool = True,
         ray_metrics: bool = False,
         max_hidden_states_bytes: int = DEFAULT_MAX_HIDDEN_STATES_BYTES,
+        heads: Sequence[dict] = (),
         **engine_args: Any,
     ) -> "HiddenStatesEngine":
+        """`heads`: [{name, path, layer?, ...}] run on the device (hidden_states/heads.py), checked
+        against the model before the engine starts."""
         check_vllm_version()
+        if heads and not enable_return_hidden_states:
+            raise EngineStartupError("heads need enable_return_hidden_states: true (a request reads them as it "
+                                     "reads hidden states)")
         os.environ.update(ENGINE_ENV)  # inherited by the engine-core process
         from vllm.engine.arg_utils import AsyncEngineArgs
 
@@ -136,6 +156,11 @@ class HiddenStatesEngine(VectorObservers):
             if os.environ.get(CPU_ASYNC_ENV) == "1":  # tests only: vLLM's async path on CPU (ledger point 12)
                 vllm_config.scheduler_config.async_scheduling = True
             tail = False
+            mc = vllm_config.model_config
+            try:
+                head_specs = load_heads(heads, int(mc.hf_text_config.num_hidden_layers), int(mc.get_hidden_size()))
+            except HeadConfigError as e:
+                raise EngineStartupError(f"heads: {e}") from None
             if enable_return_hidden_states:
                 refuse(engine_args, vllm_config)  # and however the resolved configuration came to them
                 # From the configuration vLLM resolved (async scheduling after its own defaults):
@@ -164,7 +189,9 @@ class HiddenStatesEngine(VectorObservers):
             startup = await cpu_start_up(llm, prefault_kv_cache, warm_up_s, malloc_trim_interval_s,
                                           install_timeout_s) if on_cpu() else {}
             if enable_return_hidden_states:
-                installed = await llm.collective_rpc("hidden_states_install", timeout=install_timeout_s)
+                installed = await llm.collective_rpc("hidden_states_install", timeout=install_timeout_s,
+                                                     args=([msgspec.to_builtins(h) for h in head_specs],))
+                _check_head_layers(head_specs, installed, int(vllm_config.model_config.hf_text_config.num_hidden_layers))
                 logger.info("hidden-states hook installed on %d worker(s); intermediate layers: %s", len(installed),
                             installed[0]["layer_capture_reason"] or "yes")
         except BaseException:
@@ -172,6 +199,7 @@ class HiddenStatesEngine(VectorObservers):
             raise
         engine = cls(llm, enable_return_hidden_states, extraction_timeout_s, tail_enabled=tail,
                      max_hidden_states_bytes=max_hidden_states_bytes)
+        engine.heads = {h.name: h for h in head_specs}
         engine.startup = {**startup, **_execution_mode(llm.vllm_config)}
         logger.info("engine execution mode: %s", _execution_mode(llm.vllm_config))
         # What the workers found at install (worker.layer_capture_support); check_layers reads it.
@@ -184,6 +212,10 @@ class HiddenStatesEngine(VectorObservers):
         capture): the layers captured, or HiddenStatesRequestError with the fix."""
         check_model(spec, self.num_layers, self.hidden_size)
         return self.check_layers(spec.capture()[0])
+
+    def heads_of(self, spec: HiddenStatesFields) -> tuple[tuple[str, int], ...]:
+        """The spec's heads against this engine's registered ones: (name, k), or a 400 naming the head."""
+        return resolve_heads(spec, self.heads) if spec.heads else ()
 
     def check_layers(self, layers: Sequence[int]) -> tuple[int, ...]:
         """The layers, deduplicated, if this model has them and this engine can capture them."""
@@ -215,6 +247,7 @@ class HiddenStatesEngine(VectorObservers):
         return_hidden_states: bool = True,
         layers: Sequence[int] = (-1,), position: Any = "completion_end", model: str | None = None,
         dtype: str = "float32", topk: int | None = None, proof: Any = None, spec: HiddenStatesFields | None = None,
+        heads: Sequence[Any] | None = None,
     ) -> Completion:
         """One prompt (text, token ids, or an engine input such as `chat_input`'s) to a finished Completion with a vector per choice. `sampling`:
         SamplingOptions or vLLM's SamplingParams; `model`: a LoRA adapter; `position`, `dtype`, `topk`,
@@ -237,7 +270,7 @@ class HiddenStatesEngine(VectorObservers):
         engine_prompt = prompt if isinstance(prompt, dict) else {"prompt_token_ids": list(prompt)}
         final, choices = None, []
         if spec is None:
-            spec = spec_of(return_hidden_states, layers, position, dtype, topk, proof, enabled=self.enabled)
+            spec = spec_of(return_hidden_states, layers, position, dtype, topk, proof, heads, enabled=self.enabled)
         proof = spec.hidden_states_proof
         with self.collecting(spec) if spec.wants else contextlib.nullcontext() as collector:
             if collector is not None:

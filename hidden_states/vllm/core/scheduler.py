@@ -28,7 +28,7 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 
-from hidden_states.protocol import (PLAN_ATTR, ROWS_KEY, SEQ_ATTR, STEP_ATTR, CapturedRows,
+from hidden_states.protocol import (HEADS_KEY, PLAN_ATTR, ROWS_KEY, SEQ_ATTR, STEP_ATTR, CapturedRows,
                                     HiddenStatesExtractionRequest, PlanEntry, Span, absolute_layer, captured_rows)
 from hidden_states.vllm import _require
 
@@ -183,6 +183,42 @@ class _Capture:
     tail: bool
     rows: "_Rows | _StepRefs"
     tail_positions: int = 0
+    # Each head's outputs (protocol.RowBlock.head), kept as rows are: the same span, their own flag.
+    heads: dict[str, "_Rows | _StepRefs"] = dataclasses.field(default_factory=dict)
+
+    def accumulators(self) -> list["_Rows | _StepRefs"]:
+        return [self.rows, *self.heads.values()]
+
+    def take(self, known: int, total: int | None = None) -> "_Taken | None":
+        """The rows and head outputs decided wanted since the last take (all of them once ended)."""
+        rows = self.rows.take(known, total)
+        heads = {name: out for name, acc in self.heads.items() if (out := acc.take(known, total)) is not None}
+        return _Taken(rows, heads) if rows is not None or heads else None
+
+
+@dataclasses.dataclass
+class _Taken:
+    """What one output carries: rows, and each head's outputs at the same positions."""
+
+    rows: CapturedRows | None
+    heads: dict[str, CapturedRows]
+
+    @property
+    def last_position(self) -> int:
+        some = self.rows if self.rows is not None else next(iter(self.heads.values()))
+        return some.positions[-1]
+
+    def counted(self, tail_positions: int) -> "_Taken":
+        for cr in [self.rows, *self.heads.values()]:
+            if cr is not None:
+                cr.tail_positions = tail_positions
+        return self
+
+    def params(self) -> dict:
+        out = {} if self.rows is None else {ROWS_KEY: self.rows.to_output()}
+        if self.heads:
+            out[HEADS_KEY] = {name: cr.to_output() for name, cr in self.heads.items()}
+        return out
 
 
 class _VectorsOnOutputs:
@@ -200,7 +236,7 @@ class _VectorsOnOutputs:
         self._live: dict[str, _Capture] = {}  # flagged requests not freed yet
         self._held: dict[str, _Held] = {}
         self._released: dict[str, _Held] = {}  # held tokens emitted in this update: their logprobs
-        self._finished_rows: dict[str, CapturedRows] = {}  # requests finished in this update: their last rows
+        self._finished_rows: dict[str, _Taken] = {}  # requests finished in this update: their last rows
         self._step_output: Any = None  # the ModelRunnerOutput being applied (for a held token's logprobs)
         self.tails_run = 0
         # Async scheduling: the step after a stop is in flight with the final token as its input.
@@ -222,8 +258,9 @@ class _VectorsOnOutputs:
             # (a proof's: that row is computed only by a draft in the finishing step, and the frontend
             # keeps what was asked): references to the steps' buffers, no window per step.
             every_row = span.start >= 0 and (span.end is None or span.end >= 0 or (span.end == -1 and not tail))
-            rows = _StepRefs(flag, span) if every_row else _Rows(flag, span, dtype=flag.dtype)
-            self._live[request.request_id] = _Capture(flag, tail, rows)
+            acc = (lambda f: _StepRefs(f, span)) if every_row else (lambda f: _Rows(f, span, dtype=f.dtype))
+            heads = {name: acc(flag.head_flag(name, k)) for name, k in flag.heads}
+            self._live[request.request_id] = _Capture(flag, tail, acc(flag), heads=heads)
         super().add_request(request)
 
     def _takes_tail(self, sp: Any) -> bool:
@@ -284,7 +321,7 @@ class _VectorsOnOutputs:
                 continue
             if positions:
                 plan[rid] = PlanEntry([p - first for p in positions], positions, flag.layers, stop, flag.dtype,
-                                      flag.topk)
+                                      flag.topk, flag.heads)
         return plan or None
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any):
@@ -320,9 +357,9 @@ class _VectorsOnOutputs:
         seq = self._updating
         for client, eco in self._stashed.pop(seq, ()):  # this step computed their final tokens
             cap, tokens, _ = self._awaiting.pop(eco.request_id)
-            if (rows := cap.rows.take(tokens, total=tokens)) is not None:  # their rows, the final one too
-                if rows.positions[-1] == tokens - 1:  # the step in flight's row: the positions it scheduled
-                    rows.tail_positions = self._scheduled.get(seq, {}).get(eco.request_id, 0)
+            if (rows := cap.take(tokens, total=tokens)) is not None:  # their rows, the final one too
+                if rows.last_position == tokens - 1:  # the step in flight's row: the positions it scheduled
+                    rows.counted(self._scheduled.get(seq, {}).get(eco.request_id, 0))
                     self.tails_run += 1
                 self._finished_rows[eco.request_id] = rows  # sent by _send_rows, on this very output
             if client not in outputs:
@@ -348,11 +385,11 @@ class _VectorsOnOutputs:
                     rows = self._finished_rows.pop(rid, None)
                 elif (cap := self._live.get(rid)) is not None and cap.flag.every_step and \
                         (req := self.requests.get(rid)) is not None:
-                    rows = cap.rows.take(req.num_tokens)
+                    rows = cap.take(req.num_tokens)
                 else:
                     rows = None
                 if rows is not None:
-                    eco.kv_transfer_params = {**(eco.kv_transfer_params or {}), ROWS_KEY: rows.to_output()}
+                    eco.kv_transfer_params = {**(eco.kv_transfer_params or {}), **rows.params()}
         self._finished_rows.clear()
 
     def _file(self, step: Any, so: Any, mro: Any) -> None:
@@ -361,29 +398,16 @@ class _VectorsOnOutputs:
             cap = self._live.get(rid) or (self._awaiting[rid][0] if rid in self._awaiting else None)
             if cap is None:
                 continue
-            flag, acc = cap.flag, cap.rows
-            if len(blocks) > 1:
-                blocks = sorted(blocks, key=lambda b: b.layer)
-            first = blocks[0]
             # Rows past the accepted tokens are rejected drafts' (speculative decoding): the step
             # computed tokens up to num_tokens - rejected (the scheduler's own rollback).
-            bound = first.num_tokens - _rejected(rid, spec, mro)
-            if isinstance(acc, _StepRefs):  # the plan asked only for rows the span wants (Span.capturable)
-                acc.add(step.data, blocks, first.positions, bound)
-                continue
-            positions = np.asarray(first.positions, dtype=np.int64)
-            # An end-aligned span: some rows wait for the end; a resumed request recomputes rows sent already.
-            wanted, undecided = acc.span.classify(positions, first.num_tokens)
-            keep = (wanted | undecided) & (positions >= acc.next) & (positions < bound)
-            acc.next = max(acc.next, min(first.positions[-1] + 1, bound))
-            if not keep.any():
-                continue
-            acc.layers = [b.layer for b in blocks]
-            values = np.stack([b.values(step.data)[keep] for b in blocks])
-            indices = np.stack([b.indices(step.data)[keep] for b in blocks]) if flag.topk else None
-            acc.add(positions[keep], values, indices)
-            if not flag.every_step:  # nothing taken before the finish: drop what the end can no longer want
-                acc.prune(first.num_tokens)
+            bound = blocks[0].num_tokens - _rejected(rid, spec, mro)
+            by_head: dict[str, list] = {}
+            for b in blocks:
+                by_head.setdefault(b.head, []).append(b)
+            for head, mine in by_head.items():
+                acc = cap.heads.get(head) if head else cap.rows
+                if acc is not None:
+                    _file_into(acc, step.data, sorted(mine, key=lambda b: b.layer), bound)
 
     def _update_request_with_output(self, request: Any, new_token_ids: list[int], *args: Any, **kwargs: Any):
         rid = request.request_id
@@ -396,7 +420,8 @@ class _VectorsOnOutputs:
             return list(held.tokens), True
         new_token_ids, stopped = super()._update_request_with_output(request, new_token_ids, *args, **kwargs)
         if stopped and (cap := self._live.get(rid)) is not None:
-            cap.rows.trim(request.num_tokens)  # draft tokens accepted past the stop: their rows go too
+            for acc in cap.accumulators():  # draft tokens accepted past the stop: their rows go too
+                acc.trim(request.num_tokens)
         if stopped and self.holds and self._holds(request):
             self._held[rid] = self._hold(request, new_token_ids)
             request.status, request.stop_reason = RequestStatus.RUNNING, None
@@ -431,10 +456,9 @@ class _VectorsOnOutputs:
             if self.async_tail and cap.tail and self._await_tail(request, cap):
                 pass  # the step in flight computes its final row (_async_tails sends the rows)
             elif request.status != RequestStatus.FINISHED_ABORTED:
-                rows = cap.rows.take(request.num_tokens, total=request.num_tokens)
+                rows = cap.take(request.num_tokens, total=request.num_tokens)
                 if rows is not None:
-                    rows.tail_positions = cap.tail_positions
-                    self._finished_rows[rid] = rows
+                    self._finished_rows[rid] = rows.counted(cap.tail_positions)
         return super()._free_request(request, *args, **kwargs)
 
     def _await_tail(self, request: Any, cap: _Capture) -> bool:
@@ -445,6 +469,27 @@ class _VectorsOnOutputs:
             self._awaiting[request.request_id] = (cap, request.num_tokens, nxt)
             return True
         return False
+
+
+def _file_into(acc: "_Rows | _StepRefs", data: np.ndarray, blocks: list, bound: int) -> None:
+    """One request's blocks of a step (rows of its layers, or one head's outputs) into `acc`."""
+    first, flag = blocks[0], acc.flag
+    if isinstance(acc, _StepRefs):  # the plan asked only for rows the span wants (Span.capturable)
+        acc.add(data, blocks, first.positions, bound)
+        return
+    positions = np.asarray(first.positions, dtype=np.int64)
+    # An end-aligned span: some rows wait for the end; a resumed request recomputes rows sent already.
+    wanted, undecided = acc.span.classify(positions, first.num_tokens)
+    keep = (wanted | undecided) & (positions >= acc.next) & (positions < bound)
+    acc.next = max(acc.next, min(first.positions[-1] + 1, bound))
+    if not keep.any():
+        return
+    acc.layers = [b.layer for b in blocks]
+    values = np.stack([b.values(data)[keep] for b in blocks])
+    indices = np.stack([b.indices(data)[keep] for b in blocks]) if flag.topk else None
+    acc.add(positions[keep], values, indices)
+    if not flag.every_step:  # nothing taken before the finish: drop what the end can no longer want
+        acc.prune(first.num_tokens)
 
 
 def _rejected(rid: str, spec: dict, mro: Any) -> int:

@@ -24,7 +24,7 @@ from hidden_states.interface import (ExtractionStats, HiddenStatesCollector, Hid
                                   MissingHiddenStatesError, RowBatch)
 from hidden_states.params import (DEFAULT_MAX_HIDDEN_STATES_BYTES, HiddenStatesFields, HiddenStatesRequestError, Span,
                                   absolute_layer, check_room, check_rows_budget, room_for_completion)
-from hidden_states.protocol import (COLLECTOR_TAG_KEY, ROWS_KEY, CapturedRows, HiddenStatesExtractionRequest,
+from hidden_states.protocol import (COLLECTOR_TAG_KEY, HEADS_KEY, ROWS_KEY, CapturedRows, HiddenStatesExtractionRequest,
                                     HiddenStatesProtocolError)
 
 _FAILED = ("abort", "error")
@@ -114,12 +114,12 @@ def make_async_llm_class():
                 if hs is not None and hs.live:
                     for eco in engine_core_outputs:
                         params = eco.kv_transfer_params
-                        if params is not None and ROWS_KEY in params:
-                            rows = params.pop(ROWS_KEY)
+                        if params is not None and (ROWS_KEY in params or HEADS_KEY in params):
+                            rows, heads = params.pop(ROWS_KEY, None), params.pop(HEADS_KEY, None)
                             if not params:
                                 eco.kv_transfer_params = None
                             state = processor.request_states.get(eco.request_id)
-                            hs.deliver(rows, state.request_index if state is not None else None)
+                            hs.deliver(rows, state.request_index if state is not None else None, heads)
                 return process(engine_core_outputs, *a, **kw)
 
             processor.process_outputs = process_outputs
@@ -174,11 +174,13 @@ class Extraction:
     Built in `start()`; the AsyncLLM reaches it as `llm.extraction`."""
 
     def __init__(self, llm: Any, check_spec: Callable[..., tuple[int, ...]],
-                 check_layers: Callable[..., tuple[int, ...]], *, timeout_s: float = 60.0,
+                 check_layers: Callable[..., tuple[int, ...]], *,
+                 heads_of: Callable[..., tuple[tuple[str, int], ...]] = lambda spec: (), timeout_s: float = 60.0,
                  tail_enabled: bool = False, priority: int = 0,
                  max_hidden_states_bytes: int = DEFAULT_MAX_HIDDEN_STATES_BYTES):
         self.llm = llm
         self.check_spec, self.check_layers = check_spec, check_layers  # the engine's checks against its model
+        self.heads_of = heads_of  # a spec's heads against the engine's registered ones (params.resolve_heads)
         self.num_layers = int(llm.vllm_config.model_config.hf_text_config.num_hidden_layers)
         self.hidden_size = int(llm.vllm_config.model_config.get_hidden_size())
         self.extraction_timeout_s = timeout_s
@@ -219,24 +221,38 @@ class Extraction:
         collector.engine_requests.pop(key, None)
         self.live.pop(key, None)
 
-    def deliver(self, raw: Any, index: int | None) -> None:
-        """CapturedRows off an engine output, into its request's collector (if it still runs)."""
+    def deliver(self, raw: Any, index: int | None, heads: Any = None) -> None:
+        """CapturedRows off an engine output (rows, and each head's outputs at the same positions),
+        into its request's collector (if it still runs)."""
         try:
-            cr = CapturedRows.from_output(raw)
-        except HiddenStatesProtocolError:
+            cr = None if raw is None else CapturedRows.from_output(raw)
+            outs = {name: CapturedRows.from_output(h) for name, h in (heads or {}).items()}
+            some = cr if cr is not None else next(iter(outs.values()))
+            if any(o.positions != some.positions or o.key != some.key for o in outs.values()):
+                raise HiddenStatesProtocolError("head outputs at other positions than the rows of their step")
+        except (HiddenStatesProtocolError, StopIteration):
             self.malformed_vectors += 1
             return
-        col = self.live.get(cr.key)
-        if col is None or index is None or cr.key not in col.engine_requests:
+        col = self.live.get(some.key)
+        if col is None or index is None or some.key not in col.engine_requests:
             self.late_rows += 1
             return
-        values, indices = cr.arrays()
-        at = {layer: i for i, layer in enumerate(cr.layers)}
-        rows = [at[absolute_layer(l, self.num_layers)] for l in col.layers]
-        col.add_rows((col.engine_requests[cr.key], index), RowBatch(
-            np.asarray(cr.positions, dtype=np.int64), {l: values[i] for l, i in zip(col.layers, rows)}, cr.dtype,
-            None if indices is None else {l: indices[i] for l, i in zip(col.layers, rows)},
-            tail_positions=cr.tail_positions))
+        values, indices = {}, None
+        if cr is not None:
+            raw_values, raw_indices = cr.arrays()
+            at = {layer: i for i, layer in enumerate(cr.layers)}
+            rows = [at[absolute_layer(l, self.num_layers)] for l in col.layers]
+            values = {l: raw_values[i] for l, i in zip(col.layers, rows)}
+            indices = None if raw_indices is None else {l: raw_indices[i] for l, i in zip(col.layers, rows)}
+        head_values, head_indices = {}, {}
+        for name, o in outs.items():
+            v, i = o.arrays()
+            head_values[name] = v[0]
+            if i is not None:
+                head_indices[name] = i[0]
+        col.add_rows((col.engine_requests[some.key], index), RowBatch(
+            np.asarray(some.positions, dtype=np.int64), values, cr.dtype if cr is not None else col.dtype, indices,
+            tail_positions=some.tail_positions, heads=head_values, head_indices=head_indices))
 
     def _flag(self, collector: HiddenStatesCollector, prompt: Any, params: Any, key: str) -> tuple[Any, Any]:
         """A collector's generating request: memory bound checked, flagged with its span, a unique cache
@@ -248,7 +264,8 @@ class Extraction:
             raise HiddenStatesRequestError("hidden states need the prompt as token ids or embeddings", "prompt")
         span = Span.of(collector.position, P)
         try:
-            check_rows_budget(span, P, params.max_tokens or 0, params.n or 1, len(collector.layers), self.hidden_size,
+            check_rows_budget(span, P, params.max_tokens or 0, params.n or 1,
+                              len(collector.layers) if collector.rows_wanted else 0, self.hidden_size,
                               collector.dtype, collector.topk, self.max_hidden_states_bytes)
         except HiddenStatesRequestError as e:
             collector.refusal = e  # the OpenAI layer answers it as a 400, streaming or not
@@ -258,7 +275,8 @@ class Extraction:
             prompt = {**prompt, "cache_salt": f"hs-{uuid.uuid4().hex}"}
         params = params.clone()
         params.extra_args = {**(params.extra_args or {}), **HiddenStatesExtractionRequest(
-            key=key, span=span.to_list(), layers=list(collector.layers), dtype=collector.dtype,
+            key=key, span=span.to_list(), layers=list(collector.layers) if collector.rows_wanted else [],
+            dtype=collector.dtype, heads=[list(h) for h in collector.heads],
             reaches_final=span.end is None or span.end > P,  # an end counted from the end stops before it
             topk=collector.topk or 0,
             every_step=collector.multi and params.output_kind != RequestOutputKind.FINAL_ONLY).to_extra_args()}
@@ -285,8 +303,9 @@ class Extraction:
             missing = sorted(set(wanted) - collector.held_positions((ordinal, index)))
             jobs.append(((ordinal, index), seq, wanted, missing))
         todo = {(tuple(seq), tuple(missing)) for _, seq, _, missing in jobs if missing}
-        results = await asyncio.gather(*(self.extract_rows(seq, missing, collector.layers, collector.dtype,
-                                                           collector.topk, origin) for seq, missing in todo))
+        layers = collector.layers if collector.rows_wanted else ()
+        results = await asyncio.gather(*(self.extract_rows(seq, missing, layers, collector.dtype, collector.topk,
+                                                           origin, collector.heads) for seq, missing in todo))
         extracted = dict(zip(todo, results))
         for key, seq, wanted, missing in jobs:
             stats = None
@@ -322,7 +341,7 @@ class Extraction:
     @contextlib.contextmanager
     def collecting(self, spec: HiddenStatesFields):
         """A collector for one request's rows (see HiddenStatesEngine.collecting)."""
-        collector = HiddenStatesCollector.of(uuid.uuid4().hex, spec, self.check_spec(spec))
+        collector = HiddenStatesCollector.of(uuid.uuid4().hex, spec, self.check_spec(spec), self.heads_of(spec))
         self.live[collector.tag] = collector
         try:
             yield collector
@@ -360,10 +379,11 @@ class Extraction:
     # -- the extraction step --------------------------------------------------
 
     async def extract_rows(self, token_ids: Sequence[int], positions: Sequence[int], layers: Sequence[int],
-                           dtype: str = "float32", topk: int | None = None,
-                           origin: Origin = Origin()) -> tuple[RowBatch, ExtractionStats]:
+                           dtype: str = "float32", topk: int | None = None, origin: Origin = Origin(),
+                           heads: Sequence[tuple[str, int]] = ()) -> tuple[RowBatch, ExtractionStats]:
         """The rows of `positions` of `token_ids` by a prefill, cast and selected as a generating
-        request's; own cache salt where a prefix-cache hit would skip some."""
+        request's (and `heads`' outputs over them; `layers` empty: heads alone); own cache salt where
+        a prefix-cache hit would skip some."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -373,13 +393,14 @@ class Extraction:
         params = SamplingParams(
             max_tokens=1, temperature=0.0, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY,
             extra_args=HiddenStatesExtractionRequest(key=key, span=[lo, total, 1], layers=list(layers), dtype=dtype,
-                                                     topk=topk or 0).to_extra_args())
+                                                     topk=topk or 0, heads=[list(h) for h in heads]).to_extra_args())
         cache = self.llm.vllm_config.cache_config
         salt = origin.cache_salt
         if cache.enable_prefix_caching and lo < (total - 1) // cache.block_size * cache.block_size:
             salt = f"hs-{key}"
         prompt = origin.prompt(token_ids, salt)
-        step = HiddenStatesCollector(f"step-{key}", tuple(layers), dtype=dtype, topk=topk)  # the step's own state
+        step = HiddenStatesCollector(f"step-{key}", tuple(layers), dtype=dtype, topk=topk, heads=tuple(heads),
+                                     rows_wanted=bool(layers))  # the step's own state
         t0, cached = time.perf_counter(), 0
         self.engine_request(step, key, 0)
         try:

@@ -29,6 +29,7 @@ class _Entry(NamedTuple):
     num_tokens: int  # tokens the request's scheduled span reaches
     dtype: str | None  # None: the engine's own, uncast
     topk: int
+    heads: list  # [name, k]: heads over the same rows (heads.DeviceHead)
 
 
 _TORCH_DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16"}
@@ -110,6 +111,9 @@ class _RunnerHook:
         self.host_copies = 0  # device-to-host transfers made (_to_host)
         self.bytes_copied = 0
         self.encoder_items = 0  # multimodal items the model's encoder embedded (_count_encoder_items)
+        self.heads: dict[str, Any] = {}  # name -> heads.DeviceHead (install_heads)
+        self.head_rows = 0  # rows the heads encoded (one matrix product per head per step)
+        self.head_products = 0  # head matrix products run (per head per step with its rows)
         self.num_layers = runner.vllm_config.model_config.hf_text_config.num_hidden_layers
         self.final_norm = None  # the model's final norm where its forward stops before it (layers.final_norm_in_logits)
         self._given: dict[str, PlanEntry] | None = None  # the scheduler's plan for this step
@@ -144,6 +148,20 @@ class _RunnerHook:
         self._count_encoder_items()
         return {**info, "layer_capture": layers is not None, "layer_hooks": self.layer_hooks,
                 "layer_capture_reason": why}
+
+    def install_heads(self, specs: list) -> list[str]:
+        """The registered heads' weights on this worker's device (heads.HeadSpec as builtins)."""
+        import msgspec
+
+        from hidden_states.heads import DeviceHead, HeadSpec
+
+        device = getattr(self.runner, "device", "cpu")
+        if not self.attaches:  # only the rank that sends runs heads (_capturing)
+            return []
+        for raw in specs:
+            spec = msgspec.convert(raw, HeadSpec)
+            self.heads[spec.name] = DeviceHead(spec, device)
+        return sorted(self.heads)
 
     def _count_encoder_items(self) -> None:
         """A multimodal model's encoder work, counted: `encoder_items` (images, audio clips) its
@@ -181,17 +199,23 @@ class _RunnerHook:
         given = self._given
         starts = self.adapter.starts(given)
         plan = [_Entry(rid, list(e.layers), [starts[rid] + o for o in e.offsets], list(e.positions), e.num_tokens,
-                       e.dtype, e.topk) for rid, e in ((rid, PlanEntry(*e)) for rid, e in given.items())]
+                       e.dtype, e.topk, list(e.heads)) for rid, e in ((rid, PlanEntry(*e)) for rid, e in given.items())]
         L = self.num_layers
         self._plan = plan
         self._layer_rows = {}
         for i, e in enumerate(plan):
-            for l in e.layers:
+            for l in self._layers_of(e):
                 if l < L:
                     flat, owners = self._layer_rows.setdefault(l, ([], []))
                     flat += e.flat
                     owners.append(i)
         return plan
+
+    def _layers_of(self, e: _Entry) -> list[int]:
+        """The layers an entry's rows are sliced at: its own, and its heads'."""
+        if not e.heads:
+            return e.layers
+        return list(dict.fromkeys([*e.layers, *(self.heads[name].spec.layer for name, _ in e.heads)]))
 
     def _make_pre_hook(self, layer: int):
         def pre_hook(module, args, kwargs):
@@ -227,7 +251,7 @@ class _RunnerHook:
         L = self.num_layers
         # (plan entry, layer, source rows on the device, first, end): the entry's rows are source[first:end]
         blocks: list[tuple[int, int, Any, int, int]] = []
-        final = [i for i, e in enumerate(plan) if L in e.layers]
+        final = [i for i, e in enumerate(plan) if L in self._layers_of(e)]
         if final:
             rows = hidden[torch.tensor([f for i in final for f in plan[i].flat], device=hidden.device)]
             if self.final_norm is not None:  # the rows the LM head consumes: normed in compute_logits
@@ -243,11 +267,23 @@ class _RunnerHook:
                 at += len(plan[i].flat)
         self._slices = []
         self.steps_with_rows += 1
+        outputs = self._run_heads(plan, blocks)
+        # Rows asked as rows (a head's layer may be captured for the head alone).
+        blocks = [blk for blk in blocks if blk[1] in plan[blk[0]].layers]
         # Cast / top-k per (dtype, k) group, then every byte of the step in one buffer.
         groups: dict[tuple[str | None, int], list[int]] = {}
         for b, (i, *_) in enumerate(blocks):
             groups.setdefault((plan[i].dtype, plan[i].topk), []).append(b)
-        parts, layout, offset = [], [None] * len(blocks), 0
+        parts, layout, offset = [], [None] * (len(blocks) + len(outputs)), 0
+        heads_at = len(blocks)
+        for j, (i, layer, name, values, indices) in enumerate(outputs):  # each head's outputs: float32 (+ int32)
+            layout[heads_at + j] = ("float32", int(values.shape[-1]), offset, -1)
+            parts.append(values.view(torch.uint8).reshape(-1))
+            offset += values.numel() * 4
+            if indices is not None:
+                layout[heads_at + j] = (*layout[heads_at + j][:3], offset)
+                parts.append(indices.view(torch.uint8).reshape(-1))
+                offset += indices.numel() * 4
         for (dtype, k), members in groups.items():
             values, indices = _encode(_rows_of(blocks, members), dtype, k)
             width, name = int(values.shape[-1]), _dtype_name(values)
@@ -266,7 +302,34 @@ class _RunnerHook:
                              -1 if indices is None else indices_at + row * width * 4)
                 row += blocks[b][4] - blocks[b][3]
         data = torch.cat(parts) if len(parts) > 1 else parts[0]
-        self._ready = (data, [(plan[i], layer, *layout[b]) for b, (i, layer, *_) in enumerate(blocks)])
+        self._ready = (data, [(plan[i], layer, "", *layout[b]) for b, (i, layer, *_) in enumerate(blocks)]
+                       + [(plan[i], layer, name, *layout[heads_at + j])
+                          for j, (i, layer, name, _, _) in enumerate(outputs)])
+
+    def _run_heads(self, plan: list[_Entry], blocks: list) -> list[tuple[int, int, str, Any, Any]]:
+        """Each head once over every entry's rows at its layer (one matrix product per head and k):
+        [(plan entry, layer, head, float32 values [m, w], int32 indices [m, k] or None)] per entry."""
+        wanting: dict[tuple[str, int], list[int]] = {}
+        for i, e in enumerate(plan):
+            for name, k in e.heads:
+                wanting.setdefault((name, int(k)), []).append(i)
+        if not wanting:
+            return []
+        where = {(blk[0], blk[1]): b for b, blk in enumerate(blocks)}
+        out = []
+        for (name, k), entries in wanting.items():
+            head = self.heads[name]
+            members = [where[(i, head.spec.layer)] for i in entries]
+            values, indices = head.encode(_rows_of(blocks, members), k)
+            self.head_products += 1
+            self.head_rows += int(values.shape[0])
+            at = 0
+            for i in entries:
+                n = len(plan[i].flat)
+                out.append((i, head.spec.layer, name, values[at:at + n].contiguous(),
+                            None if indices is None else indices[at:at + n].contiguous()))
+                at += n
+        return out
 
     def attach(self, out: Any) -> Any:
         """Hangs the step's rows on its ModelRunnerOutput (protocol.STEP_ATTR); under async scheduling in
@@ -293,9 +356,9 @@ class _RunnerHook:
         self.host_copies += 1
         self.bytes_copied += host.nbytes
         requests: dict[str, list[RowBlock]] = {}
-        for e, layer, dtype, width, values_at, indices_at in layout:
+        for e, layer, head, dtype, width, values_at, indices_at in layout:
             requests.setdefault(e.rid, []).append(
-                RowBlock(e.num_tokens, layer, e.positions, dtype, width, values_at, indices_at))
+                RowBlock(e.num_tokens, layer, e.positions, dtype, width, values_at, indices_at, head))
         self.captured += len(requests)
         self.steps_with_capture += 1
         return StepCapture(host, requests)

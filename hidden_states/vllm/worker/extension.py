@@ -30,9 +30,10 @@ def check_engine_config(vcfg: Any) -> None:
 class HiddenStatesWorkerExtension(CPUWorkerSteps):
     """Mixed into vLLM's Worker via `worker_extension_cls`; called by collective_rpc."""
 
-    def hidden_states_install(self) -> dict[str, Any]:
-        """Installs the hook once; returns {"installed": this call installed it, "layer_capture":
-        intermediate layers can be served, "layer_capture_reason": why not, ...}."""
+    def hidden_states_install(self, heads: list | None = None) -> dict[str, Any]:
+        """Installs the hook once, with the registered `heads` (heads.HeadSpec as builtins) on the
+        device; returns {"installed": this call installed it, "layer_capture": intermediate layers
+        can be served, "layer_capture_reason": why not, "heads": names loaded, ...}."""
         check_vllm_version()
         runner = getattr(self, "model_runner", None)
         _require(runner is not None, "Worker.model_runner")
@@ -42,7 +43,8 @@ class HiddenStatesWorkerExtension(CPUWorkerSteps):
         _require(hasattr(runner, "requests"), "GPUModelRunner.requests")
         check_engine_config(runner.vllm_config)
         if getattr(runner, "_hidden_states_hook", None) is not None:
-            return {**runner._hidden_states_hook.layer_info, "installed": False}
+            hook = runner._hidden_states_hook
+            return {**hook.layer_info, "installed": False, "heads": hook.install_heads(heads or [])}
         hook = _RunnerHook(runner)
         # Tensor-parallel ranks hold identical rows after the all-reduce; the executor returns
         # only the output rank's ModelRunnerOutput (rank 0 without pipeline parallelism).
@@ -69,7 +71,7 @@ class HiddenStatesWorkerExtension(CPUWorkerSteps):
             patch_cpu_generator_rewind(runner)
         logger.info("hidden-states hook installed on %s (attaching=%s, layer capture: %s)", type(runner).__name__,
                     attaches, hook.layer_info["layer_capture_reason"] or f"{hook.layer_hooks} decoder layers")
-        return {**hook.layer_info, "installed": True}
+        return {**hook.layer_info, "installed": True, "heads": hook.install_heads(heads or [])}
 
     def hidden_states_stats(self) -> dict:
         trimmer = getattr(self, "_hidden_states_trimmer", None)
@@ -87,4 +89,6 @@ class HiddenStatesWorkerExtension(CPUWorkerSteps):
             "bytes_copied": hook.bytes_copied,
             "layer_hooks": hook.layer_hooks,
             "encoder_items": hook.encoder_items,
+            "head_products": hook.head_products,
+            "head_rows": hook.head_rows,
         }

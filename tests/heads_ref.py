@@ -1,0 +1,103 @@
+"""Heads made by the libraries people use, and the references they are judged against.
+
+- SAEs are made and saved by SAELens itself (`save_model`: its folder format), with random
+  weights from a seed; their reference is SAELens's own `SAE.load_from_disk(...).encode` on
+  transformers' hidden states at the same hook.
+- Linear heads are safetensors files; their reference is numpy (float64).
+
+How an SAE's top-k outputs are judged (`assert_sae_topk`): every returned value equals the
+reference activation of its index within `tol` (relative 1e-5 of the largest |reference|);
+values come largest first; and the returned set is the reference's top k up to entries within
+`tol` of the k-th largest value, which may fall either side (ties: torch.topk's order, unspecified
+between exactly equal values). Zeros are never returned.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+ARCHS = ("standard", "topk", "jumprelu", "gated")
+REL_TOL = 1e-5
+
+
+def make_sae(folder: str, arch: str, d_in: int, d_sae: int, hook: str, seed: int, k: int = 16) -> str:
+    """An SAE of `arch` saved by SAELens into `folder`: random weights (fixed seed) scaled so that
+    about half the features fire on a tiny model's rows (threshold ~ typical pre-activations)."""
+    import torch
+    import sae_lens
+
+    cls, cfg_cls = {"standard": (sae_lens.StandardSAE, sae_lens.StandardSAEConfig),
+                    "topk": (sae_lens.TopKSAE, sae_lens.TopKSAEConfig),
+                    "jumprelu": (sae_lens.JumpReLUSAE, sae_lens.JumpReLUSAEConfig),
+                    "gated": (sae_lens.GatedSAE, sae_lens.GatedSAEConfig)}[arch]
+    cfg = cfg_cls(d_in=d_in, d_sae=d_sae, dtype="float32", device="cpu", **({"k": k} if arch == "topk" else {}))
+    cfg.metadata.hook_name = hook
+    sae = cls(cfg)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sae.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            if name in ("W_enc", "W_dec"):
+                p.copy_(noise / d_in ** 0.5)
+            elif name == "threshold":
+                p.copy_(noise.abs() * 0.3)
+            elif name == "r_mag":
+                p.copy_(noise * 0.1)
+            else:
+                p.copy_(noise * 0.1)
+    sae.save_model(folder)
+    return folder
+
+
+def sae_reference(folder: str, rows: np.ndarray) -> np.ndarray:
+    """SAELens's own encode of `rows` [m, D] (float32) with the SAE it loads from `folder`."""
+    import torch
+    from sae_lens import SAE
+
+    sae = SAE.load_from_disk(folder, device="cpu")
+    with torch.no_grad():
+        return sae.encode(torch.tensor(np.asarray(rows, np.float32))).numpy()
+
+
+def make_linear(path: str, d_in: int, classes: int, seed: int) -> str:
+    """A linear head: safetensors with weight [C, D] and bias [C]."""
+    import torch
+    from safetensors.torch import save_file
+
+    gen = torch.Generator().manual_seed(seed)
+    save_file({"weight": torch.randn(classes, d_in, generator=gen) / d_in ** 0.5,
+               "bias": torch.randn(classes, generator=gen) * 0.1}, path)
+    return path
+
+
+def linear_reference(path: str, activation: str, rows: np.ndarray) -> np.ndarray:
+    """numpy, float64: rows @ W.T + b, then the activation."""
+    from safetensors.numpy import load_file
+
+    w = load_file(path)
+    y = np.asarray(rows, np.float64) @ w["weight"].astype(np.float64).T + w["bias"].astype(np.float64)
+    if activation == "sigmoid":
+        return 1 / (1 + np.exp(-y))
+    if activation == "softmax":
+        e = np.exp(y - y.max(-1, keepdims=True))
+        return e / e.sum(-1, keepdims=True)
+    return y
+
+
+def assert_sae_topk(indices, values, ref: np.ndarray, k: int) -> tuple[float, float]:
+    """One position's returned (indices, values) against the reference activations [F] (the rule in
+    the module docstring). Returns (max abs error, max |reference|)."""
+    indices, values = np.asarray(indices, np.int64), np.asarray(values, np.float64)
+    scale = float(np.abs(ref).max())
+    tol = REL_TOL * max(scale, 1e-30)
+    assert len(indices) == len(set(indices.tolist())) <= k, (indices, k)
+    assert np.all(values != 0), "a zero activation was returned"
+    err = float(np.abs(values - ref[indices]).max()) if len(indices) else 0.0
+    assert err <= tol, f"max abs error {err:.3g} > {REL_TOL:g} x max|reference| ({scale:.3g})"
+    assert np.all(np.diff(values) <= tol), "values are not largest first"
+    order = np.sort(ref)[::-1]
+    kth = order[k - 1] if k <= len(order) else 0.0
+    must = set(np.flatnonzero(ref > max(kth, 0) + tol).tolist())  # clearly inside the top k, and active
+    assert must <= set(indices.tolist()), f"missing features {sorted(must - set(indices.tolist()))}"
+    assert np.all(ref[indices] >= kth - tol), "a feature outside the top k was returned"
+    return err, scale
