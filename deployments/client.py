@@ -35,7 +35,9 @@ def _request(prompt: str | list[int] | None, messages: list[dict] | None, **kw: 
     """The request's bytes; the hidden-states fields as over HTTP, in `hidden_states`."""
     fields = {k: kw.pop(k) for k in list(kw) if k.startswith(("hidden_states", "return_hidden"))}
     fields = {k: v.model_dump() if hasattr(v, "model_dump") else v for k, v in fields.items()}
-    fields.setdefault("return_hidden_states", fields.get("hidden_states_proof") is None)  # proofs, or the vector
+    # proofs, or heads' outputs, or else the vector
+    fields.setdefault("return_hidden_states",
+                      fields.get("hidden_states_proof") is None and not fields.get("hidden_states_heads"))
     if (prompt is None) == (messages is None):
         raise TypeError("complete() takes a prompt (text or token ids) or messages=[...] (chat), not both")
     return ENCODER.encode(HandleCompletionRequest(prompt=prompt, messages=None if messages is None else list(messages),
@@ -82,7 +84,8 @@ def complete(handle: Any, prompt: str | list[int] | None = None, *, messages: li
     hidden_states_* fields). Vectors are numpy: [D] for one position, [n, D] at `choice.positions`
     for several, in the dtype asked (bfloat16: float32 of its values, `choice.dtype` says so);
     with topk, `hidden_states` holds values and `hidden_states_indices` int32 indices; every layer is
-    in `hidden_states_by_layer`; with a proof, `choice.proofs`. Raises HandleRequestError (400 too
+    in `hidden_states_by_layer`; with a proof, `choice.proofs`; with hidden_states_heads, `choice.heads`
+    (and no rows unless return_hidden_states=True). Raises HandleRequestError (400 too
     large, 404 unknown model, ...)."""
     return _result(_wait(handle.complete.remote(_request(prompt, messages, **kw)), timeout_s))
 

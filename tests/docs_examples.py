@@ -68,6 +68,8 @@ LISTED: dict[tuple[str, str], tuple[str, str]] = {
                                                                                      "server of its own"),
     ("docs/multimodal.md", "from ray import serve"): (SET_UP, "deploys the tiny VLM the next blocks talk to"),
     ("docs/multimodal.md", 'serve.delete("vision")'): (SET_UP, "removes it again"),
+    ("docs/heads.md", "import tempfile"): (SET_UP, "makes an SAE and a probe and deploys the app the next blocks read"),
+    ("docs/heads.md", 'serve.delete("heads")'): (SET_UP, "removes it again"),
     ("cluster/README.md", "ray up cluster/gpu-aws.yaml"): (NOT_RUN, "provisions GPU machines on AWS"),
     ("cluster/README.md", "docker build -f cluster/Dockerfile"): (NOT_RUN, "builds and pushes an image, deploys "
                                                                            "on Kubernetes"),

@@ -101,3 +101,75 @@ def assert_sae_topk(indices, values, ref: np.ndarray, k: int) -> tuple[float, fl
     assert must <= set(indices.tolist()), f"missing features {sorted(must - set(indices.tolist()))}"
     assert np.all(ref[indices] >= kth - tol), "a feature outside the top k was returned"
     return err, scale
+
+
+# The test heads on the built-in tiny Llama (D = 128, 2 decoder layers): an SAE of each SAELens
+# architecture, 8x wider than D, at each kind of hook point, and two linear heads.
+# (name, architecture, hook point, this server's layer)
+TINY_SAES = [("sae-std", "standard", "blocks.0.hook_resid_post", 1),
+             ("sae-topk", "topk", "ln_final.hook_normalized", 2),
+             ("sae-jump", "jumprelu", "blocks.1.hook_resid_pre", 1),
+             ("sae-gated", "gated", "blocks.0.hook_resid_pre", 0)]
+TINY_LINEAR = [("probe", 2, {"activation": "softmax", "labels": ["neg", "neutral", "pos"]}),
+               ("mid", 1, {"layer": 1, "activation": "sigmoid"})]
+TINY_D, TINY_F, TINY_TOPK_K = 128, 1024, 16
+HEAD_LAYERS = {name: layer for name, _, _, layer in TINY_SAES} | {name: layer for name, layer, _ in TINY_LINEAR}
+
+
+def build_test_heads() -> list[dict]:
+    """The `heads` entries of the test heads, built once into the built-in models' cache (the folder
+    name hashes the recipe; SAELens's and safetensors' own savers)."""
+    import hashlib
+    import json
+    import os
+
+    from hidden_states.models.builtin import cache_root
+
+    recipe = json.dumps([TINY_SAES, TINY_LINEAR, TINY_D, TINY_F, TINY_TOPK_K, "heads-v1"])
+    out = cache_root().parent / "test-heads" / hashlib.sha1(recipe.encode()).hexdigest()[:10]
+    entries = [{"name": name, "path": str(out / name)} for name, *_ in TINY_SAES]
+    entries += [{"name": name, "path": str(out / f"{name}.safetensors"), **extra} for name, _, extra in TINY_LINEAR]
+    if (out / "DONE").exists():
+        return entries
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    tmp.mkdir(parents=True)
+    for i, (name, arch, hook, _) in enumerate(TINY_SAES):
+        make_sae(str(tmp / name), arch, TINY_D, TINY_F, hook, seed=i, k=TINY_TOPK_K)
+    for i, (name, classes, _) in enumerate(TINY_LINEAR):
+        make_linear(str(tmp / f"{name}.safetensors"), TINY_D, (3, 2)[i], seed=10 + i)
+    (tmp / "DONE").write_text("")
+    try:
+        tmp.rename(out)
+    except OSError:  # another process built it first
+        if not (out / "DONE").exists():
+            raise
+    return entries
+
+
+def check_heads(case: str, hs_heads: dict, states: list, positions, heads: list[dict], asked: dict,
+                errors: list | None = None) -> None:
+    """Each asked head's outputs ({name: outputs}; one position: an object, several: a list) at
+    `positions` against SAELens / numpy on transformers' `states` (hidden_states per layer, [T, D])."""
+    by_name = {h["name"]: h for h in heads}
+    assert set(hs_heads) == set(asked), (set(hs_heads), asked)
+    for name, k in asked.items():
+        got = hs_heads[name]
+        per = got if isinstance(got, list) else [got]
+        assert len(per) == len(positions), (name, len(per), positions)
+        rows = states[HEAD_LAYERS[name]][list(positions)]
+        head = by_name[name]
+        if not k:  # a linear head
+            ref = linear_reference(head["path"], head.get("activation", "none"), rows)
+            scores = np.asarray([p["scores"] for p in per], np.float64)
+            diff, scale = float(np.abs(scores - ref).max()), float(np.abs(ref).max())
+            assert diff <= REL_TOL * scale, f"{case} {name}: max abs error {diff:.3g} (max |reference| {scale:.3g})"
+            if head.get("labels"):
+                assert [p["label"] for p in per] == [head["labels"][int(np.argmax(r))] for r in ref]
+            worst = (diff, scale)
+        else:
+            ref = sae_reference(head["path"], rows)
+            worst = (0.0, 0.0)
+            for p, r in zip(per, ref):
+                worst = max(worst, assert_sae_topk(p["indices"], p["values"], r, k))
+        if errors is not None:
+            errors.append((f"{case} {name}" + (f" top-{k}" if k else ""), *worst))

@@ -15,29 +15,17 @@ import numpy as np
 import pytest
 
 from tests.conftest import TEST_ENGINE_ARGS, TEST_MODEL
-from tests.heads_ref import assert_sae_topk, linear_reference, make_linear, make_sae, sae_reference
+from tests.heads_ref import TINY_F as F
+from tests.heads_ref import TINY_TOPK_K as TOPK_K
+from tests.heads_ref import build_test_heads, check_heads
 
-D, F = 128, 1024
-# (name, architecture, hook point, this server's layer)
-SAES = [("sae-std", "standard", "blocks.0.hook_resid_post", 1),
-        ("sae-topk", "topk", "ln_final.hook_normalized", 2),
-        ("sae-jump", "jumprelu", "blocks.1.hook_resid_pre", 1),
-        ("sae-gated", "gated", "blocks.0.hook_resid_pre", 0)]
-TOPK_K = 16  # the top-k SAE's own k
 PROMPTS = ["The quick brown fox", "Once upon a time, in a land far away,"]
 ERRORS: list[tuple[str, float, float]] = []
 
 
 @pytest.fixture(scope="module")
-def heads(tmp_path_factory):
-    root = tmp_path_factory.mktemp("heads")
-    entries = [{"name": name, "path": make_sae(str(root / name), arch, D, F, hook, seed=i, k=TOPK_K)}
-               for i, (name, arch, hook, _) in enumerate(SAES)]
-    entries.append({"name": "probe", "path": make_linear(str(root / "probe.safetensors"), D, 3, seed=10),
-                    "activation": "softmax", "labels": ["neg", "neutral", "pos"]})
-    entries.append({"name": "mid", "path": make_linear(str(root / "mid.safetensors"), D, 2, seed=11),
-                    "layer": 1, "activation": "sigmoid"})
-    return entries
+def heads():
+    return build_test_heads()
 
 
 @pytest.fixture(scope="module")
@@ -70,33 +58,8 @@ def states(reference, ids) -> list[np.ndarray]:
     return [h[0].float().numpy() for h in out.hidden_states]
 
 
-def check_heads(case: str, hs_heads: dict, ids, positions, heads, reference, asked: dict) -> None:
-    """Each asked head's outputs at `positions` of `ids` against SAELens / numpy (one position: an
-    object; several: a list)."""
-    hs = states(reference, ids)
-    by_name = {h["name"]: h for h in heads}
-    layers = {name: layer for name, _, _, layer in SAES} | {"probe": 2, "mid": 1}
-    assert set(hs_heads) == set(asked), (set(hs_heads), asked)
-    for name, k in asked.items():
-        got = hs_heads[name]
-        per = got if isinstance(got, list) else [got]
-        assert len(per) == len(positions), (name, len(per), positions)
-        rows = hs[layers[name]][list(positions)]
-        if name in ("probe", "mid"):
-            head = by_name[name]
-            ref = linear_reference(head["path"], head["activation"], rows)
-            scores = np.asarray([p["scores"] for p in per], np.float64)
-            diff, scale = float(np.abs(scores - ref).max()), float(np.abs(ref).max())
-            assert diff <= 1e-5 * scale, f"{case} {name}: max abs error {diff:.3g} (max |reference| {scale:.3g})"
-            if "labels" in head:
-                assert [p["label"] for p in per] == [head["labels"][int(np.argmax(r))] for r in ref]
-            ERRORS.append((f"{case} {name}", diff, scale))
-            continue
-        ref = sae_reference(by_name[name]["path"], rows)
-        worst = (0.0, 0.0)
-        for p, r in zip(per, ref):
-            worst = max(worst, assert_sae_topk(p["indices"], p["values"], r, k))
-        ERRORS.append((f"{case} {name} top-{k}", *worst))
+def check(case: str, hs_heads: dict, ids, positions, heads, reference, asked: dict) -> None:
+    check_heads(case, hs_heads, states(reference, ids), positions, heads, asked, ERRORS)
 
 
 ALL = {"sae-std": 32, "sae-topk": TOPK_K, "sae-jump": 32, "sae-gated": 32, "probe": 0, "mid": 0}
@@ -110,7 +73,7 @@ def test_every_head_at_the_final_token_alone_no_rows(engine, loop_thread, refere
     assert ch.hidden_states is None and ch.hidden_states_by_layer is None
     ids = list(out.prompt_token_ids) + list(ch.token_ids)
     assert ch.extraction.via == "tail"
-    check_heads("completion_end", ch.heads, ids, [len(ids) - 1], heads, reference, ALL)
+    check("completion_end", ch.heads, ids, [len(ids) - 1], heads, reference, ALL)
 
 
 def test_heads_and_rows_across_the_completion_n2(engine, loop_thread, reference, heads):
@@ -124,7 +87,7 @@ def test_heads_and_rows_across_the_completion_n2(engine, loop_thread, reference,
         assert list(ch.positions) == positions
         ref = states(reference, ids)[-1][positions]
         assert np.abs(ch.hidden_states - ref).max() <= 1e-5 * np.abs(ref).max()
-        check_heads(f"completion choice {ch.index}", ch.heads, ids, positions, heads, reference, ALL)
+        check(f"completion choice {ch.index}", ch.heads, ids, positions, heads, reference, ALL)
 
 
 def test_an_sae_without_topk_gives_its_own_k_and_the_extraction_step_the_same(engine, loop_thread, reference, heads):
@@ -135,7 +98,7 @@ def test_an_sae_without_topk_gives_its_own_k_and_the_extraction_step_the_same(en
     ch = out.choices[0]
     assert ch.extraction.via == "extraction"
     ids = list(out.prompt_token_ids) + list(ch.token_ids)
-    check_heads("all", ch.heads, ids, list(range(len(ids))), heads, reference, {"sae-topk": TOPK_K, "probe": 0})
+    check("all", ch.heads, ids, list(range(len(ids))), heads, reference, {"sae-topk": TOPK_K, "probe": 0})
     assert all(len(p["indices"]) <= TOPK_K for p in ch.heads["sae-topk"])
 
 
@@ -164,7 +127,7 @@ def test_completions_chat_and_streams_over_the_openai_routes(engine, loop_thread
         extra = {k: b.pop(k) for k in ("hidden_states_heads", "hidden_states_meta")}
         assert "hidden_states" not in b and a == b
         ids = b["prompt_token_ids"] + b["token_ids"]
-        check_heads(f"http choice {b['index']}", extra["hidden_states_heads"], ids, [len(ids) - 1], heads,
+        check(f"http choice {b['index']}", extra["hidden_states_heads"], ids, [len(ids) - 1], heads,
                     reference, ALL)
         assert extra["hidden_states_meta"]["head_bytes"] > 0
     assert plain["usage"] == r["usage"]
@@ -187,7 +150,7 @@ def test_completions_chat_and_streams_over_the_openai_routes(engine, loop_thread
                     outs[name] += ch["hidden_states_heads"][name]
     ids = prompt_ids + tokens
     assert carrying > 1 and positions == list(range(len(ids)))
-    check_heads("streamed chat", outs, ids, positions, heads, reference, {"sae-std": 8, "probe": 0})
+    check("streamed chat", outs, ids, positions, heads, reference, {"sae-std": 8, "probe": 0})
 
 
 def test_bad_head_requests_are_refused_by_name(engine, loop_thread):
@@ -211,3 +174,19 @@ def test_heads_are_counted_one_product_per_head_per_step(engine, loop_thread):
     after = loop_thread.run(engine.stats())["workers"][0]
     assert after["head_rows"] - before["head_rows"] == 1  # the final token's row, once (the tail step)
     assert after["head_products"] - before["head_products"] == 1
+
+
+def test_a_head_that_does_not_fit_stops_the_start(loop_thread, tmp_path, heads):
+    """A head whose width or layer does not fit the model: the engine does not start, and says which."""
+    from hidden_states.preflight import EngineStartupError
+    from hidden_states.vllm.engine import HiddenStatesEngine
+    from tests.heads_ref import make_linear, make_sae
+
+    wide = make_linear(str(tmp_path / "wide.safetensors"), 64, 2, seed=0)
+    last = make_sae(str(tmp_path / "last"), "standard", 128, 256, "blocks.1.hook_resid_post", seed=0)
+    for entry, words in (({"name": "wide", "path": wide}, "expected [C, 128]"),
+                         ({"name": "deep", "path": heads[-1]["path"], "layer": 3}, "layer 3 out of range"),
+                         ({"name": "last", "path": last}, "before the final norm")):
+        with pytest.raises(EngineStartupError) as e:
+            loop_thread.run(HiddenStatesEngine.start(TEST_MODEL, heads=[entry], **TEST_ENGINE_ARGS))
+        assert f"head {entry['name']!r}" in str(e.value) and words in str(e.value), str(e.value)

@@ -64,9 +64,14 @@ SPEC_NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max
 
 
 def app_args(**over) -> dict:
+    from tests.heads_ref import build_test_heads
+
     args = {
         "model": "builtin:tiny-llama",
         "engine": dict(TEST_ENGINE_ARGS),
+        # the test heads (tests/heads_ref.py) on every tiny-Llama app: a request without heads must not
+        # see them (every other test), one with them gets SAELens's and numpy's outputs (test_heads.py)
+        "heads": build_test_heads(),
         "enable_return_hidden_states": True,
         "extraction_timeout_s": 60,
         "request_timeout_s": 120,
@@ -77,7 +82,7 @@ def app_args(**over) -> dict:
 
 
 def vlm_args(model: str) -> dict:
-    return app_args(model=model, engine={**TEST_ENGINE_ARGS, "max_model_len": 1024, "limit_mm_per_prompt": {"image": 2}},
+    return app_args(model=model, heads=[], engine={**TEST_ENGINE_ARGS, "max_model_len": 1024, "limit_mm_per_prompt": {"image": 2}},
                     replica_autoscaling={"min_replicas": 1, "max_replicas": 1})
 
 
@@ -98,7 +103,7 @@ APPS = {
     APP: ("/", lambda: app_args()),  # replica_routing auto: prefix (two replicas behind the Router)
     # the main app routing as Serve does by default, to compare prefix cache hits with (test_prefix_routing.py)
     "hs-p2c": ("/p2c", lambda: app_args(replica_routing="power_of_two")),
-    "hs-off": ("/off", lambda: app_args(enable_return_hidden_states=False,
+    "hs-off": ("/off", lambda: app_args(enable_return_hidden_states=False, heads=[],
                                         replica_autoscaling={"min_replicas": 1, "max_replicas": 1})),
     # the replica is its own HTTP ingress: API key, small body limit, short timeouts
     "hs-guarded": (GUARDED, lambda: app_args(ingress="replica", api_key=API_KEY, max_request_body_bytes=64 * 1024,

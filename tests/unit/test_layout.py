@@ -38,11 +38,13 @@ def test_the_built_in_models_live_apart_from_the_serving_path():
     assert not (ROOT / "hidden_states" / "tiny_model.py").exists() and not (ROOT / "hidden_states" / "smollm2.py").exists()
 
 
-# What the engine core and the workers may import of ours: the wire (protocol.py), and the vLLM
-# package's own siblings (its ledger helpers, the worker's layers, the CPU steps). Never the API
-# schema (params.py, pydantic), proofs, the engine interface or the frontend.
+# What the engine core and the workers may import of ours: the wire (protocol.py), the heads the
+# workers run (heads.py: msgspec and torch, no schema), and the vLLM package's own siblings (its
+# ledger helpers, the worker's layers, the CPU steps). Never the API schema (params.py, pydantic),
+# proofs, the engine interface or the frontend.
 ENGINE_SIDE = ["hidden_states/vllm/core", "hidden_states/vllm/worker"]
-ENGINE_SIDE_MAY_IMPORT = ("hidden_states.protocol", "hidden_states.vllm", "hidden_states.preflight", "hidden_states.malloc_trim")
+ENGINE_SIDE_MAY_IMPORT = ("hidden_states.protocol", "hidden_states.heads", "hidden_states.vllm",
+                          "hidden_states.preflight", "hidden_states.malloc_trim")
 
 
 def ours_imported(path: Path) -> set[str]:
