@@ -5,13 +5,17 @@
                                 [--lora-modules NAME=PATH ... --adapter NAME]
                                 [--position completion|all|prompt_end|'{"start": -8, "stride": 2}']
                                 [--dtype float32|float16|bfloat16] [--topk K] [--proof toploc|JSON]
+                                [--heads JSON [--no-rows]]
 
 Input rows (JSONL or Parquet): `{"prompt": "..."}` or `{"messages": [...]}`, optional string
 `id` (default: a hash of the input). Output Parquet columns: `id`, `prompt_token_ids`,
 `completion`, `token_ids`, `finish_reason`, `hidden_states` (fixed-size float32 list of the
 hidden size). Several positions: `hidden_states` is list<fixed_size_list> with `positions`
 (list<int32>); float16 is halffloat, bfloat16 is float32 of the rounded values; `--topk`
-gives `topk_indices`/`topk_values`, `--proof` gives `proofs` (list<string>) instead.
+gives `topk_indices`/`topk_values`, `--proof` gives `proofs` (list<string>) instead. `--heads`
+registers heads (the app's `heads` arg as JSON, docs/heads.md) and every row reads them all: a
+column `head_<name>` each, a struct per position as the API gives it (an SAE's `indices`/`values`,
+a linear head's `scores`, `label`); `--no-rows` leaves the rows out.
 
 A rerun into the same folder skips ids already written (unreadable files are moved aside).
 `--adapter NAME` picks the LoRA adapter (of `--lora-modules`) every row uses.
@@ -101,6 +105,7 @@ class EngineWorker:
         # serve fails here, before any row.
         self.spec = HiddenStatesFields.from_json(spec) if spec else spec_of(enabled=True)
         self.engine.check_spec(self.spec)
+        self.engine.heads_of(self.spec)
         self.max_tokens, self.adapter = max_tokens, adapter
         self.tokenizer = self.engine.llm.tokenizer
         # Ray Data deletes this object when its actor exits gracefully (then `__del__`), but not always before the
@@ -148,14 +153,18 @@ class EngineWorker:
         if self.spec.hidden_states_proof is not None:
             out["proofs"] = pa.array([list(ch.proofs) for ch in choices], pa.list_(pa.string()))
             return pa.table(out)
+        for name, _ in self.spec.heads:  # the API's structs, one per position (a list of them for several)
+            out[f"head_{name}"] = pa.array([ch.heads[name] for ch in choices])
+        if choices[0].positions is not None:
+            out["positions"] = pa.array([list(ch.positions) for ch in choices], pa.list_(pa.int32()))
+        if not self.spec.return_hidden_states:  # heads alone
+            return pa.table(out)
         values = vectors_column([np.asarray(ch.hidden_states).astype(cast) for ch in choices])
         if self.spec.hidden_states_topk:
             out["topk_indices"] = vectors_column([np.asarray(ch.hidden_states_indices, np.int32) for ch in choices])
             out["topk_values"] = values
         else:
             out["hidden_states"] = values
-        if choices[0].positions is not None:
-            out["positions"] = pa.array([list(ch.positions) for ch in choices], pa.list_(pa.int32()))
         return pa.table(out)
 
 
@@ -188,7 +197,7 @@ def run(args: argparse.Namespace) -> int:
                   accelerator=args.accelerator, lora_modules=[dict(zip(("name", "path"), m.split("=", 1))) for m in args.lora_modules])
     if args.adapter is not None and args.adapter not in app.served_model_names[1:]:
         raise SystemExit(f"--adapter {args.adapter}: not among --lora-modules ({app.served_model_names[1:]})")
-    engine_args = {**app.engine_args(), "warm_up_s": args.warm_up_s}
+    engine_args = {**app.engine_args(), "warm_up_s": args.warm_up_s, "heads": args.heads}
     modules = [m.model_dump() for m in app.lora_modules]
     out = ds.map_batches(EngineWorker, fn_constructor_args=(app.model, args.max_tokens, engine_args, modules,
                                                             args.adapter, args.spec),
@@ -230,10 +239,23 @@ def main(argv: list[str] | None = None) -> int:
                     type=checked(lambda v: {"scheme": v} if not v.lstrip().startswith("{") else json.loads(v)),
                     help='hidden_states_proof: each row\'s TOPLOC proofs (a "proofs" column): toploc, or JSON, e.g. '
                          '\'{"scheme": "toploc", "topk": 128, "decode_batching_size": 32}\'')
+    ap.add_argument("--heads", default=[], type=checked(json.loads),
+                    help='heads to register and read on every row, as the app\'s `heads` arg in JSON, e.g. '
+                         '\'[{"name": "sae", "path": "saes/layer12"}]\' (a column head_<name> each)')
+    ap.add_argument("--no-rows", action="store_true", help="with --heads: their columns alone, no hidden_states")
     args = ap.parse_args(argv)
+    if args.no_rows and not args.heads:
+        ap.error("--no-rows goes with --heads (without them a row would carry nothing)")
     try:  # the job's hidden-states fields: parsed once, as a request's (params.parse_fields)
-        args.spec = spec_of(True, None, args.position, args.dtype, args.topk, args.proof, enabled=True).to_json()
-    except HiddenStatesRequestError as e:
+        from deployments.config import HeadEntry
+
+        args.heads = [HeadEntry.model_validate(h).model_dump(exclude_none=True) for h in args.heads]
+        for h in args.heads:
+            h["path"] = os.path.abspath(h["path"])  # engine actors may run in another folder
+        heads = [h["name"] for h in args.heads] or None
+        args.spec = spec_of(not args.no_rows, None, args.position, args.dtype, args.topk, args.proof, heads,
+                            enabled=True).to_json()
+    except (HiddenStatesRequestError, ValueError) as e:
         ap.error(str(e))
     return run(args)
 

@@ -37,6 +37,10 @@ def _metrics() -> dict[str, Any] | None:
         "cached": Counter("hidden_states_cached_tokens", "tokens found in the KV/prefix cache instead of recomputed",
                           tag_keys=("via",)),
         "bytes": Counter("hidden_states_vector_bytes", "float32 bytes of vectors returned (before encoding)"),
+        "head_outputs": Counter("hidden_states_head_outputs", "positions a head's outputs were returned for, by head",
+                                tag_keys=("head",)),
+        "head_bytes": Counter("hidden_states_head_bytes", "bytes of heads' outputs returned (float32 values, int32 "
+                              "SAE indices; before encoding)"),
         "refused": Counter("hidden_states_requests_refused", "requests refused before any engine work, by status",
                            tag_keys=("status",)),
         "faults": Gauge("hidden_states_vector_faults", "the replica's vector fault counters since start "
@@ -52,6 +56,11 @@ def vector(event: VectorEvent) -> None:
     m["vectors"].inc(tags={"via": event.via, "position": event.position})
     if event.nbytes > 0:
         m["bytes"].inc(event.nbytes)
+    for head, n in event.head_outputs.items():
+        if n > 0:
+            m["head_outputs"].inc(n, tags={"head": head})
+    if event.head_bytes > 0:
+        m["head_bytes"].inc(event.head_bytes)
     if event.computed_tokens is not None:
         m["computed"].observe(event.computed_tokens, tags={"via": event.via})
         if event.cached_tokens:  # Ray's counters take positive increments only

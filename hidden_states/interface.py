@@ -249,8 +249,9 @@ def rows_choice(engine: Any, collector: HiddenStatesCollector, index: int, text:
     heads = None
     if collector.heads:
         heads = head_fields(batch, collector.heads, getattr(engine, "heads", {}), collector.multi)
-    engine.vector_sent(collector.position_label, stats,
-                       (batch.nbytes + batch.head_nbytes) if batch else 0)
+    n = len(batch) if batch else 0
+    engine.vector_sent(collector.position_label, stats, batch.nbytes if batch and collector.rows_wanted else 0,
+                       {name: n for name, _ in collector.heads}, batch.head_nbytes if batch else 0)
     return CompletionChoice(index, text, tuple(token_ids), finish_reason, values.get(-1), stats,
                             values if collector.rows_wanted else None,
                             positions if collector.multi else None, collector.dtype,
@@ -290,6 +291,8 @@ class VectorEvent:
     cached_tokens: int | None
     seconds: float | None
     nbytes: int  # the vector(s) as sent, all layers
+    head_outputs: dict[str, int] = dataclasses.field(default_factory=dict)  # head -> positions it gave outputs for
+    head_bytes: int = 0  # the heads' outputs as sent (float32 values, int32 indices)
 
 
 class VectorObservers:
@@ -298,9 +301,11 @@ class VectorObservers:
     def __init__(self):
         self.observers: list[Callable[[VectorEvent], None]] = []
 
-    def vector_sent(self, position: str, stats: "ExtractionStats | None", nbytes: int) -> None:
+    def vector_sent(self, position: str, stats: "ExtractionStats | None", nbytes: int,
+                    head_outputs: dict[str, int] | None = None, head_bytes: int = 0) -> None:
         event = VectorEvent(position, stats.via if stats else "prompt", stats.computed_tokens if stats else None,
-                            stats.cached_tokens if stats else None, stats.seconds if stats else None, nbytes)
+                            stats.cached_tokens if stats else None, stats.seconds if stats else None, nbytes,
+                            dict(head_outputs or {}), head_bytes)
         for observe in self.observers:
             try:
                 observe(event)

@@ -100,6 +100,7 @@ class ChoiceVectors:
         self.by_layer = collector.spec.hidden_states_layers is not None
         self.n = (getattr(request, "n", None) or 1) if route == "completions" else 0
         self._sent_bytes: dict = {}  # payload bytes handed out per choice
+        self._head_sent: dict = {}  # heads' output bytes and positions handed out per choice
         self._provers: dict = {}  # hidden_states_proof: each choice's proofs, built as its rows arrive
 
     def _row_fields(self, index: int, finishing: bool) -> dict | None:
@@ -121,12 +122,12 @@ class ChoiceVectors:
                 meta["positions"] = batch.positions.tolist() if batch is not None else []
             out = {"hidden_states_meta": meta}
         meta = out["hidden_states_meta"]
-        sent = meta.get("bytes", 0)
+        self._sent_bytes[key] = self._sent_bytes.get(key, 0) + meta.get("bytes", 0)
         if col.heads:
             out["hidden_states_heads"] = head_fields(batch, col.heads, getattr(self.engine, "heads", {}), col.multi)
             meta["head_bytes"] = batch.head_nbytes if batch is not None else 0
-            sent += meta["head_bytes"]
-        self._sent_bytes[key] = self._sent_bytes.get(key, 0) + sent
+            nbytes, positions = self._head_sent.get(key, (0, 0))
+            self._head_sent[key] = (nbytes + meta["head_bytes"], positions + (len(batch) if batch is not None else 0))
         meta.update(adapter=self.adapter, replica=self.replica_id)
         if key[0] in col.modalities:  # a multimodal prompt: which positions are images' (audio's) tokens
             meta["modalities"] = col.modalities[key[0]]
@@ -134,7 +135,9 @@ class ChoiceVectors:
             st = col.stats.get(key)
             if st is not None:
                 meta.update(st.meta())
-            self.engine.vector_sent(col.position_label, st, self._sent_bytes.pop(key, 0))
+            head_bytes, positions = self._head_sent.pop(key, (0, 0))
+            self.engine.vector_sent(col.position_label, st, self._sent_bytes.pop(key, 0),
+                                    {name: positions for name, _ in col.heads}, head_bytes)
         return out
 
     def _proof_fields(self, index: int, finishing: bool) -> dict | None:

@@ -18,9 +18,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from hidden_states.params import HiddenStatesRequestError, VectorFields, refuse_unknown
+from hidden_states.params import HeadAsk, HiddenStatesRequestError, VectorFields, check_heads, refuse_unknown
 from hidden_states.proofs import ProofClaim
 
 
@@ -67,6 +67,15 @@ class HiddenStatesRequest(VectorFields):
     completion: str | list[int] | None = Field(None, description="with messages: the assistant's answer")
     add_special_tokens: bool = Field(True, description="for a text prompt, as /v1/completions")
     compare: Compare | None = None
+    hidden_states_heads: list[HeadAsk] | None = Field(
+        None, description="registered heads run over the same positions: `hidden_states_heads` {name: outputs} "
+                          "beside the rows (the true outputs of the given tokens)")
+
+    _heads = field_validator("hidden_states_heads", mode="before")(lambda cls, v: check_heads(v))
+
+    @property
+    def heads(self) -> tuple[tuple[str, int | None], ...]:
+        return tuple((h.name, h.topk) for h in self.hidden_states_heads or ())
 
     @model_validator(mode="after")
     def _one_input(self) -> "HiddenStatesRequest":

@@ -206,3 +206,30 @@ def test_batch_proofs_column(tmp_path, reference):
         assert len(r["proofs"]) == len(ours.chunk_bounds(P, len(ids), 2)) >= 2  # the prefill, then windows of 2
         results = tl.verify_proofs_base64(fed_rows(reference.model, ids, P), r["proofs"], 2, 128)
         assert all(x.exp_mismatches <= 38 and x.mant_err_mean <= 10 and x.mant_err_median <= 8 for x in results), results
+
+
+def test_batch_heads_columns(tmp_path, reference):
+    """`--heads` with `--no-rows`: a column per head, each row's outputs against SAELens and numpy on
+    transformers' rows of its prompt + completion; no hidden_states column."""
+    import pyarrow.parquet as pq
+
+    from tests.heads_ref import TINY_TOPK_K, build_test_heads, check_heads
+
+    heads = build_test_heads()
+    inp = tmp_path / "prompts.jsonl"
+    inp.write_text("".join(json.dumps({"prompt": long_text(6, seed=90 + i)}) + "\n" for i in range(3)))
+    out = tmp_path / "heads"
+    finish(start(inp, out, "--heads", json.dumps(heads), "--no-rows", "--position", "completion"), 600)
+    schema = pq.read_schema(next(out.glob("*.parquet")))
+    assert "hidden_states" not in schema.names and {f"head_{h['name']}" for h in heads} <= set(schema.names)
+    final = rows(out)
+    assert len(final) == 3
+    asked = {h["name"]: (0 if h["path"].endswith(".safetensors") else 64) for h in heads} | {"sae-topk": TINY_TOPK_K}
+    for r in final:
+        ids = r["prompt_token_ids"] + r["token_ids"]
+        with reference.torch.no_grad():
+            hs = [h[0].numpy() for h in reference.model(reference.torch.tensor([ids]),
+                                                        output_hidden_states=True).hidden_states]
+        outputs = {name: [{k: v for k, v in p.items() if v is not None} for p in r[f"head_{name}"]] for name in asked}
+        assert r["positions"] == list(range(len(r["prompt_token_ids"]), len(ids)))
+        check_heads("batch", outputs, hs, r["positions"], heads, asked)

@@ -190,3 +190,17 @@ def test_a_head_that_does_not_fit_stops_the_start(loop_thread, tmp_path, heads):
         with pytest.raises(EngineStartupError) as e:
             loop_thread.run(HiddenStatesEngine.start(TEST_MODEL, heads=[entry], **TEST_ENGINE_ARGS))
         assert f"head {entry['name']!r}" in str(e.value) and words in str(e.value), str(e.value)
+
+
+def test_post_hidden_states_gives_a_claimed_sequence_s_true_head_outputs(engine, loop_thread, reference, heads):
+    """POST /v1/hidden_states with heads: the given tokens' true outputs, beside their rows."""
+    out = loop_thread.run(engine.complete(PROMPTS[1], sp(max_tokens=6)))
+    ids = list(out.prompt_token_ids) + list(out.choices[0].token_ids)
+    status, r = _answer(engine, loop_thread, "hidden_states", {
+        "model": "tiny-llama", "prompt": ids, "hidden_states_position": "all", "hidden_states_heads": ASK})
+    assert status == 200, r
+    assert r["hidden_states_meta"]["positions"] == list(range(len(ids))) and r["hidden_states_meta"]["head_bytes"] > 0
+    check("POST /v1/hidden_states", r["hidden_states_heads"], ids, list(range(len(ids))), heads, reference, ALL)
+    status, r = _answer(engine, loop_thread, "hidden_states", {"model": "tiny-llama", "prompt": ids,
+                                                                "hidden_states_heads": ["nope"]})
+    assert status == 400 and "unknown head 'nope'" in r["error"]["message"], r

@@ -53,6 +53,10 @@ def test_vllm_and_our_metrics_count_what_was_sent(serve_app, client):
     for i in range(sent):
         client.completions.create(model="tiny-llama", prompt=f"metrics {i}", max_tokens=4,
                                   extra_body={"return_hidden_states": True})
+    # and one that reads a head alone (the app registers the test heads): its outputs counted, no rows
+    client.completions.create(model="tiny-llama", prompt="metrics heads", max_tokens=4,
+                              extra_body={"hidden_states_heads": ["probe"], "hidden_states_position": "all"})
+    sent += 1
     refused = httpx.post(f"{serve_app}/v1/completions", timeout=30,
                          json={"prompt": "x", "hidden_states_encoding": "hex"})
     assert refused.status_code == 400
@@ -73,6 +77,10 @@ def test_vllm_and_our_metrics_count_what_was_sent(serve_app, client):
     # Histograms and the engine's gauges are there too.
     assert family(after, "ray_hidden_states_computed_tokens_count") - family(
         before, "ray_hidden_states_computed_tokens_count") == sent
+    head = family(after, "ray_hidden_states_head_outputs") - family(before, "ray_hidden_states_head_outputs")
+    assert head >= 5, head  # every position of prompt + completion: at least 4 + 1
+    # the probe's 3 float32 scores per position
+    assert family(after, "ray_hidden_states_head_bytes") - family(before, "ray_hidden_states_head_bytes") == head * 12
     for name in ("ray_hidden_states_vector_bytes", "ray_hidden_states_extraction_seconds_count",
                  "ray_hidden_states_vector_faults", "ray_vllm_num_requests_running", "ray_vllm_kv_cache_usage_perc"):
         assert any(n.startswith(name) for n in after), (name, sorted(n for n in after if n.startswith("ray_vllm"))[:40])

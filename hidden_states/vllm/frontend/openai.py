@@ -26,12 +26,13 @@ from pydantic import ValidationError
 
 from hidden_states.interface import HiddenStatesCollector, HiddenStatesTimeout, MissingHiddenStatesError
 from hidden_states import errors, proofs, verify
+from hidden_states.heads import head_fields
 from hidden_states.openai_format import (ChoiceVectors, Route, error_body, row_fields,
                                          validation_message)
 from hidden_states.vllm.frontend.extraction import Origin
 from hidden_states.params import (SINGLE_POSITIONS, HiddenStatesDisabledError, HiddenStatesFields,
                                   HiddenStatesRequestError, Span, UnknownModelError, check_proof_width, check_room,
-                                  check_rows_budget, given_span, parse_fields, request_error)
+                                  check_rows_budget, given_span, parse_fields, request_error, resolve_heads)
 from hidden_states.protocol import COLLECTOR_TAG_KEY, RESERVED_EXTRA_ARGS_PREFIX
 
 logger = logging.getLogger(__name__)
@@ -249,10 +250,15 @@ class OpenAIFrontend:
             claim = None if req.compare is None else verify.claims(req.compare, len(positions), eng.hidden_size)
             # Only the tokens up to the last position asked for: the rows before it are the same.
             seq, origin = ids[:positions[-1] + 1], Origin(lora_request=lora, mm=mm)
-            batch, stats = await eng.extraction.extract_rows(seq, positions, layers, dtype, topk, origin)
+            heads = resolve_heads(req, eng.heads) if req.heads else ()
+            batch, stats = await eng.extraction.extract_rows(seq, positions, layers, dtype, topk, origin, heads)
             out = row_fields(batch, layers, encoding, by_layer, multi, position, dtype, topk, topk or eng.hidden_size)
+            if heads:
+                out["hidden_states_heads"] = head_fields(batch, heads, eng.heads, multi)
+                out["hidden_states_meta"]["head_bytes"] = batch.head_nbytes
             true = batch.floats(-1) if claim is not None else None
-            eng.vector_sent(position if isinstance(position, str) else "range", stats, batch.nbytes)
+            eng.vector_sent(position if isinstance(position, str) else "range", stats, batch.nbytes,
+                            {name: len(batch) for name, _ in heads}, batch.head_nbytes)
         except (HiddenStatesRequestError, HiddenStatesTimeout, MissingHiddenStatesError, UnknownModelError) as e:
             return errors.error_response(e)
         out["hidden_states_meta"].update(
