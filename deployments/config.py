@@ -80,6 +80,16 @@ class HeadEntry(BaseModel):
                                                      "(default: a top-k SAE's k, else 64)")
 
 
+class SteeringVectorEntry(BaseModel):
+    """A steering vector registered by name (hidden_states/steering.py): a repeng/llama.cpp control-vector
+    .gguf (direction.N: this server's layer N + 1), a .safetensors (`vector` or direction.N) or a .npy."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    path: str
+    layer: int | None = Field(None, description="where a single vector (.npy, `vector`) is added")
+
+
 class AppArgs(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -126,6 +136,9 @@ class AppArgs(BaseModel):
     heads: list[HeadEntry] = Field(
         default_factory=list, description="heads run on the device over captured rows, read per request with "
                                           "hidden_states_heads (docs/heads.md): [{name, path, layer, ...}]")
+    steering_vectors: list[SteeringVectorEntry] = Field(
+        default_factory=list, description="steering vectors a request names in hidden_states_steering "
+                                          "(docs/steering.md): [{name, path, layer}]")
     max_n: int = Field(16, ge=1, description="the largest `n` a request may ask for")
     ingress: Literal["router", "replica"] = Field(
         "router", description="who takes HTTP: a Router deployment in front of the replicas (retries a request "
@@ -164,7 +177,7 @@ class AppArgs(BaseModel):
                              f"{names}")
         if self.lora_modules and self.engine.get("enable_lora") is False:
             raise ValueError("lora_modules need the engine's enable_lora: drop `enable_lora: false` from `engine`")
-        for m in [*self.lora_modules, *self.heads]:  # replicas may run elsewhere than where the config was read
+        for m in [*self.lora_modules, *self.heads, *self.steering_vectors]:  # replicas may run elsewhere
             if os.path.exists(m.path):
                 m.path = os.path.abspath(m.path)
         return self

@@ -290,7 +290,8 @@ def models_list(args: AppArgs, request: Request, engine_card: dict | None = None
     # and the heads a request may read (hidden_states_heads; an adapter's requests read them too).
     engine_card = engine_card or {}
     card = {"object": "model", "created": 0, "owned_by": "hidden-states-serve",
-            "max_model_len": engine_card.get("max_model_len"), "heads": engine_card.get("heads", [])}
+            "max_model_len": engine_card.get("max_model_len"), "heads": engine_card.get("heads", []),
+            "steering_vectors": engine_card.get("steering_vectors", [])}
     return JSONResponse({"object": "list", "data": [
         {"id": args.model_name, **card, "parent": None},
         *({"id": m.name, **card, "root": m.path, "parent": args.model_name} for m in args.lora_modules),

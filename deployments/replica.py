@@ -51,6 +51,7 @@ class EngineReplica(http.ingress_routes(app, "replica")):
             extraction_timeout_s=self.args.extraction_timeout_s,
             max_hidden_states_bytes=self.args.max_hidden_states_bytes,
             heads=[h.model_dump(exclude_none=True) for h in self.args.heads],
+            steering_vectors=[v.model_dump(exclude_none=True) for v in self.args.steering_vectors],
             prefault_kv_cache=self.args.prefault_kv_cache,
             warm_up_s=self.args.warm_up_s,
             malloc_trim_interval_s=self.args.malloc_trim_interval_s,
@@ -113,7 +114,9 @@ class EngineReplica(http.ingress_routes(app, "replica")):
 
     async def _engine_card(self) -> dict:
         return {"max_model_len": self.engine.max_model_len,
-                "heads": [h.public() for h in getattr(self.engine, "heads", {}).values()]}
+                "heads": [h.public() for h in getattr(self.engine, "heads", {}).values()],
+                "steering_vectors": [{"name": name, "layers": sorted(layers)}
+                                     for name, layers in getattr(self.engine, "steering_vectors", {}).items()]}
 
     async def model_card(self) -> bytes:
         """What /v1/models reports of the engine, for the Router: JSON bytes."""

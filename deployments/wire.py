@@ -81,6 +81,7 @@ class HandleChoice(msgspec.Struct, array_like=True, gc=False):
     hidden_states_indices_by_layer: dict[int, bytes] = {}
     proofs: list[str] | None = None  # hidden_states_proof: base64, the scheme's format
     heads: dict[str, Any] | None = None  # hidden_states_heads: {head: outputs} as over HTTP
+    steering: list[dict[str, Any]] | None = None  # hidden_states_steering applied, as hidden_states_meta echoes it
 
 
 def to_wire(ch: CompletionChoice, rows: bool) -> HandleChoice:
@@ -96,13 +97,14 @@ def to_wire(ch: CompletionChoice, rows: bool) -> HandleChoice:
         return HandleChoice(ch.index, ch.text, list(ch.token_ids), ch.finish_reason,
                             None if ch.hidden_states is None else np.asarray(ch.hidden_states, "<f4").tobytes(),
                             cached, {layer: np.asarray(v, "<f4").tobytes() for layer, v in by_layer.items()},
-                            heads=ch.heads)
+                            heads=ch.heads, steering=ch.steering)
     shape = list(next(iter(by_layer.values())).shape) if by_layer else None
     return HandleChoice(ch.index, ch.text, list(ch.token_ids), ch.finish_reason, None, cached,
                         {layer: narrow(v, ch.dtype).tobytes() for layer, v in by_layer.items()}, shape, ch.dtype,
                         None if ch.positions is None else list(ch.positions),
                         {layer: np.asarray(i, "<i4").tobytes()
-                         for layer, i in (ch.hidden_states_indices_by_layer or {}).items()}, heads=ch.heads)
+                         for layer, i in (ch.hidden_states_indices_by_layer or {}).items()}, heads=ch.heads,
+                        steering=ch.steering)
 
 
 def decode_rows(raw: bytes, dtype: str, shape: list[int]) -> np.ndarray:
@@ -129,7 +131,8 @@ def from_wire(ch: HandleChoice) -> CompletionChoice:
                    for layer, b in ch.hidden_states_indices_by_layer.items()} or None
         last, positions = values.get(-1), None if ch.positions is None else tuple(ch.positions)
     return CompletionChoice(ch.index, ch.text, tuple(ch.token_ids), ch.finish_reason, last, stats, values or None,
-                            positions, ch.dtype, None if indices is None else indices.get(-1), indices, heads=ch.heads)
+                            positions, ch.dtype, None if indices is None else indices.get(-1), indices, heads=ch.heads,
+                            steering=ch.steering)
 
 
 class HandleCompletion(msgspec.Struct, array_like=True, gc=False):

@@ -144,14 +144,24 @@ class HiddenStatesCollector:
     engine_requests: dict[str, int] = dataclasses.field(default_factory=dict)  # capture key -> prompt ordinal
     heads: tuple[tuple[str, int], ...] = ()  # (head, k) the engine runs over the same positions (params.resolve_heads)
     rows_wanted: bool = True  # False: heads alone, no rows travel
+    steering: list = dataclasses.field(default_factory=list)  # protocol.SteerEntry: what the workers add
+    steering_echo: list = dataclasses.field(default_factory=list)  # what hidden_states_meta.steering says
+    steering_digest: str = ""  # joins the request's cache salt (hidden_states/steering.py)
 
     @classmethod
-    def of(cls, tag: str, spec: Any, layers: tuple[int, ...],
-           heads: tuple[tuple[str, int], ...] = ()) -> "HiddenStatesCollector":
-        """The collector of a parsed spec (params.HiddenStatesFields) whose `layers` and `heads` the engine checked."""
+    def of(cls, tag: str, spec: Any, layers: tuple[int, ...], heads: tuple[tuple[str, int], ...] = (),
+           steering: tuple[list, list, str] = ([], [], "")) -> "HiddenStatesCollector":
+        """The collector of a parsed spec (params.HiddenStatesFields) whose `layers`, `heads` and
+        `steering` (entries, echo, digest) the engine checked."""
         _, position, dtype, topk = spec.capture()
         return cls(tag, layers, position, dtype=dtype, topk=topk, proof=spec.hidden_states_proof, spec=spec,
-                   heads=heads, rows_wanted=getattr(spec, "rows_asked", True))
+                   heads=heads, rows_wanted=getattr(spec, "rows_asked", True), steering=list(steering[0]),
+                   steering_echo=list(steering[1]), steering_digest=steering[2])
+
+    @property
+    def captures(self) -> bool:
+        """Anything to capture (rows or heads); a request that only steers captures nothing."""
+        return self.rows_wanted or bool(self.heads)
 
     @property
     def multi(self) -> bool:
@@ -227,6 +237,8 @@ class CompletionChoice:
     proofs: tuple[str, ...] | None = None
     # hidden_states_heads: {head: outputs} as the API gives them (openai_format.head_outputs)
     heads: dict[str, Any] | None = None
+    # hidden_states_steering: the steering applied, as hidden_states_meta.steering echoes it
+    steering: list[dict] | None = None
 
 
 def rows_choice(engine: Any, collector: HiddenStatesCollector, index: int, text: str, token_ids: Sequence[int],
@@ -235,6 +247,9 @@ def rows_choice(engine: Any, collector: HiddenStatesCollector, index: int, text:
     key = (0, index)
     if key not in collector.done:
         raise engine.missing(f"choice {index}")
+    steering = collector.steering_echo or None
+    if not collector.captures:  # it only steers
+        return CompletionChoice(index, text, tuple(token_ids), finish_reason, None, steering=steering)
     batch, stats = collector.take(key), collector.stats.get(key)
     width = collector.topk or engine.hidden_size
     layers = collector.layers if collector.rows_wanted else ()  # heads alone: no rows
@@ -255,7 +270,7 @@ def rows_choice(engine: Any, collector: HiddenStatesCollector, index: int, text:
     return CompletionChoice(index, text, tuple(token_ids), finish_reason, values.get(-1), stats,
                             values if collector.rows_wanted else None,
                             positions if collector.multi else None, collector.dtype,
-                            None if indices is None else indices.get(-1), indices, heads=heads)
+                            None if indices is None else indices.get(-1), indices, heads=heads, steering=steering)
 
 
 def proof_choice(engine: Any, collector: HiddenStatesCollector, index: int, text: str, token_ids: Sequence[int],

@@ -113,6 +113,12 @@ class ChoiceVectors:
         if batch is None and not finishing:
             return None
         width = col.topk or getattr(self.engine, "hidden_size", 0)
+        if not col.captures:  # it only steers: the steering applied, nothing captured
+            if not finishing:
+                return None
+            meta = {"steering": col.steering_echo, "adapter": self.adapter, "replica": self.replica_id}
+            self.engine.vector_sent("steering", None, 0)
+            return {"hidden_states_meta": meta}
         if col.rows_wanted:
             out = row_fields(batch, col.layers, self.encoding, self.by_layer, col.multi, col.position, col.dtype,
                              col.topk, width)
@@ -129,6 +135,8 @@ class ChoiceVectors:
             nbytes, positions = self._head_sent.get(key, (0, 0))
             self._head_sent[key] = (nbytes + meta["head_bytes"], positions + (len(batch) if batch is not None else 0))
         meta.update(adapter=self.adapter, replica=self.replica_id)
+        if col.steering_echo:
+            meta["steering"] = col.steering_echo
         if key[0] in col.modalities:  # a multimodal prompt: which positions are images' (audio's) tokens
             meta["modalities"] = col.modalities[key[0]]
         if finishing:

@@ -126,6 +126,25 @@ class HeadAsk(BaseModel):
     topk: int | None = Field(None, ge=1)
 
 
+MAX_STEERING_ENTRIES = 16  # a request's hidden_states_steering entries, at most
+STEER_POSITIONS = ("prompt", "completion", "all")
+
+
+class SteeringAsk(BaseModel):
+    """One steering entry as asked: where (layer, positions), what (an inline vector, a registered
+    vector's name, or an SAE head's feature: its decoder row), how (add x scale, or ablate)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    layer: int | None = None
+    vector: str | list[float] | None = None  # base64 of little-endian float32, or floats
+    name: str | None = None
+    head: str | None = None
+    feature: int | None = Field(None, ge=0)
+    scale: float = 1.0
+    positions: Literal["prompt", "completion", "all"] = "all"
+    op: Literal["add", "ablate"] = "add"
+
+
 class HiddenStatesFields(VectorFields):
     """The request fields this server adds to vLLM's OpenAI API (see the module docstring)."""
 
@@ -140,9 +159,15 @@ class HiddenStatesFields(VectorFields):
                           "hidden_states_position; each choice carries hidden_states_heads {name: outputs}, without "
                           "the rows unless return_hidden_states is true too. Items: a name, or {name, topk}")
 
+    hidden_states_steering: list[SteeringAsk] | None = Field(
+        None, description="add to (or ablate from) the residual stream at chosen layers and positions, for this "
+                          "request alone: [{layer, vector | name | head + feature, scale, positions, op}] "
+                          "(docs/steering.md)")
+
     _wants = field_validator("return_hidden_states", mode="before")(lambda cls, v: check_bool(v))
     _proof = field_validator("hidden_states_proof", mode="before")(lambda cls, v: check_proof(v))
     _heads = field_validator("hidden_states_heads", mode="before")(lambda cls, v: check_heads(v))
+    _steering = field_validator("hidden_states_steering", mode="before")(lambda cls, v: check_steering(v))
 
     @model_validator(mode="after")
     def _one_kind(self) -> "HiddenStatesFields":
@@ -159,8 +184,9 @@ class HiddenStatesFields(VectorFields):
 
     @property
     def wants(self) -> bool:
-        """The request asks for rows: vectors, proofs, or heads' outputs."""
-        return self.return_hidden_states or self.hidden_states_proof is not None or bool(self.hidden_states_heads)
+        """The request asks for rows (vectors, proofs, or heads' outputs) or steers."""
+        return (self.return_hidden_states or self.hidden_states_proof is not None or bool(self.hidden_states_heads)
+                or bool(self.hidden_states_steering))
 
     @property
     def heads(self) -> tuple[tuple[str, int | None], ...]:
@@ -196,6 +222,8 @@ class HiddenStatesFields(VectorFields):
         d["hidden_states_proof"] = None if proof is None else ProofRequest.model_construct(**proof)
         if d.get("hidden_states_heads") is not None:
             d["hidden_states_heads"] = [HeadAsk.model_construct(**h) for h in d["hidden_states_heads"]]
+        if d.get("hidden_states_steering") is not None:
+            d["hidden_states_steering"] = [SteeringAsk.model_construct(**e) for e in d["hidden_states_steering"]]
         return cls.model_construct(**d)
 
 
@@ -229,6 +257,9 @@ def parse_fields(req: Mapping[str, Any], *, enabled: bool) -> HiddenStatesFields
     if "encoding_format" in req and "hidden_states_encoding" not in req:
         fields["encoding_format"] = req["encoding_format"]
     asks = fields.get("return_hidden_states") is True or fields.get("hidden_states_proof") is not None
+    if fields.get("hidden_states_steering") and not enabled:
+        raise HiddenStatesRequestError(DISABLED.replace("hidden states are disabled", "steering is disabled"),
+                                       "hidden_states_steering")
     if fields.get("hidden_states_heads") and not enabled:
         raise HiddenStatesRequestError(DISABLED.replace("hidden states are disabled", "heads are disabled"),
                                        "hidden_states_heads")
@@ -358,6 +389,49 @@ def check_heads(heads: Any) -> "list[HeadAsk] | None":
     names = [h.name for h in out]
     if len(set(names)) != len(names):
         raise HiddenStatesRequestError(f"hidden_states_heads names a head twice: {names}", "hidden_states_heads")
+    return out
+
+
+def check_steering(entries: Any) -> "list[SteeringAsk] | None":
+    """`hidden_states_steering` as asked: at most MAX_STEERING_ENTRIES entries, each with one source
+    (vector, name, or head + feature), finite numbers; a 400 naming the entry. What needs the model
+    (dimension, layer range, names) is checked by the engine (hidden_states/steering.py)."""
+    if entries is None:
+        return None
+    if not isinstance(entries, list) or not entries:
+        raise HiddenStatesRequestError(
+            'hidden_states_steering must be a non-empty list of entries, e.g. [{"layer": 6, "vector": <base64 '
+            f'float32>, "scale": 4.0}}], not {entries!r}', "hidden_states_steering")
+    if len(entries) > MAX_STEERING_ENTRIES:
+        raise HiddenStatesRequestError(f"hidden_states_steering has {len(entries)} entries; at most "
+                                       f"{MAX_STEERING_ENTRIES}", "hidden_states_steering")
+    out = []
+    for i, e in enumerate(entries):
+        where = f"hidden_states_steering[{i}]"
+        if isinstance(e, SteeringAsk):
+            out.append(e)
+            continue
+        if not isinstance(e, Mapping):
+            raise HiddenStatesRequestError(f"{where} must be an object, not {e!r}", "hidden_states_steering")
+        try:
+            ask = SteeringAsk.model_validate(e)
+        except ValidationError as err:
+            first = err.errors()[0]
+            loc = ".".join(str(x) for x in first.get("loc", ()))
+            raise HiddenStatesRequestError(f"{where}.{loc}: {first.get('msg')}", "hidden_states_steering") from None
+        sources = [ask.vector is not None, ask.name is not None, ask.head is not None]
+        if sum(sources) != 1 or (ask.head is None) != (ask.feature is None):
+            raise HiddenStatesRequestError(f"{where} needs exactly one of `vector`, `name`, or `head` with `feature`",
+                                           "hidden_states_steering")
+        if not np.isfinite(ask.scale):
+            raise HiddenStatesRequestError(f"{where}.scale must be finite, not {ask.scale}", "hidden_states_steering")
+        if ask.vector is not None and ask.name is None and isinstance(ask.vector, list) \
+                and not np.isfinite(np.asarray(ask.vector, np.float64)).all():
+            raise HiddenStatesRequestError(f"{where}.vector has NaN or infinite entries", "hidden_states_steering")
+        if ask.vector is not None and ask.layer is None:
+            raise HiddenStatesRequestError(f"{where} needs a `layer` (hidden_states_layers' numbering)",
+                                           "hidden_states_steering")
+        out.append(ask)
     return out
 
 
@@ -501,8 +575,8 @@ def check_model(spec: VectorFields, num_layers: int, hidden_size: int) -> tuple[
 
 
 def spec_of(return_hidden_states: bool = True, layers: Sequence[int] | None = None, position: Any = "completion_end",
-            dtype: str = "float32", topk: int | None = None, proof: Any = None, heads: Any = None, *,
-            enabled: bool) -> HiddenStatesFields:
+            dtype: str = "float32", topk: int | None = None, proof: Any = None, heads: Any = None,
+            steering: Any = None, *, enabled: bool) -> HiddenStatesFields:
     """A Python caller's keyword arguments as a spec (parse_fields: the same rules as a request's fields)."""
     if isinstance(position, BaseModel):
         position = position.model_dump()
@@ -512,7 +586,8 @@ def spec_of(return_hidden_states: bool = True, layers: Sequence[int] | None = No
                          "hidden_states_layers": None if layers is None else list(layers),
                          "hidden_states_position": position, "hidden_states_dtype": dtype,
                          "hidden_states_topk": topk, "hidden_states_proof": proof,
-                         "hidden_states_heads": None if heads is None else list(heads)}, enabled=enabled)
+                         "hidden_states_heads": None if heads is None else list(heads),
+                         "hidden_states_steering": None if steering is None else list(steering)}, enabled=enabled)
 
 
 def check_proof_width(proof: ProofRequest, hidden_size: int) -> None:

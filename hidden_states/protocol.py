@@ -32,6 +32,9 @@ SEQ_ATTR = "hidden_states_seq"  # SchedulerOutput attribute: the step's sequence
 PLAN_ATTR = "hidden_states_plan"  # SchedulerOutput attribute: the step's capture plan, {request id: PlanEntry}
 ROWS_KEY = "hidden_states_rows"  # EngineCoreOutput.kv_transfer_params key: CapturedRows
 HEADS_KEY = "hidden_states_heads"  # EngineCoreOutput.kv_transfer_params key: {head name: CapturedRows}
+# A steered request's additions to the residual stream (SamplingParams.extra_args): [SteerEntry]; the
+# workers read it off their own copy of the request (every tensor-parallel rank applies it).
+STEER_KEY = "hidden_states_steer"
 
 # dtype name -> bytes per element. bfloat16 has no numpy dtype: decoded by hand.
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -190,6 +193,30 @@ class HiddenStatesExtractionRequest(msgspec.Struct, omit_defaults=True, forbid_u
     def from_extra_args(extra_args: dict | None) -> "HiddenStatesExtractionRequest | None":
         raw = (extra_args or {}).get(EXTRA_ARGS_KEY)
         return None if raw is None else msgspec.convert(raw, HiddenStatesExtractionRequest)
+
+
+class SteerEntry(msgspec.Struct, array_like=True, frozen=True):
+    """One steering entry as the workers apply it: at the stream entering decoder layer `layer`
+    (transformers' hidden_states[layer]), on the rows of `positions` ("prompt", "completion", "all"),
+    `op` "add" (+ scale x vector) or "ablate" (the unit vector's component projected out)."""
+
+    layer: int  # absolute, 0..num_layers - 1
+    op: str
+    positions: str
+    scale: float
+    vector: bytes  # little-endian float32 [hidden size]
+
+    def array(self) -> np.ndarray:
+        return np.frombuffer(self.vector, "<f4")
+
+
+def steering_of(extra_args: Mapping | None) -> "list[SteerEntry] | None":
+    raw = (extra_args or {}).get(STEER_KEY)
+    return None if raw is None else msgspec.convert(raw, list[SteerEntry])
+
+
+def steering_extra_args(entries: Sequence[SteerEntry]) -> dict:
+    return {STEER_KEY: msgspec.to_builtins(list(entries), builtin_types=(bytes,))}
 
 
 class PlanEntry(NamedTuple):

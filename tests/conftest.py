@@ -207,3 +207,19 @@ def long_text(words: int, seed: int = 0) -> str:
     lines = (Path(hidden_states.models.__file__).parent / "data" / "corpus.txt").read_text().split()
     rng = np.random.default_rng(seed)
     return " ".join(rng.choice(lines, size=words))
+
+
+def openai_answer(engine, loop_thread, route: str, body: dict, model: str = "tiny-llama"):
+    """vLLM's OpenAI serving over an engine (a replica's frontend): (status, JSON, or the SSE events' JSON)."""
+    import json
+
+    async def run():
+        frontend = await engine.openai(model, "r0")
+        parts = [part async for part in frontend.handle(route, json.dumps(body).encode())]
+        status, first = parts[0]
+        if first:
+            return status, json.loads(first)
+        events = b"".join(parts[1:]).decode().split("\n\n")
+        return status, [json.loads(e[6:]) for e in events if e.startswith("data: {")]
+
+    return loop_thread.run(run())

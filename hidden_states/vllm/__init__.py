@@ -111,6 +111,13 @@ Ledger of patched points (supported: vLLM {SUPPORTED}):
    `messages` with media are rendered by `AsyncLLM.renderer.render_chat_async`;
    each worker counts `embed_multimodal`'s items (`encoder_items`, wrapped on the
    model instance). Remove: never; re-check when vLLM's input types change.
+15. Heads and steering (not patches; internals read): heads' specs reach the
+   workers as `collective_rpc("hidden_states_install", args=...)`; steering reads
+   each request's `SamplingParams.extra_args` off the runner's `requests[rid]`
+   (`CachedRequestState.num_prompt_tokens`), its rows from
+   `input_batch.num_computed_tokens_cpu` and `query_start_loc`, and changes the
+   stream in the decoder layers' forward pre-hooks (returning new args), on every
+   tensor-parallel rank. Remove: never; re-check when the runner's batch state changes.
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ from typing import Any
 
 import msgspec
 
+from hidden_states import steering
 from hidden_states.heads import HeadConfigError, HeadSpec, load_heads
 from hidden_states.preflight import EngineStartupError, check_architecture, check_cpu_memory, check_model_folder
 from hidden_states.params import (DEFAULT_MAX_HIDDEN_STATES_BYTES, HiddenStatesFields, HiddenStatesRequestError,
@@ -98,7 +99,8 @@ class HiddenStatesEngine(VectorObservers):
         self.eager = bool(llm.vllm_config.model_config.enforce_eager)
         # Vectors off the outputs and the extraction step (extraction.py); vLLM's AsyncLLM reaches it too.
         self.extraction = llm.extraction = Extraction(
-            llm, self.check_spec, self.check_layers, heads_of=self.heads_of, timeout_s=extraction_timeout_s, tail_enabled=tail_enabled,
+            llm, self.check_spec, self.check_layers, heads_of=self.heads_of, steering_of=self.steering_of,
+            timeout_s=extraction_timeout_s, tail_enabled=tail_enabled,
             priority=EXTRACTION_PRIORITY if llm.vllm_config.scheduler_config.policy == "priority" else 0,
             max_hidden_states_bytes=max_hidden_states_bytes)
         VectorObservers.__init__(self)
@@ -110,6 +112,7 @@ class HiddenStatesEngine(VectorObservers):
         self.served_model_name: str | None = None
         self.adapters: dict[str, Any] = {}
         self.heads: dict[str, HeadSpec] = {}  # registered heads (start(heads=...)), checked against the model
+        self.steering_vectors: dict[str, dict[int, Any]] = {}  # registered (start(steering_vectors=...)): layer -> [D]
 
     @property
     def enabled(self) -> bool:
@@ -135,6 +138,7 @@ class HiddenStatesEngine(VectorObservers):
         ray_metrics: bool = False,
         max_hidden_states_bytes: int = DEFAULT_MAX_HIDDEN_STATES_BYTES,
         heads: Sequence[dict] = (),
+        steering_vectors: Sequence[dict] = (),
         **engine_args: Any,
     ) -> "HiddenStatesEngine":
         """`heads`: [{name, path, layer?, ...}] run on the device (hidden_states/heads.py), checked
@@ -161,6 +165,11 @@ class HiddenStatesEngine(VectorObservers):
                 head_specs = load_heads(heads, int(mc.hf_text_config.num_hidden_layers), int(mc.get_hidden_size()))
             except HeadConfigError as e:
                 raise EngineStartupError(f"heads: {e}") from None
+            try:
+                vectors = steering.load_vectors(steering_vectors, int(mc.hf_text_config.num_hidden_layers),
+                                                int(mc.get_hidden_size()))
+            except HeadConfigError as e:
+                raise EngineStartupError(f"steering_vectors: {e}") from None
             if enable_return_hidden_states:
                 refuse(engine_args, vllm_config)  # and however the resolved configuration came to them
                 # From the configuration vLLM resolved (async scheduling after its own defaults):
@@ -200,6 +209,7 @@ class HiddenStatesEngine(VectorObservers):
         engine = cls(llm, enable_return_hidden_states, extraction_timeout_s, tail_enabled=tail,
                      max_hidden_states_bytes=max_hidden_states_bytes)
         engine.heads = {h.name: h for h in head_specs}
+        engine.steering_vectors = vectors
         engine.startup = {**startup, **_execution_mode(llm.vllm_config)}
         logger.info("engine execution mode: %s", _execution_mode(llm.vllm_config))
         # What the workers found at install (worker.layer_capture_support); check_layers reads it.
@@ -216,6 +226,18 @@ class HiddenStatesEngine(VectorObservers):
     def heads_of(self, spec: HiddenStatesFields) -> tuple[tuple[str, int], ...]:
         """The spec's heads against this engine's registered ones: (name, k), or a 400 naming the head."""
         return resolve_heads(spec, self.heads) if spec.heads else ()
+
+    def steering_of(self, spec: HiddenStatesFields) -> tuple[list, list, str]:
+        """The spec's steering resolved against this model (hidden_states/steering.py): (entries, echo,
+        digest), or a 400 naming the entry; steering needs the decoder-layer hooks."""
+        if not spec.hidden_states_steering:
+            return [], [], ""
+        found = self.layer_capture
+        if not (found and found["layer_capture"]):
+            why = found["layer_capture_reason"] if found else "no hooks installed"
+            raise HiddenStatesRequestError(f"steering needs the decoder-layer hooks, which this engine lacks ({why})",
+                                           "hidden_states_steering")
+        return steering.resolve(spec, self.num_layers, self.hidden_size, self.steering_vectors, self.heads)
 
     def check_layers(self, layers: Sequence[int]) -> tuple[int, ...]:
         """The layers, deduplicated, if this model has them and this engine can capture them."""
@@ -247,7 +269,7 @@ class HiddenStatesEngine(VectorObservers):
         return_hidden_states: bool = True,
         layers: Sequence[int] = (-1,), position: Any = "completion_end", model: str | None = None,
         dtype: str = "float32", topk: int | None = None, proof: Any = None, spec: HiddenStatesFields | None = None,
-        heads: Sequence[Any] | None = None,
+        heads: Sequence[Any] | None = None, steering: Sequence[dict] | None = None,
     ) -> Completion:
         """One prompt (text, token ids, or an engine input such as `chat_input`'s) to a finished Completion with a vector per choice. `sampling`:
         SamplingOptions or vLLM's SamplingParams; `model`: a LoRA adapter; `position`, `dtype`, `topk`,
@@ -270,7 +292,8 @@ class HiddenStatesEngine(VectorObservers):
         engine_prompt = prompt if isinstance(prompt, dict) else {"prompt_token_ids": list(prompt)}
         final, choices = None, []
         if spec is None:
-            spec = spec_of(return_hidden_states, layers, position, dtype, topk, proof, heads, enabled=self.enabled)
+            spec = spec_of(return_hidden_states, layers, position, dtype, topk, proof, heads, steering,
+                           enabled=self.enabled)
         proof = spec.hidden_states_proof
         with self.collecting(spec) if spec.wants else contextlib.nullcontext() as collector:
             if collector is not None:

@@ -314,14 +314,14 @@ def test_a_finish_without_its_vector_takes_the_extraction_step_at_once(engine, l
     original = engine.extraction.deliver
     dropped: list = []
 
-    def lossy(raw, index):
+    def lossy(raw, index, heads=None):
         if len(dropped) == 0:
             dropped.append(raw)  # lost
             return None
         if len(dropped) == 1:
             dropped.append(raw)
-            return original({"garbled": True}, index)
-        return original(raw, index)
+            return original({"garbled": True}, index, heads)
+        return original(raw, index, heads)
 
     engine.extraction.deliver = lossy
     before = loop_thread.run(engine.stats())

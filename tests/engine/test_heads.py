@@ -9,12 +9,11 @@ each kind of hook point, and two linear heads. Every output is judged against SA
 
 from __future__ import annotations
 
-import json
 
 import numpy as np
 import pytest
 
-from tests.conftest import TEST_ENGINE_ARGS, TEST_MODEL
+from tests.conftest import TEST_ENGINE_ARGS, TEST_MODEL, openai_answer
 from tests.heads_ref import TINY_F as F
 from tests.heads_ref import TINY_TOPK_K as TOPK_K
 from tests.heads_ref import build_test_heads, check_heads
@@ -103,16 +102,7 @@ def test_an_sae_without_topk_gives_its_own_k_and_the_extraction_step_the_same(en
 
 
 def _answer(engine, loop_thread, route: str, body: dict):
-    async def run():
-        frontend = await engine.openai("tiny-llama", "r0")
-        parts = [part async for part in frontend.handle(route, json.dumps(body).encode())]
-        status, first = parts[0]
-        if first:
-            return status, json.loads(first)
-        events = b"".join(parts[1:]).decode().split("\n\n")
-        return status, [json.loads(e[6:]) for e in events if e.startswith("data: {")]
-
-    return loop_thread.run(run())
+    return openai_answer(engine, loop_thread, route, body)
 
 
 def test_completions_chat_and_streams_over_the_openai_routes(engine, loop_thread, reference, heads):

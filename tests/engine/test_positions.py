@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from hidden_states.params import spec_of
-from tests.conftest import TEST_ENGINE_ARGS, TEST_MODEL, long_text
+from tests.conftest import TEST_ENGINE_ARGS, TEST_MODEL, long_text, openai_answer
 
 PROMPTS = [
     "Hello! How are you today?",
@@ -296,19 +296,7 @@ def test_bad_position_requests_are_refused_clearly(engine):
 
 
 def _answer(engine, loop_thread, route: str, body: dict):
-    """vLLM's OpenAI serving over this engine (the replica's frontend): (status, JSON or SSE events)."""
-    import json
-
-    async def run():
-        frontend = await engine.openai("tiny-llama", "r0")
-        parts = [part async for part in frontend.handle(route, json.dumps(body).encode())]
-        status, first = parts[0]
-        if first:
-            return status, json.loads(first)
-        events = b"".join(parts[1:]).decode().split("\n\n")
-        return status, [json.loads(e[6:]) for e in events if e.startswith("data: {")]
-
-    return loop_thread.run(run())
+    return openai_answer(engine, loop_thread, route, body)
 
 
 def test_beam_search_and_a_streamed_chat_over_the_openai_routes(engine, loop_thread, reference):

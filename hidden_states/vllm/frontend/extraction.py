@@ -24,7 +24,7 @@ from hidden_states.interface import (ExtractionStats, HiddenStatesCollector, Hid
                                   MissingHiddenStatesError, RowBatch)
 from hidden_states.params import (DEFAULT_MAX_HIDDEN_STATES_BYTES, HiddenStatesFields, HiddenStatesRequestError, Span,
                                   absolute_layer, check_room, check_rows_budget, room_for_completion)
-from hidden_states.protocol import (COLLECTOR_TAG_KEY, HEADS_KEY, ROWS_KEY, CapturedRows, HiddenStatesExtractionRequest,
+from hidden_states.protocol import (COLLECTOR_TAG_KEY, HEADS_KEY, ROWS_KEY, STEER_KEY, CapturedRows, HiddenStatesExtractionRequest,
                                     HiddenStatesProtocolError)
 
 _FAILED = ("abort", "error")
@@ -41,16 +41,19 @@ class Origin:
     priority: int = 0
     mm: Any = None  # (mm_kwargs, mm_hashes, mm_placeholders) of a multimodal prompt
     embeds: Any = None  # a prompt_embeds prompt's embeddings [P, D] (torch)
+    steering: Any = None  # the request's steering (extra_args[STEER_KEY]): the step is steered the same
 
     @staticmethod
-    def of(prompt: Any, kwargs: dict) -> "Origin":
+    def of(prompt: Any, kwargs: dict, params: Any = None) -> "Origin":
         salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+        steering = (getattr(params, "extra_args", None) or {}).get(STEER_KEY)
         mm = embeds = None
         if isinstance(prompt, dict) and prompt.get("type") == "multimodal":
             mm = (prompt["mm_kwargs"], prompt["mm_hashes"], prompt["mm_placeholders"])
         elif isinstance(prompt, dict) and prompt.get("type") == "embeds":
             embeds = prompt["prompt_embeds"]
-        return Origin(kwargs.get("lora_request"), salt, int(kwargs.get("priority") or 0), mm, embeds)
+        return Origin(kwargs.get("lora_request"), salt, int(kwargs.get("priority") or 0), mm, embeds,
+                      steering)
 
     def prompt(self, token_ids: Sequence[int], cache_salt: str | None) -> dict:
         """The engine input of an extraction step over `token_ids` (the prompt's, then the completion's):
@@ -134,11 +137,14 @@ def make_async_llm_class():
 
         async def _generate_with_vectors(self, hs, collector, prompt, sampling_params, request_id, *args, **kwargs):
             prompt_end = collector.position == "prompt_end"
-            if not prompt_end:
+            if collector.steering:  # before the Origin: the extraction step is steered and salted the same
+                prompt, sampling_params = hs._steer(collector, prompt, sampling_params)
+            if not prompt_end and collector.captures:
                 sampling_params = hs._leave_room_for_extraction(prompt, sampling_params)
             key = uuid.uuid4().hex
-            ordinal, origin = prompt_ordinal(request_id), Origin.of(prompt, kwargs)
-            prompt, sampling_params = hs._flag(collector, prompt, sampling_params, key)
+            ordinal, origin = prompt_ordinal(request_id), Origin.of(prompt, kwargs, sampling_params)
+            if collector.captures:
+                prompt, sampling_params = hs._flag(collector, prompt, sampling_params, key)
             collector.prompt_lens[ordinal] = prompt_length(prompt)
             if origin.mm is not None:
                 collector.modalities[ordinal] = origin.modalities()
@@ -175,12 +181,15 @@ class Extraction:
 
     def __init__(self, llm: Any, check_spec: Callable[..., tuple[int, ...]],
                  check_layers: Callable[..., tuple[int, ...]], *,
-                 heads_of: Callable[..., tuple[tuple[str, int], ...]] = lambda spec: (), timeout_s: float = 60.0,
+                 heads_of: Callable[..., tuple[tuple[str, int], ...]] = lambda spec: (),
+                 steering_of: Callable[..., tuple[list, list, str]] = lambda spec: ([], [], ""),
+                 timeout_s: float = 60.0,
                  tail_enabled: bool = False, priority: int = 0,
                  max_hidden_states_bytes: int = DEFAULT_MAX_HIDDEN_STATES_BYTES):
         self.llm = llm
         self.check_spec, self.check_layers = check_spec, check_layers  # the engine's checks against its model
         self.heads_of = heads_of  # a spec's heads against the engine's registered ones (params.resolve_heads)
+        self.steering_of = steering_of  # a spec's steering resolved (hidden_states/steering.py)
         self.num_layers = int(llm.vllm_config.model_config.hf_text_config.num_hidden_layers)
         self.hidden_size = int(llm.vllm_config.model_config.get_hidden_size())
         self.extraction_timeout_s = timeout_s
@@ -254,6 +263,20 @@ class Extraction:
             np.asarray(some.positions, dtype=np.int64), values, cr.dtype if cr is not None else col.dtype, indices,
             tail_positions=some.tail_positions, heads=head_values, head_indices=head_indices))
 
+    def _steer(self, collector: HiddenStatesCollector, prompt: Any, params: Any) -> tuple[Any, Any]:
+        """A steered request: its entries in its extra_args (the workers read them), and its steering's
+        digest joined to its cache salt, so no prefix-cache block computed under one steering serves
+        another (or none), while the same steering shares blocks."""
+        from hidden_states.protocol import steering_extra_args
+
+        if not isinstance(prompt, dict):
+            raise HiddenStatesRequestError("steering needs the prompt as token ids or embeddings", "prompt")
+        salt = prompt.get("cache_salt")
+        prompt = {**prompt, "cache_salt": f"{salt or ''}|steer-{collector.steering_digest}"}
+        params = params.clone()
+        params.extra_args = {**(params.extra_args or {}), **steering_extra_args(collector.steering)}
+        return prompt, params
+
     def _flag(self, collector: HiddenStatesCollector, prompt: Any, params: Any, key: str) -> tuple[Any, Any]:
         """A collector's generating request: memory bound checked, flagged with its span, a unique cache
         salt where prompt positions must be computed. Returns (prompt, params)."""
@@ -303,6 +326,10 @@ class Extraction:
             missing = sorted(set(wanted) - collector.held_positions((ordinal, index)))
             jobs.append(((ordinal, index), seq, wanted, missing))
         todo = {(tuple(seq), tuple(missing)) for _, seq, _, missing in jobs if missing}
+        if not collector.captures:  # it only steers: nothing to resolve
+            for index in finished:
+                collector.settle_rows((ordinal, index), [], None)
+            return
         layers = collector.layers if collector.rows_wanted else ()
         results = await asyncio.gather(*(self.extract_rows(seq, missing, layers, collector.dtype, collector.topk,
                                                            origin, collector.heads) for seq, missing in todo))
@@ -341,7 +368,8 @@ class Extraction:
     @contextlib.contextmanager
     def collecting(self, spec: HiddenStatesFields):
         """A collector for one request's rows (see HiddenStatesEngine.collecting)."""
-        collector = HiddenStatesCollector.of(uuid.uuid4().hex, spec, self.check_spec(spec), self.heads_of(spec))
+        collector = HiddenStatesCollector.of(uuid.uuid4().hex, spec, self.check_spec(spec), self.heads_of(spec),
+                                             self.steering_of(spec))
         self.live[collector.tag] = collector
         try:
             yield collector
@@ -392,8 +420,9 @@ class Extraction:
         key = uuid.uuid4().hex
         params = SamplingParams(
             max_tokens=1, temperature=0.0, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY,
-            extra_args=HiddenStatesExtractionRequest(key=key, span=[lo, total, 1], layers=list(layers), dtype=dtype,
-                                                     topk=topk or 0, heads=[list(h) for h in heads]).to_extra_args())
+            extra_args={**HiddenStatesExtractionRequest(key=key, span=[lo, total, 1], layers=list(layers), dtype=dtype,
+                                                        topk=topk or 0, heads=[list(h) for h in heads]).to_extra_args(),
+                        **({STEER_KEY: origin.steering} if origin.steering is not None else {})})
         cache = self.llm.vllm_config.cache_config
         salt = origin.cache_salt
         if cache.enable_prefix_caching and lo < (total - 1) // cache.block_size * cache.block_size:

@@ -351,6 +351,11 @@ def _wrap_beam_search(serving, engine) -> None:
         collector = _BEAM_COLLECTOR.get()  # read now: the generator runs in another task
         if collector is None:
             return original(prompt, request_id, params, *args, **kwargs)
+        if collector.steering:  # its per-step engine requests carry no tag: they could not be steered
+            collector.refusal = HiddenStatesRequestError(
+                "hidden_states_steering does not apply to beam search: send the request without use_beam_search",
+                "hidden_states_steering")
+            raise collector.refusal
         prompt_len = len(prompt.get("prompt_token_ids") or ())
         extraction = engine.extraction
         params = msgspec.structs.replace(params, max_tokens=extraction.beam_search_room(prompt_len, params.max_tokens))

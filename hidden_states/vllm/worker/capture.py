@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 from hidden_states.protocol import PLAN_ATTR, STEP_ATTR, PlanEntry, RowBlock, StepCapture, absolute_layer
 from hidden_states.vllm import SUPPORTED_LAYER_ARCHS
 from hidden_states.vllm.worker.layers import final_norm_in_logits, layer_capture_support
+from hidden_states.vllm.worker.steering import StepSteering
 
 logger = logging.getLogger(__name__)
 
@@ -112,6 +113,7 @@ class _RunnerHook:
         self.bytes_copied = 0
         self.encoder_items = 0  # multimodal items the model's encoder embedded (_count_encoder_items)
         self.heads: dict[str, Any] = {}  # name -> heads.DeviceHead (install_heads)
+        self.steering = StepSteering(runner)  # per-request additions to the stream, on every rank
         self.head_rows = 0  # rows the heads encoded (one matrix product per head per step)
         self.head_products = 0  # head matrix products run (per head per step with its rows)
         self.num_layers = runner.vllm_config.model_config.hf_text_config.num_hidden_layers
@@ -180,11 +182,13 @@ class _RunnerHook:
         model.embed_multimodal = embed_multimodal
 
     def before_step(self, so: Any) -> None:
+        self.steering.begin(so)
         self._given = getattr(so, PLAN_ATTR, None) or None  # set by the scheduler (scheduler.py)
         self._plan, self._layer_rows, self._slices, self._ready = None, {}, [], None
 
     def end_step(self) -> None:
         """After every execute_model call, captured or not: no plan outlives its step."""
+        self.steering.end()
         self._given, self._plan, self._layer_rows, self._slices = None, None, {}, []
 
     @property
@@ -219,22 +223,27 @@ class _RunnerHook:
 
     def _make_pre_hook(self, layer: int):
         def pre_hook(module, args, kwargs):
-            if not self._capturing:
-                return None
-            self._step_plan()
-            wanted = self._layer_rows.get(layer)
-            if wanted is None:
-                return None
-            import torch
-
             # forward(positions, hidden_states, residual, ...), positionally or by name
             hidden = args[1] if len(args) > 1 else kwargs["hidden_states"]
             residual = args[2] if len(args) > 2 else kwargs.get("residual")
-            pos = torch.tensor(wanted[0], device=hidden.device)
-            # The residual stream: vLLM carries it as hidden + residual (None before layer 0).
-            sel = hidden[pos] if residual is None else hidden[pos] + residual[pos]
-            self._slices.append((layer, wanted[1], sel))
-            return None
+            steered = self.steering.apply(layer, hidden, residual)  # every rank; then the rows read the steered stream
+            if steered is not None:
+                hidden = steered
+                if len(args) > 1:
+                    args = (*args[:1], steered, *args[2:])
+                else:
+                    kwargs = {**kwargs, "hidden_states": steered}
+            if self._capturing:
+                self._step_plan()
+                wanted = self._layer_rows.get(layer)
+                if wanted is not None:
+                    import torch
+
+                    pos = torch.tensor(wanted[0], device=hidden.device)
+                    # The residual stream: vLLM carries it as hidden + residual (None before layer 0).
+                    sel = hidden[pos] if residual is None else hidden[pos] + residual[pos]
+                    self._slices.append((layer, wanted[1], sel))
+            return None if steered is None else (args, kwargs)
 
         return pre_hook
 

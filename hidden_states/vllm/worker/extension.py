@@ -91,4 +91,5 @@ class HiddenStatesWorkerExtension(CPUWorkerSteps):
             "encoder_items": hook.encoder_items,
             "head_products": hook.head_products,
             "head_rows": hook.head_rows,
+            "steered_rows": hook.steering.steered_rows,
         }

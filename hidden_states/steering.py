@@ -1,0 +1,175 @@
+"""Steering as the frontend resolves it: a request's `hidden_states_steering` entries against the
+model, the registered vectors and the SAE heads, into the entries the workers apply
+(`protocol.SteerEntry`), what the response echoes, and the digest that joins the cache salt.
+
+Layers are numbered as `hidden_states_layers`: entry layer L adds to the stream entering decoder
+layer L, transformers' `hidden_states[L]` (0: the embeddings' output; L - 1 at most: the stream
+after the final norm is not steerable). Registered vectors (`steering_vectors`) are read at start:
+- `.gguf`: a control vector as repeng exports it and llama.cpp reads it, `direction.N` tensors, each
+  added to the output of decoder layer N (0-based), i.e. this server's layer N + 1;
+- `.safetensors`: a `vector` tensor [D] (the entry's `layer` says where), or `direction.N` tensors as
+  in the GGUF;
+- `.npy`: one vector [D] (with `layer`).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import os
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from hidden_states.heads import HeadConfigError
+from hidden_states.params import HiddenStatesRequestError, absolute_layer
+from hidden_states.protocol import SteerEntry
+
+_DIRECTION = re.compile(r"^direction\.(\d+)$")
+
+
+def _directions(tensors: Mapping[str, np.ndarray], name: str, num_layers: int) -> dict[int, np.ndarray]:
+    out = {}
+    for key, t in tensors.items():
+        m = _DIRECTION.match(key)
+        if m is None:
+            continue
+        layer = int(m.group(1)) + 1  # direction.N: the output of block N
+        if layer >= num_layers:
+            raise HeadConfigError(
+                f"steering vector {name!r}: {key} steers the last block's output before the final norm, which this "
+                f"server does not steer (layers 0..{num_layers - 1}: direction.0..direction.{num_layers - 2})")
+        out[layer] = np.asarray(t, np.float32).reshape(-1)
+    return out
+
+
+def load_vectors(entries: Sequence[Mapping[str, Any]], num_layers: int,
+                 hidden_size: int) -> dict[str, dict[int, np.ndarray]]:
+    """The `steering_vectors` arg ([{name, path, layer?}]) read and checked: name -> {layer: float32 [D]};
+    HeadConfigError names the first that does not fit."""
+    out: dict[str, dict[int, np.ndarray]] = {}
+    for i, e in enumerate(entries):
+        name, path = e.get("name"), e.get("path")
+        if not isinstance(name, str) or not path or name in out:
+            raise HeadConfigError(f"steering_vectors[{i}] needs a distinct `name` and a `path`, got {e!r}")
+        path = os.path.abspath(os.path.expanduser(str(path)))
+        if not os.path.exists(path):
+            raise HeadConfigError(f"steering vector {name!r}: {path} does not exist")
+        try:
+            if path.endswith(".gguf"):
+                import gguf
+
+                reader = gguf.GGUFReader(path)
+                layers = _directions({t.name: np.asarray(t.data) for t in reader.tensors}, name, num_layers)
+            elif path.endswith(".safetensors"):
+                from safetensors.numpy import load_file
+
+                tensors = load_file(path)
+                layers = _directions(tensors, name, num_layers)
+                if "vector" in tensors:
+                    layers = {None: tensors["vector"].astype(np.float32).reshape(-1)}
+            elif path.endswith(".npy"):
+                layers = {None: np.load(path, allow_pickle=False).astype(np.float32).reshape(-1)}
+            else:
+                raise HeadConfigError(f"steering vector {name!r}: {path} is not .gguf, .safetensors or .npy")
+        except (OSError, ValueError) as err:
+            raise HeadConfigError(f"steering vector {name!r}: cannot read {path}: {err}") from None
+        if None in layers:
+            if e.get("layer") is None:
+                raise HeadConfigError(f"steering vector {name!r}: one vector needs a `layer`")
+            layer = absolute_layer(int(e["layer"]), num_layers)
+            if not 0 <= layer < num_layers:
+                raise HeadConfigError(f"steering vector {name!r}: layer {e['layer']} out of range (0..{num_layers - 1})")
+            layers = {layer: layers[None]}
+        if not layers:
+            raise HeadConfigError(f"steering vector {name!r}: {path} holds no vector (`vector` or direction.N)")
+        for layer, v in layers.items():
+            if v.shape != (hidden_size,) or not np.isfinite(v).all():
+                raise HeadConfigError(f"steering vector {name!r}: layer {layer} has {v.shape[0]} entries (finite "
+                                      f"ones expected), the model's hidden size is {hidden_size}")
+        out[name] = layers
+    return out
+
+
+def _vector(raw: Any, where: str, hidden_size: int) -> np.ndarray:
+    if isinstance(raw, str):
+        try:
+            data = base64.b64decode(raw, validate=True)
+        except (binascii.Error, ValueError):
+            raise HiddenStatesRequestError(f"{where}.vector is not base64 (little-endian float32) or a list of "
+                                           "floats", "hidden_states_steering") from None
+        if len(data) % 4:
+            raise HiddenStatesRequestError(f"{where}.vector has {len(data)} bytes, not float32s",
+                                           "hidden_states_steering")
+        v = np.frombuffer(data, "<f4").astype(np.float32)
+    else:
+        v = np.asarray(raw, np.float32)
+    if v.shape != (hidden_size,):
+        raise HiddenStatesRequestError(f"{where}.vector has {v.size} entries; the model's hidden size is {hidden_size}",
+                                       "hidden_states_steering")
+    if not np.isfinite(v).all():
+        raise HiddenStatesRequestError(f"{where}.vector has NaN or infinite entries", "hidden_states_steering")
+    return v
+
+
+def _feature(head: Any, feature: int, where: str) -> np.ndarray:
+    """An SAE head's decoder row (W_dec[feature]), read alone from its safetensors file."""
+    from safetensors import safe_open
+
+    with safe_open(os.path.join(head.path, "sae_weights.safetensors"), framework="numpy") as f:
+        return np.asarray(f.get_slice("W_dec")[feature:feature + 1], np.float32).reshape(-1)
+
+
+def resolve(spec: Any, num_layers: int, hidden_size: int, vectors: Mapping[str, Mapping[int, np.ndarray]],
+            heads: Mapping[str, Any]) -> tuple[list[SteerEntry], list[dict], str]:
+    """(the entries the workers apply, what the response echoes, the digest for the cache salt); a 400
+    naming the entry for a wrong dimension, a layer out of range, an unknown name or feature."""
+    entries, echo = [], []
+    for i, ask in enumerate(spec.hidden_states_steering or ()):
+        where = f"hidden_states_steering[{i}]"
+        if ask.vector is not None:
+            found = {ask.layer: _vector(ask.vector, where, hidden_size)}
+            source = {}
+        elif ask.name is not None:
+            if ask.name not in vectors:
+                have = ", ".join(sorted(vectors)) or "none"
+                raise HiddenStatesRequestError(f"{where}: unknown steering vector {ask.name!r}; this server's are "
+                                               f"{have}", "hidden_states_steering")
+            found = dict(vectors[ask.name])
+            if ask.layer is not None:
+                layer = absolute_layer(ask.layer, num_layers)
+                if layer not in found:
+                    raise HiddenStatesRequestError(f"{where}: steering vector {ask.name!r} has layers "
+                                                   f"{sorted(found)}, not {ask.layer}", "hidden_states_steering")
+                found = {layer: found[layer]}
+            source = {"name": ask.name}
+        else:
+            head = heads.get(ask.head)
+            if head is None or head.kind != "sae":
+                have = ", ".join(sorted(n for n, h in heads.items() if h.kind == "sae")) or "none"
+                raise HiddenStatesRequestError(f"{where}: {ask.head!r} is no SAE head of this server's ({have})",
+                                               "hidden_states_steering")
+            if ask.feature >= head.width:
+                raise HiddenStatesRequestError(f"{where}: feature {ask.feature} is beyond the SAE {ask.head!r}'s "
+                                               f"{head.width} features", "hidden_states_steering")
+            found = {head.layer if ask.layer is None else ask.layer: _feature(head, ask.feature, where)}
+            source = {"head": ask.head, "feature": ask.feature}
+        for layer, v in sorted(found.items()):
+            absolute = absolute_layer(layer, num_layers)
+            if not 0 <= absolute < num_layers:
+                raise HiddenStatesRequestError(
+                    f"{where}: layer {layer} out of range: steering adds to the stream entering decoder layer L, "
+                    f"L from 0 (the embeddings' output) to {num_layers - 1} (the stream after the final norm, "
+                    f"{num_layers} or -1, is not steerable)", "hidden_states_steering")
+            if ask.op == "ablate" and not np.any(v):
+                raise HiddenStatesRequestError(f"{where}: ablating a zero vector", "hidden_states_steering")
+            raw = np.ascontiguousarray(v, "<f4").tobytes()
+            entries.append(SteerEntry(absolute, ask.op, ask.positions, float(ask.scale), raw))
+            echo.append({"layer": absolute, "op": ask.op, "positions": ask.positions, "scale": float(ask.scale),
+                         "digest": hashlib.sha256(raw).hexdigest()[:16], **source})
+    digest = hashlib.sha256(msgspec.msgpack.encode(entries)).hexdigest()[:16]
+    return entries, echo, digest

@@ -1,0 +1,111 @@
+"""Steering: per-request additions to the residual stream, applied in the decoder layers' pre-hooks.
+
+Each steered request carries its entries in its own sampling params (`protocol.STEER_KEY`,
+`protocol.SteerEntry`); every worker reads them off its copy of the request, so every
+tensor-parallel rank applies them. Per step and layer, one persistent buffer of the step's token
+rows x D holds each steered row's delta and zeros elsewhere, with a row mask beside it; the stream
+entering the layer becomes where(mask, stream + delta, stream) (static shapes, as a CUDA graph
+would need), so an unsteered row keeps its exact bits. `add` puts scale x vector into the buffer; `ablate` puts minus the
+stream's component along the unit vector (after the entries before it). No request state beyond
+the parsed entries of the requests in the batch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from hidden_states.protocol import SteerEntry, steering_of
+
+
+class StepSteering:
+    def __init__(self, runner: Any):
+        self.runner = runner
+        self._entries: dict[str, list[tuple[SteerEntry, Any]]] = {}  # request id -> (entry, vector on the device)
+        self._so: Any = None
+        self._plan: dict[int, list[tuple[Any, str, Any]]] | None = None  # layer -> (rows, op, vector)
+        self._buffers: dict[int, Any] = {}
+        self.steered_rows = 0  # rows that got a nonzero entry (counted per layer and step)
+
+    def begin(self, so: Any) -> None:
+        self._so, self._plan = so, None
+        for rid in getattr(so, "finished_req_ids", ()) or ():
+            self._entries.pop(rid, None)
+
+    def end(self) -> None:
+        self._so, self._plan = None, None
+
+    def _of(self, rid: str) -> list[tuple[SteerEntry, Any]]:
+        got = self._entries.get(rid)
+        if got is None:
+            import torch
+
+            state = getattr(self.runner, "requests", {}).get(rid)
+            sp = getattr(state, "sampling_params", None)
+            entries = steering_of(getattr(sp, "extra_args", None)) or []
+            got = self._entries[rid] = []
+            if entries:
+                device, dtype = getattr(self.runner, "device", "cpu"), self.runner.model_config.dtype
+                got += [(e, torch.from_numpy(e.array().copy()).to(device=device, dtype=dtype)) for e in entries]
+        return got
+
+    def _step_plan(self) -> dict[int, list[tuple[Any, str, Any]]]:
+        """Per layer, each steered request's rows in this step (by their positions) with its entries."""
+        if self._plan is not None:
+            return self._plan
+        plan: dict[int, list[tuple[Any, str, Any]]] = {}
+        so, runner = self._so, self.runner
+        batch = runner.input_batch
+        starts = runner.query_start_loc.np
+        for rid, n in so.num_scheduled_tokens.items():
+            entries = self._of(rid)
+            if not entries:
+                continue
+            i = batch.req_id_to_index[rid]
+            first = int(batch.num_computed_tokens_cpu[i])
+            prompt = runner.requests[rid].num_prompt_tokens
+            positions = np.arange(first, first + n)
+            start = int(starts[i])
+            for e, vec in entries:
+                if e.positions == "prompt":
+                    rows = np.flatnonzero(positions < prompt)
+                elif e.positions == "completion":
+                    rows = np.flatnonzero(positions >= prompt)
+                else:
+                    rows = np.arange(n)
+                if len(rows):
+                    plan.setdefault(e.layer, []).append((rows + start, e.op, vec * e.scale if e.op == "add" else vec))
+        self._plan = plan
+        return plan
+
+    def apply(self, layer: int, hidden: Any, residual: Any) -> Any:
+        """The stream entering `layer` steered: a new `hidden` (hidden + buffer), or None if no row is."""
+        if self._so is None or not self._so.num_scheduled_tokens:
+            return None
+        wanted = self._step_plan().get(layer)
+        if not wanted:
+            return None
+        import torch
+
+        n = hidden.shape[0]
+        buf = self._buffers.get(layer)
+        if buf is None or buf[0].shape[0] < n or buf[0].dtype != hidden.dtype or buf[0].device != hidden.device:
+            size = max(n, self.runner.max_num_tokens)
+            buf = self._buffers[layer] = (torch.zeros(size, hidden.shape[-1], dtype=hidden.dtype, device=hidden.device),
+                                          torch.zeros(size, 1, dtype=torch.bool, device=hidden.device))
+        delta, steered = buf[0][:n], buf[1][:n]
+        delta.zero_()
+        steered.zero_()
+        for rows, op, vec in wanted:
+            idx = torch.from_numpy(rows).to(hidden.device)
+            steered[idx] = True
+            if op == "add":
+                delta[idx] += vec
+            else:  # ablate: the stream's component along the unit vector, after the entries before it
+                stream = hidden[idx] + delta[idx] + (0 if residual is None else residual[idx])
+                unit = vec / vec.norm()
+                delta[idx] -= (stream @ unit)[:, None] * unit
+            self.steered_rows += len(rows)
+        # Unsteered rows keep their exact bits (-0.0 included): the sum is taken where a row is steered.
+        return torch.where(steered, hidden + delta, hidden)

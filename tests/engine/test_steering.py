@@ -1,0 +1,253 @@
+"""Per-request steering (hidden_states/steering.py, worker/steering.py) against transformers with the
+same change (tests/steer_ref.py): greedy tokens identical, rows and vectors within relative 1e-5 in
+float32, on the built-in tiny Llama (D = 128, 2 decoder layers: steerable layers 0 and 1).
+
+One engine (module scope) with the test heads (an SAE's decoder rows as entries) and registered
+vectors: a .npy at layer 1 and a repeng/llama.cpp control-vector GGUF (direction.0: layer 1).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+
+import numpy as np
+import pytest
+
+from tests.conftest import TEST_ENGINE_ARGS, TEST_MODEL, long_text, openai_answer
+from tests.heads_ref import build_test_heads
+from tests.steer_ref import steered_greedy, steered_states, write_gguf
+
+D = 128
+ERRORS: list = []
+
+
+def unit_vector(seed: int, norm: float = 1.0) -> np.ndarray:
+    v = np.random.default_rng(seed).normal(size=D).astype(np.float32)
+    return (v / np.linalg.norm(v) * norm).astype(np.float32)
+
+
+def b64(v: np.ndarray) -> str:
+    return base64.b64encode(np.asarray(v, "<f4").tobytes()).decode()
+
+
+@pytest.fixture(scope="module")
+def registered(tmp_path_factory):
+    root = tmp_path_factory.mktemp("steering")
+    np.save(root / "calm.npy", unit_vector(21, 3.0))
+    write_gguf(str(root / "cv.gguf"), {0: unit_vector(22, 3.0)})
+    return {"calm": (str(root / "calm.npy"), {1: unit_vector(21, 3.0)}),
+            "cv": (str(root / "cv.gguf"), {1: unit_vector(22, 3.0)})}
+
+
+@pytest.fixture(scope="module")
+def engine(loop_thread, registered):
+    from hidden_states.vllm.engine import HiddenStatesEngine
+
+    vectors = [{"name": "calm", "path": registered["calm"][0], "layer": 1}, {"name": "cv", "path": registered["cv"][0]}]
+    eng = loop_thread.run(HiddenStatesEngine.start(TEST_MODEL, heads=build_test_heads(), steering_vectors=vectors,
+                                                   **TEST_ENGINE_ARGS))
+    yield eng
+    try:
+        stats = loop_thread.run(eng.stats())
+        assert stats["pending"] == 0 and stats["missing_vectors"] == 0, stats
+    finally:
+        eng.shutdown()
+        for case, diff, scale in ERRORS:
+            print(f"  {case}: max abs error {diff:.3g}, max |reference| {scale:.3g}")
+
+
+def sp(**kw):
+    from vllm import SamplingParams
+
+    kw.setdefault("max_tokens", 10)
+    kw.setdefault("temperature", 0.0)
+    return SamplingParams(**kw)
+
+
+def as_entries(steering: list[dict], resolved: dict | None = None) -> list[tuple]:
+    """The reference's entries: (layer, op, positions, scale, vector)."""
+    out = []
+    for e in steering:
+        v = resolved[e.get("name") or e.get("head")] if resolved else np.frombuffer(base64.b64decode(e["vector"]), "<f4")
+        for layer, vec in (v.items() if isinstance(v, dict) else [(e["layer"], v)]):
+            out.append((layer, e.get("op", "add"), e.get("positions", "all"), e.get("scale", 1.0), vec))
+    return out
+
+
+def assert_rows(case: str, got: np.ndarray, want: np.ndarray) -> None:
+    diff, scale = float(np.abs(np.asarray(got, np.float32) - want).max()), float(np.abs(want).max())
+    assert diff <= 1e-5 * scale, f"{case}: max abs error {diff:.3g} (max |reference| {scale:.3g})"
+    ERRORS.append((case, diff, scale))
+
+
+CASES = {
+    "one layer, all": [{"layer": 1, "vector": b64(unit_vector(1, 4.0)), "scale": 1.5}],
+    "embeddings, prompt": [{"layer": 0, "vector": b64(unit_vector(2, 2.0)), "positions": "prompt"}],
+    "two layers, completion": [{"layer": 0, "vector": b64(unit_vector(3, 3.0)), "positions": "completion"},
+                               {"layer": -2, "vector": b64(unit_vector(4, 3.0)), "scale": -1.0}],
+    "add then ablate": [{"layer": 1, "vector": b64(unit_vector(5, 3.0))},
+                        {"layer": 1, "vector": b64(unit_vector(6)), "op": "ablate"}],
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_steered_tokens_and_rows_are_transformers_with_the_same_hook(engine, loop_thread, reference, case):
+    steering = CASES[case]
+    prompt = "The weather today is"
+    plain = loop_thread.run(engine.complete(prompt, sp(), return_hidden_states=False))
+    out = loop_thread.run(engine.complete(prompt, sp(), steering=steering, layers=[0, 1, -1], position="all"))
+    (ch,) = out.choices
+    # as the reference numbers them: absolute layers (-2 is layer 1 of 0..2)
+    P, entries = len(out.prompt_token_ids), [(layer + 3 if layer < 0 else layer, *rest)
+                                             for layer, *rest in as_entries(steering)]
+    want = steered_greedy(reference.model, list(out.prompt_token_ids), entries, 10)
+    assert list(ch.token_ids) == want, (case, ch.token_ids, want)
+    if case != "embeddings, prompt":
+        assert list(ch.token_ids) != list(plain.choices[0].token_ids), "the steering changed nothing"
+    ids = list(out.prompt_token_ids) + list(ch.token_ids)
+    states = steered_states(reference.model, ids, entries, P)
+    for layer in (0, 1, -1):
+        assert_rows(f"{case}, layer {layer}", ch.hidden_states_by_layer[layer], states[layer % 3])
+    assert ch.extraction.via == "tail"
+    assert [(s["layer"], s["op"], s["positions"]) for s in ch.steering] == [e[:3] for e in entries]
+
+
+def test_the_extraction_step_is_steered_the_same(engine, loop_thread, reference):
+    steering = CASES["one layer, all"]
+    out = loop_thread.run(engine.complete("Rain falls on", sp(stop=["zzzz"]), steering=steering))
+    (ch,) = out.choices
+    assert ch.extraction.via == "extraction"
+    ids = list(out.prompt_token_ids) + list(ch.token_ids)
+    assert list(ch.token_ids) == steered_greedy(reference.model, list(out.prompt_token_ids), as_entries(steering), 10)
+    assert_rows("extraction step", ch.hidden_states, steered_states(reference.model, ids, as_entries(steering),
+                                                                    len(out.prompt_token_ids))[2][-1])
+
+
+def test_unsteered_requests_beside_steered_ones_are_byte_for_byte_unchanged(engine, loop_thread):
+    """The same batch twice, once with two of its requests steered: the other requests' tokens,
+    logprobs and rows are identical, bit for bit; a request that only steers carries no rows."""
+    prompts = [f"Request {i} of the batch reads" for i in range(6)]
+    steer = CASES["two layers, completion"]
+
+    async def batch(steered: bool):
+        async def one(i):
+            kw = {"steering": steer} if steered and i in (1, 4) else {}
+            return await engine.complete(prompts[i], sp(logprobs=3), position="all", layers=[0, 1, -1], **kw)
+        return await asyncio.gather(*(one(i) for i in range(6)))
+
+    plain, mixed = loop_thread.run(batch(False)), loop_thread.run(batch(True))
+    for i in (0, 2, 3, 5):
+        a, b = plain[i].choices[0], mixed[i].choices[0]
+        assert a.token_ids == b.token_ids
+        for layer in (0, 1, -1):
+            np.testing.assert_array_equal(a.hidden_states_by_layer[layer], b.hidden_states_by_layer[layer])
+    assert any(plain[i].choices[0].token_ids != mixed[i].choices[0].token_ids for i in (1, 4))
+    only = loop_thread.run(engine.complete(prompts[0], sp(), return_hidden_states=False, steering=steer))
+    assert only.choices[0].hidden_states is None and only.choices[0].steering[0]["layer"] == 0
+
+
+def _answer(engine, loop_thread, route: str, body: dict):
+    return openai_answer(engine, loop_thread, route, body)
+
+
+def test_the_prefix_cache_never_serves_one_steering_to_another(engine, loop_thread, reference):
+    """The steering's digest joins the cache salt: a hit on the same steering, none across steerings
+    or against no steering; each vector its own reference."""
+    prompt = long_text(120, seed=77)
+    s1 = [{"layer": 1, "vector": b64(unit_vector(7, 3.0)), "positions": "prompt"}]
+    s2 = [{"layer": 1, "vector": b64(unit_vector(8, 3.0)), "positions": "prompt"}]
+    seen = []
+    for steering in (s1, s1, s2, None, None):
+        body = {"model": "tiny-llama", "prompt": prompt, "max_tokens": 2, "temperature": 0,
+                "return_hidden_states": True, "return_token_ids": True}
+        if steering:
+            body["hidden_states_steering"] = steering
+        status, r = _answer(engine, loop_thread, "completions", body)
+        assert status == 200, r
+        ch = r["choices"][0]
+        ids = ch["prompt_token_ids"] + ch["token_ids"]
+        want = steered_states(reference.model, ids, as_entries(steering) if steering else [],
+                              len(ch["prompt_token_ids"]))[2][-1]
+        assert_rows("prefix cache", ch["hidden_states"], want)
+        seen.append(r["usage"]["prompt_tokens_details"]["cached_tokens"])
+        if steering:
+            assert ch["hidden_states_meta"]["steering"][0]["digest"]
+    assert seen[0] == 0 and seen[1] > 0 and seen[2] == 0 and seen[3] == 0 and seen[4] > 0, seen
+
+
+def test_n2_and_a_streamed_chat_over_the_openai_routes(engine, loop_thread, reference):
+    steering = CASES["one layer, all"]
+    status, r = _answer(engine, loop_thread, "completions", {
+        "model": "tiny-llama", "prompt": "Two sampled choices", "max_tokens": 6, "n": 2, "temperature": 1.0,
+        "seed": 4, "return_token_ids": True, "return_hidden_states": True, "hidden_states_position": "completion",
+        "hidden_states_steering": steering})
+    assert status == 200, r
+    for ch in r["choices"]:
+        ids = ch["prompt_token_ids"] + ch["token_ids"]
+        states = steered_states(reference.model, ids, as_entries(steering), len(ch["prompt_token_ids"]))
+        assert_rows(f"n=2 choice {ch['index']}", ch["hidden_states"], states[2][ch["hidden_states_meta"]["positions"]])
+    status, events = _answer(engine, loop_thread, "chat", {
+        "model": "tiny-llama", "messages": [{"role": "user", "content": "Steer me."}], "max_tokens": 8,
+        "stream": True, "temperature": 0, "return_token_ids": True, "return_hidden_states": True,
+        "hidden_states_steering": steering})
+    assert status == 200
+    prompt_ids, tokens, final = None, [], None
+    for event in events:
+        prompt_ids = event.get("prompt_token_ids") or prompt_ids
+        for ch in event.get("choices") or ():
+            tokens += ch.get("token_ids") or []
+            final = ch.get("hidden_states", final)
+    assert tokens == steered_greedy(reference.model, prompt_ids, as_entries(steering), 8)[:len(tokens)]
+    ids = prompt_ids + tokens
+    assert_rows("streamed chat", final, steered_states(reference.model, ids, as_entries(steering), len(prompt_ids))[2][-1])
+
+
+def test_registered_vectors_and_sae_features_as_entries(engine, loop_thread, reference, registered):
+    """A .npy and a control-vector GGUF by name (direction.0 = this server's layer 1), and an SAE
+    head's feature (its decoder row, at the SAE's layer by default)."""
+    from safetensors.numpy import load_file
+
+    sae = {h["name"]: h for h in build_test_heads()}["sae-std"]  # blocks.0.hook_resid_post: layer 1
+    row = load_file(f"{sae['path']}/sae_weights.safetensors")["W_dec"][17] * 1.0
+    cases = {"npy": ([{"name": "calm", "scale": 1.5}], [(1, "add", "all", 1.5, registered["calm"][1][1])]),
+             "gguf": ([{"name": "cv", "positions": "completion"}], [(1, "add", "completion", 1.0, registered["cv"][1][1])]),
+             "sae feature": ([{"head": "sae-std", "feature": 17, "scale": 8.0}], [(1, "add", "all", 8.0, row)])}
+    for case, (steering, entries) in cases.items():
+        out = loop_thread.run(engine.complete("Named vectors steer", sp(), steering=steering))
+        (ch,) = out.choices
+        assert list(ch.token_ids) == steered_greedy(reference.model, list(out.prompt_token_ids), entries, 10), case
+        ids = list(out.prompt_token_ids) + list(ch.token_ids)
+        assert_rows(case, ch.hidden_states, steered_states(reference.model, ids, entries, len(out.prompt_token_ids))[2][-1])
+        assert ch.steering[0]["layer"] == 1
+
+
+@pytest.mark.parametrize("steering, words", [
+    ([{"layer": 1, "vector": [0.0] * (D - 1)}], "127 entries; the model's hidden size is 128"),
+    ([{"layer": 2, "vector": b64(unit_vector(0))}], "layer 2 out of range"),
+    ([{"layer": -1, "vector": b64(unit_vector(0))}], "layer -1 out of range"),
+    ([{"layer": 1, "vector": [float("nan")] + [0.0] * (D - 1)}], "NaN or infinite"),
+    ([{"layer": 1, "vector": b64(unit_vector(0))}] * 17, "at most 16"),
+    ([{"name": "nope"}], "unknown steering vector 'nope'; this server's are calm, cv"),
+    ([{"head": "sae-std", "feature": 1024}], "feature 1024 is beyond"),
+    ([{"head": "probe", "feature": 1}], "no SAE head"),
+    ([{"vector": b64(unit_vector(0))}], "needs a `layer`"),
+    ([{"layer": 1, "vector": b64(unit_vector(0)), "name": "calm"}], "exactly one of"),
+    ([{"layer": 1, "vector": [0.0] * D, "op": "ablate"}], "ablating a zero vector"),
+])
+def test_bad_steering_is_a_400_naming_the_entry(engine, loop_thread, steering, words):
+    from hidden_states.params import HiddenStatesRequestError
+
+    with pytest.raises(HiddenStatesRequestError) as e:
+        loop_thread.run(engine.complete("x", sp(max_tokens=2), steering=steering))
+    assert words in str(e.value) and e.value.param == "hidden_states_steering", str(e.value)
+
+
+def test_a_control_vector_for_the_last_block_stops_the_start(loop_thread, tmp_path):
+    from hidden_states.preflight import EngineStartupError
+    from hidden_states.vllm.engine import HiddenStatesEngine
+
+    path = write_gguf(str(tmp_path / "last.gguf"), {1: unit_vector(0)})
+    with pytest.raises(EngineStartupError, match="direction.1 steers the last block's output"):
+        loop_thread.run(HiddenStatesEngine.start(TEST_MODEL, steering_vectors=[{"name": "v", "path": path}],
+                                                 **TEST_ENGINE_ARGS))

@@ -1,0 +1,59 @@
+"""Steering over the real app: the openai client through a Router, a LoRA adapter (transformers +
+peft with the same hook), TP = 2, and n-gram speculative decoding (the drafter proposes, the steered
+target verifies: the tokens are the steered target's). Each against tests/steer_ref.py."""
+
+from __future__ import annotations
+
+import base64
+
+import numpy as np
+import openai
+
+from tests.conftest import Reference
+from tests.serve.conftest import decode_vector, tiny_lora_modules
+from tests.steer_ref import steered_greedy, steered_states
+
+MODEL = "tiny-llama"
+
+
+def _vector(seed: int, norm: float) -> np.ndarray:
+    v = np.random.default_rng(seed).normal(size=128).astype(np.float32)
+    return (v / np.linalg.norm(v) * norm).astype("<f4")
+
+
+STEER = [{"layer": 1, "vector": base64.b64encode(_vector(31, 4.0).tobytes()).decode(), "scale": 1.5},
+         {"layer": 0, "vector": base64.b64encode(_vector(32, 2.0).tobytes()).decode(), "positions": "completion"}]
+ENTRIES = [(1, "add", "all", 1.5, _vector(31, 4.0)), (0, "add", "completion", 1.0, _vector(32, 2.0))]
+
+
+def _check(base: str, reference, model: str = MODEL, prompts=("a b a b a b a b", "The steered replica says")) -> None:
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", timeout=120, max_retries=0)
+    for prompt in prompts:
+        r = client.completions.create(model=model, prompt=prompt, max_tokens=10, temperature=0,
+                                      extra_body={"return_token_ids": True, "return_hidden_states": True,
+                                                  "hidden_states_steering": STEER})
+        (ch,) = r.choices
+        want = steered_greedy(reference.model, ch.prompt_token_ids, ENTRIES, 10)
+        assert ch.token_ids == want, (base, prompt, ch.token_ids, want)
+        ids = ch.prompt_token_ids + ch.token_ids
+        ref = steered_states(reference.model, ids, ENTRIES, len(ch.prompt_token_ids))[2][-1]
+        got = decode_vector(ch.hidden_states)
+        assert np.abs(got - ref).max() <= 1e-5 * np.abs(ref).max(), (base, prompt)
+        assert [s["layer"] for s in ch.hidden_states_meta["steering"]] == [1, 0]
+
+
+def test_steering_through_the_router_with_the_openai_client(serve_app, reference):
+    _check(serve_app, reference)
+
+
+def test_steering_a_lora_adapter(lora_app, model_dir):
+    adapter = tiny_lora_modules()[0]
+    _check(lora_app, Reference(model_dir, adapter["path"]), model=adapter["name"])
+
+
+def test_steering_under_tensor_parallelism(tp2_app, reference):
+    _check(tp2_app, reference)
+
+
+def test_steering_under_speculative_decoding(spec_app, reference):
+    _check(spec_app, reference)

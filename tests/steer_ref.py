@@ -1,0 +1,96 @@
+"""Steering on transformers: the reference a steered completion is judged against.
+
+A forward pre-hook on decoder layer L changes its input, the stream transformers records as
+`hidden_states[L]` (the output of layer L - 1; for L = 0 the embeddings as the model scales them),
+on the rows of the chosen positions: + scale x vector (`add`) or minus the component along the unit
+vector (`ablate`), entries in order. Rows are read by hooks of our own (each layer's input after
+the steering, and the final norm's output), and greedy tokens come from recomputing the whole
+sequence each step (no KV cache: positions are plain indices).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def _rows_of(positions: str, total: int, prompt_len: int) -> np.ndarray:
+    every = np.arange(total)
+    if positions == "prompt":
+        return every[every < prompt_len]
+    if positions == "completion":
+        return every[every >= prompt_len]
+    return every
+
+
+def steered_states(model, ids, entries, prompt_len: int) -> list[np.ndarray]:
+    """hidden_states of `ids` under `entries` [(layer, op, positions, scale, vector)]: per layer
+    0..L (L: after the final norm), [T, D] float32."""
+    import torch
+
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model  # a peft model: its base's modules
+    layers, norm = inner.model.layers, inner.model.norm
+    recorded: dict[int, np.ndarray] = {}
+    hooks = []
+    total = len(ids)
+
+    def pre(layer: int):
+        def hook(module, args, kwargs):
+            hidden = args[0] if args else kwargs["hidden_states"]
+            hidden = hidden.clone()
+            for e_layer, op, positions, scale, vector in entries:
+                if e_layer != layer:
+                    continue
+                rows = torch.as_tensor(_rows_of(positions, total, prompt_len))
+                v = torch.as_tensor(np.asarray(vector, np.float32))
+                if op == "add":
+                    hidden[0, rows] += scale * v
+                else:
+                    unit = v / v.norm()
+                    hidden[0, rows] -= (hidden[0, rows] @ unit)[:, None] * unit
+            recorded[layer] = hidden[0].float().numpy().copy()
+            if args:
+                return (hidden, *args[1:]), kwargs
+            return args, {**kwargs, "hidden_states": hidden}
+        return hook
+
+    def post_norm(module, args, output):
+        recorded[len(layers)] = output[0].float().numpy().copy()
+
+    for i, layer in enumerate(layers):
+        hooks.append(layer.register_forward_pre_hook(pre(i), with_kwargs=True))
+    hooks.append(norm.register_forward_hook(post_norm))
+    try:
+        with torch.no_grad():
+            logits = model(torch.tensor([list(ids)])).logits[0, -1]
+    finally:
+        for h in hooks:
+            h.remove()
+    recorded["logits"] = logits.float().numpy()
+    return recorded
+
+
+def steered_greedy(model, prompt_ids, entries, max_tokens: int, eos: int | None = None) -> list[int]:
+    """Greedy tokens under `entries`, the whole sequence recomputed each step."""
+    ids = list(prompt_ids)
+    for _ in range(max_tokens):
+        nxt = int(np.argmax(steered_states(model, ids, entries, len(prompt_ids))["logits"]))
+        ids.append(nxt)
+        if eos is not None and nxt == eos:
+            break
+    return ids[len(prompt_ids):]
+
+
+def write_gguf(path: str, directions: dict[int, np.ndarray]) -> str:
+    """A control vector as repeng's export_gguf writes it (arch `controlvector`, direction.N tensors)."""
+    import gguf
+
+    writer = gguf.GGUFWriter(path, "controlvector")
+    writer.add_string("controlvector.model_hint", "llama")
+    writer.add_uint32("controlvector.layer_count", len(directions))
+    for layer, v in directions.items():
+        writer.add_tensor(f"direction.{layer}", np.asarray(v, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
