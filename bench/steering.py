@@ -6,7 +6,8 @@ do not, beside an A/A control and a server without the feature.
 
 Two engines (HiddenStatesEngine, float32, eager, synchronous scheduling), no Ray, side by side:
 `plain` is started with enable_return_hidden_states false (no hooks, no worker extension: the
-server without the feature); the other has it on. Requests go through each engine's OpenAI
+server without the feature) on the engine arguments the other resolves to (its block size and
+scheduling policy); the other has it on. Requests go through each engine's OpenAI
 completions route (`ignore_eos`, every completion `--max-tokens` long), on fresh prompts per arm,
 in a rotating order each round:
 - `plain`: the server without the feature, no request steers;
@@ -77,7 +78,12 @@ async def _arm(engine, frontend, prompts, steer: list | None, args):
 async def _run(args) -> dict:
     from hidden_states.vllm.engine import HiddenStatesEngine
 
-    plain = await HiddenStatesEngine.start(args.model, enable_return_hidden_states=False, **ENGINE_ARGS)
+    from hidden_states.vllm.engine_args import with_defaults
+
+    # The server without the feature, on the engine arguments the one with it resolves to (block size,
+    # scheduling policy): the arms differ by the feature alone.
+    same = with_defaults(ENGINE_ARGS, True, True)
+    plain = await HiddenStatesEngine.start(args.model, enable_return_hidden_states=False, **same)
     on = await HiddenStatesEngine.start(args.model, **ENGINE_ARGS)
     try:
         engines = {"plain": plain, "off": on, "half": on, "off2": on}
