@@ -144,19 +144,18 @@ class HiddenStatesCollector:
     engine_requests: dict[str, int] = dataclasses.field(default_factory=dict)  # capture key -> prompt ordinal
     heads: tuple[tuple[str, int], ...] = ()  # (head, k) the engine runs over the same positions (params.resolve_heads)
     rows_wanted: bool = True  # False: heads alone, no rows travel
-    steering: list = dataclasses.field(default_factory=list)  # protocol.SteerEntry: what the workers add
+    steering: list = dataclasses.field(default_factory=list)  # protocol.SteerEntry, not anchored: what the workers add
     steering_echo: list = dataclasses.field(default_factory=list)  # what hidden_states_meta.steering says
-    steering_digest: str = ""  # joins the request's cache salt (hidden_states/steering.py)
 
     @classmethod
     def of(cls, tag: str, spec: Any, layers: tuple[int, ...], heads: tuple[tuple[str, int], ...] = (),
-           steering: tuple[list, list, str] = ([], [], "")) -> "HiddenStatesCollector":
+           steering: tuple[list, list] = ([], [])) -> "HiddenStatesCollector":
         """The collector of a parsed spec (params.HiddenStatesFields) whose `layers`, `heads` and
-        `steering` (entries, echo, digest) the engine checked."""
+        `steering` (entries, echo) the engine checked."""
         _, position, dtype, topk = spec.capture()
         return cls(tag, layers, position, dtype=dtype, topk=topk, proof=spec.hidden_states_proof, spec=spec,
                    heads=heads, rows_wanted=getattr(spec, "rows_asked", True), steering=list(steering[0]),
-                   steering_echo=list(steering[1]), steering_digest=steering[2])
+                   steering_echo=list(steering[1]))
 
     @property
     def captures(self) -> bool:

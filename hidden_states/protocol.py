@@ -197,14 +197,18 @@ class HiddenStatesExtractionRequest(msgspec.Struct, omit_defaults=True, forbid_u
 
 class SteerEntry(msgspec.Struct, array_like=True, frozen=True):
     """One steering entry as the workers apply it: at the stream entering decoder layer `layer`
-    (transformers' hidden_states[layer]), on the rows of `positions` ("prompt", "completion", "all"),
-    `op` "add" (+ scale x vector) or "ablate" (the unit vector's component projected out)."""
+    (transformers' hidden_states[layer]), on the rows of absolute positions start..end-1 (end -1: to
+    the end; `positions` names them as asked, "prompt", "completion" or "all", and `steering.anchor`
+    sets them from the prompt's length), `op` "add" (+ scale x vector) or "ablate" (the unit
+    vector's component projected out)."""
 
     layer: int  # absolute, 0..num_layers - 1
     op: str
     positions: str
     scale: float
     vector: bytes  # little-endian float32 [hidden size]
+    start: int = 0
+    end: int = -1
 
     def array(self) -> np.ndarray:
         return np.frombuffer(self.vector, "<f4")

@@ -125,9 +125,9 @@ def _feature(head: Any, feature: int, where: str) -> np.ndarray:
 
 
 def resolve(spec: Any, num_layers: int, hidden_size: int, vectors: Mapping[str, Mapping[int, np.ndarray]],
-            heads: Mapping[str, Any]) -> tuple[list[SteerEntry], list[dict], str]:
-    """(the entries the workers apply, what the response echoes, the digest for the cache salt); a 400
-    naming the entry for a wrong dimension, a layer out of range, an unknown name or feature."""
+            heads: Mapping[str, Any]) -> tuple[list[SteerEntry], list[dict]]:
+    """(the entries, not anchored yet: `anchor`; what the response echoes); a 400 naming the entry for
+    a wrong dimension, a layer out of range, an unknown name or feature."""
     entries, echo = [], []
     for i, ask in enumerate(spec.hidden_states_steering or ()):
         where = f"hidden_states_steering[{i}]"
@@ -171,5 +171,14 @@ def resolve(spec: Any, num_layers: int, hidden_size: int, vectors: Mapping[str, 
             entries.append(SteerEntry(absolute, ask.op, ask.positions, float(ask.scale), raw))
             echo.append({"layer": absolute, "op": ask.op, "positions": ask.positions, "scale": float(ask.scale),
                          "digest": hashlib.sha256(raw).hexdigest()[:16], **source})
-    digest = hashlib.sha256(msgspec.msgpack.encode(entries)).hexdigest()[:16]
-    return entries, echo, digest
+    return entries, echo
+
+
+def anchor(entries: Sequence[SteerEntry], prompt_len: int) -> tuple[list[SteerEntry], str]:
+    """The entries on absolute positions of a sequence whose prompt has `prompt_len` tokens (prompt:
+    0..P-1, completion: P onward), and their digest: the cache salt's part, so a KV block computed
+    under one steering (or another anchoring of it) never serves another; the same steering and
+    prompt length share blocks."""
+    spans = {"prompt": (0, prompt_len), "completion": (prompt_len, -1), "all": (0, -1)}
+    out = [msgspec.structs.replace(e, start=spans[e.positions][0], end=spans[e.positions][1]) for e in entries]
+    return out, hashlib.sha256(msgspec.msgpack.encode(out)).hexdigest()[:16]

@@ -20,7 +20,8 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from hidden_states.params import HeadAsk, HiddenStatesRequestError, VectorFields, check_heads, refuse_unknown
+from hidden_states.params import (HeadAsk, HiddenStatesRequestError, SteeringAsk, VectorFields, check_heads,
+                                  check_steering, refuse_unknown)
 from hidden_states.proofs import ProofClaim
 
 
@@ -71,7 +72,12 @@ class HiddenStatesRequest(VectorFields):
         None, description="registered heads run over the same positions: `hidden_states_heads` {name: outputs} "
                           "beside the rows (the true outputs of the given tokens)")
 
+    hidden_states_steering: list[SteeringAsk] | None = Field(
+        None, description="the steering the choice was generated under (docs/steering.md): its rows recomputed "
+                          "under the same steering")
+
     _heads = field_validator("hidden_states_heads", mode="before")(lambda cls, v: check_heads(v))
+    _steering = field_validator("hidden_states_steering", mode="before")(lambda cls, v: check_steering(v))
 
     @property
     def heads(self) -> tuple[tuple[str, int | None], ...]:
@@ -82,8 +88,9 @@ class HiddenStatesRequest(VectorFields):
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("send exactly one of `prompt` and `messages`")
         proofs = self.compare is not None and self.compare.toploc is not None
-        if self.completion is not None and self.messages is None and not proofs:
-            raise ValueError("`completion` goes with `messages` (with `prompt`, append it to the prompt)")
+        if self.completion is not None and self.messages is None and not proofs and not self.hidden_states_steering:
+            raise ValueError("`completion` goes with `messages` (with `prompt`, append it to the prompt; with "
+                             "hidden_states_steering, `prompt` and `completion` say where the prompt ends)")
         if proofs and self.completion is None:
             raise ValueError("`compare.toploc` needs the `completion` (its token ids): the proofs' chunks start "
                              "where it does")

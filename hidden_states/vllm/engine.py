@@ -227,11 +227,11 @@ class HiddenStatesEngine(VectorObservers):
         """The spec's heads against this engine's registered ones: (name, k), or a 400 naming the head."""
         return resolve_heads(spec, self.heads) if spec.heads else ()
 
-    def steering_of(self, spec: HiddenStatesFields) -> tuple[list, list, str]:
-        """The spec's steering resolved against this model (hidden_states/steering.py): (entries, echo,
-        digest), or a 400 naming the entry; steering needs the decoder-layer hooks."""
+    def steering_of(self, spec: HiddenStatesFields) -> tuple[list, list]:
+        """The spec's steering resolved against this model (hidden_states/steering.py): (entries, echo),
+        or a 400 naming the entry; steering needs the decoder-layer hooks."""
         if not spec.hidden_states_steering:
-            return [], [], ""
+            return [], []
         found = self.layer_capture
         if not (found and found["layer_capture"]):
             why = found["layer_capture_reason"] if found else "no hooks installed"

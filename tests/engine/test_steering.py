@@ -113,15 +113,20 @@ def test_steered_tokens_and_rows_are_transformers_with_the_same_hook(engine, loo
     assert [(s["layer"], s["op"], s["positions"]) for s in ch.steering] == [e[:3] for e in entries]
 
 
-def test_the_extraction_step_is_steered_the_same(engine, loop_thread, reference):
-    steering = CASES["one layer, all"]
-    out = loop_thread.run(engine.complete("Rain falls on", sp(stop=["zzzz"]), steering=steering))
+@pytest.mark.parametrize("case", ["one layer, all", "two layers, completion"])
+def test_the_extraction_step_is_steered_the_same(engine, loop_thread, reference, case):
+    """A stop string: the final row by the extraction step, a prefill of prompt + completion, steered on
+    the same absolute positions (completion steering on the completion's, not on the whole prefill)."""
+    steering = CASES[case]
+    entries = [(layer + 3 if layer < 0 else layer, *rest) for layer, *rest in as_entries(steering)]
+    out = loop_thread.run(engine.complete("Rain falls on", sp(stop=["zzzz"]), steering=steering, layers=[1, -1]))
     (ch,) = out.choices
     assert ch.extraction.via == "extraction"
     ids = list(out.prompt_token_ids) + list(ch.token_ids)
-    assert list(ch.token_ids) == steered_greedy(reference.model, list(out.prompt_token_ids), as_entries(steering), 10)
-    assert_rows("extraction step", ch.hidden_states, steered_states(reference.model, ids, as_entries(steering),
-                                                                    len(out.prompt_token_ids))[2][-1])
+    assert list(ch.token_ids) == steered_greedy(reference.model, list(out.prompt_token_ids), entries, 10)
+    states = steered_states(reference.model, ids, entries, len(out.prompt_token_ids))
+    for layer in (1, -1):
+        assert_rows(f"extraction step, {case}, layer {layer}", ch.hidden_states_by_layer[layer], states[layer % 3][-1])
 
 
 def test_unsteered_requests_beside_steered_ones_are_byte_for_byte_unchanged(engine, loop_thread):
@@ -251,3 +256,21 @@ def test_a_control_vector_for_the_last_block_stops_the_start(loop_thread, tmp_pa
     with pytest.raises(EngineStartupError, match="direction.1 steers the last block's output"):
         loop_thread.run(HiddenStatesEngine.start(TEST_MODEL, steering_vectors=[{"name": "v", "path": path}],
                                                  **TEST_ENGINE_ARGS))
+
+
+def test_post_hidden_states_recomputes_a_steered_choice(engine, loop_thread, reference):
+    """A verifier sends the choice's prompt and completion with the same steering: the steered model's
+    vector (completion steering on the completion's positions); without it, the unsteered model's."""
+    steering = CASES["two layers, completion"]
+    out = loop_thread.run(engine.complete("A verifier recomputes", sp(max_tokens=6), steering=steering))
+    prompt, completion = list(out.prompt_token_ids), list(out.choices[0].token_ids)
+    entries = [(layer + 3 if layer < 0 else layer, *rest) for layer, *rest in as_entries(steering)]
+    want = steered_states(reference.model, prompt + completion, entries, len(prompt))[2][-1]
+    status, r = _answer(engine, loop_thread, "hidden_states", {
+        "model": "tiny-llama", "prompt": prompt, "completion": completion, "hidden_states_steering": steering})
+    assert status == 200, r
+    assert [s["layer"] for s in r["hidden_states_meta"]["steering"]] == [0, 1]
+    assert_rows("POST /v1/hidden_states", r["hidden_states"], want)
+    np.testing.assert_allclose(r["hidden_states"], out.choices[0].hidden_states, rtol=0, atol=1e-5)
+    status, plain = _answer(engine, loop_thread, "hidden_states", {"model": "tiny-llama", "prompt": prompt + completion})
+    assert status == 200 and np.abs(np.asarray(plain["hidden_states"]) - want).max() > 1e-3  # unsteered: another

@@ -12,7 +12,7 @@ import pytest
 from hidden_states.heads import HeadConfigError
 from hidden_states.params import HiddenStatesRequestError, parse_fields
 from hidden_states.protocol import SteerEntry, steering_extra_args
-from hidden_states.steering import load_vectors, resolve
+from hidden_states.steering import anchor, load_vectors, resolve
 from tests.steer_ref import write_gguf
 
 D, L = 8, 4
@@ -26,15 +26,20 @@ def b64(v) -> str:
     return base64.b64encode(np.asarray(v, "<f4").tobytes()).decode()
 
 
-def test_entries_resolve_with_their_echo_and_a_digest_that_tells_steerings_apart():
+def test_entries_resolve_with_their_echo_and_anchor_with_a_digest_that_tells_steerings_apart():
     v = np.arange(D, dtype=np.float32)
-    entries, echo, digest = resolve(spec({"layer": -2, "vector": b64(v), "scale": 2.0, "positions": "prompt"}),
-                                    L, D, {}, {})
+    entries, echo = resolve(spec({"layer": -2, "vector": b64(v), "scale": 2.0, "positions": "prompt"}), L, D, {}, {})
     assert entries == [SteerEntry(3, "add", "prompt", 2.0, v.astype("<f4").tobytes())]
     assert echo[0]["layer"] == 3 and len(echo[0]["digest"]) == 16
-    again = resolve(spec({"layer": 3, "vector": v.tolist(), "scale": 2.0, "positions": "prompt"}), L, D, {}, {})[2]
-    other = resolve(spec({"layer": 3, "vector": v.tolist(), "scale": 2.5, "positions": "prompt"}), L, D, {}, {})[2]
-    assert again == digest != other  # base64 or floats: the same steering, the same salt
+    anchored, digest = anchor(entries, 7)
+    assert (anchored[0].start, anchored[0].end) == (0, 7)  # the prompt's positions, absolute
+    again = anchor(resolve(spec({"layer": 3, "vector": v.tolist(), "scale": 2.0, "positions": "prompt"}),
+                           L, D, {}, {})[0], 7)[1]
+    other = anchor(resolve(spec({"layer": 3, "vector": v.tolist(), "scale": 2.5, "positions": "prompt"}),
+                           L, D, {}, {})[0], 7)[1]
+    assert again == digest != other != anchor(entries, 8)[1]  # base64 or floats: the same; a scale or P: another
+    completion = resolve(spec({"layer": 0, "vector": v.tolist(), "positions": "completion"}), L, D, {}, {})[0]
+    assert [(e.start, e.end) for e in anchor(completion, 5)[0]] == [(5, -1)]
 
 
 @pytest.mark.parametrize("entry, words", [
@@ -81,7 +86,7 @@ def test_registered_formats_and_the_control_vector_layer_mapping(tmp_path):
                             {"name": "c", "path": str(tmp_path / "c.gguf")}], L, D)
     assert sorted(vectors["a"]) == [2] and sorted(vectors["d"]) == [1, 3] and sorted(vectors["c"]) == [2]
     np.testing.assert_array_equal(vectors["c"][2], b)
-    entries, echo, _ = resolve(spec({"name": "d", "scale": 0.5}), L, D, vectors, {})
+    entries, echo = resolve(spec({"name": "d", "scale": 0.5}), L, D, vectors, {})
     assert [(e.layer, e.scale) for e in entries] == [(1, 0.5), (3, 0.5)] and echo[0]["name"] == "d"
     assert [e.layer for e in resolve(spec({"name": "d", "layer": 3}), L, D, vectors, {})[0]] == [3]
     write_gguf(str(tmp_path / "last.gguf"), {L - 1: a})
@@ -116,7 +121,8 @@ def test_each_row_gets_its_own_request_s_steering_and_unsteered_rows_are_unchang
     from hidden_states.vllm.worker.steering import StepSteering
 
     v, u = np.arange(1, D + 1, dtype=np.float32), np.eye(D, dtype=np.float32)[0]
-    steer = {"s": [SteerEntry(1, "add", "completion", 2.0, v.tobytes()), SteerEntry(1, "ablate", "all", 1.0, u.tobytes())]}
+    steer = {"s": [SteerEntry(1, "add", "completion", 2.0, v.tobytes(), 4, -1),  # anchored: its prompt has 4 tokens
+                   SteerEntry(1, "ablate", "all", 1.0, u.tobytes(), 0, -1)]}
     runner = _Runner(steer, {"u": 3, "s": 4}, {"u": 0, "s": 3})  # u: a 3-token prefill; s: positions 3, 4 (prompt 4)
     runner.query_start_loc.np = np.array([0, 3, 5])
     st = StepSteering(runner)

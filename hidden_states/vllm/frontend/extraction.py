@@ -182,7 +182,7 @@ class Extraction:
     def __init__(self, llm: Any, check_spec: Callable[..., tuple[int, ...]],
                  check_layers: Callable[..., tuple[int, ...]], *,
                  heads_of: Callable[..., tuple[tuple[str, int], ...]] = lambda spec: (),
-                 steering_of: Callable[..., tuple[list, list, str]] = lambda spec: ([], [], ""),
+                 steering_of: Callable[..., tuple[list, list]] = lambda spec: ([], []),
                  timeout_s: float = 60.0,
                  tail_enabled: bool = False, priority: int = 0,
                  max_hidden_states_bytes: int = DEFAULT_MAX_HIDDEN_STATES_BYTES):
@@ -268,13 +268,15 @@ class Extraction:
         digest joined to its cache salt, so no prefix-cache block computed under one steering serves
         another (or none), while the same steering shares blocks."""
         from hidden_states.protocol import steering_extra_args
+        from hidden_states.steering import anchor
 
-        if not isinstance(prompt, dict):
+        P = prompt_length(prompt)
+        if P is None:
             raise HiddenStatesRequestError("steering needs the prompt as token ids or embeddings", "prompt")
-        salt = prompt.get("cache_salt")
-        prompt = {**prompt, "cache_salt": f"{salt or ''}|steer-{collector.steering_digest}"}
+        entries, digest = anchor(collector.steering, P)  # absolute positions: the extraction step sees the same
+        prompt = {**prompt, "cache_salt": f"{prompt.get('cache_salt') or ''}|steer-{digest}"}
         params = params.clone()
-        params.extra_args = {**(params.extra_args or {}), **steering_extra_args(collector.steering)}
+        params.extra_args = {**(params.extra_args or {}), **steering_extra_args(entries)}
         return prompt, params
 
     def _flag(self, collector: HiddenStatesCollector, prompt: Any, params: Any, key: str) -> tuple[Any, Any]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import dataclasses
 import json
 import logging
 import uuid
@@ -25,7 +26,7 @@ from http import HTTPStatus
 from pydantic import ValidationError
 
 from hidden_states.interface import HiddenStatesCollector, HiddenStatesTimeout, MissingHiddenStatesError
-from hidden_states import errors, proofs, verify
+from hidden_states import errors, proofs, steering, verify
 from hidden_states.heads import head_fields
 from hidden_states.openai_format import (ChoiceVectors, Route, error_body, row_fields,
                                          validation_message)
@@ -33,7 +34,7 @@ from hidden_states.vllm.frontend.extraction import Origin
 from hidden_states.params import (SINGLE_POSITIONS, HiddenStatesDisabledError, HiddenStatesFields,
                                   HiddenStatesRequestError, Span, UnknownModelError, check_proof_width, check_room,
                                   check_rows_budget, given_span, parse_fields, request_error, resolve_heads)
-from hidden_states.protocol import COLLECTOR_TAG_KEY, RESERVED_EXTRA_ARGS_PREFIX
+from hidden_states.protocol import COLLECTOR_TAG_KEY, RESERVED_EXTRA_ARGS_PREFIX, STEER_KEY, steering_extra_args
 
 logger = logging.getLogger(__name__)
 
@@ -250,6 +251,11 @@ class OpenAIFrontend:
             claim = None if req.compare is None else verify.claims(req.compare, len(positions), eng.hidden_size)
             # Only the tokens up to the last position asked for: the rows before it are the same.
             seq, origin = ids[:positions[-1] + 1], Origin(lora_request=lora, mm=mm)
+            entries, echo = eng.steering_of(req)
+            if entries:  # recomputed under the choice's steering (its prompt: up to `completion`), salted alike
+                entries, digest = steering.anchor(entries, len(ids) if completion_start is None else completion_start)
+                origin = dataclasses.replace(origin, cache_salt=f"|steer-{digest}",
+                                             steering=steering_extra_args(entries)[STEER_KEY])
             heads = resolve_heads(req, eng.heads) if req.heads else ()
             batch, stats = await eng.extraction.extract_rows(seq, positions, layers, dtype, topk, origin, heads)
             out = row_fields(batch, layers, encoding, by_layer, multi, position, dtype, topk, topk or eng.hidden_size)
@@ -263,6 +269,8 @@ class OpenAIFrontend:
             return errors.error_response(e)
         out["hidden_states_meta"].update(
             **stats.meta(), adapter=lora.lora_name if lora is not None else None, replica=self.replica_id)
+        if echo:
+            out["hidden_states_meta"]["steering"] = echo
         if mm is not None:
             out["hidden_states_meta"]["modalities"] = origin.modalities()
         model = lora.lora_name if lora is not None else self.state.openai_serving_models.base_model_paths[0].name

@@ -64,16 +64,10 @@ class StepSteering:
                 continue
             i = batch.req_id_to_index[rid]
             first = int(batch.num_computed_tokens_cpu[i])
-            prompt = runner.requests[rid].num_prompt_tokens
             positions = np.arange(first, first + n)
             start = int(starts[i])
-            for e, vec in entries:
-                if e.positions == "prompt":
-                    rows = np.flatnonzero(positions < prompt)
-                elif e.positions == "completion":
-                    rows = np.flatnonzero(positions >= prompt)
-                else:
-                    rows = np.arange(n)
+            for e, vec in entries:  # absolute positions e.start..e.end-1 (steering.anchor)
+                rows = np.flatnonzero((positions >= e.start) & ((positions < e.end) if e.end >= 0 else True))
                 if len(rows):
                     plan.setdefault(e.layer, []).append((rows + start, e.op, vec * e.scale if e.op == "add" else vec))
         self._plan = plan
