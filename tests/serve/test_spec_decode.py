@@ -81,7 +81,7 @@ def _one(client, i: int, prompt: str, hs: bool, stream: bool):
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 def test_vectors_exact_under_ngram_speculative_decoding(spec_app, spec_client, reference, stream):
-    before = _spec_counts()
+    before = _settled_counts()  # tests before this one on the app may still be exporting theirs
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
         flagged = list(pool.map(lambda a: _one(spec_client, *a, True, stream), enumerate(PROMPTS)))
         plain = list(pool.map(lambda a: _one(spec_client, *a, False, stream), enumerate(PROMPTS)))
@@ -106,6 +106,7 @@ def test_vectors_exact_under_ngram_speculative_decoding(spec_app, spec_client, r
     while time.monotonic() < deadline and not after[1] > before[1]:
         time.sleep(3)
         after = _spec_counts()
+    after = _settled_counts()  # both counters from one export, not one each side of it
     drafted, accepted = after[0] - before[0], after[1] - before[1]
     assert accepted > 0 and drafted >= accepted, (drafted, accepted)
     print(f"\nn-gram through Serve ({'stream' if stream else 'whole'}): {accepted:.0f} of {drafted:.0f} "
@@ -117,3 +118,16 @@ def _spec_counts() -> tuple[float, float]:
     sums = scrape()
     return (family(sums, "ray_vllm_spec_decode_num_draft_tokens"),
             family(sums, "ray_vllm_spec_decode_num_accepted_tokens"))
+
+
+def _settled_counts(timeout_s: float = 60.0) -> tuple[float, float]:
+    """_spec_counts once two scrapes a few seconds apart agree: Ray exports the two counters on its own
+    schedule, so a scrape between their exports pairs a new count with an old one."""
+    last, deadline = _spec_counts(), time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        time.sleep(4)
+        now = _spec_counts()
+        if now == last:
+            return now
+        last = now
+    return last
