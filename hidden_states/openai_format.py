@@ -117,7 +117,6 @@ class ChoiceVectors:
             if not finishing:
                 return None
             meta = {"steering": col.steering_echo, "adapter": self.adapter, "replica": self.replica_id}
-            self.engine.vector_sent("steering", None, 0)
             return {"hidden_states_meta": meta}
         if col.rows_wanted:
             out = row_fields(batch, col.layers, self.encoding, self.by_layer, col.multi, col.position, col.dtype,
