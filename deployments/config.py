@@ -139,6 +139,11 @@ class AppArgs(BaseModel):
     steering_vectors: list[SteeringVectorEntry] = Field(
         default_factory=list, description="steering vectors a request names in hidden_states_steering "
                                           "(docs/steering.md): [{name, path, layer}]")
+    capture_layers: list[int] | None = Field(
+        None, description="the intermediate layers (hidden_states_layers numbering) a compiled engine "
+                          "(enforce_eager: false) captures and steers at, traced into its forward at start; heads' "
+                          "and registered steering vectors' layers are added; a request outside them is a 400 naming "
+                          "them (docs/configuration.md). Unset on an eager engine: every layer, by pre-hooks")
     max_n: int = Field(16, ge=1, description="the largest `n` a request may ask for")
     ingress: Literal["router", "replica"] = Field(
         "router", description="who takes HTTP: a Router deployment in front of the replicas (retries a request "

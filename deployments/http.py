@@ -291,7 +291,8 @@ def models_list(args: AppArgs, request: Request, engine_card: dict | None = None
     engine_card = engine_card or {}
     card = {"object": "model", "created": 0, "owned_by": "hidden-states-serve",
             "max_model_len": engine_card.get("max_model_len"), "heads": engine_card.get("heads", []),
-            "steering_vectors": engine_card.get("steering_vectors", [])}
+            "steering_vectors": engine_card.get("steering_vectors", []),
+            "capture_layers": engine_card.get("capture_layers")}
     return JSONResponse({"object": "list", "data": [
         {"id": args.model_name, **card, "parent": None},
         *({"id": m.name, **card, "root": m.path, "parent": args.model_name} for m in args.lora_modules),

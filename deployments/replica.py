@@ -56,6 +56,7 @@ class EngineReplica(http.ingress_routes(app, "replica")):
             warm_up_s=self.args.warm_up_s,
             malloc_trim_interval_s=self.args.malloc_trim_interval_s,
             ray_metrics=self.args.engine_metrics,
+            **({"capture_layers": self.args.capture_layers} if self.args.capture_layers is not None else {}),
             **self.args.engine_args(),
         )
         self.engine.observers.append(metrics.vector)
@@ -116,7 +117,8 @@ class EngineReplica(http.ingress_routes(app, "replica")):
         return {"max_model_len": self.engine.max_model_len,
                 "heads": [h.public() for h in getattr(self.engine, "heads", {}).values()],
                 "steering_vectors": [{"name": name, "layers": sorted(layers)}
-                                     for name, layers in getattr(self.engine, "steering_vectors", {}).items()]}
+                                     for name, layers in getattr(self.engine, "steering_vectors", {}).items()],
+                "capture_layers": (getattr(self.engine, "layer_capture", None) or {}).get("capture_layers")}
 
     async def model_card(self) -> bytes:
         """What /v1/models reports of the engine, for the Router: JSON bytes."""

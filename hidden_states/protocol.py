@@ -35,6 +35,23 @@ HEADS_KEY = "hidden_states_heads"  # EngineCoreOutput.kv_transfer_params key: {h
 # A steered request's additions to the residual stream (SamplingParams.extra_args): [SteerEntry]; the
 # workers read it off their own copy of the request (every tensor-parallel rank applies it).
 STEER_KEY = "hidden_states_steer"
+# The engine's static layer set, frontend to workers at start: VllmConfig.additional_config[CONFIG_KEY]
+# = {"capture_layers": [decoder-layer indices]} (vLLM hashes additional_config into its compile-cache key).
+CONFIG_KEY = "hidden_states"
+
+
+def capture_layers_of(vllm_config: Any) -> list[int]:
+    """The engine's static layer set (decoder-layer indices 0..L-1), as the engine put it in the config."""
+    extra = getattr(vllm_config, "additional_config", None)
+    if not isinstance(extra, dict):
+        return []
+    return [int(l) for l in (extra.get(CONFIG_KEY) or {}).get("capture_layers") or ()]
+
+
+def with_capture_layers(vllm_config: Any, layers: Sequence[int]) -> None:
+    """Puts the static layer set where every worker reads it (and vLLM's compile-cache hash sees it)."""
+    extra = vllm_config.additional_config if isinstance(vllm_config.additional_config, dict) else {}
+    vllm_config.additional_config = {**extra, CONFIG_KEY: {"capture_layers": sorted(set(layers))}}
 
 # dtype name -> bytes per element. bfloat16 has no numpy dtype: decoded by hand.
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}

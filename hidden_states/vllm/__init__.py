@@ -118,6 +118,22 @@ Ledger of patched points (supported: vLLM {SUPPORTED}):
    `input_batch.num_computed_tokens_cpu` and `query_start_loc`, and changes the
    stream in the decoder layers' forward pre-hooks (returning new args), on every
    tensor-parallel rank. Remove: never; re-check when the runner's batch state changes.
+16. The static layer set (`capture_layers`, worker/traced.py): compiled engines,
+   and eager ones started with it. The set travels in
+   `VllmConfig.additional_config["hidden_states"]` (hashed into vLLM's
+   compile-cache key). `gpu_worker.Worker.load_model` (CPU and XPU workers
+   inherit it) is wrapped at class level when the worker extension is imported,
+   before the model loads; after it loads, each decoder layer in the set gets an
+   instance `forward` entering through steering and capture on buffers registered
+   on the layer (`register_buffer(persistent=False)`, [max tokens, D], allocated
+   once), traced by torch.compile with the model and replayed by CUDA graphs.
+   `GPUModelRunner._model_forward` is wrapped on the runner instance to write a
+   step's steering into those buffers before the forward and clear them after
+   (dummy runs call the model directly and see them cleared). Relies on
+   `runner.max_num_tokens` bounding a forward's tokens (and the largest CUDA-graph
+   size). Counts: `vllm.compilation.counter.compilation_counter` and dynamo's
+   `counters`. Remove when vLLM returns chosen layers from the compiled forward
+   (RFC #48743).
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ from typing import Any
 import msgspec
 
 from hidden_states import steering
+from hidden_states.protocol import with_capture_layers
 from hidden_states.heads import HeadConfigError, HeadSpec, load_heads
 from hidden_states.preflight import EngineStartupError, check_architecture, check_cpu_memory, check_model_folder
 from hidden_states.params import (DEFAULT_MAX_HIDDEN_STATES_BYTES, HiddenStatesFields, HiddenStatesRequestError,
@@ -71,6 +72,26 @@ def _execution_mode(cfg: Any) -> dict[str, Any]:
         "compilation_mode": str(getattr(comp, "mode", getattr(comp, "level", None))),
         "v2_model_runner": os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "0") == "1",
     }
+
+
+def _static_layers(capture_layers: Sequence[int] | None, heads: Sequence[HeadSpec], vectors: dict, num_layers: int,
+                   compiled: bool) -> list[int] | None:
+    """The decoder layers the engine's forward captures and steers at, fixed at start (traced.py):
+    `capture_layers` (in `hidden_states_layers` numbering; the last layer, L or -1, is always served)
+    with the intermediate heads' and the registered steering vectors' layers added; None on an eager
+    engine started without `capture_layers` (there the pre-hooks serve every layer)."""
+    if capture_layers is None and not compiled:
+        return None
+    layers = set()
+    for l in capture_layers or ():
+        absolute = absolute_layer(int(l), num_layers)
+        if not 0 <= absolute <= num_layers:
+            raise EngineStartupError(f"capture_layers: layer {l} out of range (0..{num_layers}, or -1..-{num_layers + 1})")
+        if absolute != num_layers:
+            layers.add(absolute)
+    layers |= {h.layer for h in heads if h.layer != num_layers}
+    layers |= {l for by_layer in vectors.values() for l in by_layer}
+    return sorted(layers)
 
 
 def _check_head_layers(specs: Sequence[HeadSpec], installed: list[dict], num_layers: int) -> None:
@@ -139,10 +160,13 @@ class HiddenStatesEngine(VectorObservers):
         max_hidden_states_bytes: int = DEFAULT_MAX_HIDDEN_STATES_BYTES,
         heads: Sequence[dict] = (),
         steering_vectors: Sequence[dict] = (),
+        capture_layers: Sequence[int] | None = None,
         **engine_args: Any,
     ) -> "HiddenStatesEngine":
         """`heads`: [{name, path, layer?, ...}] run on the device (hidden_states/heads.py), checked
-        against the model before the engine starts."""
+        against the model before the engine starts. `capture_layers`: the intermediate layers a
+        compiled engine serves and steers at, traced into its forward (worker/traced.py); on an eager
+        engine, None serves every layer through pre-hooks."""
         check_vllm_version()
         if heads and not enable_return_hidden_states:
             raise EngineStartupError("heads need enable_return_hidden_states: true (a request reads them as it "
@@ -170,7 +194,12 @@ class HiddenStatesEngine(VectorObservers):
                                                 int(mc.get_hidden_size()))
             except HeadConfigError as e:
                 raise EngineStartupError(f"steering_vectors: {e}") from None
+            static = None
             if enable_return_hidden_states:
+                static = _static_layers(capture_layers, head_specs, vectors, int(mc.hf_text_config.num_hidden_layers),
+                                        compiled=not mc.enforce_eager)
+                if static:  # read by every worker at load, before the forward compiles (ledger point 16)
+                    with_capture_layers(vllm_config, static)
                 refuse(engine_args, vllm_config)  # and however the resolved configuration came to them
                 # From the configuration vLLM resolved (async scheduling after its own defaults):
                 # the tail step needs a synchronous scheduler (ledger point 9).
@@ -200,6 +229,11 @@ class HiddenStatesEngine(VectorObservers):
             if enable_return_hidden_states:
                 installed = await llm.collective_rpc("hidden_states_install", timeout=install_timeout_s,
                                                      args=([msgspec.to_builtins(h) for h in head_specs],))
+                if static and not all(w["layer_capture"] for w in installed):
+                    families = ", ".join(a.removesuffix("ForCausalLM") for a in SUPPORTED_LAYER_ARCHS)
+                    raise EngineStartupError(
+                        f"capture_layers: {installed[0]['architecture']} has no traced layer capture "
+                        f"({installed[0]['layer_capture_reason']}); it works on the {families} families")
                 _check_head_layers(head_specs, installed, int(vllm_config.model_config.hf_text_config.num_hidden_layers))
                 logger.info("hidden-states hook installed on %d worker(s); intermediate layers: %s", len(installed),
                             installed[0]["layer_capture_reason"] or "yes")
@@ -237,7 +271,24 @@ class HiddenStatesEngine(VectorObservers):
             why = found["layer_capture_reason"] if found else "no hooks installed"
             raise HiddenStatesRequestError(f"steering needs the decoder-layer hooks, which this engine lacks ({why})",
                                            "hidden_states_steering")
-        return steering.resolve(spec, self.num_layers, self.hidden_size, self.steering_vectors, self.heads)
+        entries, echo = steering.resolve(spec, self.num_layers, self.hidden_size, self.steering_vectors, self.heads)
+        static = found.get("capture_layers")
+        if static is not None:  # the traced entries (worker/traced.py): the static set, one ablation per row
+            for i, e in enumerate(entries):
+                if e.layer not in static:
+                    raise HiddenStatesRequestError(
+                        f"hidden_states_steering: layer {e.layer} is outside this engine's capture_layers {static}: "
+                        "a compiled engine steers at the layers it was started with", "hidden_states_steering")
+            ablations: dict[int, list[str]] = {}
+            for e in entries:
+                if e.op == "ablate":
+                    seen = ablations.setdefault(e.layer, [])
+                    if any("all" in (p, e.positions) or p == e.positions for p in seen):
+                        raise HiddenStatesRequestError(
+                            f"hidden_states_steering: two ablations of the same positions at layer {e.layer}: a "
+                            "compiled engine ablates one direction per position and layer", "hidden_states_steering")
+                    seen.append(e.positions)
+        return entries, echo
 
     def check_layers(self, layers: Sequence[int]) -> tuple[int, ...]:
         """The layers, deduplicated, if this model has them and this engine can capture them."""
@@ -253,9 +304,19 @@ class HiddenStatesEngine(VectorObservers):
                     "intermediate hidden_states_layers need decoder layers that carry the residual stream as "
                     f"forward(positions, hidden_states, residual), as the {families} families do; "
                     f"not {self.architecture}{why}; ask for the last layer (-1) only", "hidden_states_layers")
+            static = found.get("capture_layers") if found else None
+            if static is not None:
+                outside = [l for l in layers if absolute_layer(l, L) not in (*static, L)]
+                if outside:
+                    raise HiddenStatesRequestError(
+                        f"hidden_states_layers {outside} are outside this engine's capture_layers {static} (and "
+                        f"the last layer, {L} or -1): a compiled engine captures the layers it was started with",
+                        "hidden_states_layers")
+                return layers
             if not self.eager:
                 raise HiddenStatesRequestError(
-                    "intermediate hidden_states_layers need an eager engine: start it with enforce_eager=True",
+                    "intermediate hidden_states_layers on a compiled engine need capture_layers at start (the "
+                    "layers its compiled forward captures), or an eager engine (enforce_eager=True)",
                     "hidden_states_layers")
             if found and not found["layer_capture"]:
                 raise HiddenStatesRequestError(

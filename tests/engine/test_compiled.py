@@ -1,47 +1,117 @@
-"""vLLM's default execution, `enforce_eager: false` (torch.compile; CUDA graphs on GPUs):
-last-layer vectors stay exact, since the hook reads the rows the LM head consumes
-after the compiled forward pass; intermediate layers keep their clear refusal
-(forward pre-hooks are not in a compiled graph, so none are registered)."""
+"""vLLM's default execution, `enforce_eager: false` (torch.compile with inductor on the CPU; CUDA
+graphs on GPUs), with the static layer set traced into the compiled forward (worker/traced.py):
+every layer, head and steering case of the eager engine's modules, run again here on one compiled
+engine against transformers (the same test functions, this module's `engine`), and no request
+compiling anything after the start.
+
+The engine: `capture_layers: [0, 1]` (both decoder layers of the built-in tiny Llama), the test
+heads, the steering module's registered vectors.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import base64
+
+import numpy as np
 import pytest
 
 from tests.conftest import TEST_ENGINE_ARGS, TEST_MODEL
-from tests.engine.test_engine import PROMPTS, sp
+from tests.heads_ref import build_test_heads
+from tests.engine.test_engine import test_tail_step_changes_nothing_in_the_output  # noqa: F401
+from tests.engine.test_heads import (  # noqa: F401
+    test_an_sae_without_topk_gives_its_own_k_and_the_extraction_step_the_same,
+    test_completions_chat_and_streams_over_the_openai_routes, test_every_head_at_the_final_token_alone_no_rows,
+    test_heads_and_rows_across_the_completion_n2)
+from tests.engine.test_positions import BOUND
+from tests.engine.test_positions import (  # noqa: F401
+    test_a_stop_string_takes_the_final_row_from_the_extraction_step,
+    test_all_layers_of_a_long_prompt_in_chunks_and_with_its_prefix_cached,
+    test_beam_search_and_a_streamed_chat_over_the_openai_routes, test_every_position_against_transformers,
+    test_n2_each_choice_its_own_rows, test_rows_arrive_across_outputs_and_concatenate_to_the_whole)
+from tests.engine.test_steering import registered, unit_vector  # noqa: F401
+from tests.engine.test_steering import (  # noqa: F401
+    test_n2_and_a_streamed_chat_over_the_openai_routes, test_post_hidden_states_recomputes_a_steered_choice,
+    test_registered_vectors_and_sae_features_as_entries, test_steered_tokens_and_rows_are_transformers_with_the_same_hook,
+    test_the_extraction_step_is_steered_the_same, test_unsteered_requests_beside_steered_ones_are_byte_for_byte_unchanged)
+
+COMPILED_ARGS = {**TEST_ENGINE_ARGS, "enforce_eager": False}
 
 
 @pytest.fixture(scope="module")
-def compiled_engine(loop_thread):
+def heads():
+    return build_test_heads()
+
+
+@pytest.fixture(scope="module")
+def engine(loop_thread, heads, registered):  # noqa: F811
     from hidden_states.vllm.engine import HiddenStatesEngine
 
-    args = {**TEST_ENGINE_ARGS, "enforce_eager": False}
-    # warm_up_s=0: a warm-up per batch size would compile for each; not what this tests.
-    eng = loop_thread.run(HiddenStatesEngine.start(TEST_MODEL, warm_up_s=0, **args), timeout=900)
+    vectors = [{"name": "calm", "path": registered["calm"][0], "layer": 1}, {"name": "cv", "path": registered["cv"][0]}]
+    # warm_up_s=0: the compile at the first forward is what this tests, not oneDNN's per-size kernels.
+    eng = loop_thread.run(HiddenStatesEngine.start(
+        TEST_MODEL, warm_up_s=0, capture_layers=[0, 1], heads=heads, steering_vectors=vectors,
+        max_hidden_states_bytes=BOUND, **COMPILED_ARGS), timeout=900)
     yield eng
-    eng.shutdown()
+    try:
+        stats = loop_thread.run(eng.stats())
+        assert stats["pending"] == 0 and stats["missing_vectors"] == 0 and stats["malformed_vectors"] == 0, stats
+    finally:
+        eng.shutdown()
 
 
-def test_engine_is_compiled(compiled_engine):
-    mode = compiled_engine.startup
-    assert mode["enforce_eager"] is False and compiled_engine.eager is False, mode
+def test_engine_is_compiled_with_its_layers_traced(engine, loop_thread):
+    mode = engine.startup
+    assert mode["enforce_eager"] is False and engine.eager is False, mode
     assert mode["compilation_mode"] not in ("0", "None", "CompilationMode.NONE"), mode
+    assert engine.layer_capture["capture_layers"] == [0, 1] and engine.layer_capture["layer_hooks"] == 0
+    (worker,) = loop_thread.run(engine.stats())["workers"]
+    assert worker["capture_layers"] == [0, 1]
+    # five buffers per layer: rows, two adds, the ablation's unit vector [max tokens, D] and a mask
+    assert worker["traced_buffer_bytes"] == 2 * (4 * 256 * 128 * 4 + 256)
+    c = worker["compilations"]
+    assert c["num_aot_compiles"] + c["num_backend_compilations"] + c["num_compiled_artifacts_loaded"] \
+        + c["num_aot_artifacts_loaded"] >= 1, c  # the model was compiled (or loaded compiled) at start
 
 
-def test_last_layer_exact_on_compiled_engine(compiled_engine, loop_thread, reference):
-    import asyncio
+def b64(v: np.ndarray) -> str:
+    return base64.b64encode(np.asarray(v, "<f4").tobytes()).decode()
+
+
+def test_no_request_compiles_anything(engine, loop_thread):
+    """Layers, heads, steering (add, ablate, every span), batches of new sizes, a long chunked prompt:
+    vLLM's and dynamo's compile counts are the same after them as before."""
+    from vllm import SamplingParams
+
+    def counts():
+        (worker,) = loop_thread.run(engine.stats())["workers"]
+        return worker["compilations"]
+
+    before = counts()
+    steer = [{"layer": 0, "vector": b64(unit_vector(3, 3.0)), "positions": "completion"},
+             {"layer": 1, "vector": b64(unit_vector(6)), "op": "ablate", "positions": "prompt"}]
 
     async def run():
-        return await asyncio.gather(*(compiled_engine.complete(p, sp(max_tokens=12)) for p in PROMPTS))
+        jobs = []
+        for i in range(11):
+            kw = {"steering": steer} if i % 3 == 0 else {}
+            if i % 2:
+                kw["heads"] = ["mid", "probe"]
+            jobs.append(engine.complete(f"Batch member {i} says" + " more" * (i * 30), SamplingParams(
+                max_tokens=3 + i, temperature=0.0), layers=[0, 1, -1], position="all", **kw))
+        return await asyncio.gather(*jobs)
 
-    for c in loop_thread.run(run()):
-        for ch in c.choices:
-            reference.assert_matches(c.prompt_token_ids + ch.token_ids, ch.hidden_states)
+    outs = loop_thread.run(run(), timeout=600)
+    assert all(o.choices[0].hidden_states_by_layer[1].shape[-1] == 128 for o in outs)
+    after = counts()
+    assert after == before, {k: (before[k], after[k]) for k in before if before[k] != after.get(k)}
 
 
-def test_intermediate_layers_refused_on_compiled_engine(compiled_engine):
+def test_a_second_ablation_of_the_same_positions_is_refused_by_name(engine, loop_thread):
     from hidden_states.params import HiddenStatesRequestError
 
-    assert compiled_engine.check_layers([-1]) == (-1,)
-    with pytest.raises(HiddenStatesRequestError, match="enforce_eager=True"):
-        compiled_engine.check_layers([1, -1])
+    twice = [{"layer": 1, "vector": b64(unit_vector(5)), "op": "ablate"},
+             {"layer": 1, "vector": b64(unit_vector(6)), "op": "ablate", "positions": "completion"}]
+    with pytest.raises(HiddenStatesRequestError, match="two ablations") as e:
+        loop_thread.run(engine.complete("Hello", steering=twice))
+    assert e.value.param == "hidden_states_steering"

@@ -13,10 +13,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.conftest import TEST_ENGINE_ARGS, TEST_MODEL, openai_answer
+from tests.conftest import TEST_ENGINE_ARGS, TEST_MODEL, eager_only, openai_answer
 from tests.heads_ref import TINY_F as F
 from tests.heads_ref import TINY_TOPK_K as TOPK_K
 from tests.heads_ref import build_test_heads, check_heads
+
+# On a GPU (compiled, CUDA graphs) these run in tests/engine/test_compiled.py, on an engine with capture_layers.
+pytestmark = eager_only
 
 PROMPTS = ["The quick brown fox", "Once upon a time, in a land far away,"]
 ERRORS: list[tuple[str, float, float]] = []

@@ -11,6 +11,8 @@ for q/k norms. Gemma and Phi3 run under HS_LONG_TESTS=1 (`make test-long`).
 
 from __future__ import annotations
 
+import base64
+
 import os
 import types
 
@@ -229,6 +231,66 @@ def test_unsupported_models_get_the_reason():
         eng.check_layers([1])
 
 
+def test_a_compiled_engine_serves_its_static_layers_and_names_them():
+    """capture_layers (worker/traced.py): a layer or a steering entry outside the set is a 400 naming
+    the set; a compiled engine started without one points at it; a second ablation of the same
+    positions at one layer is refused by name."""
+    from hidden_states.params import spec_of
+    from hidden_states.vllm.engine import HiddenStatesEngine, HiddenStatesRequestError
+
+    eng = HiddenStatesEngine.__new__(HiddenStatesEngine)
+    eng._enabled, eng.num_layers, eng.architecture, eng.eager = True, 4, "LlamaForCausalLM", False
+    eng.hidden_size, eng.steering_vectors, eng.heads = 8, {}, {}
+    eng.layer_capture = {"layer_structure": True, "layer_capture": True, "layer_capture_reason": None,
+                         "capture_layers": [1, 3]}
+    assert eng.check_layers([1, 3, -1, 4]) == (1, 3, -1, 4)
+    with pytest.raises(HiddenStatesRequestError, match=r"\[2\] are outside this engine's capture_layers \[1, 3\]") as e:
+        eng.check_layers([2, -1])
+    assert e.value.param == "hidden_states_layers"
+    vec = base64.b64encode(np.ones(8, "<f4").tobytes()).decode()
+
+    def steer(*entries):
+        return eng.steering_of(spec_of(True, [-1], "completion_end", "float32", None, None, None, list(entries),
+                                       enabled=True))
+
+    assert len(steer({"layer": 3, "vector": vec})[0]) == 1
+    with pytest.raises(HiddenStatesRequestError, match=r"layer 2 is outside this engine's capture_layers \[1, 3\]"):
+        steer({"layer": 2, "vector": vec})
+    assert len(steer({"layer": 1, "vector": vec, "op": "ablate", "positions": "prompt"},
+                     {"layer": 1, "vector": vec, "op": "ablate", "positions": "completion"})[0]) == 2
+    with pytest.raises(HiddenStatesRequestError, match="two ablations of the same positions at layer 1"):
+        steer({"layer": 1, "vector": vec, "op": "ablate"}, {"layer": 1, "vector": vec, "op": "ablate",
+                                                           "positions": "prompt"})
+    eng.layer_capture = {"layer_structure": True, "layer_capture": False, "layer_capture_reason": "compiled"}
+    with pytest.raises(HiddenStatesRequestError, match="need capture_layers at start"):
+        eng.check_layers([1])
+
+
+def test_the_static_set_adds_the_heads_and_vectors_layers():
+    from hidden_states.preflight import EngineStartupError
+    from hidden_states.vllm.engine import _static_layers
+
+    heads = [types.SimpleNamespace(layer=2), types.SimpleNamespace(layer=4)]  # 4: the last layer, always served
+    assert _static_layers(None, (), {}, 4, compiled=False) is None  # eager: every layer, by pre-hooks
+    assert _static_layers(None, (), {}, 4, compiled=True) == []
+    assert _static_layers([-2, 0, 4, -1], heads, {"v": {1: None}}, 4, compiled=True) == [0, 1, 2, 3]
+    assert _static_layers([3], (), {}, 4, compiled=False) == [3]  # an eager engine may run the traced path too
+    with pytest.raises(EngineStartupError, match="capture_layers: layer 5 out of range"):
+        _static_layers([5], (), {}, 4, compiled=True)
+
+
+def test_an_architecture_without_traced_capture_says_why():
+    """capture_layers on a model whose layers do not follow the convention: the install reports
+    the reason the start-up error then names."""
+    from hidden_states.vllm.worker.traced import TRACED_ATTR
+
+    hook, layers = _fake_hook(eager=False)
+    setattr(hook.runner, TRACED_ATTR, "GraniteDecoderLayer.forward takes (positions, hidden_states)")
+    found = hook.install_layer_hooks()
+    assert not found["layer_capture"] and "GraniteDecoderLayer" in found["layer_capture_reason"]
+    assert all(len(layer._forward_pre_hooks) == 0 for layer in layers)
+
+
 class _FakeRunner:
     """Just what the hook reads of a GPUModelRunner, around the toy model: one request
     "r" of 3 prompt tokens, computed in one step (flat rows 0..2)."""
@@ -254,8 +316,11 @@ class _FakeRunner:
             hidden, residual = layer(torch.arange(rows), hidden, residual)
         return hidden
 
+    def _model_forward(self, input_ids=None, **kwargs):  # the real runner's forward helper (wrapped on install)
+        return self._forward(int(input_ids.shape[0]))
+
     def execute_model(self, so):
-        hidden = self._forward(3)
+        hidden = self._model_forward(input_ids=torch.zeros(3, dtype=torch.long))
         self.execute_model_state = types.SimpleNamespace(hidden_states=hidden, sample_hidden_states=hidden[[2]])
         return None  # sampling pending, as on the real runner
 

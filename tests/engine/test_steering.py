@@ -14,9 +14,12 @@ import base64
 import numpy as np
 import pytest
 
-from tests.conftest import TEST_ENGINE_ARGS, TEST_MODEL, long_text, openai_answer
+from tests.conftest import TEST_ENGINE_ARGS, TEST_MODEL, eager_only, long_text, openai_answer
 from tests.heads_ref import build_test_heads
 from tests.steer_ref import steered_greedy, steered_states, write_gguf
+
+# On a GPU (compiled, CUDA graphs) these run in tests/engine/test_compiled.py, on an engine with capture_layers.
+pytestmark = eager_only
 
 D = 128
 ERRORS: list = []

@@ -464,3 +464,24 @@ def test_a_second_run_takes_seconds_and_a_changed_lock_installs_again(tmp_path):
 def test_a_stamp_without_the_gpu_lock_is_caught(tmp_path):
     script = copy_tree(tmp_path / "tree", ("constraints.txt constraints-gpu.txt", "constraints.txt"))
     assert stamp_problems(stamp_runs(script, tmp_path))
+
+
+def test_the_gpu_check_runs_the_compiled_engine_first_and_refuses_without_a_gpu():
+    """scripts/gpu-check.sh's CPU side: its dry run names, in order, the GPU install, the compiled
+    engine's tests (layers, heads, steering inside CUDA graphs; no recompiles), then the rest with
+    HS_TEST_ACCELERATOR=gpu; without a visible GPU it stops with exit 2 and says why."""
+    import shutil
+    import subprocess
+
+    dry = subprocess.run(["bash", "scripts/gpu-check.sh", "--dry-run", "-x"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=60)
+    assert dry.returncode == 0, dry.stderr
+    steps = [line for line in dry.stdout.splitlines() if line.startswith("+ ")]
+    assert steps == [
+        "+ env VENV=.venv-gpu HS_ENGINE=gpu bash scripts/setup.sh",
+        "+ .venv-gpu/bin/python -m pytest -q -ra tests/engine/test_compiled.py -x",
+        "+ .venv-gpu/bin/python -m pytest -q -ra tests/engine tests/serve --ignore=tests/engine/test_compiled.py -x",
+    ], dry.stdout
+    if shutil.which("nvidia-smi") is None:
+        real = subprocess.run(["bash", "scripts/gpu-check.sh"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert real.returncode == 2 and "no NVIDIA GPU visible" in real.stderr, (real.returncode, real.stderr)

@@ -16,6 +16,7 @@ from hidden_states.protocol import PLAN_ATTR, STEP_ATTR, PlanEntry, RowBlock, St
 from hidden_states.vllm import SUPPORTED_LAYER_ARCHS
 from hidden_states.vllm.worker.layers import final_norm_in_logits, layer_capture_support
 from hidden_states.vllm.worker.steering import StepSteering
+from hidden_states.vllm.worker.traced import TRACED_ATTR
 
 logger = logging.getLogger(__name__)
 
@@ -123,6 +124,7 @@ class _RunnerHook:
         self._layer_rows: dict[int, tuple[list[int], list[int]]] = {}  # layer -> (flat rows, plan entries)
         self._slices: list[tuple[int, list[int], Any]] = []  # (layer, plan entries, [k, D] on device)
         self._ready: tuple[Any, list[tuple[_Entry, int, str, int, int, int]]] | None = None  # bytes, layout
+        self.traced: Any = None  # traced.TracedLayers: the static layer set inside the compiled forward
 
     def install_layer_hooks(self) -> dict[str, Any]:
         """Hooks the decoder layers if the model allows; returns `layer_capture` (or
@@ -132,9 +134,18 @@ class _RunnerHook:
         layers, why = layer_capture_support(self.runner.model, self.num_layers, mc.get_hidden_size())
         info = {"architecture": arch, "layer_structure": layers is not None,
                 "layer_capture_verified": arch in SUPPORTED_LAYER_ARCHS}
-        if layers is not None and not mc.enforce_eager:
+        traced = getattr(self.runner, TRACED_ATTR, None)
+        if isinstance(traced, str):  # capture_layers asked, but this model has no traced capture
+            layers, why = None, traced
+        elif traced is not None:  # the static set's entries are in the traced forward (traced.py)
+            self.traced = traced
+            self.steering.traced = traced
+            layers, why = None, None
+            info["capture_layers"] = sorted(traced.layers)
+        elif layers is not None and not mc.enforce_eager:
             # A compiled model does not run hooks added after compilation (or recompiles for them).
-            layers, why = None, "the engine is not eager (enforce_eager=False): compiled models do not run layer hooks"
+            layers, why = None, ("the engine is compiled (enforce_eager=False) and was started without "
+                                 "capture_layers, the layers its compiled forward captures")
         self.final_norm = final_norm_in_logits(self.runner.model, mc.get_hidden_size())
         info["final_norm_in_logits"] = self.final_norm is not None
         self.layer_hooks = 0
@@ -148,8 +159,8 @@ class _RunnerHook:
         else:
             logger.info("intermediate hidden-state layers unavailable on %s: %s", arch, why)
         self._count_encoder_items()
-        return {**info, "layer_capture": layers is not None, "layer_hooks": self.layer_hooks,
-                "layer_capture_reason": why}
+        return {**info, "layer_capture": layers is not None or self.traced is not None,
+                "layer_hooks": self.layer_hooks, "layer_capture_reason": why}
 
     def install_heads(self, specs: list) -> list[str]:
         """The registered heads' weights on this worker's device (heads.HeadSpec as builtins)."""
@@ -269,6 +280,10 @@ class _RunnerHook:
             for i in final:
                 blocks.append((i, L, rows, at, at + len(plan[i].flat)))
                 at += len(plan[i].flat)
+        if self.traced is not None:  # the static set's rows, written by the traced forward
+            for layer, (flat, owners) in self._layer_rows.items():
+                rows = self.traced.rows(layer)
+                self._slices.append((layer, owners, rows[torch.tensor(flat, device=rows.device)]))
         for layer, owners, sel in self._slices:
             at = 0
             for i in owners:

@@ -11,9 +11,12 @@ from typing import Any
 
 from hidden_states.vllm import _require, check_vllm_version
 from hidden_states.vllm.worker.capture import _RunnerHook
+from hidden_states.vllm.worker.traced import compile_counts, patch_load_model
 from hidden_states.vllm.cpu import CPU_ASYNC_ENV, CPUWorkerSteps, install_cpu_async_shim, patch_cpu_generator_rewind
 
 logger = logging.getLogger(__name__)
+
+patch_load_model()  # imported in each worker process before its model loads (ledger point 16)
 
 if os.environ.get(CPU_ASYNC_ENV) == "1":  # tests only: imported before the runner is built (ledger point 12)
     install_cpu_async_shim()
@@ -41,6 +44,7 @@ class HiddenStatesWorkerExtension(CPUWorkerSteps):
         _require(hasattr(runner, "sample_tokens"), "GPUModelRunner.sample_tokens")
         _require(hasattr(runner, "input_batch") and hasattr(runner.input_batch, "req_id_to_index"), "InputBatch.req_id_to_index")
         _require(hasattr(runner, "requests"), "GPUModelRunner.requests")
+        _require(hasattr(runner, "_model_forward"), "GPUModelRunner._model_forward")
         check_engine_config(runner.vllm_config)
         if getattr(runner, "_hidden_states_hook", None) is not None:
             hook = runner._hidden_states_hook
@@ -65,6 +69,20 @@ class HiddenStatesWorkerExtension(CPUWorkerSteps):
             return hook.attach(sample(*args, **kwargs))
 
         runner.execute_model, runner.sample_tokens = execute_model, sample_tokens
+        forward = runner._model_forward
+
+        def _model_forward(*args, **kwargs):
+            # The input batch is this step's by now; outside the compiled region (ledger point 16).
+            ids, embeds = kwargs.get("input_ids"), kwargs.get("inputs_embeds")
+            n = int((ids if ids is not None else embeds).shape[0])
+            steered = hook.steering.before_forward(n)
+            try:
+                return forward(*args, **kwargs)
+            finally:
+                if steered:
+                    hook.steering.after_forward()
+
+        runner._model_forward = _model_forward
         runner._hidden_states_hook = hook
         hook.layer_info = hook.install_layer_hooks()
         if getattr(runner, "device", None) is not None and runner.device.type == "cpu":
@@ -92,4 +110,7 @@ class HiddenStatesWorkerExtension(CPUWorkerSteps):
             "head_products": hook.head_products,
             "head_rows": hook.head_rows,
             "steered_rows": hook.steering.steered_rows,
+            "capture_layers": sorted(hook.traced.layers) if hook.traced is not None else None,
+            "traced_buffer_bytes": hook.traced.bytes if hook.traced is not None else 0,
+            "compilations": compile_counts(),
         }

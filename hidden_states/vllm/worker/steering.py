@@ -1,4 +1,5 @@
-"""Steering: per-request additions to the residual stream, applied in the decoder layers' pre-hooks.
+"""Steering: per-request additions to the residual stream, applied in the decoder layers' pre-hooks
+(eager engines) or by the traced entries of the static layer set (traced.py, compiled engines).
 
 Each steered request carries its entries in its own sampling params (`protocol.STEER_KEY`,
 `protocol.SteerEntry`); every worker reads them off its copy of the request, so every
@@ -27,6 +28,21 @@ class StepSteering:
         self._plan: dict[int, list[tuple[Any, str, Any]]] | None = None  # layer -> (rows, op, vector)
         self._buffers: dict[int, Any] = {}
         self.steered_rows = 0  # rows that got a nonzero entry (counted per layer and step)
+        self.traced: Any = None  # traced.TracedLayers: on compiled engines the entries go into its buffers
+
+    def before_forward(self, num_tokens: int) -> bool:
+        """On an engine whose static layers are traced: the step's entries into their buffers, before
+        the forward (the runner's `_model_forward`); True if any were written (then `after_forward`)."""
+        if self.traced is None or self._so is None or not self._so.num_scheduled_tokens:
+            return False
+        plan = self._step_plan()
+        if not plan:
+            return False
+        self.steered_rows += self.traced.fill(plan, num_tokens)
+        return True
+
+    def after_forward(self) -> None:
+        self.traced.clear()
 
     def begin(self, so: Any) -> None:
         self._so, self._plan = so, None
@@ -75,7 +91,7 @@ class StepSteering:
 
     def apply(self, layer: int, hidden: Any, residual: Any) -> Any:
         """The stream entering `layer` steered: a new `hidden` (hidden + buffer), or None if no row is."""
-        if self._so is None or not self._so.num_scheduled_tokens:
+        if self._so is None or not self._so.num_scheduled_tokens or self.traced is not None:
             return None
         wanted = self._step_plan().get(layer)
         if not wanted:

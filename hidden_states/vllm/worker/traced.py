@@ -1,0 +1,174 @@
+"""Layers and steering inside the compiled forward: the engine's static layer set (ledger point 16).
+
+A compiled engine (torch.compile; CUDA graphs on GPUs) does not run forward pre-hooks added after
+it traced the model, so the capture cannot slice rows there. Instead, before the first forward
+traces the model (`Worker.load_model`, wrapped once per worker process by `patch_load_model`),
+each decoder layer in the engine's static set (`capture_layers`, carried to the workers in
+`VllmConfig.additional_config`, which vLLM hashes into its compile-cache key) gets an entry
+traced with the rest of the forward. Its buffers are allocated once, for the largest step
+(`[max tokens, D]`), so their addresses and shapes never change and one graph (and on a GPU, one
+captured CUDA graph) serves every step and request:
+
+    h1 = h + pre                        # steering adds before the request's ablation
+    h2 = h1 - ((h1 + r) . unit) unit + post
+    h  = where(mask, h2, h)             # unsteered rows keep their exact bits
+    rows[:n] = h + r                    # the stream entering the layer, as transformers counts it
+
+The step's steering is written into `pre`, `unit`, `post` and `mask` before the forward
+(`TracedLayers.fill`, from the runner's `_model_forward`, outside the compiled region) and cleared
+after it; the capture gathers its rows from `rows` after the forward (capture.py). The entry has
+no Python branch on per-step state, so nothing is guarded on and nothing recompiles. Per request
+and layer the entry holds any adds, at most one ablation, then adds (steering.py refuses a second
+ablation at one layer on these engines).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+
+from hidden_states.protocol import capture_layers_of
+
+logger = logging.getLogger(__name__)
+
+TRACED_ATTR = "_hidden_states_traced"  # on the runner: this worker's TracedLayers, or a str saying why none
+
+
+class TracedLayers:
+    """One worker's buffers for its static layer set, registered on each layer module
+    (non-persistent: outside the state dict)."""
+
+    def __init__(self, layers: dict[int, Any], max_tokens: int, hidden: int, dtype: Any, device: Any):
+        import torch
+
+        self.layers = layers  # layer index -> decoder layer module
+        self.max_tokens = max_tokens
+        self.bytes = 0
+        for index, layer in layers.items():
+            for name, shape, kind in (("rows", (max_tokens, hidden), dtype), ("pre", (max_tokens, hidden), dtype),
+                                      ("unit", (max_tokens, hidden), dtype), ("post", (max_tokens, hidden), dtype),
+                                      ("mask", (max_tokens, 1), torch.bool)):
+                buf = torch.zeros(shape, dtype=kind, device=device)
+                layer.register_buffer(f"_hs_{name}", buf, persistent=False)
+                self.bytes += buf.numel() * buf.element_size()
+            layer.forward = _traced_forward(layer, layer.forward)
+        self._dirty: dict[int, int] = {}  # layer -> rows written by fill (cleared after the forward)
+
+    def rows(self, layer: int) -> Any:
+        """The stream entering `layer` for every token of the last forward, [max tokens, D] (first n valid)."""
+        return self.layers[layer]._hs_rows
+
+    def fill(self, plan: dict[int, list[tuple[Any, str, Any]]], n: int) -> int:
+        """Writes a step's steering (layer -> [(rows, op, vector)], steering.StepSteering's plan) into
+        the buffers; returns the rows steered. Entries of one request are in its order."""
+        import torch
+
+        steered = 0
+        for layer, wanted in plan.items():
+            mod = self.layers[layer]
+            ablated = np.zeros(n, dtype=bool)
+            for rows, op, vec in wanted:
+                idx = torch.from_numpy(rows).to(mod._hs_mask.device)
+                mod._hs_mask[idx] = True
+                if op == "add":
+                    after = ablated[rows]
+                    for part, buf in ((rows[~after], mod._hs_pre), (rows[after], mod._hs_post)):
+                        if len(part):
+                            buf[torch.from_numpy(part).to(buf.device)] += vec.to(buf.dtype)
+                else:
+                    if ablated[rows].any():
+                        raise ValueError(f"two ablations of one row at layer {layer} (refused at the request)")
+                    mod._hs_unit[idx] = (vec / vec.norm()).to(mod._hs_unit.dtype)
+                    ablated[rows] = True
+                steered += len(rows)
+            self._dirty[layer] = max(self._dirty.get(layer, 0), n)
+        return steered
+
+    def clear(self) -> None:
+        """After the forward that read them: the next forward (a dummy run included) steers nothing."""
+        for layer, n in self._dirty.items():
+            mod = self.layers[layer]
+            for buf in (mod._hs_pre, mod._hs_unit, mod._hs_post, mod._hs_mask):
+                buf[:n].zero_()
+        self._dirty = {}
+
+
+def _traced_forward(layer: Any, forward: Any):
+    """The layer's forward, entered through the steering and the capture (traced with the model)."""
+    import torch
+
+    def forward_with_entry(positions, hidden_states, residual, *args, **kwargs):
+        n = hidden_states.shape[0]
+        pre, unit = layer._hs_pre[:n], layer._hs_unit[:n]
+        h1 = hidden_states + pre
+        stream = h1 if residual is None else h1 + residual
+        h2 = h1 - (stream * unit).sum(dim=-1, keepdim=True) * unit + layer._hs_post[:n]
+        hidden_states = torch.where(layer._hs_mask[:n], h2, hidden_states)
+        layer._hs_rows[:n].copy_(hidden_states if residual is None else hidden_states + residual)
+        return forward(positions, hidden_states, residual, *args, **kwargs)
+
+    return forward_with_entry
+
+
+def install(runner: Any) -> None:
+    """After the model is loaded, before anything traces it: the static set's entries, or why not
+    (on the runner, `TRACED_ATTR`)."""
+    from hidden_states.vllm.worker.layers import layer_capture_support
+
+    wanted = capture_layers_of(runner.vllm_config)
+    if not wanted:
+        return
+    mc = runner.vllm_config.model_config
+    num_layers, hidden = int(mc.hf_text_config.num_hidden_layers), int(mc.get_hidden_size())
+    model = runner.get_model()
+    layers, why = layer_capture_support(model, num_layers, hidden)
+    if layers is None:
+        setattr(runner, TRACED_ATTR, why)
+        return
+    if any(not 0 <= l < num_layers for l in wanted):
+        setattr(runner, TRACED_ATTR, f"capture_layers {wanted} outside 0..{num_layers - 1}")
+        return
+    comp = runner.vllm_config.compilation_config
+    max_tokens = max(int(runner.max_num_tokens), int(getattr(comp, "max_cudagraph_capture_size", 0) or 0))
+    weight = next(model.parameters())
+    traced = TracedLayers({l: layers[l] for l in wanted}, max_tokens, hidden, mc.dtype, weight.device)
+    setattr(runner, TRACED_ATTR, traced)
+    logger.info("hidden-states layers %s traced into the forward (%d MiB of buffers)", wanted, traced.bytes >> 20)
+
+
+def patch_load_model() -> None:
+    """Wraps vLLM's `Worker.load_model` (CPU and XPU workers inherit it) once per process, so the
+    entries are in place before the first forward compiles the model."""
+    from vllm.v1.worker.gpu_worker import Worker
+
+    if getattr(Worker.load_model, "_hidden_states", False):
+        return
+    load = Worker.load_model
+
+    def load_model(self, *args, **kwargs):
+        load(self, *args, **kwargs)
+        install(self.model_runner)
+
+    load_model._hidden_states = True
+    Worker.load_model = load_model
+
+
+def compile_counts() -> dict[str, int]:
+    """The process's compilations so far: vLLM's counter (graphs traced, backend and inductor
+    compiles, CUDA graphs captured) and dynamo's frames compiled; equal before and after a
+    request means it compiled nothing."""
+    import dataclasses
+
+    from vllm.compilation.counter import compilation_counter
+
+    counts = {k: int(v) for k, v in dataclasses.asdict(compilation_counter).items()}
+    try:
+        from torch._dynamo.utils import counters
+
+        counts["dynamo_frames_ok"] = int(counters["frames"]["ok"])
+        counts["dynamo_unique_graphs"] = int(counters["stats"]["unique_graphs"])
+    except Exception:  # noqa: BLE001 - dynamo internals moved: vLLM's counter still counts
+        pass
+    return counts
