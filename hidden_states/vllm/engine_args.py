@@ -34,7 +34,7 @@ EXERCISED: dict[str, str] = {
     "distributed_executor_backend": _P + "test_tail_and_extraction_vectors_exact_on_two_ranks",
     "block_size": "tests/engine/test_engine.py::test_long_prompt_spans_blocks_and_chunks_and_hits_prefix_cache",
     "kv_cache_memory_bytes": "tests/engine/test_engine.py::test_kv_cache_is_resident_from_the_start",
-    "enforce_eager": "tests/engine/test_compiled.py::test_steered_tokens_and_rows_are_transformers_with_the_same_hook",
+    "enforce_eager": "tests/engine/test_compiled.py::test_no_request_compiles_anything",
     "enable_lora": "tests/engine/test_lora.py::test_tail_step_vector_is_the_adapters",
     "speculative_config": "tests/engine/test_spec_decode.py::test_vectors_rows_and_layers_exact_at_batch_8",
     "max_loras": "tests/engine/test_lora.py::test_two_adapters_and_the_base_in_one_batch",
