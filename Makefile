@@ -18,6 +18,6 @@ bench:
 	HS_EXTRAS=bench bash scripts/setup.sh
 	.venv/bin/python -m bench $(BENCH_ARGS)
 
-# On an NVIDIA GPU machine: the engine and serve suites with CUDA graphs and async scheduling (never run here).
+# On a machine with one NVIDIA GPU, after the set-up: bench/gpu_check.py (compiled, CUDA graphs; never run here).
 gpu-check:
 	bash scripts/gpu-check.sh

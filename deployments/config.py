@@ -20,9 +20,10 @@ from hidden_states.models.builtin import DEFAULT_MODEL
 # GPU engines start with vLLM's own defaults (gpu_memory_utilization and all).
 CPU_ENGINE_DEFAULTS: dict[str, Any] = {
     "dtype": "float32",  # exact vectors; CPU bfloat16 kernels are slower here anyway
-    # Measured (bench/results/compiled-smollm2.md): compiled is 1.05-1.17x eager's tok/s on the built-in
-    # model but starts in 77 s instead of 36 (cold) and serves only its capture_layers; eager serves every
-    # layer. A deployment after throughput sets enforce_eager: false (docs/configuration.md).
+    # Measured (bench/results/compiled-smollm2.md, 5 rounds): compiled is 1.07-1.16x eager's tok/s on the
+    # built-in model but starts in 82 s instead of 38 (cold; 65 s on its compile cache) and serves only its
+    # capture_layers; eager serves and steers every layer. A deployment after throughput sets
+    # enforce_eager: false and capture_layers (docs/configuration.md).
     "enforce_eager": True,
     # The KV cache in bytes, not as a share of RAM: the same on every machine. 1 GiB
     # holds about 23,000 tokens of the built-in SmolLM2-135M (45 KiB a token), a

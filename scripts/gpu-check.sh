@@ -1,27 +1,36 @@
 #!/usr/bin/env bash
-# `make gpu-check`: the engine and serve suites on an NVIDIA GPU, with vLLM's GPU
-# defaults on (torch.compile, CUDA graphs, async scheduling). NOT RUN by this
-# project yet: its machines have no GPU. Installs the CUDA engine (vllm==0.32.0)
-# into .venv-gpu, leaving the CPU .venv alone. Extra arguments go to pytest.
+# `make gpu-check`: on a machine with one NVIDIA GPU, after the README's set-up (which installs the
+# CUDA engine, vllm==0.32.0, into .venv there). NOT RUN by this project yet: its machines have no GPU.
 #
-# In order, each a pytest run that stops the check if it fails:
-#   1. tests/engine/test_compiled.py: the layer, head and steering exactness tests
-#      on a compiled engine with `capture_layers` (worker/traced.py), whose entries
-#      CUDA graphs now replay, and the compile counts before and after requests
-#      (no new graph, no recompile);
-#   2. tests/engine tests/serve: everything else, compiled, CUDA graphs, async
-#      scheduling (tests/conftest.py, HS_TEST_ACCELERATOR=gpu).
+#   bash scripts/gpu-check.sh [--dry-run] [--suites] [bench.gpu_check's arguments]
+#
+# 1. bench/gpu_check.py, in under 10 minutes: a compiled engine with CUDA graphs on the built-in
+#    SmolLM2, its last-layer and intermediate-layer vectors, an SAE head and a steering entry against
+#    transformers on the same GPU (one line per check with its error), the compile counts before and
+#    after (no recompile, no new graph), then decode tokens/s with the features on and off beside an
+#    eager engine. Exit 1 if a check failed.
+# 2. With --suites: tests/engine/test_compiled.py, then the engine and serve suites with vLLM's GPU
+#    defaults (CUDA graphs, async scheduling; HS_TEST_ACCELERATOR=gpu): an hour or more.
 # `--dry-run` prints the commands and runs none (tests/unit/test_setup.py runs it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-DRY=0
-if [[ "${1:-}" == "--dry-run" ]]; then DRY=1; shift; fi
+DRY=0 SUITES=0
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --dry-run) DRY=1; shift ;;
+    --suites) SUITES=1; shift ;;
+    *) break ;;
+  esac
+done
 run() { echo "+ $*"; if [[ $DRY == 0 ]]; then "$@"; fi; }
 if [[ $DRY == 0 ]] && ! nvidia-smi -L >/dev/null 2>&1; then
   echo "gpu-check: no NVIDIA GPU visible (nvidia-smi -L failed); run this on a GPU machine" >&2
   exit 2
 fi
 export HS_TEST_ACCELERATOR=gpu
-run env VENV=.venv-gpu HS_ENGINE=gpu bash scripts/setup.sh
-run .venv-gpu/bin/python -m pytest -q -ra tests/engine/test_compiled.py "$@"
-run .venv-gpu/bin/python -m pytest -q -ra tests/engine tests/serve --ignore=tests/engine/test_compiled.py "$@"
+run env HS_ENGINE=gpu bash scripts/setup.sh
+run .venv/bin/python -m bench.gpu_check "$@"
+if [[ $SUITES == 1 ]]; then
+  run .venv/bin/python -m pytest -q -ra tests/engine/test_compiled.py
+  run .venv/bin/python -m pytest -q -ra tests/engine tests/serve --ignore=tests/engine/test_compiled.py
+fi

@@ -40,32 +40,32 @@ def steered_states(model, ids, entries, prompt_len: int) -> list[np.ndarray]:
             for e_layer, op, positions, scale, vector in entries:
                 if e_layer != layer:
                     continue
-                rows = torch.as_tensor(_rows_of(positions, total, prompt_len))
-                v = torch.as_tensor(np.asarray(vector, np.float32))
+                rows = torch.as_tensor(_rows_of(positions, total, prompt_len), device=hidden.device)
+                v = torch.as_tensor(np.asarray(vector, np.float32), device=hidden.device)
                 if op == "add":
                     hidden[0, rows] += scale * v
                 else:
                     unit = v / v.norm()
                     hidden[0, rows] -= (hidden[0, rows] @ unit)[:, None] * unit
-            recorded[layer] = hidden[0].float().numpy().copy()
+            recorded[layer] = hidden[0].float().cpu().numpy().copy()
             if args:
                 return (hidden, *args[1:]), kwargs
             return args, {**kwargs, "hidden_states": hidden}
         return hook
 
     def post_norm(module, args, output):
-        recorded[len(layers)] = output[0].float().numpy().copy()
+        recorded[len(layers)] = output[0].float().cpu().numpy().copy()
 
     for i, layer in enumerate(layers):
         hooks.append(layer.register_forward_pre_hook(pre(i), with_kwargs=True))
     hooks.append(norm.register_forward_hook(post_norm))
     try:
         with torch.no_grad():
-            logits = model(torch.tensor([list(ids)])).logits[0, -1]
+            logits = model(torch.tensor([list(ids)], device=next(model.parameters()).device)).logits[0, -1]
     finally:
         for h in hooks:
             h.remove()
-    recorded["logits"] = logits.float().numpy()
+    recorded["logits"] = logits.float().cpu().numpy()
     return recorded
 
 

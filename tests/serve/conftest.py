@@ -96,6 +96,14 @@ def tiny_lora_modules() -> list[dict]:
             {"name": "lora-all", "path": build_lora(base, "all", seed=2)}]
 
 
+# The apps of the shapes the compiled engine must also serve (TP = 2, n-gram speculative decoding, LoRA)
+# run compiled (vLLM's default execution; CUDA graphs on GPUs) with the static layer set: every layer of
+# the tiny model, so their layer, head and steering tests run inside the compiled forward
+# (tests/serve/test_compiled.py checks the set, the exactness and the compile counts; the eager engine
+# of each shape: tests/engine/test_parallel.py, test_spec_decode.py, test_lora.py).
+COMPILED = {"capture_layers": [0, 1]}
+
+
 # The suite's apps. At most one runs at a time, so the suite holds at most two engines
 # (the main app's two replicas) and fits a machine with 8 GiB: each engine costs about
 # 2.6 GB even on the tiny model (Serve replica, EngineCore, worker).
@@ -109,20 +117,22 @@ APPS = {
     "hs-guarded": (GUARDED, lambda: app_args(ingress="replica", api_key=API_KEY, max_request_body_bytes=64 * 1024,
                                              request_timeout_s=60, extraction_timeout_s=20,
                                              replica_autoscaling={"min_replicas": 1, "max_replicas": 1})),
-    # two LoRA adapters served by name (lora_modules), 1 replica
-    "hs-lora": ("/lora", lambda: app_args(lora_modules=tiny_lora_modules(),
+    # two LoRA adapters served by name (lora_modules), 1 replica; compiled with the static layer set
+    # (vLLM's CPU platform runs a LoRA engine's forward uncompiled: the traced entries run eagerly)
+    "hs-lora": ("/lora", lambda: app_args(lora_modules=tiny_lora_modules(), **COMPILED,
+                                          engine={**TEST_ENGINE_ARGS, "enforce_eager": False},
                                           replica_autoscaling={"min_replicas": 1, "max_replicas": 1})),
     # like the guarded one, for the engine-fault test to break
     "hs-fault": ("/fault", lambda: app_args(ingress="replica", api_key=API_KEY, request_timeout_s=60,
                                             extraction_timeout_s=20,
                                             replica_autoscaling={"min_replicas": 1, "max_replicas": 1})),
-    # one replica whose engine runs tensor parallelism 2: two CPU worker processes (2 CPUs)
-    "hs-tp2": ("/tp2", lambda: app_args(engine={**TEST_ENGINE_ARGS, "tensor_parallel_size": 2},
-                                        replica_autoscaling={"min_replicas": 1, "max_replicas": 1})),
-    # one replica whose engine runs n-gram speculative decoding (3 draft tokens per step)
+    # one replica whose engine runs tensor parallelism 2: two CPU worker processes (2 CPUs); compiled
+    "hs-tp2": ("/tp2", lambda: app_args(engine={**TEST_ENGINE_ARGS, "tensor_parallel_size": 2, "enforce_eager": False},
+                                        **COMPILED, replica_autoscaling={"min_replicas": 1, "max_replicas": 1})),
+    # one replica whose engine runs n-gram speculative decoding (3 draft tokens per step); compiled
     "hs-spec": ("/spec", lambda: app_args(engine={**TEST_ENGINE_ARGS, "speculative_config": SPEC_NGRAM,
-                                                                  "async_scheduling": False},
-                                          replica_autoscaling={"min_replicas": 1, "max_replicas": 1})),
+                                                  "async_scheduling": False, "enforce_eager": False},
+                                          **COMPILED, replica_autoscaling={"min_replicas": 1, "max_replicas": 1})),
     # the two built-in VLM families (hidden_states/models/vlm.py), 1 replica each, two images a prompt at most
     "hs-gemma3-vlm": ("/gemma3-vlm", lambda: vlm_args("builtin:tiny-gemma3-vlm")),
     "hs-llava": ("/llava", lambda: vlm_args("builtin:tiny-llava")),

@@ -83,4 +83,4 @@ def test_vectors_exact_over_http_on_two_ranks(tp2_app, tp2_client, reference, st
     assert workers[0]["captured"] - old[0]["captured"] == 5  # four tail rows and one extraction row, each once
     assert workers[1]["captured"] == workers[1]["steps_with_capture"] == 0, workers[1]
     assert after["pending"] == 0 and after["missing_vectors"] == 0
-    assert after["startup"]["enforce_eager"] is True
+    assert after["startup"]["enforce_eager"] is False  # the app runs compiled (tests/serve/test_compiled.py)

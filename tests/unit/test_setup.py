@@ -466,22 +466,50 @@ def test_a_stamp_without_the_gpu_lock_is_caught(tmp_path):
     assert stamp_problems(stamp_runs(script, tmp_path))
 
 
-def test_the_gpu_check_runs_the_compiled_engine_first_and_refuses_without_a_gpu():
-    """scripts/gpu-check.sh's CPU side: its dry run names, in order, the GPU install, the compiled
-    engine's tests (layers, heads, steering inside CUDA graphs; no recompiles), then the rest with
-    HS_TEST_ACCELERATOR=gpu; without a visible GPU it stops with exit 2 and says why."""
+def test_the_gpu_check_runs_the_check_then_the_suites_and_refuses_without_a_gpu():
+    """scripts/gpu-check.sh's CPU side: its dry run names, in order, the set-up (the CUDA engine), the
+    check (bench/gpu_check.py, with the arguments given), and with --suites the compiled engine's tests
+    then the rest with HS_TEST_ACCELERATOR=gpu; without a visible GPU it stops with exit 2 and says why."""
     import shutil
     import subprocess
 
-    dry = subprocess.run(["bash", "scripts/gpu-check.sh", "--dry-run", "-x"], cwd=ROOT, capture_output=True,
-                         text=True, timeout=60)
-    assert dry.returncode == 0, dry.stderr
-    steps = [line for line in dry.stdout.splitlines() if line.startswith("+ ")]
-    assert steps == [
-        "+ env VENV=.venv-gpu HS_ENGINE=gpu bash scripts/setup.sh",
-        "+ .venv-gpu/bin/python -m pytest -q -ra tests/engine/test_compiled.py -x",
-        "+ .venv-gpu/bin/python -m pytest -q -ra tests/engine tests/serve --ignore=tests/engine/test_compiled.py -x",
-    ], dry.stdout
+    def steps(*args):
+        dry = subprocess.run(["bash", "scripts/gpu-check.sh", "--dry-run", *args], cwd=ROOT, capture_output=True,
+                             text=True, timeout=60)
+        assert dry.returncode == 0, dry.stderr
+        return [line for line in dry.stdout.splitlines() if line.startswith("+ ")]
+
+    check = ["+ env HS_ENGINE=gpu bash scripts/setup.sh", "+ .venv/bin/python -m bench.gpu_check --no-speed"]
+    assert steps("--no-speed") == check
+    assert steps("--suites", "--no-speed") == check + [
+        "+ .venv/bin/python -m pytest -q -ra tests/engine/test_compiled.py",
+        "+ .venv/bin/python -m pytest -q -ra tests/engine tests/serve --ignore=tests/engine/test_compiled.py",
+    ]
     if shutil.which("nvidia-smi") is None:
         real = subprocess.run(["bash", "scripts/gpu-check.sh"], cwd=ROOT, capture_output=True, text=True, timeout=60)
         assert real.returncode == 2 and "no NVIDIA GPU visible" in real.stderr, (real.returncode, real.stderr)
+
+
+def test_the_gpu_check_s_own_arguments_and_plan():
+    """bench/gpu_check.py on a machine without CUDA: its dry run prints the plan (the compiled engine with
+    vLLM's CUDA-graph defaults, the checks, the speed arms), and a real run stops with exit 2."""
+    import json
+    import subprocess
+    import sys
+
+    dry = subprocess.run([sys.executable, "-m", "bench.gpu_check", "--dry-run"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert dry.returncode == 0, dry.stderr
+    plan = json.loads(dry.stdout)
+    assert plan["engine"]["enforce_eager"] is False and plan["engine"]["dtype"] == "float32"
+    assert "cudagraph_mode" not in plan["engine"]  # vLLM's own default: CUDA graphs on
+    assert plan["checks"][0] == "last layer" and plan["checks"][-1] == "no recompiles"
+    assert plan["speed"]["arms"][:2] == ["compiled off", "compiled on"]
+    assert json.loads(subprocess.run([sys.executable, "-m", "bench.gpu_check", "--dry-run", "--no-speed"], cwd=ROOT,
+                                     capture_output=True, text=True, timeout=120).stdout)["speed"] is None
+    import torch
+
+    if not torch.cuda.is_available():
+        real = subprocess.run([sys.executable, "-m", "bench.gpu_check"], cwd=ROOT, capture_output=True, text=True,
+                              timeout=120)
+        assert real.returncode == 2 and "no CUDA device" in real.stderr, (real.returncode, real.stderr)
