@@ -41,7 +41,7 @@ def steered_states(model, ids, entries, prompt_len: int) -> list[np.ndarray]:
                 if e_layer != layer:
                     continue
                 rows = torch.as_tensor(_rows_of(positions, total, prompt_len), device=hidden.device)
-                v = torch.as_tensor(np.asarray(vector, np.float32), device=hidden.device)
+                v = torch.as_tensor(np.array(vector, np.float32), device=hidden.device)
                 if op == "add":
                     hidden[0, rows] += scale * v
                 else:

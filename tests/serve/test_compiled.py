@@ -39,7 +39,7 @@ def _assert_rows(choice: dict, reference, where: str) -> None:
     ids = choice["prompt_token_ids"] + choice["token_ids"]
     refs = _rows(reference, ids)
     by_layer = choice["hidden_states_by_layer"]
-    assert sorted(by_layer, key=int) == [str(l) for l in LAYERS], (where, sorted(by_layer))
+    assert sorted(by_layer, key=int) == sorted(str(l) for l in LAYERS), (where, sorted(by_layer))
     for layer in LAYERS:
         got = np.frombuffer(base64.b64decode(by_layer[str(layer)]), "<f4").reshape(len(ids), -1)
         ref = refs[layer]
