@@ -8,6 +8,10 @@
   base64 (the alphabet with `=` padding: no whitespace, no URL-safe alphabet, as vLLM decodes it);
 - an image whose bytes are not a format vLLM's image loader opens (its header is read with Pillow and
   `verify()`ed; the pixels are not decoded);
+- audio (`input_audio`, or an `audio_url` data URL) that vLLM's decoder cannot read (soundfile: WAV,
+  FLAC, MP3, OGG; its header and first frame are read), with no samples, at a rate outside
+  AUDIO_RATES, or declared in a `format` outside AUDIO_FORMATS (any rate inside is resampled to the
+  model's: hidden_states/vllm/frontend/audio.py);
 - a part whose decoded bytes are above `max_media_bytes`;
 - a remote (http/https) URL when `remote_media` is off: the engine would fetch it, while the request
   holds a replica; a file: URL unless the engine has an `allowed_local_media_path` (vLLM reads it
@@ -22,10 +26,8 @@ from __future__ import annotations
 
 import base64
 import binascii
-import importlib.util
 import io
 import re
-import wave
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -107,11 +109,10 @@ def check_media(req: Mapping[str, Any], *, max_media_bytes: int = DEFAULT_MAX_ME
                 continue
             if not isinstance(value, dict) or not isinstance(data, str) or not data:
                 raise HiddenStatesRequestError(
-                    f"{field} must be an object {{\"data\": <base64 of the audio file>, \"format\": \"wav\" or "
-                    f"\"mp3\"}} with non-empty data", field)
-            audio = _decode(data, field, "audio", max_media_bytes)
-            if str(value.get("format", "")).lower() == "wav":
-                _check_wav_rate(audio, field)
+                    f"{field} must be an object {{\"data\": <base64 of the audio file>, \"format\": one of "
+                    f"{', '.join(AUDIO_FORMATS)}}} with non-empty data", field)
+            fmt = value.get("format")
+            _check_audio(_decode(data, field, "audio", max_media_bytes), field, None if fmt is None else str(fmt))
             continue
         url = value.get("url") if isinstance(value, dict) else value if "type" not in part else None
         if url is None and cached:
@@ -122,6 +123,8 @@ def check_media(req: Mapping[str, Any], *, max_media_bytes: int = DEFAULT_MAX_ME
         got = _url_bytes(url, field, modality, max_media_bytes, remote_media, local_media)
         if got is not None and modality == "image":
             _check_image(got[1], got[0], field)
+        elif got is not None:
+            _check_audio(got[1], field)
 
 
 def _url_bytes(url: str, field: str, modality: str, max_bytes: int, remote_media: bool,
@@ -175,28 +178,35 @@ def _decode(payload: str, field: str, modality: str, max_bytes: int) -> bytes:
     return data
 
 
-# The rate every audio model vLLM's CPU engine runs here takes (Whisper-style feature extractors). Without
-# torchaudio (set-up removes PyPI's CUDA build) vLLM cannot resample, and another rate would fail in the
-# engine with an error naming no part; with torchaudio installed, any rate is vLLM's to resample.
-AUDIO_RATE = 16000
-_RESAMPLES = importlib.util.find_spec("torchaudio") is not None
+# The audio files vLLM's decoder reads (soundfile, libsndfile 1.2: its own sniffing, whatever the declared
+# format), by the names `input_audio.format` takes; any sample rate in AUDIO_RATES is resampled to the
+# model's (hidden_states/vllm/frontend/audio.py: soxr).
+AUDIO_FORMATS = ("wav", "flac", "mp3", "ogg")
+AUDIO_RATES = (1000, 384000)  # Hz: outside, a clip is refused (soxr's ratios stay sane; nothing real is cut)
 
 
-def _check_wav_rate(data: bytes, field: str) -> None:
-    """A WAV clip at a rate other than AUDIO_RATE, where vLLM cannot resample: a 400 saying so."""
-    if _RESAMPLES:
-        return
+def _check_audio(data: bytes, field: str, declared: str | None = None) -> None:
+    """The bytes are an audio file vLLM's decoder reads (header and a first frame, not the whole clip),
+    with frames, at a rate this server resamples; `declared`: input_audio's `format`, one of AUDIO_FORMATS."""
+    import soundfile
+
+    if declared is not None and declared.lower() not in AUDIO_FORMATS:
+        raise HiddenStatesRequestError(f"{field}: unknown audio format {declared!r}: send one of "
+                                       f"{', '.join(AUDIO_FORMATS)}", f"{field}.format")
     try:
-        with wave.open(io.BytesIO(data)) as w:
-            rate = w.getframerate()
-    except (wave.Error, EOFError) as e:  # not PCM WAV: vLLM's decoder (soundfile) reads other codings
-        if isinstance(e, EOFError) or "unknown format" not in str(e):
-            raise HiddenStatesRequestError(f"{field}: the data is not a readable WAV file ({e})", field) from None
-        return
-    if rate != AUDIO_RATE:
+        with soundfile.SoundFile(io.BytesIO(data)) as f:
+            rate, frames, kind = f.samplerate, f.frames, f.format
+            f.read(1, dtype="float32")
+    except Exception as e:  # noqa: BLE001 - libsndfile's errors (unknown format, truncated, corrupt)
         raise HiddenStatesRequestError(
-            f"{field}: the clip is sampled at {rate} Hz; this server takes {AUDIO_RATE} Hz audio (the engine "
-            "cannot resample: torchaudio is not installed); resample it before sending", field)
+            f"{field}: the data is not a readable audio file ({str(e).strip() or type(e).__name__}): send "
+            f"{', '.join(f.upper() for f in AUDIO_FORMATS)}", field) from None
+    if frames == 0:
+        raise HiddenStatesRequestError(f"{field}: the {kind} clip has no samples", field)
+    if not AUDIO_RATES[0] <= rate <= AUDIO_RATES[1]:
+        raise HiddenStatesRequestError(
+            f"{field}: the clip is sampled at {rate} Hz; this server resamples clips of {AUDIO_RATES[0]} to "
+            f"{AUDIO_RATES[1]} Hz", field)
 
 
 def _too_large(field: str, modality: str, size: int, max_bytes: int) -> HiddenStatesRequestError:

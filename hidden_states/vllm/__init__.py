@@ -134,6 +134,13 @@ Ledger of patched points (supported: vLLM {SUPPORTED}):
    size). Counts: `vllm.compilation.counter.compilation_counter` and dynamo's
    `counters`. Remove when vLLM returns chosen layers from the compiled forward
    (RFC #48743).
+17. Audio at any rate: `vllm.multimodal.audio.AudioResampler.__init__` is wrapped
+   at class level in the frontend process (frontend/audio.py, from
+   `HiddenStatesEngine.start`) so that vLLM's default method, torchaudio's (not
+   installed on the CPU engine), becomes soxr's (`resample_audio_soxr`, vLLM's own)
+   on every machine; a method a model's processor names stays. Remove when vLLM's
+   default resampler needs no optional package, or keep for one resampler on every
+   machine.
 """
 
 from __future__ import annotations

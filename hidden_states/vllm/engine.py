@@ -174,6 +174,10 @@ class HiddenStatesEngine(VectorObservers):
         os.environ.update(ENGINE_ENV)  # inherited by the engine-core process
         from vllm.engine.arg_utils import AsyncEngineArgs
 
+        from hidden_states.vllm.frontend.audio import patch_audio_resampler
+
+        patch_audio_resampler()  # audio at any rate, resampled by soxr in this process (ledger point 17)
+
         engine_args = with_defaults(engine_args, enable_return_hidden_states, on_cpu())
         if enable_return_hidden_states:
             refuse(engine_args)  # engine arguments hidden states cannot serve, named (engine_args.py)

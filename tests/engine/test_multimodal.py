@@ -337,16 +337,86 @@ def wav_clip(seconds: float, freq: float, rate: int = 16000) -> tuple[bytes, np.
 
 
 @pytest.fixture(scope="module")
-def audio_engine(loop_thread):
+def media_dir(tmp_path_factory):
+    """The audio engine's allowed_local_media_path: file: URLs are read from here."""
+    return tmp_path_factory.mktemp("media")
+
+
+@pytest.fixture(scope="module")
+def audio_engine(loop_thread, media_dir):
     """The built-in tiny Qwen2-Audio (hidden_states/models/audio.py): one engine for the module."""
     from hidden_states.models.builtin import resolve_model
     from hidden_states.vllm.engine import HiddenStatesEngine
 
     folder = resolve_model("builtin:tiny-qwen2-audio")
-    eng = loop_thread.run(HiddenStatesEngine.start("builtin:tiny-qwen2-audio",
+    eng = loop_thread.run(HiddenStatesEngine.start("builtin:tiny-qwen2-audio", allowed_local_media_path=str(media_dir),
                                                    **{**ENGINE_ARGS, "limit_mm_per_prompt": {"audio": 1}}))
     yield folder, eng, loop_thread.run(eng.openai("vlm", "r0"))
     eng.shutdown()
+
+
+def encoded_clip(rate: int, fmt: str, seconds: float = 1.0, freq: float = 440.0) -> bytes:
+    """A mono tone with noise, written by soundfile (libsndfile) as `fmt` (wav, flac or mp3) at `rate`."""
+    import soundfile
+
+    t = np.arange(int(rate * seconds)) / rate
+    x = 0.5 * np.sin(2 * np.pi * freq * t) + 0.05 * np.random.default_rng(rate).standard_normal(t.size)
+    buf = io.BytesIO()
+    soundfile.write(buf, np.clip(x, -1, 1).astype(np.float32), rate, format=fmt.upper(),
+                    subtype={"wav": "PCM_16", "flac": "PCM_16", "mp3": "MPEG_LAYER_III"}[fmt])
+    return buf.getvalue()
+
+
+def resampled_reference(data: bytes) -> np.ndarray:
+    """The clip as the reference hears it: decoded by soundfile (float32, mono), resampled to 16 kHz by
+    soxr (libsoxr, its default quality), independent of the server's code."""
+    import soundfile
+    import soxr
+
+    y, rate = soundfile.read(io.BytesIO(data), dtype="float32", always_2d=True)
+    return soxr.resample(y.mean(axis=1), rate, 16000).astype(np.float32)
+
+
+@pytest.mark.parametrize("rate", [8000, 22050, 44100, 48000])
+@pytest.mark.parametrize("fmt", ["wav", "flac", "mp3"])
+def test_audio_at_any_rate_and_format_is_transformers_on_the_resampled_clip(audio_engine, loop_thread, rate, fmt):
+    """input_audio at 8, 22.05, 44.1 and 48 kHz as WAV, FLAC and mp3: the server resamples with soxr
+    (ledger point 17) and every row equals transformers' on the same decoded, resampled samples."""
+    from tests.vlm_ref import reference_audio_hidden_states
+
+    folder, eng, fe = audio_engine
+    data = encoded_clip(rate, fmt)
+    messages = [{"role": "user", "content": [
+        {"type": "input_audio", "input_audio": {"data": base64.b64encode(data).decode(), "format": fmt}},
+        {"type": "text", "text": "What is this sound?"}]}]
+    status, out = loop_thread.run(chat(fe, messages, return_hidden_states=True, hidden_states_position="all"))
+    assert status == 200, out
+    ch = out["choices"][0]
+    (span,) = ch["hidden_states_meta"]["modalities"]
+    assert span["modality"] == "audio" and span["end"] - span["start"] == 25, span  # 1 s at 16 kHz: 25 tokens
+    ref = reference_audio_hidden_states(folder, out["prompt_token_ids"] + ch["token_ids"],
+                                        [resampled_reference(data)])[-1]
+    assert_close(ch["hidden_states"], ref)
+
+
+def test_audio_url_data_and_file_urls_are_the_same_clip(audio_engine, loop_thread, media_dir):
+    """audio_url as a data URL and as a file: URL under allowed_local_media_path: the same rows as the
+    same bytes sent as input_audio."""
+    folder, eng, fe = audio_engine
+    data = encoded_clip(44100, "flac", freq=660.0)
+    (media_dir / "clip.flac").write_bytes(data)
+    rows = {}
+    for name, part in (
+            ("input_audio", {"type": "input_audio", "input_audio": {"data": base64.b64encode(data).decode(),
+                                                                    "format": "flac"}}),
+            ("data url", {"type": "audio_url", "audio_url": {"url": "data:audio/flac;base64,"
+                                                                   + base64.b64encode(data).decode()}}),
+            ("file url", {"type": "audio_url", "audio_url": {"url": (media_dir / "clip.flac").as_uri()}})):
+        status, out = loop_thread.run(chat(fe, [{"role": "user", "content": [part, {"type": "text", "text": "Hi"}]}],
+                                           return_hidden_states=True))
+        assert status == 200, (name, out)
+        rows[name] = out["choices"][0]["hidden_states"]
+    assert rows["data url"] == rows["input_audio"] and rows["file url"] == rows["input_audio"]
 
 
 def test_a_chat_with_audio_returns_its_rows_exact_and_the_extraction_step_hears_the_same_clip(audio_engine,

@@ -29,7 +29,7 @@ NOT_IMPORTED = {
     "accelerate": "transformers needs it to load the GGUF model (the same check)",
     "pytest-timeout": "a pytest plugin, used through `timeout` in [tool.pytest.ini_options]",
     "ninja": "torch.utils.cpp_extension's build driver, for tests/toploc_ref.py",
-    "soundfile": "vLLM decodes input_audio parts with it (torchcodec, its first choice, is removed at set-up)",
+    "soxr": "vLLM resamples audio with it (hidden_states/vllm/frontend/audio.py names the method; vLLM imports it)",
 }
 # The code, the dependency groups it may import from, and the groups it must use.
 SCOPES = {

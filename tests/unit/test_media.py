@@ -133,7 +133,7 @@ def test_images_vllm_reads_pass(fmt, mime):
     media.check_media(chat(image_part(data_url(data, mime))), max_media_bytes=LIMIT, remote_media=False)
 
 
-def test_audio_passes_without_being_decoded_and_other_forms_vllm_takes_pass():
+def test_good_audio_and_other_forms_vllm_takes_pass():
     ok = chat(audio_part(WAV_B64), audio_part(WAV_B64, "mp3"),
               {"type": "audio_url", "audio_url": {"url": "data:audio/wav;base64," + WAV_B64}},
               {"image_url": data_url(PNG)},  # vLLM's typeless form: the url as a string
@@ -181,18 +181,51 @@ def test_the_size_limit_is_per_part_and_inclusive():
 
     for size in (1, 2, 3, 4, 5, 6):  # every padding: the size checked before decoding is the decoded size
         data = base64.b64encode(b"\1" * size).decode()
-        media.check_media(chat(audio_part(data, "mp3")), max_media_bytes=size, remote_media=False)
+        # at the limit the size passes, and the bytes are then read as audio (and are not audio)
+        assert "not a readable audio file" in str(refused(chat(audio_part(data, "mp3")), max_media_bytes=size))
         err = refused(chat(audio_part(data, "mp3")), max_media_bytes=size - 1 or 1) if size > 1 else None
         assert err is None or (err.param == "messages[1].content[1].input_audio" and f"is {size} bytes" in str(err))
 
 
-@pytest.mark.skipif(media._RESAMPLES, reason="torchaudio is installed: vLLM resamples any rate")
-def test_a_wav_clip_at_another_rate_than_16_khz_is_refused_where_the_engine_cannot_resample():
-    err = refused(chat(audio_part(base64.b64encode(wav(22050)).decode())))
-    assert err.param == "messages[1].content[1].input_audio" and "22050 Hz" in str(err) and "16000 Hz" in str(err)
-    err = refused(chat(audio_part(base64.b64encode(b"RIFF\x24\x00\x00\x00WAVEfmt ").decode())))
-    assert "not a readable WAV file" in str(err), err
-    media.check_media(chat(audio_part(WAV_B64)), max_media_bytes=2**20)
+def clip(rate: int, fmt: str, seconds: float = 0.05, channels: int = 1) -> str:
+    import numpy as np
+    import soundfile
+
+    buf = io.BytesIO()
+    x = 0.3 * np.sin(np.arange(int(rate * seconds)) * 0.1)
+    soundfile.write(buf, np.stack([x] * channels, axis=1).astype("float32"), rate, format=fmt.upper(),
+                    subtype={"wav": "PCM_16", "flac": "PCM_16", "mp3": "MPEG_LAYER_III", "ogg": "VORBIS"}[fmt])
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+@pytest.mark.parametrize("fmt", ["wav", "flac", "mp3", "ogg"])
+@pytest.mark.parametrize("rate", [8000, 22050, 44100, 48000])
+def test_audio_at_any_rate_in_every_format_vllm_decodes_passes(fmt, rate):
+    data = clip(rate, fmt, channels=2 if rate == 44100 else 1)
+    media.check_media(chat(audio_part(data, fmt)), max_media_bytes=LIMIT, remote_media=False)
+    media.check_media(chat({"type": "audio_url", "audio_url": {"url": f"data:audio/{fmt};base64,{data}"}}),
+                      max_media_bytes=LIMIT, remote_media=False)
+
+
+@pytest.mark.parametrize("data, fmt, param, words", [
+    (base64.b64encode(b"RIFF\x24\x00\x00\x00WAVEfmt ").decode(), "wav", "input_audio", ["not a readable audio file"]),
+    (base64.b64encode(b"ID3 this is no mp3 at all" * 4).decode(), "mp3", "input_audio", ["not a readable audio file"]),
+    (base64.b64encode(base64.b64decode(clip(16000, "flac", 0.5))[:60]).decode(), "flac", "input_audio",
+     ["not a readable audio file"]),  # a FLAC cut inside its header
+    (base64.b64encode(wav(16000, 0.0)).decode(), "wav", "input_audio", ["has no samples"]),
+    (base64.b64encode(wav(500, 0.1)).decode(), "wav", "input_audio", ["500 Hz", "1000 to 384000 Hz"]),
+    (WAV_B64, "aiff", "input_audio.format", ["unknown audio format 'aiff'", "wav, flac, mp3, ogg"]),
+])
+def test_bad_audio_is_refused_naming_the_part(data, fmt, param, words):
+    err = refused(chat(audio_part(data, fmt)))
+    assert err.param == f"messages[1].content[1].{param}", err.param
+    assert all(w in str(err) for w in words), str(err)
+
+
+def test_a_bad_audio_data_url_is_refused_naming_the_part():
+    err = refused(chat({"type": "audio_url", "audio_url": {"url": "data:audio/wav;base64," +
+                                                                  base64.b64encode(b"not audio").decode()}}))
+    assert err.param == "messages[1].content[1].audio_url" and "not a readable audio file" in str(err)
 
 
 def test_a_payload_above_the_limit_is_not_decoded(monkeypatch):
