@@ -146,6 +146,9 @@ class HiddenStatesCollector:
     rows_wanted: bool = True  # False: heads alone, no rows travel
     steering: list = dataclasses.field(default_factory=list)  # protocol.SteerEntry, not anchored: what the workers add
     steering_echo: list = dataclasses.field(default_factory=list)  # what hidden_states_meta.steering says
+    # A chat with media: renders its messages again (a coroutine function -> the engine input), for an
+    # extraction step whose items the engine core's processor cache evicted (extraction.Origin.resend)
+    rerender: Any = None
 
     @classmethod
     def of(cls, tag: str, spec: Any, layers: tuple[int, ...], heads: tuple[tuple[str, int], ...] = (),

@@ -51,7 +51,15 @@ def model_inputs(model_dir: str, token_ids: Sequence[int], images: Sequence,
         assert per_image * len(images) == n and per_image > 0, f"{n} image tokens for {len(images)} images"
     if bidirectional_images and model.config.model_type == "gemma3":
         inputs["token_type_ids"] = (ids == model.config.image_token_id).long()
+    if model.config.model_type in MROPE_FAMILIES:
+        # Qwen-VL's 3-D rotary positions (M-RoPE) are computed from these: which tokens are an image's
+        # (1) or a video's (2), as the family's own processor marks them; without them transformers
+        # positions every token as text
+        inputs["mm_token_type_ids"] = torch.tensor(processor.create_mm_token_type_ids(ids.tolist()))
     return inputs
+
+
+MROPE_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 
 
 def reference_forward(model_dir, token_ids: Sequence[int], images: Sequence = (), completion_ids: Sequence[int] = (),

@@ -170,7 +170,68 @@ def write_llava(out: Path) -> None:
     _vision_model_layout(out)
 
 
+# Qwen2-VL's and Qwen2.5-VL's own chat template (their hub tokenizer_config.json), whitespace as there.
+QWEN_VL_CHAT_TEMPLATE = (
+    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
+    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}<|im_start|>system\n"
+    "You are a helpful assistant.<|im_end|>\n{% endif %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n{% else %}"
+    "{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
+    "{% set image_count.value = image_count.value + 1 %}{% if add_vision_id %}Picture {{ image_count.value }}: "
+    "{% endif %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'video' or 'video' in content %}{% set video_count.value = video_count.value + 1 %}"
+    "{% if add_vision_id %}Video {{ video_count.value }}: {% endif %}<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def write_qwen2_5_vl(out: Path) -> None:
+    """Qwen2_5_VLForConditionalGeneration: a 2-block vision tower (14 px patches, 2x2 merged: a 56 px
+    image is 4 tokens; window attention in block 0, full in block 1) and a 2-layer Qwen2 text model
+    (hidden 128, head_dim 64) with M-RoPE (3-D positions: time, height, width; mrope_section 16/8/8);
+    the family's processor (Qwen2VLImageProcessor, Qwen2_5_VLProcessor) and chat template."""
+    import torch
+    from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLProcessor,
+                              Qwen2VLImageProcessor, Qwen2VLVideoProcessor)
+
+    specials = {"image_token": "<|image_pad|>", "video_token": "<|video_pad|>",
+                "vision_start_token": "<|vision_start|>", "vision_end_token": "<|vision_end|>"}
+    tok = _tokenizer({**specials, "im_start": "<|im_start|>", "im_end": "<|im_end|>"})
+    ids = {k: tok.convert_tokens_to_ids(v) for k, v in specials.items()}
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    text = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 2,
+            "num_key_value_heads": 1, "vocab_size": len(tok), "max_position_embeddings": 4096,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [16, 8, 8]},
+            "bos_token_id": tok.bos_token_id, "eos_token_id": eos, "pad_token_id": None, "tie_word_embeddings": False}
+    vision = {"depth": 2, "hidden_size": 64, "intermediate_size": 128, "num_heads": 2, "patch_size": 14,
+              "spatial_merge_size": 2, "temporal_patch_size": 2, "window_size": 56, "fullatt_block_indexes": [1],
+              "out_hidden_size": 128, "tokens_per_second": 2}
+    config = Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=ids["image_token"],
+                              video_token_id=ids["video_token"], vision_start_token_id=ids["vision_start_token"],
+                              vision_end_token_id=ids["vision_end_token"], tie_word_embeddings=False,
+                              torch_dtype="float32")
+    torch.manual_seed(0)
+    model = Qwen2_5_VLForConditionalGeneration(config).eval()
+    _randomize(model)
+    pixels = {"min_pixels": 56 * 56, "max_pixels": 112 * 112}
+    image_processor = Qwen2VLImageProcessor(patch_size=14, merge_size=2, temporal_patch_size=2, size={
+        "shortest_edge": pixels["min_pixels"], "longest_edge": pixels["max_pixels"]}, **pixels)
+    video_processor = Qwen2VLVideoProcessor(patch_size=14, merge_size=2, temporal_patch_size=2, size={
+        "shortest_edge": pixels["min_pixels"], "longest_edge": 4 * pixels["max_pixels"]})
+    tok.eos_token = "<|im_end|>"
+    processor = Qwen2_5_VLProcessor(image_processor=image_processor, tokenizer=tok, video_processor=video_processor,
+                                    chat_template=QWEN_VL_CHAT_TEMPLATE)
+    model.generation_config.eos_token_id = eos
+    model.save_pretrained(out, safe_serialization=True)
+    processor.save_pretrained(out)
+    tok.chat_template = QWEN_VL_CHAT_TEMPLATE
+    tok.save_pretrained(out)
+
+
 VLM_MODELS: dict[str, Callable[[Path], None]] = {
     "tiny-gemma3-vlm": write_gemma3,
     "tiny-llava": write_llava,
+    "tiny-qwen2.5-vl": write_qwen2_5_vl,
 }

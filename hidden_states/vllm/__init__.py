@@ -153,7 +153,8 @@ __doc__ = __doc__.replace("{SUPPORTED}", ", ".join(v + "x" for v in SUPPORTED_VL
 SUPPORTED_LAYER_ARCHS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM",
                          "GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM",
                          # vision-language models' text stacks (tests/engine/test_multimodal.py)
-                         "Gemma3ForConditionalGeneration", "LlavaForConditionalGeneration")
+                         "Gemma3ForConditionalGeneration", "LlavaForConditionalGeneration",
+                         "Qwen2_5_VLForConditionalGeneration")
 WORKER_EXTENSION = "hidden_states.vllm.worker.extension.HiddenStatesWorkerExtension"
 ENGINE_ENV = {"VLLM_USE_V2_MODEL_RUNNER": "0"}
 

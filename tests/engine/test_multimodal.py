@@ -1,7 +1,9 @@
-"""Images and prompt embeddings in, vectors out: real vLLM on the built-in tiny VLMs of two families
-(Gemma 3: SigLIP + Gemma 3 text; LLaVA: CLIP + Llama; hidden_states/models/vlm.py), through vLLM's
-own chat serving (the replica's frontend), checked against transformers on the same processor
-outputs and the returned token ids (tests/vlm_ref.py), relative 1e-5 in float32.
+"""Images and prompt embeddings in, vectors out: real vLLM on the built-in tiny VLMs of three families
+(Gemma 3: SigLIP + Gemma 3 text; LLaVA: CLIP + Llama; Qwen2.5-VL: its window-attention ViT + Qwen2
+text with M-RoPE, 3-D rotary positions; hidden_states/models/vlm.py), through vLLM's own chat
+serving (the replica's frontend), checked against transformers on the same processor outputs and
+the returned token ids (tests/vlm_ref.py; Qwen2.5-VL's with the processor's `mm_token_type_ids`,
+from which transformers positions the image tokens), relative 1e-5 in float32.
 
 Gemma 3's reference runs every token causally: vLLM 0.32's CPU attention does not implement Gemma 3's
 bidirectional attention among an image's tokens (flash-attention only), so the CPU engine computes
@@ -20,7 +22,7 @@ import pytest
 
 from tests.conftest import TEST_ENGINE_ARGS, TEST_MODEL
 
-FAMILIES = ("builtin:tiny-gemma3-vlm", "builtin:tiny-llava")
+FAMILIES = ("builtin:tiny-gemma3-vlm", "builtin:tiny-llava", "builtin:tiny-qwen2.5-vl")
 ENGINE_ARGS = {**TEST_ENGINE_ARGS, "max_model_len": 1024, "limit_mm_per_prompt": {"image": 2}}
 REL_TOL = 1e-5
 
@@ -337,22 +339,21 @@ def wav_clip(seconds: float, freq: float, rate: int = 16000) -> tuple[bytes, np.
 
 
 @pytest.fixture(scope="module")
-def media_dir(tmp_path_factory):
-    """The audio engine's allowed_local_media_path: file: URLs are read from here."""
-    return tmp_path_factory.mktemp("media")
-
-
-@pytest.fixture(scope="module")
 def audio_engine(loop_thread, media_dir):
     """The built-in tiny Qwen2-Audio (hidden_states/models/audio.py): one engine for the module."""
     from hidden_states.models.builtin import resolve_model
     from hidden_states.vllm.engine import HiddenStatesEngine
 
     folder = resolve_model("builtin:tiny-qwen2-audio")
+    # A processor cache that holds one processed 1 s clip: a second clip evicts the first
     eng = loop_thread.run(HiddenStatesEngine.start("builtin:tiny-qwen2-audio", allowed_local_media_path=str(media_dir),
+                                                   mm_processor_cache_gb=ONE_CLIP_GB,
                                                    **{**ENGINE_ARGS, "limit_mm_per_prompt": {"audio": 1}}))
     yield folder, eng, loop_thread.run(eng.openai("vlm", "r0"))
     eng.shutdown()
+
+
+ONE_CLIP_GB = 300 / 1024**2  # 300 KiB: a processed 1 s clip is 204 KB (its features cropped to its length)
 
 
 def encoded_clip(rate: int, fmt: str, seconds: float = 1.0, freq: float = 440.0) -> bytes:
@@ -447,3 +448,40 @@ def test_a_chat_with_audio_returns_its_rows_exact_and_the_extraction_step_hears_
     messages[0]["content"][0]["input_audio"]["data"] = base64.b64encode(other).decode()
     assert loop_thread.run(chat(fe, messages, return_hidden_states=True))[1]["choices"][0]["hidden_states"] != \
         tail["hidden_states"]
+
+
+def test_an_item_evicted_from_the_processor_cache_is_sent_again_never_a_500(audio_engine, loop_thread):
+    """The engine's processor cache holds one clip. A chat about clip A; the same chat again, whose A now
+    travels as its hash alone (vLLM's frontend sent it before), with a stop string, so its final row
+    comes from an extraction step; and just before that step, a chat about clip B, which evicts A from
+    the engine core's cache (the step is entered through our own method, which runs B's chat first).
+    The core refuses the step's hash; the step renders the messages again and sends A with its data:
+    a 200, its vector the tail step's bit for bit, counted in `media_resent`."""
+    folder, eng, fe = audio_engine
+
+    def about_clip(freq: float) -> list[dict]:
+        data = base64.b64encode(encoded_clip(16000, "wav", freq=freq)).decode()
+        return [{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": data, "format": "wav"}},
+                                             {"type": "text", "text": "And this one?"}]}]
+
+    status, tail = loop_thread.run(chat(fe, about_clip(300.0), return_hidden_states=True))
+    assert status == 200 and tail["choices"][0]["hidden_states_meta"]["via"] == "tail", tail
+    step = eng.extraction.extract_rows
+
+    async def evict_first(*args, **kwargs):
+        status, out = await chat(fe, about_clip(950.0), max_tokens=1)
+        assert status == 200, out
+        return await step(*args, **kwargs)
+
+    before = loop_thread.run(eng.stats())["media_resent"]
+    eng.extraction.extract_rows = evict_first
+    try:
+        status, out = loop_thread.run(chat(fe, about_clip(300.0), return_hidden_states=True,
+                                           stop=["never in this text"]))
+    finally:
+        del eng.extraction.extract_rows
+    assert status == 200, out
+    ch = out["choices"][0]
+    assert ch["hidden_states_meta"]["via"] == "extraction" and ch["token_ids"] == tail["choices"][0]["token_ids"]
+    assert ch["hidden_states"] == tail["choices"][0]["hidden_states"]
+    assert loop_thread.run(eng.stats())["media_resent"] == before + 1

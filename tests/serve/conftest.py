@@ -136,12 +136,14 @@ APPS = {
     # the two built-in VLM families (hidden_states/models/vlm.py), 1 replica each, two images a prompt at most
     "hs-gemma3-vlm": ("/gemma3-vlm", lambda: vlm_args("builtin:tiny-gemma3-vlm")),
     "hs-llava": ("/llava", lambda: vlm_args("builtin:tiny-llava")),
+    "hs-qwen-vl": ("/qwen-vl", lambda: vlm_args("builtin:tiny-qwen2.5-vl")),
 }
 # Tests run grouped by the app they use (tests/conftest.py orders them), so each app
 # deploys once; any order still works, only slower.
 APP_FIXTURES = {"serve_app": APP, "client": APP, "off_app": "hs-off", "guarded_app": "hs-guarded",
                 "fault_app": "hs-fault", "lora_app": "hs-lora", "tp2_app": "hs-tp2",
-                "spec_app": "hs-spec", "gemma3_vlm_app": "hs-gemma3-vlm", "llava_app": "hs-llava"}
+                "spec_app": "hs-spec", "gemma3_vlm_app": "hs-gemma3-vlm", "llava_app": "hs-llava",
+                "qwen_vl_app": "hs-qwen-vl"}
 
 
 class AppSlot:
@@ -252,6 +254,12 @@ def gemma3_vlm_app(app_slot) -> str:
 def llava_app(app_slot) -> str:
     """One engine replica serving the built-in tiny LLaVA, behind a Router."""
     return app_slot.use("hs-llava")
+
+
+@pytest.fixture
+def qwen_vl_app(app_slot) -> str:
+    """One engine replica serving the built-in tiny Qwen2.5-VL (M-RoPE), behind a Router."""
+    return app_slot.use("hs-qwen-vl")
 
 
 @pytest.fixture

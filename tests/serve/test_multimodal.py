@@ -1,5 +1,5 @@
 """Chats with images through the real app (`serve.run` of deployments/app.py, as `serve run` does),
-over HTTP with the openai client and over a Python handle, on the two built-in VLM families: every
+over HTTP with the openai client and over a Python handle, on the three built-in VLM families: every
 vector and row exact against transformers on the same processor outputs and the returned token ids
 (tests/vlm_ref.py), streamed with n=2 too; bad media refused by name while the app keeps serving."""
 
@@ -14,7 +14,8 @@ import pytest
 from tests.engine.test_multimodal import REL_TOL, about, image
 from tests.serve.conftest import decode_vector
 
-APPS = {"gemma3_vlm_app": ("builtin:tiny-gemma3-vlm", "hs-gemma3-vlm"), "llava_app": ("builtin:tiny-llava", "hs-llava")}
+APPS = {"gemma3_vlm_app": ("builtin:tiny-gemma3-vlm", "hs-gemma3-vlm"), "llava_app": ("builtin:tiny-llava", "hs-llava"),
+        "qwen_vl_app": ("builtin:tiny-qwen2.5-vl", "hs-qwen-vl")}
 
 
 def folder_of(model: str) -> str:
@@ -105,6 +106,15 @@ def test_llava_chats_with_images_over_http_and_a_handle(llava_app):
     chat_over_http(llava_app, model, served_name(llava_app))
     chat_over_a_handle(app, model)
     refuses_bad_media_and_keeps_serving(llava_app, served_name(llava_app))
+
+
+def test_qwen_vl_chats_with_images_over_http_and_a_handle(qwen_vl_app):
+    """Qwen2.5-VL: M-RoPE positions through Serve, tail and streamed, against transformers given the
+    processor's mm_token_type_ids."""
+    model, app = APPS["qwen_vl_app"]
+    chat_over_http(qwen_vl_app, model, served_name(qwen_vl_app))
+    chat_over_a_handle(app, model)
+    refuses_bad_media_and_keeps_serving(qwen_vl_app, served_name(qwen_vl_app))
 
 
 def test_an_image_sent_to_a_text_model_is_refused_by_name(client, serve_app):

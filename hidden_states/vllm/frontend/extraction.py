@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -28,6 +29,7 @@ from hidden_states.protocol import (COLLECTOR_TAG_KEY, HEADS_KEY, ROWS_KEY, STEE
                                     HiddenStatesProtocolError)
 
 _FAILED = ("abort", "error")
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,9 +44,12 @@ class Origin:
     mm: Any = None  # (mm_kwargs, mm_hashes, mm_placeholders) of a multimodal prompt
     embeds: Any = None  # a prompt_embeds prompt's embeddings [P, D] (torch)
     steering: Any = None  # the request's steering (extra_args[STEER_KEY]): the step is steered the same
+    # Renders the request's messages again (a coroutine function -> its engine input); set where some
+    # item travels as its hash alone (`by_hash`), which the engine core's processor cache may evict
+    rerender: Any = None
 
     @staticmethod
-    def of(prompt: Any, kwargs: dict, params: Any = None) -> "Origin":
+    def of(prompt: Any, kwargs: dict, params: Any = None, rerender: Any = None) -> "Origin":
         salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
         steering = (getattr(params, "extra_args", None) or {}).get(STEER_KEY)
         mm = embeds = None
@@ -52,8 +57,26 @@ class Origin:
             mm = (prompt["mm_kwargs"], prompt["mm_hashes"], prompt["mm_placeholders"])
         elif isinstance(prompt, dict) and prompt.get("type") == "embeds":
             embeds = prompt["prompt_embeds"]
-        return Origin(kwargs.get("lora_request"), salt, int(kwargs.get("priority") or 0), mm, embeds,
-                      steering)
+        origin = Origin(kwargs.get("lora_request"), salt, int(kwargs.get("priority") or 0), mm, embeds, steering)
+        return dataclasses.replace(origin, rerender=rerender) if origin.by_hash() else origin
+
+    def by_hash(self) -> bool:
+        """Whether an item travels as its hash alone (vLLM's frontend sent it before: the engine core's
+        processor cache fills it in, unless it evicted it since)."""
+        return self.mm is not None and any(item is None for items in self.mm[0].values() for item in items)
+
+    async def resend(self) -> "Origin | None":
+        """This origin with every item's data: the messages rendered again (vLLM's frontend dropped the
+        hashes the core reported missing, so it sends their data now); None if that cannot be done or
+        gives other placeholders."""
+        if self.rerender is None:
+            return None
+        prompt = await self.rerender()
+        if not (isinstance(prompt, dict) and prompt.get("type") == "multimodal") \
+                or prompt["mm_hashes"] != self.mm[1] or prompt["mm_placeholders"] != self.mm[2]:
+            return None
+        return dataclasses.replace(self, mm=(prompt["mm_kwargs"], prompt["mm_hashes"], prompt["mm_placeholders"]),
+                                   rerender=None)
 
     def prompt(self, token_ids: Sequence[int], cache_salt: str | None) -> dict:
         """The engine input of an extraction step over `token_ids` (the prompt's, then the completion's):
@@ -142,7 +165,8 @@ def make_async_llm_class():
             if not prompt_end and collector.captures:
                 sampling_params = hs._leave_room_for_extraction(prompt, sampling_params)
             key = uuid.uuid4().hex
-            ordinal, origin = prompt_ordinal(request_id), Origin.of(prompt, kwargs, sampling_params)
+            ordinal = prompt_ordinal(request_id)
+            origin = Origin.of(prompt, kwargs, sampling_params, collector.rerender)
             if collector.captures:
                 prompt, sampling_params = hs._flag(collector, prompt, sampling_params, key)
             collector.prompt_lens[ordinal] = prompt_length(prompt)
@@ -203,6 +227,7 @@ class Extraction:
         self.extractions = 0
         self.extraction_tokens = 0
         self.extraction_cached_tokens = 0
+        self.media_resent = 0  # extraction steps that sent their media again (evicted from the processor cache)
         self.tails = 0  # vectors from tail steps (one computed position each)
         self.missing_vectors = 0  # choices that finished without their vector (each failed its request)
         self.timeouts = 0  # extraction steps that did not finish within extraction_timeout_s
@@ -211,7 +236,8 @@ class Extraction:
 
     def counts(self) -> dict[str, Any]:
         return {"extractions": self.extractions, "extraction_tokens": self.extraction_tokens,
-                "extraction_cached_tokens": self.extraction_cached_tokens, "missing_vectors": self.missing_vectors,
+                "extraction_cached_tokens": self.extraction_cached_tokens, "media_resent": self.media_resent,
+                "missing_vectors": self.missing_vectors,
                 "timeouts": self.timeouts, "tail_enabled": self.tail_enabled, "tails": self.tails,
                 "pending": self.pending(),  # engine requests whose rows may still come
                 "malformed_vectors": self.malformed_vectors, "late_rows": self.late_rows}
@@ -416,7 +442,6 @@ class Extraction:
         a prefix-cache hit would skip some."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
-        from vllm.v1.engine.async_llm import AsyncLLM
 
         total, lo = len(token_ids), min(positions)
         key = uuid.uuid4().hex
@@ -429,29 +454,49 @@ class Extraction:
         salt = origin.cache_salt
         if cache.enable_prefix_caching and lo < (total - 1) // cache.block_size * cache.block_size:
             salt = f"hs-{key}"
-        prompt = origin.prompt(token_ids, salt)
-        step = HiddenStatesCollector(f"step-{key}", tuple(layers), dtype=dtype, topk=topk, heads=tuple(heads),
-                                     rows_wanted=bool(layers))  # the step's own state
-        t0, cached = time.perf_counter(), 0
-        self.engine_request(step, key, 0)
-        try:
-            async with asyncio.timeout(self.extraction_timeout_s):
-                async for out in AsyncLLM.generate(self.llm, prompt, params, f"hs-{key}",
-                                                  lora_request=origin.lora_request,
-                                                  priority=origin.priority + self.extraction_priority):
-                    cached = out.num_cached_tokens or 0
-        except TimeoutError:
-            raise self._timed_out(total) from None
-        finally:
-            self.engine_request_ended(step, key)
-        merged = RowBatch.merge([b for batches in step.rows.values() for b in batches])
         want = np.asarray(sorted(positions), dtype=np.int64)
-        if merged is None or not np.isin(want, merged.positions).all():
-            raise self.missing(f"the extraction step of {len(want)} position(s) of a sequence of {total} tokens")
+        t0 = time.perf_counter()
+        while True:
+            merged, cached = await self._prefill(token_ids, origin, params, key, salt, layers, dtype, topk, heads)
+            if merged is not None and np.isin(want, merged.positions).all():
+                break
+            # An item sent as its hash alone, evicted from the engine core's processor cache since the
+            # request ran: vLLM fails the step and drops the hash; the items go again, with their data.
+            resent = await origin.resend() if origin.by_hash() else None
+            if resent is None:
+                raise self.missing(f"the extraction step of {len(want)} position(s) of a sequence of {total} tokens")
+            logger.warning("extraction step %s: a media item was no longer in the engine core's processor cache; "
+                           "sending the items again", key)
+            self.media_resent += 1
+            origin, key = resent, uuid.uuid4().hex
+            params = params.clone()
+            params.extra_args = {**params.extra_args, **HiddenStatesExtractionRequest(
+                key=key, span=[lo, total, 1], layers=list(layers), dtype=dtype, topk=topk or 0,
+                heads=[list(h) for h in heads]).to_extra_args()}
         self.extractions += 1
         self.extraction_tokens += total
         self.extraction_cached_tokens += cached
         return merged.select(np.isin(merged.positions, want)), ExtractionStats(total, cached, time.perf_counter() - t0)
+
+    async def _prefill(self, token_ids, origin: Origin, params, key: str, salt, layers, dtype, topk, heads):
+        """One prefill of `token_ids` as `origin`'s input: (the rows it captured merged, or None; its cached tokens)."""
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        step = HiddenStatesCollector(f"step-{key}", tuple(layers), dtype=dtype, topk=topk, heads=tuple(heads),
+                                     rows_wanted=bool(layers))  # the step's own state
+        cached = 0
+        self.engine_request(step, key, 0)
+        try:
+            async with asyncio.timeout(self.extraction_timeout_s):
+                async for out in AsyncLLM.generate(self.llm, origin.prompt(token_ids, salt), params, f"hs-{key}",
+                                                  lora_request=origin.lora_request,
+                                                  priority=origin.priority + self.extraction_priority):
+                    cached = out.num_cached_tokens or 0
+        except TimeoutError:
+            raise self._timed_out(len(token_ids)) from None
+        finally:
+            self.engine_request_ended(step, key)
+        return RowBatch.merge([b for batches in step.rows.values() for b in batches]), cached
 
     async def extract_one(self, token_ids: Sequence[int], origin: Origin = Origin()) -> tuple[np.ndarray, ExtractionStats]:
         """The last-layer hidden state of the final token of `token_ids` (float32 [D])."""

@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import json
 import logging
 import uuid
@@ -136,6 +137,9 @@ class OpenAIFrontend:
             # The tag rides in vllm_xargs -> SamplingParams.extra_args of every engine
             # request vLLM makes for this request.
             request.vllm_xargs = {**(request.vllm_xargs or {}), COLLECTOR_TAG_KEY: collector.tag}
+            if route == "chat/completions":  # its media, rendered again if the processor cache lost them
+                messages = list(request.messages)
+                collector.rerender = functools.partial(self.engine.chat_input, messages)
             adapter = request.model if request.model in self.engine.adapters else None
             choices = ChoiceVectors(self.engine, collector, request, route, self.replica_id, adapter)
             async for part in self._serve(serving, route, request, collector, choices):
