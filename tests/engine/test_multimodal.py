@@ -186,7 +186,10 @@ def test_different_images_never_share_vectors_and_the_same_image_hits_the_cache(
 
 def test_asking_for_vectors_changes_nothing_else(vlm, loop_thread):
     folder, eng, fe = vlm
+    # each from an empty prefix cache: usage's cached_tokens are then the same (Qwen-VL's prompt fills a block)
+    loop_thread.run(eng.llm.reset_prefix_cache())
     plain = loop_thread.run(chat(fe, about(7), logprobs=True, top_logprobs=2))[1]
+    loop_thread.run(eng.llm.reset_prefix_cache())
     withv = loop_thread.run(chat(fe, about(7), logprobs=True, top_logprobs=2, return_hidden_states=True))[1]
     for out in (plain, withv):
         out.pop("id"), out.pop("created")
@@ -216,6 +219,21 @@ def test_a_handle_and_a_verifier_get_the_same_vector(vlm, loop_thread):
     verified = json.loads(raw)
     assert status == 200 and verified["hidden_states"] == want, verified
     assert verified["hidden_states_meta"]["modalities"] == out["choices"][0]["hidden_states_meta"]["modalities"]
+
+
+def test_beam_search_with_an_image_extracts_each_beam_on_the_image(vlm, loop_thread):
+    """vLLM's beam search over a chat with an image: each returned beam's vector comes from an extraction
+    step that sends the same image (by its processed input) with the beam's tokens, equal to
+    transformers' on that beam's tokens with the image."""
+    folder, eng, fe = vlm
+    status, out = loop_thread.run(chat(fe, about(9), max_tokens=4, n=2, use_beam_search=True,
+                                       return_hidden_states=True))
+    assert status == 200, out
+    assert len(out["choices"]) == 2
+    for ch in out["choices"]:
+        assert ch["hidden_states_meta"]["via"] == "extraction", ch["hidden_states_meta"]
+        assert ch["hidden_states_meta"]["modalities"][0]["modality"] == "image"
+        assert_close(ch["hidden_states"], reference(folder, out["prompt_token_ids"], [9], ch["token_ids"])[-1][-1])
 
 
 def test_a_local_file_under_the_allowed_path_is_the_same_image(vlm, loop_thread, media_dir):

@@ -376,6 +376,8 @@ def _wrap_beam_search(serving, engine) -> None:
         # vLLM's completions serving passes beam search the request's id without its per-prompt
         # `-{i}`, calling it for prompt 0, 1, ... in order: the calls are counted instead.
         ordinal, collector.beam_calls = collector.beam_calls, collector.beam_calls + 1
+        if origin.mm is not None:  # hidden_states_meta.modalities, as a generating request's
+            collector.modalities[ordinal] = origin.modalities()
         beams = original(prompt, request_id, params, *args, **kwargs)
         return extraction.extract_beams(beams, collector, ordinal, origin)
 
