@@ -134,3 +134,43 @@ def reference_audio_hidden_states(model_dir, token_ids: Sequence[int], clips: Se
         out = model(input_ids=ids, input_features=feats["input_features"], feature_attention_mask=feats["attention_mask"],
                     attention_mask=torch.ones_like(ids), output_hidden_states=True, use_cache=False)
     return np.stack([h[0].float().numpy() for h in out.hidden_states])
+
+
+def steered_forward(model_dir, token_ids: Sequence[int], images: Sequence, entries, prompt_len: int):
+    """transformers' VLM forward over `token_ids` with the images, steered as tests/steer_ref.py steers a
+    text model (forward pre-hooks on the text stack's decoder layers: + scale x vector on the rows of
+    `positions`, entries (layer, "add", positions, scale, vector)): (hidden_states [L + 1, T, D] as our
+    layers number them, logits [T, V]), float32. Rows are read by hooks of our own (each layer's input
+    after the steering, the final norm's output)."""
+    import torch
+
+    from tests.steer_ref import _rows_of
+
+    model, _ = load(str(model_dir))
+    text = model.model.language_model
+    layers, total, recorded, hooks = text.layers, len(token_ids), {}, []
+
+    def pre(index: int):
+        def hook(module, args, kwargs):
+            hidden = (args[0] if args else kwargs["hidden_states"]).clone()
+            for layer, op, positions, scale, vector in entries:
+                assert op == "add"
+                if layer == index:
+                    rows = torch.as_tensor(_rows_of(positions, total, prompt_len))
+                    hidden[0, rows] += scale * torch.as_tensor(np.array(vector, np.float32))
+            recorded[index] = hidden[0].float().numpy().copy()
+            return ((hidden, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": hidden})
+        return hook
+
+    def post_norm(module, args, output):
+        recorded[len(layers)] = output[0].float().numpy().copy()
+
+    hooks = [layer.register_forward_pre_hook(pre(i), with_kwargs=True) for i, layer in enumerate(layers)]
+    hooks.append(text.norm.register_forward_hook(post_norm))
+    try:
+        with torch.no_grad():
+            out = model(**model_inputs(str(model_dir), token_ids, images), use_cache=False)
+    finally:
+        for h in hooks:
+            h.remove()
+    return np.stack([recorded[i] for i in range(len(layers) + 1)]), out.logits[0].float().numpy()

@@ -56,9 +56,12 @@ def vlm(request, loop_thread, media_dir):
     from hidden_states.models.builtin import resolve_model
     from hidden_states.vllm.engine import HiddenStatesEngine
 
+    from tests.heads_ref import build_test_heads
+
     folder = resolve_model(request.param)
+    # the test heads (tests/heads_ref.py: D = 128, 2 layers, as every tiny VLM's text stack)
     eng = loop_thread.run(HiddenStatesEngine.start(request.param, allowed_local_media_path=str(media_dir),
-                                                   **ENGINE_ARGS))
+                                                   heads=build_test_heads(), **ENGINE_ARGS))
     frontend = loop_thread.run(eng.openai("vlm", "r0"))
     yield folder, eng, frontend
     eng.shutdown()
@@ -234,6 +237,42 @@ def test_beam_search_with_an_image_extracts_each_beam_on_the_image(vlm, loop_thr
         assert ch["hidden_states_meta"]["via"] == "extraction", ch["hidden_states_meta"]
         assert ch["hidden_states_meta"]["modalities"][0]["modality"] == "image"
         assert_close(ch["hidden_states"], reference(folder, out["prompt_token_ids"], [9], ch["token_ids"])[-1][-1])
+
+
+def test_heads_and_steering_with_an_image_in_the_prompt(vlm, loop_thread):
+    """Heads (SAEs at layers 0, 1 and 2, linear probes) over every position of an image chat, against
+    SAELens and numpy on transformers' rows of the same image; and steering (an add at layer 1 over the
+    whole sequence, the image's tokens included) against transformers with the same hook: every row,
+    and every greedy token the argmax of the steered reference's logits before it."""
+    from tests.heads_ref import HEAD_LAYERS, build_test_heads, check_heads
+    from tests.vlm_ref import steered_forward
+
+    folder, eng, fe = vlm
+    asked = {"sae-std": 16, "sae-topk": 16, "sae-gated": 16, "probe": 0, "mid": 0}
+    status, out = loop_thread.run(chat(fe, about(12), hidden_states_position="all", hidden_states_heads=[
+        {"name": n, "topk": k} if k else n for n, k in asked.items()]))
+    assert status == 200, out
+    ch = out["choices"][0]
+    ids = out["prompt_token_ids"] + ch["token_ids"]
+    states = reference(folder, out["prompt_token_ids"], [12], ch["token_ids"])
+    assert set(HEAD_LAYERS[n] for n in asked) == {0, 1, 2}
+    check_heads("image chat", ch["hidden_states_heads"], list(states), list(range(len(ids))), build_test_heads(),
+                asked)
+
+    vec = np.random.default_rng(5).normal(size=128).astype("<f4") * 0.5
+    steer = [{"layer": 1, "vector": base64.b64encode(vec.tobytes()).decode(), "positions": "all"}]
+    plain = loop_thread.run(chat(fe, about(12), max_tokens=6))[1]["choices"][0]["token_ids"]
+    status, out = loop_thread.run(chat(fe, about(12), max_tokens=6, return_hidden_states=True,
+                                       hidden_states_position="all", hidden_states_layers=[0, 1, -1],
+                                       hidden_states_steering=steer))
+    assert status == 200, out
+    ch = out["choices"][0]
+    P, ids = len(out["prompt_token_ids"]), out["prompt_token_ids"] + ch["token_ids"]
+    ref, logits = steered_forward(folder, ids, [image(12)], [(1, "add", "all", 1.0, vec)], P)
+    for layer, rows in ch["hidden_states_by_layer"].items():
+        assert_close(rows, ref[int(layer)])
+    assert [int(np.argmax(logits[t])) for t in range(P - 1, len(ids) - 1)] == ch["token_ids"]
+    assert ch["token_ids"] != plain, "the steering changed nothing"
 
 
 def test_a_local_file_under_the_allowed_path_is_the_same_image(vlm, loop_thread, media_dir):
