@@ -8,7 +8,10 @@
                                 [--heads JSON [--no-rows]]
 
 Input rows (JSONL or Parquet): `{"prompt": "..."}` or `{"messages": [...]}`, optional string
-`id` (default: a hash of the input). Output Parquet columns: `id`, `prompt_token_ids`,
+`id` (default: a hash of the input). A VLM's rows add `images`: a list of image paths (relative to
+the input file's folder, read where the engine runs) or data URLs (one string where every row of the
+column has one: Arrow reads a column of one type); the row is then a chat whose user message holds the images, then the prompt's text (`messages` rows
+carry their images as `image_url` parts instead). Media are checked as the server checks them. Output Parquet columns: `id`, `prompt_token_ids`,
 `completion`, `token_ids`, `finish_reason`, `hidden_states` (fixed-size float32 list of the
 hidden size). Several positions: `hidden_states` is list<fixed_size_list> with `positions`
 (list<int32>); float16 is halffloat, bfloat16 is float32 of the rounded values; `--topk`
@@ -43,13 +46,48 @@ from hidden_states.params import DTYPES, HiddenStatesFields, HiddenStatesRequest
 logger = logging.getLogger(__name__)
 
 
+def _plain(value: Any) -> Any:
+    """Ray Data hands nested lists over as numpy arrays: plain lists (and their items) again."""
+    if hasattr(value, "tolist"):
+        value = value.tolist()
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
 def row_id(row: dict[str, Any]) -> str:
     if row.get("id"):
         return str(row["id"])
     content = row.get("prompt") if row.get("prompt") is not None else row.get("messages")
-    if hasattr(content, "tolist"):  # Ray Data hands nested lists over as numpy arrays
-        content = content.tolist()
+    content = _plain(content)
+    if row.get("images") is not None:
+        content = [content, _plain(row["images"])]
     return hashlib.sha1(json.dumps(content, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def image_messages(prompt: Any, images: Any, base: Path) -> list[dict]:
+    """A row with `images` as a chat: one user message, the images (paths under `base` read into data
+    URLs; data URLs as they are), then the prompt's text."""
+    import base64
+    import mimetypes
+
+    images = [images] if isinstance(images, str) else list(images)
+    parts = []
+    for i, image in enumerate(images):
+        if not isinstance(image, str) or not image:
+            raise ValueError(f"images[{i}]: an image path or a data URL, not {image!r}")
+        if not image.startswith("data:"):
+            path = base / image
+            try:
+                data = path.read_bytes()
+            except OSError as e:
+                raise ValueError(f"images[{i}]: {path} cannot be read ({e.strerror})") from None
+            mime = mimetypes.guess_type(path.name)[0] or "image/png"
+            image = f"data:{mime};base64," + base64.b64encode(data).decode()
+        parts.append({"type": "image_url", "image_url": {"url": image}})
+    return [{"role": "user", "content": [*parts, {"type": "text", "text": "" if prompt is None else str(prompt)}]}]
 
 
 def done_ids(output: Path) -> set[str]:
@@ -92,7 +130,7 @@ class EngineWorker:
     """A Ray Data actor: one engine, completing a batch of rows concurrently."""
 
     def __init__(self, model: str, max_tokens: int, engine_args: dict[str, Any],
-                 lora_modules: list[dict] = (), adapter: str | None = None, spec: bytes = b""):
+                 lora_modules: list[dict] = (), adapter: str | None = None, spec: bytes = b"", base: str = "."):
         from hidden_states.vllm.engine import HiddenStatesEngine
 
         self.loop = asyncio.new_event_loop()
@@ -106,7 +144,7 @@ class EngineWorker:
         self.spec = HiddenStatesFields.from_json(spec) if spec else spec_of(enabled=True)
         self.engine.check_spec(self.spec)
         self.engine.heads_of(self.spec)
-        self.max_tokens, self.adapter = max_tokens, adapter
+        self.max_tokens, self.adapter, self.base = max_tokens, adapter, Path(base)
         self.tokenizer = self.engine.llm.tokenizer
         # Ray Data deletes this object when its actor exits gracefully (then `__del__`), but not always before the
         # interpreter's exit hooks stop vLLM's engine core under a live output handler: stop it here first.
@@ -120,9 +158,20 @@ class EngineWorker:
     def _run(self, coro, timeout: float):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
-    def _prompt_ids(self, prompt: Any, messages: Any) -> list[int]:
-        if messages is not None and len(messages):
-            return self.engine.chat_prompt(list(messages))
+    async def _engine_input(self, row_id: str, prompt: Any, messages: Any, images: Any) -> Any:
+        """A row's engine input: the prompt's token ids, or a chat's (with its media processed as the
+        server processes them); a bad row stops the job, naming it."""
+        from hidden_states.media import check_media
+
+        try:
+            if images is not None and len(_plain(images) if not isinstance(images, str) else images):
+                messages = image_messages(prompt, _plain(images), self.base)
+            if messages is not None and len(messages):
+                messages = _plain(messages)
+                check_media({"messages": messages})
+                return await self.engine.chat_input(messages)
+        except (ValueError, HiddenStatesRequestError) as e:
+            raise ValueError(f"row {row_id}: {e}") from None
         return list(self.tokenizer.encode(str(prompt)))
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, Any]:
@@ -133,12 +182,14 @@ class EngineWorker:
         n = len(batch["id"])
         prompts = batch.get("prompt", [None] * n)
         messages = batch.get("messages", [None] * n)
-        ids = [self._prompt_ids(p, m) for p, m in zip(prompts, messages)]
+        images = batch.get("images", [None] * n)
         options = SamplingOptions(max_tokens=self.max_tokens, temperature=0.0)
 
         async def all_rows():
+            inputs = [await self._engine_input(str(i), p, m, im)
+                      for i, p, m, im in zip(batch["id"], prompts, messages, images)]
             return await asyncio.gather(*(self.engine.complete(p, options, model=self.adapter, spec=self.spec)
-                                          for p in ids))
+                                          for p in inputs))
 
         done = self._run(all_rows(), 600 + 10 * n)
         choices = [c.choices[0] for c in done]
@@ -200,7 +251,7 @@ def run(args: argparse.Namespace) -> int:
     engine_args = {**app.engine_args(), "warm_up_s": args.warm_up_s, "heads": args.heads}
     modules = [m.model_dump() for m in app.lora_modules]
     out = ds.map_batches(EngineWorker, fn_constructor_args=(app.model, args.max_tokens, engine_args, modules,
-                                                            args.adapter, args.spec),
+                                                            args.adapter, args.spec, str(source.resolve().parent)),
                          batch_size=args.batch_size, compute=ray.data.ActorPoolStrategy(size=args.engines),
                          batch_format="numpy", **worker_resources(app))
     out.write_parquet(str(output))

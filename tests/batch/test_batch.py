@@ -124,6 +124,43 @@ def test_batch_with_an_adapter(tmp_path, model_dir, reference):
             reference.assert_matches(ids, vec)
 
 
+def test_batch_with_images_as_paths_and_data_urls(tmp_path):
+    """A VLM's rows with `images`: a path (relative to the input file), two images (a path and a data
+    URL), a data URL, and a row without images; each row's vector against transformers
+    on the same images and the row's own tokens (tests/vlm_ref.py). A path that does not exist stops
+    the job naming the row."""
+    from hidden_states.models.builtin import resolve_model
+    from tests.engine.test_multimodal import REL_TOL, data_url, image
+    from tests.vlm_ref import reference_hidden_states
+
+    model = "builtin:tiny-llava"
+    folder = resolve_model(model)
+    image(1).save(tmp_path / "one.png")
+    image(2).save(tmp_path / "two.png")
+    rows_in = [{"id": "path", "prompt": "What is this?", "images": ["one.png"]},
+               {"id": "both", "prompt": "Compare them.", "images": ["two.png", data_url(image(3))]},
+               {"id": "url", "prompt": "And this?", "images": [data_url(image(4))]},
+               {"id": "text", "prompt": "No picture."}]
+    seeds = {"path": [1], "both": [2, 3], "url": [4], "text": []}
+    inp, out = tmp_path / "rows.jsonl", tmp_path / "out"
+    inp.write_text("".join(json.dumps(r) + "\n" for r in rows_in))
+    vlm = ["--model", model, "--engine", json.dumps({"kv_cache_memory_bytes": 128 * 2**20, "max_model_len": 1024,
+                                                     "limit_mm_per_prompt": {"image": 2}})]
+    finish(start(inp, out, *vlm), 600)
+    final = {r["id"]: r for r in rows(out)}
+    assert sorted(final) == sorted(seeds)
+    for rid, r in final.items():
+        ref = reference_hidden_states(folder, r["prompt_token_ids"], [image(s) for s in seeds[rid]], r["token_ids"])
+        got, want = np.asarray(r["hidden_states"], np.float32), ref[-1][-1]
+        assert np.abs(got - want).max() <= REL_TOL * np.abs(want).max(), rid
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"id": "missing", "prompt": "x", "images": ["nowhere.png"]}) + "\n")
+    proc = start(bad, tmp_path / "bad-out", *vlm)
+    log, _ = proc.communicate(timeout=600)
+    assert proc.returncode != 0 and "row missing: images[0]:" in log and "nowhere.png cannot be read" in log, log[-2000:]
+
+
 def test_an_engine_actor_ends_cleanly_without_being_deleted():
     """The batch's engine actor exits cleanly even when Ray Data never deletes it: stopped by vLLM's exit hooks
     alone, the engine core dies under a live output handler, which logs an `EngineDeadError` traceback."""
