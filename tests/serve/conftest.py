@@ -137,13 +137,16 @@ APPS = {
     "hs-gemma3-vlm": ("/gemma3-vlm", lambda: vlm_args("builtin:tiny-gemma3-vlm")),
     "hs-llava": ("/llava", lambda: vlm_args("builtin:tiny-llava")),
     "hs-qwen-vl": ("/qwen-vl", lambda: vlm_args("builtin:tiny-qwen2.5-vl")),
+    # completions with prompt_embeds (vLLM's enable_prompt_embeds), 1 replica behind the Router
+    "hs-embeds": ("/embeds", lambda: app_args(engine={**TEST_ENGINE_ARGS, "enable_prompt_embeds": True}, heads=[],
+                                              replica_autoscaling={"min_replicas": 1, "max_replicas": 1})),
 }
 # Tests run grouped by the app they use (tests/conftest.py orders them), so each app
 # deploys once; any order still works, only slower.
 APP_FIXTURES = {"serve_app": APP, "client": APP, "off_app": "hs-off", "guarded_app": "hs-guarded",
                 "fault_app": "hs-fault", "lora_app": "hs-lora", "tp2_app": "hs-tp2",
                 "spec_app": "hs-spec", "gemma3_vlm_app": "hs-gemma3-vlm", "llava_app": "hs-llava",
-                "qwen_vl_app": "hs-qwen-vl"}
+                "qwen_vl_app": "hs-qwen-vl", "embeds_app": "hs-embeds"}
 
 
 class AppSlot:
@@ -254,6 +257,12 @@ def gemma3_vlm_app(app_slot) -> str:
 def llava_app(app_slot) -> str:
     """One engine replica serving the built-in tiny LLaVA, behind a Router."""
     return app_slot.use("hs-llava")
+
+
+@pytest.fixture
+def embeds_app(app_slot) -> str:
+    """One engine replica taking prompt_embeds, behind a Router."""
+    return app_slot.use("hs-embeds")
 
 
 @pytest.fixture

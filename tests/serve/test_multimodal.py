@@ -1,7 +1,8 @@
 """Chats with images through the real app (`serve.run` of deployments/app.py, as `serve run` does),
 over HTTP with the openai client and over a Python handle, on the three built-in VLM families: every
 vector and row exact against transformers on the same processor outputs and the returned token ids
-(tests/vlm_ref.py), streamed with n=2 too; bad media refused by name while the app keeps serving."""
+(tests/vlm_ref.py), streamed with n=2 too; bad media refused by name while the app keeps serving.
+And completions with prompt_embeds through the Router, against transformers given the same embeddings."""
 
 from __future__ import annotations
 
@@ -123,3 +124,40 @@ def test_an_image_sent_to_a_text_model_is_refused_by_name(client, serve_app):
     assert r.status_code == 400 and "not a multimodal model" in r.json()["error"]["message"], r.text
     ok = client.completions.create(model="tiny-llama", prompt="still serving", max_tokens=2)
     assert ok.choices[0].text is not None
+
+
+def test_prompt_embeds_through_the_router(embeds_app, model_dir):
+    """Completions with `prompt_embeds` over HTTP through the Router: the tail step's vector, the
+    extraction step's (a stop string: the embeddings then the completion's ids), and rows at every
+    position, against transformers given the same inputs_embeds then the completion's embeddings; the
+    same tokens as without hidden states."""
+    import base64
+    import io
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    E = torch.randn(7, 128, generator=torch.Generator().manual_seed(3)) * 0.5
+    buf = io.BytesIO()
+    torch.save(E, buf)
+    body = {"model": served_name(embeds_app), "prompt_embeds": base64.b64encode(buf.getvalue()).decode(),
+            "max_tokens": 6, "temperature": 0, "return_token_ids": True}
+    outs = {}
+    for name, extra in {"plain": {}, "tail": {"return_hidden_states": True},
+                        "extraction": {"return_hidden_states": True, "stop": ["never in this text"]},
+                        "all": {"return_hidden_states": True, "hidden_states_position": "all"}}.items():
+        r = httpx.post(f"{embeds_app}/v1/completions", json={**body, **extra}, timeout=120)
+        assert r.status_code == 200, (name, r.text[:500])
+        outs[name] = r.json()["choices"][0]
+    tokens = outs["plain"]["token_ids"]
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        x = torch.cat([E, model.get_input_embeddings()(torch.tensor(tokens))])[None]
+        ref = model(inputs_embeds=x, output_hidden_states=True).hidden_states[-1][0].numpy()
+    for name in ("tail", "extraction"):
+        ch = outs[name]
+        assert ch["token_ids"] == tokens and ch["hidden_states_meta"]["via"] == name, ch["hidden_states_meta"]
+        got = decode_vector(ch["hidden_states"])
+        assert np.abs(got - ref[-1]).max() <= REL_TOL * np.abs(ref[-1]).max(), name
+    rows = np.asarray(outs["all"]["hidden_states"], np.float32)
+    assert rows.shape == ref.shape and np.abs(rows - ref).max() <= REL_TOL * np.abs(ref).max()
