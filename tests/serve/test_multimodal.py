@@ -109,6 +109,35 @@ def test_llava_chats_with_images_over_http_and_a_handle(llava_app):
     refuses_bad_media_and_keeps_serving(llava_app, served_name(llava_app))
 
 
+def test_the_same_image_goes_to_the_same_replica_and_hits_its_cache(llava_app):
+    """Two LLaVA replicas behind the Router: its routing key holds a digest of each image's data, so a
+    chat about one image lands on one replica every time (`x-replica-id`) and, from the second time,
+    finds its prefix cached there (`usage.prompt_tokens_details.cached_tokens`); the vectors are exact."""
+    from tests.serve.test_prefix_routing import engine_replicas
+
+    model, app = APPS["llava_app"]
+    assert len(engine_replicas(app)) == 2
+    served = served_name(llava_app)
+    text = "Describe it in detail, please, with every colour and every shape that you can see there."  # a full block
+    seen: dict[int, list[tuple[str, int]]] = {}
+    for round_ in range(3):
+        for seed in (20, 21, 22, 23, 24, 25):
+            r = httpx.post(f"{llava_app}/v1/chat/completions", timeout=120, json={
+                "model": served, "messages": about(seed, text=text), "max_tokens": 4, "temperature": 0,
+                "return_hidden_states": True, "return_token_ids": True})
+            assert r.status_code == 200, r.text[:300]
+            body = r.json()
+            cached = (body["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+            seen.setdefault(seed, []).append((r.headers["x-replica-id"], cached))
+            if round_ == 2:
+                ch = body["choices"][0]
+                check(ch["hidden_states"], model, body["prompt_token_ids"], [seed], ch["token_ids"])
+    for seed, turns in seen.items():
+        assert len({replica for replica, _ in turns}) == 1, (seed, turns)  # one replica per image
+        assert all(cached > 0 for _, cached in turns[1:]), (seed, turns)  # its cache, from the second time
+    print("images by replica:", {seed: turns[0][0][:6] for seed, turns in seen.items()})
+
+
 def test_qwen_vl_chats_with_images_over_http_and_a_handle(qwen_vl_app):
     """Qwen2.5-VL: M-RoPE positions through Serve, tail and streamed, against transformers given the
     processor's mm_token_type_ids."""
