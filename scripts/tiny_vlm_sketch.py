@@ -18,7 +18,7 @@ torchvision_compat.install()
 import torch, transformers
 from transformers import (Gemma3Config, Gemma3TextConfig, SiglipVisionConfig, Gemma3ForConditionalGeneration,
                           Gemma3ImageProcessor, Gemma3Processor, PreTrainedTokenizerFast)
-from hidden_states.models.builtin import _train_tokenizer
+from hidden_states.models.common import train_tokenizer as _train_tokenizer
 
 out = sys.argv[1]
 tok = _train_tokenizer(1024)

@@ -33,7 +33,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
-from hidden_states.models.builtin import say
+from hidden_states.models.common import say
 from hidden_states.models.vlm import _randomize, _tokenizer, rename_weights
 
 _VERSION = "v1"  # bump when a builder changes: a new cache folder
@@ -42,7 +42,7 @@ SAMPLING_RATE = 16000
 
 
 def _chat_template(audio_text: str) -> str:
-    """builtin.CHAT_TEMPLATE, with content lists: text parts as they are, audio parts as `audio_text`.
+    """common.CHAT_TEMPLATE, with content lists: text parts as they are, audio parts as `audio_text`.
 
     The newline closing a message is `{{ '\\n' }}`, not a literal: chat templates render with
     trim_blocks, which drops a newline right after `{% endif %}` (as vlm.py's templates lose it)."""

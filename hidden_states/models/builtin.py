@@ -16,15 +16,11 @@ import os
 import sys
 from pathlib import Path
 
+from hidden_states.models.common import BOS, CHAT_TEMPLATE, EOS, folder_mb, say  # noqa: F401 - BOS, EOS: the spec's tokens
+from hidden_states.models.common import train_tokenizer as _train_tokenizer
+
 BUILTIN_PREFIX = "builtin:"
 DEFAULT_MODEL = "builtin:smollm2-135m-instruct"  # the server's default: a real chat model
-
-BOS, EOS = "<|begin_of_text|>", "<|end_of_text|>"
-CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n"
-    "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
-)
-
 
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
@@ -137,40 +133,6 @@ def build_once(out: Path, what: str, write) -> Path:
             raise
     say(f"done: {out} ({folder_mb(out)} MB)")
     return out
-
-
-def say(line: str) -> None:
-    """A build's progress, on stderr: stdout is the paths `python -m` prints."""
-    print(f"builtin models: {line}", file=sys.stderr, flush=True)
-
-
-def folder_mb(path: Path) -> int:
-    return round(sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 1e6)
-
-
-def _train_tokenizer(vocab_size: int):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=[BOS, EOS],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    corpus = (Path(__file__).parent / "data" / "corpus.txt").read_text().splitlines()
-    tok.train_from_iterator(corpus, trainer=trainer)
-    bos_id = tok.token_to_id(BOS)
-    tok.post_processor = processors.TemplateProcessing(
-        single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, bos_id)]
-    )
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=EOS,
-        chat_template=CHAT_TEMPLATE, model_max_length=4096,
-    )
 
 
 # ModelSpec.family -> transformers class prefix ({prefix}Config, {prefix}ForCausalLM).

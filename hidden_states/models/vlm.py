@@ -29,13 +29,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
-from hidden_states.models.builtin import _train_tokenizer, say
+from hidden_states.models.common import say, train_tokenizer
 
 VOCAB = 1024  # the trained BPE's size, before the image and newline tokens
 
 
 def _chat_template(image_text: str) -> str:
-    """builtin.CHAT_TEMPLATE, with content lists: text parts as they are, image parts as `image_text`."""
+    """common.CHAT_TEMPLATE, with content lists: text parts as they are, image parts as `image_text`."""
     return (
         "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n"
         "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for p in m['content'] %}"
@@ -49,7 +49,7 @@ def _tokenizer(specials: dict[str, str], newlines: bool = False):
     from tokenizers import AddedToken
     from transformers import PreTrainedTokenizerFast
 
-    tok = _train_tokenizer(VOCAB)
+    tok = train_tokenizer(VOCAB)
     tok.add_special_tokens({"additional_special_tokens": list(specials.values())})
     if newlines:
         tok.add_tokens([AddedToken("\n" * k, normalized=False, special=False) for k in (1, 2, 3, 4)])
