@@ -10,8 +10,9 @@
 Input rows (JSONL or Parquet): `{"prompt": "..."}` or `{"messages": [...]}`, optional string
 `id` (default: a hash of the input). A VLM's rows add `images`: a list of image paths (relative to
 the input file's folder, read where the engine runs) or data URLs (one string where every row of the
-column has one: Arrow reads a column of one type); the row is then a chat whose user message holds the images, then the prompt's text (`messages` rows
-carry their images as `image_url` parts instead). Media are checked as the server checks them. Output Parquet columns: `id`, `prompt_token_ids`,
+column has one: Arrow reads a column of one type); the row is then a chat whose user message holds
+the images, then the prompt's text (`messages` rows carry their images as `image_url` parts
+instead). Media are checked as the server checks them. Output Parquet columns: `id`, `prompt_token_ids`,
 `completion`, `token_ids`, `finish_reason`, `hidden_states` (fixed-size float32 list of the
 hidden size). Several positions: `hidden_states` is list<fixed_size_list> with `positions`
 (list<int32>); float16 is halffloat, bfloat16 is float32 of the rounded values; `--topk`
@@ -163,11 +164,11 @@ class EngineWorker:
         server processes them); a bad row stops the job, naming it."""
         from hidden_states.media import check_media
 
+        images, messages = _plain(images), _plain(messages)
         try:
-            if images is not None and len(_plain(images) if not isinstance(images, str) else images):
-                messages = image_messages(prompt, _plain(images), self.base)
-            if messages is not None and len(messages):
-                messages = _plain(messages)
+            if images:
+                messages = image_messages(prompt, images, self.base)
+            if messages:
                 check_media({"messages": messages})
                 return await self.engine.chat_input(messages)
         except (ValueError, HiddenStatesRequestError) as e:

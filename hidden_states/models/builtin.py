@@ -16,8 +16,7 @@ import os
 import sys
 from pathlib import Path
 
-from hidden_states.models.common import BOS, CHAT_TEMPLATE, EOS, folder_mb, say  # noqa: F401 - BOS, EOS: the spec's tokens
-from hidden_states.models.common import train_tokenizer as _train_tokenizer
+from hidden_states.models.common import folder_mb, say, train_tokenizer
 
 BUILTIN_PREFIX = "builtin:"
 DEFAULT_MODEL = "builtin:smollm2-135m-instruct"  # the server's default: a real chat model
@@ -108,7 +107,7 @@ def build(name: str = "tiny-llama") -> Path:
     spec = SPECS[name]
 
     def write(folder: Path) -> str:
-        tokenizer = _train_tokenizer(spec.vocab_size)
+        tokenizer = train_tokenizer(spec.vocab_size)
         tokenizer.save_pretrained(folder)
         _build_weights(spec, len(tokenizer), tokenizer).save_pretrained(folder, safe_serialization=True)
         return json.dumps(dataclasses.asdict(spec))

@@ -213,23 +213,6 @@ def serve_app(app_slot) -> str:
 
 
 @pytest.fixture
-def off_app(app_slot) -> str:
-    """One engine replica with hidden states off, behind a Router."""
-    return app_slot.use("hs-off")
-
-
-@pytest.fixture
-def guarded_app(app_slot) -> str:
-    return app_slot.use("hs-guarded")
-
-
-@pytest.fixture
-def lora_app(app_slot) -> str:
-    """One engine replica serving the tiny model and two LoRA adapters (`tiny_lora_modules`)."""
-    return app_slot.use("hs-lora")
-
-
-@pytest.fixture
 def fault_app(app_slot):
     """An app for the engine-fault test to break: deleted after it."""
     base = app_slot.use("hs-fault")
@@ -237,40 +220,18 @@ def fault_app(app_slot):
     app_slot.release()
 
 
-@pytest.fixture
-def spec_app(app_slot) -> str:
-    """One engine replica running n-gram speculative decoding, behind a Router."""
-    return app_slot.use("hs-spec")
+def _app_fixture(name: str):
+    """The fixture `name` of APP_FIXTURES: its app deployed (APPS says what it runs), its base URL."""
+    def deployed(app_slot) -> str:
+        return app_slot.use(APP_FIXTURES[name])
+
+    deployed.__doc__ = f"The app {APP_FIXTURES[name]!r} (APPS), deployed: its base URL."
+    return pytest.fixture(deployed, name=name)
 
 
-@pytest.fixture
-def tp2_app(app_slot) -> str:
-    """One engine replica running tensor parallelism 2, behind a Router."""
-    return app_slot.use("hs-tp2")
-
-
-@pytest.fixture
-def gemma3_vlm_app(app_slot) -> str:
-    """One engine replica serving the built-in tiny Gemma 3 VLM, behind a Router."""
-    return app_slot.use("hs-gemma3-vlm")
-
-
-@pytest.fixture
-def llava_app(app_slot) -> str:
-    """One engine replica serving the built-in tiny LLaVA, behind a Router."""
-    return app_slot.use("hs-llava")
-
-
-@pytest.fixture
-def embeds_app(app_slot) -> str:
-    """One engine replica taking prompt_embeds, behind a Router."""
-    return app_slot.use("hs-embeds")
-
-
-@pytest.fixture
-def qwen_vl_app(app_slot) -> str:
-    """One engine replica serving the built-in tiny Qwen2.5-VL (M-RoPE), behind a Router."""
-    return app_slot.use("hs-qwen-vl")
+for _name in ("off_app", "guarded_app", "lora_app", "spec_app", "tp2_app", "gemma3_vlm_app", "llava_app",
+              "embeds_app", "qwen_vl_app"):
+    globals()[_name] = _app_fixture(_name)
 
 
 @pytest.fixture

@@ -444,12 +444,16 @@ class Extraction:
         from vllm.sampling_params import RequestOutputKind
 
         total, lo = len(token_ids), min(positions)
+
+        def params(key: str):
+            return SamplingParams(
+                max_tokens=1, temperature=0.0, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY,
+                extra_args={**HiddenStatesExtractionRequest(key=key, span=[lo, total, 1], layers=list(layers),
+                                                            dtype=dtype, topk=topk or 0,
+                                                            heads=[list(h) for h in heads]).to_extra_args(),
+                            **({STEER_KEY: origin.steering} if origin.steering is not None else {})})
+
         key = uuid.uuid4().hex
-        params = SamplingParams(
-            max_tokens=1, temperature=0.0, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY,
-            extra_args={**HiddenStatesExtractionRequest(key=key, span=[lo, total, 1], layers=list(layers), dtype=dtype,
-                                                        topk=topk or 0, heads=[list(h) for h in heads]).to_extra_args(),
-                        **({STEER_KEY: origin.steering} if origin.steering is not None else {})})
         cache = self.llm.vllm_config.cache_config
         salt = origin.cache_salt
         if cache.enable_prefix_caching and lo < (total - 1) // cache.block_size * cache.block_size:
@@ -457,7 +461,9 @@ class Extraction:
         want = np.asarray(sorted(positions), dtype=np.int64)
         t0 = time.perf_counter()
         while True:
-            merged, cached = await self._prefill(token_ids, origin, params, key, salt, layers, dtype, topk, heads)
+            step = HiddenStatesCollector(f"step-{key}", tuple(layers), dtype=dtype, topk=topk, heads=tuple(heads),
+                                         rows_wanted=bool(layers))  # the step's own state
+            merged, cached = await self._prefill(token_ids, origin, params(key), key, salt, step)
             if merged is not None and np.isin(want, merged.positions).all():
                 break
             # An item sent as its hash alone, evicted from the engine core's processor cache since the
@@ -469,21 +475,16 @@ class Extraction:
                            "sending the items again", key)
             self.media_resent += 1
             origin, key = resent, uuid.uuid4().hex
-            params = params.clone()
-            params.extra_args = {**params.extra_args, **HiddenStatesExtractionRequest(
-                key=key, span=[lo, total, 1], layers=list(layers), dtype=dtype, topk=topk or 0,
-                heads=[list(h) for h in heads]).to_extra_args()}
         self.extractions += 1
         self.extraction_tokens += total
         self.extraction_cached_tokens += cached
         return merged.select(np.isin(merged.positions, want)), ExtractionStats(total, cached, time.perf_counter() - t0)
 
-    async def _prefill(self, token_ids, origin: Origin, params, key: str, salt, layers, dtype, topk, heads):
-        """One prefill of `token_ids` as `origin`'s input: (the rows it captured merged, or None; its cached tokens)."""
+    async def _prefill(self, token_ids, origin: Origin, params, key: str, salt, step: HiddenStatesCollector):
+        """One prefill of `token_ids` as `origin`'s input, its rows filed into `step` under `key`: (the rows
+        it captured merged, or None; its cached tokens)."""
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        step = HiddenStatesCollector(f"step-{key}", tuple(layers), dtype=dtype, topk=topk, heads=tuple(heads),
-                                     rows_wanted=bool(layers))  # the step's own state
         cached = 0
         self.engine_request(step, key, 0)
         try:
