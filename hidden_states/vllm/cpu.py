@@ -1,5 +1,5 @@
 """CPU engines: start-up steps before a replica takes traffic, and CPU fixes (ledger points 5-7,
-11, 13 in __init__.py). `cpu_start_up()` runs them from the engine through `collective_rpc`;
+11, 13, 18 in __init__.py). `cpu_start_up()` runs them from the engine through `collective_rpc`;
 `CPUWorkerSteps` (mixed into the worker extension) does them in each worker.
 """
 
@@ -37,6 +37,8 @@ async def cpu_start_up(llm: Any, prefault_kv_cache: bool, warm_up_s: float, mall
     if llm.vllm_config.speculative_config is not None:  # greedy rows stay greedy beside sampled ones (point 13)
         out["cpu_spec_sampling_fix"] = all(await llm.collective_rpc("hidden_states_fix_cpu_spec_sampling",
                                                                     timeout=timeout_s))
+    if mm_prefix_model(llm.vllm_config):  # Gemma 3's images attend both ways, as in transformers (point 18)
+        out["cpu_mm_prefix_fix"] = all(await llm.collective_rpc("hidden_states_fix_cpu_mm_prefix", timeout=timeout_s))
     if prefault_kv_cache:  # resident memory flat from the start (ledger point 6)
         touched = await llm.collective_rpc("hidden_states_prefault_kv_cache", timeout=timeout_s)
         out["kv_cache_prefaulted_bytes"] = sum(touched)
@@ -104,6 +106,11 @@ class CPUWorkerSteps:
         """Ledger point 13 in this worker process; `fixed=False` puts vLLM's own kernel back
         (the tests show the bug with it)."""
         return fix_cpu_spec_sampling(fixed)
+
+    def hidden_states_fix_cpu_mm_prefix(self, fixed: bool = True) -> bool:
+        """Ledger point 18 in this worker process; `fixed=False` puts vLLM's causal kernel back (the
+        tests show the difference with it)."""
+        return fix_cpu_mm_prefix_attention(fixed)
 
     def hidden_states_start_trimmer(self, interval_s: float) -> bool:
         """Starts the worker's malloc_trim thread (hidden_states/malloc_trim.py; not a patch)."""
@@ -183,6 +190,142 @@ def fix_cpu_spec_sampling(fixed: bool = True) -> bool:
     wrapper._impl = wrapper.func = impl
     wrapper._forward_by_name = tuple(inspect.signature(impl).parameters) == wrapper.arg_names
     return fixed
+
+
+def mm_prefix_model(vcfg: Any) -> bool:
+    """Whether the model attends bidirectionally within each image's tokens (vLLM's "mm prefix LM":
+    Gemma 3, PaliGemma, ...) and takes images here."""
+    model = vcfg.model_config
+    return bool(getattr(model, "is_multimodal_model", False) and getattr(model, "is_mm_prefix_lm", False))
+
+
+def force_atomic_image_spans(vcfg: Any) -> bool:
+    """Point 18's precondition, set before the engine core starts: an image's tokens are prefilled in
+    one step (vLLM's GPU platforms force `disable_chunked_mm_input` for these models; its CPU
+    platform does not). Returns whether it changed the config."""
+    sched = vcfg.scheduler_config
+    if not mm_prefix_model(vcfg) or sched.disable_chunked_mm_input:
+        return False
+    sched.disable_chunked_mm_input = True
+    return True
+
+
+# point 18's work in this worker process: query rows recomputed over their image span, summed over layers
+MM_PREFIX_ROWS = [0]
+
+
+def image_span_refusal(vcfg: Any) -> str | None:
+    """Why point 18 cannot serve this model as its authors define it, or None: an image longer than the
+    sliding window (transformers then lets its tokens see the whole image on windowed layers; vLLM's
+    runner drops such spans). No released Gemma 3 has one (256 image tokens, a 1024-token window)."""
+    if not mm_prefix_model(vcfg):
+        return None
+    tokens = getattr(vcfg.model_config.hf_config, "mm_tokens_per_image", None)
+    window = getattr(vcfg.model_config.hf_text_config, "sliding_window", None)
+    if tokens and window and tokens > window:
+        return (f"an image is {tokens} tokens, longer than the model's sliding window ({window}): the CPU engine "
+                "cannot attend them as the model does")
+    return None
+
+
+def fix_cpu_mm_prefix_attention(fixed: bool = True) -> bool:
+    """Ledger point 18: vLLM 0.32's CPU attention ignores the image spans the runner computes
+    (`CommonAttentionMetadata.mm_req_doc_ranges`) and attends causally. Wrapped at class level: the
+    metadata builder adds, for a step that prefills image tokens, a second batch with one entry per
+    span (its query rows, keys 0..span end, non-causal); the backend, after vLLM's kernel has
+    computed every row, recomputes those rows with the same kernel on that batch. Non-causal with a
+    window is |i - j| < w, which equals transformers' "causal window OR same image" for spans no
+    longer than the window (vLLM's runner drops longer spans). Idempotent; returns `fixed`."""
+    from vllm.v1.attention.backends import cpu_attn
+
+    builder, impl = cpu_attn.CPUAttentionMetadataBuilder, cpu_attn.CPUAttentionBackendImpl
+    _require(hasattr(builder, "build") and hasattr(impl, "forward")
+             and hasattr(cpu_attn.ops, "cpu_attention_with_kv_cache")
+             and hasattr(cpu_attn.ops, "cpu_attn_get_scheduler_metadata"),
+             "cpu_attn.CPUAttentionMetadataBuilder.build / CPUAttentionBackendImpl.forward")
+    if fixed and not hasattr(builder, "_hidden_states_build"):
+        builder._hidden_states_build, builder.build = builder.build, _build_with_image_spans
+        impl._hidden_states_forward, impl.forward = impl.forward, _forward_with_image_spans
+    elif not fixed and hasattr(builder, "_hidden_states_build"):
+        builder.build, impl.forward = builder._hidden_states_build, impl._hidden_states_forward
+        del builder._hidden_states_build, impl._hidden_states_forward
+    return fixed
+
+
+def _build_with_image_spans(self, common_prefix_len, common_attn_metadata, fast_build=False):
+    md = type(self)._hidden_states_build(self, common_prefix_len, common_attn_metadata, fast_build)
+    ranges = getattr(common_attn_metadata, "mm_req_doc_ranges", None)
+    md.hidden_states_spans = None
+    if ranges and not self.is_cross_attention and not self.is_encoder_only_attention:
+        md.hidden_states_spans = _image_span_batch(self, common_attn_metadata, ranges)
+    return md
+
+
+def _image_span_batch(builder: Any, cm: Any, ranges: dict) -> dict | None:
+    """The step's image spans as a batch for the CPU kernel: `rows` (token indices of the step),
+    `query_start_loc`, `seq_lens` (span end + 1), `block_table` (the span's request's row) and its
+    scheduler metadata; None when no span has rows in this step."""
+    import torch
+    from vllm import _custom_ops as ops
+
+    qsl = cm.query_start_loc_cpu.tolist()
+    seq_lens = cm.seq_lens.cpu().tolist()
+    rows, starts, ends, reqs = [], [0], [], []
+    for r, spans in ranges.items():
+        if r >= cm.num_reqs:
+            continue
+        q_len = qsl[r + 1] - qsl[r]
+        ctx = seq_lens[r] - q_len  # position of the request's first row in this step
+        for start, end in spans:  # inclusive positions
+            if start >= end or end < ctx or q_len <= 0:
+                continue  # one token, or computed in an earlier step
+            if end >= ctx + q_len:
+                raise RuntimeError(f"an image span ({start}..{end}) is split across prefill steps; "
+                                   "disable_chunked_mm_input must be on for this model (ledger point 18)")
+            first = max(start, ctx)
+            rows.extend(range(qsl[r] + first - ctx, qsl[r] + end - ctx + 1))
+            starts.append(len(rows))
+            ends.append(end + 1)
+            reqs.append(r)
+    if not reqs:
+        return None
+    query_start_loc = torch.tensor(starts, dtype=torch.int32)
+    seq_lens_t = torch.tensor(ends, dtype=torch.int32)
+    return {
+        "rows": torch.tensor(rows, dtype=torch.long),
+        "query_start_loc": query_start_loc,
+        "seq_lens": seq_lens_t,
+        "block_table": cm.block_table_tensor[torch.tensor(reqs, dtype=torch.long)],
+        "scheduler_metadata": ops.cpu_attn_get_scheduler_metadata(
+            num_reqs=len(reqs), num_heads=builder.num_heads, num_kv_heads=builder.num_kv_heads,
+            head_dim=builder.head_dim, seq_lens=seq_lens_t, dtype=builder.dtype,
+            query_start_loc=query_start_loc, causal=False, sliding_window_size=builder.window_size,
+            isa=builder.isa, enable_kv_split=False, kv_cache_dtype=builder.kv_cache_dtype),
+    }
+
+
+def _forward_with_image_spans(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
+    out = type(self)._hidden_states_forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
+                                            *args, **kwargs)
+    spans = getattr(attn_metadata, "hidden_states_spans", None)
+    if spans is None:
+        return out
+    from vllm import _custom_ops as ops
+
+    num_blocks, num_kv_heads, block_size, _ = kv_cache.size()
+    key_cache, value_cache = kv_cache.view((num_blocks, num_kv_heads, block_size * 2, -1)).chunk(2, dim=2)
+    rows = spans["rows"]
+    span_out = output.new_empty((len(rows), *output.shape[1:]))
+    ops.cpu_attention_with_kv_cache(
+        query=query.index_select(0, rows), key_cache=key_cache, value_cache=value_cache, output=span_out,
+        query_start_loc=spans["query_start_loc"], seq_lens=spans["seq_lens"], scale=self.scale, causal=False,
+        alibi_slopes=self.alibi_slopes, sliding_window=self.sliding_window, block_table=spans["block_table"],
+        softcap=self.logits_soft_cap, scheduler_metadata=spans["scheduler_metadata"], s_aux=self.sinks,
+        dynamic_causal=None, k_scale=layer._k_scale_float, v_scale=layer._v_scale_float,
+        kv_cache_dtype=self.kv_cache_dtype)
+    output.index_copy_(0, rows, span_out)
+    MM_PREFIX_ROWS[0] += len(rows)
+    return out
 
 
 _LORA_OPS = ("bgmv_shrink", "bgmv_expand", "bgmv_expand_slice")

@@ -34,7 +34,8 @@ from hidden_states.interface import (Completion, CompletionChoice, ExtractionSta
                                   proof_choice, rows_choice)
 from hidden_states.vllm import (ENGINE_ENV, SUPPORTED_LAYER_ARCHS, WORKER_EXTENSION, VLLMIncompatibleError,
                                 check_vllm_version)
-from hidden_states.vllm.cpu import CPU_ASYNC_ENV, cpu_start_up, on_cpu
+from hidden_states.vllm.cpu import (CPU_ASYNC_ENV, cpu_start_up, force_atomic_image_spans, image_span_refusal,
+                                    on_cpu)
 from hidden_states.vllm.frontend.extraction import Extraction, Origin, make_async_llm_class
 from hidden_states.vllm.engine_args import refuse, with_defaults
 
@@ -187,6 +188,10 @@ class HiddenStatesEngine(VectorObservers):
             vllm_config = AsyncEngineArgs(model=path, **engine_args).create_engine_config()
             if os.environ.get(CPU_ASYNC_ENV) == "1":  # tests only: vLLM's async path on CPU (ledger point 12)
                 vllm_config.scheduler_config.async_scheduling = True
+            if on_cpu() and image_span_refusal(vllm_config):
+                raise EngineStartupError(f"{model}: {image_span_refusal(vllm_config)} (ledger point 18)")
+            if on_cpu() and force_atomic_image_spans(vllm_config):  # an image prefilled in one step (point 18)
+                logger.info("disable_chunked_mm_input: on, as vLLM's GPU platforms set it for %s", model)
             tail = False
             mc = vllm_config.model_config
             try:

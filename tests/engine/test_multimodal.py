@@ -2,12 +2,10 @@
 (Gemma 3: SigLIP + Gemma 3 text; LLaVA: CLIP + Llama; Qwen2.5-VL: its window-attention ViT + Qwen2
 text with M-RoPE, 3-D rotary positions; hidden_states/models/vlm.py), through vLLM's own chat
 serving (the replica's frontend), checked against transformers on the same processor outputs and
-the returned token ids (tests/vlm_ref.py; Qwen2.5-VL's with the processor's `mm_token_type_ids`,
-from which transformers positions the image tokens), relative 1e-5 in float32.
-
-Gemma 3's reference runs every token causally: vLLM 0.32's CPU attention does not implement Gemma 3's
-bidirectional attention among an image's tokens (flash-attention only), so the CPU engine computes
-that (tests/vlm_ref.py says how much it differs); on a GPU with flash-attention it would not.
+the returned token ids (tests/vlm_ref.py: each model with the token types its processor makes: Gemma 3's
+`token_type_ids`, from which an image's tokens attend to each other both ways, which the CPU engine
+computes through ledger point 18; Qwen2.5-VL's `mm_token_type_ids`, from which transformers positions
+the image tokens), relative 1e-5 in float32.
 """
 
 from __future__ import annotations
@@ -148,6 +146,48 @@ def test_two_images_and_a_batch_mixing_text_and_image_requests_are_exact(vlm, lo
         ch = out["choices"][0]
         assert len(ch["hidden_states_meta"].get("modalities", [])) == len(seeds)
         assert_close(ch["hidden_states"], reference(folder, out["prompt_token_ids"], seeds, ch["token_ids"])[-1][-1])
+
+
+def test_gemma3_s_image_tokens_attend_both_ways_and_text_stays_on_vllm_s_kernel(vlm, loop_thread):
+    """Ledger point 18. Gemma 3 (an "mm prefix" model): the CPU engine recomputes each image token's
+    attention over its whole image, counted per row and layer; with vLLM's causal kernel put back the
+    rows are not transformers' Gemma 3 (the bug), and a text-only request's rows are the same bits
+    either way. The other families are not touched: no fix, no rows."""
+    from tests.vlm_ref import load
+
+    folder, eng, fe = vlm
+    model = load(str(folder))[0]
+    mm_prefix = model.config.model_type == "gemma3"
+    assert eng.startup.get("cpu_mm_prefix_fix", False) is mm_prefix, eng.startup
+    assert eng.llm.vllm_config.scheduler_config.disable_chunked_mm_input is mm_prefix
+
+    def span_rows():
+        return sum(w.get("image_span_rows", 0) for w in loop_thread.run(eng.stats())["workers"])
+
+    text = [{"role": "user", "content": "No picture, only words about the sea and the sky."}]
+    before = span_rows()
+    status, fixed = loop_thread.run(chat(fe, about(40, 41), return_hidden_states=True, hidden_states_position="all"))
+    assert status == 200, fixed
+    plain = loop_thread.run(chat(fe, text, return_hidden_states=True))[1]
+    image_tokens = fixed["prompt_token_ids"].count(model.config.image_token_id)
+    layers = model.config.get_text_config().num_hidden_layers
+    assert span_rows() - before == (image_tokens * layers if mm_prefix else 0)
+    ch = fixed["choices"][0]
+    assert_close(ch["hidden_states"], reference(folder, fixed["prompt_token_ids"], [40, 41], ch["token_ids"])[-1])
+    if not mm_prefix:
+        return
+    try:
+        assert not any(loop_thread.run(eng.llm.collective_rpc("hidden_states_fix_cpu_mm_prefix", args=(False,))))
+        status, causal = loop_thread.run(chat(fe, about(42, 43), return_hidden_states=True, hidden_states_position="all"))
+        plain_causal = loop_thread.run(chat(fe, text, return_hidden_states=True))[1]
+    finally:
+        assert all(loop_thread.run(eng.llm.collective_rpc("hidden_states_fix_cpu_mm_prefix")))
+    ch = causal["choices"][0]
+    ref = reference(folder, causal["prompt_token_ids"], [42, 43], ch["token_ids"])[-1]
+    got = np.asarray(ch["hidden_states"], np.float32)[:len(ref)]
+    assert np.abs(got - ref[:len(got)]).max() > 1e-3 * np.abs(ref).max()  # vLLM's kernel alone: not Gemma 3
+    assert plain_causal["choices"][0]["hidden_states"] == plain["choices"][0]["hidden_states"]
+    assert plain_causal["choices"][0]["token_ids"] == plain["choices"][0]["token_ids"]
 
 
 def test_an_extraction_step_sees_the_same_image_and_reuses_its_encoding(vlm, loop_thread):

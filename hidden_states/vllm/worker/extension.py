@@ -12,7 +12,8 @@ from typing import Any
 from hidden_states.vllm import _require, check_vllm_version
 from hidden_states.vllm.worker.capture import _RunnerHook
 from hidden_states.vllm.worker.traced import compile_counts, patch_load_model
-from hidden_states.vllm.cpu import CPU_ASYNC_ENV, CPUWorkerSteps, install_cpu_async_shim, patch_cpu_generator_rewind
+from hidden_states.vllm.cpu import (CPU_ASYNC_ENV, MM_PREFIX_ROWS, CPUWorkerSteps, install_cpu_async_shim,
+                                    patch_cpu_generator_rewind)
 
 logger = logging.getLogger(__name__)
 
@@ -93,12 +94,14 @@ class HiddenStatesWorkerExtension(CPUWorkerSteps):
 
     def hidden_states_stats(self) -> dict:
         trimmer = getattr(self, "_hidden_states_trimmer", None)
-        trim = {"malloc_trim": trimmer.stats()} if trimmer is not None else {}
+        extra = {"malloc_trim": trimmer.stats()} if trimmer is not None else {}
+        if MM_PREFIX_ROWS[0]:  # rows of image tokens attended both ways, over layers (ledger point 18)
+            extra["image_span_rows"] = MM_PREFIX_ROWS[0]
         hook = getattr(getattr(self, "model_runner", None), "_hidden_states_hook", None)
         if hook is None:
-            return {"installed": False, **trim}
+            return {"installed": False, **extra}
         return {
-            **trim,
+            **extra,
             "installed": True,
             "captured": hook.captured,
             "steps_with_capture": hook.steps_with_capture,
