@@ -30,7 +30,6 @@ done). Prints and writes bench/results/<name>.{json,md}.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import base64
 import os
@@ -40,8 +39,7 @@ import time
 import numpy as np
 
 from bench.measure import paired_ratio_ci
-from bench.report import ci_text, command_line, write_results
-from bench.servers import ENGINE_ENV
+from bench.report import bench_main, ci_text
 
 ENGINE_ARGS = {"dtype": "float32", "kv_cache_memory_bytes": 512 * 2**20, "max_model_len": 1024,
                "max_num_batched_tokens": 512}
@@ -174,19 +172,9 @@ async def _run(args) -> dict:
                 engines[arm].shutdown()
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="builtin:smollm2-135m-instruct")
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--layers", type=int, default=4, help="layers in the traced arm's capture_layers")
-    ap.add_argument("--name", default="compiled-smollm2")
-    args = ap.parse_args()
-    os.environ.update(ENGINE_ENV)
-    r = asyncio.run(_run(args))
+def _summary(args, r: dict) -> list[str]:
     lines = [f"# Compiled against eager on the CPU ({args.model}, D = {r['hidden_size']}, float32, {args.rounds} "
-             f"rounds, {args.max_tokens} tokens per completion; capture_layers {r['capture_layers']})", "",
-             command_line("bench.compiled", args), "",
+             f"rounds, {args.max_tokens} tokens per completion; capture_layers {r['capture_layers']})",
              "| arm | start s | " + " | ".join(f"tok/s c={c} (over eager, 95% CI)" for c in LEVELS) + " |",
              "| --- | --- | " + " | ".join("---" for _ in LEVELS) + " |"]
     for a in ARMS:
@@ -212,7 +200,13 @@ def main() -> None:
               "", f"Compilations unchanged by the rounds (vLLM's and dynamo's counters): {r['compilations_unchanged']}.",
               "", "`eager2` and `compiled2` are `eager` and `compiled` measured again (the A/A controls: their intervals "
                   "are the noise floor). Start times are cold (fresh vLLM and inductor caches) but for the second start."]
-    write_results(args.name, r, "\n".join(lines) + "\n")
+    return lines
+
+
+def main() -> None:
+    bench_main("bench.compiled", __doc__, _run, _summary, name="compiled-smollm2",
+               first=("--model", "builtin:smollm2-135m-instruct"), rounds=5, concurrency=None, requests=None,
+               more=[("--layers", 4, "layers in the traced arm's capture_layers")])
 
 
 if __name__ == "__main__":

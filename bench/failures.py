@@ -1,6 +1,6 @@
-"""What a Serve-layer failure does at scale (issue 32, part 5): `python -m bench.simulate --failures`.
+"""What a Serve-layer failure does at scale (issue 32, part 5): the proxy, the Router, a node killed under load.
 
-    .venv/bin/python -m bench.simulate --failures            # OUT/failures.json and failures.md (about 6 min)
+    .venv/bin/python -m bench.failures            # OUT/failures.json and failures.md (about 6 min)
 
 bench.simulate's cluster, driver and app (FakeEngine replicas behind the real Router and Serve's proxy), with a
 second Ray node: `ray start --address HEAD --block` of its own (its own ports, the head's temp dir and token).
@@ -24,16 +24,18 @@ when Serve had replaced what was killed (serve_times).
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import signal
+import sys
 import threading
 import time
 from collections import Counter
 from types import SimpleNamespace
 
-from bench.simulate import (APP, Load, Poller, Req, Sim, _f, _md_table, app_args, deploy_config, fake_delays, log,
-                            machine_lines, pct, poisson_arrivals, run_load)
+from bench.simulate import (APP, Load, Poller, Req, Sim, _f, _md_table, add_cluster_flags, app_args, deploy_config,
+                            fake_delays, log, machine_lines, pct, poisson_arrivals, run_load)
 
 HEAD_REPLICAS = NODE_REPLICAS = 4
 CLIENT_TIMEOUT_S, SERVER_TIMEOUT_S = 30.0, 20.0
@@ -111,6 +113,8 @@ def serve_times(samples: list[dict], kill_s: float, what: str, old_pid: int | No
 # -- the run ----------------------------------------------------------------------------------------------
 
 class Failures(Sim):
+    MODULE = "bench.failures"
+
     def __init__(self, args):
         super().__init__(args, results="failures.json")
         for k in ("sizes", "skipped"):
@@ -320,3 +324,26 @@ def write(res: dict, out) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "failures.md").write_text(markdown(res))
     print(_md_table(HEADERS, rows(res)))
+
+
+def parse(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m bench.failures", description=__doc__.split("\n\n")[0])
+    add = ap.add_argument
+    add("--rate", type=float, default=20.0, help="offered load, requests/s (open loop)")
+    add("--kill-after", type=float, default=15.0, help="seconds of load before each kill")
+    add("--after-kill", type=float, default=45.0, help="seconds of load after each kill")
+    add_cluster_flags(add)
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    import logging
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    args = parse(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a stop by SIGTERM still stops what was started
+    return Failures(args).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -26,7 +26,6 @@ bench/results/<name>.{json,md}.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -36,8 +35,7 @@ import time
 import numpy as np
 
 from bench.measure import paired_ratio_ci
-from bench.report import ci_text, command_line, write_results
-from bench.servers import ENGINE_ENV
+from bench.report import bench_main, ratio_text
 
 ENGINE_ARGS = {"dtype": "float32", "enforce_eager": True, "kv_cache_memory_bytes": 512 * 2**20,
                "max_model_len": 1024, "max_num_batched_tokens": 512}
@@ -145,43 +143,42 @@ async def _run(args, folder: str) -> dict:
         engine.shutdown()
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="builtin:smollm2-135m-instruct")
-    ap.add_argument("--rounds", type=int, default=6)
-    ap.add_argument("--concurrency", type=int, default=8)
-    ap.add_argument("--requests", type=int, default=24)
-    ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--features", type=int, default=8, help="SAE features per hidden dimension")
-    ap.add_argument("--layer", type=int, default=15, help="the SAE's layer (hidden_states_layers' numbering)")
-    ap.add_argument("--name", default="heads-smollm2")
-    args = ap.parse_args()
-    os.environ.update(ENGINE_ENV)
+def _run_with_sae(args) -> dict:
+    """The SAE made (random weights) in a temporary folder, then the rounds."""
     from transformers import AutoConfig
 
     from hidden_states.models.builtin import resolve_model
 
     d = AutoConfig.from_pretrained(resolve_model(args.model)).hidden_size
     with tempfile.TemporaryDirectory() as tmp:
-        r = asyncio.run(_run(args, make_sae(os.path.join(tmp, "sae"), d, args.features * d, args.layer)))
+        return asyncio.run(_run(args, make_sae(os.path.join(tmp, "sae"), d, args.features * d, args.layer)))
+
+
+def _summary(args, r: dict) -> list[str]:
     bpt, cpu, counts = r["bytes_per_token"], r["frontend_cpu_s_per_request"], r["worker_counts_per_request"]
     lines = [f"# An SAE head (top-{K} of {r['sae_features']} features, layer {r['sae_layer']}) vs float16 rows of the "
              f"same positions ({args.model}, D = {r['hidden_size']}, float32, {args.rounds} rounds x {args.requests} "
              f"requests at concurrency {args.concurrency}, {args.max_tokens} tokens each, every completion position)",
-             "", command_line("bench.heads", args), "",
              "| arm | req/s | over off (95% CI) | bytes/token in responses | bytes/token copied to host | "
              "head products / request | frontend CPU s / request |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
     for a in ARMS:
-        ratio = "1" if a == "off" else f"{r[f'{a}_over_off']:.3f} ({ci_text(r[f'{a}_over_off_ci95'])})"
+        ratio = "1" if a == "off" else ratio_text(r, f"{a}_over_off")
         lines.append(f"| {a} | {r['req_per_s'][a]:.2f} | {ratio} | {bpt[a]['response']:.1f} | "
                      f"{bpt[a]['copied_to_host']:.1f} | {counts[a].get('head_products', 0):.2f} | {cpu[a]:.4f} |")
-    lines += ["", f"sae32 over rows16: {r['sae32_over_rows16']:.3f} ({ci_text(r['sae32_over_rows16_ci95'])}); "
+    lines += ["", f"sae32 over rows16: {ratio_text(r, 'sae32_over_rows16')}; "
                   f"bytes per token, rows16 over sae32: {r['rows16_over_sae32_bytes']:.2f}x "
                   f"(k x 8 = {K * 8} against D x 2 = {2 * r['hidden_size']}).",
               "", "`off2` is `off` again (the A/A control). The server has the SAE registered in every arm; `off` "
                   "and `off2` read no head (their head products are counted: 0)."]
-    write_results(args.name, r, "\n".join(lines) + "\n")
+    return lines
+
+
+def main() -> None:
+    bench_main("bench.heads", __doc__, _run_with_sae, _summary, name="heads-smollm2",
+               first=("--model", "builtin:smollm2-135m-instruct"),
+               more=[("--features", 8, "SAE features per hidden dimension"),
+                     ("--layer", 15, "the SAE's layer (hidden_states_layers' numbering)")])
 
 
 if __name__ == "__main__":

@@ -17,19 +17,16 @@ extraction step must add no encoder pass. Prints and writes bench/results/<name>
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import base64
 import io
 import json
-import os
 import time
 
 import numpy as np
 
 from bench.measure import paired_ratio_ci
-from bench.report import ci_text, command_line, write_results
-from bench.servers import ENGINE_ENV
+from bench.report import bench_main, ratio_text
 
 ENGINE_ARGS = {"dtype": "float32", "enforce_eager": True, "kv_cache_memory_bytes": 256 * 2**20, "max_model_len": 1024,
                "max_num_batched_tokens": 512}
@@ -110,30 +107,23 @@ async def _run(args) -> dict:
         engine.shutdown()
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="builtin:tiny-llava")
-    ap.add_argument("--rounds", type=int, default=6)
-    ap.add_argument("--concurrency", type=int, default=8)
-    ap.add_argument("--requests", type=int, default=24)
-    ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--name", default="multimodal-tiny-llava")
-    args = ap.parse_args()
-    os.environ.update(ENGINE_ENV)
-    r = asyncio.run(_run(args))
+def _summary(args, r: dict) -> list[str]:
     enc, pos = r["encoder_items_per_request"], r["computed_positions_per_vector"]
     lines = [f"# Image chats with vectors on vs off ({args.model}, float32, {args.rounds} rounds x {args.requests} "
-             f"requests at concurrency {args.concurrency}, one image and {args.max_tokens} tokens each)", "",
-             command_line("bench.multimodal", args), "",
+             f"requests at concurrency {args.concurrency}, one image and {args.max_tokens} tokens each)",
              "| arm | req/s | over off (95% CI) | images encoded per request | positions computed per vector |",
              "| --- | --- | --- | --- | --- |"]
     for a in ARMS:
-        ratio = "1" if a == "off" else f"{r[f'{a}_over_off']:.3f} ({ci_text(r[f'{a}_over_off_ci95'])})"
+        ratio = "1" if a == "off" else ratio_text(r, f"{a}_over_off")
         p = "-" if pos[a] is None else f"{pos[a]:.2f}"
         lines.append(f"| {a} | {r['req_per_s'][a]:.2f} | {ratio} | {enc[a]:.2f} | {p} |")
     lines += ["", "`off2` is `off` again (the A/A control: its interval is the noise floor); `extract` takes the "
                   "extraction step for every vector (a stop string that never matches)."]
-    write_results(args.name, r, "\n".join(lines) + "\n")
+    return lines
+
+
+def main() -> None:
+    bench_main("bench.multimodal", __doc__, _run, _summary, name="multimodal-tiny-llava", first=("--model", "builtin:tiny-llava"))
 
 
 if __name__ == "__main__":

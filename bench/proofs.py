@@ -18,17 +18,14 @@ against a plain prefill of the same tokens (max_tokens 1, nothing asked). Prints
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import base64
 import json
-import os
 import random
 import time
 
 from bench.measure import paired_ratio_ci
-from bench.report import ci_text, command_line, write_results
-from bench.servers import ENGINE_ENV
+from bench.report import bench_main, ratio_text
 
 MODEL = "builtin:smollm2-135m-instruct"
 ENGINE_ARGS = {"dtype": "float32", "enforce_eager": True, "kv_cache_memory_bytes": 2**30, "max_model_len": 4096,
@@ -145,34 +142,29 @@ async def _run(args) -> dict:
         engine.shutdown()
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rounds", type=int, default=6)
-    ap.add_argument("--concurrency", default="8,32")
-    ap.add_argument("--requests", type=int, default=32)
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--name", default="proofs-smollm2")
-    args = ap.parse_args()
-    os.environ.update(ENGINE_ENV)
-    r = asyncio.run(_run(args))
+def _summary(args, r: dict) -> list[str]:
     v = r["validation"]
     lines = [f"# TOPLOC proofs on the server (SmolLM2-135M-Instruct, float32, {args.rounds} rounds x "
-             f"{args.requests} requests, {args.max_tokens} tokens each; top-128, 32 tokens per proof)", "",
-             command_line("bench.proofs", args), "",
+             f"{args.requests} requests, {args.max_tokens} tokens each; top-128, 32 tokens per proof)",
              "| c | proofs on/off req/s (95% CI) | A/A off2/off (95% CI) | frontend CPU ms/request off, on, off2 | "
              "engine CPU ms/request off, on, off2 | bytes per proof (raw, base64) | bytes per 32 tokens |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
     for c in r["by_concurrency"]:
         cpu, eng = c["frontend_cpu_ms_per_request"], c["engine_cpu_ms_per_request"]
-        lines.append(f"| {c['concurrency']} | {c['on_over_off']:.3f} ({ci_text(c['on_over_off_ci95'])}) | "
-                     f"{c['aa_over_off']:.3f} ({ci_text(c['aa_over_off_ci95'])}) | "
+        lines.append(f"| {c['concurrency']} | {ratio_text(c, 'on_over_off')} | {ratio_text(c, 'aa_over_off')} | "
                      f"{cpu['off']:.1f}, {cpu['on']:.1f}, {cpu['off2']:.1f} | "
                      f"{eng['off']:.1f}, {eng['on']:.1f}, {eng['off2']:.1f} | "
                      f"{c['proof_bytes_raw']}, {c['proof_bytes_base64']} | {c['bytes_per_32_tokens']:.0f} |")
     lines += ["", f"Validation (compare.toploc, {v['sequences']} sequences, {v['tokens']} tokens): "
                   f"{v['validate_s_per_1k_tokens']:.3f} s per 1,000 tokens against a plain prefill's "
                   f"{v['plain_prefill_s_per_1k_tokens']:.3f} s ({v['validate_over_prefill']:.2f}x)."]
-    write_results(args.name, r, "\n".join(lines) + "\n")
+    return lines
+
+
+def main() -> None:
+    bench_main("bench.proofs", __doc__, _run, _summary, name="proofs-smollm2", concurrency="8,32", requests=32,
+               max_tokens=64)
+
 
 if __name__ == "__main__":
     main()

@@ -2,7 +2,7 @@
 
     .venv/bin/python -m bench.simulate                       # sizes 1,8,32,64,128, then the autoscaler's ramp
     .venv/bin/python -m bench.simulate --sizes 1,8 --seconds 20 --ramp-max 8 --out bench/.work/sim-dev  # a try-out
-    .venv/bin/python -m bench.simulate --failures            # part 5: kill the proxy, Router, a node (bench.failures)
+    .venv/bin/python -m bench.failures                       # part 5, on this cluster and app: kill the proxy, Router, a node
 
 What runs: a Ray cluster of its own (bench.servers.RayCluster, second=True: its own ports, temp dir and auth token;
 `make serve`'s Serve switches, direct ingress on, its ports in 33000-33300 / 43000-43300) and a driver process
@@ -452,11 +452,13 @@ class Poller(threading.Thread):
 class Sim:
     """The Ray cluster, the driver, the app's deploys and deletes; the sizes and the ramp (bench.failures too)."""
 
+    MODULE = "bench.simulate"  # the command the results record
+
     def __init__(self, args, results: str = "results.json"):
         from bench.cli import machine
 
         self.args, self.out, self.results, self.t0 = args, args.out, results, time.monotonic()
-        self.res: dict = {"command": " ".join([".venv/bin/python -m bench.simulate", *map(shlex.quote, sys.argv[1:])]),
+        self.res: dict = {"command": " ".join([f".venv/bin/python -m {self.MODULE}", *map(shlex.quote, sys.argv[1:])]),
                           "started": dt.datetime.now().isoformat(timespec="seconds"), "machine": machine(),
                           "sizes": {}, "skipped": {}, "errors": [], "notes": []}
         self.cluster = self.driver = self.replica_bytes = None
@@ -973,22 +975,30 @@ def write_report(res: dict, out: Path) -> None:
     print("\n".join(ramp_lines(res)))
 
 
-def parse(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m bench.simulate", description=__doc__.split("\n\n")[0])
-    add = ap.add_argument
-    add("--sizes", default="1,8,32,64,128", type=lambda s: [int(x) for x in s.split(",")])
-    add("--rate", type=float, default=20.0, help="offered load per size (and --failures), requests/s (open loop)")
-    add("--seconds", type=float, default=60.0, help="load per size")
-    add("--idle-seconds", type=float, default=20.0, help="idle window per size, before its load")
+def add_cluster_flags(add) -> None:
+    """The flags bench.failures shares: the FakeEngine's requests and delays, the cluster, where results go."""
     add("--max-tokens", type=int, default=64)
     add("--prompt-tokens", type=int, default=256, help="the real engine's measured prompt")
     add("--prompt-chars", type=int, default=256, help="the FakeEngine's prompt (bytes = tokens)")
-    add("--request-timeout", type=float, default=90.0, help="client-side, per request")
     add("--seed", type=int, default=20261203)
     add("--engine", default="auto", help="measure | file | auto (OUT/engine.json if there, else measure)")
     add("--engine-model", default="smollm2-135m-instruct")
     add("--engine-requests", type=int, default=10)
     add("--start-timeout", type=float, default=900.0)
+    add("--serve-env", action="append", default=[], metavar="KEY=VALUE",
+        help="an environment variable for the Ray cluster (Serve's switches), after SIM_ENV; repeatable")
+    add("--out", type=Path, default=Path("bench/results/simulate"))
+
+
+def parse(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m bench.simulate", description=__doc__.split("\n\n")[0])
+    add = ap.add_argument
+    add("--sizes", default="1,8,32,64,128", type=lambda s: [int(x) for x in s.split(",")])
+    add("--rate", type=float, default=20.0, help="offered load per size, requests/s (open loop)")
+    add("--seconds", type=float, default=60.0, help="load per size")
+    add("--idle-seconds", type=float, default=20.0, help="idle window per size, before its load")
+    add("--request-timeout", type=float, default=90.0, help="client-side, per request")
+    add_cluster_flags(add)
     add("--ramp-max", type=int, default=32, help="the ramp's max_replicas; 0: no ramp")
     add("--ramp-target", type=float, default=2.0, help="target_ongoing_requests")
     add("--ramp-max-ongoing", type=int, default=8, help="the ramp's replica_max_ongoing_requests")
@@ -1002,14 +1012,7 @@ def parse(argv=None):
         help="the FakeEngine's wait: one timer (once) or one per token (tokens); the same total")
     add("--fill", action=argparse.BooleanOptionalAction, default=True,
         help="a size that does not fit: run the largest multiple of 8 that does, instead")
-    add("--serve-env", action="append", default=[], metavar="KEY=VALUE",
-        help="an environment variable for the Ray cluster (Serve's switches), after SIM_ENV; repeatable")
-    add("--out", type=Path, default=Path("bench/results/simulate"))
     add("--report", type=Path, help="only draw the figures and summary.md again from this results.json")
-    add("--failures", action="store_true", help="instead: kill the proxy, the Router, a node under load "
-                                                "(bench.failures: OUT/failures.json, failures.md)")
-    add("--kill-after", type=float, default=15.0, help="--failures: seconds of load before each kill")
-    add("--after-kill", type=float, default=45.0, help="--failures: seconds of load after each kill")
     add("--driver", action="store_true", help=argparse.SUPPRESS)
     add("--address", help=argparse.SUPPRESS)
     add("--http-port", type=int, help=argparse.SUPPRESS)
@@ -1028,10 +1031,6 @@ def main(argv=None) -> int:
         write_report(json.loads(args.report.read_text()), args.report.parent)
         return 0
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a stop by SIGTERM still stops what was started
-    if args.failures:
-        from bench.failures import Failures
-
-        return Failures(args).run()
     return Sim(args).run()
 
 

@@ -16,16 +16,13 @@ Prints and writes bench/results/<name>.{json,md}.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import os
 import random
 import statistics
 import time
 
 from bench.measure import paired_ratio_ci
-from bench.report import ci_text, command_line, write_results
-from bench.servers import ENGINE_ENV
+from bench.report import bench_main, ratio_text
 
 ENGINE_ARGS = {"dtype": "float32", "enforce_eager": True, "kv_cache_memory_bytes": 2**30, "max_model_len": 4096,
                "max_num_batched_tokens": 512, "block_size": 32}
@@ -113,34 +110,34 @@ async def _method(method: str, model_dir: str, args) -> dict:
         engine.shutdown()
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--methods", default="ngram,draft_model")
-    ap.add_argument("--rounds", type=int, default=6)
-    ap.add_argument("--concurrency", type=int, default=8)
-    ap.add_argument("--requests", type=int, default=16)
-    ap.add_argument("--max-tokens", type=int, default=48)
-    ap.add_argument("--name", default="spec-tiny")
-    args = ap.parse_args()
-    os.environ.update(ENGINE_ENV)
+def _methods(args) -> list[dict]:
+    """Each method of `--methods` in turn, on the tiny model."""
     from hidden_states.models.builtin import build
 
     model_dir = str(build("tiny-llama"))
-    results = [asyncio.run(_method(m, model_dir, args)) for m in args.methods.split(",")]
+    return [asyncio.run(_method(m, model_dir, args)) for m in args.methods.split(",")]
+
+
+def _summary(args, results: list[dict]) -> list[str]:
     lines = [f"# Hidden states under speculative decoding (tiny model, {args.rounds} rounds x {args.requests} "
-             f"requests, c={args.concurrency}, {args.max_tokens} tokens each, 3 draft tokens)", "",
-             command_line("bench.spec", args), "",
+             f"requests, c={args.concurrency}, {args.max_tokens} tokens each, 3 draft tokens)",
              "| drafter | on/off req/s (95% CI) | A/A off2/off (95% CI) | vectors | via | computed tokens per vector "
              "(mean, max) | accepted drafts per verify step | acceptance rate |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in results:
         acc = r["accepted_per_verify_step"]
         rate = r["draft_acceptance_rate"]
-        lines.append(f"| {r['method']} | {r['on_over_off']:.3f} ({ci_text(r['on_over_off_ci95'])}) | "
-                     f"{r['aa_over_off']:.3f} ({ci_text(r['aa_over_off_ci95'])}) | {r['vectors']} | {r['via']} | "
+        lines.append(f"| {r['method']} | {ratio_text(r, 'on_over_off')} | {ratio_text(r, 'aa_over_off')} | "
+                     f"{r['vectors']} | {r['via']} | "
                      f"{r['computed_tokens_per_vector']['mean']:.2f}, {r['computed_tokens_per_vector']['max']} | "
                      f"{'-' if acc is None else f'{acc:.2f}'} | {'-' if rate is None else f'{rate:.2f}'} |")
-    write_results(args.name, results, "\n".join(lines) + "\n")
+    return lines
+
+
+def main() -> None:
+    bench_main("bench.spec", __doc__, _methods, _summary, name="spec-tiny", first=("--methods", "ngram,draft_model"),
+               requests=16, max_tokens=48)
+
 
 if __name__ == "__main__":
     main()

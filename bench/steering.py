@@ -21,18 +21,15 @@ bench/results/<name>.{json,md}.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import base64
 import json
-import os
 import time
 
 import numpy as np
 
 from bench.measure import paired_ratio_ci
-from bench.report import ci_text, command_line, write_results
-from bench.servers import ENGINE_ENV
+from bench.report import bench_main, ratio_text
 
 ENGINE_ARGS = {"dtype": "float32", "enforce_eager": True, "kv_cache_memory_bytes": 512 * 2**20,
                "max_model_len": 1024, "max_num_batched_tokens": 512}
@@ -116,29 +113,23 @@ async def _run(args) -> dict:
         plain.shutdown()
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="builtin:smollm2-135m-instruct")
-    ap.add_argument("--rounds", type=int, default=6)
-    ap.add_argument("--concurrency", type=int, default=8)
-    ap.add_argument("--requests", type=int, default=24)
-    ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--layers", type=int, default=4, help="layers each steering request steers")
-    ap.add_argument("--name", default="steering-smollm2")
-    args = ap.parse_args()
-    os.environ.update(ENGINE_ENV)
-    r = asyncio.run(_run(args))
+def _summary(args, r: dict) -> list[str]:
     lines = [f"# Steering: half the requests steer at {len(r['steered_layers'])} layers {r['steered_layers']} "
              f"({args.model}, D = {r['hidden_size']}, float32, {args.rounds} rounds x {args.requests} requests at "
-             f"concurrency {args.concurrency}, {args.max_tokens} tokens each)", "",
-             command_line("bench.steering", args), "",
+             f"concurrency {args.concurrency}, {args.max_tokens} tokens each)",
              "| arm | req/s | over off (95% CI) | rows steered per request |", "| --- | --- | --- | --- |"]
     for a in ARMS:
-        ratio = "1" if a == "off" else f"{r[f'{a}_over_off']:.3f} ({ci_text(r[f'{a}_over_off_ci95'])})"
+        ratio = "1" if a == "off" else ratio_text(r, f"{a}_over_off")
         lines.append(f"| {a} | {r['req_per_s'][a]:.2f} | {ratio} | {r['steered_rows_per_request'][a]:.1f} |")
     lines += ["", "`plain`: a server without the feature (hidden states off: no hooks); `off`, `off2` (the A/A "
                   "control), `half`: the server with it, where nobody steers, or every other request does."]
-    write_results(args.name, r, "\n".join(lines) + "\n")
+    return lines
+
+
+def main() -> None:
+    bench_main("bench.steering", __doc__, _run, _summary, name="steering-smollm2",
+               first=("--model", "builtin:smollm2-135m-instruct"),
+               more=[("--layers", 4, "layers each steering request steers")])
 
 
 if __name__ == "__main__":

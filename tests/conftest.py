@@ -1,4 +1,5 @@
-"""Shared fixtures: the built-in model, the transformers reference, an event loop thread.
+"""Shared fixtures: the built-in model, the transformers reference, an event loop thread, engines
+(`engine_fixture`: started, checked when they stop, shut down).
 
 Tests are marked by folder: unit (no vLLM), engine (real vLLM), serve (real Ray
 Serve over HTTP), cluster. Engines start once per module, not once per test.
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import os
 import threading
 
@@ -55,15 +57,10 @@ def pytest_collection_modifyitems(config, items):
 
 
 @contextlib.contextmanager
-def serve_switches(direct_port: int):
-    """`make serve`'s Ray Serve switches (deployments/serve_env.py; direct ingress: each Router
-    replica also takes HTTP on a port of its own, from `direct_port` up) in the environment while
-    Ray's processes start (they read them then); the environment is restored afterwards."""
-    from deployments.serve_env import SERVE_SWITCHES
-
-    switches = {**SERVE_SWITCHES, "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(direct_port)}
-    saved = {k: os.environ.get(k) for k in switches}
-    os.environ.update(switches)
+def environ(values: dict[str, str]):
+    """`values` in the environment inside the block; the environment restored afterwards."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
     try:
         yield
     finally:
@@ -72,6 +69,15 @@ def serve_switches(direct_port: int):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def serve_switches(direct_port: int):
+    """`make serve`'s Ray Serve switches (deployments/serve_env.py; direct ingress: each Router
+    replica also takes HTTP on a port of its own, from `direct_port` up) in the environment while
+    Ray's processes start (they read them then); the environment is restored afterwards."""
+    from deployments.serve_env import SERVE_SWITCHES
+
+    return environ({**SERVE_SWITCHES, "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(direct_port)})
 
 
 def router_ports(first: int, count: int = 20) -> list[int]:
@@ -197,6 +203,56 @@ def loop_thread():
     lt = LoopThread()
     yield lt
     lt.close()
+
+
+# The counters every engine test module finds at 0 when its engine stops (after all its tests).
+ENGINE_CLEAN = ("pending", "missing_vectors", "malformed_vectors")
+
+
+@contextlib.contextmanager
+def running_engine(loop_thread, model: str = TEST_MODEL, *, timeout: float = 300, env: dict[str, str] | None = None,
+                   one_more_step: str | None = None, clean: tuple[str, ...] = ENGINE_CLEAN, check=None,
+                   errors: list | None = None, **start):
+    """`HiddenStatesEngine.start(model, **start)` on `loop_thread` (within `timeout` s, with `env` in the
+    environment while it starts), for the block. After it: with `one_more_step`, a 2-token greedy completion of
+    that prompt (the runner sees the last finished ids with the next step); then, if `clean` or `check`, the
+    engine's stats: every counter named in `clean` is 0, and `check(stats)`. Whatever happened, the engine is shut
+    down and each (case, max abs error, max |reference|) in `errors` printed."""
+    from hidden_states.vllm.engine import HiddenStatesEngine
+
+    with environ(env or {}):
+        eng = loop_thread.run(HiddenStatesEngine.start(model, **start), timeout=timeout)
+    try:
+        yield eng
+        if one_more_step is not None:
+            from vllm import SamplingParams
+
+            loop_thread.run(eng.complete(one_more_step, SamplingParams(max_tokens=2, temperature=0.0),
+                                         return_hidden_states=False))
+        if clean or check:
+            stats = loop_thread.run(eng.stats())
+            assert all(stats[k] == 0 for k in clean), stats
+            if check:
+                check(stats)
+    finally:
+        eng.shutdown()
+        for case, diff, scale in errors or ():
+            print(f"  {case}: max abs error {diff:.3g}, max |reference| {scale:.3g}")
+
+
+def engine_fixture(model: str = TEST_MODEL, *, setup=None, **options):
+    """A module-scoped fixture: the engine of `running_engine(loop_thread, model, **options)`, one per module.
+    `setup`, if given, is a function whose parameters name fixtures: those are set up before the engine (and
+    torn down after it), and the start arguments it returns (a dict, or None) are added to `options`."""
+    names = list(inspect.signature(setup).parameters) if setup else []
+
+    @pytest.fixture(scope="module")
+    def engine(request, loop_thread):
+        more = setup(**{name: request.getfixturevalue(name) for name in names}) if setup else None
+        with running_engine(loop_thread, model, **options, **(more or {})) as eng:
+            yield eng
+
+    return engine
 
 
 def long_text(words: int, seed: int = 0) -> str:

@@ -16,12 +16,11 @@ tested here.
 from __future__ import annotations
 
 import asyncio
-import os
 
 import numpy as np
 import pytest
 
-from tests.conftest import TEST_ENGINE_ARGS, TEST_MODEL, cpu_only, long_text
+from tests.conftest import TEST_ENGINE_ARGS, cpu_only, long_text, running_engine
 
 pytestmark = cpu_only  # the shim stands in for CUDA: on a GPU the real async path runs (make gpu-check)
 
@@ -34,19 +33,11 @@ PROMPTS = ["Hello! How are you today?", "The router sends every completion to a 
 def async_engine(loop_thread):
     import hidden_states.vllm.worker.extension  # noqa: F401  (imported here without the shim: this process keeps CUDA's)
     from hidden_states.vllm.cpu import CPU_ASYNC_ENV
-    from hidden_states.vllm.engine import HiddenStatesEngine
 
-    os.environ[CPU_ASYNC_ENV] = "1"  # read by start() and, inherited, by the engine-core process
-    try:
-        eng = loop_thread.run(HiddenStatesEngine.start(TEST_MODEL, **TEST_ENGINE_ARGS), timeout=600)
-    finally:
-        del os.environ[CPU_ASYNC_ENV]
-    yield eng
-    try:
-        stats = loop_thread.run(eng.stats())
-        assert stats["pending"] == 0 and stats["missing_vectors"] == 0, stats
-    finally:
-        eng.shutdown()
+    # CPU_ASYNC_ENV while the engine starts: read by start() and, inherited, by the engine-core process.
+    with running_engine(loop_thread, env={CPU_ASYNC_ENV: "1"}, timeout=600, clean=("pending", "missing_vectors"),
+                        **TEST_ENGINE_ARGS) as eng:
+        yield eng
 
 
 def sp(**kw):

@@ -16,7 +16,7 @@ import base64
 import numpy as np
 import pytest
 
-from tests.conftest import TEST_ENGINE_ARGS, TEST_MODEL
+from tests.conftest import TEST_ENGINE_ARGS, engine_fixture
 from tests.heads_ref import build_test_heads
 from tests.engine.test_engine import test_tail_step_changes_nothing_in_the_output  # noqa: F401
 from tests.engine.test_heads import (  # noqa: F401
@@ -29,7 +29,7 @@ from tests.engine.test_positions import (  # noqa: F401
     test_all_layers_of_a_long_prompt_in_chunks_and_with_its_prefix_cached,
     test_beam_search_and_a_streamed_chat_over_the_openai_routes, test_every_position_against_transformers,
     test_n2_each_choice_its_own_rows, test_rows_arrive_across_outputs_and_concatenate_to_the_whole)
-from tests.engine.test_steering import registered, unit_vector  # noqa: F401
+from tests.engine.test_steering import registered, registered_vectors, unit_vector  # noqa: F401
 from tests.engine.test_steering import (  # noqa: F401
     test_n2_and_a_streamed_chat_over_the_openai_routes, test_post_hidden_states_recomputes_a_steered_choice,
     test_registered_vectors_and_sae_features_as_entries, test_steered_tokens_and_rows_are_transformers_with_the_same_hook,
@@ -43,21 +43,10 @@ def heads():
     return build_test_heads()
 
 
-@pytest.fixture(scope="module")
-def engine(loop_thread, heads, registered):  # noqa: F811
-    from hidden_states.vllm.engine import HiddenStatesEngine
-
-    vectors = [{"name": "calm", "path": registered["calm"][0], "layer": 1}, {"name": "cv", "path": registered["cv"][0]}]
-    # warm_up_s=0: the compile at the first forward is what this tests, not oneDNN's per-size kernels.
-    eng = loop_thread.run(HiddenStatesEngine.start(
-        TEST_MODEL, warm_up_s=0, capture_layers=[0, 1], heads=heads, steering_vectors=vectors,
-        max_hidden_states_bytes=BOUND, **COMPILED_ARGS), timeout=900)
-    yield eng
-    try:
-        stats = loop_thread.run(eng.stats())
-        assert stats["pending"] == 0 and stats["missing_vectors"] == 0 and stats["malformed_vectors"] == 0, stats
-    finally:
-        eng.shutdown()
+# warm_up_s=0: the compile at the first forward is what this tests, not oneDNN's per-size kernels.
+engine = engine_fixture(
+    setup=lambda heads, registered: {"heads": heads, "steering_vectors": registered_vectors(registered)},
+    timeout=900, warm_up_s=0, capture_layers=[0, 1], max_hidden_states_bytes=BOUND, **COMPILED_ARGS)
 
 
 def test_engine_is_compiled_with_its_layers_traced(engine, loop_thread):

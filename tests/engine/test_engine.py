@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from hidden_states.params import spec_of
-from tests.conftest import TEST_ENGINE_ARGS, TEST_MODEL, cpu_only, long_text
+from tests.conftest import TEST_ENGINE_ARGS, cpu_only, engine_fixture, long_text
 
 PROMPTS = [
     "Hello! How are you today?",
@@ -18,37 +18,18 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def engine(loop_thread):
-    from hidden_states.vllm.engine import HiddenStatesEngine
-
-    eng = loop_thread.run(HiddenStatesEngine.start(TEST_MODEL, **TEST_ENGINE_ARGS))
-    yield eng
-    try:
-        _assert_nothing_left_behind(eng, loop_thread)  # after every test of the module, whatever their order
-    finally:
-        eng.shutdown()
-
-
-def _assert_nothing_left_behind(engine, loop_thread):
-    # One more step lets the runner see the last finished ids (they arrive with the next step).
-    loop_thread.run(engine.complete(PROMPTS[0], sp(max_tokens=2), return_hidden_states=False))
-    stats = loop_thread.run(engine.stats())
-    assert stats["pending"] == 0 and stats["missing_vectors"] == 0, stats
+def _worker_captured_every_vector(stats):
     (worker,) = stats["workers"]
     assert worker["installed"] and worker["captured"] >= stats["extractions"] + stats["tails"] > 0
 
 
-@pytest.fixture(scope="module")
-def plain_engine(loop_thread, engine):
-    """The same engine arguments (the block size and scheduling policy the hidden-states
-    engine defaults to, made explicit), hidden states off: no hook."""
-    from hidden_states.vllm.engine import HiddenStatesEngine
-
-    eng = loop_thread.run(HiddenStatesEngine.start(TEST_MODEL, enable_return_hidden_states=False, block_size=32,
-                                                   scheduling_policy="priority", **TEST_ENGINE_ARGS))
-    yield eng
-    eng.shutdown()
+# Nothing left behind, after every test of the module, whatever their order.
+engine = engine_fixture(one_more_step=PROMPTS[0], clean=("pending", "missing_vectors"),
+                        check=_worker_captured_every_vector, **TEST_ENGINE_ARGS)
+# The same engine arguments (the block size and scheduling policy the hidden-states engine defaults to, made
+# explicit), hidden states off: no hook. Started after `engine`.
+plain_engine = engine_fixture(setup=lambda engine: None, clean=(), enable_return_hidden_states=False, block_size=32,
+                              scheduling_policy="priority", **TEST_ENGINE_ARGS)
 
 
 def sp(**kw):

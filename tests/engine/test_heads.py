@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.conftest import TEST_ENGINE_ARGS, TEST_MODEL, eager_only, openai_answer
+from tests.conftest import TEST_ENGINE_ARGS, TEST_MODEL, eager_only, engine_fixture, openai_answer
 from tests.heads_ref import TINY_F as F
 from tests.heads_ref import TINY_TOPK_K as TOPK_K
 from tests.heads_ref import build_test_heads, check_heads
@@ -30,19 +30,7 @@ def heads():
     return build_test_heads()
 
 
-@pytest.fixture(scope="module")
-def engine(loop_thread, heads):
-    from hidden_states.vllm.engine import HiddenStatesEngine
-
-    eng = loop_thread.run(HiddenStatesEngine.start(TEST_MODEL, heads=heads, **TEST_ENGINE_ARGS))
-    yield eng
-    try:
-        stats = loop_thread.run(eng.stats())
-        assert stats["pending"] == 0 and stats["missing_vectors"] == 0 and stats["malformed_vectors"] == 0, stats
-    finally:
-        eng.shutdown()
-        for case, diff, scale in ERRORS:
-            print(f"  {case}: max abs error {diff:.3g}, max |reference| {scale:.3g}")
+engine = engine_fixture(setup=lambda heads: {"heads": heads}, errors=ERRORS, **TEST_ENGINE_ARGS)
 
 
 def sp(**kw):

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from hidden_states.params import spec_of
-from tests.conftest import TEST_ENGINE_ARGS, TEST_MODEL, long_text, openai_answer
+from tests.conftest import TEST_ENGINE_ARGS, engine_fixture, long_text, openai_answer
 
 PROMPTS = [
     "Hello! How are you today?",
@@ -22,21 +22,7 @@ BOUND = 4 * 2**20  # max_hidden_states_bytes of this module's engine
 ERRORS: list[tuple[str, float, float]] = []  # (case, max abs error, max |reference|): printed at the end
 
 
-@pytest.fixture(scope="module")
-def engine(loop_thread):
-    from hidden_states.vllm.engine import HiddenStatesEngine
-
-    eng = loop_thread.run(HiddenStatesEngine.start(TEST_MODEL, max_hidden_states_bytes=BOUND, **TEST_ENGINE_ARGS))
-    yield eng
-    try:
-        # One more step lets the runner see the last finished ids (they arrive with the next step).
-        loop_thread.run(eng.complete(PROMPTS[0], sp(max_tokens=2), return_hidden_states=False))
-        stats = loop_thread.run(eng.stats())
-        assert stats["pending"] == 0 and stats["missing_vectors"] == 0 and stats["malformed_vectors"] == 0, stats
-    finally:
-        eng.shutdown()
-        for case, diff, scale in ERRORS:
-            print(f"  {case}: max abs error {diff:.3g}, max |reference| {scale:.3g}")
+engine = engine_fixture(max_hidden_states_bytes=BOUND, one_more_step=PROMPTS[0], errors=ERRORS, **TEST_ENGINE_ARGS)
 
 
 def sp(**kw):

@@ -12,7 +12,7 @@ import asyncio
 import numpy as np
 import pytest
 
-from tests.conftest import Reference
+from tests.conftest import Reference, engine_fixture
 
 MODEL = "builtin:smollm2-135m-instruct"
 ENGINE_ARGS = dict(
@@ -37,13 +37,7 @@ def smollm2_reference(smollm2_dir) -> Reference:
     return Reference(smollm2_dir)
 
 
-@pytest.fixture(scope="module")
-def engine(loop_thread, smollm2_dir):
-    from hidden_states.vllm.engine import HiddenStatesEngine
-
-    eng = loop_thread.run(HiddenStatesEngine.start(MODEL, **ENGINE_ARGS))
-    yield eng
-    eng.shutdown()
+engine = engine_fixture(MODEL, setup=lambda smollm2_dir: None, clean=(), **ENGINE_ARGS)  # the model folder first
 
 
 def sp(**kw):

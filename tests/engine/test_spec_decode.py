@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.conftest import TEST_ENGINE_ARGS, TEST_MODEL, long_text
+from tests.conftest import TEST_ENGINE_ARGS, TEST_MODEL, long_text, running_engine
 from tests.engine.draft_heads import build_eagle_head, build_mimo_target, build_perturbed_draft
 
 PROMPTS = [
@@ -55,7 +55,6 @@ def _spec(method: str, model_dir: str, tmp: Path) -> dict:
 @pytest.fixture(scope="module", params=["ngram", "draft_model", "draft_other", "eagle", "eagle3", "mtp"])
 def spec_engine(request, loop_thread, model_dir, reference, tmp_path_factory):
     from hidden_states.models.builtin import build
-    from hidden_states.vllm.engine import HiddenStatesEngine
     from tests.conftest import Reference
 
     tmp = tmp_path_factory.mktemp("heads")
@@ -67,15 +66,9 @@ def spec_engine(request, loop_thread, model_dir, reference, tmp_path_factory):
         spec = _spec(request.param, model_dir, tmp)
     # Synchronous scheduling (refused with speculative decoding under async: the GPU check's default).
     args = {**TEST_ENGINE_ARGS, "async_scheduling": False, "speculative_config": spec}
-    eng = loop_thread.run(HiddenStatesEngine.start(model, **args), timeout=600)
-    eng.method, eng.reference = request.param, ref
-    yield eng
-    try:
-        loop_thread.run(eng.complete(PROMPTS[0], sp(max_tokens=2), return_hidden_states=False))  # one more step
-        stats = loop_thread.run(eng.stats())
-        assert stats["pending"] == 0 and stats["missing_vectors"] == 0 and stats["malformed_vectors"] == 0, stats
-    finally:
-        eng.shutdown()
+    with running_engine(loop_thread, model, timeout=600, one_more_step=PROMPTS[0], **args) as eng:
+        eng.method, eng.reference = request.param, ref
+        yield eng
 
 
 def sp(**kw):

@@ -14,7 +14,7 @@ import base64
 import numpy as np
 import pytest
 
-from tests.conftest import TEST_ENGINE_ARGS, TEST_MODEL, eager_only, long_text, openai_answer
+from tests.conftest import TEST_ENGINE_ARGS, TEST_MODEL, eager_only, engine_fixture, long_text, openai_answer
 from tests.heads_ref import build_test_heads
 from tests.steer_ref import steered_greedy, steered_states, write_gguf
 
@@ -43,21 +43,14 @@ def registered(tmp_path_factory):
             "cv": (str(root / "cv.gguf"), {1: unit_vector(22, 3.0)})}
 
 
-@pytest.fixture(scope="module")
-def engine(loop_thread, registered):
-    from hidden_states.vllm.engine import HiddenStatesEngine
+def registered_vectors(registered) -> list[dict]:
+    """The engine's `steering_vectors`: the .npy at layer 1, the GGUF at the layer it names."""
+    return [{"name": "calm", "path": registered["calm"][0], "layer": 1}, {"name": "cv", "path": registered["cv"][0]}]
 
-    vectors = [{"name": "calm", "path": registered["calm"][0], "layer": 1}, {"name": "cv", "path": registered["cv"][0]}]
-    eng = loop_thread.run(HiddenStatesEngine.start(TEST_MODEL, heads=build_test_heads(), steering_vectors=vectors,
-                                                   **TEST_ENGINE_ARGS))
-    yield eng
-    try:
-        stats = loop_thread.run(eng.stats())
-        assert stats["pending"] == 0 and stats["missing_vectors"] == 0, stats
-    finally:
-        eng.shutdown()
-        for case, diff, scale in ERRORS:
-            print(f"  {case}: max abs error {diff:.3g}, max |reference| {scale:.3g}")
+
+engine = engine_fixture(
+    setup=lambda registered: {"heads": build_test_heads(), "steering_vectors": registered_vectors(registered)},
+    clean=("pending", "missing_vectors"), errors=ERRORS, **TEST_ENGINE_ARGS)
 
 
 def sp(**kw):

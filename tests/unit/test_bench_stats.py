@@ -1,4 +1,5 @@
-"""The benchmark's own statistics: paired ratio intervals and the order arms run in."""
+"""The benchmark's own statistics: paired ratio intervals and the order arms run in; the one-engine
+benches' command line (bench.report.bench_main)."""
 
 from __future__ import annotations
 
@@ -75,3 +76,32 @@ def test_separate_servers_keep_whole_rounds_at_concurrency_one(monkeypatch):
     arms = [compare.Arm(k, k, Endpoint(k, k, f"http://{k}/v1/completions", "m")) for k in ("vllm", "ours")]
     calls, _ = _fake_runs(monkeypatch, arms, 1, rounds=3, per_round=4, one_engine=False)
     assert len(calls) == 6 and all(n == 4 and c == 1 for _, n, c in calls)
+
+
+def test_bench_main_parses_runs_and_writes_the_command_under_the_title(monkeypatch):
+    """Typed flags, then --name; the run (a coroutine awaited, or a plain result) with bench.servers' ENGINE_ENV in
+    the environment; the results and the summary, the command line under its title, handed to write_results."""
+    import os
+
+    from bench import report
+    from bench.servers import ENGINE_ENV
+
+    for k in ENGINE_ENV:
+        monkeypatch.setenv(k, "before")  # restored after the test
+    written = []
+    monkeypatch.setattr(report, "write_results", lambda name, results, text: written.append((name, results, text)))
+    summary = lambda args, r: [f"# {args.model}", "| rounds |", f"| {r['rounds']!r} |"]
+
+    async def run(args):
+        return {"env": {k: os.environ[k] for k in ENGINE_ENV}, "rounds": args.rounds}
+
+    report.bench_main("bench.x", "Its description.\n\nMore.", run, summary, name="x-tiny", first=("--model", "m"),
+                      argv=["--rounds", "3"])
+    report.bench_main("bench.x", "Its description.", lambda args: {"rounds": args.rounds}, summary, name="x-tiny",
+                      first=("--model", "m"), concurrency="8,32", requests=None, more=[("--layers", 4, "help")],
+                      argv=["--name", "other", "--model", "n"])
+    assert written == [
+        ("x-tiny", {"env": ENGINE_ENV, "rounds": 3}, "# m\n\n`.venv/bin/python -m bench.x --model m --rounds 3 "
+         "--concurrency 8 --requests 24 --max-tokens 32 --name x-tiny`\n\n| rounds |\n| 3 |\n"),
+        ("other", {"rounds": 6}, "# n\n\n`.venv/bin/python -m bench.x --model n --rounds 6 --concurrency 8,32 "
+         "--max-tokens 32 --layers 4 --name other`\n\n| rounds |\n| 6 |\n")]

@@ -96,6 +96,21 @@ def test_percentile_and_deploy_config():
     assert dep["ray_actor_options"]["runtime_env"]["env_vars"]["RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD"] == "0"
 
 
+def test_failures_has_a_command_line_of_its_own():
+    """`python -m bench.failures`: its load and kills, bench.simulate's cluster flags; bench.simulate runs no kills."""
+    from bench import failures
+
+    a = failures.parse([])
+    assert (a.rate, a.kill_after, a.after_kill) == (20.0, 15.0, 45.0)
+    assert (a.max_tokens, a.seed, a.engine, a.out) == (64, 20261203, "auto", sim.Path("bench/results/simulate"))
+    assert failures.parse(["--serve-env", "K=V", "--out", "x"]).serve_env == ["K=V"]
+    for flag in ("--failures", "--kill-after=5"):
+        with pytest.raises(SystemExit):
+            sim.parse([flag])
+    with pytest.raises(SystemExit):
+        failures.parse(["--sizes", "1,8"])
+
+
 # -- bench/failures.py's pure logic: the figures of one kill ------------------------------------------
 
 def _req(sent, latency, status=None, error=None, timed_out=False):
