@@ -17,7 +17,10 @@ if [ -n "${RAY_ADDRESS:-}" ]; then
 fi
 
 log="$(mktemp -t hidden-states-ray-start.XXXXXX)"
-marker="$log"  # `ray start` writes its address file after this one exists
+# `ray start` writes its address file after this one exists. Not the log itself: `ray start` keeps
+# writing that after the address file, so the address file was never newer and the wait below ran
+# its whole 120 s on every start.
+marker="$(mktemp -t hidden-states-ray-marker.XXXXXX)"
 ray_pid="" serve_pid="" address=""
 stop() {
   [ -z "$serve_pid" ] || kill -TERM "$serve_pid" 2>/dev/null || true
@@ -35,7 +38,7 @@ stop() {
   if [ -n "$address" ] && [ "$(cat /tmp/ray/ray_current_cluster 2>/dev/null)" = "$address" ]; then
     rm -f /tmp/ray/ray_current_cluster
   fi
-  rm -f "$log"
+  rm -f "$log" "$marker"
 }
 trap stop EXIT
 trap 'exit 130' INT
@@ -52,6 +55,11 @@ for _ in $(seq 120); do
   fi
   sleep 1
 done
+if ! [ /tmp/ray/ray_current_cluster -nt "$marker" ]; then
+  echo "serve.sh: \`ray start --head\` wrote no address file in 120 s:" >&2
+  cat "$log" >&2
+  exit 1
+fi
 address="$(cat /tmp/ray/ray_current_cluster)"
 echo "serve.sh: a Ray cluster at $address (other Ray jobs here: ray.init(address=\"auto\"))" >&2
 .venv/bin/serve run "$config" &
