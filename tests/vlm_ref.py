@@ -111,6 +111,80 @@ def reference_greedy(model_dir, messages_or_prompt_ids, images: Sequence = (), m
     return out[0, len(ids):].tolist()
 
 
+def video_frames(path) -> tuple[np.ndarray, dict]:
+    """A video file's frames (RGB, uint8 [N, H, W, 3]) decoded with OpenCV, as vLLM's default video loader
+    decodes them, and the file's metadata as transformers' video processors take it."""
+    import cv2
+
+    cap = cv2.VideoCapture(str(path))
+    frames = []
+    while True:
+        ok, frame = cap.read()
+        if not ok:
+            break
+        frames.append(cv2.cvtColor(frame, cv2.COLOR_BGR2RGB))
+    fps = float(cap.get(cv2.CAP_PROP_FPS))
+    cap.release()
+    return np.stack(frames), {"fps": fps, "total_num_frames": len(frames), "frames_indices": list(range(len(frames)))}
+
+
+def qwen_vl_positions(token_types: Sequence[int], grids: Sequence[Sequence[int]], intervals: Sequence[float],
+                      merge: int) -> np.ndarray:
+    """Qwen2.5-VL's 3-D rotary positions [3, T] as its authors define them (transformers PR #35569, the
+    `get_rope_index` docstring of the release): text counts up by 1; a vision item's tokens take
+    (t x interval, h, w) over its merged grid, offset by the position where it starts; the text after
+    it starts at the largest of those positions + 1. `token_types`: 0 text, 1 image, 2 video, one
+    run per item; `intervals`: per item, tokens_per_second x seconds per temporal grid (1 for images).
+
+    transformers 5.19's own `get_rope_index` starts the text after a video at start + max(h, w) / merge
+    instead, which differs from the release once the video's temporal positions outrun its spatial
+    ones; vLLM 0.32 keeps the release's rule."""
+    out, nxt, item, i = [], 0, 0, 0
+    while i < len(token_types):
+        j = i
+        while j < len(token_types) and token_types[j] == token_types[i]:
+            j += 1
+        if token_types[i] == 0:
+            out += [[nxt + k] * 3 for k in range(j - i)]
+            nxt += j - i
+        else:
+            t, h, w = grids[item]
+            interval = intervals[item]
+            item += 1
+            vision = [[nxt + int(a * interval), nxt + b, nxt + c]
+                      for a in range(t) for b in range(h // merge) for c in range(w // merge)]
+            assert len(vision) == j - i, (len(vision), j - i)
+            out += vision
+            nxt = max(max(p) for p in vision) + 1
+        i = j
+    return np.array(out, dtype=np.int64).T
+
+
+def reference_video_hidden_states(model_dir, token_ids: Sequence[int], video_path) -> np.ndarray:
+    """Qwen2.5-VL's `hidden_states` as float32 [L + 1, T, D] for `token_ids` (one video's placeholders
+    expanded) and the video file: its frames and metadata through the folder's video processor, the
+    seconds per temporal grid as the family's processor computes them (temporal patch size / sampled
+    fps), the processor's token types, and the positions of `qwen_vl_positions`."""
+    import torch
+
+    model, processor = load(str(model_dir))
+    frames, meta = video_frames(video_path)
+    video = processor.video_processor(videos=[frames], return_tensors="pt")
+    seconds = processor.video_processor.temporal_patch_size / (len(meta["frames_indices"]) / meta["total_num_frames"]
+                                                               * meta["fps"])
+    ids = torch.tensor([list(token_ids)], dtype=torch.long)
+    types = processor.create_mm_token_type_ids(ids.tolist())
+    positions = qwen_vl_positions(types[0], video["video_grid_thw"].tolist(),
+                                  [model.config.vision_config.tokens_per_second * seconds],
+                                  model.config.vision_config.spatial_merge_size)
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), **video,
+              "second_per_grid_ts": torch.tensor([seconds]), "mm_token_type_ids": torch.tensor(types),
+              "position_ids": torch.from_numpy(positions)[:, None, :]}
+    with torch.no_grad():
+        out = model(**inputs, output_hidden_states=True, use_cache=False)
+    return np.stack([h[0].float().numpy() for h in out.hidden_states])
+
+
 def reference_audio_hidden_states(model_dir, token_ids: Sequence[int], clips: Sequence[np.ndarray],
                                   rate: int = 16000) -> np.ndarray:
     """An audio LM's (Qwen2-Audio's) `hidden_states` as float32 [L + 1, T, D] for `token_ids` as given

@@ -22,6 +22,7 @@ from tests.conftest import TEST_ENGINE_ARGS, TEST_MODEL
 
 FAMILIES = ("builtin:tiny-gemma3-vlm", "builtin:tiny-llava", "builtin:tiny-qwen2.5-vl")
 ENGINE_ARGS = {**TEST_ENGINE_ARGS, "max_model_len": 1024, "limit_mm_per_prompt": {"image": 2}}
+VIDEO_FAMILIES = ("builtin:tiny-qwen2.5-vl",)  # the others take no video
 REL_TOL = 1e-5
 
 
@@ -58,8 +59,11 @@ def vlm(request, loop_thread, media_dir):
 
     folder = resolve_model(request.param)
     # the test heads (tests/heads_ref.py: D = 128, 2 layers, as every tiny VLM's text stack)
+    args = ENGINE_ARGS
+    if request.param in VIDEO_FAMILIES:
+        args = {**args, "limit_mm_per_prompt": {**args["limit_mm_per_prompt"], "video": 1}}
     eng = loop_thread.run(HiddenStatesEngine.start(request.param, allowed_local_media_path=str(media_dir),
-                                                   heads=build_test_heads(), **ENGINE_ARGS))
+                                                   heads=build_test_heads(), **args))
     frontend = loop_thread.run(eng.openai("vlm", "r0"))
     yield folder, eng, frontend
     eng.shutdown()
@@ -371,6 +375,74 @@ def test_bad_media_are_refused_and_the_engine_keeps_serving(vlm, loop_thread):
     assert status == 400 and "At most 2 image" in out["error"]["message"], out
     status, out = loop_thread.run(chat(fe, about(9), return_hidden_states=True))
     assert status == 200 and out["choices"][0]["hidden_states"], out
+
+
+def video_file(path, seed: int, frames: int = 4, size=(56, 56), fps: float = 2.0):
+    """A short mp4 (MPEG-4 part 2, through OpenCV) of random frames."""
+    import cv2
+
+    rng = np.random.default_rng(seed)
+    writer = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*"mp4v"), fps, size)
+    assert writer.isOpened()
+    for _ in range(frames):
+        writer.write((rng.random((size[1], size[0], 3)) * 255).astype("uint8"))
+    writer.release()
+    return path
+
+
+def test_a_video_is_exact_by_tail_and_by_extraction_and_refused_where_the_model_takes_none(vlm, loop_thread,
+                                                                                          media_dir):
+    """Qwen2.5-VL: a video (vLLM's OpenCV loader, every frame of a 4-frame clip) as a data URL and as a
+    file URL; rows at layers 0, 1 and -1 at every position against transformers on the same frames,
+    with the release's 3-D positions (tests/vlm_ref.py::qwen_vl_positions: text after a video starts
+    past the video's last temporal position); the extraction step's vector is the tail's bit for
+    bit. A family without video: a 400 naming the limit, and the engine keeps serving."""
+    from tests.vlm_ref import reference_video_hidden_states
+
+    folder, eng, fe = vlm
+    path = video_file(media_dir / "clip.mp4", seed=3)
+    url = "data:video/mp4;base64," + base64.b64encode(path.read_bytes()).decode()
+    messages = [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": url}},
+                                             {"type": "text", "text": "What happens in this clip?"}]}]
+    status, out = loop_thread.run(chat(fe, messages, return_hidden_states=True, hidden_states_position="all",
+                                       hidden_states_layers=[0, 1, -1]))
+    from hidden_states.models.builtin import resolve_model
+
+    if all(resolve_model(f) != folder for f in VIDEO_FAMILIES):
+        assert status == 400 and "video" in out["error"]["message"], out
+        assert loop_thread.run(chat(fe, about(9)))[0] == 200
+        return
+    assert status == 200, out
+    ch = out["choices"][0]
+    (span,) = ch["hidden_states_meta"]["modalities"]
+    assert span["modality"] == "video" and span["end"] - span["start"] == 8, span  # 2 x 4 x 4 patches / 2 x 2
+    ref = reference_video_hidden_states(folder, out["prompt_token_ids"] + ch["token_ids"], path)
+    n = len(out["prompt_token_ids"]) + len(ch["token_ids"])
+    for layer, rows in ch["hidden_states_by_layer"].items():
+        assert_close(rows, ref[int(layer)][:n])
+    by_file = [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": path.as_uri()}},
+                                            {"type": "text", "text": "What happens in this clip?"}]}]
+    tail = loop_thread.run(chat(fe, by_file, return_hidden_states=True))[1]["choices"][0]
+    status, extracted = loop_thread.run(chat(fe, by_file, return_hidden_states=True, stop=["never in this text"]))
+    b = extracted["choices"][0]
+    assert b["hidden_states_meta"]["via"] == "extraction" and tail["hidden_states_meta"]["via"] == "tail"
+    assert b["token_ids"] == tail["token_ids"] == ch["token_ids"] and b["hidden_states"] == tail["hidden_states"]
+    assert_close(tail["hidden_states"], ref[-1][n - 1])
+    # transformers 5.19's own get_rope_index agrees up to the video's end and not after it (the release's rule
+    # starts the text past the last temporal position, 2, not past the last spatial one, 1)
+    import torch
+
+    from tests.vlm_ref import load, qwen_vl_positions, video_frames
+
+    model, processor = load(str(folder))
+    grid = processor.video_processor(videos=[video_frames(path)[0]], return_tensors="pt")["video_grid_thw"]
+    ids = torch.tensor([out["prompt_token_ids"] + ch["token_ids"]])
+    types = processor.create_mm_token_type_ids(ids.tolist())
+    theirs, _ = model.model.get_rope_index(ids, torch.tensor(types), video_grid_thw=grid,
+                                           second_per_grid_ts=torch.tensor([1.0]))
+    ours = qwen_vl_positions(types[0], grid.tolist(), [model.config.vision_config.tokens_per_second * 1.0], 2)
+    assert (theirs[:, 0, :span["end"]].numpy() == ours[:, :span["end"]]).all()
+    assert (theirs[:, 0, span["end"]:].numpy() == ours[:, span["end"]:] - 1).all()
 
 
 @pytest.fixture(scope="module")
