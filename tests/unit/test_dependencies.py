@@ -21,7 +21,8 @@ ROOT = Path(__file__).resolve().parents[2]
 PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 OURS = {"hidden_states", "deployments", "tests", "bench"}
 # Import name -> distribution name, where they differ.
-DISTRIBUTION = {"PIL": "pillow", "yaml": "pyyaml", "zmq": "pyzmq", "prometheus_client": "prometheus-client"}
+DISTRIBUTION = {"PIL": "pillow", "yaml": "pyyaml", "zmq": "pyzmq", "prometheus_client": "prometheus-client",
+                "cv2": "opencv-python-headless"}
 # Declared, needed at run time, imported by no code of ours.
 NOT_IMPORTED = {
     "pyzmq": "vLLM's engine core speaks ZMQ and our vectors ride it (vLLM depends on pyzmq itself)",
