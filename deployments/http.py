@@ -252,13 +252,6 @@ def check_media(args: AppArgs, req: dict) -> None:
                       local_media=bool(args.engine.get("allowed_local_media_path")))
 
 
-def route_refusal(args: AppArgs, route: str) -> bytes | None:
-    """An error body if this server cannot serve the route at all."""
-    if route == "hidden_states" and not args.enable_return_hidden_states:
-        return error_body(params.DISABLED, 400, param="return_hidden_states")
-    return None
-
-
 async def admit(args: AppArgs, request: Request,
                 route: str = "completions") -> "tuple[bytes, dict, params.HiddenStatesFields] | Response":
     """auth, body limit, checks: (raw body, parsed body, its spec) or the refusal (counted by status)."""
@@ -271,8 +264,6 @@ async def admit(args: AppArgs, request: Request,
 async def _admit(args: AppArgs, request: Request, route: str) -> "tuple[bytes, dict, params.HiddenStatesFields] | Response":
     if (denied := auth(args, request)) is not None:
         return denied
-    if (refused := route_refusal(args, route)) is not None:
-        return Response(refused, status_code=400, media_type="application/json")
     body = await read_body(args, request)
     if isinstance(body, Response):
         return body

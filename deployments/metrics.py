@@ -75,7 +75,7 @@ def refused(status: int) -> None:
         m["refused"].inc(tags={"status": str(status)})
 
 
-FAULTS = ("timeouts", "malformed_vectors", "missing_vectors")
+FAULTS = ("timeouts", "malformed_vectors", "missing_vectors", "hook_faults")
 
 
 def faults(stats: dict) -> None:

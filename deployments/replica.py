@@ -183,8 +183,6 @@ class EngineReplica(http.ingress_routes(app, "replica")):
 
     async def hidden_states(self, body: bytes) -> bytes:
         """The Python-handle form of POST /v1/hidden_states (`deployments.client.verify`): JSON in, a Reply out."""
-        if (refused := http.route_refusal(self.args, "hidden_states")) is not None:
-            return wire.ENCODER.encode(Reply(ResponseHead(400, "application/json", self.replica_id), refused))
         return await self.openai_unary("hidden_states", body)
 
     async def _sample_stats(self, every_s: float = 5.0) -> None:

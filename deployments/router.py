@@ -181,8 +181,6 @@ class Router(http.ingress_routes(app, "router")):
 
     async def hidden_states(self, body: bytes) -> bytes:
         """For `deployments.client.verify(handle, ...)`: POST /v1/hidden_states's JSON in, a Reply out."""
-        if (refused := http.route_refusal(self.args, "hidden_states")) is not None:
-            return wire.ENCODER.encode(wire.Reply(wire.ResponseHead(400, "application/json", ""), refused))
         if (why := await self._not_ready()) is not None:
             return wire.ENCODER.encode(wire.Reply(wire.ResponseHead(503, "application/json", ""),
                                                   error_body(why, 503)))

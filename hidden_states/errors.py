@@ -8,6 +8,7 @@ OpenAI layer) asks `status_of`, so a failure gets the same status whichever way 
     any other ValueError                                  400  BadRequestError
     any TimeoutError                                      504  TimeoutError
     MissingHiddenStatesError                              500  InternalServerError (param return_hidden_states)
+    HookFaultError (a hook of ours raised for the request) 500  InternalServerError (param return_hidden_states)
     Ray's RayActorError, ActorUnavailableError (and subclasses),
     vLLM's EngineDeadError: the replica or its engine is gone
                                                           503  ServiceUnavailableError ("...; retry")
@@ -22,7 +23,7 @@ from __future__ import annotations
 import logging
 from typing import NamedTuple
 
-from hidden_states.interface import MissingHiddenStatesError
+from hidden_states.interface import HookFaultError, MissingHiddenStatesError
 from hidden_states.openai_format import error_body
 from hidden_states.params import HiddenStatesRequestError, UnknownModelError
 
@@ -63,7 +64,7 @@ def status_of(e: BaseException) -> Failure:
         return Failure(404, "NotFoundError", str(e), "model")
     if isinstance(e, TimeoutError):  # asyncio.TimeoutError is TimeoutError since Python 3.11
         return Failure(504, "TimeoutError", str(e) or TIMED_OUT)
-    if isinstance(e, MissingHiddenStatesError):
+    if isinstance(e, (MissingHiddenStatesError, HookFaultError)):
         return Failure(500, "InternalServerError", str(e), "return_hidden_states")
     if replica_gone(e):
         return Failure(503, "ServiceUnavailableError",

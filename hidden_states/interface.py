@@ -29,6 +29,17 @@ class MissingHiddenStatesError(RuntimeError):
     """A choice finished without the vector it asked for (a bug: the request fails)."""
 
 
+class HookFaultError(RuntimeError):
+    """A hook of ours inside vLLM's loops raised while serving this request: the request fails (500,
+    naming it and the hook), and the engine serves every other request on."""
+
+    def __init__(self, request_id: str, hook: str, error: BaseException):
+        super().__init__(f"request {request_id}: the hidden-states hook `{hook}` failed "
+                         f"({type(error).__name__}: {error}); this request fails, the engine serves on "
+                         "(a server bug: please report it)")
+        self.request_id, self.hook = request_id, hook
+
+
 class HiddenStatesTimeout(TimeoutError):
     """An extraction step that did not finish within `extraction_timeout_s`."""
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from hidden_states.params import spec_of
-from tests.conftest import TEST_ENGINE_ARGS, cpu_only, engine_fixture, long_text
+from tests.conftest import TEST_ENGINE_ARGS, cpu_only, engine_fixture, long_text, openai_answer
 
 PROMPTS = [
     "Hello! How are you today?",
@@ -323,6 +323,61 @@ def test_a_finish_without_its_vector_takes_the_extraction_step_at_once(engine, l
     assert after["timeouts"] == before["timeouts"] and after["missing_vectors"] == before["missing_vectors"]
     for c in outs:
         reference.assert_matches(c.prompt_token_ids + c.choices[0].token_ids, c.choices[0].hidden_states)
+
+
+def test_a_hook_that_raises_fails_its_request_alone_and_the_engine_serves_on(engine, loop_thread, reference):
+    """Our hook in vLLM's output loop (the rows' delivery) raising for one request of a batch of four:
+    that request fails with HookFaultError (a 500 naming it and the hook; logged, counted in
+    `hook_faults`), the three others complete exact with the tokens they get alone, the output handler
+    keeps running, and the engine serves the next request, over the Python API and over HTTP."""
+    from hidden_states.errors import status_of
+    from hidden_states.interface import HookFaultError
+    from hidden_states.protocol import CapturedRows
+
+    alone = [loop_thread.run(engine.complete(p, sp(max_tokens=6))) for p in PROMPTS[1:]]
+    original, extraction = engine.extraction.deliver, engine.extraction
+
+    def faulty(raw, index, heads=None):  # raises for the float16 request, as a bug of ours would
+        col = extraction.live.get(CapturedRows.from_output(raw).key) if raw is not None else None
+        if col is not None and col.dtype == "float16":
+            raise RuntimeError("a bug in deliver")
+        return original(raw, index, heads)
+
+    engine.extraction.deliver = faulty
+    before = loop_thread.run(engine.stats())
+    try:
+        async def batch():
+            return await asyncio.gather(engine.complete(PROMPTS[0], sp(max_tokens=6), dtype="float16"),
+                                        *(engine.complete(p, sp(max_tokens=6)) for p in PROMPTS[1:]),
+                                        return_exceptions=True)
+
+        faulted, *others = loop_thread.run(batch())
+    finally:
+        engine.extraction.deliver = original
+    assert isinstance(faulted, HookFaultError) and faulted.hook == "deliver", faulted
+    failure = status_of(faulted)
+    assert failure.status == 500 and "`deliver`" in failure.message and faulted.request_id in failure.message
+    after = loop_thread.run(engine.stats())
+    assert after["hook_faults"] == before["hook_faults"] + 1 and not engine.extraction.faulted
+    for c, solo in zip(others, alone):
+        assert c.choices[0].token_ids == solo.choices[0].token_ids
+        assert (c.choices[0].hidden_states == solo.choices[0].hidden_states).all()
+        reference.assert_matches(c.prompt_token_ids + c.choices[0].token_ids, c.choices[0].hidden_states)
+    assert not engine.llm.errored
+    again = loop_thread.run(engine.complete(PROMPTS[0], sp(max_tokens=6), dtype="float16"))
+    assert again.choices[0].hidden_states is not None
+    # over HTTP (a replica's frontend): the same fault is a 500 naming the hook; the next request is served
+    engine.extraction.deliver = faulty
+    try:
+        status, body = openai_answer(engine, loop_thread, "completions", {
+            "model": "tiny-llama", "prompt": PROMPTS[0], "max_tokens": 4, "return_hidden_states": True,
+            "hidden_states_dtype": "float16"})
+    finally:
+        engine.extraction.deliver = original
+    assert status == 500 and "`deliver`" in body["error"]["message"], body
+    status, body = openai_answer(engine, loop_thread, "completions", {
+        "model": "tiny-llama", "prompt": PROMPTS[0], "max_tokens": 4, "return_hidden_states": True})
+    assert status == 200 and body["choices"][0]["hidden_states"], body
 
 
 def _generate(engine, loop_thread, prompt: str, params, hs: bool):

@@ -283,5 +283,17 @@ def test_rows_above_max_hidden_states_bytes_are_a_400_before_any_engine_work(bou
 
 
 def test_switched_off_server_refuses(off_app):
+    """One place decides (the engine's frontend, hidden_states/vllm/frontend/openai.py): over HTTP through the
+    Router and over the app's handle, the same 400, with no engine work."""
+    from ray import serve
+
+    from deployments.client import HandleRequestError, verify
+
+    before = replica_stats(off_app)["replica"]["extractions"]
     r = httpx.post(f"{off_app}/v1/hidden_states", json={"prompt": "x"}, timeout=60)
-    assert r.status_code == 400 and "enable_return_hidden_states" in r.json()["error"]["message"]
+    assert r.status_code == 400 and "enable_return_hidden_states" in r.json()["error"]["message"], r.text
+    assert r.json()["error"]["param"] == "return_hidden_states"
+    with pytest.raises(HandleRequestError, match="enable_return_hidden_states") as e:
+        verify(serve.get_app_handle("hs-off"), prompt="x", timeout_s=60)
+    assert e.value.status == 400
+    assert replica_stats(off_app)["replica"]["extractions"] == before

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from hidden_states.interface import (ExtractionStats, HiddenStatesCollector, HiddenStatesTimeout,
+from hidden_states.interface import (ExtractionStats, HiddenStatesCollector, HiddenStatesTimeout, HookFaultError,
                                   MissingHiddenStatesError, RowBatch)
 from hidden_states.params import (DEFAULT_MAX_HIDDEN_STATES_BYTES, HiddenStatesFields, HiddenStatesRequestError, Span,
                                   absolute_layer, check_room, check_rows_budget, room_for_completion)
@@ -121,6 +121,15 @@ def prompt_ordinal(request_id: str) -> int:
     return int(tail) if tail.isdigit() and len(tail) < 6 else 0
 
 
+def _caller_request_id(state: Any) -> str | None:
+    """The request id `generate()` was called with, of an output processor's request state (n > 1: the
+    parent's)."""
+    if state is None:
+        return None
+    parent = getattr(state, "parent_req", None)
+    return getattr(parent if parent is not None else state, "external_req_id", None)
+
+
 def make_async_llm_class():
     from vllm.sampling_params import RequestOutputKind
     from vllm.v1.engine.async_llm import AsyncLLM
@@ -145,7 +154,10 @@ def make_async_llm_class():
                             if not params:
                                 eco.kv_transfer_params = None
                             state = processor.request_states.get(eco.request_id)
-                            hs.deliver(rows, state.request_index if state is not None else None, heads)
+                            try:
+                                hs.deliver(rows, state.request_index if state is not None else None, heads)
+                            except Exception as e:  # this request fails; the output handler serves on
+                                hs.fault(_caller_request_id(state) or eco.request_id, "deliver", e)
                 return process(engine_core_outputs, *a, **kw)
 
             processor.process_outputs = process_outputs
@@ -178,23 +190,28 @@ def make_async_llm_class():
             hs.engine_request(collector, key, ordinal)
             settled: set[int] = set()  # cumulative outputs repeat finished choices
             try:
-                async for out in AsyncLLM.generate(self, prompt, sampling_params, request_id, *args, **kwargs):
-                    if out.prompt_token_ids is not None:
-                        prompt_ids = list(out.prompt_token_ids)
-                    finished = []
-                    for o in out.outputs:
-                        if delta:
-                            tokens.setdefault(o.index, []).extend(o.token_ids)
-                        else:
-                            tokens[o.index] = list(o.token_ids)
-                        if o.finish_reason is not None and o.finish_reason not in _FAILED and o.index not in settled:
-                            finished.append(o.index)
-                            settled.add(o.index)
-                    if finished:
-                        await hs.settle(collector, ordinal, prompt_ids, tokens, finished, origin)
-                    yield out
+                # closed when this generator ends or raises: vLLM aborts the engine request at once
+                async with contextlib.aclosing(AsyncLLM.generate(self, prompt, sampling_params, request_id, *args,
+                                                                 **kwargs)) as outputs:
+                    async for out in outputs:
+                        hs.raise_fault(request_id)
+                        if out.prompt_token_ids is not None:
+                            prompt_ids = list(out.prompt_token_ids)
+                        finished = []
+                        for o in out.outputs:
+                            if delta:
+                                tokens.setdefault(o.index, []).extend(o.token_ids)
+                            else:
+                                tokens[o.index] = list(o.token_ids)
+                            if o.finish_reason is not None and o.finish_reason not in _FAILED and o.index not in settled:
+                                finished.append(o.index)
+                                settled.add(o.index)
+                        if finished:
+                            await hs.settle(collector, ordinal, prompt_ids, tokens, finished, origin)
+                        yield out
             finally:
                 hs.engine_request_ended(collector, key)
+                hs.faulted.pop(request_id, None)
 
     return ExtractingAsyncLLM
 
@@ -233,6 +250,8 @@ class Extraction:
         self.timeouts = 0  # extraction steps that did not finish within extraction_timeout_s
         self.malformed_vectors = 0  # vectors on outputs that did not decode (a bug)
         self.late_rows = 0  # rows on outputs of requests that had ended (an abort, a stop string: not a fault)
+        self.hook_faults = 0  # hooks of ours that raised inside vLLM's output loop (each failed its request)
+        self.faulted: dict[str, HookFaultError] = {}  # by request id, until its generator raises it
 
     def counts(self) -> dict[str, Any]:
         return {"extractions": self.extractions, "extraction_tokens": self.extraction_tokens,
@@ -240,7 +259,20 @@ class Extraction:
                 "missing_vectors": self.missing_vectors,
                 "timeouts": self.timeouts, "tail_enabled": self.tail_enabled, "tails": self.tails,
                 "pending": self.pending(),  # engine requests whose rows may still come
-                "malformed_vectors": self.malformed_vectors, "late_rows": self.late_rows}
+                "malformed_vectors": self.malformed_vectors, "late_rows": self.late_rows,
+                "hook_faults": self.hook_faults}
+
+    def fault(self, request_id: str, hook: str, error: BaseException) -> None:
+        """A hook of ours raised inside vLLM's output loop for `request_id`: logged with its traceback,
+        counted, and kept for the request's generator, which fails with it (raise_fault)."""
+        logger.error("request %s: the hidden-states hook %s failed; failing the request", request_id, hook,
+                     exc_info=error)
+        self.hook_faults += 1
+        self.faulted[request_id] = HookFaultError(request_id, hook, error)
+
+    def raise_fault(self, request_id: str) -> None:
+        if self.faulted and (fault := self.faulted.pop(request_id, None)) is not None:
+            raise fault
 
     def pending(self) -> int:
         """Engine requests in flight whose rows may still come."""
@@ -488,15 +520,17 @@ class Extraction:
         cached = 0
         self.engine_request(step, key, 0)
         try:
-            async with asyncio.timeout(self.extraction_timeout_s):
-                async for out in AsyncLLM.generate(self.llm, origin.prompt(token_ids, salt), params, f"hs-{key}",
-                                                  lora_request=origin.lora_request,
-                                                  priority=origin.priority + self.extraction_priority):
+            async with asyncio.timeout(self.extraction_timeout_s), contextlib.aclosing(AsyncLLM.generate(
+                    self.llm, origin.prompt(token_ids, salt), params, f"hs-{key}", lora_request=origin.lora_request,
+                    priority=origin.priority + self.extraction_priority)) as outputs:
+                async for out in outputs:
+                    self.raise_fault(f"hs-{key}")
                     cached = out.num_cached_tokens or 0
         except TimeoutError:
             raise self._timed_out(len(token_ids)) from None
         finally:
             self.engine_request_ended(step, key)
+            self.faulted.pop(f"hs-{key}", None)
         return RowBatch.merge([b for batches in step.rows.values() for b in batches]), cached
 
     async def extract_one(self, token_ids: Sequence[int], origin: Origin = Origin()) -> tuple[np.ndarray, ExtractionStats]:

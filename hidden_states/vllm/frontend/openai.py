@@ -26,7 +26,7 @@ from http import HTTPStatus
 
 from pydantic import ValidationError
 
-from hidden_states.interface import HiddenStatesCollector, HiddenStatesTimeout, MissingHiddenStatesError
+from hidden_states.interface import HiddenStatesCollector, HiddenStatesTimeout, HookFaultError, MissingHiddenStatesError
 from hidden_states import errors, proofs, steering, verify
 from hidden_states.heads import head_fields
 from hidden_states.openai_format import (ChoiceVectors, Route, error_body, row_fields,
@@ -155,7 +155,7 @@ class OpenAIFrontend:
                 context = contextvars.copy_context()
                 context.run(_BEAM_COLLECTOR.set, collector)
                 result = await asyncio.create_task(create(request, None), context=context)
-        except (HiddenStatesTimeout, MissingHiddenStatesError, HiddenStatesRequestError) as e:
+        except (HiddenStatesTimeout, MissingHiddenStatesError, HiddenStatesRequestError, HookFaultError) as e:
             yield errors.error_response(e)
             return
         except Exception as e:  # vLLM maps its own errors (validation -> 400 ...)
