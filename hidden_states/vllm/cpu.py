@@ -256,7 +256,9 @@ def _build_with_image_spans(self, common_prefix_len, common_attn_metadata, fast_
     md = type(self)._hidden_states_build(self, common_prefix_len, common_attn_metadata, fast_build)
     ranges = getattr(common_attn_metadata, "mm_req_doc_ranges", None)
     md.hidden_states_spans = None
-    if ranges and not self.is_cross_attention and not self.is_encoder_only_attention:
+    # a decode-only step (one row per request) prefills no image: nothing to look at
+    if (ranges and common_attn_metadata.max_query_len > 1 and not self.is_cross_attention
+            and not self.is_encoder_only_attention):
         md.hidden_states_spans = _image_span_batch(self, common_attn_metadata, ranges)
     return md
 

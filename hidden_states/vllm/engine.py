@@ -188,8 +188,8 @@ class HiddenStatesEngine(VectorObservers):
             vllm_config = AsyncEngineArgs(model=path, **engine_args).create_engine_config()
             if os.environ.get(CPU_ASYNC_ENV) == "1":  # tests only: vLLM's async path on CPU (ledger point 12)
                 vllm_config.scheduler_config.async_scheduling = True
-            if on_cpu() and image_span_refusal(vllm_config):
-                raise EngineStartupError(f"{model}: {image_span_refusal(vllm_config)} (ledger point 18)")
+            if on_cpu() and (why := image_span_refusal(vllm_config)):
+                raise EngineStartupError(f"{model}: {why} (ledger point 18)")
             if on_cpu() and force_atomic_image_spans(vllm_config):  # an image prefilled in one step (point 18)
                 logger.info("disable_chunked_mm_input: on, as vLLM's GPU platforms set it for %s", model)
             tail = False
