@@ -33,9 +33,10 @@ class HookFaultError(RuntimeError):
     """A hook of ours inside vLLM's loops raised while serving this request: the request fails (500,
     naming it and the hook), and the engine serves every other request on."""
 
-    def __init__(self, request_id: str, hook: str, error: BaseException):
+    def __init__(self, request_id: str, hook: str, error: BaseException | str):
+        what = error if isinstance(error, str) else f"{type(error).__name__}: {error}"  # str: as reported
         super().__init__(f"request {request_id}: the hidden-states hook `{hook}` failed "
-                         f"({type(error).__name__}: {error}); this request fails, the engine serves on "
+                         f"({what}); this request fails, the engine serves on "
                          "(a server bug: please report it)")
         self.request_id, self.hook = request_id, hook
 

@@ -8,6 +8,9 @@
 - `StepCapture` (ModelRunnerOutput attribute `STEP_ATTR`): worker to scheduler, one buffer per step.
 - `CapturedRows` (`kv_transfer_params[ROWS_KEY]`): scheduler to frontend, raw little-endian bytes
   (vLLM's msgpack, never pickled), taken off before vLLM reads that field.
+- `HookFault` (`StepCapture.faults`, then `kv_transfer_params[FAULT_KEY]`): a hook of ours that raised
+  for one request in the worker or the scheduler; that request finishes with vLLM's "error" and its
+  caller gets a 500 naming the hook, the others go on.
 
 Decoding validates and raises `HiddenStatesProtocolError`; nothing here executes message code.
 """
@@ -38,6 +41,12 @@ STEER_KEY = "hidden_states_steer"
 # The engine's static layer set, frontend to workers at start: VllmConfig.additional_config[CONFIG_KEY]
 # = {"capture_layers": [decoder-layer indices]} (vLLM hashes additional_config into its compile-cache key).
 CONFIG_KEY = "hidden_states"
+# A request a hook of ours failed (EngineCoreOutput.kv_transfer_params key): HookFault as builtins.
+FAULT_KEY = "hidden_states_fault"
+# Tests only: with FAULT_INJECTION_ENV=1 in the engine's environment, a request whose extra_args name a
+# hook under FAULT_INJECT_KEY makes that hook raise for it (HTTP clients cannot set it: reserved prefix).
+FAULT_INJECTION_ENV = "HIDDEN_STATES_FAULT_INJECTION"
+FAULT_INJECT_KEY = "hidden_states_inject_fault"
 
 
 def capture_layers_of(vllm_config: Any) -> list[int]:
@@ -278,13 +287,50 @@ class RowBlock(NamedTuple):
         return data[self.indices_at:self.indices_at + n].view("<i4").reshape(-1, self.width)
 
 
+class HookFault(msgspec.Struct, array_like=True, gc=False):
+    """A hook of ours that raised while serving one request, where it ran (worker or scheduler)."""
+
+    hook: str  # capture | steering | heads | plan | file | send
+    error: str  # the exception's type and message (the traceback is logged where it ran)
+
+    @staticmethod
+    def of(hook: str, error: BaseException | str) -> "HookFault":
+        return HookFault(hook, error if isinstance(error, str) else f"{type(error).__name__}: {error}")
+
+    @staticmethod
+    def from_output(raw) -> "HookFault":
+        try:
+            return msgspec.convert(raw, HookFault)
+        except (msgspec.ValidationError, TypeError) as e:
+            raise HiddenStatesProtocolError(f"malformed hook fault: {e}") from None
+
+    def to_output(self) -> list:
+        return msgspec.to_builtins(self)
+
+
+def injected_fault(extra_args: Mapping | None) -> str | None:
+    """The hook a test asks to fail for this request (FAULT_INJECT_KEY), if the engine allows it."""
+    import os
+
+    if os.environ.get(FAULT_INJECTION_ENV) != "1":
+        return None
+    hook = (extra_args or {}).get(FAULT_INJECT_KEY)
+    return hook if isinstance(hook, str) else None
+
+
+class InjectedFault(RuntimeError):
+    """What an injected fault raises (tests only: FAULT_INJECTION_ENV)."""
+
+
 @dataclasses.dataclass
 class StepCapture:
     """One engine step's captured rows: one byte buffer (`data`, what the step's single
-    device-to-host copy brought), and per request id where its rows are in it."""
+    device-to-host copy brought), and per request id where its rows are in it; and the requests a
+    hook of this worker failed (their rows are not in it)."""
 
     data: np.ndarray  # uint8
     requests: dict[str, list[RowBlock]]
+    faults: dict[str, HookFault] = dataclasses.field(default_factory=dict)
 
 
 class CapturedRows(msgspec.Struct, array_like=True, gc=False):

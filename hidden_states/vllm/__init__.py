@@ -152,6 +152,23 @@ Ledger of patched points (supported: vLLM {SUPPORTED}):
    engine core starts, as vLLM's GPU platforms do; an image longer than the
    sliding window refused at start. Remove when the CPU backend supports
    mm_prefix (report in docs/how-it-works.md).
+19. Faults stay with their request (not a patch of vLLM; its own error path):
+   a hook of ours that raises for one request, in the scheduler (`plan`,
+   `file`, `send`) or a worker (`capture`, `steering`, `heads`), fails that
+   request alone. Work done for a whole step (a layer's gather, the step's
+   pack, a head's product, the traced steering buffers) is redone request by
+   request when it raises; the worker reports the request on
+   `StepCapture.faults`; the scheduler finishes it with
+   `RequestStatus.FINISHED_ERROR` through `Scheduler.finish_requests` and
+   replaces its output of the step with one `EngineCoreOutput` whose
+   `finish_reason` is `FinishReason.ERROR` and whose `kv_transfer_params`
+   carry the `protocol.HookFault` (as vLLM itself fails a request whose
+   grammar does not compile); the frontend raises `HookFaultError` (a 500
+   naming the hook). Relies on `finish_requests`, `EngineCoreOutput` and
+   `FinishReason.ERROR` as in vLLM 0.32. Tests inject faults by request
+   (`FAULT_INJECT_KEY` in `extra_args`, honoured only with
+   `HIDDEN_STATES_FAULT_INJECTION=1` in the engine's environment).
+   Remove: never; it is how our code fails safe.
 """
 
 from __future__ import annotations

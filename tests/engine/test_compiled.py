@@ -1,6 +1,7 @@
 """vLLM's default execution, `enforce_eager: false` (torch.compile with inductor on the CPU; CUDA
 graphs on GPUs), with the static layer set traced into the compiled forward (worker/traced.py):
-every layer, head and steering case of the eager engine's modules, run again here on one compiled
+every layer, head and steering case of the eager engine's modules (and a worker hook's fault
+staying with its request), run again here on one compiled
 engine against transformers (the same test functions, this module's `engine`), and no request
 compiling anything after the start.
 
@@ -16,6 +17,7 @@ import base64
 import numpy as np
 import pytest
 
+from hidden_states.protocol import FAULT_INJECTION_ENV
 from tests.conftest import TEST_ENGINE_ARGS, engine_fixture
 from tests.heads_ref import build_test_heads
 from tests.engine.test_engine import test_tail_step_changes_nothing_in_the_output  # noqa: F401
@@ -33,7 +35,8 @@ from tests.engine.test_steering import registered, registered_vectors, unit_vect
 from tests.engine.test_steering import (  # noqa: F401
     test_n2_and_a_streamed_chat_over_the_openai_routes, test_post_hidden_states_recomputes_a_steered_choice,
     test_registered_vectors_and_sae_features_as_entries, test_steered_tokens_and_rows_are_transformers_with_the_same_hook,
-    test_the_extraction_step_is_steered_the_same, test_unsteered_requests_beside_steered_ones_are_byte_for_byte_unchanged)
+    test_a_worker_hook_that_raises_fails_its_request_alone, test_the_extraction_step_is_steered_the_same,
+    test_unsteered_requests_beside_steered_ones_are_byte_for_byte_unchanged)
 
 COMPILED_ARGS = {**TEST_ENGINE_ARGS, "enforce_eager": False}
 
@@ -46,7 +49,8 @@ def heads():
 # warm_up_s=0: the compile at the first forward is what this tests, not oneDNN's per-size kernels.
 engine = engine_fixture(
     setup=lambda heads, registered: {"heads": heads, "steering_vectors": registered_vectors(registered)},
-    timeout=900, warm_up_s=0, capture_layers=[0, 1], max_hidden_states_bytes=BOUND, **COMPILED_ARGS)
+    timeout=900, warm_up_s=0, capture_layers=[0, 1], max_hidden_states_bytes=BOUND,
+    env={FAULT_INJECTION_ENV: "1"}, **COMPILED_ARGS)  # faults injected into the traced steering and the heads
 
 
 def test_engine_is_compiled_with_its_layers_traced(engine, loop_thread):

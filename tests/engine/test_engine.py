@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from hidden_states.params import spec_of
+from hidden_states.protocol import FAULT_INJECT_KEY, FAULT_INJECTION_ENV
 from tests.conftest import TEST_ENGINE_ARGS, cpu_only, engine_fixture, long_text, openai_answer
 
 PROMPTS = [
@@ -24,8 +25,9 @@ def _worker_captured_every_vector(stats):
 
 
 # Nothing left behind, after every test of the module, whatever their order.
+# Its hooks fail a request that asks (tests only: protocol.FAULT_INJECTION_ENV; the other tests ask none).
 engine = engine_fixture(one_more_step=PROMPTS[0], clean=("pending", "missing_vectors"),
-                        check=_worker_captured_every_vector, **TEST_ENGINE_ARGS)
+                        check=_worker_captured_every_vector, env={FAULT_INJECTION_ENV: "1"}, **TEST_ENGINE_ARGS)
 # The same engine arguments (the block size and scheduling policy the hidden-states engine defaults to, made
 # explicit), hidden states off: no hook. Started after `engine`.
 plain_engine = engine_fixture(setup=lambda engine: None, clean=(), enable_return_hidden_states=False, block_size=32,
@@ -378,6 +380,53 @@ def test_a_hook_that_raises_fails_its_request_alone_and_the_engine_serves_on(eng
     status, body = openai_answer(engine, loop_thread, "completions", {
         "model": "tiny-llama", "prompt": PROMPTS[0], "max_tokens": 4, "return_hidden_states": True})
     assert status == 200 and body["choices"][0]["hidden_states"], body
+
+
+@pytest.mark.parametrize("hook,layers", [("plan", (-1,)), ("file", (-1,)), ("send", (-1,)), ("capture", (-1,)),
+                                         ("capture", (1, -1))], ids=["plan", "file", "send", "capture", "capture-layer"])
+def test_a_hook_in_the_engine_core_that_raises_fails_its_request_alone(engine, loop_thread, reference, hook, layers):
+    """The scheduler's hooks (its plan, filing a step's rows, sending them) and the worker's capture (the
+    step's pack; a layer's gather inside the forward), each raising for one request of a batch of four
+    (a fault injected by the request, sent last so that the steps it is in hold the others' rows too:
+    every position's rows are asked): that request fails with HookFaultError (a 500 naming it and the
+    hook, counted in `hook_faults`; a worker's also in its own stats), and vLLM finishes it with "error".
+    The three others complete with the tokens and rows they get alone, exact against transformers at
+    layers 1 and -1, and the engine serves the faulted prompt next."""
+    from hidden_states.errors import status_of
+    from hidden_states.interface import HookFaultError
+
+    def ask(prompt, layers=(1, -1), extra=None):
+        return engine.complete(prompt, sp(max_tokens=6, **({"extra_args": extra} if extra else {})), layers=layers,
+                               position="all")
+
+    alone = [loop_thread.run(ask(p)) for p in PROMPTS[1:]]
+    before = loop_thread.run(engine.stats())
+
+    async def batch():
+        return await asyncio.gather(*(ask(p) for p in PROMPTS[1:]), ask(PROMPTS[0], layers, {FAULT_INJECT_KEY: hook}),
+                                    return_exceptions=True)
+
+    *others, faulted = loop_thread.run(batch())
+    assert isinstance(faulted, HookFaultError) and faulted.hook == hook, faulted
+    failure = status_of(faulted)
+    assert failure.status == 500 and f"`{hook}`" in failure.message and "injected" in failure.message, failure
+    after = loop_thread.run(engine.stats())
+    assert after["hook_faults"] == before["hook_faults"] + 1 and not engine.extraction.faulted
+    worker_faults = after["workers"][0]["hook_faults"] - before["workers"][0]["hook_faults"]
+    assert worker_faults == (hook == "capture")
+    for c, solo in zip(others, alone):
+        (ch,), (want,) = c.choices, solo.choices
+        assert ch.token_ids == want.token_ids and ch.positions == want.positions
+        ids = list(c.prompt_token_ids) + list(ch.token_ids)
+        for layer in (1, -1):
+            rows = ch.hidden_states_by_layer[layer]
+            assert (rows == want.hidden_states_by_layer[layer]).all()
+            for p in (len(c.prompt_token_ids) - 1, len(ids) - 1):  # the prompt's last row and the final token's
+                reference.assert_matches(ids[:p + 1], rows[p], layer=layer)
+    assert not engine.llm.errored
+    again = loop_thread.run(ask(PROMPTS[0], layers))
+    ids = list(again.prompt_token_ids) + list(again.choices[0].token_ids)
+    reference.assert_matches(ids, again.choices[0].hidden_states[-1])
 
 
 def _generate(engine, loop_thread, prompt: str, params, hs: bool):

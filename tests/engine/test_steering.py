@@ -14,6 +14,7 @@ import base64
 import numpy as np
 import pytest
 
+from hidden_states.protocol import FAULT_INJECT_KEY, FAULT_INJECTION_ENV
 from tests.conftest import TEST_ENGINE_ARGS, TEST_MODEL, eager_only, engine_fixture, long_text, openai_answer
 from tests.heads_ref import build_test_heads
 from tests.steer_ref import steered_greedy, steered_states, write_gguf
@@ -50,7 +51,7 @@ def registered_vectors(registered) -> list[dict]:
 
 engine = engine_fixture(
     setup=lambda registered: {"heads": build_test_heads(), "steering_vectors": registered_vectors(registered)},
-    clean=("pending", "missing_vectors"), errors=ERRORS, **TEST_ENGINE_ARGS)
+    clean=("pending", "missing_vectors"), errors=ERRORS, env={FAULT_INJECTION_ENV: "1"}, **TEST_ENGINE_ARGS)
 
 
 def sp(**kw):
@@ -85,6 +86,57 @@ CASES = {
     "add then ablate": [{"layer": 1, "vector": b64(unit_vector(5, 3.0))},
                         {"layer": 1, "vector": b64(unit_vector(6)), "op": "ablate"}],
 }
+
+
+@pytest.mark.parametrize("hook", ["steering", "heads"])
+def test_a_worker_hook_that_raises_fails_its_request_alone(engine, loop_thread, reference, hook):
+    """A worker's steering (its entries added inside the forward) or heads (one product per head over the
+    step's rows) raising for one request of a batch of four, each steered at layer 1 and asking two heads
+    (a fault injected by the request, sent last; every position asked, so its steps hold the others'
+    rows): the batched work is redone request by request, that request fails
+    with HookFaultError (a 500 naming it and the hook; counted by the worker and the frontend), and the
+    three others complete with the tokens, vectors and head outputs they get alone, their tokens those of
+    transformers with the same steering; then the engine serves the faulted prompt."""
+    from hidden_states.errors import status_of
+    from hidden_states.interface import HookFaultError
+
+    steering, heads = [{"layer": 1, "vector": b64(unit_vector(31, 4.0)), "scale": 1.5}], ["sae-std", "probe"]
+    prompts = ["The weather today is", "Once upon a time", "My favourite food is", "The river flows"]
+
+    def ask(prompt, extra=None):  # every position's rows and head outputs: each step holds all four's
+        return engine.complete(prompt, sp(max_tokens=6, **({"extra_args": extra} if extra else {})),
+                               steering=steering, heads=heads, position="all")
+
+    alone = [loop_thread.run(ask(p)) for p in prompts[1:]]
+    before = loop_thread.run(engine.stats())
+
+    async def batch():
+        return await asyncio.gather(*(ask(p) for p in prompts[1:]), ask(prompts[0], {FAULT_INJECT_KEY: hook}),
+                                    return_exceptions=True)  # the faulted one last: its steps hold the others
+
+    *others, faulted = loop_thread.run(batch())
+    assert isinstance(faulted, HookFaultError) and faulted.hook == hook, faulted
+    failure = status_of(faulted)
+    assert failure.status == 500 and f"`{hook}`" in failure.message and faulted.request_id in failure.message
+    after = loop_thread.run(engine.stats())
+    assert after["hook_faults"] == before["hook_faults"] + 1 and not engine.extraction.faulted
+    assert after["workers"][0]["hook_faults"] == before["workers"][0]["hook_faults"] + 1
+    entries = [(layer, *rest) for layer, *rest in as_entries(steering)]
+    for c, solo in zip(others, alone):
+        (ch,), (want,) = c.choices, solo.choices
+        assert ch.token_ids == want.token_ids
+        assert list(ch.token_ids) == steered_greedy(reference.model, list(c.prompt_token_ids), entries, 6)
+        assert_rows(f"{hook} fault, a batch-mate's vector", ch.hidden_states, want.hidden_states)
+        for name in heads:  # per position
+            assert len(ch.heads[name]) == len(want.heads[name]) == len(c.prompt_token_ids) + 6
+            for got, ref in zip(ch.heads[name], want.heads[name]):
+                key = "scores" if "scores" in ref else "values"
+                if key == "values":
+                    assert got["indices"] == ref["indices"]
+                np.testing.assert_allclose(got[key], ref[key], rtol=1e-5, atol=1e-6)
+    assert not engine.llm.errored
+    again = loop_thread.run(ask(prompts[0]))
+    assert list(again.choices[0].token_ids) == steered_greedy(reference.model, list(again.prompt_token_ids), entries, 6)
 
 
 @pytest.mark.parametrize("case", list(CASES))

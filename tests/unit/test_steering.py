@@ -115,6 +115,23 @@ class _Runner:
         self.query_start_loc = types.SimpleNamespace(np=None)
 
 
+class _Guard:
+    """What StepSteering reports faults to (capture._RunnerHook): `fails` names requests whose entries raise."""
+
+    def __init__(self, fails=()):
+        self.fails, self.faults = set(fails), {}
+
+    def check(self, hook, rids):
+        if self.fails & set(rids):
+            raise RuntimeError(f"{hook} fails")
+
+    def fault(self, rid, hook, error):
+        self.faults.setdefault(rid, (hook, str(error)))
+
+    def faulted(self, rid):
+        return rid in self.faults
+
+
 def test_each_row_gets_its_own_request_s_steering_and_unsteered_rows_are_unchanged():
     import torch
 
@@ -125,7 +142,7 @@ def test_each_row_gets_its_own_request_s_steering_and_unsteered_rows_are_unchang
                    SteerEntry(1, "ablate", "all", 1.0, u.tobytes(), 0, -1)]}
     runner = _Runner(steer, {"u": 3, "s": 4}, {"u": 0, "s": 3})  # u: a 3-token prefill; s: positions 3, 4 (prompt 4)
     runner.query_start_loc.np = np.array([0, 3, 5])
-    st = StepSteering(runner)
+    st = StepSteering(runner, _Guard())
     st.begin(types.SimpleNamespace(num_scheduled_tokens={"u": 3, "s": 2}, finished_req_ids=set()))
     hidden = torch.randn(5, D)
     hidden[:3, 0] = -0.0
@@ -141,3 +158,29 @@ def test_each_row_gets_its_own_request_s_steering_and_unsteered_rows_are_unchang
     assert st.steered_rows == 1 + 2
     st.end()
     assert st.apply(1, hidden, residual) is None  # no step: nothing
+
+
+def test_a_request_whose_steering_raises_fails_alone_and_the_others_are_steered_as_before():
+    """Two steered requests in a step; one's entries raise: it is reported (hook "steering") and its rows
+    are left as they came, the other's rows are the same bits as when it is steered alone."""
+    import torch
+
+    from hidden_states.vllm.worker.steering import StepSteering
+
+    v = np.arange(1, D + 1, dtype=np.float32)
+    steer = {"a": [SteerEntry(1, "add", "all", 2.0, v.tobytes(), 0, -1)],
+             "b": [SteerEntry(1, "add", "all", -1.0, v.tobytes(), 0, -1)]}
+    hidden, residual = torch.randn(5, D), torch.randn(5, D)
+
+    def run(fails):
+        runner = _Runner(steer, {"a": 3, "b": 2}, {"a": 0, "b": 0})
+        runner.query_start_loc.np = np.array([0, 3, 5])
+        guard = _Guard(fails)
+        st = StepSteering(runner, guard)
+        st.begin(types.SimpleNamespace(num_scheduled_tokens={"a": 3, "b": 2}, finished_req_ids=set()))
+        return st.apply(1, hidden, residual), guard.faults, st.steered_rows
+
+    both, no_faults, rows = run(())
+    out, faults, rows_b = run({"a"})
+    assert not no_faults and rows == 5 and list(faults) == ["a"] and faults["a"][0] == "steering"
+    assert torch.equal(out[3:], both[3:]) and torch.equal(out[:3], hidden[:3]) and rows_b == 2

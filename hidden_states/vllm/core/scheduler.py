@@ -15,11 +15,18 @@
 
 Not held (the extraction step computes the row): no room for one more position, a grammar,
 or a stop the frontend cuts (stop strings).
+
+**Faults stay with their request** (ledger point 19). Each hook of ours here works request by
+request (`_plan`, `_file`, `_send_rows`); one that raises for a request, or a worker's report of
+one (`StepCapture.faults`), finishes that request with vLLM's FINISHED_ERROR at the end of the
+update: its output of this step is replaced by an "error" finish carrying the `HookFault`
+(`kv_transfer_params[FAULT_KEY]`), and the frontend fails its caller with a 500 naming the hook.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any
 
 import numpy as np
@@ -28,9 +35,12 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 
-from hidden_states.protocol import (HEADS_KEY, PLAN_ATTR, ROWS_KEY, SEQ_ATTR, STEP_ATTR, CapturedRows,
-                                    HiddenStatesExtractionRequest, PlanEntry, Span, absolute_layer, captured_rows)
+from hidden_states.protocol import (FAULT_KEY, HEADS_KEY, PLAN_ATTR, ROWS_KEY, SEQ_ATTR, STEP_ATTR, CapturedRows,
+                                    HiddenStatesExtractionRequest, HookFault, InjectedFault, PlanEntry, Span,
+                                    absolute_layer, captured_rows, injected_fault)
 from hidden_states.vllm import _require
+
+logger = logging.getLogger(__name__)
 
 _HOLD = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_REPETITION)
 
@@ -244,10 +254,34 @@ class _VectorsOnOutputs:
         self._scheduled: dict[int, dict[str, int]] = {}  # recent steps' scheduled tokens per request, by sequence
         self._awaiting: dict[str, tuple[_Capture, int, int]] = {}  # freed, awaiting the step in flight: (its, tokens, seq)
         self._stashed: dict[int, list[tuple[int, Any]]] = {}  # seq -> finishing outputs (client, eco) to release
+        self._faults: dict[str, HookFault] = {}  # requests a hook failed in this update: finished with an error
+        self._inject: dict[str, str] = {}  # tests only: request id -> the hook to fail (protocol.injected_fault)
+        self.hook_faults = 0
+
+    def _fault(self, rid: str, hook: str, error: BaseException | HookFault) -> None:
+        """A hook of ours raised for `rid` (here, or in a worker: its report): the request fails at the
+        end of this update, alone."""
+        if rid in self._faults:
+            return
+        if isinstance(error, HookFault):
+            logger.error("request %s: the hidden-states hook %s failed in a worker (%s)", rid, error.hook, error.error)
+            self._faults[rid] = error
+        else:
+            logger.error("request %s: the hidden-states hook %s raised in the scheduler; failing the request", rid,
+                         hook, exc_info=error)
+            self._faults[rid] = HookFault.of(hook, error)
+        self.hook_faults += 1
+
+    def _check(self, hook: str, rid: str) -> None:
+        """Tests only: raises where the request asked this hook to fail (FAULT_INJECTION_ENV)."""
+        if self._inject and self._inject.get(rid) == hook:
+            raise InjectedFault(f"a fault injected into the {hook} hook")
 
     def add_request(self, request: Any) -> None:
         sp = request.sampling_params
         flag = HiddenStatesExtractionRequest.from_extra_args(sp.extra_args if sp is not None else None)
+        if sp is not None and (hook := injected_fault(sp.extra_args)):
+            self._inject[request.request_id] = hook
         if flag is not None:
             L = self.vllm_config.model_config.hf_text_config.num_hidden_layers
             flag.layers = [absolute_layer(l, L) for l in flag.layers]  # once, for every step's plan
@@ -306,27 +340,33 @@ class _VectorsOnOutputs:
         plan, sched = {}, out.num_scheduled_tokens
         for rid, cap in self._live.items():
             n = sched.get(rid)
-            if not n:
+            if not n or rid in self._faults:
                 continue
-            req, span, flag = self.requests[rid], cap.rows.span, cap.flag
-            stop = req.num_computed_tokens  # advanced by this step already (Scheduler._update_after_schedule)
-            first = stop - n
-            if not span.final_only:
-                positions = span.capturable(first, stop)
-            elif rid in self._held:
-                positions = [stop - 1] if stop == req.num_tokens else []
-            elif self.async_tail and cap.tail and stop > req.num_prompt_tokens:
-                positions = [stop - 1]  # kept only if it is the final token's (_async_tails)
-            else:
-                continue
-            if positions:
-                plan[rid] = PlanEntry([p - first for p in positions], positions, flag.layers, stop, flag.dtype,
-                                      flag.topk, flag.heads)
+            try:
+                self._check("plan", rid)
+                req, span, flag = self.requests[rid], cap.rows.span, cap.flag
+                stop = req.num_computed_tokens  # advanced by this step already (Scheduler._update_after_schedule)
+                first = stop - n
+                if not span.final_only:
+                    positions = span.capturable(first, stop)
+                elif rid in self._held:
+                    positions = [stop - 1] if stop == req.num_tokens else []
+                elif self.async_tail and cap.tail and stop > req.num_prompt_tokens:
+                    positions = [stop - 1]  # kept only if it is the final token's (_async_tails)
+                else:
+                    continue
+                if positions:
+                    plan[rid] = PlanEntry([p - first for p in positions], positions, flag.layers, stop, flag.dtype,
+                                          flag.topk, flag.heads)
+            except Exception as e:  # this request fails alone (at the end of the step's update)
+                self._fault(rid, "plan", e)
         return plan or None
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any):
         step = getattr(model_runner_output, STEP_ATTR, None)
         if step is not None:
+            for rid, fault in step.faults.items():  # a worker's hook failed these: no rows of theirs came
+                self._fault(rid, fault.hook, fault)
             self._file(step, scheduler_output, model_runner_output)
         self._step_output = model_runner_output
         self._updating = getattr(scheduler_output, SEQ_ATTR, None)
@@ -338,6 +378,8 @@ class _VectorsOnOutputs:
             self._async_tails(outputs)
         if self._live or self._finished_rows:
             self._send_rows(outputs)
+        if self._faults:
+            self._fail(outputs)
         if self._released:
             for batch in outputs.values():
                 for eco in batch.outputs:
@@ -381,16 +423,48 @@ class _VectorsOnOutputs:
         for batch in outputs.values():
             for eco in batch.outputs:
                 rid = eco.request_id
-                if eco.finish_reason is not None:
-                    rows = self._finished_rows.pop(rid, None)
-                elif (cap := self._live.get(rid)) is not None and cap.flag.every_step and \
-                        (req := self.requests.get(rid)) is not None:
-                    rows = cap.take(req.num_tokens)
-                else:
-                    rows = None
-                if rows is not None:
-                    eco.kv_transfer_params = {**(eco.kv_transfer_params or {}), **rows.params()}
+                try:
+                    self._check("send", rid)
+                    if eco.finish_reason is not None:
+                        self._inject.pop(rid, None)
+                        rows = self._finished_rows.pop(rid, None)
+                    elif (cap := self._live.get(rid)) is not None and cap.flag.every_step and \
+                            (req := self.requests.get(rid)) is not None:
+                        rows = cap.take(req.num_tokens)
+                    else:
+                        rows = None
+                    if rows is not None:
+                        eco.kv_transfer_params = {**(eco.kv_transfer_params or {}), **rows.params()}
+                except Exception as e:  # this request fails alone (_fail, right after)
+                    self._fault(rid, "send", e)
         self._finished_rows.clear()
+
+    def _fail(self, outputs: dict) -> None:
+        """The requests a hook failed in this update: finished with FINISHED_ERROR, their outputs of the
+        step replaced by one "error" finish that carries the fault (the frontend fails the caller)."""
+        from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
+
+        faults, self._faults = self._faults, {}
+        clients: dict[str, int] = {}
+        for client, batch in outputs.items():  # this step's tokens of a failed request are not sent
+            if any(eco.request_id in faults for eco in batch.outputs):
+                clients.update((eco.request_id, client) for eco in batch.outputs if eco.request_id in faults)
+                batch.outputs = [eco for eco in batch.outputs if eco.request_id not in faults]
+        for seq, stashed in list(self._stashed.items()):  # async: finishing outputs waiting for their tail
+            clients.update((eco.request_id, client) for client, eco in stashed if eco.request_id in faults)
+            self._stashed[seq] = [(c, eco) for c, eco in stashed if eco.request_id not in faults]
+        for request in self.finish_requests([rid for rid in faults if rid in self.requests],
+                                            RequestStatus.FINISHED_ERROR):
+            clients[request.request_id] = request.client_index
+        for rid, fault in faults.items():
+            self._finished_rows.pop(rid, None)
+            self._awaiting.pop(rid, None)
+            self._inject.pop(rid, None)
+            if rid not in clients:  # finished and sent before the fault was known: nothing left to fail
+                continue
+            outputs.setdefault(clients[rid], EngineCoreOutputs(outputs=[])).outputs.append(EngineCoreOutput(
+                request_id=rid, new_token_ids=[], finish_reason=FinishReason.ERROR,
+                kv_transfer_params={FAULT_KEY: fault.to_output()}))
 
     def _file(self, step: Any, so: Any, mro: Any) -> None:
         spec = so.scheduled_spec_decode_tokens
@@ -398,16 +472,20 @@ class _VectorsOnOutputs:
             cap = self._live.get(rid) or (self._awaiting[rid][0] if rid in self._awaiting else None)
             if cap is None:
                 continue
-            # Rows past the accepted tokens are rejected drafts' (speculative decoding): the step
-            # computed tokens up to num_tokens - rejected (the scheduler's own rollback).
-            bound = blocks[0].num_tokens - _rejected(rid, spec, mro)
-            by_head: dict[str, list] = {}
-            for b in blocks:
-                by_head.setdefault(b.head, []).append(b)
-            for head, mine in by_head.items():
-                acc = cap.heads.get(head) if head else cap.rows
-                if acc is not None:
-                    _file_into(acc, step.data, sorted(mine, key=lambda b: b.layer), bound)
+            try:
+                self._check("file", rid)
+                # Rows past the accepted tokens are rejected drafts' (speculative decoding): the step
+                # computed tokens up to num_tokens - rejected (the scheduler's own rollback).
+                bound = blocks[0].num_tokens - _rejected(rid, spec, mro)
+                by_head: dict[str, list] = {}
+                for b in blocks:
+                    by_head.setdefault(b.head, []).append(b)
+                for head, mine in by_head.items():
+                    acc = cap.heads.get(head) if head else cap.rows
+                    if acc is not None:
+                        _file_into(acc, step.data, sorted(mine, key=lambda b: b.layer), bound)
+            except Exception as e:  # this request fails alone (at the end of this update)
+                self._fault(rid, "file", e)
 
     def _update_request_with_output(self, request: Any, new_token_ids: list[int], *args: Any, **kwargs: Any):
         rid = request.request_id

@@ -25,8 +25,8 @@ from hidden_states.interface import (ExtractionStats, HiddenStatesCollector, Hid
                                   MissingHiddenStatesError, RowBatch)
 from hidden_states.params import (DEFAULT_MAX_HIDDEN_STATES_BYTES, HiddenStatesFields, HiddenStatesRequestError, Span,
                                   absolute_layer, check_room, check_rows_budget, room_for_completion)
-from hidden_states.protocol import (COLLECTOR_TAG_KEY, HEADS_KEY, ROWS_KEY, STEER_KEY, CapturedRows, HiddenStatesExtractionRequest,
-                                    HiddenStatesProtocolError)
+from hidden_states.protocol import (COLLECTOR_TAG_KEY, FAULT_KEY, HEADS_KEY, ROWS_KEY, STEER_KEY, CapturedRows,
+                                    HiddenStatesExtractionRequest, HiddenStatesProtocolError, HookFault)
 
 _FAILED = ("abort", "error")
 logger = logging.getLogger(__name__)
@@ -149,15 +149,20 @@ def make_async_llm_class():
                 if hs is not None and hs.live:
                     for eco in engine_core_outputs:
                         params = eco.kv_transfer_params
-                        if params is not None and (ROWS_KEY in params or HEADS_KEY in params):
+                        if params is not None and (ROWS_KEY in params or HEADS_KEY in params or FAULT_KEY in params):
                             rows, heads = params.pop(ROWS_KEY, None), params.pop(HEADS_KEY, None)
+                            fault = params.pop(FAULT_KEY, None)
                             if not params:
                                 eco.kv_transfer_params = None
                             state = processor.request_states.get(eco.request_id)
+                            caller = _caller_request_id(state) or eco.request_id
+                            if fault is not None:  # a hook in the engine core failed this request (its finish: "error")
+                                hs.engine_fault(caller, fault)
+                                continue
                             try:
                                 hs.deliver(rows, state.request_index if state is not None else None, heads)
                             except Exception as e:  # this request fails; the output handler serves on
-                                hs.fault(_caller_request_id(state) or eco.request_id, "deliver", e)
+                                hs.fault(caller, "deliver", e)
                 return process(engine_core_outputs, *a, **kw)
 
             processor.process_outputs = process_outputs
@@ -269,6 +274,19 @@ class Extraction:
                      exc_info=error)
         self.hook_faults += 1
         self.faulted[request_id] = HookFaultError(request_id, hook, error)
+
+    def engine_fault(self, request_id: str, raw: Any) -> None:
+        """A hook in the engine core (the scheduler's, or a worker's) failed `request_id` there, where it
+        was logged with its traceback; vLLM finished it with "error". Counted and kept as `fault` does."""
+        try:
+            f = HookFault.from_output(raw)
+        except HiddenStatesProtocolError:
+            self.malformed_vectors += 1
+            f = HookFault("engine", f"malformed fault report {raw!r:.200}")
+        logger.error("request %s: the hidden-states hook %s failed in the engine core (%s); failing the request",
+                     request_id, f.hook, f.error)
+        self.hook_faults += 1
+        self.faulted[request_id] = HookFaultError(request_id, f.hook, f.error)
 
     def raise_fault(self, request_id: str) -> None:
         if self.faulted and (fault := self.faulted.pop(request_id, None)) is not None:

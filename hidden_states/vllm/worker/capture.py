@@ -10,9 +10,14 @@ runner is one adapter (`_V1Runner`); another runner needs only its own (docs/how
 from __future__ import annotations
 
 import logging
+import os
+from collections.abc import Iterable
 from typing import Any, NamedTuple
 
-from hidden_states.protocol import PLAN_ATTR, STEP_ATTR, PlanEntry, RowBlock, StepCapture, absolute_layer
+import numpy as np
+
+from hidden_states.protocol import (FAULT_INJECTION_ENV, PLAN_ATTR, STEP_ATTR, HookFault, InjectedFault, PlanEntry,
+                                    RowBlock, StepCapture, absolute_layer, injected_fault)
 from hidden_states.vllm import SUPPORTED_LAYER_ARCHS
 from hidden_states.vllm.worker.layers import final_norm_in_logits, layer_capture_support
 from hidden_states.vllm.worker.steering import StepSteering
@@ -67,6 +72,14 @@ def _rows_of(blocks: list, members: list[int]) -> Any:
     return src[first:end]
 
 
+def _gather(hidden: Any, residual: Any, flat: list[int]) -> Any:
+    """Rows `flat` of the stream entering a layer: vLLM carries it as hidden + residual (None before layer 0)."""
+    import torch
+
+    pos = torch.tensor(flat, device=hidden.device)
+    return hidden[pos] if residual is None else hidden[pos] + residual[pos]
+
+
 def _dtype_name(t: Any) -> str:
     return str(t.dtype).removeprefix("torch.")
 
@@ -93,6 +106,20 @@ class _V1Runner:
         return data.to("cpu").numpy()  # the step's one device-to-host transfer (uint8)
 
 
+def _join(pieces: list) -> tuple[Any, list] | None:
+    """Packed steps of single requests (`_RunnerHook._pack`) as one: buffers concatenated, offsets moved."""
+    import torch
+
+    if not pieces:
+        return None
+    parts, layout, at = [], [], 0
+    for data, lay in pieces:
+        parts.append(data)
+        layout += [(*x[:5], x[5] + at, x[6] + at if x[6] >= 0 else -1) for x in lay]
+        at += int(data.numel())
+    return (torch.cat(parts) if len(parts) > 1 else parts[0]), layout
+
+
 class _RunnerHook:
     """Per-worker: this step's capture plan (the scheduler's) and its rows.
 
@@ -101,6 +128,11 @@ class _RunnerHook:
     lives from `before_step` to `end_step`, so dummy batches capture nothing. Intermediate layers
     are sliced in forward pre-hooks; every row of a step is packed into one byte buffer for one
     device-to-host copy.
+
+    Faults stay with their request: each batched piece of work (a layer's gather, the step's pack, a
+    head's product, a request's steering entries) that raises is redone request by request, and a
+    request whose own piece raises is left out of the step and reported on its StepCapture
+    (`faults`): the scheduler fails it alone (ledger point 19).
     """
 
     def __init__(self, runner: Any):
@@ -114,7 +146,12 @@ class _RunnerHook:
         self.bytes_copied = 0
         self.encoder_items = 0  # multimodal items the model's encoder embedded (_count_encoder_items)
         self.heads: dict[str, Any] = {}  # name -> heads.DeviceHead (install_heads)
-        self.steering = StepSteering(runner)  # per-request additions to the stream, on every rank
+        self.steering = StepSteering(runner, self)  # per-request additions to the stream, on every rank
+        self.hook_faults = 0  # requests a hook of this worker failed (each left out of its step)
+        self._faults: dict[str, HookFault] = {}  # this step's, by request id: attached with its rows
+        self._injection = os.environ.get(FAULT_INJECTION_ENV) == "1"  # tests only (protocol.injected_fault)
+        self._inject: dict[str, str] = {}  # this step's injected faults: request id -> hook
+        self._stage = "capture"  # the hook the step's pack is in (capture | heads): names a fault
         self.head_rows = 0  # rows the heads encoded (one matrix product per head per step)
         self.head_products = 0  # head matrix products run (per head per step with its rows)
         self.num_layers = runner.vllm_config.model_config.hf_text_config.num_hidden_layers
@@ -193,9 +230,32 @@ class _RunnerHook:
         model.embed_multimodal = embed_multimodal
 
     def before_step(self, so: Any) -> None:
+        self._faults = {}
+        if self._injection:
+            requests = getattr(self.runner, "requests", {})
+            self._inject = {rid: hook for rid in getattr(so, "num_scheduled_tokens", None) or ()
+                            if (hook := injected_fault(getattr(getattr(requests.get(rid), "sampling_params", None),
+                                                               "extra_args", None)))}
         self.steering.begin(so)
         self._given = getattr(so, PLAN_ATTR, None) or None  # set by the scheduler (scheduler.py)
         self._plan, self._layer_rows, self._slices, self._ready = None, {}, [], None
+
+    def fault(self, rid: str, hook: str, error: BaseException) -> None:
+        """A hook of ours raised for `rid`: logged with its traceback, counted, reported with the step."""
+        if rid in self._faults:
+            return
+        logger.error("request %s: the hidden-states hook %s raised in the worker; failing the request", rid, hook,
+                     exc_info=error)
+        self.hook_faults += 1
+        self._faults[rid] = HookFault.of(hook, error)
+
+    def check(self, hook: str, rids: Iterable[str]) -> None:
+        """Tests only: raises where a request of `rids` asked this hook to fail (FAULT_INJECTION_ENV)."""
+        if self._inject and any(self._inject.get(rid) == hook for rid in rids):
+            raise InjectedFault(f"a fault injected into the {hook} hook")
+
+    def faulted(self, rid: str) -> bool:
+        return rid in self._faults
 
     def end_step(self) -> None:
         """After every execute_model call, captured or not: no plan outlives its step."""
@@ -211,10 +271,16 @@ class _RunnerHook:
         """The scheduler's plan as flat row indices among the step's scheduled tokens."""
         if self._plan is not None:
             return self._plan
-        given = self._given
-        starts = self.adapter.starts(given)
-        plan = [_Entry(rid, list(e.layers), [starts[rid] + o for o in e.offsets], list(e.positions), e.num_tokens,
-                       e.dtype, e.topk, list(e.heads)) for rid, e in ((rid, PlanEntry(*e)) for rid, e in given.items())]
+        plan = []
+        for rid, raw in self._given.items():
+            try:
+                self.check("capture", (rid,))
+                e = PlanEntry(*raw)
+                start = self.adapter.starts((rid,))[rid]
+                plan.append(_Entry(rid, list(e.layers), [start + o for o in e.offsets], list(e.positions),
+                                   e.num_tokens, e.dtype, e.topk, list(e.heads)))
+            except Exception as err:  # this request's entry: it fails alone
+                self.fault(rid, "capture", err)
         L = self.num_layers
         self._plan = plan
         self._layer_rows = {}
@@ -245,33 +311,63 @@ class _RunnerHook:
                 else:
                     kwargs = {**kwargs, "hidden_states": steered}
             if self._capturing:
-                self._step_plan()
+                plan = self._step_plan()
                 wanted = self._layer_rows.get(layer)
                 if wanted is not None:
-                    import torch
-
-                    pos = torch.tensor(wanted[0], device=hidden.device)
-                    # The residual stream: vLLM carries it as hidden + residual (None before layer 0).
-                    sel = hidden[pos] if residual is None else hidden[pos] + residual[pos]
-                    self._slices.append((layer, wanted[1], sel))
+                    flat, owners = wanted
+                    if self._faults:  # requests failed earlier in the step are left out
+                        owners = [i for i in owners if plan[i].rid not in self._faults]
+                        flat = [f for i in owners for f in plan[i].flat]
+                    try:  # the layer's rows of every request at once
+                        self.check("capture", (plan[i].rid for i in owners))
+                        if owners:
+                            self._slices.append((layer, owners, _gather(hidden, residual, flat)))
+                    except Exception:  # then request by request: the one that raises fails alone
+                        for i in owners:
+                            try:
+                                self.check("capture", (plan[i].rid,))
+                                self._slices.append((layer, [i], _gather(hidden, residual, plan[i].flat)))
+                            except Exception as err:
+                                self.fault(plan[i].rid, "capture", err)
             return None if steered is None else (args, kwargs)
 
         return pre_hook
 
     def after_step(self) -> None:
-        """After the forward pass (sampling pending): the step's rows, sliced on the device."""
+        """After the forward pass (sampling pending): the step's rows, sliced on the device. Packed for
+        every request at once; if that raises, request by request (the one that raises fails alone)."""
         hidden = self.adapter.step_rows()
         if hidden is None or not self._capturing:
             return
         plan = self._step_plan()
-        if not plan:
+        members = [i for i, e in enumerate(plan) if e.rid not in self._faults]
+        if not members:
+            self._slices = []
             return
+        self.steps_with_rows += 1
+        try:
+            self._ready = self._pack(plan, members, hidden)
+        except Exception:
+            pieces = []
+            for i in members:
+                try:
+                    pieces.append(self._pack(plan, [i], hidden))
+                except Exception as err:
+                    self.fault(plan[i].rid, self._stage, err)
+            self._ready = _join(pieces)
+        self._slices = []
+
+    def _pack(self, plan: list[_Entry], members: list[int], hidden: Any) -> tuple[Any, list]:
+        """The rows and head outputs of plan entries `members`, cast and packed into one byte buffer on
+        the device: (data, layout)."""
         import torch
 
-        L = self.num_layers
+        self._stage = "capture"
+        self.check("capture", (plan[i].rid for i in members))
+        L, chosen = self.num_layers, set(members)
         # (plan entry, layer, source rows on the device, first, end): the entry's rows are source[first:end]
         blocks: list[tuple[int, int, Any, int, int]] = []
-        final = [i for i, e in enumerate(plan) if L in self._layers_of(e)]
+        final = [i for i in members if L in self._layers_of(plan[i])]
         if final:
             rows = hidden[torch.tensor([f for i in final for f in plan[i].flat], device=hidden.device)]
             if self.final_norm is not None:  # the rows the LM head consumes: normed in compute_logits
@@ -280,18 +376,24 @@ class _RunnerHook:
             for i in final:
                 blocks.append((i, L, rows, at, at + len(plan[i].flat)))
                 at += len(plan[i].flat)
+        slices = self._slices
         if self.traced is not None:  # the static set's rows, written by the traced forward
-            for layer, (flat, owners) in self._layer_rows.items():
-                rows = self.traced.rows(layer)
-                self._slices.append((layer, owners, rows[torch.tensor(flat, device=rows.device)]))
-        for layer, owners, sel in self._slices:
+            slices = []
+            for layer, (_, owners) in self._layer_rows.items():
+                mine = [i for i in owners if i in chosen]
+                if mine:
+                    rows = self.traced.rows(layer)
+                    flat = [f for i in mine for f in plan[i].flat]
+                    slices.append((layer, mine, rows[torch.tensor(flat, device=rows.device)]))
+        for layer, owners, sel in slices:
             at = 0
             for i in owners:
-                blocks.append((i, layer, sel, at, at + len(plan[i].flat)))
+                if i in chosen:
+                    blocks.append((i, layer, sel, at, at + len(plan[i].flat)))
                 at += len(plan[i].flat)
-        self._slices = []
-        self.steps_with_rows += 1
-        outputs = self._run_heads(plan, blocks)
+        self._stage = "heads"
+        outputs = self._run_heads(plan, members, blocks)
+        self._stage = "capture"
         # Rows asked as rows (a head's layer may be captured for the head alone).
         blocks = [blk for blk in blocks if blk[1] in plan[blk[0]].layers]
         # Cast / top-k per (dtype, k) group, then every byte of the step in one buffer.
@@ -308,8 +410,8 @@ class _RunnerHook:
                 layout[heads_at + j] = (*layout[heads_at + j][:3], offset)
                 parts.append(indices.view(torch.uint8).reshape(-1))
                 offset += indices.numel() * 4
-        for (dtype, k), members in groups.items():
-            values, indices = _encode(_rows_of(blocks, members), dtype, k)
+        for (dtype, k), group in groups.items():
+            values, indices = _encode(_rows_of(blocks, group), dtype, k)
             width, name = int(values.shape[-1]), _dtype_name(values)
             row_bytes = width * values.element_size()
             values_at = offset
@@ -321,30 +423,31 @@ class _RunnerHook:
                 parts.append(indices.contiguous().view(torch.uint8).reshape(-1))
                 offset += indices.shape[0] * width * 4
             row = 0
-            for b in members:
+            for b in group:
                 layout[b] = (name, width, values_at + row * row_bytes,
                              -1 if indices is None else indices_at + row * width * 4)
                 row += blocks[b][4] - blocks[b][3]
         data = torch.cat(parts) if len(parts) > 1 else parts[0]
-        self._ready = (data, [(plan[i], layer, "", *layout[b]) for b, (i, layer, *_) in enumerate(blocks)]
-                       + [(plan[i], layer, name, *layout[heads_at + j])
-                          for j, (i, layer, name, _, _) in enumerate(outputs)])
+        return data, ([(plan[i], layer, "", *layout[b]) for b, (i, layer, *_) in enumerate(blocks)]
+                      + [(plan[i], layer, name, *layout[heads_at + j])
+                         for j, (i, layer, name, _, _) in enumerate(outputs)])
 
-    def _run_heads(self, plan: list[_Entry], blocks: list) -> list[tuple[int, int, str, Any, Any]]:
-        """Each head once over every entry's rows at its layer (one matrix product per head and k):
-        [(plan entry, layer, head, float32 values [m, w], int32 indices [m, k] or None)] per entry."""
+    def _run_heads(self, plan: list[_Entry], members: list[int], blocks: list) -> list[tuple[int, int, str, Any, Any]]:
+        """Each head once over every member entry's rows at its layer (one matrix product per head and
+        k): [(plan entry, layer, head, float32 values [m, w], int32 indices [m, k] or None)] per entry."""
         wanting: dict[tuple[str, int], list[int]] = {}
-        for i, e in enumerate(plan):
-            for name, k in e.heads:
+        for i in members:
+            for name, k in plan[i].heads:
                 wanting.setdefault((name, int(k)), []).append(i)
         if not wanting:
             return []
         where = {(blk[0], blk[1]): b for b, blk in enumerate(blocks)}
         out = []
         for (name, k), entries in wanting.items():
+            self.check("heads", (plan[i].rid for i in entries))
             head = self.heads[name]
-            members = [where[(i, head.spec.layer)] for i in entries]
-            values, indices = head.encode(_rows_of(blocks, members), k)
+            group = [where[(i, head.spec.layer)] for i in entries]
+            values, indices = head.encode(_rows_of(blocks, group), k)
             self.head_products += 1
             self.head_rows += int(values.shape[0])
             at = 0
@@ -356,25 +459,28 @@ class _RunnerHook:
         return out
 
     def attach(self, out: Any) -> Any:
-        """Hangs the step's rows on its ModelRunnerOutput (protocol.STEP_ATTR); under async scheduling in
-        its `get_output`, so the copy overlaps the next step."""
+        """Hangs the step's rows and faults on its ModelRunnerOutput (protocol.STEP_ATTR); under async
+        scheduling in its `get_output`, so the copy overlaps the next step."""
         ready, self._ready = self._ready, None
-        if ready is None or out is None:
+        faults, self._faults = (self._faults, {}) if self.attaches else ({}, {})
+        if (ready is None and not faults) or out is None:
             return out
         if hasattr(out, "get_output"):  # AsyncModelRunnerOutput
             original = out.get_output
 
             def get_output():
                 mro = original()
-                setattr(mro, STEP_ATTR, self._to_host(ready))
+                setattr(mro, STEP_ATTR, self._to_host(ready, faults))
                 return mro
 
             out.get_output = get_output
         elif hasattr(out, "req_id_to_index"):
-            setattr(out, STEP_ATTR, self._to_host(ready))
+            setattr(out, STEP_ATTR, self._to_host(ready, faults))
         return out
 
-    def _to_host(self, ready) -> StepCapture:
+    def _to_host(self, ready, faults: dict[str, HookFault]) -> StepCapture:
+        if ready is None:  # only faults: no rows, no copy
+            return StepCapture(np.zeros(0, np.uint8), {}, faults)
         data, layout = ready
         host = self.adapter.to_host(data)
         self.host_copies += 1
@@ -385,4 +491,4 @@ class _RunnerHook:
                 RowBlock(e.num_tokens, layer, e.positions, dtype, width, values_at, indices_at, head))
         self.captured += len(requests)
         self.steps_with_capture += 1
-        return StepCapture(host, requests)
+        return StepCapture(host, requests, faults)

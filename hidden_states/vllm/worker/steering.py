@@ -8,7 +8,8 @@ rows x D holds each steered row's delta and zeros elsewhere, with a row mask bes
 entering the layer becomes where(mask, stream + delta, stream) (static shapes, as a CUDA graph
 would need), so an unsteered row keeps its exact bits. `add` puts scale x vector into the buffer; `ablate` puts minus the
 stream's component along the unit vector (after the entries before it). No request state beyond
-the parsed entries of the requests in the batch.
+the parsed entries of the requests in the batch. A request whose entries raise (parsing them, or
+writing them) fails alone (`guard.fault`); the others' rows are steered as before.
 """
 
 from __future__ import annotations
@@ -21,11 +22,12 @@ from hidden_states.protocol import SteerEntry, steering_of
 
 
 class StepSteering:
-    def __init__(self, runner: Any):
+    def __init__(self, runner: Any, guard: Any):
         self.runner = runner
+        self.guard = guard  # capture._RunnerHook: fault(rid, hook, error), check(hook, rids), faulted(rid)
         self._entries: dict[str, list[tuple[SteerEntry, Any]]] = {}  # request id -> (entry, vector on the device)
         self._so: Any = None
-        self._plan: dict[int, list[tuple[Any, str, Any]]] | None = None  # layer -> (rows, op, vector)
+        self._plan: dict[int, list[tuple[str, Any, str, Any]]] | None = None  # layer -> (request, rows, op, vector)
         self._buffers: dict[int, Any] = {}
         self.steered_rows = 0  # rows that got a nonzero entry (counted per layer and step)
         self.traced: Any = None  # traced.TracedLayers: on compiled engines the entries go into its buffers
@@ -38,7 +40,17 @@ class StepSteering:
         plan = self._step_plan()
         if not plan:
             return False
-        self.steered_rows += self.traced.fill(plan, num_tokens)
+        try:  # every request's entries at once
+            self.guard.check("steering", {e[0] for entries in plan.values() for e in entries})
+            self.steered_rows += self.traced.fill(_rows_ops(plan), num_tokens)
+        except Exception:  # then request by request: the one that raises fails alone
+            self.traced.clear()
+            for rid in dict.fromkeys(e[0] for entries in plan.values() for e in entries):
+                try:
+                    self.guard.check("steering", (rid,))
+                    self.steered_rows += self.traced.fill(_rows_ops(plan, rid), num_tokens)
+                except Exception as err:
+                    self.guard.fault(rid, "steering", err)
         return True
 
     def after_forward(self) -> None:
@@ -75,17 +87,24 @@ class StepSteering:
         batch = runner.input_batch
         starts = runner.query_start_loc.np
         for rid, n in so.num_scheduled_tokens.items():
-            entries = self._of(rid)
-            if not entries:
+            try:
+                entries = self._of(rid)
+                if not entries:
+                    continue
+                i = batch.req_id_to_index[rid]
+                first = int(batch.num_computed_tokens_cpu[i])
+                positions = np.arange(first, first + n)
+                start = int(starts[i])
+                mine = []
+                for e, vec in entries:  # absolute positions e.start..e.end-1 (steering.anchor)
+                    rows = np.flatnonzero((positions >= e.start) & ((positions < e.end) if e.end >= 0 else True))
+                    if len(rows):
+                        mine.append((e.layer, (rid, rows + start, e.op, vec * e.scale if e.op == "add" else vec)))
+            except Exception as err:  # this request's entries: it fails alone
+                self.guard.fault(rid, "steering", err)
                 continue
-            i = batch.req_id_to_index[rid]
-            first = int(batch.num_computed_tokens_cpu[i])
-            positions = np.arange(first, first + n)
-            start = int(starts[i])
-            for e, vec in entries:  # absolute positions e.start..e.end-1 (steering.anchor)
-                rows = np.flatnonzero((positions >= e.start) & ((positions < e.end) if e.end >= 0 else True))
-                if len(rows):
-                    plan.setdefault(e.layer, []).append((rows + start, e.op, vec * e.scale if e.op == "add" else vec))
+            for layer, entry in mine:
+                plan.setdefault(layer, []).append(entry)
         self._plan = plan
         return plan
 
@@ -107,15 +126,33 @@ class StepSteering:
         delta, steered = buf[0][:n], buf[1][:n]
         delta.zero_()
         steered.zero_()
-        for rows, op, vec in wanted:
+        for rid, rows, op, vec in wanted:  # each entry of each request (its rows only)
+            if self.guard.faulted(rid):
+                continue
             idx = torch.from_numpy(rows).to(hidden.device)
-            steered[idx] = True
-            if op == "add":
-                delta[idx] += vec
-            else:  # ablate: the stream's component along the unit vector, after the entries before it
-                stream = hidden[idx] + delta[idx] + (0 if residual is None else residual[idx])
-                unit = vec / vec.norm()
-                delta[idx] -= (stream @ unit)[:, None] * unit
+            try:
+                self.guard.check("steering", (rid,))
+                steered[idx] = True
+                if op == "add":
+                    delta[idx] += vec
+                else:  # ablate: the stream's component along the unit vector, after the entries before it
+                    stream = hidden[idx] + delta[idx] + (0 if residual is None else residual[idx])
+                    unit = vec / vec.norm()
+                    delta[idx] -= (stream @ unit)[:, None] * unit
+            except Exception as err:  # this request fails alone; its rows go unsteered
+                self.guard.fault(rid, "steering", err)
+                steered[idx] = False
+                continue
             self.steered_rows += len(rows)
         # Unsteered rows keep their exact bits (-0.0 included): the sum is taken where a row is steered.
         return torch.where(steered, hidden + delta, hidden)
+
+
+def _rows_ops(plan: dict, rid: str | None = None) -> dict[int, list[tuple[Any, str, Any]]]:
+    """The plan as traced.fill takes it (layer -> [(rows, op, vector)]), of one request or all."""
+    out: dict[int, list[tuple[Any, str, Any]]] = {}
+    for layer, entries in plan.items():
+        mine = [(rows, op, vec) for r, rows, op, vec in entries if rid is None or r == rid]
+        if mine:
+            out[layer] = mine
+    return out
