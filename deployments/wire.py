@@ -87,7 +87,7 @@ class HandleChoice(msgspec.Struct, array_like=True, gc=False):
     rows: HandleRows | None = None
     stats: HandleStats | None = None  # None: no extraction step for it (prompt_end, or none asked)
     multi: bool = False  # several positions: rows [n, width]; else the one row, 1-D (shape.squeeze)
-    proofs: list[str] | None = None  # hidden_states_proof: base64, the scheme's format
+    proofs: tuple[str, ...] | None = None  # hidden_states_proof: base64, the scheme's format
     heads: dict[str, Any] | None = None  # hidden_states_heads: {head: outputs} as over HTTP
     steering: list[dict[str, Any]] | None = None  # hidden_states_steering applied, as hidden_states_meta echoes it
 
@@ -105,7 +105,7 @@ def to_wire(ch: CompletionChoice) -> HandleChoice:
         {layer: _le(v, numpy_dtype(rows.dtype)) for layer, v in rows.values.items()},
         None if rows.indices is None else {layer: _le(i, np.int32) for layer, i in rows.indices.items()})
     return HandleChoice(ch.index, ch.text, list(ch.token_ids), ch.finish_reason, hr, stats, ch.multi,
-                        None if ch.proofs is None else list(ch.proofs), ch.heads, ch.steering)
+                        ch.proofs, ch.heads, ch.steering)
 
 
 def from_wire(ch: HandleChoice) -> CompletionChoice:
@@ -121,7 +121,7 @@ def from_wire(ch: HandleChoice) -> CompletionChoice:
                         None if hr.indices is None else
                         {layer: np.frombuffer(b, "<i4").reshape(shape) for layer, b in hr.indices.items()})
     return CompletionChoice(ch.index, ch.text, tuple(ch.token_ids), ch.finish_reason, rows, stats, ch.multi,
-                            None if ch.proofs is None else tuple(ch.proofs), ch.heads, ch.steering)
+                            ch.proofs, ch.heads, ch.steering)
 
 
 class HandleCompletion(msgspec.Struct, array_like=True, gc=False):

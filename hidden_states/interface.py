@@ -2,7 +2,9 @@
 
 The vector: the last-layer hidden state (after the final norm, transformers'
 `output_hidden_states[-1][0, -1]`) of the final token of `prompt_token_ids + choice.token_ids`
-(a generated EOS counts; a stop string cuts the text, not the ids), as numpy float32 [hidden_size].
+(a generated EOS counts; a stop string cuts the text, not the ids), as numpy [hidden_size] (float32
+unless another hidden_states_dtype is asked). A finished choice is one `CompletionChoice`, whichever
+path reads it (the Python API, the handle wire, the HTTP formatter).
 
 `Engine` is what a replica needs; `hidden_states.vllm.engine.HiddenStatesEngine` is the real
 one, `hidden_states.testing.FakeEngine` the stand-in. Vectors are collected per request by a
