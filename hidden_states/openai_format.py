@@ -40,10 +40,11 @@ def encode_rows(choice: CompletionChoice, layer: int, encoding: str) -> list | d
     floats as a list (of lists), or base64 of the row-major little-endian array of the dtype (bfloat16:
     the high 16 bits of float32); top-k as {"indices", "values"} (int32 indices, largest magnitude
     first; floats: one per row)."""
-    values, indices = choice.hidden_states_by_layer[layer], (choice.hidden_states_indices_by_layer or {}).get(layer)
-    if encoding == "base64":
+    indices = (choice.hidden_states_indices_by_layer or {}).get(layer)
+    if encoding == "base64":  # the bytes as cast (no widening)
         raw = _b64(choice.raw(layer))
         return raw if indices is None else {"indices": _b64(indices.astype("<i4")), "values": raw}
+    values = choice.hidden_states_by_layer[layer]
     if indices is None:
         return values.tolist()
     rows = [{"indices": i.tolist(), "values": v.tolist()} for i, v in zip(np.atleast_2d(indices), np.atleast_2d(values))]
