@@ -194,7 +194,6 @@ class EngineWorker:
 
         done = self._run(all_rows(), 600 + 10 * n)
         choices = [c.choices[0] for c in done]
-        cast = np.float16 if self.spec.hidden_states_dtype == "float16" else np.float32  # bfloat16: float32 of its values
         out = {
             "id": pa.array([str(x) for x in batch["id"]]),
             "prompt_token_ids": pa.array([list(c.prompt_token_ids) for c in done], pa.list_(pa.int32())),
@@ -211,7 +210,7 @@ class EngineWorker:
             out["positions"] = pa.array([list(ch.positions) for ch in choices], pa.list_(pa.int32()))
         if not self.spec.return_hidden_states:  # heads alone
             return pa.table(out)
-        values = vectors_column([np.asarray(ch.hidden_states).astype(cast) for ch in choices])
+        values = vectors_column([ch.hidden_states for ch in choices])  # the dtype asked (bfloat16: float32)
         if self.spec.hidden_states_topk:
             out["topk_indices"] = vectors_column([np.asarray(ch.hidden_states_indices, np.int32) for ch in choices])
             out["topk_values"] = values

@@ -176,10 +176,9 @@ class EngineReplica(http.ingress_routes(app, "replica")):
             return wire.ENCODER.encode(HandleReply(error=http.handle_failure(e)))
         finally:
             self.in_flight -= 1
-        rows = spec.rowwise
         return wire.ENCODER.encode(HandleReply(ok=HandleCompletion(
             request_id=c.request_id, replica=self.replica_id, prompt_token_ids=list(c.prompt_token_ids),
-            choices=[wire.to_wire(ch, rows) for ch in c.choices])))
+            choices=[wire.to_wire(ch) for ch in c.choices])))
 
     async def hidden_states(self, body: bytes) -> bytes:
         """The Python-handle form of POST /v1/hidden_states (`deployments.client.verify`): JSON in, a Reply out."""

@@ -2,8 +2,9 @@
 
 - Router -> replica: the raw HTTP body, and the spec's JSON (`HiddenStatesFields.to_json`).
 - Replica -> Router: a `ResponseHead` then SSE chunks (streaming), or one `Reply`.
-- Handle callers <-> Router <-> replica: `HandleCompletionRequest` / `HandleCompletion`;
-  vectors as raw little-endian bytes (`to_wire` / `from_wire`).
+- Handle callers <-> Router <-> replica: `HandleCompletionRequest` / `HandleCompletion`; each choice
+  is interface.CompletionChoice field for field, its rows raw little-endian bytes as the engine cast
+  them (`to_wire` / `from_wire`, the one encoder and decoder).
 
 Every message names its wire version (`WIRE`, a msgspec tag); another version is refused with
 `WireVersionError` naming both. Bump `WIRE_VERSION` whenever a struct here changes shape.
@@ -16,11 +17,11 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from hidden_states.interface import CompletionChoice, ExtractionStats
-from hidden_states.protocol import narrow, numpy_dtype, widen
+from hidden_states.interface import CompletionChoice, ExtractionStats, RowBatch
+from hidden_states.protocol import numpy_dtype
 
 
-WIRE_VERSION = 3
+WIRE_VERSION = 4
 WIRE = f"hidden-states-wire/{WIRE_VERSION}"
 _VERSIONED = dict(tag=WIRE, tag_field="wire")
 
@@ -64,75 +65,63 @@ class HandleStats(msgspec.Struct, array_like=True, gc=False):
     via: str
 
 
+class HandleRows(msgspec.Struct, array_like=True, gc=False):
+    """A choice's rows (interface.RowBatch) as the engine cast them: `positions` int64, and per layer the
+    row-major little-endian elements of `dtype` [n, width] (bfloat16: the high 16 bits of float32),
+    top-k's int32 indices alike. Decoded as bytearray: numpy views them, writable, with no copy."""
+
+    positions: bytearray
+    dtype: str
+    width: int  # 0: no layers (heads alone: the positions only)
+    values: dict[int, bytearray] = {}
+    indices: dict[int, bytearray] | None = None
+
+
 class HandleChoice(msgspec.Struct, array_like=True, gc=False):
+    """interface.CompletionChoice, field for field (`to_wire` / `from_wire`)."""
+
     index: int
     text: str
     token_ids: list[int]
     finish_reason: str | None
-    hidden_states: bytes | None  # little-endian float32, the last layer (one-vector requests)
-    stats: HandleStats | None = None  # None: no rows computed for it (prompt_end, or none asked)
-    hidden_states_by_layer: dict[int, bytes] = {}
-    # Rows (params.rowwise: a position other than completion_end/prompt_end, a dtype, top-k): by layer only,
-    # each row-major little-endian `dtype` (bfloat16: the high 16 bits of float32) of `shape` ([n, width];
-    # [width] for one position), top-k's indices int32 alike; None: the one-vector fields above.
-    shape: list[int] | None = None
-    dtype: str = "float32"
-    positions: list[int] | None = None
-    hidden_states_indices_by_layer: dict[int, bytes] = {}
-    proofs: list[str] | None = None  # hidden_states_proof: base64, the scheme's format
+    rows: HandleRows | None = None
+    stats: HandleStats | None = None  # None: no extraction step for it (prompt_end, or none asked)
+    multi: bool = False  # several positions: rows [n, width]; else the one row, 1-D (shape.squeeze)
+    proofs: tuple[str, ...] | None = None  # hidden_states_proof: base64, the scheme's format
     heads: dict[str, Any] | None = None  # hidden_states_heads: {head: outputs} as over HTTP
     steering: list[dict[str, Any]] | None = None  # hidden_states_steering applied, as hidden_states_meta echoes it
 
 
-def to_wire(ch: CompletionChoice, rows: bool) -> HandleChoice:
-    """A finished choice for the handle; `rows`: the request was rowwise (values narrowed back to the
-    dtype they were cast to, exactly)."""
-    st = ch.extraction
-    cached = None if st is None else HandleStats(st.tokens, st.cached_tokens, st.seconds, st.via)
-    by_layer = ch.hidden_states_by_layer or {}
-    if ch.proofs is not None:
-        return HandleChoice(ch.index, ch.text, list(ch.token_ids), ch.finish_reason, None, cached,
-                            proofs=list(ch.proofs))
-    if not rows:
-        return HandleChoice(ch.index, ch.text, list(ch.token_ids), ch.finish_reason,
-                            None if ch.hidden_states is None else np.asarray(ch.hidden_states, "<f4").tobytes(),
-                            cached, {layer: np.asarray(v, "<f4").tobytes() for layer, v in by_layer.items()},
-                            heads=ch.heads, steering=ch.steering)
-    shape = list(next(iter(by_layer.values())).shape) if by_layer else None
-    return HandleChoice(ch.index, ch.text, list(ch.token_ids), ch.finish_reason, None, cached,
-                        {layer: narrow(v, ch.dtype).tobytes() for layer, v in by_layer.items()}, shape, ch.dtype,
-                        None if ch.positions is None else list(ch.positions),
-                        {layer: np.asarray(i, "<i4").tobytes()
-                         for layer, i in (ch.hidden_states_indices_by_layer or {}).items()}, heads=ch.heads,
-                        steering=ch.steering)
+def _le(arr: np.ndarray, dtype: Any) -> bytes:
+    return np.ascontiguousarray(arr, dtype=np.dtype(dtype).newbyteorder("<")).tobytes()
 
 
-def decode_rows(raw: bytes, dtype: str, shape: list[int]) -> np.ndarray:
-    """Rows off the wire: numpy float32 or float16 as sent; bfloat16 (no numpy dtype) widened exactly to float32."""
-    arr = np.frombuffer(raw, numpy_dtype(dtype))
-    arr = widen(arr, dtype) if dtype == "bfloat16" else arr.astype(arr.dtype.newbyteorder("="))
-    return arr.reshape(shape)
+def to_wire(ch: CompletionChoice) -> HandleChoice:
+    """A finished choice for the handle: its rows as the engine cast them, bit for bit."""
+    st, rows = ch.extraction, ch.rows
+    stats = None if st is None else HandleStats(st.tokens, st.cached_tokens, st.seconds, st.via)
+    hr = None if rows is None else HandleRows(
+        _le(rows.positions, np.int64), rows.dtype, rows.width,
+        {layer: _le(v, numpy_dtype(rows.dtype)) for layer, v in rows.values.items()},
+        None if rows.indices is None else {layer: _le(i, np.int32) for layer, i in rows.indices.items()})
+    return HandleChoice(ch.index, ch.text, list(ch.token_ids), ch.finish_reason, hr, stats, ch.multi,
+                        ch.proofs, ch.heads, ch.steering)
 
 
 def from_wire(ch: HandleChoice) -> CompletionChoice:
     """A HandleChoice as the engine's CompletionChoice, its work as the engine counted it."""
-    stats = None if ch.stats is None else ExtractionStats(ch.stats.tokens, ch.stats.cached_tokens, ch.stats.seconds,
-                                                          ch.stats.via)
-    if ch.proofs is not None:
-        return CompletionChoice(ch.index, ch.text, tuple(ch.token_ids), ch.finish_reason, None, stats,
-                                proofs=tuple(ch.proofs))
-    if ch.shape is None:  # one float32 vector per layer
-        values = {layer: np.frombuffer(b, "<f4").copy() for layer, b in ch.hidden_states_by_layer.items()}
-        last = None if ch.hidden_states is None else np.frombuffer(ch.hidden_states, "<f4").copy()
-        indices, positions = None, None
-    else:
-        values = {layer: decode_rows(b, ch.dtype, ch.shape) for layer, b in ch.hidden_states_by_layer.items()}
-        indices = {layer: np.frombuffer(b, "<i4").reshape(ch.shape).copy()
-                   for layer, b in ch.hidden_states_indices_by_layer.items()} or None
-        last, positions = values.get(-1), None if ch.positions is None else tuple(ch.positions)
-    return CompletionChoice(ch.index, ch.text, tuple(ch.token_ids), ch.finish_reason, last, stats, values or None,
-                            positions, ch.dtype, None if indices is None else indices.get(-1), indices, heads=ch.heads,
-                            steering=ch.steering)
+    st, hr = ch.stats, ch.rows
+    stats = None if st is None else ExtractionStats(st.tokens, st.cached_tokens, st.seconds, st.via)
+    rows = None
+    if hr is not None:
+        positions = np.frombuffer(hr.positions, "<i8")
+        shape = (len(positions), hr.width)
+        rows = RowBatch(positions, {layer: np.frombuffer(b, numpy_dtype(hr.dtype)).reshape(shape)
+                                    for layer, b in hr.values.items()}, hr.dtype,
+                        None if hr.indices is None else
+                        {layer: np.frombuffer(b, "<i4").reshape(shape) for layer, b in hr.indices.items()})
+    return CompletionChoice(ch.index, ch.text, tuple(ch.token_ids), ch.finish_reason, rows, stats, ch.multi,
+                            ch.proofs, ch.heads, ch.steering)
 
 
 class HandleCompletion(msgspec.Struct, array_like=True, gc=False):

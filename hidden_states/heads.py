@@ -23,6 +23,8 @@ from typing import Any
 
 import msgspec
 
+from hidden_states.shape import squeeze
+
 SAE_ARCHITECTURES = ("standard", "topk", "jumprelu", "gated")
 ACTIVATIONS = ("none", "sigmoid", "softmax")
 DEFAULT_SAE_TOPK = 64  # features per position of a non-top-k SAE when neither the head nor the request says
@@ -263,9 +265,7 @@ def head_outputs(batch: Any, name: str, labels: Sequence[str] = (), multi: bool 
                 nz = values[p] != 0
                 item = {"indices": indices[p][nz].tolist(), "values": values[p][nz].tolist()}
             per.append(item)
-    if multi:
-        return per
-    return per[0] if per else {}
+    return squeeze(per, multi, {})
 
 
 def head_fields(batch: Any, heads: Sequence[tuple[str, int]], registry: Mapping[str, HeadSpec], multi: bool) -> dict:

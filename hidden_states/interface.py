@@ -2,7 +2,9 @@
 
 The vector: the last-layer hidden state (after the final norm, transformers'
 `output_hidden_states[-1][0, -1]`) of the final token of `prompt_token_ids + choice.token_ids`
-(a generated EOS counts; a stop string cuts the text, not the ids), as numpy float32 [hidden_size].
+(a generated EOS counts; a stop string cuts the text, not the ids), as numpy [hidden_size] (float32
+unless another hidden_states_dtype is asked). A finished choice is one `CompletionChoice`, whichever
+path reads it (the Python API, the handle wire, the HTTP formatter).
 
 `Engine` is what a replica needs; `hidden_states.vllm.engine.HiddenStatesEngine` is the real
 one, `hidden_states.testing.FakeEngine` the stand-in. Vectors are collected per request by a
@@ -12,6 +14,7 @@ one, `hidden_states.testing.FakeEngine` the stand-in. Vectors are collected per 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, Callable, Protocol
@@ -19,8 +22,8 @@ from typing import Any, Callable, Protocol
 import numpy as np
 
 from hidden_states.heads import head_fields
-from hidden_states.params import SINGLE_POSITIONS
-from hidden_states.protocol import COLLECTOR_TAG_KEY, widen
+from hidden_states.protocol import COLLECTOR_TAG_KEY, numpy_dtype, widen
+from hidden_states.shape import several, squeeze
 
 logger = logging.getLogger(__name__)
 
@@ -116,6 +119,23 @@ class RowBatch:
         """The layer's values as float32 (exact: the cast values, widened)."""
         return widen(self.values[layer], self.dtype)
 
+    def numpy(self, layer: int) -> np.ndarray:
+        """The layer's values as Python gets them: float32 and float16 as they are (a view), bfloat16
+        (which numpy lacks) widened exactly to float32."""
+        values = self.values[layer]
+        return widen(values, self.dtype) if self.dtype == "bfloat16" else values
+
+    @property
+    def width(self) -> int:
+        """Each row's width (hidden size, or k with top-k); 0 without rows (heads alone)."""
+        return next(iter(self.values.values())).shape[1] if self.values else 0
+
+    @staticmethod
+    def empty(layers: Sequence[int], width: int, dtype: str, topk: int | None) -> "RowBatch":
+        """No rows (a range that selects nothing of a sequence), shaped as the request's."""
+        return RowBatch(np.zeros(0, np.int64), {l: np.zeros((0, width), numpy_dtype(dtype)) for l in layers}, dtype,
+                        {l: np.zeros((0, width), np.int32) for l in layers} if topk and layers else None)
+
     @property
     def nbytes(self) -> int:
         """The payload: every layer's values, and top-k indices (rows only; `head_nbytes`: the heads')."""
@@ -179,8 +199,8 @@ class HiddenStatesCollector:
 
     @property
     def multi(self) -> bool:
-        """Several positions per choice: `hidden_states` is 2-D [n, D]."""
-        return self.position not in SINGLE_POSITIONS
+        """Several positions per choice: `hidden_states` is 2-D [n, D] (shape.several)."""
+        return several(self.position)
 
     @property
     def position_label(self) -> str:
@@ -232,59 +252,111 @@ class HiddenStatesCollector:
 
 @dataclasses.dataclass(frozen=True)
 class CompletionChoice:
+    """A finished choice, the one type the Python API returns, the handle wire carries
+    (deployments/wire.py) and the HTTP formatter reads (openai_format.row_fields): its text and
+    tokens, its rows as the engine cast them, its work, its proofs, its heads' outputs, its steering.
+
+    The numpy arrays are views of `rows` (`hidden_states`, `hidden_states_by_layer`, top-k's
+    indices), shaped by `multi` (shape.squeeze: [n, D] for several positions, [D] for one), in the
+    dtype asked: float32 and float16 as they are; bfloat16, which numpy lacks, widened exactly to float32
+    (`dtype` says "bfloat16")."""
+
     index: int
     text: str
     token_ids: tuple[int, ...]
     finish_reason: str | None
-    hidden_states: np.ndarray | None  # float32 [hidden_size]: the last layer, if it was asked for
+    # The rows at their absolute positions of prompt+completion, per requested layer, raw as cast
+    # (bfloat16: its bits); no layers for heads alone (the positions only); None: nothing captured
+    # (a proof, steering only, no hidden states asked).
+    rows: RowBatch | None = None
     extraction: ExtractionStats | None = None  # None for prompt_end: no extraction step
-    hidden_states_by_layer: dict[int, np.ndarray] | None = None  # requested layer -> vector
-    # Positions "completion", "all" or a range: hidden_states is float32 [n, D] (each layer's too),
-    # the rows of these absolute positions of prompt+completion.
-    positions: tuple[int, ...] | None = None
-    # hidden_states_dtype other than float32: the values were cast to it (and widened back exactly).
-    dtype: str = "float32"
-    # Top-k: hidden_states holds the k values per position, these their indices (largest |value| first).
-    hidden_states_indices: np.ndarray | None = None
-    hidden_states_indices_by_layer: dict[int, np.ndarray] | None = None
+    multi: bool = False  # several positions (shape.several of the request's position)
     # hidden_states_proof: the choice's proofs (base64, the scheme's format), in chunk order.
     proofs: tuple[str, ...] | None = None
-    # hidden_states_heads: {head: outputs} as the API gives them (openai_format.head_outputs)
+    # hidden_states_heads: {head: outputs} as the API gives them (heads.head_fields)
     heads: dict[str, Any] | None = None
     # hidden_states_steering: the steering applied, as hidden_states_meta.steering echoes it
     steering: list[dict] | None = None
 
+    @property
+    def dtype(self) -> str:
+        """hidden_states_dtype: the rows' values were cast to it."""
+        return self.rows.dtype if self.rows is not None else "float32"
+
+    @functools.cached_property
+    def hidden_states_by_layer(self) -> dict[int, np.ndarray] | None:
+        """Requested layer -> its rows [n, D] (one position: the vector [D]); None without rows."""
+        if self.rows is None or not self.rows.values:
+            return None
+        return {layer: squeeze(self.rows.numpy(layer), self.multi) for layer in self.rows.values}
+
+    @property
+    def hidden_states(self) -> np.ndarray | None:
+        """The last layer's (after the final norm), if it was asked for."""
+        return (self.hidden_states_by_layer or {}).get(-1)
+
+    @functools.cached_property
+    def hidden_states_indices_by_layer(self) -> dict[int, np.ndarray] | None:
+        """Top-k: requested layer -> int32 indices of `hidden_states_by_layer`'s values (largest |value| first)."""
+        if self.rows is None or not self.rows.indices:
+            return None
+        return {layer: squeeze(i, self.multi) for layer, i in self.rows.indices.items()}
+
+    @property
+    def hidden_states_indices(self) -> np.ndarray | None:
+        return (self.hidden_states_indices_by_layer or {}).get(-1)
+
+    @property
+    def positions(self) -> tuple[int, ...] | None:
+        """Several positions: the absolute positions of the rows; one position: None."""
+        return tuple(self.rows.positions.tolist()) if self.multi and self.rows is not None else None
+
+    def raw(self, layer: int) -> np.ndarray:
+        """The layer's rows as cast (bfloat16: its bits), shaped as `hidden_states_by_layer`."""
+        return squeeze(self.rows.values[layer], self.multi)
+
+    @property
+    def shape(self) -> list[int]:
+        """The rows' shape per layer: [n, width] for several positions, [width] for one."""
+        return [len(self.rows), self.rows.width][0 if self.multi else 1:]
+
+
+def finished_choice(engine: Any, collector: "HiddenStatesCollector | None", index: int, text: str,
+                    token_ids: Sequence[int], finish_reason: str | None) -> CompletionChoice:
+    """A finished choice of a request: its proofs, its rows, or (no hidden states asked) its text alone."""
+    if collector is None:
+        return CompletionChoice(index, text, tuple(token_ids), finish_reason)
+    build = proof_choice if collector.proof is not None else rows_choice
+    return build(engine, collector, index, text, token_ids, finish_reason)
+
+
+def captured(collector: HiddenStatesCollector, batch: RowBatch | None, width: int,
+             registry: Any) -> tuple[RowBatch, dict | None]:
+    """A choice's rows as it carries them (no batch: none, shaped as asked; heads alone: positions
+    only) and its heads' outputs."""
+    layers = collector.layers if collector.rows_wanted else ()  # heads alone: no rows
+    heads = head_fields(batch, collector.heads, registry, collector.multi) if collector.heads else None
+    batch = batch if batch is not None else RowBatch.empty(layers, width, collector.dtype, collector.topk)
+    rows = RowBatch(batch.positions, {l: batch.values[l] for l in layers}, batch.dtype,
+                    {l: batch.indices[l] for l in layers} if batch.indices and layers else None)
+    return rows, heads
+
 
 def rows_choice(engine: Any, collector: HiddenStatesCollector, index: int, text: str, token_ids: Sequence[int],
                 finish_reason: str | None) -> CompletionChoice:
-    """A finished choice: float32 rows [n, D] (or [D] for one position), positions, top-k indices."""
+    """A finished choice: its rows as cast, positions, top-k indices, heads' outputs, steering."""
     key = (0, index)
     if key not in collector.done:
         raise engine.missing(f"choice {index}")
     steering = collector.steering_echo or None
     if not collector.captures:  # it only steers
-        return CompletionChoice(index, text, tuple(token_ids), finish_reason, None, steering=steering)
+        return CompletionChoice(index, text, tuple(token_ids), finish_reason, steering=steering)
     batch, stats = collector.take(key), collector.stats.get(key)
-    width = collector.topk or engine.hidden_size
-    layers = collector.layers if collector.rows_wanted else ()  # heads alone: no rows
-    values = {l: batch.floats(l) if batch else np.zeros((0, width), np.float32) for l in layers}
-    indices = None
-    if collector.topk and layers:
-        indices = {l: batch.indices[l] if batch else np.zeros((0, width), np.int32) for l in layers}
-    positions = tuple(batch.positions.tolist()) if batch else ()
-    if not collector.multi:  # one vector, 1-D
-        values = {l: v[0] for l, v in values.items()}
-        indices = None if indices is None else {l: i[0] for l, i in indices.items()}
-    heads = None
-    if collector.heads:
-        heads = head_fields(batch, collector.heads, getattr(engine, "heads", {}), collector.multi)
-    n = len(batch) if batch else 0
-    engine.vector_sent(collector.position_label, stats, batch.nbytes if batch and collector.rows_wanted else 0,
-                       {name: n for name, _ in collector.heads}, batch.head_nbytes if batch else 0)
-    return CompletionChoice(index, text, tuple(token_ids), finish_reason, values.get(-1), stats,
-                            values if collector.rows_wanted else None,
-                            positions if collector.multi else None, collector.dtype,
-                            None if indices is None else indices.get(-1), indices, heads=heads, steering=steering)
+    rows, heads = captured(collector, batch, collector.topk or engine.hidden_size, getattr(engine, "heads", {}))
+    engine.vector_sent(collector.position_label, stats, rows.nbytes, {name: len(rows) for name, _ in collector.heads},
+                       batch.head_nbytes if batch else 0)
+    return CompletionChoice(index, text, tuple(token_ids), finish_reason, rows, stats, collector.multi, heads=heads,
+                            steering=steering)
 
 
 def proof_choice(engine: Any, collector: HiddenStatesCollector, index: int, text: str, token_ids: Sequence[int],
@@ -372,7 +444,7 @@ class Engine(Protocol):
                        layers: Sequence[int], position: Any, model: str | None = None, dtype: str = "float32",
                        topk: int | None = None, proof: Any = None) -> Completion:
         """`model`: a LoRA adapter's name (None: base; unknown raises UnknownModelError). `position`,
-        `dtype`, `topk`, `proof`: as the API's fields (choices of `rows_choice` or `proof_choice`)."""
+        `dtype`, `topk`, `proof`: as the API's fields (choices of `finished_choice`)."""
         ...
 
     def chat_prompt(self, messages: Sequence[dict]) -> list[int]:

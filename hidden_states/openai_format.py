@@ -12,14 +12,14 @@ import base64
 import json
 import re
 from http import HTTPStatus
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 import numpy as np
 from pydantic import ValidationError
 
-from hidden_states.heads import head_fields
-from hidden_states.interface import HiddenStatesCollector, RowBatch
+from hidden_states.interface import CompletionChoice, HiddenStatesCollector, RowBatch, captured
 from hidden_states.proofs import ProofBuilder
+from hidden_states.shape import squeeze
 
 Route = Literal["completions", "chat", "hidden_states", "tokenize", "detokenize"]
 ROUTES: tuple[str, ...] = get_args(Route)
@@ -35,48 +35,44 @@ def _b64(arr: np.ndarray) -> str:
     return base64.b64encode(np.ascontiguousarray(arr).tobytes()).decode("ascii")
 
 
-def encode_rows(batch: RowBatch | None, layer: int, encoding: str, multi: bool, topk: int | None,
-                width: int) -> list | dict | str:
-    """One layer's rows: floats as a list of lists, or base64 of the row-major little-endian array of
-    the dtype (bfloat16: the high 16 bits of float32); top-k as {"indices", "values"} (int32
-    indices, largest magnitude first). `multi` false: 1-D."""
-    if batch is None:  # no row (a range that selects nothing of this sequence)
-        values = np.zeros((0, width), "<f4")
-        indices = np.zeros((0, width), "<i4") if topk else None
-        floats = values
-    else:
-        values = batch.values[layer]
-        indices = batch.indices[layer] if topk else None
-        floats = batch.floats(layer)
-    if not multi:
-        values, floats = values[0], floats[0]
-        indices = None if indices is None else indices[0]
-    if encoding == "base64":
-        return _b64(values) if indices is None else {"indices": _b64(indices.astype("<i4")), "values": _b64(values)}
+def encode_rows(choice: CompletionChoice, layer: int, encoding: str) -> list | dict | str:
+    """One layer's rows of a choice, shaped as it carries them (shape.squeeze: 1-D for one position):
+    floats as a list (of lists), or base64 of the row-major little-endian array of the dtype (bfloat16:
+    the high 16 bits of float32); top-k as {"indices", "values"} (int32 indices, largest magnitude
+    first; floats: one per row)."""
+    indices = (choice.hidden_states_indices_by_layer or {}).get(layer)
+    if encoding == "base64":  # the bytes as cast (no widening)
+        raw = _b64(choice.raw(layer))
+        return raw if indices is None else {"indices": _b64(indices.astype("<i4")), "values": raw}
+    values = choice.hidden_states_by_layer[layer]
     if indices is None:
-        return floats.tolist()
-    if not multi:
-        return {"indices": indices.tolist(), "values": floats.tolist()}
-    return [{"indices": i.tolist(), "values": v.tolist()} for i, v in zip(indices, floats)]
+        return values.tolist()
+    rows = [{"indices": i.tolist(), "values": v.tolist()} for i, v in zip(np.atleast_2d(indices), np.atleast_2d(values))]
+    return squeeze(rows, choice.multi)
 
 
-def row_fields(batch: RowBatch | None, layers, encoding: str, by_layer: bool, multi: bool, position, dtype: str,
-               topk: int | None, width: int) -> dict:
-    """Rows as a choice carries them: `hidden_states` (or `_by_layer`) and `hidden_states_meta`."""
-    rows = {layer: encode_rows(batch, layer, encoding, multi, topk, width) for layer in layers}
+def row_fields(choice: CompletionChoice, encoding: str, by_layer: bool, position, topk: int | None) -> dict:
+    """A choice's rows as the response carries them: `hidden_states` (or `_by_layer`) and `hidden_states_meta`."""
+    rows = {layer: encode_rows(choice, layer, encoding) for layer in choice.rows.values}
     out = {"hidden_states_by_layer": {str(layer): v for layer, v in rows.items()}} if by_layer \
         else {"hidden_states": rows[-1]}
-    meta = {"position": position, "dtype": dtype}
+    meta = {"position": position, "dtype": choice.dtype}
     if topk:
         meta["topk"] = topk
-    n = len(batch) if batch is not None else 0
-    if multi:
-        meta.update(positions=batch.positions.tolist() if batch is not None else [], shape=[n, width])
-    else:
-        meta["shape"] = [width]
-    meta["bytes"] = batch.nbytes if batch is not None else 0
+    if choice.positions is not None:
+        meta["positions"] = list(choice.positions)
+    meta["shape"] = choice.shape
+    meta["bytes"] = choice.rows.nbytes
     out["hidden_states_meta"] = meta
     return out
+
+
+def chunk_choice(collector: HiddenStatesCollector, batch: RowBatch | None, width: int,
+                 registry: Any) -> CompletionChoice:
+    """The rows (and heads' outputs) a response choice carries in one chunk, as a CompletionChoice
+    (interface.captured): the type the Python API and the handles get, read by `row_fields`."""
+    rows, heads = captured(collector, batch, width, registry)
+    return CompletionChoice(0, "", (), None, rows, multi=collector.multi, heads=heads)
 
 
 def error_body(message: str, status: int, err_type: str | None = None, param: str | None = None) -> bytes:
@@ -112,24 +108,24 @@ class ChoiceVectors:
         batch = col.take(key)
         if batch is None and not finishing:
             return None
-        width = col.topk or getattr(self.engine, "hidden_size", 0)
         if not col.captures:  # it only steers: the steering applied, nothing captured
             if not finishing:
                 return None
             meta = {"steering": col.steering_echo, "adapter": self.adapter, "replica": self.replica_id}
             return {"hidden_states_meta": meta}
+        choice = chunk_choice(col, batch, col.topk or getattr(self.engine, "hidden_size", 0),
+                              getattr(self.engine, "heads", {}))
         if col.rows_wanted:
-            out = row_fields(batch, col.layers, self.encoding, self.by_layer, col.multi, col.position, col.dtype,
-                             col.topk, width)
+            out = row_fields(choice, self.encoding, self.by_layer, col.position, col.topk)
         else:  # heads alone: their outputs, no rows
             meta = {"position": col.position}
-            if col.multi:
-                meta["positions"] = batch.positions.tolist() if batch is not None else []
+            if choice.positions is not None:
+                meta["positions"] = list(choice.positions)
             out = {"hidden_states_meta": meta}
         meta = out["hidden_states_meta"]
         self._sent_bytes[key] = self._sent_bytes.get(key, 0) + meta.get("bytes", 0)
-        if col.heads:
-            out["hidden_states_heads"] = head_fields(batch, col.heads, getattr(self.engine, "heads", {}), col.multi)
+        if choice.heads is not None:
+            out["hidden_states_heads"] = choice.heads
             meta["head_bytes"] = batch.head_nbytes if batch is not None else 0
             nbytes, positions = self._head_sent.get(key, (0, 0))
             self._head_sent[key] = (nbytes + meta["head_bytes"], positions + (len(batch) if batch is not None else 0))

@@ -205,11 +205,6 @@ class HiddenStatesFields(VectorFields):
             return (-1,), proof.capture_position, proof.capture_dtype, proof.topk
         return super().capture()
 
-    @property
-    def rowwise(self) -> bool:
-        """The vectors travel as rows (params.rowwise)."""
-        return rowwise(self.position, self.hidden_states_dtype, self.hidden_states_topk)
-
     def to_json(self) -> bytes:
         return self.model_dump_json().encode()
 
@@ -475,11 +470,6 @@ def check_topk(topk: Any) -> int | None:
         raise HiddenStatesRequestError(f"hidden_states_topk must be a positive integer, not {topk!r}",
                                        "hidden_states_topk")
     return topk
-
-
-def rowwise(position: Any, dtype: str = "float32", topk: int | None = None) -> bool:
-    """Whether vectors travel as rows; else the one-vector float32 path."""
-    return position not in SINGLE_POSITIONS or dtype != "float32" or topk is not None
 
 
 def rows_bytes(count: int, layers: int, hidden_size: int, dtype: str, topk: int | None) -> int:

@@ -22,9 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from hidden_states.interface import (Completion, CompletionChoice, ExtractionStats, HiddenStatesCollector,
-                                  MissingHiddenStatesError, RowBatch, SamplingOptions, VectorObservers, proof_choice,
-                                  rows_choice)
+from hidden_states.interface import (Completion, ExtractionStats, HiddenStatesCollector, MissingHiddenStatesError,
+                                  RowBatch, SamplingOptions, VectorObservers, finished_choice)
 from hidden_states.openai_format import ChoiceVectors, error_body
 from hidden_states.params import (DEFAULT_MAX_HIDDEN_STATES_BYTES, HiddenStatesFields, HiddenStatesRequestError, Span,
                                   check_layers, check_model, check_rows_budget, parse_fields, spec_of)
@@ -158,7 +157,6 @@ class FakeEngine(VectorObservers):
         choices = []
         if spec is None:
             spec = spec_of(return_hidden_states, layers, position, dtype, topk, proof, enabled=self.enabled)
-        proof = spec.hidden_states_proof
         async with self.running():
             with self.collecting(spec) if spec.wants else contextlib.nullcontext() as col:
                 self.check_budget(col, len(ids), o.max_tokens or 16, o.n)
@@ -166,12 +164,9 @@ class FakeEngine(VectorObservers):
                 for i in range(o.n):
                     toks = await self._generate_slowly(ids, i, o.max_tokens or 16)
                     text = bytes(toks).decode("latin-1")
-                    if col is None:
-                        choices.append(CompletionChoice(i, text, tuple(toks), "length", None))
-                        continue
-                    self._collect(col, i, ids, toks)
-                    choice = proof_choice if proof is not None else rows_choice
-                    choices.append(choice(self, col, i, text, toks, "length"))
+                    if col is not None:
+                        self._collect(col, i, ids, toks)
+                    choices.append(finished_choice(self, col, i, text, toks, "length"))
         return Completion(f"cmpl-{uuid.uuid4().hex}", tuple(ids), tuple(choices))
 
     max_model_len = 4096

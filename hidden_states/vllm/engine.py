@@ -30,8 +30,8 @@ from hidden_states.params import (DEFAULT_MAX_HIDDEN_STATES_BYTES, HiddenStatesF
                                   spec_of)
 from hidden_states.models.builtin import DEFAULT_MODEL, resolve_model
 from hidden_states.media import media_parts
-from hidden_states.interface import (Completion, CompletionChoice, ExtractionStats, SamplingOptions, VectorObservers,
-                                  proof_choice, rows_choice)
+from hidden_states.interface import (Completion, ExtractionStats, SamplingOptions, VectorObservers,
+                                  finished_choice)
 from hidden_states.vllm import (ENGINE_ENV, SUPPORTED_LAYER_ARCHS, WORKER_EXTENSION, VLLMIncompatibleError,
                                 check_vllm_version)
 from hidden_states.vllm.cpu import (CPU_ASYNC_ENV, cpu_start_up, force_atomic_image_spans, image_span_refusal,
@@ -343,8 +343,8 @@ class HiddenStatesEngine(VectorObservers):
     ) -> Completion:
         """One prompt (text, token ids, or an engine input such as `chat_input`'s) to a finished Completion with a vector per choice. `sampling`:
         SamplingOptions or vLLM's SamplingParams; `model`: a LoRA adapter; `position`, `dtype`, `topk`,
-        `proof`: as the API's fields (rows returned widened to float32); `spec`: a parsed spec in
-        place of those keywords."""
+        `proof`: as the API's fields (rows in the dtype asked: float16 as float16, bfloat16 widened exactly
+        to float32; interface.CompletionChoice); `spec`: a parsed spec in place of those keywords."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -364,19 +364,13 @@ class HiddenStatesEngine(VectorObservers):
         if spec is None:
             spec = spec_of(return_hidden_states, layers, position, dtype, topk, proof, heads, steering,
                            enabled=self.enabled)
-        proof = spec.hidden_states_proof
         with self.collecting(spec) if spec.wants else contextlib.nullcontext() as collector:
             if collector is not None:
                 params.extra_args = {**(params.extra_args or {}), **collector.extra_args}
             async for out in self.llm.generate(engine_prompt, params, request_id, lora_request=lora):
                 final = out
         for o in final.outputs:
-            if collector is not None and proof is not None:
-                choices.append(proof_choice(self, collector, o.index, o.text, o.token_ids, o.finish_reason))
-            elif collector is not None:
-                choices.append(rows_choice(self, collector, o.index, o.text, o.token_ids, o.finish_reason))
-            else:
-                choices.append(CompletionChoice(o.index, o.text, tuple(o.token_ids), o.finish_reason, None))
+            choices.append(finished_choice(self, collector, o.index, o.text, o.token_ids, o.finish_reason))
         return Completion(request_id=request_id, prompt_token_ids=tuple(final.prompt_token_ids), choices=tuple(choices))
 
     def collecting(self, spec: HiddenStatesFields):

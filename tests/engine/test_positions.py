@@ -174,11 +174,13 @@ def test_dtypes_are_the_float32_rows_cast(engine, loop_thread, reference):
     for dtype, expected in cast.items():
         c = complete(engine, loop_thread, prompt, params, position="all", dtype=dtype).choices[0]
         assert c.token_ids == f32.token_ids and c.positions == f32.positions and c.dtype == dtype
+        # the dtype asked, as numpy has it: float16 as float16; bfloat16 (no numpy dtype) as float32 of its values
+        assert c.hidden_states.dtype == (np.float16 if dtype == "float16" else np.float32)
         np.testing.assert_array_equal(c.hidden_states, expected)
         assert not np.array_equal(c.hidden_states, f32.hidden_states)  # it was cast
     # completion_end and prompt_end keep their one vector, now cast
     one = complete(engine, loop_thread, prompt, params, dtype="float16").choices[0]
-    assert one.positions is None and one.hidden_states.shape == (128,)
+    assert one.positions is None and one.hidden_states.shape == (128,) and one.hidden_states.dtype == np.float16
     np.testing.assert_array_equal(one.hidden_states, cast["float16"][-1])
     first = complete(engine, loop_thread, prompt, params, position="prompt_end", dtype="bfloat16")
     assert first.choices[0].hidden_states.shape == (128,) and first.choices[0].extraction is None

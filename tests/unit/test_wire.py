@@ -10,7 +10,10 @@ import pytest
 from deployments import wire
 from deployments.wire import (HandleChoice, HandleCompletion, HandleCompletionRequest, HandleReply, Reply,
                               ResponseHead, WireVersionError)
-from hidden_states.interface import CompletionChoice, ExtractionStats
+from hidden_states.interface import CompletionChoice, ExtractionStats, RowBatch
+
+
+NEXT = f"hidden-states-wire/{wire.WIRE_VERSION + 1}"  # a later release's
 
 
 class OldRequest(msgspec.Struct, omit_defaults=True):  # the request as releases before wire versions sent it
@@ -24,7 +27,7 @@ class OldHead(msgspec.Struct, array_like=True):  # the head before wire versions
     replica: str
 
 
-class NextHead(msgspec.Struct, array_like=True, tag="hidden-states-wire/4", tag_field="wire"):  # a later release
+class NextHead(msgspec.Struct, array_like=True, tag=f"hidden-states-wire/{wire.WIRE_VERSION + 1}", tag_field="wire"):  # a later release
     replica: str  # fields reordered: an untagged decoder would misread them
     status: int
     media_type: str
@@ -42,7 +45,7 @@ def test_the_same_version_round_trips():
 
 @pytest.mark.parametrize("raw, theirs", [
     (msgspec.msgpack.encode(OldRequest(prompt="x", max_tokens=3)), "a release from before wire versions"),
-    (msgspec.msgpack.encode({"wire": "hidden-states-wire/4", "prompt": "x"}), "hidden-states-wire/4"),
+    (msgspec.msgpack.encode({"wire": NEXT, "prompt": "x"}), NEXT),
 ])
 def test_a_request_of_another_version_is_refused_by_name(raw, theirs):
     with pytest.raises(WireVersionError, match=f"HandleCompletionRequest of {theirs}.*speaks {wire.WIRE}"):
@@ -51,7 +54,7 @@ def test_a_request_of_another_version_is_refused_by_name(raw, theirs):
 
 def test_a_reordered_head_of_another_release_is_refused_not_misread():
     later = msgspec.msgpack.encode(NextHead("replica-9", 200, "application/json"))
-    with pytest.raises(WireVersionError, match="hidden-states-wire/4"):
+    with pytest.raises(WireVersionError, match=NEXT):
         wire.HEAD_DECODER.decode(later)
     old = msgspec.msgpack.encode(OldHead(200, "application/json", "replica-1"))
     with pytest.raises(WireVersionError, match="before wire versions"):
@@ -93,8 +96,8 @@ def test_a_choice_s_work_crosses_the_handle_as_the_engine_counted_it(stats):
     """via, tokens, cached tokens and seconds reach a handle caller as the engine reported them (None:
     no step computed a row for it, as for prompt_end), not relabelled on the way."""
     vec = np.arange(4, dtype=np.float32)
-    ch = CompletionChoice(0, "hi", (3, 4), "stop", vec, stats, {-1: vec})
-    raw = wire.ENCODER.encode(HandleReply(ok=HandleCompletion("r", "replica-1", [1, 2], [wire.to_wire(ch, False)])))
+    ch = CompletionChoice(0, "hi", (3, 4), "stop", RowBatch(np.array([4]), {-1: vec[None]}), stats)
+    raw = wire.ENCODER.encode(HandleReply(ok=HandleCompletion("r", "replica-1", [1, 2], [wire.to_wire(ch)])))
     back = wire.from_wire(wire.REPLY_DECODER.decode(raw).ok.choices[0])
     assert back.extraction == stats
     np.testing.assert_array_equal(back.hidden_states, vec)

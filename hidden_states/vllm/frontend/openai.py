@@ -26,16 +26,18 @@ from http import HTTPStatus
 
 from pydantic import ValidationError
 
-from hidden_states.interface import HiddenStatesCollector, HiddenStatesTimeout, HookFaultError, MissingHiddenStatesError
+from hidden_states.interface import (CompletionChoice, HiddenStatesCollector, HiddenStatesTimeout, HookFaultError,
+                                    MissingHiddenStatesError)
 from hidden_states import errors, proofs, steering, verify
 from hidden_states.heads import head_fields
 from hidden_states.openai_format import (ChoiceVectors, Route, error_body, row_fields,
                                          validation_message)
 from hidden_states.vllm.frontend.extraction import Origin
-from hidden_states.params import (SINGLE_POSITIONS, HiddenStatesDisabledError, HiddenStatesFields,
+from hidden_states.params import (HiddenStatesDisabledError, HiddenStatesFields,
                                   HiddenStatesRequestError, Span, UnknownModelError, check_proof_width, check_room,
                                   check_rows_budget, given_span, parse_fields, request_error, resolve_heads)
 from hidden_states.protocol import COLLECTOR_TAG_KEY, RESERVED_EXTRA_ARGS_PREFIX, STEER_KEY, steering_extra_args
+from hidden_states.shape import several
 
 logger = logging.getLogger(__name__)
 
@@ -248,7 +250,7 @@ class OpenAIFrontend:
             if req.compare is not None and req.compare.toploc is not None:
                 return await self._check_proofs(req, ids, completion_start, lora, mm)
             span = given_span(position, len(ids), completion_start)
-            positions, multi = list(span.positions(len(ids))), position not in SINGLE_POSITIONS
+            positions, multi = list(span.positions(len(ids))), several(position)
             check_rows_budget(span, len(ids), None, 1, len(layers), eng.hidden_size, dtype, topk,
                               eng.max_hidden_states_bytes)
             # A malformed claim is a 400 before any engine work.
@@ -262,7 +264,7 @@ class OpenAIFrontend:
                                              steering=steering_extra_args(entries)[STEER_KEY])
             heads = resolve_heads(req, eng.heads) if req.heads else ()
             batch, stats = await eng.extraction.extract_rows(seq, positions, layers, dtype, topk, origin, heads)
-            out = row_fields(batch, layers, encoding, by_layer, multi, position, dtype, topk, topk or eng.hidden_size)
+            out = row_fields(CompletionChoice(0, "", (), None, batch, multi=multi), encoding, by_layer, position, topk)
             if heads:
                 out["hidden_states_heads"] = head_fields(batch, heads, eng.heads, multi)
                 out["hidden_states_meta"]["head_bytes"] = batch.head_nbytes
