@@ -6,6 +6,8 @@ instead of the rows (docs/heads.md).
   Its hook point names its layer (`hook_layer`).
 - A **linear head**: a safetensors file with `weight [C, D]` and `bias [C]`, an activation
   (none, sigmoid, softmax) and optional label names.
+- An SAE's **feature labels**: Neuronpedia's explanations export in its folder (`read_explanations`),
+  so each feature a choice carries comes with its description.
 
 `load_heads` reads and checks the registered heads against the model at start (`HeadConfigError`
 names the head and what it expected); `HeadSpec` is what crosses to the workers (builtins only).
@@ -15,6 +17,7 @@ what a choice carries of them (`hidden_states_heads`). No vLLM here.
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import re
@@ -50,12 +53,20 @@ class HeadSpec(msgspec.Struct, frozen=True, omit_defaults=True):
     activation: str = "none"  # a linear head's
     labels: list[str] = msgspec.field(default_factory=list)
     hook: str = ""  # an SAE's hook point, as SAELens names it
+    # An SAE's feature descriptions (read_explanations), by feature index; frontend only (`for_workers`)
+    descriptions: dict[int, str] = msgspec.field(default_factory=dict)
+
+    def for_workers(self) -> "HeadSpec":
+        """What the workers load: the weights' spec, without the descriptions they never read."""
+        return msgspec.structs.replace(self, descriptions={}) if self.descriptions else self
 
     def public(self) -> dict[str, Any]:
         """What /v1/models says of it."""
         out = {"name": self.name, "kind": self.kind, "layer": self.layer, "width": self.width}
         if self.kind == "sae":
             out.update(architecture=self.architecture, hook=self.hook, default_topk=self.topk)
+            if self.descriptions:
+                out["described_features"] = len(self.descriptions)
         else:
             out["activation"] = self.activation
             if self.labels:
@@ -92,6 +103,53 @@ def _safetensors_shapes(path: str) -> dict[str, list[int]]:
         n = int.from_bytes(f.read(8), "little")
         header = json.loads(f.read(n))
     return {k: v["shape"] for k, v in header.items() if k != "__metadata__"}
+
+
+EXPLANATIONS = ("explanations.json", "explanations.jsonl", "explanations.jsonl.gz", "explanations")
+
+
+def _explanation_records(path: str):
+    """(where, record) of an explanations export: a JSON array (`/api/explanation/export`), JSON lines
+    (plain or gzip), or a folder of those (Neuronpedia's datasets, `explanations/batch-N.jsonl.gz`)."""
+    if os.path.isdir(path):
+        for f in sorted(os.listdir(path)):
+            if f.endswith((".json", ".jsonl", ".jsonl.gz")):
+                yield from _explanation_records(os.path.join(path, f))
+        return
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        if path.endswith(".json"):
+            data = json.load(f)
+            if not isinstance(data, list):
+                raise ValueError("expected a JSON array of explanations")
+            yield from ((f"{path}[{i}]", r) for i, r in enumerate(data))
+        else:
+            yield from ((f"{path}:{n}", json.loads(line)) for n, line in enumerate(f, 1) if line.strip())
+
+
+def read_explanations(name: str, folder: str, d_sae: int) -> dict[int, str]:
+    """An SAE's feature descriptions from Neuronpedia's explanations export in its folder (the first of
+    EXPLANATIONS found; none: {}): each record's `index` (a string or an int) and `description`. A
+    feature with several explanations keeps the first; an index outside the SAE is a HeadConfigError."""
+    found = next((os.path.join(folder, f) for f in EXPLANATIONS if os.path.exists(os.path.join(folder, f))), None)
+    if found is None:
+        return {}
+    out: dict[int, str] = {}
+    try:
+        for where, record in _explanation_records(found):
+            index, text = (record.get("index"), record.get("description")) if isinstance(record, dict) else (None, None)
+            if isinstance(index, str) and index.strip().isdigit():
+                index = int(index)
+            if not isinstance(index, int) or isinstance(index, bool) or not isinstance(text, str):
+                raise HeadConfigError(f"head {name!r}: {where} is not an explanation (an object with an `index` "
+                                      f"and a `description`, as Neuronpedia exports them)")
+            if not 0 <= index < d_sae:
+                raise HeadConfigError(f"head {name!r}: {where} describes feature {index}; the SAE has features "
+                                      f"0..{d_sae - 1} (an export of another SAE?)")
+            out.setdefault(index, text.strip())
+    except (OSError, ValueError) as e:
+        raise HeadConfigError(f"head {name!r}: cannot read the explanations in {found}: {e}") from None
+    return out
 
 
 def _sae(name: str, entry: Mapping[str, Any], path: str, num_layers: int, hidden_size: int) -> HeadSpec:
@@ -138,7 +196,8 @@ def _sae(name: str, entry: Mapping[str, Any], path: str, num_layers: int, hidden
     topk = int(entry.get("topk") or k or DEFAULT_SAE_TOPK)
     if not 1 <= topk <= d_sae:
         raise HeadConfigError(f"head {name!r}: topk {topk} must be from 1 to the SAE's {d_sae} features")
-    return HeadSpec(name, "sae", path, layer, d_sae, architecture=arch, k=k, topk=topk, hook=hook)
+    return HeadSpec(name, "sae", path, layer, d_sae, architecture=arch, k=k, topk=topk, hook=hook,
+                    descriptions=read_explanations(name, path, d_sae))
 
 
 def _linear(name: str, entry: Mapping[str, Any], path: str, num_layers: int, hidden_size: int) -> HeadSpec:
@@ -247,11 +306,13 @@ class DeviceHead:
 
 # -- what a choice carries ----------------------------------------------------
 
-def head_outputs(batch: Any, name: str, labels: Sequence[str] = (), multi: bool = False) -> "dict | list[dict]":
+def head_outputs(batch: Any, name: str, labels: Sequence[str] | Mapping[int, str] = (),
+                 multi: bool = False) -> "dict | list[dict]":
     """One head's outputs as a choice carries them: per position a linear head's {"scores"} (and its
-    "label", the top score's, where the head has label names), an SAE's {"indices", "values"} (its
-    largest feature activations, largest first; zeros dropped). One position: the object; several:
-    a list in position order."""
+    "label", the top score's, where the head has label names `labels`), an SAE's {"indices", "values"}
+    (its largest feature activations, largest first; zeros dropped), and where its features have
+    descriptions (`labels`, by index) their "labels" (null for a feature without one). One position:
+    the object; several: a list in position order."""
     per = []
     if batch is not None:
         values = batch.heads[name]
@@ -264,10 +325,15 @@ def head_outputs(batch: Any, name: str, labels: Sequence[str] = (), multi: bool 
             else:
                 nz = values[p] != 0
                 item = {"indices": indices[p][nz].tolist(), "values": values[p][nz].tolist()}
+                if labels:
+                    item["labels"] = [labels.get(i) for i in item["indices"]]
             per.append(item)
     return squeeze(per, multi, {})
 
 
 def head_fields(batch: Any, heads: Sequence[tuple[str, int]], registry: Mapping[str, HeadSpec], multi: bool) -> dict:
     """`hidden_states_heads` {name: outputs} of the asked heads ((name, k) pairs)."""
-    return {name: head_outputs(batch, name, getattr(registry.get(name), "labels", ()), multi) for name, _ in heads}
+    def labels(spec: HeadSpec | None):
+        return () if spec is None else spec.descriptions if spec.kind == "sae" else spec.labels
+
+    return {name: head_outputs(batch, name, labels(registry.get(name)), multi) for name, _ in heads}

@@ -14,6 +14,8 @@ between exactly equal values). Zeros are never returned.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 ARCHS = ("standard", "topk", "jumprelu", "gated")
@@ -125,7 +127,8 @@ def build_test_heads() -> list[dict]:
 
     from hidden_states.models.builtin import cache_root
 
-    recipe = json.dumps([TINY_SAES, TINY_LINEAR, TINY_D, TINY_F, TINY_TOPK_K, "heads-v1"])
+    recipe = json.dumps([TINY_SAES, TINY_LINEAR, TINY_D, TINY_F, TINY_TOPK_K, "heads-v2",
+                         {name: [f.start, f.stop, f.step] for name, f in DESCRIBED.items()}])
     out = cache_root().parent / "test-heads" / hashlib.sha1(recipe.encode()).hexdigest()[:10]
     entries = [{"name": name, "path": str(out / name)} for name, *_ in TINY_SAES]
     entries += [{"name": name, "path": str(out / f"{name}.safetensors"), **extra} for name, _, extra in TINY_LINEAR]
@@ -135,6 +138,8 @@ def build_test_heads() -> list[dict]:
     tmp.mkdir(parents=True)
     for i, (name, arch, hook, _) in enumerate(TINY_SAES):
         make_sae(str(tmp / name), arch, TINY_D, TINY_F, hook, seed=i, k=TINY_TOPK_K)
+        if name in DESCRIBED:
+            write_explanations(str(tmp / name), DESCRIBED[name])
     for i, (name, classes, _) in enumerate(TINY_LINEAR):
         make_linear(str(tmp / f"{name}.safetensors"), TINY_D, (3, 2)[i], seed=10 + i)
     (tmp / "DONE").write_text("")
@@ -144,6 +149,35 @@ def build_test_heads() -> list[dict]:
         if not (out / "DONE").exists():
             raise
     return entries
+
+
+# The test SAEs with Neuronpedia's explanations export in their folder, and which features it describes.
+DESCRIBED = {"sae-std": range(0, TINY_F, 2)}
+
+
+def write_explanations(folder: str, features) -> None:
+    """`explanations.json` as Neuronpedia's `/api/explanation/export` writes it: index as a string, and a
+    second explanation of one feature (the server keeps the first)."""
+    import json
+
+    records = [{"modelId": "tiny-llama", "layer": "0-res", "index": str(i), "description": f" feature {i} words",
+                "explanationModelName": "test", "typeName": "test"} for i in features]
+    records.append({**records[0], "description": "a later explanation"})
+    with open(os.path.join(folder, "explanations.json"), "w") as f:
+        json.dump(records, f)
+
+
+def explanations_of(folder: str) -> dict[int, str]:
+    """The test's own reading of an export: the first description per index, stripped."""
+    import json
+
+    path = os.path.join(folder, "explanations.json")
+    if not os.path.exists(path):
+        return {}
+    out: dict[int, str] = {}
+    for r in json.load(open(path)):
+        out.setdefault(int(r["index"]), r["description"].strip())
+    return out
 
 
 def check_heads(case: str, hs_heads: dict, states: list, positions, heads: list[dict], asked: dict,
@@ -169,7 +203,12 @@ def check_heads(case: str, hs_heads: dict, states: list, positions, heads: list[
         else:
             ref = sae_reference(head["path"], rows)
             worst = (0.0, 0.0)
+            described = explanations_of(head["path"])
             for p, r in zip(per, ref):
                 worst = max(worst, assert_sae_topk(p["indices"], p["values"], r, k))
+                if described:  # each feature's description from the export, as the file says (null: none)
+                    assert p["labels"] == [described.get(i) for i in p["indices"]], (case, name, p)
+                else:
+                    assert "labels" not in p
         if errors is not None:
             errors.append((f"{case} {name}" + (f" top-{k}" if k else ""), *worst))

@@ -237,7 +237,7 @@ class HiddenStatesEngine(VectorObservers):
                                           install_timeout_s) if on_cpu() else {}
             if enable_return_hidden_states:
                 installed = await llm.collective_rpc("hidden_states_install", timeout=install_timeout_s,
-                                                     args=([msgspec.to_builtins(h) for h in head_specs],))
+                                                     args=([msgspec.to_builtins(h.for_workers()) for h in head_specs],))
                 if static and not all(w["layer_capture"] for w in installed):
                     families = ", ".join(a.removesuffix("ForCausalLM") for a in SUPPORTED_LAYER_ARCHS)
                     raise EngineStartupError(

@@ -156,3 +156,53 @@ def test_outputs_drop_zero_features_and_name_labels():
     assert head_outputs(batch.select(np.array([False, True])), "s") == {"indices": [2], "values": [1.0]}
     merged = RowBatch.merge([batch.select(np.array([False, True])), batch.select(np.array([True, False]))])
     assert merged.positions.tolist() == [4, 5] and merged.head_indices["s"][0].tolist() == [7, 3, 1]
+
+
+def test_sae_features_carry_their_neuronpedia_descriptions():
+    """Labels by feature index: each SAE position's "labels" beside its indices, null where a feature has no
+    description; without descriptions no "labels" key."""
+    batch = RowBatch(np.array([4]), {}, heads={"s": np.array([[2.0, 0.5, 0.0]], np.float32)},
+                     head_indices={"s": np.array([[7, 3, 1]], np.int32)})
+    assert head_outputs(batch, "s", {7: "mentions of Paris"}) == {
+        "indices": [7, 3], "values": [2.0, 0.5], "labels": ["mentions of Paris", None]}
+    assert "labels" not in head_outputs(batch, "s", {})
+
+
+def _export(records) -> list[dict]:
+    """Records as Neuronpedia's explanations export writes them (index as a string)."""
+    return [{"modelId": "tiny-llama", "layer": "0-res", "index": str(i), "description": d,
+             "explanationModelName": "gpt-4o-mini", "typeName": "oai_token-act-pair"} for i, d in records]
+
+
+@pytest.mark.parametrize("layout", ["json", "jsonl", "jsonl.gz", "folder"])
+def test_an_sae_folder_s_explanations_export_is_read_at_start(tmp_path, layout):
+    """The export's layouts: the API's JSON array, JSON lines (plain or gzip), a folder of gzip batches as
+    Neuronpedia's datasets ship them; a feature explained twice keeps its first description; /v1/models
+    counts them; the workers' copy of the spec carries none."""
+    import gzip
+
+    folder = make_sae(str(tmp_path / "sae"), "standard", D, F, "blocks.0.hook_resid_post", seed=0)
+    records = _export([(5, " mentions of Paris"), (17, "code"), (5, "a second explanation")])
+    lines = "".join(json.dumps(r) + "\n" for r in records)
+    if layout == "json":
+        (tmp_path / "sae" / "explanations.json").write_text(json.dumps(records))
+    elif layout == "jsonl":
+        (tmp_path / "sae" / "explanations.jsonl").write_text(lines)
+    elif layout == "jsonl.gz":
+        (tmp_path / "sae" / "explanations.jsonl.gz").write_bytes(gzip.compress(lines.encode()))
+    else:
+        (tmp_path / "sae" / "explanations").mkdir()
+        (tmp_path / "sae" / "explanations" / "batch-0.jsonl.gz").write_bytes(gzip.compress(lines.encode()))
+    (spec,) = load_heads([{"name": "s", "path": folder}], L, D)
+    assert spec.descriptions == {5: "mentions of Paris", 17: "code"}
+    assert spec.public()["described_features"] == 2 and spec.for_workers().descriptions == {}
+
+
+@pytest.mark.parametrize("record, words", [({"index": "128", "description": "x"}, r"feature 128; the SAE has features 0\.\.127"),
+                                           ({"index": "a", "description": "x"}, "is not an explanation"),
+                                           ({"index": 3}, "is not an explanation")])
+def test_an_explanations_export_of_another_sae_stops_the_start(tmp_path, record, words):
+    folder = make_sae(str(tmp_path / "sae"), "standard", D, F, "blocks.0.hook_resid_post", seed=0)
+    (tmp_path / "sae" / "explanations.json").write_text(json.dumps([record]))
+    with pytest.raises(HeadConfigError, match=f"head 's': .*{words}"):
+        load_heads([{"name": "s", "path": folder}], L, D)
