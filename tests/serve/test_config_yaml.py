@@ -15,6 +15,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -49,6 +50,69 @@ def _router_port() -> int:
         except httpx.HTTPError:
             pass
     raise AssertionError("no Router replica answers on ports 8001-8020 (direct ingress)")
+
+
+def examples_env() -> dict:
+    """The docs' examples' environment: a shell in the repo's venv, no RAY_ADDRESS (a Ray job on this machine
+    finds `make serve`'s cluster with address="auto"; a batch starts a Ray of its own)."""
+    env = {**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, "PYTHONPATH": str(ROOT)}
+    env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"
+    return env
+
+
+class DocsBatches(threading.Thread):
+    """The docs' batch commands, in order, as written, in a folder of their own, in the background: each
+    `(example, exit status, stderr, seconds)` in `done`. `stop()` ends a command still running (its process group:
+    the CLI and the Ray it started)."""
+
+    def __init__(self, examples: list, folder: Path):
+        super().__init__(daemon=True)
+        self.examples, self.folder, self.done, self.proc, self.stopped = examples, folder, [], None, False
+        folder.mkdir()
+        (folder / ".venv").symlink_to(ROOT / ".venv")  # the commands name .venv/bin/python, as from the repo
+
+    def run(self):
+        for e in self.examples:
+            t = time.monotonic()
+            if self.stopped:
+                return
+            self.proc = subprocess.Popen(["bash", "-c", e.code], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                         text=True, env=examples_env(), cwd=self.folder, start_new_session=True)
+            try:
+                _, err = self.proc.communicate(timeout=900)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                _, err = self.proc.communicate()
+                err += "\n(killed after 900 s)"
+            self.done.append((e, self.proc.returncode, err, time.monotonic() - t))
+
+    def stop(self):
+        self.stopped = True
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            _assert_stopped_group(self.proc.pid)
+        self.join(60)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def docs_batches(request, tmp_path_factory):
+    """The docs' batch commands, started with the module when its docs test is to run. They need no server
+    and start a Ray of their own (as the docs say: never `make serve`'s), so they run beside the module's
+    first tests (`serve run` without a config, `make serve`'s start and curl: one engine each, two engines
+    at most), not after the docs' other examples; `test_the_docs_examples_run_as_written` waits for them
+    before its own examples and checks them."""
+    if not any(item.name == "test_the_docs_examples_run_as_written" and item.module is request.module
+               for item in request.session.items):
+        yield None
+        return
+    from tests import docs_examples as dx
+
+    runner = DocsBatches([e for e in dx.examples() if e.kind == "batch"], tmp_path_factory.mktemp("docs") / "batch")
+    runner.start()
+    try:
+        yield runner
+    finally:
+        runner.stop()
 
 
 def test_serve_run_without_a_config_file():
@@ -112,13 +176,14 @@ def test_serve_run_config_yaml_answers_curl(make_serve):
     print(f"smollm2 via the Router's own port: max abs error {err:.3g}, max|reference| {scale:.3g}")
 
 
-def test_the_docs_examples_run_as_written(make_serve, tmp_path):
+def test_the_docs_examples_run_as_written(make_serve, docs_batches, tmp_path):
     """Every fenced block of the README, docs/ and cluster/README.md is an example run here or is named
     in tests/docs_examples.py's LISTED (`dx.audit`: anything else is a problem before a thing runs).
     The examples run as written against `make serve`'s server: curl with bash, each doc's Python
     blocks in one process as another Ray job on this machine (ray.init(address="auto") finds `make
     serve`'s cluster), the batch commands in a folder of their own; each block's own `# ->` lines
-    checked against what it printed, and every Python check must have run. Lists every problem."""
+    checked against what it printed, and every Python check must have run. Lists every problem. The batch
+    commands, which need no server, started with the module (`docs_batches`): they are waited for first."""
     from tests import docs_examples as dx
 
     found, problems = dx.audit()
@@ -127,23 +192,28 @@ def test_the_docs_examples_run_as_written(make_serve, tmp_path):
           f"{len(dx.blocks())} fenced blocks, {len(dx.LISTED)} listed:")
     for e in found:
         print(f"  {e.where} {e.kind}" + (" (set-up)" if e.set_up else ""))
-    env = {**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, "PYTHONPATH": str(ROOT)}
-    env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"
+    env = examples_env()
+    took = []  # (seconds, what): printed at the end, slowest first
+    t = time.monotonic()
+    docs_batches.join(2 * 900 + 120)  # before the examples that deploy apps: two engines at most at once
+    assert not docs_batches.is_alive(), "the docs' batch commands did not end"
+    assert [e for e, *_ in docs_batches.done] == kinds["batch"], "not every batch command ran"
+    print(f"docs examples: waited {time.monotonic() - t:.0f} s for the batch commands")
+    for e, status, err, seconds in docs_batches.done:
+        took.append((seconds, f"{e.where} (started with the module)"))
+        if status != 0:
+            problems.append(f"{e.where}: failed: {err[-1500:]}")
+        else:
+            problems += [f"{e.where}: {p}" for p in _batch_problems(e.code, docs_batches.folder)]
     for e in kinds["curl"]:
+        t = time.monotonic()
         problems += dx.run_curl(e, env)
+        took.append((time.monotonic() - t, e.where))
     for doc in sorted({e.doc for e in kinds["python"]}):
+        t = time.monotonic()
         problems += dx.run_python([e for e in kinds["python"] if e.doc == doc], env, tmp_path)
-    batch_dir = tmp_path / "batch"
-    batch_dir.mkdir()
-    (batch_dir / ".venv").symlink_to(ROOT / ".venv")  # the commands name .venv/bin/python, as from the repo
-    batch_env = env  # a batch needs no server; on a machine where one runs it joins its cluster, as here
-    for e in kinds["batch"]:
-        out = subprocess.run(["bash", "-c", e.code], capture_output=True, text=True, timeout=900, env=batch_env,
-                             cwd=batch_dir)
-        if out.returncode != 0:
-            problems.append(f"{e.where}: failed: {out.stderr[-1500:]}")
-            continue
-        problems += [f"{e.where}: {p}" for p in _batch_problems(e.code, batch_dir)]
+        took.append((time.monotonic() - t, f"{doc} (Python)"))
+    print("docs examples' times: " + ", ".join(f"{w} {s:.0f} s" for s, w in sorted(took, reverse=True)))
     assert not problems, "\n".join(problems)
     # the newcomer's paths are among them
     text = {k: "\n".join(e.code for e in v) for k, v in kinds.items()}
@@ -182,6 +252,17 @@ def _stop(proc: subprocess.Popen, port: int = 8000) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(30)
     _assert_stopped(proc.pid, port)
+
+
+def _assert_stopped_group(pgid: int) -> None:
+    """No process of the group left running (Ray's daemons get a few seconds to exit; zombies have exited,
+    only not reaped yet)."""
+    deadline = time.monotonic() + 60
+    while (left := _running_in_group(pgid)) and time.monotonic() < deadline:
+        time.sleep(2)
+    for p in left:
+        p.kill()
+    assert not left, f"processes left running in the group: {[(p.pid, p.name()) for p in left]}"
 
 
 def _assert_stopped(pgid: int, port: int = 8000) -> None:
