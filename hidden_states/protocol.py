@@ -290,7 +290,7 @@ class RowBlock(NamedTuple):
 class HookFault(msgspec.Struct, array_like=True, gc=False):
     """A hook of ours that raised while serving one request, where it ran (worker or scheduler)."""
 
-    hook: str  # capture | steering | heads | plan | file | send
+    hook: str  # capture | steering | heads | plan | file | send | tail
     error: str  # the exception's type and message (the traceback is logged where it ran)
 
     @staticmethod

@@ -154,7 +154,7 @@ Ledger of patched points (supported: vLLM {SUPPORTED}):
    mm_prefix (report in docs/how-it-works.md).
 19. Faults stay with their request (not a patch of vLLM; its own error path):
    a hook of ours that raises for one request, in the scheduler (`plan`,
-   `file`, `send`) or a worker (`capture`, `steering`, `heads`), fails that
+   `file`, `send`, `tail`) or a worker (`capture`, `steering`, `heads`), fails that
    request alone. Work done for a whole step (a layer's gather, the step's
    pack, a head's product, the traced steering buffers) is redone request by
    request when it raises; the worker reports the request on

@@ -382,10 +382,12 @@ def test_a_hook_that_raises_fails_its_request_alone_and_the_engine_serves_on(eng
     assert status == 200 and body["choices"][0]["hidden_states"], body
 
 
-@pytest.mark.parametrize("hook,layers", [("plan", (-1,)), ("file", (-1,)), ("send", (-1,)), ("capture", (-1,)),
-                                         ("capture", (1, -1))], ids=["plan", "file", "send", "capture", "capture-layer"])
+@pytest.mark.parametrize("hook,layers", [("plan", (-1,)), ("file", (-1,)), ("send", (-1,)), ("tail", (-1,)),
+                                         ("capture", (-1,)), ("capture", (1, -1))],
+                         ids=["plan", "file", "send", "tail", "capture", "capture-layer"])
 def test_a_hook_in_the_engine_core_that_raises_fails_its_request_alone(engine, loop_thread, reference, hook, layers):
-    """The scheduler's hooks (its plan, filing a step's rows, sending them) and the worker's capture (the
+    """The scheduler's hooks (its plan, filing a step's rows, sending them, holding a stopped request for its
+    tail step) and the worker's capture (the
     step's pack; a layer's gather inside the forward), each raising for one request of a batch of four
     (a fault injected by the request, sent last so that the steps it is in hold the others' rows too:
     every position's rows are asked): that request fails with HookFaultError (a 500 naming it and the

@@ -17,7 +17,8 @@ Not held (the extraction step computes the row): no room for one more position, 
 or a stop the frontend cuts (stop strings).
 
 **Faults stay with their request** (ledger point 19). Each hook of ours here works request by
-request (`_plan`, `_file`, `_send_rows`); one that raises for a request, or a worker's report of
+request (`_plan`, `_file`, `_send_rows` and the finishing rows of `_free_request`, the tail's hold in
+`_update_request_with_output`); one that raises for a request, or a worker's report of
 one (`StepCapture.faults`), finishes that request with vLLM's FINISHED_ERROR at the end of the
 update: its output of this step is replaced by an "error" finish carrying the `HookFault`
 (`kv_transfer_params[FAULT_KEY]`), and the frontend fails its caller with a 500 naming the hook.
@@ -497,17 +498,22 @@ class _VectorsOnOutputs:
             self.tails_run += 1
             return list(held.tokens), True
         new_token_ids, stopped = super()._update_request_with_output(request, new_token_ids, *args, **kwargs)
-        if stopped and (cap := self._live.get(rid)) is not None:
+        if not stopped or (cap := self._live.get(rid)) is None:
+            return new_token_ids, stopped
+        try:
+            self._check("tail", rid)
             for acc in cap.accumulators():  # draft tokens accepted past the stop: their rows go too
                 acc.trim(request.num_tokens)
-        if stopped and self.holds and self._holds(request):
-            self._held[rid] = self._hold(request, new_token_ids)
-            request.status, request.stop_reason = RequestStatus.RUNNING, None
-            # The tail step computes the final token, once: with draft tokens accepted past a stop,
-            # the step computed beyond it (those positions are no longer the request's).
-            request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
-            request.spec_token_ids = []
-            return [], False
+            if self.holds and self._holds(request):
+                self._held[rid] = self._hold(request, new_token_ids)
+                request.status, request.stop_reason = RequestStatus.RUNNING, None
+                # The tail step computes the final token, once: with draft tokens accepted past a stop,
+                # the step computed beyond it (those positions are no longer the request's).
+                request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
+                request.spec_token_ids = []
+                return [], False
+        except Exception as e:  # this request fails alone (at the end of this update)
+            self._fault(rid, "tail", e)
         return new_token_ids, stopped
 
     def _holds(self, request: Any) -> bool:
@@ -534,9 +540,12 @@ class _VectorsOnOutputs:
             if self.async_tail and cap.tail and self._await_tail(request, cap):
                 pass  # the step in flight computes its final row (_async_tails sends the rows)
             elif request.status != RequestStatus.FINISHED_ABORTED:
-                rows = cap.take(request.num_tokens, total=request.num_tokens)
-                if rows is not None:
-                    self._finished_rows[rid] = rows.counted(cap.tail_positions)
+                try:
+                    rows = cap.take(request.num_tokens, total=request.num_tokens)
+                    if rows is not None:
+                        self._finished_rows[rid] = rows.counted(cap.tail_positions)
+                except Exception as e:  # its rows for the finishing output: it fails alone
+                    self._fault(rid, "send", e)
         return super()._free_request(request, *args, **kwargs)
 
     def _await_tail(self, request: Any, cap: _Capture) -> bool:
