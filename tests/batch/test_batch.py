@@ -172,6 +172,20 @@ def finish(proc: subprocess.Popen, timeout: float) -> str:
     return log
 
 
+def outputs(procs: list[subprocess.Popen], timeout: float) -> list[str]:
+    """Runs at once: each one's output, all read at the same time (a pipe nobody reads stalls its run); any run
+    still going at the end (after `timeout`) killed with its group."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    try:
+        with ThreadPoolExecutor(len(procs)) as pool:
+            return [f.result() for f in [pool.submit(lambda p: p.communicate(timeout=timeout)[0], p) for p in procs]]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                kill_group(proc)
+
+
 def kill_group(proc: subprocess.Popen) -> None:
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(30)
@@ -287,15 +301,10 @@ def test_batch_with_images_as_paths_and_data_urls(tmp_path, ray_cluster):
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"id": "missing", "prompt": "x", "images": ["nowhere.png"]}) + "\n")
     good, failing = start(ray_cluster, inp, out, *vlm), start(ray_cluster, bad, tmp_path / "bad-out", *vlm)  # at once
-    try:
-        log, _ = failing.communicate(timeout=600)
-        assert failing.returncode != 0 and "row missing: images[0]:" in log and "nowhere.png cannot be read" in log, \
-            log[-2000:]
-        finish(good, 600)
-    finally:
-        for proc in (good, failing):
-            if proc.poll() is None:
-                kill_group(proc)
+    good_log, log = outputs([good, failing], 600)
+    assert failing.returncode != 0 and "row missing: images[0]:" in log and "nowhere.png cannot be read" in log, \
+        log[-2000:]
+    assert good.returncode == 0, good_log[-3000:]
     final = {r["id"]: r for r in rows(out)}
     assert sorted(final) == sorted(seeds)
     for rid, r in final.items():
@@ -335,13 +344,8 @@ def test_batch_rows_of_positions_dtypes_and_topk(tmp_path, reference, ray_cluste
              "completion, top-5, bfloat16": ("--position", "completion", "--topk", "5", "--dtype", "bfloat16")}
     runs = {name: start(ray_cluster, inp, tmp_path / name.replace(", ", "-"), *extra)  # both jobs at once
             for name, extra in cases.items()}
-    try:
-        for proc in runs.values():
-            finish(proc, 600)
-    finally:
-        for proc in runs.values():
-            if proc.poll() is None:
-                kill_group(proc)
+    for proc, log in zip(runs.values(), outputs(list(runs.values()), 600)):
+        assert proc.returncode == 0, log[-3000:]
     for name, extra in cases.items():
         out = tmp_path / name.replace(", ", "-")
         schema = pq.read_schema(next(out.glob("*.parquet")))
