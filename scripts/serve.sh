@@ -22,9 +22,24 @@ log="$(mktemp -t hidden-states-ray-start.XXXXXX)"
 # its whole 120 s on every start.
 marker="$(mktemp -t hidden-states-ray-marker.XXXXXX)"
 ray_pid="" serve_pid="" address=""
+# The node's raylet, alive (not a zombie), among `ray start`'s children.
+raylet_alive() { ps -o stat=,comm= --ppid "$ray_pid" 2>/dev/null | awk '$1 !~ /^Z/ && $2 == "raylet"' | grep -q .; }
 stop() {
   [ -z "$serve_pid" ] || kill -TERM "$serve_pid" 2>/dev/null || true
-  [ -z "$ray_pid" ] || kill -TERM "$ray_pid" 2>/dev/null || true  # --block: its processes end with it
+  if [ -n "$ray_pid" ]; then
+    kill -TERM "$ray_pid" 2>/dev/null || true  # --block: its processes end with it
+    # Once the raylet (and with it the workers) is gone, what is left of this node is forced, as
+    # `ray stop --force` would (this node's processes only): its GCS server takes about 30 s to exit
+    # on SIGTERM (Ray 2.60), and `ray start --block` waits for it.
+    for _ in $(seq 60); do
+      kill -0 "$ray_pid" 2>/dev/null && raylet_alive || break
+      sleep 0.5
+    done
+    if kill -0 "$ray_pid" 2>/dev/null; then
+      pkill -KILL -P "$ray_pid" 2>/dev/null || true
+      kill -KILL "$ray_pid" 2>/dev/null || true
+    fi
+  fi
   wait 2>/dev/null || true
   # Ray's HAProxy ingress (RAY_SERVE_ENABLE_HA_PROXY=1): a haproxy its manager actor started, or
   # reloaded, can outlive the actor (seen with Ray 2.60) and keep port 8000; orphans (parent 1)
