@@ -276,13 +276,7 @@ def _assert_stopped(pgid: int, port: int = 8000) -> None:
         time.sleep(2)
     else:
         raise AssertionError("serve run config.yaml still answers after SIGTERM")
-    # Ray's daemons get a few seconds to exit; zombies have exited (only not reaped yet).
-    deadline = time.monotonic() + 60
-    while (left := _running_in_group(pgid)) and time.monotonic() < deadline:
-        time.sleep(2)
-    for p in left:
-        p.kill()
-    assert not left, f"processes left running in the serve run group: {[(p.pid, p.name()) for p in left]}"
+    _assert_stopped_group(pgid)
 
 
 def _running_in_group(pgid: int) -> list[psutil.Process]:
