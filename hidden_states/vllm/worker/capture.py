@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from hidden_states.protocol import (FAULT_INJECTION_ENV, PLAN_ATTR, STEP_ATTR, HookFault, InjectedFault, PlanEntry,
-                                    RowBlock, StepCapture, absolute_layer, injected_fault)
+                                    RowBlock, StepCapture, injected_fault)
 from hidden_states.vllm import SUPPORTED_LAYER_ARCHS
 from hidden_states.vllm.worker.layers import final_norm_in_logits, layer_capture_support
 from hidden_states.vllm.worker.steering import StepSteering
