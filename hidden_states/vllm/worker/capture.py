@@ -274,7 +274,6 @@ class _RunnerHook:
         plan = []
         for rid, raw in self._given.items():
             try:
-                self.check("capture", (rid,))
                 e = PlanEntry(*raw)
                 start = self.adapter.starts((rid,))[rid]
                 plan.append(_Entry(rid, list(e.layers), [start + o for o in e.offsets], list(e.positions),
