@@ -308,12 +308,16 @@ class HookFault(msgspec.Struct, array_like=True, gc=False):
         return msgspec.to_builtins(self)
 
 
-def injected_fault(extra_args: Mapping | None) -> str | None:
-    """The hook a test asks to fail for this request (FAULT_INJECT_KEY), if the engine allows it."""
+def fault_injection() -> bool:
+    """Whether this engine process honours injected faults (FAULT_INJECTION_ENV; read once, at start)."""
     import os
 
-    if os.environ.get(FAULT_INJECTION_ENV) != "1":
-        return None
+    return os.environ.get(FAULT_INJECTION_ENV) == "1"
+
+
+def injected_fault(extra_args: Mapping | None) -> str | None:
+    """The hook a test asks to fail for this request (FAULT_INJECT_KEY); callers ask only where
+    `fault_injection()` holds."""
     hook = (extra_args or {}).get(FAULT_INJECT_KEY)
     return hook if isinstance(hook, str) else None
 

@@ -38,7 +38,7 @@ from vllm.v1.request import RequestStatus
 
 from hidden_states.protocol import (FAULT_KEY, HEADS_KEY, PLAN_ATTR, ROWS_KEY, SEQ_ATTR, STEP_ATTR, CapturedRows,
                                     HiddenStatesExtractionRequest, HookFault, InjectedFault, PlanEntry, Span,
-                                    absolute_layer, captured_rows, injected_fault)
+                                    absolute_layer, captured_rows, fault_injection, injected_fault)
 from hidden_states.vllm import _require
 
 logger = logging.getLogger(__name__)
@@ -256,8 +256,8 @@ class _VectorsOnOutputs:
         self._awaiting: dict[str, tuple[_Capture, int, int]] = {}  # freed, awaiting the step in flight: (its, tokens, seq)
         self._stashed: dict[int, list[tuple[int, Any]]] = {}  # seq -> finishing outputs (client, eco) to release
         self._faults: dict[str, HookFault] = {}  # requests a hook failed in this update: finished with an error
-        self._inject: dict[str, str] = {}  # tests only: request id -> the hook to fail (protocol.injected_fault)
-        self.hook_faults = 0
+        self._injection = fault_injection()  # tests only: requests may ask a hook to fail
+        self._inject: dict[str, str] = {}  # request id -> the hook to fail (protocol.injected_fault)
 
     def _fault(self, rid: str, hook: str, error: BaseException | HookFault) -> None:
         """A hook of ours raised for `rid` (here, or in a worker: its report): the request fails at the
@@ -271,7 +271,6 @@ class _VectorsOnOutputs:
             logger.error("request %s: the hidden-states hook %s raised in the scheduler; failing the request", rid,
                          hook, exc_info=error)
             self._faults[rid] = HookFault.of(hook, error)
-        self.hook_faults += 1
 
     def _check(self, hook: str, rid: str) -> None:
         """Tests only: raises where the request asked this hook to fail (FAULT_INJECTION_ENV)."""
@@ -281,7 +280,7 @@ class _VectorsOnOutputs:
     def add_request(self, request: Any) -> None:
         sp = request.sampling_params
         flag = HiddenStatesExtractionRequest.from_extra_args(sp.extra_args if sp is not None else None)
-        if sp is not None and (hook := injected_fault(sp.extra_args)):
+        if self._injection and sp is not None and (hook := injected_fault(sp.extra_args)):
             self._inject[request.request_id] = hook
         if flag is not None:
             L = self.vllm_config.model_config.hf_text_config.num_hidden_layers

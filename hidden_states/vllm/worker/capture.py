@@ -10,14 +10,13 @@ runner is one adapter (`_V1Runner`); another runner needs only its own (docs/how
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Iterable
 from typing import Any, NamedTuple
 
 import numpy as np
 
-from hidden_states.protocol import (FAULT_INJECTION_ENV, PLAN_ATTR, STEP_ATTR, HookFault, InjectedFault, PlanEntry,
-                                    RowBlock, StepCapture, injected_fault)
+from hidden_states.protocol import (PLAN_ATTR, STEP_ATTR, HookFault, InjectedFault, PlanEntry, RowBlock, StepCapture,
+                                    fault_injection, injected_fault)
 from hidden_states.vllm import SUPPORTED_LAYER_ARCHS
 from hidden_states.vllm.worker.layers import final_norm_in_logits, layer_capture_support
 from hidden_states.vllm.worker.steering import StepSteering
@@ -149,7 +148,7 @@ class _RunnerHook:
         self.steering = StepSteering(runner, self)  # per-request additions to the stream, on every rank
         self.hook_faults = 0  # requests a hook of this worker failed (each left out of its step)
         self._faults: dict[str, HookFault] = {}  # this step's, by request id: attached with its rows
-        self._injection = os.environ.get(FAULT_INJECTION_ENV) == "1"  # tests only (protocol.injected_fault)
+        self._injection = fault_injection()  # tests only (protocol.injected_fault)
         self._inject: dict[str, str] = {}  # this step's injected faults: request id -> hook
         self._stage = "capture"  # the hook the step's pack is in (capture | heads): names a fault
         self.head_rows = 0  # rows the heads encoded (one matrix product per head per step)
