@@ -178,19 +178,24 @@ class HiddenStatesCollector:
     rows_wanted: bool = True  # False: heads alone, no rows travel
     steering: list = dataclasses.field(default_factory=list)  # protocol.SteerEntry, not anchored: what the workers add
     steering_echo: list = dataclasses.field(default_factory=list)  # what hidden_states_meta.steering says
+    # hidden_states_stop: the conditions the engine judges (protocol.Monitor), what the meta says of each,
+    # and per choice the one that finished it (its position and score) as hidden_states_meta.stop says it
+    monitors: list = dataclasses.field(default_factory=list)
+    stop_echo: list = dataclasses.field(default_factory=list)
+    stops: dict[ChoiceKey, dict] = dataclasses.field(default_factory=dict)
     # A chat with media: renders its messages again (a coroutine function -> the engine input), for an
     # extraction step whose items the engine core's processor cache evicted (extraction.Origin.resend)
     rerender: Any = None
 
     @classmethod
     def of(cls, tag: str, spec: Any, layers: tuple[int, ...], heads: tuple[tuple[str, int], ...] = (),
-           steering: tuple[list, list] = ([], [])) -> "HiddenStatesCollector":
-        """The collector of a parsed spec (params.HiddenStatesFields) whose `layers`, `heads` and
-        `steering` (entries, echo) the engine checked."""
+           steering: tuple[list, list] = ([], []), stop: tuple[list, list] = ([], [])) -> "HiddenStatesCollector":
+        """The collector of a parsed spec (params.HiddenStatesFields) whose `layers`, `heads`,
+        `steering` and `stop` (each: entries, echo) the engine checked."""
         _, position, dtype, topk = spec.capture()
         return cls(tag, layers, position, dtype=dtype, topk=topk, proof=spec.hidden_states_proof, spec=spec,
                    heads=heads, rows_wanted=getattr(spec, "rows_asked", True), steering=list(steering[0]),
-                   steering_echo=list(steering[1]))
+                   steering_echo=list(steering[1]), monitors=list(stop[0]), stop_echo=list(stop[1]))
 
     @property
     def captures(self) -> bool:
@@ -277,6 +282,10 @@ class CompletionChoice:
     heads: dict[str, Any] | None = None
     # hidden_states_steering: the steering applied, as hidden_states_meta.steering echoes it
     steering: list[dict] | None = None
+    # hidden_states_stop: the condition that finished the choice ({head, feature, above | below, position,
+    # score}, as hidden_states_meta.stop), None if none did; absent (stop_asked False) if none was asked
+    stop: dict | None = None
+    stop_asked: bool = False
 
     @property
     def dtype(self) -> str:
@@ -349,14 +358,15 @@ def rows_choice(engine: Any, collector: HiddenStatesCollector, index: int, text:
     if key not in collector.done:
         raise engine.missing(f"choice {index}")
     steering = collector.steering_echo or None
-    if not collector.captures:  # it only steers
-        return CompletionChoice(index, text, tuple(token_ids), finish_reason, steering=steering)
+    stop = {"stop": collector.stops.get(key), "stop_asked": True} if collector.monitors else {}
+    if not collector.captures:  # it only steers or stops
+        return CompletionChoice(index, text, tuple(token_ids), finish_reason, steering=steering, **stop)
     batch, stats = collector.take(key), collector.stats.get(key)
     rows, heads = captured(collector, batch, collector.topk or engine.hidden_size, getattr(engine, "heads", {}))
     engine.vector_sent(collector.position_label, stats, rows.nbytes, {name: len(rows) for name, _ in collector.heads},
                        batch.head_nbytes if batch else 0)
     return CompletionChoice(index, text, tuple(token_ids), finish_reason, rows, stats, collector.multi, heads=heads,
-                            steering=steering)
+                            steering=steering, **stop)
 
 
 def proof_choice(engine: Any, collector: HiddenStatesCollector, index: int, text: str, token_ids: Sequence[int],

@@ -108,10 +108,13 @@ class ChoiceVectors:
         batch = col.take(key)
         if batch is None and not finishing:
             return None
-        if not col.captures:  # it only steers: the steering applied, nothing captured
+        if not col.captures:  # it only steers or stops: the steering applied, the stop, nothing captured
             if not finishing:
                 return None
-            meta = {"steering": col.steering_echo, "adapter": self.adapter, "replica": self.replica_id}
+            meta = {"steering": col.steering_echo} if col.steering_echo else {}
+            meta.update(adapter=self.adapter, replica=self.replica_id)
+            if col.monitors:
+                meta["stop"] = col.stops.get(key)
             return {"hidden_states_meta": meta}
         choice = chunk_choice(col, batch, col.topk or getattr(self.engine, "hidden_size", 0),
                               getattr(self.engine, "heads", {}))
@@ -132,6 +135,8 @@ class ChoiceVectors:
         meta.update(adapter=self.adapter, replica=self.replica_id)
         if col.steering_echo:
             meta["steering"] = col.steering_echo
+        if finishing and col.monitors:  # the condition that finished the choice, or None
+            meta["stop"] = col.stops.get(key)
         if key[0] in col.modalities:  # a multimodal prompt: which positions are images' (audio's) tokens
             meta["modalities"] = col.modalities[key[0]]
         if finishing:

@@ -145,6 +145,23 @@ class SteeringAsk(BaseModel):
     op: Literal["add", "ablate"] = "add"
 
 
+MAX_STOP_CONDITIONS = 8  # a request's hidden_states_stop conditions, at most
+
+
+class StopAsk(BaseModel):
+    """One stop condition as asked: a registered head's output (an SAE's `feature`, a linear head's
+    class by `feature` index or `label`; an SAE's `label` is a feature's description) crossing a
+    threshold (`above` or `below`) at a completion position."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    head: str
+    feature: int | None = Field(None, ge=0)
+    label: str | None = None
+    above: float | None = None
+    below: float | None = None
+    positions: Literal["completion"] = "completion"
+
+
 class HiddenStatesFields(VectorFields):
     """The request fields this server adds to vLLM's OpenAI API (see the module docstring)."""
 
@@ -164,7 +181,13 @@ class HiddenStatesFields(VectorFields):
                           "request alone: [{layer, vector | name | head + feature, scale, positions, op}] "
                           "(docs/steering.md)")
 
+    hidden_states_stop: list[StopAsk] | None = Field(
+        None, description="finish a choice at the first completion position where a registered head's output "
+                          "crosses a threshold, judged in the engine on each row it computes: [{head, feature | "
+                          "label, above | below}] (docs/heads.md); finish_reason stop, stop_reason names it")
+
     _wants = field_validator("return_hidden_states", mode="before")(lambda cls, v: check_bool(v))
+    _stop = field_validator("hidden_states_stop", mode="before")(lambda cls, v: check_stop(v))
     _proof = field_validator("hidden_states_proof", mode="before")(lambda cls, v: check_proof(v))
     _heads = field_validator("hidden_states_heads", mode="before")(lambda cls, v: check_heads(v))
     _steering = field_validator("hidden_states_steering", mode="before")(lambda cls, v: check_steering(v))
@@ -186,7 +209,7 @@ class HiddenStatesFields(VectorFields):
     def wants(self) -> bool:
         """The request asks for rows (vectors, proofs, or heads' outputs) or steers."""
         return (self.return_hidden_states or self.hidden_states_proof is not None or bool(self.hidden_states_heads)
-                or bool(self.hidden_states_steering))
+                or bool(self.hidden_states_steering) or bool(self.hidden_states_stop))
 
     @property
     def heads(self) -> tuple[tuple[str, int | None], ...]:
@@ -219,6 +242,8 @@ class HiddenStatesFields(VectorFields):
             d["hidden_states_heads"] = [HeadAsk.model_construct(**h) for h in d["hidden_states_heads"]]
         if d.get("hidden_states_steering") is not None:
             d["hidden_states_steering"] = [SteeringAsk.model_construct(**e) for e in d["hidden_states_steering"]]
+        if d.get("hidden_states_stop") is not None:
+            d["hidden_states_stop"] = [StopAsk.model_construct(**e) for e in d["hidden_states_stop"]]
         return cls.model_construct(**d)
 
 
@@ -255,6 +280,9 @@ def parse_fields(req: Mapping[str, Any], *, enabled: bool) -> HiddenStatesFields
     if fields.get("hidden_states_steering") and not enabled:
         raise HiddenStatesRequestError(DISABLED.replace("hidden states are disabled", "steering is disabled"),
                                        "hidden_states_steering")
+    if fields.get("hidden_states_stop") and not enabled:
+        raise HiddenStatesRequestError(DISABLED.replace("hidden states are disabled", "stop conditions are disabled"),
+                                       "hidden_states_stop")
     if fields.get("hidden_states_heads") and not enabled:
         raise HiddenStatesRequestError(DISABLED.replace("hidden states are disabled", "heads are disabled"),
                                        "hidden_states_heads")
@@ -430,6 +458,91 @@ def check_steering(entries: Any) -> "list[SteeringAsk] | None":
     return out
 
 
+def check_stop(conditions: Any) -> "list[StopAsk] | None":
+    """`hidden_states_stop` as asked: at most MAX_STOP_CONDITIONS conditions, each a head, one of
+    `feature`/`label` and one finite threshold (`above` or `below`); a 400 naming the condition. The
+    head, feature and label are checked against the registered heads by `resolve_stop`."""
+    if conditions is None:
+        return None
+    if not isinstance(conditions, list) or not conditions:
+        raise HiddenStatesRequestError(
+            'hidden_states_stop must be a non-empty list of conditions, e.g. [{"head": "probe", "label": "toxic", '
+            f'"above": 0.9}}], not {conditions!r}', "hidden_states_stop")
+    if len(conditions) > MAX_STOP_CONDITIONS:
+        raise HiddenStatesRequestError(f"hidden_states_stop has {len(conditions)} conditions; at most "
+                                       f"{MAX_STOP_CONDITIONS}", "hidden_states_stop")
+    out = []
+    for i, c in enumerate(conditions):
+        where = f"hidden_states_stop[{i}]"
+        if isinstance(c, StopAsk):
+            out.append(c)
+            continue
+        if not isinstance(c, Mapping):
+            raise HiddenStatesRequestError(f"{where} must be an object, not {c!r}", "hidden_states_stop")
+        for key in ("above", "below"):  # a number, not a string or a bool pydantic would coerce
+            if key in c and c[key] is not None and (isinstance(c[key], bool) or not isinstance(c[key], (int, float))):
+                raise HiddenStatesRequestError(f"{where}.{key} must be a number, not {c[key]!r}", "hidden_states_stop")
+        try:
+            ask = StopAsk.model_validate(c)
+        except ValidationError as err:
+            first = err.errors()[0]
+            loc = ".".join(str(x) for x in first.get("loc", ()))
+            raise HiddenStatesRequestError(f"{where}.{loc}: {first.get('msg')}", "hidden_states_stop") from None
+        if (ask.feature is None) == (ask.label is None):
+            raise HiddenStatesRequestError(f"{where} needs exactly one of `feature` (an index) or `label`",
+                                           "hidden_states_stop")
+        if (ask.above is None) == (ask.below is None):
+            raise HiddenStatesRequestError(f"{where} needs exactly one threshold: `above` or `below`",
+                                           "hidden_states_stop")
+        threshold = ask.above if ask.above is not None else ask.below
+        if not np.isfinite(threshold):
+            raise HiddenStatesRequestError(f"{where}: the threshold must be finite, not {threshold}",
+                                           "hidden_states_stop")
+        out.append(ask)
+    return out
+
+
+def resolve_stop(spec: "HiddenStatesFields", heads: Mapping[str, Any]) -> tuple[list, list[dict]]:
+    """The stop conditions against the registered heads (heads.HeadSpec by name): (protocol.Monitor
+    per condition, what hidden_states_meta.stop says of each); a 400 naming the condition for an
+    unknown head, a feature beyond the head's outputs, or an unknown label."""
+    from hidden_states.protocol import Monitor
+
+    monitors, echo = [], []
+    for i, ask in enumerate(spec.hidden_states_stop or ()):
+        where = f"hidden_states_stop[{i}]"
+        head = heads.get(ask.head)
+        if head is None:
+            have = ", ".join(sorted(heads)) or "none"
+            raise HiddenStatesRequestError(f"{where}: unknown head {ask.head!r}; this server's heads are {have} "
+                                           "(GET /v1/models lists them)", "hidden_states_stop")
+        if ask.label is not None:
+            names = head.labels if head.kind == "linear" else [head.descriptions.get(f) for f in range(head.width)]
+            found = [f for f, name in enumerate(names) if name == ask.label]
+            if len(found) != 1:
+                known = (f"its labels are {', '.join(head.labels)}" if head.kind == "linear" and head.labels else
+                         "it has no label names" if head.kind == "linear" else
+                         "labels are its features' descriptions (docs/heads.md, feature labels)")
+                raise HiddenStatesRequestError(
+                    f"{where}: head {ask.head!r} has {'no' if not found else 'several'} output labelled "
+                    f"{ask.label!r} ({known}); or give `feature`, an index", "hidden_states_stop")
+            index = found[0]
+        else:
+            index = ask.feature
+            if index >= head.width:
+                what = "features" if head.kind == "sae" else "outputs"
+                raise HiddenStatesRequestError(f"{where}: feature {index} is beyond the {head.width} {what} of head "
+                                               f"{ask.head!r}", "hidden_states_stop")
+        above = ask.above is not None
+        threshold = float(ask.above if above else ask.below)
+        monitors.append(Monitor(ask.head, int(index), above, threshold))
+        e = {"head": ask.head, "feature": int(index), "above" if above else "below": threshold}
+        if ask.label is not None:
+            e["label"] = ask.label
+        echo.append(e)
+    return monitors, echo
+
+
 def resolve_heads(spec: "HiddenStatesFields", heads: Mapping[str, Any]) -> tuple[tuple[str, int], ...]:
     """The asked heads against the registered ones (heads.HeadSpec by name): (name, k) with k an SAE's
     features per position (its default where not asked) and 0 for a linear head; a 400 naming an
@@ -566,7 +679,7 @@ def check_model(spec: VectorFields, num_layers: int, hidden_size: int) -> tuple[
 
 def spec_of(return_hidden_states: bool = True, layers: Sequence[int] | None = None, position: Any = "completion_end",
             dtype: str = "float32", topk: int | None = None, proof: Any = None, heads: Any = None,
-            steering: Any = None, *, enabled: bool) -> HiddenStatesFields:
+            steering: Any = None, stop: Any = None, *, enabled: bool) -> HiddenStatesFields:
     """A Python caller's keyword arguments as a spec (parse_fields: the same rules as a request's fields)."""
     if isinstance(position, BaseModel):
         position = position.model_dump()
@@ -577,7 +690,8 @@ def spec_of(return_hidden_states: bool = True, layers: Sequence[int] | None = No
                          "hidden_states_position": position, "hidden_states_dtype": dtype,
                          "hidden_states_topk": topk, "hidden_states_proof": proof,
                          "hidden_states_heads": None if heads is None else list(heads),
-                         "hidden_states_steering": None if steering is None else list(steering)}, enabled=enabled)
+                         "hidden_states_steering": None if steering is None else list(steering),
+                         "hidden_states_stop": None if stop is None else list(stop)}, enabled=enabled)
 
 
 def check_proof_width(proof: ProofRequest, hidden_size: int) -> None:

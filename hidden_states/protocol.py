@@ -207,10 +207,13 @@ class HiddenStatesExtractionRequest(msgspec.Struct, omit_defaults=True, forbid_u
     # SAE's features per position; 0 for a linear head's every output). `layers` may then be empty
     # (heads alone: no rows travel).
     heads: list[list] = msgspec.field(default_factory=list)
+    # Stop conditions on heads' outputs (hidden_states_stop), judged by the scheduler on every completion
+    # row the steps compute: the request finishes at the first position where one holds.
+    monitors: list["Monitor"] = msgspec.field(default_factory=list)
 
     def head_flag(self, name: str, k: int) -> "HiddenStatesExtractionRequest":
         """The flag a head's outputs are kept under in the engine core: float32, `k` wide top-k or dense."""
-        return msgspec.structs.replace(self, dtype="float32", topk=k, heads=[])
+        return msgspec.structs.replace(self, dtype="float32", topk=k, heads=[], monitors=[])
 
     def to_extra_args(self) -> dict:
         return {EXTRA_ARGS_KEY: msgspec.to_builtins(self)}
@@ -219,6 +222,30 @@ class HiddenStatesExtractionRequest(msgspec.Struct, omit_defaults=True, forbid_u
     def from_extra_args(extra_args: dict | None) -> "HiddenStatesExtractionRequest | None":
         raw = (extra_args or {}).get(EXTRA_ARGS_KEY)
         return None if raw is None else msgspec.convert(raw, HiddenStatesExtractionRequest)
+
+
+class Monitor(msgspec.Struct, array_like=True, frozen=True):
+    """One stop condition as the engine judges it: head `head`'s output `index` (an SAE's feature
+    activation, as SAELens's encode gives it; a linear head's class score after its activation), in
+    float32 on the device per completion row, against `threshold` (`above`: score > threshold; else
+    score < threshold)."""
+
+    head: str
+    index: int
+    above: bool
+    threshold: float
+
+    def holds(self, score: float) -> bool:
+        return score > self.threshold if self.above else score < self.threshold
+
+
+# A step's monitor scores travel as a block of the step's buffer under this head name: float32
+# [watched positions, the request's monitors] (RowBlock.head); never a registered head's name.
+MONITOR_BLOCK = "\x00monitors"
+# EngineCoreOutput.kv_transfer_params key of a request a monitor stopped: [capture key, position,
+# monitor index, score] (its finish is "stop", its stop_reason STOP_REASON.format(index)).
+STOP_KEY = "hidden_states_stop"
+STOP_REASON = "hidden_states_stop[{}]"
 
 
 class SteerEntry(msgspec.Struct, array_like=True, frozen=True):
@@ -260,6 +287,11 @@ class PlanEntry(NamedTuple):
     dtype: str  # the rows cast to it on the device
     topk: int
     heads: Sequence = ()  # [name, k] of the request's heads (HiddenStatesExtractionRequest.heads)
+    # Rows the request's monitors score (offsets as `offsets`; completion positions not judged yet),
+    # their positions, and the monitors as [head, index]: the worker sends float32 scores (MONITOR_BLOCK).
+    watch: Sequence = ()
+    watch_positions: Sequence = ()
+    monitors: Sequence = ()
 
 
 class RowBlock(NamedTuple):

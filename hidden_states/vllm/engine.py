@@ -27,7 +27,7 @@ from hidden_states.heads import HeadConfigError, HeadSpec, load_heads
 from hidden_states.preflight import EngineStartupError, check_architecture, check_cpu_memory, check_model_folder
 from hidden_states.params import (DEFAULT_MAX_HIDDEN_STATES_BYTES, HiddenStatesFields, HiddenStatesRequestError,
                                   UnknownModelError, absolute_layer, check_layers, check_model, resolve_heads,
-                                  spec_of)
+                                  resolve_stop, spec_of)
 from hidden_states.models.builtin import DEFAULT_MODEL, resolve_model
 from hidden_states.media import media_parts
 from hidden_states.interface import (Completion, ExtractionStats, SamplingOptions, VectorObservers,
@@ -122,6 +122,7 @@ class HiddenStatesEngine(VectorObservers):
         # Vectors off the outputs and the extraction step (extraction.py); vLLM's AsyncLLM reaches it too.
         self.extraction = llm.extraction = Extraction(
             llm, self.check_spec, self.check_layers, heads_of=self.heads_of, steering_of=self.steering_of,
+            stop_of=self.stop_of,
             timeout_s=extraction_timeout_s, tail_enabled=tail_enabled,
             priority=EXTRACTION_PRIORITY if llm.vllm_config.scheduler_config.policy == "priority" else 0,
             max_hidden_states_bytes=max_hidden_states_bytes)
@@ -270,6 +271,12 @@ class HiddenStatesEngine(VectorObservers):
         """The spec's heads against this engine's registered ones: (name, k), or a 400 naming the head."""
         return resolve_heads(spec, self.heads) if spec.heads else ()
 
+    def stop_of(self, spec: HiddenStatesFields) -> tuple[list, list]:
+        """The spec's stop conditions against this engine's registered heads (params.resolve_stop):
+        (monitors, echo), or a 400 naming the condition. A head's layer is served by construction (the
+        start checks every registered head's layer)."""
+        return resolve_stop(spec, self.heads) if spec.hidden_states_stop else ([], [])
+
     def steering_of(self, spec: HiddenStatesFields) -> tuple[list, list]:
         """The spec's steering resolved against this model (hidden_states/steering.py): (entries, echo),
         or a 400 naming the entry; steering needs the decoder-layer hooks."""
@@ -339,7 +346,7 @@ class HiddenStatesEngine(VectorObservers):
         return_hidden_states: bool = True,
         layers: Sequence[int] = (-1,), position: Any = "completion_end", model: str | None = None,
         dtype: str = "float32", topk: int | None = None, proof: Any = None, spec: HiddenStatesFields | None = None,
-        heads: Sequence[Any] | None = None, steering: Sequence[dict] | None = None,
+        heads: Sequence[Any] | None = None, steering: Sequence[dict] | None = None, stop: Sequence[dict] | None = None,
     ) -> Completion:
         """One prompt (text, token ids, or an engine input such as `chat_input`'s) to a finished Completion with a vector per choice. `sampling`:
         SamplingOptions or vLLM's SamplingParams; `model`: a LoRA adapter; `position`, `dtype`, `topk`,
@@ -362,7 +369,7 @@ class HiddenStatesEngine(VectorObservers):
         engine_prompt = prompt if isinstance(prompt, dict) else {"prompt_token_ids": list(prompt)}
         final, choices = None, []
         if spec is None:
-            spec = spec_of(return_hidden_states, layers, position, dtype, topk, proof, heads, steering,
+            spec = spec_of(return_hidden_states, layers, position, dtype, topk, proof, heads, steering, stop,
                            enabled=self.enabled)
         with self.collecting(spec) if spec.wants else contextlib.nullcontext() as collector:
             if collector is not None:

@@ -185,3 +185,134 @@ def test_post_hidden_states_gives_a_claimed_sequence_s_true_head_outputs(engine,
     status, r = _answer(engine, loop_thread, "hidden_states", {"model": "tiny-llama", "prompt": ids,
                                                                 "hidden_states_heads": ["nope"]})
     assert status == 400 and "unknown head 'nope'" in r["error"]["message"], r
+
+
+# -- stop conditions (hidden_states_stop): a head's output judged in the engine on every completion row --
+
+def reference_scores(reference, heads, ids, name: str, index: int) -> np.ndarray:
+    """Head `name`'s output `index` at every position of `ids`: SAELens's encode or numpy on transformers' rows."""
+    from tests.heads_ref import HEAD_LAYERS, linear_reference, sae_reference
+
+    head = {h["name"]: h for h in heads}[name]
+    rows = states(reference, ids)[HEAD_LAYERS[name]]
+    if name.startswith("sae"):
+        return sae_reference(head["path"], rows)[:, index].astype(np.float64)
+    return linear_reference(head["path"], head.get("activation", "none"), rows)[:, index]
+
+
+def crossing(scores: np.ndarray, P: int, above: bool) -> tuple[int, float]:
+    """A threshold the completion's scores cross first at a middle position, clear of every earlier
+    score by far more than the tolerance band (relative 1e-5 of max |score|): (position, threshold)."""
+    s = scores if above else -scores
+    for p in range(P + 1, len(scores) - 1):
+        before = s[P:p].max()
+        if s[p] - before > 1e-3 * np.abs(scores).max():
+            t = (s[p] + before) / 2
+            return p, float(t if above else -t)
+    raise AssertionError(f"no clear crossing in this completion: pick another prompt ({scores[P:]})")
+
+
+STOP_CASES = {"probe label below": ("probe", {"label": "pos"}, 2, False),
+              "sae feature above": ("sae-std", {"feature": None}, None, True),
+              "mid below": ("mid", {"feature": 0}, 0, False)}
+
+
+@pytest.mark.parametrize("case", list(STOP_CASES))
+def test_a_stop_condition_finishes_at_the_first_position_the_reference_crosses(engine, loop_thread, reference, heads,
+                                                                                 case):
+    """The plain greedy completion's reference scores (SAELens / numpy on transformers' rows) give a
+    threshold first crossed at a middle completion position p, clear of the band: the monitored
+    request's completion is the plain one's tokens up to p (token p the last), finish "stop", its
+    stop at p with the reference's score (relative 1e-5), and its final vector the reference's row p
+    (computed by the tail step); a request in the same batch without the condition is unchanged, bit for bit."""
+    name, which, index, above = STOP_CASES[case]
+    prompt = PROMPTS[1]
+    plain = loop_thread.run(engine.complete(prompt, sp(max_tokens=12, logprobs=2)))
+    ids = list(plain.prompt_token_ids) + list(plain.choices[0].token_ids)
+    P = len(plain.prompt_token_ids)
+    if index is None:  # the SAE feature with the widest spread over the completion
+        acts = reference_scores(reference, heads, ids, name, slice(None))[P:]
+        index = int(np.argmax(acts.max(0) - acts.min(0)))
+    scores = reference_scores(reference, heads, ids, name, index)
+    p, threshold = crossing(scores, P, above)
+    condition = {"head": name, **({"feature": index} if which.get("feature", 0) is None or "feature" in which
+                                  else which), ("above" if above else "below"): threshold}
+
+    async def batch():
+        import asyncio
+        return await asyncio.gather(
+            engine.complete(prompt, sp(max_tokens=12, logprobs=2), stop=[condition]),
+            engine.complete(prompt, sp(max_tokens=12, logprobs=2)))
+
+    out, beside = loop_thread.run(batch())
+    (ch,) = out.choices
+    assert list(ch.token_ids) == ids[P:p + 1], (case, p, ch.token_ids)
+    assert ch.finish_reason == "stop"
+    assert ch.stop["position"] == p and ch.stop["condition"] == 0 and ch.stop["head"] == name
+    assert ch.stop["feature"] == index and ch.stop["above" if above else "below"] == threshold
+    assert abs(ch.stop["score"] - scores[p]) <= 1e-5 * np.abs(scores).max(), (ch.stop, scores[p])
+    want = states(reference, ids[:p + 1])[-1][p]
+    diff = float(np.abs(ch.hidden_states - want).max())
+    assert diff <= 1e-5 * np.abs(want).max()
+    ERRORS.append((f"stop {case}: score", abs(ch.stop["score"] - scores[p]), float(np.abs(scores).max())))
+    ERRORS.append((f"stop {case}: final vector", diff, float(np.abs(want).max())))
+    assert ch.extraction.via == "tail"
+    (b,), (a,) = beside.choices, plain.choices
+    assert b.token_ids == a.token_ids and b.finish_reason == a.finish_reason and b.stop is None
+    assert np.array_equal(b.hidden_states, a.hidden_states)
+
+
+def test_a_stop_condition_that_never_holds_changes_nothing_and_says_so(engine, loop_thread):
+    plain = loop_thread.run(engine.complete(PROMPTS[0], sp(max_tokens=8)))
+    out = loop_thread.run(engine.complete(PROMPTS[0], sp(max_tokens=8), return_hidden_states=False,
+                                          stop=[{"head": "probe", "feature": 0, "above": 2.0}]))
+    (ch,), (a,) = out.choices, plain.choices
+    assert ch.token_ids == a.token_ids and ch.finish_reason == a.finish_reason == "length"
+    assert ch.stop is None and ch.stop_asked and ch.hidden_states is None
+
+
+def test_a_stop_over_the_openai_routes_streams_to_its_chunk(engine, loop_thread, reference, heads):
+    """A streamed chat with a stop condition: the last chunk finishes with "stop", stop_reason naming
+    the condition, hidden_states_meta.stop its position; the text is the unmonitored stream's up to it."""
+    body = {"model": "tiny-llama", "messages": [{"role": "user", "content": "Tell me a story."}], "max_tokens": 12,
+            "temperature": 0, "stream": True, "return_token_ids": True}
+    status, plain = _answer(engine, loop_thread, "chat", body)
+    assert status == 200
+    tokens = [t for e in plain for ch in e.get("choices") or () for t in ch.get("token_ids") or ()]
+    prompt_ids = next(e["prompt_token_ids"] for e in plain if e.get("prompt_token_ids"))
+    ids = prompt_ids + tokens
+    P = len(prompt_ids)
+    scores = reference_scores(reference, heads, ids, "probe", 2)
+    p, threshold = crossing(scores, P, True)
+    status, events = _answer(engine, loop_thread, "chat", {
+        **body, "hidden_states_stop": [{"head": "probe", "label": "pos", "above": threshold}]})
+    assert status == 200, events
+    chunks = [ch for e in events for ch in e.get("choices") or ()]
+    got = [t for ch in chunks for t in ch.get("token_ids") or ()]
+    assert got == tokens[:p + 1 - P]
+    last = chunks[-1]
+    assert last["finish_reason"] == "stop" and last["stop_reason"] == "hidden_states_stop[0]", last
+    assert last["hidden_states_meta"]["stop"]["position"] == p
+    assert all(ch.get("finish_reason") is None for ch in chunks[:-1])
+    status, r = _answer(engine, loop_thread, "completions", {
+        "model": "tiny-llama", "prompt": PROMPTS[0], "max_tokens": 4,
+        "hidden_states_stop": [{"head": "probe", "label": "pos", "above": 2.0}]})
+    assert status == 200 and r["choices"][0]["hidden_states_meta"]["stop"] is None, r
+
+
+@pytest.mark.parametrize("stop,words", [
+    ([{"head": "nope", "feature": 0, "above": 1}], "unknown head 'nope'"),
+    ([{"head": "probe", "label": "joy", "above": 1}], "no output labelled 'joy'"),
+    ([{"head": "sae-std", "feature": F, "above": 1}], f"beyond the {F} features of head 'sae-std'"),
+    ([{"head": "probe", "feature": 0, "above": "high"}], "must be a number"),
+    ([{"head": "probe", "feature": 0}], "exactly one threshold"),
+    ([{"head": "probe", "feature": 0, "label": "pos", "above": 1}], "exactly one of `feature`"),
+    ([{"head": "probe", "feature": 0, "above": float("nan")}], "finite"),
+    ([{"head": "probe", "feature": 0, "above": 1, "when": 2}], "when"),
+    ([], "non-empty")])
+def test_bad_stop_conditions_are_a_400_naming_the_field(engine, loop_thread, stop, words):
+    from hidden_states.params import HiddenStatesRequestError
+
+    with pytest.raises(HiddenStatesRequestError) as e:
+        loop_thread.run(engine.complete(PROMPTS[0], sp(), return_hidden_states=False, stop=stop))
+    assert words in str(e.value) and e.value.param == "hidden_states_stop", str(e.value)

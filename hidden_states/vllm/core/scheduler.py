@@ -36,9 +36,10 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 
-from hidden_states.protocol import (FAULT_KEY, HEADS_KEY, PLAN_ATTR, ROWS_KEY, SEQ_ATTR, STEP_ATTR, CapturedRows,
-                                    HiddenStatesExtractionRequest, HookFault, InjectedFault, PlanEntry, Span,
-                                    absolute_layer, captured_rows, fault_injection, injected_fault)
+from hidden_states.protocol import (FAULT_KEY, HEADS_KEY, MONITOR_BLOCK, PLAN_ATTR, ROWS_KEY, SEQ_ATTR, STEP_ATTR,
+                                    STOP_KEY, STOP_REASON, CapturedRows, HiddenStatesExtractionRequest, HookFault,
+                                    InjectedFault, PlanEntry, Span, absolute_layer, captured_rows, fault_injection,
+                                    injected_fault)
 from hidden_states.vllm import _require
 
 logger = logging.getLogger(__name__)
@@ -196,6 +197,7 @@ class _Capture:
     tail_positions: int = 0
     # Each head's outputs (protocol.RowBlock.head), kept as rows are: the same span, their own flag.
     heads: dict[str, "_Rows | _StepRefs"] = dataclasses.field(default_factory=dict)
+    judged: int = 0  # its monitors (flag.monitors) have judged the completion rows below this position
 
     def accumulators(self) -> list["_Rows | _StepRefs"]:
         return [self.rows, *self.heads.values()]
@@ -257,6 +259,11 @@ class _VectorsOnOutputs:
         self._stashed: dict[int, list[tuple[int, Any]]] = {}  # seq -> finishing outputs (client, eco) to release
         self._faults: dict[str, HookFault] = {}  # requests a hook failed in this update: finished with an error
         self._injection = fault_injection()  # tests only: requests may ask a hook to fail
+        # Monitors (hidden_states_stop): a condition held at a row this step computed -> (position, monitor,
+        # score) until the request's update applies it; then what its finishing output carries (STOP_KEY).
+        self._triggers: dict[str, tuple[int, int, float]] = {}
+        self._stops: dict[str, list] = {}
+        self.monitor_stops = 0  # requests a monitor finished
         self._inject: dict[str, str] = {}  # request id -> the hook to fail (protocol.injected_fault)
 
     def _fault(self, rid: str, hook: str, error: BaseException | HookFault) -> None:
@@ -354,10 +361,14 @@ class _VectorsOnOutputs:
                 elif self.async_tail and cap.tail and stop > req.num_prompt_tokens:
                     positions = [stop - 1]  # kept only if it is the final token's (_async_tails)
                 else:
-                    continue
-                if positions:
+                    positions = []
+                # Its monitors score the completion rows not judged yet (a held request's tail row is not judged).
+                watch = [] if not flag.monitors or rid in self._held else \
+                    list(range(max(first, req.num_prompt_tokens, cap.judged), stop))
+                if positions or watch:
                     plan[rid] = PlanEntry([p - first for p in positions], positions, flag.layers, stop, flag.dtype,
-                                          flag.topk, flag.heads)
+                                          flag.topk, flag.heads, [p - first for p in watch], watch,
+                                          [[m.head, m.index] for m in flag.monitors] if watch else [])
             except Exception as e:  # this request fails alone (at the end of the step's update)
                 self._fault(rid, "plan", e)
         return plan or None
@@ -376,7 +387,7 @@ class _VectorsOnOutputs:
             self._step_output = None
         if self._awaiting or self._stashed:
             self._async_tails(outputs)
-        if self._live or self._finished_rows:
+        if self._live or self._finished_rows or self._stops:
             self._send_rows(outputs)
         if self._faults:
             self._fail(outputs)
@@ -428,6 +439,8 @@ class _VectorsOnOutputs:
                     if eco.finish_reason is not None:
                         self._inject.pop(rid, None)
                         rows = self._finished_rows.pop(rid, None)
+                        if (stop := self._stops.pop(rid, None)) is not None:  # a monitor finished it: where, why
+                            eco.kv_transfer_params = {**(eco.kv_transfer_params or {}), STOP_KEY: stop}
                     elif (cap := self._live.get(rid)) is not None and cap.flag.every_step and \
                             (req := self.requests.get(rid)) is not None:
                         rows = cap.take(req.num_tokens)
@@ -458,6 +471,8 @@ class _VectorsOnOutputs:
             clients[request.request_id] = request.client_index
         for rid, fault in faults.items():
             self._finished_rows.pop(rid, None)
+            self._stops.pop(rid, None)
+            self._triggers.pop(rid, None)
             self._awaiting.pop(rid, None)
             self._inject.pop(rid, None)
             if rid not in clients:  # finished and sent before the fault was known: nothing left to fail
@@ -481,11 +496,30 @@ class _VectorsOnOutputs:
                 for b in blocks:
                     by_head.setdefault(b.head, []).append(b)
                 for head, mine in by_head.items():
+                    if head == MONITOR_BLOCK:
+                        if rid in self._live:  # (not a finished request's, awaiting its tail row)
+                            self._judge(rid, cap, mine[0], step.data, bound)
+                        continue
                     acc = cap.heads.get(head) if head else cap.rows
                     if acc is not None:
                         _file_into(acc, step.data, sorted(mine, key=lambda b: b.layer), bound)
             except Exception as e:  # this request fails alone (at the end of this update)
                 self._fault(rid, "file", e)
+
+    def _judge(self, rid: str, cap: _Capture, block: Any, data: np.ndarray, bound: int) -> None:
+        """A step's monitor scores of `rid` (float32 [positions, monitors]): the first position not judged
+        yet, below `bound` (accepted tokens only), where a monitor holds (in order) is its trigger."""
+        scores = block.values(data)
+        monitors = cap.flag.monitors
+        for r, position in enumerate(block.positions):
+            if position < cap.judged or position >= bound:
+                continue
+            for i, monitor in enumerate(monitors):
+                if monitor.holds(float(scores[r, i])):
+                    self._triggers[rid] = (int(position), i, float(scores[r, i]))
+                    cap.judged = bound  # nothing past the trigger is judged
+                    return
+        cap.judged = max(cap.judged, min(block.positions[-1] + 1, bound))
 
     def _update_request_with_output(self, request: Any, new_token_ids: list[int], *args: Any, **kwargs: Any):
         rid = request.request_id
@@ -496,7 +530,19 @@ class _VectorsOnOutputs:
             self._released[rid] = held
             self.tails_run += 1
             return list(held.tokens), True
-        new_token_ids, stopped = super()._update_request_with_output(request, new_token_ids, *args, **kwargs)
+        trigger = self._triggers.pop(rid, None) if self._triggers else None
+        if trigger is not None:  # a monitor held at row p: the tokens up to p stay, the rest of the step goes
+            position, index, score = trigger
+            keep = max(position + 1 - request.num_tokens, 0)
+            new_token_ids, stopped = super()._update_request_with_output(request, new_token_ids[:keep], *args,
+                                                                         **kwargs)
+            if not stopped:  # (an ordinary stop at or before p stands)
+                request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, STOP_REASON.format(index)
+                stopped = True
+                self.monitor_stops += 1
+                self._stops[rid] = [self._live[rid].flag.key, position, index, score]
+        else:
+            new_token_ids, stopped = super()._update_request_with_output(request, new_token_ids, *args, **kwargs)
         if not stopped or (cap := self._live.get(rid)) is None:
             return new_token_ids, stopped
         try:
@@ -536,7 +582,11 @@ class _VectorsOnOutputs:
         rid = request.request_id
         if (cap := self._live.pop(rid, None)) is not None:
             self._held.pop(rid, None)
-            if self.async_tail and cap.tail and self._await_tail(request, cap):
+            self._triggers.pop(rid, None)
+            if request.status == RequestStatus.FINISHED_ABORTED:
+                self._stops.pop(rid, None)
+            # (a monitor's stop: its final row is this step's, already filed; the step in flight's is a dropped token's)
+            if self.async_tail and cap.tail and rid not in self._stops and self._await_tail(request, cap):
                 pass  # the step in flight computes its final row (_async_tails sends the rows)
             elif request.status != RequestStatus.FINISHED_ABORTED:
                 try:

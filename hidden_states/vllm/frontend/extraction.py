@@ -25,7 +25,7 @@ from hidden_states.interface import (ExtractionStats, HiddenStatesCollector, Hid
                                   MissingHiddenStatesError, RowBatch)
 from hidden_states.params import (DEFAULT_MAX_HIDDEN_STATES_BYTES, HiddenStatesFields, HiddenStatesRequestError, Span,
                                   absolute_layer, check_room, check_rows_budget, room_for_completion)
-from hidden_states.protocol import (COLLECTOR_TAG_KEY, FAULT_KEY, HEADS_KEY, ROWS_KEY, STEER_KEY, CapturedRows,
+from hidden_states.protocol import (COLLECTOR_TAG_KEY, FAULT_KEY, HEADS_KEY, ROWS_KEY, STEER_KEY, STOP_KEY, CapturedRows,
                                     HiddenStatesExtractionRequest, HiddenStatesProtocolError, HookFault)
 
 _FAILED = ("abort", "error")
@@ -149,9 +149,10 @@ def make_async_llm_class():
                 if hs is not None and hs.live:
                     for eco in engine_core_outputs:
                         params = eco.kv_transfer_params
-                        if params is not None and (ROWS_KEY in params or HEADS_KEY in params or FAULT_KEY in params):
+                        if params is not None and (ROWS_KEY in params or HEADS_KEY in params or FAULT_KEY in params
+                                                   or STOP_KEY in params):
                             rows, heads = params.pop(ROWS_KEY, None), params.pop(HEADS_KEY, None)
-                            fault = params.pop(FAULT_KEY, None)
+                            fault, stop = params.pop(FAULT_KEY, None), params.pop(STOP_KEY, None)
                             if not params:
                                 eco.kv_transfer_params = None
                             state = processor.request_states.get(eco.request_id)
@@ -160,7 +161,11 @@ def make_async_llm_class():
                                 hs.engine_fault(caller, fault)
                                 continue
                             try:
-                                hs.deliver(rows, state.request_index if state is not None else None, heads)
+                                index = state.request_index if state is not None else None
+                                if stop is not None:  # a monitor finished it: where, and which
+                                    hs.stopped(stop, index)
+                                if rows is not None or heads:
+                                    hs.deliver(rows, index, heads)
                             except Exception as e:  # this request fails; the output handler serves on
                                 hs.fault(caller, "deliver", e)
                 return process(engine_core_outputs, *a, **kw)
@@ -184,7 +189,7 @@ def make_async_llm_class():
             key = uuid.uuid4().hex
             ordinal = prompt_ordinal(request_id)
             origin = Origin.of(prompt, kwargs, sampling_params, collector.rerender)
-            if collector.captures:
+            if collector.captures or collector.monitors:
                 prompt, sampling_params = hs._flag(collector, prompt, sampling_params, key)
             collector.prompt_lens[ordinal] = prompt_length(prompt)
             if origin.mm is not None:
@@ -229,6 +234,7 @@ class Extraction:
                  check_layers: Callable[..., tuple[int, ...]], *,
                  heads_of: Callable[..., tuple[tuple[str, int], ...]] = lambda spec: (),
                  steering_of: Callable[..., tuple[list, list]] = lambda spec: ([], []),
+                 stop_of: Callable[..., tuple[list, list]] = lambda spec: ([], []),
                  timeout_s: float = 60.0,
                  tail_enabled: bool = False, priority: int = 0,
                  max_hidden_states_bytes: int = DEFAULT_MAX_HIDDEN_STATES_BYTES):
@@ -236,6 +242,8 @@ class Extraction:
         self.check_spec, self.check_layers = check_spec, check_layers  # the engine's checks against its model
         self.heads_of = heads_of  # a spec's heads against the engine's registered ones (params.resolve_heads)
         self.steering_of = steering_of  # a spec's steering resolved (hidden_states/steering.py)
+        self.stop_of = stop_of  # a spec's stop conditions resolved (params.resolve_stop)
+        self.monitor_stops = 0  # choices a stop condition finished
         self.num_layers = int(llm.vllm_config.model_config.hf_text_config.num_hidden_layers)
         self.hidden_size = int(llm.vllm_config.model_config.get_hidden_size())
         self.extraction_timeout_s = timeout_s
@@ -339,6 +347,21 @@ class Extraction:
             np.asarray(some.positions, dtype=np.int64), values, cr.dtype if cr is not None else col.dtype, indices,
             tail_positions=some.tail_positions, heads=head_values, head_indices=head_indices))
 
+    def stopped(self, raw: Any, index: int | None) -> None:
+        """A choice a stop condition finished ([capture key, position, condition, score] off its finishing
+        output): what its hidden_states_meta.stop says."""
+        try:
+            key, position, condition, score = raw
+            col = self.live.get(key)
+            if col is None or index is None or key not in col.engine_requests:
+                self.late_rows += 1
+                return
+            col.stops[(col.engine_requests[key], index)] = {**col.stop_echo[condition], "condition": int(condition),
+                                                            "position": int(position), "score": float(score)}
+            self.monitor_stops += 1
+        except (TypeError, ValueError, IndexError):
+            self.malformed_vectors += 1
+
     def _steer(self, collector: HiddenStatesCollector, prompt: Any, params: Any) -> tuple[Any, Any]:
         """A steered request: its entries in its extra_args (the workers read them), and its steering's
         digest joined to its cache salt, so no prefix-cache block computed under one steering serves
@@ -377,8 +400,9 @@ class Extraction:
         params = params.clone()
         params.extra_args = {**(params.extra_args or {}), **HiddenStatesExtractionRequest(
             key=key, span=span.to_list(), layers=list(collector.layers) if collector.rows_wanted else [],
-            dtype=collector.dtype, heads=[list(h) for h in collector.heads],
-            reaches_final=span.end is None or span.end > P,  # an end counted from the end stops before it
+            dtype=collector.dtype, heads=[list(h) for h in collector.heads], monitors=list(collector.monitors),
+            # an end counted from the end stops before it; stop conditions alone capture nothing
+            reaches_final=collector.captures and (span.end is None or span.end > P),
             topk=collector.topk or 0,
             every_step=collector.multi and params.output_kind != RequestOutputKind.FINAL_ONLY).to_extra_args()}
         return prompt, params
@@ -447,7 +471,7 @@ class Extraction:
     def collecting(self, spec: HiddenStatesFields):
         """A collector for one request's rows (see HiddenStatesEngine.collecting)."""
         collector = HiddenStatesCollector.of(uuid.uuid4().hex, spec, self.check_spec(spec), self.heads_of(spec),
-                                             self.steering_of(spec))
+                                             self.steering_of(spec), self.stop_of(spec))
         self.live[collector.tag] = collector
         try:
             yield collector

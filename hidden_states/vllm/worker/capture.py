@@ -15,8 +15,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from hidden_states.protocol import (PLAN_ATTR, STEP_ATTR, HookFault, InjectedFault, PlanEntry, RowBlock, StepCapture,
-                                    fault_injection, injected_fault)
+from hidden_states.protocol import (MONITOR_BLOCK, PLAN_ATTR, STEP_ATTR, HookFault, InjectedFault, PlanEntry, RowBlock,
+                                    StepCapture, fault_injection, injected_fault)
 from hidden_states.vllm import SUPPORTED_LAYER_ARCHS
 from hidden_states.vllm.worker.layers import final_norm_in_logits, layer_capture_support
 from hidden_states.vllm.worker.steering import StepSteering
@@ -36,6 +36,7 @@ class _Entry(NamedTuple):
     dtype: str | None  # None: the engine's own, uncast
     topk: int
     heads: list  # [name, k]: heads over the same rows (heads.DeviceHead)
+    monitors: list = []  # [head, index]: a watch entry's scores (protocol.MONITOR_BLOCK), no rows
 
 
 _TORCH_DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16"}
@@ -275,8 +276,12 @@ class _RunnerHook:
             try:
                 e = PlanEntry(*raw)
                 start = self.adapter.starts((rid,))[rid]
-                plan.append(_Entry(rid, list(e.layers), [start + o for o in e.offsets], list(e.positions),
-                                   e.num_tokens, e.dtype, e.topk, list(e.heads)))
+                if e.offsets:
+                    plan.append(_Entry(rid, list(e.layers), [start + o for o in e.offsets], list(e.positions),
+                                       e.num_tokens, e.dtype, e.topk, list(e.heads)))
+                if e.watch:  # the rows its monitors score: their scores travel, not the rows
+                    plan.append(_Entry(rid, [], [start + o for o in e.watch], list(e.watch_positions), e.num_tokens,
+                                       None, 0, [], [list(m) for m in e.monitors]))
             except Exception as err:  # this request's entry: it fails alone
                 self.fault(rid, "capture", err)
         L = self.num_layers
@@ -291,10 +296,10 @@ class _RunnerHook:
         return plan
 
     def _layers_of(self, e: _Entry) -> list[int]:
-        """The layers an entry's rows are sliced at: its own, and its heads'."""
-        if not e.heads:
+        """The layers an entry's rows are sliced at: its own, its heads' and its monitors' heads'."""
+        if not e.heads and not e.monitors:
             return e.layers
-        return list(dict.fromkeys([*e.layers, *(self.heads[name].spec.layer for name, _ in e.heads)]))
+        return list(dict.fromkeys([*e.layers, *(self.heads[name].spec.layer for name, _ in (*e.heads, *e.monitors))]))
 
     def _make_pre_hook(self, layer: int):
         def pre_hook(module, args, kwargs):
@@ -437,10 +442,11 @@ class _RunnerHook:
         for i in members:
             for name, k in plan[i].heads:
                 wanting.setdefault((name, int(k)), []).append(i)
-        if not wanting:
+        watching = [i for i in members if plan[i].monitors]
+        if not wanting and not watching:
             return []
         where = {(blk[0], blk[1]): b for b, blk in enumerate(blocks)}
-        out = []
+        out = self._run_monitors(plan, watching, blocks, where) if watching else []
         for (name, k), entries in wanting.items():
             self.check("heads", (plan[i].rid for i in entries))
             head = self.heads[name]
@@ -455,6 +461,35 @@ class _RunnerHook:
                             None if indices is None else indices[at:at + n].contiguous()))
                 at += n
         return out
+
+    def _run_monitors(self, plan: list[_Entry], watching: list[int], blocks: list,
+                      where: dict) -> list[tuple[int, int, str, Any, Any]]:
+        """Each watch entry's monitor scores, float32 [rows, its monitors] (protocol.MONITOR_BLOCK): per
+        head one product over every watching entry's rows at its layer, then each monitor's column."""
+        import torch
+
+        by_head: dict[str, list[int]] = {}
+        for i in watching:
+            for name, _ in plan[i].monitors:
+                if i not in by_head.setdefault(name, []):
+                    by_head[name].append(i)
+        outputs: dict[tuple[int, str], Any] = {}
+        for name, entries in by_head.items():
+            self.check("heads", (plan[i].rid for i in entries))
+            head = self.heads[name]
+            group = [where[(i, head.spec.layer)] for i in entries]
+            rows = _rows_of(blocks, group)
+            values = head.features(rows) if head.spec.kind == "sae" else head.encode(rows, 0)[0]
+            self.head_products += 1
+            self.head_rows += int(values.shape[0])
+            at = 0
+            for i in entries:
+                n = len(plan[i].flat)
+                outputs[(i, name)] = values[at:at + n]
+                at += n
+        return [(i, 0, MONITOR_BLOCK, torch.stack([outputs[(i, name)][:, int(index)] for name, index
+                                                   in plan[i].monitors], dim=-1).float().contiguous(), None)
+                for i in watching]
 
     def attach(self, out: Any) -> Any:
         """Hangs the step's rows and faults on its ModelRunnerOutput (protocol.STEP_ATTR); under async
