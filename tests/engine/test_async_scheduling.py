@@ -35,8 +35,10 @@ def async_engine(loop_thread):
     from hidden_states.vllm.cpu import CPU_ASYNC_ENV
 
     # CPU_ASYNC_ENV while the engine starts: read by start() and, inherited, by the engine-core process.
+    from tests.heads_ref import build_test_heads
+
     with running_engine(loop_thread, env={CPU_ASYNC_ENV: "1"}, timeout=600, clean=("pending", "missing_vectors"),
-                        **TEST_ENGINE_ARGS) as eng:
+                        heads=build_test_heads(), **TEST_ENGINE_ARGS) as eng:
         yield eng
 
 
@@ -107,3 +109,26 @@ def test_async_tail_vectors_exact_and_one_position_each(async_engine, loop_threa
     rel, scale, what = max(WORST)
     print(f"\nasync scheduling: {len(computed)} vectors, tokens computed per vector {set(computed)}; worst "
           f"relative error {rel:.2g} (max |reference| {scale:.3g}, {what})")
+
+
+def test_a_stop_condition_under_async_scheduling(async_engine, loop_thread, reference):
+    """A stop condition on the step in flight's side: the request stops at the first position the reference
+    (numpy on transformers' rows) crosses; the token sampled past it, and the step in flight's row, are
+    dropped; its final vector is the row the monitored step computed (no extraction, no extra step)."""
+    from tests.engine.test_heads import crossing, reference_scores
+    from tests.heads_ref import build_test_heads
+
+    eng = async_engine
+    plain = loop_thread.run(eng.complete(PROMPTS[1], sp(max_tokens=12)))
+    P = len(plain.prompt_token_ids)
+    ids = list(plain.prompt_token_ids) + list(plain.choices[0].token_ids)
+    scores = reference_scores(reference, build_test_heads(), ids, "mid", 0)
+    p, threshold = crossing(scores, P, True)
+    before = loop_thread.run(eng.stats())
+    out = loop_thread.run(eng.complete(PROMPTS[1], sp(max_tokens=12),
+                                       stop=[{"head": "mid", "feature": 0, "above": threshold}]))
+    (ch,) = out.choices
+    assert list(ch.token_ids) == ids[P:p + 1] and ch.finish_reason == "stop" and ch.stop["position"] == p
+    _close(ch.hidden_states, _rows(reference, ids[:p + 1])[-1], "async stop: final vector")
+    # the monitored step computed it as a generation row: no tail, no extraction
+    assert ch.extraction.via == "generation" and loop_thread.run(eng.stats())["extractions"] == before["extractions"]
