@@ -298,6 +298,10 @@ def test_a_stop_over_the_openai_routes_streams_to_its_chunk(engine, loop_thread,
         "model": "tiny-llama", "prompt": PROMPTS[0], "max_tokens": 4,
         "hidden_states_stop": [{"head": "probe", "label": "pos", "above": 2.0}]})
     assert status == 200 and r["choices"][0]["hidden_states_meta"]["stop"] is None, r
+    status, r = _answer(engine, loop_thread, "completions", {
+        "model": "tiny-llama", "prompt": PROMPTS[0], "max_tokens": 4, "use_beam_search": True, "n": 2,
+        "hidden_states_stop": [{"head": "probe", "label": "pos", "above": 0.5}]})
+    assert status == 400 and "beam search" in r["error"]["message"] and r["error"]["param"] == "hidden_states_stop", r
 
 
 @pytest.mark.parametrize("stop,words", [

@@ -370,6 +370,11 @@ def _wrap_beam_search(serving, engine) -> None:
                 "hidden_states_steering does not apply to beam search: send the request without use_beam_search",
                 "hidden_states_steering")
             raise collector.refusal
+        if collector.monitors:  # nor judged: a beam's tokens are chosen across beams, outside the engine core
+            collector.refusal = HiddenStatesRequestError(
+                "hidden_states_stop does not apply to beam search: send the request without use_beam_search",
+                "hidden_states_stop")
+            raise collector.refusal
         prompt_len = len(prompt.get("prompt_token_ids") or ())
         extraction = engine.extraction
         params = msgspec.structs.replace(params, max_tokens=extraction.beam_search_room(prompt_len, params.max_tokens))
