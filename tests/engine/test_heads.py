@@ -320,3 +320,42 @@ def test_bad_stop_conditions_are_a_400_naming_the_field(engine, loop_thread, sto
     with pytest.raises(HiddenStatesRequestError) as e:
         loop_thread.run(engine.complete(PROMPTS[0], sp(), return_hidden_states=False, stop=stop))
     assert words in str(e.value) and e.value.param == "hidden_states_stop", str(e.value)
+
+
+def test_requests_without_conditions_beside_monitored_ones_are_byte_for_byte_unchanged(engine, loop_thread):
+    """Over vLLM's OpenAI completions route, one batch of six run twice, once with two of them carrying
+    stop conditions that hold early (an SAE feature and the probe): the other four's answers (text, token
+    ids, logprobs, finish, usage, rows at layers 0, 1 and -1 in base64) are identical byte for byte, but
+    for ids, timestamps and the extraction's seconds."""
+    import asyncio
+    import json
+
+    bodies = [{"model": "tiny-llama", "prompt": f"Request {i} of the batch reads", "max_tokens": 10,
+               "temperature": 0, "logprobs": 3, "return_token_ids": True, "return_hidden_states": True,
+               "hidden_states_layers": [0, 1, -1], "hidden_states_position": "all", "hidden_states_encoding": "base64"}
+              for i in range(6)]
+    stops = {1: [{"head": "sae-std", "feature": 3, "above": 0.0}], 4: [{"head": "probe", "feature": 1, "above": 0.0}]}
+
+    async def run(monitored: bool):
+        frontend = await engine.openai("tiny-llama", "r0")
+
+        async def one(i, body):
+            if monitored and i in stops:
+                body = {**body, "hidden_states_stop": stops[i]}
+            parts = [part async for part in frontend.handle("completions", json.dumps(body).encode())]
+            assert parts[0][0] == 200, parts
+            return json.loads(parts[0][1])
+        return await asyncio.gather(*(one(i, b) for i, b in enumerate(bodies)))
+
+    def norm(r):
+        r = {k: v for k, v in r.items() if k not in ("id", "created")}
+        for ch in r["choices"]:
+            ch["hidden_states_meta"].pop("extraction_seconds", None)
+        return json.dumps(r, sort_keys=True)
+
+    plain, mixed = loop_thread.run(run(False)), loop_thread.run(run(True))
+    for i in (0, 2, 3, 5):
+        assert norm(plain[i]) == norm(mixed[i]), i
+    for i in stops:  # the monitored two did stop early (so the batch really held them)
+        (ch,) = mixed[i]["choices"]
+        assert ch["stop_reason"] == "hidden_states_stop[0]" and len(ch["token_ids"]) < 10, ch["stop_reason"]
