@@ -169,6 +169,18 @@ Ledger of patched points (supported: vLLM {SUPPORTED}):
    (`FAULT_INJECT_KEY` in `extra_args`, honoured only with
    `HIDDEN_STATES_FAULT_INJECTION=1` in the engine's environment).
    Remove: never; it is how our code fails safe.
+20. Stop conditions (`hidden_states_stop`; not a patch of vLLM, its own stop
+   path): the plan names each monitored request's completion rows not judged
+   yet (`PlanEntry.watch`); the worker scores them with the registered heads
+   on the device (`protocol.MONITOR_BLOCK`, float32, in the step's one copy);
+   `update_from_output` files the scores before vLLM applies the step, and
+   `_update_request_with_output` keeps the tokens up to the first position
+   where a condition holds, then sets `RequestStatus.FINISHED_STOPPED` and a
+   `stop_reason` ("hidden_states_stop[i]") as `check_stop` does for a stop
+   token. Relies on `_update_request_with_output(request, new_token_ids)`
+   appending tokens and calling `check_stop` (vLLM 0.32), and on the caller
+   slicing logprobs by the tokens it returns. Remove: never; vLLM has no
+   per-request hook on a step's hidden states.
 """
 
 from __future__ import annotations
