@@ -1,7 +1,7 @@
 """vLLM's default execution, `enforce_eager: false` (torch.compile with inductor on the CPU; CUDA
 graphs on GPUs), with the static layer set traced into the compiled forward (worker/traced.py):
-every layer, head and steering case of the eager engine's modules (and a worker hook's fault
-staying with its request), run again here on one compiled
+every layer, head, stop-condition and steering case of the eager engine's modules (and a worker
+hook's fault staying with its request), run again here on one compiled
 engine against transformers (the same test functions, this module's `engine`), and no request
 compiling anything after the start.
 
@@ -22,6 +22,7 @@ from tests.conftest import TEST_ENGINE_ARGS, engine_fixture
 from tests.heads_ref import build_test_heads
 from tests.engine.test_engine import test_tail_step_changes_nothing_in_the_output  # noqa: F401
 from tests.engine.test_heads import (  # noqa: F401
+    test_a_stop_condition_finishes_at_the_first_position_the_reference_crosses,
     test_an_sae_without_topk_gives_its_own_k_and_the_extraction_step_the_same,
     test_completions_chat_and_streams_over_the_openai_routes, test_every_head_at_the_final_token_alone_no_rows,
     test_heads_and_rows_across_the_completion_n2)
