@@ -244,7 +244,9 @@ def test_a_stop_condition_finishes_at_the_first_position_the_reference_crosses(e
             engine.complete(prompt, sp(max_tokens=12, logprobs=2), stop=[condition]),
             engine.complete(prompt, sp(max_tokens=12, logprobs=2)))
 
+    before = loop_thread.run(engine.stats())["monitor_stops"]
     out, beside = loop_thread.run(batch())
+    assert loop_thread.run(engine.stats())["monitor_stops"] == before + 1  # counted where the frontend filed it
     (ch,) = out.choices
     assert list(ch.token_ids) == ids[P:p + 1], (case, p, ch.token_ids)
     assert ch.finish_reason == "stop"

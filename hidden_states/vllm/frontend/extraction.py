@@ -273,7 +273,7 @@ class Extraction:
                 "timeouts": self.timeouts, "tail_enabled": self.tail_enabled, "tails": self.tails,
                 "pending": self.pending(),  # engine requests whose rows may still come
                 "malformed_vectors": self.malformed_vectors, "late_rows": self.late_rows,
-                "hook_faults": self.hook_faults}
+                "hook_faults": self.hook_faults, "monitor_stops": self.monitor_stops}
 
     def fault(self, request_id: str, hook: str, error: BaseException) -> None:
         """A hook of ours raised inside vLLM's output loop for `request_id`: logged with its traceback,
