@@ -1,0 +1,115 @@
+"""Stop conditions in the engine core's scheduler (hidden_states/vllm/core/scheduler.py), their own logic
+on stand-ins: which row triggers (`_judge`: the first not judged yet, below the step's accepted bound,
+conditions in order) and what the request keeps (`_update_request_with_output`: its tokens up to the
+trigger, under speculative decoding too; an ordinary stop before it stands). The real engine runs them
+in tests/engine/test_heads.py and tests/serve/test_heads.py."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+from vllm.v1.request import RequestStatus
+
+from hidden_states.protocol import (MONITOR_BLOCK, HiddenStatesExtractionRequest, Monitor, RowBlock, Span,
+                                    STOP_REASON)
+from hidden_states.vllm.core.scheduler import _Capture, _Rows, _VectorsOnOutputs
+
+STOP_TOKEN = 2
+
+
+@dataclasses.dataclass
+class FakeRequest:
+    """What vLLM's `_update_request_with_output` reads and writes of a request (its tokens and status)."""
+
+    request_id: str
+    tokens: list
+    status: object = RequestStatus.RUNNING
+    stop_reason: object = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
+
+
+class FakeScheduler:
+    """vLLM's `_update_request_with_output`: append, stop at STOP_TOKEN (its `check_stop`), trim."""
+
+    def _update_request_with_output(self, request, new_token_ids):
+        for n, t in enumerate(new_token_ids, 1):
+            request.tokens.append(t)
+            if t == STOP_TOKEN:
+                request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, t
+                del new_token_ids[n:]
+                return new_token_ids, True
+        return new_token_ids, False
+
+
+class Monitored(_VectorsOnOutputs, FakeScheduler):
+    def __init__(self, monitors):  # the mixin's state only (its __init__ needs a vLLM Scheduler)
+        self._live, self._held, self._triggers, self._stops, self.monitor_stops = {}, {}, {}, {}, 0
+        self._faults, self._inject = {}, {}
+        self.flag = HiddenStatesExtractionRequest(key="k", span=[-1, None, 1], layers=[], monitors=monitors)
+
+    def watch(self, rid: str) -> _Capture:
+        cap = self._live[rid] = _Capture(self.flag, False, _Rows(self.flag, Span(-1)))
+        return cap
+
+
+def block(positions, scores) -> tuple[RowBlock, np.ndarray]:
+    data = np.ascontiguousarray(np.asarray(scores, "<f4")).view(np.uint8).reshape(-1)
+    return RowBlock(positions[-1] + 1, 0, list(positions), "float32", len(scores[0]), 0, -1, MONITOR_BLOCK), data
+
+
+ABOVE = Monitor("probe", 0, True, 0.5)
+BELOW = Monitor("sae", 3, False, -1.0)
+
+
+@pytest.mark.parametrize("positions,scores,bound,want", [
+    ([9], [[0.4, 0.0]], 10, None),  # neither holds
+    ([9], [[0.6, 0.0]], 10, (9, 0, 0.6)),  # above, strictly
+    ([9], [[0.5, 0.0]], 10, None),  # at the threshold: not above it
+    ([9, 10, 11], [[0.1, 0.0], [0.1, -2.0], [0.9, 0.0]], 12, (10, 1, -2.0)),  # the first position, whichever holds
+    ([9, 10, 11], [[0.1, 0.0], [0.7, -2.0], [0.9, 0.0]], 12, (10, 0, 0.7)),  # at one position: in order
+    ([9, 10, 11], [[0.1, 0.0], [0.2, 0.0], [0.9, 0.0]], 11, None),  # past the bound: a rejected draft's row
+    ([9], [[float("nan"), float("nan")]], 10, None),  # NaN holds nothing
+])
+def test_the_first_row_that_holds_triggers(positions, scores, bound, want):
+    s = Monitored([ABOVE, BELOW])
+    cap = s.watch("r")
+    blk, data = block(positions, scores)
+    s._judge("r", cap, blk, data, bound)
+    got = s._triggers.get("r")
+    assert (got if got is None else (got[0], got[1], pytest.approx(got[2]))) == want
+    assert cap.judged == (bound if want is not None else min(positions[-1] + 1, bound))
+
+
+def test_a_row_judged_once_is_not_judged_again():
+    """A recomputed row (a resumed request) below `judged` never triggers, whatever its score."""
+    s = Monitored([ABOVE])
+    cap = s.watch("r")
+    cap.judged = 11
+    blk, data = block([9, 10, 11], [[0.9], [0.9], [0.1]])
+    s._judge("r", cap, blk, data, 12)
+    assert "r" not in s._triggers and cap.judged == 12
+
+
+@pytest.mark.parametrize("tokens,new,trigger,want_tokens,want_reason", [
+    # decode: row p = T - 1 (the last token's) fires: the token sampled from it is dropped
+    ([5, 6, 7], [8], (2, 0, 0.9), [5, 6, 7], STOP_REASON.format(0)),
+    # drafts: rows 2..4 computed, tokens 3 and 4 accepted + a bonus; row 3 fires: token 3 kept, 4 and 5 dropped
+    ([5, 6, 7], [8, 9, 10], (3, 1, -3.0), [5, 6, 7, 8], STOP_REASON.format(1)),
+    # an ordinary stop token before the trigger stands
+    ([5, 6, 7], [STOP_TOKEN, 9, 10], (4, 0, 0.9), [5, 6, 7, STOP_TOKEN], STOP_TOKEN),
+])
+def test_the_request_keeps_its_tokens_up_to_the_trigger(tokens, new, trigger, want_tokens, want_reason):
+    s = Monitored([ABOVE, BELOW])
+    s.watch("r")
+    req = FakeRequest("r", list(tokens))
+    s._triggers["r"] = trigger
+    kept, stopped = s._update_request_with_output(req, list(new))
+    assert stopped and req.tokens == want_tokens and kept == want_tokens[len(tokens):]
+    assert req.status == RequestStatus.FINISHED_STOPPED and req.stop_reason == want_reason
+    assert "r" not in s._triggers
+    assert (s._stops.get("r") == ["k", trigger[0], trigger[1], trigger[2]]) == (want_reason != STOP_TOKEN)
