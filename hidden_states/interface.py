@@ -183,6 +183,8 @@ class HiddenStatesCollector:
     monitors: list = dataclasses.field(default_factory=list)
     stop_echo: list = dataclasses.field(default_factory=list)
     stops: dict[ChoiceKey, dict] = dataclasses.field(default_factory=dict)
+    # conditional steering (`when`): per choice, each conditional entry's positions it was applied at
+    applied: dict[ChoiceKey, dict[int, list[int]]] = dataclasses.field(default_factory=dict)
     # A chat with media: renders its messages again (a coroutine function -> the engine input), for an
     # extraction step whose items the engine core's processor cache evicted (extraction.Origin.resend)
     rerender: Any = None
@@ -201,6 +203,19 @@ class HiddenStatesCollector:
     def captures(self) -> bool:
         """Anything to capture (rows or heads); a request that only steers captures nothing."""
         return self.rows_wanted or bool(self.heads)
+
+    @property
+    def conditional(self) -> bool:
+        """Some steering entry applies where a condition held (`when`): the engine core decides, and says where."""
+        return any(e.when is not None for e in self.steering)
+
+    def steering_meta(self, key: ChoiceKey) -> list:
+        """What hidden_states_meta.steering says for a choice: the echo, and where each `when` entry applied."""
+        applied = self.applied.get(key)
+        if not self.conditional:
+            return self.steering_echo
+        return [{**echo, "applied": applied.get(k, []) if applied is not None else None} if "when" in echo else echo
+                for k, echo in enumerate(self.steering_echo)]
 
     @property
     def multi(self) -> bool:
@@ -357,7 +372,7 @@ def rows_choice(engine: Any, collector: HiddenStatesCollector, index: int, text:
     key = (0, index)
     if key not in collector.done:
         raise engine.missing(f"choice {index}")
-    steering = collector.steering_echo or None
+    steering = collector.steering_meta(key) or None
     stop = {"stop": collector.stops.get(key), "stop_asked": True} if collector.monitors else {}
     if not collector.captures:  # it only steers or stops
         return CompletionChoice(index, text, tuple(token_ids), finish_reason, steering=steering, **stop)

@@ -111,7 +111,7 @@ class ChoiceVectors:
         if not col.captures:  # it only steers or stops: the steering applied, the stop, nothing captured
             if not finishing:
                 return None
-            meta = {"steering": col.steering_echo} if col.steering_echo else {}
+            meta = {"steering": col.steering_meta(key)} if col.steering_echo else {}
             meta.update(adapter=self.adapter, replica=self.replica_id)
             if col.monitors:
                 meta["stop"] = col.stops.get(key)
@@ -134,7 +134,7 @@ class ChoiceVectors:
             self._head_sent[key] = (nbytes + meta["head_bytes"], positions + (len(batch) if batch is not None else 0))
         meta.update(adapter=self.adapter, replica=self.replica_id)
         if col.steering_echo:
-            meta["steering"] = col.steering_echo
+            meta["steering"] = col.steering_meta(key) if finishing else col.steering_echo
         if finishing and col.monitors:  # the condition that finished the choice, or None
             meta["stop"] = col.stops.get(key)
         if key[0] in col.modalities:  # a multimodal prompt: which positions are images' (audio's) tokens

@@ -126,6 +126,19 @@ class HeadAsk(BaseModel):
     topk: int | None = Field(None, ge=1)
 
 
+class ConditionAsk(BaseModel):
+    """A condition on a registered head's output: an SAE's `feature`, a linear head's output by
+    `feature` index or `label` (an SAE's `label` is a feature's description), `above` or `below` a
+    threshold (hidden_states_stop, and a steering entry's `when`)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    head: str
+    feature: int | None = Field(None, ge=0)
+    label: str | None = None
+    above: float | None = None
+    below: float | None = None
+
+
 MAX_STEERING_ENTRIES = 16  # a request's hidden_states_steering entries, at most
 STEER_POSITIONS = ("prompt", "completion", "all")
 
@@ -143,22 +156,15 @@ class SteeringAsk(BaseModel):
     scale: float = 1.0
     positions: Literal["prompt", "completion", "all"] = "all"
     op: Literal["add", "ablate"] = "add"
+    when: ConditionAsk | None = None  # applied at a completion position where this held on the row before
 
 
 MAX_STOP_CONDITIONS = 8  # a request's hidden_states_stop conditions, at most
 
 
-class StopAsk(BaseModel):
-    """One stop condition as asked: a registered head's output (an SAE's `feature`, a linear head's
-    class by `feature` index or `label`; an SAE's `label` is a feature's description) crossing a
-    threshold (`above` or `below`) at a completion position."""
+class StopAsk(ConditionAsk):
+    """One stop condition as asked: the condition (ConditionAsk) at a completion position."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
-    head: str
-    feature: int | None = Field(None, ge=0)
-    label: str | None = None
-    above: float | None = None
-    below: float | None = None
     positions: Literal["completion"] = "completion"
 
 
@@ -241,7 +247,9 @@ class HiddenStatesFields(VectorFields):
         if d.get("hidden_states_heads") is not None:
             d["hidden_states_heads"] = [HeadAsk.model_construct(**h) for h in d["hidden_states_heads"]]
         if d.get("hidden_states_steering") is not None:
-            d["hidden_states_steering"] = [SteeringAsk.model_construct(**e) for e in d["hidden_states_steering"]]
+            d["hidden_states_steering"] = [SteeringAsk.model_construct(**{
+                **e, "when": None if e.get("when") is None else ConditionAsk.model_construct(**e["when"])})
+                for e in d["hidden_states_steering"]]
         if d.get("hidden_states_stop") is not None:
             d["hidden_states_stop"] = [StopAsk.model_construct(**e) for e in d["hidden_states_stop"]]
         return cls.model_construct(**d)
@@ -436,6 +444,7 @@ def check_steering(entries: Any) -> "list[SteeringAsk] | None":
             continue
         if not isinstance(e, Mapping):
             raise HiddenStatesRequestError(f"{where} must be an object, not {e!r}", "hidden_states_steering")
+        _numbers(e.get("when"), f"{where}.when", "hidden_states_steering")
         try:
             ask = SteeringAsk.model_validate(e)
         except ValidationError as err:
@@ -454,6 +463,13 @@ def check_steering(entries: Any) -> "list[SteeringAsk] | None":
         if ask.vector is not None and ask.layer is None:
             raise HiddenStatesRequestError(f"{where} needs a `layer` (hidden_states_layers' numbering)",
                                            "hidden_states_steering")
+        if ask.when is not None:
+            _condition(ask.when, ConditionAsk, f"{where}.when", "hidden_states_steering")
+            if ask.positions != "completion":
+                raise HiddenStatesRequestError(
+                    f"{where}.when needs positions \"completion\": a conditional entry is decided at each generated "
+                    "position from the row before it, which the step before computed (a prompt's rows are computed "
+                    "together, in one prefill)", "hidden_states_steering")
         out.append(ask)
     return out
 
@@ -477,70 +493,88 @@ def check_stop(conditions: Any) -> "list[StopAsk] | None":
         if isinstance(c, StopAsk):
             out.append(c)
             continue
-        if not isinstance(c, Mapping):
-            raise HiddenStatesRequestError(f"{where} must be an object, not {c!r}", "hidden_states_stop")
-        for key in ("above", "below"):  # a number, not a string or a bool pydantic would coerce
+        out.append(_condition(c, StopAsk, where, "hidden_states_stop"))
+    return out
+
+
+def _numbers(c: Any, where: str, field: str) -> None:
+    """A condition's thresholds are numbers, not strings or bools pydantic would coerce."""
+    if isinstance(c, Mapping):
+        for key in ("above", "below"):
             if key in c and c[key] is not None and (isinstance(c[key], bool) or not isinstance(c[key], (int, float))):
-                raise HiddenStatesRequestError(f"{where}.{key} must be a number, not {c[key]!r}", "hidden_states_stop")
+                raise HiddenStatesRequestError(f"{where}.{key} must be a number, not {c[key]!r}", field)
+
+
+def _condition(c: Any, cls: type, where: str, field: str) -> Any:
+    """A condition (`cls`: StopAsk or ConditionAsk) as asked, checked: one of `feature`/`label`, one finite
+    threshold; a 400 naming `where` in `field`."""
+    if isinstance(c, cls):
+        ask = c
+    else:
+        if not isinstance(c, Mapping):
+            raise HiddenStatesRequestError(f"{where} must be an object, not {c!r}", field)
+        _numbers(c, where, field)
         try:
-            ask = StopAsk.model_validate(c)
+            ask = cls.model_validate(c)
         except ValidationError as err:
             first = err.errors()[0]
             loc = ".".join(str(x) for x in first.get("loc", ()))
-            raise HiddenStatesRequestError(f"{where}.{loc}: {first.get('msg')}", "hidden_states_stop") from None
-        if (ask.feature is None) == (ask.label is None):
-            raise HiddenStatesRequestError(f"{where} needs exactly one of `feature` (an index) or `label`",
-                                           "hidden_states_stop")
-        if (ask.above is None) == (ask.below is None):
-            raise HiddenStatesRequestError(f"{where} needs exactly one threshold: `above` or `below`",
-                                           "hidden_states_stop")
-        threshold = ask.above if ask.above is not None else ask.below
-        if not np.isfinite(threshold):
-            raise HiddenStatesRequestError(f"{where}: the threshold must be finite, not {threshold}",
-                                           "hidden_states_stop")
-        out.append(ask)
-    return out
+            raise HiddenStatesRequestError(f"{where}.{loc}: {first.get('msg')}", field) from None
+    if (ask.feature is None) == (ask.label is None):
+        raise HiddenStatesRequestError(f"{where} needs exactly one of `feature` (an index) or `label`", field)
+    if (ask.above is None) == (ask.below is None):
+        raise HiddenStatesRequestError(f"{where} needs exactly one threshold: `above` or `below`", field)
+    threshold = ask.above if ask.above is not None else ask.below
+    if not np.isfinite(threshold):
+        raise HiddenStatesRequestError(f"{where}: the threshold must be finite, not {threshold}", field)
+    return ask
 
 
 def resolve_stop(spec: "HiddenStatesFields", heads: Mapping[str, Any]) -> tuple[list, list[dict]]:
     """The stop conditions against the registered heads (heads.HeadSpec by name): (protocol.Monitor
     per condition, what hidden_states_meta.stop says of each); a 400 naming the condition for an
     unknown head, a feature beyond the head's outputs, or an unknown label."""
-    from hidden_states.protocol import Monitor
-
     monitors, echo = [], []
     for i, ask in enumerate(spec.hidden_states_stop or ()):
-        where = f"hidden_states_stop[{i}]"
-        head = heads.get(ask.head)
-        if head is None:
-            have = ", ".join(sorted(heads)) or "none"
-            raise HiddenStatesRequestError(f"{where}: unknown head {ask.head!r}; this server's heads are {have} "
-                                           "(GET /v1/models lists them)", "hidden_states_stop")
-        if ask.label is not None:
-            names = head.labels if head.kind == "linear" else [head.descriptions.get(f) for f in range(head.width)]
-            found = [f for f, name in enumerate(names) if name == ask.label]
-            if len(found) != 1:
-                known = (f"its labels are {', '.join(head.labels)}" if head.kind == "linear" and head.labels else
-                         "it has no label names" if head.kind == "linear" else
-                         "labels are its features' descriptions (docs/heads.md, feature labels)")
-                raise HiddenStatesRequestError(
-                    f"{where}: head {ask.head!r} has {'no' if not found else 'several'} output labelled "
-                    f"{ask.label!r} ({known}); or give `feature`, an index", "hidden_states_stop")
-            index = found[0]
-        else:
-            index = ask.feature
-            if index >= head.width:
-                what = "features" if head.kind == "sae" else "outputs"
-                raise HiddenStatesRequestError(f"{where}: feature {index} is beyond the {head.width} {what} of head "
-                                               f"{ask.head!r}", "hidden_states_stop")
-        above = ask.above is not None
-        threshold = float(ask.above if above else ask.below)
-        monitors.append(Monitor(ask.head, int(index), above, threshold))
-        e = {"head": ask.head, "feature": int(index), "above" if above else "below": threshold}
-        if ask.label is not None:
-            e["label"] = ask.label
+        monitor, e = resolve_condition(ask, heads, f"hidden_states_stop[{i}]", "hidden_states_stop")
+        monitors.append(monitor)
         echo.append(e)
     return monitors, echo
+
+
+def resolve_condition(ask: ConditionAsk, heads: Mapping[str, Any], where: str, field: str) -> tuple[Any, dict]:
+    """A condition against the registered heads: (protocol.Monitor, what the meta says of it); a 400 naming
+    `where` in `field` for an unknown head, a feature beyond its outputs, an unknown or ambiguous label."""
+    from hidden_states.protocol import Monitor
+
+    head = heads.get(ask.head)
+    if head is None:
+        have = ", ".join(sorted(heads)) or "none"
+        raise HiddenStatesRequestError(f"{where}: unknown head {ask.head!r}; this server's heads are {have} "
+                                       "(GET /v1/models lists them)", field)
+    if ask.label is not None:
+        names = head.labels if head.kind == "linear" else [head.descriptions.get(f) for f in range(head.width)]
+        found = [f for f, name in enumerate(names) if name == ask.label]
+        if len(found) != 1:
+            known = (f"its labels are {', '.join(head.labels)}" if head.kind == "linear" and head.labels else
+                     "it has no label names" if head.kind == "linear" else
+                     "labels are its features' descriptions (docs/heads.md, feature labels)")
+            raise HiddenStatesRequestError(
+                f"{where}: head {ask.head!r} has {'no' if not found else 'several'} output labelled "
+                f"{ask.label!r} ({known}); or give `feature`, an index", field)
+        index = found[0]
+    else:
+        index = ask.feature
+        if index >= head.width:
+            what = "features" if head.kind == "sae" else "outputs"
+            raise HiddenStatesRequestError(f"{where}: feature {index} is beyond the {head.width} {what} of head "
+                                           f"{ask.head!r}", field)
+    above = ask.above is not None
+    threshold = float(ask.above if above else ask.below)
+    e = {"head": ask.head, "feature": int(index), "above" if above else "below": threshold}
+    if ask.label is not None:
+        e["label"] = ask.label
+    return Monitor(ask.head, int(index), above, threshold), e
 
 
 def resolve_heads(spec: "HiddenStatesFields", heads: Mapping[str, Any]) -> tuple[tuple[str, int], ...]:

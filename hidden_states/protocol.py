@@ -246,6 +246,9 @@ MONITOR_BLOCK = "\x00monitors"
 # monitor index, score] (its finish is "stop", its stop_reason STOP_REASON.format(index)).
 STOP_KEY = "hidden_states_stop"
 STOP_REASON = "hidden_states_stop[{}]"
+# EngineCoreOutput.kv_transfer_params key of a request with conditional steering, on its finishing output:
+# [capture key, [[entry index, the positions it was applied at], ...]].
+STEERED_KEY = "hidden_states_steered"
 
 
 class SteerEntry(msgspec.Struct, array_like=True, frozen=True):
@@ -262,6 +265,11 @@ class SteerEntry(msgspec.Struct, array_like=True, frozen=True):
     vector: bytes  # little-endian float32 [hidden size]
     start: int = 0
     end: int = -1
+    # Conditional (`when`): applied at a completion position q only where the condition held on the
+    # head's row of position q - 1; the scheduler decides and the plan names the rows (PlanEntry.steer).
+    when: Monitor | None = None
+    # A replay: exactly these positions (an extraction step of a conditional entry: where it was applied).
+    at: list[int] | None = None
 
     def array(self) -> np.ndarray:
         return np.frombuffer(self.vector, "<f4")
@@ -292,6 +300,8 @@ class PlanEntry(NamedTuple):
     watch: Sequence = ()
     watch_positions: Sequence = ()
     monitors: Sequence = ()
+    # The request's conditional steering entries this step: [entry index, offsets of the rows it applies to].
+    steer: Sequence = ()
 
 
 class RowBlock(NamedTuple):

@@ -26,7 +26,7 @@ import msgspec
 import numpy as np
 
 from hidden_states.heads import HeadConfigError
-from hidden_states.params import HiddenStatesRequestError, absolute_layer
+from hidden_states.params import HiddenStatesRequestError, absolute_layer, resolve_condition
 from hidden_states.protocol import SteerEntry
 
 _DIRECTION = re.compile(r"^direction\.(\d+)$")
@@ -131,6 +131,8 @@ def resolve(spec: Any, num_layers: int, hidden_size: int, vectors: Mapping[str, 
     entries, echo = [], []
     for i, ask in enumerate(spec.hidden_states_steering or ()):
         where = f"hidden_states_steering[{i}]"
+        when, when_echo = (None, None) if ask.when is None else \
+            resolve_condition(ask.when, heads, f"{where}.when", "hidden_states_steering")
         if ask.vector is not None:
             found = {ask.layer: _vector(ask.vector, where, hidden_size)}
             source = {}
@@ -168,10 +170,23 @@ def resolve(spec: Any, num_layers: int, hidden_size: int, vectors: Mapping[str, 
             if ask.op == "ablate" and not np.any(v):
                 raise HiddenStatesRequestError(f"{where}: ablating a zero vector", "hidden_states_steering")
             raw = np.ascontiguousarray(v, "<f4").tobytes()
-            entries.append(SteerEntry(absolute, ask.op, ask.positions, float(ask.scale), raw))
+            entries.append(SteerEntry(absolute, ask.op, ask.positions, float(ask.scale), raw, when=when))
             echo.append({"layer": absolute, "op": ask.op, "positions": ask.positions, "scale": float(ask.scale),
-                         "digest": hashlib.sha256(raw).hexdigest()[:16], **source})
+                         "digest": hashlib.sha256(raw).hexdigest()[:16], **source,
+                         **({"when": when_echo} if when is not None else {})})
     return entries, echo
+
+
+def replay(raw: Sequence, applied: Mapping[int, Sequence[int]]) -> list:
+    """A request's anchored entries (STEER_KEY builtins) with each conditional one replaced by where it was
+    applied (`applied`: entry index -> positions; none: nowhere): what an extraction step of that choice
+    applies, so it computes the rows the choice's own steps did."""
+    from hidden_states.protocol import steering_extra_args, steering_of, STEER_KEY
+
+    entries = steering_of({STEER_KEY: list(raw)})
+    out = [msgspec.structs.replace(e, when=None, at=sorted(int(p) for p in applied.get(k, ())))
+           if e.when is not None else e for k, e in enumerate(entries)]
+    return steering_extra_args(out)[STEER_KEY]
 
 
 def anchor(entries: Sequence[SteerEntry], prompt_len: int) -> tuple[list[SteerEntry], str]:

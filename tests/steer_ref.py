@@ -13,8 +13,10 @@ from __future__ import annotations
 import numpy as np
 
 
-def _rows_of(positions: str, total: int, prompt_len: int) -> np.ndarray:
+def _rows_of(positions, total: int, prompt_len: int) -> np.ndarray:
     every = np.arange(total)
+    if not isinstance(positions, str):  # explicit positions (a conditional entry where it applied)
+        return np.asarray([p for p in positions if p < total], dtype=np.int64)
     if positions == "prompt":
         return every[every < prompt_len]
     if positions == "completion":
@@ -94,3 +96,35 @@ def write_gguf(path: str, directions: dict[int, np.ndarray]) -> str:
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def conditional_greedy(model, prompt_ids, entries, max_tokens: int, conditions: dict) -> tuple[list[int], dict]:
+    """Greedy tokens under `entries`, where entry k of `conditions` ({k: (head layer, score(row) -> float,
+    above, threshold)}) applies at a completion position q only if its condition held on the head's row
+    of q - 1 (transformers' hidden_states[layer] at q - 1, steered as far as it is). Decided position by
+    position, each from a forward of the sequence so far; the final token's row gets its decision too.
+    Returns (tokens, {k: positions applied})."""
+    P, ids = len(prompt_ids), list(prompt_ids)
+    applied: dict[int, list[int]] = {k: [] for k in conditions}
+
+    def fixed():
+        return [(e[0], e[1], applied[k] if k in conditions else e[2], *e[3:5]) for k, e in enumerate(entries)]
+
+    def decide(q: int) -> None:
+        states = steered_states(model, ids[:q], fixed(), P)
+        for k, (layer, score, above, threshold) in conditions.items():
+            s = score(states[layer][q - 1])
+            if (s > threshold) if above else (s < threshold):
+                applied[k].append(q)
+
+    for _ in range(max_tokens):
+        if len(ids) - 1 >= P:
+            decide(len(ids) - 1)
+        ids.append(int(np.argmax(steered_states(model, ids, fixed(), P)["logits"])))
+    decide(len(ids) - 1)
+    return ids[P:], applied
+
+
+def fixed_entries(entries, applied: dict) -> list:
+    """`entries` with the conditional ones at the positions they applied (conditional_greedy's)."""
+    return [(e[0], e[1], applied[k] if k in applied else e[2], *e[3:5]) for k, e in enumerate(entries)]

@@ -288,6 +288,11 @@ class HiddenStatesEngine(VectorObservers):
             raise HiddenStatesRequestError(f"steering needs the decoder-layer hooks, which this engine lacks ({why})",
                                            "hidden_states_steering")
         entries, echo = steering.resolve(spec, self.num_layers, self.hidden_size, self.steering_vectors, self.heads)
+        if any(e.when is not None for e in entries) and self.llm.vllm_config.scheduler_config.async_scheduling:
+            raise HiddenStatesRequestError(
+                "hidden_states_steering: `when` needs an engine with synchronous scheduling (async_scheduling: "
+                "false): the scheduler decides each position from the row of the step before, which async "
+                "scheduling has not seen yet when it schedules the next", "hidden_states_steering")
         static = found.get("capture_layers")
         if static is not None:  # the traced entries (worker/traced.py): the static set, one ablation per row
             for i, e in enumerate(entries):

@@ -132,3 +132,14 @@ def test_a_stop_condition_under_async_scheduling(async_engine, loop_thread, refe
     _close(ch.hidden_states, _rows(reference, ids[:p + 1])[-1], "async stop: final vector")
     # the monitored step computed it as a generation row: no tail, no extraction
     assert ch.extraction.via == "generation" and loop_thread.run(eng.stats())["extractions"] == before["extractions"]
+
+
+def test_conditional_steering_is_refused_under_async_scheduling(async_engine, loop_thread):
+    """`when` needs the step before's scores when the next step is scheduled, which async scheduling has not."""
+    from hidden_states.params import HiddenStatesRequestError
+
+    steering = [{"layer": 1, "vector": [0.5] * 128, "positions": "completion",
+                 "when": {"head": "mid", "feature": 0, "above": 0.5}}]
+    with pytest.raises(HiddenStatesRequestError) as e:
+        loop_thread.run(async_engine.complete(PROMPTS[0], sp(max_tokens=4), steering=steering))
+    assert "synchronous scheduling" in str(e.value) and e.value.param == "hidden_states_steering", str(e.value)

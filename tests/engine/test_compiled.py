@@ -37,6 +37,7 @@ from tests.engine.test_steering import (  # noqa: F401
     test_n2_and_a_streamed_chat_over_the_openai_routes, test_post_hidden_states_recomputes_a_steered_choice,
     test_registered_vectors_and_sae_features_as_entries, test_steered_tokens_and_rows_are_transformers_with_the_same_hook,
     test_a_worker_hook_that_raises_fails_its_request_alone, test_the_extraction_step_is_steered_the_same,
+    test_a_conditional_entry_applies_where_its_condition_held_on_the_row_before,
     test_unsteered_requests_beside_steered_ones_are_byte_for_byte_unchanged)
 
 COMPILED_ARGS = {**TEST_ENGINE_ARGS, "enforce_eager": False}

@@ -322,3 +322,110 @@ def test_post_hidden_states_recomputes_a_steered_choice(engine, loop_thread, ref
     np.testing.assert_allclose(r["hidden_states"], out.choices[0].hidden_states, rtol=0, atol=1e-5)
     status, plain = _answer(engine, loop_thread, "hidden_states", {"model": "tiny-llama", "prompt": prompt + completion})
     assert status == 200 and np.abs(np.asarray(plain["hidden_states"]) - want).max() > 1e-3  # unsteered: another
+
+
+# -- conditional steering (`when`): an entry applies where its condition held on the previous row --
+
+def _scorer(name: str, index: int):
+    """Head `name`'s output `index` of one row, as the reference computes it: SAELens's encode, or numpy."""
+    import torch
+    from sae_lens import SAE
+
+    from tests.heads_ref import linear_reference
+
+    head = {h["name"]: h for h in build_test_heads()}[name]
+    if name.startswith("sae"):
+        sae = SAE.load_from_disk(head["path"], device="cpu")
+        return lambda row: float(sae.encode(torch.tensor(np.asarray(row, np.float32)[None]))[0, index])
+    return lambda row: float(linear_reference(head["path"], head.get("activation", "none"), row[None])[0, index])
+
+
+# (steering entry, condition's head, its output, above?, its layer)
+WHEN_CASES = {
+    "add at 1 when the probe (after the norm) says pos": (
+        {"layer": 1, "vector": b64(unit_vector(41, 4.0)), "scale": 1.5}, "probe", 2, True, 2),
+    "add at 0 when an SAE feature at 1 is low": ({"layer": 0, "vector": b64(unit_vector(42, 3.0))}, "sae-std", None,
+                                                 False, 1),
+    "ablate at 1 when the probe at 1 is high": ({"layer": 1, "vector": b64(unit_vector(43)), "op": "ablate"}, "mid", 0,
+                                                True, 1),
+}
+
+
+@pytest.mark.parametrize("case", list(WHEN_CASES))
+def test_a_conditional_entry_applies_where_its_condition_held_on_the_row_before(engine, loop_thread, reference, case):
+    """`when`: the entry applies at completion position q only where the head's row of q - 1 (as
+    hidden_states_heads reports it) held the condition; the engine's scheduler decides from the step
+    before's scores. Against transformers deciding position by position (tests/steer_ref.py): a threshold
+    is picked from the reference's own scores so some positions apply and some do not, every score clear
+    of it by far more than the band (relative 1e-5); then the tokens, the positions applied (the meta's
+    `applied`), and the rows at layers 0, 1 and -1 of every position equal the reference's (relative 1e-5),
+    the final row by the tail step. A stop string's extraction step replays where it applied: its final
+    rows are the reference's too."""
+    from tests.steer_ref import conditional_greedy, fixed_entries
+
+    entry, head, index, above, head_layer = WHEN_CASES[case]
+    prompt, n = "The weather today is", 8
+    plain = loop_thread.run(engine.complete(prompt, sp(max_tokens=n), heads=[{"name": head, "topk": 1024}] if
+                                            head.startswith("sae") else [head], position="all",
+                                            return_hidden_states=False))
+    ids = list(plain.prompt_token_ids) + list(plain.choices[0].token_ids)
+    P = len(plain.prompt_token_ids)
+    if index is None:  # the SAE feature that varies most over the plain completion's rows
+        from tests.heads_ref import sae_reference
+        states = steered_states(reference.model, ids, [], P)
+        acts = sae_reference({h["name"]: h for h in build_test_heads()}[head]["path"], states[head_layer][P - 1:])
+        index = int(np.argmax(acts.max(0) - acts.min(0)))
+    score = _scorer(head, index)
+    base = [(entry["layer"], entry.get("op", "add"), "completion", entry.get("scale", 1.0),
+             np.frombuffer(base64.b64decode(entry["vector"]), "<f4"))]
+    states = steered_states(reference.model, ids, [], P)
+    plain_scores = sorted(score(states[head_layer][q]) for q in range(P - 1, len(ids)))
+    middle = sorted(((a + b) / 2 for a, b in zip(plain_scores, plain_scores[1:])),
+                    key=lambda t: abs(t - plain_scores[len(plain_scores) // 2]))
+    for t in middle:  # from the median outward: mixed decisions, every score clear of the band
+        tokens, applied = conditional_greedy(reference.model, list(plain.prompt_token_ids), base, n,
+                                             {0: (head_layer, score, above, t)})
+        full = list(plain.prompt_token_ids) + tokens
+        final_states = steered_states(reference.model, full, fixed_entries(base, applied), P)
+        scores = [score(final_states[head_layer][q]) for q in range(P - 1, len(full) - 1)]
+        band = 1e-5 * max(abs(x) for x in scores)
+        if 0 < len(applied[0]) < n and min(abs(x - t) for x in scores) > 100 * band:
+            break
+    else:
+        raise AssertionError(f"{case}: no threshold gives mixed decisions clear of the band")
+
+    when = {"head": head, "feature": index, ("above" if above else "below"): t}
+    steering = [{**entry, "positions": "completion", "when": when}]
+    out = loop_thread.run(engine.complete(prompt, sp(max_tokens=n), steering=steering, layers=[0, 1, -1],
+                                          position="all"))
+    (ch,) = out.choices
+    assert list(ch.token_ids) == tokens, (case, ch.token_ids, tokens)
+    assert ch.steering[0]["when"]["head"] == head and ch.steering[0]["applied"] == applied[0], ch.steering
+    for layer in (0, 1, -1):
+        assert_rows(f"when: {case}, layer {layer}", ch.hidden_states_by_layer[layer], final_states[layer % 3])
+    assert ch.extraction.via == "tail"
+
+    out = loop_thread.run(engine.complete(prompt, sp(max_tokens=n, stop=["zzzz"]), steering=steering, layers=[1, -1]))
+    (ch,) = out.choices
+    assert ch.extraction.via == "extraction" and list(ch.token_ids) == tokens
+    for layer in (1, -1):
+        assert_rows(f"when, extraction step: {case}, layer {layer}", ch.hidden_states_by_layer[layer],
+                    final_states[layer % 3][-1])
+
+
+@pytest.mark.parametrize("steering,words", [
+    ([{"layer": 1, "vector": b64(unit_vector(1)), "when": {"head": "probe", "feature": 0, "above": 0.5}}],
+     'needs positions "completion"'),
+    ([{"layer": 1, "vector": b64(unit_vector(1)), "positions": "completion",
+       "when": {"head": "nope", "feature": 0, "above": 0.5}}], "unknown head 'nope'"),
+    ([{"layer": 1, "vector": b64(unit_vector(1)), "positions": "completion",
+       "when": {"head": "probe", "feature": 0, "above": "x"}}], "must be a number"),
+    ([{"layer": 1, "vector": b64(unit_vector(1)), "positions": "completion",
+       "when": {"head": "probe", "label": "joy", "above": 0.5}}], "no output labelled 'joy'"),
+])
+def test_bad_conditions_on_steering_are_a_400_naming_the_entry(engine, loop_thread, steering, words):
+    from hidden_states.params import HiddenStatesRequestError
+
+    with pytest.raises(HiddenStatesRequestError) as e:
+        loop_thread.run(engine.complete("x", sp(), return_hidden_states=False, steering=steering))
+    assert words in str(e.value) and e.value.param == "hidden_states_steering" and "[0]" in str(e.value), str(e.value)

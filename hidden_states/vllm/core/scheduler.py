@@ -37,9 +37,9 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 
 from hidden_states.protocol import (FAULT_KEY, HEADS_KEY, MONITOR_BLOCK, PLAN_ATTR, ROWS_KEY, SEQ_ATTR, STEP_ATTR,
-                                    STOP_KEY, STOP_REASON, CapturedRows, HiddenStatesExtractionRequest, HookFault,
-                                    InjectedFault, PlanEntry, Span, absolute_layer, captured_rows, fault_injection,
-                                    injected_fault)
+                                    STEERED_KEY, STOP_KEY, STOP_REASON, CapturedRows, HiddenStatesExtractionRequest,
+                                    HookFault, InjectedFault, PlanEntry, Span, absolute_layer, captured_rows,
+                                    fault_injection, injected_fault, steering_of)
 from hidden_states.vllm import _require
 
 logger = logging.getLogger(__name__)
@@ -197,7 +197,35 @@ class _Capture:
     tail_positions: int = 0
     # Each head's outputs (protocol.RowBlock.head), kept as rows are: the same span, their own flag.
     heads: dict[str, "_Rows | _StepRefs"] = dataclasses.field(default_factory=dict)
-    judged: int = 0  # its monitors (flag.monitors) have judged the completion rows below this position
+    judged: int = 0  # its monitors (flag.monitors) and conditions have scored the rows below this position
+    prompt_len: int = 0
+    # Conditional steering entries (protocol.SteerEntry.when): (entry index, its condition, start, end); per
+    # position the bits of the conditions that held on its row; per entry the positions it was applied at.
+    conditional: list = dataclasses.field(default_factory=list)
+    held_at: dict[int, int] = dataclasses.field(default_factory=dict)
+    applied: dict[int, list] = dataclasses.field(default_factory=dict)
+    decided: int = 0  # positions below were decided (each as soon as its previous row was scored)
+    sent: dict[int, int] = dataclasses.field(default_factory=dict)  # per entry: applied positions sent so far
+
+    def decide(self) -> None:
+        """Each conditional entry's positions from `decided` on whose previous row is scored: applied where
+        that row held its condition (completion positions within the entry's span)."""
+        upto = self.judged + 1  # row q - 1 is scored for q - 1 < judged
+        for bit, (k, _, start, end) in enumerate(self.conditional):
+            mine = self.applied.setdefault(k, [])
+            mine += [q for q in range(max(self.decided, self.prompt_len, start), upto if end < 0 else min(upto, end))
+                     if self.held_at.get(q - 1, 0) >> bit & 1]
+        self.decided = max(self.decided, upto)
+
+    def unsent(self) -> list:
+        """[[entry index, applied positions not sent yet]] (each output of the request carries its new ones)."""
+        out = []
+        for k, positions in self.applied.items():
+            new = positions[self.sent.get(k, 0):]
+            if new:
+                out.append([k, new])
+                self.sent[k] = len(positions)
+        return out
 
     def accumulators(self) -> list["_Rows | _StepRefs"]:
         return [self.rows, *self.heads.values()]
@@ -264,6 +292,7 @@ class _VectorsOnOutputs:
         self._triggers: dict[str, tuple[int, int, float]] = {}
         self._stops: dict[str, list] = {}
         self.monitor_stops = 0  # requests a monitor finished
+        self._steered: dict[str, list] = {}  # finished requests' conditional entries' positions (STEERED_KEY)
         self._inject: dict[str, str] = {}  # request id -> the hook to fail (protocol.injected_fault)
 
     def _fault(self, rid: str, hook: str, error: BaseException | HookFault) -> None:
@@ -301,7 +330,10 @@ class _VectorsOnOutputs:
             every_row = span.start >= 0 and (span.end is None or span.end >= 0 or (span.end == -1 and not tail))
             acc = (lambda f: _StepRefs(f, span)) if every_row else (lambda f: _Rows(f, span, dtype=f.dtype))
             heads = {name: acc(flag.head_flag(name, k)) for name, k in flag.heads}
-            self._live[request.request_id] = _Capture(flag, tail, acc(flag), heads=heads)
+            conditional = [(k, e.when, e.start, e.end) for k, e in enumerate(steering_of(sp.extra_args) or ())
+                           if e.when is not None]
+            self._live[request.request_id] = _Capture(flag, tail, acc(flag), heads=heads,
+                                                      prompt_len=request.num_prompt_tokens, conditional=conditional)
         super().add_request(request)
 
     def _takes_tail(self, sp: Any) -> bool:
@@ -313,6 +345,9 @@ class _VectorsOnOutputs:
     def schedule(self, *args: Any, **kwargs: Any):
         for rid in self._held:  # a tail step computes the final token alone: no draft tokens after it
             if (req := self.requests.get(rid)) is not None and req.spec_token_ids:
+                req.spec_token_ids = []
+        for rid, cap in self._live.items():  # conditional steering: one completion row a step, each decided
+            if cap.conditional and (req := self.requests.get(rid)) is not None and req.spec_token_ids:
                 req.spec_token_ids = []
         bumped = []
         if self.async_tail:
@@ -362,16 +397,29 @@ class _VectorsOnOutputs:
                     positions = [stop - 1]  # kept only if it is the final token's (_async_tails)
                 else:
                     positions = []
-                # Its monitors score the completion rows not judged yet (a held request's tail row is not judged).
-                watch = [] if not flag.monitors or rid in self._held else \
-                    list(range(max(first, req.num_prompt_tokens, cap.judged), stop))
-                if positions or watch:
+                # Its monitors score the completion rows not judged yet, its conditions those from the last prompt
+                # row on (a held request's tail row is not scored: nothing comes after it).
+                lowest = req.num_prompt_tokens - 1 if cap.conditional else req.num_prompt_tokens
+                watch = [] if not (flag.monitors or cap.conditional) or rid in self._held else \
+                    list(range(max(first, lowest, cap.judged), stop))
+                steer = self._decide(cap, first, stop) if cap.conditional else []
+                if positions or watch or steer:
+                    monitors = [[m.head, m.index] for m in flag.monitors] + [[c[1].head, c[1].index]
+                                                                              for c in cap.conditional]
                     plan[rid] = PlanEntry([p - first for p in positions], positions, flag.layers, stop, flag.dtype,
                                           flag.topk, flag.heads, [p - first for p in watch], watch,
-                                          [[m.head, m.index] for m in flag.monitors] if watch else [])
+                                          monitors if watch else [], steer)
             except Exception as e:  # this request fails alone (at the end of the step's update)
                 self._fault(rid, "plan", e)
         return plan or None
+
+    def _decide(self, cap: _Capture, first: int, stop: int) -> list:
+        """Each conditional entry's rows among positions first..stop-1, as decided from the rows scored in
+        earlier steps (one completion row a step; a recomputed prefill's were decided before):
+        [[entry index, offsets]]."""
+        cap.decide()
+        return [[k, [q - first for q in positions if first <= q < stop]] for k, positions in cap.applied.items()
+                if positions and positions[-1] >= first]
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any):
         step = getattr(model_runner_output, STEP_ATTR, None)
@@ -387,7 +435,7 @@ class _VectorsOnOutputs:
             self._step_output = None
         if self._awaiting or self._stashed:
             self._async_tails(outputs)
-        if self._live or self._finished_rows or self._stops:
+        if self._live or self._finished_rows or self._stops or self._steered:
             self._send_rows(outputs)
         if self._faults:
             self._fail(outputs)
@@ -433,7 +481,7 @@ class _VectorsOnOutputs:
         whose outputs are final-only: its finishing output carries them all)."""
         for batch in outputs.values():
             for eco in batch.outputs:
-                rid = eco.request_id
+                rid, cap = eco.request_id, None
                 try:
                     self._check("send", rid)
                     if eco.finish_reason is not None:
@@ -441,11 +489,18 @@ class _VectorsOnOutputs:
                         rows = self._finished_rows.pop(rid, None)
                         if (stop := self._stops.pop(rid, None)) is not None:  # a monitor finished it: where, why
                             eco.kv_transfer_params = {**(eco.kv_transfer_params or {}), STOP_KEY: stop}
+                        if (steered := self._steered.pop(rid, None)) is not None:  # where its `when` entries applied
+                            eco.kv_transfer_params = {**(eco.kv_transfer_params or {}), STEERED_KEY: steered}
                     elif (cap := self._live.get(rid)) is not None and cap.flag.every_step and \
                             (req := self.requests.get(rid)) is not None:
                         rows = cap.take(req.num_tokens)
                     else:
                         rows = None
+                    if eco.finish_reason is None and cap is not None and cap.conditional:
+                        cap.decide()  # its new decisions: a stop string's extraction step (frontend) replays them
+                        if new := cap.unsent():
+                            eco.kv_transfer_params = {**(eco.kv_transfer_params or {}),
+                                                      STEERED_KEY: [cap.flag.key, new]}
                     if rows is not None:
                         eco.kv_transfer_params = {**(eco.kv_transfer_params or {}), **rows.params()}
                 except Exception as e:  # this request fails alone (_fail, right after)
@@ -472,6 +527,7 @@ class _VectorsOnOutputs:
         for rid, fault in faults.items():
             self._finished_rows.pop(rid, None)
             self._stops.pop(rid, None)
+            self._steered.pop(rid, None)
             self._triggers.pop(rid, None)
             self._awaiting.pop(rid, None)
             self._inject.pop(rid, None)
@@ -511,8 +567,14 @@ class _VectorsOnOutputs:
         yet, below `bound` (accepted tokens only), where a monitor holds (in order) is its trigger."""
         scores = block.values(data)
         monitors = cap.flag.monitors
+        conditions = len(monitors)  # the conditional entries' scores follow the stop conditions'
         for r, position in enumerate(block.positions):
             if position < cap.judged or position >= bound:
+                continue
+            if cap.conditional:
+                cap.held_at[int(position)] = sum(1 << bit for bit, c in enumerate(cap.conditional)
+                                                 if c[1].holds(float(scores[r, conditions + bit])))
+            if position < cap.prompt_len:
                 continue
             for i, monitor in enumerate(monitors):
                 if monitor.holds(float(scores[r, i])):
@@ -585,6 +647,9 @@ class _VectorsOnOutputs:
             self._triggers.pop(rid, None)
             if request.status == RequestStatus.FINISHED_ABORTED:
                 self._stops.pop(rid, None)
+            elif cap.conditional:  # where each `when` entry applies, the final token's position decided too
+                cap.decide()
+                self._steered[rid] = [cap.flag.key, cap.unsent()]
             # (a monitor's stop: its final row is this step's, already filed; the step in flight's is a dropped token's)
             if self.async_tail and cap.tail and rid not in self._stops and self._await_tail(request, cap):
                 pass  # the step in flight computes its final row (_async_tails sends the rows)

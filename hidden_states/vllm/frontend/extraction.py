@@ -21,12 +21,13 @@ from typing import Any
 
 import numpy as np
 
+from hidden_states import steering
 from hidden_states.interface import (ExtractionStats, HiddenStatesCollector, HiddenStatesTimeout, HookFaultError,
                                   MissingHiddenStatesError, RowBatch)
 from hidden_states.params import (DEFAULT_MAX_HIDDEN_STATES_BYTES, HiddenStatesFields, HiddenStatesRequestError, Span,
                                   absolute_layer, check_room, check_rows_budget, room_for_completion)
-from hidden_states.protocol import (COLLECTOR_TAG_KEY, FAULT_KEY, HEADS_KEY, ROWS_KEY, STEER_KEY, STOP_KEY, CapturedRows,
-                                    HiddenStatesExtractionRequest, HiddenStatesProtocolError, HookFault)
+from hidden_states.protocol import (COLLECTOR_TAG_KEY, FAULT_KEY, HEADS_KEY, ROWS_KEY, STEER_KEY, STEERED_KEY, STOP_KEY,
+                                    CapturedRows, HiddenStatesExtractionRequest, HiddenStatesProtocolError, HookFault)
 
 _FAILED = ("abort", "error")
 logger = logging.getLogger(__name__)
@@ -150,9 +151,10 @@ def make_async_llm_class():
                     for eco in engine_core_outputs:
                         params = eco.kv_transfer_params
                         if params is not None and (ROWS_KEY in params or HEADS_KEY in params or FAULT_KEY in params
-                                                   or STOP_KEY in params):
+                                                   or STOP_KEY in params or STEERED_KEY in params):
                             rows, heads = params.pop(ROWS_KEY, None), params.pop(HEADS_KEY, None)
                             fault, stop = params.pop(FAULT_KEY, None), params.pop(STOP_KEY, None)
+                            steered = params.pop(STEERED_KEY, None)
                             if not params:
                                 eco.kv_transfer_params = None
                             state = processor.request_states.get(eco.request_id)
@@ -164,6 +166,8 @@ def make_async_llm_class():
                                 index = state.request_index if state is not None else None
                                 if stop is not None:  # a monitor finished it: where, and which
                                     hs.stopped(stop, index)
+                                if steered is not None:  # where its conditional entries applied
+                                    hs.steered(steered, index)
                                 if rows is not None or heads:
                                     hs.deliver(rows, index, heads)
                             except Exception as e:  # this request fails; the output handler serves on
@@ -189,7 +193,7 @@ def make_async_llm_class():
             key = uuid.uuid4().hex
             ordinal = prompt_ordinal(request_id)
             origin = Origin.of(prompt, kwargs, sampling_params, collector.rerender)
-            if collector.captures or collector.monitors:
+            if collector.captures or collector.monitors or collector.conditional:
                 prompt, sampling_params = hs._flag(collector, prompt, sampling_params, key)
             collector.prompt_lens[ordinal] = prompt_length(prompt)
             if origin.mm is not None:
@@ -362,6 +366,21 @@ class Extraction:
         except (TypeError, ValueError, IndexError):
             self.malformed_vectors += 1
 
+    def steered(self, raw: Any, index: int | None) -> None:
+        """Where a choice's conditional steering entries applied ([capture key, [[entry, positions]]] off its
+        finishing output): its meta says so, and its extraction step replays them."""
+        try:
+            key, entries = raw
+            col = self.live.get(key)
+            if col is None or index is None or key not in col.engine_requests:
+                self.late_rows += 1
+                return
+            mine = col.applied.setdefault((col.engine_requests[key], index), {})
+            for k, positions in entries:  # each output brings the positions decided since the last
+                mine.setdefault(int(k), []).extend(int(p) for p in positions)
+        except (TypeError, ValueError):
+            self.malformed_vectors += 1
+
     def _steer(self, collector: HiddenStatesCollector, prompt: Any, params: Any) -> tuple[Any, Any]:
         """A steered request: its entries in its extra_args (the workers read them), and its steering's
         digest joined to its cache salt, so no prefix-cache block computed under one steering serves
@@ -427,19 +446,33 @@ class Extraction:
             wanted = list(Span.of(collector.position, P).positions(len(seq)))
             missing = sorted(set(wanted) - collector.held_positions((ordinal, index)))
             jobs.append(((ordinal, index), seq, wanted, missing))
-        todo = {(tuple(seq), tuple(missing)) for _, seq, _, missing in jobs if missing}
         if not collector.captures:  # it only steers: nothing to resolve
             for index in finished:
                 collector.settle_rows((ordinal, index), [], None)
             return
+
+        def replayed(key) -> tuple[tuple, Origin]:
+            """The origin of a choice's extraction step: its conditional entries where its own steps applied them."""
+            if not collector.conditional:
+                return (), origin
+            applied = collector.applied.get(key, {})
+            return (tuple((k, tuple(v)) for k, v in sorted(applied.items())),
+                    dataclasses.replace(origin, steering=steering.replay(origin.steering, applied)))
+
+        todo = {}  # one extraction step per distinct (sequence, positions, replay)
+        for key, seq, _, missing in jobs:
+            if missing:
+                replay, its_origin = replayed(key)
+                todo.setdefault((tuple(seq), tuple(missing), replay), its_origin)
         layers = collector.layers if collector.rows_wanted else ()
         results = await asyncio.gather(*(self.extract_rows(seq, missing, layers, collector.dtype, collector.topk,
-                                                           origin, collector.heads) for seq, missing in todo))
+                                                           its_origin, collector.heads)
+                                         for (seq, missing, _), its_origin in todo.items()))
         extracted = dict(zip(todo, results))
         for key, seq, wanted, missing in jobs:
             stats = None
             if missing:
-                batch, stats = extracted[(tuple(seq), tuple(missing))]
+                batch, stats = extracted[(tuple(seq), tuple(missing), replayed(key)[0])]
                 collector.add_rows(key, batch)
             elif collector.position != "prompt_end":
                 n, counted = len(seq), collector.tail_positions.get(key, 0)

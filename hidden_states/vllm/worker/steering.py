@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from hidden_states.protocol import SteerEntry, steering_of
+from hidden_states.protocol import PLAN_ATTR, PlanEntry, SteerEntry, steering_of
 
 
 class StepSteering:
@@ -86,6 +86,7 @@ class StepSteering:
         so, runner = self._so, self.runner
         batch = runner.input_batch
         starts = runner.query_start_loc.np
+        given = getattr(so, PLAN_ATTR, None) or {}  # the scheduler's: where conditional entries apply (every rank)
         for rid, n in so.num_scheduled_tokens.items():
             try:
                 entries = self._of(rid)
@@ -95,9 +96,15 @@ class StepSteering:
                 first = int(batch.num_computed_tokens_cpu[i])
                 positions = np.arange(first, first + n)
                 start = int(starts[i])
+                decided = {int(k): offsets for k, offsets in PlanEntry(*given[rid]).steer} if rid in given else {}
                 mine = []
-                for e, vec in entries:  # absolute positions e.start..e.end-1 (steering.anchor)
-                    rows = np.flatnonzero((positions >= e.start) & ((positions < e.end) if e.end >= 0 else True))
+                for k, (e, vec) in enumerate(entries):  # absolute positions e.start..e.end-1 (steering.anchor)
+                    if e.when is not None:  # the rows the scheduler decided (their previous rows held it)
+                        rows = np.asarray(decided.get(k, ()), dtype=np.int64)
+                    elif e.at is not None:  # a replay: exactly where the choice's own steps applied it
+                        rows = np.flatnonzero(np.isin(positions, e.at))
+                    else:
+                        rows = np.flatnonzero((positions >= e.start) & ((positions < e.end) if e.end >= 0 else True))
                     if len(rows):
                         mine.append((e.layer, (rid, rows + start, e.op, vec * e.scale if e.op == "add" else vec)))
             except Exception as err:  # this request's entries: it fails alone
