@@ -212,3 +212,17 @@ def check_heads(case: str, hs_heads: dict, states: list, positions, heads: list[
                     assert "labels" not in p
         if errors is not None:
             errors.append((f"{case} {name}" + (f" top-{k}" if k else ""), *worst))
+
+
+def head_scorer(name: str, index: int):
+    """Test head `name`'s output `index` of one row [D], as the reference computes it: SAELens's encode, or
+    numpy (float64)."""
+    import torch
+    from sae_lens import SAE
+
+    head = {h["name"]: h for h in build_test_heads()}[name]
+    if name.startswith("sae"):
+        sae = SAE.load_from_disk(head["path"], device="cpu")
+        return lambda row: float(sae.encode(torch.tensor(np.asarray(row, np.float32)[None]))[0, index])
+    return lambda row: float(linear_reference(head["path"], head.get("activation", "none"),
+                                              np.asarray(row)[None])[0, index])

@@ -128,3 +128,26 @@ def conditional_greedy(model, prompt_ids, entries, max_tokens: int, conditions: 
 def fixed_entries(entries, applied: dict) -> list:
     """`entries` with the conditional ones at the positions they applied (conditional_greedy's)."""
     return [(e[0], e[1], applied[k] if k in applied else e[2], *e[3:5]) for k, e in enumerate(entries)]
+
+
+def pick_condition(model, prompt_ids, entries, max_tokens: int, layer: int, score, above: bool):
+    """A threshold for entry 0's condition (score of the row at `layer`) under which the reference applies
+    it at some completion positions and not at others, every score clear of the threshold by far more
+    than the band (relative 1e-5): tried from the unsteered completion's median score outward. Returns
+    (threshold, tokens, {0: positions applied}, the rows of prompt + tokens per layer)."""
+    P = len(prompt_ids)
+    ids = list(prompt_ids)
+    for _ in range(max_tokens):
+        ids.append(int(np.argmax(steered_states(model, ids, [], P)["logits"])))
+    states = steered_states(model, ids, [], P)
+    plain = sorted(score(states[layer][q]) for q in range(P - 1, len(ids)))
+    middle = sorted(((a + b) / 2 for a, b in zip(plain, plain[1:])), key=lambda t: abs(t - plain[len(plain) // 2]))
+    for t in middle:
+        tokens, applied = conditional_greedy(model, prompt_ids, entries, max_tokens, {0: (layer, score, above, t)})
+        full = list(prompt_ids) + tokens
+        final = steered_states(model, full, fixed_entries(entries, applied), P)
+        scores = [score(final[layer][q]) for q in range(P - 1, len(full) - 1)]
+        band = 1e-5 * max(abs(x) for x in scores)
+        if 0 < len(applied[0]) < max_tokens and min(abs(x - t) for x in scores) > 100 * band:
+            return float(t), tokens, applied, final
+    raise AssertionError("no threshold gives mixed decisions clear of the band")

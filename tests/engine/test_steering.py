@@ -326,20 +326,6 @@ def test_post_hidden_states_recomputes_a_steered_choice(engine, loop_thread, ref
 
 # -- conditional steering (`when`): an entry applies where its condition held on the previous row --
 
-def _scorer(name: str, index: int):
-    """Head `name`'s output `index` of one row, as the reference computes it: SAELens's encode, or numpy."""
-    import torch
-    from sae_lens import SAE
-
-    from tests.heads_ref import linear_reference
-
-    head = {h["name"]: h for h in build_test_heads()}[name]
-    if name.startswith("sae"):
-        sae = SAE.load_from_disk(head["path"], device="cpu")
-        return lambda row: float(sae.encode(torch.tensor(np.asarray(row, np.float32)[None]))[0, index])
-    return lambda row: float(linear_reference(head["path"], head.get("activation", "none"), row[None])[0, index])
-
-
 # (steering entry, condition's head, its output, above?, its layer)
 WHEN_CASES = {
     "add at 1 when the probe (after the norm) says pos": (
@@ -361,7 +347,8 @@ def test_a_conditional_entry_applies_where_its_condition_held_on_the_row_before(
     `applied`), and the rows at layers 0, 1 and -1 of every position equal the reference's (relative 1e-5),
     the final row by the tail step. A stop string's extraction step replays where it applied: its final
     rows are the reference's too."""
-    from tests.steer_ref import conditional_greedy, fixed_entries
+    from tests.heads_ref import head_scorer
+    from tests.steer_ref import pick_condition
 
     entry, head, index, above, head_layer = WHEN_CASES[case]
     prompt, n = "The weather today is", 8
@@ -375,24 +362,11 @@ def test_a_conditional_entry_applies_where_its_condition_held_on_the_row_before(
         states = steered_states(reference.model, ids, [], P)
         acts = sae_reference({h["name"]: h for h in build_test_heads()}[head]["path"], states[head_layer][P - 1:])
         index = int(np.argmax(acts.max(0) - acts.min(0)))
-    score = _scorer(head, index)
+    score = head_scorer(head, index)
     base = [(entry["layer"], entry.get("op", "add"), "completion", entry.get("scale", 1.0),
              np.frombuffer(base64.b64decode(entry["vector"]), "<f4"))]
-    states = steered_states(reference.model, ids, [], P)
-    plain_scores = sorted(score(states[head_layer][q]) for q in range(P - 1, len(ids)))
-    middle = sorted(((a + b) / 2 for a, b in zip(plain_scores, plain_scores[1:])),
-                    key=lambda t: abs(t - plain_scores[len(plain_scores) // 2]))
-    for t in middle:  # from the median outward: mixed decisions, every score clear of the band
-        tokens, applied = conditional_greedy(reference.model, list(plain.prompt_token_ids), base, n,
-                                             {0: (head_layer, score, above, t)})
-        full = list(plain.prompt_token_ids) + tokens
-        final_states = steered_states(reference.model, full, fixed_entries(base, applied), P)
-        scores = [score(final_states[head_layer][q]) for q in range(P - 1, len(full) - 1)]
-        band = 1e-5 * max(abs(x) for x in scores)
-        if 0 < len(applied[0]) < n and min(abs(x - t) for x in scores) > 100 * band:
-            break
-    else:
-        raise AssertionError(f"{case}: no threshold gives mixed decisions clear of the band")
+    t, tokens, applied, final_states = pick_condition(reference.model, list(plain.prompt_token_ids), base, n,
+                                                      head_layer, score, above)
 
     when = {"head": head, "feature": index, ("above" if above else "below"): t}
     steering = [{**entry, "positions": "completion", "when": when}]
