@@ -713,7 +713,7 @@ def check_model(spec: VectorFields, num_layers: int, hidden_size: int) -> tuple[
 
 def spec_of(return_hidden_states: bool = True, layers: Sequence[int] | None = None, position: Any = "completion_end",
             dtype: str = "float32", topk: int | None = None, proof: Any = None, heads: Any = None,
-            steering: Any = None, stop: Any = None, *, enabled: bool) -> HiddenStatesFields:
+            steering: Any = None, stop_conditions: Any = None, *, enabled: bool) -> HiddenStatesFields:
     """A Python caller's keyword arguments as a spec (parse_fields: the same rules as a request's fields)."""
     if isinstance(position, BaseModel):
         position = position.model_dump()
@@ -725,7 +725,8 @@ def spec_of(return_hidden_states: bool = True, layers: Sequence[int] | None = No
                          "hidden_states_topk": topk, "hidden_states_proof": proof,
                          "hidden_states_heads": None if heads is None else list(heads),
                          "hidden_states_steering": None if steering is None else list(steering),
-                         "hidden_states_stop": None if stop is None else list(stop)}, enabled=enabled)
+                         "hidden_states_stop": None if stop_conditions is None else list(stop_conditions)},
+                        enabled=enabled)
 
 
 def check_proof_width(proof: ProofRequest, hidden_size: int) -> None:

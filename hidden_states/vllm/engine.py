@@ -351,7 +351,8 @@ class HiddenStatesEngine(VectorObservers):
         return_hidden_states: bool = True,
         layers: Sequence[int] = (-1,), position: Any = "completion_end", model: str | None = None,
         dtype: str = "float32", topk: int | None = None, proof: Any = None, spec: HiddenStatesFields | None = None,
-        heads: Sequence[Any] | None = None, steering: Sequence[dict] | None = None, stop: Sequence[dict] | None = None,
+        heads: Sequence[Any] | None = None, steering: Sequence[dict] | None = None,
+        stop_conditions: Sequence[dict] | None = None,
     ) -> Completion:
         """One prompt (text, token ids, or an engine input such as `chat_input`'s) to a finished Completion with a vector per choice. `sampling`:
         SamplingOptions or vLLM's SamplingParams; `model`: a LoRA adapter; `position`, `dtype`, `topk`,
@@ -374,7 +375,7 @@ class HiddenStatesEngine(VectorObservers):
         engine_prompt = prompt if isinstance(prompt, dict) else {"prompt_token_ids": list(prompt)}
         final, choices = None, []
         if spec is None:
-            spec = spec_of(return_hidden_states, layers, position, dtype, topk, proof, heads, steering, stop,
+            spec = spec_of(return_hidden_states, layers, position, dtype, topk, proof, heads, steering, stop_conditions,
                            enabled=self.enabled)
         with self.collecting(spec) if spec.wants else contextlib.nullcontext() as collector:
             if collector is not None:

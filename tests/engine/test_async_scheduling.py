@@ -126,7 +126,7 @@ def test_a_stop_condition_under_async_scheduling(async_engine, loop_thread, refe
     p, threshold = crossing(scores, P, True)
     before = loop_thread.run(eng.stats())
     out = loop_thread.run(eng.complete(PROMPTS[1], sp(max_tokens=12),
-                                       stop=[{"head": "mid", "feature": 0, "above": threshold}]))
+                                       stop_conditions=[{"head": "mid", "feature": 0, "above": threshold}]))
     (ch,) = out.choices
     assert list(ch.token_ids) == ids[P:p + 1] and ch.finish_reason == "stop" and ch.stop["position"] == p
     _close(ch.hidden_states, _rows(reference, ids[:p + 1])[-1], "async stop: final vector")

@@ -241,7 +241,7 @@ def test_a_stop_condition_finishes_at_the_first_position_the_reference_crosses(e
     async def batch():
         import asyncio
         return await asyncio.gather(
-            engine.complete(prompt, sp(max_tokens=12, logprobs=2), stop=[condition]),
+            engine.complete(prompt, sp(max_tokens=12, logprobs=2), stop_conditions=[condition]),
             engine.complete(prompt, sp(max_tokens=12, logprobs=2)))
 
     before = loop_thread.run(engine.stats())["monitor_stops"]
@@ -267,7 +267,7 @@ def test_a_stop_condition_finishes_at_the_first_position_the_reference_crosses(e
 def test_a_stop_condition_that_never_holds_changes_nothing_and_says_so(engine, loop_thread):
     plain = loop_thread.run(engine.complete(PROMPTS[0], sp(max_tokens=8)))
     out = loop_thread.run(engine.complete(PROMPTS[0], sp(max_tokens=8), return_hidden_states=False,
-                                          stop=[{"head": "probe", "feature": 0, "above": 2.0}]))
+                                          stop_conditions=[{"head": "probe", "feature": 0, "above": 2.0}]))
     (ch,), (a,) = out.choices, plain.choices
     assert ch.token_ids == a.token_ids and ch.finish_reason == a.finish_reason == "length"
     assert ch.stop is None and ch.stop_asked and ch.hidden_states is None
@@ -320,7 +320,7 @@ def test_bad_stop_conditions_are_a_400_naming_the_field(engine, loop_thread, sto
     from hidden_states.params import HiddenStatesRequestError
 
     with pytest.raises(HiddenStatesRequestError) as e:
-        loop_thread.run(engine.complete(PROMPTS[0], sp(), return_hidden_states=False, stop=stop))
+        loop_thread.run(engine.complete(PROMPTS[0], sp(), return_hidden_states=False, stop_conditions=stop))
     assert words in str(e.value) and e.value.param == "hidden_states_stop", str(e.value)
 
 
