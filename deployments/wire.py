@@ -21,7 +21,7 @@ from hidden_states.interface import CompletionChoice, ExtractionStats, RowBatch
 from hidden_states.protocol import numpy_dtype
 
 
-WIRE_VERSION = 4
+WIRE_VERSION = 5
 WIRE = f"hidden-states-wire/{WIRE_VERSION}"
 _VERSIONED = dict(tag=WIRE, tag_field="wire")
 
@@ -90,6 +90,8 @@ class HandleChoice(msgspec.Struct, array_like=True, gc=False):
     proofs: tuple[str, ...] | None = None  # hidden_states_proof: base64, the scheme's format
     heads: dict[str, Any] | None = None  # hidden_states_heads: {head: outputs} as over HTTP
     steering: list[dict[str, Any]] | None = None  # hidden_states_steering applied, as hidden_states_meta echoes it
+    stop: dict[str, Any] | None = None  # hidden_states_stop: the condition that finished it (None: none did)
+    stop_asked: bool = False  # the request had stop conditions
 
 
 def _le(arr: np.ndarray, dtype: Any) -> bytes:
@@ -105,7 +107,7 @@ def to_wire(ch: CompletionChoice) -> HandleChoice:
         {layer: _le(v, numpy_dtype(rows.dtype)) for layer, v in rows.values.items()},
         None if rows.indices is None else {layer: _le(i, np.int32) for layer, i in rows.indices.items()})
     return HandleChoice(ch.index, ch.text, list(ch.token_ids), ch.finish_reason, hr, stats, ch.multi,
-                        ch.proofs, ch.heads, ch.steering)
+                        ch.proofs, ch.heads, ch.steering, ch.stop, ch.stop_asked)
 
 
 def from_wire(ch: HandleChoice) -> CompletionChoice:
@@ -121,7 +123,7 @@ def from_wire(ch: HandleChoice) -> CompletionChoice:
                         None if hr.indices is None else
                         {layer: np.frombuffer(b, "<i4").reshape(shape) for layer, b in hr.indices.items()})
     return CompletionChoice(ch.index, ch.text, tuple(ch.token_ids), ch.finish_reason, rows, stats, ch.multi,
-                            ch.proofs, ch.heads, ch.steering)
+                            ch.proofs, ch.heads, ch.steering, ch.stop, ch.stop_asked)
 
 
 class HandleCompletion(msgspec.Struct, array_like=True, gc=False):

@@ -77,6 +77,59 @@ def test_completions_n2_and_a_streamed_chat_over_http(client, reference):
                 {"probe": 0, "sae-topk": TINY_TOPK_K}, ERRORS)
 
 
+def _greedy_stop(client, reference, model: str = MODEL, prompt: str = "a b a b a b a b", head: str = "mid",
+                 index: int = 0, case: str = "") -> None:
+    """A greedy request with a stop condition whose threshold the plain greedy completion's reference
+    scores (numpy or SAELens on transformers' rows) first cross mid-completion at p, clear of the band: the
+    monitored completion is the plain one's tokens up to p (under n-gram drafts, cut inside a block of
+    accepted drafts where p falls in one), finish "stop", stop_reason and meta.stop naming p."""
+    from tests.engine.test_heads import crossing, reference_scores
+
+    body = dict(model=model, prompt=prompt, max_tokens=12, temperature=0)
+    plain = client.completions.create(**body, extra_body={"return_token_ids": True}).choices[0]
+    P, ids = len(plain.prompt_token_ids), plain.prompt_token_ids + plain.token_ids
+    scores = reference_scores(reference, build_test_heads(), ids, head, index)
+    p, t = crossing(scores, P, True)
+    (b,) = client.completions.create(**body, extra_body={
+        "return_token_ids": True, "hidden_states_stop": [{"head": head, "feature": index, "above": t}]}).choices
+    assert b.token_ids == plain.token_ids[:p + 1 - P], (case, p, b.token_ids, plain.token_ids)
+    assert (b.finish_reason, b.stop_reason) == ("stop", "hidden_states_stop[0]"), case
+    assert b.hidden_states_meta["stop"]["position"] == p, (case, b.hidden_states_meta)
+    ERRORS.append((f"{case} stop score", abs(b.hidden_states_meta["stop"]["score"] - scores[p]),
+                   float(np.abs(scores).max())))
+    assert abs(b.hidden_states_meta["stop"]["score"] - scores[p]) <= 1e-5 * np.abs(scores).max()
+
+
+def test_stop_conditions_over_http_n2_and_a_bad_head(client, reference):
+    """Two sampled choices under a stop condition: each that stopped on it ends at the first position its
+    own tokens' reference scores cross (none earlier, beyond the band); one that ran to max_tokens never
+    crossed. A greedy stop mid-completion; an unknown head is a 400 naming the field."""
+    from tests.engine.test_heads import crossing, reference_scores
+
+    _greedy_stop(client, reference, prompt="The heads read the rows of", case="router")
+    heads = build_test_heads()
+    plain = client.completions.create(model=MODEL, prompt="The monitor reads", max_tokens=12, temperature=0,
+                                      extra_body={"return_token_ids": True}).choices[0]
+    P = len(plain.prompt_token_ids)
+    scores = reference_scores(reference, heads, plain.prompt_token_ids + plain.token_ids, "mid", 0)
+    _, t = crossing(scores, P, True)
+    r = client.completions.create(model=MODEL, prompt="The monitor reads", max_tokens=12, n=2, temperature=1.0,
+                                  seed=7, extra_body={"return_token_ids": True,
+                                                      "hidden_states_stop": [{"head": "mid", "feature": 0, "above": t}]})
+    for b in r.choices:
+        mine = reference_scores(reference, heads, b.prompt_token_ids + b.token_ids, "mid", 0)[P:]
+        band = 1e-5 * np.abs(mine).max()
+        if b.stop_reason == "hidden_states_stop[0]":
+            assert b.finish_reason == "stop" and mine[-1] > t - band and np.all(mine[:-1] <= t + band), (mine, t)
+            assert b.hidden_states_meta["stop"]["position"] == P + len(b.token_ids) - 1
+        else:
+            assert b.hidden_states_meta["stop"] is None and np.all(mine <= t + band), (mine, t)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=2,
+                                  extra_body={"hidden_states_stop": [{"head": "nope", "feature": 0, "above": 1}]})
+    assert "hidden_states_stop" in str(e.value) and "unknown head 'nope'" in str(e.value)
+
+
 def test_a_python_handle_gets_the_same_outputs(serve_app, reference):
     from ray import serve
 
@@ -89,6 +142,12 @@ def test_a_python_handle_gets_the_same_outputs(serve_app, reference):
     ids = list(c.prompt_token_ids) + list(ch.token_ids)
     check_heads("handle", ch.heads, states(reference, ids), [len(ids) - 1], build_test_heads(),
                 {"probe": 0, "sae-std": 8}, ERRORS)
+    # a stop condition that holds on the first completion row (a softmax score is above 0): one token
+    c = complete(serve.get_app_handle(APP), "A handle reads heads", max_tokens=6, return_hidden_states=False,
+                 hidden_states_stop=[{"head": "probe", "label": "pos", "above": 0.0}], timeout_s=120)
+    (ch,) = c.choices
+    assert len(ch.token_ids) == 1 and ch.finish_reason == "stop" and ch.stop_asked
+    assert ch.stop["position"] == len(c.prompt_token_ids) and ch.stop["label"] == "pos", ch.stop
 
 
 def test_an_adapter_s_requests_read_the_adapter_s_rows(lora_app, model_dir):
@@ -104,6 +163,8 @@ def test_an_adapter_s_requests_read_the_adapter_s_rows(lora_app, model_dir):
     with pytest.raises(AssertionError):  # the base model's rows give other outputs
         check_heads("lora vs base", b.hidden_states_heads, states(Reference(model_dir), ids), list(range(len(ids))),
                     build_test_heads(), {"probe": 0}, None)
+    _greedy_stop(client, Reference(model_dir, adapter["path"]), model=adapter["name"], prompt="The adapter's heads",
+                 case="lora")
 
 
 def _drafted_and_parallel(base: str, case: str, reference) -> None:
@@ -116,6 +177,7 @@ def _drafted_and_parallel(base: str, case: str, reference) -> None:
         ids = b.prompt_token_ids + b.token_ids
         check_heads(f"{case} {prompt[:8]!r}", b.hidden_states_heads, states(reference, ids),
                     b.hidden_states_meta["positions"], build_test_heads(), ASKED, ERRORS)
+    _greedy_stop(client, reference, case=case)
 
 
 def test_speculative_decoding(spec_app, reference):

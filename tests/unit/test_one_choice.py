@@ -116,6 +116,9 @@ CASES = {
     "heads and rows": dict(rows=rows_of("float32", False), heads={"sae": {"indices": [7, 1], "values": [2.5, 0.5]}}),
     "proofs": dict(proofs=("AAEC", "AwQF")),
     "steering only": dict(steering=[{"vector": "happy", "layer": 4, "scale": 2.0}]),
+    "a stop condition finished it": dict(stop={"head": "probe", "feature": 2, "above": 0.5, "condition": 0,
+                                               "position": 17, "score": 0.75}, stop_asked=True),
+    "stop conditions that never held": dict(stop=None, stop_asked=True),
     "nothing asked": dict(),
     "zero rows of a range": dict(rows=RowBatch.empty((-1,), 3, "float16", 3), multi=True),
 }
@@ -131,6 +134,7 @@ def test_the_wire_carries_the_one_type_bit_for_bit(case, stats):
         (ch.index, ch.text, ch.token_ids, ch.finish_reason, ch.extraction, ch.multi)
     assert (back.proofs, back.heads, back.steering, back.dtype, back.positions, back.shape if ch.rows else None) == \
         (ch.proofs, ch.heads, ch.steering, ch.dtype, ch.positions, ch.shape if ch.rows else None)
+    assert (back.stop, back.stop_asked) == (ch.stop, ch.stop_asked)
     if ch.rows is None:
         assert back.rows is None and back.hidden_states is None and back.hidden_states_by_layer is None
         return
