@@ -155,7 +155,9 @@ class SteeringAsk(BaseModel):
     feature: int | None = Field(None, ge=0)
     scale: float = 1.0
     positions: Literal["prompt", "completion", "all"] = "all"
-    op: Literal["add", "ablate"] = "add"
+    op: Literal["add", "ablate", "clamp", "cap"] = "add"
+    value: float | None = None  # clamp: the SAE feature's activation set to this
+    max: float | None = None  # cap: the stream's component along the unit vector at most this
     when: ConditionAsk | None = None  # applied at a completion position where this held on the row before
 
 
@@ -445,6 +447,10 @@ def check_steering(entries: Any) -> "list[SteeringAsk] | None":
         if not isinstance(e, Mapping):
             raise HiddenStatesRequestError(f"{where} must be an object, not {e!r}", "hidden_states_steering")
         _numbers(e.get("when"), f"{where}.when", "hidden_states_steering")
+        for key in ("value", "max"):  # numbers, not strings pydantic would coerce
+            if e.get(key) is not None and (isinstance(e[key], bool) or not isinstance(e[key], (int, float))):
+                raise HiddenStatesRequestError(f"{where}.{key} must be a number, not {e[key]!r}",
+                                               "hidden_states_steering")
         try:
             ask = SteeringAsk.model_validate(e)
         except ValidationError as err:
@@ -463,6 +469,19 @@ def check_steering(entries: Any) -> "list[SteeringAsk] | None":
         if ask.vector is not None and ask.layer is None:
             raise HiddenStatesRequestError(f"{where} needs a `layer` (hidden_states_layers' numbering)",
                                            "hidden_states_steering")
+        for key, op in (("value", "clamp"), ("max", "cap")):
+            given = getattr(ask, key)
+            if (given is None) == (ask.op == op):
+                raise HiddenStatesRequestError(
+                    f"{where}.{key}: " + (f"op {op!r} needs `{key}`" if given is None else f"`{key}` is for op {op!r}"),
+                    "hidden_states_steering")
+            if given is not None and not np.isfinite(given):
+                raise HiddenStatesRequestError(f"{where}.{key} must be finite, not {given}", "hidden_states_steering")
+        if ask.op == "clamp" and ask.head is None:
+            raise HiddenStatesRequestError(f"{where}: op 'clamp' sets an SAE feature: it takes `head` and `feature`",
+                                           "hidden_states_steering")
+        if ask.op in ("clamp", "cap") and ask.scale != 1.0:
+            raise HiddenStatesRequestError(f"{where}.scale does not apply to op {ask.op!r}", "hidden_states_steering")
         if ask.when is not None:
             _condition(ask.when, ConditionAsk, f"{where}.when", "hidden_states_steering")
             if ask.positions != "completion":

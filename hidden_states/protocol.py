@@ -251,12 +251,28 @@ STOP_REASON = "hidden_states_stop[{}]"
 STEERED_KEY = "hidden_states_steered"
 
 
+class Clamp(msgspec.Struct, array_like=True, frozen=True):
+    """A clamp's SAE feature i, as SAELens encodes it from the stream x (little-endian float32 [D] each):
+    f = relu((x - b_dec) . w_mag + b_mag) * [(x - b_dec) . w_gate + b_gate > threshold] (standard: w_gate =
+    w_mag, threshold 0; JumpReLU: its threshold; gated: its gate and magnitude paths); the entry adds
+    (value - f) x W_dec[i] (SteerEntry.vector)."""
+
+    value: float
+    b_dec: bytes
+    w_mag: bytes
+    b_mag: float
+    w_gate: bytes
+    b_gate: float
+    threshold: float
+
+
 class SteerEntry(msgspec.Struct, array_like=True, frozen=True):
     """One steering entry as the workers apply it: at the stream entering decoder layer `layer`
     (transformers' hidden_states[layer]), on the rows of absolute positions start..end-1 (end -1: to
     the end; `positions` names them as asked, "prompt", "completion" or "all", and `steering.anchor`
-    sets them from the prompt's length), `op` "add" (+ scale x vector) or "ablate" (the unit
-    vector's component projected out)."""
+    sets them from the prompt's length), `op` "add" (+ scale x vector), "ablate" (the unit
+    vector's component projected out), "cap" (that component limited to `cap`) or "clamp" (an SAE
+    feature set to a value: `clamp`)."""
 
     layer: int  # absolute, 0..num_layers - 1
     op: str
@@ -270,6 +286,8 @@ class SteerEntry(msgspec.Struct, array_like=True, frozen=True):
     when: Monitor | None = None
     # A replay: exactly these positions (an extraction step of a conditional entry: where it was applied).
     at: list[int] | None = None
+    clamp: Clamp | None = None  # op "clamp": the feature's encoder (`vector` is its decoder row)
+    cap: float = 0.0  # op "cap": the stream's component along the unit vector at most this
 
     def array(self) -> np.ndarray:
         return np.frombuffer(self.vector, "<f4")

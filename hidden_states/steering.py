@@ -27,7 +27,7 @@ import numpy as np
 
 from hidden_states.heads import HeadConfigError
 from hidden_states.params import HiddenStatesRequestError, absolute_layer, resolve_condition
-from hidden_states.protocol import SteerEntry
+from hidden_states.protocol import Clamp, SteerEntry
 
 _DIRECTION = re.compile(r"^direction\.(\d+)$")
 
@@ -124,6 +124,29 @@ def _feature(head: Any, feature: int, where: str) -> np.ndarray:
         return np.asarray(f.get_slice("W_dec")[feature:feature + 1], np.float32).reshape(-1)
 
 
+def _clamp(head: Any, feature: int, value: float, where: str) -> Clamp:
+    """The clamp of an SAE head's feature: its encoder, read alone from its safetensors file, in the one
+    form every served architecture but top-k takes (protocol.Clamp)."""
+    from safetensors import safe_open
+
+    with safe_open(os.path.join(head.path, "sae_weights.safetensors"), framework="numpy") as f:
+        def column(name: str) -> np.ndarray:
+            return np.asarray(f.get_slice(name)[:, feature:feature + 1], np.float32).reshape(-1)
+
+        def one(name: str) -> float:
+            return float(np.asarray(f.get_slice(name)[feature:feature + 1], np.float32)[0])
+
+        b_dec, w = np.asarray(f.get_tensor("b_dec"), np.float32), column("W_enc")
+        if head.architecture == "gated":  # gate: W_enc, b_gate; magnitude: W_enc * exp(r_mag), b_mag
+            w_mag = (w * np.exp(np.float32(one("r_mag")))).astype(np.float32)
+            parts = (w_mag, one("b_mag"), w, one("b_gate"), 0.0)
+        else:
+            threshold = one("threshold") if head.architecture == "jumprelu" else 0.0
+            parts = (w, one("b_enc"), w, one("b_enc"), threshold)
+    le = lambda v: np.ascontiguousarray(v, "<f4").tobytes()  # noqa: E731
+    return Clamp(float(value), le(b_dec), le(parts[0]), parts[1], le(parts[2]), parts[3], parts[4])
+
+
 def resolve(spec: Any, num_layers: int, hidden_size: int, vectors: Mapping[str, Mapping[int, np.ndarray]],
             heads: Mapping[str, Any]) -> tuple[list[SteerEntry], list[dict]]:
     """(the entries, not anchored yet: `anchor`; what the response echoes); a 400 naming the entry for
@@ -153,11 +176,21 @@ def resolve(spec: Any, num_layers: int, hidden_size: int, vectors: Mapping[str, 
             head = heads.get(ask.head)
             if head is None or head.kind != "sae":
                 have = ", ".join(sorted(n for n, h in heads.items() if h.kind == "sae")) or "none"
-                raise HiddenStatesRequestError(f"{where}: {ask.head!r} is no SAE head of this server's ({have})",
+                what = f"{ask.head!r} is a linear head" if head is not None else f"{ask.head!r} is no SAE head"
+                raise HiddenStatesRequestError(f"{where}: {what}; {'a clamp sets' if ask.op == 'clamp' else 'a feature is'}"
+                                               f" an SAE's feature (this server's SAEs: {have})",
                                                "hidden_states_steering")
             if ask.feature >= head.width:
                 raise HiddenStatesRequestError(f"{where}: feature {ask.feature} is beyond the SAE {ask.head!r}'s "
                                                f"{head.width} features", "hidden_states_steering")
+            if ask.op == "clamp" and head.architecture == "topk":
+                raise HiddenStatesRequestError(
+                    f"{where}: {ask.head!r} is a top-k SAE: a feature's activation depends on all the others (whether "
+                    "it is among the k largest), so it cannot be set alone; clamp a standard, JumpReLU or gated SAE's",
+                    "hidden_states_steering")
+            if ask.op == "clamp" and ask.layer is not None and absolute_layer(ask.layer, num_layers) != head.layer:
+                raise HiddenStatesRequestError(f"{where}: a clamp acts at its SAE's layer ({head.layer}), not "
+                                               f"{ask.layer}: drop `layer`", "hidden_states_steering")
             found = {head.layer if ask.layer is None else ask.layer: _feature(head, ask.feature, where)}
             source = {"head": ask.head, "feature": ask.feature}
         for layer, v in sorted(found.items()):
@@ -167,12 +200,17 @@ def resolve(spec: Any, num_layers: int, hidden_size: int, vectors: Mapping[str, 
                     f"{where}: layer {layer} out of range: steering adds to the stream entering decoder layer L, "
                     f"L from 0 (the embeddings' output) to {num_layers - 1} (the stream after the final norm, "
                     f"{num_layers} or -1, is not steerable)", "hidden_states_steering")
-            if ask.op == "ablate" and not np.any(v):
-                raise HiddenStatesRequestError(f"{where}: ablating a zero vector", "hidden_states_steering")
+            if ask.op in ("ablate", "cap") and not np.any(v):
+                raise HiddenStatesRequestError(f"{where}: {'ablating' if ask.op == 'ablate' else 'capping'} along a "
+                                               "zero vector", "hidden_states_steering")
             raw = np.ascontiguousarray(v, "<f4").tobytes()
-            entries.append(SteerEntry(absolute, ask.op, ask.positions, float(ask.scale), raw, when=when))
+            clamp = _clamp(heads[ask.head], ask.feature, ask.value, where) if ask.op == "clamp" else None
+            entries.append(SteerEntry(absolute, ask.op, ask.positions, float(ask.scale), raw, when=when, clamp=clamp,
+                                      cap=float(ask.max) if ask.op == "cap" else 0.0))
             echo.append({"layer": absolute, "op": ask.op, "positions": ask.positions, "scale": float(ask.scale),
                          "digest": hashlib.sha256(raw).hexdigest()[:16], **source,
+                         **({"value": float(ask.value)} if ask.op == "clamp" else {}),
+                         **({"max": float(ask.max)} if ask.op == "cap" else {}),
                          **({"when": when_echo} if when is not None else {})})
     return entries, echo
 

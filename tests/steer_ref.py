@@ -2,8 +2,9 @@
 
 A forward pre-hook on decoder layer L changes its input, the stream transformers records as
 `hidden_states[L]` (the output of layer L - 1; for L = 0 the embeddings as the model scales them),
-on the rows of the chosen positions: + scale x vector (`add`) or minus the component along the unit
-vector (`ablate`), entries in order. Rows are read by hooks of our own (each layer's input after
+on the rows of the chosen positions: + scale x vector (`add`), minus the component along the unit
+vector (`ablate`), that component limited to c (`("cap", c)`), or an SAE feature set to a value by
+SAELens's own `encode` and `W_dec` (`("clamp", sae, feature, value)`), entries in order. Rows are read by hooks of our own (each layer's input after
 the steering, and the final norm's output), and greedy tokens come from recomputing the whole
 sequence each step (no KV cache: positions are plain indices).
 """
@@ -46,9 +47,16 @@ def steered_states(model, ids, entries, prompt_len: int) -> list[np.ndarray]:
                 v = torch.as_tensor(np.array(vector, np.float32), device=hidden.device)
                 if op == "add":
                     hidden[0, rows] += scale * v
-                else:
+                elif op == "ablate":
                     unit = v / v.norm()
                     hidden[0, rows] -= (hidden[0, rows] @ unit)[:, None] * unit
+                elif op[0] == "cap":  # ("cap", c): the component along the unit vector at most c
+                    unit = v / v.norm()
+                    hidden[0, rows] -= torch.relu(hidden[0, rows] @ unit - op[1])[:, None] * unit
+                else:  # ("clamp", SAELens SAE, feature, value): + (value - encode(stream)[feature]) x W_dec[feature]
+                    _, sae, feature, value = op
+                    f = sae.encode(hidden[0, rows].float())[:, feature]
+                    hidden[0, rows] += ((value - f)[:, None] * sae.W_dec[feature]).to(hidden.dtype)
             recorded[layer] = hidden[0].float().cpu().numpy().copy()
             if args:
                 return (hidden, *args[1:]), kwargs

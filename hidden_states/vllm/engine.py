@@ -296,6 +296,10 @@ class HiddenStatesEngine(VectorObservers):
         static = found.get("capture_layers")
         if static is not None:  # the traced entries (worker/traced.py): the static set, one ablation per row
             for i, e in enumerate(entries):
+                if e.op in ("clamp", "cap"):
+                    raise HiddenStatesRequestError(
+                        f"hidden_states_steering: op {e.op!r} runs on eager engines (enforce_eager: true); a "
+                        "compiled engine's traced entry holds adds and one ablation per row", "hidden_states_steering")
                 if e.layer not in static:
                     raise HiddenStatesRequestError(
                         f"hidden_states_steering: layer {e.layer} is outside this engine's capture_layers {static}: "

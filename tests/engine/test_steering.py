@@ -403,3 +403,100 @@ def test_bad_conditions_on_steering_are_a_400_naming_the_entry(engine, loop_thre
     with pytest.raises(HiddenStatesRequestError) as e:
         loop_thread.run(engine.complete("x", sp(), return_hidden_states=False, steering=steering))
     assert words in str(e.value) and e.value.param == "hidden_states_steering" and "[0]" in str(e.value), str(e.value)
+
+
+# -- clamp (an SAE feature set to a value) and cap (a direction's component limited) --
+
+def _sae(name: str):
+    from sae_lens import SAE
+
+    return SAE.load_from_disk({h["name"]: h for h in build_test_heads()}[name]["path"], device="cpu")
+
+
+def _busiest_feature(reference, name: str, ids, layer: int) -> int:
+    """The SAE feature with the largest mean activation over `ids`' rows (SAELens's encode on transformers')."""
+    import torch
+
+    rows = steered_states(reference.model, ids, [], len(ids))[layer]
+    with torch.no_grad():
+        return int(_sae(name).encode(torch.tensor(rows)).mean(0).argmax())
+
+
+# (entries as asked, given the chosen feature; the SAE head whose outputs are checked, or None)
+CONTROL_CASES = {
+    "clamp a standard SAE's feature high": (lambda f: [{"op": "clamp", "head": "sae-std", "feature": f, "value": 12.0}],
+                                            "sae-std", 1),
+    "clamp a JumpReLU feature to 0 on the completion": (
+        lambda f: [{"op": "clamp", "head": "sae-jump", "feature": f, "value": 0.0, "positions": "completion"}],
+        "sae-jump", 1),
+    "clamp a gated SAE's feature at the embeddings": (
+        lambda f: [{"op": "clamp", "head": "sae-gated", "feature": f, "value": 6.0}], "sae-gated", 0),
+    "add then cap": (lambda f: [{"layer": 1, "vector": b64(unit_vector(51, 4.0)), "scale": 1.5},
+                                {"op": "cap", "layer": 1, "vector": b64(unit_vector(51)), "max": 0.25}], None, 1),
+}
+
+
+@pytest.mark.parametrize("case", list(CONTROL_CASES))
+def test_clamp_and_cap_are_transformers_with_saelens_in_the_same_hook(engine, loop_thread, reference, case):
+    """`clamp` adds (value - f_i(x)) x W_dec[i] to the stream at its SAE's layer, f_i SAELens's encode of that
+    row (after the entries before it); `cap` limits the stream's component along a unit vector. Against
+    transformers with SAELens's own encode and W_dec in the same pre-hook: greedy tokens identical (and
+    unlike the unsteered ones), rows at layers 0, 1 and -1 within relative 1e-5; the clamped SAE's outputs
+    read at its layer are SAELens's encode of the reference's steered rows (not `value` itself: W_dec and
+    W_enc are not inverses, which is the definition)."""
+    import torch
+
+    make, name, layer = CONTROL_CASES[case]
+    prompt = "The weather today is"
+    plain = loop_thread.run(engine.complete(prompt, sp()))
+    ids = list(plain.prompt_token_ids) + list(plain.choices[0].token_ids)
+    feature = _busiest_feature(reference, name, ids, layer) if name else 0
+    steering = make(feature)
+    heads_asked = [{"name": name, "topk": 16}] if name else None
+    out = loop_thread.run(engine.complete(prompt, sp(), steering=steering, layers=[0, 1, -1], position="all",
+                                          heads=heads_asked))
+    (ch,) = out.choices
+    P = len(out.prompt_token_ids)
+    entries = []
+    for e in steering:
+        if e.get("op") == "clamp":
+            sae = _sae(e["head"])
+            with torch.no_grad():
+                entries.append((layer, ("clamp", sae, e["feature"], e["value"]), e.get("positions", "all"), 1.0,
+                                sae.W_dec[e["feature"]].numpy()))
+        else:
+            v = np.frombuffer(base64.b64decode(e["vector"]), "<f4")
+            entries.append((e["layer"], ("cap", e["max"]) if e.get("op") == "cap" else e.get("op", "add"), "all",
+                            e.get("scale", 1.0), v))
+    want = steered_greedy(reference.model, list(out.prompt_token_ids), entries, 10)
+    assert list(ch.token_ids) == want, (case, ch.token_ids, want)
+    assert list(ch.token_ids) != list(plain.choices[0].token_ids), "the steering changed nothing"
+    states = steered_states(reference.model, list(out.prompt_token_ids) + want, entries, P)
+    for l in (0, 1, -1):
+        assert_rows(f"{case}, layer {l}", ch.hidden_states_by_layer[l], states[l % 3])
+    if name:
+        from tests.heads_ref import check_heads
+        check_heads(case, ch.heads, [states[i] for i in range(3)], list(ch.positions), build_test_heads(),
+                    {name: 16}, ERRORS)
+    assert [s["op"] for s in ch.steering] == [e.get("op", "add") for e in steering]
+    assert ch.steering[-1].get("value", ch.steering[-1].get("max")) == steering[-1].get("value", steering[-1].get("max"))
+
+
+@pytest.mark.parametrize("steering,words", [
+    ([{"op": "clamp", "head": "probe", "feature": 0, "value": 1.0}], "'probe' is a linear head"),
+    ([{"op": "clamp", "head": "sae-topk", "feature": 0, "value": 1.0}], "top-k SAE"),
+    ([{"op": "clamp", "head": "sae-std", "feature": 0}], "op 'clamp' needs `value`"),
+    ([{"op": "clamp", "head": "sae-std", "feature": 0, "value": "big"}], "must be a number"),
+    ([{"op": "clamp", "head": "sae-std", "feature": 0, "value": 1.0, "layer": 0}], "acts at its SAE's layer"),
+    ([{"op": "clamp", "head": "sae-std", "feature": 0, "value": 1.0, "scale": 2}], "scale does not apply"),
+    ([{"op": "cap", "layer": 1, "vector": b64(unit_vector(1))}], "op 'cap' needs `max`"),
+    ([{"op": "cap", "layer": 1, "vector": b64(unit_vector(1)), "max": float("inf")}], "finite"),
+    ([{"op": "add", "layer": 1, "vector": b64(unit_vector(1)), "max": 1.0}], "`max` is for op 'cap'"),
+    ([{"op": "cap", "layer": 1, "vector": [0.0] * D, "max": 1.0}], "zero vector"),
+])
+def test_bad_clamps_and_caps_are_a_400_naming_the_entry(engine, loop_thread, steering, words):
+    from hidden_states.params import HiddenStatesRequestError
+
+    with pytest.raises(HiddenStatesRequestError) as e:
+        loop_thread.run(engine.complete("x", sp(), return_hidden_states=False, steering=steering))
+    assert words in str(e.value) and e.value.param == "hidden_states_steering", str(e.value)

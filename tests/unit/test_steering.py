@@ -184,3 +184,13 @@ def test_a_request_whose_steering_raises_fails_alone_and_the_others_are_steered_
     out, faults, rows_b = run({"a"})
     assert not no_faults and rows == 5 and list(faults) == ["a"] and faults["a"][0] == "steering"
     assert torch.equal(out[3:], both[3:]) and torch.equal(out[:3], hidden[:3]) and rows_b == 2
+
+
+def test_a_top_k_sae_s_feature_cannot_be_clamped_alone():
+    """A top-k SAE's feature is nonzero only among the k largest: setting it alone is not defined, a 400."""
+    from hidden_states.heads import HeadSpec
+
+    topk = HeadSpec("tk", "sae", "/nonexistent", 1, 16, architecture="topk", k=4, topk=4, hook="blocks.0.hook_resid_post")
+    with pytest.raises(HiddenStatesRequestError) as e:
+        resolve(spec({"op": "clamp", "head": "tk", "feature": 3, "value": 2.0}), L, D, {}, {"tk": topk})
+    assert "top-k SAE" in str(e.value) and "hidden_states_steering[0]" in str(e.value), str(e.value)

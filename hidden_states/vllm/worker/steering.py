@@ -26,6 +26,7 @@ class StepSteering:
         self.runner = runner
         self.guard = guard  # capture._RunnerHook: fault(rid, hook, error), check(hook, rids), faulted(rid)
         self._entries: dict[str, list[tuple[SteerEntry, Any]]] = {}  # request id -> (entry, vector on the device)
+        self._clamps: dict[tuple[str, int], tuple] = {}  # (request, entry) -> a clamp's b_dec, w_mag, w_gate (float32)
         self._so: Any = None
         self._plan: dict[int, list[tuple[str, Any, str, Any]]] | None = None  # layer -> (request, rows, op, vector)
         self._buffers: dict[int, Any] = {}
@@ -59,7 +60,8 @@ class StepSteering:
     def begin(self, so: Any) -> None:
         self._so, self._plan = so, None
         for rid in getattr(so, "finished_req_ids", ()) or ():
-            self._entries.pop(rid, None)
+            for e, _ in self._entries.pop(rid, None) or ():
+                self._clamps.pop((rid, id(e)), None)
 
     def end(self) -> None:
         self._so, self._plan = None, None
@@ -76,6 +78,12 @@ class StepSteering:
             if entries:
                 device, dtype = getattr(self.runner, "device", "cpu"), self.runner.model_config.dtype
                 got += [(e, torch.from_numpy(e.array().copy()).to(device=device, dtype=dtype)) for e in entries]
+                for e, _ in got:
+                    if e.clamp is not None:  # its feature's encoder, float32 as SAELens encodes (per request, once)
+                        c = e.clamp
+                        self._clamps[(rid, id(e))] = tuple(
+                            torch.from_numpy(np.frombuffer(b, "<f4").copy()).to(device) for b in
+                            (c.b_dec, c.w_mag, c.w_gate))
         return got
 
     def _step_plan(self) -> dict[int, list[tuple[Any, str, Any]]]:
@@ -106,7 +114,8 @@ class StepSteering:
                     else:
                         rows = np.flatnonzero((positions >= e.start) & ((positions < e.end) if e.end >= 0 else True))
                     if len(rows):
-                        mine.append((e.layer, (rid, rows + start, e.op, vec * e.scale if e.op == "add" else vec)))
+                        op = e.op if e.op in ("add", "ablate") else (e.op, e)  # clamp, cap: the entry's parameters
+                        mine.append((e.layer, (rid, rows + start, op, vec * e.scale if e.op == "add" else vec)))
             except Exception as err:  # this request's entries: it fails alone
                 self.guard.fault(rid, "steering", err)
                 continue
@@ -142,10 +151,19 @@ class StepSteering:
                 steered[idx] = True
                 if op == "add":
                     delta[idx] += vec
-                else:  # ablate: the stream's component along the unit vector, after the entries before it
+                else:  # the stream after the entries before it
                     stream = hidden[idx] + delta[idx] + (0 if residual is None else residual[idx])
-                    unit = vec / vec.norm()
-                    delta[idx] -= (stream @ unit)[:, None] * unit
+                    if op == "ablate":  # minus its component along the unit vector
+                        unit = vec / vec.norm()
+                        delta[idx] -= (stream @ unit)[:, None] * unit
+                    elif op[0] == "cap":  # its component along the unit vector at most `cap`
+                        unit = vec / vec.norm()
+                        delta[idx] -= torch.relu(stream @ unit - op[1].cap)[:, None] * unit
+                    else:  # clamp: the SAE feature set to `value`, + (value - f(stream)) x W_dec[i]
+                        c, (b_dec, w_mag, w_gate) = op[1].clamp, self._clamps[(rid, id(op[1]))]
+                        x = stream.float() - b_dec
+                        f = torch.relu(x @ w_mag + c.b_mag) * ((x @ w_gate + c.b_gate) > c.threshold).float()
+                        delta[idx] += ((c.value - f)[:, None] * vec.float()).to(delta.dtype)
             except Exception as err:  # this request fails alone; its rows go unsteered
                 self.guard.fault(rid, "steering", err)
                 steered[idx] = False
