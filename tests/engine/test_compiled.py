@@ -126,3 +126,16 @@ def test_the_gpu_check_passes_on_this_engine(engine, loop_thread, model_dir, hea
                                                       "no"], [c.name for c in checks]
     assert all(c.ok for c in checks), [c.line() for c in checks if not c.ok]
     assert all(c.error is not None for c in checks[:-1])
+
+
+def test_clamp_and_cap_are_refused_on_the_compiled_engine_by_name(engine, loop_thread):
+    """The traced entry holds adds and one ablation per row: clamp and cap are a 400 saying so."""
+    from vllm import SamplingParams
+
+    from hidden_states.params import HiddenStatesRequestError
+
+    for entry in ({"op": "clamp", "head": "sae-std", "feature": 3, "value": 2.0},
+                  {"op": "cap", "layer": 1, "vector": [1.0] * 128, "max": 0.5}):
+        with pytest.raises(HiddenStatesRequestError) as e:
+            loop_thread.run(engine.complete("x", SamplingParams(max_tokens=2), steering=[entry]))
+        assert f"op {entry['op']!r} runs on eager engines" in str(e.value), str(e.value)
