@@ -69,15 +69,18 @@ def _prompts(n: int, seed: int) -> list[str]:
 
 
 async def _workers(engine) -> dict[str, int]:
-    keys = ("bytes_copied", "head_products", "head_rows", "host_copies")
+    keys = ("bytes_copied", "head_products", "head_rows", "host_copies", "steps", "steps_with_rows")
     ws = (await engine.stats())["workers"]
     return {k: sum(w.get(k, 0) for w in ws) for k in keys}
 
 
-async def _arm(engine, frontend, prompts, fields: dict, args):
+async def _arm(engine, frontend, prompts, fields: "dict | list[dict]", args):
+    """One arm's requests (`fields` for each, or a list: each request's own): (wall s, frontend CPU s,
+    the workers' counts, the answers)."""
     sem = asyncio.Semaphore(args.concurrency)
+    each = fields if isinstance(fields, list) else [fields] * len(prompts)
 
-    async def one(prompt):
+    async def one(prompt, fields):
         async with sem:
             raw = json.dumps({"model": "m", "prompt": prompt, "max_tokens": args.max_tokens, "temperature": 0,
                               "ignore_eos": True, **fields}).encode()
@@ -87,7 +90,7 @@ async def _arm(engine, frontend, prompts, fields: dict, args):
 
     w0, c0 = await _workers(engine), time.process_time()
     t0 = time.perf_counter()
-    out = await asyncio.gather(*(one(p) for p in prompts))
+    out = await asyncio.gather(*(one(p, f) for p, f in zip(prompts, each)))
     wall = time.perf_counter() - t0
     cpu = time.process_time() - c0
     w1 = await _workers(engine)

@@ -141,6 +141,7 @@ class _RunnerHook:
         self.attaches = True  # this worker's ModelRunnerOutput is the one the executor returns (install sets it)
         self.captured = 0
         self.steps_with_capture = 0
+        self.steps = 0  # forward steps with scheduled tokens (before_step)
         self.steps_with_rows = 0  # steps whose plan had rows (after_step): each should make one host copy
         self.host_copies = 0  # device-to-host transfers made (_to_host)
         self.bytes_copied = 0
@@ -231,6 +232,8 @@ class _RunnerHook:
 
     def before_step(self, so: Any) -> None:
         self._faults = {}
+        if getattr(so, "total_num_scheduled_tokens", 0):
+            self.steps += 1
         if self._injection:
             requests = getattr(self.runner, "requests", {})
             self._inject = {rid: hook for rid in getattr(so, "num_scheduled_tokens", None) or ()

@@ -104,6 +104,7 @@ class HiddenStatesWorkerExtension(CPUWorkerSteps):
             **extra,
             "installed": True,
             "captured": hook.captured,
+            "steps": hook.steps,
             "steps_with_capture": hook.steps_with_capture,
             "steps_with_rows": hook.steps_with_rows,
             "host_copies": hook.host_copies,
