@@ -296,22 +296,19 @@ class HiddenStatesEngine(VectorObservers):
         static = found.get("capture_layers")
         if static is not None:  # the traced entries (worker/traced.py): the static set, one ablation per row
             for i, e in enumerate(entries):
-                if e.op in ("clamp", "cap"):
-                    raise HiddenStatesRequestError(
-                        f"hidden_states_steering: op {e.op!r} runs on eager engines (enforce_eager: true); a "
-                        "compiled engine's traced entry holds adds and one ablation per row", "hidden_states_steering")
                 if e.layer not in static:
                     raise HiddenStatesRequestError(
                         f"hidden_states_steering: layer {e.layer} is outside this engine's capture_layers {static}: "
                         "a compiled engine steers at the layers it was started with", "hidden_states_steering")
             ablations: dict[int, list[str]] = {}
             for e in entries:
-                if e.op == "ablate":
+                if e.op in ("ablate", "clamp", "cap"):
                     seen = ablations.setdefault(e.layer, [])
                     if any("all" in (p, e.positions) or p == e.positions for p in seen):
                         raise HiddenStatesRequestError(
-                            f"hidden_states_steering: two ablations of the same positions at layer {e.layer}: a "
-                            "compiled engine ablates one direction per position and layer", "hidden_states_steering")
+                            f"hidden_states_steering: two ablations/clamps/caps of the same positions at layer "
+                            f"{e.layer}: a compiled engine applies one of them per position and layer (adds before "
+                            "and after it are fine)", "hidden_states_steering")
                     seen.append(e.positions)
         return entries, echo
 

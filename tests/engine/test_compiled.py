@@ -38,6 +38,7 @@ from tests.engine.test_steering import (  # noqa: F401
     test_registered_vectors_and_sae_features_as_entries, test_steered_tokens_and_rows_are_transformers_with_the_same_hook,
     test_a_worker_hook_that_raises_fails_its_request_alone, test_the_extraction_step_is_steered_the_same,
     test_a_conditional_entry_applies_where_its_condition_held_on_the_row_before,
+    test_bad_clamps_and_caps_are_a_400_naming_the_entry, test_clamp_and_cap_are_transformers_with_saelens_in_the_same_hook,
     test_unsteered_requests_beside_steered_ones_are_byte_for_byte_unchanged)
 
 COMPILED_ARGS = {**TEST_ENGINE_ARGS, "enforce_eager": False}
@@ -62,8 +63,9 @@ def test_engine_is_compiled_with_its_layers_traced(engine, loop_thread):
     assert engine.layer_capture["capture_layers"] == [0, 1] and engine.layer_capture["layer_hooks"] == 0
     (worker,) = loop_thread.run(engine.stats())["workers"]
     assert worker["capture_layers"] == [0, 1]
-    # five buffers per layer: rows, two adds, the ablation's unit vector [max tokens, D] and a mask
-    assert worker["traced_buffer_bytes"] == 2 * (4 * 256 * 128 * 4 + 256)
+    # per layer: rows, two adds, the ablation/clamp/cap's direction and its two encoder columns [max tokens, D]
+    # (float32 here), its 5 parameters and a mask
+    assert worker["traced_buffer_bytes"] == 2 * (6 * 256 * 128 * 4 + 256 * 5 * 4 + 256)
     c = worker["compilations"]
     assert c["num_aot_compiles"] + c["num_backend_compilations"] + c["num_compiled_artifacts_loaded"] \
         + c["num_aot_artifacts_loaded"] >= 1, c  # the model was compiled (or loaded compiled) at start
@@ -74,7 +76,7 @@ def b64(v: np.ndarray) -> str:
 
 
 def test_no_request_compiles_anything(engine, loop_thread):
-    """Layers, heads, steering (add, ablate, every span), batches of new sizes, a long chunked prompt:
+    """Layers, heads, steering (add, ablate, clamp, cap, every span), batches of new sizes, a long chunked prompt:
     vLLM's and dynamo's compile counts are the same after them as before."""
     from vllm import SamplingParams
 
@@ -84,7 +86,9 @@ def test_no_request_compiles_anything(engine, loop_thread):
 
     before = counts()
     steer = [{"layer": 0, "vector": b64(unit_vector(3, 3.0)), "positions": "completion"},
-             {"layer": 1, "vector": b64(unit_vector(6)), "op": "ablate", "positions": "prompt"}]
+             {"layer": 1, "vector": b64(unit_vector(6)), "op": "ablate", "positions": "prompt"},
+             {"head": "sae-std", "feature": 17, "op": "clamp", "value": 40.0, "positions": "completion"},
+             {"layer": 0, "vector": b64(unit_vector(9)), "op": "cap", "max": -0.5, "positions": "prompt"}]
 
     async def run():
         jobs = []
@@ -102,12 +106,16 @@ def test_no_request_compiles_anything(engine, loop_thread):
     assert after == before, {k: (before[k], after[k]) for k in before if before[k] != after.get(k)}
 
 
-def test_a_second_ablation_of_the_same_positions_is_refused_by_name(engine, loop_thread):
+@pytest.mark.parametrize("second", [
+    {"layer": 1, "vector": b64(unit_vector(6)), "op": "ablate", "positions": "completion"},
+    {"head": "sae-std", "feature": 3, "op": "clamp", "value": 1.0, "positions": "completion"},
+    {"layer": 1, "vector": b64(unit_vector(6)), "op": "cap", "max": 0.0}])
+def test_a_second_ablation_of_the_same_positions_is_refused_by_name(engine, loop_thread, second):
+    """One ablate, clamp or cap per position and layer (the traced entry's one slot); adds around it are fine."""
     from hidden_states.params import HiddenStatesRequestError
 
-    twice = [{"layer": 1, "vector": b64(unit_vector(5)), "op": "ablate"},
-             {"layer": 1, "vector": b64(unit_vector(6)), "op": "ablate", "positions": "completion"}]
-    with pytest.raises(HiddenStatesRequestError, match="two ablations") as e:
+    twice = [{"layer": 1, "vector": b64(unit_vector(5)), "op": "ablate"}, second]
+    with pytest.raises(HiddenStatesRequestError, match="two ablations/clamps/caps of the same positions") as e:
         loop_thread.run(engine.complete("Hello", steering=twice))
     assert e.value.param == "hidden_states_steering"
 
@@ -127,15 +135,3 @@ def test_the_gpu_check_passes_on_this_engine(engine, loop_thread, model_dir, hea
     assert all(c.ok for c in checks), [c.line() for c in checks if not c.ok]
     assert all(c.error is not None for c in checks[:-1])
 
-
-def test_clamp_and_cap_are_refused_on_the_compiled_engine_by_name(engine, loop_thread):
-    """The traced entry holds adds and one ablation per row: clamp and cap are a 400 saying so."""
-    from vllm import SamplingParams
-
-    from hidden_states.params import HiddenStatesRequestError
-
-    for entry in ({"op": "clamp", "head": "sae-std", "feature": 3, "value": 2.0},
-                  {"op": "cap", "layer": 1, "vector": [1.0] * 128, "max": 0.5}):
-        with pytest.raises(HiddenStatesRequestError) as e:
-            loop_thread.run(engine.complete("x", SamplingParams(max_tokens=2), steering=[entry]))
-        assert f"op {entry['op']!r} runs on eager engines" in str(e.value), str(e.value)

@@ -194,3 +194,32 @@ def test_a_top_k_sae_s_feature_cannot_be_clamped_alone():
     with pytest.raises(HiddenStatesRequestError) as e:
         resolve(spec({"op": "clamp", "head": "tk", "feature": 3, "value": 2.0}), L, D, {}, {"tk": topk})
     assert "top-k SAE" in str(e.value) and "hidden_states_steering[0]" in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("name", ["sae-std", "sae-jump", "sae-gated"])
+def test_a_clamp_s_encoder_gives_the_feature_saelens_gives(name):
+    """The entry's encoder (b_dec folded into the biases by the worker, `nonlinear`) gives the feature SAELens's
+    own encode gives, on rows either side of the feature's threshold; the direction is W_dec[feature]; the
+    digest (the cache salt) tells another value, or an add of the same feature, apart."""
+    import torch
+    from safetensors.numpy import load_file
+
+    from hidden_states.heads import load_heads
+    from hidden_states.vllm.worker.steering import nonlinear
+    from tests.heads_ref import TINY_D, build_test_heads, sae_reference
+
+    heads = {h.name: h for h in load_heads(build_test_heads(), 2, TINY_D)}
+    head, feature = heads[name], 5
+    (e,), echo = resolve(spec({"head": name, "feature": feature, "op": "clamp", "value": 2.5}), 2, TINY_D, {}, heads)
+    assert (e.layer, e.op, e.clamp.value, echo[0]["value"]) == (head.layer, "clamp", 2.5, 2.5)
+    np.testing.assert_array_equal(e.array(), load_file(f"{head.path}/sae_weights.safetensors")["W_dec"][feature])
+    rows = np.random.default_rng(0).normal(size=(64, TINY_D)).astype(np.float32) * 2
+    want = sae_reference(head.path, rows)[:, feature]
+    _, enc, par = nonlinear(e, "cpu", torch.float32)
+    s = torch.from_numpy(rows) @ enc.T + par[:2]
+    got = (torch.relu(s[:, 0]) * (s[:, 1] > par[2]).float()).numpy()
+    assert 0 < (want > 0).sum() < len(want)
+    assert float(np.abs(got - want).max()) <= 1e-5 * float(np.abs(want).max())
+    digest = lambda **kw: anchor(resolve(spec({"head": name, "feature": feature, **kw}), 2, TINY_D, {},  # noqa: E731
+                                         heads)[0], 4)[1]
+    assert digest(op="clamp", value=2.5) == anchor([e], 4)[1] != digest(op="clamp", value=2.0) != digest()

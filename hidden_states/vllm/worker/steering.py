@@ -7,7 +7,9 @@ tensor-parallel rank applies them. Per step and layer, one persistent buffer of 
 rows x D holds each steered row's delta and zeros elsewhere, with a row mask beside it; the stream
 entering the layer becomes where(mask, stream + delta, stream) (static shapes, as a CUDA graph
 would need), so an unsteered row keeps its exact bits. `add` puts scale x vector into the buffer; `ablate` puts minus the
-stream's component along the unit vector (after the entries before it). No request state beyond
+stream's component along the unit vector (after the entries before it); `cap` minus the part of
+that component above its bound; `clamp` (value - f(stream)) x the SAE feature's decoder row, f the
+feature's encoder (float32) as the entry carries it (`nonlinear`). No request state beyond
 the parsed entries of the requests in the batch. A request whose entries raise (parsing them, or
 writing them) fails alone (`guard.fault`); the others' rows are steered as before.
 """
@@ -26,7 +28,6 @@ class StepSteering:
         self.runner = runner
         self.guard = guard  # capture._RunnerHook: fault(rid, hook, error), check(hook, rids), faulted(rid)
         self._entries: dict[str, list[tuple[SteerEntry, Any]]] = {}  # request id -> (entry, vector on the device)
-        self._clamps: dict[tuple[str, int], tuple] = {}  # (request, entry) -> a clamp's b_dec, w_mag, w_gate (float32)
         self._so: Any = None
         self._plan: dict[int, list[tuple[str, Any, str, Any]]] | None = None  # layer -> (request, rows, op, vector)
         self._buffers: dict[int, Any] = {}
@@ -60,8 +61,7 @@ class StepSteering:
     def begin(self, so: Any) -> None:
         self._so, self._plan = so, None
         for rid in getattr(so, "finished_req_ids", ()) or ():
-            for e, _ in self._entries.pop(rid, None) or ():
-                self._clamps.pop((rid, id(e)), None)
+            self._entries.pop(rid, None)
 
     def end(self) -> None:
         self._so, self._plan = None, None
@@ -77,13 +77,9 @@ class StepSteering:
             got = self._entries[rid] = []
             if entries:
                 device, dtype = getattr(self.runner, "device", "cpu"), self.runner.model_config.dtype
-                got += [(e, torch.from_numpy(e.array().copy()).to(device=device, dtype=dtype)) for e in entries]
-                for e, _ in got:
-                    if e.clamp is not None:  # its feature's encoder, float32 as SAELens encodes (per request, once)
-                        c = e.clamp
-                        self._clamps[(rid, id(e))] = tuple(
-                            torch.from_numpy(np.frombuffer(b, "<f4").copy()).to(device) for b in
-                            (c.b_dec, c.w_mag, c.w_gate))
+                for e in entries:
+                    vec = torch.from_numpy(e.array().copy()).to(device=device, dtype=dtype)
+                    got.append((e, nonlinear(e, device, dtype) if e.op in ("clamp", "cap") else vec))
         return got
 
     def _step_plan(self) -> dict[int, list[tuple[Any, str, Any]]]:
@@ -113,9 +109,8 @@ class StepSteering:
                         rows = np.flatnonzero(np.isin(positions, e.at))
                     else:
                         rows = np.flatnonzero((positions >= e.start) & ((positions < e.end) if e.end >= 0 else True))
-                    if len(rows):
-                        op = e.op if e.op in ("add", "ablate") else (e.op, e)  # clamp, cap: the entry's parameters
-                        mine.append((e.layer, (rid, rows + start, op, vec * e.scale if e.op == "add" else vec)))
+                    if len(rows):  # (clamp and cap: vec is nonlinear's (direction, encoder, parameters))
+                        mine.append((e.layer, (rid, rows + start, e.op, vec * e.scale if e.op == "add" else vec)))
             except Exception as err:  # this request's entries: it fails alone
                 self.guard.fault(rid, "steering", err)
                 continue
@@ -151,19 +146,16 @@ class StepSteering:
                 steered[idx] = True
                 if op == "add":
                     delta[idx] += vec
-                else:  # the stream after the entries before it
+                elif op == "ablate":  # the stream's component along the unit vector, after the entries before it
                     stream = hidden[idx] + delta[idx] + (0 if residual is None else residual[idx])
-                    if op == "ablate":  # minus its component along the unit vector
-                        unit = vec / vec.norm()
-                        delta[idx] -= (stream @ unit)[:, None] * unit
-                    elif op[0] == "cap":  # its component along the unit vector at most `cap`
-                        unit = vec / vec.norm()
-                        delta[idx] -= torch.relu(stream @ unit - op[1].cap)[:, None] * unit
-                    else:  # clamp: the SAE feature set to `value`, + (value - f(stream)) x W_dec[i]
-                        c, (b_dec, w_mag, w_gate) = op[1].clamp, self._clamps[(rid, id(op[1]))]
-                        x = stream.float() - b_dec
-                        f = torch.relu(x @ w_mag + c.b_mag) * ((x @ w_gate + c.b_gate) > c.threshold).float()
-                        delta[idx] += ((c.value - f)[:, None] * vec.float()).to(delta.dtype)
+                    unit = vec / vec.norm()
+                    delta[idx] -= (stream @ unit)[:, None] * unit
+                else:  # clamp, cap: (value - f(stream)) x direction, after the entries before it
+                    direction, enc, par = vec
+                    stream = (hidden[idx] + delta[idx] + (0 if residual is None else residual[idx])).float()
+                    s = stream @ enc.T + par[:2]  # [rows, 2]: the magnitude's and the gate's pre-activations
+                    f = torch.relu(s[:, 0]) * (s[:, 1] > par[2]).to(s.dtype)
+                    delta[idx] += (par[3] - f)[:, None].to(delta.dtype) * direction
             except Exception as err:  # this request fails alone; its rows go unsteered
                 self.guard.fault(rid, "steering", err)
                 steered[idx] = False
@@ -181,3 +173,26 @@ def _rows_ops(plan: dict, rid: str | None = None) -> dict[int, list[tuple[Any, s
         if mine:
             out[layer] = mine
     return out
+
+
+def nonlinear(e: SteerEntry, device: Any, dtype: Any) -> tuple[Any, Any, Any]:
+    """A clamp's or cap's (direction [D] in the model's dtype, encoder [2, D] float32, parameters [4]
+    float32: b_mag, b_gate, threshold, value), the one form the eager apply and the traced entry take:
+    the row gets (value - f) x direction with f = relu(x.w_mag + b_mag) * [x.w_gate + b_gate > threshold]
+    of its stream x. A clamp's b_dec is folded into its biases (x - b_dec).w = x.w - b_dec.w. A cap along
+    the unit vector u with bound c: w_mag = w_gate = u, biases -c, threshold 0, value 0, so the row gets
+    -max(x.u - c, 0) u."""
+    import torch
+
+    v = torch.from_numpy(e.array().astype(np.float32)).to(device)
+    if e.op == "cap":
+        unit = v / v.norm()
+        par = torch.tensor([-e.cap, -e.cap, 0.0, 0.0], dtype=torch.float32, device=device)
+        return unit.to(dtype), torch.stack([unit, unit]), par
+    c = e.clamp
+    b_dec = np.frombuffer(c.b_dec, "<f4").astype(np.float64)
+    w_mag, w_gate = np.frombuffer(c.w_mag, "<f4"), np.frombuffer(c.w_gate, "<f4")
+    enc = torch.from_numpy(np.stack([w_mag, w_gate]).astype(np.float32)).to(device)
+    par = torch.tensor([c.b_mag - float(b_dec @ w_mag), c.b_gate - float(b_dec @ w_gate), c.threshold, c.value],
+                       dtype=torch.float32, device=device)
+    return v.to(dtype), enc, par

@@ -9,17 +9,24 @@ traced with the rest of the forward. Its buffers are allocated once, for the lar
 (`[max tokens, D]`), so their addresses and shapes never change and one graph (and on a GPU, one
 captured CUDA graph) serves every step and request:
 
-    h1 = h + pre                        # steering adds before the request's ablation
-    h2 = h1 - ((h1 + r) . unit) unit + post
+    h1 = h + pre                        # steering adds before the request's ablation, clamp or cap
+    x  = float32(h1 + r)
+    sm, sg = x . wmag + b_mag, x . wgate + b_gate
+    c  = value - sm  if linear  else  value - relu(sm) * [sg > threshold]
+    h2 = h1 + c unit + post
     h  = where(mask, h2, h)             # unsteered rows keep their exact bits
     rows[:n] = h + r                    # the stream entering the layer, as transformers counts it
 
-The step's steering is written into `pre`, `unit`, `post` and `mask` before the forward
+One slot per row and layer (`unit`, `wmag`, `wgate` and `par` = b_mag, b_gate, threshold, value,
+linear) holds the row's ablation (wmag = unit, linear: c = -(x . unit)), cap (wmag = wgate = unit,
+biases -max: c = -max(x . unit - max, 0)) or clamp (unit: the SAE feature's decoder row, the rest
+its encoder: c = value - f(x)); empty (zeros) it adds nothing.
+The step's steering is written into these buffers and `pre`, `post` and `mask` before the forward
 (`TracedLayers.fill`, from the runner's `_model_forward`, outside the compiled region) and cleared
 after it; the capture gathers its rows from `rows` after the forward (capture.py). The entry has
 no Python branch on per-step state, so nothing is guarded on and nothing recompiles. Per request
-and layer the entry holds any adds, at most one ablation, then adds (steering.py refuses a second
-ablation at one layer on these engines).
+and layer the entry holds any adds, at most one ablation, clamp or cap, then adds (the engine refuses a second
+one of them on the same positions and layer on these engines).
 """
 
 from __future__ import annotations
@@ -49,7 +56,9 @@ class TracedLayers:
         for index, layer in layers.items():
             for name, shape, kind in (("rows", (max_tokens, hidden), dtype), ("pre", (max_tokens, hidden), dtype),
                                       ("unit", (max_tokens, hidden), dtype), ("post", (max_tokens, hidden), dtype),
-                                      ("mask", (max_tokens, 1), torch.bool)):
+                                      ("wmag", (max_tokens, hidden), torch.float32),
+                                      ("wgate", (max_tokens, hidden), torch.float32),
+                                      ("par", (max_tokens, 5), torch.float32), ("mask", (max_tokens, 1), torch.bool)):
                 buf = torch.zeros(shape, dtype=kind, device=device)
                 layer.register_buffer(f"_hs_{name}", buf, persistent=False)
                 self.bytes += buf.numel() * buf.element_size()
@@ -77,10 +86,21 @@ class TracedLayers:
                     for part, buf in ((rows[~after], mod._hs_pre), (rows[after], mod._hs_post)):
                         if len(part):
                             buf[torch.from_numpy(part).to(buf.device)] += vec.to(buf.dtype)
-                else:
+                else:  # ablate, clamp, cap: the row's one slot
                     if ablated[rows].any():
-                        raise ValueError(f"two ablations of one row at layer {layer} (refused at the request)")
-                    mod._hs_unit[idx] = (vec / vec.norm()).to(mod._hs_unit.dtype)
+                        raise ValueError(f"two ablations/clamps/caps of one row at layer {layer} (refused at the "
+                                         "request)")
+                    if op == "ablate":
+                        unit = vec / vec.norm()
+                        mod._hs_unit[idx] = unit.to(mod._hs_unit.dtype)
+                        mod._hs_wmag[idx] = unit.float()
+                        mod._hs_par[idx, 4] = 1.0  # linear: c = value - sm = -(x . unit)
+                    else:  # steering.nonlinear's (direction, encoder, parameters)
+                        direction, enc, par = vec
+                        mod._hs_unit[idx] = direction.to(mod._hs_unit.dtype)
+                        mod._hs_wmag[idx] = enc[0]
+                        mod._hs_wgate[idx] = enc[1]
+                        mod._hs_par[idx, :4] = par
                     ablated[rows] = True
                 steered += len(rows)
             self._dirty[layer] = max(self._dirty.get(layer, 0), n)
@@ -90,7 +110,8 @@ class TracedLayers:
         """After the forward that read them: the next forward (a dummy run included) steers nothing."""
         for layer, n in self._dirty.items():
             mod = self.layers[layer]
-            for buf in (mod._hs_pre, mod._hs_unit, mod._hs_post, mod._hs_mask):
+            for buf in (mod._hs_pre, mod._hs_unit, mod._hs_post, mod._hs_wmag, mod._hs_wgate, mod._hs_par,
+                        mod._hs_mask):
                 buf[:n].zero_()
         self._dirty = {}
 
@@ -101,10 +122,14 @@ def _traced_forward(layer: Any, forward: Any):
 
     def forward_with_entry(positions, hidden_states, residual, *args, **kwargs):
         n = hidden_states.shape[0]
-        pre, unit = layer._hs_pre[:n], layer._hs_unit[:n]
+        pre, unit, par = layer._hs_pre[:n], layer._hs_unit[:n], layer._hs_par[:n]
         h1 = hidden_states + pre
-        stream = h1 if residual is None else h1 + residual
-        h2 = h1 - (stream * unit).sum(dim=-1, keepdim=True) * unit + layer._hs_post[:n]
+        stream = (h1 if residual is None else h1 + residual).float()
+        sm = (stream * layer._hs_wmag[:n]).sum(dim=-1, keepdim=True) + par[:, 0:1]
+        sg = (stream * layer._hs_wgate[:n]).sum(dim=-1, keepdim=True) + par[:, 1:2]
+        f = torch.relu(sm) * (sg > par[:, 2:3]).to(sm.dtype)
+        c = torch.where(par[:, 4:5] > 0, par[:, 3:4] - sm, par[:, 3:4] - f)
+        h2 = h1 + c.to(h1.dtype) * unit + layer._hs_post[:n]
         hidden_states = torch.where(layer._hs_mask[:n], h2, hidden_states)
         layer._hs_rows[:n].copy_(hidden_states if residual is None else hidden_states + residual)
         return forward(positions, hidden_states, residual, *args, **kwargs)
