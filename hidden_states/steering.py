@@ -176,10 +176,10 @@ def resolve(spec: Any, num_layers: int, hidden_size: int, vectors: Mapping[str, 
             head = heads.get(ask.head)
             if head is None or head.kind != "sae":
                 have = ", ".join(sorted(n for n, h in heads.items() if h.kind == "sae")) or "none"
-                what = f"{ask.head!r} is a linear head" if head is not None else f"{ask.head!r} is no SAE head"
-                raise HiddenStatesRequestError(f"{where}: {what}; {'a clamp sets' if ask.op == 'clamp' else 'a feature is'}"
-                                               f" an SAE's feature (this server's SAEs: {have})",
-                                               "hidden_states_steering")
+                kind = "a linear head, no SAE head" if head is not None else "no SAE head"
+                verb = "a clamp sets" if ask.op == "clamp" else "a feature is"
+                raise HiddenStatesRequestError(f"{where}: {ask.head!r} is {kind}; {verb} an SAE's feature (this "
+                                               f"server's SAEs: {have})", "hidden_states_steering")
             if ask.feature >= head.width:
                 raise HiddenStatesRequestError(f"{where}: feature {ask.feature} is beyond the SAE {ask.head!r}'s "
                                                f"{head.width} features", "hidden_states_steering")
@@ -201,7 +201,7 @@ def resolve(spec: Any, num_layers: int, hidden_size: int, vectors: Mapping[str, 
                     f"L from 0 (the embeddings' output) to {num_layers - 1} (the stream after the final norm, "
                     f"{num_layers} or -1, is not steerable)", "hidden_states_steering")
             if ask.op in ("ablate", "cap") and not np.any(v):
-                raise HiddenStatesRequestError(f"{where}: {'ablating' if ask.op == 'ablate' else 'capping'} along a "
+                raise HiddenStatesRequestError(f"{where}: {'ablating' if ask.op == 'ablate' else 'capping along'} a "
                                                "zero vector", "hidden_states_steering")
             raw = np.ascontiguousarray(v, "<f4").tobytes()
             clamp = _clamp(heads[ask.head], ask.feature, ask.value, where) if ask.op == "clamp" else None
