@@ -5,7 +5,7 @@
                                 [--lora-modules NAME=PATH ... --adapter NAME]
                                 [--position completion|all|prompt_end|'{"start": -8, "stride": 2}']
                                 [--dtype float32|float16|bfloat16] [--topk K] [--proof toploc|JSON]
-                                [--heads JSON [--no-rows]]
+                                [--heads JSON [--no-rows]] [--steering JSON] [--stop JSON]
 
 Input rows (JSONL or Parquet): `{"prompt": "..."}` or `{"messages": [...]}`, optional string
 `id` (default: a hash of the input). A VLM's rows add `images`: a list of image paths (relative to
@@ -19,7 +19,10 @@ hidden size). Several positions: `hidden_states` is list<fixed_size_list> with `
 gives `topk_indices`/`topk_values`, `--proof` gives `proofs` (list<string>) instead. `--heads`
 registers heads (the app's `heads` arg as JSON, docs/heads.md) and every row reads them all: a
 column `head_<name>` each, a struct per position as the API gives it (an SAE's `indices`/`values`,
-a linear head's `scores`, `label`); `--no-rows` leaves the rows out.
+a linear head's `scores`, `label`); `--no-rows` leaves the rows out. `--steering` and `--stop` are
+every row's `hidden_states_steering` and `hidden_states_stop` as the API takes them (docs/steering.md,
+docs/heads.md); with `--stop`, a `stop` column holds the condition that finished each row (its
+`condition`, `position` and `score`; null where none did).
 
 A rerun into the same folder skips ids already written (unreadable files are moved aside).
 `--adapter NAME` picks the LoRA adapter (of `--lora-modules`) every row uses.
@@ -145,6 +148,8 @@ class EngineWorker:
         self.spec = HiddenStatesFields.from_json(spec) if spec else spec_of(enabled=True)
         self.engine.check_spec(self.spec)
         self.engine.heads_of(self.spec)
+        self.engine.steering_of(self.spec)
+        self.engine.stop_of(self.spec)
         self.max_tokens, self.adapter, self.base = max_tokens, adapter, Path(base)
         self.tokenizer = self.engine.llm.tokenizer
         # Ray Data deletes this object when its actor exits gracefully (then `__del__`), but not always before the
@@ -204,6 +209,11 @@ class EngineWorker:
         if self.spec.hidden_states_proof is not None:
             out["proofs"] = pa.array([list(ch.proofs) for ch in choices], pa.list_(pa.string()))
             return pa.table(out)
+        if self.spec.hidden_states_stop:  # the condition that finished each row, or null
+            out["stop"] = pa.array([None if ch.stop is None else {k: ch.stop[k] for k in ("condition", "position",
+                                                                                        "score")}
+                                    for ch in choices],
+                                   pa.struct([("condition", pa.int32()), ("position", pa.int32()), ("score", pa.float32())]))
         for name, _ in self.spec.heads:  # the API's structs, one per position (a list of them for several)
             out[f"head_{name}"] = pa.array([ch.heads[name] for ch in choices])
         if choices[0].positions is not None:
@@ -294,6 +304,10 @@ def main(argv: list[str] | None = None) -> int:
                     help='heads to register and read on every row, as the app\'s `heads` arg in JSON, e.g. '
                          '\'[{"name": "sae", "path": "saes/layer12"}]\' (a column head_<name> each)')
     ap.add_argument("--no-rows", action="store_true", help="with --heads: their columns alone, no hidden_states")
+    ap.add_argument("--steering", default=None, type=checked(json.loads),
+                    help="every row's hidden_states_steering as JSON (docs/steering.md)")
+    ap.add_argument("--stop", default=None, type=checked(json.loads),
+                    help="every row's hidden_states_stop as JSON (docs/heads.md): a `stop` column")
     args = ap.parse_args(argv)
     if args.no_rows and not args.heads:
         ap.error("--no-rows goes with --heads (without them a row would carry nothing)")
@@ -305,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
             h["path"] = os.path.abspath(h["path"])  # engine actors may run in another folder
         heads = [h["name"] for h in args.heads] or None
         args.spec = spec_of(not args.no_rows, None, args.position, args.dtype, args.topk, args.proof, heads,
-                            enabled=True).to_json()
+                            args.steering, args.stop, enabled=True).to_json()
     except (HiddenStatesRequestError, ValueError) as e:
         ap.error(str(e))
     return run(args)

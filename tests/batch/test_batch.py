@@ -401,27 +401,46 @@ def test_batch_proofs_column(tmp_path, reference, ray_cluster):
 
 
 def test_batch_heads_columns(tmp_path, reference, ray_cluster):
-    """`--heads` with `--no-rows`: a column per head, each row's outputs against SAELens and numpy on
-    transformers' rows of its prompt + completion; no hidden_states column."""
+    """`--heads` with `--no-rows`, `--steering` (a clamp of an SAE feature) and `--stop` (the "mid" probe above a
+    threshold): a column per head, each row's outputs against SAELens and numpy on the rows of transformers
+    with SAELens's clamp in the same hook, of its prompt + completion; no hidden_states column; each row
+    stops at the first completion position whose reference score crosses (none earlier), its `stop` column
+    saying where, or null where it ran to max_tokens and never crossed."""
     import pyarrow.parquet as pq
+    import torch
+    from sae_lens import SAE
 
-    from tests.heads_ref import TINY_TOPK_K, build_test_heads, check_heads
+    from tests.heads_ref import TINY_TOPK_K, build_test_heads, check_heads, head_scorer
+    from tests.steer_ref import steered_states
 
     heads = build_test_heads()
     inp = tmp_path / "prompts.jsonl"
     inp.write_text("".join(json.dumps({"prompt": long_text(6, seed=90 + i)}) + "\n" for i in range(3)))
     out = tmp_path / "heads"
-    finish(start(ray_cluster, inp, out, "--heads", json.dumps(heads), "--no-rows", "--position", "completion"), 600)
+    clamp = [{"op": "clamp", "head": "sae-std", "feature": 11, "value": 6.0}]
+    stop = [{"head": "mid", "feature": 0, "above": 0.5145}]  # (its scores here rise slowly through 0.51..0.52)
+    finish(start(ray_cluster, inp, out, "--heads", json.dumps(heads), "--no-rows", "--position", "completion",
+                 "--steering", json.dumps(clamp), "--stop", json.dumps(stop)), 600)
     schema = pq.read_schema(next(out.glob("*.parquet")))
     assert "hidden_states" not in schema.names and {f"head_{h['name']}" for h in heads} <= set(schema.names)
     final = rows(out)
     assert len(final) == 3
     asked = {h["name"]: (0 if h["path"].endswith(".safetensors") else 64) for h in heads} | {"sae-topk": TINY_TOPK_K}
+    sae = SAE.load_from_disk({h["name"]: h for h in heads}["sae-std"]["path"], device="cpu")
+    with torch.no_grad():
+        entries = [(1, ("clamp", sae, 11, 6.0), "all", 1.0, sae.W_dec[11].numpy())]
+    mid = head_scorer("mid", 0)
     for r in final:
-        ids = r["prompt_token_ids"] + r["token_ids"]
-        with reference.torch.no_grad():
-            hs = [h[0].numpy() for h in reference.model(reference.torch.tensor([ids]),
-                                                        output_hidden_states=True).hidden_states]
+        ids, P = r["prompt_token_ids"] + r["token_ids"], len(r["prompt_token_ids"])
+        states = steered_states(reference.model, ids, entries, P)
+        hs = [states[layer] for layer in range(3)]
         outputs = {name: [{k: v for k, v in p.items() if v is not None} for p in r[f"head_{name}"]] for name in asked}
-        assert r["positions"] == list(range(len(r["prompt_token_ids"]), len(ids)))
+        assert r["positions"] == list(range(P, len(ids)))
         check_heads("batch", outputs, hs, r["positions"], heads, asked)
+        scores = np.asarray([mid(states[1][q]) for q in range(P, len(ids))])
+        band = 1e-5 * np.abs(scores).max()
+        if r["stop"] is not None:  # the first position that crossed (the last token's row), none before
+            assert r["finish_reason"] == "stop" and r["stop"]["position"] == len(ids) - 1 and r["stop"]["condition"] == 0
+            assert scores[-1] > 0.5145 - band and np.all(scores[:-1] <= 0.5145 + band), scores
+        else:  # the last token's row is computed by no step: only the others were judged
+            assert r["finish_reason"] == "length" and np.all(scores[:-1] <= 0.5145 + band), scores
