@@ -430,6 +430,7 @@ def test_batch_heads_columns(tmp_path, reference, ray_cluster):
     with torch.no_grad():
         entries = [(1, ("clamp", sae, 11, 6.0), "all", 1.0, sae.W_dec[11].numpy())]
     mid = head_scorer("mid", 0)
+    assert {r["finish_reason"] for r in final} == {"stop", "length"}, [r["stop"] for r in final]  # both kinds of row
     for r in final:
         ids, P = r["prompt_token_ids"] + r["token_ids"], len(r["prompt_token_ids"])
         states = steered_states(reference.model, ids, entries, P)
