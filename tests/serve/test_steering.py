@@ -66,9 +66,35 @@ def _check_when(base: str, reference, model: str = MODEL, prompt: str = "a b a b
     assert np.abs(got - ref).max() <= 1e-5 * np.abs(ref).max(), base
 
 
+def _check_clamp_and_cap(base: str, reference, prompt: str = "The clamped replica says") -> None:
+    """A clamp of an SAE feature and a cap after it: the tokens and the final vector are transformers' with
+    SAELens's encode and W_dec in the same hook (tests/steer_ref.py)."""
+    import torch
+    from sae_lens import SAE
+
+    from tests.heads_ref import build_test_heads
+
+    sae = SAE.load_from_disk({h["name"]: h for h in build_test_heads()}["sae-std"]["path"], device="cpu")
+    with torch.no_grad():
+        entries = [(1, ("clamp", sae, 11, 8.0), "all", 1.0, sae.W_dec[11].numpy()),
+                   (1, ("cap", 0.5), "all", 1.0, _vector(34, 1.0))]
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", timeout=120, max_retries=0)
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=10, temperature=0, extra_body={
+        "return_token_ids": True, "return_hidden_states": True, "hidden_states_steering": [
+            {"op": "clamp", "head": "sae-std", "feature": 11, "value": 8.0},
+            {"op": "cap", "layer": 1, "vector": base64.b64encode(_vector(34, 1.0).tobytes()).decode(), "max": 0.5}]})
+    (ch,) = r.choices
+    want = steered_greedy(reference.model, ch.prompt_token_ids, entries, 10)
+    assert ch.token_ids == want, (base, ch.token_ids, want)
+    ref = steered_states(reference.model, ch.prompt_token_ids + ch.token_ids, entries, len(ch.prompt_token_ids))[2][-1]
+    assert np.abs(decode_vector(ch.hidden_states) - ref).max() <= 1e-5 * np.abs(ref).max(), base
+    assert [s["op"] for s in ch.hidden_states_meta["steering"]] == ["clamp", "cap"]
+
+
 def test_steering_through_the_router_with_the_openai_client(serve_app, reference):
     _check(serve_app, reference)
     _check_when(serve_app, reference)
+    _check_clamp_and_cap(serve_app, reference)
 
 
 def test_steering_a_lora_adapter(lora_app, model_dir):
@@ -78,9 +104,11 @@ def test_steering_a_lora_adapter(lora_app, model_dir):
 
 
 def test_steering_under_tensor_parallelism(tp2_app, reference):
-    """TP = 2: every rank applies the rows the scheduler's plan names for a conditional entry."""
+    """TP = 2: every rank applies the rows the scheduler's plan names for a conditional entry, and a clamp's
+    encoder, carried in the entry."""
     _check(tp2_app, reference)
     _check_when(tp2_app, reference)
+    _check_clamp_and_cap(tp2_app, reference)
 
 
 def test_steering_under_speculative_decoding(spec_app, reference):
