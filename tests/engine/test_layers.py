@@ -258,7 +258,7 @@ def test_a_compiled_engine_serves_its_static_layers_and_names_them():
         steer({"layer": 2, "vector": vec})
     assert len(steer({"layer": 1, "vector": vec, "op": "ablate", "positions": "prompt"},
                      {"layer": 1, "vector": vec, "op": "ablate", "positions": "completion"})[0]) == 2
-    with pytest.raises(HiddenStatesRequestError, match="two ablations of the same positions at layer 1"):
+    with pytest.raises(HiddenStatesRequestError, match="two ablations/clamps/caps of the same positions at layer 1"):
         steer({"layer": 1, "vector": vec, "op": "ablate"}, {"layer": 1, "vector": vec, "op": "ablate",
                                                            "positions": "prompt"})
     eng.layer_capture = {"layer_structure": True, "layer_capture": False, "layer_capture_reason": "compiled"}
