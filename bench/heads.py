@@ -68,33 +68,44 @@ def _prompts(n: int, seed: int) -> list[str]:
     return [f"Story {seed}-{i}: the " + " ".join(rng.choice(words, 6)) for i in range(n)]
 
 
-async def _workers(engine) -> dict[str, int]:
-    keys = ("bytes_copied", "head_products", "head_rows", "host_copies", "steps", "steps_with_rows")
+WORKER_COUNTS = ("bytes_copied", "head_products", "head_rows", "host_copies")
+
+
+async def _workers(engine, keys=WORKER_COUNTS) -> dict[str, int]:
+    """The workers' counters (capture.py's _RunnerHook), summed over workers."""
     ws = (await engine.stats())["workers"]
     return {k: sum(w.get(k, 0) for w in ws) for k in keys}
 
 
-async def _arm(engine, frontend, prompts, fields: "dict | list[dict]", args):
-    """One arm's requests (`fields` for each, or a list: each request's own): (wall s, frontend CPU s,
-    the workers' counts, the answers)."""
+async def _arm(engine, frontend, prompts, fields: dict | list[dict], args, keys=WORKER_COUNTS):
+    """One arm: the prompts through the completions route at `args.concurrency`, each with `fields` (or
+    with its own, a list beside the prompts): (wall s, this process's CPU s, the workers' counts, responses)."""
     sem = asyncio.Semaphore(args.concurrency)
     each = fields if isinstance(fields, list) else [fields] * len(prompts)
 
-    async def one(prompt, fields):
+    async def one(prompt, f):
         async with sem:
             raw = json.dumps({"model": "m", "prompt": prompt, "max_tokens": args.max_tokens, "temperature": 0,
-                              "ignore_eos": True, **fields}).encode()
+                              "ignore_eos": True, **f}).encode()
             (status, out), *_ = [x async for x in frontend.handle("completions", raw)]
             assert status == 200, out[:300]
             return json.loads(out)
 
-    w0, c0 = await _workers(engine), time.process_time()
+    w0, c0 = await _workers(engine, keys), time.process_time()
     t0 = time.perf_counter()
     out = await asyncio.gather(*(one(p, f) for p, f in zip(prompts, each)))
     wall = time.perf_counter() - t0
     cpu = time.process_time() - c0
-    w1 = await _workers(engine)
+    w1 = await _workers(engine, keys)
     return wall, cpu, {k: w1[k] - w0[k] for k in w0}, out
+
+
+def rotation(arms: tuple, rounds: int, requests: int):
+    """(round, arm, prompts) in each round's rotating order of `arms`, fresh prompts each time (no arm
+    hits another's prefix)."""
+    for r in range(rounds):
+        for k, arm in enumerate(arms[r % len(arms):] + arms[:r % len(arms)]):
+            yield r, arm, _prompts(requests, 1000 * (r * len(arms) + k))
 
 
 async def _run(args, folder: str) -> dict:
@@ -109,19 +120,17 @@ async def _run(args, folder: str) -> dict:
         cpu = {a: 0.0 for a in ARMS}
         work = {a: {} for a in ARMS}
         reported = {a: {"row_bytes": 0, "head_bytes": 0, "positions": 0} for a in ARMS}
-        for r in range(args.rounds):
-            for k, arm in enumerate(ARMS[r % len(ARMS):] + ARMS[:r % len(ARMS)]):
-                prompts = _prompts(args.requests, 1000 * (r * len(ARMS) + k))  # no arm hits another's prefix
-                wall, c, w, out = await _arm(engine, frontend, prompts, fields[arm], args)
-                walls[arm].append((len(out), wall))
-                cpu[arm] += c
-                for key, v in w.items():
-                    work[arm][key] = work[arm].get(key, 0) + v
-                for o in out:
-                    meta = o["choices"][0].get("hidden_states_meta") or {}
-                    reported[arm]["row_bytes"] += meta.get("bytes", 0)
-                    reported[arm]["head_bytes"] += meta.get("head_bytes", 0)
-                    reported[arm]["positions"] += len(meta.get("positions", ()))
+        for _, arm, prompts in rotation(ARMS, args.rounds, args.requests):
+            wall, c, w, out = await _arm(engine, frontend, prompts, fields[arm], args)
+            walls[arm].append((len(out), wall))
+            cpu[arm] += c
+            for key, v in w.items():
+                work[arm][key] = work[arm].get(key, 0) + v
+            for o in out:
+                meta = o["choices"][0].get("hidden_states_meta") or {}
+                reported[arm]["row_bytes"] += meta.get("bytes", 0)
+                reported[arm]["head_bytes"] += meta.get("head_bytes", 0)
+                reported[arm]["positions"] += len(meta.get("positions", ()))
         n = args.rounds * args.requests
         tokens = n * args.max_tokens
         rate = {a: sum(c for c, _ in w) / sum(t for _, t in w) for a, w in walls.items()}
@@ -146,13 +155,18 @@ async def _run(args, folder: str) -> dict:
         engine.shutdown()
 
 
-def _run_with_sae(args) -> dict:
-    """The SAE made (random weights) in a temporary folder, then the rounds."""
+def hidden_size(model: str) -> int:
+    """The model's D, from its config (before any engine starts)."""
     from transformers import AutoConfig
 
     from hidden_states.models.builtin import resolve_model
 
-    d = AutoConfig.from_pretrained(resolve_model(args.model)).hidden_size
+    return AutoConfig.from_pretrained(resolve_model(model)).hidden_size
+
+
+def _run_with_sae(args) -> dict:
+    """The SAE made (random weights) in a temporary folder, then the rounds."""
+    d = hidden_size(args.model)
     with tempfile.TemporaryDirectory() as tmp:
         return asyncio.run(_run(args, make_sae(os.path.join(tmp, "sae"), d, args.features * d, args.layer)))
 
