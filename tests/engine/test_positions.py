@@ -316,5 +316,7 @@ def test_beam_search_and_a_streamed_chat_over_the_openai_routes(engine, loop_thr
                             .reshape(meta["shape"]))
                 carrying += 1
     ids = prompt_ids + tokens
-    assert carrying >= 4 and positions == list(range(len(ids)))  # the prompt's rows first, then as they come
+    # the prompt's rows first, then the completion's as they come (at least one more chunk: vLLM merges a
+    # request's outputs into one chunk when its reader lags, as on a loaded machine)
+    assert carrying >= 2 and positions == list(range(len(ids)))
     assert_rows(reference, "chat stream, all", ids, positions, np.concatenate(rows))
