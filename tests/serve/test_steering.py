@@ -67,7 +67,7 @@ def _check_when(base: str, reference, model: str = MODEL, prompt: str = "a b a b
 
 
 def _check_clamp_and_cap(base: str, reference, prompt: str = "The clamped replica says") -> None:
-    """A clamp of an SAE feature and a cap after it: the tokens and the final vector are transformers' with
+    """A clamp of an SAE feature and a cap before it: the tokens and the final vector are transformers' with
     SAELens's encode and W_dec in the same hook (tests/steer_ref.py)."""
     import torch
     from sae_lens import SAE
@@ -77,12 +77,12 @@ def _check_clamp_and_cap(base: str, reference, prompt: str = "The clamped replic
     sae = SAE.load_from_disk({h["name"]: h for h in build_test_heads()}["sae-std"]["path"], device="cpu")
     with torch.no_grad():
         entries = [(1, ("clamp", sae, 11, 8.0), "all", 1.0, sae.W_dec[11].numpy()),
-                   (1, ("cap", 0.5), "all", 1.0, _vector(34, 1.0))]
+                   (0, ("cap", 0.5), "all", 1.0, _vector(34, 1.0))]  # (a compiled engine: one of them a layer)
     client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", timeout=120, max_retries=0)
     r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=10, temperature=0, extra_body={
         "return_token_ids": True, "return_hidden_states": True, "hidden_states_steering": [
             {"op": "clamp", "head": "sae-std", "feature": 11, "value": 8.0},
-            {"op": "cap", "layer": 1, "vector": base64.b64encode(_vector(34, 1.0).tobytes()).decode(), "max": 0.5}]})
+            {"op": "cap", "layer": 0, "vector": base64.b64encode(_vector(34, 1.0).tobytes()).decode(), "max": 0.5}]})
     (ch,) = r.choices
     want = steered_greedy(reference.model, ch.prompt_token_ids, entries, 10)
     assert ch.token_ids == want, (base, ch.token_ids, want)
