@@ -425,19 +425,23 @@ def check_heads(heads: Any) -> "list[HeadAsk] | None":
     return out
 
 
+def _a_list(value: Any, field: str, what: str, most: int, example: str) -> None:
+    """A list field's shape: a non-empty list of at most `most` items, or a 400 naming `field`."""
+    if not isinstance(value, list) or not value:
+        raise HiddenStatesRequestError(f"{field} must be a non-empty list of {what}, e.g. {example}, not {value!r}",
+                                       field)
+    if len(value) > most:
+        raise HiddenStatesRequestError(f"{field} has {len(value)} {what}; at most {most}", field)
+
+
 def check_steering(entries: Any) -> "list[SteeringAsk] | None":
     """`hidden_states_steering` as asked: at most MAX_STEERING_ENTRIES entries, each with one source
     (vector, name, or head + feature), finite numbers; a 400 naming the entry. What needs the model
     (dimension, layer range, names) is checked by the engine (hidden_states/steering.py)."""
     if entries is None:
         return None
-    if not isinstance(entries, list) or not entries:
-        raise HiddenStatesRequestError(
-            'hidden_states_steering must be a non-empty list of entries, e.g. [{"layer": 6, "vector": <base64 '
-            f'float32>, "scale": 4.0}}], not {entries!r}', "hidden_states_steering")
-    if len(entries) > MAX_STEERING_ENTRIES:
-        raise HiddenStatesRequestError(f"hidden_states_steering has {len(entries)} entries; at most "
-                                       f"{MAX_STEERING_ENTRIES}", "hidden_states_steering")
+    _a_list(entries, "hidden_states_steering", "entries", MAX_STEERING_ENTRIES,
+            '[{"layer": 6, "vector": <base64 float32>, "scale": 4.0}]')
     out = []
     for i, e in enumerate(entries):
         where = f"hidden_states_steering[{i}]"
@@ -499,13 +503,8 @@ def check_stop(conditions: Any) -> "list[StopAsk] | None":
     head, feature and label are checked against the registered heads by `resolve_stop`."""
     if conditions is None:
         return None
-    if not isinstance(conditions, list) or not conditions:
-        raise HiddenStatesRequestError(
-            'hidden_states_stop must be a non-empty list of conditions, e.g. [{"head": "probe", "label": "toxic", '
-            f'"above": 0.9}}], not {conditions!r}', "hidden_states_stop")
-    if len(conditions) > MAX_STOP_CONDITIONS:
-        raise HiddenStatesRequestError(f"hidden_states_stop has {len(conditions)} conditions; at most "
-                                       f"{MAX_STOP_CONDITIONS}", "hidden_states_stop")
+    _a_list(conditions, "hidden_states_stop", "conditions", MAX_STOP_CONDITIONS,
+            '[{"head": "probe", "label": "toxic", "above": 0.9}]')
     out = []
     for i, c in enumerate(conditions):
         where = f"hidden_states_stop[{i}]"
