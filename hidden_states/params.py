@@ -505,14 +505,7 @@ def check_stop(conditions: Any) -> "list[StopAsk] | None":
         return None
     _a_list(conditions, "hidden_states_stop", "conditions", MAX_STOP_CONDITIONS,
             '[{"head": "probe", "label": "toxic", "above": 0.9}]')
-    out = []
-    for i, c in enumerate(conditions):
-        where = f"hidden_states_stop[{i}]"
-        if isinstance(c, StopAsk):
-            out.append(c)
-            continue
-        out.append(_condition(c, StopAsk, where, "hidden_states_stop"))
-    return out
+    return [_condition(c, StopAsk, f"hidden_states_stop[{i}]", "hidden_states_stop") for i, c in enumerate(conditions)]
 
 
 def _numbers(c: Any, where: str, field: str) -> None:

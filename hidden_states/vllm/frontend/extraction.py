@@ -459,11 +459,12 @@ class Extraction:
             return (tuple((k, tuple(v)) for k, v in sorted(applied.items())),
                     dataclasses.replace(origin, steering=steering.replay(origin.steering, applied)))
 
-        todo = {}  # one extraction step per distinct (sequence, positions, replay)
+        todo, step_of = {}, {}  # one extraction step per distinct (sequence, positions, replay); each job's
         for key, seq, _, missing in jobs:
             if missing:
                 replay, its_origin = replayed(key)
-                todo.setdefault((tuple(seq), tuple(missing), replay), its_origin)
+                step_of[key] = (tuple(seq), tuple(missing), replay)
+                todo.setdefault(step_of[key], its_origin)
         layers = collector.layers if collector.rows_wanted else ()
         results = await asyncio.gather(*(self.extract_rows(seq, missing, layers, collector.dtype, collector.topk,
                                                            its_origin, collector.heads)
@@ -472,7 +473,7 @@ class Extraction:
         for key, seq, wanted, missing in jobs:
             stats = None
             if missing:
-                batch, stats = extracted[(tuple(seq), tuple(missing), replayed(key)[0])]
+                batch, stats = extracted[step_of[key]]
                 collector.add_rows(key, batch)
             elif collector.position != "prompt_end":
                 n, counted = len(seq), collector.tail_positions.get(key, 0)
