@@ -269,6 +269,7 @@ class DeviceHead:
             self.w.setdefault("bias", torch.zeros(spec.width, device=device))
         elif spec.architecture == "gated":
             self.w["W_mag"] = (self.w["W_enc"] * self.w["r_mag"].exp()).contiguous()
+        self._columns: dict[tuple[int, ...], tuple] = {}  # some_features' encoder columns, by feature set
 
     def features(self, rows: Any) -> Any:
         """An SAE's feature activations [m, F] as SAELens's `encode` computes them (float32)."""
@@ -286,6 +287,38 @@ class DeviceHead:
             vals, idx = torch.topk(pre, self.spec.k, dim=-1)
             return torch.zeros_like(pre).scatter_(-1, idx, torch.relu(vals))
         return torch.relu(pre)
+
+    def some_features(self, rows: Any, features: Sequence[int]) -> Any:
+        """Features `features` of an SAE alone, [m, len(features)] float32, from their own encoder
+        columns (a dot product each, not the full encode): f = relu((x - b_dec).w_mag + b_mag) x
+        [(x - b_dec).w_gate + b_gate > threshold], the one form of protocol.Clamp (standard: w_gate =
+        w_mag = W_enc[:, i], threshold 0; JumpReLU: its threshold; gated: its two paths). `features(rows)`
+        gives the same values, but for a top-k SAE: these are what a feature takes where it is among
+        the k largest (0 where its pre-activation is not positive, whatever its rank)."""
+        import torch
+
+        key = tuple(int(i) for i in features)
+        cols = self._columns.get(key)
+        if cols is None:
+            w, index = self.w, torch.tensor(key, device=self.w["b_dec"].device)
+            if self.spec.architecture == "gated":
+                mag, b_mag, gate, b_gate = w["W_mag"], w["b_mag"], w["W_enc"], w["b_gate"]
+                threshold = torch.zeros(len(key), device=index.device)
+            else:
+                mag = gate = w["W_enc"]
+                b_mag = b_gate = w["b_enc"]
+                threshold = (w["threshold"][index] if self.spec.architecture == "jumprelu"
+                             else torch.zeros(len(key), device=index.device))
+            # [D, 2f]: both paths in one product (the same columns twice where they are one)
+            cols = (torch.cat([mag[:, index], gate[:, index]], dim=1).contiguous(),
+                    torch.cat([b_mag[index], b_gate[index]]), threshold)
+            if len(self._columns) >= 64:
+                self._columns.pop(next(iter(self._columns)))
+            self._columns[key] = cols
+        w2, b2, threshold = cols
+        pre = (rows.float() - self.w["b_dec"]) @ w2 + b2
+        f = len(key)
+        return torch.relu(pre[:, :f]) * (pre[:, f:] > threshold).float()
 
     def encode(self, rows: Any, topk: int) -> tuple[Any, Any]:
         """(float32 values [m, C] or [m, topk], int32 indices [m, topk] or None). An SAE's: its `topk`

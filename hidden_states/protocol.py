@@ -314,7 +314,8 @@ class PlanEntry(NamedTuple):
     topk: int
     heads: Sequence = ()  # [name, k] of the request's heads (HiddenStatesExtractionRequest.heads)
     # Rows the request's monitors score (offsets as `offsets`; completion positions not judged yet),
-    # their positions, and the monitors as [head, index]: the worker sends float32 scores (MONITOR_BLOCK).
+    # their positions, and the monitors as [head, index, above, threshold] (Monitor's fields): the worker
+    # sends float32 scores (MONITOR_BLOCK).
     watch: Sequence = ()
     watch_positions: Sequence = ()
     monitors: Sequence = ()

@@ -214,6 +214,8 @@ def crossing(scores: np.ndarray, P: int, above: bool) -> tuple[int, float]:
 
 STOP_CASES = {"probe label below": ("probe", {"label": "pos"}, 2, False),
               "sae feature above": ("sae-std", {"feature": None}, None, True),
+              # scored from the feature's encoder column, ranked among the k largest where that decides
+              "top-k feature above": ("sae-topk", {"feature": None}, None, True),
               "mid below": ("mid", {"feature": 0}, 0, False)}
 
 
@@ -244,9 +246,16 @@ def test_a_stop_condition_finishes_at_the_first_position_the_reference_crosses(e
             engine.complete(prompt, sp(max_tokens=12, logprobs=2), stop_conditions=[condition]),
             engine.complete(prompt, sp(max_tokens=12, logprobs=2)))
 
-    before = loop_thread.run(engine.stats())["monitor_stops"]
+    work = lambda st: [sum(w.get(k, 0) for w in st["workers"]) for k in ("ranked_rows", "head_rows")]  # noqa: E731
+    before = loop_thread.run(engine.stats())
     out, beside = loop_thread.run(batch())
-    assert loop_thread.run(engine.stats())["monitor_stops"] == before + 1  # counted where the frontend filed it
+    after = loop_thread.run(engine.stats())
+    assert after["monitor_stops"] == before["monitor_stops"] + 1  # counted where the frontend filed it
+    (ranked, scored), (ranked0, scored0) = work(after), work(before)
+    if name == "sae-topk":  # the trigger row encoded in full to rank the feature, not every row
+        assert 1 <= ranked - ranked0 < scored - scored0, (ranked - ranked0, scored - scored0)
+    else:
+        assert ranked == ranked0
     (ch,) = out.choices
     assert list(ch.token_ids) == ids[P:p + 1], (case, p, ch.token_ids)
     assert ch.finish_reason == "stop"

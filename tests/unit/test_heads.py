@@ -52,6 +52,13 @@ def test_the_device_encode_is_saelens_encode(tmp_path, arch):
     for v, i, r in zip(values.numpy(), indices.numpy(), ref):
         nz = v != 0
         assert_sae_topk(i[nz], v[nz], r, 10)
+    # A monitor's few features from their own encoder columns: SAELens's where they fire; a top-k
+    # SAE's are what each takes among the k largest (the reference's where it is among them).
+    some = [0, 5, F - 1, *np.flatnonzero(ref[0])[:3]]
+    alone = head.some_features(torch.tensor(rows), some).numpy()
+    fires = ref[:, some] > 0
+    assert fires.any() and (arch == "topk" or not fires.all())
+    assert np.abs(alone - ref[:, some])[fires if arch == "topk" else slice(None)].max() <= 1e-5 * np.abs(ref).max()
 
 
 def test_a_linear_head_is_numpy(tmp_path):

@@ -113,3 +113,56 @@ def test_the_request_keeps_its_tokens_up_to_the_trigger(tokens, new, trigger, wa
     assert req.status == RequestStatus.FINISHED_STOPPED and req.stop_reason == want_reason
     assert "r" not in s._triggers
     assert (s._stops.get("r") == ["k", trigger[0], trigger[1], trigger[2]]) == (want_reason != STOP_TOKEN)
+
+
+@pytest.mark.parametrize("arch", ["topk", "standard"])
+def test_the_worker_scores_a_feature_from_its_columns_and_ranks_only_where_it_decides(tmp_path, arch):
+    """The worker's monitor scores (capture._run_monitors) of two requests' rows, judged as the scheduler
+    judges them (Monitor.holds), decide every condition as SAELens's encode of the same rows does, and
+    equal it wherever a condition holds (the score reported). A top-k SAE's full encode runs only on rows
+    whose feature is positive and whose condition it could change (`ranked_rows`); other SAEs' never."""
+    import torch
+
+    from hidden_states.heads import DeviceHead, load_heads
+    from hidden_states.protocol import PlanEntry
+    from hidden_states.vllm.worker.capture import _Entry, _RunnerHook
+    from tests.heads_ref import make_sae, sae_reference
+
+    D, F = 16, 128
+    folder = make_sae(str(tmp_path / arch), arch, D, F, "blocks.1.hook_resid_post", seed=5, k=12)
+    (spec,) = load_heads([{"name": "sae", "path": folder}], 4, D)
+    rows = np.random.default_rng(1).normal(size=(12, D)).astype(np.float32) * 3
+    ref = sae_reference(folder, rows)
+    a, b = int(np.argmax((ref > 0).sum(0))), int(np.argmax((ref > 0).sum(0) * (np.arange(F) != 0))) or 1
+    fired = ref[:, a][ref[:, a] > 0]
+    mid = float(np.median(fired))
+    # request 0 (rows 0..6): a above its median activation, b below a positive bound (0 holds it);
+    # request 1 (rows 7..11): a above an unreachable bound (never holds)
+    conditions = [[Monitor("sae", a, True, mid), Monitor("sae", b, False, 0.25)],
+                  [Monitor("sae", a, True, 1e9)]]
+    spans = [(0, 7), (7, 12)]
+    hook = _RunnerHook.__new__(_RunnerHook)
+    hook.heads = {"sae": DeviceHead(spec, "cpu")}
+    hook._inject, hook._faults = {}, {}
+    hook.head_products = hook.head_rows = hook.ranked_rows = 0
+    plan = [_Entry(f"r{j}", [], list(range(s, e)), list(range(s, e)), e, None, 0, [],
+                   [[m.head, m.index, m.above, m.threshold] for m in conditions[j]]) for j, (s, e) in enumerate(spans)]
+    src = torch.tensor(rows)
+    blocks = [(j, spec.layer, src, s, e) for j, (s, e) in enumerate(spans)]
+    out = hook._run_monitors(plan, [0, 1], blocks, {(j, spec.layer): j for j in range(2)})
+    held = 0
+    for (j, _, name, scores, _), (s, e) in zip(out, spans):
+        assert name == MONITOR_BLOCK and scores.shape == (e - s, len(conditions[j]))
+        for c, m in enumerate(conditions[j]):
+            for r in range(s, e):
+                got, want = float(scores[r - s, c]), float(ref[r, m.index])
+                assert m.holds(got) == m.holds(want), (j, m, r, got, want)
+                if m.holds(want):
+                    held += 1
+                    assert abs(got - want) <= 1e-5 * np.abs(ref).max()
+    assert held >= 3
+    assert hook.head_products == 1 and hook.head_rows == 12  # one product over both requests' rows
+    if arch == "topk":  # ranked: some of request 0's rows (its `below` holds at 0), none of request 1's
+        assert 0 < hook.ranked_rows <= 7
+    else:
+        assert hook.ranked_rows == 0

@@ -404,8 +404,8 @@ class _VectorsOnOutputs:
                     list(range(max(first, lowest, cap.judged), stop))
                 steer = self._decide(cap, first, stop) if cap.conditional else []
                 if positions or watch or steer:
-                    monitors = [[m.head, m.index] for m in flag.monitors] + [[c[1].head, c[1].index]
-                                                                              for c in cap.conditional]
+                    monitors = [[m.head, m.index, m.above, m.threshold]
+                                for m in (*flag.monitors, *(c[1] for c in cap.conditional))]
                     plan[rid] = PlanEntry([p - first for p in positions], positions, flag.layers, stop, flag.dtype,
                                           flag.topk, flag.heads, [p - first for p in watch], watch,
                                           monitors if watch else [], steer)

@@ -36,7 +36,7 @@ class _Entry(NamedTuple):
     dtype: str | None  # None: the engine's own, uncast
     topk: int
     heads: list  # [name, k]: heads over the same rows (heads.DeviceHead)
-    monitors: list = []  # [head, index]: a watch entry's scores (protocol.MONITOR_BLOCK), no rows
+    monitors: list = []  # [head, index, above, threshold]: a watch entry's scores (protocol.MONITOR_BLOCK), no rows
 
 
 _TORCH_DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16"}
@@ -155,6 +155,7 @@ class _RunnerHook:
         self._stage = "capture"  # the hook the step's pack is in (capture | heads): names a fault
         self.head_rows = 0  # rows the heads encoded (one matrix product per head per step)
         self.head_products = 0  # head matrix products run (per head per step with its rows)
+        self.ranked_rows = 0  # rows a top-k SAE's monitors encoded in full, to rank a feature (_ranked)
         self.num_layers = runner.vllm_config.model_config.hf_text_config.num_hidden_layers
         self.final_norm = None  # the model's final norm where its forward stops before it (layers.final_norm_in_logits)
         self._given: dict[str, PlanEntry] | None = None  # the scheduler's plan for this step
@@ -302,7 +303,7 @@ class _RunnerHook:
         """The layers an entry's rows are sliced at: its own, its heads' and its monitors' heads'."""
         if not e.heads and not e.monitors:
             return e.layers
-        return list(dict.fromkeys([*e.layers, *(self.heads[name].spec.layer for name, _ in (*e.heads, *e.monitors))]))
+        return list(dict.fromkeys([*e.layers, *(self.heads[h[0]].spec.layer for h in (*e.heads, *e.monitors))]))
 
     def _make_pre_hook(self, layer: int):
         def pre_hook(module, args, kwargs):
@@ -468,31 +469,79 @@ class _RunnerHook:
     def _run_monitors(self, plan: list[_Entry], watching: list[int], blocks: list,
                       where: dict) -> list[tuple[int, int, str, Any, Any]]:
         """Each watch entry's monitor scores, float32 [rows, its monitors] (protocol.MONITOR_BLOCK): per
-        head one product over every watching entry's rows at its layer, then each monitor's column."""
+        head one product over every watching entry's rows at its layer. A linear head's is its own; an
+        SAE's is over the watched features' encoder columns alone (`DeviceHead.some_features`), and a
+        top-k SAE's full encode runs only on the rows whose conditions its rank could decide (`_ranked`)."""
         import torch
 
         by_head: dict[str, list[int]] = {}
         for i in watching:
-            for name, _ in plan[i].monitors:
+            for name, *_ in plan[i].monitors:
                 if i not in by_head.setdefault(name, []):
                     by_head[name].append(i)
-        outputs: dict[tuple[int, str], Any] = {}
+        outputs: dict[tuple[int, str], tuple[Any, dict[int, int]]] = {}
         for name, entries in by_head.items():
             self.check("heads", (plan[i].rid for i in entries))
             head = self.heads[name]
             group = [where[(i, head.spec.layer)] for i in entries]
             rows = _rows_of(blocks, group)
-            values = head.features(rows) if head.spec.kind == "sae" else head.encode(rows, 0)[0]
+            if head.spec.kind == "sae":
+                features = sorted({int(m[1]) for i in entries for m in plan[i].monitors if m[0] == name})
+                values = head.some_features(rows, features)
+                if head.spec.architecture == "topk":
+                    values = self._ranked(head, rows, values, features, [plan[i] for i in entries])
+                column = {f: j for j, f in enumerate(features)}
+            else:
+                values = head.encode(rows, 0)[0]
+                column = None
             self.head_products += 1
             self.head_rows += int(values.shape[0])
             at = 0
             for i in entries:
                 n = len(plan[i].flat)
-                outputs[(i, name)] = values[at:at + n]
+                outputs[(i, name)] = (values[at:at + n], column)
                 at += n
-        return [(i, 0, MONITOR_BLOCK, torch.stack([outputs[(i, name)][:, int(index)] for name, index
-                                                   in plan[i].monitors], dim=-1).float().contiguous(), None)
-                for i in watching]
+
+        def score(i: int, name: str, index: int) -> Any:
+            values, column = outputs[(i, name)]
+            return values[:, int(index) if column is None else column[int(index)]]
+
+        return [(i, 0, MONITOR_BLOCK, torch.stack([score(i, m[0], m[1]) for m in plan[i].monitors], dim=-1)
+                 .float().contiguous(), None) for i in watching]
+
+    def _ranked(self, head: Any, rows: Any, values: Any, features: list[int], entries: list[_Entry]) -> Any:
+        """A top-k SAE's watched features as SAELens's encode gives them: `values` (some_features) hold
+        what each takes where it is among the k largest, and 0 is what it takes where not. Where both
+        values decide every condition on the row alike, the row's score is left as is (it decides as the
+        true one would; a score is reported only where a condition holds). The other rows are encoded in
+        full (`ranked_rows`): on the CPU only those, decided on the host; on an accelerator every row, as
+        deciding there would wait for the device."""
+        import torch
+
+        m = int(values.shape[0])
+        if values.device.type == "cpu":
+            column = {f: j for j, f in enumerate(features)}
+            host = values.numpy().astype(np.float64)  # the scheduler judges float(score) (Monitor.holds)
+            need, at = np.zeros(m, bool), 0
+            for e in entries:
+                n = len(e.flat)
+                for name, index, above, threshold in e.monitors:
+                    if name == head.spec.name:
+                        v = host[at:at + n, column[int(index)]]
+                        holds = (v > threshold) if above else (v < threshold)
+                        zero = (0.0 > threshold) if above else (0.0 < threshold)
+                        need[at:at + n] |= (v > 0) & (holds | zero)
+                at += n
+            picked = np.flatnonzero(need)
+        else:
+            picked = np.arange(m)
+        if len(picked):
+            self.ranked_rows += len(picked)
+            index = torch.tensor(picked, device=values.device)
+            full = head.features(rows[index])[:, torch.tensor(features, device=values.device)]
+            values = values.clone()
+            values[index] = full
+        return values
 
     def attach(self, out: Any) -> Any:
         """Hangs the step's rows and faults on its ModelRunnerOutput (protocol.STEP_ATTR); under async
