@@ -20,7 +20,8 @@ rotating order on fresh prompts (`ignore_eos`, every completion `--max-tokens` l
 Throughput ratio = requests per second over off's, pooled over rounds, 95% bootstrap interval over
 paired rounds. Counted, not timed, per arm: the workers' device-to-host copies (`host_copies`), the
 steps whose plan had rows or scores (`steps_with_rows`), the heads' products and rows (`head_products`,
-`head_rows`) and bytes copied; and the engine steps, counted in this process as the engine core's
+`head_rows`), the rows a top-k SAE's conditions encoded in full to rank their feature (`ranked_rows`: a
+condition's score is its feature's encoder column otherwise) and bytes copied; and the engine steps, counted in this process as the engine core's
 outputs that carry at least one request's tokens (one per step: every scheduled request samples a
 token each step here, prompts being shorter than a step's token budget). Then, counted only, on fresh
 prompts: `rows` (the same half asks the SAE's top-32 features of its completion positions, a copy
@@ -44,7 +45,7 @@ from bench.measure import paired_ratio_ci
 from bench.report import bench_main, ci_text, command_line, ratio_text
 
 ARMS = ("off", "half", "off2")
-COUNTS = (*WORKER_COUNTS, "steps_with_rows", "steps_with_capture")
+COUNTS = (*WORKER_COUNTS, "steps_with_rows", "steps_with_capture", "ranked_rows")
 LABELS = ["neg", "neutral", "pos"]
 SAE_FEATURE = 0
 NEVER = [{"head": "sae", "feature": SAE_FEATURE, "above": 1e9}, {"head": "probe", "label": "pos", "above": 1.5}]
@@ -247,7 +248,10 @@ def _summary(args, r: dict) -> list[str]:
               f"{_f(ph['head_products_per_step_with_rows'], 2)} (one per head); head rows per monitored token "
               f"per head: {_f(ph['head_rows_per_monitored_token_per_head'])} (every completion row but the last "
               f"token's, which no step computes: {args.max_tokens - 1} of {args.max_tokens}); bytes copied per "
-              f"monitored token: {_f(ph['bytes_copied_per_monitored_token'], 1)} (a float32 score per condition).",
+              f"monitored token: {_f(ph['bytes_copied_per_monitored_token'], 1)} (a float32 score per condition). "
+              f"The SAE condition's score comes from its feature's encoder column, not the full encode: rows the "
+              f"top-k SAE encoded in full to rank the feature: {h['ranked_rows']} (only where its rank could decide "
+              f"the condition: a score above the threshold, and none comes near it here).",
               "",
               "Counted only, one pass each on fresh prompts, the same half monitored:",
               "| arm | engine steps | steps with rows | host copies | copies / step | head products | head rows | "
@@ -263,7 +267,8 @@ def _summary(args, r: dict) -> list[str]:
                   f"conditions. Host copies {a['host_copies']} and {b['host_copies']}, one per step with rows in "
                   f"both: the scores ride the copy the rows make ({b['bytes_copied'] - a['bytes_copied']} bytes "
                   f"more). Head products {a['head_products']} and {b['head_products']}: the conditions run their "
-                  "own products, the SAE's again beside the one the heads' outputs ran on the same rows.",
+                  "own products beside the one the heads' outputs ran on the same rows, the SAE's over its watched "
+                  f"feature's encoder column (rows encoded in full to rank it: {b['ranked_rows']}).",
               "",
               f"Conditions that hold ({ho['requests']} requests, every one monitored; the probe's `pos` above "
               f"{ho['threshold']:.4f}, the {ho['quantile']:.0%} quantile of its scores at the completion positions "
