@@ -290,35 +290,35 @@ class DeviceHead:
 
     def some_features(self, rows: Any, features: Sequence[int]) -> Any:
         """Features `features` of an SAE alone, [m, len(features)] float32, from their own encoder
-        columns (a dot product each, not the full encode): f = relu((x - b_dec).w_mag + b_mag) x
-        [(x - b_dec).w_gate + b_gate > threshold], the one form of protocol.Clamp (standard: w_gate =
-        w_mag = W_enc[:, i], threshold 0; JumpReLU: its threshold; gated: its two paths). `features(rows)`
-        gives the same values, but for a top-k SAE: these are what a feature takes where it is among
-        the k largest (0 where its pre-activation is not positive, whatever its rank)."""
+        columns (a dot product each, not the full encode), b_dec folded into the bias ((x - b_dec).w + b
+        = x.w + (b - b_dec.w)): standard relu(pre), JumpReLU relu(pre) x [pre > threshold], gated
+        relu(magnitude) x [gate > 0], as `features(rows)` gives them, to float32 rounding. A top-k SAE's
+        are what each takes where it is among the k largest (0 where its pre-activation is not positive,
+        whatever its rank; capture._ranked decides the rank where it matters)."""
         import torch
 
         key = tuple(int(i) for i in features)
         cols = self._columns.get(key)
         if cols is None:
             w, index = self.w, torch.tensor(key, device=self.w["b_dec"].device)
-            if self.spec.architecture == "gated":
-                mag, b_mag, gate, b_gate = w["W_mag"], w["b_mag"], w["W_enc"], w["b_gate"]
-                threshold = torch.zeros(len(key), device=index.device)
+            if self.spec.architecture == "gated":  # [D, 2f]: magnitude then gate, one product
+                weight = torch.cat([w["W_mag"][:, index], w["W_enc"][:, index]], dim=1)
+                bias = torch.cat([w["b_mag"][index], w["b_gate"][index]])
             else:
-                mag = gate = w["W_enc"]
-                b_mag = b_gate = w["b_enc"]
-                threshold = (w["threshold"][index] if self.spec.architecture == "jumprelu"
-                             else torch.zeros(len(key), device=index.device))
-            # [D, 2f]: both paths in one product (the same columns twice where they are one)
-            cols = (torch.cat([mag[:, index], gate[:, index]], dim=1).contiguous(),
-                    torch.cat([b_mag[index], b_gate[index]]), threshold)
+                weight, bias = w["W_enc"][:, index], w["b_enc"][index]
+            weight = weight.contiguous()
+            threshold = w["threshold"][index] if self.spec.architecture == "jumprelu" else None
+            cols = (weight, bias - w["b_dec"] @ weight, threshold)
             if len(self._columns) >= 64:
                 self._columns.pop(next(iter(self._columns)))
             self._columns[key] = cols
-        w2, b2, threshold = cols
-        pre = (rows.float() - self.w["b_dec"]) @ w2 + b2
-        f = len(key)
-        return torch.relu(pre[:, :f]) * (pre[:, f:] > threshold).float()
+        weight, bias, threshold = cols
+        pre = torch.addmm(bias, rows.float(), weight)
+        if self.spec.architecture == "gated":
+            f = len(key)
+            return pre[:, :f].relu() * (pre[:, f:] > 0)
+        pre = pre.relu_()
+        return pre if threshold is None else pre * (pre > threshold)
 
     def encode(self, rows: Any, topk: int) -> tuple[Any, Any]:
         """(float32 values [m, C] or [m, topk], int32 indices [m, topk] or None). An SAE's: its `topk`

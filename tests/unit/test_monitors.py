@@ -131,16 +131,16 @@ def test_the_worker_scores_a_feature_from_its_columns_and_ranks_only_where_it_de
     D, F = 16, 128
     folder = make_sae(str(tmp_path / arch), arch, D, F, "blocks.1.hook_resid_post", seed=5, k=12)
     (spec,) = load_heads([{"name": "sae", "path": folder}], 4, D)
-    rows = np.random.default_rng(1).normal(size=(12, D)).astype(np.float32) * 3
+    rows = np.random.default_rng(1).normal(size=(14, D)).astype(np.float32) * 3
     ref = sae_reference(folder, rows)
     a, b = int(np.argmax((ref > 0).sum(0))), int(np.argmax((ref > 0).sum(0) * (np.arange(F) != 0))) or 1
     fired = ref[:, a][ref[:, a] > 0]
     mid = float(np.median(fired))
-    # request 0 (rows 0..6): a above its median activation, b below a positive bound (0 holds it);
-    # request 1 (rows 7..11): a above an unreachable bound (never holds)
-    conditions = [[Monitor("sae", a, True, mid), Monitor("sae", b, False, 0.25)],
-                  [Monitor("sae", a, True, 1e9)]]
-    spans = [(0, 7), (7, 12)]
+    # requests 0 and 2 (rows 0..4, 12..13): a above an unreachable bound (never holds), one block together;
+    # request 1 (rows 5..11): a above its median activation, b below a positive bound (0 holds it)
+    never, held_by = [Monitor("sae", a, True, 1e9)], [Monitor("sae", a, True, mid), Monitor("sae", b, False, 0.25)]
+    conditions = [never, held_by, never]
+    spans = [(0, 5), (5, 12), (12, 14)]
     hook = _RunnerHook.__new__(_RunnerHook)
     hook.heads = {"sae": DeviceHead(spec, "cpu")}
     hook._inject, hook._faults = {}, {}
@@ -149,7 +149,8 @@ def test_the_worker_scores_a_feature_from_its_columns_and_ranks_only_where_it_de
                    [[m.head, m.index, m.above, m.threshold] for m in conditions[j]]) for j, (s, e) in enumerate(spans)]
     src = torch.tensor(rows)
     blocks = [(j, spec.layer, src, s, e) for j, (s, e) in enumerate(spans)]
-    out = hook._run_monitors(plan, [0, 1], blocks, {(j, spec.layer): j for j in range(2)})
+    out = hook._run_monitors(plan, [0, 1, 2], blocks, {(j, spec.layer): j for j in range(3)})
+    out = sorted(out, key=lambda o: o[0])
     held = 0
     for (j, _, name, scores, _), (s, e) in zip(out, spans):
         assert name == MONITOR_BLOCK and scores.shape == (e - s, len(conditions[j]))
@@ -161,8 +162,53 @@ def test_the_worker_scores_a_feature_from_its_columns_and_ranks_only_where_it_de
                     held += 1
                     assert abs(got - want) <= 1e-5 * np.abs(ref).max()
     assert held >= 3
-    assert hook.head_products == 1 and hook.head_rows == 12  # one product over both requests' rows
-    if arch == "topk":  # ranked: some of request 0's rows (its `below` holds at 0), none of request 1's
+    assert hook.head_products == 1 and hook.head_rows == 14  # one product over every request's rows
+    if arch == "topk":  # ranked: some of request 1's rows (its `below` holds at 0), none of the others'
         assert 0 < hook.ranked_rows <= 7
     else:
         assert hook.ranked_rows == 0
+
+
+def test_the_worker_s_verdicts_are_the_reference_s_for_any_threshold(tmp_path):
+    """A top-k SAE's conditions with thresholds on either side of 0 and at the features' own values,
+    above and below, several requests a step in groups: every verdict is the one SAELens's encode
+    gives, and every score where a condition holds is its value."""
+    import torch
+
+    from hidden_states.heads import DeviceHead, load_heads
+    from hidden_states.vllm.worker.capture import _Entry, _RunnerHook
+    from tests.heads_ref import make_sae, sae_reference
+
+    D, F = 16, 128
+    folder = make_sae(str(tmp_path / "topk"), "topk", D, F, "blocks.1.hook_resid_post", seed=7, k=12)
+    (spec,) = load_heads([{"name": "sae", "path": folder}], 4, D)
+    rng = np.random.default_rng(2)
+    rows = rng.normal(size=(24, D)).astype(np.float32) * 3
+    ref = sae_reference(folder, rows)
+    hook = _RunnerHook.__new__(_RunnerHook)
+    hook.heads = {"sae": DeviceHead(spec, "cpu")}
+    hook._inject, hook._faults = {}, {}
+    hook.head_products = hook.head_rows = hook.ranked_rows = 0
+    features = [int(f) for f in np.argsort(-(ref > 0).sum(0))[:4]]
+    values = ref[:, features][ref[:, features] > 0]
+    thresholds = [-1.0, 0.0, 1e-3, float(np.quantile(values, 0.3)), float(np.quantile(values, 0.7)), 1e9]
+    spans = [(0, 3), (3, 9), (9, 12), (12, 20), (20, 24)]
+    conditions = [[Monitor("sae", int(rng.choice(features)), bool(rng.integers(2)), float(rng.choice(thresholds)))
+                   for _ in range(int(rng.integers(1, 4)))] for _ in spans]
+    conditions[3] = conditions[0]  # a group of two requests
+    plan = [_Entry(f"r{j}", [], list(range(s, e)), list(range(s, e)), e, None, 0, [],
+                   [[m.head, m.index, m.above, m.threshold] for m in conditions[j]]) for j, (s, e) in enumerate(spans)]
+    src = torch.tensor(rows)
+    blocks = [(j, spec.layer, src, s, e) for j, (s, e) in enumerate(spans)]
+    out = hook._run_monitors(plan, list(range(len(spans))), blocks, {(j, spec.layer): j for j in range(len(spans))})
+    verdicts = 0
+    for j, _, _, scores, _ in out:
+        s, e = spans[j]
+        for c, m in enumerate(conditions[j]):
+            for r in range(s, e):
+                got, want = float(scores[r - s, c]), float(ref[r, m.index])
+                assert m.holds(got) == m.holds(want), (m, r, got, want)
+                if m.holds(want):
+                    verdicts += 1
+                    assert abs(got - want) <= 1e-5 * np.abs(ref).max()
+    assert verdicts and hook.ranked_rows < 24

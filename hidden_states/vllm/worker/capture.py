@@ -468,79 +468,86 @@ class _RunnerHook:
 
     def _run_monitors(self, plan: list[_Entry], watching: list[int], blocks: list,
                       where: dict) -> list[tuple[int, int, str, Any, Any]]:
-        """Each watch entry's monitor scores, float32 [rows, its monitors] (protocol.MONITOR_BLOCK): per
-        head one product over every watching entry's rows at its layer. A linear head's is its own; an
-        SAE's is over the watched features' encoder columns alone (`DeviceHead.some_features`), and a
-        top-k SAE's full encode runs only on the rows whose conditions its rank could decide (`_ranked`)."""
+        """Each watch entry's monitor scores, float32 [rows, its monitors] (protocol.MONITOR_BLOCK). Per
+        head one product over every watching entry's rows at its layer: a linear head's own; an SAE's
+        over the watched features' encoder columns alone (`DeviceHead.some_features`), a top-k SAE's full
+        encode only on the rows whose conditions its rank could decide (`_ranked`). Entries with the same
+        conditions (the usual case) get their scores as one block, each its rows of it."""
         import torch
 
-        by_head: dict[str, list[int]] = {}
+        groups: dict[tuple, list[int]] = {}  # the same conditions: their rows in a row in every head's product
         for i in watching:
-            for name, *_ in plan[i].monitors:
-                if i not in by_head.setdefault(name, []):
-                    by_head[name].append(i)
-        outputs: dict[tuple[int, str], tuple[Any, dict[int, int]]] = {}
-        for name, entries in by_head.items():
+            groups.setdefault(tuple(tuple(m) for m in plan[i].monitors), []).append(i)
+        ordered = [i for entries in groups.values() for i in entries]
+        at: dict[tuple[str, int], int] = {}  # (head, entry) -> the entry's first row in the head's product
+        products: dict[str, tuple[Any, dict[int, int] | None]] = {}  # head -> (values, feature -> column)
+        for name in dict.fromkeys(m[0] for monitors in groups for m in monitors):
+            entries = [i for i in ordered if any(m[0] == name for m in plan[i].monitors)]
             self.check("heads", (plan[i].rid for i in entries))
             head = self.heads[name]
-            group = [where[(i, head.spec.layer)] for i in entries]
-            rows = _rows_of(blocks, group)
+            rows = _rows_of(blocks, [where[(i, head.spec.layer)] for i in entries])
+            row = 0
+            for i in entries:
+                at[(name, i)] = row
+                row += len(plan[i].flat)
+            spans = [(monitors, slice(at[(name, g[0])], at[(name, g[0])] + sum(len(plan[i].flat) for i in g)))
+                     for monitors, g in groups.items() if (name, g[0]) in at]  # each group's rows here
             if head.spec.kind == "sae":
                 features = sorted({int(m[1]) for i in entries for m in plan[i].monitors if m[0] == name})
+                column = {f: j for j, f in enumerate(features)}
                 values = head.some_features(rows, features)
                 if head.spec.architecture == "topk":
-                    values = self._ranked(head, rows, values, features, [plan[i] for i in entries])
-                column = {f: j for j, f in enumerate(features)}
+                    values = self._ranked(head, rows, values, column, spans)
             else:
-                values = head.encode(rows, 0)[0]
-                column = None
+                values, column = head.encode(rows, 0)[0], None
+            products[name] = (values, column)
             self.head_products += 1
             self.head_rows += int(values.shape[0])
-            at = 0
+        out = []
+        for monitors, entries in groups.items():
+            n = sum(len(plan[i].flat) for i in entries)
+            parts = []
+            for name, index, *_ in monitors:
+                values, column = products[name]
+                first = at[(name, entries[0])]
+                parts.append(values[first:first + n, int(index) if column is None else column[int(index)]])
+            block = torch.stack(parts, dim=-1).float()
+            row = 0
             for i in entries:
-                n = len(plan[i].flat)
-                outputs[(i, name)] = (values[at:at + n], column)
-                at += n
+                out.append((i, 0, MONITOR_BLOCK, block[row:row + len(plan[i].flat)], None))
+                row += len(plan[i].flat)
+        return out
 
-        def score(i: int, name: str, index: int) -> Any:
-            values, column = outputs[(i, name)]
-            return values[:, int(index) if column is None else column[int(index)]]
-
-        return [(i, 0, MONITOR_BLOCK, torch.stack([score(i, m[0], m[1]) for m in plan[i].monitors], dim=-1)
-                 .float().contiguous(), None) for i in watching]
-
-    def _ranked(self, head: Any, rows: Any, values: Any, features: list[int], entries: list[_Entry]) -> Any:
-        """A top-k SAE's watched features as SAELens's encode gives them: `values` (some_features) hold
-        what each takes where it is among the k largest, and 0 is what it takes where not. Where both
-        values decide every condition on the row alike, the row's score is left as is (it decides as the
-        true one would; a score is reported only where a condition holds). The other rows are encoded in
-        full (`ranked_rows`): on the CPU only those, decided on the host; on an accelerator every row, as
-        deciding there would wait for the device."""
+    def _ranked(self, head: Any, rows: Any, values: Any, column: dict[int, int], spans: list) -> Any:
+        """A top-k SAE's watched features as SAELens's encode gives them: `values` (some_features, columns
+        `column` by feature) hold what each takes where it is among the k largest, and 0 is what it takes
+        where not. Where both values decide every condition on a row alike, the row's score is left as is
+        (it decides as the true one would; a score is reported only where a condition holds). The other
+        rows are encoded in full (`ranked_rows`): on the CPU only those, decided on the host per group of
+        requests with the same conditions (`spans`: (conditions, their rows)); on an accelerator every
+        row, as deciding there would wait for the device."""
         import torch
 
-        m = int(values.shape[0])
+        m, name = int(values.shape[0]), head.spec.name
         if values.device.type == "cpu":
-            column = {f: j for j, f in enumerate(features)}
-            host = values.numpy().astype(np.float64)  # the scheduler judges float(score) (Monitor.holds)
-            need, at = np.zeros(m, bool), 0
-            for e in entries:
-                n = len(e.flat)
-                for name, index, above, threshold in e.monitors:
-                    if name == head.spec.name:
-                        v = host[at:at + n, column[int(index)]]
-                        holds = (v > threshold) if above else (v < threshold)
-                        zero = (0.0 > threshold) if above else (0.0 < threshold)
-                        need[at:at + n] |= (v > 0) & (holds | zero)
-                at += n
+            # A score v >= 0 whose rank could change a condition's verdict: above t, v > max(t, 0) (the
+            # value holds, or 0 does where t < 0); below t, v > 0 where t > 0 (0 holds), never else.
+            # Compared in float64, as the scheduler judges float(score) (Monitor.holds).
+            host, need = values.numpy(), np.zeros(m, bool)
+            for monitors, span in spans:
+                cutoff = np.full(len(column), np.inf)
+                for _, index, above, threshold in (x for x in monitors if x[0] == name):
+                    c = max(threshold, 0.0) if above else (0.0 if threshold > 0 else np.inf)
+                    cutoff[column[int(index)]] = min(cutoff[column[int(index)]], c)
+                need[span] |= (host[span] > cutoff).any(axis=1)
             picked = np.flatnonzero(need)
         else:
             picked = np.arange(m)
         if len(picked):
             self.ranked_rows += len(picked)
             index = torch.tensor(picked, device=values.device)
-            full = head.features(rows[index])[:, torch.tensor(features, device=values.device)]
             values = values.clone()
-            values[index] = full
+            values[index] = head.features(rows[index])[:, torch.tensor(list(column), device=values.device)]
         return values
 
     def attach(self, out: Any) -> Any:
