@@ -20,8 +20,9 @@ rotating order on fresh prompts (`ignore_eos`, every completion `--max-tokens` l
 Throughput ratio = requests per second over off's, pooled over rounds, 95% bootstrap interval over
 paired rounds. Counted, not timed, per arm: the workers' device-to-host copies (`host_copies`), the
 steps whose plan had rows or scores (`steps_with_rows`), the heads' products and rows (`head_products`,
-`head_rows`), the rows a top-k SAE's conditions encoded in full to rank their feature (`ranked_rows`: a
-condition's score is its feature's encoder column otherwise) and bytes copied; and the engine steps, counted in this process as the engine core's
+`head_rows`) and their weight columns times rows (`head_column_rows`), the rows a top-k SAE's
+conditions encoded in full to rank their feature (`ranked_rows`: a condition's score is its feature's
+encoder column otherwise) and bytes copied; and the engine steps, counted in this process as the engine core's
 outputs that carry at least one request's tokens (one per step: every scheduled request samples a
 token each step here, prompts being shorter than a step's token budget). Then, counted only, on fresh
 prompts: `rows` (the same half asks the SAE's top-32 features of its completion positions, a copy
@@ -45,7 +46,7 @@ from bench.measure import paired_ratio_ci
 from bench.report import bench_main, ci_text, command_line, ratio_text
 
 ARMS = ("off", "half", "off2")
-COUNTS = (*WORKER_COUNTS, "steps_with_rows", "steps_with_capture", "ranked_rows")
+COUNTS = (*WORKER_COUNTS, "steps_with_rows", "steps_with_capture", "ranked_rows", "head_column_rows")
 LABELS = ["neg", "neutral", "pos"]
 SAE_FEATURE = 0
 NEVER = [{"head": "sae", "feature": SAE_FEATURE, "above": 1e9}, {"head": "probe", "label": "pos", "above": 1.5}]
@@ -121,6 +122,9 @@ def _per(c: dict) -> dict:
             # whose row no step computes (max_tokens - 1 of max_tokens)
             "head_rows_per_monitored_token_per_head": div(c["head_rows"], c["monitored_tokens"] * len(HEADS)),
             "head_products_per_step_with_rows": div(c["head_products"], c["steps_with_rows"]),
+            # the products' work: weight columns multiplied per row scored (the probe's 3; the SAE's
+            # watched feature's 1, or its 4,608 when a row is ranked: capture._ranked)
+            "head_column_rows_per_head_row": div(c["head_column_rows"], c["head_rows"]),
             "bytes_copied_per_monitored_token": div(c["bytes_copied"], c["monitored_tokens"])}
 
 
@@ -251,7 +255,10 @@ def _summary(args, r: dict) -> list[str]:
               f"monitored token: {_f(ph['bytes_copied_per_monitored_token'], 1)} (a float32 score per condition). "
               f"The SAE condition's score comes from its feature's encoder column, not the full encode: rows the "
               f"top-k SAE encoded in full to rank the feature: {h['ranked_rows']} (only where its rank could decide "
-              f"the condition: a score above the threshold, and none comes near it here).",
+              f"the condition: a score above the threshold, and none comes near it here). Weight columns "
+              f"multiplied per row scored, over both heads: {_f(ph['head_column_rows_per_head_row'], 2)} "
+              f"({h['head_column_rows']} column-rows for {h['head_rows']} rows: the probe's 3 outputs and the "
+              f"SAE feature's one encoder column, where the full encode multiplies {sae['width']}).",
               "",
               "Counted only, one pass each on fresh prompts, the same half monitored:",
               "| arm | engine steps | steps with rows | host copies | copies / step | head products | head rows | "

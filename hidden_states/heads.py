@@ -270,6 +270,9 @@ class DeviceHead:
         elif spec.architecture == "gated":
             self.w["W_mag"] = (self.w["W_enc"] * self.w["r_mag"].exp()).contiguous()
         self._columns: dict[tuple[int, ...], tuple] = {}  # some_features' encoder columns, by feature set
+        # the weight columns a full encode multiplies a row by, per output (a gated SAE: its two paths)
+        self.paths = 2 if spec.architecture == "gated" else 1
+        self.columns = spec.width * self.paths
 
     def features(self, rows: Any) -> Any:
         """An SAE's feature activations [m, F] as SAELens's `encode` computes them (float32)."""

@@ -246,16 +246,19 @@ def test_a_stop_condition_finishes_at_the_first_position_the_reference_crosses(e
             engine.complete(prompt, sp(max_tokens=12, logprobs=2), stop_conditions=[condition]),
             engine.complete(prompt, sp(max_tokens=12, logprobs=2)))
 
-    work = lambda st: [sum(w.get(k, 0) for w in st["workers"]) for k in ("ranked_rows", "head_rows")]  # noqa: E731
+    work = lambda st: [sum(w.get(k, 0) for w in st["workers"])  # noqa: E731
+                       for k in ("ranked_rows", "head_rows", "head_column_rows")]
     before = loop_thread.run(engine.stats())
     out, beside = loop_thread.run(batch())
     after = loop_thread.run(engine.stats())
     assert after["monitor_stops"] == before["monitor_stops"] + 1  # counted where the frontend filed it
-    (ranked, scored), (ranked0, scored0) = work(after), work(before)
+    (ranked, scored, columns), (ranked0, scored0, columns0) = work(after), work(before)
     if name == "sae-topk":  # the trigger row encoded in full to rank the feature, not every row
         assert 1 <= ranked - ranked0 < scored - scored0, (ranked - ranked0, scored - scored0)
     else:
         assert ranked == ranked0
+    if name.startswith("sae"):  # the feature's encoder column a row, and every column of a row ranked
+        assert columns - columns0 == scored - scored0 + (ranked - ranked0) * F
     (ch,) = out.choices
     assert list(ch.token_ids) == ids[P:p + 1], (case, p, ch.token_ids)
     assert ch.finish_reason == "stop"

@@ -133,7 +133,7 @@ def test_the_worker_scores_a_feature_from_its_columns_and_ranks_only_where_it_de
     (spec,) = load_heads([{"name": "sae", "path": folder}], 4, D)
     rows = np.random.default_rng(1).normal(size=(14, D)).astype(np.float32) * 3
     ref = sae_reference(folder, rows)
-    a, b = int(np.argmax((ref > 0).sum(0))), int(np.argmax((ref > 0).sum(0) * (np.arange(F) != 0))) or 1
+    a, b = (int(f) for f in np.argsort(-(ref > 0).sum(0), kind="stable")[:2])  # the two features firing most
     fired = ref[:, a][ref[:, a] > 0]
     mid = float(np.median(fired))
     # requests 0 and 2 (rows 0..4, 12..13): a above an unreachable bound (never holds), one block together;
@@ -144,7 +144,7 @@ def test_the_worker_scores_a_feature_from_its_columns_and_ranks_only_where_it_de
     hook = _RunnerHook.__new__(_RunnerHook)
     hook.heads = {"sae": DeviceHead(spec, "cpu")}
     hook._inject, hook._faults = {}, {}
-    hook.head_products = hook.head_rows = hook.ranked_rows = 0
+    hook.head_products = hook.head_rows = hook.ranked_rows = hook.head_column_rows = 0
     plan = [_Entry(f"r{j}", [], list(range(s, e)), list(range(s, e)), e, None, 0, [],
                    [[m.head, m.index, m.above, m.threshold] for m in conditions[j]]) for j, (s, e) in enumerate(spans)]
     src = torch.tensor(rows)
@@ -163,6 +163,8 @@ def test_the_worker_scores_a_feature_from_its_columns_and_ranks_only_where_it_de
                     assert abs(got - want) <= 1e-5 * np.abs(ref).max()
     assert held >= 3
     assert hook.head_products == 1 and hook.head_rows == 14  # one product over every request's rows
+    # its work: two encoder columns a row, and every column of the rows ranked
+    assert hook.head_column_rows == 14 * 2 + hook.ranked_rows * F
     if arch == "topk":  # ranked: some of request 1's rows (its `below` holds at 0), none of the others'
         assert 0 < hook.ranked_rows <= 7
     else:
@@ -188,7 +190,7 @@ def test_the_worker_s_verdicts_are_the_reference_s_for_any_threshold(tmp_path):
     hook = _RunnerHook.__new__(_RunnerHook)
     hook.heads = {"sae": DeviceHead(spec, "cpu")}
     hook._inject, hook._faults = {}, {}
-    hook.head_products = hook.head_rows = hook.ranked_rows = 0
+    hook.head_products = hook.head_rows = hook.ranked_rows = hook.head_column_rows = 0
     features = [int(f) for f in np.argsort(-(ref > 0).sum(0))[:4]]
     values = ref[:, features][ref[:, features] > 0]
     thresholds = [-1.0, 0.0, 1e-3, float(np.quantile(values, 0.3)), float(np.quantile(values, 0.7)), 1e9]

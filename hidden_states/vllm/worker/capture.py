@@ -155,6 +155,9 @@ class _RunnerHook:
         self._stage = "capture"  # the hook the step's pack is in (capture | heads): names a fault
         self.head_rows = 0  # rows the heads encoded (one matrix product per head per step)
         self.head_products = 0  # head matrix products run (per head per step with its rows)
+        # the products' work: rows x the weight columns each multiplies (an SAE's full encode: its
+        # features; a monitor's: the watched features' columns; a linear head's: its outputs)
+        self.head_column_rows = 0
         self.ranked_rows = 0  # rows a top-k SAE's monitors encoded in full, to rank a feature (_ranked)
         self.num_layers = runner.vllm_config.model_config.hf_text_config.num_hidden_layers
         self.final_norm = None  # the model's final norm where its forward stops before it (layers.final_norm_in_logits)
@@ -458,6 +461,7 @@ class _RunnerHook:
             values, indices = head.encode(_rows_of(blocks, group), k)
             self.head_products += 1
             self.head_rows += int(values.shape[0])
+            self.head_column_rows += int(values.shape[0]) * head.columns
             at = 0
             for i in entries:
                 n = len(plan[i].flat)
@@ -496,10 +500,12 @@ class _RunnerHook:
                 features = sorted({int(m[1]) for i in entries for m in plan[i].monitors if m[0] == name})
                 column = {f: j for j, f in enumerate(features)}
                 values = head.some_features(rows, features)
+                self.head_column_rows += int(values.shape[0]) * len(features) * head.paths
                 if head.spec.architecture == "topk":
                     values = self._ranked(head, rows, values, column, spans)
             else:
                 values, column = head.encode(rows, 0)[0], None
+                self.head_column_rows += int(values.shape[0]) * head.columns
             products[name] = (values, column)
             self.head_products += 1
             self.head_rows += int(values.shape[0])
@@ -545,6 +551,7 @@ class _RunnerHook:
             picked = np.arange(m)
         if len(picked):
             self.ranked_rows += len(picked)
+            self.head_column_rows += len(picked) * head.columns
             index = torch.tensor(picked, device=values.device)
             values = values.clone()
             values[index] = head.features(rows[index])[:, torch.tensor(list(column), device=values.device)]

@@ -114,6 +114,7 @@ class HiddenStatesWorkerExtension(CPUWorkerSteps):
             "head_products": hook.head_products,
             "head_rows": hook.head_rows,
             "ranked_rows": hook.ranked_rows,
+            "head_column_rows": hook.head_column_rows,
             "steered_rows": hook.steering.steered_rows,
             "hook_faults": hook.hook_faults,  # requests a hook here failed (each alone: capture.py)
             "capture_layers": sorted(hook.traced.layers) if hook.traced is not None else None,
