@@ -115,33 +115,29 @@ def test_the_request_keeps_its_tokens_up_to_the_trigger(tokens, new, trigger, wa
     assert (s._stops.get("r") == ["k", trigger[0], trigger[1], trigger[2]]) == (want_reason != STOP_TOKEN)
 
 
-@pytest.mark.parametrize("arch", ["topk", "standard"])
-def test_the_worker_scores_a_feature_from_its_columns_and_ranks_only_where_it_decides(tmp_path, arch):
-    """The worker's monitor scores (capture._run_monitors) of two requests' rows, judged as the scheduler
-    judges them (Monitor.holds), decide every condition as SAELens's encode of the same rows does, and
-    equal it wherever a condition holds (the score reported). A top-k SAE's full encode runs only on rows
-    whose feature is positive and whose condition it could change (`ranked_rows`); other SAEs' never."""
-    import torch
+SAE_D, SAE_F = 16, 128
 
-    from hidden_states.heads import DeviceHead, load_heads
-    from hidden_states.protocol import PlanEntry
-    from hidden_states.vllm.worker.capture import _Entry, _RunnerHook
+
+def _sae(tmp_path, arch: str, seed: int, m: int) -> tuple:
+    """An SAE of `arch` (SAELens, random weights), its spec, `m` random rows and SAELens's encode of them."""
+    from hidden_states.heads import load_heads
     from tests.heads_ref import make_sae, sae_reference
 
-    D, F = 16, 128
-    folder = make_sae(str(tmp_path / arch), arch, D, F, "blocks.1.hook_resid_post", seed=5, k=12)
-    (spec,) = load_heads([{"name": "sae", "path": folder}], 4, D)
-    rows = np.random.default_rng(1).normal(size=(14, D)).astype(np.float32) * 3
-    ref = sae_reference(folder, rows)
-    a, b = (int(f) for f in np.argsort(-(ref > 0).sum(0), kind="stable")[:2])  # the two features firing most
-    fired = ref[:, a][ref[:, a] > 0]
-    mid = float(np.median(fired))
-    # requests 0 and 2 (rows 0..4, 12..13): a above an unreachable bound (never holds), one block together;
-    # request 1 (rows 5..11): a above its median activation, b below a positive bound (0 holds it)
-    never, held_by = [Monitor("sae", a, True, 1e9)], [Monitor("sae", a, True, mid), Monitor("sae", b, False, 0.25)]
-    conditions = [never, held_by, never]
-    spans = [(0, 5), (5, 12), (12, 14)]
-    hook = _RunnerHook.__new__(_RunnerHook)
+    folder = make_sae(str(tmp_path / arch), arch, SAE_D, SAE_F, "blocks.1.hook_resid_post", seed=seed, k=12)
+    (spec,) = load_heads([{"name": "sae", "path": folder}], 4, SAE_D)
+    rows = np.random.default_rng(seed).normal(size=(m, SAE_D)).astype(np.float32) * 3
+    return spec, rows, sae_reference(folder, rows)
+
+
+def _score(spec, rows, spans: list, conditions: list) -> tuple:
+    """The worker's monitor scores (capture._run_monitors) of one request a span of `rows`, each with its
+    conditions, in one step: (the worker, {request: float32 scores [its rows, its conditions]})."""
+    import torch
+
+    from hidden_states.heads import DeviceHead
+    from hidden_states.vllm.worker.capture import _Entry, _RunnerHook
+
+    hook = _RunnerHook.__new__(_RunnerHook)  # the scoring's state only (its __init__ needs a vLLM runner)
     hook.heads = {"sae": DeviceHead(spec, "cpu")}
     hook._inject, hook._faults = {}, {}
     hook.head_products = hook.head_rows = hook.ranked_rows = hook.head_column_rows = 0
@@ -149,22 +145,52 @@ def test_the_worker_scores_a_feature_from_its_columns_and_ranks_only_where_it_de
                    [[m.head, m.index, m.above, m.threshold] for m in conditions[j]]) for j, (s, e) in enumerate(spans)]
     src = torch.tensor(rows)
     blocks = [(j, spec.layer, src, s, e) for j, (s, e) in enumerate(spans)]
-    out = hook._run_monitors(plan, [0, 1, 2], blocks, {(j, spec.layer): j for j in range(3)})
-    out = sorted(out, key=lambda o: o[0])
+    out = hook._run_monitors(plan, list(range(len(spans))), blocks, {(j, spec.layer): j for j in range(len(spans))})
+    assert all(name == MONITOR_BLOCK for _, _, name, _, _ in out)
+    return hook, {j: scores.numpy() for j, _, _, scores, _ in out}
+
+
+def _between(values, q: float) -> float:
+    """A threshold clear of every value: halfway between the two around their quantile q."""
+    v = np.sort(values)
+    k = int(q * (len(v) - 2))
+    return float(v[k] + v[k + 1]) / 2
+
+
+def _verdicts(ref, spans: list, conditions: list, scores: dict) -> int:
+    """Every (row, condition) judged on the worker's score as on SAELens's; the score is SAELens's where
+    the condition holds (relative 1e-5): the number that hold."""
     held = 0
-    for (j, _, name, scores, _), (s, e) in zip(out, spans):
-        assert name == MONITOR_BLOCK and scores.shape == (e - s, len(conditions[j]))
+    for j, (s, e) in enumerate(spans):
+        assert scores[j].shape == (e - s, len(conditions[j]))
         for c, m in enumerate(conditions[j]):
             for r in range(s, e):
-                got, want = float(scores[r - s, c]), float(ref[r, m.index])
+                got, want = float(scores[j][r - s, c]), float(ref[r, m.index])
                 assert m.holds(got) == m.holds(want), (j, m, r, got, want)
                 if m.holds(want):
                     held += 1
                     assert abs(got - want) <= 1e-5 * np.abs(ref).max()
-    assert held >= 3
+    return held
+
+
+@pytest.mark.parametrize("arch", ["topk", "standard"])
+def test_the_worker_scores_a_feature_from_its_columns_and_ranks_only_where_it_decides(tmp_path, arch):
+    """The worker's monitor scores of three requests' rows decide every condition as SAELens's encode of
+    the same rows does, and equal it wherever a condition holds (the score reported). A top-k SAE's full
+    encode runs only on rows whose feature is positive and whose condition it could change
+    (`ranked_rows`); other SAEs' never. One product over every request's rows."""
+    spec, rows, ref = _sae(tmp_path, arch, seed=5, m=14)
+    a, b = (int(f) for f in np.argsort(-(ref > 0).sum(0), kind="stable")[:2])  # the two features firing most
+    mid = _between(ref[:, a][ref[:, a] > 0], 0.5)
+    # requests 0 and 2 (rows 0..4, 12..13): a above an unreachable bound (never holds), one block together;
+    # request 1 (rows 5..11): a above its median activation, b below a positive bound (0 holds it)
+    never, held_by = [Monitor("sae", a, True, 1e9)], [Monitor("sae", a, True, mid), Monitor("sae", b, False, 0.25)]
+    spans, conditions = [(0, 5), (5, 12), (12, 14)], [never, held_by, never]
+    hook, scores = _score(spec, rows, spans, conditions)
+    assert _verdicts(ref, spans, conditions, scores) >= 3
     assert hook.head_products == 1 and hook.head_rows == 14  # one product over every request's rows
     # its work: two encoder columns a row, and every column of the rows ranked
-    assert hook.head_column_rows == 14 * 2 + hook.ranked_rows * F
+    assert hook.head_column_rows == 14 * 2 + hook.ranked_rows * SAE_F
     if arch == "topk":  # ranked: some of request 1's rows (its `below` holds at 0), none of the others'
         assert 0 < hook.ranked_rows <= 7
     else:
@@ -173,44 +199,16 @@ def test_the_worker_scores_a_feature_from_its_columns_and_ranks_only_where_it_de
 
 def test_the_worker_s_verdicts_are_the_reference_s_for_any_threshold(tmp_path):
     """A top-k SAE's conditions with thresholds on either side of 0 and at the features' own values,
-    above and below, several requests a step in groups: every verdict is the one SAELens's encode
-    gives, and every score where a condition holds is its value."""
-    import torch
-
-    from hidden_states.heads import DeviceHead, load_heads
-    from hidden_states.vllm.worker.capture import _Entry, _RunnerHook
-    from tests.heads_ref import make_sae, sae_reference
-
-    D, F = 16, 128
-    folder = make_sae(str(tmp_path / "topk"), "topk", D, F, "blocks.1.hook_resid_post", seed=7, k=12)
-    (spec,) = load_heads([{"name": "sae", "path": folder}], 4, D)
+    above and below, several requests a step, two of them with the same conditions: every verdict is
+    the one SAELens's encode gives, and every score where a condition holds is its value."""
+    spec, rows, ref = _sae(tmp_path, "topk", seed=7, m=24)
     rng = np.random.default_rng(2)
-    rows = rng.normal(size=(24, D)).astype(np.float32) * 3
-    ref = sae_reference(folder, rows)
-    hook = _RunnerHook.__new__(_RunnerHook)
-    hook.heads = {"sae": DeviceHead(spec, "cpu")}
-    hook._inject, hook._faults = {}, {}
-    hook.head_products = hook.head_rows = hook.ranked_rows = hook.head_column_rows = 0
     features = [int(f) for f in np.argsort(-(ref > 0).sum(0))[:4]]
     values = ref[:, features][ref[:, features] > 0]
-    thresholds = [-1.0, 0.0, 1e-3, float(np.quantile(values, 0.3)), float(np.quantile(values, 0.7)), 1e9]
+    thresholds = [-1.0, 0.0, 1e-3, _between(values, 0.3), _between(values, 0.7), 1e9]
     spans = [(0, 3), (3, 9), (9, 12), (12, 20), (20, 24)]
     conditions = [[Monitor("sae", int(rng.choice(features)), bool(rng.integers(2)), float(rng.choice(thresholds)))
                    for _ in range(int(rng.integers(1, 4)))] for _ in spans]
     conditions[3] = conditions[0]  # a group of two requests
-    plan = [_Entry(f"r{j}", [], list(range(s, e)), list(range(s, e)), e, None, 0, [],
-                   [[m.head, m.index, m.above, m.threshold] for m in conditions[j]]) for j, (s, e) in enumerate(spans)]
-    src = torch.tensor(rows)
-    blocks = [(j, spec.layer, src, s, e) for j, (s, e) in enumerate(spans)]
-    out = hook._run_monitors(plan, list(range(len(spans))), blocks, {(j, spec.layer): j for j in range(len(spans))})
-    verdicts = 0
-    for j, _, _, scores, _ in out:
-        s, e = spans[j]
-        for c, m in enumerate(conditions[j]):
-            for r in range(s, e):
-                got, want = float(scores[r - s, c]), float(ref[r, m.index])
-                assert m.holds(got) == m.holds(want), (m, r, got, want)
-                if m.holds(want):
-                    verdicts += 1
-                    assert abs(got - want) <= 1e-5 * np.abs(ref).max()
-    assert verdicts and hook.ranked_rows < 24
+    hook, scores = _score(spec, rows, spans, conditions)
+    assert _verdicts(ref, spans, conditions, scores) and hook.ranked_rows < 24
