@@ -15,6 +15,9 @@ also run by tests/engine/test_compiled.py on the CPU's compiled engine):
 - `extraction`: a stop string's final vector (the extraction step, a prefill of prompt + completion);
 - `sae head`: the SAE's top-k at every completion position against SAELens's `encode` of
   transformers' rows;
+- `stop`: a stop condition on an SAE feature (`hidden_states_stop`), decided in the engine: the greedy
+  tokens up to the first position SAELens's features cross its threshold, the score there, and the
+  final vector transformers' row there;
 - `steering`: an add at the static layer on the completion: the tokens equal transformers' greedy
   tokens with the same hook (tests/steer_ref.py) and the final vector equals its;
 - `beside steering`: an unsteered request in the same batch as a steered one, against transformers;
@@ -74,8 +77,8 @@ def plan(args) -> dict:
     return {"model": args.model, "device": args.device,
             "engine": {**engine_args(args.device, eager=False), "capture_layers": "[L // 2]",
                        "heads": "a top-k SAE at layer L // 2 (SAELens, random weights)"},
-            "checks": ["last layer", "layer rows", "extraction", "sae head", "steering", "beside steering",
-                       "no recompiles"],
+            "checks": ["last layer", "layer rows", "extraction", "sae head", "stop on an sae feature", "steering",
+                       "beside steering", "no recompiles"],
             "speed": None if args.no_speed else {"concurrency": 8, "requests": 16, "max_tokens": 64,
                                                  "arms": ["compiled off", "compiled on", "compiled off2", "eager off", "eager on", "eager off2"]}}
 
@@ -145,6 +148,8 @@ async def run_checks(engine, ref: Reference, layer: int, sae: dict, max_tokens: 
         checks.append(Check(f"sae head top-{sae['k']}, {len(positions)} positions", True, *worst))
     except AssertionError as e:
         checks.append(Check(f"sae head top-{sae['k']}", False, note=str(e)[:200]))
+    checks.append(await _stop_check(engine, ref, sae, greedy, hids, len(heads.prompt_token_ids),
+                                    sae_reference(sae["path"], rows)))
 
     d = len(states[-1][-1])
     vec = np.random.default_rng(7).normal(size=d).astype("<f4")
@@ -172,6 +177,38 @@ async def run_checks(engine, ref: Reference, layer: int, sae: dict, max_tokens: 
     checks.append(Check("no recompiles, no new graphs", before == after and all(before),
                         note=json.dumps(changed) if any(changed) else f"counts equal on {len(after)} worker(s)"))
     return checks
+
+
+async def _stop_check(engine, ref: Reference, sae: dict, greedy, ids: list[int], P: int, feats: np.ndarray) -> Check:
+    """A stop condition on an SAE feature (hidden_states_stop), decided in the engine (under async
+    scheduling on a GPU, vLLM's default): a threshold that SAELens's features of the greedy completion
+    (`feats`, [completion positions, F]) first cross at a middle position p, clear of the band; the
+    choice keeps the greedy tokens up to p, says p and the feature's score, and its final vector is
+    transformers' row p."""
+    from tests.heads_ref import crossing
+
+    spread = np.argsort(-(feats.max(0) - feats.min(0)))
+    for feature in spread[:32]:  # the first feature, by spread, whose scores cross clearly
+        scores = np.concatenate([np.zeros(P), feats[:, feature].astype(np.float64)])
+        try:
+            p, threshold = crossing(scores, P, True)
+            break
+        except AssertionError:
+            continue
+    else:
+        return Check("stop on an sae feature", False, note="no feature crosses clearly in this completion")
+    out = await engine.complete(PROMPT, greedy, stop_conditions=[
+        {"head": sae["name"], "feature": int(feature), "above": threshold}])
+    ch = out.choices[0]
+    got = list(out.prompt_token_ids) + list(ch.token_ids)
+    if got != ids[:p + 1] or not ch.stop or ch.stop["position"] != p:
+        return Check("stop on an sae feature", False,
+                     note=f"tokens {got[P:]} (want {ids[P:p + 1]}), stop {ch.stop}, finish {ch.finish_reason}")
+    err = abs(ch.stop["score"] - scores[p])
+    if err > REL_TOL * np.abs(scores).max():
+        return Check("stop on an sae feature: its score", False, err, float(np.abs(scores).max()))
+    return _compare(f"stop on sae feature {feature} at position {p} (its score off by {err:.2g})", ch.hidden_states,
+                    ref.states(ids[:p + 1])[-1][p], f"finish {ch.finish_reason}, via {ch.extraction.via}")
 
 
 async def _tok_s(engine, features: dict, n: int = 16, concurrency: int = 8, max_tokens: int = 64) -> float:

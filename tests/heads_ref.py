@@ -226,3 +226,15 @@ def head_scorer(name: str, index: int):
         return lambda row: float(sae.encode(torch.tensor(np.asarray(row, np.float32)[None]))[0, index])
     return lambda row: float(linear_reference(head["path"], head.get("activation", "none"),
                                               np.asarray(row)[None])[0, index])
+
+
+def crossing(scores: np.ndarray, P: int, above: bool) -> tuple[int, float]:
+    """A threshold the completion's scores cross first at a middle position, clear of every earlier
+    score by far more than the tolerance band (relative 1e-5 of max |score|): (position, threshold)."""
+    s = scores if above else -scores
+    for p in range(P + 1, len(scores) - 1):
+        before = s[P:p].max()
+        if s[p] - before > 1e-3 * np.abs(scores).max():
+            t = (s[p] + before) / 2
+            return p, float(t if above else -t)
+    raise AssertionError(f"no clear crossing in this completion: pick another prompt ({scores[P:]})")

@@ -115,7 +115,8 @@ def test_a_stop_condition_under_async_scheduling(async_engine, loop_thread, refe
     """A stop condition on the step in flight's side: the request stops at the first position the reference
     (numpy on transformers' rows) crosses; the token sampled past it, and the step in flight's row, are
     dropped; its final vector is the row the monitored step computed (no extraction, no extra step)."""
-    from tests.engine.test_heads import crossing, reference_scores
+    from tests.engine.test_heads import reference_scores
+    from tests.heads_ref import crossing
     from tests.heads_ref import build_test_heads
 
     eng = async_engine

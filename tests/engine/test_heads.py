@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import TEST_ENGINE_ARGS, TEST_MODEL, eager_only, engine_fixture, openai_answer
-from tests.heads_ref import TINY_F as F
+from tests.heads_ref import TINY_F as F, crossing
 from tests.heads_ref import TINY_TOPK_K as TOPK_K
 from tests.heads_ref import build_test_heads, check_heads
 
@@ -198,18 +198,6 @@ def reference_scores(reference, heads, ids, name: str, index: int) -> np.ndarray
     if name.startswith("sae"):
         return sae_reference(head["path"], rows)[:, index].astype(np.float64)
     return linear_reference(head["path"], head.get("activation", "none"), rows)[:, index]
-
-
-def crossing(scores: np.ndarray, P: int, above: bool) -> tuple[int, float]:
-    """A threshold the completion's scores cross first at a middle position, clear of every earlier
-    score by far more than the tolerance band (relative 1e-5 of max |score|): (position, threshold)."""
-    s = scores if above else -scores
-    for p in range(P + 1, len(scores) - 1):
-        before = s[P:p].max()
-        if s[p] - before > 1e-3 * np.abs(scores).max():
-            t = (s[p] + before) / 2
-            return p, float(t if above else -t)
-    raise AssertionError(f"no clear crossing in this completion: pick another prompt ({scores[P:]})")
 
 
 STOP_CASES = {"probe label below": ("probe", {"label": "pos"}, 2, False),

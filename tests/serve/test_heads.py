@@ -83,7 +83,8 @@ def _greedy_stop(client, reference, model: str = MODEL, prompt: str = "a b a b a
     scores (numpy or SAELens on transformers' rows) first cross mid-completion at p, clear of the band: the
     monitored completion is the plain one's tokens up to p (under n-gram drafts, cut inside a block of
     accepted drafts where p falls in one), finish "stop", stop_reason and meta.stop naming p."""
-    from tests.engine.test_heads import crossing, reference_scores
+    from tests.engine.test_heads import reference_scores
+    from tests.heads_ref import crossing
 
     body = dict(model=model, prompt=prompt, max_tokens=12, temperature=0)
     plain = client.completions.create(**body, extra_body={"return_token_ids": True}).choices[0]
@@ -104,7 +105,8 @@ def test_stop_conditions_over_http_n2_and_a_bad_head(client, reference):
     """Two sampled choices under a stop condition: each that stopped on it ends at the first position its
     own tokens' reference scores cross (none earlier, beyond the band); one that ran to max_tokens never
     crossed. A greedy stop mid-completion; an unknown head is a 400 naming the field."""
-    from tests.engine.test_heads import crossing, reference_scores
+    from tests.engine.test_heads import reference_scores
+    from tests.heads_ref import crossing
 
     _greedy_stop(client, reference, prompt="The heads read the rows of", case="router")
     heads = build_test_heads()
