@@ -483,6 +483,7 @@ class _RunnerHook:
         for i in watching:
             groups.setdefault(tuple(tuple(m) for m in plan[i].monitors), []).append(i)
         ordered = [i for entries in groups.values() for i in entries]
+        size = {monitors: sum(len(plan[i].flat) for i in g) for monitors, g in groups.items()}  # a group's rows
         at: dict[tuple[str, int], int] = {}  # (head, entry) -> the entry's first row in the head's product
         products: dict[str, tuple[Any, dict[int, int] | None]] = {}  # head -> (values, feature -> column)
         for name in dict.fromkeys(m[0] for monitors in groups for m in monitors):
@@ -494,7 +495,7 @@ class _RunnerHook:
             for i in entries:
                 at[(name, i)] = row
                 row += len(plan[i].flat)
-            spans = [(monitors, slice(at[(name, g[0])], at[(name, g[0])] + sum(len(plan[i].flat) for i in g)))
+            spans = [(monitors, slice(at[(name, g[0])], at[(name, g[0])] + size[monitors]))
                      for monitors, g in groups.items() if (name, g[0]) in at]  # each group's rows here
             if head.spec.kind == "sae":
                 features = sorted({int(m[1]) for i in entries for m in plan[i].monitors if m[0] == name})
@@ -511,12 +512,12 @@ class _RunnerHook:
             self.head_rows += int(values.shape[0])
         out = []
         for monitors, entries in groups.items():
-            n = sum(len(plan[i].flat) for i in entries)
             parts = []
             for name, index, *_ in monitors:
                 values, column = products[name]
                 first = at[(name, entries[0])]
-                parts.append(values[first:first + n, int(index) if column is None else column[int(index)]])
+                parts.append(values[first:first + size[monitors],
+                                    int(index) if column is None else column[int(index)]])
             block = torch.stack(parts, dim=-1).float()
             row = 0
             for i in entries:
