@@ -23,9 +23,10 @@ def scrape() -> dict[str, float]:
     return sums
 
 
-def family(sums: dict[str, float], prefix: str) -> float:
-    names = [n for n in sums if n.startswith(prefix) and not n.endswith(("_created", "_bucket", "_sum"))]
-    return sum(sums[n] for n in names)
+def family(sums: dict[str, float], name: str) -> float:
+    """One metric's samples: the name as exported, or with the `_total` a counter may carry. Never a
+    prefix: `..._accepted_tokens` must not also sum `..._accepted_tokens_per_pos`."""
+    return sums.get(name, 0.0) + sums.get(f"{name}_total", 0.0)
 
 
 REPORT_INTERVAL_S = 10  # Ray's default metrics_report_interval_ms: counters reach Prometheus this late
