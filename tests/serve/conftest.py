@@ -117,15 +117,12 @@ APPS = {
     "hs-guarded": (GUARDED, lambda: app_args(ingress="replica", api_key=API_KEY, max_request_body_bytes=64 * 1024,
                                              request_timeout_s=60, extraction_timeout_s=20,
                                              replica_autoscaling={"min_replicas": 1, "max_replicas": 1})),
+    # (the engine-fault test breaks the guarded app's engine after its other tests: `fault_app`)
     # two LoRA adapters served by name (lora_modules), 1 replica; compiled with the static layer set
     # (vLLM's CPU platform runs a LoRA engine's forward uncompiled: the traced entries run eagerly)
     "hs-lora": ("/lora", lambda: app_args(lora_modules=tiny_lora_modules(), **COMPILED,
                                           engine={**TEST_ENGINE_ARGS, "enforce_eager": False},
                                           replica_autoscaling={"min_replicas": 1, "max_replicas": 1})),
-    # like the guarded one, for the engine-fault test to break
-    "hs-fault": ("/fault", lambda: app_args(ingress="replica", api_key=API_KEY, request_timeout_s=60,
-                                            extraction_timeout_s=20,
-                                            replica_autoscaling={"min_replicas": 1, "max_replicas": 1})),
     # one replica whose engine runs tensor parallelism 2: two CPU worker processes (2 CPUs); compiled
     "hs-tp2": ("/tp2", lambda: app_args(engine={**TEST_ENGINE_ARGS, "tensor_parallel_size": 2, "enforce_eager": False},
                                         **COMPILED, replica_autoscaling={"min_replicas": 1, "max_replicas": 1})),
@@ -146,7 +143,7 @@ APPS = {
 # Tests run grouped by the app they use (tests/conftest.py orders them), so each app
 # deploys once; any order still works, only slower.
 APP_FIXTURES = {"serve_app": APP, "client": APP, "off_app": "hs-off", "guarded_app": "hs-guarded",
-                "fault_app": "hs-fault", "lora_app": "hs-lora", "tp2_app": "hs-tp2",
+                "fault_app": "hs-guarded", "lora_app": "hs-lora", "tp2_app": "hs-tp2",
                 "spec_app": "hs-spec", "gemma3_vlm_app": "hs-gemma3-vlm", "llava_app": "hs-llava",
                 "qwen_vl_app": "hs-qwen-vl", "embeds_app": "hs-embeds"}
 
@@ -214,8 +211,9 @@ def serve_app(app_slot) -> str:
 
 @pytest.fixture
 def fault_app(app_slot):
-    """An app for the engine-fault test to break: deleted after it."""
-    base = app_slot.use("hs-fault")
+    """The guarded app, for the engine-fault test to break (it runs last of the app's tests: `app_group`):
+    deleted after it."""
+    base = app_slot.use(APP_FIXTURES["fault_app"])
     yield base
     app_slot.release()
 
@@ -241,11 +239,12 @@ def client(serve_app):
     return openai.OpenAI(base_url=f"{serve_app}/v1", api_key="unused", timeout=120, max_retries=0)
 
 
-def app_group(fixturenames) -> int:
-    """Where a serve test runs: main app first, then each other app, then tests without one."""
+def app_group(fixturenames) -> tuple[int, bool]:
+    """Where a serve test runs: main app first, then each other app, then tests without one; a test that
+    breaks its app (`fault_app`) after the app's other tests."""
     order = list(APPS)
     used = [APP_FIXTURES[f] for f in fixturenames if f in APP_FIXTURES]
-    return order.index(used[-1]) if used else len(order)
+    return (order.index(used[-1]) if used else len(order)), "fault_app" in fixturenames
 
 
 def replica_stats(base: str, headers: dict | None = None) -> dict:

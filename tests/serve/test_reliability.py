@@ -1,7 +1,7 @@
 """Reliability against the real app: load without mix-ups, bad input, keys, engine faults.
 
-The engine-fault test gets an app of its own (`fault_app`), kills its engine and
-waits for Serve to replace the replica: no other test meets the killed engine.
+The engine-fault test (`fault_app`: the guarded app, last of its tests) kills its engine and waits
+for Serve to replace the replica; the app is deleted after it: no other test meets the killed engine.
 """
 
 from __future__ import annotations
