@@ -51,7 +51,7 @@ def pytest_collection_modifyitems(config, items):
     if serve:
         from tests.serve.conftest import app_group
 
-        ordered = sorted((items[i] for i in serve), key=lambda item: app_group(item.fixturenames))
+        ordered = sorted((items[i] for i in serve), key=app_group)
         for i, item in zip(serve, ordered):
             items[i] = item
 

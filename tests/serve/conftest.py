@@ -239,12 +239,19 @@ def client(serve_app):
     return openai.OpenAI(base_url=f"{serve_app}/v1", api_key="unused", timeout=120, max_retries=0)
 
 
-def app_group(fixturenames) -> tuple[int, bool]:
-    """Where a serve test runs: main app first, then each other app, then tests without one; a test that
-    breaks its app (`fault_app`) after the app's other tests."""
+def app_group(item) -> tuple[int, int]:
+    """Where a serve test runs: by the app it uses (APPS' order: the main app first), then tests without one.
+    Within an app's tests, one marked `serve_app(name, "first")` (it deploys the app itself, after another
+    it compares with) comes before the others, and one that breaks its app (`fault_app`, or marked
+    `serve_app(name, "last")`) after them."""
     order = list(APPS)
-    used = [APP_FIXTURES[f] for f in fixturenames if f in APP_FIXTURES]
-    return (order.index(used[-1]) if used else len(order)), "fault_app" in fixturenames
+    mark = item.get_closest_marker("serve_app")
+    if mark is not None:
+        app, place = mark.args
+    else:
+        used = [APP_FIXTURES[f] for f in item.fixturenames if f in APP_FIXTURES]
+        app, place = (used[-1] if used else None), ("last" if "fault_app" in item.fixturenames else "among")
+    return (order.index(app) if app is not None else len(order)), ("first", "among", "last").index(place)
 
 
 def replica_stats(base: str, headers: dict | None = None) -> dict:

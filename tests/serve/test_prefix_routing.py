@@ -32,6 +32,7 @@ import signal
 import time
 
 import httpx
+import pytest
 
 from deployments import routing
 from tests.conftest import long_text
@@ -246,8 +247,9 @@ def check_final_vectors(chats: list[Chat], reference) -> None:
         reference.assert_matches(last["prompt_token_ids"] + choice["token_ids"], decode_vector(choice["hidden_states"]))
 
 
+@pytest.mark.serve_app(APP, "first")
 def test_later_turns_land_on_their_conversation_s_replica_and_hit_its_cache(app_slot, reference):
-    # Serve's default routing first, so the main app is left running for the tests after this one
+    # Serve's default routing first, so the main app is left running for its other tests (this one runs first of them)
     base = app_slot.use("hs-p2c")
     p2c_replicas = engine_replicas("hs-p2c")
     without = pick(dict.fromkeys(p2c_replicas, 4), start=500)
@@ -274,6 +276,7 @@ def test_later_turns_land_on_their_conversation_s_replica_and_hit_its_cache(app_
     assert all(isinstance(t["cached_tokens"], int) for c in without + chats for t in c.turns)
 
 
+@pytest.mark.serve_app(APP, "last")  # it kills one of the main app's replicas: after the app's other tests
 def test_after_a_replica_is_replaced_going_conversations_stay_and_new_ones_spread(app_slot):
     """A replica crashes and Serve replaces it. The tree keeps the survivor's conversations there, where
     hashing over the new pair would move about half; the dead one's go to their rendezvous replica;
