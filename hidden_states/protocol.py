@@ -282,7 +282,8 @@ class SteerEntry(msgspec.Struct, array_like=True, frozen=True):
     start: int = 0
     end: int = -1
     # Conditional (`when`): applied at a completion position q only where the condition held on the
-    # head's row of position q - 1; the scheduler decides and the plan names the rows (PlanEntry.steer).
+    # head's row of position q - 1; the scheduler decides and the plan names the rows (PlanEntry.steer),
+    # or under async scheduling the worker, on the device, from the row before (PlanEntry.steer_if).
     when: Monitor | None = None
     # A replay: exactly these positions (an extraction step of a conditional entry: where it was applied).
     at: list[int] | None = None
@@ -321,6 +322,11 @@ class PlanEntry(NamedTuple):
     monitors: Sequence = ()
     # The request's conditional steering entries this step: [entry index, offsets of the rows it applies to].
     steer: Sequence = ()
+    # Under async scheduling, the ones the scheduler cannot decide yet (the row before was computed by the step
+    # still in flight): [entry index, monitor index, offset] applied where that monitor held on the worker's
+    # own verdict of the row before (`keep_held`), on the device; the scheduler learns where from the scores.
+    steer_if: Sequence = ()
+    keep_held: bool = False  # keep the verdicts of the last watched row for the next step's `steer_if`
 
 
 class RowBlock(NamedTuple):

@@ -288,11 +288,18 @@ class HiddenStatesEngine(VectorObservers):
             raise HiddenStatesRequestError(f"steering needs the decoder-layer hooks, which this engine lacks ({why})",
                                            "hidden_states_steering")
         entries, echo = steering.resolve(spec, self.num_layers, self.hidden_size, self.steering_vectors, self.heads)
-        if any(e.when is not None for e in entries) and self.llm.vllm_config.scheduler_config.async_scheduling:
-            raise HiddenStatesRequestError(
-                "hidden_states_steering: `when` needs an engine with synchronous scheduling (async_scheduling: "
-                "false): the scheduler decides each position from the row of the step before, which async "
-                "scheduling has not seen yet when it schedules the next", "hidden_states_steering")
+        cfg = self.llm.vllm_config
+        if any(e.when is not None for e in entries) and cfg.scheduler_config.async_scheduling:
+            # Async: the worker decides the position after the step in flight from its own verdict of that step's
+            # row (PlanEntry.steer_if). Every rank must apply the same steering, and only the rank that sends
+            # scores the rows; a draft's row before is in its own step.
+            why = ("tensor or pipeline parallelism" if cfg.parallel_config.world_size > 1 else
+                   "speculative decoding" if cfg.speculative_config is not None else None)
+            if why is not None:
+                raise HiddenStatesRequestError(
+                    f"hidden_states_steering: `when` under async scheduling needs an engine without {why} "
+                    "(or async_scheduling: false): the position after the step in flight is decided by the worker "
+                    "that scored that step's row", "hidden_states_steering")
         static = found.get("capture_layers")
         if static is not None:  # the traced entries (worker/traced.py): the static set, one ablation per row
             for i, e in enumerate(entries):

@@ -135,12 +135,48 @@ def test_a_stop_condition_under_async_scheduling(async_engine, loop_thread, refe
     assert ch.extraction.via == "generation" and loop_thread.run(eng.stats())["extractions"] == before["extractions"]
 
 
-def test_conditional_steering_is_refused_under_async_scheduling(async_engine, loop_thread):
-    """`when` needs the step before's scores when the next step is scheduled, which async scheduling has not."""
+@pytest.mark.parametrize("case", ["add at 1 when the probe (after the norm) says pos",
+                                  "add at 0 when an SAE feature at 1 is low", "ablate at 1 when the probe at 1 is high"])
+def test_conditional_steering_under_async_scheduling_is_transformers_position_by_position(async_engine, loop_thread,
+                                                                                         reference, case):
+    """`when` under async scheduling: the next step is scheduled before the step in flight's scores reach the
+    scheduler, so the worker decides that position itself, on the device, from its own verdict of the row
+    before (PlanEntry.steer_if), the verdict the scheduler reaches later from the same score. The same check
+    as on the synchronous engine (tests/engine/test_steering.py: tokens, positions applied, rows at layers 0,
+    1 and -1 of every position, the extraction step's replay) against transformers deciding position by
+    position; the final row from the step in flight. Counted by the workers over the first completion: they
+    decided its positions themselves (`gated_planned`: one a step from the first completion position on), and
+    the rows they steered (gated ones counted on the device where they applied) are the positions applied."""
+    from tests.engine.test_steering import WHEN_CASES, check_conditional
+
+    assert case in WHEN_CASES
+
+    def counts():
+        workers = loop_thread.run(async_engine.stats())["workers"]
+        return sum(w["steered_rows"] for w in workers), sum(w["gated_planned"] for w in workers)
+
+    applied, (steered, planned) = check_conditional(async_engine, loop_thread, reference, case, via="tail",
+                                                    measure=counts)
+    assert planned >= 8, planned  # max_tokens 8: positions P..P+7, each decided by the worker (+ a step past a finish)
+    assert steered == len(applied) > 0, (steered, applied)
+
+
+def test_conditional_steering_under_async_scheduling_is_refused_with_tensor_parallelism(async_engine, loop_thread):
+    """Only the rank that sends scores the rows, and every rank must steer alike: under async scheduling with
+    tensor parallelism a `when` entry is a 400 naming the field, before any engine work. (The frontend's copy
+    of the configuration says TP = 2 for the check; the engine core is not asked.)"""
     from hidden_states.params import HiddenStatesRequestError
 
+    parallel = async_engine.llm.vllm_config.parallel_config
     steering = [{"layer": 1, "vector": [0.5] * 128, "positions": "completion",
                  "when": {"head": "mid", "feature": 0, "above": 0.5}}]
-    with pytest.raises(HiddenStatesRequestError) as e:
-        loop_thread.run(async_engine.complete(PROMPTS[0], sp(max_tokens=4), steering=steering))
-    assert "synchronous scheduling" in str(e.value) and e.value.param == "hidden_states_steering", str(e.value)
+    saved = parallel.world_size  # TP x PP, set when the configuration was made
+    parallel.world_size = 2
+    try:
+        with pytest.raises(HiddenStatesRequestError) as e:
+            loop_thread.run(async_engine.complete(PROMPTS[0], sp(max_tokens=4), steering=steering))
+    finally:
+        parallel.world_size = saved
+    assert "tensor or pipeline parallelism" in str(e.value) and e.value.param == "hidden_states_steering", str(e.value)
+    out = loop_thread.run(async_engine.complete(PROMPTS[0], sp(max_tokens=4), steering=steering))  # TP = 1: served
+    assert out.choices[0].steering[0]["when"]["head"] == "mid"

@@ -346,7 +346,14 @@ def test_a_conditional_entry_applies_where_its_condition_held_on_the_row_before(
     of it by far more than the band (relative 1e-5); then the tokens, the positions applied (the meta's
     `applied`), and the rows at layers 0, 1 and -1 of every position equal the reference's (relative 1e-5),
     the final row by the tail step. A stop string's extraction step replays where it applied: its final
-    rows are the reference's too."""
+    rows are the reference's too. (Under async scheduling: tests/engine/test_async_scheduling.py.)"""
+    check_conditional(engine, loop_thread, reference, case)
+
+
+def check_conditional(engine, loop_thread, reference, case: str, via: str = "tail", measure=None):
+    """WHEN_CASES[case] on `engine` against transformers (the test above); the final row computed `via`.
+    -> (the positions the entry applied at, the same in both completions; with `measure`, a function of no
+    arguments returning numbers, their change over the first completion alone)."""
     from tests.heads_ref import head_scorer
     from tests.steer_ref import pick_condition
 
@@ -370,14 +377,16 @@ def test_a_conditional_entry_applies_where_its_condition_held_on_the_row_before(
 
     when = {"head": head, "feature": index, ("above" if above else "below"): t}
     steering = [{**entry, "positions": "completion", "when": when}]
+    before = measure() if measure else ()
     out = loop_thread.run(engine.complete(prompt, sp(max_tokens=n), steering=steering, layers=[0, 1, -1],
                                           position="all"))
+    change = [a - b for a, b in zip(measure(), before)] if measure else None
     (ch,) = out.choices
     assert list(ch.token_ids) == tokens, (case, ch.token_ids, tokens)
     assert ch.steering[0]["when"]["head"] == head and ch.steering[0]["applied"] == applied[0], ch.steering
     for layer in (0, 1, -1):
         assert_rows(f"when: {case}, layer {layer}", ch.hidden_states_by_layer[layer], final_states[layer % 3])
-    assert ch.extraction.via == "tail"
+    assert ch.extraction.via == via
 
     out = loop_thread.run(engine.complete(prompt, sp(max_tokens=n, stop=["zzzz"]), steering=steering, layers=[1, -1]))
     (ch,) = out.choices
@@ -385,6 +394,8 @@ def test_a_conditional_entry_applies_where_its_condition_held_on_the_row_before(
     for layer in (1, -1):
         assert_rows(f"when, extraction step: {case}, layer {layer}", ch.hidden_states_by_layer[layer],
                     final_states[layer % 3][-1])
+    assert ch.steering[0]["applied"] == applied[0], ch.steering
+    return applied[0], change
 
 
 @pytest.mark.parametrize("steering,words", [

@@ -403,12 +403,14 @@ class _VectorsOnOutputs:
                 watch = [] if not (flag.monitors or cap.conditional) or rid in self._held else \
                     list(range(max(first, lowest, cap.judged), stop))
                 steer = self._decide(cap, first, stop) if cap.conditional else []
-                if positions or watch or steer:
+                steer_if = self._on_device(cap, first, len(flag.monitors)) if cap.conditional else []
+                if positions or watch or steer or steer_if:
                     monitors = [[m.head, m.index, m.above, m.threshold]
                                 for m in (*flag.monitors, *(c[1] for c in cap.conditional))]
                     plan[rid] = PlanEntry([p - first for p in positions], positions, flag.layers, stop, flag.dtype,
                                           flag.topk, flag.heads, [p - first for p in watch], watch,
-                                          monitors if watch else [], steer)
+                                          monitors if watch else [], steer, steer_if,
+                                          bool(cap.conditional and self.async_tail and watch))
             except Exception as e:  # this request fails alone (at the end of the step's update)
                 self._fault(rid, "plan", e)
         return plan or None
@@ -420,6 +422,17 @@ class _VectorsOnOutputs:
         cap.decide()
         return [[k, [q - first for q in positions if first <= q < stop]] for k, positions in cap.applied.items()
                 if positions and positions[-1] >= first]
+
+    def _on_device(self, cap: _Capture, first: int, monitors: int) -> list:
+        """Async scheduling: the conditional entries at position `first` whose row before has not been scored
+        here yet (the step in flight computed it): [[entry index, monitor index, 0]], each applied by the worker
+        where its own verdict of that row holds (the verdict `_judge` reaches later, from the same score).
+        A later position of the step would need a row of the same step: a request with a conditional entry
+        gets one completion row a step (no drafts), so none is."""
+        if first < max(cap.decided, cap.prompt_len):
+            return []
+        return [[k, monitors + bit, 0] for bit, (k, _, start, end) in enumerate(cap.conditional)
+                if first >= start and (end < 0 or first < end)]
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any):
         step = getattr(model_runner_output, STEP_ATTR, None)

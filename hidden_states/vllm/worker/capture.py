@@ -37,6 +37,7 @@ class _Entry(NamedTuple):
     topk: int
     heads: list  # [name, k]: heads over the same rows (heads.DeviceHead)
     monitors: list = []  # [head, index, above, threshold]: a watch entry's scores (protocol.MONITOR_BLOCK), no rows
+    keep_held: bool = False  # keep its last row's verdicts for the next step's conditional steering (`held`)
 
 
 _TORCH_DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16"}
@@ -82,6 +83,32 @@ def _gather(hidden: Any, residual: Any, flat: list[int]) -> Any:
 
 def _dtype_name(t: Any) -> str:
     return str(t.dtype).removeprefix("torch.")
+
+
+def _verdicts(scores: Any, monitors: tuple, cache: dict) -> Any:
+    """Whether each monitor holds on each row of `scores` (float32 [rows, monitors]), bool on the device, as
+    the scheduler judges them (Monitor.holds: float(score) against the float64 threshold): above t, a float32
+    score exceeds t exactly where it exceeds the largest float32 <= t; below t, where it is under the smallest
+    float32 >= t. The bounds go to the device once per set of monitors (`cache`)."""
+    import torch
+
+    if (got := cache.get(monitors)) is not None:
+        return torch.where(got[1], scores > got[0], scores < got[0])
+    bounds, above = [], []
+    for _, _, up, t in monitors:
+        b = np.float32(t)
+        if up and float(b) > t:
+            b = np.nextafter(b, np.float32(-np.inf))
+        elif not up and float(b) < t:
+            b = np.nextafter(b, np.float32(np.inf))
+        bounds.append(b)
+        above.append(bool(up))
+    bound = torch.tensor(np.asarray(bounds, np.float32), device=scores.device)
+    up = torch.tensor(above, device=scores.device)
+    if len(cache) > 256:
+        cache.clear()
+    cache[monitors] = (bound, up)
+    return torch.where(up, scores > bound, scores < bound)
 
 
 class _V1Runner:
@@ -167,6 +194,10 @@ class _RunnerHook:
         self._slices: list[tuple[int, list[int], Any]] = []  # (layer, plan entries, [k, D] on device)
         self._ready: tuple[Any, list[tuple[_Entry, int, str, int, int, int]]] | None = None  # bytes, layout
         self.traced: Any = None  # traced.TracedLayers: the static layer set inside the compiled forward
+        # Under async scheduling, per request with conditional steering: (position, bool [its monitors] on the
+        # device), the verdicts of its last watched row; the next step's `steer_if` entries read them (steering.py).
+        self.held: dict[str, tuple[int, Any]] = {}
+        self._bounds: dict[tuple, tuple[Any, Any]] = {}  # monitors -> their thresholds on the device (_verdicts)
 
     def install_layer_hooks(self) -> dict[str, Any]:
         """Hooks the decoder layers if the model allows; returns `layer_capture` (or
@@ -243,6 +274,9 @@ class _RunnerHook:
             self._inject = {rid: hook for rid in getattr(so, "num_scheduled_tokens", None) or ()
                             if (hook := injected_fault(getattr(getattr(requests.get(rid), "sampling_params", None),
                                                                "extra_args", None)))}
+        if self.held:
+            for rid in getattr(so, "finished_req_ids", ()) or ():
+                self.held.pop(rid, None)
         self.steering.begin(so)
         self._given = getattr(so, PLAN_ATTR, None) or None  # set by the scheduler (scheduler.py)
         self._plan, self._layer_rows, self._slices, self._ready = None, {}, [], None
@@ -288,7 +322,7 @@ class _RunnerHook:
                                        e.num_tokens, e.dtype, e.topk, list(e.heads)))
                 if e.watch:  # the rows its monitors score: their scores travel, not the rows
                     plan.append(_Entry(rid, [], [start + o for o in e.watch], list(e.watch_positions), e.num_tokens,
-                                       None, 0, [], [list(m) for m in e.monitors]))
+                                       None, 0, [], [list(m) for m in e.monitors], bool(e.keep_held)))
             except Exception as err:  # this request's entry: it fails alone
                 self.fault(rid, "capture", err)
         L = self.num_layers
@@ -519,10 +553,13 @@ class _RunnerHook:
                 parts.append(values[first:first + size[monitors],
                                     int(index) if column is None else column[int(index)]])
             block = torch.stack(parts, dim=-1).float()
+            held = _verdicts(block, monitors, self._bounds) if any(plan[i].keep_held for i in entries) else None
             row = 0
             for i in entries:
                 out.append((i, 0, MONITOR_BLOCK, block[row:row + len(plan[i].flat)], None))
                 row += len(plan[i].flat)
+                if held is not None and plan[i].keep_held:
+                    self.held[plan[i].rid] = (plan[i].positions[-1], held[row - 1])
         return out
 
     def _ranked(self, head: Any, rows: Any, values: Any, column: dict[int, int], spans: list) -> Any:

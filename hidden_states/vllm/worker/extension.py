@@ -115,7 +115,8 @@ class HiddenStatesWorkerExtension(CPUWorkerSteps):
             "head_rows": hook.head_rows,
             "ranked_rows": hook.ranked_rows,
             "head_column_rows": hook.head_column_rows,
-            "steered_rows": hook.steering.steered_rows,
+            "steered_rows": hook.steering.steered(),
+            "gated_planned": hook.steering.gated_planned,
             "hook_faults": hook.hook_faults,  # requests a hook here failed (each alone: capture.py)
             "capture_layers": sorted(hook.traced.layers) if hook.traced is not None else None,
             "traced_buffer_bytes": hook.traced.bytes if hook.traced is not None else 0,

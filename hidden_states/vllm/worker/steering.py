@@ -29,9 +29,12 @@ class StepSteering:
         self.guard = guard  # capture._RunnerHook: fault(rid, hook, error), check(hook, rids), faulted(rid)
         self._entries: dict[str, list[tuple[SteerEntry, Any]]] = {}  # request id -> (entry, vector on the device)
         self._so: Any = None
-        self._plan: dict[int, list[tuple[str, Any, str, Any]]] | None = None  # layer -> (request, rows, op, vector)
+        # layer -> (request, rows, op, vector, gate: None, or a bool on the device where a worker's verdict decides)
+        self._plan: dict[int, list[tuple[str, Any, str, Any, Any]]] | None = None
         self._buffers: dict[int, Any] = {}
         self.steered_rows = 0  # rows that got a nonzero entry (counted per layer and step)
+        self.gated_rows: Any = 0  # of those, rows a gated entry applied to: a count on the device (`steered`)
+        self.gated_planned = 0  # entries' rows the worker decided itself (async `when`: PlanEntry.steer_if)
         self.traced: Any = None  # traced.TracedLayers: on compiled engines the entries go into its buffers
 
     def before_forward(self, num_tokens: int) -> bool:
@@ -44,16 +47,24 @@ class StepSteering:
             return False
         try:  # every request's entries at once
             self.guard.check("steering", {e[0] for entries in plan.values() for e in entries})
-            self.steered_rows += self.traced.fill(_rows_ops(plan), num_tokens)
+            self._count(*self.traced.fill(_rows_ops(plan), num_tokens))
         except Exception:  # then request by request: the one that raises fails alone
             self.traced.clear()
             for rid in dict.fromkeys(e[0] for entries in plan.values() for e in entries):
                 try:
                     self.guard.check("steering", (rid,))
-                    self.steered_rows += self.traced.fill(_rows_ops(plan, rid), num_tokens)
+                    self._count(*self.traced.fill(_rows_ops(plan, rid), num_tokens))
                 except Exception as err:
                     self.guard.fault(rid, "steering", err)
         return True
+
+    def _count(self, rows: int, gated: Any) -> None:
+        self.steered_rows += rows
+        self.gated_rows = self.gated_rows + gated
+
+    def steered(self) -> int:
+        """Rows an entry applied to, per layer and step: the planned rows, and the gated ones where their gate held."""
+        return self.steered_rows + int(self.gated_rows)
 
     def after_forward(self) -> None:
         self.traced.clear()
@@ -100,17 +111,24 @@ class StepSteering:
                 first = int(batch.num_computed_tokens_cpu[i])
                 positions = np.arange(first, first + n)
                 start = int(starts[i])
-                decided = {int(k): offsets for k, offsets in PlanEntry(*given[rid]).steer} if rid in given else {}
+                pe = PlanEntry(*given[rid]) if rid in given else None
+                decided = {int(k): offsets for k, offsets in pe.steer} if pe is not None else {}
+                gated = {int(k): (int(m), int(o)) for k, m, o in pe.steer_if} if pe is not None else {}
                 mine = []
                 for k, (e, vec) in enumerate(entries):  # absolute positions e.start..e.end-1 (steering.anchor)
-                    if e.when is not None:  # the rows the scheduler decided (their previous rows held it)
+                    gate = None
+                    if k in gated:  # async: where the worker's own verdict of the row before holds (on the device)
+                        monitor, offset = gated[k]
+                        rows, gate = np.asarray([offset], dtype=np.int64), self._gate(rid, first + offset - 1, monitor)
+                        self.gated_planned += 1
+                    elif e.when is not None:  # the rows the scheduler decided (their previous rows held it)
                         rows = np.asarray(decided.get(k, ()), dtype=np.int64)
                     elif e.at is not None:  # a replay: exactly where the choice's own steps applied it
                         rows = np.flatnonzero(np.isin(positions, e.at))
                     else:
                         rows = np.flatnonzero((positions >= e.start) & ((positions < e.end) if e.end >= 0 else True))
                     if len(rows):  # (clamp and cap: vec is nonlinear's (direction, encoder, parameters))
-                        mine.append((e.layer, (rid, rows + start, e.op, vec * e.scale if e.op == "add" else vec)))
+                        mine.append((e.layer, (rid, rows + start, e.op, vec * e.scale if e.op == "add" else vec, gate)))
             except Exception as err:  # this request's entries: it fails alone
                 self.guard.fault(rid, "steering", err)
                 continue
@@ -118,6 +136,15 @@ class StepSteering:
                 plan.setdefault(layer, []).append(entry)
         self._plan = plan
         return plan
+
+    def _gate(self, rid: str, position: int, monitor: int) -> Any:
+        """Whether monitor `monitor` held on row `position` of `rid`, as this worker judged it in an earlier step
+        (capture's `held`): a bool on the device, never read on the host here."""
+        got = self.guard.held.get(rid)
+        if got is None or got[0] != position:
+            raise RuntimeError(f"no verdict of row {position} for a conditional steering entry (this worker's last "
+                               f"is of row {None if got is None else got[0]})")
+        return got[1][monitor]
 
     def apply(self, layer: int, hidden: Any, residual: Any) -> Any:
         """The stream entering `layer` steered: a new `hidden` (hidden + buffer), or None if no row is."""
@@ -137,39 +164,47 @@ class StepSteering:
         delta, steered = buf[0][:n], buf[1][:n]
         delta.zero_()
         steered.zero_()
-        for rid, rows, op, vec in wanted:  # each entry of each request (its rows only)
+        for rid, rows, op, vec, gate in wanted:  # each entry of each request (its rows only)
             if self.guard.faulted(rid):
                 continue
             idx = torch.from_numpy(rows).to(hidden.device)
             try:
                 self.guard.check("steering", (rid,))
-                steered[idx] = True
+                # gated (async `when`): the entry's change times 1 or 0, decided on the device; the row is
+                # steered only where some entry applies, so a row no entry applies to keeps its bits
+                steered[idx] = True if gate is None else steered[idx] | gate
+                one = None if gate is None else gate.to(delta.dtype)
                 if op == "add":
-                    delta[idx] += vec
+                    delta[idx] += vec if one is None else vec * one
                 elif op == "ablate":  # the stream's component along the unit vector, after the entries before it
                     stream = hidden[idx] + delta[idx] + (0 if residual is None else residual[idx])
                     unit = vec / vec.norm()
-                    delta[idx] -= (stream @ unit)[:, None] * unit
+                    change = (stream @ unit)[:, None] * unit
+                    delta[idx] -= change if one is None else change * one
                 else:  # clamp, cap: (value - f(stream)) x direction, after the entries before it
                     direction, enc, par = vec
                     stream = (hidden[idx] + delta[idx] + (0 if residual is None else residual[idx])).float()
                     s = stream @ enc.T + par[:2]  # [rows, 2]: the magnitude's and the gate's pre-activations
                     f = torch.relu(s[:, 0]) * (s[:, 1] > par[2]).to(s.dtype)
-                    delta[idx] += (par[3] - f)[:, None].to(delta.dtype) * direction
+                    change = (par[3] - f)[:, None].to(delta.dtype) * direction
+                    delta[idx] += change if one is None else change * one
             except Exception as err:  # this request fails alone; its rows go unsteered
                 self.guard.fault(rid, "steering", err)
                 steered[idx] = False
                 continue
-            self.steered_rows += len(rows)
+            if gate is None:
+                self.steered_rows += len(rows)
+            else:  # counted on the device where it applied (read with the stats)
+                self.gated_rows = self.gated_rows + gate.to(torch.int64)
         # Unsteered rows keep their exact bits (-0.0 included): the sum is taken where a row is steered.
         return torch.where(steered, hidden + delta, hidden)
 
 
-def _rows_ops(plan: dict, rid: str | None = None) -> dict[int, list[tuple[Any, str, Any]]]:
-    """The plan as traced.fill takes it (layer -> [(rows, op, vector)]), of one request or all."""
-    out: dict[int, list[tuple[Any, str, Any]]] = {}
+def _rows_ops(plan: dict, rid: str | None = None) -> dict[int, list[tuple[Any, str, Any, Any]]]:
+    """The plan as traced.fill takes it (layer -> [(rows, op, vector, gate)]), of one request or all."""
+    out: dict[int, list[tuple[Any, str, Any, Any]]] = {}
     for layer, entries in plan.items():
-        mine = [(rows, op, vec) for r, rows, op, vec in entries if rid is None or r == rid]
+        mine = [(rows, op, vec, gate) for r, rows, op, vec, gate in entries if rid is None or r == rid]
         if mine:
             out[layer] = mine
     return out

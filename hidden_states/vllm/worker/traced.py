@@ -69,42 +69,50 @@ class TracedLayers:
         """The stream entering `layer` for every token of the last forward, [max tokens, D] (first n valid)."""
         return self.layers[layer]._hs_rows
 
-    def fill(self, plan: dict[int, list[tuple[Any, str, Any]]], n: int) -> int:
-        """Writes a step's steering (layer -> [(rows, op, vector)], steering.StepSteering's plan) into
-        the buffers; returns the rows steered. Entries of one request are in its order."""
+    def fill(self, plan: dict[int, list[tuple[Any, str, Any, Any]]], n: int) -> tuple[int, Any]:
+        """Writes a step's steering (layer -> [(rows, op, vector, gate)], steering.StepSteering's plan) into
+        the buffers; returns the rows steered: (ungated ones, gated ones where their gate held, counted on the
+        device). Entries of one request are in its order. A gated entry (a bool on the device: async `when`)
+        writes its change times the gate, and its rows' mask where the gate holds."""
         import torch
 
-        steered = 0
+        steered, gated = 0, 0
         for layer, wanted in plan.items():
             mod = self.layers[layer]
             ablated = np.zeros(n, dtype=bool)
-            for rows, op, vec in wanted:
+            for rows, op, vec, gate in wanted:
                 idx = torch.from_numpy(rows).to(mod._hs_mask.device)
-                mod._hs_mask[idx] = True
+                if gate is None:
+                    mod._hs_mask[idx] = True
+                else:
+                    mod._hs_mask[idx] |= gate
                 if op == "add":
                     after = ablated[rows]
                     for part, buf in ((rows[~after], mod._hs_pre), (rows[after], mod._hs_post)):
                         if len(part):
-                            buf[torch.from_numpy(part).to(buf.device)] += vec.to(buf.dtype)
-                else:  # ablate, clamp, cap: the row's one slot
+                            buf[torch.from_numpy(part).to(buf.device)] += _gated(vec.to(buf.dtype), gate)
+                else:  # ablate, clamp, cap: the row's one slot (a zero unit adds nothing)
                     if ablated[rows].any():
                         raise ValueError(f"two ablations/clamps/caps of one row at layer {layer} (refused at the "
                                          "request)")
                     if op == "ablate":
                         unit = vec / vec.norm()
-                        mod._hs_unit[idx] = unit.to(mod._hs_unit.dtype)
+                        mod._hs_unit[idx] = _gated(unit.to(mod._hs_unit.dtype), gate)
                         mod._hs_wmag[idx] = unit.float()
                         mod._hs_par[idx, 4] = 1.0  # linear: c = value - sm = -(x . unit)
                     else:  # steering.nonlinear's (direction, encoder, parameters)
                         direction, enc, par = vec
-                        mod._hs_unit[idx] = direction.to(mod._hs_unit.dtype)
+                        mod._hs_unit[idx] = _gated(direction.to(mod._hs_unit.dtype), gate)
                         mod._hs_wmag[idx] = enc[0]
                         mod._hs_wgate[idx] = enc[1]
                         mod._hs_par[idx, :4] = par
                     ablated[rows] = True
-                steered += len(rows)
+                if gate is None:
+                    steered += len(rows)
+                else:
+                    gated = gated + gate.to(torch.int64) * len(rows)
             self._dirty[layer] = max(self._dirty.get(layer, 0), n)
-        return steered
+        return steered, gated
 
     def clear(self) -> None:
         """After the forward that read them: the next forward (a dummy run included) steers nothing."""
@@ -114,6 +122,11 @@ class TracedLayers:
                         mod._hs_mask):
                 buf[:n].zero_()
         self._dirty = {}
+
+
+def _gated(value: Any, gate: Any) -> Any:
+    """`value`, or value x 1 / x 0 where a bool on the device decides (exact either way)."""
+    return value if gate is None else value * gate.to(value.dtype)
 
 
 def _traced_forward(layer: Any, forward: Any):
