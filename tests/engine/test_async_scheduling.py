@@ -161,6 +161,37 @@ def test_conditional_steering_under_async_scheduling_is_transformers_position_by
     assert steered == len(applied) > 0, (steered, applied)
 
 
+@pytest.fixture(scope="module")
+def async_compiled_engine(loop_thread):
+    """The GPU's default shape on the CPU: compiled (the static layer set traced, worker/traced.py) and async."""
+    from hidden_states.vllm.cpu import CPU_ASYNC_ENV
+    from tests.heads_ref import build_test_heads
+
+    with running_engine(loop_thread, env={CPU_ASYNC_ENV: "1"}, timeout=900, clean=("pending", "missing_vectors"),
+                        heads=build_test_heads(), capture_layers=[0, 1], warm_up_s=0,
+                        **{**TEST_ENGINE_ARGS, "enforce_eager": False}) as eng:
+        yield eng
+
+
+@pytest.mark.parametrize("case", ["add at 0 when an SAE feature at 1 is low", "ablate at 1 when the probe at 1 is high"])
+def test_conditional_steering_async_and_compiled(async_compiled_engine, loop_thread, reference, case):
+    """The same, on a compiled engine: a worker's decision goes into the traced entries' buffers as a 0/1 factor
+    and the row mask (traced.fill), nothing read back on the host; vLLM's and dynamo's compile counts unchanged."""
+    from tests.engine.test_steering import check_conditional
+
+    eng = async_compiled_engine
+
+    def counts():
+        (worker,) = loop_thread.run(eng.stats())["workers"]
+        return worker["steered_rows"], worker["gated_planned"], *worker["compilations"].values()
+
+    assert eng.eager is False and eng.layer_capture["capture_layers"] == [0, 1]
+    applied, (steered, planned, *compiles) = check_conditional(eng, loop_thread, reference, case, via="tail",
+                                                               measure=counts)
+    assert planned >= 8 and steered == len(applied) > 0, (planned, steered, applied)
+    assert not any(compiles), compiles
+
+
 def test_conditional_steering_under_async_scheduling_is_refused_with_tensor_parallelism(async_engine, loop_thread):
     """Only the rank that sends scores the rows, and every rank must steer alike: under async scheduling with
     tensor parallelism a `when` entry is a 400 naming the field, before any engine work. (The frontend's copy
