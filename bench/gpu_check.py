@@ -18,6 +18,9 @@ also run by tests/engine/test_compiled.py on the CPU's compiled engine):
 - `stop`: a stop condition on an SAE feature (`hidden_states_stop`), decided in the engine: the greedy
   tokens up to the first position SAELens's features cross its threshold, the score there, and the
   final vector transformers' row there;
+- `steering when`: an add at the static layer applied only where an SAE feature held on the row before
+  (`when`), decided in the engine (on a GPU, under async scheduling, by the worker on the device): the
+  tokens, the positions applied and the final vector against transformers deciding position by position;
 - `steering`: an add at the static layer on the completion: the tokens equal transformers' greedy
   tokens with the same hook (tests/steer_ref.py) and the final vector equals its;
 - `beside steering`: an unsteered request in the same batch as a steered one, against transformers;
@@ -77,7 +80,7 @@ def plan(args) -> dict:
     return {"model": args.model, "device": args.device,
             "engine": {**engine_args(args.device, eager=False), "capture_layers": "[L // 2]",
                        "heads": "a top-k SAE at layer L // 2 (SAELens, random weights)"},
-            "checks": ["last layer", "layer rows", "extraction", "sae head", "stop on an sae feature", "steering",
+            "checks": ["last layer", "layer rows", "extraction", "sae head", "stop on an sae feature", "steering when", "steering",
                        "beside steering", "no recompiles"],
             "speed": None if args.no_speed else {"concurrency": 8, "requests": 16, "max_tokens": 64,
                                                  "arms": ["compiled off", "compiled on", "compiled off2", "eager off", "eager on", "eager off2"]}}
@@ -151,6 +154,8 @@ async def run_checks(engine, ref: Reference, layer: int, sae: dict, max_tokens: 
     checks.append(await _stop_check(engine, ref, sae, greedy, hids, len(heads.prompt_token_ids),
                                     sae_reference(sae["path"], rows)))
 
+    checks.append(await _when_check(engine, ref, sae, layer, min(max_tokens, 12)))
+
     d = len(states[-1][-1])
     vec = np.random.default_rng(7).normal(size=d).astype("<f4")
     vec *= 4.0 / np.linalg.norm(vec)
@@ -209,6 +214,50 @@ async def _stop_check(engine, ref: Reference, sae: dict, greedy, ids: list[int],
         return Check("stop on an sae feature: its score", False, err, float(np.abs(scores).max()))
     return _compare(f"stop on sae feature {feature} at position {p} (its score off by {err:.2g})", ch.hidden_states,
                     ref.states(ids[:p + 1])[-1][p], f"finish {ch.finish_reason}, via {ch.extraction.via}")
+
+
+async def _when_check(engine, ref: Reference, sae: dict, layer: int, n: int) -> Check:
+    """Conditional steering (`when`): an add at the static layer on the completion, applied at position q only
+    where an SAE feature held above a threshold on the row of q - 1, decided in the engine (under async
+    scheduling, a GPU's default, by the worker on the device). Against transformers deciding position by
+    position with SAELens's encode (tests/steer_ref.py): the tokens, the positions applied, the final vector."""
+    import torch
+    from sae_lens import SAE
+    from vllm import SamplingParams
+
+    from tests.steer_ref import pick_condition, steered_states
+
+    plain = await engine.complete(PROMPT, SamplingParams(max_tokens=n, temperature=0.0), return_hidden_states=False)
+    prompt = list(plain.prompt_token_ids)
+    states = ref.states(prompt + list(plain.choices[0].token_ids))
+    coder = SAE.load_from_disk(sae["path"], device="cpu")
+    with torch.no_grad():  # the features of the rows that decide: the last prompt row's on
+        feats = coder.encode(torch.tensor(np.asarray(states[sae["layer"]][len(prompt) - 1:], np.float32)))
+    vec = np.random.default_rng(9).normal(size=states[-1].shape[-1]).astype("<f4")
+    vec *= 4.0 / np.linalg.norm(vec)
+    base = [(layer, "add", "completion", 1.0, vec)]
+    for feature in np.argsort(-(feats.max(0).values - feats.min(0).values).numpy())[:8]:
+        def score(row, f=int(feature)):
+            with torch.no_grad():
+                return float(coder.encode(torch.tensor(np.asarray(row, np.float32)[None]))[0, f])
+        try:
+            t, tokens, applied, final = pick_condition(ref.model, prompt, base, n, sae["layer"], score, True)
+            break
+        except AssertionError:
+            continue
+    else:
+        return Check("steering when an sae feature held", False, note="no feature gives mixed decisions clear of the band")
+    steering = [{"layer": layer, "vector": base64.b64encode(vec.tobytes()).decode(), "positions": "completion",
+                 "when": {"head": sae["name"], "feature": int(feature), "above": t}}]
+    out = await engine.complete(PROMPT, SamplingParams(max_tokens=n, temperature=0.0), steering=steering)
+    ch = out.choices[0]
+    got = ch.steering[0].get("applied") if ch.steering else None
+    if list(ch.token_ids) != tokens or got != applied[0]:
+        return Check("steering when an sae feature held", False,
+                     note=f"tokens {list(ch.token_ids)} (want {tokens}), applied {got} (want {applied[0]})")
+    last = max(k for k in final if isinstance(k, int))  # after the final norm
+    return _compare(f"steering when sae feature {int(feature)} held (applied at {len(got)} of {n} positions)",
+                    ch.hidden_states, final[last][-1], f"via {ch.extraction.via}")
 
 
 async def _tok_s(engine, features: dict, n: int = 16, concurrency: int = 8, max_tokens: int = 64) -> float:

@@ -130,7 +130,7 @@ def test_the_gpu_check_passes_on_this_engine(engine, loop_thread, model_dir, hea
     checks = loop_thread.run(run_checks(engine, Reference(model_dir, "cpu"), 1, sae), timeout=600)
     for c in checks:
         print(c.line())
-    assert [c.name.split(" ")[0] for c in checks] == ["last", "layer", "extraction", "sae", "stop", "steering",
+    assert [c.name.split(" ")[0] for c in checks] == ["last", "layer", "extraction", "sae", "stop", "steering", "steering",
                                                       "unsteered", "no"], [c.name for c in checks]
     assert all(c.ok for c in checks), [c.line() for c in checks if not c.ok]
     assert all(c.error is not None for c in checks[:-1])
