@@ -288,8 +288,7 @@ class HiddenStatesEngine(VectorObservers):
             raise HiddenStatesRequestError(f"steering needs the decoder-layer hooks, which this engine lacks ({why})",
                                            "hidden_states_steering")
         entries, echo = steering.resolve(spec, self.num_layers, self.hidden_size, self.steering_vectors, self.heads)
-        cfg = self.llm.vllm_config
-        if any(e.when is not None for e in entries) and cfg.scheduler_config.async_scheduling:
+        if any(e.when is not None for e in entries) and (cfg := self.llm.vllm_config).scheduler_config.async_scheduling:
             # Async: the worker decides the position after the step in flight from its own verdict of that step's
             # row (PlanEntry.steer_if). Every rank must apply the same steering, and only the rank that sends
             # scores the rows; a draft's row before is in its own step.
