@@ -20,7 +20,8 @@ BASE = f"http://127.0.0.1:{PORT}"
 DIRECT_PORT = PORT + 10  # direct ingress: ingress replicas' own ports start here
 APP = "hidden-states"
 API_KEY = "test-key-not-secret"
-GUARDED = "/guarded"  # 1 replica: API key, small body limit, short timeouts
+GUARDED = "/guarded"  # 1 replica: API key, small body limit, short timeouts, a small bound on rows
+GUARDED_ROWS_BYTES = 10 * 128 * 4  # the guarded app's max_hidden_states_bytes: 10 float32 rows of the tiny model
 
 
 def decode_vector(value) -> np.ndarray:
@@ -113,8 +114,9 @@ APPS = {
     "hs-p2c": ("/p2c", lambda: app_args(replica_routing="power_of_two")),
     "hs-off": ("/off", lambda: app_args(enable_return_hidden_states=False, heads=[],
                                         replica_autoscaling={"min_replicas": 1, "max_replicas": 1})),
-    # the replica is its own HTTP ingress: API key, small body limit, short timeouts
+    # the replica is its own HTTP ingress: API key, small body limit, short timeouts, 10 rows at most a response
     "hs-guarded": (GUARDED, lambda: app_args(ingress="replica", api_key=API_KEY, max_request_body_bytes=64 * 1024,
+                                             max_hidden_states_bytes=GUARDED_ROWS_BYTES,
                                              request_timeout_s=60, extraction_timeout_s=20,
                                              replica_autoscaling={"min_replicas": 1, "max_replicas": 1})),
     # (the engine-fault test breaks the guarded app's engine after its other tests: `fault_app`)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import long_text
-from tests.serve.conftest import APP, APPS, app_args, decode_vector, replica_stats
+from tests.serve.conftest import API_KEY, APP, GUARDED_ROWS_BYTES, decode_vector, replica_stats
 from tests.serve.test_positions import assert_close, decode, reference_rows
 
 MODEL = "tiny-llama"
@@ -249,21 +249,19 @@ def test_bad_requests_are_400s_that_say_why(serve_app, body, words):
         assert r.json()["error"]["param"] == words.split(" ")[0].split("[")[0]
 
 
-BOUND = 10 * 128 * 4  # max_hidden_states_bytes of the bounded app: 10 float32 rows
+BOUND = GUARDED_ROWS_BYTES  # max_hidden_states_bytes of the guarded app: 10 float32 rows (the others keep the default)
+KEY = {"authorization": f"Bearer {API_KEY}"}
 
 
-@pytest.fixture
-def bounded_app(app_slot, monkeypatch):
-    """One engine replica whose max_hidden_states_bytes is BOUND (the suite's other apps keep the default)."""
-    monkeypatch.setitem(APPS, "hs-bounded", ("/bounded", lambda: app_args(
-        max_hidden_states_bytes=BOUND, replica_autoscaling={"min_replicas": 1, "max_replicas": 1})))
-    yield app_slot.use("hs-bounded")
-    app_slot.release()
+def test_rows_above_max_hidden_states_bytes_are_a_400_before_any_engine_work(guarded_app, reference):
+    """On the guarded app (its max_hidden_states_bytes is BOUND; the replica its own ingress, with a key)."""
+    bounded_app = guarded_app
 
+    def post(base, body):
+        return httpx.post(f"{base}/v1/hidden_states", json={"model": MODEL, **body}, headers=KEY, timeout=120)
 
-def test_rows_above_max_hidden_states_bytes_are_a_400_before_any_engine_work(bounded_app, reference):
     ids = reference.tokenizer(long_text(30, seed=33))["input_ids"][:11]
-    before = replica_stats(bounded_app)["replica"]["extractions"]
+    before = replica_stats(bounded_app, KEY)["replica"]["extractions"]
     for body in ({"prompt": ids, "hidden_states_position": "all"},  # 11 rows x 128 x 4 bytes
                  {"prompt": ids[:6], "hidden_states_position": "all", "hidden_states_layers": [0, -1]},  # 12 rows
                  {"prompt": ids, "hidden_states_position": "all", "compare": {"vectors": [[0.0] * 128] * 10}}):
@@ -272,7 +270,7 @@ def test_rows_above_max_hidden_states_bytes_are_a_400_before_any_engine_work(bou
         err = r.json()["error"]
         assert err["param"] in ("hidden_states_position", "compare.vectors"), err
     assert "max_hidden_states_bytes (5120)" in post(bounded_app, {"prompt": ids, "hidden_states_position": "all"}).text
-    assert replica_stats(bounded_app)["replica"]["extractions"] == before  # no engine work
+    assert replica_stats(bounded_app, KEY)["replica"]["extractions"] == before  # no engine work
     for body in ({"prompt": ids[:10], "hidden_states_position": "all"},  # exactly at the bound
                  {"prompt": ids, "hidden_states_position": "all", "hidden_states_dtype": "bfloat16"},
                  {"prompt": ids},  # one vector: not rows, as ever
