@@ -21,8 +21,8 @@ MSGS = [{"role": "user", "content": "Check every row of this answer"}]
 ANSWER = "Every row is checked, one position at a time."
 
 
-def post(base: str, body: dict, timeout: float = 120) -> httpx.Response:
-    return httpx.post(f"{base}/v1/hidden_states", json={"model": MODEL, **body}, timeout=timeout)
+def post(base: str, body: dict, timeout: float = 120, headers: dict | None = None) -> httpx.Response:
+    return httpx.post(f"{base}/v1/hidden_states", json={"model": MODEL, **body}, timeout=timeout, headers=headers)
 
 
 def test_prompt_text_vector_matches_transformers(serve_app, reference):
@@ -256,26 +256,23 @@ KEY = {"authorization": f"Bearer {API_KEY}"}
 def test_rows_above_max_hidden_states_bytes_are_a_400_before_any_engine_work(guarded_app, reference):
     """On the guarded app (its max_hidden_states_bytes is BOUND; the replica its own ingress, with a key)."""
     bounded_app = guarded_app
-
-    def post(base, body):
-        return httpx.post(f"{base}/v1/hidden_states", json={"model": MODEL, **body}, headers=KEY, timeout=120)
-
     ids = reference.tokenizer(long_text(30, seed=33))["input_ids"][:11]
     before = replica_stats(bounded_app, KEY)["replica"]["extractions"]
     for body in ({"prompt": ids, "hidden_states_position": "all"},  # 11 rows x 128 x 4 bytes
                  {"prompt": ids[:6], "hidden_states_position": "all", "hidden_states_layers": [0, -1]},  # 12 rows
                  {"prompt": ids, "hidden_states_position": "all", "compare": {"vectors": [[0.0] * 128] * 10}}):
-        r = post(bounded_app, body)
+        r = post(bounded_app, body, headers=KEY)
         assert r.status_code == 400, r.text
         err = r.json()["error"]
         assert err["param"] in ("hidden_states_position", "compare.vectors"), err
-    assert "max_hidden_states_bytes (5120)" in post(bounded_app, {"prompt": ids, "hidden_states_position": "all"}).text
+    refused = post(bounded_app, {"prompt": ids, "hidden_states_position": "all"}, headers=KEY)
+    assert "max_hidden_states_bytes (5120)" in refused.text
     assert replica_stats(bounded_app, KEY)["replica"]["extractions"] == before  # no engine work
     for body in ({"prompt": ids[:10], "hidden_states_position": "all"},  # exactly at the bound
                  {"prompt": ids, "hidden_states_position": "all", "hidden_states_dtype": "bfloat16"},
                  {"prompt": ids},  # one vector: not rows, as ever
                  {"prompt": ids, "hidden_states_position": {"start": 1}}):  # 10 rows
-        r = post(bounded_app, body)
+        r = post(bounded_app, body, headers=KEY)
         assert r.status_code == 200, r.text
     assert_close(rows_of(r.json()), reference_rows(reference, ids, range(1, 11)))
 

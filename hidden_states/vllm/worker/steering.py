@@ -173,21 +173,18 @@ class StepSteering:
                 # gated (async `when`): the entry's change times 1 or 0, decided on the device; the row is
                 # steered only where some entry applies, so a row no entry applies to keeps its bits
                 steered[idx] = True if gate is None else steered[idx] | gate
-                one = None if gate is None else gate.to(delta.dtype)
                 if op == "add":
-                    delta[idx] += vec if one is None else vec * one
+                    delta[idx] += gated(vec, gate)
                 elif op == "ablate":  # the stream's component along the unit vector, after the entries before it
                     stream = hidden[idx] + delta[idx] + (0 if residual is None else residual[idx])
                     unit = vec / vec.norm()
-                    change = (stream @ unit)[:, None] * unit
-                    delta[idx] -= change if one is None else change * one
+                    delta[idx] -= gated((stream @ unit)[:, None] * unit, gate)
                 else:  # clamp, cap: (value - f(stream)) x direction, after the entries before it
                     direction, enc, par = vec
                     stream = (hidden[idx] + delta[idx] + (0 if residual is None else residual[idx])).float()
                     s = stream @ enc.T + par[:2]  # [rows, 2]: the magnitude's and the gate's pre-activations
                     f = torch.relu(s[:, 0]) * (s[:, 1] > par[2]).to(s.dtype)
-                    change = (par[3] - f)[:, None].to(delta.dtype) * direction
-                    delta[idx] += change if one is None else change * one
+                    delta[idx] += gated((par[3] - f)[:, None].to(delta.dtype) * direction, gate)
             except Exception as err:  # this request fails alone; its rows go unsteered
                 self.guard.fault(rid, "steering", err)
                 steered[idx] = False
@@ -198,6 +195,12 @@ class StepSteering:
                 self.gated_rows = self.gated_rows + gate.to(torch.int64)
         # Unsteered rows keep their exact bits (-0.0 included): the sum is taken where a row is steered.
         return torch.where(steered, hidden + delta, hidden)
+
+
+def gated(value: Any, gate: Any) -> Any:
+    """`value`, or value x 1 / x 0 where a bool on the device decides (exact either way): a conditional
+    entry the worker decides (async `when`), in the eager hooks and the traced buffers alike."""
+    return value if gate is None else value * gate.to(value.dtype)
 
 
 def _rows_ops(plan: dict, rid: str | None = None) -> dict[int, list[tuple[Any, str, Any, Any]]]:

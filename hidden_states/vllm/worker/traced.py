@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from hidden_states.protocol import capture_layers_of
+from hidden_states.vllm.worker.steering import gated
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +77,7 @@ class TracedLayers:
         writes its change times the gate, and its rows' mask where the gate holds."""
         import torch
 
-        steered, gated = 0, 0
+        steered, held = 0, 0
         for layer, wanted in plan.items():
             mod = self.layers[layer]
             ablated = np.zeros(n, dtype=bool)
@@ -90,19 +91,19 @@ class TracedLayers:
                     after = ablated[rows]
                     for part, buf in ((rows[~after], mod._hs_pre), (rows[after], mod._hs_post)):
                         if len(part):
-                            buf[torch.from_numpy(part).to(buf.device)] += _gated(vec.to(buf.dtype), gate)
+                            buf[torch.from_numpy(part).to(buf.device)] += gated(vec.to(buf.dtype), gate)
                 else:  # ablate, clamp, cap: the row's one slot (a zero unit adds nothing)
                     if ablated[rows].any():
                         raise ValueError(f"two ablations/clamps/caps of one row at layer {layer} (refused at the "
                                          "request)")
                     if op == "ablate":
                         unit = vec / vec.norm()
-                        mod._hs_unit[idx] = _gated(unit.to(mod._hs_unit.dtype), gate)
+                        mod._hs_unit[idx] = gated(unit.to(mod._hs_unit.dtype), gate)
                         mod._hs_wmag[idx] = unit.float()
                         mod._hs_par[idx, 4] = 1.0  # linear: c = value - sm = -(x . unit)
                     else:  # steering.nonlinear's (direction, encoder, parameters)
                         direction, enc, par = vec
-                        mod._hs_unit[idx] = _gated(direction.to(mod._hs_unit.dtype), gate)
+                        mod._hs_unit[idx] = gated(direction.to(mod._hs_unit.dtype), gate)
                         mod._hs_wmag[idx] = enc[0]
                         mod._hs_wgate[idx] = enc[1]
                         mod._hs_par[idx, :4] = par
@@ -110,9 +111,9 @@ class TracedLayers:
                 if gate is None:
                     steered += len(rows)
                 else:
-                    gated = gated + gate.to(torch.int64) * len(rows)
+                    held = held + gate.to(torch.int64) * len(rows)
             self._dirty[layer] = max(self._dirty.get(layer, 0), n)
-        return steered, gated
+        return steered, held
 
     def clear(self) -> None:
         """After the forward that read them: the next forward (a dummy run included) steers nothing."""
@@ -122,11 +123,6 @@ class TracedLayers:
                         mod._hs_mask):
                 buf[:n].zero_()
         self._dirty = {}
-
-
-def _gated(value: Any, gate: Any) -> Any:
-    """`value`, or value x 1 / x 0 where a bool on the device decides (exact either way)."""
-    return value if gate is None else value * gate.to(value.dtype)
 
 
 def _traced_forward(layer: Any, forward: Any):
