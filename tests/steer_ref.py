@@ -1,11 +1,13 @@
 """Steering on transformers: the reference a steered completion is judged against.
 
-A forward pre-hook on decoder layer L changes its input, the stream transformers records as
-`hidden_states[L]` (the output of layer L - 1; for L = 0 the embeddings as the model scales them),
-on the rows of the chosen positions: + scale x vector (`add`), minus the component along the unit
+Steering at layer L changes the stream transformers records as `hidden_states[L]`: a forward hook
+on the output of decoder layer L - 1 (for L = 0, a pre-hook on decoder layer 0: the embeddings as
+the model scales and merges them), before anything the model adds between layers (Qwen3-VL's
+DeepStack), on the rows of the chosen positions: + scale x vector (`add`), minus the component along the unit
 vector (`ablate`), that component limited to c (`("cap", c)`), or an SAE feature set to a value by
-SAELens's own `encode` and `W_dec` (`("clamp", sae, feature, value)`), entries in order. Rows are read by hooks of our own (each layer's input after
-the steering, and the final norm's output), and greedy tokens come from recomputing the whole
+SAELens's own `encode` and `W_dec` (`("clamp", sae, feature, value)`), entries in order. Rows are read at the same sites right after the steering (transformers' own
+recorder reads them before a hook added later; unsteered, the two are the same bits: `hook_layers`
+checks it), and the final norm's output, and greedy tokens come from recomputing the whole
 sequence each step (no KV cache: positions are plain indices).
 """
 
@@ -25,6 +27,63 @@ def _rows_of(positions, total: int, prompt_len: int) -> np.ndarray:
     return every
 
 
+def hook_layers(layers, norm, entries, total: int, prompt_len: int, recorded: dict) -> list:
+    """Steering `entries` [(layer, op, positions, scale, vector)] at transformers' sites for layer L
+    (the input of decoder layer 0 for L = 0, the output of decoder layer L - 1 otherwise), each
+    site's rows after it into `recorded[L]`, the final norm's output into `recorded[len(layers)]`:
+    the hook handles."""
+    import torch
+
+    def steer(layer: int, hidden):
+        hidden = hidden.clone()
+        for e_layer, op, positions, scale, vector in entries:
+            if e_layer != layer:
+                continue
+            rows = torch.as_tensor(_rows_of(positions, total, prompt_len), device=hidden.device)
+            v = torch.as_tensor(np.array(vector, np.float32), device=hidden.device)
+            if op == "add":
+                hidden[0, rows] += scale * v
+            elif op == "ablate":
+                unit = v / v.norm()
+                hidden[0, rows] -= (hidden[0, rows] @ unit)[:, None] * unit
+            elif op[0] == "cap":  # ("cap", c): the component along the unit vector at most c
+                unit = v / v.norm()
+                hidden[0, rows] -= torch.relu(hidden[0, rows] @ unit - op[1])[:, None] * unit
+            else:  # ("clamp", SAELens SAE, feature, value): + (value - encode(stream)[feature]) x W_dec[feature]
+                _, sae, feature, value = op
+                f = sae.encode(hidden[0, rows].float())[:, feature]
+                hidden[0, rows] += ((value - f)[:, None] * sae.W_dec[feature]).to(hidden.dtype)
+        recorded[layer] = hidden[0].float().cpu().numpy().copy()
+        return hidden
+
+    def pre0(module, args, kwargs):
+        hidden = steer(0, args[0] if args else kwargs["hidden_states"])
+        return ((hidden, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": hidden})
+
+    def post(layer: int):
+        def hook(module, args, kwargs, output):
+            if isinstance(output, tuple):
+                return (steer(layer, output[0]), *output[1:])
+            return steer(layer, output)
+        return hook
+
+    def post_norm(module, args, output):
+        recorded[len(layers)] = output[0].float().cpu().numpy().copy()
+
+    hooks = [layers[0].register_forward_pre_hook(pre0, with_kwargs=True)]
+    hooks += [layers[i - 1].register_forward_hook(post(i), with_kwargs=True) for i in range(1, len(layers))]
+    hooks.append(norm.register_forward_hook(post_norm))
+    return hooks
+
+
+def check_sites(recorded: dict, hidden_states) -> None:
+    """The rows the hooks read, unsteered, are transformers' own `hidden_states` (the same bits)."""
+    for layer, rows in recorded.items():
+        if isinstance(layer, int):
+            want = hidden_states[layer][0].float().cpu().numpy()
+            assert np.array_equal(rows, want), f"layer {layer}: the reference's site is not transformers' row"
+
+
 def steered_states(model, ids, entries, prompt_len: int) -> list[np.ndarray]:
     """hidden_states of `ids` under `entries` [(layer, op, positions, scale, vector)]: per layer
     0..L (L: after the final norm), [T, D] float32."""
@@ -33,49 +92,17 @@ def steered_states(model, ids, entries, prompt_len: int) -> list[np.ndarray]:
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model  # a peft model: its base's modules
     layers, norm = inner.model.layers, inner.model.norm
     recorded: dict[int, np.ndarray] = {}
-    hooks = []
-    total = len(ids)
-
-    def pre(layer: int):
-        def hook(module, args, kwargs):
-            hidden = args[0] if args else kwargs["hidden_states"]
-            hidden = hidden.clone()
-            for e_layer, op, positions, scale, vector in entries:
-                if e_layer != layer:
-                    continue
-                rows = torch.as_tensor(_rows_of(positions, total, prompt_len), device=hidden.device)
-                v = torch.as_tensor(np.array(vector, np.float32), device=hidden.device)
-                if op == "add":
-                    hidden[0, rows] += scale * v
-                elif op == "ablate":
-                    unit = v / v.norm()
-                    hidden[0, rows] -= (hidden[0, rows] @ unit)[:, None] * unit
-                elif op[0] == "cap":  # ("cap", c): the component along the unit vector at most c
-                    unit = v / v.norm()
-                    hidden[0, rows] -= torch.relu(hidden[0, rows] @ unit - op[1])[:, None] * unit
-                else:  # ("clamp", SAELens SAE, feature, value): + (value - encode(stream)[feature]) x W_dec[feature]
-                    _, sae, feature, value = op
-                    f = sae.encode(hidden[0, rows].float())[:, feature]
-                    hidden[0, rows] += ((value - f)[:, None] * sae.W_dec[feature]).to(hidden.dtype)
-            recorded[layer] = hidden[0].float().cpu().numpy().copy()
-            if args:
-                return (hidden, *args[1:]), kwargs
-            return args, {**kwargs, "hidden_states": hidden}
-        return hook
-
-    def post_norm(module, args, output):
-        recorded[len(layers)] = output[0].float().cpu().numpy().copy()
-
-    for i, layer in enumerate(layers):
-        hooks.append(layer.register_forward_pre_hook(pre(i), with_kwargs=True))
-    hooks.append(norm.register_forward_hook(post_norm))
+    hooks = hook_layers(layers, norm, entries, len(ids), prompt_len, recorded)
     try:
         with torch.no_grad():
-            logits = model(torch.tensor([list(ids)], device=next(model.parameters()).device)).logits[0, -1]
+            out = model(torch.tensor([list(ids)], device=next(model.parameters()).device),
+                        output_hidden_states=not entries)
     finally:
         for h in hooks:
             h.remove()
-    recorded["logits"] = logits.float().cpu().numpy()
+    if not entries:
+        check_sites(recorded, out.hidden_states)
+    recorded["logits"] = out.logits[0, -1].float().cpu().numpy()
     return recorded
 
 

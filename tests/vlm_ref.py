@@ -5,7 +5,7 @@ Independent of the server: only transformers, on the model folder, with the fold
 them, image placeholders expanded, plus any completion ids); the processor only makes the pixels.
 
 transformers numbering of `hidden_states`: 0 = embeddings (image features already scattered in),
-l = the residual stream entering layer l, L = after the final norm.
+l = the output of decoder layer l - 1 (before Qwen3-VL's DeepStack additions), L = after the final norm.
 """
 
 from __future__ import annotations
@@ -206,39 +206,24 @@ def reference_audio_hidden_states(model_dir, token_ids: Sequence[int], clips: Se
 
 def steered_forward(model_dir, token_ids: Sequence[int], images: Sequence, entries, prompt_len: int):
     """transformers' VLM forward over `token_ids` with the images, steered as tests/steer_ref.py steers a
-    text model (forward pre-hooks on the text stack's decoder layers: + scale x vector on the rows of
-    `positions`, entries (layer, "add", positions, scale, vector)): (hidden_states [L + 1, T, D] as our
-    layers number them, logits [T, V]), float32. Rows are read by hooks of our own (each layer's input
-    after the steering, the final norm's output)."""
+    text model (at transformers' site for layer L: the output of decoder layer L - 1, before DeepStack's
+    additions; entries (layer, op, positions, scale, vector)): (hidden_states [L + 1, T, D], logits [T, V]),
+    float32; rows read at the same sites after the steering (unsteered: transformers' own, checked)."""
     import torch
 
-    from tests.steer_ref import _rows_of
+    from tests.steer_ref import check_sites, hook_layers
 
     model, _ = load(str(model_dir))
     text = model.model.language_model
-    layers, total, recorded, hooks = text.layers, len(token_ids), {}, []
-
-    def pre(index: int):
-        def hook(module, args, kwargs):
-            hidden = (args[0] if args else kwargs["hidden_states"]).clone()
-            for layer, op, positions, scale, vector in entries:
-                assert op == "add"
-                if layer == index:
-                    rows = torch.as_tensor(_rows_of(positions, total, prompt_len))
-                    hidden[0, rows] += scale * torch.as_tensor(np.array(vector, np.float32))
-            recorded[index] = hidden[0].float().numpy().copy()
-            return ((hidden, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": hidden})
-        return hook
-
-    def post_norm(module, args, output):
-        recorded[len(layers)] = output[0].float().numpy().copy()
-
-    hooks = [layer.register_forward_pre_hook(pre(i), with_kwargs=True) for i, layer in enumerate(layers)]
-    hooks.append(text.norm.register_forward_hook(post_norm))
+    recorded: dict = {}
+    hooks = hook_layers(text.layers, text.norm, entries, len(token_ids), prompt_len, recorded)
     try:
         with torch.no_grad():
-            out = model(**model_inputs(str(model_dir), token_ids, images), use_cache=False)
+            out = model(**model_inputs(str(model_dir), token_ids, images), use_cache=False,
+                        output_hidden_states=not entries)
     finally:
         for h in hooks:
             h.remove()
-    return np.stack([recorded[i] for i in range(len(layers) + 1)]), out.logits[0].float().numpy()
+    if not entries:
+        check_sites(recorded, out.hidden_states)
+    return np.stack([recorded[i] for i in range(len(text.layers) + 1)]), out.logits[0].float().numpy()

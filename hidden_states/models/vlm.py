@@ -230,8 +230,72 @@ def write_qwen2_5_vl(out: Path) -> None:
     tok.save_pretrained(out)
 
 
+# Qwen3-VL's chat template (the hub's, without its tool-call and reasoning parts): no default
+# system prompt; image and video parts as the family's vision tokens.
+QWEN3_VL_CHAT_TEMPLATE = (
+    "{%- set image_count = namespace(value=0) %}{%- set video_count = namespace(value=0) %}"
+    "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\n' }}"
+    "{%- if message['content'] is string %}{{- message['content'] }}{%- else %}"
+    "{%- for content in message['content'] %}"
+    "{%- if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
+    "{%- set image_count.value = image_count.value + 1 %}"
+    "{%- if add_vision_id %}Picture {{ image_count.value }}: {% endif -%}<|vision_start|><|image_pad|><|vision_end|>"
+    "{%- elif content['type'] == 'video' or 'video' in content %}{%- set video_count.value = video_count.value + 1 %}"
+    "{%- if add_vision_id %}Video {{ video_count.value }}: {% endif -%}<|vision_start|><|video_pad|><|vision_end|>"
+    "{%- elif 'text' in content %}{{- content['text'] }}{%- endif %}{%- endfor %}{%- endif %}"
+    "{{- '<|im_end|>\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"
+)
+
+
+def write_qwen3_vl(out: Path) -> None:
+    """Qwen3VLForConditionalGeneration: a 2-block vision tower (16 px patches, 2x2 merged: a 64 px
+    image is 4 tokens; learned position embeddings) whose blocks 0 and 1 also feed DeepStack, and a
+    3-layer Qwen3 text model (hidden 128, head_dim 64, q/k norms) with interleaved M-RoPE
+    (mrope_section 12/10/10: the family's 24/20/20 for head_dim 128, halved). DeepStack adds block 0's and
+    block 1's merged features to the stream at the image's positions after text layers 0 and 1, so
+    layers 1 and 2 are where a capture at the wrong site shows; layer 3 is not injected."""
+    import torch
+    from transformers import (Qwen2VLImageProcessor, Qwen3VLConfig, Qwen3VLForConditionalGeneration,
+                              Qwen3VLProcessor, Qwen3VLVideoProcessor)
+
+    specials = {"image_token": "<|image_pad|>", "video_token": "<|video_pad|>",
+                "vision_start_token": "<|vision_start|>", "vision_end_token": "<|vision_end|>"}
+    tok = _tokenizer({**specials, "im_start": "<|im_start|>", "im_end": "<|im_end|>"})
+    ids = {k: tok.convert_tokens_to_ids(v) for k, v in specials.items()}
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    text = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 3, "num_attention_heads": 2,
+            "num_key_value_heads": 1, "head_dim": 64, "vocab_size": len(tok), "max_position_embeddings": 4096,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 5000000.0, "mrope_section": [12, 10, 10],
+                                "mrope_interleaved": True},
+            "bos_token_id": tok.bos_token_id, "eos_token_id": eos, "pad_token_id": None}
+    vision = {"depth": 2, "hidden_size": 64, "intermediate_size": 128, "num_heads": 2, "patch_size": 16,
+              "spatial_merge_size": 2, "temporal_patch_size": 2, "out_hidden_size": 128,
+              "num_position_embeddings": 64, "deepstack_visual_indexes": [0, 1]}
+    config = Qwen3VLConfig(text_config=text, vision_config=vision, image_token_id=ids["image_token"],
+                           video_token_id=ids["video_token"], vision_start_token_id=ids["vision_start_token"],
+                           vision_end_token_id=ids["vision_end_token"], tie_word_embeddings=False,
+                           torch_dtype="float32")
+    torch.manual_seed(0)
+    model = Qwen3VLForConditionalGeneration(config).eval()
+    _randomize(model)
+    pixels = {"min_pixels": 64 * 64, "max_pixels": 128 * 128}
+    image_processor = Qwen2VLImageProcessor(patch_size=16, merge_size=2, temporal_patch_size=2, size={
+        "shortest_edge": pixels["min_pixels"], "longest_edge": pixels["max_pixels"]}, **pixels)
+    video_processor = Qwen3VLVideoProcessor(patch_size=16, merge_size=2, temporal_patch_size=2, size={
+        "shortest_edge": pixels["min_pixels"], "longest_edge": 4 * pixels["max_pixels"]})
+    tok.eos_token = "<|im_end|>"
+    processor = Qwen3VLProcessor(image_processor=image_processor, tokenizer=tok, video_processor=video_processor,
+                                 chat_template=QWEN3_VL_CHAT_TEMPLATE)
+    model.generation_config.eos_token_id = eos
+    model.save_pretrained(out, safe_serialization=True)
+    processor.save_pretrained(out)
+    tok.chat_template = QWEN3_VL_CHAT_TEMPLATE
+    tok.save_pretrained(out)
+
+
 VLM_MODELS: dict[str, Callable[[Path], None]] = {
     "tiny-gemma3-vlm": write_gemma3,
     "tiny-llava": write_llava,
     "tiny-qwen2.5-vl": write_qwen2_5_vl,
+    "tiny-qwen3-vl": write_qwen3_vl,
 }

@@ -52,15 +52,20 @@ Ledger of patched points (supported: vLLM {SUPPORTED}):
    within a time budget at start-up. Why: oneDNN builds and caches a kernel per
    batch size (about 80 MB on the built-in model), otherwise during the first
    requests. Remove when vLLM's CPU worker warms up per batch size.
-8. Intermediate layers: `register_forward_pre_hook` on each of
-   `runner.model.model.layers` (eager engines only; not a patch). Relies on
-   vLLM's decoder-layer convention, checked at install per layer class:
-   `forward(positions, hidden_states, residual, ...)` whose norm returns
-   (norm(h + r), h + r) (probed once), so the stream entering layer l is
-   hidden + residual. The last layer is the model's output after the final
-   norm, except where `compute_logits` applies it (MiMo): a probe
-   (layers.final_norm_in_logits) finds those and the capture applies the norm.
-   Remove when vLLM returns chosen layers itself (RFC #48743).
+8. Intermediate layers: layer L is transformers' `hidden_states[L]`, read where
+   `worker/layers.entry_site` puts it: a forward pre-hook on decoder layer 0 for
+   L = 0 (the embeddings), a forward hook on the output of decoder layer L-1 for
+   1 <= L < n (eager engines; not a patch), or the same two sites traced into the
+   compiled forward (point 16). Not the input of layer L: a model may add to the
+   stream between layers (Qwen3-VL's DeepStack), and transformers records the
+   output. Relies on vLLM's decoder-layer convention, checked at install per
+   layer class: `forward(positions, hidden_states, residual, ...)` returning
+   (hidden, residual) whose norm returns (norm(h + r), h + r) (probed once), so
+   the stream is hidden + residual. Served only on `VERIFIED_LAYER_ARCHS`. The
+   last layer is the model's output after the final norm, except where
+   `compute_logits` applies it (MiMo): a probe (layers.final_norm_in_logits)
+   finds those and the capture applies the norm. Remove when vLLM returns
+   chosen layers itself (RFC #48743).
 9. The scheduler (scheduler.py) is always ours when hidden states are on
    (`scheduler_config.scheduler_cls`, set after `create_engine_config`):
    `TailScheduler` (a v1 `Scheduler`) under synchronous scheduling,
@@ -187,14 +192,42 @@ from __future__ import annotations
 
 SUPPORTED_VLLM = ("0.32.",)
 __doc__ = __doc__.replace("{SUPPORTED}", ", ".join(v + "x" for v in SUPPORTED_VLLM))
-# Architectures whose intermediate layers are checked against transformers (the test
-# suite; Mistral's decoder layer is Llama's). Support itself is detected per model at
-# install (`layer_capture_support`); these name the families in the engine's refusals.
-SUPPORTED_LAYER_ARCHS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM",
-                         "GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM",
-                         # vision-language models' text stacks (tests/engine/test_multimodal.py)
-                         "Gemma3ForConditionalGeneration", "LlavaForConditionalGeneration",
-                         "Qwen2_5_VLForConditionalGeneration")
+# The architectures whose intermediate layers (rows, heads, steering, stop and `when` conditions at
+# layers 0..n-1) are served: each name -> the built-in model whose test checks every layer of it
+# against transformers' own class (the tests read this table, so a family added here is tested:
+# text stacks in tests/engine/test_layers.py, multimodal ones in tests/engine/test_multimodal.py,
+# MiMo in tests/engine/test_spec_decode.py). Any other architecture serves the last layer (-1) only,
+# and a request for more gets a 400 naming these families. The structural check
+# (worker/layers.layer_capture_support) can only refuse one of them, never admit another.
+VERIFIED_LAYER_ARCHS = {
+    "LlamaForCausalLM": "tiny-llama",
+    "Qwen2ForCausalLM": "tiny-qwen2",
+    "Qwen3ForCausalLM": "tiny-qwen3",
+    "Gemma2ForCausalLM": "tiny-gemma2",
+    "Gemma3ForCausalLM": "tiny-gemma3",
+    "GemmaForCausalLM": "tiny-gemma",  # make test-long
+    "Phi3ForCausalLM": "tiny-phi3",  # make test-long
+    "MiMoForCausalLM": "mimo (tests/engine/draft_heads.py, on tiny-qwen2)",
+    # vision-language models' text stacks
+    "Gemma3ForConditionalGeneration": "tiny-gemma3-vlm",
+    "LlavaForConditionalGeneration": "tiny-llava",
+    "Qwen2_5_VLForConditionalGeneration": "tiny-qwen2.5-vl",
+    "Qwen3VLForConditionalGeneration": "tiny-qwen3-vl",  # DeepStack: rows before its additions
+}
+LONG_TESTED = ("GemmaForCausalLM", "Phi3ForCausalLM")  # verified by `make test-long` only
+
+
+def verified_families() -> str:
+    """The verified architectures, short: "Llama, Qwen2, ..., Qwen3VL"."""
+    return ", ".join(a.removesuffix("ForCausalLM").removesuffix("ForConditionalGeneration")
+                     for a in VERIFIED_LAYER_ARCHS)
+
+
+def unverified_reason(arch: str) -> str:
+    return (f"intermediate layers of {arch} are not verified against transformers; they are served on "
+            f"{verified_families()}")
+
+
 WORKER_EXTENSION = "hidden_states.vllm.worker.extension.HiddenStatesWorkerExtension"
 ENGINE_ENV = {"VLLM_USE_V2_MODEL_RUNNER": "0"}
 

@@ -32,8 +32,8 @@ from hidden_states.models.builtin import DEFAULT_MODEL, resolve_model
 from hidden_states.media import media_parts
 from hidden_states.interface import (Completion, ExtractionStats, SamplingOptions, VectorObservers,
                                   finished_choice)
-from hidden_states.vllm import (ENGINE_ENV, SUPPORTED_LAYER_ARCHS, WORKER_EXTENSION, VLLMIncompatibleError,
-                                check_vllm_version)
+from hidden_states.vllm import (ENGINE_ENV, VERIFIED_LAYER_ARCHS, WORKER_EXTENSION, VLLMIncompatibleError,
+                                check_vllm_version, verified_families)
 from hidden_states.vllm.cpu import (CPU_ASYNC_ENV, cpu_start_up, force_atomic_image_spans, image_span_refusal,
                                     on_cpu)
 from hidden_states.vllm.frontend.extraction import Extraction, Origin, make_async_llm_class
@@ -240,10 +240,9 @@ class HiddenStatesEngine(VectorObservers):
                 installed = await llm.collective_rpc("hidden_states_install", timeout=install_timeout_s,
                                                      args=([msgspec.to_builtins(h.for_workers()) for h in head_specs],))
                 if static and not all(w["layer_capture"] for w in installed):
-                    families = ", ".join(a.removesuffix("ForCausalLM") for a in SUPPORTED_LAYER_ARCHS)
                     raise EngineStartupError(
                         f"capture_layers: {installed[0]['architecture']} has no traced layer capture "
-                        f"({installed[0]['layer_capture_reason']}); it works on the {families} families")
+                        f"({installed[0]['layer_capture_reason']}); it works on {verified_families()}")
                 _check_head_layers(head_specs, installed, int(vllm_config.model_config.hf_text_config.num_hidden_layers))
                 logger.info("hidden-states hook installed on %d worker(s); intermediate layers: %s", len(installed),
                             installed[0]["layer_capture_reason"] or "yes")
@@ -325,13 +324,13 @@ class HiddenStatesEngine(VectorObservers):
         if any(absolute_layer(l, L) != L for l in layers):
             # The workers' install result; without one (no engine), the checked architectures.
             found = self.layer_capture
-            if not (found["layer_structure"] if found else self.architecture in SUPPORTED_LAYER_ARCHS):
-                why = f" ({found['layer_capture_reason']})" if found else ""
-                families = ", ".join(a.removesuffix("ForCausalLM") for a in SUPPORTED_LAYER_ARCHS)
+            verified = found["layer_capture_verified"] if found else self.architecture in VERIFIED_LAYER_ARCHS
+            if not (verified and (found["layer_structure"] if found else True)):
+                why = "" if not verified else f" ({found['layer_capture_reason']})"
                 raise HiddenStatesRequestError(
-                    "intermediate hidden_states_layers need decoder layers that carry the residual stream as "
-                    f"forward(positions, hidden_states, residual), as the {families} families do; "
-                    f"not {self.architecture}{why}; ask for the last layer (-1) only", "hidden_states_layers")
+                    "hidden_states_layers: intermediate layers are served on the architectures verified against "
+                    f"transformers ({verified_families()}); not on {self.architecture}{why}; ask for the last "
+                    "layer (-1) only", "hidden_states_layers")
             static = found.get("capture_layers") if found else None
             if static is not None:
                 outside = [l for l in layers if absolute_layer(l, L) not in (*static, L)]

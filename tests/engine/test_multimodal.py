@@ -18,11 +18,14 @@ import json
 import numpy as np
 import pytest
 
+from hidden_states.vllm import VERIFIED_LAYER_ARCHS
 from tests.conftest import TEST_ENGINE_ARGS, TEST_MODEL
 
-FAMILIES = ("builtin:tiny-gemma3-vlm", "builtin:tiny-llava", "builtin:tiny-qwen2.5-vl")
+# Every verified vision-language architecture (hidden_states.vllm.VERIFIED_LAYER_ARCHS): its built-in model.
+FAMILIES = tuple(f"builtin:{model}" for arch, model in VERIFIED_LAYER_ARCHS.items()
+                 if arch.endswith("ForConditionalGeneration"))
 ENGINE_ARGS = {**TEST_ENGINE_ARGS, "max_model_len": 1024, "limit_mm_per_prompt": {"image": 2}}
-VIDEO_FAMILIES = ("builtin:tiny-qwen2.5-vl",)  # the others take no video
+VIDEO_FAMILIES = ("builtin:tiny-qwen2.5-vl", "builtin:tiny-qwen3-vl")  # the others take no video
 REL_TOL = 1e-5
 
 
@@ -91,9 +94,11 @@ def assert_close(got, want):
 
 
 def test_a_chat_with_an_image_returns_its_vector_and_rows_exact(vlm, loop_thread):
+    """Every layer's rows at every position: transformers' `hidden_states[L]` (Qwen3-VL: before
+    DeepStack's additions after layers 0 and 1, which land on the image's positions)."""
     folder, eng, fe = vlm
     status, out = loop_thread.run(chat(fe, about(0), return_hidden_states=True, hidden_states_position="all",
-                                       hidden_states_layers=[0, 1, -1]))
+                                       hidden_states_layers=[*range(eng.num_layers), -1]))
     assert status == 200, out
     ch = out["choices"][0]
     prompt, completion = out["prompt_token_ids"], ch["token_ids"]

@@ -17,8 +17,8 @@ import numpy as np
 
 from hidden_states.protocol import (MONITOR_BLOCK, PLAN_ATTR, STEP_ATTR, HookFault, InjectedFault, PlanEntry, RowBlock,
                                     StepCapture, fault_injection, injected_fault)
-from hidden_states.vllm import SUPPORTED_LAYER_ARCHS
-from hidden_states.vllm.worker.layers import final_norm_in_logits, layer_capture_support
+from hidden_states.vllm import VERIFIED_LAYER_ARCHS, unverified_reason
+from hidden_states.vllm.worker.layers import entry_site, final_norm_in_logits, layer_capture_support
 from hidden_states.vllm.worker.steering import StepSteering
 from hidden_states.vllm.worker.traced import TRACED_ATTR
 
@@ -150,11 +150,11 @@ def _join(pieces: list) -> tuple[Any, list] | None:
 class _RunnerHook:
     """Per-worker: this step's capture plan (the scheduler's) and its rows.
 
-    Layers are numbered as transformers' `output_hidden_states`: 0 the embeddings, l in 1..L-1
-    the stream entering decoder layer l (hidden + residual), L the final-norm output. The plan
-    lives from `before_step` to `end_step`, so dummy batches capture nothing. Intermediate layers
-    are sliced in forward pre-hooks; every row of a step is packed into one byte buffer for one
-    device-to-host copy.
+    Layer L is transformers' `hidden_states[L]` (docs/api.md): 0 the embeddings, l in 1..L-1 the
+    output of decoder layer l-1 (hidden + residual), L the final-norm output. The plan lives from
+    `before_step` to `end_step`, so dummy batches capture nothing. Intermediate layers are sliced
+    where layers.entry_site puts them (a pre-hook on layer 0, forward hooks on the others); every
+    row of a step is packed into one byte buffer for one device-to-host copy.
 
     Faults stay with their request: each batched piece of work (a layer's gather, the step's pack, a
     head's product, a request's steering entries) that raises is redone request by request, and a
@@ -201,12 +201,15 @@ class _RunnerHook:
 
     def install_layer_hooks(self) -> dict[str, Any]:
         """Hooks the decoder layers if the model allows; returns `layer_capture` (or
-        `layer_capture_reason`)."""
+        `layer_capture_reason`). Intermediate layers are served on the verified families only
+        (hidden_states.vllm.VERIFIED_LAYER_ARCHS); the structure check can only refuse more."""
         mc = self.runner.vllm_config.model_config
         arch = (getattr(mc.hf_config, "architectures", None) or ["?"])[0]
         layers, why = layer_capture_support(self.runner.model, self.num_layers, mc.get_hidden_size())
-        info = {"architecture": arch, "layer_structure": layers is not None,
-                "layer_capture_verified": arch in SUPPORTED_LAYER_ARCHS}
+        verified = arch in VERIFIED_LAYER_ARCHS
+        info = {"architecture": arch, "layer_structure": layers is not None, "layer_capture_verified": verified}
+        if not verified:
+            layers, why = None, unverified_reason(arch)
         traced = getattr(self.runner, TRACED_ATTR, None)
         if isinstance(traced, str):  # capture_layers asked, but this model has no traced capture
             layers, why = None, traced
@@ -223,12 +226,13 @@ class _RunnerHook:
         info["final_norm_in_logits"] = self.final_norm is not None
         self.layer_hooks = 0
         if layers is not None:
-            for i, layer in enumerate(layers):
-                layer.register_forward_pre_hook(self._make_pre_hook(i), with_kwargs=True)
+            for i in range(len(layers)):
+                module, at = entry_site(layers, i)
+                if at == "input":
+                    module.register_forward_pre_hook(self._make_pre_hook(i), with_kwargs=True)
+                else:
+                    module.register_forward_hook(self._make_post_hook(i), with_kwargs=True)
             self.layer_hooks = len(layers)
-            if not info["layer_capture_verified"]:
-                logger.warning("intermediate hidden-state layers of %s are served by structure (decoder layers "
-                               "carry hidden + residual) but not checked against transformers", arch)
         else:
             logger.info("intermediate hidden-state layers unavailable on %s: %s", arch, why)
         self._count_encoder_items()
@@ -343,17 +347,41 @@ class _RunnerHook:
         return list(dict.fromkeys([*e.layers, *(self.heads[h[0]].spec.layer for h in (*e.heads, *e.monitors))]))
 
     def _make_pre_hook(self, layer: int):
+        """Layer 0 (the embeddings): at the input of decoder layer 0."""
+        entry = self._entry(layer)
+
         def pre_hook(module, args, kwargs):
             # forward(positions, hidden_states, residual, ...), positionally or by name
             hidden = args[1] if len(args) > 1 else kwargs["hidden_states"]
             residual = args[2] if len(args) > 2 else kwargs.get("residual")
+            steered = entry(hidden, residual)
+            if steered is None:
+                return None
+            if len(args) > 1:
+                return (*args[:1], steered, *args[2:]), kwargs
+            return args, {**kwargs, "hidden_states": steered}
+
+        return pre_hook
+
+    def _make_post_hook(self, layer: int):
+        """Layer l >= 1: at the output (hidden, residual) of decoder layer l-1."""
+        entry = self._entry(layer)
+
+        def post_hook(module, args, kwargs, output):
+            hidden, residual = output
+            steered = entry(hidden, residual)
+            return None if steered is None else (steered, residual)
+
+        return post_hook
+
+    def _entry(self, layer: int):
+        """Layer `layer`'s steering, then its rows, on the stream hidden + residual: returns the steered
+        hidden (None: unchanged)."""
+
+        def entry(hidden, residual):
             steered = self.steering.apply(layer, hidden, residual)  # every rank; then the rows read the steered stream
             if steered is not None:
                 hidden = steered
-                if len(args) > 1:
-                    args = (*args[:1], steered, *args[2:])
-                else:
-                    kwargs = {**kwargs, "hidden_states": steered}
             if self._capturing:
                 plan = self._step_plan()
                 wanted = self._layer_rows.get(layer)
@@ -373,9 +401,9 @@ class _RunnerHook:
                                 self._slices.append((layer, [i], _gather(hidden, residual, plan[i].flat)))
                             except Exception as err:
                                 self.fault(plan[i].rid, "capture", err)
-            return None if steered is None else (args, kwargs)
+            return steered
 
-        return pre_hook
+        return entry
 
     def after_step(self) -> None:
         """After the forward pass (sampling pending): the step's rows, sliced on the device. Packed for

@@ -1,10 +1,9 @@
 """Which models' intermediate layers can be captured: the decoder-layer convention (ledger point 8).
 
-`layer_capture_support` decides per model at install, from the model itself (no architecture
-list); the engine refuses intermediate layers on other models, and on non-eager engines (a
-compiled model does not run hooks added later), with a 400 saying why. Checked against
-transformers in `SUPPORTED_LAYER_ARCHS` (tests/engine/test_layers.py). Refused e.g.: Granite,
-StableLM, Cohere, DeepSeek-V2/V3, hybrid Mamba models, vLLM's transformers backend.
+Intermediate layers are served on the architectures verified against transformers
+(`hidden_states.vllm.VERIFIED_LAYER_ARCHS`, each with its test). `layer_capture_support` checks the
+model itself at install and can only refuse one of those (a layer class that no longer follows the
+convention); it never admits another. `entry_site` says where layer L's rows are read.
 """
 
 from __future__ import annotations
@@ -61,6 +60,16 @@ def _residual_norm_of(layer_cls: type) -> tuple[str | None, str | None]:
     return None, (f"{name}.forward does not begin by adding its residual argument to hidden_states "
                   "in a fused norm (`if residual is None: ... else: hidden_states, residual = "
                   "self.<norm>(hidden_states, residual)`)")
+
+
+def entry_site(decoder: list, layer: int) -> tuple[Any, str]:
+    """Where layer `layer`'s rows are read and its steering applied: (module, "input" | "output").
+
+    Layer L is transformers' `hidden_states[L]`: the embeddings (the input of decoder layer 0) for
+    L = 0, the output of decoder layer L-1 for 1 <= L < n. Read at that output (hidden + residual),
+    not at the input of layer L: a model may add to the stream between the two (Qwen3-VL's DeepStack
+    adds visual features after layers 0..k-1), and transformers records the output."""
+    return (decoder[0], "input") if layer == 0 else (decoder[layer - 1], "output")
 
 
 def text_model(model: Any) -> Any:

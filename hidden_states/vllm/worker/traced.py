@@ -3,9 +3,11 @@
 A compiled engine (torch.compile; CUDA graphs on GPUs) does not run forward pre-hooks added after
 it traced the model, so the capture cannot slice rows there. Instead, before the first forward
 traces the model (`Worker.load_model`, wrapped once per worker process by `patch_load_model`),
-each decoder layer in the engine's static set (`capture_layers`, carried to the workers in
+each layer L in the engine's static set (`capture_layers`, carried to the workers in
 `VllmConfig.additional_config`, which vLLM hashes into its compile-cache key) gets an entry
-traced with the rest of the forward. Its buffers are allocated once, for the largest step
+traced with the rest of the forward, where layers.entry_site puts it: at the output of decoder
+layer L-1 (at the input of layer 0 for L = 0), so its rows are transformers' hidden_states[L],
+before anything the model adds between layers (Qwen3-VL's DeepStack). Its buffers are allocated once, for the largest step
 (`[max tokens, D]`), so their addresses and shapes never change and one graph (and on a GPU, one
 captured CUDA graph) serves every step and request:
 
@@ -15,7 +17,7 @@ captured CUDA graph) serves every step and request:
     c  = value - sm  if linear  else  value - relu(sm) * [sg > threshold]
     h2 = h1 + c unit + post
     h  = where(mask, h2, h)             # unsteered rows keep their exact bits
-    rows[:n] = h + r                    # the stream entering the layer, as transformers counts it
+    rows[:n] = h + r                    # the stream: transformers' hidden_states[L]
 
 One slot per row and layer (`unit`, `wmag`, `wgate` and `par` = b_mag, b_gate, threshold, value,
 linear) holds the row's ablation (wmag = unit, linear: c = -(x . unit)), cap (wmag = wgate = unit,
@@ -37,6 +39,8 @@ from typing import Any
 import numpy as np
 
 from hidden_states.protocol import capture_layers_of
+from hidden_states.vllm import VERIFIED_LAYER_ARCHS, unverified_reason
+from hidden_states.vllm.worker.layers import entry_site
 from hidden_states.vllm.worker.steering import gated
 
 logger = logging.getLogger(__name__)
@@ -48,27 +52,36 @@ class TracedLayers:
     """One worker's buffers for its static layer set, registered on each layer module
     (non-persistent: outside the state dict)."""
 
-    def __init__(self, layers: dict[int, Any], max_tokens: int, hidden: int, dtype: Any, device: Any):
+    def __init__(self, decoder: list, wanted: list[int], max_tokens: int, hidden: int, dtype: Any, device: Any):
+        """`decoder`: the text stack's decoder layers; `wanted`: the static set's layer indices."""
         import torch
 
-        self.layers = layers  # layer index -> decoder layer module
+        self.layers = sorted(set(wanted))  # the static set: layer indices (api.md: transformers' hidden_states[L])
         self.max_tokens = max_tokens
         self.bytes = 0
-        for index, layer in layers.items():
+        self.slots: dict[int, Slot] = {}
+        hosts: dict[int, tuple[Any, list]] = {}  # id(module) -> (module, [(at, slot)])
+        for index in self.layers:
+            slot = Slot(*entry_site(decoder, index))
             for name, shape, kind in (("rows", (max_tokens, hidden), dtype), ("pre", (max_tokens, hidden), dtype),
                                       ("unit", (max_tokens, hidden), dtype), ("post", (max_tokens, hidden), dtype),
                                       ("wmag", (max_tokens, hidden), torch.float32),
                                       ("wgate", (max_tokens, hidden), torch.float32),
                                       ("par", (max_tokens, 5), torch.float32), ("mask", (max_tokens, 1), torch.bool)):
                 buf = torch.zeros(shape, dtype=kind, device=device)
-                layer.register_buffer(f"_hs_{name}", buf, persistent=False)
+                slot.module.register_buffer(slot.prefix + name, buf, persistent=False)
                 self.bytes += buf.numel() * buf.element_size()
-            layer.forward = _traced_forward(layer, layer.forward)
+            self.slots[index] = slot
+            hosts.setdefault(id(slot.module), (slot.module, []))[1].append(slot)
+        for module, slots in hosts.values():
+            module.forward = _traced_forward(module.forward, [s for s in slots if s.at == "input"],
+                                             [s for s in slots if s.at == "output"])
         self._dirty: dict[int, int] = {}  # layer -> rows written by fill (cleared after the forward)
 
     def rows(self, layer: int) -> Any:
-        """The stream entering `layer` for every token of the last forward, [max tokens, D] (first n valid)."""
-        return self.layers[layer]._hs_rows
+        """Layer `layer`'s rows (transformers' hidden_states[layer]) for every token of the last forward,
+        [max tokens, D] (first n valid)."""
+        return self.slots[layer].buf("rows")
 
     def fill(self, plan: dict[int, list[tuple[Any, str, Any, Any]]], n: int) -> tuple[int, Any]:
         """Writes a step's steering (layer -> [(rows, op, vector, gate)], steering.StepSteering's plan) into
@@ -79,7 +92,7 @@ class TracedLayers:
 
         steered, held = 0, 0
         for layer, wanted in plan.items():
-            mod = self.layers[layer]
+            mod = self.slots[layer].view()
             ablated = np.zeros(n, dtype=bool)
             for rows, op, vec, gate in wanted:
                 idx = torch.from_numpy(rows).to(mod._hs_mask.device)
@@ -118,32 +131,66 @@ class TracedLayers:
     def clear(self) -> None:
         """After the forward that read them: the next forward (a dummy run included) steers nothing."""
         for layer, n in self._dirty.items():
-            mod = self.layers[layer]
+            mod = self.slots[layer].view()
             for buf in (mod._hs_pre, mod._hs_unit, mod._hs_post, mod._hs_wmag, mod._hs_wgate, mod._hs_par,
                         mod._hs_mask):
                 buf[:n].zero_()
         self._dirty = {}
 
 
-def _traced_forward(layer: Any, forward: Any):
-    """The layer's forward, entered through the steering and the capture (traced with the model)."""
+class Slot:
+    """Where layer L's entry sits: (the decoder layer module, "input" or "output"), its buffers on that
+    module under `prefix` (`_hs_in_` or `_hs_out_`: layer 0 can host entry 0 at its input and entry 1
+    at its output)."""
+
+    def __init__(self, module: Any, at: str):
+        self.module, self.at = module, at
+        self.prefix = "_hs_in_" if at == "input" else "_hs_out_"
+
+    def buf(self, name: str) -> Any:
+        return getattr(self.module, self.prefix + name)
+
+    def view(self) -> Any:
+        """The buffers as attributes `_hs_<name>` (fill and clear)."""
+        import types
+
+        names = ("rows", "pre", "unit", "post", "wmag", "wgate", "par", "mask")
+        return types.SimpleNamespace(**{f"_hs_{n}": self.buf(n) for n in names})
+
+
+def _entry(slot: Slot, hidden_states: Any, residual: Any) -> Any:
+    """One layer's steering and capture on (hidden, residual), the stream being hidden + residual
+    (residual None: the stream is hidden): returns the steered hidden; writes the rows."""
     import torch
 
-    def forward_with_entry(positions, hidden_states, residual, *args, **kwargs):
-        n = hidden_states.shape[0]
-        pre, unit, par = layer._hs_pre[:n], layer._hs_unit[:n], layer._hs_par[:n]
-        h1 = hidden_states + pre
-        stream = (h1 if residual is None else h1 + residual).float()
-        sm = (stream * layer._hs_wmag[:n]).sum(dim=-1, keepdim=True) + par[:, 0:1]
-        sg = (stream * layer._hs_wgate[:n]).sum(dim=-1, keepdim=True) + par[:, 1:2]
-        f = torch.relu(sm) * (sg > par[:, 2:3]).to(sm.dtype)
-        c = torch.where(par[:, 4:5] > 0, par[:, 3:4] - sm, par[:, 3:4] - f)
-        h2 = h1 + c.to(h1.dtype) * unit + layer._hs_post[:n]
-        hidden_states = torch.where(layer._hs_mask[:n], h2, hidden_states)
-        layer._hs_rows[:n].copy_(hidden_states if residual is None else hidden_states + residual)
-        return forward(positions, hidden_states, residual, *args, **kwargs)
+    n = hidden_states.shape[0]
+    pre, unit, par = slot.buf("pre")[:n], slot.buf("unit")[:n], slot.buf("par")[:n]
+    h1 = hidden_states + pre
+    stream = (h1 if residual is None else h1 + residual).float()
+    sm = (stream * slot.buf("wmag")[:n]).sum(dim=-1, keepdim=True) + par[:, 0:1]
+    sg = (stream * slot.buf("wgate")[:n]).sum(dim=-1, keepdim=True) + par[:, 1:2]
+    f = torch.relu(sm) * (sg > par[:, 2:3]).to(sm.dtype)
+    c = torch.where(par[:, 4:5] > 0, par[:, 3:4] - sm, par[:, 3:4] - f)
+    h2 = h1 + c.to(h1.dtype) * unit + slot.buf("post")[:n]
+    hidden_states = torch.where(slot.buf("mask")[:n], h2, hidden_states)
+    slot.buf("rows")[:n].copy_(hidden_states if residual is None else hidden_states + residual)
+    return hidden_states
 
-    return forward_with_entry
+
+def _traced_forward(forward: Any, at_input: list, at_output: list):
+    """A decoder layer's forward with the entries it hosts: layer 0's at its input, layer i+1's at its
+    output (traced with the model)."""
+
+    def forward_with_entries(positions, hidden_states, residual, *args, **kwargs):
+        for slot in at_input:
+            hidden_states = _entry(slot, hidden_states, residual)
+        out = forward(positions, hidden_states, residual, *args, **kwargs)
+        for slot in at_output:
+            hidden, res = out
+            out = (_entry(slot, hidden, res), res)
+        return out
+
+    return forward_with_entries
 
 
 def install(runner: Any) -> None:
@@ -158,6 +205,9 @@ def install(runner: Any) -> None:
     num_layers, hidden = int(mc.hf_text_config.num_hidden_layers), int(mc.get_hidden_size())
     model = runner.get_model()
     layers, why = layer_capture_support(model, num_layers, hidden)
+    arch = (getattr(mc.hf_config, "architectures", None) or ["?"])[0]
+    if arch not in VERIFIED_LAYER_ARCHS:
+        layers, why = None, unverified_reason(arch)
     if layers is None:
         setattr(runner, TRACED_ATTR, why)
         return
@@ -167,7 +217,7 @@ def install(runner: Any) -> None:
     comp = runner.vllm_config.compilation_config
     max_tokens = max(int(runner.max_num_tokens), int(getattr(comp, "max_cudagraph_capture_size", 0) or 0))
     weight = next(model.parameters())
-    traced = TracedLayers({l: layers[l] for l in wanted}, max_tokens, hidden, mc.dtype, weight.device)
+    traced = TracedLayers(layers, wanted, max_tokens, hidden, mc.dtype, weight.device)
     setattr(runner, TRACED_ATTR, traced)
     logger.info("hidden-states layers %s traced into the forward (%d MiB of buffers)", wanted, traced.bytes >> 20)
 
