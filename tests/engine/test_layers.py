@@ -1,6 +1,6 @@
 """Chosen layers and the prompt-end vector, against transformers (issue: beyond the seed).
 
-transformers numbering: 0 = embeddings, l = residual stream entering layer l,
+transformers numbering: 0 = embeddings, l = the output of decoder layer l - 1,
 L = after the final norm; negative counts from the end.
 
 One engine per family (module scope). Llama and Qwen2 as before; Gemma2 and
@@ -20,6 +20,8 @@ import numpy as np
 import pytest
 import torch
 
+from hidden_states.models.builtin import SPECS
+from hidden_states.vllm import LONG_TESTED, VERIFIED_LAYER_ARCHS
 from tests.conftest import TEST_ENGINE_ARGS, Reference, long_text
 
 # As every test engine, but a 64 MiB KV cache (a fixed size, whatever the machine's
@@ -29,8 +31,11 @@ ENGINE_ARGS = {**TEST_ENGINE_ARGS, "kv_cache_memory_bytes": 64 * 2**20, "warm_up
 
 LONG = [pytest.mark.long,
         pytest.mark.skipif(os.environ.get("HS_LONG_TESTS") != "1", reason="long test: set HS_LONG_TESTS=1")]
-FAMILIES = ["tiny-llama", "tiny-qwen2", "tiny-gemma2", "tiny-gemma3", "tiny-qwen3",
-            pytest.param("tiny-gemma", marks=LONG), pytest.param("tiny-phi3", marks=LONG)]
+# Every verified text architecture (hidden_states.vllm.VERIFIED_LAYER_ARCHS) by its built-in model; MiMo's
+# (built on tiny-qwen2 with an MTP layer) runs in tests/engine/test_spec_decode.py.
+FAMILIES = [pytest.param(model, marks=LONG) if arch in LONG_TESTED else model
+            for arch, model in VERIFIED_LAYER_ARCHS.items()
+            if arch.endswith("ForCausalLM") and model in SPECS]
 
 # float32 on both sides: the error must stay under 1e-5 of the largest reference
 # entry, and under 1e-4 absolute (the tiny models' entries are at most ~5).
@@ -184,10 +189,10 @@ class _Layer(torch.nn.Module):
         return hidden_states, residual
 
 
-def _fake_hook(eager: bool, adds: bool = True):
+def _fake_hook(eager: bool, adds: bool = True, arch: str = "LlamaForCausalLM"):
     from hidden_states.vllm.worker.capture import _RunnerHook
 
-    hf = types.SimpleNamespace(num_hidden_layers=2, architectures=["ToyForCausalLM"])
+    hf = types.SimpleNamespace(num_hidden_layers=2, architectures=[arch])
     mc = types.SimpleNamespace(hf_config=hf, hf_text_config=hf, enforce_eager=eager, get_hidden_size=lambda: 8)
     model = torch.nn.Module()
     model.model = torch.nn.Module()
@@ -196,39 +201,93 @@ def _fake_hook(eager: bool, adds: bool = True):
     return _RunnerHook(runner), model.model.layers
 
 
-def test_layer_hooks_only_on_eager_engines():
+def _hooks(layers) -> list[tuple[int, int]]:
+    return [(len(layer._forward_pre_hooks), len(layer._forward_hooks)) for layer in layers]
+
+
+def test_layer_hooks_only_on_eager_engines_at_transformers_sites():
+    """Layer 0 at the input of decoder layer 0, layer 1 at the output of decoder layer 0 (not the input of
+    layer 1: a model may add between them); nothing on the last decoder layer (layer -1 is the final norm's)."""
     hook, layers = _fake_hook(eager=True)
     found = hook.install_layer_hooks()
-    assert found["layer_capture"] and found["layer_hooks"] == 2 and not found["layer_capture_verified"]
-    assert all(len(layer._forward_pre_hooks) == 1 for layer in layers)
+    assert found["layer_capture"] and found["layer_hooks"] == 2 and found["layer_capture_verified"]
+    assert _hooks(layers) == [(1, 1), (0, 0)]
 
     hook, layers = _fake_hook(eager=False)
     found = hook.install_layer_hooks()
     assert found["layer_structure"] and not found["layer_capture"] and "enforce_eager" in found["layer_capture_reason"]
-    assert all(len(layer._forward_pre_hooks) == 0 for layer in layers)
+    assert _hooks(layers) == [(0, 0), (0, 0)]
 
     hook, layers = _fake_hook(eager=True, adds=False)  # a norm that does not add the residual
     found = hook.install_layer_hooks()
     assert not found["layer_structure"] and "hidden + residual" in found["layer_capture_reason"]
-    assert all(len(layer._forward_pre_hooks) == 0 for layer in layers)
+    assert _hooks(layers) == [(0, 0), (0, 0)]
+
+
+def test_an_unverified_architecture_is_refused_by_name_even_with_the_structure():
+    """The structure is the convention, but the architecture is not in the verified list: no hooks, and
+    the reason names the verified families (what a 400 and a failed start then say)."""
+    hook, layers = _fake_hook(eager=True, arch="ToyForCausalLM")
+    found = hook.install_layer_hooks()
+    assert found["layer_structure"] and not found["layer_capture"] and not found["layer_capture_verified"]
+    assert _hooks(layers) == [(0, 0), (0, 0)]
+    for part in ("ToyForCausalLM", "not verified", "Llama", "Qwen3VL", "Gemma3"):
+        assert part in found["layer_capture_reason"], found["layer_capture_reason"]
 
 
 def test_unsupported_models_get_the_reason():
+    from hidden_states.params import spec_of
     from hidden_states.vllm.engine import HiddenStatesEngine, HiddenStatesRequestError
 
     eng = HiddenStatesEngine.__new__(HiddenStatesEngine)
     eng._enabled, eng.num_layers, eng.architecture, eng.eager = True, 4, "GraniteForCausalLM", True
-    eng.layer_capture = {"layer_structure": False, "layer_capture": False,
-                         "layer_capture_reason": "GraniteDecoderLayer.forward takes (positions, hidden_states)"}
+    eng.hidden_size, eng.steering_vectors, eng.heads = 8, {}, {}
+    eng.layer_capture = {"layer_structure": False, "layer_capture": False, "layer_capture_verified": False,
+                         "layer_capture_reason": "intermediate layers of GraniteForCausalLM are not verified"}
     assert eng.check_layers([-1, 4]) == (-1, 4)  # the last layer works on every model
     with pytest.raises(HiddenStatesRequestError) as e:
         eng.check_layers([2])
-    for part in ("GraniteForCausalLM", "GraniteDecoderLayer.forward takes", "Gemma2", "Qwen3", "(-1)"):
+    assert e.value.param == "hidden_states_layers"
+    for part in ("GraniteForCausalLM", "verified against transformers", "Gemma2", "Qwen3", "Qwen3VL", "(-1)"):
         assert part in str(e.value)
-    eng.layer_capture = {"layer_structure": True, "layer_capture": False, "layer_capture_reason": "x"}
+    vec = base64.b64encode(np.ones(8, "<f4").tobytes()).decode()
+    with pytest.raises(HiddenStatesRequestError) as e:
+        eng.steering_of(spec_of(True, [-1], "completion_end", "float32", None, None, None,
+                                [{"layer": 1, "vector": vec}], enabled=True))
+    assert e.value.param == "hidden_states_steering" and "not verified" in str(e.value)
+    # a verified family whose layer class no longer follows the convention: refused with the structure's reason
+    eng.architecture = "LlamaForCausalLM"
+    eng.layer_capture = {"layer_structure": False, "layer_capture": False, "layer_capture_verified": True,
+                         "layer_capture_reason": "LlamaDecoderLayer.forward takes (positions, hidden_states)"}
+    with pytest.raises(HiddenStatesRequestError, match="LlamaDecoderLayer.forward takes"):
+        eng.check_layers([1])
+    eng.layer_capture = {"layer_structure": True, "layer_capture": False, "layer_capture_verified": True,
+                         "layer_capture_reason": "x"}
     eng.eager = False
     with pytest.raises(HiddenStatesRequestError, match="enforce_eager=True"):
         eng.check_layers([1])
+
+
+def test_the_verified_table_names_built_in_models_of_its_architectures_and_each_is_tested():
+    """A family in VERIFIED_LAYER_ARCHS is one whose test runs: its built-in model is of that architecture
+    and is among the test modules' families."""
+    import json
+    from pathlib import Path
+
+    from hidden_states.models.builtin import FAMILIES as BUILDERS, resolve_model
+    from hidden_states.models.vlm import VLM_MODELS
+    from tests.engine import test_multimodal
+
+    for arch, model in VERIFIED_LAYER_ARCHS.items():
+        if arch == "MiMoForCausalLM":  # tests/engine/test_spec_decode.py's mtp engine asks layers [1, -1]
+            continue
+        if model in SPECS:
+            assert BUILDERS[SPECS[model].family] + "ForCausalLM" == arch
+            assert model in [getattr(f, "values", [f])[0] for f in FAMILIES]
+        else:
+            assert model in VLM_MODELS and f"builtin:{model}" in test_multimodal.FAMILIES
+            config = json.loads((Path(resolve_model(f"builtin:{model}")) / "config.json").read_text())
+            assert config["architectures"] == [arch], (model, config["architectures"])
 
 
 def test_a_compiled_engine_serves_its_static_layers_and_names_them():
@@ -288,7 +347,7 @@ def test_an_architecture_without_traced_capture_says_why():
     setattr(hook.runner, TRACED_ATTR, "GraniteDecoderLayer.forward takes (positions, hidden_states)")
     found = hook.install_layer_hooks()
     assert not found["layer_capture"] and "GraniteDecoderLayer" in found["layer_capture_reason"]
-    assert all(len(layer._forward_pre_hooks) == 0 for layer in layers)
+    assert _hooks(layers) == [(0, 0), (0, 0)]
 
 
 class _FakeRunner:
@@ -296,7 +355,7 @@ class _FakeRunner:
     "r" of 3 prompt tokens, computed in one step (flat rows 0..2)."""
 
     def __init__(self):
-        hf = types.SimpleNamespace(num_hidden_layers=2, architectures=["ToyForCausalLM"])
+        hf = types.SimpleNamespace(num_hidden_layers=2, architectures=["LlamaForCausalLM"])
         mc = types.SimpleNamespace(hf_config=hf, hf_text_config=hf, enforce_eager=True, get_hidden_size=lambda: 8)
         self.vllm_config = types.SimpleNamespace(model_config=mc, speculative_config=None,
                                                  parallel_config=types.SimpleNamespace(pipeline_parallel_size=1))

@@ -132,12 +132,12 @@ APPS = {
     "hs-spec": ("/spec", lambda: app_args(engine={**TEST_ENGINE_ARGS, "speculative_config": SPEC_NGRAM,
                                                   "async_scheduling": False, "enforce_eager": False},
                                           **COMPILED, replica_autoscaling={"min_replicas": 1, "max_replicas": 1})),
-    # the two built-in VLM families (hidden_states/models/vlm.py), 1 replica each, two images a prompt at most
+    # three built-in VLM families (hidden_states/models/vlm.py), 1 replica each, two images a prompt at most
     "hs-gemma3-vlm": ("/gemma3-vlm", lambda: vlm_args("builtin:tiny-gemma3-vlm")),
     # two replicas: the Router's media-aware key keeps an image's chats on one (test_multimodal.py)
     "hs-llava": ("/llava", lambda: {**vlm_args("builtin:tiny-llava"),
                                     "replica_autoscaling": {"min_replicas": 2, "max_replicas": 2}}),
-    "hs-qwen-vl": ("/qwen-vl", lambda: vlm_args("builtin:tiny-qwen2.5-vl")),
+    "hs-qwen-vl": ("/qwen-vl", lambda: vlm_args("builtin:tiny-qwen3-vl")),
     # completions with prompt_embeds (vLLM's enable_prompt_embeds), 1 replica behind the Router
     "hs-embeds": ("/embeds", lambda: app_args(engine={**TEST_ENGINE_ARGS, "enable_prompt_embeds": True}, heads=[],
                                               replica_autoscaling={"min_replicas": 1, "max_replicas": 1})),

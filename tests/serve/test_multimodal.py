@@ -1,6 +1,7 @@
 """Chats with images through the real app (`serve.run` of deployments/app.py, as `serve run` does),
-over HTTP with the openai client and over a Python handle, on the three built-in VLM families: every
-vector and row exact against transformers on the same processor outputs and the returned token ids
+over HTTP with the openai client and over a Python handle, on three built-in VLM families (Gemma 3,
+LLaVA, Qwen3-VL with DeepStack; Qwen2.5-VL is served by the same path, tested on the engine): every
+vector and row, at every layer, exact against transformers on the same processor outputs and the returned token ids
 (tests/vlm_ref.py), streamed with n=2 too; bad media refused by name while the app keeps serving.
 And completions with prompt_embeds through the Router, against transformers given the same embeddings."""
 
@@ -16,7 +17,7 @@ from tests.engine.test_multimodal import REL_TOL, about, image
 from tests.serve.conftest import decode_vector
 
 APPS = {"gemma3_vlm_app": ("builtin:tiny-gemma3-vlm", "hs-gemma3-vlm"), "llava_app": ("builtin:tiny-llava", "hs-llava"),
-        "qwen_vl_app": ("builtin:tiny-qwen2.5-vl", "hs-qwen-vl")}
+        "qwen_vl_app": ("builtin:tiny-qwen3-vl", "hs-qwen-vl")}
 
 
 def folder_of(model: str) -> str:
@@ -25,11 +26,12 @@ def folder_of(model: str) -> str:
     return resolve_model(model)
 
 
-def check(vector, model: str, prompt_ids, seeds, completion_ids, rows=None) -> float:
-    """Relative error of `vector` (or `rows` of prompt + completion) against transformers."""
+def check(vector, model: str, prompt_ids, seeds, completion_ids, rows=None, layer: int = -1) -> float:
+    """Relative error of `vector` (or `rows` of prompt + completion) at `layer` against transformers'
+    `hidden_states[layer]`."""
     from tests.vlm_ref import reference_hidden_states
 
-    ref = reference_hidden_states(folder_of(model), prompt_ids, [image(s) for s in seeds], completion_ids)[-1]
+    ref = reference_hidden_states(folder_of(model), prompt_ids, [image(s) for s in seeds], completion_ids)[layer]
     got, want = (np.asarray(vector, np.float32), ref[-1]) if rows is None else (np.asarray(rows, np.float32), ref)
     err = float(np.abs(got - want).max() / np.abs(want).max())
     assert err <= REL_TOL, err
@@ -39,14 +41,19 @@ def check(vector, model: str, prompt_ids, seeds, completion_ids, rows=None) -> f
 def chat_over_http(base: str, model: str, served: str) -> None:
     import openai
 
+    from tests.vlm_ref import load
+
     client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", timeout=120, max_retries=0)
+    layers = [*range(load(folder_of(model))[0].config.get_text_config().num_hidden_layers), -1]
     r = client.chat.completions.create(model=served, messages=about(0), max_tokens=6, temperature=0,
                                        extra_body={"return_hidden_states": True, "return_token_ids": True,
-                                                   "hidden_states_position": "all"})
+                                                   "hidden_states_position": "all", "hidden_states_layers": layers})
     ch = r.choices[0].model_dump()
     meta = ch["hidden_states_meta"]
     assert meta["modalities"][0]["modality"] == "image" and meta["via"] == "tail", meta
-    err = check(None, model, r.prompt_token_ids, [0], ch["token_ids"], rows=ch["hidden_states"])
+    assert sorted(map(int, ch["hidden_states_by_layer"])) == sorted(layers)
+    err = max(check(None, model, r.prompt_token_ids, [0], ch["token_ids"], rows=rows, layer=int(layer))
+              for layer, rows in ch["hidden_states_by_layer"].items())
     # streamed, n=2 (sampled, seeded): each choice's vector on its final chunk, each exact
     stream = client.chat.completions.create(model=served, messages=about(1, 2), max_tokens=5, n=2, temperature=1.0,
                                             seed=7, stream=True,
@@ -139,8 +146,8 @@ def test_the_same_image_goes_to_the_same_replica_and_hits_its_cache(llava_app):
 
 
 def test_qwen_vl_chats_with_images_over_http_and_a_handle(qwen_vl_app):
-    """Qwen2.5-VL: M-RoPE positions through Serve, tail and streamed, against transformers given the
-    processor's mm_token_type_ids."""
+    """Qwen3-VL: interleaved M-RoPE positions and DeepStack through Serve, every layer's rows, tail and
+    streamed, against transformers given the processor's mm_token_type_ids."""
     model, app = APPS["qwen_vl_app"]
     chat_over_http(qwen_vl_app, model, served_name(qwen_vl_app))
     chat_over_a_handle(app, model)
