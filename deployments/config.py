@@ -147,7 +147,7 @@ class AppArgs(BaseModel):
         None, description="the intermediate layers (hidden_states_layers numbering) a compiled engine "
                           "(enforce_eager: false) captures and steers at, traced into its forward at start; heads' "
                           "and registered steering vectors' layers are added; a request outside them is a 400 naming "
-                          "them (docs/configuration.md). Unset on an eager engine: every layer, by pre-hooks")
+                          "them (docs/configuration.md). Unset on an eager engine: every layer, by hooks")
     max_n: int = Field(16, ge=1, description="the largest `n` a request may ask for")
     ingress: Literal["router", "replica"] = Field(
         "router", description="who takes HTTP: a Router deployment in front of the replicas (retries a request "

@@ -267,8 +267,8 @@ class Clamp(msgspec.Struct, array_like=True, frozen=True):
 
 
 class SteerEntry(msgspec.Struct, array_like=True, frozen=True):
-    """One steering entry as the workers apply it: at the stream entering decoder layer `layer`
-    (transformers' hidden_states[layer]), on the rows of absolute positions start..end-1 (end -1: to
+    """One steering entry as the workers apply it: at transformers' hidden_states[layer] (the output
+    of decoder layer layer - 1), on the rows of absolute positions start..end-1 (end -1: to
     the end; `positions` names them as asked, "prompt", "completion" or "all", and `steering.anchor`
     sets them from the prompt's length), `op` "add" (+ scale x vector), "ablate" (the unit
     vector's component projected out), "cap" (that component limited to `cap`) or "clamp" (an SAE

@@ -2,9 +2,9 @@
 model, the registered vectors and the SAE heads, into the entries the workers apply
 (`protocol.SteerEntry`), what the response echoes, and the digest that joins the cache salt.
 
-Layers are numbered as `hidden_states_layers`: entry layer L adds to the stream entering decoder
-layer L, transformers' `hidden_states[L]` (0: the embeddings' output; L - 1 at most: the stream
-after the final norm is not steerable). Registered vectors (`steering_vectors`) are read at start:
+Layers are numbered as `hidden_states_layers`: entry layer L changes transformers' `hidden_states[L]`,
+the output of decoder layer L - 1 (0: the embeddings' output; n - 1 at most: the stream after the
+final norm is not steerable). Registered vectors (`steering_vectors`) are read at start:
 - `.gguf`: a control vector as repeng exports it and llama.cpp reads it, `direction.N` tensors, each
   added to the output of decoder layer N (0-based), i.e. this server's layer N + 1;
 - `.safetensors`: a `vector` tensor [D] (the entry's `layer` says where), or `direction.N` tensors as
@@ -197,8 +197,8 @@ def resolve(spec: Any, num_layers: int, hidden_size: int, vectors: Mapping[str, 
             absolute = absolute_layer(layer, num_layers)
             if not 0 <= absolute < num_layers:
                 raise HiddenStatesRequestError(
-                    f"{where}: layer {layer} out of range: steering adds to the stream entering decoder layer L, "
-                    f"L from 0 (the embeddings' output) to {num_layers - 1} (the stream after the final norm, "
+                    f"{where}: layer {layer} out of range: steering changes transformers' hidden_states[L], the output of "
+                    f"decoder layer L - 1, L from 0 (the embeddings' output) to {num_layers - 1} (the stream after the final norm, "
                     f"{num_layers} or -1, is not steerable)", "hidden_states_steering")
             if ask.op in ("ablate", "cap") and not np.any(v):
                 raise HiddenStatesRequestError(f"{where}: {'ablating' if ask.op == 'ablate' else 'capping along'} a "

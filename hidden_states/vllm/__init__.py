@@ -121,16 +121,16 @@ Ledger of patched points (supported: vLLM {SUPPORTED}):
    each request's `SamplingParams.extra_args` off the runner's `requests[rid]`
    (`CachedRequestState.num_prompt_tokens`), its rows from
    `input_batch.num_computed_tokens_cpu` and `query_start_loc`, and changes the
-   stream in the decoder layers' forward pre-hooks (returning new args), on every
+   stream at each layer's site (point 8: hooks returning new args or output), on every
    tensor-parallel rank. Remove: never; re-check when the runner's batch state changes.
 16. The static layer set (`capture_layers`, worker/traced.py): compiled engines,
    and eager ones started with it. The set travels in
    `VllmConfig.additional_config["hidden_states"]` (hashed into vLLM's
    compile-cache key). `gpu_worker.Worker.load_model` (CPU and XPU workers
    inherit it) is wrapped at class level when the worker extension is imported,
-   before the model loads; after it loads, each decoder layer in the set gets an
-   instance `forward` entering through steering and capture on buffers registered
-   on the layer (`register_buffer(persistent=False)`, [max tokens, D], allocated
+   before the model loads; after it loads, each layer L of the set gets its
+   steering and capture in the instance `forward` of decoder layer L - 1 (after it;
+   layer 0: before decoder layer 0), on buffers registered on that module (`register_buffer(persistent=False)`, [max tokens, D], allocated
    once), traced by torch.compile with the model and replayed by CUDA graphs.
    `GPUModelRunner._model_forward` is wrapped on the runner instance to write a
    step's steering into those buffers before the forward and clear them after

@@ -80,7 +80,7 @@ def _static_layers(capture_layers: Sequence[int] | None, heads: Sequence[HeadSpe
     """The decoder layers the engine's forward captures and steers at, fixed at start (traced.py):
     `capture_layers` (in `hidden_states_layers` numbering; the last layer, L or -1, is always served)
     with the intermediate heads' and the registered steering vectors' layers added; None on an eager
-    engine started without `capture_layers` (there the pre-hooks serve every layer)."""
+    engine started without `capture_layers` (there the layer hooks serve every layer)."""
     if capture_layers is None and not compiled:
         return None
     layers = set()
@@ -168,7 +168,7 @@ class HiddenStatesEngine(VectorObservers):
         """`heads`: [{name, path, layer?, ...}] run on the device (hidden_states/heads.py), checked
         against the model before the engine starts. `capture_layers`: the intermediate layers a
         compiled engine serves and steers at, traced into its forward (worker/traced.py); on an eager
-        engine, None serves every layer through pre-hooks."""
+        engine, None serves every layer through hooks."""
         check_vllm_version()
         if heads and not enable_return_hidden_states:
             raise EngineStartupError("heads need enable_return_hidden_states: true (a request reads them as it "

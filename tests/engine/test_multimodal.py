@@ -204,15 +204,17 @@ def test_an_extraction_step_sees_the_same_image_and_reuses_its_encoding(vlm, loo
     tail step's vector bit for bit (the same image by hash, not the placeholder tokens alone) and
     must not run the vision encoder again (its output is in the encoder cache)."""
     folder, eng, fe = vlm
-    messages = about(4)
-    status, tail = loop_thread.run(chat(fe, messages, return_hidden_states=True))
+    messages, layers = about(4), [*range(eng.num_layers), -1]
+    status, tail = loop_thread.run(chat(fe, messages, return_hidden_states=True, hidden_states_layers=layers))
     assert status == 200 and tail["choices"][0]["hidden_states_meta"]["via"] == "tail", tail
     before = loop_thread.run(eng.stats())
-    status, extracted = loop_thread.run(chat(fe, messages, return_hidden_states=True, stop=["never in this text"]))
+    status, extracted = loop_thread.run(chat(fe, messages, return_hidden_states=True, hidden_states_layers=layers,
+                                             stop=["never in this text"]))
     after = loop_thread.run(eng.stats())
     a, b = tail["choices"][0], extracted["choices"][0]
     assert b["hidden_states_meta"]["via"] == "extraction" and after["extractions"] == before["extractions"] + 1
-    assert a["token_ids"] == b["token_ids"] and a["hidden_states"] == b["hidden_states"]
+    # every layer's row of the final token, bit for bit
+    assert a["token_ids"] == b["token_ids"] and a["hidden_states_by_layer"] == b["hidden_states_by_layer"]
     # the generation encodes the image once (the encoder cache may even hold it from the first request);
     # the extraction step adds no encoder pass
     encoded = sum(w["encoder_items"] for w in after["workers"]) - sum(w["encoder_items"] for w in before["workers"])
@@ -322,6 +324,51 @@ def test_heads_and_steering_with_an_image_in_the_prompt(vlm, loop_thread):
         assert_close(rows, ref[int(layer)])
     assert [int(np.argmax(logits[t])) for t in range(P - 1, len(ids) - 1)] == ch["token_ids"]
     assert ch["token_ids"] != plain, "the steering changed nothing"
+
+
+def test_an_ablation_after_an_add_at_the_injected_layers_is_transformers_with_the_same_hooks(vlm, loop_thread):
+    """Steering at layer L acts on transformers' `hidden_states[L]`, the output of decoder layer L - 1, before
+    anything the model adds between layers (Qwen3-VL's DeepStack, after layers 0 and 1 at the image's
+    positions): an add at layer 1 and an ablation at layer 2, over every position, against transformers with
+    the same hooks, every layer's rows and every greedy token. An add commutes with DeepStack's: the
+    stream entering the next layer is the same whichever comes first (checked in transformers)."""
+    from tests.vlm_ref import load, model_inputs, steered_forward
+
+    folder, eng, fe = vlm
+    rng = np.random.default_rng(8)
+    add, away = (rng.normal(size=128).astype("<f4") * 0.5 for _ in range(2))
+    b64 = lambda v: base64.b64encode(v.tobytes()).decode()  # noqa: E731
+    steer = [{"layer": 1, "vector": b64(add), "positions": "all"},
+             {"layer": 2, "vector": b64(away), "op": "ablate", "positions": "all"}]
+    status, out = loop_thread.run(chat(fe, about(13), max_tokens=6, return_hidden_states=True,
+                                       hidden_states_position="all", hidden_states_layers=[*range(eng.num_layers), -1],
+                                       hidden_states_steering=steer))
+    assert status == 200, out
+    ch = out["choices"][0]
+    P, ids = len(out["prompt_token_ids"]), out["prompt_token_ids"] + ch["token_ids"]
+    entries = [(1, "add", "all", 1.0, add), (2, "ablate", "all", 1.0, away)]
+    ref, logits = steered_forward(folder, ids, [image(13)], entries, P)
+    for layer, rows in ch["hidden_states_by_layer"].items():
+        assert_close(rows, ref[int(layer)])
+    assert [int(np.argmax(logits[t])) for t in range(P - 1, len(ids) - 1)] == ch["token_ids"]
+
+    model, _ = load(str(folder))
+    if not getattr(model.config.vision_config, "deepstack_visual_indexes", None):
+        return
+    import torch
+
+    def add_entering(module, args, kwargs):  # the same add at the input of decoder layer 1: after DeepStack's
+        hidden = (args[0] if args else kwargs["hidden_states"]) + torch.as_tensor(add)
+        return ((hidden, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": hidden})
+
+    handle = model.model.language_model.layers[1].register_forward_pre_hook(add_entering, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            entering = model(**model_inputs(str(folder), ids, [image(13)]), use_cache=False).logits[0].numpy()
+    finally:
+        handle.remove()
+    _, at_output = steered_forward(folder, ids, [image(13)], [(1, "add", "all", 1.0, add)], P)
+    assert_close(entering, at_output)  # the same up to float rounding
 
 
 def test_a_local_file_under_the_allowed_path_is_the_same_image(vlm, loop_thread, media_dir):

@@ -74,7 +74,7 @@ def _rows_of(blocks: list, members: list[int]) -> Any:
 
 
 def _gather(hidden: Any, residual: Any, flat: list[int]) -> Any:
-    """Rows `flat` of the stream entering a layer: vLLM carries it as hidden + residual (None before layer 0)."""
+    """Rows `flat` of a layer's stream: vLLM carries it as hidden + residual (None before layer 0)."""
     import torch
 
     pos = torch.tensor(flat, device=hidden.device)

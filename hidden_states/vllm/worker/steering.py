@@ -1,11 +1,11 @@
-"""Steering: per-request additions to the residual stream, applied in the decoder layers' pre-hooks
+"""Steering: per-request additions to the residual stream, applied at each layer's site (layers.entry_site)
 (eager engines) or by the traced entries of the static layer set (traced.py, compiled engines).
 
 Each steered request carries its entries in its own sampling params (`protocol.STEER_KEY`,
 `protocol.SteerEntry`); every worker reads them off its copy of the request, so every
 tensor-parallel rank applies them. Per step and layer, one persistent buffer of the step's token
 rows x D holds each steered row's delta and zeros elsewhere, with a row mask beside it; the stream
-entering the layer becomes where(mask, stream + delta, stream) (static shapes, as a CUDA graph
+at the layer becomes where(mask, stream + delta, stream) (static shapes, as a CUDA graph
 would need), so an unsteered row keeps its exact bits. `add` puts scale x vector into the buffer; `ablate` puts minus the
 stream's component along the unit vector (after the entries before it); `cap` minus the part of
 that component above its bound; `clamp` (value - f(stream)) x the SAE feature's decoder row, f the
@@ -147,7 +147,7 @@ class StepSteering:
         return got[1][monitor]
 
     def apply(self, layer: int, hidden: Any, residual: Any) -> Any:
-        """The stream entering `layer` steered: a new `hidden` (hidden + buffer), or None if no row is."""
+        """Layer `layer`'s row (hidden + residual) steered: a new `hidden` (hidden + buffer), or None if no row is."""
         if self._so is None or not self._so.num_scheduled_tokens or self.traced is not None:
             return None
         wanted = self._step_plan().get(layer)

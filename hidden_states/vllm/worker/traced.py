@@ -1,6 +1,6 @@
 """Layers and steering inside the compiled forward: the engine's static layer set (ledger point 16).
 
-A compiled engine (torch.compile; CUDA graphs on GPUs) does not run forward pre-hooks added after
+A compiled engine (torch.compile; CUDA graphs on GPUs) does not run forward hooks added after
 it traced the model, so the capture cannot slice rows there. Instead, before the first forward
 traces the model (`Worker.load_model`, wrapped once per worker process by `patch_load_model`),
 each layer L in the engine's static set (`capture_layers`, carried to the workers in
