@@ -109,10 +109,10 @@ def assert_sae_topk(indices, values, ref: np.ndarray, k: int) -> tuple[float, fl
 # architecture, 8x wider than D, at each kind of hook point, and two linear heads.
 # (name, architecture, hook point, this server's layer)
 TINY_SAES = [("sae-std", "standard", "blocks.0.hook_resid_post", 1),
-             ("sae-topk", "topk", "ln_final.hook_normalized", 2),
+             ("sae-topk", "topk", "ln_final.hook_normalized", -1),  # the last layer: 2 on the tiny Llama
              ("sae-jump", "jumprelu", "blocks.1.hook_resid_pre", 1),
              ("sae-gated", "gated", "blocks.0.hook_resid_pre", 0)]
-TINY_LINEAR = [("probe", 2, {"activation": "softmax", "labels": ["neg", "neutral", "pos"]}),
+TINY_LINEAR = [("probe", -1, {"activation": "softmax", "labels": ["neg", "neutral", "pos"]}),
                ("mid", 1, {"layer": 1, "activation": "sigmoid"})]
 TINY_D, TINY_F, TINY_TOPK_K = 128, 1024, 16
 HEAD_LAYERS = {name: layer for name, _, _, layer in TINY_SAES} | {name: layer for name, layer, _ in TINY_LINEAR}
