@@ -301,7 +301,7 @@ def test_a_compiled_engine_serves_its_static_layers_and_names_them():
     eng._enabled, eng.num_layers, eng.architecture, eng.eager = True, 4, "LlamaForCausalLM", False
     eng.hidden_size, eng.steering_vectors, eng.heads = 8, {}, {}
     eng.layer_capture = {"layer_structure": True, "layer_capture": True, "layer_capture_reason": None,
-                         "capture_layers": [1, 3]}
+                         "layer_capture_verified": True, "capture_layers": [1, 3]}
     assert eng.check_layers([1, 3, -1, 4]) == (1, 3, -1, 4)
     with pytest.raises(HiddenStatesRequestError, match=r"\[2\] are outside this engine's capture_layers \[1, 3\]") as e:
         eng.check_layers([2, -1])
@@ -320,7 +320,8 @@ def test_a_compiled_engine_serves_its_static_layers_and_names_them():
     with pytest.raises(HiddenStatesRequestError, match="two ablations/clamps/caps of the same positions at layer 1"):
         steer({"layer": 1, "vector": vec, "op": "ablate"}, {"layer": 1, "vector": vec, "op": "ablate",
                                                            "positions": "prompt"})
-    eng.layer_capture = {"layer_structure": True, "layer_capture": False, "layer_capture_reason": "compiled"}
+    eng.layer_capture = {"layer_structure": True, "layer_capture": False, "layer_capture_reason": "compiled",
+                         "layer_capture_verified": True}
     with pytest.raises(HiddenStatesRequestError, match="need capture_layers at start"):
         eng.check_layers([1])
 

@@ -330,7 +330,8 @@ def test_an_ablation_after_an_add_at_the_injected_layers_is_transformers_with_th
     """Steering at layer L acts on transformers' `hidden_states[L]`, the output of decoder layer L - 1, before
     anything the model adds between layers (Qwen3-VL's DeepStack, after layers 0 and 1 at the image's
     positions): an add at layer 1 and an ablation at layer 2, over every position, against transformers with
-    the same hooks, every layer's rows and every greedy token. An add commutes with DeepStack's: the
+    the same hooks, every layer's rows and every greedy token (on a 2-layer text stack both at layer 1,
+    its last steerable one). An add commutes with DeepStack's: the
     stream entering the next layer is the same whichever comes first (checked in transformers)."""
     from tests.vlm_ref import load, model_inputs, steered_forward
 
@@ -338,15 +339,16 @@ def test_an_ablation_after_an_add_at_the_injected_layers_is_transformers_with_th
     rng = np.random.default_rng(8)
     add, away = (rng.normal(size=128).astype("<f4") * 0.5 for _ in range(2))
     b64 = lambda v: base64.b64encode(v.tobytes()).decode()  # noqa: E731
+    last = min(2, eng.num_layers - 1)
     steer = [{"layer": 1, "vector": b64(add), "positions": "all"},
-             {"layer": 2, "vector": b64(away), "op": "ablate", "positions": "all"}]
+             {"layer": last, "vector": b64(away), "op": "ablate", "positions": "all"}]
     status, out = loop_thread.run(chat(fe, about(13), max_tokens=6, return_hidden_states=True,
                                        hidden_states_position="all", hidden_states_layers=[*range(eng.num_layers), -1],
                                        hidden_states_steering=steer))
     assert status == 200, out
     ch = out["choices"][0]
     P, ids = len(out["prompt_token_ids"]), out["prompt_token_ids"] + ch["token_ids"]
-    entries = [(1, "add", "all", 1.0, add), (2, "ablate", "all", 1.0, away)]
+    entries = [(1, "add", "all", 1.0, add), (last, "ablate", "all", 1.0, away)]
     ref, logits = steered_forward(folder, ids, [image(13)], entries, P)
     for layer, rows in ch["hidden_states_by_layer"].items():
         assert_close(rows, ref[int(layer)])
