@@ -1,5 +1,5 @@
 # The two README commands. Both run scripts/setup.sh first (seconds when nothing changed).
-.PHONY: setup serve test test-long bench gpu-check
+.PHONY: setup serve test test-unit test-fast lint test-long bench gpu-check
 
 setup:
 	bash scripts/setup.sh
@@ -7,8 +7,22 @@ setup:
 serve: setup
 	bash scripts/serve.sh config.yaml
 
-test: setup
+test: setup lint
 	.venv/bin/python -m pytest -q -ra
+
+# One tier: our own logic, no vLLM engine and no Ray (a few minutes).
+test-unit: setup
+	.venv/bin/python -m pytest -q -ra tests/unit
+
+# The tiers without a vLLM engine: unit, the project's scaffolding, and Serve on a fake engine.
+test-fast: setup
+	.venv/bin/python -m pytest -q -ra tests/unit tests/scaffolding tests/fast
+
+# ruff's format and check (pyproject.toml), and the vLLM/Ray drift check.
+lint: setup
+	.venv/bin/python -m ruff format --check .
+	.venv/bin/python -m ruff check .
+	.venv/bin/python -m hidden_states.vllm.drift --check
 
 # Tests that take more than a few minutes (load, faults, multi-node): not in CI.
 test-long: setup

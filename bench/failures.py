@@ -44,7 +44,7 @@ TITLES = {"proxy": "ray::ProxyActor", "router": f"ray::ServeReplica:{APP}:Router
 SLOW = 2.0  # a latency over SLOW x the p99 of the requests answered before the kill is not normal
 
 
-# -- pure logic (tests/unit/test_simulate.py) ---------------------------------------------------------
+# -- pure logic (tests/scaffolding/test_simulate.py) ---------------------------------------------------------
 
 def outcome(r: Req) -> str:
     """How a request ended: "ok", "timeout" (the client's), "http NNN", or the exception's class."""

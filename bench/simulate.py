@@ -90,7 +90,7 @@ def deploy_config(args: dict, http_port: int) -> dict:
                               "args": args, "deployments": [{"name": "EngineReplica", "ray_actor_options": actor}]}]}
 
 
-# -- pure logic (tests/unit/test_simulate.py) --------------------------------------------------------
+# -- pure logic (tests/scaffolding/test_simulate.py) --------------------------------------------------------
 
 def poisson_arrivals(segments: list[tuple[float, float, float]], seed: int) -> list[float]:
     """Arrival times (s from 0) of a Poisson process whose rate goes linearly from r0 to r1 over each

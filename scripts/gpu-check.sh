@@ -11,7 +11,7 @@
 #    eager engine. Exit 1 if a check failed.
 # 2. With --suites: tests/engine/test_compiled.py, then the engine and serve suites with vLLM's GPU
 #    defaults (CUDA graphs, async scheduling; HS_TEST_ACCELERATOR=gpu): an hour or more.
-# `--dry-run` prints the commands and runs none (tests/unit/test_setup.py runs it).
+# `--dry-run` prints the commands and runs none (tests/scaffolding/test_setup.py runs it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DRY=0 SUITES=0

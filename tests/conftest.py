@@ -1,8 +1,9 @@
 """Shared fixtures: the built-in model, the transformers reference, an event loop thread, engines
 (`engine_fixture`: started, checked when they stop, shut down).
 
-Tests are marked by folder: unit (no vLLM), engine (real vLLM), serve (real Ray
-Serve over HTTP), cluster. Engines start once per module, not once per test.
+Tests are marked by folder: unit (no vLLM, no Ray), scaffolding (the project's docs, set-up,
+bench and configs), fast (Serve on a fake engine), engine (real vLLM), serve (real Ray Serve over
+HTTP), batch, cluster. Engines start once per module, not once per test.
 """
 
 from __future__ import annotations
@@ -253,6 +254,18 @@ def engine_fixture(model: str = TEST_MODEL, *, setup=None, **options):
             yield eng
 
     return engine
+
+
+def sampling(**defaults):
+    """An engine test module's `sp(**kw)`: vLLM SamplingParams, greedy, with the module's defaults
+    (e.g. `max_tokens`); keywords override both."""
+
+    def sp(**kw):
+        from vllm import SamplingParams
+
+        return SamplingParams(**{"temperature": 0.0, **defaults, **kw})
+
+    return sp
 
 
 def long_text(words: int, seed: int = 0) -> str:

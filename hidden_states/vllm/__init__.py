@@ -247,11 +247,25 @@ def _require(cond: bool, what: str) -> None:
         )
 
 
-def check_vllm_version() -> None:
+def check_vllm_version(*, drift: bool = False) -> None:
+    """Refuses a vLLM outside the tested range. With `drift` (an engine's start), also runs the drift check
+    (hidden_states/vllm/drift.py; its result cached per installed vLLM, Ray and table): a drifted symbol
+    refuses the start, naming it, and a refused version says what the check found."""
     import vllm
 
+    found = []
+    if drift:
+        from hidden_states.vllm.drift import cached_check
+
+        found = cached_check()
+    tested = ", ".join(v + "x" for v in SUPPORTED_VLLM)
+    shown = "; ".join(found[:8]) + (f"; and {len(found) - 8} more" if len(found) > 8 else "")
     if not vllm.__version__.startswith(SUPPORTED_VLLM):
+        what = (f"; the drift check found {len(found)} drifted symbol(s): {shown}" if found else
+                "; the drift check found none drifted" if drift else "")
         raise VLLMIncompatibleError(
-            f"vLLM {vllm.__version__} is not supported; install one of "
-            f"{', '.join(v + 'x' for v in SUPPORTED_VLLM)} (scripts/setup.sh does)"
-        )
+            f"vLLM {vllm.__version__} is not supported; install one of {tested} (scripts/setup.sh does){what}")
+    if found:
+        raise VLLMIncompatibleError(
+            f"vLLM {vllm.__version__}: {len(found)} symbol(s) this project relies on drifted "
+            f"(python -m hidden_states.vllm.drift --check lists them): {shown}")

@@ -169,7 +169,7 @@ class HiddenStatesEngine(VectorObservers):
         against the model before the engine starts. `capture_layers`: the intermediate layers a
         compiled engine serves and steers at, traced into its forward (worker/traced.py); on an eager
         engine, None serves every layer through hooks."""
-        check_vllm_version()
+        check_vllm_version(drift=True)
         if heads and not enable_return_hidden_states:
             raise EngineStartupError("heads need enable_return_hidden_states: true (a request reads them as it "
                                      "reads hidden states)")

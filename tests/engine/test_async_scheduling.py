@@ -20,7 +20,7 @@ import asyncio
 import numpy as np
 import pytest
 
-from tests.conftest import TEST_ENGINE_ARGS, cpu_only, long_text, running_engine
+from tests.conftest import TEST_ENGINE_ARGS, cpu_only, long_text, running_engine, sampling
 
 pytestmark = cpu_only  # the shim stands in for CUDA: on a GPU the real async path runs (make gpu-check)
 
@@ -42,12 +42,7 @@ def async_engine(loop_thread):
         yield eng
 
 
-def sp(**kw):
-    from vllm import SamplingParams
-
-    kw.setdefault("max_tokens", 16)
-    kw.setdefault("temperature", 0.0)
-    return SamplingParams(**kw)
+sp = sampling(max_tokens=16)  # greedy SamplingParams; keywords override
 
 
 def _rows(reference, ids) -> np.ndarray:

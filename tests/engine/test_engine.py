@@ -9,7 +9,7 @@ import pytest
 
 from hidden_states.params import spec_of
 from hidden_states.protocol import FAULT_INJECT_KEY, FAULT_INJECTION_ENV
-from tests.conftest import TEST_ENGINE_ARGS, cpu_only, engine_fixture, long_text, openai_answer
+from tests.conftest import TEST_ENGINE_ARGS, cpu_only, engine_fixture, long_text, openai_answer, sampling
 
 PROMPTS = [
     "Hello! How are you today?",
@@ -34,12 +34,7 @@ plain_engine = engine_fixture(setup=lambda engine: None, clean=(), enable_return
                               scheduling_policy="priority", **TEST_ENGINE_ARGS)
 
 
-def sp(**kw):
-    from vllm import SamplingParams
-
-    kw.setdefault("max_tokens", 24)
-    kw.setdefault("temperature", 0.0)
-    return SamplingParams(**kw)
+sp = sampling(max_tokens=24)  # greedy SamplingParams; keywords override
 
 
 def test_one_prompt_greedy(engine, loop_thread, reference):

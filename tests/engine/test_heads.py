@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.conftest import TEST_ENGINE_ARGS, TEST_MODEL, eager_only, engine_fixture, openai_answer
+from tests.conftest import TEST_ENGINE_ARGS, TEST_MODEL, eager_only, engine_fixture, openai_answer, sampling
 from tests.heads_ref import TINY_F as F, crossing
 from tests.heads_ref import TINY_TOPK_K as TOPK_K
 from tests.heads_ref import build_test_heads, check_heads
@@ -33,12 +33,7 @@ def heads():
 engine = engine_fixture(setup=lambda heads: {"heads": heads}, errors=ERRORS, **TEST_ENGINE_ARGS)
 
 
-def sp(**kw):
-    from vllm import SamplingParams
-
-    kw.setdefault("max_tokens", 10)
-    kw.setdefault("temperature", 0.0)
-    return SamplingParams(**kw)
+sp = sampling(max_tokens=10)  # greedy SamplingParams; keywords override
 
 
 def states(reference, ids) -> list[np.ndarray]:

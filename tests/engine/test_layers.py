@@ -22,7 +22,7 @@ import torch
 
 from hidden_states.models.builtin import SPECS
 from hidden_states.vllm import LONG_TESTED, VERIFIED_LAYER_ARCHS
-from tests.conftest import TEST_ENGINE_ARGS, Reference, long_text
+from tests.conftest import Reference, TEST_ENGINE_ARGS, long_text, sampling
 
 # As every test engine, but a 64 MiB KV cache (a fixed size, whatever the machine's
 # memory), no warm-up (the tests do not measure speed) and always eager: intermediate
@@ -53,12 +53,7 @@ def setup(request, loop_thread):
     eng.shutdown()
 
 
-def sp(**kw):
-    from vllm import SamplingParams
-
-    kw.setdefault("max_tokens", 12)
-    kw.setdefault("temperature", 0.0)
-    return SamplingParams(**kw)
+sp = sampling(max_tokens=12)  # greedy SamplingParams; keywords override
 
 
 def assert_close(ref: Reference, ids, vec, layer: int, arch: str = "") -> float:
@@ -349,6 +344,40 @@ def test_an_architecture_without_traced_capture_says_why():
     found = hook.install_layer_hooks()
     assert not found["layer_capture"] and "GraniteDecoderLayer" in found["layer_capture_reason"]
     assert _hooks(layers) == [(0, 0), (0, 0)]
+
+
+@pytest.mark.parametrize("arch, traced", [("LlamaForCausalLM", True), ("ToyForCausalLM", False)])
+def test_the_traced_set_sits_at_transformers_sites_and_only_on_verified_architectures(arch, traced):
+    """capture_layers [0, 1] (worker/traced.py): layer 0's entry at the input of decoder layer 0, layer 1's
+    at its output, both on layer 0's module; the rows are transformers' hidden_states[0] and [1]. On an
+    unverified architecture nothing is traced and the reason names the verified families, the words the
+    start-up error then carries."""
+    from hidden_states.protocol import with_capture_layers
+    from hidden_states.vllm.worker.traced import TRACED_ATTR, install
+
+    hf = types.SimpleNamespace(num_hidden_layers=2, architectures=[arch])
+    mc = types.SimpleNamespace(hf_config=hf, hf_text_config=hf, enforce_eager=False, dtype=torch.float32,
+                               get_hidden_size=lambda: 8)
+    model = torch.nn.Module()
+    model.model = torch.nn.Module()
+    model.model.layers = torch.nn.ModuleList([_Layer(), _Layer()])
+    cfg = types.SimpleNamespace(model_config=mc, additional_config={},
+                                compilation_config=types.SimpleNamespace(max_cudagraph_capture_size=0))
+    with_capture_layers(cfg, [0, 1])
+    runner = types.SimpleNamespace(vllm_config=cfg, max_num_tokens=4, get_model=lambda: model)
+    install(runner)
+    found = getattr(runner, TRACED_ATTR)
+    if not traced:
+        assert isinstance(found, str) and "ToyForCausalLM" in found and "Qwen3VL" in found, found
+        return
+    assert sorted(found.slots) == [0, 1]
+    assert [(s.module is model.model.layers[0], s.at) for s in found.slots.values()] == [(True, "input"),
+                                                                                        (True, "output")]
+    hidden = torch.randn(3, 8)
+    with torch.inference_mode():
+        h1, r1 = model.model.layers[0](torch.arange(3), hidden, None)
+    assert torch.equal(found.rows(0)[:3], hidden)  # the embeddings: layer 0's input
+    assert torch.equal(found.rows(1)[:3], h1 + r1)  # layer 0's output, hidden + residual
 
 
 class _FakeRunner:

@@ -18,7 +18,7 @@ import json
 import numpy as np
 import pytest
 
-from tests.conftest import ON_GPU, TEST_ENGINE_ARGS, TEST_MODEL, Reference, build_lora, long_text
+from tests.conftest import ON_GPU, Reference, TEST_ENGINE_ARGS, TEST_MODEL, build_lora, long_text, sampling
 
 BASE = "tiny-llama"
 PROMPTS = ["Hello! How are you today?", "The router sends every completion to a replica",
@@ -59,12 +59,7 @@ def engine(served):
     return served[0]
 
 
-def sp(**kw):
-    from vllm import SamplingParams
-
-    kw.setdefault("max_tokens", 16)
-    kw.setdefault("temperature", 0.0)
-    return SamplingParams(**kw)
+sp = sampling(max_tokens=16)  # greedy SamplingParams; keywords override
 
 
 def assert_adapters(refs, model: str | None, token_ids, vector) -> tuple[float, float]:

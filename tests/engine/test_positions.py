@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from hidden_states.params import spec_of
-from tests.conftest import TEST_ENGINE_ARGS, engine_fixture, long_text, openai_answer
+from tests.conftest import TEST_ENGINE_ARGS, engine_fixture, long_text, openai_answer, sampling
 
 PROMPTS = [
     "Hello! How are you today?",
@@ -25,12 +25,7 @@ ERRORS: list[tuple[str, float, float]] = []  # (case, max abs error, max |refere
 engine = engine_fixture(max_hidden_states_bytes=BOUND, one_more_step=PROMPTS[0], errors=ERRORS, **TEST_ENGINE_ARGS)
 
 
-def sp(**kw):
-    from vllm import SamplingParams
-
-    kw.setdefault("max_tokens", 16)
-    kw.setdefault("temperature", 0.0)
-    return SamplingParams(**kw)
+sp = sampling(max_tokens=16)  # greedy SamplingParams; keywords override
 
 
 def reference_states(reference, ids, layer: int = -1) -> np.ndarray:

@@ -12,7 +12,7 @@ import asyncio
 import numpy as np
 import pytest
 
-from tests.conftest import Reference, engine_fixture
+from tests.conftest import Reference, engine_fixture, sampling
 
 MODEL = "builtin:smollm2-135m-instruct"
 ENGINE_ARGS = dict(
@@ -40,12 +40,7 @@ def smollm2_reference(smollm2_dir) -> Reference:
 engine = engine_fixture(MODEL, setup=lambda smollm2_dir: None, clean=(), **ENGINE_ARGS)  # the model folder first
 
 
-def sp(**kw):
-    from vllm import SamplingParams
-
-    kw.setdefault("max_tokens", 32)
-    kw.setdefault("temperature", 0.0)
-    return SamplingParams(**kw)
+sp = sampling(max_tokens=32)  # greedy SamplingParams; keywords override
 
 
 def chat_ids(tokenizer, messages) -> list[int]:

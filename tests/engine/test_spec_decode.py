@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.conftest import TEST_ENGINE_ARGS, TEST_MODEL, long_text, running_engine
+from tests.conftest import TEST_ENGINE_ARGS, TEST_MODEL, long_text, running_engine, sampling
 from tests.engine.draft_heads import build_eagle_head, build_mimo_target, build_perturbed_draft
 
 PROMPTS = [
@@ -71,12 +71,7 @@ def spec_engine(request, loop_thread, model_dir, reference, tmp_path_factory):
         yield eng
 
 
-def sp(**kw):
-    from vllm import SamplingParams
-
-    kw.setdefault("max_tokens", 24)
-    kw.setdefault("temperature", 0.0)
-    return SamplingParams(**kw)
+sp = sampling(max_tokens=24)  # greedy SamplingParams; keywords override
 
 
 def _all_rows(reference, token_ids, layer: int = -1) -> np.ndarray:

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from hidden_states.protocol import FAULT_INJECT_KEY, FAULT_INJECTION_ENV
-from tests.conftest import TEST_ENGINE_ARGS, TEST_MODEL, eager_only, engine_fixture, long_text, openai_answer
+from tests.conftest import TEST_ENGINE_ARGS, TEST_MODEL, eager_only, engine_fixture, long_text, openai_answer, sampling
 from tests.heads_ref import build_test_heads
 from tests.steer_ref import steered_greedy, steered_states, write_gguf
 
@@ -54,12 +54,7 @@ engine = engine_fixture(
     clean=("pending", "missing_vectors"), errors=ERRORS, env={FAULT_INJECTION_ENV: "1"}, **TEST_ENGINE_ARGS)
 
 
-def sp(**kw):
-    from vllm import SamplingParams
-
-    kw.setdefault("max_tokens", 10)
-    kw.setdefault("temperature", 0.0)
-    return SamplingParams(**kw)
+sp = sampling(max_tokens=10)  # greedy SamplingParams; keywords override
 
 
 def as_entries(steering: list[dict], resolved: dict | None = None) -> list[tuple]:

@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 
 from hidden_states.params import spec_of
-from tests.conftest import TEST_ENGINE_ARGS, TEST_MODEL, cpu_only
+from tests.conftest import TEST_ENGINE_ARGS, TEST_MODEL, cpu_only, sampling
 
 HOOK = '''
 import os
@@ -93,12 +93,7 @@ def start_counted(loop_thread, tmp: Path, env: dict | None = None, **args) -> Co
     return Counted(eng, folder)
 
 
-def sp(**kw):
-    from vllm import SamplingParams
-
-    kw.setdefault("max_tokens", 12)
-    kw.setdefault("temperature", 0.0)
-    return SamplingParams(**kw)
+sp = sampling(max_tokens=12)  # greedy SamplingParams; keywords override
 
 
 async def _streamed(eng, prompt_ids, params, hs: bool):

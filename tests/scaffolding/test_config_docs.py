@@ -18,7 +18,7 @@ import pytest
 from bench import report
 from deployments.config import AppArgs, AutoscalingConfig
 from tests.docs_metrics import dashboard_metric_names, documented_metric_names, exported_metric_names
-from tests.unit.test_docs import ROOT, readme
+from tests.scaffolding.test_docs import ROOT, readme
 
 CONFIGURATION = ROOT / "docs" / "configuration.md"
 RESULTS = ROOT / "bench" / "results"

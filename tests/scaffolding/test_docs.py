@@ -249,17 +249,17 @@ def test_readme_is_read_in_minutes():
 
 def test_the_checks_can_fail():
     """The patterns find what they are meant to find, and the lookups say no, so a pass means something."""
-    s = URL.sub(" ", "see `tests/unit/test_docs.py::test_nope[x]`, bench/results/tiny-quiet/ and "
+    s = URL.sub(" ", "see `tests/scaffolding/test_docs.py::test_nope[x]`, bench/results/tiny-quiet/ and "
                      "https://example.com/tests/x.py; run `make nope` and `.venv/bin/python -m bench.nope`. "
                      "It cannot make a vector differ; needs `make`.")
-    assert list(named_paths(s)) == ["tests/unit/test_docs.py", "bench/results/tiny-quiet/"]
+    assert list(named_paths(s)) == ["tests/scaffolding/test_docs.py", "bench/results/tiny-quiet/"]
     old = "`git show 1234abc:bench/gone.py` and 1234abc:bench/results/gone/ (now bench/results/kept/)"
     assert list(named_paths(old)) == ["bench/results/kept/"]
     assert list(named_history_paths(old)) == [("1234abc", "bench/gone.py"), ("1234abc", "bench/results/gone/")]
-    assert list(named_tests(s + " `tests/unit/test_docs.py`: `::test_too`; `::A::b`")) == [
-        "tests/unit/test_docs.py::test_nope", "tests/unit/test_docs.py::test_too", "tests/unit/test_docs.py::A::b"]
+    assert list(named_tests(s + " `tests/scaffolding/test_docs.py`: `::test_too`; `::A::b`")) == [
+        "tests/scaffolding/test_docs.py::test_nope", "tests/scaffolding/test_docs.py::test_too", "tests/scaffolding/test_docs.py::A::b"]
     assert list(named_tests("`::orphan`")) == ["::orphan"]  # no file before it: reported as such
-    assert "test_nope" not in defined_names(ROOT / "tests/unit/test_docs.py")
+    assert "test_nope" not in defined_names(ROOT / "tests/scaffolding/test_docs.py")
     assert list(named_targets(s)) == ["nope"] and "nope" not in make_targets() and "test" in make_targets()
     assert list(named_modules(s)) == ["bench.nope"] and not module_exists("bench.nope")
     assert module_exists("bench.spec") and module_exists("deployments.batch") and module_exists("pytest")
