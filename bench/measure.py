@@ -120,7 +120,7 @@ class CpuAccount:
 
     def delta(self, a: dict, b: dict) -> dict:
         roles: dict[str, float] = defaultdict(float)
-        for pid, (ppid, title, cpu) in b["procs"].items():
+        for pid, (_ppid, _title, cpu) in b["procs"].items():
             prev = a["procs"].get(pid)
             base = prev[2] if prev is not None else 0.0  # started during the window: all its CPU is in it
             role = self._role(pid, b["procs"])

@@ -74,8 +74,8 @@ def run(dims=(4096, 8192), min_time: float = 1.0, on_step=None) -> dict:
             back = parse(raw)
             assert back.dtype == np.float32 and np.array_equal(back, vec), f"{enc} did not round-trip exactly"
             value_bytes = len(json.dumps(encode_vector(vec, enc), separators=(",", ":")))
-            t_build = _time(lambda: build(vec, enc), min_time)
-            t_parse = _time(lambda: parse(raw), min_time)
+            t_build = _time(lambda vec=vec, enc=enc: build(vec, enc), min_time)
+            t_parse = _time(lambda raw=raw: parse(raw), min_time)
             row[enc] = {"vector_bytes": value_bytes, "response_bytes": len(raw),
                         "build_ms": t_build * 1e3, "parse_ms": t_parse * 1e3, "total_ms": (t_build + t_parse) * 1e3}
             if on_step:

@@ -140,7 +140,7 @@ def build_test_heads() -> list[dict]:
         make_sae(str(tmp / name), arch, TINY_D, TINY_F, hook, seed=i, k=TINY_TOPK_K)
         if name in DESCRIBED:
             write_explanations(str(tmp / name), DESCRIBED[name])
-    for i, (name, classes, _) in enumerate(TINY_LINEAR):
+    for i, (name, _, _) in enumerate(TINY_LINEAR):
         make_linear(str(tmp / f"{name}.safetensors"), TINY_D, (3, 2)[i], seed=10 + i)
     (tmp / "DONE").write_text("")
     try:

@@ -56,9 +56,9 @@ def build(dest: Path) -> Path:
         (tmp / MARKER).write_text(json.dumps(info, indent=1))
         try:
             tmp.rename(dest)
-        except OSError:
+        except OSError as e:
             if not (dest / MARKER).exists():  # not another process's finished build
-                raise RuntimeError(f"cannot move the built model into {dest}: remove that folder and retry")
+                raise RuntimeError(f"cannot move the built model into {dest}: remove that folder and retry") from e
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     say(f"done: {dest} ({folder_mb(dest)} MB, {time.perf_counter() - t0:.0f} s)")

@@ -300,7 +300,7 @@ class HiddenStatesEngine(VectorObservers):
                     "that scored that step's row", "hidden_states_steering")
         static = found.get("capture_layers")
         if static is not None:  # the traced entries (worker/traced.py): the static set, one ablation per row
-            for i, e in enumerate(entries):
+            for e in entries:
                 if e.layer not in static:
                     raise HiddenStatesRequestError(
                         f"hidden_states_steering: layer {e.layer} is outside this engine's capture_layers {static}: "

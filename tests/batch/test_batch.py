@@ -107,6 +107,7 @@ class RayCluster:
                 os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(30)
         # its workers end when they find their raylet gone; those still there after a few seconds are ended
+        left: list = []
         for sig, grace in ((None, 5), (signal.SIGTERM, 10), (signal.SIGKILL, 10)):
             if sig is not None:
                 for p in left:

@@ -78,7 +78,7 @@ def test_async_tail_vectors_exact_and_one_position_each(async_engine, loop_threa
     before = loop_thread.run(eng.stats())
     flagged, plain = loop_thread.run(run(True), timeout=600), loop_thread.run(run(False), timeout=600)
     computed, finishes = [], set()
-    for (prompt, params, kw), c, q in zip(cases, flagged, plain):
+    for (prompt, _params, kw), c, q in zip(cases, flagged, plain):
         assert [(ch.token_ids, ch.finish_reason) for ch in c.choices] == \
                [(ch.token_ids, ch.finish_reason) for ch in q.choices], (prompt, kw)
         position = kw.get("position", "completion_end")

@@ -51,7 +51,7 @@ def heads():
 
 # warm_up_s=0: the compile at the first forward is what this tests, not oneDNN's per-size kernels.
 engine = engine_fixture(
-    setup=lambda heads, registered: {"heads": heads, "steering_vectors": registered_vectors(registered)},
+    setup=lambda heads, registered: {"heads": heads, "steering_vectors": registered_vectors(registered)},  # noqa: F811
     timeout=900, warm_up_s=0, capture_layers=[0, 1], max_hidden_states_bytes=BOUND,
     env={FAULT_INJECTION_ENV: "1"}, **COMPILED_ARGS)  # faults injected into the traced steering and the heads
 

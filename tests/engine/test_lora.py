@@ -113,7 +113,7 @@ def test_two_adapters_and_the_base_in_one_batch(engine, loop_thread, refs):
             engine.complete(PROMPTS[2], sp(n=2, temperature=1.0, seed=7, max_tokens=12), model="lora-all"))
 
     *outs, pair = loop_thread.run(run())
-    for (prompt, model), c in zip(cases, outs):
+    for (_prompt, model), c in zip(cases, outs):
         ch = c.choices[0]
         assert ch.extraction.via == "tail", ch.extraction
         assert_adapters(refs, model, c.prompt_token_ids + ch.token_ids, ch.hidden_states)

@@ -137,7 +137,7 @@ def test_vectors_rows_and_layers_exact_at_batch_8(spec_engine, loop_thread):
     plain = loop_thread.run(run(cases, False), timeout=600)
     drafted, accepted = (b - a for a, b in zip((drafted0, accepted0), _spec_counts()))
     finishes = set()
-    for (prompt, params, kw), c, q in zip(cases, flagged, plain):
+    for (prompt, _params, kw), c, q in zip(cases, flagged, plain):
         # Parity: the same request without hidden states gets the same tokens and finishes, seeded
         # sampled requests included (without ledger point 13 they were not reproducible either).
         assert [(ch.token_ids, ch.finish_reason) for ch in c.choices] == \

@@ -30,8 +30,8 @@ URL = re.compile(r"[a-z][a-z0-9+.-]*://\S+", re.I)
 # A path under one of PREFIXES: a file with one of these extensions, or a folder written
 # with its trailing slash. `../` of relative links is dropped; a path inside a longer one
 # (`foo/tests/x.py`) is not taken.
-PATH = re.compile(r"(?<![\w.-])(?:\.\./)*((?:%s)/(?:[\w.-]+/)*(?:[\w.-]+\.(?:py|md|yaml|json|sh)\b|(?=[\s`'\")\],;:]|$)))"
-                  % "|".join(PREFIXES))
+PATH = re.compile(r"(?<![\w.-])(?:\.\./)*((?:" + "|".join(PREFIXES)
+                  + r")/(?:[\w.-]+/)*(?:[\w.-]+\.(?:py|md|yaml|json|sh)\b|(?=[\s`'\")\],;:]|$)))")
 # `tests/x/test_y.py::name` (or `::Class::name`; a parametrized id's `[...]` is not part of
 # the name); a test file named alone sets the file for a bare `::name` after it.
 TEST_ID = re.compile(r"(?<![\w/.:-])(?=tests/|::)(tests/(?:[\w.-]+/)*test_\w+\.py)?(?:::(\w+)(?:::(\w+))?)?")

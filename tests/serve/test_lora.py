@@ -186,7 +186,7 @@ def test_adapter_proof_checks_fail_against_a_broken_validation(refs, monkeypatch
     proofs = tl.build_proofs_base64(activations(refs["lora-all"], prompt + completion, len(prompt)),
                                     PROOF["decode_batching_size"], PROOF["topk"])
     adapter_proofs(lambda name, body: servers[name](body), tl, refs, "lora-all", prompt, completion, proofs)
-    for broken, breaks in sorted(BROKEN_VALIDATION.items()):
+    for _, breaks in sorted(BROKEN_VALIDATION.items()):
         with monkeypatch.context() as m:
             breaks(m)
             with pytest.raises(AssertionError):

@@ -572,7 +572,7 @@ def test_every_vllm_request_field_is_classified():
     from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 
     covered = {k for c in CASES for k in c.options}
-    for route, model in ((C, CompletionRequest), (H, ChatCompletionRequest)):
+    for _route, model in ((C, CompletionRequest), (H, ChatCompletionRequest)):
         fields = set(model.model_fields)
         unclassified = fields - covered - set(IRRELEVANT) - OURS
         assert not unclassified, (

@@ -171,7 +171,7 @@ def test_each_rejection_fails_against_a_broken_validation(reference, tl, other_m
     c = Choice(stand_in_server(reference), tl, reference, other_model, prompt, completion, proofs)
     for case in [honest, *REJECTIONS]:
         case(c)
-    for broken, breaks in sorted(BROKEN_VALIDATION.items()):
+    for _, breaks in sorted(BROKEN_VALIDATION.items()):
         with monkeypatch.context() as m:
             breaks(m)
             for case in REJECTIONS:

@@ -142,7 +142,7 @@ def test_a_refusal_sent_as_an_error_event_counts_served_as_its_whole_form_does()
     for event, want in ((refusal, (0, 1, 0, 0)), (malformed, (0, 0, 1, 0))):
         r, stream = router(), FakeStream([b"data: {}\n\n", event, SSE_DONE], end=True)
 
-        async def go():
+        async def go(r=r, stream=stream):
             return [c async for c in r._relay(stream, time.monotonic() + 30)]
 
         assert asyncio.run(go())[-1] == SSE_DONE

@@ -474,7 +474,7 @@ class _RunnerHook:
             groups.setdefault((plan[i].dtype, plan[i].topk), []).append(b)
         parts, layout, offset = [], [None] * (len(blocks) + len(outputs)), 0
         heads_at = len(blocks)
-        for j, (i, layer, name, values, indices) in enumerate(outputs):  # each head's outputs: float32 (+ int32)
+        for j, (_, _, _, values, indices) in enumerate(outputs):  # each head's outputs: float32 (+ int32)
             layout[heads_at + j] = ("float32", int(values.shape[-1]), offset, -1)
             parts.append(values.view(torch.uint8).reshape(-1))
             offset += values.numel() * 4
