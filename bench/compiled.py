@@ -41,11 +41,21 @@ import numpy as np
 from bench.measure import paired_ratio_ci
 from bench.report import bench_main, ci_text
 
-ENGINE_ARGS = {"dtype": "float32", "kv_cache_memory_bytes": 512 * 2**20, "max_model_len": 1024,
-               "max_num_batched_tokens": 512}
+ENGINE_ARGS = {
+    "dtype": "float32",
+    "kv_cache_memory_bytes": 512 * 2**20,
+    "max_model_len": 1024,
+    "max_num_batched_tokens": 512,
+}
 ARMS = ("eager", "compiled", "traced", "features", "eager2", "compiled2")
-ENGINE_OF = {"eager": "eager", "compiled": "compiled", "traced": "traced", "features": "traced", "eager2": "eager",
-             "compiled2": "compiled"}
+ENGINE_OF = {
+    "eager": "eager",
+    "compiled": "compiled",
+    "traced": "traced",
+    "features": "traced",
+    "eager2": "eager",
+    "compiled2": "compiled",
+}
 LEVELS = {1: 4, 8: 16, 32: 64}  # concurrency -> requests per round
 
 
@@ -60,13 +70,16 @@ def _features(layers: list[int], d: int) -> dict:
     linear head, steering at two static layers (`hidden_states_layers` numbering: layer l is the
     stream entering decoder layer l)."""
     rng = np.random.default_rng(0)
-    steer = [{"layer": l, "vector": base64.b64encode((rng.normal(size=d) * 2).astype("<f4").tobytes()).decode()}
-             for l in layers[:2]]
+    steer = [
+        {"layer": l, "vector": base64.b64encode((rng.normal(size=d) * 2).astype("<f4").tobytes()).decode()}
+        for l in layers[:2]
+    ]
     return {"layers": layers[-2:], "position": "completion", "heads": ["probe"], "steering": steer}
 
 
-async def _level(engine, concurrency: int, prompts: list[str], max_tokens: int,
-                 features: dict | None = None) -> tuple[int, float]:
+async def _level(
+    engine, concurrency: int, prompts: list[str], max_tokens: int, features: dict | None = None
+) -> tuple[int, float]:
     from vllm import SamplingParams
 
     sem = asyncio.Semaphore(concurrency)
@@ -97,7 +110,7 @@ def _make_probe(folder: str, d: int) -> str:
 
     gen = torch.Generator().manual_seed(0)
     path = os.path.join(folder, "probe.safetensors")
-    save_file({"weight": torch.randn(2, d, generator=gen) / d ** 0.5, "bias": torch.zeros(2)}, path)
+    save_file({"weight": torch.randn(2, d, generator=gen) / d**0.5, "bias": torch.zeros(2)}, path)
     return path
 
 
@@ -121,8 +134,9 @@ async def _run(args) -> dict:
         probe = {"name": "probe", "path": _make_probe(cache, d), "layer": static[-1], "activation": "softmax"}
         for arm, extra in (("compiled", {}), ("traced", {"capture_layers": static, "heads": [probe]})):
             t0 = time.perf_counter()
-            engines[arm] = await HiddenStatesEngine.start(args.model, warm_up_s=0, enforce_eager=False, **ENGINE_ARGS,
-                                                          **extra)
+            engines[arm] = await HiddenStatesEngine.start(
+                args.model, warm_up_s=0, enforce_eager=False, **ENGINE_ARGS, **extra
+            )
             starts[arm] = time.perf_counter() - t0
         # a second start of `compiled` on the caches the first one filled (what a restarted replica sees)
         t0 = time.perf_counter()
@@ -133,31 +147,52 @@ async def _run(args) -> dict:
         features = _features(static, d)
         for arm in ("eager", "compiled", "traced", "features"):  # warm-up: each batch size's kernels once
             for c, n in LEVELS.items():
-                await _level(engines[ENGINE_OF[arm]], c, _prompts(n, 10**6 + c), args.max_tokens,
-                             features if arm == "features" else None)
+                await _level(
+                    engines[ENGINE_OF[arm]],
+                    c,
+                    _prompts(n, 10**6 + c),
+                    args.max_tokens,
+                    features if arm == "features" else None,
+                )
         compiles_before = {a: await _compilations(engines[a]) for a in ("compiled", "traced")}
         walls = {(a, c): [] for a in ARMS for c in LEVELS}
         work = {a: {"steered_rows": 0, "head_rows": 0} for a in ("traced", "features")}
         for r in range(args.rounds):
-            for k, arm in enumerate(ARMS[r % len(ARMS):] + ARMS[:r % len(ARMS)]):
+            for k, arm in enumerate(ARMS[r % len(ARMS) :] + ARMS[: r % len(ARMS)]):
                 engine = engines[ENGINE_OF[arm]]
                 for c, n in LEVELS.items():
                     await asyncio.sleep(1.5)  # the engine that ran last stops busy-waiting (vLLM's SpinCondition)
                     w0 = await _work(engine) if arm in work else None
-                    walls[(arm, c)].append(await _level(engine, c, _prompts(n, 1000 * (r * 8 + k) + c), args.max_tokens,
-                                                        features if arm == "features" else None))
+                    walls[(arm, c)].append(
+                        await _level(
+                            engine,
+                            c,
+                            _prompts(n, 1000 * (r * 8 + k) + c),
+                            args.max_tokens,
+                            features if arm == "features" else None,
+                        )
+                    )
                     if w0 is not None:
                         w1 = await _work(engine)
                         for key in work[arm]:
                             work[arm][key] += w1[key] - w0[key]
         compiles_after = {a: await _compilations(engines[a]) for a in ("compiled", "traced")}
         tok_s = {f"{a}@{c}": sum(t for t, _ in w) / sum(s for _, s in w) for (a, c), w in walls.items()}
-        out = {"model": args.model, "hidden_size": d, "capture_layers": static, "features": {
-                   k: v for k, v in features.items() if k != "steering"} | {"steering_layers": static[:2]},
-               "rounds": args.rounds, "max_tokens": args.max_tokens, "levels": LEVELS, "start_s": starts,
-               "warm_start_compilations": warm_loaded, "tok_per_s": tok_s, "work": work,
-               "compilations_unchanged": {a: compiles_before[a] == compiles_after[a] for a in compiles_before},
-               "compilations": compiles_after}
+        out = {
+            "model": args.model,
+            "hidden_size": d,
+            "capture_layers": static,
+            "features": {k: v for k, v in features.items() if k != "steering"} | {"steering_layers": static[:2]},
+            "rounds": args.rounds,
+            "max_tokens": args.max_tokens,
+            "levels": LEVELS,
+            "start_s": starts,
+            "warm_start_compilations": warm_loaded,
+            "tok_per_s": tok_s,
+            "work": work,
+            "compilations_unchanged": {a: compiles_before[a] == compiles_after[a] for a in compiles_before},
+            "compilations": compiles_after,
+        }
         for c in LEVELS:
             for a in ARMS[1:]:
                 out[f"{a}_over_eager@{c}"] = tok_s[f"{a}@{c}"] / tok_s[f"eager@{c}"]
@@ -173,40 +208,70 @@ async def _run(args) -> dict:
 
 
 def _summary(args, r: dict) -> list[str]:
-    lines = [f"# Compiled against eager on the CPU ({args.model}, D = {r['hidden_size']}, float32, {args.rounds} "
-             f"rounds, {args.max_tokens} tokens per completion; capture_layers {r['capture_layers']})",
-             "| arm | start s | " + " | ".join(f"tok/s c={c} (over eager, 95% CI)" for c in LEVELS) + " |",
-             "| --- | --- | " + " | ".join("---" for _ in LEVELS) + " |"]
+    lines = [
+        f"# Compiled against eager on the CPU ({args.model}, D = {r['hidden_size']}, float32, {args.rounds} "
+        f"rounds, {args.max_tokens} tokens per completion; capture_layers {r['capture_layers']})",
+        "| arm | start s | " + " | ".join(f"tok/s c={c} (over eager, 95% CI)" for c in LEVELS) + " |",
+        "| --- | --- | " + " | ".join("---" for _ in LEVELS) + " |",
+    ]
     for a in ARMS:
         cells = []
         for c in LEVELS:
             rate = r["tok_per_s"][f"{a}@{c}"]
-            cells.append(f"{rate:.1f}" if a == "eager" else
-                         f"{rate:.1f} ({r[f'{a}_over_eager@{c}']:.3f}, {ci_text(r[f'{a}_over_eager_ci95@{c}'])})")
+            cells.append(
+                f"{rate:.1f}"
+                if a == "eager"
+                else f"{rate:.1f} ({r[f'{a}_over_eager@{c}']:.3f}, {ci_text(r[f'{a}_over_eager_ci95@{c}'])})"
+            )
         start = f"{r['start_s'][a]:.1f}" if a in r["start_s"] else f"({ENGINE_OF[a]}'s)"
         lines.append(f"| {a} | {start} | " + " | ".join(cells) + " |")
-    lines += ["", f"A second start of `compiled` on the caches the first one filled: {r['start_s']['compiled_warm_cache']:.1f} s "
-              f"(cold: {r['start_s']['compiled']:.1f} s).", "",
-              "Over `compiled` (the server without the features), 95% CI; `compiled2` is the A/A control:", "",
-              "| arm | " + " | ".join(f"c={c}" for c in LEVELS) + " |", "| --- | " + " | ".join("---" for _ in LEVELS) + " |"]
+    lines += [
+        "",
+        f"A second start of `compiled` on the caches the first one filled: {r['start_s']['compiled_warm_cache']:.1f} s "
+        f"(cold: {r['start_s']['compiled']:.1f} s).",
+        "",
+        "Over `compiled` (the server without the features), 95% CI; `compiled2` is the A/A control:",
+        "",
+        "| arm | " + " | ".join(f"c={c}" for c in LEVELS) + " |",
+        "| --- | " + " | ".join("---" for _ in LEVELS) + " |",
+    ]
     for a in ("traced", "features", "compiled2"):
-        lines.append(f"| {a} | " + " | ".join(f"{r[f'{a}_over_compiled@{c}']:.3f} ({ci_text(r[f'{a}_over_compiled_ci95@{c}'])})"
-                                              for c in LEVELS) + " |")
+        lines.append(
+            f"| {a} | "
+            + " | ".join(
+                f"{r[f'{a}_over_compiled@{c}']:.3f} ({ci_text(r[f'{a}_over_compiled_ci95@{c}'])})" for c in LEVELS
+            )
+            + " |"
+        )
     f = r["features"]
-    lines += ["", f"`features` requests (half of each batch): rows at layers {f['layers']} at every completion position, "
-              f"the linear head `probe` (layer {r['capture_layers'][-1]}), steering (add) at layers {f['steering_layers']}. "
-              f"Work counted in the rounds: {r['work']['features']['steered_rows']} steered rows and "
-              f"{r['work']['features']['head_rows']} head rows (`traced`, nobody asking: {r['work']['traced']}).",
-              "", f"Compilations unchanged by the rounds (vLLM's and dynamo's counters): {r['compilations_unchanged']}.",
-              "", "`eager2` and `compiled2` are `eager` and `compiled` measured again (the A/A controls: their intervals "
-                  "are the noise floor). Start times are cold (fresh vLLM and inductor caches) but for the second start."]
+    lines += [
+        "",
+        f"`features` requests (half of each batch): rows at layers {f['layers']} at every completion position, "
+        f"the linear head `probe` (layer {r['capture_layers'][-1]}), steering (add) at layers {f['steering_layers']}. "
+        f"Work counted in the rounds: {r['work']['features']['steered_rows']} steered rows and "
+        f"{r['work']['features']['head_rows']} head rows (`traced`, nobody asking: {r['work']['traced']}).",
+        "",
+        f"Compilations unchanged by the rounds (vLLM's and dynamo's counters): {r['compilations_unchanged']}.",
+        "",
+        "`eager2` and `compiled2` are `eager` and `compiled` measured again (the A/A controls: their intervals "
+        "are the noise floor). Start times are cold (fresh vLLM and inductor caches) but for the second start.",
+    ]
     return lines
 
 
 def main() -> None:
-    bench_main("bench.compiled", __doc__, _run, _summary, name="compiled-smollm2",
-               first=("--model", "builtin:smollm2-135m-instruct"), rounds=5, concurrency=None, requests=None,
-               more=[("--layers", 4, "layers in the traced arm's capture_layers")])
+    bench_main(
+        "bench.compiled",
+        __doc__,
+        _run,
+        _summary,
+        name="compiled-smollm2",
+        first=("--model", "builtin:smollm2-135m-instruct"),
+        rounds=5,
+        concurrency=None,
+        requests=None,
+        more=[("--layers", 4, "layers in the traced arm's capture_layers")],
+    )
 
 
 if __name__ == "__main__":

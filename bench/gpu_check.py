@@ -60,8 +60,12 @@ class Check:
     note: str = ""
 
     def line(self) -> str:
-        figures = "" if self.error is None else \
-            f": max abs error {self.error:.3g}, max |reference| {self.scale:.3g} ({self.error / max(self.scale, 1e-30):.2g} relative)"
+        figures = (
+            ""
+            if self.error is None
+            else f": max abs error {self.error:.3g}, max |reference| {self.scale:.3g} "
+            f"({self.error / max(self.scale, 1e-30):.2g} relative)"
+        )
         return f"{'ok  ' if self.ok else 'FAIL'} {self.name}{figures}{' - ' + self.note if self.note else ''}"
 
 
@@ -77,13 +81,34 @@ def engine_args(device: str, eager: bool) -> dict:
 
 def plan(args) -> dict:
     """What the check starts and runs (printed by --dry-run)."""
-    return {"model": args.model, "device": args.device,
-            "engine": {**engine_args(args.device, eager=False), "capture_layers": "[L // 2]",
-                       "heads": "a top-k SAE at layer L // 2 (SAELens, random weights)"},
-            "checks": ["last layer", "layer rows", "extraction", "sae head", "stop on an sae feature", "steering when", "steering",
-                       "beside steering", "no recompiles"],
-            "speed": None if args.no_speed else {"concurrency": 8, "requests": 16, "max_tokens": 64,
-                                                 "arms": ["compiled off", "compiled on", "compiled off2", "eager off", "eager on", "eager off2"]}}
+    return {
+        "model": args.model,
+        "device": args.device,
+        "engine": {
+            **engine_args(args.device, eager=False),
+            "capture_layers": "[L // 2]",
+            "heads": "a top-k SAE at layer L // 2 (SAELens, random weights)",
+        },
+        "checks": [
+            "last layer",
+            "layer rows",
+            "extraction",
+            "sae head",
+            "stop on an sae feature",
+            "steering when",
+            "steering",
+            "beside steering",
+            "no recompiles",
+        ],
+        "speed": None
+        if args.no_speed
+        else {
+            "concurrency": 8,
+            "requests": 16,
+            "max_tokens": 64,
+            "arms": ["compiled off", "compiled on", "compiled off2", "eager off", "eager on", "eager off2"],
+        },
+    }
 
 
 def _compare(name: str, got, ref, note: str = "") -> Check:
@@ -129,30 +154,47 @@ async def run_checks(engine, ref: Reference, layer: int, sae: dict, max_tokens: 
     ch = out.choices[0]
     ids = list(out.prompt_token_ids) + list(ch.token_ids)
     states = ref.states(ids)
-    checks.append(_compare("last layer (tail step)", ch.hidden_states_by_layer[-1][-1], states[-1][-1],
-                           f"via {ch.extraction.via}, {len(ids)} tokens"))
+    checks.append(
+        _compare(
+            "last layer (tail step)",
+            ch.hidden_states_by_layer[-1][-1],
+            states[-1][-1],
+            f"via {ch.extraction.via}, {len(ids)} tokens",
+        )
+    )
     checks.append(_compare(f"layer {layer} rows, every position", ch.hidden_states_by_layer[layer], states[layer]))
 
     stop = await engine.complete(PROMPT, SamplingParams(max_tokens=max_tokens, temperature=0.0, stop=["zzzz"]))
     sc = stop.choices[0]
     sids = list(stop.prompt_token_ids) + list(sc.token_ids)
-    checks.append(_compare("extraction step (a stop string)", sc.hidden_states, ref.states(sids)[-1][-1],
-                           f"via {sc.extraction.via}"))
+    checks.append(
+        _compare(
+            "extraction step (a stop string)", sc.hidden_states, ref.states(sids)[-1][-1], f"via {sc.extraction.via}"
+        )
+    )
 
-    heads = await engine.complete(PROMPT, greedy, return_hidden_states=False, position="completion",
-                                  heads=[{"name": sae["name"], "topk": sae["k"]}])
+    heads = await engine.complete(
+        PROMPT,
+        greedy,
+        return_hidden_states=False,
+        position="completion",
+        heads=[{"name": sae["name"], "topk": sae["k"]}],
+    )
     hc = heads.choices[0]
     hids = list(heads.prompt_token_ids) + list(hc.token_ids)
     positions = list(range(len(heads.prompt_token_ids), len(hids)))
     rows = ref.states(hids)[sae["layer"]][positions]
     try:
-        worst = max(assert_sae_topk(p["indices"], p["values"], r, sae["k"])
-                    for p, r in zip(hc.heads[sae["name"]], sae_reference(sae["path"], rows)))
+        worst = max(
+            assert_sae_topk(p["indices"], p["values"], r, sae["k"])
+            for p, r in zip(hc.heads[sae["name"]], sae_reference(sae["path"], rows))
+        )
         checks.append(Check(f"sae head top-{sae['k']}, {len(positions)} positions", True, *worst))
     except AssertionError as e:
         checks.append(Check(f"sae head top-{sae['k']}", False, note=str(e)[:200]))
-    checks.append(await _stop_check(engine, ref, sae, greedy, hids, len(heads.prompt_token_ids),
-                                    sae_reference(sae["path"], rows)))
+    checks.append(
+        await _stop_check(engine, ref, sae, greedy, hids, len(heads.prompt_token_ids), sae_reference(sae["path"], rows))
+    )
 
     checks.append(await _when_check(engine, ref, sae, layer, min(max_tokens, 12)))
 
@@ -160,27 +202,44 @@ async def run_checks(engine, ref: Reference, layer: int, sae: dict, max_tokens: 
     vec = np.random.default_rng(7).normal(size=d).astype("<f4")
     vec *= 4.0 / np.linalg.norm(vec)
     steer = [{"layer": layer, "vector": base64.b64encode(vec.tobytes()).decode(), "positions": "completion"}]
-    steered, beside = await asyncio.gather(engine.complete(PROMPT, greedy, steering=steer),
-                                           engine.complete("Rain falls on the", greedy))
+    steered, beside = await asyncio.gather(
+        engine.complete(PROMPT, greedy, steering=steer), engine.complete("Rain falls on the", greedy)
+    )
     st = steered.choices[0]
     entries = [(layer, "add", "completion", 1.0, vec)]
     want = steered_greedy(ref.model, list(steered.prompt_token_ids), entries, max_tokens)
-    if list(st.token_ids) != want[:len(st.token_ids)]:
+    if list(st.token_ids) != want[: len(st.token_ids)]:
         checks.append(Check("steering (add, completion)", False, note=f"tokens {list(st.token_ids)} != {want}"))
     else:
         P = len(steered.prompt_token_ids)
         sref = steered_states(ref.model, list(steered.prompt_token_ids) + list(st.token_ids), entries, P)
         last = max(k for k in sref if isinstance(k, int))  # after the final norm
-        checks.append(_compare(f"steering (add at layer {layer}, completion)", st.hidden_states, sref[last][-1],
-                               f"{len(st.token_ids)} tokens, transformers' with the same hook"))
+        checks.append(
+            _compare(
+                f"steering (add at layer {layer}, completion)",
+                st.hidden_states,
+                sref[last][-1],
+                f"{len(st.token_ids)} tokens, transformers' with the same hook",
+            )
+        )
     bc = beside.choices[0]
-    checks.append(_compare("unsteered beside a steered request", bc.hidden_states,
-                           ref.states(list(beside.prompt_token_ids) + list(bc.token_ids))[-1][-1]))
+    checks.append(
+        _compare(
+            "unsteered beside a steered request",
+            bc.hidden_states,
+            ref.states(list(beside.prompt_token_ids) + list(bc.token_ids))[-1][-1],
+        )
+    )
 
     after = await counts()
     changed = [{k: (b[k], a.get(k)) for k in b if b[k] != a.get(k)} for b, a in zip(before, after) if b]
-    checks.append(Check("no recompiles, no new graphs", before == after and all(before),
-                        note=json.dumps(changed) if any(changed) else f"counts equal on {len(after)} worker(s)"))
+    checks.append(
+        Check(
+            "no recompiles, no new graphs",
+            before == after and all(before),
+            note=json.dumps(changed) if any(changed) else f"counts equal on {len(after)} worker(s)",
+        )
+    )
     return checks
 
 
@@ -202,18 +261,26 @@ async def _stop_check(engine, ref: Reference, sae: dict, greedy, ids: list[int],
             continue
     else:
         return Check("stop on an sae feature", False, note="no feature crosses clearly in this completion")
-    out = await engine.complete(PROMPT, greedy, stop_conditions=[
-        {"head": sae["name"], "feature": int(feature), "above": threshold}])
+    out = await engine.complete(
+        PROMPT, greedy, stop_conditions=[{"head": sae["name"], "feature": int(feature), "above": threshold}]
+    )
     ch = out.choices[0]
     got = list(out.prompt_token_ids) + list(ch.token_ids)
-    if got != ids[:p + 1] or not ch.stop or ch.stop["position"] != p:
-        return Check("stop on an sae feature", False,
-                     note=f"tokens {got[P:]} (want {ids[P:p + 1]}), stop {ch.stop}, finish {ch.finish_reason}")
+    if got != ids[: p + 1] or not ch.stop or ch.stop["position"] != p:
+        return Check(
+            "stop on an sae feature",
+            False,
+            note=f"tokens {got[P:]} (want {ids[P : p + 1]}), stop {ch.stop}, finish {ch.finish_reason}",
+        )
     err = abs(ch.stop["score"] - scores[p])
     if err > REL_TOL * np.abs(scores).max():
         return Check("stop on an sae feature: its score", False, err, float(np.abs(scores).max()))
-    return _compare(f"stop on sae feature {feature} at position {p} (its score off by {err:.2g})", ch.hidden_states,
-                    ref.states(ids[:p + 1])[-1][p], f"finish {ch.finish_reason}, via {ch.extraction.via}")
+    return _compare(
+        f"stop on sae feature {feature} at position {p} (its score off by {err:.2g})",
+        ch.hidden_states,
+        ref.states(ids[: p + 1])[-1][p],
+        f"finish {ch.finish_reason}, via {ch.extraction.via}",
+    )
 
 
 async def _when_check(engine, ref: Reference, sae: dict, layer: int, n: int) -> Check:
@@ -225,39 +292,56 @@ async def _when_check(engine, ref: Reference, sae: dict, layer: int, n: int) -> 
     from sae_lens import SAE
     from vllm import SamplingParams
 
-    from tests.steer_ref import pick_condition, steered_states
+    from tests.steer_ref import pick_condition
 
     plain = await engine.complete(PROMPT, SamplingParams(max_tokens=n, temperature=0.0), return_hidden_states=False)
     prompt = list(plain.prompt_token_ids)
     states = ref.states(prompt + list(plain.choices[0].token_ids))
     coder = SAE.load_from_disk(sae["path"], device="cpu")
     with torch.no_grad():  # the features of the rows that decide: the last prompt row's on
-        feats = coder.encode(torch.tensor(np.asarray(states[sae["layer"]][len(prompt) - 1:], np.float32)))
+        feats = coder.encode(torch.tensor(np.asarray(states[sae["layer"]][len(prompt) - 1 :], np.float32)))
     vec = np.random.default_rng(9).normal(size=states[-1].shape[-1]).astype("<f4")
     vec *= 4.0 / np.linalg.norm(vec)
     base = [(layer, "add", "completion", 1.0, vec)]
     for feature in np.argsort(-(feats.max(0).values - feats.min(0).values).numpy())[:8]:
+
         def score(row, f=int(feature)):
             with torch.no_grad():
                 return float(coder.encode(torch.tensor(np.asarray(row, np.float32)[None]))[0, f])
+
         try:
             t, tokens, applied, final = pick_condition(ref.model, prompt, base, n, sae["layer"], score, True)
             break
         except AssertionError:
             continue
     else:
-        return Check("steering when an sae feature held", False, note="no feature gives mixed decisions clear of the band")
-    steering = [{"layer": layer, "vector": base64.b64encode(vec.tobytes()).decode(), "positions": "completion",
-                 "when": {"head": sae["name"], "feature": int(feature), "above": t}}]
+        return Check(
+            "steering when an sae feature held", False, note="no feature gives mixed decisions clear of the band"
+        )
+    steering = [
+        {
+            "layer": layer,
+            "vector": base64.b64encode(vec.tobytes()).decode(),
+            "positions": "completion",
+            "when": {"head": sae["name"], "feature": int(feature), "above": t},
+        }
+    ]
     out = await engine.complete(PROMPT, SamplingParams(max_tokens=n, temperature=0.0), steering=steering)
     ch = out.choices[0]
     got = ch.steering[0].get("applied") if ch.steering else None
     if list(ch.token_ids) != tokens or got != applied[0]:
-        return Check("steering when an sae feature held", False,
-                     note=f"tokens {list(ch.token_ids)} (want {tokens}), applied {got} (want {applied[0]})")
+        return Check(
+            "steering when an sae feature held",
+            False,
+            note=f"tokens {list(ch.token_ids)} (want {tokens}), applied {got} (want {applied[0]})",
+        )
     last = max(k for k in final if isinstance(k, int))  # after the final norm
-    return _compare(f"steering when sae feature {int(feature)} held (applied at {len(got)} of {n} positions)",
-                    ch.hidden_states, final[last][-1], f"via {ch.extraction.via}")
+    return _compare(
+        f"steering when sae feature {int(feature)} held (applied at {len(got)} of {n} positions)",
+        ch.hidden_states,
+        final[last][-1],
+        f"via {ch.extraction.via}",
+    )
 
 
 async def _tok_s(engine, features: dict, n: int = 16, concurrency: int = 8, max_tokens: int = 64) -> float:
@@ -269,7 +353,9 @@ async def _tok_s(engine, features: dict, n: int = 16, concurrency: int = 8, max_
     async def one(i):
         async with sem:
             kw = features if features and i % 2 == 0 else {"return_hidden_states": False}
-            return len((await engine.complete(f"Request {i}: tell me a story about", params, **kw)).choices[0].token_ids)
+            return len(
+                (await engine.complete(f"Request {i}: tell me a story about", params, **kw)).choices[0].token_ids
+            )
 
     await one(0)
     t0 = time.perf_counter()
@@ -279,8 +365,12 @@ async def _tok_s(engine, features: dict, n: int = 16, concurrency: int = 8, max_
 
 def _features(layer: int, sae: str, d: int) -> dict:
     vec = np.random.default_rng(8).normal(size=d).astype("<f4")
-    return {"layers": [layer], "position": "completion", "heads": [{"name": sae, "topk": 16}],
-            "steering": [{"layer": layer, "vector": base64.b64encode(vec.tobytes()).decode()}]}
+    return {
+        "layers": [layer],
+        "position": "completion",
+        "heads": [{"name": sae, "topk": 16}],
+        "steering": [{"layer": layer, "vector": base64.b64encode(vec.tobytes()).decode()}],
+    }
 
 
 async def _main(args) -> int:
@@ -294,14 +384,20 @@ async def _main(args) -> int:
     L, d = int(cfg["num_hidden_layers"]), int(cfg["hidden_size"])
     layer = L // 2
     folder = tempfile.mkdtemp(prefix="gpu-check-")
-    sae = {"name": "sae", "path": make_sae(os.path.join(folder, "sae"), "topk", d, 4 * d,
-                                          f"blocks.{layer - 1}.hook_resid_post", seed=0, k=16),
-           "layer": layer, "k": 16}
+    sae = {
+        "name": "sae",
+        "path": make_sae(
+            os.path.join(folder, "sae"), "topk", d, 4 * d, f"blocks.{layer - 1}.hook_resid_post", seed=0, k=16
+        ),
+        "layer": layer,
+        "k": 16,
+    }
     heads = [{"name": "sae", "path": sae["path"]}]
     print(f"gpu-check: {args.model} (L = {L}, D = {d}) on {args.device}; static layer set [{layer}]", flush=True)
     t0 = time.perf_counter()
-    engine = await HiddenStatesEngine.start(path, warm_up_s=0, capture_layers=[layer], heads=heads,
-                                            **engine_args(args.device, eager=False))
+    engine = await HiddenStatesEngine.start(
+        path, warm_up_s=0, capture_layers=[layer], heads=heads, **engine_args(args.device, eager=False)
+    )
     print(f"compiled engine started in {time.perf_counter() - t0:.1f} s: {json.dumps(engine.startup)}", flush=True)
     speeds = {}
     try:
@@ -324,8 +420,10 @@ async def _main(args) -> int:
         finally:
             eager.shutdown()
         base = speeds["eager off"]
-        print("decode tok/s at concurrency 8 (16 requests x 64 tokens; `on`: half the batch asks for rows, "
-              "the SAE and steering; `off2`: `off` again, the A/A control):")
+        print(
+            "decode tok/s at concurrency 8 (16 requests x 64 tokens; `on`: half the batch asks for rows, "
+            "the SAE and steering; `off2`: `off` again, the A/A control):"
+        )
         for arm, rate in speeds.items():
             print(f"  {arm:<13} {rate:8.1f} tok/s  ({rate / base:.2f}x eager off)")
     return 0 if all(c.ok for c in checks) else 1
@@ -346,8 +444,10 @@ def main(argv=None) -> int:
         import torch
 
         if not torch.cuda.is_available():
-            print("gpu-check: no CUDA device visible to torch; run this on a GPU machine (or --device cpu)",
-                  file=sys.stderr)
+            print(
+                "gpu-check: no CUDA device visible to torch; run this on a GPU machine (or --device cpu)",
+                file=sys.stderr,
+            )
             return 2
     from bench.servers import ENGINE_ENV
 

@@ -37,15 +37,25 @@ import numpy as np
 from bench.measure import paired_ratio_ci
 from bench.report import bench_main, ratio_text
 
-ENGINE_ARGS = {"dtype": "float32", "enforce_eager": True, "kv_cache_memory_bytes": 512 * 2**20,
-               "max_model_len": 1024, "max_num_batched_tokens": 512}
+ENGINE_ARGS = {
+    "dtype": "float32",
+    "enforce_eager": True,
+    "kv_cache_memory_bytes": 512 * 2**20,
+    "max_model_len": 1024,
+    "max_num_batched_tokens": 512,
+}
 ARMS = ("off", "rows16", "sae32", "off2", "both")
 K = 32
 
 
 def _fields(layer: int) -> dict[str, dict]:
-    rows = {"return_hidden_states": True, "hidden_states_position": "completion", "hidden_states_dtype": "float16",
-            "hidden_states_layers": [layer], "hidden_states_encoding": "base64"}
+    rows = {
+        "return_hidden_states": True,
+        "hidden_states_position": "completion",
+        "hidden_states_dtype": "float16",
+        "hidden_states_layers": [layer],
+        "hidden_states_encoding": "base64",
+    }
     sae = {"hidden_states_heads": [{"name": "sae", "topk": K}], "hidden_states_position": "completion"}
     return {"off": {}, "off2": {}, "rows16": rows, "sae32": sae, "both": {**rows, **sae}}
 
@@ -85,8 +95,16 @@ async def _arm(engine, frontend, prompts, fields: dict | list[dict], args, keys=
 
     async def one(prompt, f):
         async with sem:
-            raw = json.dumps({"model": "m", "prompt": prompt, "max_tokens": args.max_tokens, "temperature": 0,
-                              "ignore_eos": True, **f}).encode()
+            raw = json.dumps(
+                {
+                    "model": "m",
+                    "prompt": prompt,
+                    "max_tokens": args.max_tokens,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                    **f,
+                }
+            ).encode()
             (status, out), *_ = [x async for x in frontend.handle("completions", raw)]
             assert status == 200, out[:300]
             return json.loads(out)
@@ -104,7 +122,7 @@ def rotation(arms: tuple, rounds: int, requests: int):
     """(round, arm, prompts) in each round's rotating order of `arms`, fresh prompts each time (no arm
     hits another's prefix)."""
     for r in range(rounds):
-        for k, arm in enumerate(arms[r % len(arms):] + arms[:r % len(arms)]):
+        for k, arm in enumerate(arms[r % len(arms) :] + arms[: r % len(arms)]):
             yield r, arm, _prompts(requests, 1000 * (r * len(arms) + k))
 
 
@@ -134,12 +152,23 @@ async def _run(args, folder: str) -> dict:
         n = args.rounds * args.requests
         tokens = n * args.max_tokens
         rate = {a: sum(c for c, _ in w) / sum(t for _, t in w) for a, w in walls.items()}
-        per_token = {a: {"response": (reported[a]["row_bytes"] + reported[a]["head_bytes"]) / tokens,
-                         "copied_to_host": work[a]["bytes_copied"] / tokens} for a in ARMS}
+        per_token = {
+            a: {
+                "response": (reported[a]["row_bytes"] + reported[a]["head_bytes"]) / tokens,
+                "copied_to_host": work[a]["bytes_copied"] / tokens,
+            }
+            for a in ARMS
+        }
         return {
-            "model": args.model, "hidden_size": engine.hidden_size, "sae_features": engine.heads["sae"].width,
-            "sae_layer": engine.heads["sae"].layer, "topk": K, "rounds": args.rounds,
-            "requests_per_round": args.requests, "max_tokens": args.max_tokens, "concurrency": args.concurrency,
+            "model": args.model,
+            "hidden_size": engine.hidden_size,
+            "sae_features": engine.heads["sae"].width,
+            "sae_layer": engine.heads["sae"].layer,
+            "topk": K,
+            "rounds": args.rounds,
+            "requests_per_round": args.requests,
+            "max_tokens": args.max_tokens,
+            "concurrency": args.concurrency,
             "req_per_s": rate,
             **{f"{a}_over_off": rate[a] / rate["off"] for a in ARMS[1:]},
             **{f"{a}_over_off_ci95": paired_ratio_ci(walls[a], walls["off"]) for a in ARMS[1:]},
@@ -173,29 +202,45 @@ def _run_with_sae(args) -> dict:
 
 def _summary(args, r: dict) -> list[str]:
     bpt, cpu, counts = r["bytes_per_token"], r["frontend_cpu_s_per_request"], r["worker_counts_per_request"]
-    lines = [f"# An SAE head (top-{K} of {r['sae_features']} features, layer {r['sae_layer']}) vs float16 rows of the "
-             f"same positions ({args.model}, D = {r['hidden_size']}, float32, {args.rounds} rounds x {args.requests} "
-             f"requests at concurrency {args.concurrency}, {args.max_tokens} tokens each, every completion position)",
-             "| arm | req/s | over off (95% CI) | bytes/token in responses | bytes/token copied to host | "
-             "head products / request | frontend CPU s / request |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        f"# An SAE head (top-{K} of {r['sae_features']} features, layer {r['sae_layer']}) vs float16 rows of the "
+        f"same positions ({args.model}, D = {r['hidden_size']}, float32, {args.rounds} rounds x {args.requests} "
+        f"requests at concurrency {args.concurrency}, {args.max_tokens} tokens each, every completion position)",
+        "| arm | req/s | over off (95% CI) | bytes/token in responses | bytes/token copied to host | "
+        "head products / request | frontend CPU s / request |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for a in ARMS:
         ratio = "1" if a == "off" else ratio_text(r, f"{a}_over_off")
-        lines.append(f"| {a} | {r['req_per_s'][a]:.2f} | {ratio} | {bpt[a]['response']:.1f} | "
-                     f"{bpt[a]['copied_to_host']:.1f} | {counts[a].get('head_products', 0):.2f} | {cpu[a]:.4f} |")
-    lines += ["", f"sae32 over rows16: {ratio_text(r, 'sae32_over_rows16')}; "
-                  f"bytes per token, rows16 over sae32: {r['rows16_over_sae32_bytes']:.2f}x "
-                  f"(k x 8 = {K * 8} against D x 2 = {2 * r['hidden_size']}).",
-              "", "`off2` is `off` again (the A/A control). The server has the SAE registered in every arm; `off` "
-                  "and `off2` read no head (their head products are counted: 0)."]
+        lines.append(
+            f"| {a} | {r['req_per_s'][a]:.2f} | {ratio} | {bpt[a]['response']:.1f} | "
+            f"{bpt[a]['copied_to_host']:.1f} | {counts[a].get('head_products', 0):.2f} | {cpu[a]:.4f} |"
+        )
+    lines += [
+        "",
+        f"sae32 over rows16: {ratio_text(r, 'sae32_over_rows16')}; "
+        f"bytes per token, rows16 over sae32: {r['rows16_over_sae32_bytes']:.2f}x "
+        f"(k x 8 = {K * 8} against D x 2 = {2 * r['hidden_size']}).",
+        "",
+        "`off2` is `off` again (the A/A control). The server has the SAE registered in every arm; `off` "
+        "and `off2` read no head (their head products are counted: 0).",
+    ]
     return lines
 
 
 def main() -> None:
-    bench_main("bench.heads", __doc__, _run_with_sae, _summary, name="heads-smollm2",
-               first=("--model", "builtin:smollm2-135m-instruct"),
-               more=[("--features", 8, "SAE features per hidden dimension"),
-                     ("--layer", 15, "the SAE's layer (hidden_states_layers' numbering)")])
+    bench_main(
+        "bench.heads",
+        __doc__,
+        _run_with_sae,
+        _summary,
+        name="heads-smollm2",
+        first=("--model", "builtin:smollm2-135m-instruct"),
+        more=[
+            ("--features", 8, "SAE features per hidden dimension"),
+            ("--layer", 15, "the SAE's layer (hidden_states_layers' numbering)"),
+        ],
+    )
 
 
 if __name__ == "__main__":

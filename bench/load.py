@@ -19,13 +19,13 @@ class Result:
     latency: float = 0.0
     status: int = 0
     completion_tokens: int = 0
-    hs_tokens: list[int] = field(default_factory=list)     # hidden_states_meta.tokens per choice
-    hs_cached: list[int] = field(default_factory=list)     # hidden_states_meta.cached_tokens per choice
-    hs_via: list[str] = field(default_factory=list)        # hidden_states_meta.via per choice: "tail" or "extraction"
+    hs_tokens: list[int] = field(default_factory=list)  # hidden_states_meta.tokens per choice
+    hs_cached: list[int] = field(default_factory=list)  # hidden_states_meta.cached_tokens per choice
+    hs_via: list[str] = field(default_factory=list)  # hidden_states_meta.via per choice: "tail" or "extraction"
     hs_dim: int = 0
-    hs_rows: int = 0          # rows over the choices (hidden_states_meta.positions, or 1 per vector)
-    hs_bytes: int = 0         # hidden_states_meta.bytes over the choices: the rows' payload before encoding
-    body_bytes: int = 0       # the response body as received
+    hs_rows: int = 0  # rows over the choices (hidden_states_meta.positions, or 1 per vector)
+    hs_bytes: int = 0  # hidden_states_meta.bytes over the choices: the rows' payload before encoding
+    body_bytes: int = 0  # the response body as received
     error: str | None = None
 
     @property
@@ -36,8 +36,8 @@ class Result:
 @dataclass
 class Batch:
     results: list[Result]
-    wall: float            # first send to last answer
-    started: float         # time.time()
+    wall: float  # first send to last answer
+    started: float  # time.time()
 
     @property
     def ok(self) -> list[Result]:
@@ -61,8 +61,13 @@ def _parse(r: Result, raw: bytes) -> None:
             r.hs_bytes += int(meta.get("bytes") or 0)
 
 
-async def _run(url: str, bodies: list[tuple[Result, bytes]], concurrency: int, timeout: float,
-               on_done: Callable[[Result], None] | None) -> Batch:
+async def _run(
+    url: str,
+    bodies: list[tuple[Result, bytes]],
+    concurrency: int,
+    timeout: float,
+    on_done: Callable[[Result], None] | None,
+) -> Batch:
     queue: asyncio.Queue = asyncio.Queue()
     for item in bodies:
         queue.put_nowait(item)
@@ -100,6 +105,11 @@ async def _run(url: str, bodies: list[tuple[Result, bytes]], concurrency: int, t
     return Batch([r for r, _ in bodies], wall, started)
 
 
-def run_batch(url: str, bodies: list[tuple[Result, bytes]], concurrency: int, timeout: float = 600,
-              on_done: Callable[[Result], None] | None = None) -> Batch:
+def run_batch(
+    url: str,
+    bodies: list[tuple[Result, bytes]],
+    concurrency: int,
+    timeout: float = 600,
+    on_done: Callable[[Result], None] | None = None,
+) -> Batch:
     return asyncio.run(_run(url, bodies, concurrency, timeout, on_done))

@@ -24,8 +24,9 @@ def ratio(a: float | None, b: float | None) -> float | None:
 CI_MIN_ROUNDS = 5  # fewer paired rounds give no interval worth printing
 
 
-def paired_ratio_ci(a: list[tuple[int, float]], b: list[tuple[int, float]], level: float = 0.95,
-                    resamples: int = 2000, seed: int = 0) -> tuple[float, float] | None:
+def paired_ratio_ci(
+    a: list[tuple[int, float]], b: list[tuple[int, float]], level: float = 0.95, resamples: int = 2000, seed: int = 0
+) -> tuple[float, float] | None:
     """Percentile-bootstrap interval of the pooled throughput ratio (sum ok / sum wall of
     arm a over that of arm b), resampling whole rounds with their pairing kept.
     `a[i]` and `b[i]` are (successful requests, wall seconds) of round i. None with
@@ -133,8 +134,12 @@ class CpuAccount:
         grouped: dict[str, float] = defaultdict(float)
         for k, v in roles.items():
             grouped[self.group(k)] += v
-        return {"wall": b["t"] - a["t"], "busy": busy, "roles": dict(grouped),
-                "ray_system_detail": {k: v for k, v in roles.items() if k.startswith("ray: ")}}
+        return {
+            "wall": b["t"] - a["t"],
+            "busy": busy,
+            "roles": dict(grouped),
+            "ray_system_detail": {k: v for k, v in roles.items() if k.startswith("ray: ")},
+        }
 
 
 def _short_name(title: str) -> str:
@@ -148,7 +153,7 @@ def _short_name(title: str) -> str:
     for w in words[1:]:
         if w.endswith(".py"):
             return w.rsplit("/", 1)[-1]
-        if w == "-m" :
+        if w == "-m":
             continue
     if len(words) > 2 and words[1] == "-m":
         return words[2]
@@ -156,6 +161,7 @@ def _short_name(title: str) -> str:
 
 
 # -- resident memory -------------------------------------------------------------
+
 
 def rss_tree(pid: int) -> tuple[int, dict[str, int]]:
     """RSS of a process plus all its descendants (bytes), and per process."""

@@ -19,8 +19,16 @@ from bench.load import Result, run_batch
 from bench.servers import Endpoint, replica_info
 
 
-def run(ep: Endpoint, vocab: int, total: int, concurrency: int, first: int = 100, on_done=None,
-        extra_pids: dict[str, int] | None = None, settle_s: float = 15.0) -> dict:
+def run(
+    ep: Endpoint,
+    vocab: int,
+    total: int,
+    concurrency: int,
+    first: int = 100,
+    on_done=None,
+    extra_pids: dict[str, int] | None = None,
+    settle_s: float = 15.0,
+) -> dict:
     stats0 = replica_info(ep.stats_url)
     pid = int(stats0["replica"]["pid"])
     time.sleep(settle_s)  # start idle and trimmed too, whatever ran before (the stats call above included)
@@ -32,11 +40,19 @@ def run(ep: Endpoint, vocab: int, total: int, concurrency: int, first: int = 100
     sh = workload.shapes(total, seed=workload.SEED + 4)
 
     def bodies(lo, hi):
-        return [(Result(i, sh[i].prompt_tokens, sh[i].max_tokens),
-                 workload.body(ep.model, sh[i], vocab, f"mem-{i}",
-                               {"return_hidden_states": True,
-                                "hidden_states_encoding": "base64" if i % 2 else "float"}))
-                for i in range(lo, hi)]
+        return [
+            (
+                Result(i, sh[i].prompt_tokens, sh[i].max_tokens),
+                workload.body(
+                    ep.model,
+                    sh[i],
+                    vocab,
+                    f"mem-{i}",
+                    {"return_hidden_states": True, "hidden_states_encoding": "base64" if i % 2 else "float"},
+                ),
+            )
+            for i in range(lo, hi)
+        ]
 
     sampler.start()
     t0 = time.perf_counter()
@@ -61,21 +77,31 @@ def run(ep: Endpoint, vocab: int, total: int, concurrency: int, first: int = 100
     results = b1.results + b2.results
     ok = [r for r in results if r.ok]
     growth = (end_total - after_first) / after_first if after_first else None
-    trims = [sum(w.get("malloc_trim", {}).get("trims", 0) for w in (st.get("replica") or {}).get("workers", []))
-             for st in (stats0, stats1)]
+    trims = [
+        sum(w.get("malloc_trim", {}).get("trims", 0) for w in (st.get("replica") or {}).get("workers", []))
+        for st in (stats0, stats1)
+    ]
     return {
         "replica_pid": pid,
-        "requests": len(results), "ok": len(ok), "errors": len(results) - len(ok),
+        "requests": len(results),
+        "ok": len(ok),
+        "errors": len(results) - len(ok),
         "with_vector": sum(1 for r in ok if r.hs_tokens),
-        "concurrency": concurrency, "wall_s": wall,
+        "concurrency": concurrency,
+        "wall_s": wall,
         "rss_bytes": {"start": start_total, f"after_{first}": after_first, "peak": peak, "end": end_total},
         "end_vs_after_first": growth,
-        "settled_s": settle_s, "settled_bytes": settled_total, "per_process_settled": settled_per,
+        "settled_s": settle_s,
+        "settled_bytes": settled_total,
+        "per_process_settled": settled_per,
         "settled_vs_start": (settled_total - start_total) / start_total if start_total else None,
         "worker_trims_before_after": trims,
-        "per_process_start": start_per, "per_process_after_first": after_per, "per_process_end": end_per,
+        "per_process_start": start_per,
+        "per_process_after_first": after_per,
+        "per_process_end": end_per,
         "other_processes_rss_bytes": {k: dict(zip(("start", f"after_{first}", "end"), v)) for k, v in extra.items()},
         "series": [(round(t, 2), v) for t, v in sampler.series],
-        "replica_stats_before": stats0.get("replica"), "replica_stats_after": stats1.get("replica"),
+        "replica_stats_before": stats0.get("replica"),
+        "replica_stats_after": stats1.get("replica"),
         "ingress_after": stats1.get("ingress"),
     }

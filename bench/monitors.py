@@ -84,10 +84,19 @@ async def _counted(engine, counter, frontend, prompts, fields, args) -> dict:
     monitored = [bool(f.get("hidden_states_stop")) for f in fields]
     lengths = [o["usage"]["completion_tokens"] for o in out]
     finish = [o["choices"][0]["finish_reason"] for o in out]
-    return {"wall": wall, "requests": len(out), **work, "steps": s1 - s0, "step_tokens": t1 - t0,
-            "completion_tokens": sum(lengths), "monitored_requests": sum(monitored),
-            "monitored_tokens": sum(n for n, m in zip(lengths, monitored) if m),
-            "finish": {r: finish.count(r) for r in sorted(set(finish))}, "out": out, "lengths": lengths}
+    return {
+        "wall": wall,
+        "requests": len(out),
+        **work,
+        "steps": s1 - s0,
+        "step_tokens": t1 - t0,
+        "completion_tokens": sum(lengths),
+        "monitored_requests": sum(monitored),
+        "monitored_tokens": sum(n for n, m in zip(lengths, monitored) if m),
+        "finish": {r: finish.count(r) for r in sorted(set(finish))},
+        "out": out,
+        "lengths": lengths,
+    }
 
 
 def _fields(arm: str, n: int, extra: dict | None = None, stop: list | None = None) -> list[dict]:
@@ -109,23 +118,25 @@ def _add(total: dict, c: dict) -> None:
 def _per(c: dict) -> dict:
     """An arm's counts as ratios: copies per step and per token, the extra copies, rows scored per token."""
     div = lambda a, b: a / b if b else None
-    return {"host_copies_per_step": div(c["host_copies"], c["steps"]),
-            "host_copies_per_step_with_rows": div(c["host_copies"], c["steps_with_rows"]),
-            "host_copies_per_completion_token": div(c["host_copies"], c["completion_tokens"]),
-            "host_copies_per_monitored_token": div(c["host_copies"], c["monitored_tokens"]),
-            # copies beyond the one a step with rows makes, and beyond one per step at all
-            "extra_copies": c["host_copies"] - c["steps_with_rows"],
-            "copies_over_steps": max(0, c["host_copies"] - c["steps"]),
-            "extra_copies_per_monitored_token": div(c["host_copies"] - c["steps_with_rows"], c["monitored_tokens"]),
-            "head_rows_per_monitored_token": div(c["head_rows"], c["monitored_tokens"]),
-            # each condition's head scores a monitored request's completion rows: all but the last token's,
-            # whose row no step computes (max_tokens - 1 of max_tokens)
-            "head_rows_per_monitored_token_per_head": div(c["head_rows"], c["monitored_tokens"] * len(HEADS)),
-            "head_products_per_step_with_rows": div(c["head_products"], c["steps_with_rows"]),
-            # the products' work: weight columns multiplied per row scored (the probe's 3; the SAE's
-            # watched feature's 1, or its 4,608 when a row is ranked: capture._ranked)
-            "head_column_rows_per_head_row": div(c["head_column_rows"], c["head_rows"]),
-            "bytes_copied_per_monitored_token": div(c["bytes_copied"], c["monitored_tokens"])}
+    return {
+        "host_copies_per_step": div(c["host_copies"], c["steps"]),
+        "host_copies_per_step_with_rows": div(c["host_copies"], c["steps_with_rows"]),
+        "host_copies_per_completion_token": div(c["host_copies"], c["completion_tokens"]),
+        "host_copies_per_monitored_token": div(c["host_copies"], c["monitored_tokens"]),
+        # copies beyond the one a step with rows makes, and beyond one per step at all
+        "extra_copies": c["host_copies"] - c["steps_with_rows"],
+        "copies_over_steps": max(0, c["host_copies"] - c["steps"]),
+        "extra_copies_per_monitored_token": div(c["host_copies"] - c["steps_with_rows"], c["monitored_tokens"]),
+        "head_rows_per_monitored_token": div(c["head_rows"], c["monitored_tokens"]),
+        # each condition's head scores a monitored request's completion rows: all but the last token's,
+        # whose row no step computes (max_tokens - 1 of max_tokens)
+        "head_rows_per_monitored_token_per_head": div(c["head_rows"], c["monitored_tokens"] * len(HEADS)),
+        "head_products_per_step_with_rows": div(c["head_products"], c["steps_with_rows"]),
+        # the products' work: weight columns multiplied per row scored (the probe's 3; the SAE's
+        # watched feature's 1, or its 4,608 when a row is ranked: capture._ranked)
+        "head_column_rows_per_head_row": div(c["head_column_rows"], c["head_rows"]),
+        "bytes_copied_per_monitored_token": div(c["bytes_copied"], c["monitored_tokens"]),
+    }
 
 
 def _strip(c: dict) -> dict:
@@ -137,9 +148,14 @@ async def _holds(engine, counter, frontend, args) -> dict:
     threshold at their HOLD_QUANTILE, then the same prompts with the conditions (the SAE's never holds):
     the completion tokens against max_tokens, and each stop against the calibration's first crossing."""
     prompts = _prompts(args.requests, 7 * 10**6)
-    calib = await _counted(engine, counter, frontend, prompts,
-                           [{"hidden_states_heads": [{"name": "probe"}], "hidden_states_position": "completion"}]
-                           * len(prompts), args)
+    calib = await _counted(
+        engine,
+        counter,
+        frontend,
+        prompts,
+        [{"hidden_states_heads": [{"name": "probe"}], "hidden_states_position": "completion"}] * len(prompts),
+        args,
+    )
     pos = LABELS.index("pos")
     scores = [[p["scores"][pos] for p in o["choices"][0]["hidden_states_heads"]["probe"]] for o in calib["out"]]
     threshold = float(np.quantile(np.concatenate(scores), HOLD_QUANTILE))
@@ -148,15 +164,25 @@ async def _holds(engine, counter, frontend, args) -> dict:
     stop = [NEVER[0], {"head": "probe", "label": "pos", "above": threshold}]
     run = await _counted(engine, counter, frontend, prompts, [{"hidden_states_stop": stop}] * len(prompts), args)
     stops = [o["choices"][0].get("hidden_states_meta", {}).get("stop") for o in run["out"]]
-    return {"threshold": threshold, "quantile": HOLD_QUANTILE, "conditions": stop,
-            "requests": len(prompts), "max_tokens": args.max_tokens,
-            "completion_tokens": run["completion_tokens"], "max_completion_tokens": len(prompts) * args.max_tokens,
-            "tokens_saved": len(prompts) * args.max_tokens - run["completion_tokens"],
-            "stopped": sum(s is not None for s in stops), "finish": run["finish"],
-            "stop_reasons": sorted({o["choices"][0].get("stop_reason") for o in run["out"]}, key=str),
-            "lengths": run["lengths"], "calibrated_lengths": want,
-            "agree_with_calibration": sum(a == b for a, b in zip(run["lengths"], want)),
-            "counts": _strip(run), "per": _per(run), "calibration_counts": _strip(calib)}
+    return {
+        "threshold": threshold,
+        "quantile": HOLD_QUANTILE,
+        "conditions": stop,
+        "requests": len(prompts),
+        "max_tokens": args.max_tokens,
+        "completion_tokens": run["completion_tokens"],
+        "max_completion_tokens": len(prompts) * args.max_tokens,
+        "tokens_saved": len(prompts) * args.max_tokens - run["completion_tokens"],
+        "stopped": sum(s is not None for s in stops),
+        "finish": run["finish"],
+        "stop_reasons": sorted({o["choices"][0].get("stop_reason") for o in run["out"]}, key=str),
+        "lengths": run["lengths"],
+        "calibrated_lengths": want,
+        "agree_with_calibration": sum(a == b for a, b in zip(run["lengths"], want)),
+        "counts": _strip(run),
+        "per": _per(run),
+        "calibration_counts": _strip(calib),
+    }
 
 
 async def _run(args, heads: list[dict]) -> dict:
@@ -177,26 +203,35 @@ async def _run(args, heads: list[dict]) -> dict:
         rows = {"hidden_states_heads": [{"name": "sae", "topk": 32}], "hidden_states_position": "completion"}
         ride = {}
         for k, (arm, stop) in enumerate((("rows", None), ("rows+stop", NEVER))):
-            c = await _counted(engine, counter, frontend, _prompts(n, 3 * 10**6 + 1000 * k),
-                               _fields("half", n, rows, stop), args)
+            c = await _counted(
+                engine, counter, frontend, _prompts(n, 3 * 10**6 + 1000 * k), _fields("half", n, rows, stop), args
+            )
             ride[arm] = {**_strip(c), "per": _per(c)}
         holds = await _holds(engine, counter, frontend, args)
         rate = {a: sum(c for c, _ in w) / sum(t for _, t in w) for a, w in walls.items()}
         ci = {a: paired_ratio_ci(walls[a], walls["off"]) for a in ARMS[1:]}
-        overlap = bool(ci["half"] and ci["off2"] and max(ci["half"][0], ci["off2"][0]) <= min(ci["half"][1],
-                                                                                             ci["off2"][1]))
+        overlap = bool(
+            ci["half"] and ci["off2"] and max(ci["half"][0], ci["off2"][0]) <= min(ci["half"][1], ci["off2"][1])
+        )
         return {
             "command": command_line("bench.monitors", args),
-            "model": args.model, "hidden_size": engine.hidden_size,
+            "model": args.model,
+            "hidden_size": engine.hidden_size,
             "heads": {h: {"kind": s.kind, "layer": s.layer, "width": s.width} for h, s in engine.heads.items()},
-            "conditions": NEVER, "rounds": args.rounds, "requests_per_round": n, "max_tokens": args.max_tokens,
-            "concurrency": args.concurrency, "req_per_s": rate,
+            "conditions": NEVER,
+            "rounds": args.rounds,
+            "requests_per_round": n,
+            "max_tokens": args.max_tokens,
+            "concurrency": args.concurrency,
+            "req_per_s": rate,
             **{f"{a}_over_off": rate[a] / rate["off"] for a in ARMS[1:]},
             **{f"{a}_over_off_ci95": ci[a] for a in ARMS[1:]},
             "half_interval_overlaps_aa": overlap,
             "walls": walls,  # per round: (requests, wall seconds)
-            "counts": counts, "per": {a: _per(counts[a]) for a in ARMS},
-            "ride": ride, "holds": holds,
+            "counts": counts,
+            "per": {a: _per(counts[a]) for a in ARMS},
+            "ride": ride,
+            "holds": holds,
         }
     finally:
         engine.shutdown()
@@ -208,9 +243,16 @@ def _run_with_heads(args) -> dict:
 
     d = hidden_size(args.model)
     with tempfile.TemporaryDirectory() as tmp:
-        heads = [{"name": "sae", "path": make_sae(os.path.join(tmp, "sae"), d, args.features * d, args.layer)},
-                 {"name": "probe", "path": make_linear(os.path.join(tmp, "probe.safetensors"), d, len(LABELS), 0),
-                  "layer": args.probe_layer, "activation": "softmax", "labels": LABELS}]
+        heads = [
+            {"name": "sae", "path": make_sae(os.path.join(tmp, "sae"), d, args.features * d, args.layer)},
+            {
+                "name": "probe",
+                "path": make_linear(os.path.join(tmp, "probe.safetensors"), d, len(LABELS), 0),
+                "layer": args.probe_layer,
+                "activation": "softmax",
+                "labels": LABELS,
+            },
+        ]
         return asyncio.run(_run(args, heads))
 
 
@@ -220,84 +262,105 @@ def _f(x, digits: int = 3) -> str:
 
 def _summary(args, r: dict) -> list[str]:
     sae, probe = r["heads"]["sae"], r["heads"]["probe"]
-    lines = [f"# Stop conditions on heads in half the batch vs none ({args.model}, D = {r['hidden_size']}, float32, "
-             f"{args.rounds} rounds x {args.requests} requests at concurrency {args.concurrency}, {args.max_tokens} "
-             f"tokens each; an SAE of {sae['width']} features at layer {sae['layer']} and a {probe['width']}-class "
-             f"softmax probe at layer {probe['layer']})",
-             "| arm | req/s | over off (95% CI) | completion tokens | engine steps | steps with rows | host copies | "
-             "copies / step | copies / completion token | extra copies / monitored token | "
-             "head rows / monitored token | finish |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        f"# Stop conditions on heads in half the batch vs none ({args.model}, D = {r['hidden_size']}, float32, "
+        f"{args.rounds} rounds x {args.requests} requests at concurrency {args.concurrency}, {args.max_tokens} "
+        f"tokens each; an SAE of {sae['width']} features at layer {sae['layer']} and a {probe['width']}-class "
+        f"softmax probe at layer {probe['layer']})",
+        "| arm | req/s | over off (95% CI) | completion tokens | engine steps | steps with rows | host copies | "
+        "copies / step | copies / completion token | extra copies / monitored token | "
+        "head rows / monitored token | finish |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for a in ARMS:
         c, p = r["counts"][a], r["per"][a]
         ratio = "1" if a == "off" else ratio_text(r, f"{a}_over_off")
         extra = "-" if not c["monitored_tokens"] else _f(p["extra_copies_per_monitored_token"])
         rows = "-" if not c["monitored_tokens"] else _f(p["head_rows_per_monitored_token"])
-        lines.append(f"| {a} | {r['req_per_s'][a]:.2f} | {ratio} | {c['completion_tokens']} | {c['steps']} | "
-                     f"{c['steps_with_rows']} | {c['host_copies']} | {_f(p['host_copies_per_step'])} | "
-                     f"{_f(p['host_copies_per_completion_token'], 4)} | {extra} | {rows} | "
-                     f"{', '.join(f'{k} {v}' for k, v in c['finish'].items())} |")
+        lines.append(
+            f"| {a} | {r['req_per_s'][a]:.2f} | {ratio} | {c['completion_tokens']} | {c['steps']} | "
+            f"{c['steps_with_rows']} | {c['host_copies']} | {_f(p['host_copies_per_step'])} | "
+            f"{_f(p['host_copies_per_completion_token'], 4)} | {extra} | {rows} | "
+            f"{', '.join(f'{k} {v}' for k, v in c['finish'].items())} |"
+        )
     h = r["counts"]["half"]
     ph = r["per"]["half"]
-    lines += ["", f"half over off: {ratio_text(r, 'half_over_off')}; the A/A control, off2 over off: "
-                  f"{ratio_text(r, 'off2_over_off')}; the intervals "
-                  f"{'overlap' if r['half_interval_overlaps_aa'] else 'do not overlap'}.",
-              "",
-              f"In `half`, {h['monitored_requests']} monitored requests ({h['monitored_tokens']} completion tokens) "
-              f"carried the two conditions ({'; '.join(str(x) for x in r['conditions'])}), which never hold: every "
-              f"completion ran its {args.max_tokens} tokens (finish reasons above). Host copies per monitored token: "
-              f"{_f(ph['host_copies_per_monitored_token'])} (one copy a step, shared by the step's monitored "
-              f"requests); copies beyond one per step with rows: {ph['extra_copies']}, beyond one per engine step: "
-              f"{ph['copies_over_steps']}; head products per step with rows: "
-              f"{_f(ph['head_products_per_step_with_rows'], 2)} (one per head); head rows per monitored token "
-              f"per head: {_f(ph['head_rows_per_monitored_token_per_head'])} (every completion row but the last "
-              f"token's, which no step computes: {args.max_tokens - 1} of {args.max_tokens}); bytes copied per "
-              f"monitored token: {_f(ph['bytes_copied_per_monitored_token'], 1)} (a float32 score per condition). "
-              f"The SAE condition's score comes from its feature's encoder column, not the full encode: rows the "
-              f"top-k SAE encoded in full to rank the feature: {h['ranked_rows']} (only where its rank could decide "
-              f"the condition: a score above the threshold, and none comes near it here). Weight columns "
-              f"multiplied per row scored, over both heads: {_f(ph['head_column_rows_per_head_row'], 2)} "
-              f"({h['head_column_rows']} column-rows for {h['head_rows']} rows: the probe's 3 outputs and the "
-              f"SAE feature's one encoder column, where the full encode multiplies {sae['width']}).",
-              "",
-              "Counted only, one pass each on fresh prompts, the same half monitored:",
-              "| arm | engine steps | steps with rows | host copies | copies / step | head products | head rows | "
-              "bytes copied |",
-              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines += [
+        "",
+        f"half over off: {ratio_text(r, 'half_over_off')}; the A/A control, off2 over off: "
+        f"{ratio_text(r, 'off2_over_off')}; the intervals "
+        f"{'overlap' if r['half_interval_overlaps_aa'] else 'do not overlap'}.",
+        "",
+        f"In `half`, {h['monitored_requests']} monitored requests ({h['monitored_tokens']} completion tokens) "
+        f"carried the two conditions ({'; '.join(str(x) for x in r['conditions'])}), which never hold: every "
+        f"completion ran its {args.max_tokens} tokens (finish reasons above). Host copies per monitored token: "
+        f"{_f(ph['host_copies_per_monitored_token'])} (one copy a step, shared by the step's monitored "
+        f"requests); copies beyond one per step with rows: {ph['extra_copies']}, beyond one per engine step: "
+        f"{ph['copies_over_steps']}; head products per step with rows: "
+        f"{_f(ph['head_products_per_step_with_rows'], 2)} (one per head); head rows per monitored token "
+        f"per head: {_f(ph['head_rows_per_monitored_token_per_head'])} (every completion row but the last "
+        f"token's, which no step computes: {args.max_tokens - 1} of {args.max_tokens}); bytes copied per "
+        f"monitored token: {_f(ph['bytes_copied_per_monitored_token'], 1)} (a float32 score per condition). "
+        f"The SAE condition's score comes from its feature's encoder column, not the full encode: rows the "
+        f"top-k SAE encoded in full to rank the feature: {h['ranked_rows']} (only where its rank could decide "
+        f"the condition: a score above the threshold, and none comes near it here). Weight columns "
+        f"multiplied per row scored, over both heads: {_f(ph['head_column_rows_per_head_row'], 2)} "
+        f"({h['head_column_rows']} column-rows for {h['head_rows']} rows: the probe's 3 outputs and the "
+        f"SAE feature's one encoder column, where the full encode multiplies {sae['width']}).",
+        "",
+        "Counted only, one pass each on fresh prompts, the same half monitored:",
+        "| arm | engine steps | steps with rows | host copies | copies / step | head products | head rows | "
+        "bytes copied |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for a, c in r["ride"].items():
-        lines.append(f"| {a} | {c['steps']} | {c['steps_with_rows']} | {c['host_copies']} | "
-                     f"{_f(c['per']['host_copies_per_step'])} | {c['head_products']} | {c['head_rows']} | "
-                     f"{c['bytes_copied']} |")
+        lines.append(
+            f"| {a} | {c['steps']} | {c['steps_with_rows']} | {c['host_copies']} | "
+            f"{_f(c['per']['host_copies_per_step'])} | {c['head_products']} | {c['head_rows']} | "
+            f"{c['bytes_copied']} |"
+        )
     ho = r["holds"]
     a, b = r["ride"]["rows"], r["ride"]["rows+stop"]
-    lines += ["", f"`rows`: the SAE's top-32 features of the completion positions; `rows+stop`: the same and the two "
-                  f"conditions. Host copies {a['host_copies']} and {b['host_copies']}, one per step with rows in "
-                  f"both: the scores ride the copy the rows make ({b['bytes_copied'] - a['bytes_copied']} bytes "
-                  f"more). Head products {a['head_products']} and {b['head_products']}: the conditions run their "
-                  "own products beside the one the heads' outputs ran on the same rows, the SAE's over its watched "
-                  f"feature's encoder column (rows encoded in full to rank it: {b['ranked_rows']}).",
-              "",
-              f"Conditions that hold ({ho['requests']} requests, every one monitored; the probe's `pos` above "
-              f"{ho['threshold']:.4f}, the {ho['quantile']:.0%} quantile of its scores at the completion positions "
-              f"of the same prompts; the SAE's never holds): {ho['stopped']} of {ho['requests']} stopped, "
-              f"{ho['completion_tokens']} completion tokens of {ho['max_completion_tokens']}: "
-              f"**{ho['tokens_saved']} tokens saved** ({ho['tokens_saved'] / ho['max_completion_tokens']:.0%}); "
-              f"{ho['agree_with_calibration']} of {ho['requests']} completions as long as the calibration's first "
-              f"crossing predicts. Host copies per step: {_f(ho['per']['host_copies_per_step'])}.",
-              "",
-              "`off2` is `off` again (the A/A control). Engine steps are counted in this process: the engine "
-              "core's outputs that carry tokens (one per step). `steps with rows`: the workers' steps whose plan "
-              "had rows or monitor scores (capture.py's `steps_with_rows`); `host copies` its `host_copies`. "
-              f"Intervals: {ci_text(r['half_over_off_ci95'])} (half) and {ci_text(r['off2_over_off_ci95'])} (A/A)."]
+    lines += [
+        "",
+        f"`rows`: the SAE's top-32 features of the completion positions; `rows+stop`: the same and the two "
+        f"conditions. Host copies {a['host_copies']} and {b['host_copies']}, one per step with rows in "
+        f"both: the scores ride the copy the rows make ({b['bytes_copied'] - a['bytes_copied']} bytes "
+        f"more). Head products {a['head_products']} and {b['head_products']}: the conditions run their "
+        "own products beside the one the heads' outputs ran on the same rows, the SAE's over its watched "
+        f"feature's encoder column (rows encoded in full to rank it: {b['ranked_rows']}).",
+        "",
+        f"Conditions that hold ({ho['requests']} requests, every one monitored; the probe's `pos` above "
+        f"{ho['threshold']:.4f}, the {ho['quantile']:.0%} quantile of its scores at the completion positions "
+        f"of the same prompts; the SAE's never holds): {ho['stopped']} of {ho['requests']} stopped, "
+        f"{ho['completion_tokens']} completion tokens of {ho['max_completion_tokens']}: "
+        f"**{ho['tokens_saved']} tokens saved** ({ho['tokens_saved'] / ho['max_completion_tokens']:.0%}); "
+        f"{ho['agree_with_calibration']} of {ho['requests']} completions as long as the calibration's first "
+        f"crossing predicts. Host copies per step: {_f(ho['per']['host_copies_per_step'])}.",
+        "",
+        "`off2` is `off` again (the A/A control). Engine steps are counted in this process: the engine "
+        "core's outputs that carry tokens (one per step). `steps with rows`: the workers' steps whose plan "
+        "had rows or monitor scores (capture.py's `steps_with_rows`); `host copies` its `host_copies`. "
+        f"Intervals: {ci_text(r['half_over_off_ci95'])} (half) and {ci_text(r['off2_over_off_ci95'])} (A/A).",
+    ]
     return lines
 
 
 def main() -> None:
-    bench_main("bench.monitors", __doc__, _run_with_heads, _summary, name="monitors-smollm2",
-               first=("--model", "builtin:smollm2-135m-instruct"), requests=16,
-               more=[("--features", 8, "SAE features per hidden dimension"),
-                     ("--layer", 15, "the SAE's layer (hidden_states_layers' numbering)"),
-                     ("--probe-layer", 22, "the probe's layer")])
+    bench_main(
+        "bench.monitors",
+        __doc__,
+        _run_with_heads,
+        _summary,
+        name="monitors-smollm2",
+        first=("--model", "builtin:smollm2-135m-instruct"),
+        requests=16,
+        more=[
+            ("--features", 8, "SAE features per hidden dimension"),
+            ("--layer", 15, "the SAE's layer (hidden_states_layers' numbering)"),
+            ("--probe-layer", 22, "the probe's layer"),
+        ],
+    )
 
 
 if __name__ == "__main__":

@@ -28,11 +28,20 @@ import numpy as np
 from bench.measure import paired_ratio_ci
 from bench.report import bench_main, ratio_text
 
-ENGINE_ARGS = {"dtype": "float32", "enforce_eager": True, "kv_cache_memory_bytes": 256 * 2**20, "max_model_len": 1024,
-               "max_num_batched_tokens": 512}
+ENGINE_ARGS = {
+    "dtype": "float32",
+    "enforce_eager": True,
+    "kv_cache_memory_bytes": 256 * 2**20,
+    "max_model_len": 1024,
+    "max_num_batched_tokens": 512,
+}
 ARMS = ("off", "on", "off2", "extract")
-FIELDS = {"off": {}, "off2": {}, "on": {"return_hidden_states": True},
-          "extract": {"return_hidden_states": True, "stop": ["never in this text"]}}
+FIELDS = {
+    "off": {},
+    "off2": {},
+    "on": {"return_hidden_states": True},
+    "extract": {"return_hidden_states": True, "stop": ["never in this text"]},
+}
 
 
 def _image_url(seed: int) -> str:
@@ -45,10 +54,24 @@ def _image_url(seed: int) -> str:
 
 
 def _bodies(n: int, seed: int, max_tokens: int) -> list[dict]:
-    return [{"model": "vlm", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-             "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": _image_url(seed + i)}},
-                                                       {"type": "text", "text": f"What is in picture {i}?"}]}]}
-            for i in range(n)]
+    return [
+        {
+            "model": "vlm",
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "image_url", "image_url": {"url": _image_url(seed + i)}},
+                        {"type": "text", "text": f"What is in picture {i}?"},
+                    ],
+                }
+            ],
+        }
+        for i in range(n)
+    ]
 
 
 async def _encoder_items(engine) -> int:
@@ -83,7 +106,7 @@ async def _run(args) -> dict:
         encoded = {a: 0 for a in ARMS}
         computed = {a: [] for a in ARMS}
         for r in range(args.rounds):
-            for k, arm in enumerate(ARMS[r % 4:] + ARMS[:r % 4]):
+            for k, arm in enumerate(ARMS[r % 4 :] + ARMS[: r % 4]):
                 # fresh images per arm: no arm finds another's images in the encoder or prefix cache
                 bodies = _bodies(args.requests, 1000 * (r * 4 + k), args.max_tokens)
                 wall, items, out = await _arm(engine, frontend, bodies, arm, args.concurrency)
@@ -96,8 +119,12 @@ async def _run(args) -> dict:
         n = args.rounds * args.requests
         rate = {a: sum(c for c, _ in w) / sum(t for _, t in w) for a, w in walls.items()}
         return {
-            "model": args.model, "rounds": args.rounds, "requests_per_round": args.requests,
-            "max_tokens": args.max_tokens, "concurrency": args.concurrency, "req_per_s": rate,
+            "model": args.model,
+            "rounds": args.rounds,
+            "requests_per_round": args.requests,
+            "max_tokens": args.max_tokens,
+            "concurrency": args.concurrency,
+            "req_per_s": rate,
             **{f"{a}_over_off": rate[a] / rate["off"] for a in ("on", "off2", "extract")},
             **{f"{a}_over_off_ci95": paired_ratio_ci(walls[a], walls["off"]) for a in ("on", "off2", "extract")},
             "encoder_items_per_request": {a: encoded[a] / n for a in ARMS},
@@ -109,21 +136,33 @@ async def _run(args) -> dict:
 
 def _summary(args, r: dict) -> list[str]:
     enc, pos = r["encoder_items_per_request"], r["computed_positions_per_vector"]
-    lines = [f"# Image chats with vectors on vs off ({args.model}, float32, {args.rounds} rounds x {args.requests} "
-             f"requests at concurrency {args.concurrency}, one image and {args.max_tokens} tokens each)",
-             "| arm | req/s | over off (95% CI) | images encoded per request | positions computed per vector |",
-             "| --- | --- | --- | --- | --- |"]
+    lines = [
+        f"# Image chats with vectors on vs off ({args.model}, float32, {args.rounds} rounds x {args.requests} "
+        f"requests at concurrency {args.concurrency}, one image and {args.max_tokens} tokens each)",
+        "| arm | req/s | over off (95% CI) | images encoded per request | positions computed per vector |",
+        "| --- | --- | --- | --- | --- |",
+    ]
     for a in ARMS:
         ratio = "1" if a == "off" else ratio_text(r, f"{a}_over_off")
         p = "-" if pos[a] is None else f"{pos[a]:.2f}"
         lines.append(f"| {a} | {r['req_per_s'][a]:.2f} | {ratio} | {enc[a]:.2f} | {p} |")
-    lines += ["", "`off2` is `off` again (the A/A control: its interval is the noise floor); `extract` takes the "
-                  "extraction step for every vector (a stop string that never matches)."]
+    lines += [
+        "",
+        "`off2` is `off` again (the A/A control: its interval is the noise floor); `extract` takes the "
+        "extraction step for every vector (a stop string that never matches).",
+    ]
     return lines
 
 
 def main() -> None:
-    bench_main("bench.multimodal", __doc__, _run, _summary, name="multimodal-tiny-llava", first=("--model", "builtin:tiny-llava"))
+    bench_main(
+        "bench.multimodal",
+        __doc__,
+        _run,
+        _summary,
+        name="multimodal-tiny-llava",
+        first=("--model", "builtin:tiny-llava"),
+    )
 
 
 if __name__ == "__main__":

@@ -19,14 +19,26 @@ from hidden_states.openai_format import encode_vector
 def _response(vec_value, dim: int) -> dict:
     # the shape of vLLM's CompletionResponse.model_dump() with one choice, plus our two fields
     return {
-        "id": "cmpl-0123456789abcdef0123456789abcdef", "object": "text_completion", "created": 1790000000,
-        "model": "bench-model", "choices": [{
-            "index": 0, "text": " generated text of a typical completion", "logprobs": None,
-            "finish_reason": "length", "stop_reason": None, "token_ids": None, "prompt_logprobs": None,
-            "prompt_token_ids": None, "hidden_states": vec_value,
-            "hidden_states_meta": {"tokens": 1024, "cached_tokens": 1024 - dim % 97, "replica": "abcd1234"},
-        }],
-        "service_tier": None, "system_fingerprint": None,
+        "id": "cmpl-0123456789abcdef0123456789abcdef",
+        "object": "text_completion",
+        "created": 1790000000,
+        "model": "bench-model",
+        "choices": [
+            {
+                "index": 0,
+                "text": " generated text of a typical completion",
+                "logprobs": None,
+                "finish_reason": "length",
+                "stop_reason": None,
+                "token_ids": None,
+                "prompt_logprobs": None,
+                "prompt_token_ids": None,
+                "hidden_states": vec_value,
+                "hidden_states_meta": {"tokens": 1024, "cached_tokens": 1024 - dim % 97, "replica": "abcd1234"},
+            }
+        ],
+        "service_tier": None,
+        "system_fingerprint": None,
         "usage": {"prompt_tokens": 900, "total_tokens": 1024, "completion_tokens": 124, "prompt_tokens_details": None},
         "kv_transfer_params": None,
     }
@@ -76,8 +88,13 @@ def run(dims=(4096, 8192), min_time: float = 1.0, on_step=None) -> dict:
             value_bytes = len(json.dumps(encode_vector(vec, enc), separators=(",", ":")))
             t_build = _time(lambda vec=vec, enc=enc: build(vec, enc), min_time)
             t_parse = _time(lambda raw=raw: parse(raw), min_time)
-            row[enc] = {"vector_bytes": value_bytes, "response_bytes": len(raw),
-                        "build_ms": t_build * 1e3, "parse_ms": t_parse * 1e3, "total_ms": (t_build + t_parse) * 1e3}
+            row[enc] = {
+                "vector_bytes": value_bytes,
+                "response_bytes": len(raw),
+                "build_ms": t_build * 1e3,
+                "parse_ms": t_parse * 1e3,
+                "total_ms": (t_build + t_parse) * 1e3,
+            }
             if on_step:
                 on_step()
         row["speedup_base64"] = row["float"]["total_ms"] / row["base64"]["total_ms"]

@@ -46,13 +46,26 @@ PATH_ROLES = {  # the processes a request passes through (bench.serve_cpu.Roles'
 
 def serve_config(http_port: int, names: tuple[str, str], max_body: int) -> dict:
     """Two FakeEngine apps (`bench.simulate:fake_app`): one behind the Router, one `ingress: replica`."""
-    args = {"model": "builtin:tiny-llama", "served_model_name": MODEL, "engine": {"hidden_size": HIDDEN},
-            "request_timeout_s": 120, "max_request_body_bytes": max_body}
-    return {"proxy_location": "HeadOnly", "http_options": {"host": "127.0.0.1", "port": http_port},
-            "applications": [
-                {"name": names[0], "route_prefix": "/", "import_path": "bench.simulate:fake_app", "args": args},
-                {"name": names[1], "route_prefix": "/direct", "import_path": "bench.simulate:fake_app",
-                 "args": dict(args, ingress="replica")}]}
+    args = {
+        "model": "builtin:tiny-llama",
+        "served_model_name": MODEL,
+        "engine": {"hidden_size": HIDDEN},
+        "request_timeout_s": 120,
+        "max_request_body_bytes": max_body,
+    }
+    return {
+        "proxy_location": "HeadOnly",
+        "http_options": {"host": "127.0.0.1", "port": http_port},
+        "applications": [
+            {"name": names[0], "route_prefix": "/", "import_path": "bench.simulate:fake_app", "args": args},
+            {
+                "name": names[1],
+                "route_prefix": "/direct",
+                "import_path": "bench.simulate:fake_app",
+                "args": dict(args, ingress="replica"),
+            },
+        ],
+    }
 
 
 class FakeApps:
@@ -68,8 +81,11 @@ class FakeApps:
         path = WORK / "cfg" / f"serve-{self.tag}.yaml"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(yaml.safe_dump(serve_config(self.http_port, self.names, 4 * 2**20), sort_keys=False))
-        self.proc = Proc(f"serve-run-{self.tag}", [BIN / "serve", "run", "--address", self.cluster.address, path],
-                         env=self.cluster.env())
+        self.proc = Proc(
+            f"serve-run-{self.tag}",
+            [BIN / "serve", "run", "--address", self.cluster.address, path],
+            env=self.cluster.env(),
+        )
 
     def wait_ready(self, timeout: float) -> None:
         def ready() -> bool:
@@ -84,9 +100,18 @@ class FakeApps:
 
 
 def body(tokens: int, stream: bool) -> bytes:
-    return json.dumps({"model": MODEL, "prompt": "Rows, please.", "max_tokens": tokens, "stream": stream,
-                       "return_hidden_states": True, "hidden_states_position": "completion",
-                       "hidden_states_dtype": "float16", "hidden_states_encoding": "base64"}).encode()
+    return json.dumps(
+        {
+            "model": MODEL,
+            "prompt": "Rows, please.",
+            "max_tokens": tokens,
+            "stream": stream,
+            "return_hidden_states": True,
+            "hidden_states_position": "completion",
+            "hidden_states_dtype": "float16",
+            "hidden_states_encoding": "base64",
+        }
+    ).encode()
 
 
 def one(client: httpx.Client, url: str, tokens: int, stream: bool) -> int:
@@ -108,8 +133,7 @@ def one(client: httpx.Client, url: str, tokens: int, stream: bool) -> int:
     return len(r.content)
 
 
-def run_arm(roles: Roles, url: str, tokens: int, stream: bool, requests: int, concurrency: int,
-            path: str) -> dict:
+def run_arm(roles: Roles, url: str, tokens: int, stream: bool, requests: int, concurrency: int, path: str) -> dict:
     a = roles.snapshot()
     sizes, errors = [], []
     with httpx.Client(timeout=300) as client, concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
@@ -121,10 +145,16 @@ def run_arm(roles: Roles, url: str, tokens: int, stream: bool, requests: int, co
     d = roles.delta(a, roles.snapshot())
     mb = sum(sizes) / 1e6
     cpu = {r: max(0.0, d["roles"].get(r, 0.0) - roles.idle.get(r, 0.0) * d["wall"]) for r in PATH_ROLES[path]}
-    return {"requests": requests, "ok": len(sizes), "errors": len(errors), "error_samples": errors[:3],
-            "mb_per_response": round(mb / max(1, len(sizes)), 2), "mb_per_s": round(mb / d["wall"], 1),
-            "cpu_ms_per_mb": {r: round(s / mb * 1e3, 2) for r, s in cpu.items()} if mb else {},
-            "cpu_ms_per_mb_total": round(sum(cpu.values()) / mb * 1e3, 2) if mb else None}
+    return {
+        "requests": requests,
+        "ok": len(sizes),
+        "errors": len(errors),
+        "error_samples": errors[:3],
+        "mb_per_response": round(mb / max(1, len(sizes)), 2),
+        "mb_per_s": round(mb / d["wall"], 1),
+        "cpu_ms_per_mb": {r: round(s / mb * 1e3, 2) for r, s in cpu.items()} if mb else {},
+        "cpu_ms_per_mb_total": round(sum(cpu.values()) / mb * 1e3, 2) if mb else None,
+    }
 
 
 def fake_rows_cpu_ms(tokens: int) -> float:
@@ -149,8 +179,14 @@ def main() -> None:
     shown = argparse.Namespace(**vars(args))
     tokens = [int(t) for t in args.tokens.split(",")]
     roles, started = Roles(), []
-    results: dict = {"hidden_size": HIDDEN, "dtype": "float16", "encoding": "base64", "paths": PATH_ROLES,
-                     "fake_rows_cpu_ms": {str(t): fake_rows_cpu_ms(t) for t in tokens}, "runs": {}}
+    results: dict = {
+        "hidden_size": HIDDEN,
+        "dtype": "float16",
+        "encoding": "base64",
+        "paths": PATH_ROLES,
+        "fake_rows_cpu_ms": {str(t): fake_rows_cpu_ms(t) for t in tokens},
+        "runs": {},
+    }
     try:
         urls = {}
         for name, names, second in (("main", ("pl", "pl-direct"), False), ("haproxy", ("pl-ha", "pl-ha-direct"), True)):
@@ -184,20 +220,26 @@ def main() -> None:
 
 
 def report(r: dict, args) -> str:
-    lines = [command_line("bench.payloads", args), "",
-             f"Rows of a {r['hidden_size']}-wide model, {r['dtype']}, {r['encoding']}; FakeEngine replicas. "
-             "MB/s of responses, and CPU ms per MB of response by process (idle subtracted); the replica's "
-             f"includes making the rows ({', '.join(f'{v} ms per {t} rows' for t, v in r['fake_rows_cpu_ms'].items())},"
-             " measured alone).", "",
-             "| path | rows | mode | MB per response | MB/s | CPU ms/MB, outside the replica | replica | "
-             "errors |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        command_line("bench.payloads", args),
+        "",
+        f"Rows of a {r['hidden_size']}-wide model, {r['dtype']}, {r['encoding']}; FakeEngine replicas. "
+        "MB/s of responses, and CPU ms per MB of response by process (idle subtracted); the replica's "
+        f"includes making the rows ({', '.join(f'{v} ms per {t} rows' for t, v in r['fake_rows_cpu_ms'].items())},"
+        " measured alone).",
+        "",
+        "| path | rows | mode | MB per response | MB/s | CPU ms/MB, outside the replica | replica | errors |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for key, x in r["runs"].items():
         path, t, mode = key.split("/")
         per = x["cpu_ms_per_mb"]
         replica = sum(v for k, v in per.items() if k.endswith(": replica"))
         outside = ", ".join(f"{k.split(': ')[-1]} {v}" for k, v in per.items() if not k.endswith(": replica"))
-        lines.append(f"| {path} | {t} | {mode} | {x['mb_per_response']} | {x['mb_per_s']} | "
-                     f"{outside or '-'} | {replica:.2f} | {x['errors']} |")
+        lines.append(
+            f"| {path} | {t} | {mode} | {x['mb_per_response']} | {x['mb_per_s']} | "
+            f"{outside or '-'} | {replica:.2f} | {x['errors']} |"
+        )
     return "\n".join(lines) + "\n"
 
 

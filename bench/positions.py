@@ -15,9 +15,17 @@ row in float16 (`"completion"`), and its top-128 entries. Then, counted rather t
 from __future__ import annotations
 
 from bench import compare, workload
-from bench.targets import POSITIONS_F16_MIN as COMPLETION_F16_MIN, POSITIONS_TOPK as TOPK, POSITIONS_TOPK_MIN as TOPK_MIN
 from bench.load import Result, run_batch
 from bench.servers import replica_info
+from bench.targets import (
+    POSITIONS_F16_MIN as COMPLETION_F16_MIN,
+)
+from bench.targets import (
+    POSITIONS_TOPK as TOPK,
+)
+from bench.targets import (
+    POSITIONS_TOPK_MIN as TOPK_MIN,
+)
 
 ROWS = {"return_hidden_states": True, "hidden_states_position": "completion", "hidden_states_encoding": "base64"}
 ENCODINGS = {  # the payload table: one row per encoding
@@ -36,10 +44,12 @@ def _workers(ep) -> dict:
 
 def run(bench, model: str, ep, vocab: int, cpu, check, max_bytes: int) -> dict:
     args = bench.args
-    arms = [compare.Arm("off", "hidden states off", ep, {}),
-            compare.Arm("off2", "hidden states off (control)", ep, {}),
-            compare.Arm("f16", "completion, float16", ep, ENCODINGS["float16"]),
-            compare.Arm("topk", f"completion, float16 top-{TOPK}", ep, ENCODINGS[f"float16 top-{TOPK}"])]
+    arms = [
+        compare.Arm("off", "hidden states off", ep, {}),
+        compare.Arm("off2", "hidden states off (control)", ep, {}),
+        compare.Arm("f16", "completion, float16", ep, ENCODINGS["float16"]),
+        compare.Arm("topk", f"completion, float16 top-{TOPK}", ep, ENCODINGS[f"float16 top-{TOPK}"]),
+    ]
     bench.phase(f"{model} positions: warm-up")
     compare.warmup(arms, vocab, 8, 8, f"{model}-pos")
     out: dict = {"targets": {"completion_f16_min": COMPLETION_F16_MIN, "topk_min": TOPK_MIN}, "by_concurrency": {}}
@@ -48,8 +58,9 @@ def run(bench, model: str, ep, vocab: int, cpu, check, max_bytes: int) -> dict:
         rounds = args.rounds or bench.plan[model]["rounds"]["hs"]
         per = bench.plan[model]["per_round"].get(c, 8)
         bench.phase(f"{model} positions: c={c} x{rounds} rounds")
-        runs = compare.run(arms, vocab, c, rounds, per, f"{model}-pos", cpu, on_done=bench.tick, check=check,
-                           one_engine=True)
+        runs = compare.run(
+            arms, vocab, c, rounds, per, f"{model}-pos", cpu, on_done=bench.tick, check=check, one_engine=True
+        )
         rows = [r for x in runs if x.arm in ("f16", "topk") for r in x.batch.ok]
         out["by_concurrency"][str(c)] = {
             **{a.key: compare.summarize(runs, a.key) for a in arms},
@@ -61,17 +72,22 @@ def run(bench, model: str, ep, vocab: int, cpu, check, max_bytes: int) -> dict:
             "requests_with_rows": len(rows),
         }
     after = _workers(ep)
-    counts = {k: after.get(k, 0) - before.get(k, 0) for k in ("steps_with_rows", "host_copies", "bytes_copied",
-                                                                "captured")}
-    counts["copies_per_step_with_rows"] = (counts["host_copies"] / counts["steps_with_rows"]
-                                           if counts["steps_with_rows"] else None)
+    counts = {
+        k: after.get(k, 0) - before.get(k, 0) for k in ("steps_with_rows", "host_copies", "bytes_copied", "captured")
+    }
+    counts["copies_per_step_with_rows"] = (
+        counts["host_copies"] / counts["steps_with_rows"] if counts["steps_with_rows"] else None
+    )
     counts["requests_per_copy"] = counts["captured"] / counts["host_copies"] if counts["host_copies"] else None
     out["engine"] = counts
     out["payload"], answered = _payload(model, ep, vocab)
     held = [r.hs_bytes for r in answered]
-    out["memory"] = {"max_bytes_held_per_request": max(held) if held else None, "bound_bytes": max_bytes,
-                     "note": "a request's rows wait in the frontend until its finish (streams: until the next chunk); "
-                             "the engine's scheduler holds a step's rows until that step's output"}
+    out["memory"] = {
+        "max_bytes_held_per_request": max(held) if held else None,
+        "bound_bytes": max_bytes,
+        "note": "a request's rows wait in the frontend until its finish (streams: until the next chunk); "
+        "the engine's scheduler holds a step's rows until that step's output",
+    }
     return out
 
 
@@ -81,13 +97,18 @@ def _payload(model: str, ep, vocab: int, n: int = 8) -> tuple[dict, list[Result]
     shapes = workload.shapes(n, seed=workload.SEED + 99)
     table, everything = {}, []
     for name, extra in [("off", {}), *ENCODINGS.items()]:
-        bodies = [(Result(i, s.prompt_tokens, s.max_tokens),
-                   workload.body(ep.model, s, vocab, f"payload-{model}-{i}", extra)) for i, s in enumerate(shapes)]
+        bodies = [
+            (Result(i, s.prompt_tokens, s.max_tokens), workload.body(ep.model, s, vocab, f"payload-{model}-{i}", extra))
+            for i, s in enumerate(shapes)
+        ]
         ok = run_batch(ep.url, bodies, 1).ok
         toks = sum(r.completion_tokens for r in ok)
-        table[name] = {"requests": len(ok), "completion_tokens": toks,
-                       "rows_bytes_per_token": sum(r.hs_bytes for r in ok) / toks if toks else None,
-                       "body_bytes_per_token": sum(r.body_bytes for r in ok) / toks if toks else None}
+        table[name] = {
+            "requests": len(ok),
+            "completion_tokens": toks,
+            "rows_bytes_per_token": sum(r.hs_bytes for r in ok) / toks if toks else None,
+            "body_bytes_per_token": sum(r.body_bytes for r in ok) / toks if toks else None,
+        }
         everything += ok
     base = table["off"]["body_bytes_per_token"]
     for name in ENCODINGS:
@@ -98,8 +119,11 @@ def _payload(model: str, ep, vocab: int, n: int = 8) -> tuple[dict, list[Result]
 
 def lines(res: dict) -> list[str]:
     """The part's Markdown summary."""
-    out = ["| concurrency | completion f16 / off (95% CI) | top-128 / off (95% CI) | A/A control (95% CI) | rows = tokens |",
-           "|---|---|---|---|---|"]
+    out = [
+        "| concurrency | completion f16 / off (95% CI) | top-128 / off (95% CI) | A/A control (95% CI) "
+        "| rows = tokens |",
+        "|---|---|---|---|---|",
+    ]
 
     def cell(r: dict, minimum: float | None) -> str:
         ci = r.get("req_per_s_ci95")
@@ -112,24 +136,38 @@ def lines(res: dict) -> list[str]:
         return s
 
     for c, r in res.get("by_concurrency", {}).items():
-        out.append(f"| {c} | {cell(r['f16_vs_off'], COMPLETION_F16_MIN if c in ('8', '32') else None)} | "
-                   f"{cell(r['topk_vs_off'], TOPK_MIN)} | {cell(r['control_ratio'], None)} | "
-                   f"{r['rows_equal_completion_tokens']}/{r['requests_with_rows']} |")
+        out.append(
+            f"| {c} | {cell(r['f16_vs_off'], COMPLETION_F16_MIN if c in ('8', '32') else None)} | "
+            f"{cell(r['topk_vs_off'], TOPK_MIN)} | {cell(r['control_ratio'], None)} | "
+            f"{r['rows_equal_completion_tokens']}/{r['requests_with_rows']} |"
+        )
     e = res.get("engine") or {}
     if e:
-        out += ["", f"Engine: {e['host_copies']} device-to-host copies over {e['steps_with_rows']} steps with rows "
-                    f"({e['copies_per_step_with_rows']} per step), {e['requests_per_copy'] or 0:.2f} requests' rows "
-                    f"per copy, {e['bytes_copied']} bytes copied."]
+        out += [
+            "",
+            f"Engine: {e['host_copies']} device-to-host copies over {e['steps_with_rows']} steps with rows "
+            f"({e['copies_per_step_with_rows']} per step), {e['requests_per_copy'] or 0:.2f} requests' rows "
+            f"per copy, {e['bytes_copied']} bytes copied.",
+        ]
     p = res.get("payload") or {}
     if p:
-        out += ["", "| encoding | rows bytes / generated token | response bytes / token (added over off) |", "|---|---|---|"]
+        out += [
+            "",
+            "| encoding | rows bytes / generated token | response bytes / token (added over off) |",
+            "|---|---|---|",
+        ]
         for name, r in p.items():
             rb = r.get("rows_bytes_per_token")
             added = r.get("added_body_bytes_per_token")
-            out.append(f"| {name} | {'-' if not rb else f'{rb:.0f}'} | {r['body_bytes_per_token'] or 0:.0f}"
-                       f"{'' if added is None else f' (+{added:.0f})'} |")
+            out.append(
+                f"| {name} | {'-' if not rb else f'{rb:.0f}'} | {r['body_bytes_per_token'] or 0:.0f}"
+                f"{'' if added is None else f' (+{added:.0f})'} |"
+            )
     m = res.get("memory") or {}
     if m:
-        out += ["", f"Largest rows held by one request: {m['max_bytes_held_per_request']} bytes "
-                    f"(bound: max_hidden_states_bytes = {m['bound_bytes']})."]
+        out += [
+            "",
+            f"Largest rows held by one request: {m['max_bytes_held_per_request']} bytes "
+            f"(bound: max_hidden_states_bytes = {m['bound_bytes']}).",
+        ]
     return out

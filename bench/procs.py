@@ -20,7 +20,7 @@ from pathlib import Path
 
 import psutil
 
-ROOT = Path(__file__).resolve().parent.parent          # /work/main
+ROOT = Path(__file__).resolve().parent.parent  # /work/main
 WORK = ROOT / "bench" / ".work"
 LOGS = WORK / "logs"
 BIN = ROOT / ".venv" / "bin"
@@ -60,8 +60,13 @@ class Proc:
         full_env = dict(os.environ)
         full_env.update(env or {})
         self.popen = subprocess.Popen(
-            self.argv, cwd=str(cwd), env=full_env, stdout=self._log, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL, start_new_session=True,
+            self.argv,
+            cwd=str(cwd),
+            env=full_env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
         )
         self.pid = self.popen.pid
         self.pgid = self.pid
@@ -140,8 +145,14 @@ def _signal_all(pgid: int, procs, sig) -> None:
             pass
 
 
-def wait_until(check: Callable[[], bool], timeout: float, what: str, procs: list[Proc] = (), poll: float = 1.0,
-               on_tick: Callable[[], None] | None = None) -> float:
+def wait_until(
+    check: Callable[[], bool],
+    timeout: float,
+    what: str,
+    procs: list[Proc] = (),
+    poll: float = 1.0,
+    on_tick: Callable[[], None] | None = None,
+) -> float:
     """Polls `check` until true; fails early with the log tail if one of `procs` died."""
     t0 = time.monotonic()
     while True:

@@ -13,7 +13,8 @@ the proofs' bytes per 32 tokens (raw and base64), CPU per request in each arm in
 (the frontend: proofs are built here) and in its children (vLLM's engine core and worker: the
 rows' top-k and their copies), the work wall time on 2 cores cannot settle, and the validation
 (POST /v1/hidden_states with compare.toploc, through the engine's OpenAI routes) per 1,000 tokens
-against a plain prefill of the same tokens (max_tokens 1, nothing asked). Prints and writes bench/results/<name>.{json,md}.
+against a plain prefill of the same tokens (max_tokens 1, nothing asked). Prints and writes
+bench/results/<name>.{json,md}.
 """
 
 from __future__ import annotations
@@ -28,11 +29,19 @@ from bench.measure import paired_ratio_ci
 from bench.report import bench_main, ratio_text
 
 MODEL = "builtin:smollm2-135m-instruct"
-ENGINE_ARGS = {"dtype": "float32", "enforce_eager": True, "kv_cache_memory_bytes": 2**30, "max_model_len": 4096,
-               "max_num_batched_tokens": 512, "block_size": 32}
+ENGINE_ARGS = {
+    "dtype": "float32",
+    "enforce_eager": True,
+    "kv_cache_memory_bytes": 2**30,
+    "max_model_len": 4096,
+    "max_num_batched_tokens": 512,
+    "block_size": 32,
+}
 PROOF = {"scheme": "toploc", "topk": 128, "decode_batching_size": 32}
-WORDS = ("the replica cache step token vector router engine prefix hidden state model batch proof verifier "
-         "window chunk polynomial").split()
+WORDS = (
+    "the replica cache step token vector router engine prefix hidden state model batch proof verifier "
+    "window chunk polynomial"
+).split()
 
 
 def _prompts(n: int, seed: int) -> list[str]:
@@ -77,19 +86,26 @@ async def _validation(engine, routes, outs) -> dict:
     for c in outs:
         ch = c.choices[0]
         prompt, completion = list(c.prompt_token_ids), list(ch.token_ids)
-        body = json.dumps({"prompt": prompt, "completion": completion,
-                           "compare": {"toploc": {**PROOF, "proofs": list(ch.proofs)}}}).encode()
+        body = json.dumps(
+            {"prompt": prompt, "completion": completion, "compare": {"toploc": {**PROOF, "proofs": list(ch.proofs)}}}
+        ).encode()
         t0 = time.perf_counter()
         async for status, raw in routes.handle("hidden_states", body):
             assert status == 200 and json.loads(raw)["comparison"]["ok"], raw[:300]
         check_s += time.perf_counter() - t0
         t0 = time.perf_counter()
-        await engine.complete(prompt + completion[:-1], SamplingParams(max_tokens=1, temperature=0.0),
-                              return_hidden_states=False)
+        await engine.complete(
+            prompt + completion[:-1], SamplingParams(max_tokens=1, temperature=0.0), return_hidden_states=False
+        )
         prefill_s += time.perf_counter() - t0
         tokens += len(prompt) + len(completion) - 1
-    return {"sequences": len(outs), "tokens": tokens, "validate_s_per_1k_tokens": 1000 * check_s / tokens,
-            "plain_prefill_s_per_1k_tokens": 1000 * prefill_s / tokens, "validate_over_prefill": check_s / prefill_s}
+    return {
+        "sequences": len(outs),
+        "tokens": tokens,
+        "validate_s_per_1k_tokens": 1000 * check_s / tokens,
+        "plain_prefill_s_per_1k_tokens": 1000 * prefill_s / tokens,
+        "validate_over_prefill": check_s / prefill_s,
+    }
 
 
 async def _run(args) -> dict:
@@ -108,9 +124,8 @@ async def _run(args) -> dict:
             proof_bytes, proofs, decode_tokens = 0, 0, 0
             for r in range(args.rounds):
                 prompts = _prompts(args.requests, 1000 * concurrency + r)
-                for arm in arms[r % 3:] + arms[:r % 3]:
-                    wall, cpu_s, engine_s, out = await _arm(engine, prompts, arm == "on", concurrency,
-                                                            args.max_tokens)
+                for arm in arms[r % 3 :] + arms[: r % 3]:
+                    wall, cpu_s, engine_s, out = await _arm(engine, prompts, arm == "on", concurrency, args.max_tokens)
                     walls[arm].append((len(out), wall))
                     cpu[arm] += cpu_s
                     engine_cpu[arm] += engine_s
@@ -123,47 +138,66 @@ async def _run(args) -> dict:
                             decode_tokens += len(ch.token_ids)
             rate = {a: sum(n for n, _ in w) / sum(t for _, t in w) for a, w in walls.items()}
             n = args.rounds * args.requests
-            per_c.append({
-                "concurrency": concurrency, "req_per_s": rate,
-                "on_over_off": rate["on"] / rate["off"],
-                "on_over_off_ci95": paired_ratio_ci(walls["on"], walls["off"]),
-                "aa_over_off": rate["off2"] / rate["off"],
-                "aa_over_off_ci95": paired_ratio_ci(walls["off2"], walls["off"]),
-                "frontend_cpu_ms_per_request": {a: 1000 * cpu[a] / n for a in arms},
-                "engine_cpu_ms_per_request": {a: 1000 * engine_cpu[a] / n for a in arms},
-                "proofs": proofs, "proof_bytes_raw": proof_bytes // max(proofs, 1),
-                "proof_bytes_base64": 4 * -(-(proof_bytes // max(proofs, 1)) // 3),
-                "bytes_per_32_tokens": 32 * proof_bytes / max(decode_tokens, 1),
-            })
+            per_c.append(
+                {
+                    "concurrency": concurrency,
+                    "req_per_s": rate,
+                    "on_over_off": rate["on"] / rate["off"],
+                    "on_over_off_ci95": paired_ratio_ci(walls["on"], walls["off"]),
+                    "aa_over_off": rate["off2"] / rate["off"],
+                    "aa_over_off_ci95": paired_ratio_ci(walls["off2"], walls["off"]),
+                    "frontend_cpu_ms_per_request": {a: 1000 * cpu[a] / n for a in arms},
+                    "engine_cpu_ms_per_request": {a: 1000 * engine_cpu[a] / n for a in arms},
+                    "proofs": proofs,
+                    "proof_bytes_raw": proof_bytes // max(proofs, 1),
+                    "proof_bytes_base64": 4 * -(-(proof_bytes // max(proofs, 1)) // 3),
+                    "bytes_per_32_tokens": 32 * proof_bytes / max(decode_tokens, 1),
+                }
+            )
         validation = await _validation(engine, routes, last[:8])
-        return {"model": MODEL, "rounds": args.rounds, "requests_per_round": args.requests,
-                "max_tokens": args.max_tokens, "proof": PROOF, "by_concurrency": per_c, "validation": validation}
+        return {
+            "model": MODEL,
+            "rounds": args.rounds,
+            "requests_per_round": args.requests,
+            "max_tokens": args.max_tokens,
+            "proof": PROOF,
+            "by_concurrency": per_c,
+            "validation": validation,
+        }
     finally:
         engine.shutdown()
 
 
 def _summary(args, r: dict) -> list[str]:
     v = r["validation"]
-    lines = [f"# TOPLOC proofs on the server (SmolLM2-135M-Instruct, float32, {args.rounds} rounds x "
-             f"{args.requests} requests, {args.max_tokens} tokens each; top-128, 32 tokens per proof)",
-             "| c | proofs on/off req/s (95% CI) | A/A off2/off (95% CI) | frontend CPU ms/request off, on, off2 | "
-             "engine CPU ms/request off, on, off2 | bytes per proof (raw, base64) | bytes per 32 tokens |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        f"# TOPLOC proofs on the server (SmolLM2-135M-Instruct, float32, {args.rounds} rounds x "
+        f"{args.requests} requests, {args.max_tokens} tokens each; top-128, 32 tokens per proof)",
+        "| c | proofs on/off req/s (95% CI) | A/A off2/off (95% CI) | frontend CPU ms/request off, on, off2 | "
+        "engine CPU ms/request off, on, off2 | bytes per proof (raw, base64) | bytes per 32 tokens |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for c in r["by_concurrency"]:
         cpu, eng = c["frontend_cpu_ms_per_request"], c["engine_cpu_ms_per_request"]
-        lines.append(f"| {c['concurrency']} | {ratio_text(c, 'on_over_off')} | {ratio_text(c, 'aa_over_off')} | "
-                     f"{cpu['off']:.1f}, {cpu['on']:.1f}, {cpu['off2']:.1f} | "
-                     f"{eng['off']:.1f}, {eng['on']:.1f}, {eng['off2']:.1f} | "
-                     f"{c['proof_bytes_raw']}, {c['proof_bytes_base64']} | {c['bytes_per_32_tokens']:.0f} |")
-    lines += ["", f"Validation (compare.toploc, {v['sequences']} sequences, {v['tokens']} tokens): "
-                  f"{v['validate_s_per_1k_tokens']:.3f} s per 1,000 tokens against a plain prefill's "
-                  f"{v['plain_prefill_s_per_1k_tokens']:.3f} s ({v['validate_over_prefill']:.2f}x)."]
+        lines.append(
+            f"| {c['concurrency']} | {ratio_text(c, 'on_over_off')} | {ratio_text(c, 'aa_over_off')} | "
+            f"{cpu['off']:.1f}, {cpu['on']:.1f}, {cpu['off2']:.1f} | "
+            f"{eng['off']:.1f}, {eng['on']:.1f}, {eng['off2']:.1f} | "
+            f"{c['proof_bytes_raw']}, {c['proof_bytes_base64']} | {c['bytes_per_32_tokens']:.0f} |"
+        )
+    lines += [
+        "",
+        f"Validation (compare.toploc, {v['sequences']} sequences, {v['tokens']} tokens): "
+        f"{v['validate_s_per_1k_tokens']:.3f} s per 1,000 tokens against a plain prefill's "
+        f"{v['plain_prefill_s_per_1k_tokens']:.3f} s ({v['validate_over_prefill']:.2f}x).",
+    ]
     return lines
 
 
 def main() -> None:
-    bench_main("bench.proofs", __doc__, _run, _summary, name="proofs-smollm2", concurrency="8,32", requests=32,
-               max_tokens=64)
+    bench_main(
+        "bench.proofs", __doc__, _run, _summary, name="proofs-smollm2", concurrency="8,32", requests=32, max_tokens=64
+    )
 
 
 if __name__ == "__main__":

@@ -28,8 +28,10 @@ from deployments.routing import KEY_KWARG, PrefixRouter, http_key
 
 RESULTS = Path(__file__).parent / "results"
 BASE = "tiny-llama"
-WORDS = ("the replica keeps every conversation's prefix in its cache and the next turn lands there "
-         "so its prompt is prefilled once ").split()
+WORDS = (
+    "the replica keeps every conversation's prefix in its cache and the next turn lands there "
+    "so its prompt is prefilled once "
+).split()
 
 
 class FakeReplica:
@@ -49,16 +51,22 @@ class FakeReplica:
 
 
 def make_router(cls, replicas: list[FakeReplica], **state):
-    r = cls(deployment_id=DeploymentID(name="EngineReplica", app_name="app"),
-            handle_source=DeploymentHandleSource.REPLICA, use_replica_queue_len_cache=True)
+    r = cls(
+        deployment_id=DeploymentID(name="EngineReplica", app_name="app"),
+        handle_source=DeploymentHandleSource.REPLICA,
+        use_replica_queue_len_cache=True,
+    )
     r.initialize_state(**state)
     r.update_replicas(replicas)
     return r
 
 
 def pending(key: str) -> PendingRequest:
-    return PendingRequest(args=["chat", b"{}"], kwargs={KEY_KWARG: key} if key else {},
-                          metadata=RequestMetadata("id", "internal", call_method="openai_unary"))
+    return PendingRequest(
+        args=["chat", b"{}"],
+        kwargs={KEY_KWARG: key} if key else {},
+        metadata=RequestMetadata("id", "internal", call_method="openai_unary"),
+    )
 
 
 def text(words: int, seed: int) -> str:
@@ -72,8 +80,10 @@ def conversations(n: int, turns: int, first_words: int, turn_words: int) -> list
         messages, bodies = [{"role": "user", "content": text(first_words, c)}], []
         for t in range(turns):
             bodies.append({"model": BASE, "messages": list(messages)})
-            messages += [{"role": "assistant", "content": text(turn_words // 2, 1000 + c * turns + t)},
-                         {"role": "user", "content": text(turn_words // 2, 5000 + c * turns + t)}]
+            messages += [
+                {"role": "assistant", "content": text(turn_words // 2, 1000 + c * turns + t)},
+                {"role": "user", "content": text(turn_words // 2, 5000 + c * turns + t)},
+            ]
         out.append(bodies)
     return out
 
@@ -103,21 +113,34 @@ def measure(replicas: int, first_words: int, n_conv: int, turns: int, rounds: in
             s, n = asyncio.run(asyncio.wait_for(route_all(cls, replicas, bodies, keyed), 600))
             cpu[arm].append(s / n * 1e6)
     key_chars = sum(len(http_key("chat", b, BASE)) for b in bodies) / len(bodies)
-    return {"replicas": replicas, "first_turn_words": first_words, "requests": len(bodies),
-            "last_turn_tokens_approx": tokens, "key_chars_mean": round(key_chars, 1),
-            **{f"{arm}_us": round(min(v), 1) for arm, v in cpu.items()},
-            **{f"{arm}_us_max": round(max(v), 1) for arm, v in cpu.items()}}
+    return {
+        "replicas": replicas,
+        "first_turn_words": first_words,
+        "requests": len(bodies),
+        "last_turn_tokens_approx": tokens,
+        "key_chars_mean": round(key_chars, 1),
+        **{f"{arm}_us": round(min(v), 1) for arm, v in cpu.items()},
+        **{f"{arm}_us_max": round(max(v), 1) for arm, v in cpu.items()},
+    }
 
 
 def report(rows: list[dict], command: str) -> str:
-    lines = [f"`{command}`", "", "CPU per request of the routing decision (key, choice, record), best of the "
-             "rounds (worst in brackets), in one process:", "",
-             "| replicas | first turn (words) | last turn (~tokens) | key (chars, mean) | prefix (µs) | "
-             "power of two (µs) | prefix - power of two (µs) |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"`{command}`",
+        "",
+        "CPU per request of the routing decision (key, choice, record), best of the "
+        "rounds (worst in brackets), in one process:",
+        "",
+        "| replicas | first turn (words) | last turn (~tokens) | key (chars, mean) | prefix (µs) | "
+        "power of two (µs) | prefix - power of two (µs) |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        lines.append(f"| {r['replicas']} | {r['first_turn_words']} | {r['last_turn_tokens_approx']} | "
-                     f"{r['key_chars_mean']} | {r['prefix_us']} ({r['prefix_us_max']}) | {r['power_of_two_us']} "
-                     f"({r['power_of_two_us_max']}) | {r['prefix_us'] - r['power_of_two_us']:.1f} |")
+        lines.append(
+            f"| {r['replicas']} | {r['first_turn_words']} | {r['last_turn_tokens_approx']} | "
+            f"{r['key_chars_mean']} | {r['prefix_us']} ({r['prefix_us_max']}) | {r['power_of_two_us']} "
+            f"({r['power_of_two_us_max']}) | {r['prefix_us'] - r['power_of_two_us']:.1f} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -130,10 +153,14 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--name", default="routing-cost")
     args = ap.parse_args()
-    rows = [measure(n, w, args.conversations, args.turns, args.rounds)
-            for w in map(int, args.first_words.split(",")) for n in map(int, args.replicas.split(","))]
+    rows = [
+        measure(n, w, args.conversations, args.turns, args.rounds)
+        for w in map(int, args.first_words.split(","))
+        for n in map(int, args.replicas.split(","))
+    ]
     command = "python -m bench.routing" + "".join(
-        f" --{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v != ap.get_default(k))
+        f" --{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v != ap.get_default(k)
+    )
     md = report(rows, command)
     print(md)
     (RESULTS / f"{args.name}.json").write_text(json.dumps({"command": command, "rows": rows}, indent=1) + "\n")

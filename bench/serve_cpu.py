@@ -65,8 +65,13 @@ from deployments.serve_env import SERVE_SWITCHES
 MODEL = "tiny-llama"
 # config.yaml's engine, with the two defaults HiddenStatesEngine.start() adds made explicit for the other servers,
 # and a 256 MiB KV cache (a quarter million tokens of the tiny model): up to eight engines share the machine.
-ENGINE = {**CPU_ENGINE_DEFAULTS, "kv_cache_memory_bytes": 2**28, "enable_prefix_caching": True, "block_size": 32,
-          "scheduling_policy": "priority"}
+ENGINE = {
+    **CPU_ENGINE_DEFAULTS,
+    "kv_cache_memory_bytes": 2**28,
+    "enable_prefix_caching": True,
+    "block_size": 32,
+    "scheduling_policy": "priority",
+}
 VARIANTS = {
     "off": {},
     "final": {"return_hidden_states": True},
@@ -82,17 +87,21 @@ CLUSTERS = {
 
 def cluster_env(name: str) -> dict[str, str]:
     switches, _, (lo, hi) = CLUSTERS[name]
-    return {**switches, "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(lo),
-            "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(hi),
-            "RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT": str(lo + 10000),
-            "RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT": str(hi + 10000)}
+    return {
+        **switches,
+        "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(lo),
+        "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(hi),
+        "RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT": str(lo + 10000),
+        "RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT": str(hi + 10000),
+    }
 
 
 class Apps(ServeApps):
     """ServeApps with our app under a name of its own, so each cluster's processes have their own titles."""
 
-    def __init__(self, *a, app_name: str = "hidden-states", direct_name: str = "hs-direct", direct_replicas: int = 1,
-                 **kw):
+    def __init__(
+        self, *a, app_name: str = "hidden-states", direct_name: str = "hs-direct", direct_replicas: int = 1, **kw
+    ):
         super().__init__(*a, **kw)
         self.app_name, self.direct_name, self.direct_replicas = app_name, direct_name, direct_replicas
 
@@ -136,7 +145,7 @@ class Roles:
 
     def __init__(self):
         self.roots: dict[int, str] = {os.getpid(): "client"}
-        self.idle: dict[str, float] = {}   # role -> cores used with no load
+        self.idle: dict[str, float] = {}  # role -> cores used with no load
 
     def add_root(self, pid: int, name: str) -> None:
         self.roots[pid] = name
@@ -193,6 +202,7 @@ class Roles:
 
 # -- the paths -------------------------------------------------------------------
 
+
 def path_roles(path: str) -> list[str]:
     """The processes a request on `path` passes through, outside the engine."""
     return {
@@ -210,7 +220,13 @@ def path_roles(path: str) -> list[str]:
 
 
 def daemon_roles(path: str) -> list[str]:
-    cluster = {"haproxy": "haproxy", "haproxy_replica": "haproxy", "tput_proxy": "tput", "tput_port": "tput", "vllm": None}.get(path, "main")
+    cluster = {
+        "haproxy": "haproxy",
+        "haproxy_replica": "haproxy",
+        "tput_proxy": "tput",
+        "tput_port": "tput",
+        "vllm": None,
+    }.get(path, "main")
     return [] if cluster is None else [f"{cluster}: controller", f"{cluster}: daemons"]
 
 
@@ -244,17 +260,23 @@ def body_checks(ep: Endpoint, vocab: int) -> dict:
     out: dict = {}
     body = json.dumps({"model": ep.model, "prompt": prompt, "max_tokens": 1, "temperature": 0.0}).encode()
     r = httpx.post(ep.url, content=body, headers={"content-type": "application/json"}, timeout=120)
-    out["large_prompt"] = {"body_bytes": len(body), "status": r.status_code,
-                           "prompt_tokens": (r.json().get("usage") or {}).get("prompt_tokens")
-                           if r.status_code == 200 else None}
+    out["large_prompt"] = {
+        "body_bytes": len(body),
+        "status": r.status_code,
+        "prompt_tokens": (r.json().get("usage") or {}).get("prompt_tokens") if r.status_code == 200 else None,
+    }
     out["large_prompt"]["whole"] = out["large_prompt"]["prompt_tokens"] == len(prompt)
     big = b'{"model": "%s", "prompt": "%s", "max_tokens": 1}' % (ep.model.encode(), b"a" * (5 * 2**20))
     try:
         r = httpx.post(ep.url, content=big, headers={"content-type": "application/json"}, timeout=120)
         out["over_limit"] = {"body_bytes": len(big), "status": r.status_code, "refused": r.status_code == 413}
     except httpx.HTTPError as e:  # a server that closes the connection after its 413 may reset the upload
-        out["over_limit"] = {"body_bytes": len(big), "status": None, "error": f"{type(e).__name__}: {e}"[:200],
-                             "refused": False}
+        out["over_limit"] = {
+            "body_bytes": len(big),
+            "status": None,
+            "error": f"{type(e).__name__}: {e}"[:200],
+            "refused": False,
+        }
     return out
 
 
@@ -263,16 +285,22 @@ def run_phase(arms: list[compare.Arm], args, roles: Roles, vocab: int, tag: str)
     compare.warmup(arms, vocab, 8, 8, tag)
     out: dict = {"idle_cores": {k: round(v, 4) for k, v in roles.idle.items() if v >= 1e-4}, "by_concurrency": {}}
     for c, per in zip(args.concurrency, args.requests):
-        print(f"[{time.strftime('%H:%M:%S')}] {tag}: c={c}, {len(arms)} arms x {args.rounds} rounds x {per}",
-              flush=True)
+        print(
+            f"[{time.strftime('%H:%M:%S')}] {tag}: c={c}, {len(arms)} arms x {args.rounds} rounds x {per}", flush=True
+        )
         runs = compare.run(arms, vocab, c, args.rounds, per, f"{tag}-c{c}", roles)
         res = {}
         for a in arms:
             s = compare.summarize(runs, a.key)
-            res[a.key] = {"req_per_s": s["req_per_s"], "p50_s": s["p50_s"], "p99_s": s["p99_s"],
-                          "errors": s["errors"], "error_samples": s["error_samples"],
-                          "cpu": cpu_figures(runs, a.key, roles.idle),
-                          "vs_vllm_req_per_s": compare.compare(runs, a.key, "vllm/off")["req_per_s"]}
+            res[a.key] = {
+                "req_per_s": s["req_per_s"],
+                "p50_s": s["p50_s"],
+                "p99_s": s["p99_s"],
+                "errors": s["errors"],
+                "error_samples": s["error_samples"],
+                "cpu": cpu_figures(runs, a.key, roles.idle),
+                "vs_vllm_req_per_s": compare.compare(runs, a.key, "vllm/off")["req_per_s"],
+            }
         out["by_concurrency"][str(c)] = res
     return out
 
@@ -305,8 +333,14 @@ def main() -> None:
     vocab = json.load(open(os.path.join(path, "config.json")))["vocab_size"]
     roles = Roles()
     started: list = []
-    results: dict = {"model": MODEL, "engine": ENGINE, "engine_env": ENGINE_ENV, "variants": VARIANTS,
-                     "machine": {"cpus": psutil.cpu_count(), "python": platform.python_version()}, "phases": {}}
+    results: dict = {
+        "model": MODEL,
+        "engine": ENGINE,
+        "engine_env": ENGINE_ENV,
+        "variants": VARIANTS,
+        "machine": {"cpus": psutil.cpu_count(), "python": platform.python_version()},
+        "phases": {},
+    }
     try:
         vllm = VLLMServer(path, MODEL, ENGINE, "cpu")
         vllm.launch()
@@ -326,14 +360,24 @@ def main() -> None:
         port_base = find_ingress("router", lo_hi)
         replica_base = find_ingress("replica", lo_hi, "/direct")
         main_paths = {
-            "vllm": vllm.endpoint(), "rsllm": eps["rsllm"], "proxy": eps["ours"],
+            "vllm": vllm.endpoint(),
+            "rsllm": eps["rsllm"],
+            "proxy": eps["ours"],
             "port": Endpoint("port", "Router's port", f"{port_base}/v1/completions", MODEL),
             "replica_proxy": eps["direct"],
             "replica_port": Endpoint("replica_port", "replica's port", f"{replica_base}/v1/completions", MODEL),
         }
         results["body_checks"] = {p: body_checks(ep, vocab) for p, ep in main_paths.items()}
-        ours = {"proxy", "port", "replica_proxy", "replica_port", "haproxy", "haproxy_replica", "tput_proxy",
-                "tput_port"}
+        ours = {
+            "proxy",
+            "port",
+            "replica_proxy",
+            "replica_port",
+            "haproxy",
+            "haproxy_replica",
+            "tput_proxy",
+            "tput_port",
+        }
         results["phases"]["main"] = run_phase(arms_for(main_paths, ours), args, roles, vocab, "main")
         if switches:
             second: dict[str, Endpoint] = {"vllm": main_paths["vllm"], "proxy": main_paths["proxy"]}
@@ -341,8 +385,19 @@ def main() -> None:
                 cl = RayCluster(extra_env=cluster_env(sw), second=True)
                 cl.start()
                 started.insert(0, cl)
-                a = Apps(cl, path, MODEL, ENGINE, ours=True, rsllm=False, tag=f"cpu-{sw}", app_name=CLUSTERS[sw][1],
-                         direct=sw == "haproxy", direct_name="hs-haproxy-direct", direct_replicas=2)
+                a = Apps(
+                    cl,
+                    path,
+                    MODEL,
+                    ENGINE,
+                    ours=True,
+                    rsllm=False,
+                    tag=f"cpu-{sw}",
+                    app_name=CLUSTERS[sw][1],
+                    direct=sw == "haproxy",
+                    direct_name="hs-haproxy-direct",
+                    direct_replicas=2,
+                )
                 a.launch()
                 started.insert(0, a)
                 a.wait_ready(900)
@@ -351,8 +406,9 @@ def main() -> None:
                 if sw == "haproxy":
                     second["haproxy"] = ep
                     d = a.endpoints()["direct"]
-                    second["haproxy_replica"] = Endpoint("haproxy_replica", "HAProxy -> 2 ingress replicas", d.url,
-                                                         MODEL)
+                    second["haproxy_replica"] = Endpoint(
+                        "haproxy_replica", "HAProxy -> 2 ingress replicas", d.url, MODEL
+                    )
                 else:
                     second["tput_proxy"] = ep
                     base = find_ingress("router", CLUSTERS[sw][2])
@@ -367,37 +423,60 @@ def main() -> None:
 
 
 def report(r: dict, args) -> str:
-    lines = [f"# The Serve layer's CPU per request, by path ({r['model']}, {r['machine']['cpus']} cores)", "",
-             command_line("bench.serve_cpu", args), "",
-             "CPU ms per successful request outside vLLM's engine processes, above each process's idle rate; "
-             "`x vLLM` is that over vLLM's API server's in the same phase and concurrency. Daemons: Serve's "
-             "controller and Ray's daemons of the path's cluster (above idle), not in the path's figure.", ""]
+    lines = [
+        f"# The Serve layer's CPU per request, by path ({r['model']}, {r['machine']['cpus']} cores)",
+        "",
+        command_line("bench.serve_cpu", args),
+        "",
+        "CPU ms per successful request outside vLLM's engine processes, above each process's idle rate; "
+        "`x vLLM` is that over vLLM's API server's in the same phase and concurrency. Daemons: Serve's "
+        "controller and Ray's daemons of the path's cluster (above idle), not in the path's figure.",
+        "",
+    ]
     for phase, res in r["phases"].items():
         if not isinstance(res, dict):
             lines += [f"{phase}: {res}", ""]
             continue
-        lines += [f"## Phase `{phase}`", "",
-                  "| c | path / vectors | CPU ms/req (path) | x vLLM | per round | by process | daemons ms/req | "
-                  "req/s | x vLLM req/s | p50 s | errors |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            f"## Phase `{phase}`",
+            "",
+            "| c | path / vectors | CPU ms/req (path) | x vLLM | per round | by process | daemons ms/req | "
+            "req/s | x vLLM req/s | p50 s | errors |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
         for c, arms in res["by_concurrency"].items():
             base = arms["vllm/off"]["cpu"]["path_ms"]
             for key, a in arms.items():
                 cpu = a["cpu"]
-                by = ", ".join(f"{k.split(': ', 1)[1] if k.count(':') == 1 else k} {v:.1f}"
-                               for k, v in cpu["path_by_process_ms"].items())
+                by = ", ".join(
+                    f"{k.split(': ', 1)[1] if k.count(':') == 1 else k} {v:.1f}"
+                    for k, v in cpu["path_by_process_ms"].items()
+                )
                 rounds = "/".join(f"{x:.1f}" for x in cpu["path_ms_per_round"])
                 rps = a["req_per_s"] or 0.0
-                lines.append(f"| {c} | {key} | {cpu['path_ms']:.1f} | {cpu['path_ms'] / base:.2f} | {rounds} | "
-                             f"{by} | {cpu['daemons_ms']:.1f} | {rps:.2f} | {a['vs_vllm_req_per_s'] or 0:.3f} | "
-                             f"{a['p50_s'] or 0:.3f} | {a['errors']} |")
-        lines += ["", "Idle cores by role: " + ", ".join(f"{k} {v:.3f}" for k, v in sorted(
-            res["idle_cores"].items(), key=lambda kv: -kv[1])), ""]
-    lines += ["## Request bodies", "", "| path | 4,000-token prompt (bytes): status, prompt_tokens | "
-              "5 MB body: status |", "|---|---|---|"]
+                lines.append(
+                    f"| {c} | {key} | {cpu['path_ms']:.1f} | {cpu['path_ms'] / base:.2f} | {rounds} | "
+                    f"{by} | {cpu['daemons_ms']:.1f} | {rps:.2f} | {a['vs_vllm_req_per_s'] or 0:.3f} | "
+                    f"{a['p50_s'] or 0:.3f} | {a['errors']} |"
+                )
+        lines += [
+            "",
+            "Idle cores by role: "
+            + ", ".join(f"{k} {v:.3f}" for k, v in sorted(res["idle_cores"].items(), key=lambda kv: -kv[1])),
+            "",
+        ]
+    lines += [
+        "## Request bodies",
+        "",
+        "| path | 4,000-token prompt (bytes): status, prompt_tokens | 5 MB body: status |",
+        "|---|---|---|",
+    ]
     for p, b in r.get("body_checks", {}).items():
         lp, ol = b["large_prompt"], b["over_limit"]
-        lines.append(f"| {p} | {lp['body_bytes']}: {lp['status']}, {lp['prompt_tokens']} | "
-                     f"{ol['status'] if ol['status'] is not None else ol.get('error')} |")
+        lines.append(
+            f"| {p} | {lp['body_bytes']}: {lp['status']}, {lp['prompt_tokens']} | "
+            f"{ol['status'] if ol['status'] is not None else ol.get('error')} |"
+        )
     return "\n".join(lines) + "\n"
 
 

@@ -38,8 +38,14 @@ ENGINE_ENV = {"VLLM_USE_V2_MODEL_RUNNER": "0", "VLLM_CPU_OMP_THREADS_BIND": "nob
 
 
 def build_model(name: str) -> str:
-    out = subprocess.run([str(PYTHON), "-m", "hidden_states.models.builtin", name], cwd=ROOT, check=True,
-                         capture_output=True, text=True, timeout=1800)
+    out = subprocess.run(
+        [str(PYTHON), "-m", "hidden_states.models.builtin", name],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
     path = out.stdout.strip().splitlines()[-1].strip()
     if not Path(path, "config.json").exists():
         raise StartError(f"model {name}: no config.json in {path!r}\n{out.stderr[-2000:]}")
@@ -78,10 +84,11 @@ def smoke(url: str, model: str, extra: dict | None = None) -> bool:
 @dataclass
 class Endpoint:
     """One server under test, as the load generator sees it."""
-    key: str          # "ours", "vllm", "rsllm"
+
+    key: str  # "ours", "vllm", "rsllm"
     label: str
-    url: str          # .../v1/completions
-    model: str        # the name clients send
+    url: str  # .../v1/completions
+    model: str  # the name clients send
     stats_url: str | None = None  # our /debug/stats
     supports_hidden_states: bool = False
     pids: dict[str, int] = field(default_factory=dict)
@@ -102,8 +109,13 @@ class RayCluster:
 
     def env(self) -> dict[str, str]:
         # A token of our own: a driver on this machine that reads ~/.ray/auth_token cannot reach this cluster.
-        return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": self.token, "PYTHONPATH": str(ROOT),
-                "RAY_USAGE_STATS_ENABLED": "0", **self.extra_env}
+        return {
+            "RAY_AUTH_MODE": "token",
+            "RAY_AUTH_TOKEN": self.token,
+            "PYTHONPATH": str(ROOT),
+            "RAY_USAGE_STATS_ENABLED": "0",
+            **self.extra_env,
+        }
 
     @property
     def temp_dir(self) -> Path:
@@ -112,12 +124,28 @@ class RayCluster:
 
     def start(self, timeout: float = 180) -> float:
         self.temp_dir.mkdir(parents=True, exist_ok=True)
-        argv = [BIN / "ray", "start", "--head", "--block", "--num-cpus", str(self.num_cpus),
-                "--node-ip-address", "127.0.0.1", "--port", str(self.port),
-                "--ray-client-server-port", str(free_port(25290)),
-                "--dashboard-port", str(free_port(8290)),
-                "--dashboard-agent-listen-port", str(free_port(52490)),
-                "--include-dashboard=false", "--disable-usage-stats", "--temp-dir", str(self.temp_dir)]
+        argv = [
+            BIN / "ray",
+            "start",
+            "--head",
+            "--block",
+            "--num-cpus",
+            str(self.num_cpus),
+            "--node-ip-address",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--ray-client-server-port",
+            str(free_port(25290)),
+            "--dashboard-port",
+            str(free_port(8290)),
+            "--dashboard-agent-listen-port",
+            str(free_port(52490)),
+            "--include-dashboard=false",
+            "--disable-usage-stats",
+            "--temp-dir",
+            str(self.temp_dir),
+        ]
         self.proc = Proc("ray-head" if not self.second else f"ray-head-{self.port}", argv, env=self.env())
         return wait_until(lambda: "block forever" in self.proc.tail(50), timeout, "ray start", [self.proc])
 
@@ -131,13 +159,23 @@ class RayCluster:
 class ServeApps:
     """`serve run CONFIG` with our app and/or Ray Serve LLM on one Ray cluster."""
 
-    def __init__(self, cluster: RayCluster, model_path: str, model_name: str, engine: dict[str, Any],
-                 ours: bool, rsllm: bool, tag: str, direct: bool = False, find_base=None):
+    def __init__(
+        self,
+        cluster: RayCluster,
+        model_path: str,
+        model_name: str,
+        engine: dict[str, Any],
+        ours: bool,
+        rsllm: bool,
+        tag: str,
+        direct: bool = False,
+        find_base=None,
+    ):
         self.cluster = cluster
         self.find_base = find_base  # where HTTP is served when it is not Serve's proxy port (direct ingress)
         self.model_path, self.model_name, self.engine = model_path, model_name, engine
         self.with_ours, self.with_rsllm, self.tag = ours, rsllm, tag
-        self.with_direct = ours and direct   # a second copy of our app with `ingress: replica`
+        self.with_direct = ours and direct  # a second copy of our app with `ingress: replica`
         self.http_port = free_port(8310)
         self.base = f"http://127.0.0.1:{self.http_port}"
         self.proc: Proc | None = None
@@ -159,20 +197,30 @@ class ServeApps:
                 apps.append(dict(app, name="hs-direct", route_prefix="/direct", args=dict(args, ingress="replica")))
         if self.with_rsllm:
             env = dict(ENGINE_ENV)
-            apps.append({
-                "name": "rsllm", "route_prefix": "/rsllm",
-                "import_path": "ray.serve.llm:build_openai_app",
-                "runtime_env": {"env_vars": env},
-                "args": {"llm_configs": [{
-                    "model_loading_config": {"model_id": self.model_name, "model_source": self.model_path},
-                    "engine_kwargs": dict(self.engine),
-                    "placement_group_config": {"bundles": [{"CPU": 1}]},
-                    "deployment_config": {"autoscaling_config": {"min_replicas": 1, "max_replicas": 1}},
+            apps.append(
+                {
+                    "name": "rsllm",
+                    "route_prefix": "/rsllm",
+                    "import_path": "ray.serve.llm:build_openai_app",
                     "runtime_env": {"env_vars": env},
-                }]},
-            })
-        return {"proxy_location": "HeadOnly", "http_options": {"host": "127.0.0.1", "port": self.http_port},
-                "applications": apps}
+                    "args": {
+                        "llm_configs": [
+                            {
+                                "model_loading_config": {"model_id": self.model_name, "model_source": self.model_path},
+                                "engine_kwargs": dict(self.engine),
+                                "placement_group_config": {"bundles": [{"CPU": 1}]},
+                                "deployment_config": {"autoscaling_config": {"min_replicas": 1, "max_replicas": 1}},
+                                "runtime_env": {"env_vars": env},
+                            }
+                        ]
+                    },
+                }
+            )
+        return {
+            "proxy_location": "HeadOnly",
+            "http_options": {"host": "127.0.0.1", "port": self.http_port},
+            "applications": apps,
+        }
 
     def launch(self) -> None:
         self.config_path.parent.mkdir(parents=True, exist_ok=True)
@@ -180,13 +228,18 @@ class ServeApps:
         env = self.cluster.env()
         env.update(ENGINE_ENV)
         env.update(self.cluster.extra_env)
-        self.proc = Proc(f"serve-run-{self.tag}", [BIN / "serve", "run", "--address", self.cluster.address,
-                                                   self.config_path], env=env)
+        self.proc = Proc(
+            f"serve-run-{self.tag}",
+            [BIN / "serve", "run", "--address", self.cluster.address, self.config_path],
+            env=env,
+        )
 
     def wait_ready(self, timeout: float, on_tick=None) -> float:
         checks = []
         if self.with_ours:
-            checks.append(lambda: http_ok(f"{self.base}/health") and smoke(f"{self.base}/v1/completions", self.model_name))
+            checks.append(
+                lambda: http_ok(f"{self.base}/health") and smoke(f"{self.base}/v1/completions", self.model_name)
+            )
         if self.with_rsllm:
             checks.append(lambda: smoke(f"{self.base}/rsllm/v1/completions", self.model_name))
         if self.with_direct:
@@ -210,14 +263,25 @@ class ServeApps:
     def endpoints(self) -> dict[str, Endpoint]:
         out = {}
         if self.with_ours:
-            out["ours"] = Endpoint("ours", "our app (Ray Serve)", f"{self.base}/v1/completions", self.model_name,
-                                   stats_url=f"{self.base}/debug/stats", supports_hidden_states=True)
+            out["ours"] = Endpoint(
+                "ours",
+                "our app (Ray Serve)",
+                f"{self.base}/v1/completions",
+                self.model_name,
+                stats_url=f"{self.base}/debug/stats",
+                supports_hidden_states=True,
+            )
         if self.with_rsllm:
             out["rsllm"] = Endpoint("rsllm", "Ray Serve LLM", f"{self.base}/rsllm/v1/completions", self.model_name)
         if self.with_direct:
-            out["direct"] = Endpoint("direct", "our app, ingress: replica", f"{self.base}/direct/v1/completions",
-                                     self.model_name, stats_url=f"{self.base}/direct/debug/stats",
-                                     supports_hidden_states=True)
+            out["direct"] = Endpoint(
+                "direct",
+                "our app, ingress: replica",
+                f"{self.base}/direct/v1/completions",
+                self.model_name,
+                stats_url=f"{self.base}/direct/debug/stats",
+                supports_hidden_states=True,
+            )
         return out
 
     def router_port_endpoint(self, ports=range(30000, 30100), timeout: float = 60) -> Endpoint | None:
@@ -247,8 +311,14 @@ class ServeApps:
 
         wait_until(check, timeout, "the Router's own port (direct ingress)", [self.proc], poll=2)
         base = found[0]
-        return Endpoint("port", "our app, the Router's own port (direct ingress)", f"{base}/v1/completions",
-                        self.model_name, stats_url=f"{base}/debug/stats", supports_hidden_states=True)
+        return Endpoint(
+            "port",
+            "our app, the Router's own port (direct ingress)",
+            f"{base}/v1/completions",
+            self.model_name,
+            stats_url=f"{base}/debug/stats",
+            supports_hidden_states=True,
+        )
 
     def stop(self) -> list[int]:
         return self.proc.stop(timeout=20) if self.proc else []
@@ -262,14 +332,31 @@ class VLLMServer:
         self.proc: Proc | None = None
 
     def launch(self) -> None:
-        argv = [PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model_path,
-                "--served-model-name", self.model_name, "--host", "127.0.0.1", "--port", str(self.port),
-                *engine_cli(self.engine)]
+        argv = [
+            PYTHON,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            self.model_path,
+            "--served-model-name",
+            self.model_name,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            *engine_cli(self.engine),
+        ]
         self.proc = Proc(f"vllm-server-{self.tag}", argv, env=dict(ENGINE_ENV))
 
     def wait_ready(self, timeout: float, on_tick=None) -> float:
-        return wait_until(lambda: http_ok(f"{self.base}/v1/models") and smoke(f"{self.base}/v1/completions", self.model_name),
-                          timeout, "vLLM's OpenAI server", [self.proc], poll=2, on_tick=on_tick)
+        return wait_until(
+            lambda: http_ok(f"{self.base}/v1/models") and smoke(f"{self.base}/v1/completions", self.model_name),
+            timeout,
+            "vLLM's OpenAI server",
+            [self.proc],
+            poll=2,
+            on_tick=on_tick,
+        )
 
     def endpoint(self) -> Endpoint:
         return Endpoint("vllm", "vLLM's own server", f"{self.base}/v1/completions", self.model_name)
@@ -279,6 +366,7 @@ class VLLMServer:
 
 
 # -- finding processes: for memory and CPU accounting ----------------------------
+
 
 def proc_title(p: psutil.Process) -> str:
     try:
@@ -293,7 +381,8 @@ def replica_info(stats_url: str) -> dict:
 
 
 def find_ray_worker(cluster: RayCluster, needle: str) -> list[int]:
-    """Pids of Ray workers under our cluster whose title contains `needle` (e.g. 'ServeReplica:hidden-states:Router')."""
+    """Pids of Ray workers under our cluster whose title contains `needle`
+    (e.g. 'ServeReplica:hidden-states:Router')."""
     pids = []
     if cluster.proc is None:
         return pids
@@ -320,10 +409,16 @@ def engine_processes(pid: int) -> list[dict]:
             continue
         try:
             env = p.environ()
-            out.append({"pid": p.pid, "title": title.split(" ")[0], "threads": p.num_threads(),
-                        "cpu_affinity": p.cpu_affinity(),
-                        "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS"),
-                        "VLLM_CPU_OMP_THREADS_BIND": env.get("VLLM_CPU_OMP_THREADS_BIND")})
+            out.append(
+                {
+                    "pid": p.pid,
+                    "title": title.split(" ")[0],
+                    "threads": p.num_threads(),
+                    "cpu_affinity": p.cpu_affinity(),
+                    "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS"),
+                    "VLLM_CPU_OMP_THREADS_BIND": env.get("VLLM_CPU_OMP_THREADS_BIND"),
+                }
+            )
         except psutil.Error:
             pass
     return out

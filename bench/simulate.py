@@ -2,7 +2,7 @@
 
     .venv/bin/python -m bench.simulate                       # sizes 1,8,32,64,128, then the autoscaler's ramp
     .venv/bin/python -m bench.simulate --sizes 1,8 --seconds 20 --ramp-max 8 --out bench/.work/sim-dev  # a try-out
-    .venv/bin/python -m bench.failures                       # part 5, on this cluster and app: kill the proxy, Router, a node
+    .venv/bin/python -m bench.failures      # part 5, on this cluster and app: kill the proxy, Router, a node
 
 What runs: a Ray cluster of its own (bench.servers.RayCluster, second=True: its own ports, temp dir and auth token;
 `make serve`'s Serve switches, direct ingress on, its ports in 33000-33300 / 43000-43300) and a driver process
@@ -53,15 +53,20 @@ MODEL = "sim"
 GIB = 2**30
 SPARE_BYTES = 4 * GIB  # what a size must leave available
 SIM_ENV = {  # `make serve`'s Serve switches (deployments/serve_env.py), direct ingress ports out of others' way
-    "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1", "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2",
-    "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": "33000", "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": "33300",
-    "RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT": "43000", "RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT": "43300"}
+    "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
+    "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2",
+    "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": "33000",
+    "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": "33300",
+    "RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT": "43000",
+    "RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT": "43300",
+}
 ROUTING_ROLES = ("ours: router", "serve: proxy", "serve: controller")  # the brief's "routing CPU"
 ROLES_SHOWN = (*ROUTING_ROLES, "ray: system", "ours: replica", "driver")
 FAILED_MAX = 0.01  # a size "worked" if at most this share of its requests failed
 
 
 # -- the app, as Serve's build task imports it -------------------------------------------------------
+
 
 def fake_app(args: dict):
     """`deployments.app.build(args, FakeEngine)`: the config's import path (`bench.simulate:fake_app`)."""
@@ -73,10 +78,16 @@ def fake_app(args: dict):
 
 def app_args(engine: dict, autoscaling: dict, replica_max_ongoing: int = 256, **extra) -> dict:
     """AppArgs for the simulation: FakeEngine delays as `engine` args, the replicas' autoscaling, one Router."""
-    return {"model": "builtin:tiny-llama", "served_model_name": MODEL,  # the FakeEngine loads nothing
-            "engine": {k: engine[k] for k in ("token_delay_s", "first_token_delay_s")}, "request_timeout_s": 60,
-            "replica_max_ongoing_requests": replica_max_ongoing, "replica_autoscaling": autoscaling,
-            "router_autoscaling": {"min_replicas": 1, "max_replicas": 1}, **extra}
+    return {
+        "model": "builtin:tiny-llama",
+        "served_model_name": MODEL,  # the FakeEngine loads nothing
+        "engine": {k: engine[k] for k in ("token_delay_s", "first_token_delay_s")},
+        "request_timeout_s": 60,
+        "replica_max_ongoing_requests": replica_max_ongoing,
+        "replica_autoscaling": autoscaling,
+        "router_autoscaling": {"min_replicas": 1, "max_replicas": 1},
+        **extra,
+    }
 
 
 def deploy_config(args: dict, http_port: int) -> dict:
@@ -85,12 +96,23 @@ def deploy_config(args: dict, http_port: int) -> dict:
     from deployments.config import AppArgs
 
     actor = {**AppArgs.model_validate(args).replica_options()["ray_actor_options"], "num_cpus": 0.0}
-    return {"proxy_location": "HeadOnly", "http_options": {"host": "127.0.0.1", "port": http_port},
-            "applications": [{"name": APP, "route_prefix": "/", "import_path": "bench.simulate:fake_app",
-                              "args": args, "deployments": [{"name": "EngineReplica", "ray_actor_options": actor}]}]}
+    return {
+        "proxy_location": "HeadOnly",
+        "http_options": {"host": "127.0.0.1", "port": http_port},
+        "applications": [
+            {
+                "name": APP,
+                "route_prefix": "/",
+                "import_path": "bench.simulate:fake_app",
+                "args": args,
+                "deployments": [{"name": "EngineReplica", "ray_actor_options": actor}],
+            }
+        ],
+    }
 
 
 # -- pure logic (tests/scaffolding/test_simulate.py) --------------------------------------------------------
+
 
 def poisson_arrivals(segments: list[tuple[float, float, float]], seed: int) -> list[float]:
     """Arrival times (s from 0) of a Poisson process whose rate goes linearly from r0 to r1 over each
@@ -154,12 +176,13 @@ def fits(n: int, replica_bytes: int, available: int, spare: int = SPARE_BYTES) -
     left = available - need
     if left >= spare:
         return True, f"needs {need / GIB:.1f} GiB of {available / GIB:.1f} available, leaves {left / GIB:.1f}"
-    return False, (f"{n} replicas x {replica_bytes / 2**20:.0f} MiB = {need / GIB:.1f} GiB would leave "
-                   f"{left / GIB:.1f} GiB of {available / GIB:.1f} available (< {spare / GIB:.0f} GiB spare)")
+    return False, (
+        f"{n} replicas x {replica_bytes / 2**20:.0f} MiB = {need / GIB:.1f} GiB would leave "
+        f"{left / GIB:.1f} GiB of {available / GIB:.1f} available (< {spare / GIB:.0f} GiB spare)"
+    )
 
 
-def scale_times(samples: list[dict], min_replicas: int, max_replicas: int, up_start: float,
-                down_start: float) -> dict:
+def scale_times(samples: list[dict], min_replicas: int, max_replicas: int, up_start: float, down_start: float) -> dict:
     """From the ramp's polled samples ({t, running, target, ...}, t in s): the largest count of running
     replicas and when it was first reached; from the ramp up's start (`up_start`), how long until the
     autoscaler's target, and the running replicas, first reached max_replicas; from the ramp down's start
@@ -170,14 +193,19 @@ def scale_times(samples: list[dict], min_replicas: int, max_replicas: int, up_st
     first = lambda series, level: next((t for t, v in series if v >= level), None)
     since = lambda t, t0: None if t is None else t - t0
     back = next((t for t, v in run if t >= down_start and v <= min_replicas), None)
-    return {"max_running": peak, "first_at_max_running_s": None if peak is None else first(run, peak),
-            "up_start_s": up_start, "down_start_s": down_start,
-            "target_at_max_after_up_start_s": since(first(tgt, max_replicas), up_start),
-            "running_at_max_after_up_start_s": since(first(run, max_replicas), up_start),
-            "back_at_min_after_down_start_s": since(back, down_start)}
+    return {
+        "max_running": peak,
+        "first_at_max_running_s": None if peak is None else first(run, peak),
+        "up_start_s": up_start,
+        "down_start_s": down_start,
+        "target_at_max_after_up_start_s": since(first(tgt, max_replicas), up_start),
+        "running_at_max_after_up_start_s": since(first(run, max_replicas), up_start),
+        "back_at_min_after_down_start_s": since(back, down_start),
+    }
 
 
 # -- the driver: a Ray job of its own that starts Serve and deploys, spoken to in JSON lines --------
+
 
 def driver_main(address: str, http_port: int) -> None:
     import ray
@@ -194,29 +222,51 @@ def driver_main(address: str, http_port: int) -> None:
     def details() -> dict:
         d = ray.get(controller.get_serve_instance_details.remote(), timeout=30)
         proxies = list((d.get("proxies") or {}).values())
-        apps = {name: {"status": a.get("status"), "message": (a.get("message") or "")[-2000:], "deployments": {
-            dn: {"status": dep.get("status"), "target": dep.get("target_num_replicas"),
-                 "states": dict(Counter(r.get("state") for r in dep.get("replicas") or [])),
-                 "replicas": [{k: r.get(k) for k in ("pid", "state", "start_time_s", "node_id")}
-                              for r in dep.get("replicas") or []]}
-            for dn, dep in (a.get("deployments") or {}).items()}} for name, a in (d.get("applications") or {}).items()}
-        return {"controller_pid": (d.get("controller_info") or {}).get("pid"), "applications": apps,
-                "proxies": [proxy_pid(p.get("actor_id")) for p in proxies],
-                "proxy_status": [p.get("status") for p in proxies]}
+        apps = {
+            name: {
+                "status": a.get("status"),
+                "message": (a.get("message") or "")[-2000:],
+                "deployments": {
+                    dn: {
+                        "status": dep.get("status"),
+                        "target": dep.get("target_num_replicas"),
+                        "states": dict(Counter(r.get("state") for r in dep.get("replicas") or [])),
+                        "replicas": [
+                            {k: r.get(k) for k in ("pid", "state", "start_time_s", "node_id")}
+                            for r in dep.get("replicas") or []
+                        ],
+                    }
+                    for dn, dep in (a.get("deployments") or {}).items()
+                },
+            }
+            for name, a in (d.get("applications") or {}).items()
+        }
+        return {
+            "controller_pid": (d.get("controller_info") or {}).get("pid"),
+            "applications": apps,
+            "proxies": [proxy_pid(p.get("actor_id")) for p in proxies],
+            "proxy_status": [p.get("status") for p in proxies],
+        }
 
     def proxy_pid(actor_id: str | None) -> int | None:  # Serve's ProxyDetails has no pid; the GCS's actor table does
         import ray._private.state
 
         return (ray._private.state.actors(actor_id=actor_id) or {}).get("Pid") if actor_id else None
 
-    ops = {"deploy": lambda c: client.deploy_apps(ServeDeploySchema.model_validate(c["config"]), _blocking=False),
-           "details": lambda c: details(),
-           "ongoing": lambda c: ray.get(  # the autoscaler's view: requests at replicas plus queued in handles
-               controller._get_total_num_requests_for_deployment_for_testing.remote(
-                   DeploymentID(name=c["deployment"], app_name=c["app"])), timeout=30),
-           "delete": lambda c: serve.delete(c["app"], _blocking=False),
-           "nodes": lambda c: [{"node_id": n["NodeID"], "alive": n["Alive"], "resources": n.get("Resources")}
-                               for n in ray.nodes()]}
+    ops = {
+        "deploy": lambda c: client.deploy_apps(ServeDeploySchema.model_validate(c["config"]), _blocking=False),
+        "details": lambda c: details(),
+        "ongoing": lambda c: ray.get(  # the autoscaler's view: requests at replicas plus queued in handles
+            controller._get_total_num_requests_for_deployment_for_testing.remote(
+                DeploymentID(name=c["deployment"], app_name=c["app"])
+            ),
+            timeout=30,
+        ),
+        "delete": lambda c: serve.delete(c["app"], _blocking=False),
+        "nodes": lambda c: [
+            {"node_id": n["NodeID"], "alive": n["Alive"], "resources": n.get("Resources")} for n in ray.nodes()
+        ],
+    }
     print(json.dumps({"ready": True}), flush=True)
     try:
         for line in sys.stdin:
@@ -239,12 +289,28 @@ class Driver(Proc):
     def __init__(self, cluster, http_port: int):
         LOGS.mkdir(parents=True, exist_ok=True)
         self.name, self.log_path, self._known = "sim-driver", LOGS / "sim-driver.log", set()
-        self.argv = [str(PYTHON), "-m", "bench.simulate", "--driver", "--address", cluster.address,
-                     "--http-port", str(http_port)]
+        self.argv = [
+            str(PYTHON),
+            "-m",
+            "bench.simulate",
+            "--driver",
+            "--address",
+            cluster.address,
+            "--http-port",
+            str(http_port),
+        ]
         self._log = open(self.log_path, "wb")
-        self.popen = subprocess.Popen(self.argv, cwd=str(ROOT), env={**os.environ, **cluster.env()},
-                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
-                                      start_new_session=True, text=True, bufsize=1)
+        self.popen = subprocess.Popen(
+            self.argv,
+            cwd=str(ROOT),
+            env={**os.environ, **cluster.env()},
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            start_new_session=True,
+            text=True,
+            bufsize=1,
+        )
         self.pid = self.pgid = self.popen.pid
         self._replies: queue.Queue = queue.Queue()
         self._lock, self._next = threading.Lock(), 0
@@ -312,8 +378,14 @@ def measure_engine(model: str, prompt_tokens: int, max_tokens: int, requests: in
     try:
         startup = server.wait_ready(600)
         for i in range(requests + 2):  # the first two warm up
-            body = {"model": model, "prompt": [rng.randrange(100, 20000) for _ in range(prompt_tokens)],
-                    "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True, "stream": True}
+            body = {
+                "model": model,
+                "prompt": [rng.randrange(100, 20000) for _ in range(prompt_tokens)],
+                "max_tokens": max_tokens,
+                "temperature": 0.0,
+                "ignore_eos": True,
+                "stream": True,
+            }
             times, t0 = [], time.perf_counter()
             with httpx.stream("POST", f"{server.base}/v1/completions", json=body, timeout=120) as r:
                 r.raise_for_status()
@@ -322,31 +394,52 @@ def measure_engine(model: str, prompt_tokens: int, max_tokens: int, requests: in
                         if (ch := json.loads(line[6:])["choices"]) and ch[0].get("text") is not None:
                             times.append(time.perf_counter() - t0)
             if i >= 2 and len(times) >= 2:
-                samples.append({"ttft_s": times[0], "itl_s": (times[-1] - times[0]) / (len(times) - 1),
-                                "chunks": len(times), "latency_s": times[-1]})
+                samples.append(
+                    {
+                        "ttft_s": times[0],
+                        "itl_s": (times[-1] - times[0]) / (len(times) - 1),
+                        "chunks": len(times),
+                        "latency_s": times[-1],
+                    }
+                )
     finally:
         left = server.stop()
     ttft, itl = [s["ttft_s"] for s in samples], [s["itl_s"] for s in samples]
-    return {"source": "measured", "server": "vLLM's OpenAI server (python -m vllm.entrypoints.openai.api_server)",
-            "model": model, "engine_args": dict(ENGINE), "engine_env": dict(ENGINE_ENV),
-            "prompt_tokens": prompt_tokens, "max_tokens": max_tokens, "concurrency": 1, "requests": len(samples),
-            "ttft_s": pct(ttft, 50), "itl_s": pct(itl, 50), "ttft_s_p10_p90": [pct(ttft, 10), pct(ttft, 90)],
-            "itl_s_p10_p90": [pct(itl, 10), pct(itl, 90)], "latency_s_p50": pct([s["latency_s"] for s in samples], 50),
-            "startup_s": startup, "measured_at": dt.datetime.now().isoformat(timespec="seconds"),
-            "took_s": time.monotonic() - t_start, "stopped_left": left, "samples": samples}
+    return {
+        "source": "measured",
+        "server": "vLLM's OpenAI server (python -m vllm.entrypoints.openai.api_server)",
+        "model": model,
+        "engine_args": dict(ENGINE),
+        "engine_env": dict(ENGINE_ENV),
+        "prompt_tokens": prompt_tokens,
+        "max_tokens": max_tokens,
+        "concurrency": 1,
+        "requests": len(samples),
+        "ttft_s": pct(ttft, 50),
+        "itl_s": pct(itl, 50),
+        "ttft_s_p10_p90": [pct(ttft, 10), pct(ttft, 90)],
+        "itl_s_p10_p90": [pct(itl, 10), pct(itl, 90)],
+        "latency_s_p50": pct([s["latency_s"] for s in samples], 50),
+        "startup_s": startup,
+        "measured_at": dt.datetime.now().isoformat(timespec="seconds"),
+        "took_s": time.monotonic() - t_start,
+        "stopped_left": left,
+        "samples": samples,
+    }
 
 
 # -- the load: open loop (bench.load's is closed loop) ---------------------------------------------------
 
+
 @dataclass
 class Req:
-    at: float                 # scheduled send, s from the load's start
-    sent: float = 0.0         # actual send, s from the load's start
+    at: float  # scheduled send, s from the load's start
+    sent: float = 0.0  # actual send, s from the load's start
     latency: float | None = None
     status: int = 0
     replica: str = ""
     error: str | None = None
-    timed_out: bool = False   # the client's timeout ended it
+    timed_out: bool = False  # the client's timeout ended it
     done: bool = False
 
     @property
@@ -363,8 +456,15 @@ class Load:
 
 
 def request_body(prompt_chars: int, max_tokens: int, i: int) -> bytes:
-    return json.dumps({"model": MODEL, "prompt": (f"request {i} " + "x" * prompt_chars)[:prompt_chars],
-                       "max_tokens": max_tokens, "temperature": 0.0, "return_hidden_states": True}).encode()
+    return json.dumps(
+        {
+            "model": MODEL,
+            "prompt": (f"request {i} " + "x" * prompt_chars)[:prompt_chars],
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "return_hidden_states": True,
+        }
+    ).encode()
 
 
 def run_load(url: str, arrivals: list[float], body_of, timeout_s: float, state: Load | None = None) -> Load:
@@ -392,8 +492,9 @@ def run_load(url: str, arrivals: list[float], body_of, timeout_s: float, state: 
             state.in_flight -= 1
 
     async def main():
-        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
-                                         timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
+        async with aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=timeout_s)
+        ) as session:
             tasks, state.t0 = [], time.perf_counter()
             for i, r in enumerate(state.reqs):
                 if (delay := r.at - (time.perf_counter() - state.t0)) > 0:
@@ -410,16 +511,27 @@ def latency_summary(load: Load, slept: float) -> dict:
     ok = [r for r in load.reqs if r.ok]
     added, lag = [(r.latency - slept) * 1e3 for r in ok], [(r.sent - r.at) * 1e3 for r in load.reqs]
     per_replica = Counter(r.replica for r in ok).values()
-    return {"requests": len(load.reqs), "ok": len(ok), "failed": len(load.reqs) - len(ok),
-            "timeouts": sum(r.timed_out for r in load.reqs), "not_done": sum(not r.done for r in load.reqs),
-            "error_samples": Counter((r.status, (r.error or "")[:120]) for r in load.reqs if not r.ok).most_common(5),
-            "wall_s": load.wall, "slept_ms": slept * 1e3, "latency_ms_p50": pct([r.latency * 1e3 for r in ok], 50),
-            **{f"added_ms_p{q}": pct(added, q) for q in (50, 90, 99)}, "added_ms_max": max(added, default=None),
-            "send_lag_ms_p50": pct(lag, 50), "send_lag_ms_p99": pct(lag, 99), "replicas_hit": len(per_replica),
-            "requests_per_replica_min_max": [min(per_replica, default=0), max(per_replica, default=0)]}
+    return {
+        "requests": len(load.reqs),
+        "ok": len(ok),
+        "failed": len(load.reqs) - len(ok),
+        "timeouts": sum(r.timed_out for r in load.reqs),
+        "not_done": sum(not r.done for r in load.reqs),
+        "error_samples": Counter((r.status, (r.error or "")[:120]) for r in load.reqs if not r.ok).most_common(5),
+        "wall_s": load.wall,
+        "slept_ms": slept * 1e3,
+        "latency_ms_p50": pct([r.latency * 1e3 for r in ok], 50),
+        **{f"added_ms_p{q}": pct(added, q) for q in (50, 90, 99)},
+        "added_ms_max": max(added, default=None),
+        "send_lag_ms_p50": pct(lag, 50),
+        "send_lag_ms_p99": pct(lag, 99),
+        "replicas_hit": len(per_replica),
+        "requests_per_replica_min_max": [min(per_replica, default=0), max(per_replica, default=0)],
+    }
 
 
 # -- the run -------------------------------------------------------------------------------------------
+
 
 def log(msg: str) -> None:
     print(f"[{dt.datetime.now():%H:%M:%S}] {msg}", flush=True)
@@ -458,9 +570,15 @@ class Sim:
         from bench.cli import machine
 
         self.args, self.out, self.results, self.t0 = args, args.out, results, time.monotonic()
-        self.res: dict = {"command": " ".join([f".venv/bin/python -m {self.MODULE}", *map(shlex.quote, sys.argv[1:])]),
-                          "started": dt.datetime.now().isoformat(timespec="seconds"), "machine": machine(),
-                          "sizes": {}, "skipped": {}, "errors": [], "notes": []}
+        self.res: dict = {
+            "command": " ".join([f".venv/bin/python -m {self.MODULE}", *map(shlex.quote, sys.argv[1:])]),
+            "started": dt.datetime.now().isoformat(timespec="seconds"),
+            "machine": machine(),
+            "sizes": {},
+            "skipped": {},
+            "errors": [],
+            "notes": [],
+        }
         self.cluster = self.driver = self.replica_bytes = None
         self.http_port = 0
 
@@ -497,8 +615,12 @@ class Sim:
             app, dep = d["applications"].get(APP) or {}, self.deployment(d)
             if app.get("status") == "DEPLOY_FAILED" or psutil.virtual_memory().available < GIB:
                 got["fail"] = app.get("message") or "available memory fell under 1 GiB (others' runs share it)"
-            return "fail" in got or (app.get("status") == "RUNNING" and also(d) and smoke(self.url, MODEL)
-                                     and dep["states"].get("RUNNING", 0) == len(dep["replicas"]) == n)
+            return "fail" in got or (
+                app.get("status") == "RUNNING"
+                and also(d)
+                and smoke(self.url, MODEL)
+                and dep["states"].get("RUNNING", 0) == len(dep["replicas"]) == n
+            )
 
         took = wait_until(ready, self.args.start_timeout, f"{n} replicas running", [self.cluster.proc])
         if "fail" in got:
@@ -511,8 +633,11 @@ class Sim:
 
         pids = [r["pid"] for r in self.deployment(self.details())["replicas"] if r.get("pid")]
         self.driver.call("delete", app=APP, timeout=60)
-        return wait_until(lambda: APP not in self.details()["applications"] and not any(map(alive, pids)),
-                          self.args.start_timeout, "the app deleted")
+        return wait_until(
+            lambda: APP not in self.details()["applications"] and not any(map(alive, pids)),
+            self.args.start_timeout,
+            "the app deleted",
+        )
 
     def rss(self, d: dict) -> dict:
         import psutil
@@ -529,11 +654,16 @@ class Sim:
 
         out: dict = {"replicas": len(rep := mem(r["pid"] for r in self.deployment(d)["replicas"]))}
         if rep:
-            out |= {f"replica_{k}_mib_mean": sum(x[i] for x in rep) / len(rep) / 2**20
-                    for i, k in enumerate(("rss", "uss", "pss"))}
+            out |= {
+                f"replica_{k}_mib_mean": sum(x[i] for x in rep) / len(rep) / 2**20
+                for i, k in enumerate(("rss", "uss", "pss"))
+            }
             out["replicas_rss_gib_total"] = sum(x[0] for x in rep) / GIB
-        for name, pids in (("router", [r["pid"] for r in self.deployment(d, "Router")["replicas"]]),
-                           ("proxy", d["proxies"]), ("controller", [d["controller_pid"]])):
+        for name, pids in (
+            ("router", [r["pid"] for r in self.deployment(d, "Router")["replicas"]]),
+            ("proxy", d["proxies"]),
+            ("controller", [d["controller_pid"]]),
+        ):
             if xs := mem(pids):
                 out[f"{name}_rss_mib"] = sum(x[0] for x in xs) / 2**20
         return out
@@ -546,8 +676,7 @@ class Sim:
         from bench.procs import free_port
         from bench.servers import RayCluster
 
-        self.cluster = RayCluster(num_cpus=8, extra_env={**self.serve_env(), **(extra_env or {})},
-                                  second=True)
+        self.cluster = RayCluster(num_cpus=8, extra_env={**self.serve_env(), **(extra_env or {})}, second=True)
         log(f"ray start (port {self.cluster.port})")
         self.res["ray_start_s"] = self.cluster.start(timeout=240)
         self.http_port = free_port(8410)
@@ -563,8 +692,11 @@ class Sim:
             except Exception as e:
                 self.res["errors"].append(f"stopping {type(p).__name__}: {e}")
         log(f"stopped; left running: {left or 'none'}")
-        self.res.update(stopped_left_running=left, finished=dt.datetime.now().isoformat(timespec="seconds"),
-                        duration_s=round(time.monotonic() - self.t0))
+        self.res.update(
+            stopped_left_running=left,
+            finished=dt.datetime.now().isoformat(timespec="seconds"),
+            duration_s=round(time.monotonic() - self.t0),
+        )
         self.res["machine"]["load_average_at_end"] = os.getloadavg()
         self.save()
 
@@ -629,18 +761,23 @@ class Sim:
         busy = window(lambda: run_load(self.url, arrivals, self.body, a.request_timeout, load))
         lat = row["load"] = latency_summary(load, slept_s(delays, a.max_tokens))
         per_req = lambda d: {k: v / lat["ok"] * 1e3 for k, v in d.items()} if lat["ok"] else {}  # none answered: none
-        row.update(cpu_ms_per_request=per_req(busy["roles"]),
-                   ray_system_ms_per_request=per_req(busy["ray_system_detail"]),
-                   net_cpu_ms_per_request=per_req({k: v - row["idle_cores"].get(k, 0.0) * busy["wall"]
-                                                   for k, v in busy["roles"].items()}),
-                   busy_cores_under_load=busy["busy"] / busy["wall"],
-                   router_probe_timeouts=self.probe_timeouts() - probes0,
-                   worked=lat["failed"] <= FAILED_MAX * lat["requests"])
+        row.update(
+            cpu_ms_per_request=per_req(busy["roles"]),
+            ray_system_ms_per_request=per_req(busy["ray_system_detail"]),
+            net_cpu_ms_per_request=per_req(
+                {k: v - row["idle_cores"].get(k, 0.0) * busy["wall"] for k, v in busy["roles"].items()}
+            ),
+            busy_cores_under_load=busy["busy"] / busy["wall"],
+            router_probe_timeouts=self.probe_timeouts() - probes0,
+            worked=lat["failed"] <= FAILED_MAX * lat["requests"],
+        )
         self.res["sizes"][str(n)] = row
         self.save()
-        log(f"N={n}: ok {lat['ok']}/{lat['requests']}, routing CPU {_f(routing_ms(row))} ms/request, added p50 "
+        log(
+            f"N={n}: ok {lat['ok']}/{lat['requests']}, routing CPU {_f(routing_ms(row))} ms/request, added p50 "
             f"{_f(lat['added_ms_p50'], '{:.1f}')} p99 {_f(lat['added_ms_p99'], '{:.1f}')} ms, {lat['replicas_hit']} "
-            f"replicas hit, {row['router_probe_timeouts']} queue-length probe timeouts logged by the Router")
+            f"replicas hit, {row['router_probe_timeouts']} queue-length probe timeouts logged by the Router"
+        )
         row["delete_s"] = self.delete()
         log(f"N={n}: deleted in {row['delete_s']:.1f} s")
         return "ok" if row["worked"] else "failed"
@@ -673,56 +810,83 @@ class Sim:
         avail = psutil.virtual_memory().available
         if self.replica_bytes is not None and not (fit := fits(ramp_max, self.replica_bytes, avail))[0]:
             ramp_max = largest_fitting(self.replica_bytes, avail, step=4)
-            self.res["notes"].append(f"- The ramp's max_replicas {a.ramp_max} did not fit ({fit[1]}); "
-                                     f"ran with {ramp_max}.")
+            self.res["notes"].append(
+                f"- The ramp's max_replicas {a.ramp_max} did not fit ({fit[1]}); ran with {ramp_max}."
+            )
             if ramp_max < 4:
                 self.res["skipped"]["ramp"] = fit[1]
                 return log(f"ramp: skipped: {fit[1]}")
         # 0.75x max_replicas at the target: the rate the Router and proxy answered in full at N=32 on 2 cores
         peak = a.ramp_peak_rate or round(0.75 * ramp_max * target / slept, 1)
         low = max(0.5, round(peak / 20, 1))
-        segments = [(20.0, low, low), (a.ramp_up, low, peak), (a.ramp_hold, peak, peak), (a.ramp_up, peak, low),
-                    (20.0, low, low)]
-        autoscaling = {"min_replicas": 1, "max_replicas": ramp_max, "initial_replicas": 1,
-                       "target_ongoing_requests": target, "upscale_delay_s": a.upscale_delay,
-                       "downscale_delay_s": a.downscale_delay, "look_back_period_s": a.look_back}
-        row = self.res["ramp"] = {"segments": segments, "autoscaling": autoscaling, "peak_rate": peak,
-                                  "replica_max_ongoing_requests": a.ramp_max_ongoing, "slept_ms": slept * 1e3}
+        segments = [
+            (20.0, low, low),
+            (a.ramp_up, low, peak),
+            (a.ramp_hold, peak, peak),
+            (a.ramp_up, peak, low),
+            (20.0, low, low),
+        ]
+        autoscaling = {
+            "min_replicas": 1,
+            "max_replicas": ramp_max,
+            "initial_replicas": 1,
+            "target_ongoing_requests": target,
+            "upscale_delay_s": a.upscale_delay,
+            "downscale_delay_s": a.downscale_delay,
+            "look_back_period_s": a.look_back,
+        }
+        row = self.res["ramp"] = {
+            "segments": segments,
+            "autoscaling": autoscaling,
+            "peak_rate": peak,
+            "replica_max_ongoing_requests": a.ramp_max_ongoing,
+            "slept_ms": slept * 1e3,
+        }
         row["start_s"], _ = self.deploy(app_args(delays, autoscaling, replica_max_ongoing=a.ramp_max_ongoing), 1)
         arrivals = poisson_arrivals(segments, seed=a.seed + 1)
         load = Load([Req(at) for at in arrivals])
 
         def sample() -> dict:
             s, dep = {"client_in_flight": load.in_flight}, self.deployment(self.details())
-            return s | {"running": dep["states"].get("RUNNING", 0), "target": dep.get("target"),
-                        "states": dep["states"], "status": dep.get("status"), "autoscaler_ongoing":
-                            self.driver.call("ongoing", app=APP, deployment="EngineReplica", timeout=30)}
+            return s | {
+                "running": dep["states"].get("RUNNING", 0),
+                "target": dep.get("target"),
+                "states": dep["states"],
+                "status": dep.get("status"),
+                "autoscaler_ongoing": self.driver.call("ongoing", app=APP, deployment="EngineReplica", timeout=30),
+            }
 
-        log(f"ramp: {len(arrivals)} requests, peak {peak}/s, target {target} ongoing per replica, max {ramp_max} "
-            "replicas")
+        log(
+            f"ramp: {len(arrivals)} requests, peak {peak}/s, target {target} ongoing per replica, max {ramp_max} "
+            "replicas"
+        )
         poller = Poller(sample, 2.0, t0 := time.monotonic())
         load_t0 = time.monotonic() - t0
         run_load(self.url, arrivals, self.body, a.request_timeout, load)
         row["load_window_s"] = [load_t0, time.monotonic() - t0]
         log(f"ramp: load done after {load.wall:.0f} s; watching the scale-down")
         deadline = time.monotonic() + a.downscale_delay + a.look_back + 90
-        while time.monotonic() < deadline and not (poller.samples and poller.samples[-1].get("running") == 1
-                                                   and poller.samples[-1].get("target") == 1):
+        while time.monotonic() < deadline and not (
+            poller.samples and poller.samples[-1].get("running") == 1 and poller.samples[-1].get("target") == 1
+        ):
             time.sleep(2)
         time.sleep(4)
         samples = row["samples"] = poller.stop()
         row["load"] = latency_summary(load, slept)
-        row["offered"] = [[round(load_t0 + k, 1), rate_at(segments, k)]
-                          for k in range(int(sum(d for d, _, _ in segments)) + 1)]
+        row["offered"] = [
+            [round(load_t0 + k, 1), rate_at(segments, k)] for k in range(int(sum(d for d, _, _ in segments)) + 1)
+        ]
         sent = Counter(int(r.sent) for r in load.reqs)
         row["sent_per_s"] = [[load_t0 + k, sent.get(k, 0)] for k in range(int(load.wall) + 1)]
         up_start = load_t0 + segments[0][0]
         sc = row["scale"] = scale_times(samples, 1, ramp_max, up_start, up_start + segments[1][0] + segments[2][0])
         for k in ("autoscaler_ongoing", "client_in_flight"):
             row[f"max_{k}"] = max((s.get(k) or 0 for s in samples), default=None)
-        log(f"ramp: ok {row['load']['ok']}/{row['load']['requests']}, max running {sc['max_running']}, at max "
+        log(
+            f"ramp: ok {row['load']['ok']}/{row['load']['requests']}, max running {sc['max_running']}, at max "
             f"{sc['running_at_max_after_up_start_s']} s after the ramp up began, back at 1 "
-            f"{sc['back_at_min_after_down_start_s']} s after the ramp down began")
+            f"{sc['back_at_min_after_down_start_s']} s after the ramp down began"
+        )
         self.save()
         self.delete()
 
@@ -731,13 +895,23 @@ class Sim:
         eng = self.engine()
         delays = self.res["fake_engine"] = fake_delays(eng["ttft_s"], eng["itl_s"], a.max_tokens, a.pacing)
         self.res["settings"] = {
-            "sizes": a.sizes, "rate_per_s": a.rate, "seconds": a.seconds, "idle_seconds": a.idle_seconds,
-            "max_tokens": a.max_tokens, "prompt_chars": a.prompt_chars, "request_timeout_s": a.request_timeout,
-            "seed": a.seed, "slept_ms_per_request": slept_s(delays, a.max_tokens) * 1e3, "pacing": a.pacing,
-            "replica_num_cpus": 0.0, "router": "1 replica (router_autoscaling 1..1)",
+            "sizes": a.sizes,
+            "rate_per_s": a.rate,
+            "seconds": a.seconds,
+            "idle_seconds": a.idle_seconds,
+            "max_tokens": a.max_tokens,
+            "prompt_chars": a.prompt_chars,
+            "request_timeout_s": a.request_timeout,
+            "seed": a.seed,
+            "slept_ms_per_request": slept_s(delays, a.max_tokens) * 1e3,
+            "pacing": a.pacing,
+            "replica_num_cpus": 0.0,
+            "router": "1 replica (router_autoscaling 1..1)",
             "ray_cluster": "ray start --head --num-cpus 8 (logical), own ports, temp dir and auth token",
-            "serve_env": self.serve_env(), "request": "POST /v1/completions through Serve's proxy, non-streaming, "
-                                             "return_hidden_states true (the FakeEngine's 8-float vector)"}
+            "serve_env": self.serve_env(),
+            "request": "POST /v1/completions through Serve's proxy, non-streaming, "
+            "return_hidden_states true (the FakeEngine's 8-float vector)",
+        }
         try:
             self.start()
             good = 0
@@ -752,8 +926,9 @@ class Sim:
                     if status == "skipped":
                         m = min(m, largest_fitting(self.replica_bytes, psutil.virtual_memory().available))
                     if m > good:
-                        self.res["notes"].append(f"- N={n} {'did not fit' if status == 'skipped' else status}; "
-                                                 f"ran N={m} instead.")
+                        self.res["notes"].append(
+                            f"- N={n} {'did not fit' if status == 'skipped' else status}; ran N={m} instead."
+                        )
                         good = m if self.attempt(f"N={m}", self.size, m, delays) == "ok" else good
                 break  # larger sizes would do no better
             self.res["largest_that_worked"] = good
@@ -767,11 +942,30 @@ class Sim:
 
 # -- report ----------------------------------------------------------------------------------------------
 
-SHORT = {"ours: router": "Router", "serve: proxy": "proxy", "serve: controller": "controller",
-         "ray: system": "Ray daemons", "ours: replica": "replicas (all)", "driver": "driver"}
-SIZE_HEADERS = ["N", "Router ms/req", "proxy ms/req", "controller ms/req", "routing ms/req", "Ray daemons ms/req",
-                "replicas ms/req", "idle cores (Serve + Ray + replicas)", "added p50 ms", "added p99 ms", "ok",
-                "replicas hit", "start s", "replica RSS / PSS MiB"]
+SHORT = {
+    "ours: router": "Router",
+    "serve: proxy": "proxy",
+    "serve: controller": "controller",
+    "ray: system": "Ray daemons",
+    "ours: replica": "replicas (all)",
+    "driver": "driver",
+}
+SIZE_HEADERS = [
+    "N",
+    "Router ms/req",
+    "proxy ms/req",
+    "controller ms/req",
+    "routing ms/req",
+    "Ray daemons ms/req",
+    "replicas ms/req",
+    "idle cores (Serve + Ray + replicas)",
+    "added p50 ms",
+    "added p99 ms",
+    "ok",
+    "replicas hit",
+    "start s",
+    "replica RSS / PSS MiB",
+]
 
 
 def by_n(rows: dict) -> list[tuple[str, dict]]:
@@ -790,11 +984,23 @@ def size_rows(res: dict) -> list[list[str]]:
     for n, r in by_n(res.get("sizes", {})):
         c, lat = r["cpu_ms_per_request"], r["load"]
         idle = sum(r["idle_cores"].get(k, 0.0) for k in ROLES_SHOWN[:-1])
-        rows.append([n, *(_f(c.get(k)) for k in ROUTING_ROLES), f"**{_f(routing_ms(r))}**", _f(c.get("ray: system")),
-                     _f(c.get("ours: replica")), _f(idle, "{:.3f}"), _f(lat["added_ms_p50"], "{:.1f}"),
-                     _f(lat["added_ms_p99"], "{:.1f}"), f"{lat['ok']}/{lat['requests']}", f"{lat['replicas_hit']}",
-                     _f(r["start_s"], "{:.1f}"), f'{_f(r["memory"].get("replica_rss_mib_mean"), "{:.0f}")} / '
-                     f'{_f(r["memory"].get("replica_pss_mib_mean"), "{:.0f}")}'])
+        rows.append(
+            [
+                n,
+                *(_f(c.get(k)) for k in ROUTING_ROLES),
+                f"**{_f(routing_ms(r))}**",
+                _f(c.get("ray: system")),
+                _f(c.get("ours: replica")),
+                _f(idle, "{:.3f}"),
+                _f(lat["added_ms_p50"], "{:.1f}"),
+                _f(lat["added_ms_p99"], "{:.1f}"),
+                f"{lat['ok']}/{lat['requests']}",
+                f"{lat['replicas_hit']}",
+                _f(r["start_s"], "{:.1f}"),
+                f"{_f(r['memory'].get('replica_rss_mib_mean'), '{:.0f}')} / "
+                f"{_f(r['memory'].get('replica_pss_mib_mean'), '{:.0f}')}",
+            ]
+        )
     return rows
 
 
@@ -825,17 +1031,27 @@ def plot(res: dict, out: Path) -> list[str]:
         for role in ROLES_SHOWN[:-1]:
             ax.plot(ns, [r["cpu_ms_per_request"].get(role) for _, r in sizes], marker="o", label=SHORT[role])
             bx.plot(ns, [r["idle_cores"].get(role, 0.0) for _, r in sizes], marker="o", label=SHORT[role])
-        ax.plot(ns, [routing_ms(r) for _, r in sizes], marker="s", lw=2.5, color="k",
-                label="routing = Router + proxy + controller")
-        ax.set(ylabel="CPU ms per request (under load)",
-               title=f"CPU per request at {res['settings']['rate_per_s']:g} req/s, by process")
+        ax.plot(
+            ns,
+            [routing_ms(r) for _, r in sizes],
+            marker="s",
+            lw=2.5,
+            color="k",
+            label="routing = Router + proxy + controller",
+        )
+        ax.set(
+            ylabel="CPU ms per request (under load)",
+            title=f"CPU per request at {res['settings']['rate_per_s']:g} req/s, by process",
+        )
         bx.set(ylabel="cores busy, idle (no requests)", title="Idle CPU by process: what N costs with no traffic")
         save(fig, (ax, bx), "cpu_per_request.png", ns)
         fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.5))
         for key, m in (("50", "o"), ("90", "^"), ("99", "s")):
             ax.plot(ns, [r["load"][f"added_ms_p{key}"] for _, r in sizes], marker=m, label=f"p{key}")
-        ax.set(ylabel="ms", title=f"Added latency: measured - the FakeEngine's "
-                                  f"{res['settings']['slept_ms_per_request']:.0f} ms")
+        ax.set(
+            ylabel="ms",
+            title=f"Added latency: measured - the FakeEngine's {res['settings']['slept_ms_per_request']:.0f} ms",
+        )
         bx.plot(ns, [r["start_s"] for _, r in sizes], marker="o", label="deploy -> N running + a request answered")
         bx.plot(ns, [r.get("delete_s") for _, r in sizes], marker="x", ls=":", label="delete -> all gone")
         bx.set(ylabel="s", title="Replicas' start (and stop) time")
@@ -844,7 +1060,7 @@ def plot(res: dict, out: Path) -> list[str]:
         fig, (ax, bx, cx) = plt.subplots(3, 1, figsize=(11, 9), sharex=True)
         ax.plot(*zip(*ramp["offered"]), label="offered rate (req/s)")
         sent = [v for _, v in ramp["sent_per_s"]]
-        smooth = [sum(w := sent[max(0, i - 2):i + 3]) / len(w) for i in range(len(sent))]
+        smooth = [sum(w := sent[max(0, i - 2) : i + 3]) / len(w) for i in range(len(sent))]
         ax.plot([t for t, _ in ramp["sent_per_s"]], smooth, lw=0.8, alpha=0.8, label="sent per second (5 s mean)")
         ax.set(ylabel="req/s", title="The ramp: offered load, replicas, ongoing requests")
         ts, per = [s["t"] for s in sm], ramp["autoscaling"]["target_ongoing_requests"]
@@ -878,7 +1094,8 @@ def ramp_lines(res: dict) -> list[str]:
         f"- Autoscaling: `{json.dumps(au)}`, replica_max_ongoing_requests {r['replica_max_ongoing_requests']}.",
         f"- **{ld['ok']}/{ld['requests']} answered 200, {ld['failed']} failed, {ld['not_done']} unfinished** "
         f"(client timeout {res['settings']['request_timeout_s']:g} s, the server's request_timeout_s 60 s)"
-        + (f"; errors: {ld['error_samples']}" if ld["failed"] else "") + ".",
+        + (f"; errors: {ld['error_samples']}" if ld["failed"] else "")
+        + ".",
         f"- Replicas: max running **{sc['max_running']}** (of max_replicas {au['max_replicas']}), first at "
         f"{s0('first_at_max_running_s')} s. From the ramp up's start ({sc['up_start_s']:.0f} s): the autoscaler's "
         f"target at max after {s0('target_at_max_after_up_start_s')} s, {au['max_replicas']} running after "
@@ -887,20 +1104,24 @@ def ramp_lines(res: dict) -> list[str]:
         f"- Ongoing requests: at most {r['max_client_in_flight']} in flight at the client, "
         f"{_f(r['max_autoscaler_ongoing'], '{:.0f}')} in the autoscaler's count; added latency p50 "
         f"{_f(ld['added_ms_p50'], '{:.1f}')} ms, p99 {_f(ld['added_ms_p99'], '{:.1f}')} ms, max "
-        f"{_f(ld['added_ms_max'], '{:.0f}')} ms."]
+        f"{_f(ld['added_ms_max'], '{:.0f}')} ms.",
+    ]
 
 
 def machine_lines(res: dict) -> list[str]:
     """Command, run, machine and load average lines (results' Markdown heads; bench.failures' too)."""
     mc = res["machine"]
-    return [f"Command: `{res['command']}` (from the repository root)  ",
-            f"Run: {res['started']} .. {res.get('finished')} ({res.get('duration_s')} s)  ",
-            f"Machine: {mc['cpu']}, {mc['physical_cores']} cores / {mc['logical_cpus']} logical CPUs, "
-            f"{mc['memory_gib']} GiB, no accelerator; {mc['os']}; Python {mc['python']}; "
-            + ", ".join(f"{k} {v}" for k, v in mc["versions"].items()) + "  ",
-            f"Load average at start {tuple(round(x, 2) for x in mc['load_average_at_start'])}, at end "
-            f"{tuple(round(x, 2) for x in mc.get('load_average_at_end', ()))} (a shared machine: other engineers' "
-            "runs count in it; CPU is counted per process, so theirs is not in the figures)"]
+    return [
+        f"Command: `{res['command']}` (from the repository root)  ",
+        f"Run: {res['started']} .. {res.get('finished')} ({res.get('duration_s')} s)  ",
+        f"Machine: {mc['cpu']}, {mc['physical_cores']} cores / {mc['logical_cpus']} logical CPUs, "
+        f"{mc['memory_gib']} GiB, no accelerator; {mc['os']}; Python {mc['python']}; "
+        + ", ".join(f"{k} {v}" for k, v in mc["versions"].items())
+        + "  ",
+        f"Load average at start {tuple(round(x, 2) for x in mc['load_average_at_start'])}, at end "
+        f"{tuple(round(x, 2) for x in mc.get('load_average_at_end', ()))} (a shared machine: other engineers' "
+        "runs count in it; CPU is counted per process, so theirs is not in the figures)",
+    ]
 
 
 def summary_md(res: dict, figures: list[str]) -> str:
@@ -908,57 +1129,96 @@ def summary_md(res: dict, figures: list[str]) -> str:
     sizes = by_n(res.get("sizes", {}))
     per_n = lambda fn: "; ".join(f"N={n}: {fn(r)}" for n, r in sizes) + "."
     span = lambda x, f="{:.1f}": "..".join(f.format(v * 1e3) for v in x)
-    L = ["# Many replicas, simulated (issue 32, part 3)", "", *machine_lines(res), "", "## Method", "",
-         f"- The app: `deployments.app:build(args, FakeEngine)` (`bench.simulate:fake_app`), deployed as `serve run "
-         f"CONFIG` does, with `make serve`'s Serve switches (`{json.dumps(st['serve_env'])}`), behind Serve's proxy "
-         f"(HeadOnly), one Router ({st['router']}), N EngineReplica replicas with `replica_autoscaling` min = max = N "
-         f"and `ray_actor_options.num_cpus` {st['replica_num_cpus']:g} (the one option changed from the product's, "
-         f"in the config's `deployments` section); {st['ray_cluster']}.",
-         f"- The FakeEngine's delays: from {eng['source']}: {eng.get('server')}, {eng['model']}, c=1, "
-         f"{eng['prompt_tokens']} prompt tokens, {eng['max_tokens']} out, {eng['requests']} streamed requests: "
-         f"time to first token p50 {eng['ttft_s'] * 1e3:.1f} ms (p10..p90 {span(eng['ttft_s_p10_p90'])}), per later "
-         f"token p50 {eng['itl_s'] * 1e3:.2f} ms ({span(eng['itl_s_p10_p90'], '{:.2f}')}): a request of "
-         f"{st['max_tokens']} tokens takes TTFT + {st['max_tokens'] - 1} x per-token = "
-         f"{st['slept_ms_per_request']:.0f} ms, which the FakeEngine sleeps in the replica (`first_token_delay_s` "
-         f"{fe['first_token_delay_s']:.4f}, `token_delay_s` {fe['token_delay_s']:.4f}: "
-         + ("one timer: the requests are not streamed, so the per-token cadence is invisible to them, and "
+    L = [
+        "# Many replicas, simulated (issue 32, part 3)",
+        "",
+        *machine_lines(res),
+        "",
+        "## Method",
+        "",
+        f"- The app: `deployments.app:build(args, FakeEngine)` (`bench.simulate:fake_app`), deployed as `serve run "
+        f"CONFIG` does, with `make serve`'s Serve switches (`{json.dumps(st['serve_env'])}`), behind Serve's proxy "
+        f"(HeadOnly), one Router ({st['router']}), N EngineReplica replicas with `replica_autoscaling` min = max = N "
+        f"and `ray_actor_options.num_cpus` {st['replica_num_cpus']:g} (the one option changed from the product's, "
+        f"in the config's `deployments` section); {st['ray_cluster']}.",
+        f"- The FakeEngine's delays: from {eng['source']}: {eng.get('server')}, {eng['model']}, c=1, "
+        f"{eng['prompt_tokens']} prompt tokens, {eng['max_tokens']} out, {eng['requests']} streamed requests: "
+        f"time to first token p50 {eng['ttft_s'] * 1e3:.1f} ms (p10..p90 {span(eng['ttft_s_p10_p90'])}), per later "
+        f"token p50 {eng['itl_s'] * 1e3:.2f} ms ({span(eng['itl_s_p10_p90'], '{:.2f}')}): a request of "
+        f"{st['max_tokens']} tokens takes TTFT + {st['max_tokens'] - 1} x per-token = "
+        f"{st['slept_ms_per_request']:.0f} ms, which the FakeEngine sleeps in the replica (`first_token_delay_s` "
+        f"{fe['first_token_delay_s']:.4f}, `token_delay_s` {fe['token_delay_s']:.4f}: "
+        + (
+            "one timer: the requests are not streamed, so the per-token cadence is invisible to them, and "
             f"{st['max_tokens'] + 1} timers per request would add their lateness on these busy cores to the added "
-            "latency; `--pacing tokens` runs a timer per token)." if fe.get("pacing") == "once"
-            else "a timer per token, as the engine's cadence)."),
-         f"- Per N: a fresh deploy (start time: deploy until N replicas run and a request is answered), "
-         f"{st['idle_seconds']:g} s idle (CPU by process role, no requests), then {st['seconds']:g} s of open-loop "
-         f"load at {st['rate_per_s']:g} req/s (Poisson, seed {st['seed']}, the same arrivals at every N; "
-         f"{st['request']}; client timeout {st['request_timeout_s']:g} s), then the app deleted. CPU per request = "
-         "CPU seconds of each role's processes over the load window / requests answered (bench.measure.CpuAccount: "
-         "psutil, every process under our `ray start`, by title); `routing` = Router + proxy + controller. Added "
-         "latency = measured latency - the FakeEngine's sleeps. A size whose replicas (one replica's PSS, its share "
-         "of the memory, x N) would leave under 4 GiB available is skipped.", "", "## Figures by N", "", _md_table(SIZE_HEADERS, size_rows(res)),
-         "", *(f"- N={n} skipped: {why}" for n, why in res.get("skipped", {}).items()),
-         *([""] if res.get("skipped") else []),
-         *(f"- N={n} did not work: {r['load']['ok']}/{r['load']['requests']} answered 200 (at most "
-           f"{FAILED_MAX:.0%} may fail), {r['router_probe_timeouts']} queue-length probe timeouts logged by the Router, "
-           f"cores busy (all processes) {r['busy_cores_under_load']:.2f}; no larger size was run."
-           for n, r in by_n(res.get("sizes", {})) if not r["worked"]),
-         *([""] if any(not r["worked"] for r in res.get("sizes", {}).values()) else []),
-         "Net of idle (the load window's CPU minus the idle window's rate over the same time), ms per request: "
-         + per_n(lambda r: ", ".join(f"{SHORT[k]} {_f(r['net_cpu_ms_per_request'].get(k))}"
-                                     for k in ROLES_SHOWN[:-1])), "",
-         "Idle cores by role (no requests): "
-         + per_n(lambda r: ", ".join(f"{SHORT[k]} {r['idle_cores'].get(k, 0.0):.3f}" for k in ROLES_SHOWN)), "",
-         "Ray's daemons under load, ms per request: "
-         + per_n(lambda r: ", ".join(f"{k[5:]} {v:.2f}" for k, v in sorted(r["ray_system_ms_per_request"].items(),
-                                                                         key=lambda kv: -kv[1])[:4]) or "-"), "",
-         "Load checks per N (send lag = actual - scheduled send at the client): "
-         + per_n(lambda r: f"send lag p99 {_f(r['load']['send_lag_ms_p99'], '{:.1f}')} ms, requests per replica "
-                           f"{'..'.join(map(str, r['load']['requests_per_replica_min_max']))}, cores busy (all "
-                           f"processes) {r['busy_cores_under_load']:.2f}, Router RSS "
-                           f"{_f(r['memory'].get('router_rss_mib'), '{:.0f}')} MiB, controller "
-                           f"{_f(r['memory'].get('controller_rss_mib'), '{:.0f}')} MiB"), "",
-         *(line for name in figures for line in (f"![{name[:-4]}]({name})", "")),
-         "## The autoscaler under a ramp", "", *ramp_lines(res), ""]
+            "latency; `--pacing tokens` runs a timer per token)."
+            if fe.get("pacing") == "once"
+            else "a timer per token, as the engine's cadence)."
+        ),
+        f"- Per N: a fresh deploy (start time: deploy until N replicas run and a request is answered), "
+        f"{st['idle_seconds']:g} s idle (CPU by process role, no requests), then {st['seconds']:g} s of open-loop "
+        f"load at {st['rate_per_s']:g} req/s (Poisson, seed {st['seed']}, the same arrivals at every N; "
+        f"{st['request']}; client timeout {st['request_timeout_s']:g} s), then the app deleted. CPU per request = "
+        "CPU seconds of each role's processes over the load window / requests answered (bench.measure.CpuAccount: "
+        "psutil, every process under our `ray start`, by title); `routing` = Router + proxy + controller. Added "
+        "latency = measured latency - the FakeEngine's sleeps. A size whose replicas (one replica's PSS, its share "
+        "of the memory, x N) would leave under 4 GiB available is skipped.",
+        "",
+        "## Figures by N",
+        "",
+        _md_table(SIZE_HEADERS, size_rows(res)),
+        "",
+        *(f"- N={n} skipped: {why}" for n, why in res.get("skipped", {}).items()),
+        *([""] if res.get("skipped") else []),
+        *(
+            f"- N={n} did not work: {r['load']['ok']}/{r['load']['requests']} answered 200 (at most "
+            f"{FAILED_MAX:.0%} may fail), {r['router_probe_timeouts']} queue-length probe timeouts logged by the "
+            "Router, "
+            f"cores busy (all processes) {r['busy_cores_under_load']:.2f}; no larger size was run."
+            for n, r in by_n(res.get("sizes", {}))
+            if not r["worked"]
+        ),
+        *([""] if any(not r["worked"] for r in res.get("sizes", {}).values()) else []),
+        "Net of idle (the load window's CPU minus the idle window's rate over the same time), ms per request: "
+        + per_n(lambda r: ", ".join(f"{SHORT[k]} {_f(r['net_cpu_ms_per_request'].get(k))}" for k in ROLES_SHOWN[:-1])),
+        "",
+        "Idle cores by role (no requests): "
+        + per_n(lambda r: ", ".join(f"{SHORT[k]} {r['idle_cores'].get(k, 0.0):.3f}" for k in ROLES_SHOWN)),
+        "",
+        "Ray's daemons under load, ms per request: "
+        + per_n(
+            lambda r: (
+                ", ".join(
+                    f"{k[5:]} {v:.2f}"
+                    for k, v in sorted(r["ray_system_ms_per_request"].items(), key=lambda kv: -kv[1])[:4]
+                )
+                or "-"
+            )
+        ),
+        "",
+        "Load checks per N (send lag = actual - scheduled send at the client): "
+        + per_n(
+            lambda r: (
+                f"send lag p99 {_f(r['load']['send_lag_ms_p99'], '{:.1f}')} ms, requests per replica "
+                f"{'..'.join(map(str, r['load']['requests_per_replica_min_max']))}, cores busy (all "
+                f"processes) {r['busy_cores_under_load']:.2f}, Router RSS "
+                f"{_f(r['memory'].get('router_rss_mib'), '{:.0f}')} MiB, controller "
+                f"{_f(r['memory'].get('controller_rss_mib'), '{:.0f}')} MiB"
+            )
+        ),
+        "",
+        *(line for name in figures for line in (f"![{name[:-4]}]({name})", "")),
+        "## The autoscaler under a ramp",
+        "",
+        *ramp_lines(res),
+        "",
+    ]
     L += ["## Notes", "", *res["notes"], ""] if res.get("notes") else []
-    L += [f"Stopped: every process started (Ray cluster, driver) stopped; left running: "
-          f"{res.get('stopped_left_running') or 'none'}.", ""]
+    L += [
+        f"Stopped: every process started (Ray cluster, driver) stopped; left running: "
+        f"{res.get('stopped_left_running') or 'none'}.",
+        "",
+    ]
     L += ["## Errors", "", *(f"- {e}" for e in res["errors"]), ""] if res.get("errors") else []
     return "\n".join(L)
 
@@ -985,8 +1245,13 @@ def add_cluster_flags(add) -> None:
     add("--engine-model", default="smollm2-135m-instruct")
     add("--engine-requests", type=int, default=10)
     add("--start-timeout", type=float, default=900.0)
-    add("--serve-env", action="append", default=[], metavar="KEY=VALUE",
-        help="an environment variable for the Ray cluster (Serve's switches), after SIM_ENV; repeatable")
+    add(
+        "--serve-env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an environment variable for the Ray cluster (Serve's switches), after SIM_ENV; repeatable",
+    )
     add("--out", type=Path, default=Path("bench/results/simulate"))
 
 
@@ -1008,10 +1273,18 @@ def parse(argv=None):
     add("--upscale-delay", type=float, default=10.0)
     add("--downscale-delay", type=float, default=30.0)
     add("--look-back", type=float, default=10.0, help="look_back_period_s")
-    add("--pacing", default="once", choices=("once", "tokens"),
-        help="the FakeEngine's wait: one timer (once) or one per token (tokens); the same total")
-    add("--fill", action=argparse.BooleanOptionalAction, default=True,
-        help="a size that does not fit: run the largest multiple of 8 that does, instead")
+    add(
+        "--pacing",
+        default="once",
+        choices=("once", "tokens"),
+        help="the FakeEngine's wait: one timer (once) or one per token (tokens); the same total",
+    )
+    add(
+        "--fill",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="a size that does not fit: run the largest multiple of 8 that does, instead",
+    )
     add("--report", type=Path, help="only draw the figures and summary.md again from this results.json")
     add("--driver", action="store_true", help=argparse.SUPPRESS)
     add("--address", help=argparse.SUPPRESS)

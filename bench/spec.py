@@ -24,10 +24,18 @@ import time
 from bench.measure import paired_ratio_ci
 from bench.report import bench_main, ratio_text
 
-ENGINE_ARGS = {"dtype": "float32", "enforce_eager": True, "kv_cache_memory_bytes": 2**30, "max_model_len": 4096,
-               "max_num_batched_tokens": 512, "block_size": 32}
-WORDS = ("the replica cache step token vector router engine prefix hidden state model batch draft "
-         "accept reject stop final row layer").split()
+ENGINE_ARGS = {
+    "dtype": "float32",
+    "enforce_eager": True,
+    "kv_cache_memory_bytes": 2**30,
+    "max_model_len": 4096,
+    "max_num_batched_tokens": 512,
+    "block_size": 32,
+}
+WORDS = (
+    "the replica cache step token vector router engine prefix hidden state model batch draft "
+    "accept reject stop final row layer"
+).split()
 
 
 def _prompts(n: int, seed: int) -> list[str]:
@@ -72,8 +80,11 @@ async def _arm(engine, prompts, hs: bool, concurrency: int, max_tokens: int):
 async def _method(method: str, model_dir: str, args) -> dict:
     from hidden_states.vllm.engine import HiddenStatesEngine
 
-    spec = ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
-            if method == "ngram" else {"method": "draft_model", "model": model_dir, "num_speculative_tokens": 3})
+    spec = (
+        {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+        if method == "ngram"
+        else {"method": "draft_model", "model": model_dir, "num_speculative_tokens": 3}
+    )
     engine = await HiddenStatesEngine.start(model_dir, speculative_config=spec, **ENGINE_ARGS)
     try:
         await _arm(engine, _prompts(args.requests, 999), True, args.concurrency, args.max_tokens)  # warm-up
@@ -84,7 +95,7 @@ async def _method(method: str, model_dir: str, args) -> dict:
         s0, d0, a0 = _spec_counts()
         for r in range(args.rounds):
             prompts = _prompts(args.requests, r)
-            for arm in arms[r % 3:] + arms[:r % 3]:
+            for arm in arms[r % 3 :] + arms[: r % 3]:
                 wall, out = await _arm(engine, prompts, arm == "on", args.concurrency, args.max_tokens)
                 walls[arm].append((len(out), wall))
                 if arm == "on":
@@ -96,12 +107,18 @@ async def _method(method: str, model_dir: str, args) -> dict:
         steps = s1 - s0
         rate = {a: sum(n for n, _ in w) / sum(t for _, t in w) for a, w in walls.items()}
         return {
-            "method": method, "rounds": args.rounds, "requests_per_round": args.requests,
-            "concurrency": args.concurrency, "max_tokens": args.max_tokens,
+            "method": method,
+            "rounds": args.rounds,
+            "requests_per_round": args.requests,
+            "concurrency": args.concurrency,
+            "max_tokens": args.max_tokens,
             "req_per_s": rate,
-            "on_over_off": rate["on"] / rate["off"], "on_over_off_ci95": paired_ratio_ci(walls["on"], walls["off"]),
-            "aa_over_off": rate["off2"] / rate["off"], "aa_over_off_ci95": paired_ratio_ci(walls["off2"], walls["off"]),
-            "vectors": len(computed), "via": vias,
+            "on_over_off": rate["on"] / rate["off"],
+            "on_over_off_ci95": paired_ratio_ci(walls["on"], walls["off"]),
+            "aa_over_off": rate["off2"] / rate["off"],
+            "aa_over_off_ci95": paired_ratio_ci(walls["off2"], walls["off"]),
+            "vectors": len(computed),
+            "via": vias,
             "computed_tokens_per_vector": {"mean": statistics.fmean(computed), "max": max(computed)},
             "accepted_per_verify_step": (a1 - a0) / steps if steps else None,
             "draft_acceptance_rate": (a1 - a0) / (d1 - d0) if d1 > d0 else None,
@@ -119,24 +136,36 @@ def _methods(args) -> list[dict]:
 
 
 def _summary(args, results: list[dict]) -> list[str]:
-    lines = [f"# Hidden states under speculative decoding (tiny model, {args.rounds} rounds x {args.requests} "
-             f"requests, c={args.concurrency}, {args.max_tokens} tokens each, 3 draft tokens)",
-             "| drafter | on/off req/s (95% CI) | A/A off2/off (95% CI) | vectors | via | computed tokens per vector "
-             "(mean, max) | accepted drafts per verify step | acceptance rate |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        f"# Hidden states under speculative decoding (tiny model, {args.rounds} rounds x {args.requests} "
+        f"requests, c={args.concurrency}, {args.max_tokens} tokens each, 3 draft tokens)",
+        "| drafter | on/off req/s (95% CI) | A/A off2/off (95% CI) | vectors | via | computed tokens per vector "
+        "(mean, max) | accepted drafts per verify step | acceptance rate |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for r in results:
         acc = r["accepted_per_verify_step"]
         rate = r["draft_acceptance_rate"]
-        lines.append(f"| {r['method']} | {ratio_text(r, 'on_over_off')} | {ratio_text(r, 'aa_over_off')} | "
-                     f"{r['vectors']} | {r['via']} | "
-                     f"{r['computed_tokens_per_vector']['mean']:.2f}, {r['computed_tokens_per_vector']['max']} | "
-                     f"{'-' if acc is None else f'{acc:.2f}'} | {'-' if rate is None else f'{rate:.2f}'} |")
+        lines.append(
+            f"| {r['method']} | {ratio_text(r, 'on_over_off')} | {ratio_text(r, 'aa_over_off')} | "
+            f"{r['vectors']} | {r['via']} | "
+            f"{r['computed_tokens_per_vector']['mean']:.2f}, {r['computed_tokens_per_vector']['max']} | "
+            f"{'-' if acc is None else f'{acc:.2f}'} | {'-' if rate is None else f'{rate:.2f}'} |"
+        )
     return lines
 
 
 def main() -> None:
-    bench_main("bench.spec", __doc__, _methods, _summary, name="spec-tiny", first=("--methods", "ngram,draft_model"),
-               requests=16, max_tokens=48)
+    bench_main(
+        "bench.spec",
+        __doc__,
+        _methods,
+        _summary,
+        name="spec-tiny",
+        first=("--methods", "ngram,draft_model"),
+        requests=16,
+        max_tokens=48,
+    )
 
 
 if __name__ == "__main__":

@@ -31,8 +31,13 @@ import numpy as np
 from bench.measure import paired_ratio_ci
 from bench.report import bench_main, ratio_text
 
-ENGINE_ARGS = {"dtype": "float32", "enforce_eager": True, "kv_cache_memory_bytes": 512 * 2**20,
-               "max_model_len": 1024, "max_num_batched_tokens": 512}
+ENGINE_ARGS = {
+    "dtype": "float32",
+    "enforce_eager": True,
+    "kv_cache_memory_bytes": 512 * 2**20,
+    "max_model_len": 1024,
+    "max_num_batched_tokens": 512,
+}
 ARMS = ("plain", "off", "half", "off2")
 
 
@@ -45,8 +50,10 @@ def _prompts(n: int, seed: int) -> list[str]:
 def _steering(d: int, layers: int, num_layers: int) -> list[dict]:
     rng = np.random.default_rng(0)
     picks = np.linspace(1, num_layers - 1, layers).astype(int)
-    return [{"layer": int(layer), "vector": base64.b64encode((rng.normal(size=d) * 2).astype("<f4").tobytes()).decode()}
-            for layer in picks]
+    return [
+        {"layer": int(layer), "vector": base64.b64encode((rng.normal(size=d) * 2).astype("<f4").tobytes()).decode()}
+        for layer in picks
+    ]
 
 
 async def _steered_rows(engine) -> int:
@@ -74,7 +81,6 @@ async def _arm(engine, frontend, prompts, steer: list | None, args):
 
 async def _run(args) -> dict:
     from hidden_states.vllm.engine import HiddenStatesEngine
-
     from hidden_states.vllm.engine_args import with_defaults
 
     # The server without the feature, on the engine arguments the one with it resolves to (block size,
@@ -87,23 +93,38 @@ async def _run(args) -> dict:
         frontends = {"plain": await plain.openai("m", "bench"), "on": await on.openai("m", "bench")}
         steer = _steering(on.hidden_size, args.layers, on.num_layers)
         for arm in ("plain", "half"):  # warm-up
-            await _arm(engines[arm], frontends["plain" if arm == "plain" else "on"], _prompts(args.requests, 10**6),
-                       steer if arm == "half" else None, args)
+            await _arm(
+                engines[arm],
+                frontends["plain" if arm == "plain" else "on"],
+                _prompts(args.requests, 10**6),
+                steer if arm == "half" else None,
+                args,
+            )
         walls = {a: [] for a in ARMS}
         steered = {a: 0 for a in ARMS}
         for r in range(args.rounds):
-            for k, arm in enumerate(ARMS[r % len(ARMS):] + ARMS[:r % len(ARMS)]):
+            for k, arm in enumerate(ARMS[r % len(ARMS) :] + ARMS[: r % len(ARMS)]):
                 prompts = _prompts(args.requests, 1000 * (r * len(ARMS) + k))
-                wall, rows, out = await _arm(engines[arm], frontends["plain" if arm == "plain" else "on"], prompts,
-                                             steer if arm == "half" else None, args)
+                wall, rows, out = await _arm(
+                    engines[arm],
+                    frontends["plain" if arm == "plain" else "on"],
+                    prompts,
+                    steer if arm == "half" else None,
+                    args,
+                )
                 walls[arm].append((len(out), wall))
                 steered[arm] += rows
         n = args.rounds * args.requests
         rate = {a: sum(c for c, _ in w) / sum(t for _, t in w) for a, w in walls.items()}
         return {
-            "model": args.model, "hidden_size": on.hidden_size, "steered_layers": [e["layer"] for e in steer],
-            "rounds": args.rounds, "requests_per_round": args.requests, "max_tokens": args.max_tokens,
-            "concurrency": args.concurrency, "req_per_s": rate,
+            "model": args.model,
+            "hidden_size": on.hidden_size,
+            "steered_layers": [e["layer"] for e in steer],
+            "rounds": args.rounds,
+            "requests_per_round": args.requests,
+            "max_tokens": args.max_tokens,
+            "concurrency": args.concurrency,
+            "req_per_s": rate,
             **{f"{a}_over_off": rate[a] / rate["off"] for a in ("plain", "half", "off2")},
             **{f"{a}_over_off_ci95": paired_ratio_ci(walls[a], walls["off"]) for a in ("plain", "half", "off2")},
             "steered_rows_per_request": {a: steered[a] / n for a in ARMS},
@@ -114,22 +135,34 @@ async def _run(args) -> dict:
 
 
 def _summary(args, r: dict) -> list[str]:
-    lines = [f"# Steering: half the requests steer at {len(r['steered_layers'])} layers {r['steered_layers']} "
-             f"({args.model}, D = {r['hidden_size']}, float32, {args.rounds} rounds x {args.requests} requests at "
-             f"concurrency {args.concurrency}, {args.max_tokens} tokens each)",
-             "| arm | req/s | over off (95% CI) | rows steered per request |", "| --- | --- | --- | --- |"]
+    lines = [
+        f"# Steering: half the requests steer at {len(r['steered_layers'])} layers {r['steered_layers']} "
+        f"({args.model}, D = {r['hidden_size']}, float32, {args.rounds} rounds x {args.requests} requests at "
+        f"concurrency {args.concurrency}, {args.max_tokens} tokens each)",
+        "| arm | req/s | over off (95% CI) | rows steered per request |",
+        "| --- | --- | --- | --- |",
+    ]
     for a in ARMS:
         ratio = "1" if a == "off" else ratio_text(r, f"{a}_over_off")
         lines.append(f"| {a} | {r['req_per_s'][a]:.2f} | {ratio} | {r['steered_rows_per_request'][a]:.1f} |")
-    lines += ["", "`plain`: a server without the feature (hidden states off: no hooks); `off`, `off2` (the A/A "
-                  "control), `half`: the server with it, where nobody steers, or every other request does."]
+    lines += [
+        "",
+        "`plain`: a server without the feature (hidden states off: no hooks); `off`, `off2` (the A/A "
+        "control), `half`: the server with it, where nobody steers, or every other request does.",
+    ]
     return lines
 
 
 def main() -> None:
-    bench_main("bench.steering", __doc__, _run, _summary, name="steering-smollm2",
-               first=("--model", "builtin:smollm2-135m-instruct"),
-               more=[("--layers", 4, "layers each steering request steers")])
+    bench_main(
+        "bench.steering",
+        __doc__,
+        _run,
+        _summary,
+        name="steering-smollm2",
+        first=("--model", "builtin:smollm2-135m-instruct"),
+        more=[("--layers", 4, "layers each steering request steers")],
+    )
 
 
 if __name__ == "__main__":

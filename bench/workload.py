@@ -54,8 +54,7 @@ def body(model: str, shape: Shape, vocab: int, content_seed: str, extra: dict | 
     """A /v1/completions body (bytes): random token ids in [2, vocab) (0 and 1 are bos/eos)."""
     rng = random.Random(content_seed)
     prompt = [rng.randrange(2, vocab) for _ in range(shape.prompt_tokens)]
-    req = {"model": model, "prompt": prompt, "max_tokens": shape.max_tokens, "temperature": 0.0,
-           "ignore_eos": True}
+    req = {"model": model, "prompt": prompt, "max_tokens": shape.max_tokens, "temperature": 0.0, "ignore_eos": True}
     if extra:
         req.update(extra)
     return json.dumps(req, separators=(",", ":")).encode()

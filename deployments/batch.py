@@ -110,11 +110,13 @@ def done_ids(output: Path) -> set[str]:
 
 def checked(rule):
     """An argparse type: the value converted (JSON, an integer), its message on failure."""
+
     def parse(value: str):
         try:
             return rule(value)
         except ValueError as e:  # HiddenStatesRequestError, bad JSON, not an integer
             raise argparse.ArgumentTypeError(str(e)) from None
+
     return parse
 
 
@@ -133,8 +135,16 @@ def vectors_column(per_row: list[np.ndarray]):
 class EngineWorker:
     """A Ray Data actor: one engine, completing a batch of rows concurrently."""
 
-    def __init__(self, model: str, max_tokens: int, engine_args: dict[str, Any],
-                 lora_modules: list[dict] = (), adapter: str | None = None, spec: bytes = b"", base: str = "."):
+    def __init__(
+        self,
+        model: str,
+        max_tokens: int,
+        engine_args: dict[str, Any],
+        lora_modules: list[dict] = (),
+        adapter: str | None = None,
+        spec: bytes = b"",
+        base: str = ".",
+    ):
         from hidden_states.vllm.engine import HiddenStatesEngine
 
         self.loop = asyncio.new_event_loop()
@@ -192,10 +202,13 @@ class EngineWorker:
         options = SamplingOptions(max_tokens=self.max_tokens, temperature=0.0)
 
         async def all_rows():
-            inputs = [await self._engine_input(str(i), p, m, im)
-                      for i, p, m, im in zip(batch["id"], prompts, messages, images)]
-            return await asyncio.gather(*(self.engine.complete(p, options, model=self.adapter, spec=self.spec)
-                                          for p in inputs))
+            inputs = [
+                await self._engine_input(str(i), p, m, im)
+                for i, p, m, im in zip(batch["id"], prompts, messages, images)
+            ]
+            return await asyncio.gather(
+                *(self.engine.complete(p, options, model=self.adapter, spec=self.spec) for p in inputs)
+            )
 
         done = self._run(all_rows(), 600 + 10 * n)
         choices = [c.choices[0] for c in done]
@@ -210,10 +223,13 @@ class EngineWorker:
             out["proofs"] = pa.array([list(ch.proofs) for ch in choices], pa.list_(pa.string()))
             return pa.table(out)
         if self.spec.hidden_states_stop:  # the condition that finished each row, or null
-            out["stop"] = pa.array([None if ch.stop is None else {k: ch.stop[k] for k in ("condition", "position",
-                                                                                        "score")}
-                                    for ch in choices],
-                                   pa.struct([("condition", pa.int32()), ("position", pa.int32()), ("score", pa.float32())]))
+            out["stop"] = pa.array(
+                [
+                    None if ch.stop is None else {k: ch.stop[k] for k in ("condition", "position", "score")}
+                    for ch in choices
+                ],
+                pa.struct([("condition", pa.int32()), ("position", pa.int32()), ("score", pa.float32())]),
+            )
         for name, _ in self.spec.heads:  # the API's structs, one per position (a list of them for several)
             out[f"head_{name}"] = pa.array([ch.heads[name] for ch in choices])
         if choices[0].positions is not None:
@@ -254,21 +270,40 @@ def run(args: argparse.Namespace) -> int:
     if skip:
         print(f"batch: {len(skip)} rows already in {output}: skipping them", file=sys.stderr)
         ds = ds.filter(lambda row: row["id"] not in skip)
-    app = AppArgs(model=args.model, engine=json.loads(args.engine) if args.engine else {},
-                  accelerator=args.accelerator, lora_modules=[dict(zip(("name", "path"), m.split("=", 1))) for m in args.lora_modules])
+    app = AppArgs(
+        model=args.model,
+        engine=json.loads(args.engine) if args.engine else {},
+        accelerator=args.accelerator,
+        lora_modules=[dict(zip(("name", "path"), m.split("=", 1))) for m in args.lora_modules],
+    )
     if args.adapter is not None and args.adapter not in app.served_model_names[1:]:
         raise SystemExit(f"--adapter {args.adapter}: not among --lora-modules ({app.served_model_names[1:]})")
     engine_args = {**app.engine_args(), "warm_up_s": args.warm_up_s, "heads": args.heads}
     modules = [m.model_dump() for m in app.lora_modules]
-    out = ds.map_batches(EngineWorker, fn_constructor_args=(app.model, args.max_tokens, engine_args, modules,
-                                                            args.adapter, args.spec, str(source.resolve().parent)),
-                         batch_size=args.batch_size, compute=ray.data.ActorPoolStrategy(size=args.engines),
-                         batch_format="numpy", **worker_resources(app))
+    out = ds.map_batches(
+        EngineWorker,
+        fn_constructor_args=(
+            app.model,
+            args.max_tokens,
+            engine_args,
+            modules,
+            args.adapter,
+            args.spec,
+            str(source.resolve().parent),
+        ),
+        batch_size=args.batch_size,
+        compute=ray.data.ActorPoolStrategy(size=args.engines),
+        batch_format="numpy",
+        **worker_resources(app),
+    )
     out.write_parquet(str(output))
     ray.shutdown()  # the engines' actors end here, not in the interpreter's exit hooks
     total = len(done_ids(output))
-    print(f"batch: {total - len(skip)} rows written, {len(skip)} already there: {total} rows in {output} "
-          f"({time.monotonic() - t0:.0f} s)", file=sys.stderr)
+    print(
+        f"batch: {total - len(skip)} rows written, {len(skip)} already there: {total} rows in {output} "
+        f"({time.monotonic() - t0:.0f} s)",
+        file=sys.stderr,
+    )
     return 0
 
 
@@ -278,36 +313,65 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--output", required=True, help="a folder for the Parquet files (reruns resume)")
     ap.add_argument("--model", default="builtin:smollm2-135m-instruct")
     ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--engines", type=int, default=1,
-                    help="engine actors (each asks for what its engine runs on: --accelerator)")
-    ap.add_argument("--accelerator", choices=("auto", "cpu", "gpu"), default="auto",
-                    help="what each engine actor asks Ray for: a CPU per tensor-parallel worker (cpu), or a GPU "
-                         "per worker (gpu); auto: cpu where vLLM's CPU build is installed, else gpu")
+    ap.add_argument(
+        "--engines", type=int, default=1, help="engine actors (each asks for what its engine runs on: --accelerator)"
+    )
+    ap.add_argument(
+        "--accelerator",
+        choices=("auto", "cpu", "gpu"),
+        default="auto",
+        help="what each engine actor asks Ray for: a CPU per tensor-parallel worker (cpu), or a GPU "
+        "per worker (gpu); auto: cpu where vLLM's CPU build is installed, else gpu",
+    )
     ap.add_argument("--batch-size", type=int, default=16, help="rows per engine call")
     ap.add_argument("--engine", default=None, help="vLLM engine arguments as JSON, over the defaults")
     ap.add_argument("--warm-up-s", type=float, default=0.0, help="CPU warm-up per engine (see AppArgs.warm_up_s)")
-    ap.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
-                    help="LoRA adapters (the app's lora_modules; vLLM's --lora-modules name=path)")
+    ap.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=[],
+        metavar="NAME=PATH",
+        help="LoRA adapters (the app's lora_modules; vLLM's --lora-modules name=path)",
+    )
     ap.add_argument("--adapter", default=None, help="the LoRA adapter (a --lora-modules NAME) to generate with")
-    ap.add_argument("--position", default="completion_end",
-                    type=checked(lambda v: json.loads(v) if v.lstrip().startswith("{") else v),
-                    help='hidden_states_position: completion_end (default), prompt_end, completion, all, or a range '
-                         'as JSON, e.g. \'{"start": -8, "end": null, "stride": 2}\'')
+    ap.add_argument(
+        "--position",
+        default="completion_end",
+        type=checked(lambda v: json.loads(v) if v.lstrip().startswith("{") else v),
+        help="hidden_states_position: completion_end (default), prompt_end, completion, all, or a range "
+        'as JSON, e.g. \'{"start": -8, "end": null, "stride": 2}\'',
+    )
     ap.add_argument("--dtype", choices=DTYPES, default="float32", help="hidden_states_dtype")
-    ap.add_argument("--topk", type=checked(int), default=None,
-                    help="hidden_states_topk: the K largest |values| per position")
-    ap.add_argument("--proof", default=None,
-                    type=checked(lambda v: {"scheme": v} if not v.lstrip().startswith("{") else json.loads(v)),
-                    help='hidden_states_proof: each row\'s TOPLOC proofs (a "proofs" column): toploc, or JSON, e.g. '
-                         '\'{"scheme": "toploc", "topk": 128, "decode_batching_size": 32}\'')
-    ap.add_argument("--heads", default=[], type=checked(json.loads),
-                    help='heads to register and read on every row, as the app\'s `heads` arg in JSON, e.g. '
-                         '\'[{"name": "sae", "path": "saes/layer12"}]\' (a column head_<name> each)')
+    ap.add_argument(
+        "--topk", type=checked(int), default=None, help="hidden_states_topk: the K largest |values| per position"
+    )
+    ap.add_argument(
+        "--proof",
+        default=None,
+        type=checked(lambda v: {"scheme": v} if not v.lstrip().startswith("{") else json.loads(v)),
+        help='hidden_states_proof: each row\'s TOPLOC proofs (a "proofs" column): toploc, or JSON, e.g. '
+        '\'{"scheme": "toploc", "topk": 128, "decode_batching_size": 32}\'',
+    )
+    ap.add_argument(
+        "--heads",
+        default=[],
+        type=checked(json.loads),
+        help="heads to register and read on every row, as the app's `heads` arg in JSON, e.g. "
+        '\'[{"name": "sae", "path": "saes/layer12"}]\' (a column head_<name> each)',
+    )
     ap.add_argument("--no-rows", action="store_true", help="with --heads: their columns alone, no hidden_states")
-    ap.add_argument("--steering", default=None, type=checked(json.loads),
-                    help="every row's hidden_states_steering as JSON (docs/steering.md)")
-    ap.add_argument("--stop", default=None, type=checked(json.loads),
-                    help="every row's hidden_states_stop as JSON (docs/heads.md): a `stop` column")
+    ap.add_argument(
+        "--steering",
+        default=None,
+        type=checked(json.loads),
+        help="every row's hidden_states_steering as JSON (docs/steering.md)",
+    )
+    ap.add_argument(
+        "--stop",
+        default=None,
+        type=checked(json.loads),
+        help="every row's hidden_states_stop as JSON (docs/heads.md): a `stop` column",
+    )
     args = ap.parse_args(argv)
     if args.no_rows and not args.heads:
         ap.error("--no-rows goes with --heads (without them a row would carry nothing)")
@@ -318,8 +382,18 @@ def main(argv: list[str] | None = None) -> int:
         for h in args.heads:
             h["path"] = os.path.abspath(h["path"])  # engine actors may run in another folder
         heads = [h["name"] for h in args.heads] or None
-        args.spec = spec_of(not args.no_rows, None, args.position, args.dtype, args.topk, args.proof, heads,
-                            args.steering, args.stop, enabled=True).to_json()
+        args.spec = spec_of(
+            not args.no_rows,
+            None,
+            args.position,
+            args.dtype,
+            args.topk,
+            args.proof,
+            heads,
+            args.steering,
+            args.stop,
+            enabled=True,
+        ).to_json()
     except (HiddenStatesRequestError, ValueError) as e:
         ap.error(str(e))
     return run(args)

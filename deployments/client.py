@@ -12,15 +12,13 @@ Only msgspec bytes cross the handle (deployments/wire.py). A failed request rais
 
 from __future__ import annotations
 
+import base64
+import json
 from typing import Any
 
 import numpy as np
 
-import base64
-import json
-
-from deployments.wire import (ENCODER, REPLY_BODY_DECODER, REPLY_DECODER, HandleCompletionRequest, HandleReply,
-                              from_wire)
+from deployments.wire import ENCODER, REPLY_BODY_DECODER, REPLY_DECODER, HandleCompletionRequest, HandleReply, from_wire
 from hidden_states.interface import Completion
 from hidden_states.protocol import widen
 
@@ -36,12 +34,16 @@ def _request(prompt: str | list[int] | None, messages: list[dict] | None, **kw: 
     fields = {k: kw.pop(k) for k in list(kw) if k.startswith(("hidden_states", "return_hidden"))}
     fields = {k: v.model_dump() if hasattr(v, "model_dump") else v for k, v in fields.items()}
     # proofs, or heads' outputs, or else the vector
-    fields.setdefault("return_hidden_states",
-                      fields.get("hidden_states_proof") is None and not fields.get("hidden_states_heads"))
+    fields.setdefault(
+        "return_hidden_states", fields.get("hidden_states_proof") is None and not fields.get("hidden_states_heads")
+    )
     if (prompt is None) == (messages is None):
         raise TypeError("complete() takes a prompt (text or token ids) or messages=[...] (chat), not both")
-    return ENCODER.encode(HandleCompletionRequest(prompt=prompt, messages=None if messages is None else list(messages),
-                                                  hidden_states=fields, **kw))
+    return ENCODER.encode(
+        HandleCompletionRequest(
+            prompt=prompt, messages=None if messages is None else list(messages), hidden_states=fields, **kw
+        )
+    )
 
 
 def _result(raw: bytes) -> Completion:
@@ -49,8 +51,11 @@ def _result(raw: bytes) -> Completion:
     if reply.error is not None:
         raise HandleRequestError(reply.error.status, reply.error.message)
     c = reply.ok
-    return Completion(request_id=c.request_id, prompt_token_ids=tuple(c.prompt_token_ids),
-                      choices=tuple(from_wire(ch) for ch in c.choices))
+    return Completion(
+        request_id=c.request_id,
+        prompt_token_ids=tuple(c.prompt_token_ids),
+        choices=tuple(from_wire(ch) for ch in c.choices),
+    )
 
 
 def _wait(response: Any, timeout_s: float) -> bytes:
@@ -77,8 +82,14 @@ def _cancel(response: Any) -> None:
         pass
 
 
-def complete(handle: Any, prompt: str | list[int] | None = None, *, messages: list[dict] | None = None,
-             timeout_s: float = 600, **kw: Any) -> Completion:
+def complete(
+    handle: Any,
+    prompt: str | list[int] | None = None,
+    *,
+    messages: list[dict] | None = None,
+    timeout_s: float = 600,
+    **kw: Any,
+) -> Completion:
     """Blocking. A `prompt` (text or token ids) or chat `messages`. Defaults unlike HTTP's: greedy,
     max_tokens 16, return_hidden_states true. kw as over HTTP (model: a LoRA adapter; the
     hidden_states_* fields). Vectors are numpy: [D] for one position, [n, D] at `choice.positions`
@@ -90,8 +101,9 @@ def complete(handle: Any, prompt: str | list[int] | None = None, *, messages: li
     return _result(_wait(handle.complete.remote(_request(prompt, messages, **kw)), timeout_s))
 
 
-async def complete_async(handle: Any, prompt: str | list[int] | None = None, *, messages: list[dict] | None = None,
-                         **kw: Any) -> Completion:
+async def complete_async(
+    handle: Any, prompt: str | list[int] | None = None, *, messages: list[dict] | None = None, **kw: Any
+) -> Completion:
     return _result(await _await(handle.complete.remote(_request(prompt, messages, **kw))))
 
 

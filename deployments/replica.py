@@ -33,6 +33,7 @@ logger = logging.getLogger(__name__)
 
 app = FastAPI(title="hidden-states-serve", description="OpenAI-compatible completions with final-token hidden states")
 
+
 class EngineReplica(http.ingress_routes(app, "replica")):
     async def __init__(self, args: dict, engine_cls: type | None = None):
         """`engine_cls`: the engine implementation; vLLM's by default."""
@@ -63,12 +64,14 @@ class EngineReplica(http.ingress_routes(app, "replica")):
         self._sampler = asyncio.get_running_loop().create_task(self._sample_stats())
         self.requests = 0  # OpenAI requests that reached this replica
         self.in_flight = 0  # handle calls (openai, openai_unary, complete, hidden_states) still running
-        self.frontend = await self.engine.openai(self.args.model_name, self.replica_id,
-                                                 [m.model_dump() for m in self.args.lora_modules])
+        self.frontend = await self.engine.openai(
+            self.args.model_name, self.replica_id, [m.model_dump() for m in self.args.lora_modules]
+        )
         logger.info("replica %s ready (pid %d)", self.replica_id, os.getpid())
 
-    async def _answer(self, route: str, body: bytes, spec: HiddenStatesFields | None = None
-                      ) -> AsyncIterator[ResponseHead | bytes]:
+    async def _answer(
+        self, route: str, body: bytes, spec: HiddenStatesFields | None = None
+    ) -> AsyncIterator[ResponseHead | bytes]:
         """A ResponseHead, then the body: one JSON document, or SSE chunks."""
         if route not in ROUTES:
             yield ResponseHead(404, "application/json", self.replica_id)
@@ -114,11 +117,15 @@ class EngineReplica(http.ingress_routes(app, "replica")):
         return {"replica": json.loads(await self.stats())}
 
     async def _engine_card(self) -> dict:
-        return {"max_model_len": self.engine.max_model_len,
-                "heads": [h.public() for h in getattr(self.engine, "heads", {}).values()],
-                "steering_vectors": [{"name": name, "layers": sorted(layers)}
-                                     for name, layers in getattr(self.engine, "steering_vectors", {}).items()],
-                "capture_layers": (getattr(self.engine, "layer_capture", None) or {}).get("capture_layers")}
+        return {
+            "max_model_len": self.engine.max_model_len,
+            "heads": [h.public() for h in getattr(self.engine, "heads", {}).values()],
+            "steering_vectors": [
+                {"name": name, "layers": sorted(layers)}
+                for name, layers in getattr(self.engine, "steering_vectors", {}).items()
+            ],
+            "capture_layers": (getattr(self.engine, "layer_capture", None) or {}).get("capture_layers"),
+        }
 
     async def model_card(self) -> bytes:
         """What /v1/models reports of the engine, for the Router: JSON bytes."""
@@ -164,8 +171,14 @@ class EngineReplica(http.ingress_routes(app, "replica")):
             spec = HiddenStatesFields.from_json(fields) if fields else http.handle_refusal(self.args, req)
             if isinstance(spec, HandleError):
                 return wire.ENCODER.encode(HandleReply(error=spec))
-            options = SamplingOptions(n=req.n, max_tokens=req.max_tokens, temperature=req.temperature,
-                                      top_p=req.top_p, seed=req.seed, stop=tuple(req.stop))
+            options = SamplingOptions(
+                n=req.n,
+                max_tokens=req.max_tokens,
+                temperature=req.temperature,
+                top_p=req.top_p,
+                seed=req.seed,
+                stop=tuple(req.stop),
+            )
         except Exception as e:
             return wire.ENCODER.encode(HandleReply(error=HandleError(400, f"invalid request: {e}")))
         self.in_flight += 1
@@ -176,9 +189,16 @@ class EngineReplica(http.ingress_routes(app, "replica")):
             return wire.ENCODER.encode(HandleReply(error=http.handle_failure(e)))
         finally:
             self.in_flight -= 1
-        return wire.ENCODER.encode(HandleReply(ok=HandleCompletion(
-            request_id=c.request_id, replica=self.replica_id, prompt_token_ids=list(c.prompt_token_ids),
-            choices=[wire.to_wire(ch) for ch in c.choices])))
+        return wire.ENCODER.encode(
+            HandleReply(
+                ok=HandleCompletion(
+                    request_id=c.request_id,
+                    replica=self.replica_id,
+                    prompt_token_ids=list(c.prompt_token_ids),
+                    choices=[wire.to_wire(ch) for ch in c.choices],
+                )
+            )
+        )
 
     async def hidden_states(self, body: bytes) -> bytes:
         """The Python-handle form of POST /v1/hidden_states (`deployments.client.verify`): JSON in, a Reply out."""
@@ -220,6 +240,8 @@ class EngineReplica(http.ingress_routes(app, "replica")):
 
 # Serve allows one FastAPI ingress per application, so the HTTP routes above are
 # attached only in the deployment that takes HTTP; both are named EngineReplica.
-_OPTIONS = dict(name="EngineReplica", health_check_period_s=5, health_check_timeout_s=30, graceful_shutdown_timeout_s=10)
+_OPTIONS = dict(
+    name="EngineReplica", health_check_period_s=5, health_check_timeout_s=30, graceful_shutdown_timeout_s=10
+)
 EngineReplicaDeployment = serve.deployment(**_OPTIONS)(EngineReplica)
 IngressEngineReplicaDeployment = serve.deployment(**_OPTIONS)(serve.ingress(app)(EngineReplica))

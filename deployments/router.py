@@ -41,7 +41,7 @@ class ReplicaStream:
     def __init__(self, stream):
         self.stream, self.done = stream, False
 
-    def __aiter__(self) -> "ReplicaStream":
+    def __aiter__(self) -> ReplicaStream:
         return self
 
     async def __anext__(self) -> bytes:
@@ -117,19 +117,25 @@ class Router(http.ingress_routes(app, "router")):
             if req.get("stream") is not True:
                 reply = await self._call(route, body, deadline, routed, fields)
                 how = http.outcome(reply.head.status)
-                return Response(reply.body, status_code=reply.head.status, media_type=reply.head.media_type,
-                                headers={"x-replica-id": reply.head.replica})
+                return Response(
+                    reply.body,
+                    status_code=reply.head.status,
+                    media_type=reply.head.media_type,
+                    headers={"x-replica-id": reply.head.replica},
+                )
             stream, head = await self._open(route, body, deadline, routed, fields)
             parts = ReplicaStream(stream)
             if head.media_type != "text/event-stream":  # an error answer to a streaming request
                 async with contextlib.aclosing(parts):
                     whole = b"".join([p async for p in http.until(parts, deadline)])
                 how = http.outcome(head.status)
-                return Response(whole, status_code=head.status, media_type=head.media_type,
-                                headers={"x-replica-id": head.replica})
+                return Response(
+                    whole, status_code=head.status, media_type=head.media_type, headers={"x-replica-id": head.replica}
+                )
             how = None  # the relay counts it from here
-            return http.Stream(self._relay(parts, deadline), media_type="text/event-stream",
-                               headers={"x-replica-id": head.replica})
+            return http.Stream(
+                self._relay(parts, deadline), media_type="text/event-stream", headers={"x-replica-id": head.replica}
+            )
         except Exception as e:
             how = http.FAILED
             return http.failure(e)
@@ -143,7 +149,8 @@ class Router(http.ingress_routes(app, "router")):
         return {routing.KEY_KWARG: key} if key else {}
 
     async def _call_once(self, method, deadline: float, *args, **kwargs):
-        """One replica call by `deadline`; however the wait ends early (timeout, cancellation), the call is cancelled."""
+        """One replica call by `deadline`; however the wait ends early (timeout, cancellation), the call is
+        cancelled."""
         ref = method.remote(*args, **kwargs)
         try:
             return await asyncio.wait_for(ref, _remaining(deadline))
@@ -151,13 +158,15 @@ class Router(http.ingress_routes(app, "router")):
             _cancel(ref)
             raise
 
-    async def _call(self, route: str, body: bytes, deadline: float, routed: dict | None = None,
-                    fields: bytes = b"") -> wire.Reply:
+    async def _call(
+        self, route: str, body: bytes, deadline: float, routed: dict | None = None, fields: bytes = b""
+    ) -> wire.Reply:
         """A non-streaming request; a replica that died before answering gets one retry elsewhere."""
         for attempt in (1, 2):
             try:
-                return wire.REPLY_BODY_DECODER.decode(await self._call_once(self.replica.openai_unary, deadline,
-                                                                            route, body, fields, **(routed or {})))
+                return wire.REPLY_BODY_DECODER.decode(
+                    await self._call_once(self.replica.openai_unary, deadline, route, body, fields, **(routed or {}))
+                )
             except Exception as e:
                 if attempt == 2 or not errors.replica_gone(e):
                     raise
@@ -182,8 +191,7 @@ class Router(http.ingress_routes(app, "router")):
     async def hidden_states(self, body: bytes) -> bytes:
         """For `deployments.client.verify(handle, ...)`: POST /v1/hidden_states's JSON in, a Reply out."""
         if (why := await self._not_ready()) is not None:
-            return wire.ENCODER.encode(wire.Reply(wire.ResponseHead(503, "application/json", ""),
-                                                  error_body(why, 503)))
+            return wire.ENCODER.encode(wire.Reply(wire.ResponseHead(503, "application/json", ""), error_body(why, 503)))
         self.pending += 1
         how = http.CANCELLED
         try:
@@ -212,8 +220,9 @@ class Router(http.ingress_routes(app, "router")):
         how = http.CANCELLED
         try:
             routed = self._routing(routing.handle_key(req, self.args.model_name) if self.prefix_routing else "")
-            raw = await self._call_once(self.replica.complete, time.monotonic() + self.args.request_timeout_s,
-                                        request, spec.to_json(), **routed)
+            raw = await self._call_once(
+                self.replica.complete, time.monotonic() + self.args.request_timeout_s, request, spec.to_json(), **routed
+            )
             error = wire.REPLY_DECODER.decode(raw).error
             how = http.outcome(error.status) if error is not None else http.SERVED
             return raw

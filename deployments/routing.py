@@ -26,9 +26,10 @@ import logging
 import time
 import zlib
 from collections.abc import Sequence
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
+
 # The module itself, not the public `ray.serve.llm.request_router`: that one imports Ray Serve LLM's
 # deployments (torch, 20 s and 300 MB in the Router's process); the class is the same.
 from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router import PrefixCacheAffinityRouter
@@ -41,8 +42,9 @@ KEY_KWARG = "routing_key"  # the replica call's keyword argument the key rides i
 CLASS_PATH = "deployments.routing.PrefixRouter"  # Serve's request_router_class
 CHUNK_BYTES = 32  # bytes of UTF-8 text, or 8 token ids of 4 bytes, per key character
 _PLANE1, _HASH_MASK = 0x10000, (1 << 20) - 1  # key characters: U+10000..U+10FFFF (no surrogates)
-_WORD_MUL = np.array([0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9, 0xD6E8FEB86659FD93],
-                     dtype=np.uint64)  # CHUNK_BYTES // 8 words per chunk
+_WORD_MUL = np.array(
+    [0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9, 0xD6E8FEB86659FD93], dtype=np.uint64
+)  # CHUNK_BYTES // 8 words per chunk
 _MIX1, _MIX2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
 
 
@@ -50,8 +52,10 @@ def key_of(form: str, data: bytes, adapter: str = "", salt: str = "") -> str:
     """`data` (UTF-8 text or 4-byte ids) as one character per CHUNK_BYTES, seeded by form, adapter, salt."""
     if not data:
         return ""
-    seed = np.uint64((zlib.crc32(f"{form}\0{adapter}\0{salt}".encode("utf-8", "surrogatepass"))
-                      * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF)
+    seed = np.uint64(
+        (zlib.crc32(f"{form}\0{adapter}\0{salt}".encode("utf-8", "surrogatepass")) * 0x9E3779B97F4A7C15)
+        & 0xFFFFFFFFFFFFFFFF
+    )
     words = np.frombuffer(data + bytes(-len(data) % CHUNK_BYTES), dtype="<u8").reshape(-1, len(_WORD_MUL))
     h = (words * _WORD_MUL).sum(axis=1, dtype=np.uint64) ^ seed  # wraps modulo 2^64
     h = (h ^ (h >> np.uint64(30))) * _MIX1  # splitmix64's finalizer
@@ -84,8 +88,9 @@ def _content_text(content: Any) -> str:
 
 def chat_text(messages: Sequence[Any]) -> str:
     """The messages' roles and text contents, in order: a turn's text extends the one before."""
-    return "".join(f"{m.get('role', '')}\x1f{_content_text(m.get('content'))}\x1e"
-                   for m in messages if isinstance(m, dict))
+    return "".join(
+        f"{m.get('role', '')}\x1f{_content_text(m.get('content'))}\x1e" for m in messages if isinstance(m, dict)
+    )
 
 
 def _ids_bytes(prompt: Any) -> bytes | None:
@@ -114,7 +119,7 @@ def _opening(messages: list) -> list:
     """The messages up to and including the first user message: what every turn of a conversation shares."""
     for i, m in enumerate(messages):
         if isinstance(m, dict) and m.get("role") == "user":
-            return messages[:i + 1]
+            return messages[: i + 1]
     return messages
 
 
@@ -147,9 +152,13 @@ def http_key(route: str, req: dict, base_model: str) -> str:
     model = req.get("model")
     adapter = "" if model is None or model == base_model else str(model)
     salt = req.get("cache_salt")
-    return _key(req.get("prompt") if route != "chat" else None, req.get("messages") if route != "completions"
-                else None, req.get("completion") if route == "hidden_states" else None, adapter,
-                salt if isinstance(salt, str) else "")
+    return _key(
+        req.get("prompt") if route != "chat" else None,
+        req.get("messages") if route != "completions" else None,
+        req.get("completion") if route == "hidden_states" else None,
+        adapter,
+        salt if isinstance(salt, str) else "",
+    )
 
 
 def handle_key(req: Any, base_model: str) -> str:
@@ -160,26 +169,30 @@ def handle_key(req: Any, base_model: str) -> str:
 
 def _rendezvous(first: str, replica: str) -> int:
     """Highest random weight hashing: the replica a key's first character goes to, the same in every Router."""
-    return int.from_bytes(hashlib.blake2b(f"{first}\0{replica}".encode("utf-8", "surrogatepass"),
-                                          digest_size=8).digest(), "little")
+    return int.from_bytes(
+        hashlib.blake2b(f"{first}\0{replica}".encode("utf-8", "surrogatepass"), digest_size=8).digest(), "little"
+    )
 
 
 class PrefixRouter(PrefixCacheAffinityRouter):
     """Ray's PrefixCacheAffinityRouter on the Router's routing key, with its tree in this process."""
 
-    def initialize_state(self, imbalanced_threshold: float = 8, match_rate_threshold: float = 0.1,
-                         max_chars_per_replica: int = 50_000) -> None:
+    def initialize_state(
+        self, imbalanced_threshold: float = 8, match_rate_threshold: float = 0.1, max_chars_per_replica: int = 50_000
+    ) -> None:
         if not (imbalanced_threshold >= 0 and 0 <= match_rate_threshold <= 1 and max_chars_per_replica >= 1):
-            raise ValueError(f"PrefixRouter: imbalanced_threshold >= 0, 0 <= match_rate_threshold <= 1 and "
-                             f"max_chars_per_replica >= 1, not {imbalanced_threshold}, {match_rate_threshold}, "
-                             f"{max_chars_per_replica}")
+            raise ValueError(
+                f"PrefixRouter: imbalanced_threshold >= 0, 0 <= match_rate_threshold <= 1 and "
+                f"max_chars_per_replica >= 1, not {imbalanced_threshold}, {match_rate_threshold}, "
+                f"{max_chars_per_replica}"
+            )
         self._imbalanced_threshold = imbalanced_threshold
         self._match_rate_threshold = match_rate_threshold
         self._max_chars = int(max_chars_per_replica)
         self._evict_to = int(max_chars_per_replica * 0.9)
         self._tree = PrefixTree()  # tenants: ReplicaIDs
 
-    def _extract_text_from_request(self, pending_request: Optional[PendingRequest]) -> str:
+    def _extract_text_from_request(self, pending_request: PendingRequest | None) -> str:
         if pending_request is None or not pending_request.kwargs:
             return ""
         key = pending_request.kwargs.get(KEY_KWARG)
@@ -198,8 +211,9 @@ class PrefixRouter(PrefixCacheAffinityRouter):
             lengths += [n for _, n in await self._probe_queue_lens(probe, 0) if n is not None]
         return bool(lengths) and max(lengths) - min(lengths) > self._imbalanced_threshold
 
-    async def _prefix_match_best_replicas(self, pending_request: Optional[PendingRequest],
-                                          candidate_replicas: list) -> list[list]:
+    async def _prefix_match_best_replicas(
+        self, pending_request: PendingRequest | None, candidate_replicas: list
+    ) -> list[list]:
         """[[replicas to choose among]], or [[]] for power of two choices."""
         key = self._extract_text_from_request(pending_request)
         if not key or not candidate_replicas or await self._imbalanced(candidate_replicas):

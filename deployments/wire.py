@@ -20,7 +20,6 @@ import numpy as np
 from hidden_states.interface import CompletionChoice, ExtractionStats, RowBatch
 from hidden_states.protocol import numpy_dtype
 
-
 WIRE_VERSION = 5
 WIRE = f"hidden-states-wire/{WIRE_VERSION}"
 _VERSIONED = dict(tag=WIRE, tag_field="wire")
@@ -102,12 +101,31 @@ def to_wire(ch: CompletionChoice) -> HandleChoice:
     """A finished choice for the handle: its rows as the engine cast them, bit for bit."""
     st, rows = ch.extraction, ch.rows
     stats = None if st is None else HandleStats(st.tokens, st.cached_tokens, st.seconds, st.via)
-    hr = None if rows is None else HandleRows(
-        _le(rows.positions, np.int64), rows.dtype, rows.width,
-        {layer: _le(v, numpy_dtype(rows.dtype)) for layer, v in rows.values.items()},
-        None if rows.indices is None else {layer: _le(i, np.int32) for layer, i in rows.indices.items()})
-    return HandleChoice(ch.index, ch.text, list(ch.token_ids), ch.finish_reason, hr, stats, ch.multi,
-                        ch.proofs, ch.heads, ch.steering, ch.stop, ch.stop_asked)
+    hr = (
+        None
+        if rows is None
+        else HandleRows(
+            _le(rows.positions, np.int64),
+            rows.dtype,
+            rows.width,
+            {layer: _le(v, numpy_dtype(rows.dtype)) for layer, v in rows.values.items()},
+            None if rows.indices is None else {layer: _le(i, np.int32) for layer, i in rows.indices.items()},
+        )
+    )
+    return HandleChoice(
+        ch.index,
+        ch.text,
+        list(ch.token_ids),
+        ch.finish_reason,
+        hr,
+        stats,
+        ch.multi,
+        ch.proofs,
+        ch.heads,
+        ch.steering,
+        ch.stop,
+        ch.stop_asked,
+    )
 
 
 def from_wire(ch: HandleChoice) -> CompletionChoice:
@@ -118,12 +136,28 @@ def from_wire(ch: HandleChoice) -> CompletionChoice:
     if hr is not None:
         positions = np.frombuffer(hr.positions, "<i8")
         shape = (len(positions), hr.width)
-        rows = RowBatch(positions, {layer: np.frombuffer(b, numpy_dtype(hr.dtype)).reshape(shape)
-                                    for layer, b in hr.values.items()}, hr.dtype,
-                        None if hr.indices is None else
-                        {layer: np.frombuffer(b, "<i4").reshape(shape) for layer, b in hr.indices.items()})
-    return CompletionChoice(ch.index, ch.text, tuple(ch.token_ids), ch.finish_reason, rows, stats, ch.multi,
-                            ch.proofs, ch.heads, ch.steering, ch.stop, ch.stop_asked)
+        rows = RowBatch(
+            positions,
+            {layer: np.frombuffer(b, numpy_dtype(hr.dtype)).reshape(shape) for layer, b in hr.values.items()},
+            hr.dtype,
+            None
+            if hr.indices is None
+            else {layer: np.frombuffer(b, "<i4").reshape(shape) for layer, b in hr.indices.items()},
+        )
+    return CompletionChoice(
+        ch.index,
+        ch.text,
+        tuple(ch.token_ids),
+        ch.finish_reason,
+        rows,
+        stats,
+        ch.multi,
+        ch.proofs,
+        ch.heads,
+        ch.steering,
+        ch.stop,
+        ch.stop_asked,
+    )
 
 
 class HandleCompletion(msgspec.Struct, array_like=True, gc=False):
@@ -186,7 +220,8 @@ class Decoder:
             raise WireVersionError(
                 f"a {self._what} of {theirs or 'a release from before wire versions'} reached a process that "
                 f"speaks {WIRE}: the Router, the engine replicas and Python handle callers (deployments.client) "
-                "must run the same release of hidden-states-serve; finish the rolling upgrade and retry") from None
+                "must run the same release of hidden-states-serve; finish the rolling upgrade and retry"
+            ) from None
 
 
 ENCODER = msgspec.msgpack.Encoder()

@@ -47,8 +47,9 @@ def replica_gone(e: BaseException) -> bool:
 
 def cause(e: BaseException) -> BaseException:
     """What a Ray task error wraps (its message would carry the remote traceback), else `e`."""
-    while any(c.__name__ == "RayTaskError" for c in type(e).__mro__) and isinstance(getattr(e, "cause", None),
-                                                                                  BaseException):
+    while any(c.__name__ == "RayTaskError" for c in type(e).__mro__) and isinstance(
+        getattr(e, "cause", None), BaseException
+    ):
         e = e.cause
     return e
 
@@ -67,8 +68,11 @@ def status_of(e: BaseException) -> Failure:
     if isinstance(e, (MissingHiddenStatesError, HookFaultError)):
         return Failure(500, "InternalServerError", str(e), "return_hidden_states")
     if replica_gone(e):
-        return Failure(503, "ServiceUnavailableError",
-                       f"the engine replica failed while serving this request ({type(e).__name__}); retry")
+        return Failure(
+            503,
+            "ServiceUnavailableError",
+            f"the engine replica failed while serving this request ({type(e).__name__}); retry",
+        )
     return Failure(500, "InternalServerError", f"{type(e).__name__}: {e}")
 
 

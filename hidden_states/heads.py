@@ -56,7 +56,7 @@ class HeadSpec(msgspec.Struct, frozen=True, omit_defaults=True):
     # An SAE's feature descriptions (read_explanations), by feature index; frontend only (`for_workers`)
     descriptions: dict[int, str] = msgspec.field(default_factory=dict)
 
-    def for_workers(self) -> "HeadSpec":
+    def for_workers(self) -> HeadSpec:
         """What the workers load: the weights' spec, without the descriptions they never read."""
         return msgspec.structs.replace(self, descriptions={}) if self.descriptions else self
 
@@ -85,7 +85,8 @@ def hook_layer(hook: str, num_layers: int) -> int:
     if m is None:
         raise HeadConfigError(
             f"hook point {hook!r} is not the residual stream: this server serves SAEs on blocks.L.hook_resid_pre, "
-            f"blocks.L.hook_resid_post (L + 1 < {num_layers}) or {FINAL_NORM_HOOK}")
+            f"blocks.L.hook_resid_post (L + 1 < {num_layers}) or {FINAL_NORM_HOOK}"
+        )
     block, where = int(m.group(1)), m.group(2)
     if block >= num_layers:
         raise HeadConfigError(f"hook point {hook!r}: the model has blocks 0..{num_layers - 1}")
@@ -93,7 +94,8 @@ def hook_layer(hook: str, num_layers: int) -> int:
     if layer == num_layers:
         raise HeadConfigError(
             f"hook point {hook!r} is the last block's output before the final norm, which this server does not "
-            f"capture (its layer {num_layers} is after the norm: {FINAL_NORM_HOOK})")
+            f"capture (its layer {num_layers} is after the norm: {FINAL_NORM_HOOK})"
+        )
     return layer
 
 
@@ -141,11 +143,15 @@ def read_explanations(name: str, folder: str, d_sae: int) -> dict[int, str]:
             if isinstance(index, str) and index.strip().isdigit():
                 index = int(index)
             if not isinstance(index, int) or isinstance(index, bool) or not isinstance(text, str):
-                raise HeadConfigError(f"head {name!r}: {where} is not an explanation (an object with an `index` "
-                                      f"and a `description`, as Neuronpedia exports them)")
+                raise HeadConfigError(
+                    f"head {name!r}: {where} is not an explanation (an object with an `index` "
+                    f"and a `description`, as Neuronpedia exports them)"
+                )
             if not 0 <= index < d_sae:
-                raise HeadConfigError(f"head {name!r}: {where} describes feature {index}; the SAE has features "
-                                      f"0..{d_sae - 1} (an export of another SAE?)")
+                raise HeadConfigError(
+                    f"head {name!r}: {where} describes feature {index}; the SAE has features "
+                    f"0..{d_sae - 1} (an export of another SAE?)"
+                )
             out.setdefault(index, text.strip())
     except (OSError, ValueError) as e:
         raise HeadConfigError(f"head {name!r}: cannot read the explanations in {found}: {e}") from None
@@ -159,12 +165,16 @@ def _sae(name: str, entry: Mapping[str, Any], path: str, num_layers: int, hidden
         raise HeadConfigError(f"head {name!r}: cannot read the SAE's cfg.json in {path}: {e}") from None
     arch = cfg.get("architecture", "standard")
     if arch not in SAE_ARCHITECTURES:
-        raise HeadConfigError(f"head {name!r}: SAE architecture {arch!r} is not served; "
-                              f"this server encodes {', '.join(SAE_ARCHITECTURES)}")
+        raise HeadConfigError(
+            f"head {name!r}: SAE architecture {arch!r} is not served; "
+            f"this server encodes {', '.join(SAE_ARCHITECTURES)}"
+        )
     for key, want in (("normalize_activations", "none"), ("reshape_activations", "none")):
         if cfg.get(key, "none") != want:
-            raise HeadConfigError(f"head {name!r}: the SAE's {key} is {cfg[key]!r}; this server serves SAEs with "
-                                  f"{key} {want!r} (fold the normalization into the weights first)")
+            raise HeadConfigError(
+                f"head {name!r}: the SAE's {key} is {cfg[key]!r}; this server serves SAEs with "
+                f"{key} {want!r} (fold the normalization into the weights first)"
+            )
     if cfg.get("rescale_acts_by_decoder_norm"):
         raise HeadConfigError(f"head {name!r}: rescale_acts_by_decoder_norm is not served")
     hook = (cfg.get("metadata") or {}).get("hook_name") or cfg.get("hook_name")
@@ -175,20 +185,25 @@ def _sae(name: str, entry: Mapping[str, Any], path: str, num_layers: int, hidden
     except HeadConfigError as e:
         raise HeadConfigError(f"head {name!r}: {e}") from None
     if entry.get("layer") is not None and _absolute(entry["layer"], num_layers) != layer:
-        raise HeadConfigError(f"head {name!r}: layer {entry['layer']} disagrees with its SAE's hook point {hook!r} "
-                              f"(layer {layer}); drop `layer` (an SAE takes its layer from its hook)")
+        raise HeadConfigError(
+            f"head {name!r}: layer {entry['layer']} disagrees with its SAE's hook point {hook!r} "
+            f"(layer {layer}); drop `layer` (an SAE takes its layer from its hook)"
+        )
     d_in, d_sae = int(cfg["d_in"]), int(cfg["d_sae"])
     if d_in != hidden_size:
-        raise HeadConfigError(f"head {name!r}: the SAE reads d_in = {d_in}, but the model's hidden size is "
-                              f"{hidden_size}")
+        raise HeadConfigError(
+            f"head {name!r}: the SAE reads d_in = {d_in}, but the model's hidden size is {hidden_size}"
+        )
     weights = os.path.join(path, "sae_weights.safetensors")
     try:
         shapes = _safetensors_shapes(weights)
     except (OSError, ValueError) as e:
         raise HeadConfigError(f"head {name!r}: cannot read {weights}: {e}") from None
     need = {"W_enc": [d_in, d_sae], "b_dec": [d_in]}
-    need |= {"gated": {"b_gate": [d_sae], "b_mag": [d_sae], "r_mag": [d_sae]},
-             "jumprelu": {"b_enc": [d_sae], "threshold": [d_sae]}}.get(arch, {"b_enc": [d_sae]})
+    need |= {
+        "gated": {"b_gate": [d_sae], "b_mag": [d_sae], "r_mag": [d_sae]},
+        "jumprelu": {"b_enc": [d_sae], "threshold": [d_sae]},
+    }.get(arch, {"b_enc": [d_sae]})
     for key, shape in need.items():
         if shapes.get(key) != shape:
             raise HeadConfigError(f"head {name!r}: {weights} has {key} {shapes.get(key)}, expected {shape}")
@@ -196,16 +211,27 @@ def _sae(name: str, entry: Mapping[str, Any], path: str, num_layers: int, hidden
     topk = int(entry.get("topk") or k or DEFAULT_SAE_TOPK)
     if not 1 <= topk <= d_sae:
         raise HeadConfigError(f"head {name!r}: topk {topk} must be from 1 to the SAE's {d_sae} features")
-    return HeadSpec(name, "sae", path, layer, d_sae, architecture=arch, k=k, topk=topk, hook=hook,
-                    descriptions=read_explanations(name, path, d_sae))
+    return HeadSpec(
+        name,
+        "sae",
+        path,
+        layer,
+        d_sae,
+        architecture=arch,
+        k=k,
+        topk=topk,
+        hook=hook,
+        descriptions=read_explanations(name, path, d_sae),
+    )
 
 
 def _linear(name: str, entry: Mapping[str, Any], path: str, num_layers: int, hidden_size: int) -> HeadSpec:
     try:
         shapes = _safetensors_shapes(path)
     except (OSError, ValueError) as e:
-        raise HeadConfigError(f"head {name!r}: cannot read {path} (a safetensors file with weight [C, D] and "
-                              f"bias [C]): {e}") from None
+        raise HeadConfigError(
+            f"head {name!r}: cannot read {path} (a safetensors file with weight [C, D] and bias [C]): {e}"
+        ) from None
     w = shapes.get("weight")
     if w is None or len(w) != 2 or w[1] != hidden_size:
         raise HeadConfigError(f"head {name!r}: weight is {w}, expected [C, {hidden_size}] (the model's hidden size)")
@@ -219,8 +245,10 @@ def _linear(name: str, entry: Mapping[str, Any], path: str, num_layers: int, hid
         raise HeadConfigError(f"head {name!r}: {len(labels)} labels for {w[0]} outputs")
     layer = entry.get("layer", -1)
     if not isinstance(layer, int) or isinstance(layer, bool) or not -(num_layers + 1) <= layer <= num_layers:
-        raise HeadConfigError(f"head {name!r}: layer {layer!r} out of range: this model has layers 0..{num_layers} "
-                              f"(-1 = {num_layers}, after the final norm)")
+        raise HeadConfigError(
+            f"head {name!r}: layer {layer!r} out of range: this model has layers 0..{num_layers} "
+            f"(-1 = {num_layers}, after the final norm)"
+        )
     return HeadSpec(name, "linear", path, _absolute(layer, num_layers), w[0], activation=activation, labels=labels)
 
 
@@ -342,8 +370,10 @@ class DeviceHead:
 
 # -- what a choice carries ----------------------------------------------------
 
-def head_outputs(batch: Any, name: str, labels: Sequence[str] | Mapping[int, str] = (),
-                 multi: bool = False) -> "dict | list[dict]":
+
+def head_outputs(
+    batch: Any, name: str, labels: Sequence[str] | Mapping[int, str] = (), multi: bool = False
+) -> dict | list[dict]:
     """One head's outputs as a choice carries them: per position a linear head's {"scores"} (and its
     "label", the top score's, where the head has label names `labels`), an SAE's {"indices", "values"}
     (its largest feature activations, largest first; zeros dropped), and where its features have
@@ -369,6 +399,7 @@ def head_outputs(batch: Any, name: str, labels: Sequence[str] | Mapping[int, str
 
 def head_fields(batch: Any, heads: Sequence[tuple[str, int]], registry: Mapping[str, HeadSpec], multi: bool) -> dict:
     """`hidden_states_heads` {name: outputs} of the asked heads ((name, k) pairs)."""
+
     def labels(spec: HeadSpec | None):
         return () if spec is None else spec.descriptions if spec.kind == "sae" else spec.labels
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-from collections.abc import AsyncIterator, Sequence
-from typing import Any, Callable, Protocol
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -38,16 +38,16 @@ class HookFaultError(RuntimeError):
 
     def __init__(self, request_id: str, hook: str, error: BaseException | str):
         what = error if isinstance(error, str) else f"{type(error).__name__}: {error}"  # str: as reported
-        super().__init__(f"request {request_id}: the hidden-states hook `{hook}` failed "
-                         f"({what}); this request fails, the engine serves on "
-                         "(a server bug: please report it)")
+        super().__init__(
+            f"request {request_id}: the hidden-states hook `{hook}` failed "
+            f"({what}); this request fails, the engine serves on "
+            "(a server bug: please report it)"
+        )
         self.request_id, self.hook = request_id, hook
 
 
 class HiddenStatesTimeout(TimeoutError):
     """An extraction step that did not finish within `extraction_timeout_s`."""
-
-
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,8 +64,12 @@ class ExtractionStats:
 
     def meta(self, timed: bool = True) -> dict[str, Any]:
         """The work in a response's `hidden_states_meta` (the one place it is formatted)."""
-        out = {"via": self.via, "tokens": self.tokens, "cached_tokens": self.cached_tokens,
-               "computed_tokens": self.computed_tokens}
+        out = {
+            "via": self.via,
+            "tokens": self.tokens,
+            "cached_tokens": self.cached_tokens,
+            "computed_tokens": self.computed_tokens,
+        }
         if timed:
             out["extraction_seconds"] = round(self.seconds, 6)
         return out
@@ -91,14 +95,18 @@ class RowBatch:
     def __len__(self) -> int:
         return len(self.positions)
 
-    def select(self, mask: np.ndarray) -> "RowBatch":
-        return RowBatch(self.positions[mask], {l: v[mask] for l, v in self.values.items()}, self.dtype,
-                        None if self.indices is None else {l: i[mask] for l, i in self.indices.items()},
-                        heads={h: v[mask] for h, v in self.heads.items()},
-                        head_indices={h: i[mask] for h, i in self.head_indices.items()})
+    def select(self, mask: np.ndarray) -> RowBatch:
+        return RowBatch(
+            self.positions[mask],
+            {l: v[mask] for l, v in self.values.items()},
+            self.dtype,
+            None if self.indices is None else {l: i[mask] for l, i in self.indices.items()},
+            heads={h: v[mask] for h, v in self.heads.items()},
+            head_indices={h: i[mask] for h, i in self.head_indices.items()},
+        )
 
     @staticmethod
-    def merge(batches: Sequence["RowBatch"]) -> "RowBatch | None":
+    def merge(batches: Sequence[RowBatch]) -> RowBatch | None:
         """One batch in position order; a position that came twice, once."""
         batches = [b for b in batches if len(b)]
         if not batches:
@@ -108,11 +116,16 @@ class RowBatch:
         first = batches[0]
         positions = np.concatenate([b.positions for b in batches])
         _, order = np.unique(positions, return_index=True)  # sorted, first occurrence of each
-        cat = RowBatch(positions, {l: np.concatenate([b.values[l] for b in batches]) for l in first.values},
-                       first.dtype, None if first.indices is None else
-                       {l: np.concatenate([b.indices[l] for b in batches]) for l in first.indices},
-                       heads={h: np.concatenate([b.heads[h] for b in batches]) for h in first.heads},
-                       head_indices={h: np.concatenate([b.head_indices[h] for b in batches]) for h in first.head_indices})
+        cat = RowBatch(
+            positions,
+            {l: np.concatenate([b.values[l] for b in batches]) for l in first.values},
+            first.dtype,
+            None
+            if first.indices is None
+            else {l: np.concatenate([b.indices[l] for b in batches]) for l in first.indices},
+            heads={h: np.concatenate([b.heads[h] for b in batches]) for h in first.heads},
+            head_indices={h: np.concatenate([b.head_indices[h] for b in batches]) for h in first.head_indices},
+        )
         return cat.select(order)
 
     def floats(self, layer: int) -> np.ndarray:
@@ -131,10 +144,14 @@ class RowBatch:
         return next(iter(self.values.values())).shape[1] if self.values else 0
 
     @staticmethod
-    def empty(layers: Sequence[int], width: int, dtype: str, topk: int | None) -> "RowBatch":
+    def empty(layers: Sequence[int], width: int, dtype: str, topk: int | None) -> RowBatch:
         """No rows (a range that selects nothing of a sequence), shaped as the request's."""
-        return RowBatch(np.zeros(0, np.int64), {l: np.zeros((0, width), numpy_dtype(dtype)) for l in layers}, dtype,
-                        {l: np.zeros((0, width), np.int32) for l in layers} if topk and layers else None)
+        return RowBatch(
+            np.zeros(0, np.int64),
+            {l: np.zeros((0, width), numpy_dtype(dtype)) for l in layers},
+            dtype,
+            {l: np.zeros((0, width), np.int32) for l in layers} if topk and layers else None,
+        )
 
     @property
     def nbytes(self) -> int:
@@ -156,7 +173,7 @@ class HiddenStatesCollector:
     tag: str
     layers: tuple[int, ...] = (-1,)
     position: Any = "completion_end"  # params.POSITIONS, or a range {"start", "end", "stride"}
-    stats: dict[ChoiceKey, "ExtractionStats"] = dataclasses.field(default_factory=dict)
+    stats: dict[ChoiceKey, ExtractionStats] = dataclasses.field(default_factory=dict)
     beam_calls: int = 0  # vLLM's beam searches started for this request (one per prompt, in order)
     dtype: str = "float32"  # hidden_states_dtype
     topk: int | None = None  # hidden_states_topk
@@ -190,14 +207,33 @@ class HiddenStatesCollector:
     rerender: Any = None
 
     @classmethod
-    def of(cls, tag: str, spec: Any, layers: tuple[int, ...], heads: tuple[tuple[str, int], ...] = (),
-           steering: tuple[list, list] = ([], []), stop: tuple[list, list] = ([], [])) -> "HiddenStatesCollector":
+    def of(
+        cls,
+        tag: str,
+        spec: Any,
+        layers: tuple[int, ...],
+        heads: tuple[tuple[str, int], ...] = (),
+        steering: tuple[list, list] = ([], []),
+        stop: tuple[list, list] = ([], []),
+    ) -> HiddenStatesCollector:
         """The collector of a parsed spec (params.HiddenStatesFields) whose `layers`, `heads`,
         `steering` and `stop` (each: entries, echo) the engine checked."""
         _, position, dtype, topk = spec.capture()
-        return cls(tag, layers, position, dtype=dtype, topk=topk, proof=spec.hidden_states_proof, spec=spec,
-                   heads=heads, rows_wanted=getattr(spec, "rows_asked", True), steering=list(steering[0]),
-                   steering_echo=list(steering[1]), monitors=list(stop[0]), stop_echo=list(stop[1]))
+        return cls(
+            tag,
+            layers,
+            position,
+            dtype=dtype,
+            topk=topk,
+            proof=spec.hidden_states_proof,
+            spec=spec,
+            heads=heads,
+            rows_wanted=getattr(spec, "rows_asked", True),
+            steering=list(steering[0]),
+            steering_echo=list(steering[1]),
+            monitors=list(stop[0]),
+            stop_echo=list(stop[1]),
+        )
 
     @property
     def captures(self) -> bool:
@@ -214,8 +250,10 @@ class HiddenStatesCollector:
         applied = self.applied.get(key)
         if not self.conditional:
             return self.steering_echo
-        return [{**echo, "applied": applied.get(k, []) if applied is not None else None} if "when" in echo else echo
-                for k, echo in enumerate(self.steering_echo)]
+        return [
+            {**echo, "applied": applied.get(k, []) if applied is not None else None} if "when" in echo else echo
+            for k, echo in enumerate(self.steering_echo)
+        ]
 
     @property
     def multi(self) -> bool:
@@ -239,7 +277,7 @@ class HiddenStatesCollector:
             held.update(b.positions.tolist())
         return held
 
-    def settle_rows(self, key: ChoiceKey, wanted: Sequence[int], stats: "ExtractionStats | None") -> None:
+    def settle_rows(self, key: ChoiceKey, wanted: Sequence[int], stats: ExtractionStats | None) -> None:
         """The choice ended: of what it received, keep the positions it asked for."""
         merged = RowBatch.merge(self.rows.pop(key, ()))
         if merged is not None:
@@ -342,11 +380,17 @@ class CompletionChoice:
     @property
     def shape(self) -> list[int]:
         """The rows' shape per layer: [n, width] for several positions, [width] for one."""
-        return [len(self.rows), self.rows.width][0 if self.multi else 1:]
+        return [len(self.rows), self.rows.width][0 if self.multi else 1 :]
 
 
-def finished_choice(engine: Any, collector: "HiddenStatesCollector | None", index: int, text: str,
-                    token_ids: Sequence[int], finish_reason: str | None) -> CompletionChoice:
+def finished_choice(
+    engine: Any,
+    collector: HiddenStatesCollector | None,
+    index: int,
+    text: str,
+    token_ids: Sequence[int],
+    finish_reason: str | None,
+) -> CompletionChoice:
     """A finished choice of a request: its proofs, its rows, or (no hidden states asked) its text alone."""
     if collector is None:
         return CompletionChoice(index, text, tuple(token_ids), finish_reason)
@@ -354,20 +398,31 @@ def finished_choice(engine: Any, collector: "HiddenStatesCollector | None", inde
     return build(engine, collector, index, text, token_ids, finish_reason)
 
 
-def captured(collector: HiddenStatesCollector, batch: RowBatch | None, width: int,
-             registry: Any) -> tuple[RowBatch, dict | None]:
+def captured(
+    collector: HiddenStatesCollector, batch: RowBatch | None, width: int, registry: Any
+) -> tuple[RowBatch, dict | None]:
     """A choice's rows as it carries them (no batch: none, shaped as asked; heads alone: positions
     only) and its heads' outputs."""
     layers = collector.layers if collector.rows_wanted else ()  # heads alone: no rows
     heads = head_fields(batch, collector.heads, registry, collector.multi) if collector.heads else None
     batch = batch if batch is not None else RowBatch.empty(layers, width, collector.dtype, collector.topk)
-    rows = RowBatch(batch.positions, {l: batch.values[l] for l in layers}, batch.dtype,
-                    {l: batch.indices[l] for l in layers} if batch.indices and layers else None)
+    rows = RowBatch(
+        batch.positions,
+        {l: batch.values[l] for l in layers},
+        batch.dtype,
+        {l: batch.indices[l] for l in layers} if batch.indices and layers else None,
+    )
     return rows, heads
 
 
-def rows_choice(engine: Any, collector: HiddenStatesCollector, index: int, text: str, token_ids: Sequence[int],
-                finish_reason: str | None) -> CompletionChoice:
+def rows_choice(
+    engine: Any,
+    collector: HiddenStatesCollector,
+    index: int,
+    text: str,
+    token_ids: Sequence[int],
+    finish_reason: str | None,
+) -> CompletionChoice:
     """A finished choice: its rows as cast, positions, top-k indices, heads' outputs, steering."""
     key = (0, index)
     if key not in collector.done:
@@ -378,14 +433,35 @@ def rows_choice(engine: Any, collector: HiddenStatesCollector, index: int, text:
         return CompletionChoice(index, text, tuple(token_ids), finish_reason, steering=steering, **stop)
     batch, stats = collector.take(key), collector.stats.get(key)
     rows, heads = captured(collector, batch, collector.topk or engine.hidden_size, getattr(engine, "heads", {}))
-    engine.vector_sent(collector.position_label, stats, rows.nbytes, {name: len(rows) for name, _ in collector.heads},
-                       batch.head_nbytes if batch else 0)
-    return CompletionChoice(index, text, tuple(token_ids), finish_reason, rows, stats, collector.multi, heads=heads,
-                            steering=steering, **stop)
+    engine.vector_sent(
+        collector.position_label,
+        stats,
+        rows.nbytes,
+        {name: len(rows) for name, _ in collector.heads},
+        batch.head_nbytes if batch else 0,
+    )
+    return CompletionChoice(
+        index,
+        text,
+        tuple(token_ids),
+        finish_reason,
+        rows,
+        stats,
+        collector.multi,
+        heads=heads,
+        steering=steering,
+        **stop,
+    )
 
 
-def proof_choice(engine: Any, collector: HiddenStatesCollector, index: int, text: str, token_ids: Sequence[int],
-                 finish_reason: str | None) -> CompletionChoice:
+def proof_choice(
+    engine: Any,
+    collector: HiddenStatesCollector,
+    index: int,
+    text: str,
+    token_ids: Sequence[int],
+    finish_reason: str | None,
+) -> CompletionChoice:
     """A finished choice of a proof collector: its proofs (hidden_states/proofs) from its rows."""
     from hidden_states.proofs import ProofBuilder
 
@@ -427,11 +503,24 @@ class VectorObservers:
     def __init__(self):
         self.observers: list[Callable[[VectorEvent], None]] = []
 
-    def vector_sent(self, position: str, stats: "ExtractionStats | None", nbytes: int,
-                    head_outputs: dict[str, int] | None = None, head_bytes: int = 0) -> None:
-        event = VectorEvent(position, stats.via if stats else "prompt", stats.computed_tokens if stats else None,
-                            stats.cached_tokens if stats else None, stats.seconds if stats else None, nbytes,
-                            dict(head_outputs or {}), head_bytes)
+    def vector_sent(
+        self,
+        position: str,
+        stats: ExtractionStats | None,
+        nbytes: int,
+        head_outputs: dict[str, int] | None = None,
+        head_bytes: int = 0,
+    ) -> None:
+        event = VectorEvent(
+            position,
+            stats.via if stats else "prompt",
+            stats.computed_tokens if stats else None,
+            stats.cached_tokens if stats else None,
+            stats.seconds if stats else None,
+            nbytes,
+            dict(head_outputs or {}),
+            head_bytes,
+        )
         for observe in self.observers:
             try:
                 observe(event)
@@ -458,16 +547,25 @@ class Engine(Protocol):
     max_model_len: int  # prompt + completion tokens, at most (/v1/models reports it)
 
     @classmethod
-    async def start(cls, model: str, **kwargs: Any) -> "Engine": ...
+    async def start(cls, model: str, **kwargs: Any) -> Engine: ...
 
-    async def openai(self, served_model_name: str, replica_id: str,
-                     lora_modules: Sequence[dict] = ()) -> "OpenAIRoutes":
+    async def openai(self, served_model_name: str, replica_id: str, lora_modules: Sequence[dict] = ()) -> OpenAIRoutes:
         """`lora_modules`: [{name, path}], each adapter served under its name (a request's `model`)."""
         ...
 
-    async def complete(self, prompt: str | Sequence[int], options: SamplingOptions, *, return_hidden_states: bool,
-                       layers: Sequence[int], position: Any, model: str | None = None, dtype: str = "float32",
-                       topk: int | None = None, proof: Any = None) -> Completion:
+    async def complete(
+        self,
+        prompt: str | Sequence[int],
+        options: SamplingOptions,
+        *,
+        return_hidden_states: bool,
+        layers: Sequence[int],
+        position: Any,
+        model: str | None = None,
+        dtype: str = "float32",
+        topk: int | None = None,
+        proof: Any = None,
+    ) -> Completion:
         """`model`: a LoRA adapter's name (None: base; unknown raises UnknownModelError). `position`,
         `dtype`, `topk`, `proof`: as the API's fields (choices of `finished_choice`)."""
         ...

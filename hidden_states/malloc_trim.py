@@ -32,7 +32,7 @@ class MallocTrimmer:
     def available(self) -> bool:
         return self._trim is not None
 
-    def start(self) -> "MallocTrimmer":
+    def start(self) -> MallocTrimmer:
         if self.available and self.interval_s > 0:
             self._thread.start()
         return self
@@ -63,8 +63,12 @@ class MallocTrimmer:
             last_cpu = time.process_time()  # the trim's own CPU does not count as load
 
     def stats(self) -> dict:
-        return {"interval_s": self.interval_s, "trims": self.trims, "seconds": round(self.seconds, 4),
-                "running": self._thread.is_alive()}
+        return {
+            "interval_s": self.interval_s,
+            "trims": self.trims,
+            "seconds": round(self.seconds, 4),
+            "running": self._thread.is_alive(),
+        }
 
 
 def _libc_malloc_trim():

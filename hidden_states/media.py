@@ -41,15 +41,59 @@ TEXT_PART_TYPES = frozenset({"text", "input_text", "output_text", "refusal", "th
 MEDIA_PART_TYPES = {"image_url": "image", "input_audio": "audio", "audio_url": "audio"}
 KNOWN_PART_TYPES = TEXT_PART_TYPES | set(MEDIA_PART_TYPES)
 # Keys vLLM reads a media part by when it has no `type` (and those of the parts refused here).
-_MEDIA_KEYS = ("image_url", "input_audio", "audio_url", "video_url", "image_embeds", "audio_embeds", "video_embeds",
-               "prompt_embeds", "image_pil", "input_image")
+_MEDIA_KEYS = (
+    "image_url",
+    "input_audio",
+    "audio_url",
+    "video_url",
+    "image_embeds",
+    "audio_embeds",
+    "video_embeds",
+    "prompt_embeds",
+    "image_pil",
+    "input_image",
+)
 
 # The formats vLLM's image loader opens (vllm/multimodal/image.py ALLOWED_IMAGE_FORMATS, vLLM 0.32;
 # tests/unit/test_media.py checks they agree): Pillow's in-process raster readers.
 IMAGE_FORMATS: tuple[str, ...] = (
-    "AVIF", "BLP", "BMP", "CUR", "DCX", "DDS", "DIB", "FITS", "FLI", "FTEX", "GBR", "GIF", "ICNS", "ICO", "IM",
-    "IMT", "IPTC", "JPEG", "JPEG2000", "MCIDAS", "MSP", "PCD", "PCX", "PIXAR", "PNG", "PPM", "PSD", "QOI", "SGI",
-    "SPIDER", "SUN", "TGA", "TIFF", "WEBP", "XBM", "XPM", "XVTHUMB",
+    "AVIF",
+    "BLP",
+    "BMP",
+    "CUR",
+    "DCX",
+    "DDS",
+    "DIB",
+    "FITS",
+    "FLI",
+    "FTEX",
+    "GBR",
+    "GIF",
+    "ICNS",
+    "ICO",
+    "IM",
+    "IMT",
+    "IPTC",
+    "JPEG",
+    "JPEG2000",
+    "MCIDAS",
+    "MSP",
+    "PCD",
+    "PCX",
+    "PIXAR",
+    "PNG",
+    "PPM",
+    "PSD",
+    "QOI",
+    "SGI",
+    "SPIDER",
+    "SUN",
+    "TGA",
+    "TIFF",
+    "WEBP",
+    "XBM",
+    "XPM",
+    "XVTHUMB",
 )
 COMMON_FORMATS = "PNG, JPEG, WEBP, GIF or BMP"
 
@@ -90,16 +134,21 @@ def count_media(req: Mapping[str, Any]) -> dict[str, int]:
     return counts
 
 
-def check_media(req: Mapping[str, Any], *, max_media_bytes: int = DEFAULT_MAX_MEDIA_BYTES,
-                remote_media: bool = False, local_media: bool = False) -> None:
+def check_media(
+    req: Mapping[str, Any],
+    *,
+    max_media_bytes: int = DEFAULT_MAX_MEDIA_BYTES,
+    remote_media: bool = False,
+    local_media: bool = False,
+) -> None:
     """Refuse (HiddenStatesRequestError, `param` the part) the first bad media part (module docstring)."""
     for where, kind, part in media_parts(req):
         if kind is None:
-            raise HiddenStatesRequestError(f"{where} has no `type`: this server takes {_PARTS} parts",
-                                           f"{where}.type")
+            raise HiddenStatesRequestError(f"{where} has no `type`: this server takes {_PARTS} parts", f"{where}.type")
         if not isinstance(kind, str) or kind not in MEDIA_PART_TYPES:
-            raise HiddenStatesRequestError(f"{where} is a {kind!r} part, which this server does not take: it takes "
-                                           f"{_PARTS} parts", f"{where}.type")
+            raise HiddenStatesRequestError(
+                f"{where} is a {kind!r} part, which this server does not take: it takes {_PARTS} parts", f"{where}.type"
+            )
         field = f"{where}.{kind}"
         value = part.get(kind)
         cached = part.get("uuid") is not None  # vLLM's media cache: a uuid alone names media sent before
@@ -109,8 +158,10 @@ def check_media(req: Mapping[str, Any], *, max_media_bytes: int = DEFAULT_MAX_ME
                 continue
             if not isinstance(value, dict) or not isinstance(data, str) or not data:
                 raise HiddenStatesRequestError(
-                    f"{field} must be an object {{\"data\": <base64 of the audio file>, \"format\": one of "
-                    f"{', '.join(AUDIO_FORMATS)}}} with non-empty data", field)
+                    f'{field} must be an object {{"data": <base64 of the audio file>, "format": one of '
+                    f"{', '.join(AUDIO_FORMATS)}}} with non-empty data",
+                    field,
+                )
             fmt = value.get("format")
             _check_audio(_decode(data, field, "audio", max_media_bytes), field, None if fmt is None else str(fmt))
             continue
@@ -118,7 +169,7 @@ def check_media(req: Mapping[str, Any], *, max_media_bytes: int = DEFAULT_MAX_ME
         if url is None and cached:
             continue
         if not isinstance(url, str):
-            raise HiddenStatesRequestError(f"{field} must be an object {{\"url\": \"{_DATA_URL}\"}}", field)
+            raise HiddenStatesRequestError(f'{field} must be an object {{"url": "{_DATA_URL}"}}', field)
         modality = MEDIA_PART_TYPES[kind]
         got = _url_bytes(url, field, modality, max_media_bytes, remote_media, local_media)
         if got is not None and modality == "image":
@@ -127,8 +178,9 @@ def check_media(req: Mapping[str, Any], *, max_media_bytes: int = DEFAULT_MAX_ME
             _check_audio(got[1], field)
 
 
-def _url_bytes(url: str, field: str, modality: str, max_bytes: int, remote_media: bool,
-               local_media: bool = False) -> tuple[str, bytes] | None:
+def _url_bytes(
+    url: str, field: str, modality: str, max_bytes: int, remote_media: bool, local_media: bool = False
+) -> tuple[str, bytes] | None:
     """(declared media type, decoded bytes) of a data URL; None for a URL the engine may read itself (a
     remote one with remote_media, a file: one where the engine has an allowed_local_media_path)."""
     if url[:5].lower() != "data:":
@@ -140,24 +192,34 @@ def _url_bytes(url: str, field: str, modality: str, max_bytes: int, remote_media
                 return None
             raise HiddenStatesRequestError(
                 f"{field}: this server does not fetch remote media (remote_media is off); send the {modality} "
-                f"as a data URL: {_DATA_URL}", field)
+                f"as a data URL: {_DATA_URL}",
+                field,
+            )
         raise HiddenStatesRequestError(
             f"{field}: the url is not a data URL ({_DATA_URL})"
             + (f"; {scheme}: URLs are not read" if scheme else "")
-            + (", nor http(s) URLs fetched (remote_media is off)" if not remote_media else ""), field)
+            + (", nor http(s) URLs fetched (remote_media is off)" if not remote_media else ""),
+            field,
+        )
     header, comma, payload = url[5:].partition(",")
     if not comma:
-        raise HiddenStatesRequestError(f"{field}: malformed data URL: no ',' before the payload; "
-                                       f"expected {_DATA_URL}", field)
+        raise HiddenStatesRequestError(
+            f"{field}: malformed data URL: no ',' before the payload; expected {_DATA_URL}", field
+        )
     params = header.split(";")
     if len(params) < 2 or params[-1].lower() != "base64":
-        raise HiddenStatesRequestError(f"{field}: malformed data URL: only base64 data URLs are taken "
-                                       f"(`;base64` before the ','): {_DATA_URL}", field)
+        raise HiddenStatesRequestError(
+            f"{field}: malformed data URL: only base64 data URLs are taken (`;base64` before the ','): {_DATA_URL}",
+            field,
+        )
     mime = params[0]
     if not _MIME.fullmatch(mime):
-        raise HiddenStatesRequestError(f"{field}: malformed data URL: {mime!r} is not a media type "
-                                       f"(type/subtype, e.g. {'image/png' if modality == 'image' else 'audio/wav'}): "
-                                       f"{_DATA_URL}", field)
+        raise HiddenStatesRequestError(
+            f"{field}: malformed data URL: {mime!r} is not a media type "
+            f"(type/subtype, e.g. {'image/png' if modality == 'image' else 'audio/wav'}): "
+            f"{_DATA_URL}",
+            field,
+        )
     return mime, _decode(payload, field, modality, max_bytes)
 
 
@@ -172,7 +234,9 @@ def _decode(payload: str, field: str, modality: str, max_bytes: int) -> bytes:
     except (binascii.Error, ValueError) as e:  # ValueError: a str with non-ASCII characters
         raise HiddenStatesRequestError(
             f"{field}: the {modality} payload is not valid base64 ({e}); send standard base64 (A-Z a-z 0-9 + /, "
-            f"'=' padding, no whitespace)", field) from None
+            f"'=' padding, no whitespace)",
+            field,
+        ) from None
     if len(data) > max_bytes:
         raise _too_large(field, modality, len(data), max_bytes)
     return data
@@ -191,8 +255,9 @@ def _check_audio(data: bytes, field: str, declared: str | None = None) -> None:
     import soundfile
 
     if declared is not None and declared.lower() not in AUDIO_FORMATS:
-        raise HiddenStatesRequestError(f"{field}: unknown audio format {declared!r}: send one of "
-                                       f"{', '.join(AUDIO_FORMATS)}", f"{field}.format")
+        raise HiddenStatesRequestError(
+            f"{field}: unknown audio format {declared!r}: send one of {', '.join(AUDIO_FORMATS)}", f"{field}.format"
+        )
     try:
         with soundfile.SoundFile(io.BytesIO(data)) as f:
             rate, frames, kind = f.samplerate, f.frames, f.format
@@ -200,18 +265,25 @@ def _check_audio(data: bytes, field: str, declared: str | None = None) -> None:
     except Exception as e:  # noqa: BLE001 - libsndfile's errors (unknown format, truncated, corrupt)
         raise HiddenStatesRequestError(
             f"{field}: the data is not a readable audio file ({str(e).strip() or type(e).__name__}): send "
-            f"{', '.join(f.upper() for f in AUDIO_FORMATS)}", field) from None
+            f"{', '.join(f.upper() for f in AUDIO_FORMATS)}",
+            field,
+        ) from None
     if frames == 0:
         raise HiddenStatesRequestError(f"{field}: the {kind} clip has no samples", field)
     if not AUDIO_RATES[0] <= rate <= AUDIO_RATES[1]:
         raise HiddenStatesRequestError(
             f"{field}: the clip is sampled at {rate} Hz; this server resamples clips of {AUDIO_RATES[0]} to "
-            f"{AUDIO_RATES[1]} Hz", field)
+            f"{AUDIO_RATES[1]} Hz",
+            field,
+        )
 
 
 def _too_large(field: str, modality: str, size: int, max_bytes: int) -> HiddenStatesRequestError:
-    return HiddenStatesRequestError(f"{field}: the {modality} is {size} bytes (decoded), above this server's limit "
-                                    f"of {max_bytes} bytes per media part (max_media_bytes)", field)
+    return HiddenStatesRequestError(
+        f"{field}: the {modality} is {size} bytes (decoded), above this server's limit "
+        f"of {max_bytes} bytes per media part (max_media_bytes)",
+        field,
+    )
 
 
 def _check_image(data: bytes, mime: str, field: str) -> None:
@@ -228,16 +300,22 @@ def _check_image(data: bytes, mime: str, field: str) -> None:
     except UnidentifiedImageError:
         found = _format_of(data)
         if found:
-            raise HiddenStatesRequestError(f"{field}: unsupported image format {found}: vLLM's image loader does not "
-                                           f"read it; send {COMMON_FORMATS}", field) from None
-        raise HiddenStatesRequestError(f"{field}: the data is not a readable image (declared {mime}): no format vLLM's "
-                                       f"image loader reads recognises it, or it is cut short; send {COMMON_FORMATS}",
-                                       field) from None
+            raise HiddenStatesRequestError(
+                f"{field}: unsupported image format {found}: vLLM's image loader does not "
+                f"read it; send {COMMON_FORMATS}",
+                field,
+            ) from None
+        raise HiddenStatesRequestError(
+            f"{field}: the data is not a readable image (declared {mime}): no format vLLM's "
+            f"image loader reads recognises it, or it is cut short; send {COMMON_FORMATS}",
+            field,
+        ) from None
     except Image.DecompressionBombError as e:
         raise HiddenStatesRequestError(f"{field}: the image has too many pixels: {e}", field) from None
     except Exception as e:  # verify(): a broken file (a bad checksum, truncated chunks, ...)
-        raise HiddenStatesRequestError(f"{field}: the {fmt or 'image'} image is corrupt ({type(e).__name__}: {e})",
-                                       field) from None
+        raise HiddenStatesRequestError(
+            f"{field}: the {fmt or 'image'} image is corrupt ({type(e).__name__}: {e})", field
+        ) from None
 
 
 def _format_of(data: bytes) -> str | None:

@@ -47,15 +47,20 @@ def encode_rows(choice: CompletionChoice, layer: int, encoding: str) -> list | d
     values = choice.hidden_states_by_layer[layer]
     if indices is None:
         return values.tolist()
-    rows = [{"indices": i.tolist(), "values": v.tolist()} for i, v in zip(np.atleast_2d(indices), np.atleast_2d(values))]
+    rows = [
+        {"indices": i.tolist(), "values": v.tolist()} for i, v in zip(np.atleast_2d(indices), np.atleast_2d(values))
+    ]
     return squeeze(rows, choice.multi)
 
 
 def row_fields(choice: CompletionChoice, encoding: str, by_layer: bool, position, topk: int | None) -> dict:
     """A choice's rows as the response carries them: `hidden_states` (or `_by_layer`) and `hidden_states_meta`."""
     rows = {layer: encode_rows(choice, layer, encoding) for layer in choice.rows.values}
-    out = {"hidden_states_by_layer": {str(layer): v for layer, v in rows.items()}} if by_layer \
+    out = (
+        {"hidden_states_by_layer": {str(layer): v for layer, v in rows.items()}}
+        if by_layer
         else {"hidden_states": rows[-1]}
+    )
     meta = {"position": position, "dtype": choice.dtype}
     if topk:
         meta["topk"] = topk
@@ -67,8 +72,9 @@ def row_fields(choice: CompletionChoice, encoding: str, by_layer: bool, position
     return out
 
 
-def chunk_choice(collector: HiddenStatesCollector, batch: RowBatch | None, width: int,
-                 registry: Any) -> CompletionChoice:
+def chunk_choice(
+    collector: HiddenStatesCollector, batch: RowBatch | None, width: int, registry: Any
+) -> CompletionChoice:
     """The rows (and heads' outputs) a response choice carries in one chunk, as a CompletionChoice
     (interface.captured): the type the Python API and the handles get, read by `row_fields`."""
     rows, heads = captured(collector, batch, width, registry)
@@ -88,8 +94,15 @@ class ChoiceVectors:
     divmod(response index, n) for completions, (0, index) for chat; fails the request if one has
     none."""
 
-    def __init__(self, engine, collector: HiddenStatesCollector, request, route: Route, replica_id: str,
-                 adapter: str | None = None):
+    def __init__(
+        self,
+        engine,
+        collector: HiddenStatesCollector,
+        request,
+        route: Route,
+        replica_id: str,
+        adapter: str | None = None,
+    ):
         self.engine, self.collector, self.route, self.replica_id = engine, collector, route, replica_id
         self.adapter = adapter  # the LoRA adapter the request named (None: the base model)
         self.encoding = collector.spec.hidden_states_encoding
@@ -116,8 +129,9 @@ class ChoiceVectors:
             if col.monitors:
                 meta["stop"] = col.stops.get(key)
             return {"hidden_states_meta": meta}
-        choice = chunk_choice(col, batch, col.topk or getattr(self.engine, "hidden_size", 0),
-                              getattr(self.engine, "heads", {}))
+        choice = chunk_choice(
+            col, batch, col.topk or getattr(self.engine, "hidden_size", 0), getattr(self.engine, "heads", {})
+        )
         if col.rows_wanted:
             out = row_fields(choice, self.encoding, self.by_layer, col.position, col.topk)
         else:  # heads alone: their outputs, no rows
@@ -144,8 +158,13 @@ class ChoiceVectors:
             if st is not None:
                 meta.update(st.meta())
             head_bytes, positions = self._head_sent.pop(key, (0, 0))
-            self.engine.vector_sent(col.position_label, st, self._sent_bytes.pop(key, 0),
-                                    {name: positions for name, _ in col.heads}, head_bytes)
+            self.engine.vector_sent(
+                col.position_label,
+                st,
+                self._sent_bytes.pop(key, 0),
+                {name: positions for name, _ in col.heads},
+                head_bytes,
+            )
         return out
 
     def _proof_fields(self, index: int, finishing: bool) -> dict | None:
@@ -168,14 +187,25 @@ class ChoiceVectors:
         if not proofs and not finishing:
             return None
         spec = col.proof
-        out = {"hidden_states_proof": {"scheme": spec.scheme, "topk": spec.topk,
-                                       "decode_batching_size": spec.decode_batching_size, "index": first,
-                                       "proofs": proofs}}
+        out = {
+            "hidden_states_proof": {
+                "scheme": spec.scheme,
+                "topk": spec.topk,
+                "decode_batching_size": spec.decode_batching_size,
+                "index": first,
+                "proofs": proofs,
+            }
+        }
         nbytes = sum(len(p) for p in proofs)
         self._sent_bytes[key] = self._sent_bytes.get(key, 0) + nbytes
         if finishing:
-            meta = {"position": "proof", "adapter": self.adapter, "replica": self.replica_id,
-                    "proofs": first + len(proofs), "prompt_tokens": prover.prompt_len}
+            meta = {
+                "position": "proof",
+                "adapter": self.adapter,
+                "replica": self.replica_id,
+                "proofs": first + len(proofs),
+                "prompt_tokens": prover.prompt_len,
+            }
             st = col.stats.get(key)
             if st is not None:
                 meta.update(st.meta(timed=False))

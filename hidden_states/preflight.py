@@ -24,8 +24,10 @@ def check_model_folder(path: str) -> dict | None:
     if not folder.exists():
         looks_like_hub_id = path.count("/") == 1 and not path.startswith(("/", ".", "~"))
         if not looks_like_hub_id:
-            raise EngineStartupError(f"the model folder {path} does not exist: set `model` in the app's args "
-                                     "to a local model folder, a hub id, or builtin:NAME")
+            raise EngineStartupError(
+                f"the model folder {path} does not exist: set `model` in the app's args "
+                "to a local model folder, a hub id, or builtin:NAME"
+            )
         return None  # vLLM resolves "org/name" from the hub (where the network allows)
     if not folder.is_dir():
         raise EngineStartupError(f"the model path {path} is not a folder: `model` must name a model folder")
@@ -37,17 +39,20 @@ def check_model_folder(path: str) -> dict | None:
     except (OSError, ValueError) as e:
         raise EngineStartupError(f"the model folder {path} has an unreadable config.json: {e}") from None
     if not any(f.suffix in WEIGHT_SUFFIXES for f in folder.iterdir()):
-        raise EngineStartupError(f"the model folder {path} holds no weights (*.safetensors or *.bin): "
-                                 "the model cannot load")
+        raise EngineStartupError(
+            f"the model folder {path} holds no weights (*.safetensors or *.bin): the model cannot load"
+        )
     return cfg
 
 
 def check_architecture(cfg: dict, path: str, supported: set[str]) -> None:
     archs = cfg.get("architectures") or []
     if archs and not any(a in supported for a in archs):
-        raise EngineStartupError(f"the model at {path} is a {', '.join(archs)}, an architecture this vLLM cannot "
-                                 "run; choose a model vLLM supports (https://docs.vllm.ai/en/latest/models/"
-                                 "supported_models.html)")
+        raise EngineStartupError(
+            f"the model at {path} is a {', '.join(archs)}, an architecture this vLLM cannot "
+            "run; choose a model vLLM supports (https://docs.vllm.ai/en/latest/models/"
+            "supported_models.html)"
+        )
 
 
 def weights_bytes(path: str) -> int:
@@ -92,4 +97,5 @@ def check_cpu_memory(path: str, kv_cache_bytes: int | None, available: int | Non
             f"not enough memory: the KV cache (engine.kv_cache_memory_bytes = {kv_cache_bytes / GiB:.2f} GiB) plus "
             f"the model weights ({weights / GiB:.2f} GiB) need {need / GiB:.2f} GiB, and this machine has "
             f"{available / GiB:.2f} GiB available; lower `engine.kv_cache_memory_bytes` in the app's args "
-            "(config.yaml), or use a smaller model or a larger machine")
+            "(config.yaml), or use a smaller model or a larger machine"
+        )

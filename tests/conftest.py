@@ -178,7 +178,11 @@ def build_lora(base: str, targets: str, seed: int, rank: int = 8) -> str:
     from hidden_states.models.builtin import cache_root
 
     recipe = json.dumps([Path(base).name, LORA_TARGETS[targets], seed, rank, "peft-v1"])
-    out = cache_root().parent / "test-adapters" / f"{Path(base).name}-{targets}-{hashlib.sha1(recipe.encode()).hexdigest()[:10]}"
+    out = (
+        cache_root().parent
+        / "test-adapters"
+        / f"{Path(base).name}-{targets}-{hashlib.sha1(recipe.encode()).hexdigest()[:10]}"
+    )
     if (out / "adapter_config.json").exists():
         return str(out)
     import torch
@@ -187,8 +191,9 @@ def build_lora(base: str, targets: str, seed: int, rank: int = 8) -> str:
 
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     torch.manual_seed(seed)
-    config = LoraConfig(r=rank, lora_alpha=1, lora_dropout=0.0, target_modules=list(LORA_TARGETS[targets]),
-                        init_lora_weights=False)
+    config = LoraConfig(
+        r=rank, lora_alpha=1, lora_dropout=0.0, target_modules=list(LORA_TARGETS[targets]), init_lora_weights=False
+    )
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     get_peft_model(model, config).save_pretrained(str(tmp))
     try:
@@ -211,9 +216,18 @@ ENGINE_CLEAN = ("pending", "missing_vectors", "malformed_vectors")
 
 
 @contextlib.contextmanager
-def running_engine(loop_thread, model: str = TEST_MODEL, *, timeout: float = 300, env: dict[str, str] | None = None,
-                   one_more_step: str | None = None, clean: tuple[str, ...] = ENGINE_CLEAN, check=None,
-                   errors: list | None = None, **start):
+def running_engine(
+    loop_thread,
+    model: str = TEST_MODEL,
+    *,
+    timeout: float = 300,
+    env: dict[str, str] | None = None,
+    one_more_step: str | None = None,
+    clean: tuple[str, ...] = ENGINE_CLEAN,
+    check=None,
+    errors: list | None = None,
+    **start,
+):
     """`HiddenStatesEngine.start(model, **start)` on `loop_thread` (within `timeout` s, with `env` in the
     environment while it starts), for the block. After it: with `one_more_step`, a 2-token greedy completion of
     that prompt (the runner sees the last finished ids with the next step); then, if `clean` or `check`, the
@@ -228,8 +242,9 @@ def running_engine(loop_thread, model: str = TEST_MODEL, *, timeout: float = 300
         if one_more_step is not None:
             from vllm import SamplingParams
 
-            loop_thread.run(eng.complete(one_more_step, SamplingParams(max_tokens=2, temperature=0.0),
-                                         return_hidden_states=False))
+            loop_thread.run(
+                eng.complete(one_more_step, SamplingParams(max_tokens=2, temperature=0.0), return_hidden_states=False)
+            )
         if clean or check:
             stats = loop_thread.run(eng.stats())
             assert all(stats[k] == 0 for k in clean), stats

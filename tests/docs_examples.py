@@ -53,26 +53,37 @@ NOT_RUN, SET_UP = "not run", "set-up"
 # The one list of blocks that are not examples with an answer of their own: (doc, the start of the
 # block's first line) -> (NOT_RUN or SET_UP, why). Each entry must name exactly one block.
 LISTED: dict[tuple[str, str], tuple[str, str]] = {
-    ("README.md", "make serve "): (NOT_RUN, "starts the server the examples talk to (the test's own fixture "
-                                            "runs its script, scripts/serve.sh config.yaml)"),
+    ("README.md", "make serve "): (
+        NOT_RUN,
+        "starts the server the examples talk to (the test's own fixture runs its script, scripts/serve.sh config.yaml)",
+    ),
     ("docs/api.md", '"hidden_states_proof": {"scheme": "toploc"'): (NOT_RUN, "a fragment of an answer, not code"),
     ("docs/benchmarks.md", "make bench "): (NOT_RUN, "the benchmarks: an hour and more, on a machine of their own"),
     ("docs/configuration.md", "args:"): (NOT_RUN, "a fragment of a config's `args`"),
     ("docs/how-it-works.md", "request -> deployments/router.py"): (NOT_RUN, "a diagram"),
-    ("docs/how-it-works.md", "import torch"): (NOT_RUN, "vLLM's bug report's reproduction: it prints uninitialised "
-                                                        "memory, unfixed (tests/engine/test_spec_decode.py tests "
-                                                        "the fix)"),
-    ("docs/how-it-works.md", "def _expand_kernel_impl("): (NOT_RUN, "the bug report's fix, as vLLM would take it "
-                                                                     "(hidden_states/vllm/cpu.py applies it)"),
-    ("docs/operations.md", "ray start --head --metrics-export-port=8080"): (NOT_RUN, "starts a Ray cluster and a "
-                                                                                     "server of its own"),
+    ("docs/how-it-works.md", "import torch"): (
+        NOT_RUN,
+        "vLLM's bug report's reproduction: it prints uninitialised "
+        "memory, unfixed (tests/engine/test_spec_decode.py tests "
+        "the fix)",
+    ),
+    ("docs/how-it-works.md", "def _expand_kernel_impl("): (
+        NOT_RUN,
+        "the bug report's fix, as vLLM would take it (hidden_states/vllm/cpu.py applies it)",
+    ),
+    ("docs/operations.md", "ray start --head --metrics-export-port=8080"): (
+        NOT_RUN,
+        "starts a Ray cluster and a server of its own",
+    ),
     ("docs/multimodal.md", "from ray import serve"): (SET_UP, "deploys the tiny VLM the next blocks talk to"),
     ("docs/multimodal.md", 'serve.delete("vision")'): (SET_UP, "removes it again"),
     ("docs/heads.md", "import tempfile"): (SET_UP, "makes an SAE and a probe and deploys the app the next blocks read"),
     ("docs/heads.md", 'serve.delete("heads")'): (SET_UP, "removes it again"),
     ("cluster/README.md", "ray up cluster/gpu-aws.yaml"): (NOT_RUN, "provisions GPU machines on AWS"),
-    ("cluster/README.md", "docker build -f cluster/Dockerfile"): (NOT_RUN, "builds and pushes an image, deploys "
-                                                                           "on Kubernetes"),
+    ("cluster/README.md", "docker build -f cluster/Dockerfile"): (
+        NOT_RUN,
+        "builds and pushes an image, deploys on Kubernetes",
+    ),
 }
 
 
@@ -120,15 +131,18 @@ def blocks_of(doc: str, text: str) -> list[Block]:
         j = i + 1
         while j < len(lines) and not close.match(lines[j]):
             j += 1
-        body = [ln[indent:] if ln[:indent].strip() == "" else ln.lstrip() for ln in lines[i + 1:j]]
+        body = [ln[indent:] if ln[:indent].strip() == "" else ln.lstrip() for ln in lines[i + 1 : j]]
         out.append(Block(doc, i + 1, info.split()[0].lower() if info else "", "\n".join(body)))
         i = j + 1
     return out
 
 
 def blocks() -> list[Block]:
-    return [b for path in doc_files()
-            for b in blocks_of(path.relative_to(ROOT).as_posix(), path.read_text(encoding="utf-8"))]
+    return [
+        b
+        for path in doc_files()
+        for b in blocks_of(path.relative_to(ROOT).as_posix(), path.read_text(encoding="utf-8"))
+    ]
 
 
 def kind_of(block: Block) -> str | None:
@@ -152,8 +166,10 @@ def listing(found: list[Block], listed: dict | None = None) -> tuple[dict[Block,
             problems.append(f"LISTED[{doc!r}, {start!r}]: {entry[0]!r} is neither {NOT_RUN!r} nor {SET_UP!r}")
         named = [b for b in found if b.doc == doc and b.first.startswith(start)]
         if len(named) != 1:
-            problems.append(f"LISTED[{doc!r}, {start!r}] names {len(named)} blocks, not one"
-                            + (": " + ", ".join(b.where for b in named) if named else " (drop or fix the entry)"))
+            problems.append(
+                f"LISTED[{doc!r}, {start!r}] names {len(named)} blocks, not one"
+                + (": " + ", ".join(b.where for b in named) if named else " (drop or fix the entry)")
+            )
         out.update((b, entry) for b in named)
     return out, problems
 
@@ -171,8 +187,10 @@ def audit(found: list[Block] | None = None, listed: dict | None = None) -> tuple
             continue
         if kind is None:
             if entry is None:
-                problems.append(f"{b.where}: a ```{b.lang} block ({b.first[:60]!r}) the test neither runs nor lists: "
-                                f"make it an example, or name it in tests/docs_examples.py's LISTED")
+                problems.append(
+                    f"{b.where}: a ```{b.lang} block ({b.first[:60]!r}) the test neither runs nor lists: "
+                    f"make it an example, or name it in tests/docs_examples.py's LISTED"
+                )
             else:
                 problems.append(f"{b.where}: listed as {SET_UP!r}, but not a block the test can run")
             continue
@@ -202,29 +220,39 @@ def check_problems(e: Example) -> list[str]:
             checks = python_checks(e.code)
         except SyntaxError as err:
             return [f"not Python: {err}"]
-        out = [f"line {e.line + n}: a `# ->` the harness cannot check (it checks one at the end of a top-level "
-               f"expression statement)" for n in sorted(set(arrows(e.code)) - set(checks))]
+        out = [
+            f"line {e.line + n}: a `# ->` the harness cannot check (it checks one at the end of a top-level "
+            f"expression statement)"
+            for n in sorted(set(arrows(e.code)) - set(checks))
+        ]
         if not checks and not e.set_up:
-            out.append("a Python example that shows no answer (`expression  # -> value`); list it as "
-                       f"{SET_UP!r} if it only sets up the next")
+            out.append(
+                "a Python example that shows no answer (`expression  # -> value`); list it as "
+                f"{SET_UP!r} if it only sets up the next"
+            )
         return out
     if e.kind == "curl":
-        out = [f"line {e.line + n}: a `# ->` the harness cannot check (it reads `# ->` comment lines)"
-               for n, ln in enumerate(e.code.splitlines(), 1) if re.search(r"#\s*->", ln)
-               and not ln.strip().startswith("# ->")]
+        out = [
+            f"line {e.line + n}: a `# ->` the harness cannot check (it reads `# ->` comment lines)"
+            for n, ln in enumerate(e.code.splitlines(), 1)
+            if re.search(r"#\s*->", ln) and not ln.strip().startswith("# ->")
+        ]
         want = expectation(e.code)
         if not want and not e.set_up:
-            out.append("a curl example that shows no answer (`# -> \"key\": value, ...`)")
+            out.append('a curl example that shows no answer (`# -> "key": value, ...`)')
         try:
             pairs(want)
         except ValueError as err:
             out.append(str(err))
         return out
-    return [f"line {e.line + n}: a `# ->` after a batch command is not checked" for n in
-            [i for i, ln in enumerate(e.code.splitlines(), 1) if re.search(r"#\s*->", ln)]]
+    return [
+        f"line {e.line + n}: a `# ->` after a batch command is not checked"
+        for n in [i for i, ln in enumerate(e.code.splitlines(), 1) if re.search(r"#\s*->", ln)]
+    ]
 
 
 # -- curl: `# -> "key": value, ...` against the JSON answer ---------------------------------------
+
 
 def expectation(code: str) -> str:
     """The `# ->` comment and its continuation lines (`#    ...`), up to a `# (` aside."""
@@ -273,7 +301,7 @@ def pairs(s: str) -> list[tuple[str, str]]:
         if m:
             out.append((m.group(1), m.group(2).strip()))
         elif item.strip() != "...":
-            raise ValueError(f"not a `\"key\": value` item: {item!r}")
+            raise ValueError(f'not a `"key": value` item: {item!r}')
     return out
 
 
@@ -313,11 +341,12 @@ def value_problem(got: Any, want: str) -> str | None:
         return "; ".join(p for p in problems(got, want, nested=True)) or None
     if want.startswith("[") and "..." in want:
         ends = [x for x in _split(want[1:-1])]
-        head, tail = ends[:ends.index("...")], ends[ends.index("...") + 1:]
+        head, tail = ends[: ends.index("...")], ends[ends.index("...") + 1 :]
         if not isinstance(got, list) or len(got) < len(head) + len(tail):
             return f"not a list of at least {len(head) + len(tail)}: {str(got)[:80]}"
-        bad = [(json.loads(w), g) for w, g in zip(head, got[:len(head)])] + \
-              [(json.loads(w), g) for w, g in zip(tail, got[len(got) - len(tail):])]
+        bad = [(json.loads(w), g) for w, g in zip(head, got[: len(head)])] + [
+            (json.loads(w), g) for w, g in zip(tail, got[len(got) - len(tail) :])
+        ]
         return None if all(w == g for w, g in bad) else f"{got} does not run {want}"
     try:
         expected = json.loads(want)
@@ -342,6 +371,7 @@ def problems(answer: Any, want: str, nested: bool = False) -> list[str]:
 
 # -- Python: `expr  # -> value` lines become checks --------------------------------------------
 
+
 def python_checks(code: str) -> dict[int, tuple[ast.Expr, str]]:
     """The block's checks, by the line of their `# ->`: each top-level expression statement whose last
     line ends in `# -> value`, with that value's text."""
@@ -362,8 +392,9 @@ def checked_python(code: str, where: str | None = None, offset: int = 0) -> str:
         expr = ast.get_source_segment(code, node)
         indent = re.match(r"\s*", lines[node.lineno - 1]).group(0)
         tail = f", {where!r}" if where else ""
-        lines[node.lineno - 1:node.end_lineno] = [
-            f"{indent}_expect(({expr}), {want!r}, {node.end_lineno + offset}{tail})"]
+        lines[node.lineno - 1 : node.end_lineno] = [
+            f"{indent}_expect(({expr}), {want!r}, {node.end_lineno + offset}{tail})"
+        ]
     return "\n".join(lines)
 
 
@@ -385,10 +416,10 @@ def expect(value: Any, want: str, line: int, doc: str | None = None) -> None:
         print(f"CHECKED {doc}:{line}", flush=True)
 
 
-PRELUDE = '''
+PRELUDE = """
 import sys
 from tests.docs_examples import expect as _expect
-'''
+"""
 
 
 def marks(e: Example) -> set[str]:
@@ -397,6 +428,7 @@ def marks(e: Example) -> set[str]:
 
 
 # -- running them (tests/serve/test_config_yaml.py, against a server) ------------------------------
+
 
 def run_curl(e: Example, env: dict, timeout: float = 300) -> list[str]:
     """A curl example run with bash: its answer against its `# ->` shape; what differs, one line each."""
@@ -417,10 +449,12 @@ def run_curl(e: Example, env: dict, timeout: float = 300) -> list[str]:
 def run_python(doc_examples: list[Example], env: dict, cwd: Path | str, timeout: float = 600) -> list[str]:
     """One doc's Python examples in one process, in order: the first that fails, and every check that
     did not print its mark (did not run)."""
-    script = PRELUDE + "\n".join(f"print('EXAMPLE {e.where}', flush=True)\n"
-                                 f"{checked_python(e.code, e.doc, e.line)}" for e in doc_examples)
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=timeout, env=env,
-                         cwd=cwd)
+    script = PRELUDE + "\n".join(
+        f"print('EXAMPLE {e.where}', flush=True)\n{checked_python(e.code, e.doc, e.line)}" for e in doc_examples
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd
+    )
     printed = out.stdout.splitlines()
     if out.returncode != 0:
         ran = [ln.split()[1] for ln in printed if ln.startswith("EXAMPLE ")]

@@ -37,8 +37,14 @@ def exported_metric_names(path: Path = METRICS) -> dict[str, str]:
     """{scraped name: kind} for every Counter, Gauge and Histogram the module creates with a literal name."""
     out = {}
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in SUFFIXES
-                and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in SUFFIXES
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+        ):
             for suffix in SUFFIXES[node.func.id]:
                 out[f"ray_{node.args[0].value}{suffix}"] = node.func.id
     return out

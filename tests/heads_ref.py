@@ -25,13 +25,15 @@ REL_TOL = 1e-5
 def make_sae(folder: str, arch: str, d_in: int, d_sae: int, hook: str, seed: int, k: int = 16) -> str:
     """An SAE of `arch` saved by SAELens into `folder`: random weights (fixed seed) scaled so that
     about half the features fire on a tiny model's rows (threshold ~ typical pre-activations)."""
-    import torch
     import sae_lens
+    import torch
 
-    cls, cfg_cls = {"standard": (sae_lens.StandardSAE, sae_lens.StandardSAEConfig),
-                    "topk": (sae_lens.TopKSAE, sae_lens.TopKSAEConfig),
-                    "jumprelu": (sae_lens.JumpReLUSAE, sae_lens.JumpReLUSAEConfig),
-                    "gated": (sae_lens.GatedSAE, sae_lens.GatedSAEConfig)}[arch]
+    cls, cfg_cls = {
+        "standard": (sae_lens.StandardSAE, sae_lens.StandardSAEConfig),
+        "topk": (sae_lens.TopKSAE, sae_lens.TopKSAEConfig),
+        "jumprelu": (sae_lens.JumpReLUSAE, sae_lens.JumpReLUSAEConfig),
+        "gated": (sae_lens.GatedSAE, sae_lens.GatedSAEConfig),
+    }[arch]
     cfg = cfg_cls(d_in=d_in, d_sae=d_sae, dtype="float32", device="cpu", **({"k": k} if arch == "topk" else {}))
     cfg.metadata.hook_name = hook
     sae = cls(cfg)
@@ -40,7 +42,7 @@ def make_sae(folder: str, arch: str, d_in: int, d_sae: int, hook: str, seed: int
         for name, p in sae.named_parameters():
             noise = torch.randn(p.shape, generator=gen)
             if name in ("W_enc", "W_dec"):
-                p.copy_(noise / d_in ** 0.5)
+                p.copy_(noise / d_in**0.5)
             elif name == "threshold":
                 p.copy_(noise.abs() * 0.3)
             elif name == "r_mag":
@@ -67,8 +69,13 @@ def make_linear(path: str, d_in: int, classes: int, seed: int) -> str:
     from safetensors.torch import save_file
 
     gen = torch.Generator().manual_seed(seed)
-    save_file({"weight": torch.randn(classes, d_in, generator=gen) / d_in ** 0.5,
-               "bias": torch.randn(classes, generator=gen) * 0.1}, path)
+    save_file(
+        {
+            "weight": torch.randn(classes, d_in, generator=gen) / d_in**0.5,
+            "bias": torch.randn(classes, generator=gen) * 0.1,
+        },
+        path,
+    )
     return path
 
 
@@ -108,12 +115,16 @@ def assert_sae_topk(indices, values, ref: np.ndarray, k: int) -> tuple[float, fl
 # The test heads on the built-in tiny Llama (D = 128, 2 decoder layers): an SAE of each SAELens
 # architecture, 8x wider than D, at each kind of hook point, and two linear heads.
 # (name, architecture, hook point, this server's layer)
-TINY_SAES = [("sae-std", "standard", "blocks.0.hook_resid_post", 1),
-             ("sae-topk", "topk", "ln_final.hook_normalized", -1),  # the last layer: 2 on the tiny Llama
-             ("sae-jump", "jumprelu", "blocks.1.hook_resid_pre", 1),
-             ("sae-gated", "gated", "blocks.0.hook_resid_pre", 0)]
-TINY_LINEAR = [("probe", -1, {"activation": "softmax", "labels": ["neg", "neutral", "pos"]}),
-               ("mid", 1, {"layer": 1, "activation": "sigmoid"})]
+TINY_SAES = [
+    ("sae-std", "standard", "blocks.0.hook_resid_post", 1),
+    ("sae-topk", "topk", "ln_final.hook_normalized", -1),  # the last layer: 2 on the tiny Llama
+    ("sae-jump", "jumprelu", "blocks.1.hook_resid_pre", 1),
+    ("sae-gated", "gated", "blocks.0.hook_resid_pre", 0),
+]
+TINY_LINEAR = [
+    ("probe", -1, {"activation": "softmax", "labels": ["neg", "neutral", "pos"]}),
+    ("mid", 1, {"layer": 1, "activation": "sigmoid"}),
+]
 TINY_D, TINY_F, TINY_TOPK_K = 128, 1024, 16
 HEAD_LAYERS = {name: layer for name, _, _, layer in TINY_SAES} | {name: layer for name, layer, _ in TINY_LINEAR}
 
@@ -127,8 +138,17 @@ def build_test_heads() -> list[dict]:
 
     from hidden_states.models.builtin import cache_root
 
-    recipe = json.dumps([TINY_SAES, TINY_LINEAR, TINY_D, TINY_F, TINY_TOPK_K, "heads-v2",
-                         {name: [f.start, f.stop, f.step] for name, f in DESCRIBED.items()}])
+    recipe = json.dumps(
+        [
+            TINY_SAES,
+            TINY_LINEAR,
+            TINY_D,
+            TINY_F,
+            TINY_TOPK_K,
+            "heads-v2",
+            {name: [f.start, f.stop, f.step] for name, f in DESCRIBED.items()},
+        ]
+    )
     out = cache_root().parent / "test-heads" / hashlib.sha1(recipe.encode()).hexdigest()[:10]
     entries = [{"name": name, "path": str(out / name)} for name, *_ in TINY_SAES]
     entries += [{"name": name, "path": str(out / f"{name}.safetensors"), **extra} for name, _, extra in TINY_LINEAR]
@@ -160,8 +180,17 @@ def write_explanations(folder: str, features) -> None:
     second explanation of one feature (the server keeps the first)."""
     import json
 
-    records = [{"modelId": "tiny-llama", "layer": "0-res", "index": str(i), "description": f" feature {i} words",
-                "explanationModelName": "test", "typeName": "test"} for i in features]
+    records = [
+        {
+            "modelId": "tiny-llama",
+            "layer": "0-res",
+            "index": str(i),
+            "description": f" feature {i} words",
+            "explanationModelName": "test",
+            "typeName": "test",
+        }
+        for i in features
+    ]
     records.append({**records[0], "description": "a later explanation"})
     with open(os.path.join(folder, "explanations.json"), "w") as f:
         json.dump(records, f)
@@ -180,8 +209,9 @@ def explanations_of(folder: str) -> dict[int, str]:
     return out
 
 
-def check_heads(case: str, hs_heads: dict, states: list, positions, heads: list[dict], asked: dict,
-                errors: list | None = None) -> None:
+def check_heads(
+    case: str, hs_heads: dict, states: list, positions, heads: list[dict], asked: dict, errors: list | None = None
+) -> None:
     """Each asked head's outputs ({name: outputs}; one position: an object, several: a list) at
     `positions` against SAELens / numpy on transformers' `states` (hidden_states per layer, [T, D])."""
     by_name = {h["name"]: h for h in heads}
@@ -224,8 +254,9 @@ def head_scorer(name: str, index: int):
     if name.startswith("sae"):
         sae = SAE.load_from_disk(head["path"], device="cpu")
         return lambda row: float(sae.encode(torch.tensor(np.asarray(row, np.float32)[None]))[0, index])
-    return lambda row: float(linear_reference(head["path"], head.get("activation", "none"),
-                                              np.asarray(row)[None])[0, index])
+    return lambda row: float(
+        linear_reference(head["path"], head.get("activation", "none"), np.asarray(row)[None])[0, index]
+    )
 
 
 def crossing(scores: np.ndarray, P: int, above: bool) -> tuple[int, float]:

@@ -5,7 +5,8 @@ on the output of decoder layer L - 1 (for L = 0, a pre-hook on decoder layer 0: 
 the model scales and merges them), before anything the model adds between layers (Qwen3-VL's
 DeepStack), on the rows of the chosen positions: + scale x vector (`add`), minus the component along the unit
 vector (`ablate`), that component limited to c (`("cap", c)`), or an SAE feature set to a value by
-SAELens's own `encode` and `W_dec` (`("clamp", sae, feature, value)`), entries in order. Rows are read at the same sites right after the steering (transformers' own
+SAELens's own `encode` and `W_dec` (`("clamp", sae, feature, value)`), entries in order. Rows are read at the same
+sites right after the steering (transformers' own
 recorder reads them before a hook added later; unsteered, the two are the same bits: `hook_layers`
 checks it), and the final norm's output, and greedy tokens come from recomputing the whole
 sequence each step (no KV cache: positions are plain indices).
@@ -65,6 +66,7 @@ def hook_layers(layers, norm, entries, total: int, prompt_len: int, recorded: di
             if isinstance(output, tuple):
                 return (steer(layer, output[0]), *output[1:])
             return steer(layer, output)
+
         return hook
 
     def post_norm(module, args, output):
@@ -95,8 +97,9 @@ def steered_states(model, ids, entries, prompt_len: int) -> list[np.ndarray]:
     hooks = hook_layers(layers, norm, entries, len(ids), prompt_len, recorded)
     try:
         with torch.no_grad():
-            out = model(torch.tensor([list(ids)], device=next(model.parameters()).device),
-                        output_hidden_states=not entries)
+            out = model(
+                torch.tensor([list(ids)], device=next(model.parameters()).device), output_hidden_states=not entries
+            )
     finally:
         for h in hooks:
             h.remove()
@@ -114,7 +117,7 @@ def steered_greedy(model, prompt_ids, entries, max_tokens: int, eos: int | None 
         ids.append(nxt)
         if eos is not None and nxt == eos:
             break
-    return ids[len(prompt_ids):]
+    return ids[len(prompt_ids) :]
 
 
 def write_gguf(path: str, directions: dict[int, np.ndarray]) -> str:

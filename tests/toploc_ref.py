@@ -33,8 +33,14 @@ def load_toploc():
     build.mkdir(parents=True, exist_ok=True)
 
     for name in ("ndd", "utils", "poly"):
-        module = cpp_extension.load(name=name, sources=[str(src / f"{name}.cpp")], build_directory=str(build),
-                                    extra_cflags=["-O2", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+        module = cpp_extension.load(
+            name=name,
+            sources=[str(src / f"{name}.cpp")],
+            build_directory=str(build),
+            extra_cflags=["-O2", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
         sys.modules[f"toploc.C.csrc.{name}"] = module
     import toploc
 
@@ -48,13 +54,15 @@ def fed_rows(model, ids: list[int], prompt_len: int) -> list:
 
     with torch.no_grad():
         rows = model(torch.tensor([ids[:-1]]), output_hidden_states=True).hidden_states[-1][0].to(torch.bfloat16)
-    return [rows[:prompt_len]] + [rows[p:p + 1] for p in range(prompt_len, len(ids) - 1)]
+    return [rows[:prompt_len]] + [rows[p : p + 1] for p in range(prompt_len, len(ids) - 1)]
 
 
 def library_ok(tl, acts, proofs, decode_batching_size: int, topk: int = 128) -> list[bool]:
     """toploc.verify_proofs_base64 per proof, under TOPLOC's thresholds (38, 10, 8)."""
-    return [r.exp_mismatches <= 38 and r.mant_err_mean <= 10 and r.mant_err_median <= 8
-            for r in tl.verify_proofs_base64(acts, proofs, decode_batching_size, topk)]
+    return [
+        r.exp_mismatches <= 38 and r.mant_err_mean <= 10 and r.mant_err_median <= 8
+        for r in tl.verify_proofs_base64(acts, proofs, decode_batching_size, topk)
+    ]
 
 
 # How a well-formed proof is altered: it still decodes (the length, a non-zero modulus), its polynomial

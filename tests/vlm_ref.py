@@ -11,7 +11,7 @@ l = the output of decoder layer l - 1 (before Qwen3-VL's DeepStack additions), L
 from __future__ import annotations
 
 import functools
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -23,7 +23,8 @@ def load(model_dir: str):
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     model, info = AutoModelForImageTextToText.from_pretrained(
-        str(model_dir), dtype=torch.float32, output_loading_info=True)
+        str(model_dir), dtype=torch.float32, output_loading_info=True
+    )
     bad = {k: v for k, v in info.items() if v}
     assert not bad, f"{model_dir}: weights not loaded as saved: {bad}"
     return model.eval(), AutoProcessor.from_pretrained(str(model_dir))
@@ -56,8 +57,12 @@ def model_inputs(model_dir: str, token_ids: Sequence[int], images: Sequence) -> 
 
 
 # the model input each family reads its processor's token types from
-TOKEN_TYPES = {"gemma3": "token_type_ids", "qwen2_vl": "mm_token_type_ids", "qwen2_5_vl": "mm_token_type_ids",
-               "qwen3_vl": "mm_token_type_ids"}
+TOKEN_TYPES = {
+    "gemma3": "token_type_ids",
+    "qwen2_vl": "mm_token_type_ids",
+    "qwen2_5_vl": "mm_token_type_ids",
+    "qwen3_vl": "mm_token_type_ids",
+}
 
 
 def reference_forward(model_dir, token_ids: Sequence[int], images: Sequence = (), completion_ids: Sequence[int] = ()):
@@ -70,15 +75,17 @@ def reference_forward(model_dir, token_ids: Sequence[int], images: Sequence = ()
         return model(**inputs, output_hidden_states=True, use_cache=False)
 
 
-def reference_hidden_states(model_dir, prompt_token_ids: Sequence[int], images: Sequence = (),
-                            completion_ids: Sequence[int] = ()) -> np.ndarray:
+def reference_hidden_states(
+    model_dir, prompt_token_ids: Sequence[int], images: Sequence = (), completion_ids: Sequence[int] = ()
+) -> np.ndarray:
     """transformers' `hidden_states` as float32 [L + 1, T, D]; [-1] is after the final norm."""
     out = reference_forward(model_dir, prompt_token_ids, images, completion_ids)
     return np.stack([h[0].float().numpy() for h in out.hidden_states])
 
 
-def reference_logits(model_dir, prompt_token_ids: Sequence[int], images: Sequence = (),
-                     completion_ids: Sequence[int] = ()) -> np.ndarray:
+def reference_logits(
+    model_dir, prompt_token_ids: Sequence[int], images: Sequence = (), completion_ids: Sequence[int] = ()
+) -> np.ndarray:
     """transformers' logits [T, V] (float32)."""
     out = reference_forward(model_dir, prompt_token_ids, images, completion_ids)
     return out.logits[0].float().numpy()
@@ -106,9 +113,16 @@ def reference_greedy(model_dir, messages_or_prompt_ids, images: Sequence = (), m
         ids = prompt_ids(model_dir, ids, images)
     inputs = model_inputs(str(model_dir), ids, images)
     with torch.no_grad():
-        out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, top_k=None, top_p=None,
-                             temperature=None, pad_token_id=model.config.get_text_config().eos_token_id)
-    return out[0, len(ids):].tolist()
+        out = model.generate(
+            **inputs,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            top_k=None,
+            top_p=None,
+            temperature=None,
+            pad_token_id=model.config.get_text_config().eos_token_id,
+        )
+    return out[0, len(ids) :].tolist()
 
 
 def video_frames(path) -> tuple[np.ndarray, dict]:
@@ -128,8 +142,9 @@ def video_frames(path) -> tuple[np.ndarray, dict]:
     return np.stack(frames), {"fps": fps, "total_num_frames": len(frames), "frames_indices": list(range(len(frames)))}
 
 
-def qwen_vl_positions(token_types: Sequence[int], grids: Sequence[Sequence[int]], intervals: Sequence[float],
-                      merge: int) -> np.ndarray:
+def qwen_vl_positions(
+    token_types: Sequence[int], grids: Sequence[Sequence[int]], intervals: Sequence[float], merge: int
+) -> np.ndarray:
     """Qwen2.5-VL's 3-D rotary positions [3, T] as its authors define them (transformers PR #35569, the
     `get_rope_index` docstring of the release): text counts up by 1; a vision item's tokens take
     (t x interval, h, w) over its merged grid, offset by the position where it starts; the text after
@@ -151,8 +166,12 @@ def qwen_vl_positions(token_types: Sequence[int], grids: Sequence[Sequence[int]]
             t, h, w = grids[item]
             interval = intervals[item]
             item += 1
-            vision = [[nxt + int(a * interval), nxt + b, nxt + c]
-                      for a in range(t) for b in range(h // merge) for c in range(w // merge)]
+            vision = [
+                [nxt + int(a * interval), nxt + b, nxt + c]
+                for a in range(t)
+                for b in range(h // merge)
+                for c in range(w // merge)
+            ]
             assert len(vision) == j - i, (len(vision), j - i)
             out += vision
             nxt = max(max(p) for p in vision) + 1
@@ -170,23 +189,33 @@ def reference_video_hidden_states(model_dir, token_ids: Sequence[int], video_pat
     model, processor = load(str(model_dir))
     frames, meta = video_frames(video_path)
     video = processor.video_processor(videos=[frames], return_tensors="pt")
-    seconds = processor.video_processor.temporal_patch_size / (len(meta["frames_indices"]) / meta["total_num_frames"]
-                                                               * meta["fps"])
+    seconds = processor.video_processor.temporal_patch_size / (
+        len(meta["frames_indices"]) / meta["total_num_frames"] * meta["fps"]
+    )
     ids = torch.tensor([list(token_ids)], dtype=torch.long)
     types = processor.create_mm_token_type_ids(ids.tolist())
-    positions = qwen_vl_positions(types[0], video["video_grid_thw"].tolist(),
-                                  [model.config.vision_config.tokens_per_second * seconds],
-                                  model.config.vision_config.spatial_merge_size)
-    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), **video,
-              "second_per_grid_ts": torch.tensor([seconds]), "mm_token_type_ids": torch.tensor(types),
-              "position_ids": torch.from_numpy(positions)[:, None, :]}
+    positions = qwen_vl_positions(
+        types[0],
+        video["video_grid_thw"].tolist(),
+        [model.config.vision_config.tokens_per_second * seconds],
+        model.config.vision_config.spatial_merge_size,
+    )
+    inputs = {
+        "input_ids": ids,
+        "attention_mask": torch.ones_like(ids),
+        **video,
+        "second_per_grid_ts": torch.tensor([seconds]),
+        "mm_token_type_ids": torch.tensor(types),
+        "position_ids": torch.from_numpy(positions)[:, None, :],
+    }
     with torch.no_grad():
         out = model(**inputs, output_hidden_states=True, use_cache=False)
     return np.stack([h[0].float().numpy() for h in out.hidden_states])
 
 
-def reference_audio_hidden_states(model_dir, token_ids: Sequence[int], clips: Sequence[np.ndarray],
-                                  rate: int = 16000) -> np.ndarray:
+def reference_audio_hidden_states(
+    model_dir, token_ids: Sequence[int], clips: Sequence[np.ndarray], rate: int = 16000
+) -> np.ndarray:
     """An audio LM's (Qwen2-Audio's) `hidden_states` as float32 [L + 1, T, D] for `token_ids` as given
     and each clip (float samples at `rate`) through the folder's feature extractor, padded to its 30 s
     as vLLM's processor pads it."""
@@ -195,12 +224,24 @@ def reference_audio_hidden_states(model_dir, token_ids: Sequence[int], clips: Se
 
     model = Qwen2AudioForConditionalGeneration.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     extractor = AutoProcessor.from_pretrained(str(model_dir)).feature_extractor
-    feats = extractor(list(clips), sampling_rate=rate, return_attention_mask=True, padding="max_length",
-                      truncation=True, return_tensors="pt")
+    feats = extractor(
+        list(clips),
+        sampling_rate=rate,
+        return_attention_mask=True,
+        padding="max_length",
+        truncation=True,
+        return_tensors="pt",
+    )
     ids = torch.tensor([list(token_ids)], dtype=torch.long)
     with torch.no_grad():
-        out = model(input_ids=ids, input_features=feats["input_features"], feature_attention_mask=feats["attention_mask"],
-                    attention_mask=torch.ones_like(ids), output_hidden_states=True, use_cache=False)
+        out = model(
+            input_ids=ids,
+            input_features=feats["input_features"],
+            feature_attention_mask=feats["attention_mask"],
+            attention_mask=torch.ones_like(ids),
+            output_hidden_states=True,
+            use_cache=False,
+        )
     return np.stack([h[0].float().numpy() for h in out.hidden_states])
 
 
@@ -219,8 +260,9 @@ def steered_forward(model_dir, token_ids: Sequence[int], images: Sequence, entri
     hooks = hook_layers(text.layers, text.norm, entries, len(token_ids), prompt_len, recorded)
     try:
         with torch.no_grad():
-            out = model(**model_inputs(str(model_dir), token_ids, images), use_cache=False,
-                        output_hidden_states=not entries)
+            out = model(
+                **model_inputs(str(model_dir), token_ids, images), use_cache=False, output_hidden_states=not entries
+            )
     finally:
         for h in hooks:
             h.remove()

@@ -30,8 +30,8 @@ an audio part rendered as `<|audio_bos|><|AUDIO|><|audio_eos|>` (the processor e
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from hidden_states.models.common import say
 from hidden_states.models.vlm import _randomize, _tokenizer, rename_weights
@@ -49,8 +49,9 @@ def _chat_template(audio_text: str) -> str:
     return (
         "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n"
         "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for p in m['content'] %}"
-        "{% if p['type'] in ('audio', 'input_audio', 'audio_url') %}" + audio_text +
-        "{% elif p['type'] == 'text' %}{{ p['text'] }}{% endif %}"
+        "{% if p['type'] in ('audio', 'input_audio', 'audio_url') %}"
+        + audio_text
+        + "{% elif p['type'] == 'text' %}{{ p['text'] }}{% endif %}"
         "{% endfor %}{% endif %}{{ '\\n' }}{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
     )
 
@@ -66,13 +67,15 @@ def _hub_layout(folder: Path) -> None:
     mapped too, should a later transformers save those."""
 
     def rename(k: str) -> str:
-        for old, new in (("language_model.model.model.", "language_model.model."),
-                         ("model.audio_tower.", "audio_tower."),
-                         ("model.multi_modal_projector.", "multi_modal_projector."),
-                         ("model.language_model.", "language_model.model."),
-                         ("lm_head.", "language_model.lm_head.")):
+        for old, new in (
+            ("language_model.model.model.", "language_model.model."),
+            ("model.audio_tower.", "audio_tower."),
+            ("model.multi_modal_projector.", "multi_modal_projector."),
+            ("model.language_model.", "language_model.model."),
+            ("lm_head.", "language_model.lm_head."),
+        ):
             if k.startswith(old):
-                return new + k[len(old):]
+                return new + k[len(old) :]
         return k
 
     say(f"renamed {rename_weights(folder, rename)} weights to the hub layout")
@@ -80,37 +83,57 @@ def _hub_layout(folder: Path) -> None:
 
 def write_qwen2_audio(out: Path) -> None:
     import torch
-    from transformers import (Qwen2AudioConfig, Qwen2AudioEncoderConfig, Qwen2AudioForConditionalGeneration,
-                              Qwen2AudioProcessor, Qwen2Config, WhisperFeatureExtractor)
+    from transformers import (
+        Qwen2AudioConfig,
+        Qwen2AudioEncoderConfig,
+        Qwen2AudioForConditionalGeneration,
+        Qwen2AudioProcessor,
+        Qwen2Config,
+        WhisperFeatureExtractor,
+    )
 
     specials = {"audio_token": "<|AUDIO|>", "audio_bos_token": "<|audio_bos|>", "audio_eos_token": "<|audio_eos|>"}
     tok = _tokenizer(specials)
     audio_id = tok.convert_tokens_to_ids(specials["audio_token"])
     text = Qwen2Config(
-        hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=64, vocab_size=len(tok), max_position_embeddings=4096,
-        tie_word_embeddings=False, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+        vocab_size=len(tok),
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
         pad_token_id=None,
     )
     mel_bins = 16
     # max_source_positions must stay 1500: the encoder checks for 2 x 1500 = 3000 mel frames
     # (WhisperFeatureExtractor's 30 s chunk at hop 160), and vLLM's input schema fixes 3000.
     audio = Qwen2AudioEncoderConfig(
-        num_mel_bins=mel_bins, encoder_layers=1, encoder_attention_heads=1, encoder_ffn_dim=128,
-        d_model=64, max_source_positions=1500,
+        num_mel_bins=mel_bins,
+        encoder_layers=1,
+        encoder_attention_heads=1,
+        encoder_ffn_dim=128,
+        d_model=64,
+        max_source_positions=1500,
     )
-    config = Qwen2AudioConfig(audio_config=audio, text_config=text, audio_token_index=audio_id,
-                              torch_dtype="float32")
+    config = Qwen2AudioConfig(audio_config=audio, text_config=text, audio_token_index=audio_id, torch_dtype="float32")
     torch.manual_seed(0)
     model = Qwen2AudioForConditionalGeneration(config).eval()
     _randomize(model)
     chat = _chat_template(AUDIO_TEXT)
     feature_extractor = WhisperFeatureExtractor(
-        feature_size=mel_bins, sampling_rate=SAMPLING_RATE, hop_length=160, chunk_length=30, n_fft=400,
+        feature_size=mel_bins,
+        sampling_rate=SAMPLING_RATE,
+        hop_length=160,
+        chunk_length=30,
+        n_fft=400,
         return_attention_mask=True,
     )
-    processor = Qwen2AudioProcessor(feature_extractor=feature_extractor, tokenizer=tok, chat_template=chat,
-                                    **specials)
+    processor = Qwen2AudioProcessor(feature_extractor=feature_extractor, tokenizer=tok, chat_template=chat, **specials)
     model.save_pretrained(out, safe_serialization=True)
     processor.save_pretrained(out)
     tok.chat_template = chat

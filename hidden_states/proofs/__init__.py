@@ -45,8 +45,9 @@ class ProofClaim(ProofRequest):
     """`compare.toploc` of POST /v1/hidden_states: a choice's proofs, as it carried them."""
 
     proofs: list[str] = Field(description="base64 proofs: the prefill's, then one per decode_batching_size tokens")
-    thresholds: ThresholdsField = Field(default_factory=ThresholdsField,
-                                        description="acceptance (TOPLOC's for top-128 by default)")
+    thresholds: ThresholdsField = Field(
+        default_factory=ThresholdsField, description="acceptance (TOPLOC's for top-128 by default)"
+    )
 
 
 class ProofBuilder:
@@ -102,10 +103,22 @@ def check_claim(claim: ProofClaim, chunk_rows: Sequence[np.ndarray]) -> dict[str
     per = []
     for i, (proof, rows) in enumerate(zip(claim.proofs, chunk_rows)):
         v: Verdict = scheme.check(proof, rows, claim.topk, th, f"compare.toploc.proofs[{i}]")
-        per.append({"exp_mismatches": v.exp_mismatches, "mant_err_mean": v.mant_err_mean,
-                    "mant_err_median": v.mant_err_median, "ok": v.ok})
-    return {"scheme": claim.scheme, "topk": claim.topk, "decode_batching_size": claim.decode_batching_size,
-            "thresholds": claim.thresholds.model_dump(), "ok": all(p["ok"] for p in per), "proofs": per}
+        per.append(
+            {
+                "exp_mismatches": v.exp_mismatches,
+                "mant_err_mean": v.mant_err_mean,
+                "mant_err_median": v.mant_err_median,
+                "ok": v.ok,
+            }
+        )
+    return {
+        "scheme": claim.scheme,
+        "topk": claim.topk,
+        "decode_batching_size": claim.decode_batching_size,
+        "thresholds": claim.thresholds.model_dump(),
+        "ok": all(p["ok"] for p in per),
+        "proofs": per,
+    }
 
 
 __all__ = ["SCHEMES", "ProofBuilder", "ProofClaim", "ProofError", "ProofRequest", "check_claim"]

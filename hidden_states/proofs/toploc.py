@@ -83,7 +83,7 @@ def _roots_polynomial(roots: np.ndarray) -> np.ndarray:
         outer = polys[0::2, :, None] * polys[1::2, None, :]
         sums = np.bincount(_SUMS[k, r], weights=outer.ravel().astype(np.float64), minlength=k * (2 * r - 1))
         polys = (sums.astype(np.int64) % PRIME).reshape(k, 2 * r - 1)
-    return polys[0, :n + 1]
+    return polys[0, : n + 1]
 
 
 def _powers(x: np.ndarray, n: int) -> np.ndarray:
@@ -146,8 +146,9 @@ def chunk_bounds(prompt_len: int, total: int, decode_batching_size: int) -> list
     return bounds
 
 
-def chunk_topk(positions: np.ndarray, indices: np.ndarray, bits: np.ndarray, lo: int, width: int,
-               topk: int) -> tuple[np.ndarray, np.ndarray]:
+def chunk_topk(
+    positions: np.ndarray, indices: np.ndarray, bits: np.ndarray, lo: int, width: int, topk: int
+) -> tuple[np.ndarray, np.ndarray]:
     """The chunk's top-k (flat indices, bfloat16 bits) from its rows' top-k (`indices`, `bits` [n, k]
     at `positions`, rows of `width`). Largest magnitude first; ties by lowest flat index."""
     flat = ((positions[:, None] - lo) * width + indices).reshape(-1).astype(np.int64)
@@ -185,8 +186,9 @@ class Verdict:
     ok: bool
 
 
-def check(proof: str, chunk_bits: np.ndarray, topk: int, thresholds: Thresholds = Thresholds(),
-          what: str = "proof") -> Verdict:
+def check(
+    proof: str, chunk_bits: np.ndarray, topk: int, thresholds: Thresholds = Thresholds(), what: str = "proof"
+) -> Verdict:
     """A proof against the validator's own activations of its chunk (`chunk_bits`: the rows as
     bfloat16 bit patterns, [n, D]): toploc's figures, and whether they pass `thresholds`."""
     import torch
@@ -201,8 +203,8 @@ def check(proof: str, chunk_bits: np.ndarray, topk: int, thresholds: Thresholds 
     claimed = evaluate(coeffs, idx % modulus)
     exp_mismatch = (claimed & _EXP) != (mine & _EXP)
     errs = np.abs((claimed & _MANT) - (mine & _MANT))[~exp_mismatch].tolist()
-    mean = float(np.mean(errs)) if errs else float(2 ** 64)
-    median = float(statistics.median(errs)) if errs else float(2 ** 64)
+    mean = float(np.mean(errs)) if errs else float(2**64)
+    median = float(statistics.median(errs)) if errs else float(2**64)
     n = int(exp_mismatch.sum())
     ok = n <= thresholds.exp_mismatches and mean <= thresholds.mant_err_mean and median <= thresholds.mant_err_median
     return Verdict(n, mean, median, ok)

@@ -130,7 +130,8 @@ Ledger of patched points (supported: vLLM {SUPPORTED}):
    inherit it) is wrapped at class level when the worker extension is imported,
    before the model loads; after it loads, each layer L of the set gets its
    steering and capture in the instance `forward` of decoder layer L - 1 (after it;
-   layer 0: before decoder layer 0), on buffers registered on that module (`register_buffer(persistent=False)`, [max tokens, D], allocated
+   layer 0: before decoder layer 0), on buffers registered on that module
+   (`register_buffer(persistent=False)`, [max tokens, D], allocated
    once), traced by torch.compile with the model and replayed by CUDA graphs.
    `GPUModelRunner._model_forward` is wrapped on the runner instance to write a
    step's steering into those buffers before the forward and clear them after
@@ -219,13 +220,15 @@ LONG_TESTED = ("GemmaForCausalLM", "Phi3ForCausalLM")  # verified by `make test-
 
 def verified_families() -> str:
     """The verified architectures, short: "Llama, Qwen2, ..., Qwen3VL"."""
-    return ", ".join(a.removesuffix("ForCausalLM").removesuffix("ForConditionalGeneration")
-                     for a in VERIFIED_LAYER_ARCHS)
+    return ", ".join(
+        a.removesuffix("ForCausalLM").removesuffix("ForConditionalGeneration") for a in VERIFIED_LAYER_ARCHS
+    )
 
 
 def unverified_reason(arch: str) -> str:
-    return (f"intermediate layers of {arch} are not verified against transformers; they are served on "
-            f"{verified_families()}")
+    return (
+        f"intermediate layers of {arch} are not verified against transformers; they are served on {verified_families()}"
+    )
 
 
 WORKER_EXTENSION = "hidden_states.vllm.worker.extension.HiddenStatesWorkerExtension"
@@ -261,11 +264,18 @@ def check_vllm_version(*, drift: bool = False) -> None:
     tested = ", ".join(v + "x" for v in SUPPORTED_VLLM)
     shown = "; ".join(found[:8]) + (f"; and {len(found) - 8} more" if len(found) > 8 else "")
     if not vllm.__version__.startswith(SUPPORTED_VLLM):
-        what = (f"; the drift check found {len(found)} drifted symbol(s): {shown}" if found else
-                "; the drift check found none drifted" if drift else "")
+        what = (
+            f"; the drift check found {len(found)} drifted symbol(s): {shown}"
+            if found
+            else "; the drift check found none drifted"
+            if drift
+            else ""
+        )
         raise VLLMIncompatibleError(
-            f"vLLM {vllm.__version__} is not supported; install one of {tested} (scripts/setup.sh does){what}")
+            f"vLLM {vllm.__version__} is not supported; install one of {tested} (scripts/setup.sh does){what}"
+        )
     if found:
         raise VLLMIncompatibleError(
             f"vLLM {vllm.__version__}: {len(found)} symbol(s) this project relies on drifted "
-            f"(python -m hidden_states.vllm.drift --check lists them): {shown}")
+            f"(python -m hidden_states.vllm.drift --check lists them): {shown}"
+        )

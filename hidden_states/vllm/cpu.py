@@ -28,15 +28,17 @@ def warm_up_sizes(max_tokens: int) -> list[int]:
     return first + [n for n in range(1, max_tokens + 1) if n not in seen]
 
 
-async def cpu_start_up(llm: Any, prefault_kv_cache: bool, warm_up_s: float, malloc_trim_interval_s: float,
-                        timeout_s: float) -> dict[str, Any]:
+async def cpu_start_up(
+    llm: Any, prefault_kv_cache: bool, warm_up_s: float, malloc_trim_interval_s: float, timeout_s: float
+) -> dict[str, Any]:
     """A CPU engine's start-up steps, before it takes requests; returns what they did."""
     out: dict[str, Any] = {}
     if llm.vllm_config.lora_config is not None:  # base rows next to adapter rows stay base rows (point 11)
         out["cpu_lora_fix"] = all(await llm.collective_rpc("hidden_states_fix_cpu_lora", timeout=timeout_s))
     if llm.vllm_config.speculative_config is not None:  # greedy rows stay greedy beside sampled ones (point 13)
-        out["cpu_spec_sampling_fix"] = all(await llm.collective_rpc("hidden_states_fix_cpu_spec_sampling",
-                                                                    timeout=timeout_s))
+        out["cpu_spec_sampling_fix"] = all(
+            await llm.collective_rpc("hidden_states_fix_cpu_spec_sampling", timeout=timeout_s)
+        )
     if mm_prefix_model(llm.vllm_config):  # Gemma 3's images attend both ways, as in transformers (point 18)
         out["cpu_mm_prefix_fix"] = all(await llm.collective_rpc("hidden_states_fix_cpu_mm_prefix", timeout=timeout_s))
     if prefault_kv_cache:  # resident memory flat from the start (ledger point 6)
@@ -45,11 +47,15 @@ async def cpu_start_up(llm: Any, prefault_kv_cache: bool, warm_up_s: float, mall
     if warm_up_s > 0:  # kernel caches at their working size before the first request (point 7)
         sizes = warm_up_sizes(llm.vllm_config.scheduler_config.max_num_batched_tokens)
         done = await llm.collective_rpc("hidden_states_warm_up", timeout=timeout_s + warm_up_s, args=(sizes, warm_up_s))
-        out.update(warm_up_batch_sizes=min(n for n, _ in done), warm_up_of=len(sizes),
-                   warm_up_seconds=round(max(t for _, t in done), 3))
+        out.update(
+            warm_up_batch_sizes=min(n for n, _ in done),
+            warm_up_of=len(sizes),
+            warm_up_seconds=round(max(t for _, t in done), 3),
+        )
     if malloc_trim_interval_s > 0:  # free heap pages back to the OS when idle (malloc_trim.py)
-        started = await llm.collective_rpc("hidden_states_start_trimmer", timeout=timeout_s,
-                                           args=(malloc_trim_interval_s,))
+        started = await llm.collective_rpc(
+            "hidden_states_start_trimmer", timeout=timeout_s, args=(malloc_trim_interval_s,)
+        )
         out["malloc_trim_interval_s"] = malloc_trim_interval_s if all(started) else None
     return out
 
@@ -124,8 +130,10 @@ class CPUWorkerSteps:
 
 def patch_cpu_generator_rewind(runner: Any) -> None:
     """Ledger point 5: rewind discarded seeded samples by state, not offset, on CPU."""
-    _require(hasattr(runner, "_bookkeeping_sync") and hasattr(runner, "discard_request_mask"),
-             "GPUModelRunner._bookkeeping_sync / discard_request_mask")
+    _require(
+        hasattr(runner, "_bookkeeping_sync") and hasattr(runner, "discard_request_mask"),
+        "GPUModelRunner._bookkeeping_sync / discard_request_mask",
+    )
     execute, bookkeeping = runner.execute_model, runner._bookkeeping_sync
     saved: dict[int, Any] = {}
 
@@ -184,8 +192,10 @@ def fix_cpu_spec_sampling(fixed: bool = True) -> bool:
     wrapper = getattr(rejection_sampler, "expand_kernel", None)
     if not isinstance(wrapper, KernelOverride):
         return False
-    _require(hasattr(wrapper, "_impl") and hasattr(cpu_triton_utils, "_expand_kernel_impl"),
-             "KernelOverride._impl / cpu_triton_utils._expand_kernel_impl")
+    _require(
+        hasattr(wrapper, "_impl") and hasattr(cpu_triton_utils, "_expand_kernel_impl"),
+        "KernelOverride._impl / cpu_triton_utils._expand_kernel_impl",
+    )
     impl = expand_batch_to_tokens if fixed else cpu_triton_utils._expand_kernel_impl
     wrapper._impl = wrapper.func = impl
     wrapper._forward_by_name = tuple(inspect.signature(impl).parameters) == wrapper.arg_names
@@ -223,8 +233,10 @@ def image_span_refusal(vcfg: Any) -> str | None:
     tokens = getattr(vcfg.model_config.hf_config, "mm_tokens_per_image", None)
     window = getattr(vcfg.model_config.hf_text_config, "sliding_window", None)
     if tokens and window and tokens > window:
-        return (f"an image is {tokens} tokens, longer than the model's sliding window ({window}): the CPU engine "
-                "cannot attend them as the model does")
+        return (
+            f"an image is {tokens} tokens, longer than the model's sliding window ({window}): the CPU engine "
+            "cannot attend them as the model does"
+        )
     return None
 
 
@@ -239,10 +251,13 @@ def fix_cpu_mm_prefix_attention(fixed: bool = True) -> bool:
     from vllm.v1.attention.backends import cpu_attn
 
     builder, impl = cpu_attn.CPUAttentionMetadataBuilder, cpu_attn.CPUAttentionBackendImpl
-    _require(hasattr(builder, "build") and hasattr(impl, "forward")
-             and hasattr(cpu_attn.ops, "cpu_attention_with_kv_cache")
-             and hasattr(cpu_attn.ops, "cpu_attn_get_scheduler_metadata"),
-             "cpu_attn.CPUAttentionMetadataBuilder.build / CPUAttentionBackendImpl.forward")
+    _require(
+        hasattr(builder, "build")
+        and hasattr(impl, "forward")
+        and hasattr(cpu_attn.ops, "cpu_attention_with_kv_cache")
+        and hasattr(cpu_attn.ops, "cpu_attn_get_scheduler_metadata"),
+        "cpu_attn.CPUAttentionMetadataBuilder.build / CPUAttentionBackendImpl.forward",
+    )
     if fixed and not hasattr(builder, "_hidden_states_build"):
         builder._hidden_states_build, builder.build = builder.build, _build_with_image_spans
         impl._hidden_states_forward, impl.forward = impl.forward, _forward_with_image_spans
@@ -257,8 +272,12 @@ def _build_with_image_spans(self, common_prefix_len, common_attn_metadata, fast_
     ranges = getattr(common_attn_metadata, "mm_req_doc_ranges", None)
     md.hidden_states_spans = None
     # a decode-only step (one row per request) prefills no image: nothing to look at
-    if (ranges and common_attn_metadata.max_query_len > 1 and not self.is_cross_attention
-            and not self.is_encoder_only_attention):
+    if (
+        ranges
+        and common_attn_metadata.max_query_len > 1
+        and not self.is_cross_attention
+        and not self.is_encoder_only_attention
+    ):
         md.hidden_states_spans = _image_span_batch(self, common_attn_metadata, ranges)
     return md
 
@@ -282,8 +301,10 @@ def _image_span_batch(builder: Any, cm: Any, ranges: dict) -> dict | None:
             if start >= end or end < ctx or q_len <= 0:
                 continue  # one token, or computed in an earlier step
             if end >= ctx + q_len:
-                raise RuntimeError(f"an image span ({start}..{end}) is split across prefill steps; "
-                                   "disable_chunked_mm_input must be on for this model (ledger point 18)")
+                raise RuntimeError(
+                    f"an image span ({start}..{end}) is split across prefill steps; "
+                    "disable_chunked_mm_input must be on for this model (ledger point 18)"
+                )
             first = max(start, ctx)
             rows.extend(range(qsl[r] + first - ctx, qsl[r] + end - ctx + 1))
             starts.append(len(rows))
@@ -299,16 +320,26 @@ def _image_span_batch(builder: Any, cm: Any, ranges: dict) -> dict | None:
         "seq_lens": seq_lens_t,
         "block_table": cm.block_table_tensor[torch.tensor(reqs, dtype=torch.long)],
         "scheduler_metadata": ops.cpu_attn_get_scheduler_metadata(
-            num_reqs=len(reqs), num_heads=builder.num_heads, num_kv_heads=builder.num_kv_heads,
-            head_dim=builder.head_dim, seq_lens=seq_lens_t, dtype=builder.dtype,
-            query_start_loc=query_start_loc, causal=False, sliding_window_size=builder.window_size,
-            isa=builder.isa, enable_kv_split=False, kv_cache_dtype=builder.kv_cache_dtype),
+            num_reqs=len(reqs),
+            num_heads=builder.num_heads,
+            num_kv_heads=builder.num_kv_heads,
+            head_dim=builder.head_dim,
+            seq_lens=seq_lens_t,
+            dtype=builder.dtype,
+            query_start_loc=query_start_loc,
+            causal=False,
+            sliding_window_size=builder.window_size,
+            isa=builder.isa,
+            enable_kv_split=False,
+            kv_cache_dtype=builder.kv_cache_dtype,
+        ),
     }
 
 
 def _forward_with_image_spans(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
-    out = type(self)._hidden_states_forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
-                                            *args, **kwargs)
+    out = type(self)._hidden_states_forward(
+        self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs
+    )
     spans = getattr(attn_metadata, "hidden_states_spans", None)
     if spans is None:
         return out
@@ -319,12 +350,25 @@ def _forward_with_image_spans(self, layer, query, key, value, kv_cache, attn_met
     rows = spans["rows"]
     span_out = output.new_empty((len(rows), *output.shape[1:]))
     ops.cpu_attention_with_kv_cache(
-        query=query.index_select(0, rows), key_cache=key_cache, value_cache=value_cache, output=span_out,
-        query_start_loc=spans["query_start_loc"], seq_lens=spans["seq_lens"], scale=self.scale, causal=False,
-        alibi_slopes=self.alibi_slopes, sliding_window=self.sliding_window, block_table=spans["block_table"],
-        softcap=self.logits_soft_cap, scheduler_metadata=spans["scheduler_metadata"], s_aux=self.sinks,
-        dynamic_causal=None, k_scale=layer._k_scale_float, v_scale=layer._v_scale_float,
-        kv_cache_dtype=self.kv_cache_dtype)
+        query=query.index_select(0, rows),
+        key_cache=key_cache,
+        value_cache=value_cache,
+        output=span_out,
+        query_start_loc=spans["query_start_loc"],
+        seq_lens=spans["seq_lens"],
+        scale=self.scale,
+        causal=False,
+        alibi_slopes=self.alibi_slopes,
+        sliding_window=self.sliding_window,
+        block_table=spans["block_table"],
+        softcap=self.logits_soft_cap,
+        scheduler_metadata=spans["scheduler_metadata"],
+        s_aux=self.sinks,
+        dynamic_causal=None,
+        k_scale=layer._k_scale_float,
+        v_scale=layer._v_scale_float,
+        kv_cache_dtype=self.kv_cache_dtype,
+    )
     output.index_copy_(0, rows, span_out)
     MM_PREFIX_ROWS[0] += len(rows)
     return out
@@ -375,18 +419,36 @@ def install_cpu_async_shim() -> None:
     import torch
 
     class _Stream:
-        def __init__(self, *a, **k): pass
-        def wait_stream(self, other): pass
-        def wait_event(self, event): pass
-        def synchronize(self): pass
-        def record_event(self, event=None): return event or _Event()
+        def __init__(self, *a, **k):
+            pass
+
+        def wait_stream(self, other):
+            pass
+
+        def wait_event(self, event):
+            pass
+
+        def synchronize(self):
+            pass
+
+        def record_event(self, event=None):
+            return event or _Event()
 
     class _Event:
-        def __init__(self, *a, **k): pass
-        def record(self, stream=None): pass
-        def synchronize(self): pass
-        def wait(self, stream=None): pass
-        def query(self): return True
+        def __init__(self, *a, **k):
+            pass
+
+        def record(self, stream=None):
+            pass
+
+        def synchronize(self):
+            pass
+
+        def wait(self, stream=None):
+            pass
+
+        def query(self):
+            return True
 
     torch.cuda.Stream, torch.cuda.Event, torch.Event = _Stream, _Event, _Event
     torch.cuda.current_stream = lambda *a, **k: _Stream()

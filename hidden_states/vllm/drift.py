@@ -983,7 +983,8 @@ def cached_check() -> list[str]:
 
     key = hashlib.sha256((_versions() + Path(__file__).read_text()).encode()).hexdigest()[:16]
     root = os.environ.get("HIDDEN_STATES_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "hidden-states")
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "hidden-states"
+    )
     path = Path(root) / "drift" / f"{key}.json"
     try:
         return list(json.loads(path.read_text()))

@@ -22,22 +22,35 @@ from typing import Any
 import msgspec
 
 from hidden_states import steering
-from hidden_states.protocol import with_capture_layers
 from hidden_states.heads import HeadConfigError, HeadSpec, load_heads
-from hidden_states.preflight import EngineStartupError, check_architecture, check_cpu_memory, check_model_folder
-from hidden_states.params import (DEFAULT_MAX_HIDDEN_STATES_BYTES, HiddenStatesFields, HiddenStatesRequestError,
-                                  UnknownModelError, absolute_layer, check_layers, check_model, resolve_heads,
-                                  resolve_stop, spec_of)
-from hidden_states.models.builtin import DEFAULT_MODEL, resolve_model
+from hidden_states.interface import Completion, ExtractionStats, SamplingOptions, VectorObservers, finished_choice
 from hidden_states.media import media_parts
-from hidden_states.interface import (Completion, ExtractionStats, SamplingOptions, VectorObservers,
-                                  finished_choice)
-from hidden_states.vllm import (ENGINE_ENV, VERIFIED_LAYER_ARCHS, WORKER_EXTENSION, VLLMIncompatibleError,
-                                check_vllm_version, verified_families)
-from hidden_states.vllm.cpu import (CPU_ASYNC_ENV, cpu_start_up, force_atomic_image_spans, image_span_refusal,
-                                    on_cpu)
-from hidden_states.vllm.frontend.extraction import Extraction, Origin, make_async_llm_class
+from hidden_states.models.builtin import DEFAULT_MODEL, resolve_model
+from hidden_states.params import (
+    DEFAULT_MAX_HIDDEN_STATES_BYTES,
+    HiddenStatesFields,
+    HiddenStatesRequestError,
+    UnknownModelError,
+    absolute_layer,
+    check_layers,
+    check_model,
+    resolve_heads,
+    resolve_stop,
+    spec_of,
+)
+from hidden_states.preflight import EngineStartupError, check_architecture, check_cpu_memory, check_model_folder
+from hidden_states.protocol import with_capture_layers
+from hidden_states.vllm import (
+    ENGINE_ENV,
+    VERIFIED_LAYER_ARCHS,
+    WORKER_EXTENSION,
+    VLLMIncompatibleError,
+    check_vllm_version,
+    verified_families,
+)
+from hidden_states.vllm.cpu import CPU_ASYNC_ENV, cpu_start_up, force_atomic_image_spans, image_span_refusal, on_cpu
 from hidden_states.vllm.engine_args import refuse, with_defaults
+from hidden_states.vllm.frontend.extraction import Extraction, Origin, make_async_llm_class
 
 logger = logging.getLogger(__name__)
 
@@ -75,8 +88,9 @@ def _execution_mode(cfg: Any) -> dict[str, Any]:
     }
 
 
-def _static_layers(capture_layers: Sequence[int] | None, heads: Sequence[HeadSpec], vectors: dict, num_layers: int,
-                   compiled: bool) -> list[int] | None:
+def _static_layers(
+    capture_layers: Sequence[int] | None, heads: Sequence[HeadSpec], vectors: dict, num_layers: int, compiled: bool
+) -> list[int] | None:
     """The decoder layers the engine's forward captures and steers at, fixed at start (traced.py):
     `capture_layers` (in `hidden_states_layers` numbering; the last layer, L or -1, is always served)
     with the intermediate heads' and the registered steering vectors' layers added; None on an eager
@@ -87,7 +101,9 @@ def _static_layers(capture_layers: Sequence[int] | None, heads: Sequence[HeadSpe
     for l in capture_layers or ():
         absolute = absolute_layer(int(l), num_layers)
         if not 0 <= absolute <= num_layers:
-            raise EngineStartupError(f"capture_layers: layer {l} out of range (0..{num_layers}, or -1..-{num_layers + 1})")
+            raise EngineStartupError(
+                f"capture_layers: layer {l} out of range (0..{num_layers}, or -1..-{num_layers + 1})"
+            )
         if absolute != num_layers:
             layers.add(absolute)
     layers |= {h.layer for h in heads if h.layer != num_layers}
@@ -101,7 +117,8 @@ def _check_head_layers(specs: Sequence[HeadSpec], installed: list[dict], num_lay
         if h.layer != num_layers and not all(w["layer_capture"] for w in installed):
             raise EngineStartupError(
                 f"heads: head {h.name!r} reads layer {h.layer}, an intermediate layer, which this engine cannot "
-                f"capture ({installed[0]['layer_capture_reason']}); serve it on an eager engine (enforce_eager: true)")
+                f"capture ({installed[0]['layer_capture_reason']}); serve it on an eager engine (enforce_eager: true)"
+            )
 
 
 class HiddenStatesEngine(VectorObservers):
@@ -109,8 +126,15 @@ class HiddenStatesEngine(VectorObservers):
     `await HiddenStatesEngine.start(model, **engine_args)` (vLLM's `AsyncEngineArgs`); `shutdown()`.
     """
 
-    def __init__(self, llm: Any, enabled: bool, extraction_timeout_s: float = 60.0, *, tail_enabled: bool = False,
-                 max_hidden_states_bytes: int = DEFAULT_MAX_HIDDEN_STATES_BYTES):
+    def __init__(
+        self,
+        llm: Any,
+        enabled: bool,
+        extraction_timeout_s: float = 60.0,
+        *,
+        tail_enabled: bool = False,
+        max_hidden_states_bytes: int = DEFAULT_MAX_HIDDEN_STATES_BYTES,
+    ):
         self.llm = llm
         self._enabled = enabled
         self.hidden_size = int(llm.vllm_config.model_config.get_hidden_size())
@@ -121,11 +145,17 @@ class HiddenStatesEngine(VectorObservers):
         self.eager = bool(llm.vllm_config.model_config.enforce_eager)
         # Vectors off the outputs and the extraction step (extraction.py); vLLM's AsyncLLM reaches it too.
         self.extraction = llm.extraction = Extraction(
-            llm, self.check_spec, self.check_layers, heads_of=self.heads_of, steering_of=self.steering_of,
+            llm,
+            self.check_spec,
+            self.check_layers,
+            heads_of=self.heads_of,
+            steering_of=self.steering_of,
             stop_of=self.stop_of,
-            timeout_s=extraction_timeout_s, tail_enabled=tail_enabled,
+            timeout_s=extraction_timeout_s,
+            tail_enabled=tail_enabled,
             priority=EXTRACTION_PRIORITY if llm.vllm_config.scheduler_config.policy == "priority" else 0,
-            max_hidden_states_bytes=max_hidden_states_bytes)
+            max_hidden_states_bytes=max_hidden_states_bytes,
+        )
         VectorObservers.__init__(self)
         self.layer_capture: dict[str, Any] | None = None  # set by start(): what the workers found at install
         self.startup: dict[str, Any] = {}  # set by start(): what the CPU start-up steps did
@@ -164,15 +194,16 @@ class HiddenStatesEngine(VectorObservers):
         steering_vectors: Sequence[dict] = (),
         capture_layers: Sequence[int] | None = None,
         **engine_args: Any,
-    ) -> "HiddenStatesEngine":
+    ) -> HiddenStatesEngine:
         """`heads`: [{name, path, layer?, ...}] run on the device (hidden_states/heads.py), checked
         against the model before the engine starts. `capture_layers`: the intermediate layers a
         compiled engine serves and steers at, traced into its forward (worker/traced.py); on an eager
         engine, None serves every layer through hooks."""
         check_vllm_version(drift=True)
         if heads and not enable_return_hidden_states:
-            raise EngineStartupError("heads need enable_return_hidden_states: true (a request reads them as it "
-                                     "reads hidden states)")
+            raise EngineStartupError(
+                "heads need enable_return_hidden_states: true (a request reads them as it reads hidden states)"
+            )
         os.environ.update(ENGINE_ENV)  # inherited by the engine-core process
         from vllm.engine.arg_utils import AsyncEngineArgs
 
@@ -200,14 +231,20 @@ class HiddenStatesEngine(VectorObservers):
             except HeadConfigError as e:
                 raise EngineStartupError(f"heads: {e}") from None
             try:
-                vectors = steering.load_vectors(steering_vectors, int(mc.hf_text_config.num_hidden_layers),
-                                                int(mc.get_hidden_size()))
+                vectors = steering.load_vectors(
+                    steering_vectors, int(mc.hf_text_config.num_hidden_layers), int(mc.get_hidden_size())
+                )
             except HeadConfigError as e:
                 raise EngineStartupError(f"steering_vectors: {e}") from None
             static = None
             if enable_return_hidden_states:
-                static = _static_layers(capture_layers, head_specs, vectors, int(mc.hf_text_config.num_hidden_layers),
-                                        compiled=not mc.enforce_eager)
+                static = _static_layers(
+                    capture_layers,
+                    head_specs,
+                    vectors,
+                    int(mc.hf_text_config.num_hidden_layers),
+                    compiled=not mc.enforce_eager,
+                )
                 if static:  # read by every worker at load, before the forward compiles (ledger point 16)
                     with_capture_layers(vllm_config, static)
                 refuse(engine_args, vllm_config)  # and however the resolved configuration came to them
@@ -215,7 +252,8 @@ class HiddenStatesEngine(VectorObservers):
                 # the tail step needs a synchronous scheduler (ledger point 9).
                 tail = tail_step  # synchronous: the held tail step; async: the step in flight (scheduler.py)
                 vllm_config.scheduler_config.scheduler_cls = (
-                    TAIL_SCHEDULER if not vllm_config.scheduler_config.async_scheduling else ASYNC_SCHEDULER)
+                    TAIL_SCHEDULER if not vllm_config.scheduler_config.async_scheduling else ASYNC_SCHEDULER
+                )
                 if not tail_step:
                     vllm_config.scheduler_config.scheduler_cls = PLAIN_SCHEDULER
             loggers = None
@@ -231,33 +269,52 @@ class HiddenStatesEngine(VectorObservers):
         except Exception as e:
             raise EngineStartupError(
                 f"the vLLM engine for {model} failed to start ({type(e).__name__}: {e}); vLLM logs the root cause "
-                "from its engine-core process just above this error in the replica's log") from e
+                "from its engine-core process just above this error in the replica's log"
+            ) from e
         installed = []
         try:
-            startup = await cpu_start_up(llm, prefault_kv_cache, warm_up_s, malloc_trim_interval_s,
-                                          install_timeout_s) if on_cpu() else {}
+            startup = (
+                await cpu_start_up(llm, prefault_kv_cache, warm_up_s, malloc_trim_interval_s, install_timeout_s)
+                if on_cpu()
+                else {}
+            )
             if enable_return_hidden_states:
-                installed = await llm.collective_rpc("hidden_states_install", timeout=install_timeout_s,
-                                                     args=([msgspec.to_builtins(h.for_workers()) for h in head_specs],))
+                installed = await llm.collective_rpc(
+                    "hidden_states_install",
+                    timeout=install_timeout_s,
+                    args=([msgspec.to_builtins(h.for_workers()) for h in head_specs],),
+                )
                 if static and not all(w["layer_capture"] for w in installed):
                     raise EngineStartupError(
                         f"capture_layers: {installed[0]['architecture']} has no traced layer capture "
-                        f"({installed[0]['layer_capture_reason']}); it works on {verified_families()}")
-                _check_head_layers(head_specs, installed, int(vllm_config.model_config.hf_text_config.num_hidden_layers))
-                logger.info("hidden-states hook installed on %d worker(s); intermediate layers: %s", len(installed),
-                            installed[0]["layer_capture_reason"] or "yes")
+                        f"({installed[0]['layer_capture_reason']}); it works on {verified_families()}"
+                    )
+                _check_head_layers(
+                    head_specs, installed, int(vllm_config.model_config.hf_text_config.num_hidden_layers)
+                )
+                logger.info(
+                    "hidden-states hook installed on %d worker(s); intermediate layers: %s",
+                    len(installed),
+                    installed[0]["layer_capture_reason"] or "yes",
+                )
         except BaseException:
             llm.shutdown()
             raise
-        engine = cls(llm, enable_return_hidden_states, extraction_timeout_s, tail_enabled=tail,
-                     max_hidden_states_bytes=max_hidden_states_bytes)
+        engine = cls(
+            llm,
+            enable_return_hidden_states,
+            extraction_timeout_s,
+            tail_enabled=tail,
+            max_hidden_states_bytes=max_hidden_states_bytes,
+        )
         engine.heads = {h.name: h for h in head_specs}
         engine.steering_vectors = vectors
         engine.startup = {**startup, **_execution_mode(llm.vllm_config)}
         logger.info("engine execution mode: %s", _execution_mode(llm.vllm_config))
         # What the workers found at install (worker.layer_capture_support); check_layers reads it.
-        engine.layer_capture = {**installed[0], "layer_capture": all(w["layer_capture"] for w in installed)} \
-            if installed else None
+        engine.layer_capture = (
+            {**installed[0], "layer_capture": all(w["layer_capture"] for w in installed)} if installed else None
+        )
         return engine
 
     def check_spec(self, spec: HiddenStatesFields) -> tuple[int, ...]:
@@ -284,27 +341,37 @@ class HiddenStatesEngine(VectorObservers):
         found = self.layer_capture
         if not (found and found["layer_capture"]):
             why = found["layer_capture_reason"] if found else "no hooks installed"
-            raise HiddenStatesRequestError(f"steering needs the decoder-layer hooks, which this engine lacks ({why})",
-                                           "hidden_states_steering")
+            raise HiddenStatesRequestError(
+                f"steering needs the decoder-layer hooks, which this engine lacks ({why})", "hidden_states_steering"
+            )
         entries, echo = steering.resolve(spec, self.num_layers, self.hidden_size, self.steering_vectors, self.heads)
         if any(e.when is not None for e in entries) and (cfg := self.llm.vllm_config).scheduler_config.async_scheduling:
             # Async: the worker decides the position after the step in flight from its own verdict of that step's
             # row (PlanEntry.steer_if). Every rank must apply the same steering, and only the rank that sends
             # scores the rows; a draft's row before is in its own step.
-            why = ("tensor or pipeline parallelism" if cfg.parallel_config.world_size > 1 else
-                   "speculative decoding" if cfg.speculative_config is not None else None)
+            why = (
+                "tensor or pipeline parallelism"
+                if cfg.parallel_config.world_size > 1
+                else "speculative decoding"
+                if cfg.speculative_config is not None
+                else None
+            )
             if why is not None:
                 raise HiddenStatesRequestError(
                     f"hidden_states_steering: `when` under async scheduling needs an engine without {why} "
                     "(or async_scheduling: false): the position after the step in flight is decided by the worker "
-                    "that scored that step's row", "hidden_states_steering")
+                    "that scored that step's row",
+                    "hidden_states_steering",
+                )
         static = found.get("capture_layers")
         if static is not None:  # the traced entries (worker/traced.py): the static set, one ablation per row
             for e in entries:
                 if e.layer not in static:
                     raise HiddenStatesRequestError(
                         f"hidden_states_steering: layer {e.layer} is outside this engine's capture_layers {static}: "
-                        "a compiled engine steers at the layers it was started with", "hidden_states_steering")
+                        "a compiled engine steers at the layers it was started with",
+                        "hidden_states_steering",
+                    )
             ablations: dict[int, list[str]] = {}
             for e in entries:
                 if e.op in ("ablate", "clamp", "cap"):
@@ -313,7 +380,9 @@ class HiddenStatesEngine(VectorObservers):
                         raise HiddenStatesRequestError(
                             f"hidden_states_steering: two ablations/clamps/caps of the same positions at layer "
                             f"{e.layer}: a compiled engine applies one of them per position and layer (adds before "
-                            "and after it are fine)", "hidden_states_steering")
+                            "and after it are fine)",
+                            "hidden_states_steering",
+                        )
                     seen.append(e.positions)
         return entries, echo
 
@@ -330,7 +399,9 @@ class HiddenStatesEngine(VectorObservers):
                 raise HiddenStatesRequestError(
                     "hidden_states_layers: intermediate layers are served on the architectures verified against "
                     f"transformers ({verified_families()}); not on {self.architecture}{why}; ask for the last "
-                    "layer (-1) only", "hidden_states_layers")
+                    "layer (-1) only",
+                    "hidden_states_layers",
+                )
             static = found.get("capture_layers") if found else None
             if static is not None:
                 outside = [l for l in layers if absolute_layer(l, L) not in (*static, L)]
@@ -338,29 +409,42 @@ class HiddenStatesEngine(VectorObservers):
                     raise HiddenStatesRequestError(
                         f"hidden_states_layers {outside} are outside this engine's capture_layers {static} (and "
                         f"the last layer, {L} or -1): a compiled engine captures the layers it was started with",
-                        "hidden_states_layers")
+                        "hidden_states_layers",
+                    )
                 return layers
             if not self.eager:
                 raise HiddenStatesRequestError(
                     "intermediate hidden_states_layers on a compiled engine need capture_layers at start (the "
                     "layers its compiled forward captures), or an eager engine (enforce_eager=True)",
-                    "hidden_states_layers")
+                    "hidden_states_layers",
+                )
             if found and not found["layer_capture"]:
                 raise HiddenStatesRequestError(
                     f"intermediate hidden_states_layers are unavailable on this engine: "
                     f"{found['layer_capture_reason'] or 'not every worker hooked its decoder layers'}",
-                    "hidden_states_layers")
+                    "hidden_states_layers",
+                )
         return layers
 
     async def complete(
-        self, prompt: str | Sequence[int] | dict, sampling: SamplingOptions | Any = None, *,
+        self,
+        prompt: str | Sequence[int] | dict,
+        sampling: SamplingOptions | Any = None,
+        *,
         return_hidden_states: bool = True,
-        layers: Sequence[int] = (-1,), position: Any = "completion_end", model: str | None = None,
-        dtype: str = "float32", topk: int | None = None, proof: Any = None, spec: HiddenStatesFields | None = None,
-        heads: Sequence[Any] | None = None, steering: Sequence[dict] | None = None,
+        layers: Sequence[int] = (-1,),
+        position: Any = "completion_end",
+        model: str | None = None,
+        dtype: str = "float32",
+        topk: int | None = None,
+        proof: Any = None,
+        spec: HiddenStatesFields | None = None,
+        heads: Sequence[Any] | None = None,
+        steering: Sequence[dict] | None = None,
         stop_conditions: Sequence[dict] | None = None,
     ) -> Completion:
-        """One prompt (text, token ids, or an engine input such as `chat_input`'s) to a finished Completion with a vector per choice. `sampling`:
+        """One prompt (text, token ids, or an engine input such as `chat_input`'s) to a finished Completion
+        with a vector per choice. `sampling`:
         SamplingOptions or vLLM's SamplingParams; `model`: a LoRA adapter; `position`, `dtype`, `topk`,
         `proof`: as the API's fields (rows in the dtype asked: float16 as float16, bfloat16 widened exactly
         to float32; interface.CompletionChoice); `spec`: a parsed spec in place of those keywords."""
@@ -369,8 +453,14 @@ class HiddenStatesEngine(VectorObservers):
 
         if sampling is None or isinstance(sampling, SamplingOptions):
             o = sampling or SamplingOptions()
-            params = SamplingParams(n=o.n, max_tokens=o.max_tokens, temperature=o.temperature, top_p=o.top_p,
-                                    seed=o.seed, stop=list(o.stop) or None)
+            params = SamplingParams(
+                n=o.n,
+                max_tokens=o.max_tokens,
+                temperature=o.temperature,
+                top_p=o.top_p,
+                seed=o.seed,
+                stop=list(o.stop) or None,
+            )
         else:
             params = sampling.clone()
         params.output_kind = RequestOutputKind.FINAL_ONLY
@@ -381,8 +471,18 @@ class HiddenStatesEngine(VectorObservers):
         engine_prompt = prompt if isinstance(prompt, dict) else {"prompt_token_ids": list(prompt)}
         final, choices = None, []
         if spec is None:
-            spec = spec_of(return_hidden_states, layers, position, dtype, topk, proof, heads, steering, stop_conditions,
-                           enabled=self.enabled)
+            spec = spec_of(
+                return_hidden_states,
+                layers,
+                position,
+                dtype,
+                topk,
+                proof,
+                heads,
+                steering,
+                stop_conditions,
+                enabled=self.enabled,
+            )
         with self.collecting(spec) if spec.wants else contextlib.nullcontext() as collector:
             if collector is not None:
                 params.extra_args = {**(params.extra_args or {}), **collector.extra_args}
@@ -397,8 +497,9 @@ class HiddenStatesEngine(VectorObservers):
         `collector.extra_args` (SamplingParams.extra_args, or an OpenAI request's `vllm_xargs`)."""
         return self.extraction.collecting(spec)
 
-    async def extract_layers(self, token_ids: Sequence[int], layers: Sequence[int] = (-1,),
-                             origin: Origin = Origin()) -> tuple[dict[int, Any], ExtractionStats]:
+    async def extract_layers(
+        self, token_ids: Sequence[int], layers: Sequence[int] = (-1,), origin: Origin = Origin()
+    ) -> tuple[dict[int, Any], ExtractionStats]:
         """The final token's hidden state of `token_ids` at each of `layers` (the extraction step)."""
         return await self.extraction.extract_layers(token_ids, layers, origin)
 
@@ -414,8 +515,11 @@ class HiddenStatesEngine(VectorObservers):
         """Token ids of `messages` with the chat template and generation prompt, as vLLM's chat route
         renders them (a 400 naming `messages` if it cannot)."""
         try:
-            return list(self.llm.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True,
-                                                               tokenize=True, return_dict=False))
+            return list(
+                self.llm.tokenizer.apply_chat_template(
+                    list(messages), add_generation_prompt=True, tokenize=True, return_dict=False
+                )
+            )
         except Exception as e:  # a template that cannot render these messages
             raise HiddenStatesRequestError(f"the chat template cannot render these messages: {e}", "messages") from e
 
@@ -429,7 +533,9 @@ class HiddenStatesEngine(VectorObservers):
 
         try:
             req = ChatCompletionRequest(model=self.served_model_name or "", messages=list(messages))
-            _, (prompt,) = await self.llm.renderer.render_chat_async([req.messages], req.build_chat_params(None, "auto"))
+            _, (prompt,) = await self.llm.renderer.render_chat_async(
+                [req.messages], req.build_chat_params(None, "auto")
+            )
         except Exception as e:  # unreadable media, too many items, a template that cannot render them
             raise HiddenStatesRequestError(f"the messages cannot be rendered: {e}", "messages") from e
         return prompt
@@ -492,11 +598,12 @@ class HiddenStatesEngine(VectorObservers):
             if running is loop or not loop.is_running():
                 handler.cancel()  # delivered before the handler reads anything more from the core
             else:
+
                 async def cancel():
                     handler.cancel()
                     with contextlib.suppress(BaseException):
                         await asyncio.wait_for(handler, 5)
+
                 with contextlib.suppress(Exception):
                     asyncio.run_coroutine_threadsafe(cancel(), loop).result(10)
         self.llm.shutdown()
-

@@ -30,8 +30,12 @@ OWN_RAY = "local"  # RAY_ADDRESS for a run that starts a Ray of its own, as the 
 
 
 # Ray Data's actors of a cluster's lifetime (detached: created by the first job, used by every later one)
-RAY_DATA_DETACHED = ("ray::_StatsActor", "ray::ActorLocationTracker", "ray::_AutoscalingCoordinatorActor",
-                     "ray::_UsageCollectionActor")
+RAY_DATA_DETACHED = (
+    "ray::_StatsActor",
+    "ray::ActorLocationTracker",
+    "ray::_AutoscalingCoordinatorActor",
+    "ray::_UsageCollectionActor",
+)
 
 
 class RayCluster:
@@ -55,12 +59,22 @@ class RayCluster:
         env["RAY_AUTH_MODE"] = "disabled"
         # 4 logical CPUs on any machine: two runs at once each hold one for their engine actor and one for
         # their read and write tasks (on 2 CPUs the second's tasks could wait for the first's engine)
-        cmd = [str(Path(sys.executable).parent / "ray"), "start", "--head", "--block", "--disable-usage-stats",
-               f"--port={free_port()}", f"--ray-client-server-port={free_port()}", f"--temp-dir={self.temp}",
-               "--num-cpus=4", "--include-dashboard=false"]
+        cmd = [
+            str(Path(sys.executable).parent / "ray"),
+            "start",
+            "--head",
+            "--block",
+            "--disable-usage-stats",
+            f"--port={free_port()}",
+            f"--ray-client-server-port={free_port()}",
+            f"--temp-dir={self.temp}",
+            "--num-cpus=4",
+            "--include-dashboard=false",
+        ]
         self.log = open(self.temp / "ray-start.log", "w+")
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            cmd, cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
+        )
         address_file = self.temp / "ray_current_cluster"
         deadline = time.monotonic() + 180
         while not (address_file.exists() and address_file.read_text().strip()):
@@ -86,8 +100,11 @@ class RayCluster:
         out = []
         for p in self.processes():
             try:
-                if p.pid not in self.daemons and p.status() != psutil.STATUS_ZOMBIE and \
-                        not " ".join(p.cmdline()).startswith(RAY_DATA_DETACHED):
+                if (
+                    p.pid not in self.daemons
+                    and p.status() != psutil.STATUS_ZOMBIE
+                    and not " ".join(p.cmdline()).startswith(RAY_DATA_DETACHED)
+                ):
                     out.append(p)
             except psutil.Error:  # ended meanwhile
                 pass
@@ -154,12 +171,28 @@ def ray_cluster():
 
 def start(ray: RayCluster | str, inp: Path, out: Path, *extra: str) -> subprocess.Popen:
     """The CLI on the tiny model, a job on `ray` (the module's cluster), or with `OWN_RAY` on a Ray of its own."""
-    cmd = [sys.executable, "-m", "deployments.batch", "--input", str(inp), "--output", str(out),
-           "--model", "builtin:tiny-llama", "--max-tokens", "6", "--batch-size", "10",
-           "--engine", json.dumps({"kv_cache_memory_bytes": 128 * 2**20}), *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "deployments.batch",
+        "--input",
+        str(inp),
+        "--output",
+        str(out),
+        "--model",
+        "builtin:tiny-llama",
+        "--max-tokens",
+        "6",
+        "--batch-size",
+        "10",
+        "--engine",
+        json.dumps({"kv_cache_memory_bytes": 128 * 2**20}),
+        *extra,
+    ]
     env = {**os.environ, **({"RAY_ADDRESS": ray} if isinstance(ray, str) else ray.env)}
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    return subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
 
 
 def finish(proc: subprocess.Popen, timeout: float) -> str:
@@ -217,8 +250,11 @@ def test_batch_interrupted_and_resumed(tmp_path, reference, ray_cluster):
     inp, out = tmp_path / "prompts.jsonl", tmp_path / "out"
     with inp.open("w") as f:
         for i in range(ROWS):
-            row = {"prompt": long_text(6, seed=1000 + i)} if i % 5 else \
-                {"messages": [{"role": "user", "content": long_text(5, seed=1000 + i)}]}
+            row = (
+                {"prompt": long_text(6, seed=1000 + i)}
+                if i % 5
+                else {"messages": [{"role": "user", "content": long_text(5, seed=1000 + i)}]}
+            )
             f.write(json.dumps(row) + "\n")
 
     first = start(ray_cluster, inp, out)  # a job on the module's cluster
@@ -290,21 +326,28 @@ def test_batch_with_images_as_paths_and_data_urls(tmp_path, ray_cluster):
     folder = resolve_model(model)
     image(1).save(tmp_path / "one.png")
     image(2).save(tmp_path / "two.png")
-    rows_in = [{"id": "path", "prompt": "What is this?", "images": ["one.png"]},
-               {"id": "both", "prompt": "Compare them.", "images": ["two.png", data_url(image(3))]},
-               {"id": "url", "prompt": "And this?", "images": [data_url(image(4))]},
-               {"id": "text", "prompt": "No picture."}]
+    rows_in = [
+        {"id": "path", "prompt": "What is this?", "images": ["one.png"]},
+        {"id": "both", "prompt": "Compare them.", "images": ["two.png", data_url(image(3))]},
+        {"id": "url", "prompt": "And this?", "images": [data_url(image(4))]},
+        {"id": "text", "prompt": "No picture."},
+    ]
     seeds = {"path": [1], "both": [2, 3], "url": [4], "text": []}
     inp, out = tmp_path / "rows.jsonl", tmp_path / "out"
     inp.write_text("".join(json.dumps(r) + "\n" for r in rows_in))
-    vlm = ["--model", model, "--engine", json.dumps({"kv_cache_memory_bytes": 128 * 2**20, "max_model_len": 1024,
-                                                     "limit_mm_per_prompt": {"image": 2}})]
+    vlm = [
+        "--model",
+        model,
+        "--engine",
+        json.dumps({"kv_cache_memory_bytes": 128 * 2**20, "max_model_len": 1024, "limit_mm_per_prompt": {"image": 2}}),
+    ]
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"id": "missing", "prompt": "x", "images": ["nowhere.png"]}) + "\n")
     good, failing = start(ray_cluster, inp, out, *vlm), start(ray_cluster, bad, tmp_path / "bad-out", *vlm)  # at once
     good_log, log = outputs([good, failing], 600)
-    assert failing.returncode != 0 and "row missing: images[0]:" in log and "nowhere.png cannot be read" in log, \
-        log[-2000:]
+    assert failing.returncode != 0 and "row missing: images[0]:" in log and "nowhere.png cannot be read" in log, log[
+        -2000:
+    ]
     assert good.returncode == 0, good_log[-3000:]
     final = {r["id"]: r for r in rows(out)}
     assert sorted(final) == sorted(seeds)
@@ -341,10 +384,14 @@ def test_batch_rows_of_positions_dtypes_and_topk(tmp_path, reference, ray_cluste
     inp = tmp_path / "prompts.jsonl"
     inp.write_text("".join(json.dumps({"prompt": long_text(6, seed=50 + i)}) + "\n" for i in range(4)))
     worst = {}
-    cases = {"range, float16": ("--position", '{"start": 2, "stride": 3}', "--dtype", "float16"),
-             "completion, top-5, bfloat16": ("--position", "completion", "--topk", "5", "--dtype", "bfloat16")}
-    runs = {name: start(ray_cluster, inp, tmp_path / name.replace(", ", "-"), *extra)  # both jobs at once
-            for name, extra in cases.items()}
+    cases = {
+        "range, float16": ("--position", '{"start": 2, "stride": 3}', "--dtype", "float16"),
+        "completion, top-5, bfloat16": ("--position", "completion", "--topk", "5", "--dtype", "bfloat16"),
+    }
+    runs = {
+        name: start(ray_cluster, inp, tmp_path / name.replace(", ", "-"), *extra)  # both jobs at once
+        for name, extra in cases.items()
+    }
     for proc, log in zip(runs.values(), outputs(list(runs.values()), 600)):
         assert proc.returncode == 0, log[-3000:]
     for name, extra in cases.items():
@@ -355,15 +402,18 @@ def test_batch_rows_of_positions_dtypes_and_topk(tmp_path, reference, ray_cluste
         for r in final:
             ids = r["prompt_token_ids"] + r["token_ids"]
             if "--topk" not in extra:
-                assert str(schema.field("hidden_states").type) == \
-                    "list<element: fixed_size_list<element: halffloat>[128]>"
+                assert (
+                    str(schema.field("hidden_states").type) == "list<element: fixed_size_list<element: halffloat>[128]>"
+                )
                 assert r["positions"] == list(range(len(ids)))[2::3]
                 got, ref = np.asarray(r["hidden_states"], np.float32), reference_rows(reference, ids, r["positions"])
                 cast = ref.astype(np.float16).astype(np.float32)  # within one float16 step of the cast reference
                 assert (np.abs(got - cast) <= np.spacing(np.abs(cast).astype(np.float16)).astype(np.float32)).all()
             else:
-                assert "hidden_states" not in schema.names and str(schema.field("topk_values").type) == \
-                    "list<element: fixed_size_list<element: float>[5]>"
+                assert (
+                    "hidden_states" not in schema.names
+                    and str(schema.field("topk_values").type) == "list<element: fixed_size_list<element: float>[5]>"
+                )
                 assert r["positions"] == list(range(len(r["prompt_token_ids"]), len(ids)))
                 indices, got = np.asarray(r["topk_indices"]), np.asarray(r["topk_values"], np.float32)
                 assert indices.shape == got.shape == (len(r["token_ids"]), 5)
@@ -398,7 +448,9 @@ def test_batch_proofs_column(tmp_path, reference, ray_cluster):
         ids, P = r["prompt_token_ids"] + r["token_ids"], len(r["prompt_token_ids"])
         assert len(r["proofs"]) == len(ours.chunk_bounds(P, len(ids), 2)) >= 2  # the prefill, then windows of 2
         results = tl.verify_proofs_base64(fed_rows(reference.model, ids, P), r["proofs"], 2, 128)
-        assert all(x.exp_mismatches <= 38 and x.mant_err_mean <= 10 and x.mant_err_median <= 8 for x in results), results
+        assert all(x.exp_mismatches <= 38 and x.mant_err_mean <= 10 and x.mant_err_median <= 8 for x in results), (
+            results
+        )
 
 
 def test_batch_heads_columns(tmp_path, reference, ray_cluster):
@@ -420,8 +472,23 @@ def test_batch_heads_columns(tmp_path, reference, ray_cluster):
     out = tmp_path / "heads"
     clamp = [{"op": "clamp", "head": "sae-std", "feature": 11, "value": 6.0}]
     stop = [{"head": "mid", "feature": 0, "above": 0.5145}]  # (its scores here rise slowly through 0.51..0.52)
-    finish(start(ray_cluster, inp, out, "--heads", json.dumps(heads), "--no-rows", "--position", "completion",
-                 "--steering", json.dumps(clamp), "--stop", json.dumps(stop)), 600)
+    finish(
+        start(
+            ray_cluster,
+            inp,
+            out,
+            "--heads",
+            json.dumps(heads),
+            "--no-rows",
+            "--position",
+            "completion",
+            "--steering",
+            json.dumps(clamp),
+            "--stop",
+            json.dumps(stop),
+        ),
+        600,
+    )
     schema = pq.read_schema(next(out.glob("*.parquet")))
     assert "hidden_states" not in schema.names and {f"head_{h['name']}" for h in heads} <= set(schema.names)
     final = rows(out)
@@ -442,7 +509,9 @@ def test_batch_heads_columns(tmp_path, reference, ray_cluster):
         scores = np.asarray([mid(states[1][q]) for q in range(P, len(ids))])
         band = 1e-5 * np.abs(scores).max()
         if r["stop"] is not None:  # the first position that crossed (the last token's row), none before
-            assert r["finish_reason"] == "stop" and r["stop"]["position"] == len(ids) - 1 and r["stop"]["condition"] == 0
+            assert (
+                r["finish_reason"] == "stop" and r["stop"]["position"] == len(ids) - 1 and r["stop"]["condition"] == 0
+            )
             assert scores[-1] > 0.5145 - band and np.all(scores[:-1] <= 0.5145 + band), scores
         else:  # the last token's row is computed by no step: only the others were judged
             assert r["finish_reason"] == "length" and np.all(scores[:-1] <= 0.5145 + band), scores

@@ -75,7 +75,9 @@ def test_launcher_config_passes_ray_validation(name):
     # ...and so is what `ray up` would build from it.
     prepared = ray_up_check(raw)
     assert prepared["head_node_type"] in prepared["available_node_types"]
-    assert set(prepared["available_node_types"]) == set(raw["available_node_types"]), "Ray's default node types leaked in"
+    assert set(prepared["available_node_types"]) == set(raw["available_node_types"]), (
+        "Ray's default node types leaked in"
+    )
 
 
 def _drop(cfg, *path):
@@ -102,9 +104,14 @@ def _set(cfg, value, *path):
         pytest.param(lambda c: _drop(c, "provider"), id="no-provider"),
         pytest.param(lambda c: _set(c, "4", "max_workers"), id="max-workers-string"),
         pytest.param(lambda c: _set(c, "nowhere", "head_node_type"), id="unknown-head-type"),
-        pytest.param(lambda c: _drop(c, "available_node_types", c["head_node_type"], "node_config"), id="head-without-node-config"),
         pytest.param(
-            lambda c: [_set(c, {"GPU": "1"}, "available_node_types", t, "resources") for t in c["available_node_types"]][0],
+            lambda c: _drop(c, "available_node_types", c["head_node_type"], "node_config"),
+            id="head-without-node-config",
+        ),
+        pytest.param(
+            lambda c: [
+                _set(c, {"GPU": "1"}, "available_node_types", t, "resources") for t in c["available_node_types"]
+            ][0],
             id="resource-count-string",
         ),
         pytest.param(
@@ -216,7 +223,9 @@ def tpu_pool_errors(cfg: dict) -> list[str]:
 
 def test_tpu_pool_shape_and_experimental_mark():
     text = (CLUSTER / "tpu-gcp.yaml").read_text()
-    assert text.splitlines()[0].startswith("# EXPERIMENTAL"), "tpu-gcp.yaml must say it is experimental on its first line"
+    assert text.splitlines()[0].startswith("# EXPERIMENTAL"), (
+        "tpu-gcp.yaml must say it is experimental on its first line"
+    )
     assert "NOT run" in text.splitlines()[0]
     cfg = yaml.safe_load(text)
     assert cfg["provider"]["type"] == "gcp"
@@ -304,7 +313,9 @@ def rayservice_errors(doc: dict) -> list[str]:
     for g in gpu_groups:
         num_gpus = (g.get("rayStartParams") or {}).get("num-gpus")
         if num_gpus is None or int(num_gpus) != _gpus(g):
-            errors.append(f"{g.get('groupName')}: rayStartParams.num-gpus {num_gpus!r} != nvidia.com/gpu limit {_gpus(g)}")
+            errors.append(
+                f"{g.get('groupName')}: rayStartParams.num-gpus {num_gpus!r} != nvidia.com/gpu limit {_gpus(g)}"
+            )
     return errors
 
 
@@ -330,16 +341,33 @@ def _gpu_group(doc):
         pytest.param(lambda d: d.update(apiVersion="ray.io/v1alpha1"), id="old-api-version"),
         pytest.param(lambda d: d.update(kind="RayCluster"), id="wrong-kind"),
         pytest.param(lambda d: d["metadata"].update(name="Hidden_States"), id="bad-name"),
-        pytest.param(lambda d: d["spec"].update(serveConfigV2=yaml.safe_load(d["spec"]["serveConfigV2"])), id="serve-config-not-string"),
-        pytest.param(lambda d: d["spec"].update(serveConfigV2=d["spec"]["serveConfigV2"].replace(IMPORT_PATH, "app:main")), id="wrong-import-path"),
+        pytest.param(
+            lambda d: d["spec"].update(serveConfigV2=yaml.safe_load(d["spec"]["serveConfigV2"])),
+            id="serve-config-not-string",
+        ),
+        pytest.param(
+            lambda d: d["spec"].update(serveConfigV2=d["spec"]["serveConfigV2"].replace(IMPORT_PATH, "app:main")),
+            id="wrong-import-path",
+        ),
         pytest.param(lambda d: d["spec"].update(serveConfigV2="applications: ["), id="serve-config-not-yaml"),
-        pytest.param(lambda d: d["spec"]["rayClusterConfig"].update(enableInTreeAutoscaling=False), id="no-autoscaling"),
-        pytest.param(lambda d: d["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"].update(containers=[]), id="head-no-container"),
-        pytest.param(lambda d: d["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0].pop("image"), id="head-no-image"),
+        pytest.param(
+            lambda d: d["spec"]["rayClusterConfig"].update(enableInTreeAutoscaling=False), id="no-autoscaling"
+        ),
+        pytest.param(
+            lambda d: d["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"].update(containers=[]),
+            id="head-no-container",
+        ),
+        pytest.param(
+            lambda d: d["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0].pop("image"),
+            id="head-no-image",
+        ),
         pytest.param(lambda d: _gpu_group(d).update(minReplicas=5, maxReplicas=2), id="min-above-max"),
         pytest.param(lambda d: _gpu_group(d).pop("groupName"), id="no-group-name"),
         pytest.param(lambda d: _gpu_group(d)["template"]["spec"].update(containers=[]), id="worker-no-container"),
-        pytest.param(lambda d: _gpu_group(d)["template"]["spec"]["containers"][0]["resources"]["limits"].pop("nvidia.com/gpu"), id="no-gpu-request"),
+        pytest.param(
+            lambda d: _gpu_group(d)["template"]["spec"]["containers"][0]["resources"]["limits"].pop("nvidia.com/gpu"),
+            id="no-gpu-request",
+        ),
         pytest.param(lambda d: _gpu_group(d)["rayStartParams"].update({"num-gpus": 1}), id="start-param-not-string"),
         pytest.param(lambda d: _gpu_group(d)["rayStartParams"].update({"num-gpus": "2"}), id="num-gpus-mismatch"),
     ],
@@ -397,10 +425,17 @@ def test_serve_config_is_valid_for_ray_serve():
     "breakage",
     [
         pytest.param(lambda a: a.update(import_path="deploymentsapp"), id="import-path-without-separator"),
-        pytest.param(lambda a: a["deployments"][0]["autoscaling_config"].update(min_replicas=5, max_replicas=2), id="min-above-max"),
-        pytest.param(lambda a: a["deployments"][0]["autoscaling_config"].update(target_ongoing_requests=-1), id="negative-target"),
+        pytest.param(
+            lambda a: a["deployments"][0]["autoscaling_config"].update(min_replicas=5, max_replicas=2),
+            id="min-above-max",
+        ),
+        pytest.param(
+            lambda a: a["deployments"][0]["autoscaling_config"].update(target_ongoing_requests=-1), id="negative-target"
+        ),
         pytest.param(lambda a: a["deployments"][0].update(autoscaling_confg={}), id="misspelt-deployment-field"),
-        pytest.param(lambda a: a["deployments"][0]["autoscaling_config"].update(max_replica=8), id="misspelt-autoscaling-field"),
+        pytest.param(
+            lambda a: a["deployments"][0]["autoscaling_config"].update(max_replica=8), id="misspelt-autoscaling-field"
+        ),
         pytest.param(lambda a: a["deployments"][0].pop("name"), id="deployment-without-name"),
         pytest.param(lambda a: a.update(args="model=x"), id="args-not-a-mapping"),
     ],
@@ -426,7 +461,9 @@ def test_app_args_match_the_apps_own_model():
     assert parsed.resolved_accelerator() == "gpu"
     opts = parsed.replica_options()
     tp = args["engine"]["tensor_parallel_size"]
-    gpus = opts["ray_actor_options"].get("num_gpus", 0) + sum(b.get("GPU", 0) for b in opts.get("placement_group_bundles", []))
+    gpus = opts["ray_actor_options"].get("num_gpus", 0) + sum(
+        b.get("GPU", 0) for b in opts.get("placement_group_bundles", [])
+    )
     assert gpus == tp, opts
     with pytest.raises(pydantic.ValidationError):
         AppArgs.model_validate(args | {"enigne": {}})
@@ -470,9 +507,13 @@ def cluster_ray_versions() -> dict[str, str | None]:
     """The Ray each cluster file runs."""
     return {
         "rayservice.yaml rayVersion": load("rayservice.yaml")["spec"]["rayClusterConfig"]["rayVersion"],
-        "gpu-aws.yaml docker.image": _first(r"^rayproject/ray:([\w.]+)-py3\d+-gpu$", load("gpu-aws.yaml")["docker"]["image"]),
+        "gpu-aws.yaml docker.image": _first(
+            r"^rayproject/ray:([\w.]+)-py3\d+-gpu$", load("gpu-aws.yaml")["docker"]["image"]
+        ),
         "Dockerfile FROM": _first(r"^FROM rayproject/ray:([\w.]+)-py3\d+-gpu$", (CLUSTER / "Dockerfile").read_text()),
-        "tpu-gcp.yaml setup_commands": _first(r'"ray\[[\w,]+\]==([\w.]+)"', " ".join(load("tpu-gcp.yaml")["setup_commands"])),
+        "tpu-gcp.yaml setup_commands": _first(
+            r'"ray\[[\w,]+\]==([\w.]+)"', " ".join(load("tpu-gcp.yaml")["setup_commands"])
+        ),
     }
 
 
@@ -500,9 +541,11 @@ def test_every_serve_config_names_the_app_as_config_yaml():
     """Handles find the app by its name (README.md: `serve.get_app_handle(...)`): one name in every
     shipped Serve config, the README's example included."""
     (want,) = [a["name"] for a in yaml.safe_load((REPO / "config.yaml").read_text())["applications"]]
-    names = {"cluster/serve-gpu.yaml": [a["name"] for a in load("serve-gpu.yaml")["applications"]],
-             "cluster/rayservice.yaml serveConfigV2": [a["name"] for a in embedded_serve_config()["applications"]],
-             "README.md get_app_handle": re.findall(r'get_app_handle\("([^"]+)"\)', (REPO / "README.md").read_text())}
+    names = {
+        "cluster/serve-gpu.yaml": [a["name"] for a in load("serve-gpu.yaml")["applications"]],
+        "cluster/rayservice.yaml serveConfigV2": [a["name"] for a in embedded_serve_config()["applications"]],
+        "README.md get_app_handle": re.findall(r'get_app_handle\("([^"]+)"\)', (REPO / "README.md").read_text()),
+    }
     assert {k: v for k, v in names.items() if set(v) - {want}} == {}, f"config.yaml names its app {want!r}"
 
 
@@ -536,8 +579,13 @@ def test_no_secrets_or_machine_paths(name):
 
 
 def test_leak_check_can_fail():
-    for bad in ("key: AKIAABCDEFGHIJKLMNOP", "token: hf_abcdefghijklmnopqrstuvwxyz",
-                "ssh_private_key: ~/.ssh/id", "path: /work/main/x", "account: 123456789012"):
+    for bad in (
+        "key: AKIAABCDEFGHIJKLMNOP",
+        "token: hf_abcdefghijklmnopqrstuvwxyz",
+        "ssh_private_key: ~/.ssh/id",
+        "path: /work/main/x",
+        "account: 123456789012",
+    ):
         assert leaks(bad), bad
 
 
@@ -558,7 +606,9 @@ def effective_deployments(serve_cfg: dict, monkeypatch) -> dict:
     from ray.serve.schema import ServeDeploySchema
 
     # get_deploy_args only asks Ray for the deployer's job id.
-    monkeypatch.setattr(deploy_utils.ray, "get_runtime_context", lambda: SimpleNamespace(get_job_id=lambda: "cluster-config-test"))
+    monkeypatch.setattr(
+        deploy_utils.ray, "get_runtime_context", lambda: SimpleNamespace(get_job_id=lambda: "cluster-config-test")
+    )
     app_cfg = ServeDeploySchema.model_validate(serve_cfg).applications[0]
     module, attr = app_cfg.import_path.split(":")
     builder = getattr(__import__(module, fromlist=[attr]), attr)
@@ -567,8 +617,11 @@ def effective_deployments(serve_cfg: dict, monkeypatch) -> dict:
     for d in built.deployments:
         ingress = d.name == built.ingress_deployment_name
         params = deploy_utils.get_deploy_args(
-            name=d.name, replica_config=d._replica_config, ingress=ingress,
-            deployment_config=d._deployment_config, route_prefix=app_cfg.route_prefix if ingress else None,
+            name=d.name,
+            replica_config=d._replica_config,
+            ingress=ingress,
+            deployment_config=d._deployment_config,
+            route_prefix=app_cfg.route_prefix if ingress else None,
         )
         infos[d.name] = deploy_utils.deploy_args_to_deployment_info(**params, app_name=app_cfg.name)
     return override_deployment_info(infos, app_cfg)
@@ -580,15 +633,25 @@ def test_config_overrides_apply_to_the_apps_deployments(monkeypatch):
     infos = effective_deployments(serve_cfg, monkeypatch)
     for dep in app["deployments"]:
         got = infos[dep["name"]].deployment_config.autoscaling_config
-        assert (got.min_replicas, got.max_replicas) == (dep["autoscaling_config"]["min_replicas"], dep["autoscaling_config"]["max_replicas"])
+        assert (got.min_replicas, got.max_replicas) == (
+            dep["autoscaling_config"]["min_replicas"],
+            dep["autoscaling_config"]["max_replicas"],
+        )
     # The engine replica asks for tensor_parallel_size GPUs; nothing else does.
     tp = app["args"]["engine"]["tensor_parallel_size"]
-    gpu_deps = {n: i for n, i in infos.items() if i.replica_config.ray_actor_options.get("num_gpus")
-                or any(b.get("GPU") for b in i.replica_config.placement_group_bundles or [])}
+    gpu_deps = {
+        n: i
+        for n, i in infos.items()
+        if i.replica_config.ray_actor_options.get("num_gpus")
+        or any(b.get("GPU") for b in i.replica_config.placement_group_bundles or [])
+    }
     assert len(gpu_deps) == 1, list(gpu_deps)
     (info,) = gpu_deps.values()
-    assert info.replica_config.ray_actor_options.get("num_gpus", 0) + sum(
-        b.get("GPU", 0) for b in info.replica_config.placement_group_bundles or []) == tp
+    assert (
+        info.replica_config.ray_actor_options.get("num_gpus", 0)
+        + sum(b.get("GPU", 0) for b in info.replica_config.placement_group_bundles or [])
+        == tp
+    )
     # A config naming a deployment the app does not have is refused by the same code.
     broken = copy.deepcopy(serve_cfg)
     broken["applications"][0]["deployments"][0]["name"] = "NoSuchDeployment"

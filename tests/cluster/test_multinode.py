@@ -42,7 +42,9 @@ from tests.conftest import TEST_ENGINE_ARGS, router_ports, serve_switches
 pytestmark = [
     pytest.mark.long,
     pytest.mark.timeout(3600),
-    pytest.mark.skipif(os.environ.get("HS_LONG_TESTS") != "1", reason="long test: set HS_LONG_TESTS=1 (make test-long)"),
+    pytest.mark.skipif(
+        os.environ.get("HS_LONG_TESTS") != "1", reason="long test: set HS_LONG_TESTS=1 (make test-long)"
+    ),
 ]
 
 APP = "hidden-states-mn"
@@ -111,8 +113,13 @@ class Result:
 
 def complete(client: httpx.Client, base: str, i: int, max_tokens: int = 8) -> Result:
     t0 = time.monotonic()
-    body = {"model": MODEL, "prompt": f"request {i}: the quick brown fox {i % 97}", "max_tokens": max_tokens,
-            "temperature": 0, **HS}
+    body = {
+        "model": MODEL,
+        "prompt": f"request {i}: the quick brown fox {i % 97}",
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        **HS,
+    }
     try:
         r = client.post(f"{base}/v1/completions", json=body, timeout=300)
     except httpx.HTTPError as e:
@@ -121,8 +128,15 @@ def complete(client: httpx.Client, base: str, i: int, max_tokens: int = 8) -> Re
     if r.status_code != 200:
         return Result(False, t0, t1, r.status_code, error=r.text[:300])
     c = r.json()["choices"][0]
-    return Result(True, t0, t1, 200, r.headers.get("x-replica-id"), c["prompt_token_ids"] + c["token_ids"],
-                  np.asarray(c["hidden_states"], np.float32))
+    return Result(
+        True,
+        t0,
+        t1,
+        200,
+        r.headers.get("x-replica-id"),
+        c["prompt_token_ids"] + c["token_ids"],
+        np.asarray(c["hidden_states"], np.float32),
+    )
 
 
 class Load:
@@ -286,13 +300,19 @@ def _multinode():
         # One proxy, on the head: proxies on every node would all bind this port on this one machine.
         serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
         # Not serve.run: it waits for the app to be RUNNING, and its second replica waits for the worker.
-        serve.run_many([serve.RunTarget(build_app(app_args()), name=APP, route_prefix="/")],
-                       wait_for_ingress_deployment_creation=False, wait_for_applications_running=False)
+        serve.run_many(
+            [serve.RunTarget(build_app(app_args()), name=APP, route_prefix="/")],
+            wait_for_ingress_deployment_creation=False,
+            wait_for_applications_running=False,
+        )
 
         def router_running():
             app = serve.status().applications.get(APP)
-            return app is not None and "Router" in app.deployments and \
-                app.deployments["Router"].replica_states.get("RUNNING", 0) >= 1
+            return (
+                app is not None
+                and "Router" in app.deployments
+                and app.deployments["Router"].replica_states.get("RUNNING", 0) >= 1
+            )
 
         wait_for(router_running, DEPLOY_TIMEOUT, "Router running on the head")
         wait_for(lambda: m.running() >= 1, DEPLOY_TIMEOUT, "first engine replica running on the head")
@@ -337,6 +357,7 @@ def check_vectors(reference, results: list[Result]) -> int:
 
 # -- 1. replicas on both nodes serve vectors -------------------------------------
 
+
 def test_replicas_on_both_nodes_serve_vectors(mn, reference):
     reps = mn.replicas()
     nodes = {r["node"] for r in reps.values()}
@@ -370,13 +391,16 @@ def test_replicas_on_both_nodes_serve_vectors(mn, reference):
     assert set(via_port) == set(reps), f"not every replica served through the Router's port: {via_port}"
     checked = check_vectors(reference, results)
     by_node = {("head" if reps[k]["node"] == mn.head_id else "worker"): v for k, v in seen.items()}
-    print(f"\n[multinode] 1: {checked} vectors checked; requests by node {by_node} through the proxy, "
-          f"{sum(via_port.values())} through the Router's own port {ports[0]}")
+    print(
+        f"\n[multinode] 1: {checked} vectors checked; requests by node {by_node} through the proxy, "
+        f"{sum(via_port.values())} through the Router's own port {ports[0]}"
+    )
     stats = httpx.get(f"{mn.base}/debug/stats", timeout=60).json()
     assert stats["ingress"]["pending"] == 0 and stats["replica"]["pid"] in {r["pid"] for r in reps.values()}
 
 
 # -- 2. removing the worker node: its replica is rescheduled, requests go on ----------
+
 
 def test_remove_worker_node_reschedules_replica(mn, reference):
     before = mn.replicas()
@@ -407,8 +431,11 @@ def test_remove_worker_node_reschedules_replica(mn, reference):
         new = [k for k in after if k not in before]
         assert len(new) == 1 and after[new[0]]["node"] == mn.node_id("worker2"), (before, after)
         t_back = time.monotonic()
-        wait_for(lambda: sum(1 for r in load.snapshot() if r.ok and r.replica == new[0] and r.t0 > t_back) >= 3,
-                 300, "the replacement replica serving")
+        wait_for(
+            lambda: sum(1 for r in load.snapshot() if r.ok and r.replica == new[0] and r.t0 > t_back) >= 3,
+            300,
+            "the replacement replica serving",
+        )
     finally:
         results = load.stop()
 
@@ -424,12 +451,15 @@ def test_remove_worker_node_reschedules_replica(mn, reference):
     assert {r.replica for r in results if r.ok and r.t0 > t_back} <= set(after)
     checked = check_vectors(reference, results)
     assert mn.settled_at(MIN_REPLICAS)
-    print(f"\n[multinode] 2: {len(results)} requests during the removal, {len(failed)} failed "
-          f"(in flight at removal: {len(in_flight)}: {[r.status or r.error[:60] for r in in_flight]}); "
-          f"{checked} vectors checked; replacement {new[0]} on worker2; removal took {t_rm1 - t_rm0:.1f}s")
+    print(
+        f"\n[multinode] 2: {len(results)} requests during the removal, {len(failed)} failed "
+        f"(in flight at removal: {len(in_flight)}: {[r.status or r.error[:60] for r in in_flight]}); "
+        f"{checked} vectors checked; replacement {new[0]} on worker2; removal took {t_rm1 - t_rm0:.1f}s"
+    )
 
 
 # -- 3. Serve autoscaling: a replica added under load, removed after --------------
+
 
 def test_autoscaling_adds_and_removes_a_replica(mn, reference):
     assert mn.settled_at(MIN_REPLICAS)
@@ -459,8 +489,11 @@ def test_autoscaling_adds_and_removes_a_replica(mn, reference):
         added = [k for k in reps if k not in before]
         assert len(added) == expected - MIN_REPLICAS
         added_on = ["head" if reps[k]["node"] == mn.head_id else "worker2" for k in added]
-        wait_for(lambda: sum(1 for r in load.snapshot() if r.ok and r.replica in added) >= 3, 300,
-                 "the added replica serving")
+        wait_for(
+            lambda: sum(1 for r in load.snapshot() if r.ok and r.replica in added) >= 3,
+            300,
+            "the added replica serving",
+        )
     finally:
         results = load.stop()
     t_stop = time.monotonic()
@@ -479,7 +512,9 @@ def test_autoscaling_adds_and_removes_a_replica(mn, reference):
     stats = httpx.get(f"{mn.base}/debug/stats", timeout=60).json()
     assert stats["ingress"]["pending"] == 0
     placement = {k: ("head" if v["node"] == mn.head_id else "worker2") for k, v in mn.replicas().items()}
-    print(f"\n[multinode] 3: {len(results)} requests under load ({LOAD_THREADS} concurrent), {checked} vectors checked; "
-          f"replicas {MIN_REPLICAS} -> {max(seen)} after {t_up - t_load:.0f}s of load, -> {seen[-1]} "
-          f"{t_down - t_stop:.0f}s after it stopped; counts seen {sorted(set(seen))}; added on {added_on}; "
-          f"final placement {placement}")
+    print(
+        f"\n[multinode] 3: {len(results)} requests under load ({LOAD_THREADS} concurrent), {checked} vectors checked; "
+        f"replicas {MIN_REPLICAS} -> {max(seen)} after {t_up - t_load:.0f}s of load, -> {seen[-1]} "
+        f"{t_down - t_stop:.0f}s after it stopped; counts seen {sorted(set(seen))}; added on {added_on}; "
+        f"final placement {placement}"
+    )

@@ -57,14 +57,21 @@ def build_eagle_head(target_dir: str | Path, out_dir: str | Path, method: str, s
     else:
         target = load_file(str(tgt / "model.safetensors"))
         aux = [0, cfg["num_hidden_layers"] // 2, cfg["num_hidden_layers"]]
-        w.update({
-            pre + "input_layernorm.weight": norm(), pre + "hidden_norm.weight": norm(),
-            "fc.weight": torch.cat([torch.zeros(H, (len(aux) - 1) * H), torch.eye(H)], 1),
-            "norm.weight": target["model.norm.weight"].clone(), "lm_head.weight": target["lm_head.weight"].clone(),
-        })
-        extra.update(architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=V,
-                     eagle_aux_hidden_state_layer_ids=aux,
-                     eagle_config={"eagle_aux_hidden_state_layer_ids": aux, "use_aux_hidden_state": True})
+        w.update(
+            {
+                pre + "input_layernorm.weight": norm(),
+                pre + "hidden_norm.weight": norm(),
+                "fc.weight": torch.cat([torch.zeros(H, (len(aux) - 1) * H), torch.eye(H)], 1),
+                "norm.weight": target["model.norm.weight"].clone(),
+                "lm_head.weight": target["lm_head.weight"].clone(),
+            }
+        )
+        extra.update(
+            architectures=["LlamaForCausalLMEagle3"],
+            draft_vocab_size=V,
+            eagle_aux_hidden_state_layer_ids=aux,
+            eagle_config={"eagle_aux_hidden_state_layer_ids": aux, "use_aux_hidden_state": True},
+        )
     out.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in w.items()}, str(out / "model.safetensors"))
     (out / "config.json").write_text(json.dumps({**cfg, **extra}, indent=2))
@@ -98,15 +105,21 @@ def build_mimo_target(qwen2_dir: str | Path, out_dir: str | Path) -> Path:
 
     ones = torch.ones(H)
     mtp = {
-        "token_layernorm.weight": ones.clone(), "hidden_layernorm.weight": ones.clone(),
+        "token_layernorm.weight": ones.clone(),
+        "hidden_layernorm.weight": ones.clone(),
         "final_layernorm.weight": w["model.norm.weight"].clone(),
         "input_proj.weight": torch.cat([torch.eye(H), torch.zeros(H, H)], 1),  # (hidden, token) -> hidden
-        "input_layernorm.weight": ones.clone(), "post_attention_layernorm.weight": ones.clone(),
-        "self_attn.q_proj.weight": rnd(nh * hd, H), "self_attn.q_proj.bias": rnd(nh * hd),
-        "self_attn.k_proj.weight": rnd(nkv * hd, H), "self_attn.k_proj.bias": rnd(nkv * hd),
-        "self_attn.v_proj.weight": rnd(nkv * hd, H), "self_attn.v_proj.bias": rnd(nkv * hd),
+        "input_layernorm.weight": ones.clone(),
+        "post_attention_layernorm.weight": ones.clone(),
+        "self_attn.q_proj.weight": rnd(nh * hd, H),
+        "self_attn.q_proj.bias": rnd(nh * hd),
+        "self_attn.k_proj.weight": rnd(nkv * hd, H),
+        "self_attn.k_proj.bias": rnd(nkv * hd),
+        "self_attn.v_proj.weight": rnd(nkv * hd, H),
+        "self_attn.v_proj.bias": rnd(nkv * hd),
         "self_attn.o_proj.weight": torch.zeros(H, nh * hd),
-        "mlp.gate_proj.weight": rnd(inter, H), "mlp.up_proj.weight": rnd(inter, H),
+        "mlp.gate_proj.weight": rnd(inter, H),
+        "mlp.up_proj.weight": rnd(inter, H),
         "mlp.down_proj.weight": torch.zeros(H, inter),
     }
     w.update({f"model.mtp_layers.0.{k}": v for k, v in mtp.items()})

@@ -24,9 +24,16 @@ from tests.conftest import TEST_ENGINE_ARGS, cpu_only, long_text, running_engine
 
 pytestmark = cpu_only  # the shim stands in for CUDA: on a GPU the real async path runs (make gpu-check)
 
-PROMPTS = ["Hello! How are you today?", "The router sends every completion to a replica",
-           "What is the capital of France? The capital of France is", "Code: def add(a, b):",
-           long_text(40, seed=3), "one two three one two three one two", long_text(300, seed=4), "a b a b a b a b"]
+PROMPTS = [
+    "Hello! How are you today?",
+    "The router sends every completion to a replica",
+    "What is the capital of France? The capital of France is",
+    "Code: def add(a, b):",
+    long_text(40, seed=3),
+    "one two three one two three one two",
+    long_text(300, seed=4),
+    "a b a b a b a b",
+]
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +44,14 @@ def async_engine(loop_thread):
     # CPU_ASYNC_ENV while the engine starts: read by start() and, inherited, by the engine-core process.
     from tests.heads_ref import build_test_heads
 
-    with running_engine(loop_thread, env={CPU_ASYNC_ENV: "1"}, timeout=600, clean=("pending", "missing_vectors"),
-                        heads=build_test_heads(), **TEST_ENGINE_ARGS) as eng:
+    with running_engine(
+        loop_thread,
+        env={CPU_ASYNC_ENV: "1"},
+        timeout=600,
+        clean=("pending", "missing_vectors"),
+        heads=build_test_heads(),
+        **TEST_ENGINE_ARGS,
+    ) as eng:
         yield eng
 
 
@@ -65,22 +78,26 @@ def test_async_tail_vectors_exact_and_one_position_each(async_engine, loop_threa
     assert loop_thread.run(eng.stats())["startup"]["async_scheduling"] is True  # vLLM's async path, really
     probe = loop_thread.run(eng.complete(PROMPTS[5], sp(max_tokens=16), return_hidden_states=False))
     stop_id = probe.choices[0].token_ids[6]
-    cases = [*((p, sp(max_tokens=10 + i), {}) for i, p in enumerate(PROMPTS)),
-             (PROMPTS[5], sp(max_tokens=16, stop_token_ids=[stop_id]), {}),
-             (PROMPTS[0], sp(max_tokens=12, n=2, temperature=0.9, seed=3), {}),
-             (PROMPTS[1], sp(max_tokens=12), {"position": "completion"}),
-             (PROMPTS[2], sp(max_tokens=8), {"position": "prompt_end"})]
+    cases = [
+        *((p, sp(max_tokens=10 + i), {}) for i, p in enumerate(PROMPTS)),
+        (PROMPTS[5], sp(max_tokens=16, stop_token_ids=[stop_id]), {}),
+        (PROMPTS[0], sp(max_tokens=12, n=2, temperature=0.9, seed=3), {}),
+        (PROMPTS[1], sp(max_tokens=12), {"position": "completion"}),
+        (PROMPTS[2], sp(max_tokens=8), {"position": "prompt_end"}),
+    ]
 
     async def run(hs: bool):
-        return await asyncio.gather(*(eng.complete(p, s, return_hidden_states=hs, **(kw if hs else {}))
-                                      for p, s, kw in cases))
+        return await asyncio.gather(
+            *(eng.complete(p, s, return_hidden_states=hs, **(kw if hs else {})) for p, s, kw in cases)
+        )
 
     before = loop_thread.run(eng.stats())
     flagged, plain = loop_thread.run(run(True), timeout=600), loop_thread.run(run(False), timeout=600)
     computed, finishes = [], set()
     for (prompt, _params, kw), c, q in zip(cases, flagged, plain):
-        assert [(ch.token_ids, ch.finish_reason) for ch in c.choices] == \
-               [(ch.token_ids, ch.finish_reason) for ch in q.choices], (prompt, kw)
+        assert [(ch.token_ids, ch.finish_reason) for ch in c.choices] == [
+            (ch.token_ids, ch.finish_reason) for ch in q.choices
+        ], (prompt, kw)
         position = kw.get("position", "completion_end")
         for ch in c.choices:
             ids = list(c.prompt_token_ids) + list(ch.token_ids)
@@ -102,8 +119,10 @@ def test_async_tail_vectors_exact_and_one_position_each(async_engine, loop_threa
     after = loop_thread.run(eng.stats())
     assert after["extractions"] == before["extractions"]  # rows too: their final row from the step in flight
     rel, scale, what = max(WORST)
-    print(f"\nasync scheduling: {len(computed)} vectors, tokens computed per vector {set(computed)}; worst "
-          f"relative error {rel:.2g} (max |reference| {scale:.3g}, {what})")
+    print(
+        f"\nasync scheduling: {len(computed)} vectors, tokens computed per vector {set(computed)}; worst "
+        f"relative error {rel:.2g} (max |reference| {scale:.3g}, {what})"
+    )
 
 
 def test_a_stop_condition_under_async_scheduling(async_engine, loop_thread, reference):
@@ -111,8 +130,7 @@ def test_a_stop_condition_under_async_scheduling(async_engine, loop_thread, refe
     (numpy on transformers' rows) crosses; the token sampled past it, and the step in flight's row, are
     dropped; its final vector is the row the monitored step computed (no extraction, no extra step)."""
     from tests.engine.test_heads import reference_scores
-    from tests.heads_ref import crossing
-    from tests.heads_ref import build_test_heads
+    from tests.heads_ref import build_test_heads, crossing
 
     eng = async_engine
     plain = loop_thread.run(eng.complete(PROMPTS[1], sp(max_tokens=12)))
@@ -121,19 +139,27 @@ def test_a_stop_condition_under_async_scheduling(async_engine, loop_thread, refe
     scores = reference_scores(reference, build_test_heads(), ids, "mid", 0)
     p, threshold = crossing(scores, P, True)
     before = loop_thread.run(eng.stats())
-    out = loop_thread.run(eng.complete(PROMPTS[1], sp(max_tokens=12),
-                                       stop_conditions=[{"head": "mid", "feature": 0, "above": threshold}]))
+    out = loop_thread.run(
+        eng.complete(PROMPTS[1], sp(max_tokens=12), stop_conditions=[{"head": "mid", "feature": 0, "above": threshold}])
+    )
     (ch,) = out.choices
-    assert list(ch.token_ids) == ids[P:p + 1] and ch.finish_reason == "stop" and ch.stop["position"] == p
-    _close(ch.hidden_states, _rows(reference, ids[:p + 1])[-1], "async stop: final vector")
+    assert list(ch.token_ids) == ids[P : p + 1] and ch.finish_reason == "stop" and ch.stop["position"] == p
+    _close(ch.hidden_states, _rows(reference, ids[: p + 1])[-1], "async stop: final vector")
     # the monitored step computed it as a generation row: no tail, no extraction
     assert ch.extraction.via == "generation" and loop_thread.run(eng.stats())["extractions"] == before["extractions"]
 
 
-@pytest.mark.parametrize("case", ["add at 1 when the probe (after the norm) says pos",
-                                  "add at 0 when an SAE feature at 1 is low", "ablate at 1 when the probe at 1 is high"])
-def test_conditional_steering_under_async_scheduling_is_transformers_position_by_position(async_engine, loop_thread,
-                                                                                         reference, case):
+@pytest.mark.parametrize(
+    "case",
+    [
+        "add at 1 when the probe (after the norm) says pos",
+        "add at 0 when an SAE feature at 1 is low",
+        "ablate at 1 when the probe at 1 is high",
+    ],
+)
+def test_conditional_steering_under_async_scheduling_is_transformers_position_by_position(
+    async_engine, loop_thread, reference, case
+):
     """`when` under async scheduling: the next step is scheduled before the step in flight's scores reach the
     scheduler, so the worker decides that position itself, on the device, from its own verdict of the row
     before (PlanEntry.steer_if), the verdict the scheduler reaches later from the same score. The same check
@@ -150,8 +176,9 @@ def test_conditional_steering_under_async_scheduling_is_transformers_position_by
         workers = loop_thread.run(async_engine.stats())["workers"]
         return sum(w["steered_rows"] for w in workers), sum(w["gated_planned"] for w in workers)
 
-    applied, (steered, planned) = check_conditional(async_engine, loop_thread, reference, case, via="tail",
-                                                    measure=counts)
+    applied, (steered, planned) = check_conditional(
+        async_engine, loop_thread, reference, case, via="tail", measure=counts
+    )
     assert planned >= 8, planned  # max_tokens 8: positions P..P+7, each decided by the worker (+ a step past a finish)
     assert steered == len(applied) > 0, (steered, applied)
 
@@ -162,13 +189,22 @@ def async_compiled_engine(loop_thread):
     from hidden_states.vllm.cpu import CPU_ASYNC_ENV
     from tests.heads_ref import build_test_heads
 
-    with running_engine(loop_thread, env={CPU_ASYNC_ENV: "1"}, timeout=900, clean=("pending", "missing_vectors"),
-                        heads=build_test_heads(), capture_layers=[0, 1], warm_up_s=0,
-                        **{**TEST_ENGINE_ARGS, "enforce_eager": False}) as eng:
+    with running_engine(
+        loop_thread,
+        env={CPU_ASYNC_ENV: "1"},
+        timeout=900,
+        clean=("pending", "missing_vectors"),
+        heads=build_test_heads(),
+        capture_layers=[0, 1],
+        warm_up_s=0,
+        **{**TEST_ENGINE_ARGS, "enforce_eager": False},
+    ) as eng:
         yield eng
 
 
-@pytest.mark.parametrize("case", ["add at 0 when an SAE feature at 1 is low", "ablate at 1 when the probe at 1 is high"])
+@pytest.mark.parametrize(
+    "case", ["add at 0 when an SAE feature at 1 is low", "ablate at 1 when the probe at 1 is high"]
+)
 def test_conditional_steering_async_and_compiled(async_compiled_engine, loop_thread, reference, case):
     """The same, on a compiled engine: a worker's decision goes into the traced entries' buffers as a 0/1 factor
     and the row mask (traced.fill), nothing read back on the host; vLLM's and dynamo's compile counts unchanged."""
@@ -181,8 +217,9 @@ def test_conditional_steering_async_and_compiled(async_compiled_engine, loop_thr
         return worker["steered_rows"], worker["gated_planned"], *worker["compilations"].values()
 
     assert eng.eager is False and eng.layer_capture["capture_layers"] == [0, 1]
-    applied, (steered, planned, *compiles) = check_conditional(eng, loop_thread, reference, case, via="tail",
-                                                               measure=counts)
+    applied, (steered, planned, *compiles) = check_conditional(
+        eng, loop_thread, reference, case, via="tail", measure=counts
+    )
     assert planned >= 8 and steered == len(applied) > 0, (planned, steered, applied)
     assert not any(compiles), compiles
 
@@ -194,8 +231,14 @@ def test_conditional_steering_under_async_scheduling_is_refused_with_tensor_para
     from hidden_states.params import HiddenStatesRequestError
 
     parallel = async_engine.llm.vllm_config.parallel_config
-    steering = [{"layer": 1, "vector": [0.5] * 128, "positions": "completion",
-                 "when": {"head": "mid", "feature": 0, "above": 0.5}}]
+    steering = [
+        {
+            "layer": 1,
+            "vector": [0.5] * 128,
+            "positions": "completion",
+            "when": {"head": "mid", "feature": 0, "above": 0.5},
+        }
+    ]
     saved = parallel.world_size  # TP x PP, set when the configuration was made
     parallel.world_size = 2
     try:

@@ -19,27 +19,39 @@ import pytest
 
 from hidden_states.protocol import FAULT_INJECTION_ENV
 from tests.conftest import TEST_ENGINE_ARGS, engine_fixture
-from tests.heads_ref import build_test_heads
 from tests.engine.test_engine import test_tail_step_changes_nothing_in_the_output  # noqa: F401
 from tests.engine.test_heads import (  # noqa: F401
     test_a_stop_condition_finishes_at_the_first_position_the_reference_crosses,
     test_an_sae_without_topk_gives_its_own_k_and_the_extraction_step_the_same,
-    test_completions_chat_and_streams_over_the_openai_routes, test_every_head_at_the_final_token_alone_no_rows,
-    test_heads_and_rows_across_the_completion_n2)
-from tests.engine.test_positions import BOUND
+    test_completions_chat_and_streams_over_the_openai_routes,
+    test_every_head_at_the_final_token_alone_no_rows,
+    test_heads_and_rows_across_the_completion_n2,
+)
 from tests.engine.test_positions import (  # noqa: F401
+    BOUND,
     test_a_stop_string_takes_the_final_row_from_the_extraction_step,
     test_all_layers_of_a_long_prompt_in_chunks_and_with_its_prefix_cached,
-    test_beam_search_and_a_streamed_chat_over_the_openai_routes, test_every_position_against_transformers,
-    test_n2_each_choice_its_own_rows, test_rows_arrive_across_outputs_and_concatenate_to_the_whole)
-from tests.engine.test_steering import registered, registered_vectors, unit_vector  # noqa: F401
-from tests.engine.test_steering import (  # noqa: F401
-    test_n2_and_a_streamed_chat_over_the_openai_routes, test_post_hidden_states_recomputes_a_steered_choice,
-    test_registered_vectors_and_sae_features_as_entries, test_steered_tokens_and_rows_are_transformers_with_the_same_hook,
-    test_a_worker_hook_that_raises_fails_its_request_alone, test_the_extraction_step_is_steered_the_same,
+    test_beam_search_and_a_streamed_chat_over_the_openai_routes,
+    test_every_position_against_transformers,
+    test_n2_each_choice_its_own_rows,
+    test_rows_arrive_across_outputs_and_concatenate_to_the_whole,
+)
+from tests.engine.test_steering import (  # noqa: F401  # noqa: F401
+    registered,
+    registered_vectors,
     test_a_conditional_entry_applies_where_its_condition_held_on_the_row_before,
-    test_bad_clamps_and_caps_are_a_400_naming_the_entry, test_clamp_and_cap_are_transformers_with_saelens_in_the_same_hook,
-    test_unsteered_requests_beside_steered_ones_are_byte_for_byte_unchanged)
+    test_a_worker_hook_that_raises_fails_its_request_alone,
+    test_bad_clamps_and_caps_are_a_400_naming_the_entry,
+    test_clamp_and_cap_are_transformers_with_saelens_in_the_same_hook,
+    test_n2_and_a_streamed_chat_over_the_openai_routes,
+    test_post_hidden_states_recomputes_a_steered_choice,
+    test_registered_vectors_and_sae_features_as_entries,
+    test_steered_tokens_and_rows_are_transformers_with_the_same_hook,
+    test_the_extraction_step_is_steered_the_same,
+    test_unsteered_requests_beside_steered_ones_are_byte_for_byte_unchanged,
+    unit_vector,
+)
+from tests.heads_ref import build_test_heads
 
 COMPILED_ARGS = {**TEST_ENGINE_ARGS, "enforce_eager": False}
 
@@ -52,8 +64,13 @@ def heads():
 # warm_up_s=0: the compile at the first forward is what this tests, not oneDNN's per-size kernels.
 engine = engine_fixture(
     setup=lambda heads, registered: {"heads": heads, "steering_vectors": registered_vectors(registered)},  # noqa: F811
-    timeout=900, warm_up_s=0, capture_layers=[0, 1], max_hidden_states_bytes=BOUND,
-    env={FAULT_INJECTION_ENV: "1"}, **COMPILED_ARGS)  # faults injected into the traced steering and the heads
+    timeout=900,
+    warm_up_s=0,
+    capture_layers=[0, 1],
+    max_hidden_states_bytes=BOUND,
+    env={FAULT_INJECTION_ENV: "1"},
+    **COMPILED_ARGS,
+)  # faults injected into the traced steering and the heads
 
 
 def test_engine_is_compiled_with_its_layers_traced(engine, loop_thread):
@@ -67,8 +84,13 @@ def test_engine_is_compiled_with_its_layers_traced(engine, loop_thread):
     # (float32 here), its 5 parameters and a mask
     assert worker["traced_buffer_bytes"] == 2 * (6 * 256 * 128 * 4 + 256 * 5 * 4 + 256)
     c = worker["compilations"]
-    assert c["num_aot_compiles"] + c["num_backend_compilations"] + c["num_compiled_artifacts_loaded"] \
-        + c["num_aot_artifacts_loaded"] >= 1, c  # the model was compiled (or loaded compiled) at start
+    assert (
+        c["num_aot_compiles"]
+        + c["num_backend_compilations"]
+        + c["num_compiled_artifacts_loaded"]
+        + c["num_aot_artifacts_loaded"]
+        >= 1
+    ), c  # the model was compiled (or loaded compiled) at start
 
 
 def b64(v: np.ndarray) -> str:
@@ -85,10 +107,12 @@ def test_no_request_compiles_anything(engine, loop_thread):
         return worker["compilations"]
 
     before = counts()
-    steer = [{"layer": 0, "vector": b64(unit_vector(3, 3.0)), "positions": "completion"},
-             {"layer": 1, "vector": b64(unit_vector(6)), "op": "ablate", "positions": "prompt"},
-             {"head": "sae-std", "feature": 17, "op": "clamp", "value": 40.0, "positions": "completion"},
-             {"layer": 0, "vector": b64(unit_vector(9)), "op": "cap", "max": -0.5, "positions": "prompt"}]
+    steer = [
+        {"layer": 0, "vector": b64(unit_vector(3, 3.0)), "positions": "completion"},
+        {"layer": 1, "vector": b64(unit_vector(6)), "op": "ablate", "positions": "prompt"},
+        {"head": "sae-std", "feature": 17, "op": "clamp", "value": 40.0, "positions": "completion"},
+        {"layer": 0, "vector": b64(unit_vector(9)), "op": "cap", "max": -0.5, "positions": "prompt"},
+    ]
 
     async def run():
         jobs = []
@@ -96,8 +120,15 @@ def test_no_request_compiles_anything(engine, loop_thread):
             kw = {"steering": steer} if i % 3 == 0 else {}
             if i % 2:
                 kw["heads"] = ["mid", "probe"]
-            jobs.append(engine.complete(f"Batch member {i} says" + " more" * (i * 30), SamplingParams(
-                max_tokens=3 + i, temperature=0.0), layers=[0, 1, -1], position="all", **kw))
+            jobs.append(
+                engine.complete(
+                    f"Batch member {i} says" + " more" * (i * 30),
+                    SamplingParams(max_tokens=3 + i, temperature=0.0),
+                    layers=[0, 1, -1],
+                    position="all",
+                    **kw,
+                )
+            )
         return await asyncio.gather(*jobs)
 
     outs = loop_thread.run(run(), timeout=600)
@@ -106,10 +137,14 @@ def test_no_request_compiles_anything(engine, loop_thread):
     assert after == before, {k: (before[k], after[k]) for k in before if before[k] != after.get(k)}
 
 
-@pytest.mark.parametrize("second", [
-    {"layer": 1, "vector": b64(unit_vector(6)), "op": "ablate", "positions": "completion"},
-    {"head": "sae-std", "feature": 3, "op": "clamp", "value": 1.0, "positions": "completion"},
-    {"layer": 1, "vector": b64(unit_vector(6)), "op": "cap", "max": 0.0}])
+@pytest.mark.parametrize(
+    "second",
+    [
+        {"layer": 1, "vector": b64(unit_vector(6)), "op": "ablate", "positions": "completion"},
+        {"head": "sae-std", "feature": 3, "op": "clamp", "value": 1.0, "positions": "completion"},
+        {"layer": 1, "vector": b64(unit_vector(6)), "op": "cap", "max": 0.0},
+    ],
+)
 def test_a_second_ablation_of_the_same_positions_is_refused_by_name(engine, loop_thread, second):
     """One ablate, clamp or cap per position and layer (the traced entry's one slot); adds around it are fine."""
     from hidden_states.params import HiddenStatesRequestError
@@ -130,8 +165,16 @@ def test_the_gpu_check_passes_on_this_engine(engine, loop_thread, model_dir, hea
     checks = loop_thread.run(run_checks(engine, Reference(model_dir, "cpu"), 1, sae), timeout=600)
     for c in checks:
         print(c.line())
-    assert [c.name.split(" ")[0] for c in checks] == ["last", "layer", "extraction", "sae", "stop", "steering", "steering",
-                                                      "unsteered", "no"], [c.name for c in checks]
+    assert [c.name.split(" ")[0] for c in checks] == [
+        "last",
+        "layer",
+        "extraction",
+        "sae",
+        "stop",
+        "steering",
+        "steering",
+        "unsteered",
+        "no",
+    ], [c.name for c in checks]
     assert all(c.ok for c in checks), [c.line() for c in checks if not c.ok]
     assert all(c.error is not None for c in checks[:-1])
-

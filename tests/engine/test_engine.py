@@ -26,12 +26,23 @@ def _worker_captured_every_vector(stats):
 
 # Nothing left behind, after every test of the module, whatever their order.
 # Its hooks fail a request that asks (tests only: protocol.FAULT_INJECTION_ENV; the other tests ask none).
-engine = engine_fixture(one_more_step=PROMPTS[0], clean=("pending", "missing_vectors"),
-                        check=_worker_captured_every_vector, env={FAULT_INJECTION_ENV: "1"}, **TEST_ENGINE_ARGS)
+engine = engine_fixture(
+    one_more_step=PROMPTS[0],
+    clean=("pending", "missing_vectors"),
+    check=_worker_captured_every_vector,
+    env={FAULT_INJECTION_ENV: "1"},
+    **TEST_ENGINE_ARGS,
+)
 # The same engine arguments (the block size and scheduling policy the hidden-states engine defaults to, made
 # explicit), hidden states off: no hook. Started after `engine`.
-plain_engine = engine_fixture(setup=lambda engine: None, clean=(), enable_return_hidden_states=False, block_size=32,
-                              scheduling_policy="priority", **TEST_ENGINE_ARGS)
+plain_engine = engine_fixture(
+    setup=lambda engine: None,
+    clean=(),
+    enable_return_hidden_states=False,
+    block_size=32,
+    scheduling_policy="priority",
+    **TEST_ENGINE_ARGS,
+)
 
 
 sp = sampling(max_tokens=24)  # greedy SamplingParams; keywords override
@@ -93,7 +104,7 @@ def test_tail_step_on_every_engine_side_stop(engine, loop_thread, reference):
     outs = {name: loop_thread.run(engine.complete(PROMPTS[3], params)) for name, params in cases.items()}
     stopped = outs["stop token id"].choices[0]
     assert stopped.finish_reason == "stop" and stopped.token_ids[-1] == stop_at
-    assert stopped.token_ids == free.choices[0].token_ids[:len(stopped.token_ids)]
+    assert stopped.token_ids == free.choices[0].token_ids[: len(stopped.token_ids)]
     assert outs["max_tokens"].choices[0].finish_reason == "length" and len(outs["max_tokens"].choices[0].token_ids) == 5
     assert len(outs["min_tokens"].choices[0].token_ids) >= 8
     for name, c in outs.items():
@@ -181,6 +192,7 @@ def test_prefix_cache_reset(engine, loop_thread, reference):
 
 def test_batch_extract(engine, loop_thread, reference, model_dir):
     seqs = [reference.tokenizer(p)["input_ids"] for p in PROMPTS] + [list(range(5, 300))]
+
     async def run():
         return [vec for vec, _ in await asyncio.gather(*(engine.extract_one(ids) for ids in seqs))]
 
@@ -194,7 +206,7 @@ def test_stop_string_cuts_text_not_token_ids(engine, loop_thread, reference):
     free = loop_thread.run(engine.complete(PROMPTS[0], sp(max_tokens=24), return_hidden_states=False))
     text = free.choices[0].text
     assert len(text) > 6
-    stop = text[len(text) // 2: len(text) // 2 + 3]
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
     c = loop_thread.run(engine.complete(PROMPTS[0], sp(max_tokens=24, stop=[stop])))
     choice = c.choices[0]
     assert choice.finish_reason == "stop" and stop not in choice.text
@@ -205,10 +217,12 @@ def test_unflagged_requests_generate_the_same_tokens(engine, plain_engine, loop_
     prompts = PROMPTS + [long_text(400, seed=5)]
 
     async def mixed(eng, flag_every_other: bool):
-        return await asyncio.gather(*(
-            eng.complete(p, sp(max_tokens=20), return_hidden_states=flag_every_other and i % 2 == 0)
-            for i, p in enumerate(prompts)
-        ))
+        return await asyncio.gather(
+            *(
+                eng.complete(p, sp(max_tokens=20), return_hidden_states=flag_every_other and i % 2 == 0)
+                for i, p in enumerate(prompts)
+            )
+        )
 
     patched = loop_thread.run(mixed(engine, True))
     plain = loop_thread.run(mixed(plain_engine, False))
@@ -256,7 +270,9 @@ def test_kv_cache_is_resident_from_the_start(engine, plain_engine):
 
     kv = TEST_ENGINE_ARGS["kv_cache_memory_bytes"]
     assert engine.startup["kv_cache_prefaulted_bytes"] == kv
-    workers = [p for p in psutil.Process().children(recursive=True) if "VLLM::Worker" in " ".join(p.cmdline() or [p.name()])]
+    workers = [
+        p for p in psutil.Process().children(recursive=True) if "VLLM::Worker" in " ".join(p.cmdline() or [p.name()])
+    ]
     assert len(workers) >= 2, workers  # engine and plain_engine
     for p in workers:
         resident = _large_mappings_rss(p.pid, kv // 8)
@@ -284,7 +300,6 @@ def test_cpu_engine_is_warmed_up_before_the_first_request(engine, loop_thread):
     assert worker["malloc_trim"]["running"] and worker["malloc_trim"]["interval_s"] == 5.0
 
 
-
 def test_a_finish_without_its_vector_takes_the_extraction_step_at_once(engine, loop_thread, reference):
     """The output that finishes a choice brings its vector or nothing ("not captured"): with
     the first vector lost on the way, and another one garbled, those choices get the
@@ -304,6 +319,7 @@ def test_a_finish_without_its_vector_takes_the_extraction_step_at_once(engine, l
     engine.extraction.deliver = lossy
     before = loop_thread.run(engine.stats())
     try:
+
         async def run():
             t0 = asyncio.get_running_loop().time()
             outs = await asyncio.gather(*(engine.complete(p, sp(max_tokens=6)) for p in PROMPTS))
@@ -343,10 +359,13 @@ def test_a_hook_that_raises_fails_its_request_alone_and_the_engine_serves_on(eng
     engine.extraction.deliver = faulty
     before = loop_thread.run(engine.stats())
     try:
+
         async def batch():
-            return await asyncio.gather(engine.complete(PROMPTS[0], sp(max_tokens=6), dtype="float16"),
-                                        *(engine.complete(p, sp(max_tokens=6)) for p in PROMPTS[1:]),
-                                        return_exceptions=True)
+            return await asyncio.gather(
+                engine.complete(PROMPTS[0], sp(max_tokens=6), dtype="float16"),
+                *(engine.complete(p, sp(max_tokens=6)) for p in PROMPTS[1:]),
+                return_exceptions=True,
+            )
 
         faulted, *others = loop_thread.run(batch())
     finally:
@@ -366,20 +385,35 @@ def test_a_hook_that_raises_fails_its_request_alone_and_the_engine_serves_on(eng
     # over HTTP (a replica's frontend): the same fault is a 500 naming the hook; the next request is served
     engine.extraction.deliver = faulty
     try:
-        status, body = openai_answer(engine, loop_thread, "completions", {
-            "model": "tiny-llama", "prompt": PROMPTS[0], "max_tokens": 4, "return_hidden_states": True,
-            "hidden_states_dtype": "float16"})
+        status, body = openai_answer(
+            engine,
+            loop_thread,
+            "completions",
+            {
+                "model": "tiny-llama",
+                "prompt": PROMPTS[0],
+                "max_tokens": 4,
+                "return_hidden_states": True,
+                "hidden_states_dtype": "float16",
+            },
+        )
     finally:
         engine.extraction.deliver = original
     assert status == 500 and "`deliver`" in body["error"]["message"], body
-    status, body = openai_answer(engine, loop_thread, "completions", {
-        "model": "tiny-llama", "prompt": PROMPTS[0], "max_tokens": 4, "return_hidden_states": True})
+    status, body = openai_answer(
+        engine,
+        loop_thread,
+        "completions",
+        {"model": "tiny-llama", "prompt": PROMPTS[0], "max_tokens": 4, "return_hidden_states": True},
+    )
     assert status == 200 and body["choices"][0]["hidden_states"], body
 
 
-@pytest.mark.parametrize("hook,layers", [("plan", (-1,)), ("file", (-1,)), ("send", (-1,)), ("tail", (-1,)),
-                                         ("capture", (-1,)), ("capture", (1, -1))],
-                         ids=["plan", "file", "send", "tail", "capture", "capture-layer"])
+@pytest.mark.parametrize(
+    "hook,layers",
+    [("plan", (-1,)), ("file", (-1,)), ("send", (-1,)), ("tail", (-1,)), ("capture", (-1,)), ("capture", (1, -1))],
+    ids=["plan", "file", "send", "tail", "capture", "capture-layer"],
+)
 def test_a_hook_in_the_engine_core_that_raises_fails_its_request_alone(engine, loop_thread, reference, hook, layers):
     """The scheduler's hooks (its plan, filing a step's rows, sending them, holding a stopped request for its
     tail step) and the worker's capture (the
@@ -393,15 +427,17 @@ def test_a_hook_in_the_engine_core_that_raises_fails_its_request_alone(engine, l
     from hidden_states.interface import HookFaultError
 
     def ask(prompt, layers=(1, -1), extra=None):
-        return engine.complete(prompt, sp(max_tokens=6, **({"extra_args": extra} if extra else {})), layers=layers,
-                               position="all")
+        return engine.complete(
+            prompt, sp(max_tokens=6, **({"extra_args": extra} if extra else {})), layers=layers, position="all"
+        )
 
     alone = [loop_thread.run(ask(p)) for p in PROMPTS[1:]]
     before = loop_thread.run(engine.stats())
 
     async def batch():
-        return await asyncio.gather(*(ask(p) for p in PROMPTS[1:]), ask(PROMPTS[0], layers, {FAULT_INJECT_KEY: hook}),
-                                    return_exceptions=True)
+        return await asyncio.gather(
+            *(ask(p) for p in PROMPTS[1:]), ask(PROMPTS[0], layers, {FAULT_INJECT_KEY: hook}), return_exceptions=True
+        )
 
     *others, faulted = loop_thread.run(batch())
     assert isinstance(faulted, HookFaultError) and faulted.hook == hook, faulted
@@ -419,7 +455,7 @@ def test_a_hook_in_the_engine_core_that_raises_fails_its_request_alone(engine, l
             rows = ch.hidden_states_by_layer[layer]
             assert (rows == want.hidden_states_by_layer[layer]).all()
             for p in (len(c.prompt_token_ids) - 1, len(ids) - 1):  # the prompt's last row and the final token's
-                reference.assert_matches(ids[:p + 1], rows[p], layer=layer)
+                reference.assert_matches(ids[: p + 1], rows[p], layer=layer)
     assert not engine.llm.errored
     again = loop_thread.run(ask(PROMPTS[0], layers))
     ids = list(again.prompt_token_ids) + list(again.choices[0].token_ids)
@@ -461,8 +497,12 @@ def test_tail_step_changes_nothing_in_the_output(engine, loop_thread, stop):
     (with_hs, stats), (without, _) = (_generate(engine, loop_thread, PROMPTS[2], params, hs=h) for h in (True, False))
     a, b = with_hs.outputs[0], without.outputs[0]
     assert [s.via for s in stats.values()] == ["tail"]
-    assert (a.text, list(a.token_ids), a.finish_reason, a.stop_reason) == \
-        (b.text, list(b.token_ids), b.finish_reason, b.stop_reason)
+    assert (a.text, list(a.token_ids), a.finish_reason, a.stop_reason) == (
+        b.text,
+        list(b.token_ids),
+        b.finish_reason,
+        b.stop_reason,
+    )
     assert a.logprobs == b.logprobs and a.cumulative_logprob == b.cumulative_logprob
     if stop != "max-tokens":
         assert a.stop_reason == stop_at and a.token_ids[-1] == stop_at

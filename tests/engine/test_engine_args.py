@@ -38,11 +38,22 @@ from tests.engine.test_engine import PROMPTS, sp
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 CONFIGS = {
-    "small": {**TEST_ENGINE_ARGS, "enable_prefix_caching": False, "max_num_batched_tokens": 64, "max_num_seqs": 2,
-              "scheduling_policy": "fcfs", "async_scheduling": True, "max_model_len": 512},
+    "small": {
+        **TEST_ENGINE_ARGS,
+        "enable_prefix_caching": False,
+        "max_num_batched_tokens": 64,
+        "max_num_seqs": 2,
+        "scheduling_policy": "fcfs",
+        "async_scheduling": True,
+        "max_model_len": 512,
+    },
     "bf16": {**TEST_ENGINE_ARGS, "dtype": "bfloat16"},
-    "fp8": {**TEST_ENGINE_ARGS, "kv_cache_dtype": "fp8", "enable_chunked_prefill": False,
-            "max_num_batched_tokens": 4096},
+    "fp8": {
+        **TEST_ENGINE_ARGS,
+        "kv_cache_dtype": "fp8",
+        "enable_chunked_prefill": False,
+        "max_num_batched_tokens": 4096,
+    },
 }
 
 
@@ -79,7 +90,8 @@ def test_every_engine_argument_is_classified():
     unclassified = fields - set().union(*tables.values())
     assert not unclassified, (
         f"vLLM's AsyncEngineArgs has fields engine_args.py does not classify: {sorted(unclassified)}; exercise "
-        "each in a test (exact vectors), refuse it at start, or say why it cannot change a vector")
+        "each in a test (exact vectors), refuse it at start, or say why it cannot change a vector"
+    )
     for a, b in ((a, b) for a in tables for b in tables if a < b):
         both = set(tables[a]) & set(tables[b])
         assert not both, f"in both {a} and {b}: {sorted(both)}"
@@ -92,13 +104,24 @@ def test_every_engine_argument_is_classified():
 
 
 # A value that asks for each refused feature (the rest: True for flags, 2 for sizes, a name for the others).
-BAD = {"speculative_config": {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3},
-       "spec_method": "ngram", "spec_model": "org/draft", "spec_tokens": 2, "diffusion_config": {"steps": 4},
-       "kv_transfer_config": {"kv_connector": "OffloadingConnector", "kv_role": "kv_both"},
-       "kv_offloading_size": 1.0, "max_num_queued_reqs": 8, "max_num_queued_tokens": 4096,
-       "aux_output_config": {"enable_return_routed_experts": True}, "runner": "pooling", "convert": "embed",
-       "worker_cls": "my.Worker", "worker_extension_cls": "my.Extension",
-       "scheduler_cls": "vllm.v1.core.sched.scheduler.Scheduler", "ubatch_size": 2}
+BAD = {
+    "speculative_config": {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3},
+    "spec_method": "ngram",
+    "spec_model": "org/draft",
+    "spec_tokens": 2,
+    "diffusion_config": {"steps": 4},
+    "kv_transfer_config": {"kv_connector": "OffloadingConnector", "kv_role": "kv_both"},
+    "kv_offloading_size": 1.0,
+    "max_num_queued_reqs": 8,
+    "max_num_queued_tokens": 4096,
+    "aux_output_config": {"enable_return_routed_experts": True},
+    "runner": "pooling",
+    "convert": "embed",
+    "worker_cls": "my.Worker",
+    "worker_extension_cls": "my.Extension",
+    "scheduler_cls": "vllm.v1.core.sched.scheduler.Scheduler",
+    "ubatch_size": 2,
+}
 
 
 def _bad(name: str, default):
@@ -124,12 +147,16 @@ def test_every_refused_argument_is_refused_by_name_and_its_default_passes():
     refuse({"model": "x", "dtype": "bfloat16", "tensor_parallel_size": 2, "seed": 3})
 
 
-@pytest.mark.parametrize("arg", [
-    {"data_parallel_size": 2},
-    {"pipeline_parallel_size": 2},
-    {"scheduler_cls": BAD["scheduler_cls"]},
-    {"kv_offloading_size": 1.0},
-], ids=lambda a: next(iter(a)))
+@pytest.mark.parametrize(
+    "arg",
+    [
+        {"data_parallel_size": 2},
+        {"pipeline_parallel_size": 2},
+        {"scheduler_cls": BAD["scheduler_cls"]},
+        {"kv_offloading_size": 1.0},
+    ],
+    ids=lambda a: next(iter(a)),
+)
 def test_refused_arguments_stop_the_engine_before_vllm_starts(loop_thread, arg):
     """HiddenStatesEngine.start() refuses them with the argument named, before any vLLM process
     starts (no engine start costs under a second); without hidden states they reach vLLM."""
@@ -158,12 +185,17 @@ def test_speculative_decoding_under_async_scheduling_is_refused():
     refuse({"speculative_config": spec, "async_scheduling": False})
     with pytest.raises(EngineStartupError, match="speculative_config and async_scheduling=True"):
         refuse({"speculative_config": spec, "async_scheduling": True})
-    resolved = types.SimpleNamespace(speculative_config=object(),
-                                     scheduler_config=types.SimpleNamespace(async_scheduling=True))
+    resolved = types.SimpleNamespace(
+        speculative_config=object(), scheduler_config=types.SimpleNamespace(async_scheduling=True)
+    )
     with pytest.raises(EngineStartupError, match="async_scheduling: false"):
         refuse({}, resolved)
-    refuse({}, types.SimpleNamespace(speculative_config=object(),
-                                     scheduler_config=types.SimpleNamespace(async_scheduling=False)))
+    refuse(
+        {},
+        types.SimpleNamespace(
+            speculative_config=object(), scheduler_config=types.SimpleNamespace(async_scheduling=False)
+        ),
+    )
 
 
 def test_the_resolved_configuration_is_checked_too(model_dir):
@@ -188,21 +220,28 @@ def test_the_resolved_configuration_is_checked_too(model_dir):
     assert str(by_worker.value) == str(by_config.value)
 
     def fake(**change):
-        parallel = dict(pipeline_parallel_size=1, data_parallel_size=1, prefill_context_parallel_size=1,
-                        decode_context_parallel_size=1)
+        parallel = dict(
+            pipeline_parallel_size=1,
+            data_parallel_size=1,
+            prefill_context_parallel_size=1,
+            decode_context_parallel_size=1,
+        )
         model = dict(runner_type="generate", is_diffusion=False)
         top = dict(speculative_config=None, kv_transfer_config=None)
         for key, value in change.items():
             (parallel if key in parallel else model if key in model else top)[key] = value
-        return types.SimpleNamespace(parallel_config=types.SimpleNamespace(**parallel),
-                                     model_config=types.SimpleNamespace(**model), **top)
+        return types.SimpleNamespace(
+            parallel_config=types.SimpleNamespace(**parallel), model_config=types.SimpleNamespace(**model), **top
+        )
 
     refuse({}, fake())
-    for change, name in (({"pipeline_parallel_size": 2}, "pipeline_parallel_size"),
-                         ({"data_parallel_size": 2}, "data_parallel_size"),
-                         ({"decode_context_parallel_size": 2}, "decode_context_parallel_size"),
-                         ({"runner_type": "pooling"}, "runner"),  # e.g. `runner: auto` on an embedding model
-                         ({"is_diffusion": True}, "diffusion_config")):
+    for change, name in (
+        ({"pipeline_parallel_size": 2}, "pipeline_parallel_size"),
+        ({"data_parallel_size": 2}, "data_parallel_size"),
+        ({"decode_context_parallel_size": 2}, "decode_context_parallel_size"),
+        ({"runner_type": "pooling"}, "runner"),  # e.g. `runner: auto` on an embedding model
+        ({"is_diffusion": True}, "diffusion_config"),
+    ):
         with pytest.raises(EngineStartupError, match=rf"engine argument {name}="):
             refuse({}, fake(**change))
 
@@ -217,8 +256,11 @@ def test_the_resolved_configuration_is_checked_too(model_dir):
 # the fp8 KV cache is refused so, and only so; bfloat16 starts and runs there (vLLM's AVX2 kernels
 # carry it), so it has no entry: it never skips.
 CPU_FEATURES = {
-    "fp8": ("AVX-512 or AMX", "FP8 KV cache on CPU requires x86 with AVX-512 or AMX.",
-            lambda cpu: not (cpu._is_avx512_supported() or cpu._is_amx_tile_supported())),
+    "fp8": (
+        "AVX-512 or AMX",
+        "FP8 KV cache on CPU requires x86 with AVX-512 or AMX.",
+        lambda cpu: not (cpu._is_avx512_supported() or cpu._is_amx_tile_supported()),
+    ),
 }
 
 
@@ -256,7 +298,7 @@ class _Output:
                     self.last = time.monotonic()
                 view = memoryview(data)
                 while view:
-                    view = view[os.write(to_fd, view):]
+                    view = view[os.write(to_fd, view) :]
         os.close(to_fd)
 
     @contextlib.contextmanager
@@ -304,7 +346,8 @@ class _Slot:
             try:
                 with output.during() if name in CPU_FEATURES else contextlib.nullcontext():
                     self.engine = self.loop_thread.run(
-                        HiddenStatesEngine.start(TEST_MODEL, warm_up_s=0, **CONFIGS[name]), timeout=600)
+                        HiddenStatesEngine.start(TEST_MODEL, warm_up_s=0, **CONFIGS[name]), timeout=600
+                    )
             except Exception as e:
                 reason = missing_cpu_feature(name, e, output.text())
                 if reason is None:
@@ -326,16 +369,26 @@ class _Here:
         return asyncio.run(coro)
 
 
-@pytest.mark.parametrize("name,lacks,logged,fails", [
-    ("fp8", True, CPU_FEATURES["fp8"][1], None),  # vLLM's refusal, on a CPU without AVX-512 or AMX: skipped
-    ("fp8", True, "AttributeError: 'NoneType' object has no attribute 'hidden_states_install'", "EngineStartupError"),
-    ("fp8", False, CPU_FEATURES["fp8"][1], "EngineStartupError"),  # the CPU has them: not the reason
-    ("fp8", True, CPU_FEATURES["fp8"][1], "TimeoutError"),  # not a refusal to start
-    ("bf16", True, CPU_FEATURES["fp8"][1], "EngineStartupError"),  # bfloat16 runs on AVX2: never skipped
-    ("small", True, CPU_FEATURES["fp8"][1], "EngineStartupError"),
-], ids=["fp8-refused-for-the-cpu", "fp8-broken", "fp8-cpu-has-it", "fp8-timeout", "bf16", "small"])
+@pytest.mark.parametrize(
+    "name,lacks,logged,fails",
+    [
+        ("fp8", True, CPU_FEATURES["fp8"][1], None),  # vLLM's refusal, on a CPU without AVX-512 or AMX: skipped
+        (
+            "fp8",
+            True,
+            "AttributeError: 'NoneType' object has no attribute 'hidden_states_install'",
+            "EngineStartupError",
+        ),
+        ("fp8", False, CPU_FEATURES["fp8"][1], "EngineStartupError"),  # the CPU has them: not the reason
+        ("fp8", True, CPU_FEATURES["fp8"][1], "TimeoutError"),  # not a refusal to start
+        ("bf16", True, CPU_FEATURES["fp8"][1], "EngineStartupError"),  # bfloat16 runs on AVX2: never skipped
+        ("small", True, CPU_FEATURES["fp8"][1], "EngineStartupError"),
+    ],
+    ids=["fp8-refused-for-the-cpu", "fp8-broken", "fp8-cpu-has-it", "fp8-timeout", "bf16", "small"],
+)
 def test_an_engine_that_fails_to_start_fails_its_tests_unless_the_cpu_lacks_what_vllm_names(
-        monkeypatch, name, lacks, logged, fails):
+    monkeypatch, name, lacks, logged, fails
+):
     """The breaking variant of the bf16 and fp8 tests: their engine fails to start (start() stands in,
     logging to the inherited file descriptors as vLLM's engine-core process does, then raising what
     start() raises). The test then fails, unless vLLM named the instruction set this CPU lacks."""
@@ -348,8 +401,10 @@ def test_an_engine_that_fails_to_start_fails_its_tests_unless_the_cpu_lacks_what
         os.write(1, f"(Worker pid=1) ERROR ... {logged}\n".encode())
         if fails == "TimeoutError":
             raise TimeoutError("the engine did not start in 600 s")
-        raise EngineStartupError("the vLLM engine for builtin:tiny-llama failed to start (RuntimeError: Engine "
-                                 "core initialization failed. See root cause above. Failed core proc(s): {})")
+        raise EngineStartupError(
+            "the vLLM engine for builtin:tiny-llama failed to start (RuntimeError: Engine "
+            "core initialization failed. See root cause above. Failed core proc(s): {})"
+        )
 
     monkeypatch.setattr(HiddenStatesEngine, "start", start)
     for query in ("_is_avx512_supported", "_is_amx_tile_supported"):
@@ -390,8 +445,9 @@ def _run(loop_thread, *coros, timeout: float = 300):
 def test_without_prefix_caching_the_extraction_step_recomputes_everything(small, loop_thread, reference):
     assert small.llm.vllm_config.cache_config.enable_prefix_caching is False
     prompt = long_text(150, seed=31)  # longer than a 64-token chunk and several 32-token blocks
-    stopped, tail = _run(loop_thread, small.complete(prompt, sp(max_tokens=30, stop=["e"])),
-                         small.complete(prompt, sp(max_tokens=12)))
+    stopped, tail = _run(
+        loop_thread, small.complete(prompt, sp(max_tokens=30, stop=["e"])), small.complete(prompt, sp(max_tokens=12))
+    )
     st, ch = stopped.choices[0].extraction, stopped.choices[0]
     total = len(stopped.prompt_token_ids) + len(ch.token_ids)
     assert total > 2 * 64 and ch.finish_reason == "stop"
@@ -489,8 +545,11 @@ def test_bfloat16_vectors_within_the_derived_tolerance(slot, loop_thread, refere
     engine = slot.use("bf16")
     assert str(engine.llm.vllm_config.model_config.dtype) == "torch.bfloat16", engine.llm.vllm_config.model_config
     prompts = PROMPTS + [long_text(60, seed=1), long_text(300, seed=3), long_text(700, seed=5)]
-    outs = _run(loop_thread, *(engine.complete(p, sp(max_tokens=16)) for p in prompts),
-                *(engine.complete(p, sp(max_tokens=16, stop=["e"])) for p in prompts))
+    outs = _run(
+        loop_thread,
+        *(engine.complete(p, sp(max_tokens=16)) for p in prompts),
+        *(engine.complete(p, sp(max_tokens=16, stop=["e"])) for p in prompts),
+    )
     worst = {"bf16": 0.0, "f32": 0.0}
     vias = set()
     for c in outs:
@@ -503,8 +562,10 @@ def test_bfloat16_vectors_within_the_derived_tolerance(slot, loop_thread, refere
         scale = float(np.abs(b16).max())
         rel16, rel32 = float(np.abs(v - b16).max()) / scale, float(np.abs(v - f32).max()) / scale
         wrong = float(np.abs(v - bf16_reference.last_hidden(ids[:-1])).max()) / scale
-        print(f"{ch.extraction.via}, {len(ids)} tokens: vs bfloat16 {rel16 / BF16_U:.2f}u, vs float32 "
-              f"{rel32 / BF16_U:.2f}u, wrong token {wrong / BF16_U:.1f}u (bound {BF16_TOL / BF16_U:g}u)")
+        print(
+            f"{ch.extraction.via}, {len(ids)} tokens: vs bfloat16 {rel16 / BF16_U:.2f}u, vs float32 "
+            f"{rel32 / BF16_U:.2f}u, wrong token {wrong / BF16_U:.1f}u (bound {BF16_TOL / BF16_U:g}u)"
+        )
         assert rel16 <= BF16_TOL, f"{rel16:.4g} of max|ref| > {BF16_TOL:.4g} over {len(ids)} tokens"
         assert rel32 <= BF16_TOL, f"{rel32:.4g} of max|ref| > {BF16_TOL:.4g} over {len(ids)} tokens (float32)"
         assert rel32 > 1e-4, "as close to float32 as a float32 engine: not computed in bfloat16?"
@@ -573,8 +634,11 @@ def test_fp8_kv_cache_vectors_exact_against_truncated_kv(slot, loop_thread, refe
     cfg = engine.llm.vllm_config
     assert cfg.cache_config.cache_dtype == "fp8" and not cfg.scheduler_config.enable_chunked_prefill
     prompts = PROMPTS + [long_text(300, seed=3), long_text(700, seed=5)]
-    outs = _run(loop_thread, *(engine.complete(p, sp(max_tokens=16)) for p in prompts),
-                *(engine.complete(p, sp(max_tokens=24, stop=["e"])) for p in prompts))
+    outs = _run(
+        loop_thread,
+        *(engine.complete(p, sp(max_tokens=16)) for p in prompts),
+        *(engine.complete(p, sp(max_tokens=24, stop=["e"])) for p in prompts),
+    )
     vias = set()
     for c in outs:
         ch = c.choices[0]
@@ -582,8 +646,10 @@ def test_fp8_kv_cache_vectors_exact_against_truncated_kv(slot, loop_thread, refe
         vias.add(ch.extraction.via)
         err, scale = fp8_reference.assert_matches(ids, ch.hidden_states)
         off = float(np.abs(ch.hidden_states - reference.last_hidden(ids)).max())
-        print(f"{ch.extraction.via}, {len(ids)} tokens: max abs error {err:.3g} (fp8 K/V reference), "
-              f"{off:.3g} from float32 K/V, max|ref| {scale:.3g}")
+        print(
+            f"{ch.extraction.via}, {len(ids)} tokens: max abs error {err:.3g} (fp8 K/V reference), "
+            f"{off:.3g} from float32 K/V, max|ref| {scale:.3g}"
+        )
         assert off > 1e-2 * scale, off
     assert vias == {"tail", "extraction"}, vias
     assert max(len(c.prompt_token_ids) for c in outs) > 800

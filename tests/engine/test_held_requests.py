@@ -19,8 +19,12 @@ from tests.conftest import ON_GPU
 
 pytestmark = pytest.mark.skipif(ON_GPU, reason="steps an in-process CPU engine core")
 
-PROMPTS = ["The replica computes the hidden state of", "A user reads the cache and then",
-           "Tokens flow from the router to", "Hello! How are you today?"]
+PROMPTS = [
+    "The replica computes the hidden state of",
+    "A user reads the cache and then",
+    "Tokens flow from the router to",
+    "Hello! How are you today?",
+]
 
 
 @pytest.fixture(scope="module")
@@ -36,10 +40,19 @@ def core(model_dir):
     os.environ.update(ENGINE_ENV, VLLM_ENABLE_V1_MULTIPROCESSING="0")
     try:
         # 12 blocks of 32 tokens (the tiny model: 2 layers x K+V x 64 x float32 = 1 KiB per token)
-        args = EngineArgs(model=model_dir, dtype="float32", enforce_eager=True, max_model_len=256,
-                          kv_cache_memory_bytes=12 * 32 * 1024, block_size=32, max_num_batched_tokens=256,
-                          max_num_seqs=8, enable_prefix_caching=True, scheduler_cls=TAIL_SCHEDULER,
-                          worker_extension_cls=WORKER_EXTENSION)
+        args = EngineArgs(
+            model=model_dir,
+            dtype="float32",
+            enforce_eager=True,
+            max_model_len=256,
+            kv_cache_memory_bytes=12 * 32 * 1024,
+            block_size=32,
+            max_num_batched_tokens=256,
+            max_num_seqs=8,
+            enable_prefix_caching=True,
+            scheduler_cls=TAIL_SCHEDULER,
+            worker_extension_cls=WORKER_EXTENSION,
+        )
         eng = LLMEngine.from_engine_args(args)
         eng.collective_rpc("hidden_states_install")
     finally:
@@ -61,8 +74,13 @@ def params(flagged: bool, span: list | None = None, every_step: bool = False, **
     kw.setdefault("max_tokens", 40)
     kw.setdefault("temperature", 0.0)
     kw.setdefault("ignore_eos", True)
-    extra = HiddenStatesExtractionRequest(key=uuid.uuid4().hex, reaches_final=True, span=span or [-1, None, 1],
-                                          every_step=every_step).to_extra_args() if flagged else None
+    extra = (
+        HiddenStatesExtractionRequest(
+            key=uuid.uuid4().hex, reaches_final=True, span=span or [-1, None, 1], every_step=every_step
+        ).to_extra_args()
+        if flagged
+        else None
+    )
     return [SamplingParams(extra_args=extra, **kw)]
 
 
@@ -101,8 +119,12 @@ def vector(out):
 
 def assert_same_outputs(a, b):
     x, y = a.outputs[0], b.outputs[0]
-    assert (x.text, list(x.token_ids), x.finish_reason, x.stop_reason) == \
-        (y.text, list(y.token_ids), y.finish_reason, y.stop_reason)
+    assert (x.text, list(x.token_ids), x.finish_reason, x.stop_reason) == (
+        y.text,
+        list(y.token_ids),
+        y.finish_reason,
+        y.stop_reason,
+    )
 
 
 def assert_nothing_left(core):
@@ -223,8 +245,11 @@ def test_rows_of_every_position_come_once_even_when_preempted_and_an_abort_leave
         ids, done, every = {}, {}, {}
         for i, p in enumerate(PROMPTS[:2]):
             rid = f"r-{uuid.uuid4().hex}"
-            core.add_request(rid, {"prompt_token_ids": core.get_tokenizer().encode(p)},
-                             params(True, span=[0, None, 1], every_step=i == 0, max_tokens=12)[0])
+            core.add_request(
+                rid,
+                {"prompt_token_ids": core.get_tokenizer().encode(p)},
+                params(True, span=[0, None, 1], every_step=i == 0, max_tokens=12)[0],
+            )
             ids[rid], every[rid] = p, i == 0
         deadline = time.monotonic() + 120
         while core.has_unfinished_requests():
@@ -252,8 +277,11 @@ def test_rows_of_every_position_come_once_even_when_preempted_and_an_abort_leave
         assert diff <= 1e-5 * scale and diff <= 1e-4, (diff, scale)
     # aborted mid-generation, rows pending
     rid = f"r-{uuid.uuid4().hex}"
-    core.add_request(rid, {"prompt_token_ids": core.get_tokenizer().encode(PROMPTS[3])},
-                     params(True, span=[-4, None, 1], max_tokens=30)[0])
+    core.add_request(
+        rid,
+        {"prompt_token_ids": core.get_tokenizer().encode(PROMPTS[3])},
+        params(True, span=[-4, None, 1], max_tokens=30)[0],
+    )
     for _ in range(4):
         core.step()
     (window,) = [c.rows for c in s._live.values()]

@@ -12,7 +12,6 @@ for q/k norms. Gemma and Phi3 run under HS_LONG_TESTS=1 (`make test-long`).
 from __future__ import annotations
 
 import base64
-
 import os
 import types
 
@@ -22,20 +21,24 @@ import torch
 
 from hidden_states.models.builtin import SPECS
 from hidden_states.vllm import LONG_TESTED, VERIFIED_LAYER_ARCHS
-from tests.conftest import Reference, TEST_ENGINE_ARGS, long_text, sampling
+from tests.conftest import TEST_ENGINE_ARGS, Reference, long_text, sampling
 
 # As every test engine, but a 64 MiB KV cache (a fixed size, whatever the machine's
 # memory), no warm-up (the tests do not measure speed) and always eager: intermediate
 # layers need an eager engine (tests/engine/test_compiled.py checks the refusal).
 ENGINE_ARGS = {**TEST_ENGINE_ARGS, "kv_cache_memory_bytes": 64 * 2**20, "warm_up_s": 0.0, "enforce_eager": True}
 
-LONG = [pytest.mark.long,
-        pytest.mark.skipif(os.environ.get("HS_LONG_TESTS") != "1", reason="long test: set HS_LONG_TESTS=1")]
+LONG = [
+    pytest.mark.long,
+    pytest.mark.skipif(os.environ.get("HS_LONG_TESTS") != "1", reason="long test: set HS_LONG_TESTS=1"),
+]
 # Every verified text architecture (hidden_states.vllm.VERIFIED_LAYER_ARCHS) by its built-in model; MiMo's
 # (built on tiny-qwen2 with an MTP layer) runs in tests/engine/test_spec_decode.py.
-FAMILIES = [pytest.param(model, marks=LONG) if arch in LONG_TESTED else model
-            for arch, model in VERIFIED_LAYER_ARCHS.items()
-            if arch.endswith("ForCausalLM") and model in SPECS]
+FAMILIES = [
+    pytest.param(model, marks=LONG) if arch in LONG_TESTED else model
+    for arch, model in VERIFIED_LAYER_ARCHS.items()
+    if arch.endswith("ForCausalLM") and model in SPECS
+]
 
 # float32 on both sides: the error must stay under 1e-5 of the largest reference
 # entry, and under 1e-4 absolute (the tiny models' entries are at most ~5).
@@ -44,8 +47,8 @@ REL_TOL, ABS_TOL = 1e-5, 1e-4
 
 @pytest.fixture(scope="module", params=FAMILIES)
 def setup(request, loop_thread):
-    from hidden_states.vllm.engine import HiddenStatesEngine
     from hidden_states.models.builtin import build
+    from hidden_states.vllm.engine import HiddenStatesEngine
 
     path = str(build(request.param))
     eng = loop_thread.run(HiddenStatesEngine.start(path, **ENGINE_ARGS))
@@ -102,7 +105,8 @@ def test_every_layer_matches_transformers(setup, loop_thread):
             from transformers import AutoModelForCausalLM
 
             unwindowed = AutoModelForCausalLM.from_pretrained(
-                ref.model.name_or_path, dtype=torch.float32, sliding_window=len(ids) + 1).eval()
+                ref.model.name_or_path, dtype=torch.float32, sliding_window=len(ids) + 1
+            ).eval()
             with torch.no_grad():
                 out = unwindowed(torch.tensor([list(ids)]), output_hidden_states=True)
             gap = float(np.abs(out.hidden_states[1][0, -1].numpy() - ch.hidden_states_by_layer[1]).max())
@@ -138,16 +142,19 @@ def test_bad_layer_requests_are_refused_clearly(setup, loop_thread):
 # -- support detection, without an engine ----------------------------------------
 
 
-@pytest.mark.parametrize("module, layer_cls, supported", [
-    ("llama", "LlamaDecoderLayer", True),
-    ("qwen3", "Qwen3DecoderLayer", True),
-    ("gemma2", "Gemma2DecoderLayer", True),
-    ("gemma3", "Gemma3DecoderLayer", True),
-    ("mistral", "MistralDecoderLayer", True),
-    ("granite", "GraniteDecoderLayer", False),  # takes and returns the whole stream
-    ("commandr", "CohereDecoderLayer", False),  # ignores its residual argument
-    ("gemma3n", "Gemma3nDecoderLayer", False),  # per-layer inputs, no residual argument
-])
+@pytest.mark.parametrize(
+    "module, layer_cls, supported",
+    [
+        ("llama", "LlamaDecoderLayer", True),
+        ("qwen3", "Qwen3DecoderLayer", True),
+        ("gemma2", "Gemma2DecoderLayer", True),
+        ("gemma3", "Gemma3DecoderLayer", True),
+        ("mistral", "MistralDecoderLayer", True),
+        ("granite", "GraniteDecoderLayer", False),  # takes and returns the whole stream
+        ("commandr", "CohereDecoderLayer", False),  # ignores its residual argument
+        ("gemma3n", "Gemma3nDecoderLayer", False),  # per-layer inputs, no residual argument
+    ],
+)
 def test_layer_convention_is_read_from_the_layer(module, layer_cls, supported):
     import importlib
 
@@ -237,8 +244,12 @@ def test_unsupported_models_get_the_reason():
     eng = HiddenStatesEngine.__new__(HiddenStatesEngine)
     eng._enabled, eng.num_layers, eng.architecture, eng.eager = True, 4, "GraniteForCausalLM", True
     eng.hidden_size, eng.steering_vectors, eng.heads = 8, {}, {}
-    eng.layer_capture = {"layer_structure": False, "layer_capture": False, "layer_capture_verified": False,
-                         "layer_capture_reason": "intermediate layers of GraniteForCausalLM are not verified"}
+    eng.layer_capture = {
+        "layer_structure": False,
+        "layer_capture": False,
+        "layer_capture_verified": False,
+        "layer_capture_reason": "intermediate layers of GraniteForCausalLM are not verified",
+    }
     assert eng.check_layers([-1, 4]) == (-1, 4)  # the last layer works on every model
     with pytest.raises(HiddenStatesRequestError) as e:
         eng.check_layers([2])
@@ -247,17 +258,28 @@ def test_unsupported_models_get_the_reason():
         assert part in str(e.value)
     vec = base64.b64encode(np.ones(8, "<f4").tobytes()).decode()
     with pytest.raises(HiddenStatesRequestError) as e:
-        eng.steering_of(spec_of(True, [-1], "completion_end", "float32", None, None, None,
-                                [{"layer": 1, "vector": vec}], enabled=True))
+        eng.steering_of(
+            spec_of(
+                True, [-1], "completion_end", "float32", None, None, None, [{"layer": 1, "vector": vec}], enabled=True
+            )
+        )
     assert e.value.param == "hidden_states_steering" and "not verified" in str(e.value)
     # a verified family whose layer class no longer follows the convention: refused with the structure's reason
     eng.architecture = "LlamaForCausalLM"
-    eng.layer_capture = {"layer_structure": False, "layer_capture": False, "layer_capture_verified": True,
-                         "layer_capture_reason": "LlamaDecoderLayer.forward takes (positions, hidden_states)"}
+    eng.layer_capture = {
+        "layer_structure": False,
+        "layer_capture": False,
+        "layer_capture_verified": True,
+        "layer_capture_reason": "LlamaDecoderLayer.forward takes (positions, hidden_states)",
+    }
     with pytest.raises(HiddenStatesRequestError, match="LlamaDecoderLayer.forward takes"):
         eng.check_layers([1])
-    eng.layer_capture = {"layer_structure": True, "layer_capture": False, "layer_capture_verified": True,
-                         "layer_capture_reason": "x"}
+    eng.layer_capture = {
+        "layer_structure": True,
+        "layer_capture": False,
+        "layer_capture_verified": True,
+        "layer_capture_reason": "x",
+    }
     eng.eager = False
     with pytest.raises(HiddenStatesRequestError, match="enforce_eager=True"):
         eng.check_layers([1])
@@ -269,7 +291,8 @@ def test_the_verified_table_names_built_in_models_of_its_architectures_and_each_
     import json
     from pathlib import Path
 
-    from hidden_states.models.builtin import FAMILIES as BUILDERS, resolve_model
+    from hidden_states.models.builtin import FAMILIES as BUILDERS
+    from hidden_states.models.builtin import resolve_model
     from hidden_states.models.vlm import VLM_MODELS
     from tests.engine import test_multimodal
 
@@ -295,8 +318,13 @@ def test_a_compiled_engine_serves_its_static_layers_and_names_them():
     eng = HiddenStatesEngine.__new__(HiddenStatesEngine)
     eng._enabled, eng.num_layers, eng.architecture, eng.eager = True, 4, "LlamaForCausalLM", False
     eng.hidden_size, eng.steering_vectors, eng.heads = 8, {}, {}
-    eng.layer_capture = {"layer_structure": True, "layer_capture": True, "layer_capture_reason": None,
-                         "layer_capture_verified": True, "capture_layers": [1, 3]}
+    eng.layer_capture = {
+        "layer_structure": True,
+        "layer_capture": True,
+        "layer_capture_reason": None,
+        "layer_capture_verified": True,
+        "capture_layers": [1, 3],
+    }
     assert eng.check_layers([1, 3, -1, 4]) == (1, 3, -1, 4)
     with pytest.raises(HiddenStatesRequestError, match=r"\[2\] are outside this engine's capture_layers \[1, 3\]") as e:
         eng.check_layers([2, -1])
@@ -304,19 +332,33 @@ def test_a_compiled_engine_serves_its_static_layers_and_names_them():
     vec = base64.b64encode(np.ones(8, "<f4").tobytes()).decode()
 
     def steer(*entries):
-        return eng.steering_of(spec_of(True, [-1], "completion_end", "float32", None, None, None, list(entries),
-                                       enabled=True))
+        return eng.steering_of(
+            spec_of(True, [-1], "completion_end", "float32", None, None, None, list(entries), enabled=True)
+        )
 
     assert len(steer({"layer": 3, "vector": vec})[0]) == 1
     with pytest.raises(HiddenStatesRequestError, match=r"layer 2 is outside this engine's capture_layers \[1, 3\]"):
         steer({"layer": 2, "vector": vec})
-    assert len(steer({"layer": 1, "vector": vec, "op": "ablate", "positions": "prompt"},
-                     {"layer": 1, "vector": vec, "op": "ablate", "positions": "completion"})[0]) == 2
+    assert (
+        len(
+            steer(
+                {"layer": 1, "vector": vec, "op": "ablate", "positions": "prompt"},
+                {"layer": 1, "vector": vec, "op": "ablate", "positions": "completion"},
+            )[0]
+        )
+        == 2
+    )
     with pytest.raises(HiddenStatesRequestError, match="two ablations/clamps/caps of the same positions at layer 1"):
-        steer({"layer": 1, "vector": vec, "op": "ablate"}, {"layer": 1, "vector": vec, "op": "ablate",
-                                                           "positions": "prompt"})
-    eng.layer_capture = {"layer_structure": True, "layer_capture": False, "layer_capture_reason": "compiled",
-                         "layer_capture_verified": True}
+        steer(
+            {"layer": 1, "vector": vec, "op": "ablate"},
+            {"layer": 1, "vector": vec, "op": "ablate", "positions": "prompt"},
+        )
+    eng.layer_capture = {
+        "layer_structure": True,
+        "layer_capture": False,
+        "layer_capture_reason": "compiled",
+        "layer_capture_verified": True,
+    }
     with pytest.raises(HiddenStatesRequestError, match="need capture_layers at start"):
         eng.check_layers([1])
 
@@ -356,13 +398,15 @@ def test_the_traced_set_sits_at_transformers_sites_and_only_on_verified_architec
     from hidden_states.vllm.worker.traced import TRACED_ATTR, install
 
     hf = types.SimpleNamespace(num_hidden_layers=2, architectures=[arch])
-    mc = types.SimpleNamespace(hf_config=hf, hf_text_config=hf, enforce_eager=False, dtype=torch.float32,
-                               get_hidden_size=lambda: 8)
+    mc = types.SimpleNamespace(
+        hf_config=hf, hf_text_config=hf, enforce_eager=False, dtype=torch.float32, get_hidden_size=lambda: 8
+    )
     model = torch.nn.Module()
     model.model = torch.nn.Module()
     model.model.layers = torch.nn.ModuleList([_Layer(), _Layer()])
-    cfg = types.SimpleNamespace(model_config=mc, additional_config={},
-                                compilation_config=types.SimpleNamespace(max_cudagraph_capture_size=0))
+    cfg = types.SimpleNamespace(
+        model_config=mc, additional_config={}, compilation_config=types.SimpleNamespace(max_cudagraph_capture_size=0)
+    )
     with_capture_layers(cfg, [0, 1])
     runner = types.SimpleNamespace(vllm_config=cfg, max_num_tokens=4, get_model=lambda: model)
     install(runner)
@@ -371,8 +415,10 @@ def test_the_traced_set_sits_at_transformers_sites_and_only_on_verified_architec
         assert isinstance(found, str) and "ToyForCausalLM" in found and "Qwen3VL" in found, found
         return
     assert sorted(found.slots) == [0, 1]
-    assert [(s.module is model.model.layers[0], s.at) for s in found.slots.values()] == [(True, "input"),
-                                                                                        (True, "output")]
+    assert [(s.module is model.model.layers[0], s.at) for s in found.slots.values()] == [
+        (True, "input"),
+        (True, "output"),
+    ]
     hidden = torch.randn(3, 8)
     with torch.inference_mode():
         h1, r1 = model.model.layers[0](torch.arange(3), hidden, None)
@@ -387,8 +433,9 @@ class _FakeRunner:
     def __init__(self):
         hf = types.SimpleNamespace(num_hidden_layers=2, architectures=["LlamaForCausalLM"])
         mc = types.SimpleNamespace(hf_config=hf, hf_text_config=hf, enforce_eager=True, get_hidden_size=lambda: 8)
-        self.vllm_config = types.SimpleNamespace(model_config=mc, speculative_config=None,
-                                                 parallel_config=types.SimpleNamespace(pipeline_parallel_size=1))
+        self.vllm_config = types.SimpleNamespace(
+            model_config=mc, speculative_config=None, parallel_config=types.SimpleNamespace(pipeline_parallel_size=1)
+        )
         self.model = torch.nn.Module()
         self.model.model = torch.nn.Module()
         self.model.model.layers = torch.nn.ModuleList([_Layer(), _Layer()])
@@ -433,8 +480,11 @@ def test_no_capture_plan_outlives_its_step():
     assert found["installed"] and found["layer_capture"]
     hook = runner._hidden_states_hook
     # The scheduler's plan: layer 1 of "r"'s third scheduled token (its last prompt token).
-    so = types.SimpleNamespace(finished_req_ids=set(), num_scheduled_tokens={"r": 3},
-                               **{PLAN_ATTR: {"r": PlanEntry([2], [2], [1], 3, None, 0)}})
+    so = types.SimpleNamespace(
+        finished_req_ids=set(),
+        num_scheduled_tokens={"r": 3},
+        **{PLAN_ATTR: {"r": PlanEntry([2], [2], [1], 3, None, 0)}},
+    )
     runner.execute_model(so)
     out = runner.sample_tokens(None)
     step = getattr(out, STEP_ATTR)

@@ -18,11 +18,10 @@ import json
 import numpy as np
 import pytest
 
-from tests.conftest import ON_GPU, Reference, TEST_ENGINE_ARGS, TEST_MODEL, build_lora, long_text, sampling
+from tests.conftest import ON_GPU, TEST_ENGINE_ARGS, TEST_MODEL, Reference, build_lora, long_text, sampling
 
 BASE = "tiny-llama"
-PROMPTS = ["Hello! How are you today?", "The router sends every completion to a replica",
-           "Code: def add(a, b):"]
+PROMPTS = ["Hello! How are you today?", "The router sends every completion to a replica", "Code: def add(a, b):"]
 LORA_ARGS = dict(enable_lora=True, max_loras=2, max_lora_rank=8)  # what AppArgs gives two rank-8 adapters
 HS = {"return_hidden_states": True, "hidden_states_encoding": "base64", "return_token_ids": True}
 
@@ -95,9 +94,10 @@ def test_tail_step_vector_is_the_adapters(engine, loop_thread, refs):
     assert_adapters(refs, "lora-qv", c.prompt_token_ids + choice.token_ids, choice.hidden_states)
     torch, peft = refs["lora-qv"].torch, refs["lora-qv"].model
     with torch.no_grad():
-        hf = peft.generate(input_ids=torch.tensor([list(c.prompt_token_ids)]), max_new_tokens=16, do_sample=False,
-                           eos_token_id=None)
-    assert list(choice.token_ids) == hf[0, len(c.prompt_token_ids):].tolist()
+        hf = peft.generate(
+            input_ids=torch.tensor([list(c.prompt_token_ids)]), max_new_tokens=16, do_sample=False, eos_token_id=None
+        )
+    assert list(choice.token_ids) == hf[0, len(c.prompt_token_ids) :].tolist()
 
 
 def test_two_adapters_and_the_base_in_one_batch(engine, loop_thread, refs):
@@ -110,7 +110,8 @@ def test_two_adapters_and_the_base_in_one_batch(engine, loop_thread, refs):
     async def run():
         return await asyncio.gather(
             *(engine.complete(p, sp(max_tokens=10 + i), model=m) for i, (p, m) in enumerate(cases)),
-            engine.complete(PROMPTS[2], sp(n=2, temperature=1.0, seed=7, max_tokens=12), model="lora-all"))
+            engine.complete(PROMPTS[2], sp(n=2, temperature=1.0, seed=7, max_tokens=12), model="lora-all"),
+        )
 
     *outs, pair = loop_thread.run(run())
     for (_prompt, model), c in zip(cases, outs):
@@ -144,7 +145,7 @@ def test_stop_string_extraction_on_the_adapters_prefix_cache(engine, loop_thread
     prompt = long_text(120, seed=23)
     free = loop_thread.run(engine.complete(prompt, sp(max_tokens=24), model="lora-all", return_hidden_states=False))
     text = free.choices[0].text
-    stop = text[len(text) // 2: len(text) // 2 + 2]
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
     c = loop_thread.run(engine.complete(prompt, sp(max_tokens=24, stop=[stop]), model="lora-all"))
     ch, block = c.choices[0], engine.llm.vllm_config.cache_config.block_size
     ids = c.prompt_token_ids + ch.token_ids
@@ -164,13 +165,19 @@ def test_extraction_keeps_the_requests_cache_salt(served, loop_thread, refs):
     """A salted request's extraction step finds its blocks in the salted cache of its adapter
     (without the salt, or on the base model, this fresh prompt would find none)."""
     engine, frontend = served
-    body = {"model": "lora-all", "prompt": long_text(100, seed=31), "max_tokens": 20, "temperature": 0,
-            "cache_salt": "tenant-7"}
+    body = {
+        "model": "lora-all",
+        "prompt": long_text(100, seed=31),
+        "max_tokens": 20,
+        "temperature": 0,
+        "cache_salt": "tenant-7",
+    }
     status, free = openai(frontend, loop_thread, "completions", body)
     assert status == 200, free
     text = free["choices"][0]["text"]
-    status, out = openai(frontend, loop_thread, "completions", {
-        **body, "stop": [text[len(text) // 2: len(text) // 2 + 2]], **HS})
+    status, out = openai(
+        frontend, loop_thread, "completions", {**body, "stop": [text[len(text) // 2 : len(text) // 2 + 2]], **HS}
+    )
     assert status == 200, out
     (ch,) = out["choices"]
     meta, block = ch["hidden_states_meta"], engine.llm.vllm_config.cache_config.block_size
@@ -181,8 +188,12 @@ def test_extraction_keeps_the_requests_cache_salt(served, loop_thread, refs):
 
 def test_beam_search_extracts_on_the_adapter(served, loop_thread, refs):
     engine, frontend = served
-    status, out = openai(frontend, loop_thread, "completions", {
-        "model": "lora-qv", "prompt": PROMPTS[1], "use_beam_search": True, "n": 2, "max_tokens": 8, **HS})
+    status, out = openai(
+        frontend,
+        loop_thread,
+        "completions",
+        {"model": "lora-qv", "prompt": PROMPTS[1], "use_beam_search": True, "n": 2, "max_tokens": 8, **HS},
+    )
     assert status == 200, out
     assert out["model"] == "lora-qv" and len(out["choices"]) == 2
     for ch in out["choices"]:
@@ -194,9 +205,19 @@ def test_beam_search_extracts_on_the_adapter(served, loop_thread, refs):
 def test_grammar_chat_extracts_on_the_adapter(served, loop_thread, refs):
     """structured_outputs (a grammar): no tail, the extraction step, on the adapter; a chat request."""
     engine, frontend = served
-    status, out = openai(frontend, loop_thread, "chat", {
-        "model": "lora-all", "messages": [{"role": "user", "content": "Pick one."}], "max_tokens": 12,
-        "structured_outputs": {"choice": ["alpha", "beta", "gamma"]}, "temperature": 0, **HS})
+    status, out = openai(
+        frontend,
+        loop_thread,
+        "chat",
+        {
+            "model": "lora-all",
+            "messages": [{"role": "user", "content": "Pick one."}],
+            "max_tokens": 12,
+            "structured_outputs": {"choice": ["alpha", "beta", "gamma"]},
+            "temperature": 0,
+            **HS,
+        },
+    )
     assert status == 200, out
     (ch,) = out["choices"]
     assert ch["message"]["content"] in ("alpha", "beta", "gamma")
@@ -209,8 +230,9 @@ def test_base_requests_say_no_adapter_and_unknown_names_are_404(served, loop_thr
     from hidden_states.params import UnknownModelError
 
     engine, frontend = served
-    status, out = openai(frontend, loop_thread, "completions", {"model": BASE, "prompt": PROMPTS[0], "max_tokens": 6,
-                                                                **HS})
+    status, out = openai(
+        frontend, loop_thread, "completions", {"model": BASE, "prompt": PROMPTS[0], "max_tokens": 6, **HS}
+    )
     assert status == 200 and out["choices"][0]["hidden_states_meta"]["adapter"] is None
     ch = out["choices"][0]
     assert_adapters(refs, None, ch["prompt_token_ids"] + ch["token_ids"], vector(ch))

@@ -22,8 +22,9 @@ from hidden_states.vllm import VERIFIED_LAYER_ARCHS
 from tests.conftest import TEST_ENGINE_ARGS, TEST_MODEL
 
 # Every verified vision-language architecture (hidden_states.vllm.VERIFIED_LAYER_ARCHS): its built-in model.
-FAMILIES = tuple(f"builtin:{model}" for arch, model in VERIFIED_LAYER_ARCHS.items()
-                 if arch.endswith("ForConditionalGeneration"))
+FAMILIES = tuple(
+    f"builtin:{model}" for arch, model in VERIFIED_LAYER_ARCHS.items() if arch.endswith("ForConditionalGeneration")
+)
 ENGINE_ARGS = {**TEST_ENGINE_ARGS, "max_model_len": 1024, "limit_mm_per_prompt": {"image": 2}}
 VIDEO_FAMILIES = ("builtin:tiny-qwen2.5-vl",)  # the others are served no video (Qwen3-VL: not tested here)
 REL_TOL = 1e-5
@@ -57,7 +58,6 @@ def vlm(request, loop_thread, media_dir):
     """(model folder, engine, frontend) of one VLM family; one engine per family for the module."""
     from hidden_states.models.builtin import resolve_model
     from hidden_states.vllm.engine import HiddenStatesEngine
-
     from tests.heads_ref import build_test_heads
 
     folder = resolve_model(request.param)
@@ -65,16 +65,18 @@ def vlm(request, loop_thread, media_dir):
     args = ENGINE_ARGS
     if request.param in VIDEO_FAMILIES:
         args = {**args, "limit_mm_per_prompt": {**args["limit_mm_per_prompt"], "video": 1}}
-    eng = loop_thread.run(HiddenStatesEngine.start(request.param, allowed_local_media_path=str(media_dir),
-                                                   heads=build_test_heads(), **args))
+    eng = loop_thread.run(
+        HiddenStatesEngine.start(
+            request.param, allowed_local_media_path=str(media_dir), heads=build_test_heads(), **args
+        )
+    )
     frontend = loop_thread.run(eng.openai("vlm", "r0"))
     yield folder, eng, frontend
     eng.shutdown()
 
 
 async def chat(frontend, messages, **fields) -> tuple[int, dict]:
-    body = {"model": "vlm", "messages": messages, "max_tokens": 6, "temperature": 0, "return_token_ids": True,
-            **fields}
+    body = {"model": "vlm", "messages": messages, "max_tokens": 6, "temperature": 0, "return_token_ids": True, **fields}
     (status, raw), *_ = [x async for x in frontend.handle("chat/completions", json.dumps(body).encode())]
     return status, json.loads(raw)
 
@@ -97,14 +99,21 @@ def test_a_chat_with_an_image_returns_its_vector_and_rows_exact(vlm, loop_thread
     """Every layer's rows at every position: transformers' `hidden_states[L]` (Qwen3-VL: before
     DeepStack's additions after layers 0 and 1, which land on the image's positions)."""
     folder, eng, fe = vlm
-    status, out = loop_thread.run(chat(fe, about(0), return_hidden_states=True, hidden_states_position="all",
-                                       hidden_states_layers=[*range(eng.num_layers), -1]))
+    status, out = loop_thread.run(
+        chat(
+            fe,
+            about(0),
+            return_hidden_states=True,
+            hidden_states_position="all",
+            hidden_states_layers=[*range(eng.num_layers), -1],
+        )
+    )
     assert status == 200, out
     ch = out["choices"][0]
     prompt, completion = out["prompt_token_ids"], ch["token_ids"]
     ref = reference(folder, prompt, [0], completion)
     for layer, rows in ch["hidden_states_by_layer"].items():
-        assert_close(rows, ref[int(layer)][:len(prompt) + len(completion)])
+        assert_close(rows, ref[int(layer)][: len(prompt) + len(completion)])
     # which prompt positions are the image's: its placeholder span holds every image token
     (span,) = ch["hidden_states_meta"]["modalities"]
     from tests.vlm_ref import load
@@ -134,21 +143,28 @@ def test_prompt_end_and_a_range_over_the_image_s_positions(vlm, loop_thread):
     ref = reference(folder, out["prompt_token_ids"], [16], ch["token_ids"])[-1]
     assert_close(ch["hidden_states"], ref[len(out["prompt_token_ids"]) - 1])
     (span,) = ch["hidden_states_meta"]["modalities"]
-    status, out = loop_thread.run(chat(fe, about(16), return_hidden_states=True, hidden_states_position={
-        "start": span["start"], "end": span["end"]}))
+    status, out = loop_thread.run(
+        chat(
+            fe,
+            about(16),
+            return_hidden_states=True,
+            hidden_states_position={"start": span["start"], "end": span["end"]},
+        )
+    )
     rows = out["choices"][0]
     assert rows["hidden_states_meta"]["positions"] == list(range(span["start"], span["end"]))
-    assert_close(rows["hidden_states"], ref[span["start"]:span["end"]])
+    assert_close(rows["hidden_states"], ref[span["start"] : span["end"]])
 
 
 def test_two_images_and_a_batch_mixing_text_and_image_requests_are_exact(vlm, loop_thread):
     folder, eng, fe = vlm
 
     async def batch():
-        return await asyncio.gather(chat(fe, about(1, 2), return_hidden_states=True),
-                                    chat(fe, about(3), return_hidden_states=True),
-                                    chat(fe, [{"role": "user", "content": "No picture today."}],
-                                         return_hidden_states=True))
+        return await asyncio.gather(
+            chat(fe, about(1, 2), return_hidden_states=True),
+            chat(fe, about(3), return_hidden_states=True),
+            chat(fe, [{"role": "user", "content": "No picture today."}], return_hidden_states=True),
+        )
 
     for (status, out), seeds in zip(loop_thread.run(batch()), [(1, 2), (3,), ()]):
         assert status == 200, out
@@ -187,14 +203,16 @@ def test_gemma3_s_image_tokens_attend_both_ways_and_text_stays_on_vllm_s_kernel(
         return
     try:
         assert not any(loop_thread.run(eng.llm.collective_rpc("hidden_states_fix_cpu_mm_prefix", args=(False,))))
-        status, causal = loop_thread.run(chat(fe, about(42, 43), return_hidden_states=True, hidden_states_position="all"))
+        status, causal = loop_thread.run(
+            chat(fe, about(42, 43), return_hidden_states=True, hidden_states_position="all")
+        )
         plain_causal = loop_thread.run(chat(fe, text, return_hidden_states=True))[1]
     finally:
         assert all(loop_thread.run(eng.llm.collective_rpc("hidden_states_fix_cpu_mm_prefix")))
     ch = causal["choices"][0]
     ref = reference(folder, causal["prompt_token_ids"], [42, 43], ch["token_ids"])[-1]
-    got = np.asarray(ch["hidden_states"], np.float32)[:len(ref)]
-    assert np.abs(got - ref[:len(got)]).max() > 1e-3 * np.abs(ref).max()  # vLLM's kernel alone: not Gemma 3
+    got = np.asarray(ch["hidden_states"], np.float32)[: len(ref)]
+    assert np.abs(got - ref[: len(got)]).max() > 1e-3 * np.abs(ref).max()  # vLLM's kernel alone: not Gemma 3
     assert plain_causal["choices"][0]["hidden_states"] == plain["choices"][0]["hidden_states"]
     assert plain_causal["choices"][0]["token_ids"] == plain["choices"][0]["token_ids"]
 
@@ -208,8 +226,9 @@ def test_an_extraction_step_sees_the_same_image_and_reuses_its_encoding(vlm, loo
     status, tail = loop_thread.run(chat(fe, messages, return_hidden_states=True, hidden_states_layers=layers))
     assert status == 200 and tail["choices"][0]["hidden_states_meta"]["via"] == "tail", tail
     before = loop_thread.run(eng.stats())
-    status, extracted = loop_thread.run(chat(fe, messages, return_hidden_states=True, hidden_states_layers=layers,
-                                             stop=["never in this text"]))
+    status, extracted = loop_thread.run(
+        chat(fe, messages, return_hidden_states=True, hidden_states_layers=layers, stop=["never in this text"])
+    )
     after = loop_thread.run(eng.stats())
     a, b = tail["choices"][0], extracted["choices"][0]
     assert b["hidden_states_meta"]["via"] == "extraction" and after["extractions"] == before["extractions"] + 1
@@ -280,8 +299,9 @@ def test_beam_search_with_an_image_extracts_each_beam_on_the_image(vlm, loop_thr
     step that sends the same image (by its processed input) with the beam's tokens, equal to
     transformers' on that beam's tokens with the image."""
     folder, eng, fe = vlm
-    status, out = loop_thread.run(chat(fe, about(9), max_tokens=4, n=2, use_beam_search=True,
-                                       return_hidden_states=True))
+    status, out = loop_thread.run(
+        chat(fe, about(9), max_tokens=4, n=2, use_beam_search=True, return_hidden_states=True)
+    )
     assert status == 200, out
     assert len(out["choices"]) == 2
     for ch in out["choices"]:
@@ -300,22 +320,35 @@ def test_heads_and_steering_with_an_image_in_the_prompt(vlm, loop_thread):
 
     folder, eng, fe = vlm
     asked = {"sae-std": 16, "sae-topk": 16, "sae-gated": 16, "probe": 0, "mid": 0}
-    status, out = loop_thread.run(chat(fe, about(12), hidden_states_position="all", hidden_states_heads=[
-        {"name": n, "topk": k} if k else n for n, k in asked.items()]))
+    status, out = loop_thread.run(
+        chat(
+            fe,
+            about(12),
+            hidden_states_position="all",
+            hidden_states_heads=[{"name": n, "topk": k} if k else n for n, k in asked.items()],
+        )
+    )
     assert status == 200, out
     ch = out["choices"][0]
     ids = out["prompt_token_ids"] + ch["token_ids"]
     states = reference(folder, out["prompt_token_ids"], [12], ch["token_ids"])
     assert set(HEAD_LAYERS[n] for n in asked) == {0, 1, -1}  # Qwen3-VL: 1 is a DeepStack layer
-    check_heads("image chat", ch["hidden_states_heads"], list(states), list(range(len(ids))), build_test_heads(),
-                asked)
+    check_heads("image chat", ch["hidden_states_heads"], list(states), list(range(len(ids))), build_test_heads(), asked)
 
     vec = np.random.default_rng(5).normal(size=128).astype("<f4") * 0.5
     steer = [{"layer": 1, "vector": base64.b64encode(vec.tobytes()).decode(), "positions": "all"}]
     plain = loop_thread.run(chat(fe, about(12), max_tokens=6))[1]["choices"][0]["token_ids"]
-    status, out = loop_thread.run(chat(fe, about(12), max_tokens=6, return_hidden_states=True,
-                                       hidden_states_position="all", hidden_states_layers=[0, 1, -1],
-                                       hidden_states_steering=steer))
+    status, out = loop_thread.run(
+        chat(
+            fe,
+            about(12),
+            max_tokens=6,
+            return_hidden_states=True,
+            hidden_states_position="all",
+            hidden_states_layers=[0, 1, -1],
+            hidden_states_steering=steer,
+        )
+    )
     assert status == 200, out
     ch = out["choices"][0]
     P, ids = len(out["prompt_token_ids"]), out["prompt_token_ids"] + ch["token_ids"]
@@ -340,11 +373,21 @@ def test_an_ablation_after_an_add_at_the_injected_layers_is_transformers_with_th
     add, away = (rng.normal(size=128).astype("<f4") * 0.5 for _ in range(2))
     b64 = lambda v: base64.b64encode(v.tobytes()).decode()  # noqa: E731
     last = min(2, eng.num_layers - 1)
-    steer = [{"layer": 1, "vector": b64(add), "positions": "all"},
-             {"layer": last, "vector": b64(away), "op": "ablate", "positions": "all"}]
-    status, out = loop_thread.run(chat(fe, about(13), max_tokens=6, return_hidden_states=True,
-                                       hidden_states_position="all", hidden_states_layers=[*range(eng.num_layers), -1],
-                                       hidden_states_steering=steer))
+    steer = [
+        {"layer": 1, "vector": b64(add), "positions": "all"},
+        {"layer": last, "vector": b64(away), "op": "ablate", "positions": "all"},
+    ]
+    status, out = loop_thread.run(
+        chat(
+            fe,
+            about(13),
+            max_tokens=6,
+            return_hidden_states=True,
+            hidden_states_position="all",
+            hidden_states_layers=[*range(eng.num_layers), -1],
+            hidden_states_steering=steer,
+        )
+    )
     assert status == 200, out
     ch = out["choices"][0]
     P, ids = len(out["prompt_token_ids"]), out["prompt_token_ids"] + ch["token_ids"]
@@ -394,11 +437,15 @@ def test_dtypes_and_top_k_rows_of_an_image_chat(vlm, loop_thread):
     f32 = np.asarray(ch["hidden_states"], np.float32)
     ref = reference(folder, whole["prompt_token_ids"], [13], ch["token_ids"])[-1]
     assert_close(f32, ref)
-    half = loop_thread.run(chat(fe, about(13), return_hidden_states=True, hidden_states_position="all",
-                                hidden_states_dtype="float16"))[1]["choices"][0]
-    np.testing.assert_array_equal(np.asarray(half["hidden_states"], np.float32), f32.astype(np.float16).astype(np.float32))
-    top = loop_thread.run(chat(fe, about(13), return_hidden_states=True, hidden_states_position="all",
-                               hidden_states_topk=8))[1]["choices"][0]
+    half = loop_thread.run(
+        chat(fe, about(13), return_hidden_states=True, hidden_states_position="all", hidden_states_dtype="float16")
+    )[1]["choices"][0]
+    np.testing.assert_array_equal(
+        np.asarray(half["hidden_states"], np.float32), f32.astype(np.float16).astype(np.float32)
+    )
+    top = loop_thread.run(
+        chat(fe, about(13), return_hidden_states=True, hidden_states_position="all", hidden_states_topk=8)
+    )[1]["choices"][0]
     indices = np.asarray([row["indices"] for row in top["hidden_states"]])
     np.testing.assert_array_equal(indices, torch.topk(torch.from_numpy(f32).abs(), 8, dim=-1).indices.numpy())
     picked = np.take_along_axis(ref, indices, axis=-1)
@@ -413,8 +460,12 @@ def test_proofs_of_an_image_chat_hold_for_a_verifier_sending_the_same_image(vlm,
     proofs = ch["hidden_states_proof"]["proofs"]
 
     async def verify(messages):
-        body = {"model": "vlm", "messages": messages, "completion": ch["token_ids"],
-                "compare": {"toploc": {"proofs": proofs}}}
+        body = {
+            "model": "vlm",
+            "messages": messages,
+            "completion": ch["token_ids"],
+            "compare": {"toploc": {"proofs": proofs}},
+        }
         return [x async for x in fe.handle("hidden_states", json.dumps(body).encode())][0]
 
     status, raw = loop_thread.run(verify(messages))
@@ -444,8 +495,7 @@ def video_file(path, seed: int, frames: int = 4, size=(56, 56), fps: float = 2.0
     return path
 
 
-def test_a_video_is_exact_by_tail_and_by_extraction_and_refused_where_the_model_takes_none(vlm, loop_thread,
-                                                                                          media_dir):
+def test_a_video_is_exact_by_tail_and_by_extraction_and_refused_where_the_model_takes_none(vlm, loop_thread, media_dir):
     """Qwen2.5-VL: a video (vLLM's OpenCV loader, every frame of a 4-frame clip) as a data URL and as a
     file URL; rows at layers 0, 1 and -1 at every position against transformers on the same frames,
     with the release's 3-D positions (tests/vlm_ref.py::qwen_vl_positions: text after a video starts
@@ -458,10 +508,18 @@ def test_a_video_is_exact_by_tail_and_by_extraction_and_refused_where_the_model_
         pytest.skip("Qwen3-VL's videos (timestamps between frames, its own frame sampling) have no reference here yet")
     path = video_file(media_dir / "clip.mp4", seed=3)
     url = "data:video/mp4;base64," + base64.b64encode(path.read_bytes()).decode()
-    messages = [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": url}},
-                                             {"type": "text", "text": "What happens in this clip?"}]}]
-    status, out = loop_thread.run(chat(fe, messages, return_hidden_states=True, hidden_states_position="all",
-                                       hidden_states_layers=[0, 1, -1]))
+    messages = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "video_url", "video_url": {"url": url}},
+                {"type": "text", "text": "What happens in this clip?"},
+            ],
+        }
+    ]
+    status, out = loop_thread.run(
+        chat(fe, messages, return_hidden_states=True, hidden_states_position="all", hidden_states_layers=[0, 1, -1])
+    )
     from hidden_states.models.builtin import resolve_model
 
     if all(resolve_model(f) != folder for f in VIDEO_FAMILIES):
@@ -476,8 +534,15 @@ def test_a_video_is_exact_by_tail_and_by_extraction_and_refused_where_the_model_
     n = len(out["prompt_token_ids"]) + len(ch["token_ids"])
     for layer, rows in ch["hidden_states_by_layer"].items():
         assert_close(rows, ref[int(layer)][:n])
-    by_file = [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": path.as_uri()}},
-                                            {"type": "text", "text": "What happens in this clip?"}]}]
+    by_file = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "video_url", "video_url": {"url": path.as_uri()}},
+                {"type": "text", "text": "What happens in this clip?"},
+            ],
+        }
+    ]
     tail = loop_thread.run(chat(fe, by_file, return_hidden_states=True))[1]["choices"][0]
     status, extracted = loop_thread.run(chat(fe, by_file, return_hidden_states=True, stop=["never in this text"]))
     b = extracted["choices"][0]
@@ -494,11 +559,12 @@ def test_a_video_is_exact_by_tail_and_by_extraction_and_refused_where_the_model_
     grid = processor.video_processor(videos=[video_frames(path)[0]], return_tensors="pt")["video_grid_thw"]
     ids = torch.tensor([out["prompt_token_ids"] + ch["token_ids"]])
     types = processor.create_mm_token_type_ids(ids.tolist())
-    theirs, _ = model.model.get_rope_index(ids, torch.tensor(types), video_grid_thw=grid,
-                                           second_per_grid_ts=torch.tensor([1.0]))
+    theirs, _ = model.model.get_rope_index(
+        ids, torch.tensor(types), video_grid_thw=grid, second_per_grid_ts=torch.tensor([1.0])
+    )
     ours = qwen_vl_positions(types[0], grid.tolist(), [model.config.vision_config.tokens_per_second * 1.0], 2)
-    assert (theirs[:, 0, :span["end"]].numpy() == ours[:, :span["end"]]).all()
-    assert (theirs[:, 0, span["end"]:].numpy() == ours[:, span["end"]:] - 1).all()
+    assert (theirs[:, 0, : span["end"]].numpy() == ours[:, : span["end"]]).all()
+    assert (theirs[:, 0, span["end"] :].numpy() == ours[:, span["end"] :] - 1).all()
 
 
 @pytest.fixture(scope="module")
@@ -525,15 +591,26 @@ def test_prompt_embeds_with_vectors_are_exact_by_tail_and_by_extraction(embeds_e
     payload = base64.b64encode(buf.getvalue()).decode()
 
     async def complete(**fields):
-        body = {"model": "tiny-llama", "prompt_embeds": payload, "max_tokens": 6, "temperature": 0,
-                "return_token_ids": True, **fields}
+        body = {
+            "model": "tiny-llama",
+            "prompt_embeds": payload,
+            "max_tokens": 6,
+            "temperature": 0,
+            "return_token_ids": True,
+            **fields,
+        }
         (status, raw), *_ = [x async for x in fe.handle("completions", json.dumps(body).encode())]
         return status, json.loads(raw)
 
-    outs = {name: loop_thread.run(complete(**fields)) for name, fields in {
-        "plain": {}, "tail": {"return_hidden_states": True},
-        "extraction": {"return_hidden_states": True, "stop": ["never in this text"]},
-        "all": {"return_hidden_states": True, "hidden_states_position": "all"}}.items()}
+    outs = {
+        name: loop_thread.run(complete(**fields))
+        for name, fields in {
+            "plain": {},
+            "tail": {"return_hidden_states": True},
+            "extraction": {"return_hidden_states": True, "stop": ["never in this text"]},
+            "all": {"return_hidden_states": True, "hidden_states_position": "all"},
+        }.items()
+    }
     assert all(status == 200 for status, _ in outs.values()), outs
     tokens = outs["plain"][1]["choices"][0]["token_ids"]
     model = AutoModelForCausalLM.from_pretrained(resolve_model(TEST_MODEL), dtype=torch.float32).eval()
@@ -571,9 +648,14 @@ def audio_engine(loop_thread, media_dir):
 
     folder = resolve_model("builtin:tiny-qwen2-audio")
     # A processor cache that holds one processed 1 s clip: a second clip evicts the first
-    eng = loop_thread.run(HiddenStatesEngine.start("builtin:tiny-qwen2-audio", allowed_local_media_path=str(media_dir),
-                                                   mm_processor_cache_gb=ONE_CLIP_GB,
-                                                   **{**ENGINE_ARGS, "limit_mm_per_prompt": {"audio": 1}}))
+    eng = loop_thread.run(
+        HiddenStatesEngine.start(
+            "builtin:tiny-qwen2-audio",
+            allowed_local_media_path=str(media_dir),
+            mm_processor_cache_gb=ONE_CLIP_GB,
+            **{**ENGINE_ARGS, "limit_mm_per_prompt": {"audio": 1}},
+        )
+    )
     yield folder, eng, loop_thread.run(eng.openai("vlm", "r0"))
     eng.shutdown()
 
@@ -588,8 +670,13 @@ def encoded_clip(rate: int, fmt: str, seconds: float = 1.0, freq: float = 440.0)
     t = np.arange(int(rate * seconds)) / rate
     x = 0.5 * np.sin(2 * np.pi * freq * t) + 0.05 * np.random.default_rng(rate).standard_normal(t.size)
     buf = io.BytesIO()
-    soundfile.write(buf, np.clip(x, -1, 1).astype(np.float32), rate, format=fmt.upper(),
-                    subtype={"wav": "PCM_16", "flac": "PCM_16", "mp3": "MPEG_LAYER_III"}[fmt])
+    soundfile.write(
+        buf,
+        np.clip(x, -1, 1).astype(np.float32),
+        rate,
+        format=fmt.upper(),
+        subtype={"wav": "PCM_16", "flac": "PCM_16", "mp3": "MPEG_LAYER_III"}[fmt],
+    )
     return buf.getvalue()
 
 
@@ -612,16 +699,23 @@ def test_audio_at_any_rate_and_format_is_transformers_on_the_resampled_clip(audi
 
     folder, eng, fe = audio_engine
     data = encoded_clip(rate, fmt)
-    messages = [{"role": "user", "content": [
-        {"type": "input_audio", "input_audio": {"data": base64.b64encode(data).decode(), "format": fmt}},
-        {"type": "text", "text": "What is this sound?"}]}]
+    messages = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "input_audio", "input_audio": {"data": base64.b64encode(data).decode(), "format": fmt}},
+                {"type": "text", "text": "What is this sound?"},
+            ],
+        }
+    ]
     status, out = loop_thread.run(chat(fe, messages, return_hidden_states=True, hidden_states_position="all"))
     assert status == 200, out
     ch = out["choices"][0]
     (span,) = ch["hidden_states_meta"]["modalities"]
     assert span["modality"] == "audio" and span["end"] - span["start"] == 25, span  # 1 s at 16 kHz: 25 tokens
-    ref = reference_audio_hidden_states(folder, out["prompt_token_ids"] + ch["token_ids"],
-                                        [resampled_reference(data)])[-1]
+    ref = reference_audio_hidden_states(folder, out["prompt_token_ids"] + ch["token_ids"], [resampled_reference(data)])[
+        -1
+    ]
     assert_close(ch["hidden_states"], ref)
 
 
@@ -633,27 +727,40 @@ def test_audio_url_data_and_file_urls_are_the_same_clip(audio_engine, loop_threa
     (media_dir / "clip.flac").write_bytes(data)
     rows = {}
     for name, part in (
-            ("input_audio", {"type": "input_audio", "input_audio": {"data": base64.b64encode(data).decode(),
-                                                                    "format": "flac"}}),
-            ("data url", {"type": "audio_url", "audio_url": {"url": "data:audio/flac;base64,"
-                                                                   + base64.b64encode(data).decode()}}),
-            ("file url", {"type": "audio_url", "audio_url": {"url": (media_dir / "clip.flac").as_uri()}})):
-        status, out = loop_thread.run(chat(fe, [{"role": "user", "content": [part, {"type": "text", "text": "Hi"}]}],
-                                           return_hidden_states=True))
+        (
+            "input_audio",
+            {"type": "input_audio", "input_audio": {"data": base64.b64encode(data).decode(), "format": "flac"}},
+        ),
+        (
+            "data url",
+            {"type": "audio_url", "audio_url": {"url": "data:audio/flac;base64," + base64.b64encode(data).decode()}},
+        ),
+        ("file url", {"type": "audio_url", "audio_url": {"url": (media_dir / "clip.flac").as_uri()}}),
+    ):
+        status, out = loop_thread.run(
+            chat(fe, [{"role": "user", "content": [part, {"type": "text", "text": "Hi"}]}], return_hidden_states=True)
+        )
         assert status == 200, (name, out)
         rows[name] = out["choices"][0]["hidden_states"]
     assert rows["data url"] == rows["input_audio"] and rows["file url"] == rows["input_audio"]
 
 
-def test_a_chat_with_audio_returns_its_rows_exact_and_the_extraction_step_hears_the_same_clip(audio_engine,
-                                                                                              loop_thread):
+def test_a_chat_with_audio_returns_its_rows_exact_and_the_extraction_step_hears_the_same_clip(
+    audio_engine, loop_thread
+):
     from tests.vlm_ref import reference_audio_hidden_states
 
     folder, eng, fe = audio_engine
     data, samples = wav_clip(1.0, 440)
-    messages = [{"role": "user", "content": [
-        {"type": "input_audio", "input_audio": {"data": base64.b64encode(data).decode(), "format": "wav"}},
-        {"type": "text", "text": "What is this sound?"}]}]
+    messages = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "input_audio", "input_audio": {"data": base64.b64encode(data).decode(), "format": "wav"}},
+                {"type": "text", "text": "What is this sound?"},
+            ],
+        }
+    ]
     status, out = loop_thread.run(chat(fe, messages, return_hidden_states=True, hidden_states_position="all"))
     assert status == 200, out
     ch = out["choices"][0]
@@ -671,8 +778,10 @@ def test_a_chat_with_audio_returns_its_rows_exact_and_the_extraction_step_hears_
     assert sum(w["encoder_items"] for w in after["workers"]) - sum(w["encoder_items"] for w in before["workers"]) <= 1
     other, _ = wav_clip(1.0, 1234)
     messages[0]["content"][0]["input_audio"]["data"] = base64.b64encode(other).decode()
-    assert loop_thread.run(chat(fe, messages, return_hidden_states=True))[1]["choices"][0]["hidden_states"] != \
-        tail["hidden_states"]
+    assert (
+        loop_thread.run(chat(fe, messages, return_hidden_states=True))[1]["choices"][0]["hidden_states"]
+        != tail["hidden_states"]
+    )
 
 
 def test_an_item_evicted_from_the_processor_cache_is_sent_again_never_a_500(audio_engine, loop_thread):
@@ -686,8 +795,15 @@ def test_an_item_evicted_from_the_processor_cache_is_sent_again_never_a_500(audi
 
     def about_clip(freq: float) -> list[dict]:
         data = base64.b64encode(encoded_clip(16000, "wav", freq=freq)).decode()
-        return [{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": data, "format": "wav"}},
-                                             {"type": "text", "text": "And this one?"}]}]
+        return [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "input_audio", "input_audio": {"data": data, "format": "wav"}},
+                    {"type": "text", "text": "And this one?"},
+                ],
+            }
+        ]
 
     status, tail = loop_thread.run(chat(fe, about_clip(300.0), return_hidden_states=True))
     assert status == 200 and tail["choices"][0]["hidden_states_meta"]["via"] == "tail", tail
@@ -701,8 +817,9 @@ def test_an_item_evicted_from_the_processor_cache_is_sent_again_never_a_500(audi
     before = loop_thread.run(eng.stats())["media_resent"]
     eng.extraction.extract_rows = evict_first
     try:
-        status, out = loop_thread.run(chat(fe, about_clip(300.0), return_hidden_states=True,
-                                           stop=["never in this text"]))
+        status, out = loop_thread.run(
+            chat(fe, about_clip(300.0), return_hidden_states=True, stop=["never in this text"])
+        )
     finally:
         del eng.extraction.extract_rows
     assert status == 200, out

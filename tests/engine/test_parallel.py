@@ -81,11 +81,15 @@ def test_tail_and_extraction_vectors_exact_on_two_ranks(tp_engine, loop_thread, 
 
 def test_tail_step_on_two_ranks_changes_no_token(tp_engine, loop_thread):
     """Two ranks sample the same tokens with and without hidden states (a batch, greedy and seeded)."""
+
     async def run(hs):
         return await asyncio.gather(
             *(tp_engine.complete(p, sp(max_tokens=16), return_hidden_states=hs) for p in PROMPTS),
-            *(tp_engine.complete(p, sp(max_tokens=16, temperature=1.0, seed=5 + i), return_hidden_states=hs)
-              for i, p in enumerate(PROMPTS)))
+            *(
+                tp_engine.complete(p, sp(max_tokens=16, temperature=1.0, seed=5 + i), return_hidden_states=hs)
+                for i, p in enumerate(PROMPTS)
+            ),
+        )
 
     with_hs, without = loop_thread.run(run(True), timeout=300), loop_thread.run(run(False), timeout=300)
     for a, b in zip(with_hs, without):
@@ -104,8 +108,10 @@ def test_intermediate_layers_on_two_ranks(tp_engine, loop_thread, reference):
         assert sorted(ch.hidden_states_by_layer) == sorted(layers), ch.hidden_states_by_layer
         for layer in layers:
             err, scale = reference.assert_matches(ids, ch.hidden_states_by_layer[layer], layer=layer)
-            print(f"{ch.extraction.via}: layer {layer} over {len(ids)} tokens: max abs error {err:.3g} "
-                  f"of max|ref| {scale:.3g}")
+            print(
+                f"{ch.extraction.via}: layer {layer} over {len(ids)} tokens: max abs error {err:.3g} "
+                f"of max|ref| {scale:.3g}"
+            )
         assert not np.array_equal(ch.hidden_states_by_layer[0], ch.hidden_states_by_layer[-1])
 
 
@@ -116,10 +122,11 @@ def test_each_vector_is_sent_once_by_rank_0(tp_engine, loop_thread, reference):
     assert w0["installed"] and w1["installed"]
 
     async def run():
-        return await asyncio.gather(*(tp_engine.complete(p, sp(max_tokens=8 + i, n=2, temperature=1.0, seed=i))
-                                      for i, p in enumerate(PROMPTS)),
-                                    tp_engine.complete(PROMPTS[0], sp(max_tokens=24, stop=["e"])),
-                                    tp_engine.complete(PROMPTS[2], sp(max_tokens=8), layers=[1, -1]))
+        return await asyncio.gather(
+            *(tp_engine.complete(p, sp(max_tokens=8 + i, n=2, temperature=1.0, seed=i)) for i, p in enumerate(PROMPTS)),
+            tp_engine.complete(PROMPTS[0], sp(max_tokens=24, stop=["e"])),
+            tp_engine.complete(PROMPTS[2], sp(max_tokens=8), layers=[1, -1]),
+        )
 
     outs = loop_thread.run(run(), timeout=300)
     vectors = sum(len(c.choices) for c in outs)
@@ -131,6 +138,9 @@ def test_each_vector_is_sent_once_by_rank_0(tp_engine, loop_thread, reference):
     sent = (after["tails"] - before["tails"]) + (after["extractions"] - before["extractions"])
     assert sent == vectors == 2 * len(PROMPTS) + 2, (sent, vectors)
     assert a0["captured"] - w0["captured"] == vectors, (w0, a0)
-    assert (a1["captured"], a1["steps_with_capture"], a1["host_copies"]) == \
-        (w1["captured"], w1["steps_with_capture"], w1["host_copies"]) == (0, 0, 0), a1
+    assert (
+        (a1["captured"], a1["steps_with_capture"], a1["host_copies"])
+        == (w1["captured"], w1["steps_with_capture"], w1["host_copies"])
+        == (0, 0, 0)
+    ), a1
     assert after["pending"] == 0 and after["missing_vectors"] == before["missing_vectors"] == 0

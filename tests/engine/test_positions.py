@@ -60,10 +60,18 @@ def asked(position, total: int, prompt_len: int) -> list[int]:
     return every[slice(position["start"], position.get("end"), position.get("stride", 1))]
 
 
-@pytest.mark.parametrize("position", [
-    "all", "completion", {"start": -1}, {"start": -9, "end": -2, "stride": 3}, {"start": 2, "end": -3, "stride": 4},
-    {"start": 5, "end": 12},
-], ids=["all", "completion", "final", "negative-window", "strided", "prompt-window"])
+@pytest.mark.parametrize(
+    "position",
+    [
+        "all",
+        "completion",
+        {"start": -1},
+        {"start": -9, "end": -2, "stride": 3},
+        {"start": 2, "end": -3, "stride": 4},
+        {"start": 5, "end": 12},
+    ],
+    ids=["all", "completion", "final", "negative-window", "strided", "prompt-window"],
+)
 def test_every_position_against_transformers(engine, loop_thread, reference, position):
     c = complete(engine, loop_thread, PROMPTS[1], sp(max_tokens=14), position=position)
     (choice,) = c.choices
@@ -90,13 +98,20 @@ def test_all_layers_of_a_long_prompt_in_chunks_and_with_its_prefix_cached(engine
         assert len(c.prompt_token_ids) > 2 * chunk and choice.positions == tuple(range(len(ids)))
         assert choice.extraction.via == "tail", choice.extraction  # every row from the steps that ran anyway
         for layer in layers:
-            assert_rows(reference, f"all, layer {layer}, run {attempt}", ids, range(len(ids)),
-                        choice.hidden_states_by_layer[layer], layer=layer)
+            assert_rows(
+                reference,
+                f"all, layer {layer}, run {attempt}",
+                ids,
+                range(len(ids)),
+                choice.hidden_states_by_layer[layer],
+                layer=layer,
+            )
 
 
 def test_n2_each_choice_its_own_rows(engine, loop_thread, reference):
-    c = complete(engine, loop_thread, PROMPTS[0], sp(n=2, temperature=1.0, seed=7, max_tokens=12),
-                 position="completion")
+    c = complete(
+        engine, loop_thread, PROMPTS[0], sp(n=2, temperature=1.0, seed=7, max_tokens=12), position="completion"
+    )
     assert len(c.choices) == 2 and c.choices[0].token_ids != c.choices[1].token_ids
     for choice in c.choices:
         ids = c.prompt_token_ids + choice.token_ids
@@ -107,7 +122,7 @@ def test_n2_each_choice_its_own_rows(engine, loop_thread, reference):
 def test_a_stop_string_takes_the_final_row_from_the_extraction_step(engine, loop_thread, reference):
     free = complete(engine, loop_thread, PROMPTS[0], sp(max_tokens=24), return_hidden_states=False)
     text = free.choices[0].text
-    stop = text[len(text) // 2: len(text) // 2 + 3]
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
     c = complete(engine, loop_thread, PROMPTS[0], sp(max_tokens=24, stop=[stop]), position="completion")
     (choice,) = c.choices
     ids = c.prompt_token_ids + choice.token_ids
@@ -162,10 +177,17 @@ def test_dtypes_are_the_float32_rows_cast(engine, loop_thread, reference):
     prompt, params = PROMPTS[2], sp(max_tokens=10)  # within one cache block: every run computes it whole
     whole = complete(engine, loop_thread, prompt, params, position="all")
     f32 = whole.choices[0]
-    assert_rows(reference, "float32 rows of the dtype runs", whole.prompt_token_ids + f32.token_ids, f32.positions,
-                f32.hidden_states)
-    cast = {"float16": f32.hidden_states.astype(np.float16).astype(np.float32),
-            "bfloat16": torch.from_numpy(f32.hidden_states).to(torch.bfloat16).float().numpy()}
+    assert_rows(
+        reference,
+        "float32 rows of the dtype runs",
+        whole.prompt_token_ids + f32.token_ids,
+        f32.positions,
+        f32.hidden_states,
+    )
+    cast = {
+        "float16": f32.hidden_states.astype(np.float16).astype(np.float32),
+        "bfloat16": torch.from_numpy(f32.hidden_states).to(torch.bfloat16).float().numpy(),
+    }
     for dtype, expected in cast.items():
         c = complete(engine, loop_thread, prompt, params, position="all", dtype=dtype).choices[0]
         assert c.token_ids == f32.token_ids and c.positions == f32.positions and c.dtype == dtype
@@ -263,9 +285,13 @@ def test_bad_position_requests_are_refused_clearly(engine):
     def check(layers, position, dtype="float32", topk=None):  # a Python caller's fields, then the model's rules
         return engine.check_spec(spec_of(True, layers, position, dtype, topk, enabled=engine.enabled))
 
-    cases = [({"start": 3, "end": 3}, "selects no position"), ({"start": 1, "stride": 0}, "stride"),
-             ({"end": 4}, "start must be an integer"), ({"start": 0, "step": 2}, "start, end and stride"),
-             ("middle", "'completion', 'all'")]
+    cases = [
+        ({"start": 3, "end": 3}, "selects no position"),
+        ({"start": 1, "stride": 0}, "stride"),
+        ({"end": 4}, "start must be an integer"),
+        ({"start": 0, "step": 2}, "start, end and stride"),
+        ("middle", "'completion', 'all'"),
+    ]
     for position, words in cases:
         with pytest.raises(HiddenStatesRequestError, match=words) as e:
             check([-1], position)
@@ -285,19 +311,42 @@ def _answer(engine, loop_thread, route: str, body: dict):
 def test_beam_search_and_a_streamed_chat_over_the_openai_routes(engine, loop_thread, reference):
     """Beam search (its beams' rows all from the extraction step, on each beam's own tokens) and a
     chat stream whose chunks carry the rows as they come, over vLLM's own serving."""
-    status, r = _answer(engine, loop_thread, "completions", {
-        "model": "tiny-llama", "prompt": PROMPTS[1], "max_tokens": 6, "use_beam_search": True, "n": 2,
-        "return_hidden_states": True, "return_token_ids": True, "hidden_states_position": "completion"})
+    status, r = _answer(
+        engine,
+        loop_thread,
+        "completions",
+        {
+            "model": "tiny-llama",
+            "prompt": PROMPTS[1],
+            "max_tokens": 6,
+            "use_beam_search": True,
+            "n": 2,
+            "return_hidden_states": True,
+            "return_token_ids": True,
+            "hidden_states_position": "completion",
+        },
+    )
     assert status == 200, r
     for ch in r["choices"]:
         ids = ch["prompt_token_ids"] + ch["token_ids"]
         meta = ch["hidden_states_meta"]
         assert meta["via"] == "extraction" and meta["positions"] == list(range(len(ch["prompt_token_ids"]), len(ids)))
         assert_rows(reference, f"beam {ch['index']}", ids, meta["positions"], ch["hidden_states"])
-    status, events = _answer(engine, loop_thread, "chat", {
-        "model": "tiny-llama", "messages": [{"role": "user", "content": "Tell me a story."}], "max_tokens": 10,
-        "stream": True, "return_hidden_states": True, "return_token_ids": True, "hidden_states_position": "all",
-        "hidden_states_encoding": "base64"})
+    status, events = _answer(
+        engine,
+        loop_thread,
+        "chat",
+        {
+            "model": "tiny-llama",
+            "messages": [{"role": "user", "content": "Tell me a story."}],
+            "max_tokens": 10,
+            "stream": True,
+            "return_hidden_states": True,
+            "return_token_ids": True,
+            "hidden_states_position": "all",
+            "hidden_states_encoding": "base64",
+        },
+    )
     assert status == 200
     prompt_ids, tokens, positions, rows, carrying = None, [], [], [], 0
     for event in events:
@@ -307,8 +356,9 @@ def test_beam_search_and_a_streamed_chat_over_the_openai_routes(engine, loop_thr
             if "hidden_states" in ch:
                 meta = ch["hidden_states_meta"]
                 positions += meta["positions"]
-                rows.append(np.frombuffer(__import__("base64").b64decode(ch["hidden_states"]), "<f4")
-                            .reshape(meta["shape"]))
+                rows.append(
+                    np.frombuffer(__import__("base64").b64decode(ch["hidden_states"]), "<f4").reshape(meta["shape"])
+                )
                 carrying += 1
     ids = prompt_ids + tokens
     # the prompt's rows first, then the completion's as they come (at least one more chunk: vLLM merges a

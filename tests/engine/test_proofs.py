@@ -22,8 +22,11 @@ from hidden_states.proofs import toploc as ours
 from tests.toploc_ref import altered, fed_rows, library_ok, load_toploc, perturbed
 from tests.unit.test_proofs import BROKEN_VALIDATION
 
-QUESTIONS = ["What is the capital of France? Answer in one sentence.", "Name three colours, then count to five.",
-             "Explain in two sentences why the sky is blue."]
+QUESTIONS = [
+    "What is the capital of France? Answer in one sentence.",
+    "Name three colours, then count to five.",
+    "Explain in two sentences why the sky is blue.",
+]
 PROOF = {"scheme": "toploc", "topk": 128, "decode_batching_size": 32}
 
 
@@ -69,8 +72,9 @@ def _ok(tl, acts, proofs) -> list[bool]:
 
 def server_check(loop_thread, routes, prompt: list[int], completion: list[int], proofs: list[str]) -> dict:
     async def go():
-        body = json.dumps({"prompt": prompt, "completion": completion,
-                           "compare": {"toploc": {**PROOF, "proofs": proofs}}}).encode()
+        body = json.dumps(
+            {"prompt": prompt, "completion": completion, "compare": {"toploc": {**PROOF, "proofs": proofs}}}
+        ).encode()
         async for part in routes.handle("hidden_states", body):
             return part
 
@@ -122,8 +126,7 @@ def another_model(c: Choice) -> None:
     ids, P = c.prompt + c.completion, len(c.prompt)
     own = c.tl.build_proofs_base64(activations(c.ref, ids, P), PROOF["decode_batching_size"], PROOF["topk"])
     assert c.server(c.prompt, c.completion, own)["ok"] is True, "the library's proofs of this model"
-    theirs = c.tl.build_proofs_base64(activations(c.other_model, ids, P), PROOF["decode_batching_size"],
-                                      PROOF["topk"])
+    theirs = c.tl.build_proofs_base64(activations(c.other_model, ids, P), PROOF["decode_batching_size"], PROOF["topk"])
     lib = c.library(c.ref, c.prompt, c.completion, theirs)
     srv = c.server(c.prompt, c.completion, theirs)
     if c.dtype == "float32":
@@ -145,20 +148,25 @@ def altered_proof(c: Choice) -> None:
 REJECTIONS = [another_prompt, another_completion, another_model, altered_proof]
 
 
-def test_proofs_pass_the_library_on_transformers_rows_and_the_server_agrees(smol, loop_thread, smol_ref, tl,
-                                                                           other_model):
+def test_proofs_pass_the_library_on_transformers_rows_and_the_server_agrees(
+    smol, loop_thread, smol_ref, tl, other_model
+):
     from vllm import SamplingParams
 
     eng, routes = smol
     tok = smol_ref.tokenizer
-    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                                  tokenize=False)) for q in QUESTIONS]
+    prompts = [
+        tok.encode(
+            tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
+        )
+        for q in QUESTIONS
+    ]
 
     async def run():
-        return await asyncio.gather(*(eng.complete(p, SamplingParams(max_tokens=70, temperature=0.0), proof=PROOF)
-                                      for p in prompts),
-                                    eng.complete(prompts[1], SamplingParams(max_tokens=70, n=2, temperature=0.8,
-                                                                            seed=9), proof=PROOF))
+        return await asyncio.gather(
+            *(eng.complete(p, SamplingParams(max_tokens=70, temperature=0.0), proof=PROOF) for p in prompts),
+            eng.complete(prompts[1], SamplingParams(max_tokens=70, n=2, temperature=0.8, seed=9), proof=PROOF),
+        )
 
     outs = loop_thread.run(run(), timeout=900)
     assert "Paris" in outs[0].choices[0].text
@@ -180,19 +188,22 @@ def test_proofs_pass_the_library_on_transformers_rows_and_the_server_agrees(smol
                 check(c)
             assert not all(_ok(tl, activations(other_model, ids, P), proofs)), "another model, by the library"
             # TOPLOC's top-k sits on massive activations: one mid-prompt token changed is often accepted
-            p2 = prompt[:P // 2] + [(prompt[P // 2] + 7) % tok.vocab_size] + prompt[P // 2 + 1:]
+            p2 = prompt[: P // 2] + [(prompt[P // 2] + 7) % tok.vocab_size] + prompt[P // 2 + 1 :]
             lib = c.library(smol_ref.model, p2, completion, proofs)
             if eng.dtype == "float32":
                 assert [p["ok"] for p in c.server(p2, completion, proofs)["proofs"]] == lib, ("one token", lib)
             one_token.append(all(lib))
             counted += 1
     assert counted == 5
-    print(f"\n{eng.dtype}: one mid-prompt token changed was accepted by TOPLOC for {sum(one_token)} of "
-          f"{len(one_token)} choices")
+    print(
+        f"\n{eng.dtype}: one mid-prompt token changed was accepted by TOPLOC for {sum(one_token)} of "
+        f"{len(one_token)} choices"
+    )
 
 
-def test_each_rejection_fails_when_the_server_s_validation_is_broken(smol, loop_thread, smol_ref, tl, other_model,
-                                                                    monkeypatch):
+def test_each_rejection_fails_when_the_server_s_validation_is_broken(
+    smol, loop_thread, smol_ref, tl, other_model, monkeypatch
+):
     """The breaking variants of each tampered case above: the server's validation (the routes run in this
     process) accepting every proof, never looking at the rows, or ignoring the thresholds; each check then
     fails. Unbroken, the same checks pass on the same choice."""
@@ -200,13 +211,19 @@ def test_each_rejection_fails_when_the_server_s_validation_is_broken(smol, loop_
 
     eng, routes = smol
     tok = smol_ref.tokenizer
-    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                                  tokenize=False)) for q in QUESTIONS[:2]]
-    out = loop_thread.run(eng.complete(prompts[0], SamplingParams(max_tokens=40, temperature=0.0), proof=PROOF),
-                          timeout=300)
+    prompts = [
+        tok.encode(
+            tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
+        )
+        for q in QUESTIONS[:2]
+    ]
+    out = loop_thread.run(
+        eng.complete(prompts[0], SamplingParams(max_tokens=40, temperature=0.0), proof=PROOF), timeout=300
+    )
     (ch,) = out.choices
-    c = Choice(loop_thread, routes, eng, tl, smol_ref, other_model, prompts, out.prompt_token_ids, ch.token_ids,
-               ch.proofs)
+    c = Choice(
+        loop_thread, routes, eng, tl, smol_ref, other_model, prompts, out.prompt_token_ids, ch.token_ids, ch.proofs
+    )
     for check in REJECTIONS:
         check(c)
     for broken, breaks in sorted(BROKEN_VALIDATION.items()):

@@ -82,9 +82,10 @@ def test_greedy_chat_answers_paris(engine, loop_thread, smollm2_reference, recor
     torch = smollm2_reference.torch
     with torch.no_grad():
         hf = smollm2_reference.model.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False)
-    assert list(choice.token_ids) == hf[0, len(prompt):].tolist()
-    check_vector(smollm2_reference, c.prompt_token_ids + choice.token_ids, choice.hidden_states,
-                 record_property, "chat_greedy")
+    assert list(choice.token_ids) == hf[0, len(prompt) :].tolist()
+    check_vector(
+        smollm2_reference, c.prompt_token_ids + choice.token_ids, choice.hidden_states, record_property, "chat_greedy"
+    )
 
 
 def test_hidden_states_match_transformers(engine, loop_thread, smollm2_reference, record_property):
@@ -101,5 +102,10 @@ def test_hidden_states_match_transformers(engine, loop_thread, smollm2_reference
         (choice,) = c.choices
         print(f"completion {i}: {choice.text!r}")
         assert choice.token_ids
-        check_vector(smollm2_reference, c.prompt_token_ids + choice.token_ids, choice.hidden_states,
-                     record_property, f"completion{i}")
+        check_vector(
+            smollm2_reference,
+            c.prompt_token_ids + choice.token_ids,
+            choice.hidden_states,
+            record_property,
+            f"completion{i}",
+        )

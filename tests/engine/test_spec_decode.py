@@ -47,8 +47,11 @@ def _spec(method: str, model_dir: str, tmp: Path) -> dict:
         head = build_eagle_head(model_dir, tmp / method, method)
         return {"method": method, "model": str(head), "num_speculative_tokens": K}
     if method == "draft_other":  # a draft that differs from the target: drafts rejected
-        return {"method": "draft_model", "model": str(build_perturbed_draft(model_dir, tmp / method)),
-                "num_speculative_tokens": K}
+        return {
+            "method": "draft_model",
+            "model": str(build_perturbed_draft(model_dir, tmp / method)),
+            "num_speculative_tokens": K,
+        }
     return {"method": "draft_model", "model": model_dir, "num_speculative_tokens": K}
 
 
@@ -129,8 +132,14 @@ def test_vectors_rows_and_layers_exact_at_batch_8(spec_engine, loop_thread):
     assert len(cases) >= 8
 
     async def run(batch, hs: bool):
-        return await asyncio.gather(*(eng.complete(p, s, return_hidden_states=hs, **kw) if hs else
-                                      eng.complete(p, s, return_hidden_states=False) for p, s, kw in batch))
+        return await asyncio.gather(
+            *(
+                eng.complete(p, s, return_hidden_states=hs, **kw)
+                if hs
+                else eng.complete(p, s, return_hidden_states=False)
+                for p, s, kw in batch
+            )
+        )
 
     cases += sampled
     flagged = loop_thread.run(run(cases, True), timeout=600)
@@ -140,8 +149,9 @@ def test_vectors_rows_and_layers_exact_at_batch_8(spec_engine, loop_thread):
     for (prompt, _params, kw), c, q in zip(cases, flagged, plain):
         # Parity: the same request without hidden states gets the same tokens and finishes, seeded
         # sampled requests included (without ledger point 13 they were not reproducible either).
-        assert [(ch.token_ids, ch.finish_reason) for ch in c.choices] == \
-               [(ch.token_ids, ch.finish_reason) for ch in q.choices], (prompt, kw)
+        assert [(ch.token_ids, ch.finish_reason) for ch in c.choices] == [
+            (ch.token_ids, ch.finish_reason) for ch in q.choices
+        ], (prompt, kw)
         position, layers = kw.get("position", "completion_end"), kw.get("layers", [-1])
         for ch in c.choices:
             seq = list(c.prompt_token_ids) + list(ch.token_ids)
@@ -168,8 +178,11 @@ def test_vectors_rows_and_layers_exact_at_batch_8(spec_engine, loop_thread):
     if eng.method == "draft_other":  # and rejected some: the rows above dropped rejected drafts' rows
         assert drafted - accepted > 0, (drafted, accepted)
     rel, scale, what = max(WORST)
-    print(f"\n{eng.method}: {accepted:.0f} of {drafted:.0f} draft tokens accepted over {len(cases)} requests x 2 runs; worst "
-          f"relative error {rel:.2g} (max |reference| {scale:.3g}, {what})")
+    print(
+        f"\n{eng.method}: {accepted:.0f} of {drafted:.0f} draft tokens accepted over {len(cases)} requests x 2 runs; "
+        "worst "
+        f"relative error {rel:.2g} (max |reference| {scale:.3g}, {what})"
+    )
     WORST.clear()
 
 
@@ -179,13 +192,17 @@ SAMPLED = [PROMPTS[1], PROMPTS[3], PROMPTS[4], PROMPTS[6]]
 
 def _greedy_beside_sampled(eng, loop_thread, hs: bool) -> list[list[int]]:
     """The greedy prompts' tokens from one batch that also holds 4 sampled requests (n 2, seeded)."""
+
     async def run():
         return await asyncio.gather(
             *(eng.complete(p, sp(max_tokens=16), return_hidden_states=hs) for p in GREEDY),
-            *(eng.complete(p, sp(max_tokens=16, temperature=0.8, n=2, seed=i), return_hidden_states=hs)
-              for i, p in enumerate(SAMPLED)))
+            *(
+                eng.complete(p, sp(max_tokens=16, temperature=0.8, n=2, seed=i), return_hidden_states=hs)
+                for i, p in enumerate(SAMPLED)
+            ),
+        )
 
-    return [list(c.choices[0].token_ids) for c in loop_thread.run(run(), timeout=600)[:len(GREEDY)]]
+    return [list(c.choices[0].token_ids) for c in loop_thread.run(run(), timeout=600)[: len(GREEDY)]]
 
 
 def test_greedy_beside_sampled_requests_equals_greedy_alone(spec_engine, loop_thread):
@@ -194,8 +211,14 @@ def test_greedy_beside_sampled_requests_equals_greedy_alone(spec_engine, loop_th
     tokens (ledger point 13). Greedy completions beside sampled requests equal the same prompts
     alone, with and without vectors; with vLLM's kernel put back they do not."""
     eng = spec_engine
-    alone = [list(loop_thread.run(eng.complete(p, sp(max_tokens=16), return_hidden_states=False), timeout=300)
-                  .choices[0].token_ids) for p in GREEDY]
+    alone = [
+        list(
+            loop_thread.run(eng.complete(p, sp(max_tokens=16), return_hidden_states=False), timeout=300)
+            .choices[0]
+            .token_ids
+        )
+        for p in GREEDY
+    ]
     assert eng.startup.get("cpu_spec_sampling_fix") is True, eng.startup
     assert _greedy_beside_sampled(eng, loop_thread, hs=False) == alone
     assert _greedy_beside_sampled(eng, loop_thread, hs=True) == alone
@@ -206,8 +229,10 @@ def test_greedy_beside_sampled_requests_equals_greedy_alone(spec_engine, loop_th
     finally:
         loop_thread.run(eng.llm.collective_rpc("hidden_states_fix_cpu_spec_sampling", timeout=60, args=(True,)))
     assert broken != alone, "vLLM's own expand kernel gave the right greedy tokens: is ledger point 13 still needed?"
-    print(f"\n{eng.method}: {sum(b != a for a, b in zip(alone, broken))} of {len(alone)} greedy completions "
-          "differ beside sampled requests with vLLM's kernel; none with the fix")
+    print(
+        f"\n{eng.method}: {sum(b != a for a, b in zip(alone, broken))} of {len(alone)} greedy completions "
+        "differ beside sampled requests with vLLM's kernel; none with the fix"
+    )
 
 
 def test_the_expand_fix_against_vllms_kernel():
@@ -250,17 +275,32 @@ def test_smollm2_under_ngram_exact(loop_thread):
 
     ref = Reference(resolve_model(MODEL))
     spec = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
-    eng = loop_thread.run(HiddenStatesEngine.start(MODEL, speculative_config=spec, async_scheduling=False,
-                                                   **ENGINE_ARGS), timeout=600)
+    eng = loop_thread.run(
+        HiddenStatesEngine.start(MODEL, speculative_config=spec, async_scheduling=False, **ENGINE_ARGS), timeout=600
+    )
     try:
-        questions = ["What is the capital of France? Answer in one word.", "Count from one to ten.",
-                     "Repeat: the cat sat on the mat, the cat sat on the mat."]
-        prompts = [ref.tokenizer.encode(ref.tokenizer.apply_chat_template(
-            [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)) for q in questions]
+        questions = [
+            "What is the capital of France? Answer in one word.",
+            "Count from one to ten.",
+            "Repeat: the cat sat on the mat, the cat sat on the mat.",
+        ]
+        prompts = [
+            ref.tokenizer.encode(
+                ref.tokenizer.apply_chat_template(
+                    [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False
+                )
+            )
+            for q in questions
+        ]
 
         async def run():
-            return await asyncio.gather(*(eng.complete(list(p), sp(max_tokens=40), position=pos)
-                                          for p in prompts for pos in ("completion_end", "completion")))
+            return await asyncio.gather(
+                *(
+                    eng.complete(list(p), sp(max_tokens=40), position=pos)
+                    for p in prompts
+                    for pos in ("completion_end", "completion")
+                )
+            )
 
         outs = loop_thread.run(run(), timeout=600)
         assert "Paris" in outs[0].choices[0].text

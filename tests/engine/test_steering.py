@@ -40,8 +40,10 @@ def registered(tmp_path_factory):
     root = tmp_path_factory.mktemp("steering")
     np.save(root / "calm.npy", unit_vector(21, 3.0))
     write_gguf(str(root / "cv.gguf"), {0: unit_vector(22, 3.0)})
-    return {"calm": (str(root / "calm.npy"), {1: unit_vector(21, 3.0)}),
-            "cv": (str(root / "cv.gguf"), {1: unit_vector(22, 3.0)})}
+    return {
+        "calm": (str(root / "calm.npy"), {1: unit_vector(21, 3.0)}),
+        "cv": (str(root / "cv.gguf"), {1: unit_vector(22, 3.0)}),
+    }
 
 
 def registered_vectors(registered) -> list[dict]:
@@ -51,7 +53,11 @@ def registered_vectors(registered) -> list[dict]:
 
 engine = engine_fixture(
     setup=lambda registered: {"heads": build_test_heads(), "steering_vectors": registered_vectors(registered)},
-    clean=("pending", "missing_vectors"), errors=ERRORS, env={FAULT_INJECTION_ENV: "1"}, **TEST_ENGINE_ARGS)
+    clean=("pending", "missing_vectors"),
+    errors=ERRORS,
+    env={FAULT_INJECTION_ENV: "1"},
+    **TEST_ENGINE_ARGS,
+)
 
 
 sp = sampling(max_tokens=10)  # greedy SamplingParams; keywords override
@@ -61,8 +67,12 @@ def as_entries(steering: list[dict], resolved: dict | None = None) -> list[tuple
     """The reference's entries: (layer, op, positions, scale, vector)."""
     out = []
     for e in steering:
-        v = resolved[e.get("name") or e.get("head")] if resolved else np.frombuffer(base64.b64decode(e["vector"]), "<f4")
-        for layer, vec in (v.items() if isinstance(v, dict) else [(e["layer"], v)]):
+        v = (
+            resolved[e.get("name") or e.get("head")]
+            if resolved
+            else np.frombuffer(base64.b64decode(e["vector"]), "<f4")
+        )
+        for layer, vec in v.items() if isinstance(v, dict) else [(e["layer"], v)]:
             out.append((layer, e.get("op", "add"), e.get("positions", "all"), e.get("scale", 1.0), vec))
     return out
 
@@ -76,10 +86,14 @@ def assert_rows(case: str, got: np.ndarray, want: np.ndarray) -> None:
 CASES = {
     "one layer, all": [{"layer": 1, "vector": b64(unit_vector(1, 4.0)), "scale": 1.5}],
     "embeddings, prompt": [{"layer": 0, "vector": b64(unit_vector(2, 2.0)), "positions": "prompt"}],
-    "two layers, completion": [{"layer": 0, "vector": b64(unit_vector(3, 3.0)), "positions": "completion"},
-                               {"layer": -2, "vector": b64(unit_vector(4, 3.0)), "scale": -1.0}],
-    "add then ablate": [{"layer": 1, "vector": b64(unit_vector(5, 3.0))},
-                        {"layer": 1, "vector": b64(unit_vector(6)), "op": "ablate"}],
+    "two layers, completion": [
+        {"layer": 0, "vector": b64(unit_vector(3, 3.0)), "positions": "completion"},
+        {"layer": -2, "vector": b64(unit_vector(4, 3.0)), "scale": -1.0},
+    ],
+    "add then ablate": [
+        {"layer": 1, "vector": b64(unit_vector(5, 3.0))},
+        {"layer": 1, "vector": b64(unit_vector(6)), "op": "ablate"},
+    ],
 }
 
 
@@ -99,15 +113,21 @@ def test_a_worker_hook_that_raises_fails_its_request_alone(engine, loop_thread, 
     prompts = ["The weather today is", "Once upon a time", "My favourite food is", "The river flows"]
 
     def ask(prompt, extra=None):  # every position's rows and head outputs: each step holds all four's
-        return engine.complete(prompt, sp(max_tokens=6, **({"extra_args": extra} if extra else {})),
-                               steering=steering, heads=heads, position="all")
+        return engine.complete(
+            prompt,
+            sp(max_tokens=6, **({"extra_args": extra} if extra else {})),
+            steering=steering,
+            heads=heads,
+            position="all",
+        )
 
     alone = [loop_thread.run(ask(p)) for p in prompts[1:]]
     before = loop_thread.run(engine.stats())
 
     async def batch():
-        return await asyncio.gather(*(ask(p) for p in prompts[1:]), ask(prompts[0], {FAULT_INJECT_KEY: hook}),
-                                    return_exceptions=True)  # the faulted one last: its steps hold the others
+        return await asyncio.gather(
+            *(ask(p) for p in prompts[1:]), ask(prompts[0], {FAULT_INJECT_KEY: hook}), return_exceptions=True
+        )  # the faulted one last: its steps hold the others
 
     *others, faulted = loop_thread.run(batch())
     assert isinstance(faulted, HookFaultError) and faulted.hook == hook, faulted
@@ -142,8 +162,10 @@ def test_steered_tokens_and_rows_are_transformers_with_the_same_hook(engine, loo
     out = loop_thread.run(engine.complete(prompt, sp(), steering=steering, layers=[0, 1, -1], position="all"))
     (ch,) = out.choices
     # as the reference numbers them: absolute layers (-2 is layer 1 of 0..2)
-    P, entries = len(out.prompt_token_ids), [(layer + 3 if layer < 0 else layer, *rest)
-                                             for layer, *rest in as_entries(steering)]
+    P, entries = (
+        len(out.prompt_token_ids),
+        [(layer + 3 if layer < 0 else layer, *rest) for layer, *rest in as_entries(steering)],
+    )
     want = steered_greedy(reference.model, list(out.prompt_token_ids), entries, 10)
     assert list(ch.token_ids) == want, (case, ch.token_ids, want)
     if case != "embeddings, prompt":
@@ -182,6 +204,7 @@ def test_unsteered_requests_beside_steered_ones_are_byte_for_byte_unchanged(engi
         async def one(i):
             kw = {"steering": steer} if steered and i in (1, 4) else {}
             return await engine.complete(prompts[i], sp(logprobs=3), position="all", layers=[0, 1, -1], **kw)
+
         return await asyncio.gather(*(one(i) for i in range(6)))
 
     plain, mixed = loop_thread.run(batch(False)), loop_thread.run(batch(True))
@@ -207,16 +230,23 @@ def test_the_prefix_cache_never_serves_one_steering_to_another(engine, loop_thre
     s2 = [{"layer": 1, "vector": b64(unit_vector(8, 3.0)), "positions": "prompt"}]
     seen = []
     for steering in (s1, s1, s2, None, None):
-        body = {"model": "tiny-llama", "prompt": prompt, "max_tokens": 2, "temperature": 0,
-                "return_hidden_states": True, "return_token_ids": True}
+        body = {
+            "model": "tiny-llama",
+            "prompt": prompt,
+            "max_tokens": 2,
+            "temperature": 0,
+            "return_hidden_states": True,
+            "return_token_ids": True,
+        }
         if steering:
             body["hidden_states_steering"] = steering
         status, r = _answer(engine, loop_thread, "completions", body)
         assert status == 200, r
         ch = r["choices"][0]
         ids = ch["prompt_token_ids"] + ch["token_ids"]
-        want = steered_states(reference.model, ids, as_entries(steering) if steering else [],
-                              len(ch["prompt_token_ids"]))[2][-1]
+        want = steered_states(
+            reference.model, ids, as_entries(steering) if steering else [], len(ch["prompt_token_ids"])
+        )[2][-1]
         assert_rows("prefix cache", ch["hidden_states"], want)
         seen.append(r["usage"]["prompt_tokens_details"]["cached_tokens"])
         if steering:
@@ -226,19 +256,43 @@ def test_the_prefix_cache_never_serves_one_steering_to_another(engine, loop_thre
 
 def test_n2_and_a_streamed_chat_over_the_openai_routes(engine, loop_thread, reference):
     steering = CASES["one layer, all"]
-    status, r = _answer(engine, loop_thread, "completions", {
-        "model": "tiny-llama", "prompt": "Two sampled choices", "max_tokens": 6, "n": 2, "temperature": 1.0,
-        "seed": 4, "return_token_ids": True, "return_hidden_states": True, "hidden_states_position": "completion",
-        "hidden_states_steering": steering})
+    status, r = _answer(
+        engine,
+        loop_thread,
+        "completions",
+        {
+            "model": "tiny-llama",
+            "prompt": "Two sampled choices",
+            "max_tokens": 6,
+            "n": 2,
+            "temperature": 1.0,
+            "seed": 4,
+            "return_token_ids": True,
+            "return_hidden_states": True,
+            "hidden_states_position": "completion",
+            "hidden_states_steering": steering,
+        },
+    )
     assert status == 200, r
     for ch in r["choices"]:
         ids = ch["prompt_token_ids"] + ch["token_ids"]
         states = steered_states(reference.model, ids, as_entries(steering), len(ch["prompt_token_ids"]))
         assert_rows(f"n=2 choice {ch['index']}", ch["hidden_states"], states[2][ch["hidden_states_meta"]["positions"]])
-    status, events = _answer(engine, loop_thread, "chat", {
-        "model": "tiny-llama", "messages": [{"role": "user", "content": "Steer me."}], "max_tokens": 8,
-        "stream": True, "temperature": 0, "return_token_ids": True, "return_hidden_states": True,
-        "hidden_states_steering": steering})
+    status, events = _answer(
+        engine,
+        loop_thread,
+        "chat",
+        {
+            "model": "tiny-llama",
+            "messages": [{"role": "user", "content": "Steer me."}],
+            "max_tokens": 8,
+            "stream": True,
+            "temperature": 0,
+            "return_token_ids": True,
+            "return_hidden_states": True,
+            "hidden_states_steering": steering,
+        },
+    )
     assert status == 200
     prompt_ids, tokens, final = None, [], None
     for event in events:
@@ -246,9 +300,11 @@ def test_n2_and_a_streamed_chat_over_the_openai_routes(engine, loop_thread, refe
         for ch in event.get("choices") or ():
             tokens += ch.get("token_ids") or []
             final = ch.get("hidden_states", final)
-    assert tokens == steered_greedy(reference.model, prompt_ids, as_entries(steering), 8)[:len(tokens)]
+    assert tokens == steered_greedy(reference.model, prompt_ids, as_entries(steering), 8)[: len(tokens)]
     ids = prompt_ids + tokens
-    assert_rows("streamed chat", final, steered_states(reference.model, ids, as_entries(steering), len(prompt_ids))[2][-1])
+    assert_rows(
+        "streamed chat", final, steered_states(reference.model, ids, as_entries(steering), len(prompt_ids))[2][-1]
+    )
 
 
 def test_registered_vectors_and_sae_features_as_entries(engine, loop_thread, reference, registered):
@@ -258,31 +314,38 @@ def test_registered_vectors_and_sae_features_as_entries(engine, loop_thread, ref
 
     sae = {h["name"]: h for h in build_test_heads()}["sae-std"]  # blocks.0.hook_resid_post: layer 1
     row = load_file(f"{sae['path']}/sae_weights.safetensors")["W_dec"][17] * 1.0
-    cases = {"npy": ([{"name": "calm", "scale": 1.5}], [(1, "add", "all", 1.5, registered["calm"][1][1])]),
-             "gguf": ([{"name": "cv", "positions": "completion"}], [(1, "add", "completion", 1.0, registered["cv"][1][1])]),
-             "sae feature": ([{"head": "sae-std", "feature": 17, "scale": 8.0}], [(1, "add", "all", 8.0, row)])}
+    cases = {
+        "npy": ([{"name": "calm", "scale": 1.5}], [(1, "add", "all", 1.5, registered["calm"][1][1])]),
+        "gguf": ([{"name": "cv", "positions": "completion"}], [(1, "add", "completion", 1.0, registered["cv"][1][1])]),
+        "sae feature": ([{"head": "sae-std", "feature": 17, "scale": 8.0}], [(1, "add", "all", 8.0, row)]),
+    }
     for case, (steering, entries) in cases.items():
         out = loop_thread.run(engine.complete("Named vectors steer", sp(), steering=steering))
         (ch,) = out.choices
         assert list(ch.token_ids) == steered_greedy(reference.model, list(out.prompt_token_ids), entries, 10), case
         ids = list(out.prompt_token_ids) + list(ch.token_ids)
-        assert_rows(case, ch.hidden_states, steered_states(reference.model, ids, entries, len(out.prompt_token_ids))[2][-1])
+        assert_rows(
+            case, ch.hidden_states, steered_states(reference.model, ids, entries, len(out.prompt_token_ids))[2][-1]
+        )
         assert ch.steering[0]["layer"] == 1
 
 
-@pytest.mark.parametrize("steering, words", [
-    ([{"layer": 1, "vector": [0.0] * (D - 1)}], "127 entries; the model's hidden size is 128"),
-    ([{"layer": 2, "vector": b64(unit_vector(0))}], "layer 2 out of range"),
-    ([{"layer": -1, "vector": b64(unit_vector(0))}], "layer -1 out of range"),
-    ([{"layer": 1, "vector": [float("nan")] + [0.0] * (D - 1)}], "NaN or infinite"),
-    ([{"layer": 1, "vector": b64(unit_vector(0))}] * 17, "at most 16"),
-    ([{"name": "nope"}], "unknown steering vector 'nope'; this server's are calm, cv"),
-    ([{"head": "sae-std", "feature": 1024}], "feature 1024 is beyond"),
-    ([{"head": "probe", "feature": 1}], "no SAE head"),
-    ([{"vector": b64(unit_vector(0))}], "needs a `layer`"),
-    ([{"layer": 1, "vector": b64(unit_vector(0)), "name": "calm"}], "exactly one of"),
-    ([{"layer": 1, "vector": [0.0] * D, "op": "ablate"}], "ablating a zero vector"),
-])
+@pytest.mark.parametrize(
+    "steering, words",
+    [
+        ([{"layer": 1, "vector": [0.0] * (D - 1)}], "127 entries; the model's hidden size is 128"),
+        ([{"layer": 2, "vector": b64(unit_vector(0))}], "layer 2 out of range"),
+        ([{"layer": -1, "vector": b64(unit_vector(0))}], "layer -1 out of range"),
+        ([{"layer": 1, "vector": [float("nan")] + [0.0] * (D - 1)}], "NaN or infinite"),
+        ([{"layer": 1, "vector": b64(unit_vector(0))}] * 17, "at most 16"),
+        ([{"name": "nope"}], "unknown steering vector 'nope'; this server's are calm, cv"),
+        ([{"head": "sae-std", "feature": 1024}], "feature 1024 is beyond"),
+        ([{"head": "probe", "feature": 1}], "no SAE head"),
+        ([{"vector": b64(unit_vector(0))}], "needs a `layer`"),
+        ([{"layer": 1, "vector": b64(unit_vector(0)), "name": "calm"}], "exactly one of"),
+        ([{"layer": 1, "vector": [0.0] * D, "op": "ablate"}], "ablating a zero vector"),
+    ],
+)
 def test_bad_steering_is_a_400_naming_the_entry(engine, loop_thread, steering, words):
     from hidden_states.params import HiddenStatesRequestError
 
@@ -297,8 +360,9 @@ def test_a_control_vector_for_the_last_block_stops_the_start(loop_thread, tmp_pa
 
     path = write_gguf(str(tmp_path / "last.gguf"), {1: unit_vector(0)})
     with pytest.raises(EngineStartupError, match="direction.1 steers the last block's output"):
-        loop_thread.run(HiddenStatesEngine.start(TEST_MODEL, steering_vectors=[{"name": "v", "path": path}],
-                                                 **TEST_ENGINE_ARGS))
+        loop_thread.run(
+            HiddenStatesEngine.start(TEST_MODEL, steering_vectors=[{"name": "v", "path": path}], **TEST_ENGINE_ARGS)
+        )
 
 
 def test_post_hidden_states_recomputes_a_steered_choice(engine, loop_thread, reference):
@@ -309,13 +373,19 @@ def test_post_hidden_states_recomputes_a_steered_choice(engine, loop_thread, ref
     prompt, completion = list(out.prompt_token_ids), list(out.choices[0].token_ids)
     entries = [(layer + 3 if layer < 0 else layer, *rest) for layer, *rest in as_entries(steering)]
     want = steered_states(reference.model, prompt + completion, entries, len(prompt))[2][-1]
-    status, r = _answer(engine, loop_thread, "hidden_states", {
-        "model": "tiny-llama", "prompt": prompt, "completion": completion, "hidden_states_steering": steering})
+    status, r = _answer(
+        engine,
+        loop_thread,
+        "hidden_states",
+        {"model": "tiny-llama", "prompt": prompt, "completion": completion, "hidden_states_steering": steering},
+    )
     assert status == 200, r
     assert [s["layer"] for s in r["hidden_states_meta"]["steering"]] == [0, 1]
     assert_rows("POST /v1/hidden_states", r["hidden_states"], want)
     np.testing.assert_allclose(r["hidden_states"], out.choices[0].hidden_states, rtol=0, atol=1e-5)
-    status, plain = _answer(engine, loop_thread, "hidden_states", {"model": "tiny-llama", "prompt": prompt + completion})
+    status, plain = _answer(
+        engine, loop_thread, "hidden_states", {"model": "tiny-llama", "prompt": prompt + completion}
+    )
     assert status == 200 and np.abs(np.asarray(plain["hidden_states"]) - want).max() > 1e-3  # unsteered: another
 
 
@@ -324,11 +394,26 @@ def test_post_hidden_states_recomputes_a_steered_choice(engine, loop_thread, ref
 # (steering entry, condition's head, its output, above?, its layer)
 WHEN_CASES = {
     "add at 1 when the probe (after the norm) says pos": (
-        {"layer": 1, "vector": b64(unit_vector(41, 4.0)), "scale": 1.5}, "probe", 2, True, 2),
-    "add at 0 when an SAE feature at 1 is low": ({"layer": 0, "vector": b64(unit_vector(42, 3.0))}, "sae-std", None,
-                                                 False, 1),
-    "ablate at 1 when the probe at 1 is high": ({"layer": 1, "vector": b64(unit_vector(43)), "op": "ablate"}, "mid", 0,
-                                                True, 1),
+        {"layer": 1, "vector": b64(unit_vector(41, 4.0)), "scale": 1.5},
+        "probe",
+        2,
+        True,
+        2,
+    ),
+    "add at 0 when an SAE feature at 1 is low": (
+        {"layer": 0, "vector": b64(unit_vector(42, 3.0))},
+        "sae-std",
+        None,
+        False,
+        1,
+    ),
+    "ablate at 1 when the probe at 1 is high": (
+        {"layer": 1, "vector": b64(unit_vector(43)), "op": "ablate"},
+        "mid",
+        0,
+        True,
+        1,
+    ),
 }
 
 
@@ -354,27 +439,43 @@ def check_conditional(engine, loop_thread, reference, case: str, via: str = "tai
 
     entry, head, index, above, head_layer = WHEN_CASES[case]
     prompt, n = "The weather today is", 8
-    plain = loop_thread.run(engine.complete(prompt, sp(max_tokens=n), heads=[{"name": head, "topk": 1024}] if
-                                            head.startswith("sae") else [head], position="all",
-                                            return_hidden_states=False))
+    plain = loop_thread.run(
+        engine.complete(
+            prompt,
+            sp(max_tokens=n),
+            heads=[{"name": head, "topk": 1024}] if head.startswith("sae") else [head],
+            position="all",
+            return_hidden_states=False,
+        )
+    )
     ids = list(plain.prompt_token_ids) + list(plain.choices[0].token_ids)
     P = len(plain.prompt_token_ids)
     if index is None:  # the SAE feature that varies most over the plain completion's rows
         from tests.heads_ref import sae_reference
+
         states = steered_states(reference.model, ids, [], P)
-        acts = sae_reference({h["name"]: h for h in build_test_heads()}[head]["path"], states[head_layer][P - 1:])
+        acts = sae_reference({h["name"]: h for h in build_test_heads()}[head]["path"], states[head_layer][P - 1 :])
         index = int(np.argmax(acts.max(0) - acts.min(0)))
     score = head_scorer(head, index)
-    base = [(entry["layer"], entry.get("op", "add"), "completion", entry.get("scale", 1.0),
-             np.frombuffer(base64.b64decode(entry["vector"]), "<f4"))]
-    t, tokens, applied, final_states = pick_condition(reference.model, list(plain.prompt_token_ids), base, n,
-                                                      head_layer, score, above)
+    base = [
+        (
+            entry["layer"],
+            entry.get("op", "add"),
+            "completion",
+            entry.get("scale", 1.0),
+            np.frombuffer(base64.b64decode(entry["vector"]), "<f4"),
+        )
+    ]
+    t, tokens, applied, final_states = pick_condition(
+        reference.model, list(plain.prompt_token_ids), base, n, head_layer, score, above
+    )
 
     when = {"head": head, "feature": index, ("above" if above else "below"): t}
     steering = [{**entry, "positions": "completion", "when": when}]
     before = measure() if measure else ()
-    out = loop_thread.run(engine.complete(prompt, sp(max_tokens=n), steering=steering, layers=[0, 1, -1],
-                                          position="all"))
+    out = loop_thread.run(
+        engine.complete(prompt, sp(max_tokens=n), steering=steering, layers=[0, 1, -1], position="all")
+    )
     change = [a - b for a, b in zip(measure(), before)] if measure else None
     (ch,) = out.choices
     assert list(ch.token_ids) == tokens, (case, ch.token_ids, tokens)
@@ -387,22 +488,57 @@ def check_conditional(engine, loop_thread, reference, case: str, via: str = "tai
     (ch,) = out.choices
     assert ch.extraction.via == "extraction" and list(ch.token_ids) == tokens
     for layer in (1, -1):
-        assert_rows(f"when, extraction step: {case}, layer {layer}", ch.hidden_states_by_layer[layer],
-                    final_states[layer % 3][-1])
+        assert_rows(
+            f"when, extraction step: {case}, layer {layer}",
+            ch.hidden_states_by_layer[layer],
+            final_states[layer % 3][-1],
+        )
     assert ch.steering[0]["applied"] == applied[0], ch.steering
     return applied[0], change
 
 
-@pytest.mark.parametrize("steering,words", [
-    ([{"layer": 1, "vector": b64(unit_vector(1)), "when": {"head": "probe", "feature": 0, "above": 0.5}}],
-     'needs positions "completion"'),
-    ([{"layer": 1, "vector": b64(unit_vector(1)), "positions": "completion",
-       "when": {"head": "nope", "feature": 0, "above": 0.5}}], "unknown head 'nope'"),
-    ([{"layer": 1, "vector": b64(unit_vector(1)), "positions": "completion",
-       "when": {"head": "probe", "feature": 0, "above": "x"}}], "must be a number"),
-    ([{"layer": 1, "vector": b64(unit_vector(1)), "positions": "completion",
-       "when": {"head": "probe", "label": "joy", "above": 0.5}}], "no output labelled 'joy'"),
-])
+@pytest.mark.parametrize(
+    "steering,words",
+    [
+        (
+            [{"layer": 1, "vector": b64(unit_vector(1)), "when": {"head": "probe", "feature": 0, "above": 0.5}}],
+            'needs positions "completion"',
+        ),
+        (
+            [
+                {
+                    "layer": 1,
+                    "vector": b64(unit_vector(1)),
+                    "positions": "completion",
+                    "when": {"head": "nope", "feature": 0, "above": 0.5},
+                }
+            ],
+            "unknown head 'nope'",
+        ),
+        (
+            [
+                {
+                    "layer": 1,
+                    "vector": b64(unit_vector(1)),
+                    "positions": "completion",
+                    "when": {"head": "probe", "feature": 0, "above": "x"},
+                }
+            ],
+            "must be a number",
+        ),
+        (
+            [
+                {
+                    "layer": 1,
+                    "vector": b64(unit_vector(1)),
+                    "positions": "completion",
+                    "when": {"head": "probe", "label": "joy", "above": 0.5},
+                }
+            ],
+            "no output labelled 'joy'",
+        ),
+    ],
+)
 def test_bad_conditions_on_steering_are_a_400_naming_the_entry(engine, loop_thread, steering, words):
     from hidden_states.params import HiddenStatesRequestError
 
@@ -412,6 +548,7 @@ def test_bad_conditions_on_steering_are_a_400_naming_the_entry(engine, loop_thre
 
 
 # -- clamp (an SAE feature set to a value) and cap (a direction's component limited) --
+
 
 def _sae(name: str):
     from sae_lens import SAE
@@ -430,15 +567,29 @@ def _busiest_feature(reference, name: str, ids, layer: int) -> int:
 
 # (entries as asked, given the chosen feature; the SAE head whose outputs are checked, or None)
 CONTROL_CASES = {
-    "clamp a standard SAE's feature high": (lambda f: [{"op": "clamp", "head": "sae-std", "feature": f, "value": 12.0}],
-                                            "sae-std", 1),
+    "clamp a standard SAE's feature high": (
+        lambda f: [{"op": "clamp", "head": "sae-std", "feature": f, "value": 12.0}],
+        "sae-std",
+        1,
+    ),
     "clamp a JumpReLU feature to 0 on the completion": (
         lambda f: [{"op": "clamp", "head": "sae-jump", "feature": f, "value": 0.0, "positions": "completion"}],
-        "sae-jump", 1),
+        "sae-jump",
+        1,
+    ),
     "clamp a gated SAE's feature at the embeddings": (
-        lambda f: [{"op": "clamp", "head": "sae-gated", "feature": f, "value": 6.0}], "sae-gated", 0),
-    "add then cap": (lambda f: [{"layer": 1, "vector": b64(unit_vector(51, 4.0)), "scale": 1.5},
-                                {"op": "cap", "layer": 1, "vector": b64(unit_vector(51)), "max": 0.25}], None, 1),
+        lambda f: [{"op": "clamp", "head": "sae-gated", "feature": f, "value": 6.0}],
+        "sae-gated",
+        0,
+    ),
+    "add then cap": (
+        lambda f: [
+            {"layer": 1, "vector": b64(unit_vector(51, 4.0)), "scale": 1.5},
+            {"op": "cap", "layer": 1, "vector": b64(unit_vector(51)), "max": 0.25},
+        ],
+        None,
+        1,
+    ),
 }
 
 
@@ -459,8 +610,9 @@ def test_clamp_and_cap_are_transformers_with_saelens_in_the_same_hook(engine, lo
     feature = _busiest_feature(reference, name, ids, layer) if name else 0
     steering = make(feature)
     heads_asked = [{"name": name, "topk": 16}] if name else None
-    out = loop_thread.run(engine.complete(prompt, sp(), steering=steering, layers=[0, 1, -1], position="all",
-                                          heads=heads_asked))
+    out = loop_thread.run(
+        engine.complete(prompt, sp(), steering=steering, layers=[0, 1, -1], position="all", heads=heads_asked)
+    )
     (ch,) = out.choices
     P = len(out.prompt_token_ids)
     entries = []
@@ -468,12 +620,26 @@ def test_clamp_and_cap_are_transformers_with_saelens_in_the_same_hook(engine, lo
         if e.get("op") == "clamp":
             sae = _sae(e["head"])
             with torch.no_grad():
-                entries.append((layer, ("clamp", sae, e["feature"], e["value"]), e.get("positions", "all"), 1.0,
-                                sae.W_dec[e["feature"]].numpy()))
+                entries.append(
+                    (
+                        layer,
+                        ("clamp", sae, e["feature"], e["value"]),
+                        e.get("positions", "all"),
+                        1.0,
+                        sae.W_dec[e["feature"]].numpy(),
+                    )
+                )
         else:
             v = np.frombuffer(base64.b64decode(e["vector"]), "<f4")
-            entries.append((e["layer"], ("cap", e["max"]) if e.get("op") == "cap" else e.get("op", "add"), "all",
-                            e.get("scale", 1.0), v))
+            entries.append(
+                (
+                    e["layer"],
+                    ("cap", e["max"]) if e.get("op") == "cap" else e.get("op", "add"),
+                    "all",
+                    e.get("scale", 1.0),
+                    v,
+                )
+            )
     want = steered_greedy(reference.model, list(out.prompt_token_ids), entries, 10)
     assert list(ch.token_ids) == want, (case, ch.token_ids, want)
     assert list(ch.token_ids) != list(plain.choices[0].token_ids), "the steering changed nothing"
@@ -482,24 +648,31 @@ def test_clamp_and_cap_are_transformers_with_saelens_in_the_same_hook(engine, lo
         assert_rows(f"{case}, layer {l}", ch.hidden_states_by_layer[l], states[l % 3])
     if name:
         from tests.heads_ref import check_heads
-        check_heads(case, ch.heads, [states[i] for i in range(3)], list(ch.positions), build_test_heads(),
-                    {name: 16}, ERRORS)
+
+        check_heads(
+            case, ch.heads, [states[i] for i in range(3)], list(ch.positions), build_test_heads(), {name: 16}, ERRORS
+        )
     assert [s["op"] for s in ch.steering] == [e.get("op", "add") for e in steering]
-    assert ch.steering[-1].get("value", ch.steering[-1].get("max")) == steering[-1].get("value", steering[-1].get("max"))
+    assert ch.steering[-1].get("value", ch.steering[-1].get("max")) == steering[-1].get(
+        "value", steering[-1].get("max")
+    )
 
 
-@pytest.mark.parametrize("steering,words", [
-    ([{"op": "clamp", "head": "probe", "feature": 0, "value": 1.0}], "'probe' is a linear head"),
-    ([{"op": "clamp", "head": "sae-topk", "feature": 0, "value": 1.0}], "top-k SAE"),
-    ([{"op": "clamp", "head": "sae-std", "feature": 0}], "op 'clamp' needs `value`"),
-    ([{"op": "clamp", "head": "sae-std", "feature": 0, "value": "big"}], "must be a number"),
-    ([{"op": "clamp", "head": "sae-std", "feature": 0, "value": 1.0, "layer": 0}], "acts at its SAE's layer"),
-    ([{"op": "clamp", "head": "sae-std", "feature": 0, "value": 1.0, "scale": 2}], "scale does not apply"),
-    ([{"op": "cap", "layer": 1, "vector": b64(unit_vector(1))}], "op 'cap' needs `max`"),
-    ([{"op": "cap", "layer": 1, "vector": b64(unit_vector(1)), "max": float("inf")}], "finite"),
-    ([{"op": "add", "layer": 1, "vector": b64(unit_vector(1)), "max": 1.0}], "`max` is for op 'cap'"),
-    ([{"op": "cap", "layer": 1, "vector": [0.0] * D, "max": 1.0}], "zero vector"),
-])
+@pytest.mark.parametrize(
+    "steering,words",
+    [
+        ([{"op": "clamp", "head": "probe", "feature": 0, "value": 1.0}], "'probe' is a linear head"),
+        ([{"op": "clamp", "head": "sae-topk", "feature": 0, "value": 1.0}], "top-k SAE"),
+        ([{"op": "clamp", "head": "sae-std", "feature": 0}], "op 'clamp' needs `value`"),
+        ([{"op": "clamp", "head": "sae-std", "feature": 0, "value": "big"}], "must be a number"),
+        ([{"op": "clamp", "head": "sae-std", "feature": 0, "value": 1.0, "layer": 0}], "acts at its SAE's layer"),
+        ([{"op": "clamp", "head": "sae-std", "feature": 0, "value": 1.0, "scale": 2}], "scale does not apply"),
+        ([{"op": "cap", "layer": 1, "vector": b64(unit_vector(1))}], "op 'cap' needs `max`"),
+        ([{"op": "cap", "layer": 1, "vector": b64(unit_vector(1)), "max": float("inf")}], "finite"),
+        ([{"op": "add", "layer": 1, "vector": b64(unit_vector(1)), "max": 1.0}], "`max` is for op 'cap'"),
+        ([{"op": "cap", "layer": 1, "vector": [0.0] * D, "max": 1.0}], "zero vector"),
+    ],
+)
 def test_bad_clamps_and_caps_are_a_400_naming_the_entry(engine, loop_thread, steering, words):
     from hidden_states.params import HiddenStatesRequestError
 

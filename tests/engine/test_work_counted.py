@@ -26,12 +26,10 @@ import os
 import uuid
 from pathlib import Path
 
-import pytest
-
 from hidden_states.params import spec_of
 from tests.conftest import TEST_ENGINE_ARGS, TEST_MODEL, cpu_only, sampling
 
-HOOK = '''
+HOOK = """
 import os
 if os.environ.get("HS_TEST_SCHEDULED_TOKENS"):
     def _count_scheduled_tokens(folder):
@@ -51,10 +49,14 @@ if os.environ.get("HS_TEST_SCHEDULED_TOKENS"):
         Scheduler.schedule = counted
 
     _count_scheduled_tokens(os.environ["HS_TEST_SCHEDULED_TOKENS"])
-'''
+"""
 
-PROMPTS = ["Hello! How are you today?", "The router sends every completion to a replica",
-           "one two three one two three one two", "Code: def add(a, b):"]
+PROMPTS = [
+    "Hello! How are you today?",
+    "The router sends every completion to a replica",
+    "one two three one two three one two",
+    "Code: def add(a, b):",
+]
 
 
 class Counted:
@@ -85,8 +87,12 @@ def start_counted(loop_thread, tmp: Path, env: dict | None = None, **args) -> Co
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(hook), saved["PYTHONPATH"]) if p)
     os.environ["HS_TEST_SCHEDULED_TOKENS"] = str(folder)  # inherited by the engine core as it spawns
     try:
-        eng = loop_thread.run(HiddenStatesEngine.start(TEST_MODEL, **{**TEST_ENGINE_ARGS, "enable_prefix_caching": False,
-                                                                      "warm_up_s": 0, **args}), timeout=600)
+        eng = loop_thread.run(
+            HiddenStatesEngine.start(
+                TEST_MODEL, **{**TEST_ENGINE_ARGS, "enable_prefix_caching": False, "warm_up_s": 0, **args}
+            ),
+            timeout=600,
+        )
     finally:
         for k, v in saved.items():
             os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
@@ -124,7 +130,8 @@ def workload(counted: Counted, loop_thread, stop_id: int, hs: bool):
             *(eng.complete(p, sp(max_tokens=8 + 2 * i), return_hidden_states=hs) for i, p in enumerate(PROMPTS)),
             eng.complete(PROMPTS[2], sp(max_tokens=24, stop_token_ids=[stop_id]), return_hidden_states=hs),
             eng.complete(PROMPTS[1], sp(max_tokens=10, n=2, temperature=0.8, seed=3), return_hidden_states=hs),
-            eng.complete(chat, sp(max_tokens=10), return_hidden_states=hs))
+            eng.complete(chat, sp(max_tokens=10), return_hidden_states=hs),
+        )
         streamed = await _streamed(eng, eng.llm.tokenizer.encode(PROMPTS[3]), sp(max_tokens=9), hs)
         return outs, streamed
 
@@ -190,8 +197,10 @@ def test_async_step_in_flight_adds_nothing_after_a_stop_token(loop_thread, tmp_p
         # finish vLLM would skip it, and the scheduler has it run: 1 position each.
         length_finishes = sum(1 for _, finish, _ in flagged if finish in ("length", "streamed"))
         assert extra == length_finishes, (extra, length_finishes, [f for _, f, _ in flagged])
-        print(f"\nasync: {len(stats)} vectors, {extra} more positions scheduled by vLLM "
-              f"({length_finishes} max_tokens finishes, 0 for the stop-token finish)")
+        print(
+            f"\nasync: {len(stats)} vectors, {extra} more positions scheduled by vLLM "
+            f"({length_finishes} max_tokens finishes, 0 for the stop-token finish)"
+        )
     finally:
         counted.engine.shutdown()
 
@@ -203,8 +212,10 @@ def test_speculative_decoding_per_vector(loop_thread, tmp_path):
         extra, flagged = compare(counted, loop_thread)
         stats = [s for _, _, s in flagged]
         assert all(s.via == "tail" and s.computed_tokens == 1 for s in stats), stats
-        print(f"\nn-gram speculative decoding: {len(stats)} vectors, {extra} more positions scheduled by vLLM "
-              f"({extra / len(stats):+.2f} per vector)")
+        print(
+            f"\nn-gram speculative decoding: {len(stats)} vectors, {extra} more positions scheduled by vLLM "
+            f"({extra / len(stats):+.2f} per vector)"
+        )
         # A held request's tail step runs its final token alone (its drafts cleared), and n-gram drafts
         # depend only on the tokens, which are the same: every other step is the same step.
         assert extra == len(stats), (extra, len(stats))

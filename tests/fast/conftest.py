@@ -41,8 +41,14 @@ def fake_serve():
     """{"router": base URL of the Router app, "replica": base URL of the `ingress: replica` app}."""
     port = free_port()
     log = tempfile.NamedTemporaryFile("w+", prefix="fake-serve-", suffix=".log", delete=False)
-    proc = subprocess.Popen([sys.executable, "-m", "tests.fast.fake_app", str(port)], cwd=ROOT,
-                            stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.fast.fake_app", str(port)],
+        cwd=ROOT,
+        stdin=subprocess.PIPE,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
     def output() -> str:
         return Path(log.name).read_text()[-4000:]
@@ -55,7 +61,9 @@ def fake_serve():
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the fake app was not ready within 180 s:\n{output()}")
             time.sleep(0.2)
-        print(next(line for line in Path(log.name).read_text().splitlines() if line.startswith("READY")))  # start-up time
+        print(
+            next(line for line in Path(log.name).read_text().splitlines() if line.startswith("READY"))
+        )  # start-up time
         base = f"http://127.0.0.1:{port}"
         for url in (f"{base}/health", f"{base}{REPLICA_PREFIX}/health"):
             assert httpx.get(url, timeout=30).status_code == 200, output()

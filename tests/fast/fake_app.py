@@ -39,13 +39,21 @@ def main(port: int) -> None:
     t_ray = time.monotonic()
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run_many([  # both at once; returns once both run (or raises with the cause)
-            serve.RunTarget(build(ARGS, engine_cls=FakeEngine), name="fake", route_prefix=ROUTER_PREFIX),
-            serve.RunTarget(build({**ARGS, "ingress": "replica"}, engine_cls=FakeEngine), name="fake-replica",
-                            route_prefix=REPLICA_PREFIX),
-        ])
-        print(f"READY in {time.monotonic() - t0:.1f} s (Ray {t_ray - t0:.1f} s, Serve and the apps "
-              f"{time.monotonic() - t_ray:.1f} s)", flush=True)
+        serve.run_many(
+            [  # both at once; returns once both run (or raises with the cause)
+                serve.RunTarget(build(ARGS, engine_cls=FakeEngine), name="fake", route_prefix=ROUTER_PREFIX),
+                serve.RunTarget(
+                    build({**ARGS, "ingress": "replica"}, engine_cls=FakeEngine),
+                    name="fake-replica",
+                    route_prefix=REPLICA_PREFIX,
+                ),
+            ]
+        )
+        print(
+            f"READY in {time.monotonic() - t0:.1f} s (Ray {t_ray - t0:.1f} s, Serve and the apps "
+            f"{time.monotonic() - t_ray:.1f} s)",
+            flush=True,
+        )
         sys.stdin.read()  # until the test closes it (or dies)
     finally:
         try:

@@ -10,9 +10,8 @@ flight, and the engine saw each request cancelled and has none unfinished
 from __future__ import annotations
 
 import asyncio
-import time
-
 import json
+import time
 
 import httpx
 import numpy as np
@@ -46,8 +45,9 @@ def settled(base: str, timeout_s: float = 15) -> dict:
 def test_completions_with_and_without_vectors(fake_serve, ingress):
     base = fake_serve[ingress]
     plain = post(base, {"prompt": "Hi there", "max_tokens": 3})
-    flagged = post(base, {"prompt": "Hi there", "max_tokens": 3, "n": 2, "return_hidden_states": True,
-                          "return_token_ids": True})
+    flagged = post(
+        base, {"prompt": "Hi there", "max_tokens": 3, "n": 2, "return_hidden_states": True, "return_token_ids": True}
+    )
     assert plain.status_code == flagged.status_code == 200, (plain.text, flagged.text)
     assert "hidden_states" not in plain.json()["choices"][0]
     for ch in flagged.json()["choices"]:
@@ -61,14 +61,32 @@ def test_completions_with_and_without_vectors(fake_serve, ingress):
 @pytest.mark.parametrize("ingress", INGRESSES)
 def test_rows_of_positions_in_a_dtype_and_streamed_topk(fake_serve, ingress):
     base, ids = fake_serve[ingress], list(b"Hi there") + [8, 9, 10]
-    r = post(base, {"prompt": "Hi there", "max_tokens": 3, "return_hidden_states": True,
-                    "hidden_states_position": {"start": 2, "stride": 4}, "hidden_states_dtype": "float16"})
+    r = post(
+        base,
+        {
+            "prompt": "Hi there",
+            "max_tokens": 3,
+            "return_hidden_states": True,
+            "hidden_states_position": {"start": 2, "stride": 4},
+            "hidden_states_dtype": "float16",
+        },
+    )
     ch = r.json()["choices"][0]
     assert ch["hidden_states_meta"]["positions"] == [2, 6, 10] and ch["hidden_states_meta"]["dtype"] == "float16"
     np.testing.assert_array_equal(ch["hidden_states"], fake_rows(ids, [2, 6, 10], dtype="float16").floats(-1))
-    with httpx.stream("POST", f"{base}/v1/completions", timeout=30, json={
-            "prompt": "Hi there", "max_tokens": 3, "stream": True, "return_hidden_states": True,
-            "hidden_states_position": "completion", "hidden_states_topk": 2}) as s:
+    with httpx.stream(
+        "POST",
+        f"{base}/v1/completions",
+        timeout=30,
+        json={
+            "prompt": "Hi there",
+            "max_tokens": 3,
+            "stream": True,
+            "return_hidden_states": True,
+            "hidden_states_position": "completion",
+            "hidden_states_topk": 2,
+        },
+    ) as s:
         chunks = [json.loads(line[6:])["choices"][0] for line in s.iter_lines() if line[6:].startswith("{")]
     rows = [row for c in chunks for row in c.get("hidden_states", [])]
     positions = [p for c in chunks for p in c.get("hidden_states_meta", {}).get("positions", [])]
@@ -81,9 +99,17 @@ def test_rows_of_positions_in_a_dtype_and_streamed_topk(fake_serve, ingress):
 def test_a_stream_with_vectors(fake_serve, ingress):
     base = fake_serve[ingress]
     before = stats(base)["ingress"]
-    with httpx.stream("POST", f"{base}/v1/chat/completions", timeout=30, json={
-            "messages": [{"role": "user", "content": "yo"}], "max_tokens": 2, "stream": True,
-            "return_hidden_states": True}) as r:
+    with httpx.stream(
+        "POST",
+        f"{base}/v1/chat/completions",
+        timeout=30,
+        json={
+            "messages": [{"role": "user", "content": "yo"}],
+            "max_tokens": 2,
+            "stream": True,
+            "return_hidden_states": True,
+        },
+    ) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         events = [line for line in r.iter_lines() if line]
     assert events[-1] == "data: [DONE]"
@@ -93,11 +119,18 @@ def test_a_stream_with_vectors(fake_serve, ingress):
 
 
 @pytest.mark.parametrize("ingress", INGRESSES)
-@pytest.mark.parametrize("body, status, words", [
-    ({"prompt": "x", "n": 99}, 400, "n must be"),  # the ingress's own check
-    ({"prompt": "x", "hidden_states_layers": [7], "return_hidden_states": True}, 400, "out of range"),  # the engine's
-    ({"model": "gpt-4", "prompt": "x"}, 404, "does not exist"),
-])
+@pytest.mark.parametrize(
+    "body, status, words",
+    [
+        ({"prompt": "x", "n": 99}, 400, "n must be"),  # the ingress's own check
+        (
+            {"prompt": "x", "hidden_states_layers": [7], "return_hidden_states": True},
+            400,
+            "out of range",
+        ),  # the engine's
+        ({"model": "gpt-4", "prompt": "x"}, 404, "does not exist"),
+    ],
+)
 def test_refusals_are_openai_errors(fake_serve, ingress, body, status, words):
     r = post(fake_serve[ingress], body)
     err = r.json()["error"]
@@ -147,8 +180,9 @@ def test_clients_hanging_up_leave_nothing_running(fake_serve, ingress):
     bodies = [{"prompt": f"hang up {i}", "max_tokens": 400, "return_hidden_states": i % 2 == 0} for i in range(12)]
 
     async def go():
-        return await asyncio.gather(*(hang_up_streamed(base, b, 3) for b in bodies[:6]),
-                                    *(hang_up_plain(base, b, 1.0) for b in bodies[6:]))
+        return await asyncio.gather(
+            *(hang_up_streamed(base, b, 3) for b in bodies[:6]), *(hang_up_plain(base, b, 1.0) for b in bodies[6:])
+        )
 
     results = asyncio.run(asyncio.wait_for(go(), 60))
     assert results == [3] * 6 + [True] * 6  # each client got its chunks, or waited, and left

@@ -95,13 +95,38 @@ def test_bench_main_parses_runs_and_writes_the_command_under_the_title(monkeypat
     async def run(args):
         return {"env": {k: os.environ[k] for k in ENGINE_ENV}, "rounds": args.rounds}
 
-    report.bench_main("bench.x", "Its description.\n\nMore.", run, summary, name="x-tiny", first=("--model", "m"),
-                      argv=["--rounds", "3"])
-    report.bench_main("bench.x", "Its description.", lambda args: {"rounds": args.rounds}, summary, name="x-tiny",
-                      first=("--model", "m"), concurrency="8,32", requests=None, more=[("--layers", 4, "help")],
-                      argv=["--name", "other", "--model", "n"])
+    report.bench_main(
+        "bench.x",
+        "Its description.\n\nMore.",
+        run,
+        summary,
+        name="x-tiny",
+        first=("--model", "m"),
+        argv=["--rounds", "3"],
+    )
+    report.bench_main(
+        "bench.x",
+        "Its description.",
+        lambda args: {"rounds": args.rounds},
+        summary,
+        name="x-tiny",
+        first=("--model", "m"),
+        concurrency="8,32",
+        requests=None,
+        more=[("--layers", 4, "help")],
+        argv=["--name", "other", "--model", "n"],
+    )
     assert written == [
-        ("x-tiny", {"env": ENGINE_ENV, "rounds": 3}, "# m\n\n`.venv/bin/python -m bench.x --model m --rounds 3 "
-         "--concurrency 8 --requests 24 --max-tokens 32 --name x-tiny`\n\n| rounds |\n| 3 |\n"),
-        ("other", {"rounds": 6}, "# n\n\n`.venv/bin/python -m bench.x --model n --rounds 6 --concurrency 8,32 "
-         "--max-tokens 32 --layers 4 --name other`\n\n| rounds |\n| 6 |\n")]
+        (
+            "x-tiny",
+            {"env": ENGINE_ENV, "rounds": 3},
+            "# m\n\n`.venv/bin/python -m bench.x --model m --rounds 3 "
+            "--concurrency 8 --requests 24 --max-tokens 32 --name x-tiny`\n\n| rounds |\n| 3 |\n",
+        ),
+        (
+            "other",
+            {"rounds": 6},
+            "# n\n\n`.venv/bin/python -m bench.x --model n --rounds 6 --concurrency 8,32 "
+            "--max-tokens 32 --layers 4 --name other`\n\n| rounds |\n| 6 |\n",
+        ),
+    ]

@@ -25,8 +25,17 @@ RESULTS = ROOT / "bench" / "results"
 UNREAD = object()  # a documented default that is not a plain value (prose: "CPU: float32, ...")
 UNITS = {"": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
 # The ratios bench/report.py's plot draws (hs, positions and serve rows); port/direct against ours or RSLLM are not.
-DRAWN = {"ratio", "control_ratio", "f16_vs_off", "topk_vs_off", "ours_vs_vllm", "ours_vs_rsllm", "rsllm_vs_vllm",
-         "port_vs_vllm", "direct_vs_vllm"}
+DRAWN = {
+    "ratio",
+    "control_ratio",
+    "f16_vs_off",
+    "topk_vs_off",
+    "ours_vs_vllm",
+    "ours_vs_rsllm",
+    "rsllm_vs_vllm",
+    "port_vs_vllm",
+    "direct_vs_vllm",
+}
 
 
 def cells(line: str) -> list[str]:
@@ -133,16 +142,31 @@ def test_documented_metrics_are_the_exported_ones():
     documented, exported, dashboard = documented_metric_names(), exported_metric_names(), dashboard_metric_names()
     assert documented and exported and dashboard, (documented, exported, dashboard)
     ours = "ray_hidden_states_"
-    problems = [f"docs/operations.md names {n}: deployments/metrics.py exports no such sample"
-                for n in documented if n.startswith(ours) and n not in exported]
-    problems += [f"docs/operations.md names {n}: not ours, and not a name the dashboard queries"
-                 for n in documented if not n.startswith(ours) and n not in dashboard]
-    problems += [f"deployments/metrics.py exports {n} ({kind}): docs/operations.md does not name it"
-                 for n, kind in exported.items() if n not in documented]
-    problems += [f"cluster/grafana-dashboard.json queries {n}: deployments/metrics.py exports no such sample"
-                 for n in sorted(dashboard) if n.startswith(ours) and n not in exported]
-    problems += [f"cluster/grafana-dashboard.json queries {n}: docs/operations.md does not name it"
-                 for n in sorted(dashboard) if n not in documented]
+    problems = [
+        f"docs/operations.md names {n}: deployments/metrics.py exports no such sample"
+        for n in documented
+        if n.startswith(ours) and n not in exported
+    ]
+    problems += [
+        f"docs/operations.md names {n}: not ours, and not a name the dashboard queries"
+        for n in documented
+        if not n.startswith(ours) and n not in dashboard
+    ]
+    problems += [
+        f"deployments/metrics.py exports {n} ({kind}): docs/operations.md does not name it"
+        for n, kind in exported.items()
+        if n not in documented
+    ]
+    problems += [
+        f"cluster/grafana-dashboard.json queries {n}: deployments/metrics.py exports no such sample"
+        for n in sorted(dashboard)
+        if n.startswith(ours) and n not in exported
+    ]
+    problems += [
+        f"cluster/grafana-dashboard.json queries {n}: docs/operations.md does not name it"
+        for n in sorted(dashboard)
+        if n not in documented
+    ]
     assert not problems, f"{len(problems)} problems:\n  " + "\n  ".join(problems)
 
 
@@ -185,11 +209,18 @@ def test_every_quoted_run_is_drawable(tmp_path):
     for js in runs:
         res = json.loads(js.read_text())
         drawn = [ci for ss in report.ratio_series(res).values() for s in ss for _, _, ci in s["points"]]
-        recorded = [r["req_per_s_ci95"] for m in res.get("models", {}).values()
-                    for part in ("hs", "positions", "serve") for row in m.get(part, {}).get("by_concurrency", {}).values()
-                    for k, r in row.items() if k in DRAWN and r.get("req_per_s_ci95")]
+        recorded = [
+            r["req_per_s_ci95"]
+            for m in res.get("models", {}).values()
+            for part in ("hs", "positions", "serve")
+            for row in m.get(part, {}).get("by_concurrency", {}).values()
+            for k, r in row.items()
+            if k in DRAWN and r.get("req_per_s_ci95")
+        ]
         if sorted(map(tuple, recorded)) != sorted(ci for ci in drawn if ci):
-            problems.append(f"{js.relative_to(ROOT)}: {len(recorded)} intervals recorded, {sum(map(bool, drawn))} drawn")
+            problems.append(
+                f"{js.relative_to(ROOT)}: {len(recorded)} intervals recorded, {sum(map(bool, drawn))} drawn"
+            )
     assert not problems, f"{len(problems)} problems:\n  " + "\n  ".join(problems)
     assert_plots(tmp_path)
 
@@ -231,13 +262,20 @@ def test_the_checks_can_fail(tmp_path):
     assert default_problem("d", "serve_env", "`RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0`") is None
     assert default_problem("d", "serve_env", "`RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=1`")
     page = tmp_path / "page.md"
-    page.write_text("| arg | default |\n| --- | --- |\n| `max_n`, `nope` | 16, 1 |\n\n"
-                    "`ray_a_total`, `ray_b_{bucket,sum}`, `ray_` and `grep '^ray_(a|b)_'`\n")
+    page.write_text(
+        "| arg | default |\n| --- | --- |\n| `max_n`, `nope` | 16, 1 |\n\n"
+        "`ray_a_total`, `ray_b_{bucket,sum}`, `ray_` and `grep '^ray_(a|b)_'`\n"
+    )
     assert arg_rows(page) == [(["max_n", "nope"], "16, 1")]
     assert table_problems(page, complete=False) == ["page.md: `nope` is no AppArgs field"]
     assert "page.md: AppArgs.model is in no table" in table_problems(page, complete=True)
     assert documented_metric_names(page) == ["ray_a_total", "ray_b_bucket", "ray_b_sum"]
     code = tmp_path / "m.py"
     code.write_text('a = Counter("x", "d")\nb = Histogram("y", boundaries=[1])\nc = Gauge("z")\nd = Counter(name)\n')
-    assert exported_metric_names(code) == {"ray_x_total": "Counter", "ray_y_bucket": "Histogram",
-                                           "ray_y_sum": "Histogram", "ray_y_count": "Histogram", "ray_z": "Gauge"}
+    assert exported_metric_names(code) == {
+        "ray_x_total": "Counter",
+        "ray_y_bucket": "Histogram",
+        "ray_y_sum": "Histogram",
+        "ray_y_count": "Histogram",
+        "ray_z": "Gauge",
+    }

@@ -21,8 +21,13 @@ ROOT = Path(__file__).resolve().parents[2]
 PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 OURS = {"hidden_states", "deployments", "tests", "bench"}
 # Import name -> distribution name, where they differ.
-DISTRIBUTION = {"PIL": "pillow", "yaml": "pyyaml", "zmq": "pyzmq", "prometheus_client": "prometheus-client",
-                "cv2": "opencv-python-headless"}
+DISTRIBUTION = {
+    "PIL": "pillow",
+    "yaml": "pyyaml",
+    "zmq": "pyzmq",
+    "prometheus_client": "prometheus-client",
+    "cv2": "opencv-python-headless",
+}
 # Declared, needed at run time, imported by no code of ours.
 NOT_IMPORTED = {
     "pyzmq": "vLLM's engine core speaks ZMQ and our vectors ride it (vLLM depends on pyzmq itself)",
@@ -30,6 +35,7 @@ NOT_IMPORTED = {
     "accelerate": "transformers needs it to load the GGUF model (the same check)",
     "pytest-timeout": "a pytest plugin, used through `timeout` in [tool.pytest.ini_options]",
     "ninja": "torch.utils.cpp_extension's build driver, for tests/toploc_ref.py",
+    "ruff": "the formatter and linter `make lint` runs (a command, not imported)",
     "soxr": "vLLM resamples audio with it (hidden_states/vllm/frontend/audio.py names the method; vLLM imports it)",
 }
 # The code, the dependency groups it may import from, and the groups it must use.
@@ -63,18 +69,25 @@ def third_party_imports(folders, root: Path = ROOT) -> dict[str, set[str]]:
                 else:
                     continue
                 for top in {n.split(".")[0] for n in names} - OURS - set(sys.stdlib_module_names):
-                    found.setdefault(normalize(DISTRIBUTION.get(top, top)), set()).add(path.relative_to(root).as_posix())
+                    found.setdefault(normalize(DISTRIBUTION.get(top, top)), set()).add(
+                        path.relative_to(root).as_posix()
+                    )
     return found
 
 
 def undeclared(imported: dict[str, set[str]], declared: set[str]) -> list[str]:
-    return [f"{dist} is imported ({', '.join(sorted(files))}) but not declared"
-            for dist, files in sorted(imported.items()) if dist not in declared]
+    return [
+        f"{dist} is imported ({', '.join(sorted(files))}) but not declared"
+        for dist, files in sorted(imported.items())
+        if dist not in declared
+    ]
 
 
 def unused(imported: dict[str, set[str]], required: set[str]) -> list[str]:
-    return [f"{dist} is declared but never imported (import it, drop it, or say why in NOT_IMPORTED)"
-            for dist in sorted(required - set(imported) - set(NOT_IMPORTED))]
+    return [
+        f"{dist} is declared but never imported (import it, drop it, or say why in NOT_IMPORTED)"
+        for dist in sorted(required - set(imported) - set(NOT_IMPORTED))
+    ]
 
 
 @pytest.mark.parametrize("scope", sorted(SCOPES))
@@ -96,7 +109,9 @@ def test_not_imported_names_declared_packages():
 
 def test_the_checks_can_fail(tmp_path):
     (tmp_path / "pkg").mkdir()
-    (tmp_path / "pkg" / "m.py").write_text("import os, requests.adapters\nfrom yaml import safe_load\nfrom . import x\n")
+    (tmp_path / "pkg" / "m.py").write_text(
+        "import os, requests.adapters\nfrom yaml import safe_load\nfrom . import x\n"
+    )
     imported = third_party_imports(["pkg"], tmp_path)
     assert imported == {"requests": {"pkg/m.py"}, "pyyaml": {"pkg/m.py"}}
     assert undeclared(imported, {"pyyaml"}) == ["requests is imported (pkg/m.py) but not declared"]
@@ -114,17 +129,37 @@ def test_a_newer_ray_on_the_registry_changes_nothing(tmp_path):
     src = tmp_path / "src"
     (src / "ray").mkdir(parents=True)
     (src / "ray" / "__init__.py").write_text("")
-    (src / "pyproject.toml").write_text('[build-system]\nrequires = ["setuptools>=68"]\n'
-                                        'build-backend = "setuptools.build_meta"\n[project]\nname = "ray"\n'
-                                        'version = "99.0.0"\n[project.optional-dependencies]\nserve = []\ndata = []\n')
+    (src / "pyproject.toml").write_text(
+        '[build-system]\nrequires = ["setuptools>=68"]\n'
+        'build-backend = "setuptools.build_meta"\n[project]\nname = "ray"\n'
+        'version = "99.0.0"\n[project.optional-dependencies]\nserve = []\ndata = []\n'
+    )
     pip = [sys.executable, "-m", "pip"]
-    subprocess.run([*pip, "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(tmp_path / "wheels"),
-                    str(src)], check=True, capture_output=True, timeout=120)
+    subprocess.run(
+        [*pip, "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(tmp_path / "wheels"), str(src)],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
 
     def would_install(*args: str) -> str:
-        out = subprocess.run([*pip, "install", "--dry-run", "--ignore-installed", "--no-deps", "--no-index",
-                              "--find-links", str(tmp_path / "wheels"), *args], capture_output=True, text=True,
-                             timeout=120, cwd=ROOT)
+        out = subprocess.run(
+            [
+                *pip,
+                "install",
+                "--dry-run",
+                "--ignore-installed",
+                "--no-deps",
+                "--no-index",
+                "--find-links",
+                str(tmp_path / "wheels"),
+                *args,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=ROOT,
+        )
         return out.stdout + out.stderr
 
     assert "Would install ray-99.0.0" in would_install("ray[serve]>=2.50")  # the check can fail

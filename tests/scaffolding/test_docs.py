@@ -30,8 +30,11 @@ URL = re.compile(r"[a-z][a-z0-9+.-]*://\S+", re.I)
 # A path under one of PREFIXES: a file with one of these extensions, or a folder written
 # with its trailing slash. `../` of relative links is dropped; a path inside a longer one
 # (`foo/tests/x.py`) is not taken.
-PATH = re.compile(r"(?<![\w.-])(?:\.\./)*((?:" + "|".join(PREFIXES)
-                  + r")/(?:[\w.-]+/)*(?:[\w.-]+\.(?:py|md|yaml|json|sh)\b|(?=[\s`'\")\],;:]|$)))")
+PATH = re.compile(
+    r"(?<![\w.-])(?:\.\./)*((?:"
+    + "|".join(PREFIXES)
+    + r")/(?:[\w.-]+/)*(?:[\w.-]+\.(?:py|md|yaml|json|sh)\b|(?=[\s`'\")\],;:]|$)))"
+)
 # `tests/x/test_y.py::name` (or `::Class::name`; a parametrized id's `[...]` is not part of
 # the name); a test file named alone sets the file for a bare `::name` after it.
 TEST_ID = re.compile(r"(?<![\w/.:-])(?=tests/|::)(tests/(?:[\w.-]+/)*test_\w+\.py)?(?:::(\w+)(?:::(\w+))?)?")
@@ -174,17 +177,32 @@ def missing_in_history(pairs) -> list[tuple[str, str]] | None:
     """The (commit, path) pairs git does not have (a folder as `path/`), or None without git or the commits."""
     try:
         commits = sorted({c for c, _ in pairs})
-        have = subprocess.run(["git", "cat-file", "--batch-check"], cwd=ROOT, capture_output=True, text=True,
-                              input="".join(f"{c}^{{commit}}\n" for c in commits), timeout=30)
+        have = subprocess.run(
+            ["git", "cat-file", "--batch-check"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            input="".join(f"{c}^{{commit}}\n" for c in commits),
+            timeout=30,
+        )
         if have.returncode or "missing" in have.stdout:
             return None  # not a git checkout, or a shallow one without those commits
-        out = subprocess.run(["git", "cat-file", "--batch-check"], cwd=ROOT, capture_output=True, text=True,
-                             input="".join(f"{c}:{p.rstrip('/')}\n" for c, p in pairs), timeout=30)
+        out = subprocess.run(
+            ["git", "cat-file", "--batch-check"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            input="".join(f"{c}:{p.rstrip('/')}\n" for c, p in pairs),
+            timeout=30,
+        )
     except (OSError, subprocess.SubprocessError):
         return None
     lines = out.stdout.splitlines()
-    return [pair for pair, line in zip(pairs, lines) if line.endswith(" missing")
-            or pair[1].endswith("/") and " tree " not in line]
+    return [
+        pair
+        for pair, line in zip(pairs, lines)
+        if line.endswith(" missing") or pair[1].endswith("/") and " tree " not in line
+    ]
 
 
 def test_paths_named_in_history_exist_there():
@@ -218,14 +236,20 @@ def test_named_tests_are_defined():
 
 
 def test_named_make_targets_exist():
-    problems = [f"{doc} names `make {t}`; the Makefile has {', '.join(sorted(make_targets()))}"
-                for doc, t in everything(named_targets) if t not in make_targets()]
+    problems = [
+        f"{doc} names `make {t}`; the Makefile has {', '.join(sorted(make_targets()))}"
+        for doc, t in everything(named_targets)
+        if t not in make_targets()
+    ]
     assert not problems, report(problems, "make targets named in the docs do not exist")
 
 
 def test_named_modules_exist():
-    problems = [f"{doc} names `python -m {m}`, which is no module"
-                for doc, m in everything(named_modules) if not module_exists(m)]
+    problems = [
+        f"{doc} names `python -m {m}`, which is no module"
+        for doc, m in everything(named_modules)
+        if not module_exists(m)
+    ]
     assert not problems, report(problems, "modules named in the docs do not exist")
 
 
@@ -244,20 +268,28 @@ def test_every_docs_page_is_linked_from_the_readme():
 
 def test_readme_is_read_in_minutes():
     size = len(readme().read_bytes())
-    assert size < README_LIMIT, f"{readme().name} is {size:,} bytes; keep it under {README_LIMIT:,} (move detail to docs/)"
+    assert size < README_LIMIT, (
+        f"{readme().name} is {size:,} bytes; keep it under {README_LIMIT:,} (move detail to docs/)"
+    )
 
 
 def test_the_checks_can_fail():
     """The patterns find what they are meant to find, and the lookups say no, so a pass means something."""
-    s = URL.sub(" ", "see `tests/scaffolding/test_docs.py::test_nope[x]`, bench/results/tiny-quiet/ and "
-                     "https://example.com/tests/x.py; run `make nope` and `.venv/bin/python -m bench.nope`. "
-                     "It cannot make a vector differ; needs `make`.")
+    s = URL.sub(
+        " ",
+        "see `tests/scaffolding/test_docs.py::test_nope[x]`, bench/results/tiny-quiet/ and "
+        "https://example.com/tests/x.py; run `make nope` and `.venv/bin/python -m bench.nope`. "
+        "It cannot make a vector differ; needs `make`.",
+    )
     assert list(named_paths(s)) == ["tests/scaffolding/test_docs.py", "bench/results/tiny-quiet/"]
     old = "`git show 1234abc:bench/gone.py` and 1234abc:bench/results/gone/ (now bench/results/kept/)"
     assert list(named_paths(old)) == ["bench/results/kept/"]
     assert list(named_history_paths(old)) == [("1234abc", "bench/gone.py"), ("1234abc", "bench/results/gone/")]
     assert list(named_tests(s + " `tests/scaffolding/test_docs.py`: `::test_too`; `::A::b`")) == [
-        "tests/scaffolding/test_docs.py::test_nope", "tests/scaffolding/test_docs.py::test_too", "tests/scaffolding/test_docs.py::A::b"]
+        "tests/scaffolding/test_docs.py::test_nope",
+        "tests/scaffolding/test_docs.py::test_too",
+        "tests/scaffolding/test_docs.py::A::b",
+    ]
     assert list(named_tests("`::orphan`")) == ["::orphan"]  # no file before it: reported as such
     assert "test_nope" not in defined_names(ROOT / "tests/scaffolding/test_docs.py")
     assert list(named_targets(s)) == ["nope"] and "nope" not in make_targets() and "test" in make_targets()

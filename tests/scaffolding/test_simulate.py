@@ -18,16 +18,16 @@ def test_poisson_arrivals_are_seeded_and_follow_the_rate():
     a = sim.poisson_arrivals(flat, seed=1)
     assert a == sim.poisson_arrivals(flat, seed=1) != sim.poisson_arrivals(flat, seed=2)
     assert a == sorted(a) and 0 <= a[0] and a[-1] < 100
-    assert abs(len(a) - 2000) < 4 * 2000 ** 0.5  # Poisson: within 4 standard deviations
+    assert abs(len(a) - 2000) < 4 * 2000**0.5  # Poisson: within 4 standard deviations
 
     ramp = [(10.0, 1.0, 1.0), (60.0, 1.0, 40.0), (30.0, 40.0, 40.0), (60.0, 40.0, 1.0)]
     b = sim.poisson_arrivals(ramp, seed=3)
     expected = sim.expected_count(ramp)
     assert expected == pytest.approx(10 + 60 * 20.5 + 1200 + 60 * 20.5)
-    assert abs(len(b) - expected) < 4 * expected ** 0.5
+    assert abs(len(b) - expected) < 4 * expected**0.5
     early = sum(t < 10 for t in b)
     held = sum(70 <= t < 100 for t in b)
-    assert early < 30 and abs(held - 1200) < 4 * 1200 ** 0.5
+    assert early < 30 and abs(held - 1200) < 4 * 1200**0.5
 
 
 def test_rate_at_is_piecewise_linear_and_zero_after():
@@ -71,9 +71,20 @@ def test_memory_gate_leaves_four_gib():
 
 
 def test_scale_times_from_polled_samples():
-    samples = [{"t": t, "running": r, "target": g} for t, r, g in
-               [(0, 1, 1), (10, 1, 1), (20, 1, 4), (30, 3, 8), (40, 8, 8), (50, 8, 8), (60, 8, 3), (70, 3, 1),
-                (80, 1, 1)]]
+    samples = [
+        {"t": t, "running": r, "target": g}
+        for t, r, g in [
+            (0, 1, 1),
+            (10, 1, 1),
+            (20, 1, 4),
+            (30, 3, 8),
+            (40, 8, 8),
+            (50, 8, 8),
+            (60, 8, 3),
+            (70, 3, 1),
+            (80, 1, 1),
+        ]
+    ]
     s = sim.scale_times(samples, min_replicas=1, max_replicas=8, up_start=10, down_start=55)
     assert s["max_running"] == 8 and s["first_at_max_running_s"] == 40
     assert s["target_at_max_after_up_start_s"] == 20 and s["running_at_max_after_up_start_s"] == 30
@@ -85,8 +96,7 @@ def test_scale_times_from_polled_samples():
 def test_percentile_and_deploy_config():
     assert pct([], 50) is None  # bench.measure's, which bench.simulate uses
     assert pct([3, 1, 2], 50) == 2 and pct([0, 10], 99) == pytest.approx(9.9)
-    args = sim.app_args({"token_delay_s": 0.0, "first_token_delay_s": 2.6},
-                        {"min_replicas": 4, "max_replicas": 4})
+    args = sim.app_args({"token_delay_s": 0.0, "first_token_delay_s": 2.6}, {"min_replicas": 4, "max_replicas": 4})
     cfg = sim.deploy_config(args, 8410)
     app = cfg["applications"][0]
     assert app["import_path"] == "bench.simulate:fake_app" and app["args"] == args
@@ -113,6 +123,7 @@ def test_failures_has_a_command_line_of_its_own():
 
 # -- bench/failures.py's pure logic: the figures of one kill ------------------------------------------
 
+
 def _req(sent, latency, status=None, error=None, timed_out=False):
     status = (200 if error is None else 0) if status is None else status  # an exception leaves no status
     return sim.Req(at=sent, sent=sent, latency=latency, status=status, error=error, timed_out=timed_out, done=True)
@@ -121,23 +132,34 @@ def _req(sent, latency, status=None, error=None, timed_out=False):
 def test_kill_figures_count_in_flight_and_recovery():
     from bench.failures import kill_figures, outcome
 
-    reqs = [_req(0.0, 1.0), _req(1.0, 1.0), _req(7.0, 2.0),                    # answered before the kill at 10
-            _req(9.5, 0.6, status=500, error="boom"),                         # in flight: a 500
-            _req(9.8, 0.4, error="ServerDisconnectedError: gone"),             # in flight: dropped
-            _req(9.9, 1.5),                                                    # in flight: survived
-            _req(10.5, 0.01, error="ClientConnectorError: refused"),           # after: refused
-            _req(12.0, 30.0, error="TimeoutError: ", timed_out=True),          # after: hung until the client gave up
-            _req(13.0, 2.0), _req(14.0, 9.0), _req(15.0, 2.0)]                 # after: ok, one of them slow
-    assert [outcome(r) for r in reqs[3:8]] == ["http 500", "ServerDisconnectedError", "ok", "ClientConnectorError",
-                                               "timeout"]
+    reqs = [
+        _req(0.0, 1.0),
+        _req(1.0, 1.0),
+        _req(7.0, 2.0),  # answered before the kill at 10
+        _req(9.5, 0.6, status=500, error="boom"),  # in flight: a 500
+        _req(9.8, 0.4, error="ServerDisconnectedError: gone"),  # in flight: dropped
+        _req(9.9, 1.5),  # in flight: survived
+        _req(10.5, 0.01, error="ClientConnectorError: refused"),  # after: refused
+        _req(12.0, 30.0, error="TimeoutError: ", timed_out=True),  # after: hung until the client gave up
+        _req(13.0, 2.0),
+        _req(14.0, 9.0),
+        _req(15.0, 2.0),
+    ]  # after: ok, one of them slow
+    assert [outcome(r) for r in reqs[3:8]] == [
+        "http 500",
+        "ServerDisconnectedError",
+        "ok",
+        "ClientConnectorError",
+        "timeout",
+    ]
     f = kill_figures(reqs, kill_t=10.0)
     assert f["answered_before_kill"] == 3 and f["in_flight_at_kill"] == 3
     assert f["in_flight_outcomes"] == {"http 500": 1, "ServerDisconnectedError": 1, "ok": 1}
     assert f["sent_after_kill"] == 5 and f["after_outcomes"] == {"ClientConnectorError": 1, "timeout": 1, "ok": 3}
     assert f["failed"] == 4 and f["timeouts"] == 1 and f["not_done"] == 0
     assert f["first_ok_sent_s"] == pytest.approx(3.0) and f["first_ok_answered_s"] == pytest.approx(5.0)
-    assert f["all_ok_from_s"] == pytest.approx(2.0)      # the last failure was sent 2 s after the kill
-    assert f["normal_from_s"] == pytest.approx(4.0)      # 9 s > 2 x the p99 before (about 2 s): not normal
+    assert f["all_ok_from_s"] == pytest.approx(2.0)  # the last failure was sent 2 s after the kill
+    assert f["normal_from_s"] == pytest.approx(4.0)  # 9 s > 2 x the p99 before (about 2 s): not normal
     assert f["latency_max_after_s"] == pytest.approx(9.0)
     assert dict(f["by_send_second"])[0.0] == {"ClientConnectorError": 1}
 
@@ -157,10 +179,27 @@ def test_kill_figures_without_failures_and_a_request_left_unfinished():
 def test_serve_times_from_polled_samples():
     from bench.failures import serve_times
 
-    s = lambda t, **kw: {"t": t, "proxy_pids": [1], "proxy_status": ["HEALTHY"], "router_pids": [5],
-                         "engine_running": 8, "nodes_alive": {"n2": True}, "watched_alive": 1} | kw
-    samples = [s(9.0), s(11.0), s(12.0, error="timeout"), s(13.0, proxy_pids=[2], proxy_status=["STARTING"]),
-               s(15.0, proxy_pids=[2], watched_alive=0), s(16.0, router_pids=[]), s(18.0, router_pids=[6])]
+    s = lambda t, **kw: (
+        {
+            "t": t,
+            "proxy_pids": [1],
+            "proxy_status": ["HEALTHY"],
+            "router_pids": [5],
+            "engine_running": 8,
+            "nodes_alive": {"n2": True},
+            "watched_alive": 1,
+        }
+        | kw
+    )
+    samples = [
+        s(9.0),
+        s(11.0),
+        s(12.0, error="timeout"),
+        s(13.0, proxy_pids=[2], proxy_status=["STARTING"]),
+        s(15.0, proxy_pids=[2], watched_alive=0),
+        s(16.0, router_pids=[]),
+        s(18.0, router_pids=[6]),
+    ]
     p = serve_times(samples, 10.0, "proxy", old_pid=1)
     assert p == {"watched_gone_s": 5.0, "replaced_s": 5.0}  # HEALTHY again, under another pid
     assert serve_times(samples, 10.0, "router", old_pid=5)["replaced_s"] == 8.0

@@ -50,8 +50,14 @@ def ray_cluster():
 
     # Ray Serve's switches as `make serve` sets them, for Ray's processes only.
     with serve_switches(DIRECT_PORT):
-        ctx = ray.init(address="local", num_cpus=8, namespace="serve", logging_level="WARNING",
-                       include_dashboard=False, _metrics_export_port=METRICS_PORT)
+        ctx = ray.init(
+            address="local",
+            num_cpus=8,
+            namespace="serve",
+            logging_level="WARNING",
+            include_dashboard=False,
+            _metrics_export_port=METRICS_PORT,
+        )
     yield ctx.address_info["gcs_address"]
     from ray import serve
 
@@ -83,8 +89,12 @@ def app_args(**over) -> dict:
 
 
 def vlm_args(model: str) -> dict:
-    return app_args(model=model, heads=[], engine={**TEST_ENGINE_ARGS, "max_model_len": 1024, "limit_mm_per_prompt": {"image": 2}},
-                    replica_autoscaling={"min_replicas": 1, "max_replicas": 1})
+    return app_args(
+        model=model,
+        heads=[],
+        engine={**TEST_ENGINE_ARGS, "max_model_len": 1024, "limit_mm_per_prompt": {"image": 2}},
+        replica_autoscaling={"min_replicas": 1, "max_replicas": 1},
+    )
 
 
 def tiny_lora_modules() -> list[dict]:
@@ -93,8 +103,10 @@ def tiny_lora_modules() -> list[dict]:
     from tests.conftest import build_lora
 
     base = str(build("tiny-llama"))
-    return [{"name": "lora-qv", "path": build_lora(base, "qv", seed=1)},
-            {"name": "lora-all", "path": build_lora(base, "all", seed=2)}]
+    return [
+        {"name": "lora-qv", "path": build_lora(base, "qv", seed=1)},
+        {"name": "lora-all", "path": build_lora(base, "all", seed=2)},
+    ]
 
 
 # The apps of the shapes the compiled engine must also serve (TP = 2, n-gram speculative decoding, LoRA)
@@ -112,42 +124,94 @@ APPS = {
     APP: ("/", lambda: app_args()),  # replica_routing auto: prefix (two replicas behind the Router)
     # the main app routing as Serve does by default, to compare prefix cache hits with (test_prefix_routing.py)
     "hs-p2c": ("/p2c", lambda: app_args(replica_routing="power_of_two")),
-    "hs-off": ("/off", lambda: app_args(enable_return_hidden_states=False, heads=[],
-                                        replica_autoscaling={"min_replicas": 1, "max_replicas": 1})),
+    "hs-off": (
+        "/off",
+        lambda: app_args(
+            enable_return_hidden_states=False, heads=[], replica_autoscaling={"min_replicas": 1, "max_replicas": 1}
+        ),
+    ),
     # the replica is its own HTTP ingress: API key, small body limit, short timeouts, 10 rows at most a response
-    "hs-guarded": (GUARDED, lambda: app_args(ingress="replica", api_key=API_KEY, max_request_body_bytes=64 * 1024,
-                                             max_hidden_states_bytes=GUARDED_ROWS_BYTES,
-                                             request_timeout_s=60, extraction_timeout_s=20,
-                                             replica_autoscaling={"min_replicas": 1, "max_replicas": 1})),
+    "hs-guarded": (
+        GUARDED,
+        lambda: app_args(
+            ingress="replica",
+            api_key=API_KEY,
+            max_request_body_bytes=64 * 1024,
+            max_hidden_states_bytes=GUARDED_ROWS_BYTES,
+            request_timeout_s=60,
+            extraction_timeout_s=20,
+            replica_autoscaling={"min_replicas": 1, "max_replicas": 1},
+        ),
+    ),
     # (the engine-fault test breaks the guarded app's engine after its other tests: `fault_app`)
     # two LoRA adapters served by name (lora_modules), 1 replica; compiled with the static layer set
     # (vLLM's CPU platform runs a LoRA engine's forward uncompiled: the traced entries run eagerly)
-    "hs-lora": ("/lora", lambda: app_args(lora_modules=tiny_lora_modules(), **COMPILED,
-                                          engine={**TEST_ENGINE_ARGS, "enforce_eager": False},
-                                          replica_autoscaling={"min_replicas": 1, "max_replicas": 1})),
+    "hs-lora": (
+        "/lora",
+        lambda: app_args(
+            lora_modules=tiny_lora_modules(),
+            **COMPILED,
+            engine={**TEST_ENGINE_ARGS, "enforce_eager": False},
+            replica_autoscaling={"min_replicas": 1, "max_replicas": 1},
+        ),
+    ),
     # one replica whose engine runs tensor parallelism 2: two CPU worker processes (2 CPUs); compiled
-    "hs-tp2": ("/tp2", lambda: app_args(engine={**TEST_ENGINE_ARGS, "tensor_parallel_size": 2, "enforce_eager": False},
-                                        **COMPILED, replica_autoscaling={"min_replicas": 1, "max_replicas": 1})),
+    "hs-tp2": (
+        "/tp2",
+        lambda: app_args(
+            engine={**TEST_ENGINE_ARGS, "tensor_parallel_size": 2, "enforce_eager": False},
+            **COMPILED,
+            replica_autoscaling={"min_replicas": 1, "max_replicas": 1},
+        ),
+    ),
     # one replica whose engine runs n-gram speculative decoding (3 draft tokens per step); compiled
-    "hs-spec": ("/spec", lambda: app_args(engine={**TEST_ENGINE_ARGS, "speculative_config": SPEC_NGRAM,
-                                                  "async_scheduling": False, "enforce_eager": False},
-                                          **COMPILED, replica_autoscaling={"min_replicas": 1, "max_replicas": 1})),
+    "hs-spec": (
+        "/spec",
+        lambda: app_args(
+            engine={
+                **TEST_ENGINE_ARGS,
+                "speculative_config": SPEC_NGRAM,
+                "async_scheduling": False,
+                "enforce_eager": False,
+            },
+            **COMPILED,
+            replica_autoscaling={"min_replicas": 1, "max_replicas": 1},
+        ),
+    ),
     # three built-in VLM families (hidden_states/models/vlm.py), 1 replica each, two images a prompt at most
     "hs-gemma3-vlm": ("/gemma3-vlm", lambda: vlm_args("builtin:tiny-gemma3-vlm")),
     # two replicas: the Router's media-aware key keeps an image's chats on one (test_multimodal.py)
-    "hs-llava": ("/llava", lambda: {**vlm_args("builtin:tiny-llava"),
-                                    "replica_autoscaling": {"min_replicas": 2, "max_replicas": 2}}),
+    "hs-llava": (
+        "/llava",
+        lambda: {**vlm_args("builtin:tiny-llava"), "replica_autoscaling": {"min_replicas": 2, "max_replicas": 2}},
+    ),
     "hs-qwen-vl": ("/qwen-vl", lambda: vlm_args("builtin:tiny-qwen3-vl")),
     # completions with prompt_embeds (vLLM's enable_prompt_embeds), 1 replica behind the Router
-    "hs-embeds": ("/embeds", lambda: app_args(engine={**TEST_ENGINE_ARGS, "enable_prompt_embeds": True}, heads=[],
-                                              replica_autoscaling={"min_replicas": 1, "max_replicas": 1})),
+    "hs-embeds": (
+        "/embeds",
+        lambda: app_args(
+            engine={**TEST_ENGINE_ARGS, "enable_prompt_embeds": True},
+            heads=[],
+            replica_autoscaling={"min_replicas": 1, "max_replicas": 1},
+        ),
+    ),
 }
 # Tests run grouped by the app they use (tests/conftest.py orders them), so each app
 # deploys once; any order still works, only slower.
-APP_FIXTURES = {"serve_app": APP, "client": APP, "off_app": "hs-off", "guarded_app": "hs-guarded",
-                "fault_app": "hs-guarded", "lora_app": "hs-lora", "tp2_app": "hs-tp2",
-                "spec_app": "hs-spec", "gemma3_vlm_app": "hs-gemma3-vlm", "llava_app": "hs-llava",
-                "qwen_vl_app": "hs-qwen-vl", "embeds_app": "hs-embeds"}
+APP_FIXTURES = {
+    "serve_app": APP,
+    "client": APP,
+    "off_app": "hs-off",
+    "guarded_app": "hs-guarded",
+    "fault_app": "hs-guarded",
+    "lora_app": "hs-lora",
+    "tp2_app": "hs-tp2",
+    "spec_app": "hs-spec",
+    "gemma3_vlm_app": "hs-gemma3-vlm",
+    "llava_app": "hs-llava",
+    "qwen_vl_app": "hs-qwen-vl",
+    "embeds_app": "hs-embeds",
+}
 
 
 class AppSlot:
@@ -222,6 +286,7 @@ def fault_app(app_slot):
 
 def _app_fixture(name: str):
     """The fixture `name` of APP_FIXTURES: its app deployed (APPS says what it runs), its base URL."""
+
     def deployed(app_slot) -> str:
         return app_slot.use(APP_FIXTURES[name])
 
@@ -229,8 +294,17 @@ def _app_fixture(name: str):
     return pytest.fixture(deployed, name=name)
 
 
-for _name in ("off_app", "guarded_app", "lora_app", "spec_app", "tp2_app", "gemma3_vlm_app", "llava_app",
-              "embeds_app", "qwen_vl_app"):
+for _name in (
+    "off_app",
+    "guarded_app",
+    "lora_app",
+    "spec_app",
+    "tp2_app",
+    "gemma3_vlm_app",
+    "llava_app",
+    "embeds_app",
+    "qwen_vl_app",
+):
     globals()[_name] = _app_fixture(_name)
 
 

@@ -17,7 +17,6 @@ import base64
 import httpx
 import numpy as np
 import openai
-import pytest
 
 from tests.conftest import Reference, cpu_only
 from tests.serve.conftest import COMPILED, replica_stats, tiny_lora_modules
@@ -25,8 +24,13 @@ from tests.serve.conftest import COMPILED, replica_stats, tiny_lora_modules
 pytestmark = cpu_only  # the apps' shapes (two CPU ranks) are the CPU suite's; a GPU's: scripts/gpu-check.sh
 
 LAYERS = [0, 1, -1]
-HS = {"return_hidden_states": True, "return_token_ids": True, "hidden_states_layers": LAYERS,
-      "hidden_states_position": "all", "hidden_states_encoding": "base64"}
+HS = {
+    "return_hidden_states": True,
+    "return_token_ids": True,
+    "hidden_states_layers": LAYERS,
+    "hidden_states_position": "all",
+    "hidden_states_encoding": "base64",
+}
 
 
 def _rows(reference, ids) -> dict[int, np.ndarray]:
@@ -62,16 +66,21 @@ def _check(base: str, reference, model: str = "tiny-llama", n: int = 1) -> None:
 
     client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", timeout=120, max_retries=0)
     prompt = "a b a b a b a b the compiled replica"
-    whole = client.completions.create(model=model, prompt=prompt, max_tokens=10, n=n, temperature=0.8 if n > 1 else 0,
-                                      seed=4, extra_body=HS)
+    whole = client.completions.create(
+        model=model, prompt=prompt, max_tokens=10, n=n, temperature=0.8 if n > 1 else 0, seed=4, extra_body=HS
+    )
     for ch in whole.choices:
         assert ch.model_extra["hidden_states_meta"]["via"] == "tail", ch.model_extra["hidden_states_meta"]
-        _assert_rows({"prompt_token_ids": whole.choices[0].prompt_token_ids, **ch.model_extra}, reference,
-                     f"{base} choice {ch.index}")
+        _assert_rows(
+            {"prompt_token_ids": whole.choices[0].prompt_token_ids, **ch.model_extra},
+            reference,
+            f"{base} choice {ch.index}",
+        )
 
     # streamed: the rows of each chunk, concatenated, are the whole response's (greedy: the same tokens)
-    stream = client.completions.create(model=model, prompt=prompt, max_tokens=10, temperature=0, stream=True,
-                                       extra_body=HS)
+    stream = client.completions.create(
+        model=model, prompt=prompt, max_tokens=10, temperature=0, stream=True, extra_body=HS
+    )
     got: dict = {"token_ids": [], "rows": {str(l): b"" for l in LAYERS}}
     for chunk in stream:
         for ch in chunk.choices:
@@ -86,10 +95,11 @@ def _check(base: str, reference, model: str = "tiny-llama", n: int = 1) -> None:
     # a stop string: the final rows come from the extraction step (a prefill of prompt + completion)
     free = client.completions.create(model=model, prompt="Tell me about the cache", max_tokens=16, temperature=0)
     text = free.choices[0].text
-    stop = text[len(text) // 2: len(text) // 2 + 2]
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
     assert stop.strip(), text
-    cut = client.completions.create(model=model, prompt="Tell me about the cache", max_tokens=16, temperature=0,
-                                    stop=[stop], extra_body=HS)
+    cut = client.completions.create(
+        model=model, prompt="Tell me about the cache", max_tokens=16, temperature=0, stop=[stop], extra_body=HS
+    )
     (c,) = cut.choices
     assert c.finish_reason == "stop" and c.model_extra["hidden_states_meta"]["via"] == "extraction", c.model_extra
     _assert_rows({"prompt_token_ids": c.prompt_token_ids, **c.model_extra}, reference, f"{base} extraction")
@@ -103,9 +113,19 @@ def test_tensor_parallelism_compiled(tp2_app, reference):
     stats = replica_stats(tp2_app)["replica"]
     assert stats["startup"]["compilation_mode"] not in ("0", "None", "CompilationMode.NONE"), stats["startup"]
     # both ranks compiled their forward at start
-    assert all(sum(w["compilations"].get(k, 0) for k in ("num_backend_compilations", "num_compiled_artifacts_loaded",
-                                                          "num_aot_compiles", "num_aot_artifacts_loaded")) >= 1
-               for w in stats["workers"]), stats["workers"]
+    assert all(
+        sum(
+            w["compilations"].get(k, 0)
+            for k in (
+                "num_backend_compilations",
+                "num_compiled_artifacts_loaded",
+                "num_aot_compiles",
+                "num_aot_artifacts_loaded",
+            )
+        )
+        >= 1
+        for w in stats["workers"]
+    ), stats["workers"]
 
 
 def test_speculative_decoding_compiled(spec_app, reference):

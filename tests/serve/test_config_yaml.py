@@ -31,12 +31,29 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _curl(port: int) -> dict:
     out = subprocess.run(
-        ["curl", "-s", "-m", "120", f"http://127.0.0.1:{port}/v1/chat/completions", "-H",
-         "content-type: application/json", "-d", json.dumps({
-             "model": "smollm2-135m-instruct", "max_tokens": 16, "temperature": 0,
-             "messages": [{"role": "user", "content": "What is the capital of France? Answer in one word."}],
-             "return_hidden_states": True, "return_token_ids": True})],
-        capture_output=True, text=True, timeout=180,
+        [
+            "curl",
+            "-s",
+            "-m",
+            "120",
+            f"http://127.0.0.1:{port}/v1/chat/completions",
+            "-H",
+            "content-type: application/json",
+            "-d",
+            json.dumps(
+                {
+                    "model": "smollm2-135m-instruct",
+                    "max_tokens": 16,
+                    "temperature": 0,
+                    "messages": [{"role": "user", "content": "What is the capital of France? Answer in one word."}],
+                    "return_hidden_states": True,
+                    "return_token_ids": True,
+                }
+            ),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
     )
     return json.loads(out.stdout)
 
@@ -76,8 +93,15 @@ class DocsBatches(threading.Thread):
             t = time.monotonic()
             if self.stopped:
                 return
-            self.proc = subprocess.Popen(["bash", "-c", e.code], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                         text=True, env=examples_env(), cwd=self.folder, start_new_session=True)
+            self.proc = subprocess.Popen(
+                ["bash", "-c", e.code],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=examples_env(),
+                cwd=self.folder,
+                start_new_session=True,
+            )
             try:
                 _, err = self.proc.communicate(timeout=900)
             except subprocess.TimeoutExpired:
@@ -101,8 +125,10 @@ def docs_batches(request, tmp_path_factory):
     first tests (`serve run` without a config, `make serve`'s start and curl: one engine each, two engines
     at most), not after the docs' other examples; `test_the_docs_examples_run_as_written` waits for them
     before its own examples and checks them."""
-    if not any(item.name == "test_the_docs_examples_run_as_written" and item.module is request.module
-               for item in request.session.items):
+    if not any(
+        item.name == "test_the_docs_examples_run_as_written" and item.module is request.module
+        for item in request.session.items
+    ):
         yield None
         return
     from tests import docs_examples as dx
@@ -122,16 +148,29 @@ def test_serve_run_without_a_config_file():
     env = {**os.environ, "RAY_ADDRESS": "local"}
     env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"
     port = 8000
-    proc = subprocess.Popen([str(Path(sys.executable).parent / "serve"), "run", "deployments.app:build_app",
-                             "model=builtin:tiny-llama", "served_model_name=tiny"],
-                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            str(Path(sys.executable).parent / "serve"),
+            "run",
+            "deployments.app:build_app",
+            "model=builtin:tiny-llama",
+            "served_model_name=tiny",
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     try:
         wait_http(f"http://127.0.0.1:{port}/health", 600)
         models = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=30).json()
         assert [m["id"] for m in models["data"]] == ["tiny"], models
-        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=120, json={
-            "model": "tiny", "prompt": "no yaml", "max_tokens": 3, "return_hidden_states": True}).json()
+        r = httpx.post(
+            f"http://127.0.0.1:{port}/v1/completions",
+            timeout=120,
+            json={"model": "tiny", "prompt": "no yaml", "max_tokens": 3, "return_hidden_states": True},
+        ).json()
         assert len(r["choices"][0]["hidden_states"]) == 128, r
     finally:
         _stop(proc, port)
@@ -144,8 +183,14 @@ def make_serve():
     its process group) must leave nothing answering, no process running and no address file."""
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"
-    proc = subprocess.Popen(["bash", "scripts/serve.sh", "config.yaml"], cwd=ROOT, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        ["bash", "scripts/serve.sh", "config.yaml"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     try:
         wait_http("http://127.0.0.1:8000/health", 600)
         address = Path("/tmp/ray/ray_current_cluster").read_text().strip()
@@ -166,8 +211,9 @@ def test_serve_run_config_yaml_answers_curl(make_serve):
     assert "Paris" in choice["message"]["content"], choice
     assert len(choice["hidden_states"]) == 576
     reference = Reference(resolve_model("builtin:smollm2-135m-instruct"))
-    err, scale = reference.assert_matches(body["prompt_token_ids"] + choice["token_ids"], choice["hidden_states"],
-                                          atol=None)
+    err, scale = reference.assert_matches(
+        body["prompt_token_ids"] + choice["token_ids"], choice["hidden_states"], atol=None
+    )
     print(f"smollm2 via serve run: max abs error {err:.3g}, max|reference| {scale:.3g}")
     direct = _curl(_router_port())  # the Router's own port: no proxy hop, the same answer
     d = direct["choices"][0]
@@ -188,8 +234,10 @@ def test_the_docs_examples_run_as_written(make_serve, docs_batches, tmp_path):
 
     found, problems = dx.audit()
     kinds = {k: [e for e in found if e.kind == k] for k in dx.KINDS}
-    print(f"docs examples: {len(found)} ({', '.join(f'{len(v)} {k}' for k, v in kinds.items())}) of "
-          f"{len(dx.blocks())} fenced blocks, {len(dx.LISTED)} listed:")
+    print(
+        f"docs examples: {len(found)} ({', '.join(f'{len(v)} {k}' for k, v in kinds.items())}) of "
+        f"{len(dx.blocks())} fenced blocks, {len(dx.LISTED)} listed:"
+    )
     for e in found:
         print(f"  {e.where} {e.kind}" + (" (set-up)" if e.set_up else ""))
     env = examples_env()

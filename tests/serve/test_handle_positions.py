@@ -50,10 +50,12 @@ def test_a_strided_range_in_float16_over_a_handle_is_the_http_route_s(handle, se
     from deployments.client import complete
 
     position = {"start": 2, "stride": 3}
-    (ch,) = complete(handle, PROMPT, max_tokens=12, hidden_states_position=position, hidden_states_dtype="float16",
-                     timeout_s=120).choices
-    prompt_ids = list(complete(handle, PROMPT, max_tokens=1, return_hidden_states=False, timeout_s=120)
-                      .prompt_token_ids)
+    (ch,) = complete(
+        handle, PROMPT, max_tokens=12, hidden_states_position=position, hidden_states_dtype="float16", timeout_s=120
+    ).choices
+    prompt_ids = list(
+        complete(handle, PROMPT, max_tokens=1, return_hidden_states=False, timeout_s=120).prompt_token_ids
+    )
     ids = prompt_ids + list(ch.token_ids)
     assert ch.positions == tuple(range(len(ids))[2::3]) and ch.dtype == "float16"
     assert ch.hidden_states.dtype == np.float16 and ch.hidden_states.shape == (len(ch.positions), 128)
@@ -64,23 +66,37 @@ def test_a_strided_range_in_float16_over_a_handle_is_the_http_route_s(handle, se
     assert (np.abs(ch.hidden_states.astype(np.float32) - cast) <= step).all()
     err = relative(ch.hidden_states, ref)
     assert err <= 2**-10, err
-    http = httpx.post(f"{serve_app}/v1/completions", timeout=120, json={
-        "model": "tiny-llama", "prompt": PROMPT, "max_tokens": 12, "temperature": 0, "return_hidden_states": True,
-        "hidden_states_position": position, "hidden_states_dtype": "float16", "hidden_states_encoding": "base64"})
+    http = httpx.post(
+        f"{serve_app}/v1/completions",
+        timeout=120,
+        json={
+            "model": "tiny-llama",
+            "prompt": PROMPT,
+            "max_tokens": 12,
+            "temperature": 0,
+            "return_hidden_states": True,
+            "hidden_states_position": position,
+            "hidden_states_dtype": "float16",
+            "hidden_states_encoding": "base64",
+        },
+    )
     got = http.json()["choices"][0]
     assert got["hidden_states_meta"]["positions"] == list(ch.positions)
-    np.testing.assert_array_equal(np.frombuffer(base64.b64decode(got["hidden_states"]), "<f2").reshape(-1, 128),
-                                  ch.hidden_states)
+    np.testing.assert_array_equal(
+        np.frombuffer(base64.b64decode(got["hidden_states"]), "<f2").reshape(-1, 128), ch.hidden_states
+    )
     print(f"handle rows (strided range, float16): worst relative error {err:.2e}")
 
 
 def test_topk_rows_over_a_handle(handle, reference):
     from deployments.client import complete
 
-    (ch,) = complete(handle, PROMPT, max_tokens=8, hidden_states_position={"start": -5}, hidden_states_topk=6,
-                     timeout_s=120).choices
-    prompt_ids = list(complete(handle, PROMPT, max_tokens=1, return_hidden_states=False, timeout_s=120)
-                      .prompt_token_ids)
+    (ch,) = complete(
+        handle, PROMPT, max_tokens=8, hidden_states_position={"start": -5}, hidden_states_topk=6, timeout_s=120
+    ).choices
+    prompt_ids = list(
+        complete(handle, PROMPT, max_tokens=1, return_hidden_states=False, timeout_s=120).prompt_token_ids
+    )
     ids = prompt_ids + list(ch.token_ids)
     assert ch.positions == tuple(range(len(ids) - 5, len(ids)))
     assert ch.hidden_states_indices.dtype == np.int32 and ch.hidden_states.dtype == np.float32
@@ -102,6 +118,14 @@ def test_a_handle_request_above_the_memory_bound_is_a_400(handle):
 
     # up to 4,095 positions x 3 layers x 128 x 4 bytes x 16 choices = 100 MB > 64 MiB (the default)
     with pytest.raises(HandleRequestError, match="max_hidden_states_bytes") as e:
-        complete(handle, PROMPT, max_tokens=4000, n=16, temperature=1.0, hidden_states_position="all",
-                 hidden_states_layers=[-1, 0, 1], timeout_s=120)
+        complete(
+            handle,
+            PROMPT,
+            max_tokens=4000,
+            n=16,
+            temperature=1.0,
+            hidden_states_position="all",
+            hidden_states_layers=[-1, 0, 1],
+            timeout_s=120,
+        )
     assert e.value.status == 400

@@ -46,8 +46,14 @@ def test_make_serve_behind_haproxy():
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env.update(PATH=f"{Path(sys.executable).parent}:{env.get('PATH', '')}", RAY_SERVE_ENABLE_HA_PROXY="1")
     already = set(_haproxies())
-    proc = subprocess.Popen(["bash", "scripts/serve.sh", "config.yaml"], cwd=ROOT, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        ["bash", "scripts/serve.sh", "config.yaml"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     ours: dict[int, psutil.Process] = {}
     try:
         wait_http(f"{BASE}/health", 600)
@@ -58,13 +64,20 @@ def test_make_serve_behind_haproxy():
         choice = body["choices"][0]
         assert "Paris" in choice["message"]["content"], choice
         reference = Reference(resolve_model("builtin:smollm2-135m-instruct"))
-        err, scale = reference.assert_matches(body["prompt_token_ids"] + choice["token_ids"],
-                                              choice["hidden_states"], atol=None)
+        err, scale = reference.assert_matches(
+            body["prompt_token_ids"] + choice["token_ids"], choice["hidden_states"], atol=None
+        )
         print(f"smollm2 through HAProxy: max abs error {err:.3g}, max|reference| {scale:.3g}")
 
-        request = {"model": "smollm2-135m-instruct", "max_tokens": 16, "temperature": 0, "stream": True,
-                   "messages": [{"role": "user", "content": "What is the capital of France? Answer in one word."}],
-                   "return_hidden_states": True, "return_token_ids": True}
+        request = {
+            "model": "smollm2-135m-instruct",
+            "max_tokens": 16,
+            "temperature": 0,
+            "stream": True,
+            "messages": [{"role": "user", "content": "What is the capital of France? Answer in one word."}],
+            "return_hidden_states": True,
+            "return_token_ids": True,
+        }
         tokens, last = [], None
         with httpx.stream("POST", f"{BASE}/v1/chat/completions", json=request, timeout=120) as r:
             assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
@@ -76,8 +89,12 @@ def test_make_serve_behind_haproxy():
         assert tokens == choice["token_ids"] and last is not None and len(last) == 576
 
         # a client hanging up mid-stream: the engine request ends long before its 2,000 tokens would
-        long = {**request, "max_tokens": 2000, "messages": [{"role": "user", "content": "Count to a million."}],
-                "ignore_eos": True}
+        long = {
+            **request,
+            "max_tokens": 2000,
+            "messages": [{"role": "user", "content": "Count to a million."}],
+            "ignore_eos": True,
+        }
         before = _stats()["ingress"]["cancelled"]
         with httpx.stream("POST", f"{BASE}/v1/chat/completions", json=long, timeout=120) as r:
             for i, _ in enumerate(r.iter_lines()):
@@ -93,8 +110,7 @@ def test_make_serve_behind_haproxy():
         assert stats["ingress"]["cancelled"] == before + 1, stats["ingress"]
 
         big = b'{"model": "smollm2-135m-instruct", "prompt": "%s", "max_tokens": 1}' % (b"a" * (5 * 2**20))
-        r = httpx.post(f"{BASE}/v1/completions", content=big, headers={"content-type": "application/json"},
-                       timeout=120)
+        r = httpx.post(f"{BASE}/v1/completions", content=big, headers={"content-type": "application/json"}, timeout=120)
         assert r.status_code == 413 and "exceeds the limit" in r.text, (r.status_code, r.text[:300])
         ours.update({pid: p for pid, p in _haproxies().items() if pid not in already})  # reloads since
     finally:

@@ -27,8 +27,14 @@ MAX_TOKENS = 4000  # the prompt's ~15 tokens + 4,000 fit the test engine's max_m
 
 
 def body(i: int) -> dict:
-    return {"model": "tiny-llama", "prompt": f"Client {i} will not wait for the end of this story:",
-            "max_tokens": MAX_TOKENS, "ignore_eos": True, "temperature": 0, "return_hidden_states": i % 2 == 0}
+    return {
+        "model": "tiny-llama",
+        "prompt": f"Client {i} will not wait for the end of this story:",
+        "max_tokens": MAX_TOKENS,
+        "ignore_eos": True,
+        "temperature": 0,
+        "return_hidden_states": i % 2 == 0,
+    }
 
 
 async def hang_up_streamed(base: str, i: int, chunks: int = 3) -> int:
@@ -109,10 +115,14 @@ def test_clients_hanging_up_leave_nothing_behind(serve_app):
             break
         time.sleep(0.5)
     idle_s = time.monotonic() - started
-    print(f"{MAX_TOKENS} tokens alone: {alone_s:.0f} s; {len(bases)} paths; clients left after "
-          f"{left_at - started:.1f} s; idle after {idle_s:.1f} s: {ingress}; "
-          + "; ".join(f"{rid}: {json.dumps({k: s.get(k) for k in ('in_flight', 'pending', 'unfinished_requests')})}"
-                      for rid, s in replicas.items()))
+    print(
+        f"{MAX_TOKENS} tokens alone: {alone_s:.0f} s; {len(bases)} paths; clients left after "
+        f"{left_at - started:.1f} s; idle after {idle_s:.1f} s: {ingress}; "
+        + "; ".join(
+            f"{rid}: {json.dumps({k: s.get(k) for k in ('in_flight', 'pending', 'unfinished_requests')})}"
+            for rid, s in replicas.items()
+        )
+    )
     assert ingress["pending"] == 0, ingress
     assert not left, f"still running on the engine replicas {SETTLE_S} s after the clients left: {left}"
     # Ended, and long before they could have finished on their own: cancelled, not run out.

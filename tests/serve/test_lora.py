@@ -50,34 +50,49 @@ def test_models_lists_the_adapters_with_their_base(lora_app):
 
 
 def test_completion_and_chat_on_adapters(lora_client, refs):
-    r = lora_client.completions.create(model="lora-qv", prompt="The adapter reads a prompt", max_tokens=10,
-                                       temperature=0, extra_body=HS)
+    r = lora_client.completions.create(
+        model="lora-qv", prompt="The adapter reads a prompt", max_tokens=10, temperature=0, extra_body=HS
+    )
     (c,) = r.choices
     assert r.model == "lora-qv"
     assert c.hidden_states_meta["adapter"] == "lora-qv" and c.hidden_states_meta["via"] == "tail", c.hidden_states_meta
     assert_adapters(refs, "lora-qv", c.prompt_token_ids + c.token_ids, decode_vector(c.hidden_states))
     chat = lora_client.chat.completions.create(
-        model="lora-all", messages=[{"role": "user", "content": "Say something."}], max_tokens=10, temperature=0.8,
-        seed=5, stop=["e"], extra_body=HS)  # a stop string: the extraction step, on the adapter
+        model="lora-all",
+        messages=[{"role": "user", "content": "Say something."}],
+        max_tokens=10,
+        temperature=0.8,
+        seed=5,
+        stop=["e"],
+        extra_body=HS,
+    )  # a stop string: the extraction step, on the adapter
     (ch,) = chat.choices
     assert ch.finish_reason == "stop" and ch.hidden_states_meta["via"] == "extraction", ch
     assert ch.hidden_states_meta["adapter"] == "lora-all", ch.hidden_states_meta
     assert_adapters(refs, "lora-all", chat.prompt_token_ids + ch.token_ids, decode_vector(ch.hidden_states))
-    base = lora_client.completions.create(model=BASE, prompt="The adapter reads a prompt", max_tokens=10,
-                                          temperature=0, extra_body=HS).choices[0]
+    base = lora_client.completions.create(
+        model=BASE, prompt="The adapter reads a prompt", max_tokens=10, temperature=0, extra_body=HS
+    ).choices[0]
     assert base.hidden_states_meta["adapter"] is None
     assert_adapters(refs, None, base.prompt_token_ids + base.token_ids, decode_vector(base.hidden_states))
 
 
 def test_hidden_states_route_takes_an_adapter(lora_app, lora_client, refs):
     messages = [{"role": "user", "content": "Verify me."}]
-    chat = lora_client.chat.completions.create(model="lora-all", messages=messages, max_tokens=8, temperature=0,
-                                               extra_body=HS)
+    chat = lora_client.chat.completions.create(
+        model="lora-all", messages=messages, max_tokens=8, temperature=0, extra_body=HS
+    )
     claimed = decode_vector(chat.choices[0].hidden_states)
-    body = {"messages": messages, "completion": chat.choices[0].token_ids,
-            "compare": {"vector": chat.choices[0].hidden_states}}
-    out = httpx.post(f"{lora_app}/v1/hidden_states", json={"model": "lora-all", **body, **{
-        "hidden_states_encoding": "base64"}}, timeout=120).json()
+    body = {
+        "messages": messages,
+        "completion": chat.choices[0].token_ids,
+        "compare": {"vector": chat.choices[0].hidden_states},
+    }
+    out = httpx.post(
+        f"{lora_app}/v1/hidden_states",
+        json={"model": "lora-all", **body, **{"hidden_states_encoding": "base64"}},
+        timeout=120,
+    ).json()
     assert out["model"] == "lora-all" and out["hidden_states_meta"]["adapter"] == "lora-all", out
     assert out["comparison"]["match"] and out["comparison"]["max_abs_error"] == 0.0, out["comparison"]
     assert out["token_ids"] == chat.prompt_token_ids + chat.choices[0].token_ids
@@ -101,18 +116,23 @@ def test_python_handles_take_an_adapter(lora_app, refs):
     assert_adapters(refs, "lora-qv", ids, c.choices[0].hidden_states)
     out = verify(handle, model="lora-qv", prompt=list(ids), timeout_s=120)
     assert (out["hidden_states"] == c.choices[0].hidden_states).all()
-    for call in (lambda: complete(handle, "x", model="lora-nope", timeout_s=60),
-                 lambda: verify(handle, model="lora-nope", prompt="x", timeout_s=60)):
+    for call in (
+        lambda: complete(handle, "x", model="lora-nope", timeout_s=60),
+        lambda: verify(handle, model="lora-nope", prompt="x", timeout_s=60),
+    ):
         with pytest.raises(HandleRequestError, match="lora-nope.*`tiny-llama`, `lora-qv`, `lora-all`") as e:
             call()
         assert e.value.status == 404
 
 
-@pytest.mark.parametrize("route, body", [
-    ("completions", {"prompt": "x"}),
-    ("chat/completions", {"messages": [{"role": "user", "content": "x"}]}),
-    ("hidden_states", {"prompt": "x"}),
-])
+@pytest.mark.parametrize(
+    "route, body",
+    [
+        ("completions", {"prompt": "x"}),
+        ("chat/completions", {"messages": [{"role": "user", "content": "x"}]}),
+        ("hidden_states", {"prompt": "x"}),
+    ],
+)
 def test_unknown_adapter_is_404_naming_what_is_served(lora_app, route, body):
     r = httpx.post(f"{lora_app}/v1/{route}", json={"model": "lora-nope", **body}, timeout=60)
     assert r.status_code == 404, r.text
@@ -120,8 +140,9 @@ def test_unknown_adapter_is_404_naming_what_is_served(lora_app, route, body):
     assert err["param"] == "model" and "`tiny-llama`, `lora-qv`, `lora-all`" in err["message"], err
 
 
-def adapter_proofs(validate, tl, refs, model: str | None, prompt: list[int], completion: list[int],
-                   proofs: list[str]) -> dict:
+def adapter_proofs(
+    validate, tl, refs, model: str | None, prompt: list[int], completion: list[int], proofs: list[str]
+) -> dict:
     """What a proof proves about an adapter (docs/api.md, Proofs of inference): `model`'s proofs are of
     `model`'s rows (the library accepts them on transformers + peft); validation recomputes with the model
     it names (`validate(name, body)`: POST /v1/hidden_states's comparison), so each model checks them
@@ -161,14 +182,21 @@ def test_proofs_on_an_adapter_are_the_adapter_s(lora_client, lora_app, refs):
         return r.json()["comparison"]
 
     for model in ("lora-all", None):
-        r = lora_client.completions.create(model=model or BASE, prompt="An adapter proves its work", max_tokens=24,
-                                           temperature=0, extra_body={"hidden_states_proof": PROOF,
-                                                                      "return_token_ids": True})
+        r = lora_client.completions.create(
+            model=model or BASE,
+            prompt="An adapter proves its work",
+            max_tokens=24,
+            temperature=0,
+            extra_body={"hidden_states_proof": PROOF, "return_token_ids": True},
+        )
         (c,) = r.choices
-        figures = adapter_proofs(validate, tl, refs, model, list(c.prompt_token_ids), list(c.token_ids),
-                                 c.hidden_states_proof["proofs"])
-        print(f"{model or BASE}'s proofs (exponent mismatches, mean mantissa error per proof), validated on each "
-              f"model: {figures}")
+        figures = adapter_proofs(
+            validate, tl, refs, model, list(c.prompt_token_ids), list(c.token_ids), c.hidden_states_proof["proofs"]
+        )
+        print(
+            f"{model or BASE}'s proofs (exponent mismatches, mean mantissa error per proof), validated on each "
+            f"model: {figures}"
+        )
 
 
 def test_adapter_proof_checks_fail_against_a_broken_validation(refs, monkeypatch):
@@ -183,12 +211,12 @@ def test_adapter_proof_checks_fail_against_a_broken_validation(refs, monkeypatch
     servers = {other or BASE: stand_in_server(ref) for other, ref in refs.items()}
     prompt = refs[None].tokenizer("An adapter proves its work")["input_ids"]
     completion = [int(t) for t in np.random.default_rng(6).integers(5, 250, 24)]
-    proofs = tl.build_proofs_base64(activations(refs["lora-all"], prompt + completion, len(prompt)),
-                                    PROOF["decode_batching_size"], PROOF["topk"])
+    proofs = tl.build_proofs_base64(
+        activations(refs["lora-all"], prompt + completion, len(prompt)), PROOF["decode_batching_size"], PROOF["topk"]
+    )
     adapter_proofs(lambda name, body: servers[name](body), tl, refs, "lora-all", prompt, completion, proofs)
     for _, breaks in sorted(BROKEN_VALIDATION.items()):
         with monkeypatch.context() as m:
             breaks(m)
             with pytest.raises(AssertionError):
-                adapter_proofs(lambda name, body: servers[name](body), tl, refs, "lora-all", prompt, completion,
-                               proofs)
+                adapter_proofs(lambda name, body: servers[name](body), tl, refs, "lora-all", prompt, completion, proofs)

@@ -7,17 +7,17 @@ And completions with prompt_embeds through the Router, against transformers give
 
 from __future__ import annotations
 
-import json
-
 import httpx
 import numpy as np
-import pytest
 
 from tests.engine.test_multimodal import REL_TOL, about, image
 from tests.serve.conftest import decode_vector
 
-APPS = {"gemma3_vlm_app": ("builtin:tiny-gemma3-vlm", "hs-gemma3-vlm"), "llava_app": ("builtin:tiny-llava", "hs-llava"),
-        "qwen_vl_app": ("builtin:tiny-qwen3-vl", "hs-qwen-vl")}
+APPS = {
+    "gemma3_vlm_app": ("builtin:tiny-gemma3-vlm", "hs-gemma3-vlm"),
+    "llava_app": ("builtin:tiny-llava", "hs-llava"),
+    "qwen_vl_app": ("builtin:tiny-qwen3-vl", "hs-qwen-vl"),
+}
 
 
 def folder_of(model: str) -> str:
@@ -45,19 +45,37 @@ def chat_over_http(base: str, model: str, served: str) -> None:
 
     client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", timeout=120, max_retries=0)
     layers = [*range(load(folder_of(model))[0].config.get_text_config().num_hidden_layers), -1]
-    r = client.chat.completions.create(model=served, messages=about(0), max_tokens=6, temperature=0,
-                                       extra_body={"return_hidden_states": True, "return_token_ids": True,
-                                                   "hidden_states_position": "all", "hidden_states_layers": layers})
+    r = client.chat.completions.create(
+        model=served,
+        messages=about(0),
+        max_tokens=6,
+        temperature=0,
+        extra_body={
+            "return_hidden_states": True,
+            "return_token_ids": True,
+            "hidden_states_position": "all",
+            "hidden_states_layers": layers,
+        },
+    )
     ch = r.choices[0].model_dump()
     meta = ch["hidden_states_meta"]
     assert meta["modalities"][0]["modality"] == "image" and meta["via"] == "tail", meta
     assert sorted(map(int, ch["hidden_states_by_layer"])) == sorted(layers)
-    err = max(check(None, model, r.prompt_token_ids, [0], ch["token_ids"], rows=rows, layer=int(layer))
-              for layer, rows in ch["hidden_states_by_layer"].items())
+    err = max(
+        check(None, model, r.prompt_token_ids, [0], ch["token_ids"], rows=rows, layer=int(layer))
+        for layer, rows in ch["hidden_states_by_layer"].items()
+    )
     # streamed, n=2 (sampled, seeded): each choice's vector on its final chunk, each exact
-    stream = client.chat.completions.create(model=served, messages=about(1, 2), max_tokens=5, n=2, temperature=1.0,
-                                            seed=7, stream=True,
-                                            extra_body={"return_hidden_states": True, "return_token_ids": True})
+    stream = client.chat.completions.create(
+        model=served,
+        messages=about(1, 2),
+        max_tokens=5,
+        n=2,
+        temperature=1.0,
+        seed=7,
+        stream=True,
+        extra_body={"return_hidden_states": True, "return_token_ids": True},
+    )
     tokens: dict[int, list[int]] = {}
     vectors, prompt_ids = {}, None
     for chunk in stream:
@@ -86,15 +104,24 @@ def chat_over_a_handle(app_name: str, model: str) -> None:
 def refuses_bad_media_and_keeps_serving(base: str, served: str) -> None:
     bad = about(4)
     bad[0]["content"][0]["image_url"]["url"] = "data:image/png;base64,not base64!"
-    r = httpx.post(f"{base}/v1/chat/completions", timeout=60, json={
-        "model": served, "messages": bad, "max_tokens": 4, "return_hidden_states": True})
+    r = httpx.post(
+        f"{base}/v1/chat/completions",
+        timeout=60,
+        json={"model": served, "messages": bad, "max_tokens": 4, "return_hidden_states": True},
+    )
     err = r.json()["error"]
     assert r.status_code == 400 and err["param"] == "messages[0].content[0].image_url", err
-    three = httpx.post(f"{base}/v1/chat/completions", timeout=60, json={
-        "model": served, "messages": about(1, 2, 3), "max_tokens": 4, "return_hidden_states": True})
+    three = httpx.post(
+        f"{base}/v1/chat/completions",
+        timeout=60,
+        json={"model": served, "messages": about(1, 2, 3), "max_tokens": 4, "return_hidden_states": True},
+    )
     assert three.status_code == 400 and "At most 2 image" in three.text, three.text
-    ok = httpx.post(f"{base}/v1/chat/completions", timeout=60, json={
-        "model": served, "messages": about(5), "max_tokens": 4, "return_hidden_states": True})
+    ok = httpx.post(
+        f"{base}/v1/chat/completions",
+        timeout=60,
+        json={"model": served, "messages": about(5), "max_tokens": 4, "return_hidden_states": True},
+    )
     assert ok.status_code == 200 and ok.json()["choices"][0]["hidden_states"], ok.text
 
 
@@ -129,9 +156,18 @@ def test_the_same_image_goes_to_the_same_replica_and_hits_its_cache(llava_app):
     seen: dict[int, list[tuple[str, int]]] = {}
     for round_ in range(3):
         for seed in (20, 21, 22, 23, 24, 25):
-            r = httpx.post(f"{llava_app}/v1/chat/completions", timeout=120, json={
-                "model": served, "messages": about(seed, text=text), "max_tokens": 4, "temperature": 0,
-                "return_hidden_states": True, "return_token_ids": True})
+            r = httpx.post(
+                f"{llava_app}/v1/chat/completions",
+                timeout=120,
+                json={
+                    "model": served,
+                    "messages": about(seed, text=text),
+                    "max_tokens": 4,
+                    "temperature": 0,
+                    "return_hidden_states": True,
+                    "return_token_ids": True,
+                },
+            )
             assert r.status_code == 200, r.text[:300]
             body = r.json()
             cached = (body["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0
@@ -155,8 +191,11 @@ def test_qwen_vl_chats_with_images_over_http_and_a_handle(qwen_vl_app):
 
 
 def test_an_image_sent_to_a_text_model_is_refused_by_name(client, serve_app):
-    r = httpx.post(f"{serve_app}/v1/chat/completions", timeout=60, json={
-        "model": "tiny-llama", "messages": about(0), "max_tokens": 4, "return_hidden_states": True})
+    r = httpx.post(
+        f"{serve_app}/v1/chat/completions",
+        timeout=60,
+        json={"model": "tiny-llama", "messages": about(0), "max_tokens": 4, "return_hidden_states": True},
+    )
     assert r.status_code == 400 and "not a multimodal model" in r.json()["error"]["message"], r.text
     ok = client.completions.create(model="tiny-llama", prompt="still serving", max_tokens=2)
     assert ok.choices[0].text is not None
@@ -176,12 +215,20 @@ def test_prompt_embeds_through_the_router(embeds_app, model_dir):
     E = torch.randn(7, 128, generator=torch.Generator().manual_seed(3)) * 0.5
     buf = io.BytesIO()
     torch.save(E, buf)
-    body = {"model": served_name(embeds_app), "prompt_embeds": base64.b64encode(buf.getvalue()).decode(),
-            "max_tokens": 6, "temperature": 0, "return_token_ids": True}
+    body = {
+        "model": served_name(embeds_app),
+        "prompt_embeds": base64.b64encode(buf.getvalue()).decode(),
+        "max_tokens": 6,
+        "temperature": 0,
+        "return_token_ids": True,
+    }
     outs = {}
-    for name, extra in {"plain": {}, "tail": {"return_hidden_states": True},
-                        "extraction": {"return_hidden_states": True, "stop": ["never in this text"]},
-                        "all": {"return_hidden_states": True, "hidden_states_position": "all"}}.items():
+    for name, extra in {
+        "plain": {},
+        "tail": {"return_hidden_states": True},
+        "extraction": {"return_hidden_states": True, "stop": ["never in this text"]},
+        "all": {"return_hidden_states": True, "hidden_states_position": "all"},
+    }.items():
         r = httpx.post(f"{embeds_app}/v1/completions", json={**body, **extra}, timeout=120)
         assert r.status_code == 200, (name, r.text[:500])
         outs[name] = r.json()["choices"][0]

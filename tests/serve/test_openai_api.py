@@ -25,8 +25,15 @@ HS = {"return_hidden_states": True, "return_token_ids": True}
 
 
 def test_completion_n2_float(client, reference):
-    r = client.completions.create(model="tiny-llama", prompt="Hello! How are you today?", max_tokens=12, n=2,
-                                  temperature=1.0, seed=11, extra_body=HS)
+    r = client.completions.create(
+        model="tiny-llama",
+        prompt="Hello! How are you today?",
+        max_tokens=12,
+        n=2,
+        temperature=1.0,
+        seed=11,
+        extra_body=HS,
+    )
     assert len(r.choices) == 2
     prompt_ids = r.choices[0].prompt_token_ids
     for ch in r.choices:
@@ -35,9 +42,16 @@ def test_completion_n2_float(client, reference):
 
 
 def test_completion_stream_base64_n2(client, reference):
-    stream = client.completions.create(model="tiny-llama", prompt="The router sends every completion", max_tokens=10,
-                                       n=2, temperature=1.0, seed=3, stream=True,
-                                       extra_body={**HS, "hidden_states_encoding": "base64"})
+    stream = client.completions.create(
+        model="tiny-llama",
+        prompt="The router sends every completion",
+        max_tokens=10,
+        n=2,
+        temperature=1.0,
+        seed=3,
+        stream=True,
+        extra_body={**HS, "hidden_states_encoding": "base64"},
+    )
     tokens, vectors, prompt_ids = {0: [], 1: []}, {}, None
     for chunk in stream:
         for ch in chunk.choices:
@@ -57,9 +71,18 @@ def test_completion_stream_base64_n2(client, reference):
 
 def test_chat_n2_and_base64_equals_float(client, reference):
     msgs = [{"role": "user", "content": "What is the capital of France?"}]
-    f = client.chat.completions.create(model="tiny-llama", messages=msgs, max_tokens=8, n=2, temperature=1.0, seed=9, extra_body=HS)
-    b = client.chat.completions.create(model="tiny-llama", messages=msgs, max_tokens=8, n=2, temperature=1.0, seed=9,
-                                       extra_body={**HS, "hidden_states_encoding": "base64"})
+    f = client.chat.completions.create(
+        model="tiny-llama", messages=msgs, max_tokens=8, n=2, temperature=1.0, seed=9, extra_body=HS
+    )
+    b = client.chat.completions.create(
+        model="tiny-llama",
+        messages=msgs,
+        max_tokens=8,
+        n=2,
+        temperature=1.0,
+        seed=9,
+        extra_body={**HS, "hidden_states_encoding": "base64"},
+    )
     prompt_ids = f.prompt_token_ids
     for fc, bc in zip(f.choices, b.choices):
         fv, bv = decode_vector(fc.hidden_states), decode_vector(bc.hidden_states)
@@ -68,8 +91,13 @@ def test_chat_n2_and_base64_equals_float(client, reference):
 
 
 def test_chat_stream(client, reference):
-    stream = client.chat.completions.create(model="tiny-llama", messages=[{"role": "user", "content": "Tell me a story."}],
-                                            max_tokens=10, stream=True, extra_body=HS)
+    stream = client.chat.completions.create(
+        model="tiny-llama",
+        messages=[{"role": "user", "content": "Tell me a story."}],
+        max_tokens=10,
+        stream=True,
+        extra_body=HS,
+    )
     tokens, vector, prompt_ids, finals = [], None, None, 0
     for chunk in stream:
         extra = chunk.model_extra or {}
@@ -86,8 +114,16 @@ def test_chat_stream(client, reference):
 
 def test_prompt_list_token_ids_stop_seed_logprobs(client, reference):
     ids = reference.tokenizer("Numbers: 0 1 2 3")["input_ids"]
-    r = client.completions.create(model="tiny-llama", prompt=["The cache", "A user reads"], max_tokens=10, n=2,
-                                  temperature=0.8, seed=5, logprobs=2, extra_body=HS)
+    r = client.completions.create(
+        model="tiny-llama",
+        prompt=["The cache", "A user reads"],
+        max_tokens=10,
+        n=2,
+        temperature=0.8,
+        seed=5,
+        logprobs=2,
+        extra_body=HS,
+    )
     assert [c.index for c in r.choices] == [0, 1, 2, 3]
     assert all(c.logprobs is not None for c in r.choices)
     by_prompt = {}
@@ -110,10 +146,14 @@ def test_switch_off_is_400_and_no_engine_work(off_app):
     off = openai.OpenAI(base_url=f"{off_app}/v1", api_key="unused", timeout=60, max_retries=0)
     before = replica_stats(off_app)["replica"]["requests"]
     with pytest.raises(openai.BadRequestError) as e:
-        off.completions.create(model="tiny-llama", prompt="Hello!", max_tokens=4, extra_body={"return_hidden_states": True})
+        off.completions.create(
+            model="tiny-llama", prompt="Hello!", max_tokens=4, extra_body={"return_hidden_states": True}
+        )
     assert e.value.status_code == 400
     body = e.value.response.json()
-    assert "enable_return_hidden_states" in body["error"]["message"] and body["error"]["param"] == "return_hidden_states"
+    assert (
+        "enable_return_hidden_states" in body["error"]["message"] and body["error"]["param"] == "return_hidden_states"
+    )
     assert replica_stats(off_app)["replica"]["requests"] == before
     # The same server still serves plain completions.
     assert off.completions.create(model="tiny-llama", prompt="Hello!", max_tokens=4).choices[0].text is not None
@@ -121,9 +161,16 @@ def test_switch_off_is_400_and_no_engine_work(off_app):
 
 def test_two_replicas_vectors_are_local_and_one_token(serve_app, reference):
     def one(i: int):
-        r = httpx.post(f"{serve_app}/v1/completions", timeout=300, json={
-            "model": "tiny-llama", "prompt": long_text(250, seed=100 + i), "max_tokens": 16, **HS,
-        })
+        r = httpx.post(
+            f"{serve_app}/v1/completions",
+            timeout=300,
+            json={
+                "model": "tiny-llama",
+                "prompt": long_text(250, seed=100 + i),
+                "max_tokens": 16,
+                **HS,
+            },
+        )
         assert r.status_code == 200, r.text
         return r.headers["x-replica-id"], r.json()
 
@@ -148,10 +195,16 @@ def test_two_replicas_vectors_are_local_and_one_token(serve_app, reference):
 def test_handle_from_second_driver_matches_http(serve_app, ray_cluster, reference):
     prompt = "A verifier reads the hidden state"
     messages = [{"role": "user", "content": "Which vector does a verifier read?"}]
-    http = httpx.post(f"{serve_app}/v1/completions", timeout=120, json={
-        "model": "tiny-llama", "prompt": prompt, "max_tokens": 10, "temperature": 0, **HS}).json()["choices"][0]
-    chat = httpx.post(f"{serve_app}/v1/chat/completions", timeout=120, json={
-        "model": "tiny-llama", "messages": messages, "max_tokens": 10, "temperature": 0, **HS}).json()
+    http = httpx.post(
+        f"{serve_app}/v1/completions",
+        timeout=120,
+        json={"model": "tiny-llama", "prompt": prompt, "max_tokens": 10, "temperature": 0, **HS},
+    ).json()["choices"][0]
+    chat = httpx.post(
+        f"{serve_app}/v1/chat/completions",
+        timeout=120,
+        json={"model": "tiny-llama", "messages": messages, "max_tokens": 10, "temperature": 0, **HS},
+    ).json()
     script = textwrap.dedent(f"""
         import json, ray
         from ray import serve
@@ -168,8 +221,13 @@ def test_handle_from_second_driver_matches_http(serve_app, ray_cluster, referenc
               "chat_prompt": list(chat.prompt_token_ids), "chat_ids": list(chat.choices[0].token_ids),
               "chat_text": chat.choices[0].text, "chat_vector": chat.choices[0].hidden_states.tolist()}}))
     """)
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
-                         cwd=Path(__file__).resolve().parents[2])
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=Path(__file__).resolve().parents[2],
+    )
     line = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT")]
     assert line, out.stdout[-2000:] + out.stderr[-3000:]
     got = json.loads(line[0][6:])
@@ -202,11 +260,17 @@ def test_each_request_s_fields_are_parsed_once_where_it_is_first_read(serve_app,
 
     routers, replicas = counts()
     client.completions.create(model="tiny-llama", prompt="one", max_tokens=3, extra_body={**HS, "n": 2})
-    list(client.chat.completions.create(model="tiny-llama", messages=[{"role": "user", "content": "two"}],
-                                        max_tokens=3, stream=True, extra_body=HS))
+    list(
+        client.chat.completions.create(
+            model="tiny-llama", messages=[{"role": "user", "content": "two"}], max_tokens=3, stream=True, extra_body=HS
+        )
+    )
     client.completions.create(model="tiny-llama", prompt="three", max_tokens=3)
-    bad = httpx.post(f"{serve_app}/v1/completions", timeout=60, json={
-        "model": "tiny-llama", "prompt": "four", **HS, "hidden_states_position": "middle"})
+    bad = httpx.post(
+        f"{serve_app}/v1/completions",
+        timeout=60,
+        json={"model": "tiny-llama", "prompt": "four", **HS, "hidden_states_position": "middle"},
+    )
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "hidden_states_position"
     assert complete(serve.get_app_handle(APP), "five", max_tokens=3).choices[0].hidden_states is not None
     routers_after, replicas_after = counts()
@@ -230,8 +294,9 @@ def test_router_own_port_serves_the_same_api(serve_app, reference):
 
 def test_conventions_users_bring(serve_app, client, reference):
     """OpenAI's encoding_format, vLLM's /tokenize and /detokenize, and max_model_len on /v1/models."""
-    r = client.completions.create(model="tiny-llama", prompt="The alias", max_tokens=4,
-                                  extra_body={**HS, "encoding_format": "base64"})
+    r = client.completions.create(
+        model="tiny-llama", prompt="The alias", max_tokens=4, extra_body={**HS, "encoding_format": "base64"}
+    )
     (c,) = r.choices
     assert isinstance(c.hidden_states, str)  # base64, as hidden_states_encoding would give
     reference.assert_matches(c.prompt_token_ids + c.token_ids, decode_vector(c.hidden_states))
@@ -259,8 +324,12 @@ def test_router_left_nothing_pending(serve_app, client):
 
 @eager_only
 def test_layers_over_http(client, reference):
-    r = client.completions.create(model="tiny-llama", prompt="The probe reads a layer", max_tokens=6,
-                                  extra_body={**HS, "hidden_states_layers": [0, 1, -1], "hidden_states_encoding": "base64"})
+    r = client.completions.create(
+        model="tiny-llama",
+        prompt="The probe reads a layer",
+        max_tokens=6,
+        extra_body={**HS, "hidden_states_layers": [0, 1, -1], "hidden_states_encoding": "base64"},
+    )
     c = r.choices[0]
     by_layer = c.model_extra["hidden_states_by_layer"]
     assert sorted(by_layer) == ["-1", "0", "1"] and "hidden_states" not in c.model_extra
@@ -269,8 +338,12 @@ def test_layers_over_http(client, reference):
 
 
 def test_prompt_end_over_http_runs_no_extraction(client, reference):
-    r = client.chat.completions.create(model="tiny-llama", messages=[{"role": "user", "content": "Hello there"}],
-                                       max_tokens=6, extra_body={**HS, "hidden_states_position": "prompt_end"})
+    r = client.chat.completions.create(
+        model="tiny-llama",
+        messages=[{"role": "user", "content": "Hello there"}],
+        max_tokens=6,
+        extra_body={**HS, "hidden_states_position": "prompt_end"},
+    )
     c = r.choices[0]
     meta = c.model_extra["hidden_states_meta"]
     assert meta["position"] == "prompt_end" and "cached_tokens" not in meta  # no extraction step ran
@@ -279,6 +352,7 @@ def test_prompt_end_over_http_runs_no_extraction(client, reference):
 
 def test_bad_layer_is_400(client):
     with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model="tiny-llama", prompt="x", max_tokens=2,
-                                  extra_body={**HS, "hidden_states_layers": [99]})
+        client.completions.create(
+            model="tiny-llama", prompt="x", max_tokens=2, extra_body={**HS, "hidden_states_layers": [99]}
+        )
     assert "out of range" in e.value.response.json()["error"]["message"]

@@ -55,38 +55,72 @@ class Case:
 
 
 C, H = "completions", "chat"
-TOOL = {"type": "function", "function": {"name": "lookup", "description": "look a word up",
-                                         "parameters": {"type": "object", "properties": {"word": {"type": "string"}},
-                                                        "required": ["word"]}}}
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "lookup",
+        "description": "look a word up",
+        "parameters": {"type": "object", "properties": {"word": {"type": "string"}}, "required": ["word"]},
+    },
+}
 SCHEMA = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}
 
 CASES = [
     # sampling: what changes the tokens
     Case("greedy", C, {"temperature": 0}),
     Case("sampled-seed", C, {"temperature": 1.0, "seed": 7, "top_p": 0.9, "top_k": 20, "min_p": 0.05}),
-    Case("penalties", C, {"temperature": 0.8, "seed": 3, "frequency_penalty": 0.5, "presence_penalty": 0.5,
-                          "repetition_penalty": 1.3}),
-    Case("logit-bias-allowed-bad", C, {"temperature": 1.0, "seed": 5, "logit_bias": {"100": 5, "200": -100},
-                                       "allowed_token_ids": list(range(50, 400)), "bad_words": ["the"]}),
+    Case(
+        "penalties",
+        C,
+        {"temperature": 0.8, "seed": 3, "frequency_penalty": 0.5, "presence_penalty": 0.5, "repetition_penalty": 1.3},
+    ),
+    Case(
+        "logit-bias-allowed-bad",
+        C,
+        {
+            "temperature": 1.0,
+            "seed": 5,
+            "logit_bias": {"100": 5, "200": -100},
+            "allowed_token_ids": list(range(50, 400)),
+            "bad_words": ["the"],
+        },
+    ),
     Case("stop-strings", C, {"temperature": 1.0, "seed": 11, "stop": ["e", "a"], "include_stop_str_in_output": True}),
-    Case("stop-token-ids-min-tokens", C, {"temperature": 1.0, "seed": 2, "stop_token_ids": [262, 300, 400],
-                                          "min_tokens": 3}),
+    Case(
+        "stop-token-ids-min-tokens",
+        C,
+        {"temperature": 1.0, "seed": 2, "stop_token_ids": [262, 300, 400], "min_tokens": 3},
+    ),
     # the stop token is forced (biased, after min_tokens): its text must not reach the output
-    Case("stop-token-hit", C, {"temperature": 1.0, "seed": 2, "stop_token_ids": [262], "logit_bias": {"262": 100},
-                               "min_tokens": 3}, finish="stop"),
+    Case(
+        "stop-token-hit",
+        C,
+        {"temperature": 1.0, "seed": 2, "stop_token_ids": [262], "logit_bias": {"262": 100}, "min_tokens": 3},
+        finish="stop",
+    ),
     Case("ignore-eos", C, {"temperature": 1.0, "seed": 4, "ignore_eos": True, "max_tokens": 20}),
     Case("watermarking", C, {"temperature": 1.0, "seed": 9, "watermarking": True}),
-    Case("repetition-detection", C, {"temperature": 0, "max_tokens": 24,
-                                     "repetition_detection": {"max_pattern_size": 2, "min_count": 2}}),
+    Case(
+        "repetition-detection",
+        C,
+        {"temperature": 0, "max_tokens": 24, "repetition_detection": {"max_pattern_size": 2, "min_count": 2}},
+    ),
     # the number of choices
     Case("n3", C, {"temperature": 1.0, "seed": 1, "n": 3}),
     Case("n2-identical", C, {"temperature": 1.0, "top_k": 1, "n": 2}),  # vLLM refuses n > 1 at temperature 0
-    Case("prompt-list-n2", C, {"prompt": ["A user reads", "The cache holds", "Tokens"], "temperature": 1.0, "seed": 8,
-                               "n": 2}),
+    Case(
+        "prompt-list-n2",
+        C,
+        {"prompt": ["A user reads", "The cache holds", "Tokens"], "temperature": 1.0, "seed": 8, "n": 2},
+    ),
     Case("token-id-prompts", C, {"prompt": [[0, 693, 262, 261], [0, 300, 301]], "temperature": 1.0, "seed": 8}),
     Case("beam-search", C, {"use_beam_search": True, "n": 2, "length_penalty": 0.8}, refused_streaming="beam search"),
-    Case("prompt-list-beam-search", C, {"prompt": ["A user reads", "The cache holds"], "use_beam_search": True,
-                                        "n": 2}, refused_streaming="beam search"),
+    Case(
+        "prompt-list-beam-search",
+        C,
+        {"prompt": ["A user reads", "The cache holds"], "use_beam_search": True, "n": 2},
+        refused_streaming="beam search",
+    ),
     # the prompt's tokens
     Case("no-special-tokens", C, {"add_special_tokens": False}),
     Case("truncate-left", C, {"truncate_prompt_tokens": 3}),
@@ -99,36 +133,92 @@ CASES = [
     Case("echo-logprobs", C, {"echo": True, "logprobs": 2, "return_tokens_as_token_ids": True}),
     Case("prompt-logprobs", C, {"prompt_logprobs": 1}, refused_streaming="prompt_logprobs"),
     Case("max-tokens-1", C, {"max_tokens": 1}),
-    Case("stream-options", C, {"stream_options": {"include_usage": True, "continuous_usage_stats": True},
-                               "stream_interval": 3}, streams=(True,)),
-    Case("response-format", C, {"response_format": {"type": "json_schema",
-                                                    "json_schema": {"name": "a", "schema": SCHEMA}}, "max_tokens": 12}),
+    Case(
+        "stream-options",
+        C,
+        {"stream_options": {"include_usage": True, "continuous_usage_stats": True}, "stream_interval": 3},
+        streams=(True,),
+    ),
+    Case(
+        "response-format",
+        C,
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}}, "max_tokens": 12},
+    ),
     Case("structured-outputs", C, {"structured_outputs": {"choice": ["yes", "no"]}}),
     Case("hidden-token-ids", C, {"return_token_ids": False}),
-    Case("forged-xargs", C, {"vllm_xargs": {"hidden_states_collector": "forged", "hidden_states_capture": "x",
-                                            "mine": 1}}),
+    Case(
+        "forged-xargs",
+        C,
+        {"vllm_xargs": {"hidden_states_collector": "forged", "hidden_states_capture": "x", "mine": 1}},
+    ),
     # chat: the template's input and the rest of the surface
     Case("greedy", H, {"temperature": 0, "max_completion_tokens": 8}),
     Case("n3-sampled", H, {"temperature": 1.0, "seed": 6, "n": 3, "logprobs": True, "top_logprobs": 2}),
     Case("beam-search", H, {"use_beam_search": True, "n": 2}),
-    Case("continue-final-message", H, {"messages": [*MESSAGES, {"role": "assistant", "content": "The cache"}],
-                                       "continue_final_message": True, "add_generation_prompt": False}),
-    Case("template-kwargs", H, {"chat_template_kwargs": {"enable_thinking": False}, "documents": [{"text": "doc"}],
-                                "reasoning_effort": "low", "include_reasoning": True}),
-    Case("custom-template", H, {"chat_template": "{% for m in messages %}{{ m['content'] }}{% endfor %}"},
-         refused="trust-request-chat-template"),
+    Case(
+        "continue-final-message",
+        H,
+        {
+            "messages": [*MESSAGES, {"role": "assistant", "content": "The cache"}],
+            "continue_final_message": True,
+            "add_generation_prompt": False,
+        },
+    ),
+    Case(
+        "template-kwargs",
+        H,
+        {
+            "chat_template_kwargs": {"enable_thinking": False},
+            "documents": [{"text": "doc"}],
+            "reasoning_effort": "low",
+            "include_reasoning": True,
+        },
+    ),
+    Case(
+        "custom-template",
+        H,
+        {"chat_template": "{% for m in messages %}{{ m['content'] }}{% endfor %}"},
+        refused="trust-request-chat-template",
+    ),
     Case("tools-none", H, {"tools": [TOOL], "tool_choice": "none", "parallel_tool_calls": False}),
     Case("tools-required", H, {"tools": [TOOL], "tool_choice": "required"}, refused="tool-call-parser"),
     Case("thinking-budget", H, {"thinking_token_budget": 4}, refused="thinking_token_budget"),
     Case("response-format-json", H, {"response_format": {"type": "json_object"}, "max_tokens": 12}),
-    Case("image-part", H, {"messages": [{"role": "user", "content": [
-        {"type": "text", "text": "What is this?"},
-        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}, refused="image_url"),  # not an image
-    Case("stop-skip-special", H, {"temperature": 1.0, "seed": 12, "stop": ["e"], "skip_special_tokens": False,
-                                  "spaces_between_special_tokens": False, "ignore_eos": True}),
+    Case(
+        "image-part",
+        H,
+        {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "What is this?"},
+                        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+                    ],
+                }
+            ]
+        },
+        refused="image_url",
+    ),  # not an image
+    Case(
+        "stop-skip-special",
+        H,
+        {
+            "temperature": 1.0,
+            "seed": 12,
+            "stop": ["e"],
+            "skip_special_tokens": False,
+            "spaces_between_special_tokens": False,
+            "ignore_eos": True,
+        },
+    ),
     # EOS (id 1) forced after min_tokens, special tokens kept: its text must not reach the content
-    Case("eos-skip-special", H, {"temperature": 1.0, "seed": 13, "logit_bias": {"1": 100}, "min_tokens": 2,
-                                 "skip_special_tokens": False}, finish="stop"),
+    Case(
+        "eos-skip-special",
+        H,
+        {"temperature": 1.0, "seed": 13, "logit_bias": {"1": 100}, "min_tokens": 2, "skip_special_tokens": False},
+        finish="stop",
+    ),
 ]
 
 # Fields that cannot change the tokens or the number of choices, each with why.
@@ -146,7 +236,7 @@ IRRELEVANT = {
     "mm_payload": "what a render response carries for multimodal items: output only",
     "return_mm_kwargs": "deprecated alias of mm_payload",
     "media_io_kwargs": "how media are loaded; this app's model is text-only (the image-part case: its image is "
-                       "refused by name; images on VLMs: tests/serve/test_multimodal.py)",
+    "refused by name; images on VLMs: tests/serve/test_multimodal.py)",
     "mm_processor_kwargs": "multimodal processor options; this app's model is text-only (image-part case)",
     "kv_transfer_params": "disaggregated prefill; this server configures no KV connector",
     "ec_transfer_params": "encoder-cache transfer; this server configures no connector",
@@ -206,8 +296,10 @@ def _choices_streamed(stream, route: str) -> list[tuple[int, list[int], list[int
                 finals[ch.index] = extra
             else:
                 assert "hidden_states" not in extra, "a vector before the choice finished"
-    return [(i, prompts.get(i, prompts.get(-1)), tokens.get(i, []), finals[i].get("hidden_states"), finals[i])
-            for i in sorted(finals)]
+    return [
+        (i, prompts.get(i, prompts.get(-1)), tokens.get(i, []), finals[i].get("hidden_states"), finals[i])
+        for i in sorted(finals)
+    ]
 
 
 def _expected_choices(case: Case) -> int:
@@ -216,8 +308,9 @@ def _expected_choices(case: Case) -> int:
     return n_prompts * case.options.get("n", 1)
 
 
-@pytest.mark.parametrize("case,stream", [(c, s) for c in CASES for s in c.streams],
-                         ids=[c.id(s) for c in CASES for s in c.streams])
+@pytest.mark.parametrize(
+    "case,stream", [(c, s) for c in CASES for s in c.streams], ids=[c.id(s) for c in CASES for s in c.streams]
+)
 def test_option(client, reference, case: Case, stream: bool):
     refused = case.refused or (case.refused_streaming if stream else None)
     if refused is not None:
@@ -261,8 +354,10 @@ PER_REQUEST = frozenset({"id", "created"})  # top-level keys of a response or ch
 VECTOR_KEYS = frozenset({"hidden_states", "hidden_states_by_layer", "hidden_states_meta"})  # a choice's, with HS only
 
 CAPPED = "completions-max-tokens-unset-whole"
-CAP_WHY = ("max_tokens unset: with hidden states it is capped at max_model_len - 1 - prompt length (the final "
-           "token needs one more position for its vector), without at max_model_len - prompt length: one token fewer")
+CAP_WHY = (
+    "max_tokens unset: with hidden states it is capped at max_model_len - 1 - prompt length (the final "
+    "token needs one more position for its vector), without at max_model_len - prompt length: one token fewer"
+)
 # case -> field -> why: the only differences hidden states may make. Every field not listed must be
 # identical; one listed field at least must differ (else the entry is stale and fails; the case's own
 # test pins the exact difference). Refused cases (a 400 with hidden states: `refused`,
@@ -296,13 +391,13 @@ _ABSENT = _Absent()  # a key or list item one side does not have
 # token and whether anything came after it; the chunks' own fields; the usage-only chunks
 # exactly; the last chunk's usage; and the final [DONE].
 STREAM_NOT_COMPARED = {
-    "chunk boundaries (how many tokens one chunk carries)":
-        "vLLM's per-request output collector merges the deltas its reader has not taken yet, so "
-        "a chunk carries one token or several depending on timing",
-    "interleaving of choices' chunks (n > 1, several prompts)":
-        "each choice streams as its own engine request produces it; their order across choices is timing",
-    "usage of each chunk but the last (continuous_usage_stats)":
-        "cumulative counts as of each chunk, so they follow the chunk boundaries",
+    "chunk boundaries (how many tokens one chunk carries)": "vLLM's per-request output collector merges the deltas "
+    "its reader has not taken yet, so "
+    "a chunk carries one token or several depending on timing",
+    "interleaving of choices' chunks (n > 1, several prompts)": "each choice streams as its own engine request "
+    "produces it; their order across choices is timing",
+    "usage of each chunk but the last (continuous_usage_stats)": "cumulative counts as of each chunk, so they follow "
+    "the chunk boundaries",
 }
 
 
@@ -321,7 +416,7 @@ def _post(base: str, route: str, body: dict[str, Any], stream: bool) -> tuple[in
             for line in r.iter_lines():
                 if not line.startswith("data:"):
                     continue
-                data = line[len("data:"):].strip()
+                data = line[len("data:") :].strip()
                 if data == "[DONE]":
                     events.append(data)
                     break
@@ -355,8 +450,10 @@ def _without_vectors(event: Any) -> Any:
         return event
     out = {k: v for k, v in event.items() if k not in PER_REQUEST}
     if isinstance(out.get("choices"), list):
-        out["choices"] = [{k: v for k, v in ch.items() if k not in VECTOR_KEYS} if isinstance(ch, dict) else ch
-                          for ch in out["choices"]]
+        out["choices"] = [
+            {k: v for k, v in ch.items() if k not in VECTOR_KEYS} if isinstance(ch, dict) else ch
+            for ch in out["choices"]
+        ]
     return out
 
 
@@ -372,8 +469,9 @@ def _first_difference(a: Any, b: Any, path: str = "", skip: frozenset[str] = fro
         return None
     if isinstance(a, list) and isinstance(b, list):
         for i in range(max(len(a), len(b))):
-            d = _first_difference(a[i] if i < len(a) else _ABSENT, b[i] if i < len(b) else _ABSENT,
-                                  f"{path}[{i}]", skip)
+            d = _first_difference(
+                a[i] if i < len(a) else _ABSENT, b[i] if i < len(b) else _ABSENT, f"{path}[{i}]", skip
+            )
             if d is not None:
                 return d
         return None
@@ -442,8 +540,9 @@ def _stream_transcript(events: list[Any]) -> dict[str, Any]:
         }
     with_choices = [e for e in chunks if e.get("choices")]
     return {
-        "chunk_fields": sorted({json.dumps({k: v for k, v in e.items() if k not in ("choices", "usage")},
-                                           sort_keys=True) for e in chunks}),
+        "chunk_fields": sorted(
+            {json.dumps({k: v for k, v in e.items() if k not in ("choices", "usage")}, sort_keys=True) for e in chunks}
+        ),
         "choices": choices,
         "usage_chunks": [e.get("usage", _ABSENT) for e in chunks if not e.get("choices")],
         "usage_on_choice_chunks": sorted({e.get("usage") is not None for e in with_choices}),
@@ -459,41 +558,63 @@ def _assert_parity(name: str, off: Any, on: Any, stream: bool) -> None:
     allowed = PARITY_DIFFERENCES.get(name, {})
     # without hidden states nothing is removed but the per-request keys: a vector there is a difference
     if stream:
-        a = _stream_transcript([{k: v for k, v in e.items() if k not in PER_REQUEST} if isinstance(e, dict) else e
-                                for e in off])
+        a = _stream_transcript(
+            [{k: v for k, v in e.items() if k not in PER_REQUEST} if isinstance(e, dict) else e for e in off]
+        )
         b = _stream_transcript([_without_vectors(e) for e in on])
     else:
         a, b = {k: v for k, v in off.items() if k not in PER_REQUEST}, _without_vectors(on)
     d = _first_difference(a, b, "stream" if stream else "", frozenset(allowed))
-    assert d is None, (f"{name}: asking for hidden states changed the response; first difference at {d[0]}:\n"
-                       f"  without hidden states: {_short(d[1])}\n  with hidden states:    {_short(d[2])}")
+    assert d is None, (
+        f"{name}: asking for hidden states changed the response; first difference at {d[0]}:\n"
+        f"  without hidden states: {_short(d[1])}\n  with hidden states:    {_short(d[2])}"
+    )
     if allowed:
-        assert any(_at(a, path) != _at(b, path) for path in allowed), \
+        assert any(_at(a, path) != _at(b, path) for path in allowed), (
             f"{name}: PARITY_DIFFERENCES lists {sorted(allowed)} as differing, but none does: a stale entry"
+        )
 
 
 def _assert_vectors_present(on: Any, stream: bool) -> None:
     """The hidden-states request did get its vectors: every finished choice carries one
     (else the comparison would be between two plain responses)."""
     events = on if stream else [on]
-    finished = [ch for e in events if isinstance(e, dict) for ch in e.get("choices") or ()
-                if ch.get("finish_reason") is not None]
+    finished = [
+        ch
+        for e in events
+        if isinstance(e, dict)
+        for ch in e.get("choices") or ()
+        if ch.get("finish_reason") is not None
+    ]
     assert finished, "no choice finished"
     for ch in finished:
-        assert ch.keys() & {"hidden_states", "hidden_states_by_layer"} and "hidden_states_meta" in ch, \
+        assert ch.keys() & {"hidden_states", "hidden_states_by_layer"} and "hidden_states_meta" in ch, (
             f"choice {ch.get('index')} finished without its vector: {sorted(ch)}"
+        )
 
 
-@pytest.mark.parametrize("case,stream", [(c, s) for c in CASES for s in c.streams],
-                         ids=[c.id(s) for c in CASES for s in c.streams])
+@pytest.mark.parametrize(
+    "case,stream", [(c, s) for c in CASES for s in c.streams], ids=[c.id(s) for c in CASES for s in c.streams]
+)
 def test_parity(serve_app, case: Case, stream: bool):
     refused = case.refused or (case.refused_streaming if stream else None)
     if refused is not None:
         if RECORD:
-            _record(case.id(stream), {"with": _post(serve_app, case.route, {**_body(case), "return_hidden_states": True,
-                                                                           "seed": PARITY_SEED}, stream)})
-        pytest.skip(f"exempt from parity: refused with hidden states (a 400 naming {refused!r}), "
-                    "so there is no response to compare")
+            _record(
+                case.id(stream),
+                {
+                    "with": _post(
+                        serve_app,
+                        case.route,
+                        {**_body(case), "return_hidden_states": True, "seed": PARITY_SEED},
+                        stream,
+                    )
+                },
+            )
+        pytest.skip(
+            f"exempt from parity: refused with hidden states (a 400 naming {refused!r}), "
+            "so there is no response to compare"
+        )
     body = _body(case)
     body.setdefault("seed", PARITY_SEED)
     status_off, off = _post(serve_app, case.route, body, stream)
@@ -504,8 +625,13 @@ def test_parity(serve_app, case: Case, stream: bool):
     _assert_vectors_present(on, stream)
     if case.finish is not None:
         events = off if stream else [off]
-        finishes = [ch["finish_reason"] for e in events if isinstance(e, dict) for ch in e.get("choices") or ()
-                     if ch.get("finish_reason") is not None]
+        finishes = [
+            ch["finish_reason"]
+            for e in events
+            if isinstance(e, dict)
+            for ch in e.get("choices") or ()
+            if ch.get("finish_reason") is not None
+        ]
         assert finishes and set(finishes) == {case.finish}, f"the case exists to finish by {case.finish}: {finishes}"
     if stream:
         assert off and off[-1] == "[DONE]", f"the stream without hidden states did not end with [DONE]: {_short(off)}"
@@ -518,8 +644,14 @@ def test_parity_max_tokens_unset(serve_app):
     max_model_len = TEST_ENGINE_ARGS["max_model_len"]
     room = 5  # tokens left without hidden states; 4 with
     prompt = [0] + [50 + (7 * i) % 600 for i in range(max_model_len - room - 1)]  # the vocabulary has 715
-    body = {"prompt": prompt, "max_tokens": None, "temperature": 0, "ignore_eos": True, "logprobs": 1,
-            "return_token_ids": True}
+    body = {
+        "prompt": prompt,
+        "max_tokens": None,
+        "temperature": 0,
+        "ignore_eos": True,
+        "logprobs": 1,
+        "return_token_ids": True,
+    }
     # A prompt this long fills KV blocks, which the prefix cache keeps: a request that reads them gets
     # logprobs a float32 ulp away from one that computed them (other chunk shapes), with or without
     # hidden states. A fresh cache_salt (it only keys the prefix cache) gives both requests a cold
@@ -536,8 +668,10 @@ def test_parity_max_tokens_unset(serve_app):
     for key in ("text_offset", "token_logprobs", "tokens", "top_logprobs"):
         assert b["logprobs"][key] == a["logprobs"][key][:-1], (key, a["logprobs"][key], b["logprobs"][key])
     assert a["text"].startswith(b["text"]), (a["text"], b["text"])
-    assert on["usage"] == {**off["usage"], "completion_tokens": room - 1, "total_tokens": max_model_len - 1}, \
-        (off["usage"], on["usage"])
+    assert on["usage"] == {**off["usage"], "completion_tokens": room - 1, "total_tokens": max_model_len - 1}, (
+        off["usage"],
+        on["usage"],
+    )
 
 
 def test_parity_differences_name_real_cases():
@@ -547,9 +681,13 @@ def test_parity_differences_name_real_cases():
 
 def test_beam_search_vectors_are_the_final_beams(client, reference):
     """Each returned beam's vector is its own: distinct beams carry distinct vectors."""
-    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=10, n=3,
-                                  extra_body={"use_beam_search": True, "return_hidden_states": True,
-                                              "return_token_ids": True})
+    r = client.completions.create(
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=10,
+        n=3,
+        extra_body={"use_beam_search": True, "return_hidden_states": True, "return_token_ids": True},
+    )
     assert len(r.choices) == 3
     seen = []
     for ch in r.choices:
@@ -577,6 +715,7 @@ def test_every_vllm_request_field_is_classified():
         unclassified = fields - covered - set(IRRELEVANT) - OURS
         assert not unclassified, (
             f"vLLM's {model.__name__} has fields no case covers and IRRELEVANT does not list: {sorted(unclassified)}; "
-            "add a case (right vector or a clear 400) or say why it cannot change tokens or choices")
+            "add a case (right vector or a clear 400) or say why it cannot change tokens or choices"
+        )
     stale = set(IRRELEVANT) - set(CompletionRequest.model_fields) - set(ChatCompletionRequest.model_fields)
     assert not stale, f"IRRELEVANT lists fields vLLM no longer has: {sorted(stale)}"

@@ -22,8 +22,9 @@ def reference_rows(reference, ids, positions) -> np.ndarray:
 
 def assert_close(rows, ref, rtol=1e-5, atol: float | None = 1e-4):
     diff, scale = float(np.abs(np.asarray(rows, np.float32) - ref).max()), float(np.abs(ref).max())
-    assert diff <= rtol * scale and (atol is None or diff <= atol), \
+    assert diff <= rtol * scale and (atol is None or diff <= atol), (
         f"max abs error {diff:.3g} (max |reference| {scale:.3g})"
+    )
 
 
 def decode(value: str, dtype: str) -> np.ndarray:
@@ -36,8 +37,9 @@ def decode(value: str, dtype: str) -> np.ndarray:
 def test_completion_rows_as_floats_and_base64(client, reference):
     kw = dict(model="tiny-llama", prompt=PROMPT, max_tokens=10, temperature=0.0)
     f = client.completions.create(**kw, extra_body={**HS, "hidden_states_position": "completion"})
-    b = client.completions.create(**kw, extra_body={**HS, "hidden_states_position": "completion",
-                                                     "hidden_states_encoding": "base64"})
+    b = client.completions.create(
+        **kw, extra_body={**HS, "hidden_states_position": "completion", "hidden_states_encoding": "base64"}
+    )
     (fc,), (bc,) = f.choices, b.choices
     assert fc.token_ids == bc.token_ids
     ids, start = fc.prompt_token_ids + fc.token_ids, len(fc.prompt_token_ids)
@@ -66,7 +68,9 @@ def test_streamed_rows_concatenate_to_the_whole_response(client, reference):
             tokens[ch.index] += got.get("token_ids") or []
             if "hidden_states" in got:
                 meta = got["hidden_states_meta"]
-                assert len(got["hidden_states"]) == len(meta["positions"]) and meta["shape"][0] == len(meta["positions"])
+                assert len(got["hidden_states"]) == len(meta["positions"]) and meta["shape"][0] == len(
+                    meta["positions"]
+                )
                 positions[ch.index] += meta["positions"]
                 rows[ch.index] += got["hidden_states"]
                 chunks_with_rows[ch.index] += 1
@@ -75,8 +79,9 @@ def test_streamed_rows_concatenate_to_the_whole_response(client, reference):
         assert tokens[i] == ch.token_ids
         assert chunks_with_rows[i] >= 3, chunks_with_rows  # rows come as they are computed, not all at the end
         assert positions[i] == ch.hidden_states_meta["positions"] == list(range(len(ids)))[3::2]
-        np.testing.assert_allclose(np.asarray(rows[i], np.float32), np.asarray(ch.hidden_states, np.float32),
-                                   rtol=0, atol=1e-5)
+        np.testing.assert_allclose(
+            np.asarray(rows[i], np.float32), np.asarray(ch.hidden_states, np.float32), rtol=0, atol=1e-5
+        )
         assert_close(np.asarray(rows[i], np.float32), reference_rows(reference, ids, positions[i]))
 
 
@@ -103,14 +108,29 @@ def test_topk_rows(client, reference):
 
 def test_a_request_above_the_memory_bound_is_a_400_streaming_or_not(serve_app):
     # up to 4,095 positions x 3 layers x 128 x 4 bytes x 16 choices = 100 MB > 64 MiB (the default)
-    body = {"model": "tiny-llama", "prompt": PROMPT, "max_tokens": 4000, "n": 16, "temperature": 1.0,
-            "return_hidden_states": True, "hidden_states_position": "all", "hidden_states_layers": [-1, 0, 1]}
+    body = {
+        "model": "tiny-llama",
+        "prompt": PROMPT,
+        "max_tokens": 4000,
+        "n": 16,
+        "temperature": 1.0,
+        "return_hidden_states": True,
+        "hidden_states_position": "all",
+        "hidden_states_layers": [-1, 0, 1],
+    }
     for stream in (False, True):
         r = httpx.post(f"{serve_app}/v1/completions", json={**body, "stream": stream}, timeout=60)
         assert r.status_code == 400, (stream, r.text[:300])
         err = json.loads(r.text)["error"]
         assert err["param"] == "hidden_states_position" and "max_hidden_states_bytes" in err["message"], err
-    bad = httpx.post(f"{serve_app}/v1/completions", timeout=60, json={
-        "model": "tiny-llama", "prompt": PROMPT, "return_hidden_states": True,
-        "hidden_states_position": {"start": 4, "end": 2}})
+    bad = httpx.post(
+        f"{serve_app}/v1/completions",
+        timeout=60,
+        json={
+            "model": "tiny-llama",
+            "prompt": PROMPT,
+            "return_hidden_states": True,
+            "hidden_states_position": {"start": 4, "end": 2},
+        },
+    )
     assert bad.status_code == 400 and json.loads(bad.text)["error"]["param"] == "hidden_states_position"

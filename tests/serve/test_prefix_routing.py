@@ -57,14 +57,22 @@ class Chat:
         self.anchor = anchor_of(self.body())
 
     def body(self) -> dict:
-        return {"model": MODEL, "messages": list(self.messages), "max_tokens": 8, "temperature": 0,
-                "return_hidden_states": True, "return_token_ids": True}
+        return {
+            "model": MODEL,
+            "messages": list(self.messages),
+            "max_tokens": 8,
+            "temperature": 0,
+            "return_hidden_states": True,
+            "return_token_ids": True,
+        }
 
     def answered(self, turn: dict, reply: str) -> None:
         """A turn's record; the next turn's messages: these, the reply and a new question."""
         self.turns.append(turn)
-        self.messages += [{"role": "assistant", "content": reply},
-                          {"role": "user", "content": long_text(25, seed=900 + 10 * self.seed + len(self.turns))}]
+        self.messages += [
+            {"role": "assistant", "content": reply},
+            {"role": "user", "content": long_text(25, seed=900 + 10 * self.seed + len(self.turns))},
+        ]
 
     def replicas(self) -> list[str]:
         return [t["replica"] for t in self.turns]
@@ -102,8 +110,9 @@ def spread_problems(chats: list[Chat], replicas, turn: int = 0) -> list[str]:
     out = []
     served = {c.turns[turn]["replica"] for c in chats}
     if served != set(replicas):
-        out.append(f"turn {turn + 1} of each conversation served by {sorted(served)}, not by each of "
-                   f"{sorted(replicas)}")
+        out.append(
+            f"turn {turn + 1} of each conversation served by {sorted(served)}, not by each of {sorted(replicas)}"
+        )
     for c in chats:
         if (got := c.turns[turn]["replica"]) != (want := rendezvous(c.anchor, replicas)):
             out.append(f"conversation {c.seed} turn {turn + 1}: on {got}, not {want}, its rendezvous replica")
@@ -112,9 +121,12 @@ def spread_problems(chats: list[Chat], replicas, turn: int = 0) -> list[str]:
 
 def stay_problems(chats: list[Chat], since: int = 1) -> list[str]:
     """Each conversation's turns from `since` on land where its turn before did."""
-    return [f"conversation {c.seed} turn {t + 1}: on {c.turns[t]['replica']}, its turn {t} on {c.turns[t - 1]['replica']}"
-            for c in chats for t in range(max(since, 1), len(c.turns))
-            if c.turns[t]["replica"] != c.turns[t - 1]["replica"]]
+    return [
+        f"conversation {c.seed} turn {t + 1}: on {c.turns[t]['replica']}, its turn {t} on {c.turns[t - 1]['replica']}"
+        for c in chats
+        for t in range(max(since, 1), len(c.turns))
+        if c.turns[t]["replica"] != c.turns[t - 1]["replica"]
+    ]
 
 
 def cache_problems(chats: list[Chat], since: int = 1) -> list[str]:
@@ -148,8 +160,10 @@ def tree_problems(chats: list[Chat], before, after, turn: int) -> list[str]:
         elif now != (want := rendezvous(c.anchor, after)):
             out.append(f"conversation {c.seed}: its replica {was} left; on {now}, not {want}, its rendezvous replica")
     if not out and not kept_by_tree:
-        out.append("no conversation that stayed would have moved by hashing alone: nothing here tells the tree "
-                   "from the hash (more conversations on the surviving replica)")
+        out.append(
+            "no conversation that stayed would have moved by hashing alone: nothing here tells the tree "
+            "from the hash (more conversations on the surviving replica)"
+        )
     return out
 
 
@@ -161,14 +175,21 @@ def send(base: str, chat: Chat, client: httpx.Client) -> None:
     assert r.status_code == 200, r.text
     body = r.json()
     choice = body["choices"][0]
-    chat.answered({"replica": r.headers["x-replica-id"], "prompt_tokens": body["usage"]["prompt_tokens"],
-                   "cached_tokens": (body["usage"].get("prompt_tokens_details") or {}).get("cached_tokens"),
-                   "prompt_token_ids": body["prompt_token_ids"], "choice": choice},
-                  choice["message"]["content"])
+    chat.answered(
+        {
+            "replica": r.headers["x-replica-id"],
+            "prompt_tokens": body["usage"]["prompt_tokens"],
+            "cached_tokens": (body["usage"].get("prompt_tokens_details") or {}).get("cached_tokens"),
+            "prompt_token_ids": body["prompt_token_ids"],
+            "choice": choice,
+        },
+        choice["message"]["content"],
+    )
 
 
 def run(base: str, chats: list[Chat], turns: int) -> None:
     """`turns` more turns of each conversation, CONCURRENCY conversations at a time."""
+
     def converse(chat: Chat) -> None:
         with httpx.Client(timeout=120) as client:
             for _ in range(turns):
@@ -183,8 +204,11 @@ def engine_replicas(app: str) -> dict[str, int]:
     import ray
 
     prefix = f"SERVE_REPLICA::{app}#EngineReplica#"
-    return {a["Name"].rsplit("#", 1)[1]: a["Pid"] for a in ray._private.state.actors().values()
-            if a["State"] == "ALIVE" and (a["Name"] or "").startswith(prefix)}
+    return {
+        a["Name"].rsplit("#", 1)[1]: a["Pid"]
+        for a in ray._private.state.actors().values()
+        if a["State"] == "ALIVE" and (a["Name"] or "").startswith(prefix)
+    }
 
 
 def kill(pid: int) -> None:
@@ -229,14 +253,23 @@ def replaced(app: str, base: str, before, gone: str, timeout: float = 300) -> se
 def figures(name: str, chats: list[Chat]) -> dict:
     later = [t for c in chats for t in c.turns[1:]]
     stayed = sum(t["replica"] == c.turns[0]["replica"] for c in chats for t in c.turns[1:])
-    out = {"cached": sum(t["cached_tokens"] for t in later), "prompt": sum(t["prompt_tokens"] for t in later),
-           "stayed": stayed, "later": len(later), "replicas": len({t["replica"] for c in chats for t in c.turns})}
-    print(f"\n{name}: turns 2-{TURNS} of {len(chats)} conversations: cached_tokens {out['cached']} of "
-          f"{out['prompt']} prompt tokens ({out['cached'] / out['prompt']:.1%}); {stayed} of {len(later)} on "
-          f"their conversation's first replica; {out['replicas']} replicas served")
+    out = {
+        "cached": sum(t["cached_tokens"] for t in later),
+        "prompt": sum(t["prompt_tokens"] for t in later),
+        "stayed": stayed,
+        "later": len(later),
+        "replicas": len({t["replica"] for c in chats for t in c.turns}),
+    }
+    print(
+        f"\n{name}: turns 2-{TURNS} of {len(chats)} conversations: cached_tokens {out['cached']} of "
+        f"{out['prompt']} prompt tokens ({out['cached'] / out['prompt']:.1%}); {stayed} of {len(later)} on "
+        f"their conversation's first replica; {out['replicas']} replicas served"
+    )
     for c in chats:
-        print(f"  conversation {c.seed}: " + ", ".join(f"{t['replica'][:6]} {t['cached_tokens']}/{t['prompt_tokens']}"
-                                                        for t in c.turns))
+        print(
+            f"  conversation {c.seed}: "
+            + ", ".join(f"{t['replica'][:6]} {t['cached_tokens']}/{t['prompt_tokens']}" for t in c.turns)
+        )
     return out
 
 
@@ -295,9 +328,11 @@ def test_after_a_replica_is_replaced_going_conversations_stay_and_new_ones_sprea
     (new,) = after - {survivor}
     run(base, going, 2)
     kept = [c for c in going if c.turns[0]["replica"] == survivor and rendezvous(c.anchor, after) == new]
-    print(f"\nreplaced {victim} by {new}: {len(kept)} of 12 conversations on {survivor} kept there by the tree "
-          f"(hashing alone: to {new}); the 4 of {victim} went to " + ", ".join(
-              c.turns[1]["replica"] for c in going if c.turns[0]["replica"] == victim))
+    print(
+        f"\nreplaced {victim} by {new}: {len(kept)} of 12 conversations on {survivor} kept there by the tree "
+        f"(hashing alone: to {new}); the 4 of {victim} went to "
+        + ", ".join(c.turns[1]["replica"] for c in going if c.turns[0]["replica"] == victim)
+    )
     assert tree_problems(going, before, after, turn=1) == []
     assert stay_problems(going, since=2) == []
     assert cache_problems([c for c in going if c.turns[0]["replica"] == survivor]) == []

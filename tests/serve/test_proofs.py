@@ -57,9 +57,11 @@ class Choice:
         self.prompt, self.completion, self.proofs = list(prompt), list(completion), list(proofs)
 
     def body(self, prompt=None, completion=None, proofs=None) -> dict:
-        return {"prompt": self.prompt if prompt is None else prompt,
-                "completion": self.completion if completion is None else completion,
-                "compare": {"toploc": {**PROOF, "proofs": self.proofs if proofs is None else proofs}}}
+        return {
+            "prompt": self.prompt if prompt is None else prompt,
+            "completion": self.completion if completion is None else completion,
+            "compare": {"toploc": {**PROOF, "proofs": self.proofs if proofs is None else proofs}},
+        }
 
     def library(self, model, prompt, completion, proofs) -> list[bool]:
         return verified(self.tl, fed_rows(model, prompt + completion, len(prompt)), proofs)
@@ -98,8 +100,7 @@ def another_model(c: Choice) -> None:
     ids, P = c.prompt + c.completion, len(c.prompt)
     own = c.tl.build_proofs_base64(fed_rows(c.ref.model, ids, P), PROOF["decode_batching_size"], PROOF["topk"])
     assert c.validate(c.body(proofs=own))["ok"] is True, "the library's proofs of this model"
-    theirs = c.tl.build_proofs_base64(fed_rows(c.other_model, ids, P), PROOF["decode_batching_size"],
-                                      PROOF["topk"])
+    theirs = c.tl.build_proofs_base64(fed_rows(c.other_model, ids, P), PROOF["decode_batching_size"], PROOF["topk"])
     assert not any(_rejected(c, "another model", c.prompt, c.completion, theirs))
 
 
@@ -108,18 +109,28 @@ def altered_proof(c: Choice) -> None:
     for i, how in ((0, "linear"), (len(c.proofs) - 1, "exponent")):
         proofs = [altered(p, how) if j == i else p for j, p in enumerate(c.proofs)]
         bad = c.validate(c.body(proofs=proofs))
-        assert [p["ok"] for p in bad["proofs"]] == [j != i for j in range(len(proofs))] and bad["ok"] is False, \
-            (how, i, bad)
+        assert [p["ok"] for p in bad["proofs"]] == [j != i for j in range(len(proofs))] and bad["ok"] is False, (
+            how,
+            i,
+            bad,
+        )
 
 
 REJECTIONS = [another_completion, another_prompt, another_model, altered_proof]
 
 
-def test_completions_carry_proofs_the_library_accepts_and_the_server_validates(serve_app, client, reference, tl,
-                                                                              other_model):
-    out = client.completions.create(model=MODEL, prompt="Proofs of inference, built where the rows are",
-                                    max_tokens=30, n=2, temperature=1.0, seed=3,
-                                    extra_body={"hidden_states_proof": PROOF, "return_token_ids": True})
+def test_completions_carry_proofs_the_library_accepts_and_the_server_validates(
+    serve_app, client, reference, tl, other_model
+):
+    out = client.completions.create(
+        model=MODEL,
+        prompt="Proofs of inference, built where the rows are",
+        max_tokens=30,
+        n=2,
+        temperature=1.0,
+        seed=3,
+        extra_body={"hidden_states_proof": PROOF, "return_token_ids": True},
+    )
     prompt_ids = list(out.choices[0].prompt_token_ids)
     P = len(prompt_ids)
     for choice in out.choices:
@@ -131,8 +142,15 @@ def test_completions_carry_proofs_the_library_accepts_and_the_server_validates(s
         assert all(verified(tl, activations(reference, ids, P), proof["proofs"])), choice.index
         assert choice.hidden_states_meta["proofs"] == len(proof["proofs"])
         # The server's validation: honest passes; each tampered case fails, as the library says.
-        c = Choice(lambda body: check(serve_app, body)["comparison"], tl, reference, other_model, prompt_ids,
-                   choice.token_ids, proof["proofs"])
+        c = Choice(
+            lambda body: check(serve_app, body)["comparison"],
+            tl,
+            reference,
+            other_model,
+            prompt_ids,
+            choice.token_ids,
+            proof["proofs"],
+        )
         assert "hidden_states" not in check(serve_app, c.body())
         for case in [honest, *REJECTIONS]:
             case(c)
@@ -180,8 +198,13 @@ def test_each_rejection_fails_against_a_broken_validation(reference, tl, other_m
 
 
 def test_a_streamed_chat_carries_each_window_once_decided(serve_app, client, reference, tl):
-    kw = dict(model=MODEL, messages=MSGS, max_tokens=40, temperature=0.0,
-              extra_body={"hidden_states_proof": PROOF, "return_token_ids": True})
+    kw = dict(
+        model=MODEL,
+        messages=MSGS,
+        max_tokens=40,
+        temperature=0.0,
+        extra_body={"hidden_states_proof": PROOF, "return_token_ids": True},
+    )
     whole = client.chat.completions.create(**kw)
     got, token_ids, chunks_with_proofs = [], [], 0
     for chunk in client.chat.completions.create(**kw, stream=True):
@@ -198,21 +221,28 @@ def test_a_streamed_chat_carries_each_window_once_decided(serve_app, client, ref
     ids = prompt_ids + token_ids
     assert len(got) == len(ours.chunk_bounds(len(prompt_ids), len(ids), 8)) and chunks_with_proofs >= 3
     assert all(verified(tl, activations(reference, ids, len(prompt_ids)), got))
-    assert all(verified(tl, activations(reference, ids, len(prompt_ids)), whole.choices[0].hidden_states_proof["proofs"]))
-    comparison = check(serve_app, {"messages": MSGS, "completion": token_ids,
-                                   "compare": {"toploc": {**PROOF, "proofs": got}}})["comparison"]
+    assert all(
+        verified(tl, activations(reference, ids, len(prompt_ids)), whole.choices[0].hidden_states_proof["proofs"])
+    )
+    comparison = check(
+        serve_app, {"messages": MSGS, "completion": token_ids, "compare": {"toploc": {**PROOF, "proofs": got}}}
+    )["comparison"]
     assert comparison["ok"] is True, comparison
 
 
-@pytest.mark.parametrize("body,param,words", [
-    ({"hidden_states_proof": {"scheme": "toploc", "topk": 4096}}, "hidden_states_proof", "hidden size"),
-    ({"hidden_states_proof": {"scheme": "mine"}}, "hidden_states_proof", "scheme"),
-    ({"hidden_states_proof": {}, "return_hidden_states": True}, "hidden_states_proof", "cannot be combined"),
-    ({"hidden_states_prof": {}}, "hidden_states_prof", "unknown field"),
-])
+@pytest.mark.parametrize(
+    "body,param,words",
+    [
+        ({"hidden_states_proof": {"scheme": "toploc", "topk": 4096}}, "hidden_states_proof", "hidden size"),
+        ({"hidden_states_proof": {"scheme": "mine"}}, "hidden_states_proof", "scheme"),
+        ({"hidden_states_proof": {}, "return_hidden_states": True}, "hidden_states_proof", "cannot be combined"),
+        ({"hidden_states_prof": {}}, "hidden_states_prof", "unknown field"),
+    ],
+)
 def test_bad_proof_requests_are_400_naming_the_field(serve_app, body, param, words):
-    r = httpx.post(f"{serve_app}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2, **body},
-                   timeout=60)
+    r = httpx.post(
+        f"{serve_app}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2, **body}, timeout=60
+    )
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param and words in err["message"], err
@@ -221,10 +251,16 @@ def test_bad_proof_requests_are_400_naming_the_field(serve_app, body, param, wor
 def test_bad_proofs_to_validate_are_400_saying_what_is_wrong(serve_app):
     ids = list(range(5, 25))
     base = {"prompt": ids[:10], "completion": ids[10:]}
-    for proofs, words in ((["AAAA"], "proofs has 1 proofs"), (["not base64!"] * 3, "not base64"),
-                          (["AAAA"] * 3, "holds 3 bytes")):
-        r = httpx.post(f"{serve_app}/v1/hidden_states", timeout=60,
-                       json={"model": MODEL, **base, "compare": {"toploc": {**PROOF, "proofs": proofs}}})
+    for proofs, words in (
+        (["AAAA"], "proofs has 1 proofs"),
+        (["not base64!"] * 3, "not base64"),
+        (["AAAA"] * 3, "holds 3 bytes"),
+    ):
+        r = httpx.post(
+            f"{serve_app}/v1/hidden_states",
+            timeout=60,
+            json={"model": MODEL, **base, "compare": {"toploc": {**PROOF, "proofs": proofs}}},
+        )
         assert r.status_code == 400 and words in r.json()["error"]["message"], (proofs, r.text)
         assert r.json()["error"]["param"] == "compare.toploc.proofs"
 
@@ -242,6 +278,11 @@ def test_a_python_handle_gets_the_proofs_http_gets(serve_app, client, reference,
     ids = list(c.prompt_token_ids) + list(ch.token_ids)
     assert len(ch.proofs) == len(ours.chunk_bounds(len(c.prompt_token_ids), len(ids), 8))
     assert all(verified(tl, activations(reference, ids, len(c.prompt_token_ids)), list(ch.proofs)))
-    http = client.completions.create(model=MODEL, prompt=list(c.prompt_token_ids), max_tokens=20, temperature=0.0,
-                                     extra_body={"hidden_states_proof": PROOF})
+    http = client.completions.create(
+        model=MODEL,
+        prompt=list(c.prompt_token_ids),
+        max_tokens=20,
+        temperature=0.0,
+        extra_body={"hidden_states_proof": PROOF},
+    )
     assert http.choices[0].hidden_states_proof["proofs"] == list(ch.proofs)  # the same request, the same proofs

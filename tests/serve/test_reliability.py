@@ -25,6 +25,7 @@ HS = {"return_hidden_states": True, "return_token_ids": True}
 
 # -- 1. concurrency: no vector belongs to another request ----------------------
 
+
 async def _one(client: openai.AsyncOpenAI, i: int):
     stream, chat, n = i % 2 == 0, i % 3 == 0, 2 if i % 4 == 1 else 1
     extra = {**HS, "hidden_states_encoding": "base64" if i % 5 < 2 else "float"}
@@ -76,9 +77,15 @@ def test_64_concurrent_mixed_requests_no_mixups(serve_app, reference):
 
 # -- 4. bad input ---------------------------------------------------------------
 
+
 def post(base, path, body, headers=None, raw: bytes | None = None):
-    return httpx.post(f"{base}{path}", json=None if raw is not None else body, content=raw, timeout=120,
-                      headers={"content-type": "application/json", **(headers or {})})
+    return httpx.post(
+        f"{base}{path}",
+        json=None if raw is not None else body,
+        content=raw,
+        timeout=120,
+        headers={"content-type": "application/json", **(headers or {})},
+    )
 
 
 def assert_openai_error(r, status: int, *words: str):
@@ -89,19 +96,26 @@ def assert_openai_error(r, status: int, *words: str):
         assert w in err["message"], err["message"]
 
 
-@pytest.mark.parametrize("body,status,words", [
-    ({"prompt": 5}, 400, ()),
-    ({"prompt": "hi", "max_tokens": "many"}, 400, ("max_tokens",)),
-    ({"prompt": "hi", "max_tokens": -1}, 400, ()),
-    ({"prompt": "hi", "max_tokens": 10**9}, 400, ()),
-    ({"prompt": "hi", "n": 100000}, 400, ("n",)),
-    ({"prompt": "hi", "n": "two"}, 400, ("n",)),
-    ({"prompt": "hi " * 5000, "max_tokens": 4}, 400, ()),
-    ({"prompt": "hi", "model": "gpt-17"}, 404, ("gpt-17",)),
-    ({"prompt": "hi", "return_hidden_states": True, "hidden_states_encoding": "hex"}, 400, ("hidden_states_encoding",)),
-    ({"prompt": "hi", "return_hidden_states": "yes"}, 400, ("return_hidden_states",)),
-    ({"prompt": "hi", "temperature": "hot"}, 400, ()),
-])
+@pytest.mark.parametrize(
+    "body,status,words",
+    [
+        ({"prompt": 5}, 400, ()),
+        ({"prompt": "hi", "max_tokens": "many"}, 400, ("max_tokens",)),
+        ({"prompt": "hi", "max_tokens": -1}, 400, ()),
+        ({"prompt": "hi", "max_tokens": 10**9}, 400, ()),
+        ({"prompt": "hi", "n": 100000}, 400, ("n",)),
+        ({"prompt": "hi", "n": "two"}, 400, ("n",)),
+        ({"prompt": "hi " * 5000, "max_tokens": 4}, 400, ()),
+        ({"prompt": "hi", "model": "gpt-17"}, 404, ("gpt-17",)),
+        (
+            {"prompt": "hi", "return_hidden_states": True, "hidden_states_encoding": "hex"},
+            400,
+            ("hidden_states_encoding",),
+        ),
+        ({"prompt": "hi", "return_hidden_states": "yes"}, 400, ("return_hidden_states",)),
+        ({"prompt": "hi", "temperature": "hot"}, 400, ()),
+    ],
+)
 def test_named_bad_inputs(serve_app, body, status, words):
     assert_openai_error(post(serve_app, "/v1/completions", body), status, *words)
 
@@ -113,7 +127,9 @@ def test_bad_chat_and_bad_json(serve_app):
 
 
 def test_hidden_states_requested_on_switched_off_server(off_app):
-    r = post(off_app, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "return_hidden_states": True})
+    r = post(
+        off_app, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "return_hidden_states": True}
+    )
     assert_openai_error(r, 400, "enable_return_hidden_states")
 
 
@@ -154,6 +170,7 @@ def test_schemathesis_finds_no_server_errors(serve_app):
 
 # -- 5. keys --------------------------------------------------------------------
 
+
 def test_api_key_required_and_no_engine_work_without_it(guarded_app):
     base = guarded_app
     good = {"authorization": f"Bearer {API_KEY}"}
@@ -170,6 +187,7 @@ def test_api_key_required_and_no_engine_work_without_it(guarded_app):
 
 # -- the replica as its own ingress (`ingress: replica`: the guarded app) ----------
 
+
 def test_replica_ingress_serves_checks_and_streams(guarded_app, reference):
     base = guarded_app
     good = {"authorization": f"Bearer {API_KEY}"}
@@ -179,13 +197,19 @@ def test_replica_ingress_serves_checks_and_streams(guarded_app, reference):
     assert_openai_error(post(base, "/v1/completions", {"model": "gpt-4", "prompt": "x"}, good), 404, "tiny-llama")
     assert_openai_error(post(base, "/v1/completions", {"prompt": "x", "n": 99}, good), 400, "n must be")
     client = openai.OpenAI(base_url=f"{base}/v1", api_key=API_KEY, timeout=120, max_retries=0)
-    r = client.completions.with_raw_response.create(model="tiny-llama", prompt=long_text(60, seed=8), max_tokens=12,
-                                                    extra_body=HS)
+    r = client.completions.with_raw_response.create(
+        model="tiny-llama", prompt=long_text(60, seed=8), max_tokens=12, extra_body=HS
+    )
     assert r.headers["x-replica-id"] == stats["replica"]["replica"]
     (c,) = r.parse().choices
     reference.assert_matches(c.prompt_token_ids + c.token_ids, decode_vector(c.hidden_states))
-    stream = client.completions.create(model="tiny-llama", prompt=long_text(40, seed=9), max_tokens=8, stream=True,
-                                       extra_body={**HS, "hidden_states_encoding": "base64"})
+    stream = client.completions.create(
+        model="tiny-llama",
+        prompt=long_text(40, seed=9),
+        max_tokens=8,
+        stream=True,
+        extra_body={**HS, "hidden_states_encoding": "base64"},
+    )
     tokens, vector, prompt_ids = [], None, None
     for chunk in stream:
         for ch in chunk.choices:
@@ -200,6 +224,7 @@ def test_replica_ingress_serves_checks_and_streams(guarded_app, reference):
 
 
 # -- 2. engine faults (on an app of its own: no other test meets the killed engine) --
+
 
 def _engine_core_pids(replica_pid: int) -> list[int]:
     out = []
@@ -222,8 +247,15 @@ def test_engine_killed_mid_request(fault_app):
 
     async def in_flight():
         async with httpx.AsyncClient(timeout=120) as http:
+
             async def one(i):
-                body = {"prompt": long_text(50, seed=i), "max_tokens": 2000, "ignore_eos": True, "stream": i % 2 == 0, **HS}
+                body = {
+                    "prompt": long_text(50, seed=i),
+                    "max_tokens": 2000,
+                    "ignore_eos": True,
+                    "stream": i % 2 == 0,
+                    **HS,
+                }
                 t0 = time.monotonic()
                 async with http.stream("POST", f"{base}/v1/completions", json=body, headers=good) as r:
                     text = (await r.aread()).decode()

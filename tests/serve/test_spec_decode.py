@@ -22,9 +22,16 @@ from tests.serve.test_metrics import family, scrape
 
 MODEL = "tiny-llama"
 HS = {"return_hidden_states": True, "return_token_ids": True}
-PROMPTS = ["The replica computes the hidden state", "a b a b a b a b", "one two three one two three one",
-           "Hello! How are you today?", "Code: def add(a, b):", "The cache keeps the cache keeps the",
-           "What is the capital of France?", "the the the the"]
+PROMPTS = [
+    "The replica computes the hidden state",
+    "a b a b a b a b",
+    "one two three one two three one",
+    "Hello! How are you today?",
+    "Code: def add(a, b):",
+    "The cache keeps the cache keeps the",
+    "What is the capital of France?",
+    "the the the the",
+]
 
 
 @pytest.fixture
@@ -53,12 +60,23 @@ def _one(client, i: int, prompt: str, hs: bool, stream: bool):
         r = client.chat.completions.create(messages=[{"role": "user", "content": prompt}], **kw)
     else:
         r = client.completions.create(prompt=prompt, **kw)
-    got = {"text": "", "finish": None, "prompt": None, "tokens": [], "vector": None, "meta": {}, "positions": [],
-           "rows": []}
+    got = {
+        "text": "",
+        "finish": None,
+        "prompt": None,
+        "tokens": [],
+        "vector": None,
+        "meta": {},
+        "positions": [],
+        "rows": [],
+    }
     chunks = [r] if not stream else r
     for chunk in chunks:
-        got["prompt"] = got["prompt"] or getattr(chunk, "prompt_token_ids", None) or \
-            (chunk.model_extra or {}).get("prompt_token_ids")
+        got["prompt"] = (
+            got["prompt"]
+            or getattr(chunk, "prompt_token_ids", None)
+            or (chunk.model_extra or {}).get("prompt_token_ids")
+        )
         for ch in chunk.choices:
             e = ch.model_extra or {}
             got["prompt"] = got["prompt"] or e.get("prompt_token_ids")
@@ -109,15 +127,19 @@ def test_vectors_exact_under_ngram_speculative_decoding(spec_app, spec_client, r
     after = _settled_counts()  # both counters from one export, not one each side of it
     drafted, accepted = after[0] - before[0], after[1] - before[1]
     assert accepted > 0 and drafted >= accepted, (drafted, accepted)
-    print(f"\nn-gram through Serve ({'stream' if stream else 'whole'}): {accepted:.0f} of {drafted:.0f} "
-          "draft tokens accepted")
+    print(
+        f"\nn-gram through Serve ({'stream' if stream else 'whole'}): {accepted:.0f} of {drafted:.0f} "
+        "draft tokens accepted"
+    )
 
 
 def _spec_counts() -> tuple[float, float]:
     """vLLM's draft tokens proposed and accepted, as Ray's metrics endpoint exports them."""
     sums = scrape()
-    return (family(sums, "ray_vllm_spec_decode_num_draft_tokens"),
-            family(sums, "ray_vllm_spec_decode_num_accepted_tokens"))
+    return (
+        family(sums, "ray_vllm_spec_decode_num_draft_tokens"),
+        family(sums, "ray_vllm_spec_decode_num_accepted_tokens"),
+    )
 
 
 def _settled_counts(timeout_s: float = 60.0) -> tuple[float, float]:

@@ -38,15 +38,21 @@ def broken_model(tmp_path):
     return str(tmp_path)  # a model folder without weights: it cannot load
 
 
-@pytest.mark.parametrize("name,cause", [
-    ("bad-model", "holds no weights"),
-    ("bad-kv", "not enough memory"),
-])
+@pytest.mark.parametrize(
+    "name,cause",
+    [
+        ("bad-model", "holds no weights"),
+        ("bad-kv", "not enough memory"),
+    ],
+)
 def test_failed_start_says_why(serve_http, broken_model, name, cause):
     from ray import serve
 
-    over = {"model": broken_model} if name == "bad-model" else {
-        "engine": {**app_args()["engine"], "kv_cache_memory_bytes": PiB}}
+    over = (
+        {"model": broken_model}
+        if name == "bad-model"
+        else {"engine": {**app_args()["engine"], "kv_cache_memory_bytes": PiB}}
+    )
     args = app_args(replica_autoscaling={"min_replicas": 1, "max_replicas": 1}, **over)
     try:
         app = _deploy_and_wait_failed(name, args)

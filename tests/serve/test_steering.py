@@ -22,17 +22,23 @@ def _vector(seed: int, norm: float) -> np.ndarray:
     return (v / np.linalg.norm(v) * norm).astype("<f4")
 
 
-STEER = [{"layer": 1, "vector": base64.b64encode(_vector(31, 4.0).tobytes()).decode(), "scale": 1.5},
-         {"layer": 0, "vector": base64.b64encode(_vector(32, 2.0).tobytes()).decode(), "positions": "completion"}]
+STEER = [
+    {"layer": 1, "vector": base64.b64encode(_vector(31, 4.0).tobytes()).decode(), "scale": 1.5},
+    {"layer": 0, "vector": base64.b64encode(_vector(32, 2.0).tobytes()).decode(), "positions": "completion"},
+]
 ENTRIES = [(1, "add", "all", 1.5, _vector(31, 4.0)), (0, "add", "completion", 1.0, _vector(32, 2.0))]
 
 
 def _check(base: str, reference, model: str = MODEL, prompts=("a b a b a b a b", "The steered replica says")) -> None:
     client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", timeout=120, max_retries=0)
     for prompt in prompts:
-        r = client.completions.create(model=model, prompt=prompt, max_tokens=10, temperature=0,
-                                      extra_body={"return_token_ids": True, "return_hidden_states": True,
-                                                  "hidden_states_steering": STEER})
+        r = client.completions.create(
+            model=model,
+            prompt=prompt,
+            max_tokens=10,
+            temperature=0,
+            extra_body={"return_token_ids": True, "return_hidden_states": True, "hidden_states_steering": STEER},
+        )
         (ch,) = r.choices
         want = steered_greedy(reference.model, ch.prompt_token_ids, ENTRIES, 10)
         assert ch.token_ids == want, (base, prompt, ch.token_ids, want)
@@ -51,14 +57,31 @@ def _check_when(base: str, reference, model: str = MODEL, prompt: str = "a b a b
     from tests.steer_ref import pick_condition
 
     client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", timeout=120, max_retries=0)
-    ids = client.completions.create(model=model, prompt=prompt, max_tokens=1,
-                                    extra_body={"return_token_ids": True}).choices[0].prompt_token_ids
+    ids = (
+        client.completions.create(model=model, prompt=prompt, max_tokens=1, extra_body={"return_token_ids": True})
+        .choices[0]
+        .prompt_token_ids
+    )
     entries = [(1, "add", "completion", 1.0, _vector(33, 4.0))]
     t, tokens, applied, states = pick_condition(reference.model, ids, entries, 10, 1, head_scorer("mid", 0), True)
-    r = client.completions.create(model=model, prompt=prompt, max_tokens=10, temperature=0, extra_body={
-        "return_token_ids": True, "return_hidden_states": True, "hidden_states_steering": [
-            {"layer": 1, "vector": base64.b64encode(_vector(33, 4.0).tobytes()).decode(), "positions": "completion",
-             "when": {"head": "mid", "feature": 0, "above": t}}]})
+    r = client.completions.create(
+        model=model,
+        prompt=prompt,
+        max_tokens=10,
+        temperature=0,
+        extra_body={
+            "return_token_ids": True,
+            "return_hidden_states": True,
+            "hidden_states_steering": [
+                {
+                    "layer": 1,
+                    "vector": base64.b64encode(_vector(33, 4.0).tobytes()).decode(),
+                    "positions": "completion",
+                    "when": {"head": "mid", "feature": 0, "above": t},
+                }
+            ],
+        },
+    )
     (ch,) = r.choices
     assert ch.token_ids == tokens, (base, ch.token_ids, tokens)
     assert ch.hidden_states_meta["steering"][0]["applied"] == applied[0]
@@ -76,13 +99,25 @@ def _check_clamp_and_cap(base: str, reference, prompt: str = "The clamped replic
 
     sae = SAE.load_from_disk({h["name"]: h for h in build_test_heads()}["sae-std"]["path"], device="cpu")
     with torch.no_grad():
-        entries = [(1, ("clamp", sae, 11, 8.0), "all", 1.0, sae.W_dec[11].numpy()),
-                   (0, ("cap", 0.5), "all", 1.0, _vector(34, 1.0))]  # (a compiled engine: one of them a layer)
+        entries = [
+            (1, ("clamp", sae, 11, 8.0), "all", 1.0, sae.W_dec[11].numpy()),
+            (0, ("cap", 0.5), "all", 1.0, _vector(34, 1.0)),
+        ]  # (a compiled engine: one of them a layer)
     client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", timeout=120, max_retries=0)
-    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=10, temperature=0, extra_body={
-        "return_token_ids": True, "return_hidden_states": True, "hidden_states_steering": [
-            {"op": "clamp", "head": "sae-std", "feature": 11, "value": 8.0},
-            {"op": "cap", "layer": 0, "vector": base64.b64encode(_vector(34, 1.0).tobytes()).decode(), "max": 0.5}]})
+    r = client.completions.create(
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=10,
+        temperature=0,
+        extra_body={
+            "return_token_ids": True,
+            "return_hidden_states": True,
+            "hidden_states_steering": [
+                {"op": "clamp", "head": "sae-std", "feature": 11, "value": 8.0},
+                {"op": "cap", "layer": 0, "vector": base64.b64encode(_vector(34, 1.0).tobytes()).decode(), "max": 0.5},
+            ],
+        },
+    )
     (ch,) = r.choices
     want = steered_greedy(reference.model, ch.prompt_token_ids, entries, 10)
     assert ch.token_ids == want, (base, ch.token_ids, want)

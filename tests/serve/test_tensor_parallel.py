@@ -38,9 +38,15 @@ def test_the_replica_asks_for_a_cpu_per_rank():
 def test_vectors_exact_over_http_on_two_ranks(tp2_app, tp2_client, reference, stream):
     before = replica_stats(tp2_app)["replica"]
     r = tp2_client.completions.create(
-        model=MODEL, prompt=["The replica computes the hidden state", "Two ranks hold the same rows"],
-        max_tokens=10, n=2, temperature=1.0, seed=3, stream=stream,
-        extra_body={**HS, "hidden_states_encoding": "base64"})
+        model=MODEL,
+        prompt=["The replica computes the hidden state", "Two ranks hold the same rows"],
+        max_tokens=10,
+        n=2,
+        temperature=1.0,
+        seed=3,
+        stream=stream,
+        extra_body={**HS, "hidden_states_encoding": "base64"},
+    )
     choices: dict[int, dict] = {}
     prompts: dict[int, list[int]] = {}
     if stream:
@@ -70,9 +76,10 @@ def test_vectors_exact_over_http_on_two_ranks(tp2_app, tp2_client, reference, st
     free = tp2_client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0)
     text = free.choices[0].message.content
     assert len(text) > 8, text
-    stop = text[len(text) // 2: len(text) // 2 + 3]
-    chat = tp2_client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0,
-                                              stop=[stop], extra_body=HS)
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    chat = tp2_client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=24, temperature=0, stop=[stop], extra_body=HS
+    )
     c = chat.choices[0]
     assert c.finish_reason == "stop" and c.model_extra["hidden_states_meta"]["via"] == "extraction"
     reference.assert_matches(chat.prompt_token_ids + c.token_ids, decode_vector(c.hidden_states))

@@ -37,12 +37,20 @@ def test_prompt_text_vector_matches_transformers(serve_app, reference):
 def test_a_chat_completion_verifies_against_its_own_vector(serve_app, client, reference):
     """The verifier's loop: a claimed chat completion (its token ids and vector) checked here."""
     msgs = [{"role": "user", "content": "Check me"}]
-    done = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=10, temperature=1.0, seed=4,
-                                          extra_body={"return_hidden_states": True, "return_token_ids": True})
+    done = client.chat.completions.create(
+        model=MODEL,
+        messages=msgs,
+        max_tokens=10,
+        temperature=1.0,
+        seed=4,
+        extra_body={"return_hidden_states": True, "return_token_ids": True},
+    )
     claimed_ids, claimed_vec = done.choices[0].token_ids, done.choices[0].hidden_states
     honest = post(serve_app, {"messages": msgs, "completion": claimed_ids, "compare": {"vector": claimed_vec}}).json()
     assert honest["token_ids"] == done.prompt_token_ids + claimed_ids
-    assert honest["comparison"]["match"] is True and honest["comparison"]["relative_error"] <= 1e-5, honest["comparison"]
+    assert honest["comparison"]["match"] is True and honest["comparison"]["relative_error"] <= 1e-5, honest[
+        "comparison"
+    ]
     assert honest["comparison"]["cosine_similarity"] > 0.999999
     reference.assert_matches(honest["token_ids"], decode_vector(honest["hidden_states"]))
 
@@ -52,7 +60,9 @@ def test_a_chat_completion_verifies_against_its_own_vector(serve_app, client, re
     bad = post(serve_app, {"messages": msgs, "completion": claimed_ids, "compare": {"vector": b64}}).json()
     assert bad["comparison"]["match"] is False and bad["comparison"]["max_abs_error"] == pytest.approx(0.5, rel=1e-3)
     # A different completion claimed with the honest vector: caught too.
-    other = post(serve_app, {"messages": msgs, "completion": claimed_ids[:-1], "compare": {"vector": claimed_vec}}).json()
+    other = post(
+        serve_app, {"messages": msgs, "completion": claimed_ids[:-1], "compare": {"vector": claimed_vec}}
+    ).json()
     assert other["comparison"]["match"] is False
 
 
@@ -88,14 +98,21 @@ def test_layers_and_python_handle(serve_app, reference):
     # rows over the handle: numpy [n, D] in the dtype asked, and top-k as numpy indices and values
     want = list(range(len(ids)))[1::2]
     ref = reference_rows(reference, ids, want)
-    half = verify(serve.get_app_handle(APP), prompt=ids, hidden_states_position={"start": 1, "stride": 2},
-                  hidden_states_dtype="float16", timeout_s=120)
+    half = verify(
+        serve.get_app_handle(APP),
+        prompt=ids,
+        hidden_states_position={"start": 1, "stride": 2},
+        hidden_states_dtype="float16",
+        timeout_s=120,
+    )
     assert half["hidden_states"].dtype == np.float16 and half["hidden_states"].shape == (len(want), 128)
     assert half["hidden_states_meta"]["positions"] == want
-    assert_close(half["hidden_states"].astype(np.float32), ref.astype(np.float16).astype(np.float32), rtol=2**-10,
-                 atol=None)
-    top = verify(serve.get_app_handle(APP), prompt=ids, hidden_states_position="all", hidden_states_topk=4,
-                 timeout_s=120)["hidden_states"]
+    assert_close(
+        half["hidden_states"].astype(np.float32), ref.astype(np.float16).astype(np.float32), rtol=2**-10, atol=None
+    )
+    top = verify(
+        serve.get_app_handle(APP), prompt=ids, hidden_states_position="all", hidden_states_topk=4, timeout_s=120
+    )["hidden_states"]
     full = reference_rows(reference, ids, range(len(ids)))
     assert top["indices"].shape == top["values"].shape == (len(ids), 4)
     assert_close(top["values"], np.take_along_axis(full, top["indices"].astype(np.int64), axis=1))
@@ -146,8 +163,15 @@ def test_a_strided_window_in_float16_and_top_k_match_transformers_cast_and_selec
     ids = reference.tokenizer(long_text(60, seed=31))["input_ids"]
     window, want = {"start": 3, "end": -5, "stride": 7}, list(range(len(ids)))[3:-5:7]
     ref = reference_rows(reference, ids, want)
-    half = post(serve_app, {"prompt": ids, "hidden_states_position": window, "hidden_states_dtype": "float16",
-                            "hidden_states_encoding": "base64"}).json()
+    half = post(
+        serve_app,
+        {
+            "prompt": ids,
+            "hidden_states_position": window,
+            "hidden_states_dtype": "float16",
+            "hidden_states_encoding": "base64",
+        },
+    ).json()
     meta = half["hidden_states_meta"]
     assert meta["positions"] == want and meta["shape"] == [len(want), 128] and meta["dtype"] == "float16", meta
     assert meta["bytes"] == len(want) * 128 * 2 and meta["position"] == window
@@ -176,8 +200,10 @@ def test_per_position_compare_passes_transformers_rows_and_names_a_tampered_one(
     assert [r["position"] for r in honest["per_position"]] == positions
     assert all(r["match"] for r in honest["per_position"])
     assert honest["worst_relative_error"] == max(r["relative_error"] for r in honest["per_position"]) <= 1e-5
-    print(f"per-position compare vs transformers: worst relative error {honest['worst_relative_error']:.3g} at "
-          f"position {honest['worst_position']} ({len(positions)} positions)")
+    print(
+        f"per-position compare vs transformers: worst relative error {honest['worst_relative_error']:.3g} at "
+        f"position {honest['worst_position']} ({len(positions)} positions)"
+    )
     tampered = claim.copy()
     tampered[2, 7] += 0.5
     b64 = base64.b64encode(tampered.astype("<f4").tobytes()).decode()  # base64 of the row-major [n, D] array
@@ -186,8 +212,14 @@ def test_per_position_compare_passes_transformers_rows_and_names_a_tampered_one(
     assert [r["match"] for r in bad["per_position"]] == [i != 2 for i in range(len(positions))]
     assert bad["per_position"][2]["max_abs_error"] == pytest.approx(0.5, rel=1e-3)
     # float16 rows are compared with the claim as the true rows cast to float16
-    half = post(serve_app, {**body, "hidden_states_dtype": "float16", "compare": {
-        "vectors": claim.astype(np.float16).astype(np.float32).tolist(), "tolerance": 2**-10}}).json()
+    half = post(
+        serve_app,
+        {
+            **body,
+            "hidden_states_dtype": "float16",
+            "compare": {"vectors": claim.astype(np.float16).astype(np.float32).tolist(), "tolerance": 2**-10},
+        },
+    ).json()
     assert half["comparison"]["match"] is True, half["comparison"]
     assert half["comparison"]["worst_relative_error"] <= 2**-10
     assert np.array_equal(rows_of(half), rows_of(half).astype(np.float16).astype(np.float32))  # the cast rows
@@ -205,43 +237,69 @@ def test_topk_compare_checks_the_index_set_per_position(serve_app, reference):
     assert all(r["index_overlap"] == 1.0 and r["relative_error"] <= 1e-5 for r in honest["per_position"])
     # row 5 claims an index outside the top 8, with its true value: the index set fails it
     outside = int(order[5, k + 3])
-    claims[5] = {"indices": claims[5]["indices"][:-1] + [outside],
-                 "values": claims[5]["values"][:-1] + [float(ref[5, outside])]}
+    claims[5] = {
+        "indices": claims[5]["indices"][:-1] + [outside],
+        "values": claims[5]["values"][:-1] + [float(ref[5, outside])],
+    }
     bad = post(serve_app, {**body, "compare": {"topk": claims}}).json()["comparison"]
     assert bad["match"] is False and bad["worst_position"] == positions[5], bad
     assert bad["worst_index_overlap"] == (k - 1) / k and bad["per_position"][5]["relative_error"] <= 1e-5
     assert [r["match"] for r in bad["per_position"]] == [i != 5 for i in range(8)]
 
 
-@pytest.mark.parametrize("body, words", [
-    ({"prompt": "x", "messages": [{"role": "user", "content": "x"}]}, "exactly one of"),
-    ({}, "exactly one of"),
-    ({"prompt": "x", "completion": "y"}, "goes with `messages`"),
-    ({"messages": MSGS, "completion": "The capital of France is Paris.", "compare": {"vector": [0.0] * 128}},
-     "send `completion` as the choice's `token_ids`"),
-    ({"prompt": [1, 2, 99999]}, "outside the vocabulary"),
-    ({"prompt": list(range(5, 700)) * 6}, "max_model_len"),
-    ({"prompt": "x", "compare": {"vector": [1.0, 2.0]}}, "has 2 values"),
-    ({"prompt": "x", "compare": {"vector": "not base64!"}}, "base64"),
-    ({"prompt": "x", "hidden_states_layers": [99]}, "out of range"),
-    ({"prompt": "x", "hidden_states_position": "completion"}, "send `messages` with a `completion`"),
-    ({"messages": MSGS, "hidden_states_position": "completion"}, "send `messages` with a `completion`"),
-    ({"prompt": [1, 2, 3], "hidden_states_position": {"start": 5}}, "selects no position of the 3 given tokens"),
-    ({"prompt": [1, 2, 3], "hidden_states_position": {"start": 2, "end": 1}}, "end (1) must come after start (2)"),
-    ({"prompt": "x", "hidden_states_dtype": "int8"}, "hidden_states_dtype must be"),
-    ({"prompt": "x", "hidden_states_topk": 129}, "exceeds the model's hidden size (128)"),
-    ({"prompt": [1, 2, 3], "hidden_states_position": "all", "compare": {"vectors": [[0.0] * 128] * 2}},
-     "compare.vectors has 2 rows; hidden_states_position selects 3 position(s)"),
-    ({"prompt": [1, 2, 3], "hidden_states_position": "all", "compare": {"vector": [[0.0] * 128] * 2 + [[0.0] * 127]}},
-     "compare.vector row 2 has 127 values; this model's vectors have 128"),
-    ({"prompt": [1, 2, 3], "hidden_states_position": "all", "compare": {"topk": [{"indices": [0], "values": [1.0]}]}},
-     "compare.topk has 1 rows; hidden_states_position selects 3"),
-    ({"prompt": [1, 2, 3], "hidden_states_position": {"start": -1}, "compare": {"topk": [{"indices": [128],
-                                                                                           "values": [1.0]}]}},
-     "compare.topk[0] indices must lie in 0..127"),
-    ({"prompt": "x", "hidden_states_topk": 4, "compare": {"vector": [0.0] * 128}}, "against the whole rows"),
-    ({"prompt": "x", "compare": {"vector": [1.0], "vectors": [[1.0]]}}, "exactly one of `compare.vector`"),
-])
+@pytest.mark.parametrize(
+    "body, words",
+    [
+        ({"prompt": "x", "messages": [{"role": "user", "content": "x"}]}, "exactly one of"),
+        ({}, "exactly one of"),
+        ({"prompt": "x", "completion": "y"}, "goes with `messages`"),
+        (
+            {"messages": MSGS, "completion": "The capital of France is Paris.", "compare": {"vector": [0.0] * 128}},
+            "send `completion` as the choice's `token_ids`",
+        ),
+        ({"prompt": [1, 2, 99999]}, "outside the vocabulary"),
+        ({"prompt": list(range(5, 700)) * 6}, "max_model_len"),
+        ({"prompt": "x", "compare": {"vector": [1.0, 2.0]}}, "has 2 values"),
+        ({"prompt": "x", "compare": {"vector": "not base64!"}}, "base64"),
+        ({"prompt": "x", "hidden_states_layers": [99]}, "out of range"),
+        ({"prompt": "x", "hidden_states_position": "completion"}, "send `messages` with a `completion`"),
+        ({"messages": MSGS, "hidden_states_position": "completion"}, "send `messages` with a `completion`"),
+        ({"prompt": [1, 2, 3], "hidden_states_position": {"start": 5}}, "selects no position of the 3 given tokens"),
+        ({"prompt": [1, 2, 3], "hidden_states_position": {"start": 2, "end": 1}}, "end (1) must come after start (2)"),
+        ({"prompt": "x", "hidden_states_dtype": "int8"}, "hidden_states_dtype must be"),
+        ({"prompt": "x", "hidden_states_topk": 129}, "exceeds the model's hidden size (128)"),
+        (
+            {"prompt": [1, 2, 3], "hidden_states_position": "all", "compare": {"vectors": [[0.0] * 128] * 2}},
+            "compare.vectors has 2 rows; hidden_states_position selects 3 position(s)",
+        ),
+        (
+            {
+                "prompt": [1, 2, 3],
+                "hidden_states_position": "all",
+                "compare": {"vector": [[0.0] * 128] * 2 + [[0.0] * 127]},
+            },
+            "compare.vector row 2 has 127 values; this model's vectors have 128",
+        ),
+        (
+            {
+                "prompt": [1, 2, 3],
+                "hidden_states_position": "all",
+                "compare": {"topk": [{"indices": [0], "values": [1.0]}]},
+            },
+            "compare.topk has 1 rows; hidden_states_position selects 3",
+        ),
+        (
+            {
+                "prompt": [1, 2, 3],
+                "hidden_states_position": {"start": -1},
+                "compare": {"topk": [{"indices": [128], "values": [1.0]}]},
+            },
+            "compare.topk[0] indices must lie in 0..127",
+        ),
+        ({"prompt": "x", "hidden_states_topk": 4, "compare": {"vector": [0.0] * 128}}, "against the whole rows"),
+        ({"prompt": "x", "compare": {"vector": [1.0], "vectors": [[1.0]]}}, "exactly one of `compare.vector`"),
+    ],
+)
 def test_bad_requests_are_400s_that_say_why(serve_app, body, words):
     r = post(serve_app, body)
     assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
@@ -258,9 +316,11 @@ def test_rows_above_max_hidden_states_bytes_are_a_400_before_any_engine_work(gua
     bounded_app = guarded_app
     ids = reference.tokenizer(long_text(30, seed=33))["input_ids"][:11]
     before = replica_stats(bounded_app, KEY)["replica"]["extractions"]
-    for body in ({"prompt": ids, "hidden_states_position": "all"},  # 11 rows x 128 x 4 bytes
-                 {"prompt": ids[:6], "hidden_states_position": "all", "hidden_states_layers": [0, -1]},  # 12 rows
-                 {"prompt": ids, "hidden_states_position": "all", "compare": {"vectors": [[0.0] * 128] * 10}}):
+    for body in (
+        {"prompt": ids, "hidden_states_position": "all"},  # 11 rows x 128 x 4 bytes
+        {"prompt": ids[:6], "hidden_states_position": "all", "hidden_states_layers": [0, -1]},  # 12 rows
+        {"prompt": ids, "hidden_states_position": "all", "compare": {"vectors": [[0.0] * 128] * 10}},
+    ):
         r = post(bounded_app, body, headers=KEY)
         assert r.status_code == 400, r.text
         err = r.json()["error"]
@@ -268,10 +328,12 @@ def test_rows_above_max_hidden_states_bytes_are_a_400_before_any_engine_work(gua
     refused = post(bounded_app, {"prompt": ids, "hidden_states_position": "all"}, headers=KEY)
     assert "max_hidden_states_bytes (5120)" in refused.text
     assert replica_stats(bounded_app, KEY)["replica"]["extractions"] == before  # no engine work
-    for body in ({"prompt": ids[:10], "hidden_states_position": "all"},  # exactly at the bound
-                 {"prompt": ids, "hidden_states_position": "all", "hidden_states_dtype": "bfloat16"},
-                 {"prompt": ids},  # one vector: not rows, as ever
-                 {"prompt": ids, "hidden_states_position": {"start": 1}}):  # 10 rows
+    for body in (
+        {"prompt": ids[:10], "hidden_states_position": "all"},  # exactly at the bound
+        {"prompt": ids, "hidden_states_position": "all", "hidden_states_dtype": "bfloat16"},
+        {"prompt": ids},  # one vector: not rows, as ever
+        {"prompt": ids, "hidden_states_position": {"start": 1}},
+    ):  # 10 rows
         r = post(bounded_app, body, headers=KEY)
         assert r.status_code == 200, r.text
     assert_close(rows_of(r.json()), reference_rows(reference, ids, range(1, 11)))

@@ -25,8 +25,9 @@ def engine():
 
 
 def vectors(route="completions", n=1, position="completion_end", layers=None):
-    spec = parse_fields({"return_hidden_states": True, "hidden_states_position": position,
-                         "hidden_states_layers": layers}, enabled=True)
+    spec = parse_fields(
+        {"return_hidden_states": True, "hidden_states_position": position, "hidden_states_layers": layers}, enabled=True
+    )
     collector = HiddenStatesCollector.of("tag", spec, tuple(layers or (-1,)))
     request = types.SimpleNamespace(n=n)
     return ChoiceVectors(engine(), collector, request, route, "r0"), collector
@@ -97,17 +98,20 @@ def test_stream_events_pass_untouched_until_a_choice_finishes():
     cv, col = vectors(n=2)
     put(col, (0, 1), vec(6))
     put(col, (0, 0), vec(5))
-    raw = [chunk(c) for c in (
-        {"choices": [{"index": 0, "text": "a", "finish_reason": None}]},
-        {"choices": [{"index": 1, "text": "b\"finish_reason\":\"", "finish_reason": "stop"}]},
-        {"choices": [{"index": 0, "text": "c", "finish_reason": "length"}]},
-        {"choices": [], "usage": {"completion_tokens": 3}},
-    )]
+    raw = [
+        chunk(c)
+        for c in (
+            {"choices": [{"index": 0, "text": "a", "finish_reason": None}]},
+            {"choices": [{"index": 1, "text": 'b"finish_reason":"', "finish_reason": "stop"}]},
+            {"choices": [{"index": 0, "text": "c", "finish_reason": "length"}]},
+            {"choices": [], "usage": {"completion_tokens": 3}},
+        )
+    ]
     out = [cv.fill_chunk(c) for c in raw]
     assert out[0] is raw[0] and out[3] is raw[3]  # the same string: not parsed, not re-serialised
     events = [json.loads(o[6:]) for o in out]
     assert events[1]["choices"][0]["hidden_states"] == [6.0] * 4
-    assert events[1]["choices"][0]["text"] == "b\"finish_reason\":\""
+    assert events[1]["choices"][0]["text"] == 'b"finish_reason":"'
     assert events[2]["choices"][0]["hidden_states"] == [5.0] * 4
 
 
@@ -131,7 +135,9 @@ def test_a_failing_metrics_observer_fails_no_request():
     assert seen[0].position == "completion_end" and seen[0].nbytes == 16
 
 
-@pytest.mark.parametrize("request_id,ordinal", [("cmpl-hs0a1b-0", 0), ("cmpl-hs0a1b-3", 3), ("chatcmpl-hs0a1b", 0),
-                                                ("hs-deadbeef", 0), ("t-123456789", 0)])
+@pytest.mark.parametrize(
+    "request_id,ordinal",
+    [("cmpl-hs0a1b-0", 0), ("cmpl-hs0a1b-3", 3), ("chatcmpl-hs0a1b", 0), ("hs-deadbeef", 0), ("t-123456789", 0)],
+)
 def test_prompt_ordinal_reads_vllms_per_prompt_suffix(request_id, ordinal):
     assert prompt_ordinal(request_id) == ordinal

@@ -201,7 +201,8 @@ def test_a_patch_of_ours_running_in_this_process_is_seen_through(monkeypatch):
 
 
 def test_the_engine_start_refuses_drift_by_name_and_a_version_outside_the_range_says_what_drifted(
-        monkeypatch, tmp_path):
+    monkeypatch, tmp_path
+):
     """check_vllm_version(drift=True), the engine's start: a drifted symbol refuses the start naming it; a vLLM
     outside the tested range is refused with what the check found; the check's result is cached per install."""
     import vllm

@@ -38,8 +38,11 @@ def expected(position_rows, layers=(-1,), dtype="float32", topk=None, index=0):
 
 def test_a_default_request_and_its_single_vector_are_as_they_were():
     # the request's bytes: its wire version, the prompt, and the hidden-states fields as over HTTP
-    assert msgspec.msgpack.decode(wire.ENCODER.encode(HandleCompletionRequest(prompt="x"))) == \
-        {"wire": wire.WIRE, "prompt": "x", "hidden_states": {"return_hidden_states": True}}
+    assert msgspec.msgpack.decode(wire.ENCODER.encode(HandleCompletionRequest(prompt="x"))) == {
+        "wire": wire.WIRE,
+        "prompt": "x",
+        "hidden_states": {"return_hidden_states": True},
+    }
     c = complete(n=2, hidden_states_layers=[0, -1])
     for ch in c.choices:
         seq = IDS + list(ch.token_ids)
@@ -50,12 +53,15 @@ def test_a_default_request_and_its_single_vector_are_as_they_were():
         assert ch.extraction.tokens == len(seq)
 
 
-@pytest.mark.parametrize("position, wanted", [
-    ("completion", range(8, 13)),
-    ("all", range(13)),
-    ({"start": 2, "end": -1, "stride": 3}, range(2, 12, 3)),
-    (PositionRange(start=-4), range(9, 13)),
-])
+@pytest.mark.parametrize(
+    "position, wanted",
+    [
+        ("completion", range(8, 13)),
+        ("all", range(13)),
+        ({"start": 2, "end": -1, "stride": 3}, range(2, 12, 3)),
+        (PositionRange(start=-4), range(9, 13)),
+    ],
+)
 def test_rows_come_back_as_numpy_n_by_d_with_their_positions(position, wanted):
     c = complete(hidden_states_position=position, hidden_states_layers=[0, -1])
     (ch,) = c.choices
@@ -80,8 +86,12 @@ def test_float16_rows_are_numpy_float16_and_bfloat16_rows_float32_of_the_rounded
 
 
 def test_topk_rows_are_indices_and_values_per_position_per_layer():
-    ch = complete(hidden_states_position={"start": 3, "stride": 4}, hidden_states_topk=3, hidden_states_dtype="float16",
-                  hidden_states_layers=[1, -1]).choices[0]
+    ch = complete(
+        hidden_states_position={"start": 3, "stride": 4},
+        hidden_states_topk=3,
+        hidden_states_dtype="float16",
+        hidden_states_layers=[1, -1],
+    ).choices[0]
     assert ch.positions == (3, 7, 11)
     want = expected([3, 7, 11], (1, -1), "float16", 3)
     for layer in (1, -1):
@@ -90,8 +100,9 @@ def test_topk_rows_are_indices_and_values_per_position_per_layer():
         np.testing.assert_array_equal(ch.hidden_states_indices_by_layer[layer], want.indices[layer])
         np.testing.assert_array_equal(ch.hidden_states_by_layer[layer], want.values[layer])
     full = expected([3, 7, 11]).values[-1]
-    np.testing.assert_array_equal(ch.hidden_states, np.take_along_axis(full, ch.hidden_states_indices, -1)
-                                  .astype(np.float16))
+    np.testing.assert_array_equal(
+        ch.hidden_states, np.take_along_axis(full, ch.hidden_states_indices, -1).astype(np.float16)
+    )
     assert (np.diff(np.abs(ch.hidden_states.astype(np.float32)), axis=-1) <= 0).all()
 
 
@@ -116,12 +127,15 @@ def test_handle_rows_respect_max_hidden_states_bytes_and_the_field_rules():
     with pytest.raises(client.HandleRequestError, match="max_hidden_states_bytes") as e:
         complete({"max_hidden_states_bytes": 400}, hidden_states_position="all")
     assert e.value.status == 400
-    assert complete({"max_hidden_states_bytes": 400}, hidden_states_position="all",
-                    hidden_states_dtype="float16").choices[0].hidden_states.shape == (13, HIDDEN_SIZE)
-    for kw, words in [({"hidden_states_position": {"start": "a"}}, "start must be an integer"),
-                      ({"hidden_states_dtype": "int8"}, "hidden_states_dtype must be"),
-                      ({"hidden_states_topk": 0}, "positive integer"),
-                      ({"hidden_states_topk": HIDDEN_SIZE + 1}, "exceeds the model's hidden size")]:
+    assert complete(
+        {"max_hidden_states_bytes": 400}, hidden_states_position="all", hidden_states_dtype="float16"
+    ).choices[0].hidden_states.shape == (13, HIDDEN_SIZE)
+    for kw, words in [
+        ({"hidden_states_position": {"start": "a"}}, "start must be an integer"),
+        ({"hidden_states_dtype": "int8"}, "hidden_states_dtype must be"),
+        ({"hidden_states_topk": 0}, "positive integer"),
+        ({"hidden_states_topk": HIDDEN_SIZE + 1}, "exceeds the model's hidden size"),
+    ]:
         with pytest.raises(client.HandleRequestError, match=words) as e:
             complete(**kw)
         assert e.value.status == 400
@@ -130,11 +144,19 @@ def test_handle_rows_respect_max_hidden_states_bytes_and_the_field_rules():
 def test_the_fake_engine_serves_positions_dtypes_and_topk_over_http():
     async def go(body):
         r = await make(max_hidden_states_bytes=400)
-        return await call(r, "POST", "/v1/completions", json={
-            "prompt": PROMPT, "max_tokens": 5, "return_hidden_states": True, **body})
+        return await call(
+            r, "POST", "/v1/completions", json={"prompt": PROMPT, "max_tokens": 5, "return_hidden_states": True, **body}
+        )
 
-    res = run(go({"hidden_states_position": "completion", "hidden_states_dtype": "float16",
-                  "hidden_states_encoding": "base64"}))
+    res = run(
+        go(
+            {
+                "hidden_states_position": "completion",
+                "hidden_states_dtype": "float16",
+                "hidden_states_encoding": "base64",
+            }
+        )
+    )
     ch = res.json()["choices"][0]
     meta = ch["hidden_states_meta"]
     assert meta["positions"] == list(range(8, 13)) and meta["shape"] == [5, HIDDEN_SIZE] and meta["dtype"] == "float16"
@@ -157,8 +179,9 @@ def test_the_fake_engine_casts_and_selects_as_the_engine_does():
     order = np.argsort(-np.abs(rows.values[-1]), axis=-1)[:, :3]
     np.testing.assert_array_equal(top.indices[-1], order)
     np.testing.assert_allclose(top.floats(-1), np.take_along_axis(rows.values[-1], order, -1), rtol=2**-8)
-    c = asyncio.run(FakeEngine(True).complete(IDS, SamplingOptions(max_tokens=2, n=2), position="all",
-                                              dtype="bfloat16", topk=2))
+    c = asyncio.run(
+        FakeEngine(True).complete(IDS, SamplingOptions(max_tokens=2, n=2), position="all", dtype="bfloat16", topk=2)
+    )
     assert [ch.positions for ch in c.choices] == [tuple(range(10))] * 2
     assert c.choices[1].hidden_states.shape == (10, 2) and c.choices[1].dtype == "bfloat16"
 
@@ -166,8 +189,9 @@ def test_the_fake_engine_casts_and_selects_as_the_engine_does():
 def test_chat_messages_over_a_handle_are_the_chat_route_s_prompt():
     async def go():
         r = await make()
-        chat = client._result(await r.complete(client._request(None, [{"role": "user", "content": PROMPT}],
-                                                                max_tokens=5)))
+        chat = client._result(
+            await r.complete(client._request(None, [{"role": "user", "content": PROMPT}], max_tokens=5))
+        )
         return chat, client._result(await r.complete(client._request(PROMPT, None, max_tokens=5)))
 
     chat, plain = run(go())

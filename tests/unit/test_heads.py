@@ -16,17 +16,29 @@ from tests.heads_ref import ARCHS, assert_sae_topk, linear_reference, make_linea
 D, F, L = 16, 128, 4
 
 
-@pytest.mark.parametrize("hook, layer", [("blocks.0.hook_resid_pre", 0), ("blocks.0.hook_resid_post", 1),
-                                         ("blocks.2.hook_resid_pre", 2), ("blocks.2.hook_resid_post", 3),
-                                         ("ln_final.hook_normalized", L)])
+@pytest.mark.parametrize(
+    "hook, layer",
+    [
+        ("blocks.0.hook_resid_pre", 0),
+        ("blocks.0.hook_resid_post", 1),
+        ("blocks.2.hook_resid_pre", 2),
+        ("blocks.2.hook_resid_post", 3),
+        ("ln_final.hook_normalized", L),
+    ],
+)
 def test_hook_points_map_to_transformers_hidden_states_indices(hook, layer):
     assert hook_layer(hook, L) == layer
 
 
-@pytest.mark.parametrize("hook, words", [("blocks.3.hook_resid_post", "before the final norm"),
-                                         ("blocks.1.attn.hook_z", "not the residual stream"),
-                                         ("blocks.1.hook_mlp_out", "not the residual stream"),
-                                         ("blocks.9.hook_resid_pre", "blocks 0..3")])
+@pytest.mark.parametrize(
+    "hook, words",
+    [
+        ("blocks.3.hook_resid_post", "before the final norm"),
+        ("blocks.1.attn.hook_z", "not the residual stream"),
+        ("blocks.1.hook_mlp_out", "not the residual stream"),
+        ("blocks.9.hook_resid_pre", "blocks 0..3"),
+    ],
+)
 def test_hook_points_off_the_served_stream_are_refused_by_name(hook, words):
     with pytest.raises(HeadConfigError, match=words):
         hook_layer(hook, L)
@@ -86,16 +98,19 @@ def _sae_with(tmp_path, **cfg_over) -> str:
     return folder
 
 
-@pytest.mark.parametrize("entry, cfg, words", [
-    ({}, {"d_in": 32}, "d_in = 32, but the model's hidden size is 16"),
-    ({}, {"hook_name": "blocks.3.hook_resid_post"}, "before the final norm"),
-    ({}, {"hook_name": "blocks.0.attn.hook_z"}, "not the residual stream"),
-    ({}, {"normalize_activations": "layer_norm"}, "normalize_activations"),
-    ({}, {"architecture": "matryoshka"}, "architecture 'matryoshka' is not served"),
-    ({"layer": 3}, {}, "disagrees with its SAE's hook point"),
-    ({"topk": F + 1}, {}, "topk 129"),
-    ({"colour": "red"}, {}, "unknown keys ['colour']"),
-])
+@pytest.mark.parametrize(
+    "entry, cfg, words",
+    [
+        ({}, {"d_in": 32}, "d_in = 32, but the model's hidden size is 16"),
+        ({}, {"hook_name": "blocks.3.hook_resid_post"}, "before the final norm"),
+        ({}, {"hook_name": "blocks.0.attn.hook_z"}, "not the residual stream"),
+        ({}, {"normalize_activations": "layer_norm"}, "normalize_activations"),
+        ({}, {"architecture": "matryoshka"}, "architecture 'matryoshka' is not served"),
+        ({"layer": 3}, {}, "disagrees with its SAE's hook point"),
+        ({"topk": F + 1}, {}, "topk 129"),
+        ({"colour": "red"}, {}, "unknown keys ['colour']"),
+    ],
+)
 def test_an_sae_that_does_not_fit_is_refused_at_start_naming_the_head(tmp_path, entry, cfg, words):
     folder = _sae_with(tmp_path, **cfg)
     with pytest.raises(HeadConfigError) as e:
@@ -103,12 +118,15 @@ def test_an_sae_that_does_not_fit_is_refused_at_start_naming_the_head(tmp_path, 
     assert "'feat'" in str(e.value) and words in str(e.value), str(e.value)
 
 
-@pytest.mark.parametrize("entry, words", [
-    ({"d": 32}, "weight is [3, 32], expected [C, 16]"),
-    ({"layer": 5}, "layer 5 out of range: this model has layers 0..4"),
-    ({"labels": ["a", "b"]}, "2 labels for 3 outputs"),
-    ({"activation": "tanh"}, "activation 'tanh'"),
-])
+@pytest.mark.parametrize(
+    "entry, words",
+    [
+        ({"d": 32}, "weight is [3, 32], expected [C, 16]"),
+        ({"layer": 5}, "layer 5 out of range: this model has layers 0..4"),
+        ({"labels": ["a", "b"]}, "2 labels for 3 outputs"),
+        ({"activation": "tanh"}, "activation 'tanh'"),
+    ],
+)
 def test_a_linear_head_that_does_not_fit_is_refused_at_start(tmp_path, entry, words):
     path = make_linear(str(tmp_path / "p.safetensors"), entry.pop("d", D), 3, seed=0)
     with pytest.raises(HeadConfigError) as e:
@@ -128,8 +146,13 @@ def test_the_request_field_parses_once_and_refuses_clearly():
     spec = parse_fields({"hidden_states_heads": ["probe", {"name": "sae", "topk": 8}]}, enabled=True)
     assert spec.heads == (("probe", None), ("sae", 8)) and spec.wants and not spec.rows_asked
     assert HiddenStatesFields.from_json(spec.to_json()).heads == spec.heads  # as it crosses to the replica
-    for bad, words in (([], "non-empty"), (["a", "a"], "twice"), ([{"name": "a", "k": 2}], "name and topk only"),
-                       ([{"name": "a", "topk": 0}], "positive integer"), ("a", "non-empty list")):
+    for bad, words in (
+        ([], "non-empty"),
+        (["a", "a"], "twice"),
+        ([{"name": "a", "k": 2}], "name and topk only"),
+        ([{"name": "a", "topk": 0}], "positive integer"),
+        ("a", "non-empty list"),
+    ):
         with pytest.raises(HiddenStatesRequestError) as e:
             parse_fields({"hidden_states_heads": bad}, enabled=True)
         assert words in str(e.value) and e.value.param == "hidden_states_heads", str(e.value)
@@ -153,11 +176,19 @@ def test_heads_resolve_against_the_registry(tmp_path):
 
 
 def test_outputs_drop_zero_features_and_name_labels():
-    batch = RowBatch(np.array([4, 5]), {}, heads={"s": np.array([[2.0, 0.5, 0.0], [1.0, 0.0, 0.0]], np.float32),
-                                                 "p": np.array([[0.1, 0.9], [0.7, 0.3]], np.float32)},
-                     head_indices={"s": np.array([[7, 3, 1], [2, 0, 9]], np.int32)})
-    assert head_outputs(batch, "s", multi=True) == [{"indices": [7, 3], "values": [2.0, 0.5]},
-                                                    {"indices": [2], "values": [1.0]}]
+    batch = RowBatch(
+        np.array([4, 5]),
+        {},
+        heads={
+            "s": np.array([[2.0, 0.5, 0.0], [1.0, 0.0, 0.0]], np.float32),
+            "p": np.array([[0.1, 0.9], [0.7, 0.3]], np.float32),
+        },
+        head_indices={"s": np.array([[7, 3, 1], [2, 0, 9]], np.int32)},
+    )
+    assert head_outputs(batch, "s", multi=True) == [
+        {"indices": [7, 3], "values": [2.0, 0.5]},
+        {"indices": [2], "values": [1.0]},
+    ]
     out = head_outputs(batch, "p", ["no", "yes"], multi=True)
     assert [o["label"] for o in out] == ["yes", "no"] and out[0]["scores"] == pytest.approx([0.1, 0.9])
     assert head_outputs(batch.select(np.array([False, True])), "s") == {"indices": [2], "values": [1.0]}
@@ -168,17 +199,33 @@ def test_outputs_drop_zero_features_and_name_labels():
 def test_sae_features_carry_their_neuronpedia_descriptions():
     """Labels by feature index: each SAE position's "labels" beside its indices, null where a feature has no
     description; without descriptions no "labels" key."""
-    batch = RowBatch(np.array([4]), {}, heads={"s": np.array([[2.0, 0.5, 0.0]], np.float32)},
-                     head_indices={"s": np.array([[7, 3, 1]], np.int32)})
+    batch = RowBatch(
+        np.array([4]),
+        {},
+        heads={"s": np.array([[2.0, 0.5, 0.0]], np.float32)},
+        head_indices={"s": np.array([[7, 3, 1]], np.int32)},
+    )
     assert head_outputs(batch, "s", {7: "mentions of Paris"}) == {
-        "indices": [7, 3], "values": [2.0, 0.5], "labels": ["mentions of Paris", None]}
+        "indices": [7, 3],
+        "values": [2.0, 0.5],
+        "labels": ["mentions of Paris", None],
+    }
     assert "labels" not in head_outputs(batch, "s", {})
 
 
 def _export(records) -> list[dict]:
     """Records as Neuronpedia's explanations export writes them (index as a string)."""
-    return [{"modelId": "tiny-llama", "layer": "0-res", "index": str(i), "description": d,
-             "explanationModelName": "gpt-4o-mini", "typeName": "oai_token-act-pair"} for i, d in records]
+    return [
+        {
+            "modelId": "tiny-llama",
+            "layer": "0-res",
+            "index": str(i),
+            "description": d,
+            "explanationModelName": "gpt-4o-mini",
+            "typeName": "oai_token-act-pair",
+        }
+        for i, d in records
+    ]
 
 
 @pytest.mark.parametrize("layout", ["json", "jsonl", "jsonl.gz", "folder"])
@@ -205,9 +252,14 @@ def test_an_sae_folder_s_explanations_export_is_read_at_start(tmp_path, layout):
     assert spec.public()["described_features"] == 2 and spec.for_workers().descriptions == {}
 
 
-@pytest.mark.parametrize("record, words", [({"index": "128", "description": "x"}, r"feature 128; the SAE has features 0\.\.127"),
-                                           ({"index": "a", "description": "x"}, "is not an explanation"),
-                                           ({"index": 3}, "is not an explanation")])
+@pytest.mark.parametrize(
+    "record, words",
+    [
+        ({"index": "128", "description": "x"}, r"feature 128; the SAE has features 0\.\.127"),
+        ({"index": "a", "description": "x"}, "is not an explanation"),
+        ({"index": 3}, "is not an explanation"),
+    ],
+)
 def test_an_explanations_export_of_another_sae_stops_the_start(tmp_path, record, words):
     folder = make_sae(str(tmp_path / "sae"), "standard", D, F, "blocks.0.hook_resid_post", seed=0)
     (tmp_path / "sae" / "explanations.json").write_text(json.dumps([record]))

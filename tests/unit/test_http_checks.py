@@ -23,20 +23,23 @@ def refusal(args: AppArgs, body) -> tuple[int, dict] | None:
     return out.status_code, json.loads(out.body)["error"]
 
 
-@pytest.mark.parametrize("body, status, words", [
-    (b"{not json", 400, "not valid JSON"),
-    ([1, 2], 400, "JSON object"),
-    ({"model": "gpt-4", "prompt": "x"}, 404, "tiny-llama"),
-    ({"prompt": "x", "return_hidden_states": "yes"}, 400, "boolean"),
-    ({"prompt": "x", "hidden_states_encoding": "hex"}, 400, "'float' or 'base64'"),
-    ({"prompt": "x", "encoding_format": "hex"}, 400, "'float' or 'base64'"),
-    ({"prompt": "x", "encoding_format": "base64", "hidden_states_encoding": "float"}, 400, "disagree"),
-    ({"prompt": "x", "hidden_states_layers": []}, 400, "non-empty list"),
-    ({"prompt": "x", "hidden_states_layers": [True]}, 400, "non-empty list"),
-    ({"prompt": "x", "hidden_states_position": "middle"}, 400, "prompt_end"),
-    ({"prompt": "x", "n": 5}, 400, "from 1 to 4"),
-    ({"prompt": "x", "n": 0}, 400, "from 1 to 4"),
-])
+@pytest.mark.parametrize(
+    "body, status, words",
+    [
+        (b"{not json", 400, "not valid JSON"),
+        ([1, 2], 400, "JSON object"),
+        ({"model": "gpt-4", "prompt": "x"}, 404, "tiny-llama"),
+        ({"prompt": "x", "return_hidden_states": "yes"}, 400, "boolean"),
+        ({"prompt": "x", "hidden_states_encoding": "hex"}, 400, "'float' or 'base64'"),
+        ({"prompt": "x", "encoding_format": "hex"}, 400, "'float' or 'base64'"),
+        ({"prompt": "x", "encoding_format": "base64", "hidden_states_encoding": "float"}, 400, "disagree"),
+        ({"prompt": "x", "hidden_states_layers": []}, 400, "non-empty list"),
+        ({"prompt": "x", "hidden_states_layers": [True]}, 400, "non-empty list"),
+        ({"prompt": "x", "hidden_states_position": "middle"}, 400, "prompt_end"),
+        ({"prompt": "x", "n": 5}, 400, "from 1 to 4"),
+        ({"prompt": "x", "n": 0}, 400, "from 1 to 4"),
+    ],
+)
 def test_refusals_are_openai_errors_that_name_the_fix(body, status, words):
     got = refusal(ARGS, body)
     assert got is not None, body
@@ -45,8 +48,15 @@ def test_refusals_are_openai_errors_that_name_the_fix(body, status, words):
 
 
 def test_valid_bodies_pass_and_come_back_parsed():
-    body = {"model": "tiny-llama", "prompt": [1, 2, 3], "n": 4, "stream": True, "return_hidden_states": True,
-            "hidden_states_layers": [-1, 0], "hidden_states_position": "prompt_end"}
+    body = {
+        "model": "tiny-llama",
+        "prompt": [1, 2, 3],
+        "n": 4,
+        "stream": True,
+        "return_hidden_states": True,
+        "hidden_states_layers": [-1, 0],
+        "hidden_states_position": "prompt_end",
+    }
     req, spec = check(ARGS, json.dumps(body).encode())
     assert req == body and spec == parse_fields(body, enabled=True) and spec.position == "prompt_end"
     assert check(ARGS, b'{"prompt": "x"}') == ({"prompt": "x"}, NOTHING)  # no model: the served one
@@ -72,14 +82,20 @@ def test_lora_modules_are_served_by_name(tmp_path):
 
     (tmp_path / "a").mkdir()
     (tmp_path / "a" / "adapter_config.json").write_text(json.dumps({"r": 24}))
-    args = AppArgs(model="builtin:tiny-llama", lora_modules=[{"name": "a", "path": str(tmp_path / "a")},
-                                                             {"name": "b", "path": "org/hub-adapter"}])
+    args = AppArgs(
+        model="builtin:tiny-llama",
+        lora_modules=[{"name": "a", "path": str(tmp_path / "a")}, {"name": "b", "path": "org/hub-adapter"}],
+    )
     assert args.served_model_names == ["tiny-llama", "a", "b"]
     engine = args.engine_args()
     assert (engine["enable_lora"], engine["max_loras"], engine["max_lora_rank"]) == (True, 2, 32)  # 24 -> 32
     assert lora_rank(args.lora_modules[1:]) == 16  # nothing readable: vLLM's default
-    assert AppArgs(model="builtin:tiny-llama", lora_modules=args.lora_modules,
-                   engine={"max_lora_rank": 64}).engine_args()["max_lora_rank"] == 64  # `engine` wins
+    assert (
+        AppArgs(model="builtin:tiny-llama", lora_modules=args.lora_modules, engine={"max_lora_rank": 64}).engine_args()[
+            "max_lora_rank"
+        ]
+        == 64
+    )  # `engine` wins
     assert "enable_lora" not in ARGS.engine_args()
     for body in ({"model": "a", "prompt": "x"}, {"model": "tiny-llama", "prompt": "x"}):
         assert check(args, json.dumps(body).encode())[0] == body
@@ -92,12 +108,15 @@ def test_lora_modules_are_served_by_name(tmp_path):
     assert cards[1]["root"] == str(tmp_path / "a")
 
 
-@pytest.mark.parametrize("modules, engine, words", [
-    ([{"name": "x", "path": "p"}, {"name": "x", "path": "q"}], {}, "distinct"),
-    ([{"name": "tiny-llama", "path": "p"}], {}, "distinct"),
-    ([{"name": "x", "path": "p"}], {"enable_lora": False}, "enable_lora"),
-    ([{"name": "x"}], {}, "path"),
-])
+@pytest.mark.parametrize(
+    "modules, engine, words",
+    [
+        ([{"name": "x", "path": "p"}, {"name": "x", "path": "q"}], {}, "distinct"),
+        ([{"name": "tiny-llama", "path": "p"}], {}, "distinct"),
+        ([{"name": "x", "path": "p"}], {"enable_lora": False}, "enable_lora"),
+        ([{"name": "x"}], {}, "path"),
+    ],
+)
 def test_bad_lora_modules_are_refused_at_the_boundary(modules, engine, words):
     from pydantic import ValidationError
 
@@ -108,20 +127,25 @@ def test_bad_lora_modules_are_refused_at_the_boundary(modules, engine, words):
 def test_a_handle_request_takes_a_prompt_or_chat_messages():
     chat = HandleCompletionRequest(messages=[{"role": "user", "content": "Hi"}])
     assert not isinstance(handle_refusal(ARGS, chat), HandleError)
-    for bad, words in ((HandleCompletionRequest(), "exactly one"),
-                       (HandleCompletionRequest(prompt="x", messages=[{"role": "user", "content": "Hi"}]), "exactly one"),
-                       (HandleCompletionRequest(messages=[]), "non-empty list"),
-                       (HandleCompletionRequest(messages=[{"content": "no role"}]), "non-empty list")):
+    for bad, words in (
+        (HandleCompletionRequest(), "exactly one"),
+        (HandleCompletionRequest(prompt="x", messages=[{"role": "user", "content": "Hi"}]), "exactly one"),
+        (HandleCompletionRequest(messages=[]), "non-empty list"),
+        (HandleCompletionRequest(messages=[{"content": "no role"}]), "non-empty list"),
+    ):
         refused = handle_refusal(ARGS, bad)
         assert refused is not None and refused.status == 400 and words in refused.message, (bad, refused)
 
 
-@pytest.mark.parametrize("accelerator, engine, want", [
-    ("cpu", {}, {"num_cpus": 1}),
-    ("cpu", {"tensor_parallel_size": 2}, {"num_cpus": 2}),
-    ("gpu", {}, {"num_cpus": 1, "num_gpus": 1}),
-    ("gpu", {"tensor_parallel_size": 4}, {"num_cpus": 1, "num_gpus": 4}),
-])
+@pytest.mark.parametrize(
+    "accelerator, engine, want",
+    [
+        ("cpu", {}, {"num_cpus": 1}),
+        ("cpu", {"tensor_parallel_size": 2}, {"num_cpus": 2}),
+        ("gpu", {}, {"num_cpus": 1, "num_gpus": 1}),
+        ("gpu", {"tensor_parallel_size": 4}, {"num_cpus": 1, "num_gpus": 4}),
+    ],
+)
 def test_batch_engine_actors_ask_for_what_their_engine_runs_on(accelerator, engine, want):
     from deployments.batch import worker_resources
 

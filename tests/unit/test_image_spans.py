@@ -60,20 +60,56 @@ def test_image_rows_are_transformers_mask_and_text_rows_are_the_kernel_s(window)
     query = torch.from_numpy(np.concatenate(Q))
 
     class Impl:  # vLLM's forward: the causal kernel over the step's batch
-        scale, alibi_slopes, sliding_window, logits_soft_cap, sinks, kv_cache_dtype = 1 / math.sqrt(D), None, window, 0.0, None, "auto"
+        scale, alibi_slopes, sliding_window, logits_soft_cap, sinks, kv_cache_dtype = (
+            1 / math.sqrt(D),
+            None,
+            window,
+            0.0,
+            None,
+            "auto",
+        )
 
         def _hidden_states_forward(self, layer, query, key, value, kv_cache, md, output):
             causal = ops.cpu_attn_get_scheduler_metadata(
-                num_reqs=2, num_heads=H, num_kv_heads=KVH, head_dim=D, seq_lens=seq_lens, dtype=torch.float32,
-                query_start_loc=qsl, causal=True, sliding_window_size=window, isa=isa, enable_kv_split=False)
+                num_reqs=2,
+                num_heads=H,
+                num_kv_heads=KVH,
+                head_dim=D,
+                seq_lens=seq_lens,
+                dtype=torch.float32,
+                query_start_loc=qsl,
+                causal=True,
+                sliding_window_size=window,
+                isa=isa,
+                enable_kv_split=False,
+            )
             ops.cpu_attention_with_kv_cache(
-                query=query, key_cache=kc, value_cache=vc, output=output, query_start_loc=qsl, seq_lens=seq_lens,
-                scale=self.scale, causal=True, alibi_slopes=None, sliding_window=window, block_table=table,
-                softcap=0.0, scheduler_metadata=causal, s_aux=None)
+                query=query,
+                key_cache=kc,
+                value_cache=vc,
+                output=output,
+                query_start_loc=qsl,
+                seq_lens=seq_lens,
+                scale=self.scale,
+                causal=True,
+                alibi_slopes=None,
+                sliding_window=window,
+                block_table=table,
+                softcap=0.0,
+                scheduler_metadata=causal,
+                s_aux=None,
+            )
             return output
 
-    builder = SimpleNamespace(num_heads=H, num_kv_heads=KVH, head_dim=D, dtype=torch.float32, window_size=window,
-                              isa=isa, kv_cache_dtype="auto")
+    builder = SimpleNamespace(
+        num_heads=H,
+        num_kv_heads=KVH,
+        head_dim=D,
+        dtype=torch.float32,
+        window_size=window,
+        isa=isa,
+        kv_cache_dtype="auto",
+    )
     cm = SimpleNamespace(query_start_loc_cpu=qsl, seq_lens=seq_lens, num_reqs=2, block_table_tensor=table)
     md = SimpleNamespace(hidden_states_spans=cpu._image_span_batch(builder, cm, {0: [], 1: [span]}))
     assert md.hidden_states_spans["rows"].tolist() == list(range(new[0] + span[0] - 30, new[0] + span[1] - 30 + 1))
@@ -83,12 +119,12 @@ def test_image_rows_are_transformers_mask_and_text_rows_are_the_kernel_s(window)
     got = cpu._forward_with_image_spans(Impl(), layer, query, None, None, kv, md, torch.empty_like(query)).numpy()
     assert cpu.MM_PREFIX_ROWS[0] - before == span[1] - span[0] + 1
 
-    assert np.array_equal(got[:new[0]], causal_only[:new[0]].numpy())  # the text request: vLLM's bits
+    assert np.array_equal(got[: new[0]], causal_only[: new[0]].numpy())  # the text request: vLLM's bits
     want = reference(Q[1], K[1], V[1], range(30, 70), 70, span, window)
-    err, scale = float(np.abs(got[new[0]:] - want).max()), float(np.abs(want).max())
+    err, scale = float(np.abs(got[new[0] :] - want).max()), float(np.abs(want).max())
     assert err <= 1e-5 * scale, (err, scale)
     # and vLLM's kernel alone is not the model: the image rows differ
-    assert float(np.abs(causal_only[new[0]:].numpy() - want).max()) > 1e-3 * scale
+    assert float(np.abs(causal_only[new[0] :].numpy() - want).max()) > 1e-3 * scale
 
 
 def test_a_span_split_across_steps_is_an_error_not_a_silent_causal_row():
@@ -96,9 +132,12 @@ def test_a_span_split_across_steps_is_an_error_not_a_silent_causal_row():
 
     from hidden_states.vllm import cpu
 
-    cm = SimpleNamespace(query_start_loc_cpu=torch.tensor([0, 10], dtype=torch.int32),
-                         seq_lens=torch.tensor([10], dtype=torch.int32), num_reqs=1,
-                         block_table_tensor=torch.zeros(1, 1, dtype=torch.int32))
+    cm = SimpleNamespace(
+        query_start_loc_cpu=torch.tensor([0, 10], dtype=torch.int32),
+        seq_lens=torch.tensor([10], dtype=torch.int32),
+        num_reqs=1,
+        block_table_tensor=torch.zeros(1, 1, dtype=torch.int32),
+    )
     with pytest.raises(RuntimeError, match="split across prefill steps"):
         cpu._image_span_batch(SimpleNamespace(), cm, {0: [(8, 12)]})
     # a span computed in an earlier step, or a single token, adds nothing
@@ -110,10 +149,14 @@ def test_start_up_decisions():
 
     def config(model_type_prefix_lm: bool, tokens=256, window=1024, chunked=False):
         return SimpleNamespace(
-            model_config=SimpleNamespace(is_multimodal_model=True, is_mm_prefix_lm=model_type_prefix_lm,
-                                         hf_config=SimpleNamespace(mm_tokens_per_image=tokens),
-                                         hf_text_config=SimpleNamespace(sliding_window=window)),
-            scheduler_config=SimpleNamespace(disable_chunked_mm_input=chunked))
+            model_config=SimpleNamespace(
+                is_multimodal_model=True,
+                is_mm_prefix_lm=model_type_prefix_lm,
+                hf_config=SimpleNamespace(mm_tokens_per_image=tokens),
+                hf_text_config=SimpleNamespace(sliding_window=window),
+            ),
+            scheduler_config=SimpleNamespace(disable_chunked_mm_input=chunked),
+        )
 
     gemma3 = config(True)
     assert cpu.image_span_refusal(gemma3) is None

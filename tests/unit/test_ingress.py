@@ -49,9 +49,18 @@ def test_health_models_and_a_completion_with_its_vector():
         r = await make()
         assert (await call(r, "GET", "/health")).status_code == 200
         assert (await call(r, "GET", "/v1/models")).json()["data"][0]["id"] == "tiny-llama"
-        res = await call(r, "POST", "/v1/completions", json={
-            "prompt": "Hi there", "max_tokens": 3, "n": 2, "return_hidden_states": True,
-            "hidden_states_encoding": "base64"})
+        res = await call(
+            r,
+            "POST",
+            "/v1/completions",
+            json={
+                "prompt": "Hi there",
+                "max_tokens": 3,
+                "n": 2,
+                "return_hidden_states": True,
+                "hidden_states_encoding": "base64",
+            },
+        )
         return r, res
 
     r, res = run(go())
@@ -62,15 +71,26 @@ def test_health_models_and_a_completion_with_its_vector():
         assert np.array_equal(got, fake_vector(ids))
         assert ch["token_ids"] is None  # not asked for: hidden again
     assert stats(r) | {"kind": "replica"} == {"kind": "replica", "pending": 0, "served": 1, "failed": 0, "cancelled": 0}
-    assert PARSED[0] - parsed == 1  # `ingress: replica`: the fields parsed once, by the ingress; the frontend reads them
+    assert (
+        PARSED[0] - parsed == 1
+    )  # `ingress: replica`: the fields parsed once, by the ingress; the frontend reads them
 
 
 def test_stream_vectors_on_final_chunks_and_done():
     async def go():
         r = await make()
-        return r, await call(r, "POST", "/v1/chat/completions", json={
-            "messages": [{"role": "user", "content": "yo"}], "max_tokens": 2, "stream": True,
-            "return_hidden_states": True, "return_token_ids": True})
+        return r, await call(
+            r,
+            "POST",
+            "/v1/chat/completions",
+            json={
+                "messages": [{"role": "user", "content": "yo"}],
+                "max_tokens": 2,
+                "stream": True,
+                "return_hidden_states": True,
+                "return_token_ids": True,
+            },
+        )
 
     r, res = run(go())
     events = [e for e in res.text.split("\n\n") if e]
@@ -81,17 +101,25 @@ def test_stream_vectors_on_final_chunks_and_done():
     assert stats(r)["served"] == 1
 
 
-@pytest.mark.parametrize("args, body, headers, status, words", [
-    ({}, {"prompt": "x", "return_hidden_states": "yes"}, {}, 400, "boolean"),
-    ({}, {"prompt": "x", "hidden_states_layers": [7], "return_hidden_states": True}, {}, 400, "out of range"),
-    ({}, {"prompt": "x", "n": 99}, {}, 400, "n must be"),
-    ({}, {"model": "gpt-4", "prompt": "x"}, {}, 404, "does not exist"),
-    ({"enable_return_hidden_states": False}, {"prompt": "x", "return_hidden_states": True}, {}, 400,
-     "enable_return_hidden_states: true"),
-    ({"api_key": "k"}, {"prompt": "x"}, {}, 401, "API key"),
-    ({"api_key": "k"}, {"prompt": "x"}, {"authorization": "Bearer wrong"}, 401, "API key"),
-    ({"max_request_body_bytes": 100}, {"prompt": "x" * 200}, {}, 413, "exceeds"),
-])
+@pytest.mark.parametrize(
+    "args, body, headers, status, words",
+    [
+        ({}, {"prompt": "x", "return_hidden_states": "yes"}, {}, 400, "boolean"),
+        ({}, {"prompt": "x", "hidden_states_layers": [7], "return_hidden_states": True}, {}, 400, "out of range"),
+        ({}, {"prompt": "x", "n": 99}, {}, 400, "n must be"),
+        ({}, {"model": "gpt-4", "prompt": "x"}, {}, 404, "does not exist"),
+        (
+            {"enable_return_hidden_states": False},
+            {"prompt": "x", "return_hidden_states": True},
+            {},
+            400,
+            "enable_return_hidden_states: true",
+        ),
+        ({"api_key": "k"}, {"prompt": "x"}, {}, 401, "API key"),
+        ({"api_key": "k"}, {"prompt": "x"}, {"authorization": "Bearer wrong"}, 401, "API key"),
+        ({"max_request_body_bytes": 100}, {"prompt": "x" * 200}, {}, 413, "exceeds"),
+    ],
+)
 def test_refusals_never_reach_the_engine(args, body, headers, status, words):
     async def go():
         r = await make(**args)
@@ -134,8 +162,10 @@ def test_api_key_from_the_environment_and_a_conflict_fails_the_start(monkeypatch
 
     async def go():
         r = await make()
-        return [await call(r, "GET", "/v1/models", headers=h)
-                for h in ({}, {"authorization": "Bearer from-env"}, {"authorization": "Bearer from-en"})]
+        return [
+            await call(r, "GET", "/v1/models", headers=h)
+            for h in ({}, {"authorization": "Bearer from-env"}, {"authorization": "Bearer from-en"})
+        ]
 
     none, ok, near = run(go())
     assert (none.status_code, ok.status_code, near.status_code) == (401, 200, 401)
@@ -167,8 +197,15 @@ def assert_released(r, cancelled: int = 1) -> None:
 def test_http_client_hanging_up_cancels_the_engine_request(stream):
     async def go():
         r = await make(**SLOW)
-        await give_up(call(r, "POST", "/v1/completions", json={"prompt": "x", "max_tokens": 400, "stream": stream,
-                                                               "return_hidden_states": True}), 0.5)
+        await give_up(
+            call(
+                r,
+                "POST",
+                "/v1/completions",
+                json={"prompt": "x", "max_tokens": 400, "stream": stream, "return_hidden_states": True},
+            ),
+            0.5,
+        )
         return r
 
     r = run(go())

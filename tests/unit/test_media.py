@@ -52,6 +52,8 @@ def refused(req: dict, **kw) -> HiddenStatesRequestError:
 
 
 PNG = image_bytes("PNG")
+
+
 def wav(rate: int = 16000, seconds: float = 0.001) -> bytes:
     import wave
 
@@ -67,45 +69,77 @@ def wav(rate: int = 16000, seconds: float = 0.001) -> bytes:
 WAV_B64 = base64.b64encode(wav()).decode()
 
 
-@pytest.mark.parametrize("part, param, words", [
-    (image_part("data:image/png,iVBORw0KGgo="), "image_url", ["malformed data URL", "base64"]),
-    (image_part("data:image/png;base64" + base64.b64encode(PNG).decode()), "image_url",
-     ["malformed data URL", "no ','"]),
-    (image_part("data:;base64," + base64.b64encode(PNG).decode()), "image_url", ["malformed data URL", "media type"]),
-    (image_part("data:png;base64," + base64.b64encode(PNG).decode()), "image_url", ["'png' is not a media type"]),
-    (image_part("data:image/png;base64,iVBO Rw0K"), "image_url", ["not valid base64"]),
-    (image_part("data:image/png;base64,iVBORw0KGg"), "image_url", ["not valid base64"]),  # bad padding
-    (image_part("data:image/png;base64," + base64.urlsafe_b64encode(b"\xfb\xff" * 30).decode()), "image_url",
-     ["not valid base64"]),
-    (image_part("data:image/png;base64," + base64.b64encode(PNG).decode() + "\n"), "image_url", ["not valid base64"]),
-    (image_part("data:image/png;base64,é"), "image_url", ["not valid base64"]),
-    (image_part("data:image/png;base64," + base64.b64encode(b"just some text").decode()), "image_url",
-     ["not a readable image", "declared image/png", "PNG, JPEG"]),
-    (image_part(data_url(b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 10 10\n", "image/png")), "image_url",
-     ["unsupported image format EPS", "does not read it"]),
-    (image_part(data_url(PNG[:40])), "image_url", ["not a readable image", "cut short"]),  # a cut header
-    (image_part(data_url(PNG[:60])), "image_url", ["PNG image is corrupt", "Truncated"]),
-    (image_part(data_url(PNG[:-8] + b"\0" * 8)), "image_url", ["PNG image is corrupt"]),  # a bad IEND checksum
-    (image_part("http://example.com/cat.png"), "image_url",
-     ["does not fetch remote media", "remote_media is off", "data URL"]),
-    (image_part("HTTPS://example.com/cat.png"), "image_url", ["does not fetch remote media"]),
-    (image_part("file:///etc/passwd"), "image_url", ["not a data URL", "file: URLs are not read"]),
-    (image_part("cat.png"), "image_url", ["not a data URL"]),
-    ({"type": "image_url", "image_url": "data:image/png;base64,AAAA"}, "image_url", ['{"url":']),
-    ({"type": "image_url", "image_url": {}}, "image_url", ['{"url":']),
-    (audio_part("UklGR!!!"), "input_audio", ["audio payload is not valid base64"]),
-    (audio_part(""), "input_audio", ["non-empty data"]),
-    ({"type": "input_audio", "input_audio": WAV_B64}, "input_audio", ['{"data":']),
-    ({"type": "audio_url", "audio_url": {"url": "https://example.com/a.wav"}}, "audio_url",
-     ["does not fetch remote media", "send the audio as a data URL"]),
-    ({"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}, "type",
-     ["'video_url' part", "does not take", "image_url"]),
-    ({"type": "image_embeds", "image_embeds": "AAAA"}, "type", ["'image_embeds' part"]),
-    ({"type": "banana"}, "type", ["'banana' part"]),
-    ({"type": ["text"]}, "type", ["['text'] part"]),
-    ({"video_url": {"url": "data:video/mp4;base64,AAAA"}}, "type", ["'video_url' part"]),  # vLLM's typeless form
-    ({"text": "hi"}, "type", ["has no `type`"]),
-])
+@pytest.mark.parametrize(
+    "part, param, words",
+    [
+        (image_part("data:image/png,iVBORw0KGgo="), "image_url", ["malformed data URL", "base64"]),
+        (
+            image_part("data:image/png;base64" + base64.b64encode(PNG).decode()),
+            "image_url",
+            ["malformed data URL", "no ','"],
+        ),
+        (
+            image_part("data:;base64," + base64.b64encode(PNG).decode()),
+            "image_url",
+            ["malformed data URL", "media type"],
+        ),
+        (image_part("data:png;base64," + base64.b64encode(PNG).decode()), "image_url", ["'png' is not a media type"]),
+        (image_part("data:image/png;base64,iVBO Rw0K"), "image_url", ["not valid base64"]),
+        (image_part("data:image/png;base64,iVBORw0KGg"), "image_url", ["not valid base64"]),  # bad padding
+        (
+            image_part("data:image/png;base64," + base64.urlsafe_b64encode(b"\xfb\xff" * 30).decode()),
+            "image_url",
+            ["not valid base64"],
+        ),
+        (
+            image_part("data:image/png;base64," + base64.b64encode(PNG).decode() + "\n"),
+            "image_url",
+            ["not valid base64"],
+        ),
+        (image_part("data:image/png;base64,é"), "image_url", ["not valid base64"]),
+        (
+            image_part("data:image/png;base64," + base64.b64encode(b"just some text").decode()),
+            "image_url",
+            ["not a readable image", "declared image/png", "PNG, JPEG"],
+        ),
+        (
+            image_part(data_url(b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 10 10\n", "image/png")),
+            "image_url",
+            ["unsupported image format EPS", "does not read it"],
+        ),
+        (image_part(data_url(PNG[:40])), "image_url", ["not a readable image", "cut short"]),  # a cut header
+        (image_part(data_url(PNG[:60])), "image_url", ["PNG image is corrupt", "Truncated"]),
+        (image_part(data_url(PNG[:-8] + b"\0" * 8)), "image_url", ["PNG image is corrupt"]),  # a bad IEND checksum
+        (
+            image_part("http://example.com/cat.png"),
+            "image_url",
+            ["does not fetch remote media", "remote_media is off", "data URL"],
+        ),
+        (image_part("HTTPS://example.com/cat.png"), "image_url", ["does not fetch remote media"]),
+        (image_part("file:///etc/passwd"), "image_url", ["not a data URL", "file: URLs are not read"]),
+        (image_part("cat.png"), "image_url", ["not a data URL"]),
+        ({"type": "image_url", "image_url": "data:image/png;base64,AAAA"}, "image_url", ['{"url":']),
+        ({"type": "image_url", "image_url": {}}, "image_url", ['{"url":']),
+        (audio_part("UklGR!!!"), "input_audio", ["audio payload is not valid base64"]),
+        (audio_part(""), "input_audio", ["non-empty data"]),
+        ({"type": "input_audio", "input_audio": WAV_B64}, "input_audio", ['{"data":']),
+        (
+            {"type": "audio_url", "audio_url": {"url": "https://example.com/a.wav"}},
+            "audio_url",
+            ["does not fetch remote media", "send the audio as a data URL"],
+        ),
+        (
+            {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}},
+            "type",
+            ["'video_url' part", "does not take", "image_url"],
+        ),
+        ({"type": "image_embeds", "image_embeds": "AAAA"}, "type", ["'image_embeds' part"]),
+        ({"type": "banana"}, "type", ["'banana' part"]),
+        ({"type": ["text"]}, "type", ["['text'] part"]),
+        ({"video_url": {"url": "data:video/mp4;base64,AAAA"}}, "type", ["'video_url' part"]),  # vLLM's typeless form
+        ({"text": "hi"}, "type", ["has no `type`"]),
+    ],
+)
 def test_each_refusal_names_the_part_and_the_reason(part, param, words):
     err = refused(chat(part))
     where = "messages[1].content[1]"
@@ -115,17 +149,34 @@ def test_each_refusal_names_the_part_and_the_reason(part, param, words):
 
 
 def test_the_first_bad_part_is_named_wherever_it_is():
-    req = {"messages": [
-        {"role": "user", "content": [image_part(data_url(PNG)), "plain string part", image_part(data_url(PNG))]},
-        {"role": "assistant", "content": "ok"},
-        {"role": "user", "content": [{"type": "text", "text": "and"}, image_part(data_url(PNG)),
-                                     image_part("data:image/png;base64,@@@@")]},
-    ]}
+    req = {
+        "messages": [
+            {"role": "user", "content": [image_part(data_url(PNG)), "plain string part", image_part(data_url(PNG))]},
+            {"role": "assistant", "content": "ok"},
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "and"},
+                    image_part(data_url(PNG)),
+                    image_part("data:image/png;base64,@@@@"),
+                ],
+            },
+        ]
+    }
     assert refused(req).param == "messages[2].content[2].image_url"
 
 
-@pytest.mark.parametrize("fmt, mime", [("PNG", "image/png"), ("JPEG", "image/jpeg"), ("WEBP", "image/webp"),
-                                       ("GIF", "image/gif"), ("BMP", "image/bmp"), ("JPEG", "image/png")])
+@pytest.mark.parametrize(
+    "fmt, mime",
+    [
+        ("PNG", "image/png"),
+        ("JPEG", "image/jpeg"),
+        ("WEBP", "image/webp"),
+        ("GIF", "image/gif"),
+        ("BMP", "image/bmp"),
+        ("JPEG", "image/png"),
+    ],
+)
 def test_images_vllm_reads_pass(fmt, mime):
     data = image_bytes(fmt)
     with Image.open(io.BytesIO(data)) as im:
@@ -134,26 +185,35 @@ def test_images_vllm_reads_pass(fmt, mime):
 
 
 def test_good_audio_and_other_forms_vllm_takes_pass():
-    ok = chat(audio_part(WAV_B64), audio_part(WAV_B64, "mp3"),
-              {"type": "audio_url", "audio_url": {"url": "data:audio/wav;base64," + WAV_B64}},
-              {"image_url": data_url(PNG)},  # vLLM's typeless form: the url as a string
-              {"type": "image_url", "image_url": {"url": "DATA:image/png;charset=x;base64," +
-                                                          base64.b64encode(PNG).decode()}},
-              {"type": "image_url", "image_url": None, "uuid": "img-1"},  # vLLM's media cache: a uuid alone
-              {"type": "input_audio", "input_audio": {"data": "", "format": "wav"}, "uuid": "a-1"},
-              {"type": "refusal", "refusal": "no"}, {"type": "input_text", "text": "x"})
+    ok = chat(
+        audio_part(WAV_B64),
+        audio_part(WAV_B64, "mp3"),
+        {"type": "audio_url", "audio_url": {"url": "data:audio/wav;base64," + WAV_B64}},
+        {"image_url": data_url(PNG)},  # vLLM's typeless form: the url as a string
+        {
+            "type": "image_url",
+            "image_url": {"url": "DATA:image/png;charset=x;base64," + base64.b64encode(PNG).decode()},
+        },
+        {"type": "image_url", "image_url": None, "uuid": "img-1"},  # vLLM's media cache: a uuid alone
+        {"type": "input_audio", "input_audio": {"data": "", "format": "wav"}, "uuid": "a-1"},
+        {"type": "refusal", "refusal": "no"},
+        {"type": "input_text", "text": "x"},
+    )
     media.check_media(ok, max_media_bytes=LIMIT, remote_media=False)
     assert media.count_media(ok) == {"audio": 4, "image": 3}
 
 
-@pytest.mark.parametrize("req", [
-    {},
-    {"prompt": "x"},
-    {"messages": "not a list"},
-    {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None}, "odd", 7]},
-    {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}, "a string part", 5, None]}]},
-    {"messages": [{"role": "user", "content": [{"type": "thinking", "thinking": "x"}]}]},
-])
+@pytest.mark.parametrize(
+    "req",
+    [
+        {},
+        {"prompt": "x"},
+        {"messages": "not a list"},
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None}, "odd", 7]},
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}, "a string part", 5, None]}]},
+        {"messages": [{"role": "user", "content": [{"type": "thinking", "thinking": "x"}]}]},
+    ],
+)
 def test_requests_without_media_pass_untouched(req):
     before = json.dumps(req)
     media.check_media(req, max_media_bytes=1, remote_media=False)
@@ -166,8 +226,11 @@ def test_text_only_requests_decode_nothing(monkeypatch):
 
     monkeypatch.setattr(media.base64, "b64decode", no)
     monkeypatch.setattr(media, "_check_image", no)
-    media.check_media({"messages": [{"role": "user", "content": [{"type": "text", "text": "x" * 10_000}] * 50}]},
-                      max_media_bytes=1, remote_media=False)
+    media.check_media(
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "x" * 10_000}] * 50}]},
+        max_media_bytes=1,
+        remote_media=False,
+    )
 
 
 def test_the_size_limit_is_per_part_and_inclusive():
@@ -193,8 +256,13 @@ def clip(rate: int, fmt: str, seconds: float = 0.05, channels: int = 1) -> str:
 
     buf = io.BytesIO()
     x = 0.3 * np.sin(np.arange(int(rate * seconds)) * 0.1)
-    soundfile.write(buf, np.stack([x] * channels, axis=1).astype("float32"), rate, format=fmt.upper(),
-                    subtype={"wav": "PCM_16", "flac": "PCM_16", "mp3": "MPEG_LAYER_III", "ogg": "VORBIS"}[fmt])
+    soundfile.write(
+        buf,
+        np.stack([x] * channels, axis=1).astype("float32"),
+        rate,
+        format=fmt.upper(),
+        subtype={"wav": "PCM_16", "flac": "PCM_16", "mp3": "MPEG_LAYER_III", "ogg": "VORBIS"}[fmt],
+    )
     return base64.b64encode(buf.getvalue()).decode()
 
 
@@ -203,19 +271,39 @@ def clip(rate: int, fmt: str, seconds: float = 0.05, channels: int = 1) -> str:
 def test_audio_at_any_rate_in_every_format_vllm_decodes_passes(fmt, rate):
     data = clip(rate, fmt, channels=2 if rate == 44100 else 1)
     media.check_media(chat(audio_part(data, fmt)), max_media_bytes=LIMIT, remote_media=False)
-    media.check_media(chat({"type": "audio_url", "audio_url": {"url": f"data:audio/{fmt};base64,{data}"}}),
-                      max_media_bytes=LIMIT, remote_media=False)
+    media.check_media(
+        chat({"type": "audio_url", "audio_url": {"url": f"data:audio/{fmt};base64,{data}"}}),
+        max_media_bytes=LIMIT,
+        remote_media=False,
+    )
 
 
-@pytest.mark.parametrize("data, fmt, param, words", [
-    (base64.b64encode(b"RIFF\x24\x00\x00\x00WAVEfmt ").decode(), "wav", "input_audio", ["not a readable audio file"]),
-    (base64.b64encode(b"ID3 this is no mp3 at all" * 4).decode(), "mp3", "input_audio", ["not a readable audio file"]),
-    (base64.b64encode(base64.b64decode(clip(16000, "flac", 0.5))[:60]).decode(), "flac", "input_audio",
-     ["not a readable audio file"]),  # a FLAC cut inside its header
-    (base64.b64encode(wav(16000, 0.0)).decode(), "wav", "input_audio", ["has no samples"]),
-    (base64.b64encode(wav(500, 0.1)).decode(), "wav", "input_audio", ["500 Hz", "1000 to 384000 Hz"]),
-    (WAV_B64, "aiff", "input_audio.format", ["unknown audio format 'aiff'", "wav, flac, mp3, ogg"]),
-])
+@pytest.mark.parametrize(
+    "data, fmt, param, words",
+    [
+        (
+            base64.b64encode(b"RIFF\x24\x00\x00\x00WAVEfmt ").decode(),
+            "wav",
+            "input_audio",
+            ["not a readable audio file"],
+        ),
+        (
+            base64.b64encode(b"ID3 this is no mp3 at all" * 4).decode(),
+            "mp3",
+            "input_audio",
+            ["not a readable audio file"],
+        ),
+        (
+            base64.b64encode(base64.b64decode(clip(16000, "flac", 0.5))[:60]).decode(),
+            "flac",
+            "input_audio",
+            ["not a readable audio file"],
+        ),  # a FLAC cut inside its header
+        (base64.b64encode(wav(16000, 0.0)).decode(), "wav", "input_audio", ["has no samples"]),
+        (base64.b64encode(wav(500, 0.1)).decode(), "wav", "input_audio", ["500 Hz", "1000 to 384000 Hz"]),
+        (WAV_B64, "aiff", "input_audio.format", ["unknown audio format 'aiff'", "wav, flac, mp3, ogg"]),
+    ],
+)
 def test_bad_audio_is_refused_naming_the_part(data, fmt, param, words):
     err = refused(chat(audio_part(data, fmt)))
     assert err.param == f"messages[1].content[1].{param}", err.param
@@ -223,8 +311,14 @@ def test_bad_audio_is_refused_naming_the_part(data, fmt, param, words):
 
 
 def test_a_bad_audio_data_url_is_refused_naming_the_part():
-    err = refused(chat({"type": "audio_url", "audio_url": {"url": "data:audio/wav;base64," +
-                                                                  base64.b64encode(b"not audio").decode()}}))
+    err = refused(
+        chat(
+            {
+                "type": "audio_url",
+                "audio_url": {"url": "data:audio/wav;base64," + base64.b64encode(b"not audio").decode()},
+            }
+        )
+    )
     assert err.param == "messages[1].content[1].audio_url" and "not a readable audio file" in str(err)
 
 
@@ -235,8 +329,10 @@ def test_a_payload_above_the_limit_is_not_decoded(monkeypatch):
 
 
 def test_remote_urls_are_refused_unless_remote_media():
-    req = chat(image_part("https://example.com/cat.png"),
-               {"type": "audio_url", "audio_url": {"url": "http://example.com/a.mp3"}})
+    req = chat(
+        image_part("https://example.com/cat.png"),
+        {"type": "audio_url", "audio_url": {"url": "http://example.com/a.mp3"}},
+    )
     err = refused(req)
     assert err.param == "messages[1].content[1].image_url"
     assert "this server does not fetch remote media" in str(err) and "send the image as a data URL" in str(err)
@@ -250,8 +346,11 @@ def test_the_image_formats_are_vllms():
     if spec is None or not spec.submodule_search_locations:
         pytest.skip("vLLM is not installed")
     source = Path(spec.submodule_search_locations[0], "multimodal", "image.py").read_text()
-    node = next(n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.AnnAssign)
-                and getattr(n.target, "id", None) == "ALLOWED_IMAGE_FORMATS")
+    node = next(
+        n
+        for n in ast.walk(ast.parse(source))
+        if isinstance(n, ast.AnnAssign) and getattr(n.target, "id", None) == "ALLOWED_IMAGE_FORMATS"
+    )
     assert media.IMAGE_FORMATS == ast.literal_eval(node.value)
 
 
@@ -265,14 +364,17 @@ def checked(args: AppArgs, body: dict, route: str = "chat"):
     return out if isinstance(out, tuple) else (out.status_code, json.loads(out.body)["error"])
 
 
-@pytest.mark.parametrize("part, param, words", [
-    (image_part("data:image/png;base64,####"), "image_url", "not valid base64"),
-    (image_part(data_url(image_bytes("PNG", (64, 64)))), "image_url", "max_media_bytes"),
-    (image_part("https://example.com/cat.png"), "image_url", "does not fetch remote media"),
-    (image_part(data_url(PNG[:60])), "image_url", "corrupt"),
-    (image_part(data_url(b"GIF89a-not-really")), "image_url", "not a readable image"),
-    ({"type": "video_url", "video_url": {"url": "x"}}, "type", "'video_url' part"),
-])
+@pytest.mark.parametrize(
+    "part, param, words",
+    [
+        (image_part("data:image/png;base64,####"), "image_url", "not valid base64"),
+        (image_part(data_url(image_bytes("PNG", (64, 64)))), "image_url", "max_media_bytes"),
+        (image_part("https://example.com/cat.png"), "image_url", "does not fetch remote media"),
+        (image_part(data_url(PNG[:60])), "image_url", "corrupt"),
+        (image_part(data_url(b"GIF89a-not-really")), "image_url", "not a readable image"),
+        ({"type": "video_url", "video_url": {"url": "x"}}, "type", "'video_url' part"),
+    ],
+)
 def test_refusals_through_the_ingress_check(part, param, words):
     status, err = checked(ARGS, {"model": "tiny-llama", **chat(part), "return_hidden_states": True})
     assert status == 400 and err["code"] == 400 and err["type"] == "BadRequestError", err

@@ -12,8 +12,7 @@ import numpy as np
 import pytest
 from vllm.v1.request import RequestStatus
 
-from hidden_states.protocol import (MONITOR_BLOCK, HiddenStatesExtractionRequest, Monitor, RowBlock, Span,
-                                    STOP_REASON)
+from hidden_states.protocol import MONITOR_BLOCK, STOP_REASON, HiddenStatesExtractionRequest, Monitor, RowBlock, Span
 from hidden_states.vllm.core.scheduler import _Capture, _Rows, _VectorsOnOutputs
 
 STOP_TOKEN = 2
@@ -66,15 +65,18 @@ ABOVE = Monitor("probe", 0, True, 0.5)
 BELOW = Monitor("sae", 3, False, -1.0)
 
 
-@pytest.mark.parametrize("positions,scores,bound,want", [
-    ([9], [[0.4, 0.0]], 10, None),  # neither holds
-    ([9], [[0.6, 0.0]], 10, (9, 0, 0.6)),  # above, strictly
-    ([9], [[0.5, 0.0]], 10, None),  # at the threshold: not above it
-    ([9, 10, 11], [[0.1, 0.0], [0.1, -2.0], [0.9, 0.0]], 12, (10, 1, -2.0)),  # the first position, whichever holds
-    ([9, 10, 11], [[0.1, 0.0], [0.7, -2.0], [0.9, 0.0]], 12, (10, 0, 0.7)),  # at one position: in order
-    ([9, 10, 11], [[0.1, 0.0], [0.2, 0.0], [0.9, 0.0]], 11, None),  # past the bound: a rejected draft's row
-    ([9], [[float("nan"), float("nan")]], 10, None),  # NaN holds nothing
-])
+@pytest.mark.parametrize(
+    "positions,scores,bound,want",
+    [
+        ([9], [[0.4, 0.0]], 10, None),  # neither holds
+        ([9], [[0.6, 0.0]], 10, (9, 0, 0.6)),  # above, strictly
+        ([9], [[0.5, 0.0]], 10, None),  # at the threshold: not above it
+        ([9, 10, 11], [[0.1, 0.0], [0.1, -2.0], [0.9, 0.0]], 12, (10, 1, -2.0)),  # the first position, whichever holds
+        ([9, 10, 11], [[0.1, 0.0], [0.7, -2.0], [0.9, 0.0]], 12, (10, 0, 0.7)),  # at one position: in order
+        ([9, 10, 11], [[0.1, 0.0], [0.2, 0.0], [0.9, 0.0]], 11, None),  # past the bound: a rejected draft's row
+        ([9], [[float("nan"), float("nan")]], 10, None),  # NaN holds nothing
+    ],
+)
 def test_the_first_row_that_holds_triggers(positions, scores, bound, want):
     s = Monitored([ABOVE, BELOW])
     cap = s.watch("r")
@@ -95,21 +97,24 @@ def test_a_row_judged_once_is_not_judged_again():
     assert "r" not in s._triggers and cap.judged == 12
 
 
-@pytest.mark.parametrize("tokens,new,trigger,want_tokens,want_reason", [
-    # decode: row p = T - 1 (the last token's) fires: the token sampled from it is dropped
-    ([5, 6, 7], [8], (2, 0, 0.9), [5, 6, 7], STOP_REASON.format(0)),
-    # drafts: rows 2..4 computed, tokens 3 and 4 accepted + a bonus; row 3 fires: token 3 kept, 4 and 5 dropped
-    ([5, 6, 7], [8, 9, 10], (3, 1, -3.0), [5, 6, 7, 8], STOP_REASON.format(1)),
-    # an ordinary stop token before the trigger stands
-    ([5, 6, 7], [STOP_TOKEN, 9, 10], (4, 0, 0.9), [5, 6, 7, STOP_TOKEN], STOP_TOKEN),
-])
+@pytest.mark.parametrize(
+    "tokens,new,trigger,want_tokens,want_reason",
+    [
+        # decode: row p = T - 1 (the last token's) fires: the token sampled from it is dropped
+        ([5, 6, 7], [8], (2, 0, 0.9), [5, 6, 7], STOP_REASON.format(0)),
+        # drafts: rows 2..4 computed, tokens 3 and 4 accepted + a bonus; row 3 fires: token 3 kept, 4 and 5 dropped
+        ([5, 6, 7], [8, 9, 10], (3, 1, -3.0), [5, 6, 7, 8], STOP_REASON.format(1)),
+        # an ordinary stop token before the trigger stands
+        ([5, 6, 7], [STOP_TOKEN, 9, 10], (4, 0, 0.9), [5, 6, 7, STOP_TOKEN], STOP_TOKEN),
+    ],
+)
 def test_the_request_keeps_its_tokens_up_to_the_trigger(tokens, new, trigger, want_tokens, want_reason):
     s = Monitored([ABOVE, BELOW])
     s.watch("r")
     req = FakeRequest("r", list(tokens))
     s._triggers["r"] = trigger
     kept, stopped = s._update_request_with_output(req, list(new))
-    assert stopped and req.tokens == want_tokens and kept == want_tokens[len(tokens):]
+    assert stopped and req.tokens == want_tokens and kept == want_tokens[len(tokens) :]
     assert req.status == RequestStatus.FINISHED_STOPPED and req.stop_reason == want_reason
     assert "r" not in s._triggers
     assert (s._stops.get("r") == ["k", trigger[0], trigger[1], trigger[2]]) == (want_reason != STOP_TOKEN)
@@ -141,8 +146,20 @@ def _score(spec, rows, spans: list, conditions: list) -> tuple:
     hook.heads = {"sae": DeviceHead(spec, "cpu")}
     hook._inject, hook._faults = {}, {}
     hook.head_products = hook.head_rows = hook.ranked_rows = hook.head_column_rows = 0
-    plan = [_Entry(f"r{j}", [], list(range(s, e)), list(range(s, e)), e, None, 0, [],
-                   [[m.head, m.index, m.above, m.threshold] for m in conditions[j]]) for j, (s, e) in enumerate(spans)]
+    plan = [
+        _Entry(
+            f"r{j}",
+            [],
+            list(range(s, e)),
+            list(range(s, e)),
+            e,
+            None,
+            0,
+            [],
+            [[m.head, m.index, m.above, m.threshold] for m in conditions[j]],
+        )
+        for j, (s, e) in enumerate(spans)
+    ]
     src = torch.tensor(rows)
     blocks = [(j, spec.layer, src, s, e) for j, (s, e) in enumerate(spans)]
     out = hook._run_monitors(plan, list(range(len(spans))), blocks, {(j, spec.layer): j for j in range(len(spans))})
@@ -207,8 +224,13 @@ def test_the_worker_s_verdicts_are_the_reference_s_for_any_threshold(tmp_path):
     values = ref[:, features][ref[:, features] > 0]
     thresholds = [-1.0, 0.0, 1e-3, _between(values, 0.3), _between(values, 0.7), 1e9]
     spans = [(0, 3), (3, 9), (9, 12), (12, 20), (20, 24)]
-    conditions = [[Monitor("sae", int(rng.choice(features)), bool(rng.integers(2)), float(rng.choice(thresholds)))
-                   for _ in range(int(rng.integers(1, 4)))] for _ in spans]
+    conditions = [
+        [
+            Monitor("sae", int(rng.choice(features)), bool(rng.integers(2)), float(rng.choice(thresholds)))
+            for _ in range(int(rng.integers(1, 4)))
+        ]
+        for _ in spans
+    ]
     conditions[3] = conditions[0]  # a group of two requests
     hook, scores = _score(spec, rows, spans, conditions)
     assert _verdicts(ref, spans, conditions, scores) and hook.ranked_rows < 24

@@ -27,17 +27,29 @@ POSITIONS = ["completion_end", "prompt_end", "completion", "all", {"start": 2, "
 def three_paths(**fields):
     """The same request on the Python engine API, over a handle (the replica's route, decoded by the
     client) and over HTTP (base64, so the bytes are the dtype's): (choice, choice, JSON choice)."""
-    position, dtype = fields.get("hidden_states_position", "completion_end"), fields.get("hidden_states_dtype",
-                                                                                           "float32")
+    position, dtype = (
+        fields.get("hidden_states_position", "completion_end"),
+        fields.get("hidden_states_dtype", "float32"),
+    )
 
     async def go():
-        py = await FakeEngine(True).complete(IDS, None, position=position, dtype=dtype,
-                                             topk=fields.get("hidden_states_topk"))
+        py = await FakeEngine(True).complete(
+            IDS, None, position=position, dtype=dtype, topk=fields.get("hidden_states_topk")
+        )
         r = await make()
         handle = client._result(await r.complete(client._request(PROMPT, None, **fields)))
-        http = await call(r, "POST", "/v1/completions", json={
-            "prompt": PROMPT, "max_tokens": 16, "return_hidden_states": True, "hidden_states_encoding": "base64",
-            **fields})
+        http = await call(
+            r,
+            "POST",
+            "/v1/completions",
+            json={
+                "prompt": PROMPT,
+                "max_tokens": 16,
+                "return_hidden_states": True,
+                "hidden_states_encoding": "base64",
+                **fields,
+            },
+        )
         return py.choices[0], handle.choices[0], http.json()["choices"][0]
 
     return run(go())
@@ -79,8 +91,9 @@ def test_float16_is_float16_on_every_path(position):
 
 
 def test_the_vectors_are_views_of_the_rows():
-    c = asyncio.run(FakeEngine(True).complete(IDS, None, position="completion", dtype="float16",
-                                              layers=(0, -1), topk=3))
+    c = asyncio.run(
+        FakeEngine(True).complete(IDS, None, position="completion", dtype="float16", layers=(0, -1), topk=3)
+    )
     ch = c.choices[0]
     assert ch.hidden_states is ch.hidden_states_by_layer[-1]
     assert np.shares_memory(ch.hidden_states, ch.rows.values[-1])
@@ -99,7 +112,7 @@ def rows_of(dtype, multi, topk=None, layers=(-1,), heads=False):
     n = 4 if multi else 1
     batch = fake_rows(IDS, list(range(8 - n, 8)), layers, dtype, topk)
     if dtype == "bfloat16":  # bit patterns numpy would not keep through float32
-        batch.values[-1][0, :len(SPECIAL)] = SPECIAL[:batch.width]
+        batch.values[-1][0, : len(SPECIAL)] = SPECIAL[: batch.width]
     return batch
 
 
@@ -111,13 +124,18 @@ CASES = {
     "bfloat16 rows, special values": dict(rows=rows_of("bfloat16", True), multi=True),
     "top-k bfloat16 rows": dict(rows=rows_of("bfloat16", True, topk=3), multi=True),
     "top-k one vector": dict(rows=rows_of("float32", False, topk=2)),
-    "heads alone, rows' positions": dict(rows=RowBatch(np.array([3, 5]), {}, "float16"), multi=True,
-                                         heads={"probe": [{"scores": [0.25, 0.75], "label": "yes"}] * 2}),
+    "heads alone, rows' positions": dict(
+        rows=RowBatch(np.array([3, 5]), {}, "float16"),
+        multi=True,
+        heads={"probe": [{"scores": [0.25, 0.75], "label": "yes"}] * 2},
+    ),
     "heads and rows": dict(rows=rows_of("float32", False), heads={"sae": {"indices": [7, 1], "values": [2.5, 0.5]}}),
     "proofs": dict(proofs=("AAEC", "AwQF")),
     "steering only": dict(steering=[{"vector": "happy", "layer": 4, "scale": 2.0}]),
-    "a stop condition finished it": dict(stop={"head": "probe", "feature": 2, "above": 0.5, "condition": 0,
-                                               "position": 17, "score": 0.75}, stop_asked=True),
+    "a stop condition finished it": dict(
+        stop={"head": "probe", "feature": 2, "above": 0.5, "condition": 0, "position": 17, "score": 0.75},
+        stop_asked=True,
+    ),
     "stop conditions that never held": dict(stop=None, stop_asked=True),
     "nothing asked": dict(),
     "zero rows of a range": dict(rows=RowBatch.empty((-1,), 3, "float16", 3), multi=True),
@@ -130,10 +148,22 @@ def test_the_wire_carries_the_one_type_bit_for_bit(case, stats):
     ch = CompletionChoice(1, "é x", (3, 4, 5), "stop", extraction=stats, **CASES[case])
     raw = wire.ENCODER.encode(wire.HandleReply(ok=wire.HandleCompletion("r", "replica-1", [1, 2], [wire.to_wire(ch)])))
     back = wire.from_wire(wire.REPLY_DECODER.decode(raw).ok.choices[0])
-    assert (back.index, back.text, back.token_ids, back.finish_reason, back.extraction, back.multi) == \
-        (ch.index, ch.text, ch.token_ids, ch.finish_reason, ch.extraction, ch.multi)
-    assert (back.proofs, back.heads, back.steering, back.dtype, back.positions, back.shape if ch.rows else None) == \
-        (ch.proofs, ch.heads, ch.steering, ch.dtype, ch.positions, ch.shape if ch.rows else None)
+    assert (back.index, back.text, back.token_ids, back.finish_reason, back.extraction, back.multi) == (
+        ch.index,
+        ch.text,
+        ch.token_ids,
+        ch.finish_reason,
+        ch.extraction,
+        ch.multi,
+    )
+    assert (back.proofs, back.heads, back.steering, back.dtype, back.positions, back.shape if ch.rows else None) == (
+        ch.proofs,
+        ch.heads,
+        ch.steering,
+        ch.dtype,
+        ch.positions,
+        ch.shape if ch.rows else None,
+    )
     assert (back.stop, back.stop_asked) == (ch.stop, ch.stop_asked)
     if ch.rows is None:
         assert back.rows is None and back.hidden_states is None and back.hidden_states_by_layer is None
@@ -148,7 +178,9 @@ def test_the_wire_carries_the_one_type_bit_for_bit(case, stats):
     assert (back.rows.indices is None) == (ch.rows.indices is None)
     for layer, i in (ch.rows.indices or {}).items():
         assert back.rows.indices[layer].dtype == np.int32 and back.rows.indices[layer].tobytes() == i.tobytes()
-        np.testing.assert_array_equal(back.hidden_states_indices_by_layer[layer], ch.hidden_states_indices_by_layer[layer])
+        np.testing.assert_array_equal(
+            back.hidden_states_indices_by_layer[layer], ch.hidden_states_indices_by_layer[layer]
+        )
 
 
 def test_the_http_formatter_reads_the_choice_as_the_python_api_does():
@@ -166,5 +198,6 @@ def test_the_http_formatter_reads_the_choice_as_the_python_api_does():
         assert meta.get("positions") == (list(ch.positions) if multi else None)
     half = narrow(np.array([[1 / 3, -2.0]], np.float32), "float16")
     ch = CompletionChoice(0, "", (), None, RowBatch(np.array([7]), {-1: half}, "float16"))
-    assert row_fields(ch, "float", False, "completion_end", None)["hidden_states"] == \
-        widen(half, "float16")[0].tolist()  # float16 floats are the float32-widened values, as ever
+    assert (
+        row_fields(ch, "float", False, "completion_end", None)["hidden_states"] == widen(half, "float16")[0].tolist()
+    )  # float16 floats are the float32-widened values, as ever

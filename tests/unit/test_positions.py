@@ -46,14 +46,16 @@ def test_field_rules_one_message_each():
     ok = {"return_hidden_states": True}
     for position in ("completion", "all", {"start": -1}, {"start": 2, "end": -1, "stride": 3}):
         parse_fields({**ok, "hidden_states_position": position}, enabled=True)
-    bad = [({"hidden_states_position": "middle"}, "'completion', 'all'"),
-           ({"hidden_states_position": {"start": "1"}}, "start must be an integer"),
-           ({"hidden_states_position": {"start": 1, "end": 1.5}}, "end must be an integer"),
-           ({"hidden_states_position": {"start": 1, "stride": 0}}, "stride must be a positive integer"),
-           ({"hidden_states_position": {"start": -2, "end": -5}}, "selects no position"),
-           ({"hidden_states_position": {"start": 0, "size": 3}}, "start, end and stride only"),
-           ({"hidden_states_dtype": "float64"}, "'float32', 'float16' or 'bfloat16'"),
-           ({"hidden_states_topk": 0}, "positive integer")]
+    bad = [
+        ({"hidden_states_position": "middle"}, "'completion', 'all'"),
+        ({"hidden_states_position": {"start": "1"}}, "start must be an integer"),
+        ({"hidden_states_position": {"start": 1, "end": 1.5}}, "end must be an integer"),
+        ({"hidden_states_position": {"start": 1, "stride": 0}}, "stride must be a positive integer"),
+        ({"hidden_states_position": {"start": -2, "end": -5}}, "selects no position"),
+        ({"hidden_states_position": {"start": 0, "size": 3}}, "start, end and stride only"),
+        ({"hidden_states_dtype": "float64"}, "'float32', 'float16' or 'bfloat16'"),
+        ({"hidden_states_topk": 0}, "positive integer"),
+    ]
     for fields, words in bad:
         with pytest.raises(HiddenStatesRequestError, match=words) as e:
             parse_fields({**ok, **fields}, enabled=True)
@@ -72,12 +74,21 @@ def test_the_memory_bound_counts_positions_layers_width_and_choices():
 
 
 def _vectors(position, encoding="float", dtype="float32", topk=None):
-    spec = parse_fields({"return_hidden_states": True, "hidden_states_position": position, "hidden_states_encoding": encoding,
-                         "hidden_states_dtype": dtype, "hidden_states_topk": topk}, enabled=True)
+    spec = parse_fields(
+        {
+            "return_hidden_states": True,
+            "hidden_states_position": position,
+            "hidden_states_encoding": encoding,
+            "hidden_states_dtype": dtype,
+            "hidden_states_topk": topk,
+        },
+        enabled=True,
+    )
     collector = HiddenStatesCollector.of("t", spec, (-1,))
     request = types.SimpleNamespace(n=1)
-    engine = types.SimpleNamespace(missing=lambda what: AssertionError(what), vector_sent=lambda *a: None,
-                                   hidden_size=4)
+    engine = types.SimpleNamespace(
+        missing=lambda what: AssertionError(what), vector_sent=lambda *a: None, hidden_size=4
+    )
     return ChoiceVectors(engine, collector, request, "completions", "r0"), collector
 
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import hidden_states.proofs as server
-from hidden_states.proofs import ProofBuilder, ProofClaim, ProofRequest, check_claim, toploc as ours
+from hidden_states.proofs import ProofBuilder, ProofClaim, ProofRequest, check_claim
+from hidden_states.proofs import toploc as ours
 from tests.toploc_ref import altered, load_toploc
 
 D, K, B = 576, 128, 32  # SmolLM2's width, TOPLOC's top-k and decode batching
@@ -30,7 +31,7 @@ def distinct_activations(rng, P: int, C: int) -> list[torch.Tensor]:
     signs = rng.integers(0, 2, magnitudes.size).astype(np.uint16) << 15
 
     def rows(n: int, at: int) -> torch.Tensor:
-        raw = (magnitudes[at:at + n * D] | signs[at:at + n * D]).astype(np.uint16)
+        raw = (magnitudes[at : at + n * D] | signs[at : at + n * D]).astype(np.uint16)
         return torch.from_numpy(raw.view(np.int16).copy()).view(torch.bfloat16).reshape(n, D)
 
     acts, at = [rows(P, 0)], 0
@@ -96,8 +97,9 @@ def test_ties_at_the_k_th_place_give_another_valid_top_k(tl):
     proof then takes the lowest indices; its values are the library's top-k values, and the
     library's own validator accepts it on the same activations."""
     g = torch.Generator().manual_seed(1)
-    acts = [torch.randn(12, D, generator=g).to(torch.bfloat16)] + \
-           [torch.randn(1, D, generator=g).to(torch.bfloat16) for _ in range(40)]
+    acts = [torch.randn(12, D, generator=g).to(torch.bfloat16)] + [
+        torch.randn(1, D, generator=g).to(torch.bfloat16) for _ in range(40)
+    ]
     mine = server_proofs(acts, ProofRequest())
     for proof, (lo, hi) in zip(mine, ours.chunk_bounds(12, 53, B)):
         flat = torch.cat(acts)[lo:hi].reshape(-1)
@@ -121,15 +123,18 @@ def test_the_check_gives_toplocs_figures_on_honest_and_tampered_rows(tl):
     honest = [a.to(torch.bfloat16) for a in acts]
     proofs = tl.build_proofs_base64(honest, B, K)
     bounds = ours.chunk_bounds(20, 66, B)
-    for name, rows in (("honest", honest),
-                       ("recomputed", [(a + 0.01 * torch.randn(a.shape, generator=g)).to(torch.bfloat16) for a in acts]),
-                       ("other", [torch.randn(a.shape, generator=g).to(torch.bfloat16) for a in acts])):
+    for name, rows in (
+        ("honest", honest),
+        ("recomputed", [(a + 0.01 * torch.randn(a.shape, generator=g)).to(torch.bfloat16) for a in acts]),
+        ("other", [torch.randn(a.shape, generator=g).to(torch.bfloat16) for a in acts]),
+    ):
         theirs = tl.verify_proofs_base64(rows, proofs, B, K)
         flat = torch.cat(rows)
         claim = ProofClaim(proofs=proofs)
         mine = check_claim(claim, [bits(flat[lo:hi]) for lo, hi in bounds])["proofs"]
-        assert [(p["exp_mismatches"], p["mant_err_mean"], p["mant_err_median"]) for p in mine] == \
-               [(r.exp_mismatches, r.mant_err_mean, r.mant_err_median) for r in theirs], name
+        assert [(p["exp_mismatches"], p["mant_err_mean"], p["mant_err_median"]) for p in mine] == [
+            (r.exp_mismatches, r.mant_err_mean, r.mant_err_median) for r in theirs
+        ], name
         passes = [r.exp_mismatches <= 38 and r.mant_err_mean <= 10 and r.mant_err_median <= 8 for r in theirs]
         assert [p["ok"] for p in mine] == passes, name
         assert all(passes) == (name != "other"), (name, theirs)
@@ -140,8 +145,15 @@ def figures(verdicts) -> list[tuple]:
 
 
 def library_figures(results) -> list[tuple]:
-    return [(r.exp_mismatches, r.mant_err_mean, r.mant_err_median,
-             r.exp_mismatches <= 38 and r.mant_err_mean <= 10 and r.mant_err_median <= 8) for r in results]
+    return [
+        (
+            r.exp_mismatches,
+            r.mant_err_mean,
+            r.mant_err_median,
+            r.exp_mismatches <= 38 and r.mant_err_mean <= 10 and r.mant_err_median <= 8,
+        )
+        for r in results
+    ]
 
 
 def altered_proofs_are_rejected(tl) -> None:
@@ -151,8 +163,9 @@ def altered_proofs_are_rejected(tl) -> None:
     and gives the library's figures; the one alteration TOPLOC tolerates (every value one mantissa
     unit off) passes both, and so does a modulus that still exceeds every index (the same points)."""
     g = torch.Generator().manual_seed(3)
-    acts = [(torch.randn(20, D, generator=g) * 3).to(torch.bfloat16)] + \
-           [(torch.randn(1, D, generator=g) * 3).to(torch.bfloat16) for _ in range(45)]
+    acts = [(torch.randn(20, D, generator=g) * 3).to(torch.bfloat16)] + [
+        (torch.randn(1, D, generator=g) * 3).to(torch.bfloat16) for _ in range(45)
+    ]
     honest = tl.build_proofs_base64(acts, B, K)
     flat = torch.cat(acts)
     rows = [bits(flat[lo:hi]) for lo, hi in ours.chunk_bounds(20, 66, B)]
@@ -200,15 +213,23 @@ def test_exponents_changed_beyond_toplocs_threshold_are_rejected(tl):
 
 def accept_every_proof(monkeypatch):
     """The breaking variant: the scheme's check passes any proof (figures of an honest one)."""
-    monkeypatch.setattr(ours, "check", lambda proof, rows, topk, thresholds=None, what="proof":
-                        ours.Verdict(0, 0.0, 0.0, True))
+    monkeypatch.setattr(
+        ours, "check", lambda proof, rows, topk, thresholds=None, what="proof": ours.Verdict(0, 0.0, 0.0, True)
+    )
 
 
 def skip_the_compare(monkeypatch):
     """The breaking variant: the request's check never looks at the rows."""
-    monkeypatch.setattr(server, "check_claim", lambda claim, chunk_rows: {
-        "scheme": claim.scheme, "ok": True,
-        "proofs": [{"exp_mismatches": 0, "mant_err_mean": 0.0, "mant_err_median": 0.0, "ok": True}] * len(claim.proofs)})
+    monkeypatch.setattr(
+        server,
+        "check_claim",
+        lambda claim, chunk_rows: {
+            "scheme": claim.scheme,
+            "ok": True,
+            "proofs": [{"exp_mismatches": 0, "mant_err_mean": 0.0, "mant_err_median": 0.0, "ok": True}]
+            * len(claim.proofs),
+        },
+    )
 
 
 def ignore_the_thresholds(monkeypatch):
@@ -216,13 +237,19 @@ def ignore_the_thresholds(monkeypatch):
     monkeypatch.setattr(server, "Thresholds", lambda **given: ours.Thresholds(10**6, 1e9, 1e9))
 
 
-BROKEN_VALIDATION = {"accepts-every-proof": accept_every_proof, "skips-the-compare": skip_the_compare,
-                     "ignores-the-thresholds": ignore_the_thresholds}
+BROKEN_VALIDATION = {
+    "accepts-every-proof": accept_every_proof,
+    "skips-the-compare": skip_the_compare,
+    "ignores-the-thresholds": ignore_the_thresholds,
+}
 
 
 @pytest.mark.parametrize("broken", sorted(BROKEN_VALIDATION))
-@pytest.mark.parametrize("check", [altered_proofs_are_rejected, exponents_beyond_the_threshold_are_rejected],
-                         ids=["altered-proof", "exponents"])
+@pytest.mark.parametrize(
+    "check",
+    [altered_proofs_are_rejected, exponents_beyond_the_threshold_are_rejected],
+    ids=["altered-proof", "exponents"],
+)
 def test_the_checks_fail_when_validation_is_broken(tl, monkeypatch, broken, check):
     """Each check above, with the server's validation broken: it fails."""
     BROKEN_VALIDATION[broken](monkeypatch)
@@ -230,8 +257,9 @@ def test_the_checks_fail_when_validation_is_broken(tl, monkeypatch, broken, chec
         check(tl)
 
 
-@pytest.mark.parametrize("proof,words", [("not base64!", "not base64"), ("AAAA", "holds 3 bytes"),
-                                         ("A" * 344, "modulus 0")])
+@pytest.mark.parametrize(
+    "proof,words", [("not base64!", "not base64"), ("AAAA", "holds 3 bytes"), ("A" * 344, "modulus 0")]
+)
 def test_malformed_proofs_say_what_is_wrong(proof, words):
     with pytest.raises(ours.ProofError, match=words):
         ours.decode(proof, K)

@@ -7,8 +7,15 @@ import numpy as np
 import pytest
 import torch
 
-from hidden_states.protocol import (EXTRA_ARGS_KEY, ROWS_KEY, CapturedRows, HiddenStatesExtractionRequest,
-                                    HiddenStatesProtocolError, captured_rows, widen)
+from hidden_states.protocol import (
+    EXTRA_ARGS_KEY,
+    ROWS_KEY,
+    CapturedRows,
+    HiddenStatesExtractionRequest,
+    HiddenStatesProtocolError,
+    captured_rows,
+    widen,
+)
 
 D = 4096
 
@@ -73,13 +80,19 @@ def test_captured_rows_reject_unknown_or_mismatched_dtype():
         _vector("k", "float16", [0], np.zeros((1, 4), np.float32))
 
 
-@pytest.mark.parametrize("raw", [
-    None, "garbage", {"garbled": True}, [1, 2, 3],
-    ["k", "float64", 0, 4, [0], [1], b"\0" * 32],  # unknown dtype
-    ["k", "float32", 0, 4, [0, 1], [1], b"\0" * 16],  # 16 bytes cannot hold 2 x 1 x 4 float32
-    ["k", "float32", 0, 0, [0], [1], b""],  # empty
-    ["k", "float16", 4, 4, [0], [1], b"\0" * 8],  # top-k without its indices
-])
+@pytest.mark.parametrize(
+    "raw",
+    [
+        None,
+        "garbage",
+        {"garbled": True},
+        [1, 2, 3],
+        ["k", "float64", 0, 4, [0], [1], b"\0" * 32],  # unknown dtype
+        ["k", "float32", 0, 4, [0, 1], [1], b"\0" * 16],  # 16 bytes cannot hold 2 x 1 x 4 float32
+        ["k", "float32", 0, 0, [0], [1], b""],  # empty
+        ["k", "float16", 4, 4, [0], [1], b"\0" * 8],  # top-k without its indices
+    ],
+)
 def test_malformed_rows_are_refused_with_what_was_wrong(raw):
     with pytest.raises(HiddenStatesProtocolError, match="malformed|unsupported dtype|do not hold"):
         CapturedRows.from_output(raw)
@@ -117,7 +130,9 @@ def test_extraction_request_unknown_field_rejected():
         HiddenStatesExtractionRequest.from_extra_args({EXTRA_ARGS_KEY: {"key": "k", "evil": 1}})
 
 
-@pytest.mark.parametrize("raw", [{}, {"key": 5}, {"key": "k"}, {"key": "k", "span": [-1, None, 1], "layers": "all"}, "k"])
+@pytest.mark.parametrize(
+    "raw", [{}, {"key": 5}, {"key": "k"}, {"key": "k", "span": [-1, None, 1], "layers": "all"}, "k"]
+)
 def test_extraction_request_invalid_rejected(raw):
     with pytest.raises(msgspec.ValidationError):
         HiddenStatesExtractionRequest.from_extra_args({EXTRA_ARGS_KEY: raw})

@@ -134,6 +134,7 @@ def test_a_plain_request_is_served():
 def test_a_plain_client_hanging_up_cancels_the_replica_call_and_counts_cancelled():
     """The bug this guards: the Router caught Exception only, so the CancelledError of a
     client that hung up skipped the counting and `pending` never came back down."""
+
     async def go():
         r = make_router(Replica((reply(), 10)))
         await post(r, {"prompt": "x"}, give_up_after=0.2)
@@ -141,7 +142,7 @@ def test_a_plain_client_hanging_up_cancels_the_replica_call_and_counts_cancelled
 
     r = run(go())
     assert counts(r) == (0, 0, 0, 1)
-    (method, call), = r.replica.calls
+    ((method, call),) = r.replica.calls
     assert method == "openai_unary" and call.cancelled
 
 
@@ -157,6 +158,7 @@ def test_a_plain_request_past_its_deadline_is_a_504_and_cancels_the_call():
 
 def test_a_stream_whose_head_comes_too_late_is_a_504_and_its_stream_cancelled():
     """The bug this guards: a timeout inside _open left the replica's stream running for nobody."""
+
     async def go():
         r = make_router(Replica((head(), 10, [b"data: {}\n\n"])), request_timeout_s=0.2)
         return r, await post(r, {"prompt": "x", "stream": True})
@@ -218,8 +220,12 @@ def test_a_replica_that_died_before_answering_gets_one_retry(stream):
     async def go():
         once = make_router(Replica(first, ok))
         twice = make_router(Replica(first, first))
-        return once, await post(once, {"prompt": "x", "stream": stream}), twice, await post(twice, {"prompt": "x",
-                                                                                                "stream": stream})
+        return (
+            once,
+            await post(once, {"prompt": "x", "stream": stream}),
+            twice,
+            await post(twice, {"prompt": "x", "stream": stream}),
+        )
 
     once, ok_res, twice, bad_res = run(go())
     assert ok_res.status_code == 200 and counts(once) == (0, 1, 0, 0) and len(once.replica.calls) == 2
@@ -271,6 +277,12 @@ def test_debug_stats_reports_the_four_counters_and_the_specs_parsed():
     from hidden_states.params import PARSED
 
     out = run(go())
-    assert out["ingress"] == {"kind": "router", "pending": 0, "served": 0, "failed": 0, "cancelled": 0,
-                              "specs_parsed": PARSED[0]}
+    assert out["ingress"] == {
+        "kind": "router",
+        "pending": 0,
+        "served": 0,
+        "failed": 0,
+        "cancelled": 0,
+        "specs_parsed": PARSED[0],
+    }
     assert out["replica"] == {"replica": "r1"}

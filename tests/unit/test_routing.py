@@ -57,8 +57,9 @@ def test_a_turn_s_key_extends_the_one_before():
     longer = http_key("completions", {"prompt": LONG + " and more text"}, BASE)
     assert shared(text, longer) == len(text) - 1
     ids = list(range(100, 164))  # 64 ids: 8 whole chunks of 8
-    assert http_key("completions", {"prompt": ids + [7, 8, 9]}, BASE).startswith(http_key("completions",
-                                                                                          {"prompt": ids}, BASE))
+    assert http_key("completions", {"prompt": ids + [7, 8, 9]}, BASE).startswith(
+        http_key("completions", {"prompt": ids}, BASE)
+    )
     assert len(http_key("completions", {"prompt": ids}, BASE)) == 8
     # one character per 32 bytes, each in Unicode's planes 1-16 (encodable: no surrogates)
     assert all(0x10000 <= ord(c) <= 0x10FFFF for c in one + text) and (one + text).encode("utf-8")
@@ -67,9 +68,11 @@ def test_a_turn_s_key_extends_the_one_before():
 def test_adapters_salts_and_forms_never_share_a_key_prefix():
     base = http_key("chat", chat(LONG), BASE)
     assert http_key("chat", {**chat(LONG), "model": BASE}, BASE) == base  # the base model named, or not
-    others = [http_key("chat", {**chat(LONG), "model": "lora-qv"}, BASE),
-              http_key("chat", {**chat(LONG), "cache_salt": "tenant-a"}, BASE),
-              http_key("completions", {"prompt": routing.chat_text(chat(LONG)["messages"])}, BASE)]
+    others = [
+        http_key("chat", {**chat(LONG), "model": "lora-qv"}, BASE),
+        http_key("chat", {**chat(LONG), "cache_salt": "tenant-a"}, BASE),
+        http_key("completions", {"prompt": routing.chat_text(chat(LONG)["messages"])}, BASE),
+    ]
     for other in others:
         assert other and shared(base, other) == 0
     assert http_key("completions", {"prompt": [1, 2, 3]}, BASE) != http_key("completions", {"prompt": "\x01"}, BASE)
@@ -86,23 +89,33 @@ def test_what_has_no_key_routes_by_power_of_two():
 
 def test_prompt_lists_and_content_parts():
     assert http_key("completions", {"prompt": ["ab", "cd"]}, BASE) == http_key("completions", {"prompt": "abcd"}, BASE)
-    assert http_key("completions", {"prompt": [[1, 2], [3]]}, BASE) == http_key("completions", {"prompt": [1, 2, 3]},
-                                                                                BASE)
+    assert http_key("completions", {"prompt": [[1, 2], [3]]}, BASE) == http_key(
+        "completions", {"prompt": [1, 2, 3]}, BASE
+    )
     parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": LONG}]}]}
     assert http_key("chat", parts, BASE) == http_key("chat", chat(LONG), BASE)
 
 
 def test_media_join_the_key_so_a_conversation_about_one_image_stays_with_its_caches():
     def about(url: str, text: str = LONG) -> dict:
-        return {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
-                                                          {"type": "text", "text": text}]}]}
+        return {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": text}],
+                }
+            ]
+        }
 
     a, b = "data:image/png;base64,AAAA", "data:image/png;base64,BBBB"
     assert http_key("chat", about(a), BASE) == http_key("chat", about(a), BASE)
     assert http_key("chat", about(a), BASE) != http_key("chat", about(b), BASE)  # same text, other image
     assert http_key("chat", about(a), BASE) != http_key("chat", chat(LONG), BASE)
-    audio = {"messages": [{"role": "user", "content": [{"type": "input_audio",
-                                                        "input_audio": {"data": "UklG", "format": "wav"}}]}]}
+    audio = {
+        "messages": [
+            {"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "UklG", "format": "wav"}}]}
+        ]
+    }
     assert http_key("chat", audio, BASE) != http_key("chat", chat(""), BASE)
 
 
@@ -112,16 +125,20 @@ def test_a_verification_lands_where_its_choice_was_generated():
     assert shared(generated, verify) == len(generated) - 1
     ids = list(range(64))
     assert http_key("hidden_states", {"prompt": ids, "completion": [1, 2]}, BASE).startswith(
-        http_key("completions", {"prompt": ids}, BASE))
+        http_key("completions", {"prompt": ids}, BASE)
+    )
 
 
 def test_a_handle_request_s_key_is_its_http_twin_s():
-    assert handle_key(HandleCompletionRequest(messages=chat(LONG)["messages"]), BASE) == http_key("chat", chat(LONG),
-                                                                                                  BASE)
-    assert handle_key(HandleCompletionRequest(prompt=LONG, model=BASE), BASE) == http_key("completions",
-                                                                                          {"prompt": LONG}, BASE)
+    assert handle_key(HandleCompletionRequest(messages=chat(LONG)["messages"]), BASE) == http_key(
+        "chat", chat(LONG), BASE
+    )
+    assert handle_key(HandleCompletionRequest(prompt=LONG, model=BASE), BASE) == http_key(
+        "completions", {"prompt": LONG}, BASE
+    )
     assert handle_key(HandleCompletionRequest(prompt=[5, 6], model="lora-qv"), BASE) == http_key(
-        "completions", {"prompt": [5, 6], "model": "lora-qv"}, BASE)
+        "completions", {"prompt": [5, 6], "model": "lora-qv"}, BASE
+    )
 
 
 # -- the request router ----------------------------------------------------------
@@ -177,6 +194,7 @@ def test_next_turns_go_where_their_conversation_went_and_new_ones_spread():
 def test_every_router_replica_sends_a_conversation_to_the_same_engine_replica():
     """Each Router replica has its own tree: a turn reaching another Router replica than the turn before
     is a new prefix there, and goes to the same engine replica by the conversation's anchor."""
+
     async def go():
         replicas = [FakeReplica(n) for n in "abcdefgh"]
         routers = [make(*replicas), make(*replicas), make(*replicas)]
@@ -213,6 +231,7 @@ def test_replicas_added_and_removed_are_the_tree_s_tenants():
     """Autoscaling: a new replica joins the tree and takes its rendezvous share of new conversations
     while the old ones stay; a removed or dead one leaves the tree and is never offered again, and
     only its conversations move."""
+
     async def go():
         a, b, c = FakeReplica("a"), FakeReplica("b"), FakeReplica("c")
         r = make(a, b)
@@ -257,6 +276,7 @@ def test_bad_router_settings_are_refused_with_the_reason():
 def test_ray_s_router_as_shipped_cannot_read_our_calls():
     """Why PrefixRouter reads a key of its own: Ray's looks for `.prompt` / `.messages` on the call's
     arguments, and ours are the route and the raw body."""
+
     async def go():
         PrefixCacheAffinityRouter._extract_text_from_request(None, pending(conversation(0, 1)[0]))
 
@@ -294,8 +314,10 @@ class InMemory:
         tokens = routing.chat_text(chat.messages).split()
         cached = max((shared(tokens, seen) for seen in self.computed[name]), default=0) // served.BLOCK * served.BLOCK
         self.computed[name].append(tokens)
-        chat.answered({"replica": name, "prompt_tokens": len(tokens), "cached_tokens": cached},
-                      f"reply {len(chat.turns)} of conversation {chat.seed}")
+        chat.answered(
+            {"replica": name, "prompt_tokens": len(tokens), "cached_tokens": cached},
+            f"reply {len(chat.turns)} of conversation {chat.seed}",
+        )
 
     def replace(self, gone: str, new: str) -> None:
         """`gone` crashes and Serve replaces it by `new`: the router hears of both, as from Serve."""
@@ -391,7 +413,8 @@ def test_the_tree_check_needs_a_conversation_hashing_would_move():
     replacement(going)
     assert served.tree_problems(going, {"a", "b"}, {"a", "c"}, turn=1) == [
         "no conversation that stayed would have moved by hashing alone: nothing here tells the tree from the hash "
-        "(more conversations on the surviving replica)"]
+        "(more conversations on the surviving replica)"
+    ]
 
 
 # -- the option ----------------------------------------------------------------
@@ -483,10 +506,12 @@ def test_the_router_sends_each_call_its_key(routing_option, keyed):
     async def go():
         plain, streamed, handle = Replica(reply), Replica(b"", stream), Replica(handle_ok)
         await post(make_router(plain, replica_routing=routing_option), "/v1/chat/completions", chat(LONG))
-        await post(make_router(streamed, replica_routing=routing_option), "/v1/completions",
-                   {"prompt": LONG, "stream": True})
+        await post(
+            make_router(streamed, replica_routing=routing_option), "/v1/completions", {"prompt": LONG, "stream": True}
+        )
         await make_router(handle, replica_routing=routing_option).complete(
-            wire.ENCODER.encode(HandleCompletionRequest(messages=chat(LONG)["messages"])))
+            wire.ENCODER.encode(HandleCompletionRequest(messages=chat(LONG)["messages"]))
+        )
         await post(make_router(plain, replica_routing=routing_option), "/tokenize", {"prompt": LONG})
         return plain.calls, streamed.calls, handle.calls
 

@@ -77,8 +77,10 @@ def test_step_references_send_every_row_once_at_the_end_or_per_output(topk):
         ind = [np.tile(np.arange(D, dtype=np.int32), (len(pos), 1)).tobytes() for _ in layers] if topk else []
         data = np.frombuffer(b"".join(raw + ind), np.uint8)
         n = len(raw[0])
-        blocks = [RowBlock(stop, layer, pos, "float32", D, i * n, (2 * n + i * len(ind[0])) if topk else -1)
-                  for i, layer in enumerate((2, 5))]
+        blocks = [
+            RowBlock(stop, layer, pos, "float32", D, i * n, (2 * n + i * len(ind[0])) if topk else -1)
+            for i, layer in enumerate((2, 5))
+        ]
         return data, blocks
 
     flag = HiddenStatesExtractionRequest(key="k", layers=[2, 5], span=[4, None, 1], topk=D if topk else 0)

@@ -9,8 +9,7 @@ import pytest
 
 from deployments.config import AppArgs
 from deployments.readiness import startup_cause, why_not_ready
-from hidden_states.preflight import (GiB, EngineStartupError, check_architecture, check_cpu_memory,
-                                     check_model_folder)
+from hidden_states.preflight import EngineStartupError, GiB, check_architecture, check_cpu_memory, check_model_folder
 
 
 def test_missing_folder_names_the_path(tmp_path):

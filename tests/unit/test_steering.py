@@ -33,39 +33,47 @@ def test_entries_resolve_with_their_echo_and_anchor_with_a_digest_that_tells_ste
     assert echo[0]["layer"] == 3 and len(echo[0]["digest"]) == 16
     anchored, digest = anchor(entries, 7)
     assert (anchored[0].start, anchored[0].end) == (0, 7)  # the prompt's positions, absolute
-    again = anchor(resolve(spec({"layer": 3, "vector": v.tolist(), "scale": 2.0, "positions": "prompt"}),
-                           L, D, {}, {})[0], 7)[1]
-    other = anchor(resolve(spec({"layer": 3, "vector": v.tolist(), "scale": 2.5, "positions": "prompt"}),
-                           L, D, {}, {})[0], 7)[1]
+    again = anchor(
+        resolve(spec({"layer": 3, "vector": v.tolist(), "scale": 2.0, "positions": "prompt"}), L, D, {}, {})[0], 7
+    )[1]
+    other = anchor(
+        resolve(spec({"layer": 3, "vector": v.tolist(), "scale": 2.5, "positions": "prompt"}), L, D, {}, {})[0], 7
+    )[1]
     assert again == digest != other != anchor(entries, 8)[1]  # base64 or floats: the same; a scale or P: another
     completion = resolve(spec({"layer": 0, "vector": v.tolist(), "positions": "completion"}), L, D, {}, {})[0]
     assert [(e.start, e.end) for e in anchor(completion, 5)[0]] == [(5, -1)]
 
 
-@pytest.mark.parametrize("entry, words", [
-    ({"layer": 0, "vector": [1.0] * (D + 1)}, "9 entries"),
-    ({"layer": L, "vector": [1.0] * D}, "layer 4 out of range"),
-    ({"layer": -1, "vector": [1.0] * D}, "layer -1 out of range"),
-    ({"layer": 0, "vector": "not base64!"}, "not base64"),
-    ({"layer": 0, "vector": b64(np.full(D, np.inf))}, "NaN or infinite"),
-    ({"name": "missing"}, "unknown steering vector 'missing'"),
-])
+@pytest.mark.parametrize(
+    "entry, words",
+    [
+        ({"layer": 0, "vector": [1.0] * (D + 1)}, "9 entries"),
+        ({"layer": L, "vector": [1.0] * D}, "layer 4 out of range"),
+        ({"layer": -1, "vector": [1.0] * D}, "layer -1 out of range"),
+        ({"layer": 0, "vector": "not base64!"}, "not base64"),
+        ({"layer": 0, "vector": b64(np.full(D, np.inf))}, "NaN or infinite"),
+        ({"name": "missing"}, "unknown steering vector 'missing'"),
+    ],
+)
 def test_what_needs_the_model_is_a_400_naming_the_entry(entry, words):
     with pytest.raises(HiddenStatesRequestError) as e:
         resolve(spec({"layer": 0, "vector": [1.0] * D}, entry), L, D, {}, {})
     assert "hidden_states_steering[1]" in str(e.value) and words in str(e.value), str(e.value)
 
 
-@pytest.mark.parametrize("entries, words", [
-    ([], "non-empty"),
-    ([{"layer": 0, "vector": [1.0]}] * 17, "at most 16"),
-    ([{"layer": 0}], "exactly one of"),
-    ([{"head": "s"}], "exactly one of"),
-    ([{"vector": [1.0]}], "needs a `layer`"),
-    ([{"layer": 0, "vector": [1.0], "scale": float("inf")}], "scale must be finite"),
-    ([{"layer": 0, "vector": [1.0], "op": "swap"}], "op"),
-    ([{"layer": 0, "vector": [1.0], "positions": "middle"}], "positions"),
-])
+@pytest.mark.parametrize(
+    "entries, words",
+    [
+        ([], "non-empty"),
+        ([{"layer": 0, "vector": [1.0]}] * 17, "at most 16"),
+        ([{"layer": 0}], "exactly one of"),
+        ([{"head": "s"}], "exactly one of"),
+        ([{"vector": [1.0]}], "needs a `layer`"),
+        ([{"layer": 0, "vector": [1.0], "scale": float("inf")}], "scale must be finite"),
+        ([{"layer": 0, "vector": [1.0], "op": "swap"}], "op"),
+        ([{"layer": 0, "vector": [1.0], "positions": "middle"}], "positions"),
+    ],
+)
 def test_the_field_s_shape_is_a_400_before_the_engine(entries, words):
     with pytest.raises(HiddenStatesRequestError) as e:
         parse_fields({"hidden_states_steering": entries}, enabled=True)
@@ -81,18 +89,26 @@ def test_registered_formats_and_the_control_vector_layer_mapping(tmp_path):
     np.save(tmp_path / "a.npy", a)
     save_file({"direction.0": a, "direction.2": b}, str(tmp_path / "d.safetensors"))
     write_gguf(str(tmp_path / "c.gguf"), {1: b})
-    vectors = load_vectors([{"name": "a", "path": str(tmp_path / "a.npy"), "layer": 2},
-                            {"name": "d", "path": str(tmp_path / "d.safetensors")},
-                            {"name": "c", "path": str(tmp_path / "c.gguf")}], L, D)
+    vectors = load_vectors(
+        [
+            {"name": "a", "path": str(tmp_path / "a.npy"), "layer": 2},
+            {"name": "d", "path": str(tmp_path / "d.safetensors")},
+            {"name": "c", "path": str(tmp_path / "c.gguf")},
+        ],
+        L,
+        D,
+    )
     assert sorted(vectors["a"]) == [2] and sorted(vectors["d"]) == [1, 3] and sorted(vectors["c"]) == [2]
     np.testing.assert_array_equal(vectors["c"][2], b)
     entries, echo = resolve(spec({"name": "d", "scale": 0.5}), L, D, vectors, {})
     assert [(e.layer, e.scale) for e in entries] == [(1, 0.5), (3, 0.5)] and echo[0]["name"] == "d"
     assert [e.layer for e in resolve(spec({"name": "d", "layer": 3}), L, D, vectors, {})[0]] == [3]
     write_gguf(str(tmp_path / "last.gguf"), {L - 1: a})
-    for entry, words in (({"name": "x", "path": str(tmp_path / "last.gguf")}, "direction.3 steers the last block"),
-                         ({"name": "x", "path": str(tmp_path / "a.npy")}, "needs a `layer`"),
-                         ({"name": "x", "path": str(tmp_path / "a.npy"), "layer": 4}, "out of range")):
+    for entry, words in (
+        ({"name": "x", "path": str(tmp_path / "last.gguf")}, "direction.3 steers the last block"),
+        ({"name": "x", "path": str(tmp_path / "a.npy")}, "needs a `layer`"),
+        ({"name": "x", "path": str(tmp_path / "a.npy"), "layer": 4}, "out of range"),
+    ):
         with pytest.raises(HeadConfigError, match=words):
             load_vectors([entry], L, D)
     with pytest.raises(HeadConfigError, match="hidden size is 16"):
@@ -106,10 +122,19 @@ class _Runner:
         import torch
 
         rids = list(prompt_lens)
-        self.requests = {rid: types.SimpleNamespace(num_prompt_tokens=prompt_lens[rid], sampling_params=types.SimpleNamespace(
-            extra_args=steering_extra_args(steer[rid]) if rid in steer else {"other": 1})) for rid in rids}
-        self.input_batch = types.SimpleNamespace(req_id_to_index={rid: i for i, rid in enumerate(rids)},
-                                                 num_computed_tokens_cpu=np.array([computed[r] for r in rids]))
+        self.requests = {
+            rid: types.SimpleNamespace(
+                num_prompt_tokens=prompt_lens[rid],
+                sampling_params=types.SimpleNamespace(
+                    extra_args=steering_extra_args(steer[rid]) if rid in steer else {"other": 1}
+                ),
+            )
+            for rid in rids
+        }
+        self.input_batch = types.SimpleNamespace(
+            req_id_to_index={rid: i for i, rid in enumerate(rids)},
+            num_computed_tokens_cpu=np.array([computed[r] for r in rids]),
+        )
         self.model_config = types.SimpleNamespace(dtype=torch.float32)
         self.device, self.max_num_tokens = "cpu", 16
         self.query_start_loc = types.SimpleNamespace(np=None)
@@ -138,8 +163,12 @@ def test_each_row_gets_its_own_request_s_steering_and_unsteered_rows_are_unchang
     from hidden_states.vllm.worker.steering import StepSteering
 
     v, u = np.arange(1, D + 1, dtype=np.float32), np.eye(D, dtype=np.float32)[0]
-    steer = {"s": [SteerEntry(1, "add", "completion", 2.0, v.tobytes(), 4, -1),  # anchored: its prompt has 4 tokens
-                   SteerEntry(1, "ablate", "all", 1.0, u.tobytes(), 0, -1)]}
+    steer = {
+        "s": [
+            SteerEntry(1, "add", "completion", 2.0, v.tobytes(), 4, -1),  # anchored: its prompt has 4 tokens
+            SteerEntry(1, "ablate", "all", 1.0, u.tobytes(), 0, -1),
+        ]
+    }
     runner = _Runner(steer, {"u": 3, "s": 4}, {"u": 0, "s": 3})  # u: a 3-token prefill; s: positions 3, 4 (prompt 4)
     runner.query_start_loc.np = np.array([0, 3, 5])
     st = StepSteering(runner, _Guard())
@@ -168,8 +197,10 @@ def test_a_request_whose_steering_raises_fails_alone_and_the_others_are_steered_
     from hidden_states.vllm.worker.steering import StepSteering
 
     v = np.arange(1, D + 1, dtype=np.float32)
-    steer = {"a": [SteerEntry(1, "add", "all", 2.0, v.tobytes(), 0, -1)],
-             "b": [SteerEntry(1, "add", "all", -1.0, v.tobytes(), 0, -1)]}
+    steer = {
+        "a": [SteerEntry(1, "add", "all", 2.0, v.tobytes(), 0, -1)],
+        "b": [SteerEntry(1, "add", "all", -1.0, v.tobytes(), 0, -1)],
+    }
     hidden, residual = torch.randn(5, D), torch.randn(5, D)
 
     def run(fails):
@@ -190,7 +221,9 @@ def test_a_top_k_sae_s_feature_cannot_be_clamped_alone():
     """A top-k SAE's feature is nonzero only among the k largest: setting it alone is not defined, a 400."""
     from hidden_states.heads import HeadSpec
 
-    topk = HeadSpec("tk", "sae", "/nonexistent", 1, 16, architecture="topk", k=4, topk=4, hook="blocks.0.hook_resid_post")
+    topk = HeadSpec(
+        "tk", "sae", "/nonexistent", 1, 16, architecture="topk", k=4, topk=4, hook="blocks.0.hook_resid_post"
+    )
     with pytest.raises(HiddenStatesRequestError) as e:
         resolve(spec({"op": "clamp", "head": "tk", "feature": 3, "value": 2.0}), L, D, {}, {"tk": topk})
     assert "top-k SAE" in str(e.value) and "hidden_states_steering[0]" in str(e.value), str(e.value)
@@ -220,6 +253,14 @@ def test_a_clamp_s_encoder_gives_the_feature_saelens_gives(name):
     got = (torch.relu(s[:, 0]) * (s[:, 1] > par[2]).float()).numpy()
     assert 0 < (want > 0).sum() < len(want)
     assert float(np.abs(got - want).max()) <= 1e-5 * float(np.abs(want).max())
-    digest = lambda **kw: anchor(resolve(spec({"head": name, "feature": feature, **kw}), 2, TINY_D, {},  # noqa: E731
-                                         heads)[0], 4)[1]
+    digest = lambda **kw: anchor(
+        resolve(
+            spec({"head": name, "feature": feature, **kw}),
+            2,
+            TINY_D,
+            {},  # noqa: E731
+            heads,
+        )[0],
+        4,
+    )[1]
     assert digest(op="clamp", value=2.5) == anchor([e], 4)[1] != digest(op="clamp", value=2.0) != digest()

@@ -12,13 +12,20 @@ from pathlib import Path
 import pytest
 
 PTH = Path(sysconfig.get_paths()["purelib"]) / "hidden_states_torchvision.pth"
-CODE = ("import torch, torchvision\nfrom torchvision.transforms.v2 import functional as F\n"
-        "print(tuple(F.resize(torch.rand(3, 64, 48), [32, 32]).shape), torchvision.extension._has_ops())\n")
+CODE = (
+    "import torch, torchvision\nfrom torchvision.transforms.v2 import functional as F\n"
+    "print(tuple(F.resize(torch.rand(3, 64, 48), [32, 32]).shape), torchvision.extension._has_ops())\n"
+)
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": os.getcwd()})
+    return subprocess.run(
+        [sys.executable, *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": os.getcwd()},
+    )
 
 
 @pytest.mark.skipif(not PTH.exists(), reason="a +cpu torchvision is installed: set-up wrote no hook")
@@ -32,7 +39,9 @@ def test_a_fresh_interpreter_imports_torchvision_through_the_hook_and_fails_with
 
 @pytest.mark.skipif(not PTH.exists(), reason="a +cpu torchvision is installed: set-up wrote no hook")
 def test_transformers_and_vllm_see_torchvision_s_image_processors():
-    code = ("import transformers\nfrom transformers.models.gemma3 import image_processing_gemma3\n"
-            "import vllm.model_executor.models.gemma3_mm\nprint(transformers.utils.is_torchvision_available())\n")
+    code = (
+        "import transformers\nfrom transformers.models.gemma3 import image_processing_gemma3\n"
+        "import vllm.model_executor.models.gemma3_mm\nprint(transformers.utils.is_torchvision_available())\n"
+    )
     out = run("-c", code)
     assert out.returncode == 0 and out.stdout.strip().endswith("True"), out.stderr[-2000:]

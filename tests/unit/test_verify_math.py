@@ -9,15 +9,28 @@ import pytest
 from pydantic import ValidationError
 
 from hidden_states.params import HiddenStatesRequestError, Span, check_rows_budget, given_span
-from hidden_states.verify import (Compare, HiddenStatesRequest, claims, compared, comparison, decode_claimed,
-                                  topk_comparison)
+from hidden_states.verify import (
+    Compare,
+    HiddenStatesRequest,
+    claims,
+    compared,
+    comparison,
+    decode_claimed,
+    topk_comparison,
+)
 
 
 def test_one_input_only():
     HiddenStatesRequest(prompt="x")
     HiddenStatesRequest(messages=[{"role": "user", "content": "x"}], completion=[1, 2])
-    for bad in ({}, {"prompt": "x", "messages": []}, {"prompt": "x", "completion": "y"}, {"prompt": []},
-                {"prompt": "x", "compare": {"vector": [1.0]}, "hidden_states_layers": [0]}, {"prompt": "x", "n": 2}):
+    for bad in (
+        {},
+        {"prompt": "x", "messages": []},
+        {"prompt": "x", "completion": "y"},
+        {"prompt": []},
+        {"prompt": "x", "compare": {"vector": [1.0]}, "hidden_states_layers": [0]},
+        {"prompt": "x", "n": 2},
+    ):
         with pytest.raises(ValidationError):
             HiddenStatesRequest(**bad)
 
@@ -65,13 +78,19 @@ def test_the_memory_bound_on_given_tokens_is_exact():
 
 
 def test_the_request_takes_the_completion_routes_position_dtype_and_topk():
-    r = HiddenStatesRequest(prompt="x", hidden_states_position={"start": -4}, hidden_states_dtype="float16",
-                            hidden_states_topk=3)
+    r = HiddenStatesRequest(
+        prompt="x", hidden_states_position={"start": -4}, hidden_states_dtype="float16", hidden_states_topk=3
+    )
     assert r.hidden_states_position.start == -4 and r.hidden_states_dtype == "float16"
     assert HiddenStatesRequest(prompt="x").hidden_states_position == "completion_end"
-    for bad in ({"hidden_states_position": "middle"}, {"hidden_states_dtype": "int8"}, {"hidden_states_topk": 0},
-                {"compare": {"vector": [1.0], "topk": [{"indices": [0], "values": [1.0]}]}}, {"compare": {}},
-                {"compare": {"vector": [1.0]}, "hidden_states_topk": 2}):
+    for bad in (
+        {"hidden_states_position": "middle"},
+        {"hidden_states_dtype": "int8"},
+        {"hidden_states_topk": 0},
+        {"compare": {"vector": [1.0], "topk": [{"indices": [0], "values": [1.0]}]}},
+        {"compare": {}},
+        {"compare": {"vector": [1.0]}, "hidden_states_topk": 2},
+    ):
         with pytest.raises(ValidationError):
             HiddenStatesRequest(prompt="x", **bad)
 
@@ -86,11 +105,12 @@ def test_dense_claims_are_one_row_per_position_of_the_model_s_width():
         assert np.array_equal(claims(Compare(vectors=value), 3, 4), rows)
         assert np.array_equal(claims(Compare(vector=value), 3, 4), rows)
     assert claims(Compare(vector=rows[0].tolist()), 1, 4).shape == (1, 4)
-    for compare, words in ((Compare(vectors=rows.tolist()), "compare.vectors has 3 rows; hidden_states_position "
-                                                           "selects 2 position"),
-                           (Compare(vectors=[[1.0] * 4, [1.0] * 3]), "compare.vectors row 1 has 3 values"),
-                           (Compare(vector=b64(rows)), "compare.vector has 12 values; hidden_states_position"),
-                           (Compare(vector=rows[0].tolist()), "compare.vector is one vector")):
+    for compare, words in (
+        (Compare(vectors=rows.tolist()), "compare.vectors has 3 rows; hidden_states_position selects 2 position"),
+        (Compare(vectors=[[1.0] * 4, [1.0] * 3]), "compare.vectors row 1 has 3 values"),
+        (Compare(vector=b64(rows)), "compare.vector has 12 values; hidden_states_position"),
+        (Compare(vector=rows[0].tolist()), "compare.vector is one vector"),
+    ):
         with pytest.raises(HiddenStatesRequestError, match=words) as e:
             claims(compare, 2, 4)
         assert e.value.param in ("compare.vector", "compare.vectors") and e.value.param in words
@@ -99,13 +119,15 @@ def test_dense_claims_are_one_row_per_position_of_the_model_s_width():
 def test_topk_claims_are_checked_per_position():
     ok = {"indices": [2, 0], "values": [3.0, 1.0]}
     assert [i.tolist() for i, _ in claims(Compare(topk=[ok, ok]), 2, 4)] == [[2, 0], [2, 0]]
-    for topk, words in (([ok], "has 1 rows; hidden_states_position selects 2"),
-                        ([ok, {"indices": [1], "values": []}], r"compare.topk\[1\] has 1 indices and 0 values"),
-                        ([ok, {"indices": [], "values": []}], "is empty"),
-                        ([ok, {"indices": [0, 1, 2, 3, 0], "values": [1.0] * 5}], "has 5 entries; this model's"),
-                        ([ok, {"indices": [4], "values": [1.0]}], r"indices must lie in 0..3"),
-                        ([ok, {"indices": [2**70], "values": [1.0]}], r"indices must lie in 0..3"),
-                        ([ok, {"indices": [1, 1], "values": [1.0, 1.0]}], "repeats an index")):
+    for topk, words in (
+        ([ok], "has 1 rows; hidden_states_position selects 2"),
+        ([ok, {"indices": [1], "values": []}], r"compare.topk\[1\] has 1 indices and 0 values"),
+        ([ok, {"indices": [], "values": []}], "is empty"),
+        ([ok, {"indices": [0, 1, 2, 3, 0], "values": [1.0] * 5}], "has 5 entries; this model's"),
+        ([ok, {"indices": [4], "values": [1.0]}], r"indices must lie in 0..3"),
+        ([ok, {"indices": [2**70], "values": [1.0]}], r"indices must lie in 0..3"),
+        ([ok, {"indices": [1, 1], "values": [1.0, 1.0]}], "repeats an index"),
+    ):
         with pytest.raises(HiddenStatesRequestError, match=words) as e:
             claims(Compare(topk=topk), 2, 4)
         assert e.value.param == "compare.topk"

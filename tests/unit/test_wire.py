@@ -8,10 +8,16 @@ import numpy as np
 import pytest
 
 from deployments import wire
-from deployments.wire import (HandleChoice, HandleCompletion, HandleCompletionRequest, HandleReply, Reply,
-                              ResponseHead, WireVersionError)
+from deployments.wire import (
+    HandleChoice,
+    HandleCompletion,
+    HandleCompletionRequest,
+    HandleReply,
+    Reply,
+    ResponseHead,
+    WireVersionError,
+)
 from hidden_states.interface import CompletionChoice, ExtractionStats, RowBatch
-
 
 NEXT = f"hidden-states-wire/{wire.WIRE_VERSION + 1}"  # a later release's
 
@@ -27,7 +33,9 @@ class OldHead(msgspec.Struct, array_like=True):  # the head before wire versions
     replica: str
 
 
-class NextHead(msgspec.Struct, array_like=True, tag=f"hidden-states-wire/{wire.WIRE_VERSION + 1}", tag_field="wire"):  # a later release
+class NextHead(
+    msgspec.Struct, array_like=True, tag=f"hidden-states-wire/{wire.WIRE_VERSION + 1}", tag_field="wire"
+):  # a later release
     replica: str  # fields reordered: an untagged decoder would misread them
     status: int
     media_type: str
@@ -43,10 +51,13 @@ def test_the_same_version_round_trips():
     assert wire.wire_version(wire.ENCODER.encode(req)) == wire.WIRE == wire.wire_version(wire.ENCODER.encode(head))
 
 
-@pytest.mark.parametrize("raw, theirs", [
-    (msgspec.msgpack.encode(OldRequest(prompt="x", max_tokens=3)), "a release from before wire versions"),
-    (msgspec.msgpack.encode({"wire": NEXT, "prompt": "x"}), NEXT),
-])
+@pytest.mark.parametrize(
+    "raw, theirs",
+    [
+        (msgspec.msgpack.encode(OldRequest(prompt="x", max_tokens=3)), "a release from before wire versions"),
+        (msgspec.msgpack.encode({"wire": NEXT, "prompt": "x"}), NEXT),
+    ],
+)
 def test_a_request_of_another_version_is_refused_by_name(raw, theirs):
     with pytest.raises(WireVersionError, match=f"HandleCompletionRequest of {theirs}.*speaks {wire.WIRE}"):
         wire.REQUEST_DECODER.decode(raw)
@@ -64,6 +75,7 @@ def test_a_reordered_head_of_another_release_is_refused_not_misread():
 def test_without_versions_the_reordered_head_would_be_misread():
     """What the versions guard against: an untagged head decodes a same-shaped message of another
     layout into the wrong fields (here both fields that swapped are strings), silently."""
+
     class Untagged(msgspec.Struct, array_like=True):
         status: int
         media_type: str
@@ -74,8 +86,9 @@ def test_without_versions_the_reordered_head_would_be_misread():
         replica: str
         media_type: str
 
-    misread = msgspec.msgpack.decode(msgspec.msgpack.encode(Swapped(200, "replica-9", "application/json")),
-                                     type=Untagged)
+    misread = msgspec.msgpack.decode(
+        msgspec.msgpack.encode(Swapped(200, "replica-9", "application/json")), type=Untagged
+    )
     assert misread.media_type == "replica-9"  # no error: the wrong field
     tagged = msgspec.msgpack.encode(Swapped(200, "replica-9", "application/json"))
     with pytest.raises(WireVersionError):  # the versioned decoder refuses the untagged sender instead
@@ -89,9 +102,15 @@ def test_a_malformed_message_is_not_called_another_version():
         assert not isinstance(e.value, WireVersionError)
 
 
-@pytest.mark.parametrize("stats", [ExtractionStats(12, 11, 0.0, via="tail"),
-                                   ExtractionStats(12, 4, 0.031, via="extraction"),
-                                   ExtractionStats(12, 11, 0.0, via="generation"), None])
+@pytest.mark.parametrize(
+    "stats",
+    [
+        ExtractionStats(12, 11, 0.0, via="tail"),
+        ExtractionStats(12, 4, 0.031, via="extraction"),
+        ExtractionStats(12, 11, 0.0, via="generation"),
+        None,
+    ],
+)
 def test_a_choice_s_work_crosses_the_handle_as_the_engine_counted_it(stats):
     """via, tokens, cached tokens and seconds reach a handle caller as the engine reported them (None:
     no step computed a row for it, as for prompt_end), not relabelled on the way."""

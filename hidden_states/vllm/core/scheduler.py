@@ -31,15 +31,33 @@ import logging
 from typing import Any
 
 import numpy as np
-
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 
-from hidden_states.protocol import (FAULT_KEY, HEADS_KEY, MONITOR_BLOCK, PLAN_ATTR, ROWS_KEY, SEQ_ATTR, STEP_ATTR,
-                                    STEERED_KEY, STOP_KEY, STOP_REASON, CapturedRows, HiddenStatesExtractionRequest,
-                                    HookFault, InjectedFault, PlanEntry, Span, absolute_layer, captured_rows,
-                                    fault_injection, injected_fault, steering_of)
+from hidden_states.protocol import (
+    FAULT_KEY,
+    HEADS_KEY,
+    MONITOR_BLOCK,
+    PLAN_ATTR,
+    ROWS_KEY,
+    SEQ_ATTR,
+    STEERED_KEY,
+    STEP_ATTR,
+    STOP_KEY,
+    STOP_REASON,
+    CapturedRows,
+    HiddenStatesExtractionRequest,
+    HookFault,
+    InjectedFault,
+    PlanEntry,
+    Span,
+    absolute_layer,
+    captured_rows,
+    fault_injection,
+    injected_fault,
+    steering_of,
+)
 from hidden_states.vllm import _require
 
 logger = logging.getLogger(__name__)
@@ -91,8 +109,10 @@ class _Rows:
     def _resize(self, capacity: int) -> None:
         """The window moved to slot 0 of a buffer of `capacity` slots."""
         n, w = self.hi - self.lo, slice(self.lo, self.hi)
-        pos, val = np.empty(capacity, np.int64), np.empty(self._val.shape[:1] + (capacity,) + self._val.shape[2:],
-                                                          self._val.dtype)
+        pos, val = (
+            np.empty(capacity, np.int64),
+            np.empty(self._val.shape[:1] + (capacity,) + self._val.shape[2:], self._val.dtype),
+        )
         pos[:n], val[:, :n] = self._pos[w], self._val[:, w]
         if self._ind is not None:
             ind = np.empty(self._ind.shape[:1] + (capacity,) + self._ind.shape[2:], self._ind.dtype)
@@ -103,14 +123,14 @@ class _Rows:
     def prune(self, known: int) -> None:
         """Drops the oldest rows no longer wantable; the window stays as long as the range."""
         if self.hi > self.lo:
-            wanted, undecided = self.span.classify(self._pos[self.lo:self.hi], known)
+            wanted, undecided = self.span.classify(self._pos[self.lo : self.hi], known)
             keep = wanted | undecided
             self.lo += int(np.argmax(keep)) if keep.any() else len(keep)
 
     def trim(self, limit: int) -> None:
         """Drops rows at `limit` and past it (a suffix of the window: positions only grow)."""
         if self.hi > self.lo:
-            self.hi = self.lo + int(np.count_nonzero(self._pos[self.lo:self.hi] < limit))
+            self.hi = self.lo + int(np.count_nonzero(self._pos[self.lo : self.hi] < limit))
         self.next = min(self.next, limit)
 
     def take(self, known: int, total: int | None = None) -> CapturedRows | None:
@@ -121,8 +141,15 @@ class _Rows:
         wanted, undecided = self.span.classify(self._pos[w], known, total)
         out = None
         if wanted.any():
-            out = captured_rows(self.flag.key, self.dtype, self.flag.topk, self.layers, self._pos[w][wanted].tolist(),
-                                self._val[:, w][:, wanted], None if self._ind is None else self._ind[:, w][:, wanted])
+            out = captured_rows(
+                self.flag.key,
+                self.dtype,
+                self.flag.topk,
+                self.layers,
+                self._pos[w][wanted].tolist(),
+                self._val[:, w][:, wanted],
+                None if self._ind is None else self._ind[:, w][:, wanted],
+            )
         first = int(np.argmax(undecided)) if undecided.any() else len(undecided)
         if undecided[first:].all():  # a suffix: drop the decided prefix in place
             self.lo += first
@@ -176,14 +203,26 @@ class _StepRefs:
         pieces, self.pieces = self.pieces, []
 
         def cat(get) -> np.ndarray:
-            per_layer = [[get(blocks[j], data) if keep is None else get(blocks[j], data)[keep]
-                          for data, blocks, keep in pieces] for j in range(len(self.layers))]
+            per_layer = [
+                [get(blocks[j], data) if keep is None else get(blocks[j], data)[keep] for data, blocks, keep in pieces]
+                for j in range(len(self.layers))
+            ]
             return np.stack([np.concatenate(p) if len(p) > 1 else p[0] for p in per_layer])
 
-        positions = [p for _, blocks, keep in pieces
-                     for p in (blocks[0].positions if keep is None else np.asarray(blocks[0].positions)[keep].tolist())]
-        return captured_rows(self.flag.key, self.flag.dtype, self.flag.topk, self.layers, positions,
-                             cat(lambda b, d: b.values(d)), cat(lambda b, d: b.indices(d)) if self.flag.topk else None)
+        positions = [
+            p
+            for _, blocks, keep in pieces
+            for p in (blocks[0].positions if keep is None else np.asarray(blocks[0].positions)[keep].tolist())
+        ]
+        return captured_rows(
+            self.flag.key,
+            self.flag.dtype,
+            self.flag.topk,
+            self.layers,
+            positions,
+            cat(lambda b, d: b.values(d)),
+            cat(lambda b, d: b.indices(d)) if self.flag.topk else None,
+        )
 
 
 @dataclasses.dataclass
@@ -193,10 +232,10 @@ class _Capture:
 
     flag: HiddenStatesExtractionRequest
     tail: bool
-    rows: "_Rows | _StepRefs"
+    rows: _Rows | _StepRefs
     tail_positions: int = 0
     # Each head's outputs (protocol.RowBlock.head), kept as rows are: the same span, their own flag.
-    heads: dict[str, "_Rows | _StepRefs"] = dataclasses.field(default_factory=dict)
+    heads: dict[str, _Rows | _StepRefs] = dataclasses.field(default_factory=dict)
     judged: int = 0  # its monitors (flag.monitors) and conditions have scored the rows below this position
     prompt_len: int = 0
     # Conditional steering entries (protocol.SteerEntry.when): (entry index, its condition, start, end); per
@@ -213,24 +252,27 @@ class _Capture:
         upto = self.judged + 1  # row q - 1 is scored for q - 1 < judged
         for bit, (k, _, start, end) in enumerate(self.conditional):
             mine = self.applied.setdefault(k, [])
-            mine += [q for q in range(max(self.decided, self.prompt_len, start), upto if end < 0 else min(upto, end))
-                     if self.held_at.get(q - 1, 0) >> bit & 1]
+            mine += [
+                q
+                for q in range(max(self.decided, self.prompt_len, start), upto if end < 0 else min(upto, end))
+                if self.held_at.get(q - 1, 0) >> bit & 1
+            ]
         self.decided = max(self.decided, upto)
 
     def unsent(self) -> list:
         """[[entry index, applied positions not sent yet]] (each output of the request carries its new ones)."""
         out = []
         for k, positions in self.applied.items():
-            new = positions[self.sent.get(k, 0):]
+            new = positions[self.sent.get(k, 0) :]
             if new:
                 out.append([k, new])
                 self.sent[k] = len(positions)
         return out
 
-    def accumulators(self) -> list["_Rows | _StepRefs"]:
+    def accumulators(self) -> list[_Rows | _StepRefs]:
         return [self.rows, *self.heads.values()]
 
-    def take(self, known: int, total: int | None = None) -> "_Taken | None":
+    def take(self, known: int, total: int | None = None) -> _Taken | None:
         """The rows and head outputs decided wanted since the last take (all of them once ended)."""
         rows = self.rows.take(known, total)
         heads = {name: out for name, acc in self.heads.items() if (out := acc.take(known, total)) is not None}
@@ -249,7 +291,7 @@ class _Taken:
         some = self.rows if self.rows is not None else next(iter(self.heads.values()))
         return some.positions[-1]
 
-    def counted(self, tail_positions: int) -> "_Taken":
+    def counted(self, tail_positions: int) -> _Taken:
         for cr in [self.rows, *self.heads.values()]:
             if cr is not None:
                 cr.tail_positions = tail_positions
@@ -283,7 +325,9 @@ class _VectorsOnOutputs:
         # Async scheduling: the step after a stop is in flight with the final token as its input.
         self._seq = 0  # schedule() calls so far: a step's sequence number
         self._scheduled: dict[int, dict[str, int]] = {}  # recent steps' scheduled tokens per request, by sequence
-        self._awaiting: dict[str, tuple[_Capture, int, int]] = {}  # freed, awaiting the step in flight: (its, tokens, seq)
+        self._awaiting: dict[
+            str, tuple[_Capture, int, int]
+        ] = {}  # freed, awaiting the step in flight: (its, tokens, seq)
         self._stashed: dict[int, list[tuple[int, Any]]] = {}  # seq -> finishing outputs (client, eco) to release
         self._faults: dict[str, HookFault] = {}  # requests a hook failed in this update: finished with an error
         self._injection = fault_injection()  # tests only: requests may ask a hook to fail
@@ -304,8 +348,12 @@ class _VectorsOnOutputs:
             logger.error("request %s: the hidden-states hook %s failed in a worker (%s)", rid, error.hook, error.error)
             self._faults[rid] = error
         else:
-            logger.error("request %s: the hidden-states hook %s raised in the scheduler; failing the request", rid,
-                         hook, exc_info=error)
+            logger.error(
+                "request %s: the hidden-states hook %s raised in the scheduler; failing the request",
+                rid,
+                hook,
+                exc_info=error,
+            )
             self._faults[rid] = HookFault.of(hook, error)
 
     def _check(self, hook: str, rid: str) -> None:
@@ -330,10 +378,14 @@ class _VectorsOnOutputs:
             every_row = span.start >= 0 and (span.end is None or span.end >= 0 or (span.end == -1 and not tail))
             acc = (lambda f: _StepRefs(f, span)) if every_row else (lambda f: _Rows(f, span, dtype=f.dtype))
             heads = {name: acc(flag.head_flag(name, k)) for name, k in flag.heads}
-            conditional = [(k, e.when, e.start, e.end) for k, e in enumerate(steering_of(sp.extra_args) or ())
-                           if e.when is not None]
-            self._live[request.request_id] = _Capture(flag, tail, acc(flag), heads=heads,
-                                                      prompt_len=request.num_prompt_tokens, conditional=conditional)
+            conditional = [
+                (k, e.when, e.start, e.end)
+                for k, e in enumerate(steering_of(sp.extra_args) or ())
+                if e.when is not None
+            ]
+            self._live[request.request_id] = _Capture(
+                flag, tail, acc(flag), heads=heads, prompt_len=request.num_prompt_tokens, conditional=conditional
+            )
         super().add_request(request)
 
     def _takes_tail(self, sp: Any) -> bool:
@@ -355,8 +407,12 @@ class _VectorsOnOutputs:
             # max_tokens; a tail-flagged request needs it (it computes the final token's row): its
             # max_tokens is one more while scheduling only (check_stop reads the real one).
             for rid, cap in self._live.items():
-                if cap.tail and (req := self.requests.get(rid)) is not None \
-                        and req.num_output_placeholders > 0 and req.max_tokens is not None:
+                if (
+                    cap.tail
+                    and (req := self.requests.get(rid)) is not None
+                    and req.num_output_placeholders > 0
+                    and req.max_tokens is not None
+                ):
                     req.max_tokens += 1
                     bumped.append(req)
         try:
@@ -400,17 +456,33 @@ class _VectorsOnOutputs:
                 # Its monitors score the completion rows not judged yet, its conditions those from the last prompt
                 # row on (a held request's tail row is not scored: nothing comes after it).
                 lowest = req.num_prompt_tokens - 1 if cap.conditional else req.num_prompt_tokens
-                watch = [] if not (flag.monitors or cap.conditional) or rid in self._held else \
-                    list(range(max(first, lowest, cap.judged), stop))
+                watch = (
+                    []
+                    if not (flag.monitors or cap.conditional) or rid in self._held
+                    else list(range(max(first, lowest, cap.judged), stop))
+                )
                 steer = self._decide(cap, first, stop) if cap.conditional else []
                 steer_if = self._on_device(cap, first, len(flag.monitors)) if cap.conditional else []
                 if positions or watch or steer or steer_if:
-                    monitors = [[m.head, m.index, m.above, m.threshold]
-                                for m in (*flag.monitors, *(c[1] for c in cap.conditional))]
-                    plan[rid] = PlanEntry([p - first for p in positions], positions, flag.layers, stop, flag.dtype,
-                                          flag.topk, flag.heads, [p - first for p in watch], watch,
-                                          monitors if watch else [], steer, steer_if,
-                                          bool(cap.conditional and self.async_tail and watch))
+                    monitors = [
+                        [m.head, m.index, m.above, m.threshold]
+                        for m in (*flag.monitors, *(c[1] for c in cap.conditional))
+                    ]
+                    plan[rid] = PlanEntry(
+                        [p - first for p in positions],
+                        positions,
+                        flag.layers,
+                        stop,
+                        flag.dtype,
+                        flag.topk,
+                        flag.heads,
+                        [p - first for p in watch],
+                        watch,
+                        monitors if watch else [],
+                        steer,
+                        steer_if,
+                        bool(cap.conditional and self.async_tail and watch),
+                    )
             except Exception as e:  # this request fails alone (at the end of the step's update)
                 self._fault(rid, "plan", e)
         return plan or None
@@ -420,8 +492,11 @@ class _VectorsOnOutputs:
         earlier steps (one completion row a step; a recomputed prefill's were decided before):
         [[entry index, offsets]]."""
         cap.decide()
-        return [[k, [q - first for q in positions if first <= q < stop]] for k, positions in cap.applied.items()
-                if positions and positions[-1] >= first]
+        return [
+            [k, [q - first for q in positions if first <= q < stop]]
+            for k, positions in cap.applied.items()
+            if positions and positions[-1] >= first
+        ]
 
     def _on_device(self, cap: _Capture, first: int, monitors: int) -> list:
         """Async scheduling: the conditional entries at position `first` whose row before has not been scored
@@ -431,8 +506,11 @@ class _VectorsOnOutputs:
         gets one completion row a step (no drafts), so none is."""
         if first < max(cap.decided, cap.prompt_len):
             return []
-        return [[k, monitors + bit, 0] for bit, (k, _, start, end) in enumerate(cap.conditional)
-                if first >= start and (end < 0 or first < end)]
+        return [
+            [k, monitors + bit, 0]
+            for bit, (k, _, start, end) in enumerate(cap.conditional)
+            if first >= start and (end < 0 or first < end)
+        ]
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any):
         step = getattr(model_runner_output, STEP_ATTR, None)
@@ -504,16 +582,21 @@ class _VectorsOnOutputs:
                             eco.kv_transfer_params = {**(eco.kv_transfer_params or {}), STOP_KEY: stop}
                         if (steered := self._steered.pop(rid, None)) is not None:  # where its `when` entries applied
                             eco.kv_transfer_params = {**(eco.kv_transfer_params or {}), STEERED_KEY: steered}
-                    elif (cap := self._live.get(rid)) is not None and cap.flag.every_step and \
-                            (req := self.requests.get(rid)) is not None:
+                    elif (
+                        (cap := self._live.get(rid)) is not None
+                        and cap.flag.every_step
+                        and (req := self.requests.get(rid)) is not None
+                    ):
                         rows = cap.take(req.num_tokens)
                     else:
                         rows = None
                     if eco.finish_reason is None and cap is not None and cap.conditional:
                         cap.decide()  # its new decisions: a stop string's extraction step (frontend) replays them
                         if new := cap.unsent():
-                            eco.kv_transfer_params = {**(eco.kv_transfer_params or {}),
-                                                      STEERED_KEY: [cap.flag.key, new]}
+                            eco.kv_transfer_params = {
+                                **(eco.kv_transfer_params or {}),
+                                STEERED_KEY: [cap.flag.key, new],
+                            }
                     if rows is not None:
                         eco.kv_transfer_params = {**(eco.kv_transfer_params or {}), **rows.params()}
                 except Exception as e:  # this request fails alone (_fail, right after)
@@ -534,8 +617,9 @@ class _VectorsOnOutputs:
         for seq, stashed in list(self._stashed.items()):  # async: finishing outputs waiting for their tail
             clients.update((eco.request_id, client) for client, eco in stashed if eco.request_id in faults)
             self._stashed[seq] = [(c, eco) for c, eco in stashed if eco.request_id not in faults]
-        for request in self.finish_requests([rid for rid in faults if rid in self.requests],
-                                            RequestStatus.FINISHED_ERROR):
+        for request in self.finish_requests(
+            [rid for rid in faults if rid in self.requests], RequestStatus.FINISHED_ERROR
+        ):
             clients[request.request_id] = request.client_index
         for rid, fault in faults.items():
             self._finished_rows.pop(rid, None)
@@ -546,9 +630,14 @@ class _VectorsOnOutputs:
             self._inject.pop(rid, None)
             if rid not in clients:  # finished and sent before the fault was known: nothing left to fail
                 continue
-            outputs.setdefault(clients[rid], EngineCoreOutputs(outputs=[])).outputs.append(EngineCoreOutput(
-                request_id=rid, new_token_ids=[], finish_reason=FinishReason.ERROR,
-                kv_transfer_params={FAULT_KEY: fault.to_output()}))
+            outputs.setdefault(clients[rid], EngineCoreOutputs(outputs=[])).outputs.append(
+                EngineCoreOutput(
+                    request_id=rid,
+                    new_token_ids=[],
+                    finish_reason=FinishReason.ERROR,
+                    kv_transfer_params={FAULT_KEY: fault.to_output()},
+                )
+            )
 
     def _file(self, step: Any, so: Any, mro: Any) -> None:
         spec = so.scheduled_spec_decode_tokens
@@ -585,8 +674,9 @@ class _VectorsOnOutputs:
             if position < cap.judged or position >= bound:
                 continue
             if cap.conditional:
-                cap.held_at[int(position)] = sum(1 << bit for bit, c in enumerate(cap.conditional)
-                                                 if c[1].holds(float(scores[r, conditions + bit])))
+                cap.held_at[int(position)] = sum(
+                    1 << bit for bit, c in enumerate(cap.conditional) if c[1].holds(float(scores[r, conditions + bit]))
+                )
             if position < cap.prompt_len:
                 continue
             for i, monitor in enumerate(monitors):
@@ -609,8 +699,7 @@ class _VectorsOnOutputs:
         if trigger is not None:  # a monitor held at row p: the tokens up to p stay, the rest of the step goes
             position, index, score = trigger
             keep = max(position + 1 - request.num_tokens, 0)
-            new_token_ids, stopped = super()._update_request_with_output(request, new_token_ids[:keep], *args,
-                                                                         **kwargs)
+            new_token_ids, stopped = super()._update_request_with_output(request, new_token_ids[:keep], *args, **kwargs)
             if not stopped:  # (an ordinary stop at or before p stands)
                 request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, STOP_REASON.format(index)
                 stopped = True
@@ -639,16 +728,24 @@ class _VectorsOnOutputs:
     def _holds(self, request: Any) -> bool:
         cap = self._live.get(request.request_id)
         n = request.num_tokens
-        return (cap is not None and cap.tail and request.status in _HOLD and n < self.max_model_len
-                and request.structured_output_request is None
-                and n - 1 in cap.rows.span.positions(n))  # its span wants the final token, now its length is known
+        return (
+            cap is not None
+            and cap.tail
+            and request.status in _HOLD
+            and n < self.max_model_len
+            and request.structured_output_request is None
+            and n - 1 in cap.rows.span.positions(n)
+        )  # its span wants the final token, now its length is known
 
     def _hold(self, request: Any, tokens: list[int]) -> _Held:
         out, n = self._step_output, len(tokens)
         index = out.req_id_to_index[request.request_id]
         sp = request.sampling_params
-        logprobs = (out.logprobs.slice_request(index, n)
-                    if sp is not None and sp.num_logprobs is not None and out.logprobs else None)
+        logprobs = (
+            out.logprobs.slice_request(index, n)
+            if sp is not None and sp.num_logprobs is not None and out.logprobs
+            else None
+        )
         masks = getattr(out, "sampling_masks", None)
         mask = masks.slice_request(index, n) if self.return_sampling_mask and masks is not None and n else None
         return _Held(request.status, request.stop_reason, list(tokens), logprobs, mask)
@@ -685,7 +782,7 @@ class _VectorsOnOutputs:
         return False
 
 
-def _file_into(acc: "_Rows | _StepRefs", data: np.ndarray, blocks: list, bound: int) -> None:
+def _file_into(acc: _Rows | _StepRefs, data: np.ndarray, blocks: list, bound: int) -> None:
     """One request's blocks of a step (rows of its layers, or one head's outputs) into `acc`."""
     first, flag = blocks[0], acc.flag
     if isinstance(acc, _StepRefs):  # the plan asked only for rows the span wants (Span.capturable)

@@ -22,12 +22,37 @@ from typing import Any
 import numpy as np
 
 from hidden_states import steering
-from hidden_states.interface import (ExtractionStats, HiddenStatesCollector, HiddenStatesTimeout, HookFaultError,
-                                  MissingHiddenStatesError, RowBatch)
-from hidden_states.params import (DEFAULT_MAX_HIDDEN_STATES_BYTES, HiddenStatesFields, HiddenStatesRequestError, Span,
-                                  absolute_layer, check_room, check_rows_budget, room_for_completion)
-from hidden_states.protocol import (COLLECTOR_TAG_KEY, FAULT_KEY, HEADS_KEY, ROWS_KEY, STEER_KEY, STEERED_KEY, STOP_KEY,
-                                    CapturedRows, HiddenStatesExtractionRequest, HiddenStatesProtocolError, HookFault)
+from hidden_states.interface import (
+    ExtractionStats,
+    HiddenStatesCollector,
+    HiddenStatesTimeout,
+    HookFaultError,
+    MissingHiddenStatesError,
+    RowBatch,
+)
+from hidden_states.params import (
+    DEFAULT_MAX_HIDDEN_STATES_BYTES,
+    HiddenStatesFields,
+    HiddenStatesRequestError,
+    Span,
+    absolute_layer,
+    check_room,
+    check_rows_budget,
+    room_for_completion,
+)
+from hidden_states.protocol import (
+    COLLECTOR_TAG_KEY,
+    FAULT_KEY,
+    HEADS_KEY,
+    ROWS_KEY,
+    STEER_KEY,
+    STEERED_KEY,
+    STOP_KEY,
+    CapturedRows,
+    HiddenStatesExtractionRequest,
+    HiddenStatesProtocolError,
+    HookFault,
+)
 
 _FAILED = ("abort", "error")
 logger = logging.getLogger(__name__)
@@ -50,7 +75,7 @@ class Origin:
     rerender: Any = None
 
     @staticmethod
-    def of(prompt: Any, kwargs: dict, params: Any = None, rerender: Any = None) -> "Origin":
+    def of(prompt: Any, kwargs: dict, params: Any = None, rerender: Any = None) -> Origin:
         salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
         steering = (getattr(params, "extra_args", None) or {}).get(STEER_KEY)
         mm = embeds = None
@@ -66,18 +91,22 @@ class Origin:
         processor cache fills it in, unless it evicted it since)."""
         return self.mm is not None and any(item is None for items in self.mm[0].values() for item in items)
 
-    async def resend(self) -> "Origin | None":
+    async def resend(self) -> Origin | None:
         """This origin with every item's data: the messages rendered again (vLLM's frontend dropped the
         hashes the core reported missing, so it sends their data now); None if that cannot be done or
         gives other placeholders."""
         if self.rerender is None:
             return None
         prompt = await self.rerender()
-        if not (isinstance(prompt, dict) and prompt.get("type") == "multimodal") \
-                or prompt["mm_hashes"] != self.mm[1] or prompt["mm_placeholders"] != self.mm[2]:
+        if (
+            not (isinstance(prompt, dict) and prompt.get("type") == "multimodal")
+            or prompt["mm_hashes"] != self.mm[1]
+            or prompt["mm_placeholders"] != self.mm[2]
+        ):
             return None
-        return dataclasses.replace(self, mm=(prompt["mm_kwargs"], prompt["mm_hashes"], prompt["mm_placeholders"]),
-                                   rerender=None)
+        return dataclasses.replace(
+            self, mm=(prompt["mm_kwargs"], prompt["mm_hashes"], prompt["mm_placeholders"]), rerender=None
+        )
 
     def prompt(self, token_ids: Sequence[int], cache_salt: str | None) -> dict:
         """The engine input of an extraction step over `token_ids` (the prompt's, then the completion's):
@@ -92,16 +121,23 @@ class Origin:
 
             P, T = len(self.embeds), len(token_ids)
             tail = torch.zeros(T - P, self.embeds.shape[1], dtype=self.embeds.dtype, device=self.embeds.device)
-            return embeds_input(torch.cat([self.embeds, tail]), cache_salt=cache_salt,
-                                prompt_token_ids=[0] * P + list(token_ids[P:]), is_token_ids=[False] * P + [True] * (T - P))
+            return embeds_input(
+                torch.cat([self.embeds, tail]),
+                cache_salt=cache_salt,
+                prompt_token_ids=[0] * P + list(token_ids[P:]),
+                is_token_ids=[False] * P + [True] * (T - P),
+            )
         return tokens_input(list(token_ids), cache_salt=cache_salt)
 
     def modalities(self) -> list[dict]:
         """Which prompt positions are which modality's placeholder tokens: [{modality, start, end}]."""
         if self.mm is None:
             return []
-        spans = [{"modality": modality, "start": r.offset, "end": r.offset + r.length}
-                 for modality, ranges in self.mm[2].items() for r in ranges]
+        spans = [
+            {"modality": modality, "start": r.offset, "end": r.offset + r.length}
+            for modality, ranges in self.mm[2].items()
+            for r in ranges
+        ]
         return sorted(spans, key=lambda s: s["start"])
 
 
@@ -138,7 +174,7 @@ def make_async_llm_class():
     class ExtractingAsyncLLM(AsyncLLM):
         """AsyncLLM whose outputs bring vectors, and whose generate() files them."""
 
-        extraction: "Extraction"  # set by HiddenStatesEngine.start()
+        extraction: Extraction  # set by HiddenStatesEngine.start()
 
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
@@ -150,8 +186,13 @@ def make_async_llm_class():
                 if hs is not None and hs.live:
                     for eco in engine_core_outputs:
                         params = eco.kv_transfer_params
-                        if params is not None and (ROWS_KEY in params or HEADS_KEY in params or FAULT_KEY in params
-                                                   or STOP_KEY in params or STEERED_KEY in params):
+                        if params is not None and (
+                            ROWS_KEY in params
+                            or HEADS_KEY in params
+                            or FAULT_KEY in params
+                            or STOP_KEY in params
+                            or STEERED_KEY in params
+                        ):
                             rows, heads = params.pop(ROWS_KEY, None), params.pop(HEADS_KEY, None)
                             fault, stop = params.pop(FAULT_KEY, None), params.pop(STOP_KEY, None)
                             steered = params.pop(STEERED_KEY, None)
@@ -205,8 +246,9 @@ def make_async_llm_class():
             settled: set[int] = set()  # cumulative outputs repeat finished choices
             try:
                 # closed when this generator ends or raises: vLLM aborts the engine request at once
-                async with contextlib.aclosing(AsyncLLM.generate(self, prompt, sampling_params, request_id, *args,
-                                                                 **kwargs)) as outputs:
+                async with contextlib.aclosing(
+                    AsyncLLM.generate(self, prompt, sampling_params, request_id, *args, **kwargs)
+                ) as outputs:
                     async for out in outputs:
                         hs.raise_fault(request_id)
                         if out.prompt_token_ids is not None:
@@ -217,7 +259,11 @@ def make_async_llm_class():
                                 tokens.setdefault(o.index, []).extend(o.token_ids)
                             else:
                                 tokens[o.index] = list(o.token_ids)
-                            if o.finish_reason is not None and o.finish_reason not in _FAILED and o.index not in settled:
+                            if (
+                                o.finish_reason is not None
+                                and o.finish_reason not in _FAILED
+                                and o.index not in settled
+                            ):
                                 finished.append(o.index)
                                 settled.add(o.index)
                         if finished:
@@ -234,14 +280,20 @@ class Extraction:
     """One engine's frontend half: the requests in flight (`live`), the extraction step, counters.
     Built in `start()`; the AsyncLLM reaches it as `llm.extraction`."""
 
-    def __init__(self, llm: Any, check_spec: Callable[..., tuple[int, ...]],
-                 check_layers: Callable[..., tuple[int, ...]], *,
-                 heads_of: Callable[..., tuple[tuple[str, int], ...]] = lambda spec: (),
-                 steering_of: Callable[..., tuple[list, list]] = lambda spec: ([], []),
-                 stop_of: Callable[..., tuple[list, list]] = lambda spec: ([], []),
-                 timeout_s: float = 60.0,
-                 tail_enabled: bool = False, priority: int = 0,
-                 max_hidden_states_bytes: int = DEFAULT_MAX_HIDDEN_STATES_BYTES):
+    def __init__(
+        self,
+        llm: Any,
+        check_spec: Callable[..., tuple[int, ...]],
+        check_layers: Callable[..., tuple[int, ...]],
+        *,
+        heads_of: Callable[..., tuple[tuple[str, int], ...]] = lambda spec: (),
+        steering_of: Callable[..., tuple[list, list]] = lambda spec: ([], []),
+        stop_of: Callable[..., tuple[list, list]] = lambda spec: ([], []),
+        timeout_s: float = 60.0,
+        tail_enabled: bool = False,
+        priority: int = 0,
+        max_hidden_states_bytes: int = DEFAULT_MAX_HIDDEN_STATES_BYTES,
+    ):
         self.llm = llm
         self.check_spec, self.check_layers = check_spec, check_layers  # the engine's checks against its model
         self.heads_of = heads_of  # a spec's heads against the engine's registered ones (params.resolve_heads)
@@ -271,19 +323,28 @@ class Extraction:
         self.faulted: dict[str, HookFaultError] = {}  # by request id, until its generator raises it
 
     def counts(self) -> dict[str, Any]:
-        return {"extractions": self.extractions, "extraction_tokens": self.extraction_tokens,
-                "extraction_cached_tokens": self.extraction_cached_tokens, "media_resent": self.media_resent,
-                "missing_vectors": self.missing_vectors,
-                "timeouts": self.timeouts, "tail_enabled": self.tail_enabled, "tails": self.tails,
-                "pending": self.pending(),  # engine requests whose rows may still come
-                "malformed_vectors": self.malformed_vectors, "late_rows": self.late_rows,
-                "hook_faults": self.hook_faults, "monitor_stops": self.monitor_stops}
+        return {
+            "extractions": self.extractions,
+            "extraction_tokens": self.extraction_tokens,
+            "extraction_cached_tokens": self.extraction_cached_tokens,
+            "media_resent": self.media_resent,
+            "missing_vectors": self.missing_vectors,
+            "timeouts": self.timeouts,
+            "tail_enabled": self.tail_enabled,
+            "tails": self.tails,
+            "pending": self.pending(),  # engine requests whose rows may still come
+            "malformed_vectors": self.malformed_vectors,
+            "late_rows": self.late_rows,
+            "hook_faults": self.hook_faults,
+            "monitor_stops": self.monitor_stops,
+        }
 
     def fault(self, request_id: str, hook: str, error: BaseException) -> None:
         """A hook of ours raised inside vLLM's output loop for `request_id`: logged with its traceback,
         counted, and kept for the request's generator, which fails with it (raise_fault)."""
-        logger.error("request %s: the hidden-states hook %s failed; failing the request", request_id, hook,
-                     exc_info=error)
+        logger.error(
+            "request %s: the hidden-states hook %s failed; failing the request", request_id, hook, exc_info=error
+        )
         self.hook_faults += 1
         self.faulted[request_id] = HookFaultError(request_id, hook, error)
 
@@ -295,8 +356,12 @@ class Extraction:
         except HiddenStatesProtocolError:
             self.malformed_vectors += 1
             f = HookFault("engine", f"malformed fault report {raw!r:.200}")
-        logger.error("request %s: the hidden-states hook %s failed in the engine core (%s); failing the request",
-                     request_id, f.hook, f.error)
+        logger.error(
+            "request %s: the hidden-states hook %s failed in the engine core (%s); failing the request",
+            request_id,
+            f.hook,
+            f.error,
+        )
         self.hook_faults += 1
         self.faulted[request_id] = HookFaultError(request_id, f.hook, f.error)
 
@@ -347,9 +412,18 @@ class Extraction:
             head_values[name] = v[0]
             if i is not None:
                 head_indices[name] = i[0]
-        col.add_rows((col.engine_requests[some.key], index), RowBatch(
-            np.asarray(some.positions, dtype=np.int64), values, cr.dtype if cr is not None else col.dtype, indices,
-            tail_positions=some.tail_positions, heads=head_values, head_indices=head_indices))
+        col.add_rows(
+            (col.engine_requests[some.key], index),
+            RowBatch(
+                np.asarray(some.positions, dtype=np.int64),
+                values,
+                cr.dtype if cr is not None else col.dtype,
+                indices,
+                tail_positions=some.tail_positions,
+                heads=head_values,
+                head_indices=head_indices,
+            ),
+        )
 
     def stopped(self, raw: Any, index: int | None) -> None:
         """A choice a stop condition finished ([capture key, position, condition, score] off its finishing
@@ -360,8 +434,12 @@ class Extraction:
             if col is None or index is None or key not in col.engine_requests:
                 self.late_rows += 1
                 return
-            col.stops[(col.engine_requests[key], index)] = {**col.stop_echo[condition], "condition": int(condition),
-                                                            "position": int(position), "score": float(score)}
+            col.stops[(col.engine_requests[key], index)] = {
+                **col.stop_echo[condition],
+                "condition": int(condition),
+                "position": int(position),
+                "score": float(score),
+            }
             self.monitor_stops += 1
         except (TypeError, ValueError, IndexError):
             self.malformed_vectors += 1
@@ -407,9 +485,17 @@ class Extraction:
             raise HiddenStatesRequestError("hidden states need the prompt as token ids or embeddings", "prompt")
         span = Span.of(collector.position, P)
         try:
-            check_rows_budget(span, P, params.max_tokens or 0, params.n or 1,
-                              len(collector.layers) if collector.rows_wanted else 0, self.hidden_size,
-                              collector.dtype, collector.topk, self.max_hidden_states_bytes)
+            check_rows_budget(
+                span,
+                P,
+                params.max_tokens or 0,
+                params.n or 1,
+                len(collector.layers) if collector.rows_wanted else 0,
+                self.hidden_size,
+                collector.dtype,
+                collector.topk,
+                self.max_hidden_states_bytes,
+            )
         except HiddenStatesRequestError as e:
             collector.refusal = e  # the OpenAI layer answers it as a 400, streaming or not
             raise
@@ -417,27 +503,50 @@ class Extraction:
             # Prompt positions are wanted: a prefix-cache hit would skip computing them.
             prompt = {**prompt, "cache_salt": f"hs-{uuid.uuid4().hex}"}
         params = params.clone()
-        params.extra_args = {**(params.extra_args or {}), **HiddenStatesExtractionRequest(
-            key=key, span=span.to_list(), layers=list(collector.layers) if collector.rows_wanted else [],
-            dtype=collector.dtype, heads=[list(h) for h in collector.heads], monitors=list(collector.monitors),
-            # an end counted from the end stops before it; stop conditions alone capture nothing
-            reaches_final=collector.captures and (span.end is None or span.end > P),
-            topk=collector.topk or 0,
-            every_step=collector.multi and params.output_kind != RequestOutputKind.FINAL_ONLY).to_extra_args()}
+        params.extra_args = {
+            **(params.extra_args or {}),
+            **HiddenStatesExtractionRequest(
+                key=key,
+                span=span.to_list(),
+                layers=list(collector.layers) if collector.rows_wanted else [],
+                dtype=collector.dtype,
+                heads=[list(h) for h in collector.heads],
+                monitors=list(collector.monitors),
+                # an end counted from the end stops before it; stop conditions alone capture nothing
+                reaches_final=collector.captures and (span.end is None or span.end > P),
+                topk=collector.topk or 0,
+                every_step=collector.multi and params.output_kind != RequestOutputKind.FINAL_ONLY,
+            ).to_extra_args(),
+        }
         return prompt, params
 
     def check_beam_rows(self, collector: HiddenStatesCollector, prompt_len: int, max_tokens: int, beams: int) -> None:
         """The memory bound for a beam search's returned beams (their rows all come from extraction)."""
         try:
-            check_rows_budget(Span.of(collector.position, prompt_len), prompt_len, max_tokens, beams,
-                              len(collector.layers), self.hidden_size, collector.dtype, collector.topk,
-                              self.max_hidden_states_bytes)
+            check_rows_budget(
+                Span.of(collector.position, prompt_len),
+                prompt_len,
+                max_tokens,
+                beams,
+                len(collector.layers),
+                self.hidden_size,
+                collector.dtype,
+                collector.topk,
+                self.max_hidden_states_bytes,
+            )
         except HiddenStatesRequestError as e:
             collector.refusal = e
             raise
 
-    async def settle(self, collector: HiddenStatesCollector, ordinal: int, prompt_ids: list[int],
-                     tokens: dict[int, list[int]], finished: list[int], origin: Origin = Origin()) -> None:
+    async def settle(
+        self,
+        collector: HiddenStatesCollector,
+        ordinal: int,
+        prompt_ids: list[int],
+        tokens: dict[int, list[int]],
+        finished: list[int],
+        origin: Origin = Origin(),
+    ) -> None:
         """Each finished choice's positions resolved on its length: the rows its outputs brought, plus one
         extraction step (shared by identical sequences) for the rest; the work counted."""
         P, jobs = len(prompt_ids), []
@@ -456,8 +565,10 @@ class Extraction:
             if not collector.conditional:
                 return (), origin
             applied = collector.applied.get(key, {})
-            return (tuple((k, tuple(v)) for k, v in sorted(applied.items())),
-                    dataclasses.replace(origin, steering=steering.replay(origin.steering, applied)))
+            return (
+                tuple((k, tuple(v)) for k, v in sorted(applied.items())),
+                dataclasses.replace(origin, steering=steering.replay(origin.steering, applied)),
+            )
 
         todo, step_of = {}, {}  # one extraction step per distinct (sequence, positions, replay); each job's
         for key, seq, _, missing in jobs:
@@ -466,9 +577,12 @@ class Extraction:
                 step_of[key] = (tuple(seq), tuple(missing), replay)
                 todo.setdefault(step_of[key], its_origin)
         layers = collector.layers if collector.rows_wanted else ()
-        results = await asyncio.gather(*(self.extract_rows(seq, missing, layers, collector.dtype, collector.topk,
-                                                           its_origin, collector.heads)
-                                         for (seq, missing, _), its_origin in todo.items()))
+        results = await asyncio.gather(
+            *(
+                self.extract_rows(seq, missing, layers, collector.dtype, collector.topk, its_origin, collector.heads)
+                for (seq, missing, _), its_origin in todo.items()
+            )
+        )
         extracted = dict(zip(todo, results))
         for key, seq, wanted, missing in jobs:
             stats = None
@@ -499,13 +613,20 @@ class Extraction:
         self.timeouts += 1
         return HiddenStatesTimeout(
             f"hidden states for a sequence of {num_tokens} tokens did not arrive within "
-            f"{self.extraction_timeout_s:g}s (extraction_timeout_s): the engine is overloaded")
+            f"{self.extraction_timeout_s:g}s (extraction_timeout_s): the engine is overloaded"
+        )
 
     @contextlib.contextmanager
     def collecting(self, spec: HiddenStatesFields):
         """A collector for one request's rows (see HiddenStatesEngine.collecting)."""
-        collector = HiddenStatesCollector.of(uuid.uuid4().hex, spec, self.check_spec(spec), self.heads_of(spec),
-                                             self.steering_of(spec), self.stop_of(spec))
+        collector = HiddenStatesCollector.of(
+            uuid.uuid4().hex,
+            spec,
+            self.check_spec(spec),
+            self.heads_of(spec),
+            self.steering_of(spec),
+            self.stop_of(spec),
+        )
         self.live[collector.tag] = collector
         try:
             yield collector
@@ -524,16 +645,24 @@ class Extraction:
         self.missing_vectors += 1
         return MissingHiddenStatesError(
             f"{what} finished without its hidden states although the request asked for them; the request "
-            "fails rather than return a partial answer (a server bug: please report it)")
+            "fails rather than return a partial answer (a server bug: please report it)"
+        )
 
-    async def extract_beams(self, outputs: AsyncIterator[Any], collector: HiddenStatesCollector,
-                            ordinal: int, origin: Origin = Origin()) -> AsyncIterator[Any]:
+    async def extract_beams(
+        self, outputs: AsyncIterator[Any], collector: HiddenStatesCollector, ordinal: int, origin: Origin = Origin()
+    ) -> AsyncIterator[Any]:
         """vLLM's beam search output with one extraction per returned beam."""
         async for out in outputs:
             done = [o for o in out.outputs if o.finish_reason is not None]
             if done:
-                await self.settle(collector, ordinal, list(out.prompt_token_ids),  # beams bring no rows: all extracted
-                                  {o.index: list(o.token_ids) for o in done}, [o.index for o in done], origin)
+                await self.settle(
+                    collector,
+                    ordinal,
+                    list(out.prompt_token_ids),  # beams bring no rows: all extracted
+                    {o.index: list(o.token_ids) for o in done},
+                    [o.index for o in done],
+                    origin,
+                )
             yield out
 
     def beam_search_room(self, prompt_len: int, max_tokens: int) -> int:
@@ -542,9 +671,16 @@ class Extraction:
 
     # -- the extraction step --------------------------------------------------
 
-    async def extract_rows(self, token_ids: Sequence[int], positions: Sequence[int], layers: Sequence[int],
-                           dtype: str = "float32", topk: int | None = None, origin: Origin = Origin(),
-                           heads: Sequence[tuple[str, int]] = ()) -> tuple[RowBatch, ExtractionStats]:
+    async def extract_rows(
+        self,
+        token_ids: Sequence[int],
+        positions: Sequence[int],
+        layers: Sequence[int],
+        dtype: str = "float32",
+        topk: int | None = None,
+        origin: Origin = Origin(),
+        heads: Sequence[tuple[str, int]] = (),
+    ) -> tuple[RowBatch, ExtractionStats]:
         """The rows of `positions` of `token_ids` by a prefill, cast and selected as a generating
         request's (and `heads`' outputs over them; `layers` empty: heads alone); own cache salt where
         a prefix-cache hit would skip some."""
@@ -555,11 +691,22 @@ class Extraction:
 
         def params(key: str):
             return SamplingParams(
-                max_tokens=1, temperature=0.0, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY,
-                extra_args={**HiddenStatesExtractionRequest(key=key, span=[lo, total, 1], layers=list(layers),
-                                                            dtype=dtype, topk=topk or 0,
-                                                            heads=[list(h) for h in heads]).to_extra_args(),
-                            **({STEER_KEY: origin.steering} if origin.steering is not None else {})})
+                max_tokens=1,
+                temperature=0.0,
+                detokenize=False,
+                output_kind=RequestOutputKind.FINAL_ONLY,
+                extra_args={
+                    **HiddenStatesExtractionRequest(
+                        key=key,
+                        span=[lo, total, 1],
+                        layers=list(layers),
+                        dtype=dtype,
+                        topk=topk or 0,
+                        heads=[list(h) for h in heads],
+                    ).to_extra_args(),
+                    **({STEER_KEY: origin.steering} if origin.steering is not None else {}),
+                },
+            )
 
         key = uuid.uuid4().hex
         cache = self.llm.vllm_config.cache_config
@@ -569,8 +716,9 @@ class Extraction:
         want = np.asarray(sorted(positions), dtype=np.int64)
         t0 = time.perf_counter()
         while True:
-            step = HiddenStatesCollector(f"step-{key}", tuple(layers), dtype=dtype, topk=topk, heads=tuple(heads),
-                                         rows_wanted=bool(layers))  # the step's own state
+            step = HiddenStatesCollector(
+                f"step-{key}", tuple(layers), dtype=dtype, topk=topk, heads=tuple(heads), rows_wanted=bool(layers)
+            )  # the step's own state
             merged, cached = await self._prefill(token_ids, origin, params(key), key, salt, step)
             if merged is not None and np.isin(want, merged.positions).all():
                 break
@@ -579,8 +727,11 @@ class Extraction:
             resent = await origin.resend() if origin.by_hash() else None
             if resent is None:
                 raise self.missing(f"the extraction step of {len(want)} position(s) of a sequence of {total} tokens")
-            logger.warning("extraction step %s: a media item was no longer in the engine core's processor cache; "
-                           "sending the items again", key)
+            logger.warning(
+                "extraction step %s: a media item was no longer in the engine core's processor cache; "
+                "sending the items again",
+                key,
+            )
             self.media_resent += 1
             origin, key = resent, uuid.uuid4().hex
         self.extractions += 1
@@ -596,9 +747,19 @@ class Extraction:
         cached = 0
         self.engine_request(step, key, 0)
         try:
-            async with asyncio.timeout(self.extraction_timeout_s), contextlib.aclosing(AsyncLLM.generate(
-                    self.llm, origin.prompt(token_ids, salt), params, f"hs-{key}", lora_request=origin.lora_request,
-                    priority=origin.priority + self.extraction_priority)) as outputs:
+            async with (
+                asyncio.timeout(self.extraction_timeout_s),
+                contextlib.aclosing(
+                    AsyncLLM.generate(
+                        self.llm,
+                        origin.prompt(token_ids, salt),
+                        params,
+                        f"hs-{key}",
+                        lora_request=origin.lora_request,
+                        priority=origin.priority + self.extraction_priority,
+                    )
+                ) as outputs,
+            ):
                 async for out in outputs:
                     self.raise_fault(f"hs-{key}")
                     cached = out.num_cached_tokens or 0
@@ -609,13 +770,16 @@ class Extraction:
             self.faulted.pop(f"hs-{key}", None)
         return RowBatch.merge([b for batches in step.rows.values() for b in batches]), cached
 
-    async def extract_one(self, token_ids: Sequence[int], origin: Origin = Origin()) -> tuple[np.ndarray, ExtractionStats]:
+    async def extract_one(
+        self, token_ids: Sequence[int], origin: Origin = Origin()
+    ) -> tuple[np.ndarray, ExtractionStats]:
         """The last-layer hidden state of the final token of `token_ids` (float32 [D])."""
         vecs, stats = await self.extract_layers(token_ids, (-1,), origin)
         return vecs[-1], stats
 
-    async def extract_layers(self, token_ids: Sequence[int], layers: Sequence[int],
-                             origin: Origin = Origin()) -> tuple[dict[int, np.ndarray], ExtractionStats]:
+    async def extract_layers(
+        self, token_ids: Sequence[int], layers: Sequence[int], origin: Origin = Origin()
+    ) -> tuple[dict[int, np.ndarray], ExtractionStats]:
         """The final token's hidden state (float32 [D]) at each of `layers`, with `origin`'s adapter, salt
         and priority."""
         layers = self.check_layers(layers)

@@ -21,31 +21,48 @@ import json
 import logging
 import uuid
 from collections.abc import AsyncIterator, Sequence
-from typing import Any
 from http import HTTPStatus
+from typing import Any
 
 from pydantic import ValidationError
 
-from hidden_states.interface import (CompletionChoice, HiddenStatesCollector, HiddenStatesTimeout, HookFaultError,
-                                    MissingHiddenStatesError)
 from hidden_states import errors, proofs, steering, verify
 from hidden_states.heads import head_fields
-from hidden_states.openai_format import (ChoiceVectors, Route, error_body, row_fields,
-                                         validation_message)
-from hidden_states.vllm.frontend.extraction import Origin
-from hidden_states.params import (HiddenStatesDisabledError, HiddenStatesFields,
-                                  HiddenStatesRequestError, Span, UnknownModelError, check_proof_width, check_room,
-                                  check_rows_budget, given_span, parse_fields, request_error, resolve_heads)
+from hidden_states.interface import (
+    CompletionChoice,
+    HiddenStatesCollector,
+    HiddenStatesTimeout,
+    HookFaultError,
+    MissingHiddenStatesError,
+)
+from hidden_states.openai_format import ChoiceVectors, Route, error_body, row_fields, validation_message
+from hidden_states.params import (
+    HiddenStatesDisabledError,
+    HiddenStatesFields,
+    HiddenStatesRequestError,
+    Span,
+    UnknownModelError,
+    check_proof_width,
+    check_room,
+    check_rows_budget,
+    given_span,
+    parse_fields,
+    request_error,
+    resolve_heads,
+)
 from hidden_states.protocol import COLLECTOR_TAG_KEY, RESERVED_EXTRA_ARGS_PREFIX, STEER_KEY, steering_extra_args
 from hidden_states.shape import several
+from hidden_states.vllm.frontend.extraction import Origin
 
 logger = logging.getLogger(__name__)
 
 # A claim belongs to the tokens generated, not to a text: text re-tokenizes without the end-of-turn token
 # (EOS) a chat completion ends on, where its vector sits, and need not tokenize back to the same ids.
-TEXT_CLAIM = ("`compare` needs the completion as the token ids it was generated as: send `completion` as the "
-              "choice's `token_ids` (ask with `return_token_ids: true`); its text re-tokenizes without the "
-              "end-of-sequence token a completion that stopped ends on, and may split into other tokens")
+TEXT_CLAIM = (
+    "`compare` needs the completion as the token ids it was generated as: send `completion` as the "
+    "choice's `token_ids` (ask with `return_token_ids: true`); its text re-tokenizes without the "
+    "end-of-sequence token a completion that stopped ends on, and may split into other tokens"
+)
 
 
 def _request_models():
@@ -64,8 +81,9 @@ class OpenAIFrontend:
         self.completion_request, self.chat_request = _request_models()
 
     @classmethod
-    async def create(cls, engine, served_model_name: str, replica_id: str,
-                     lora_modules: Sequence[dict] = ()) -> "OpenAIFrontend":
+    async def create(
+        cls, engine, served_model_name: str, replica_id: str, lora_modules: Sequence[dict] = ()
+    ) -> OpenAIFrontend:
         from starlette.datastructures import State
         from vllm.entrypoints.launchers.api_server.app_state import init_app_state
         from vllm.entrypoints.launchers.cli_args import make_arg_parser
@@ -76,8 +94,13 @@ class OpenAIFrontend:
         # on every completion, with hidden states or without (vLLM's server reports it only when asked)
         argv = ["--model", model_path, "--served-model-name", served_model_name, "--enable-prompt-tokens-details"]
         if lora_modules:  # vLLM's server's own flag (JSON form: any path); its serving loads them at start
-            argv += ["--lora-modules", *(json.dumps({"name": m["name"], "path": m["path"],
-                                                     "base_model_name": served_model_name}) for m in lora_modules)]
+            argv += [
+                "--lora-modules",
+                *(
+                    json.dumps({"name": m["name"], "path": m["path"], "base_model_name": served_model_name})
+                    for m in lora_modules
+                ),
+            ]
         args = make_arg_parser(FlexibleArgumentParser()).parse_args(argv)
         state = State()
         await init_app_state(engine.llm, state, args, supported_tasks=await engine.llm.get_supported_tasks())
@@ -88,8 +111,9 @@ class OpenAIFrontend:
                 _wrap_beam_search(serving, engine)
         return cls(engine, state, replica_id)
 
-    async def handle(self, route: Route, body: bytes,
-                     spec: HiddenStatesFields | None = None) -> AsyncIterator[tuple[int, bytes] | bytes]:
+    async def handle(
+        self, route: Route, body: bytes, spec: HiddenStatesFields | None = None
+    ) -> AsyncIterator[tuple[int, bytes] | bytes]:
         """Yields (status, first body bytes) for a whole response, or (200, b"") then SSE chunks.
         `spec`: the body's hidden-states fields as the ingress parsed them; None: parsed here."""
         if route == "hidden_states":
@@ -124,8 +148,9 @@ class OpenAIFrontend:
         # A client's request_id is replaced; a letter first, so vLLM's `{id}-{i}` per prompt is unambiguous.
         request.request_id = "hs" + uuid.uuid4().hex
         if request.vllm_xargs:  # our extra_args keys are ours alone: no forged capture, no joined collector
-            request.vllm_xargs = {k: v for k, v in request.vllm_xargs.items()
-                                  if not k.startswith(RESERVED_EXTRA_ARGS_PREFIX)} or None
+            request.vllm_xargs = {
+                k: v for k, v in request.vllm_xargs.items() if not k.startswith(RESERVED_EXTRA_ARGS_PREFIX)
+            } or None
         if not wants:
             async for part in self._serve(serving, route, request, None):
                 yield part
@@ -147,8 +172,14 @@ class OpenAIFrontend:
             async for part in self._serve(serving, route, request, collector, choices):
                 yield part
 
-    async def _serve(self, serving, route: Route, request, collector: HiddenStatesCollector | None,
-                     choices: "ChoiceVectors | None" = None) -> AsyncIterator[tuple[int, bytes] | bytes]:
+    async def _serve(
+        self,
+        serving,
+        route: Route,
+        request,
+        collector: HiddenStatesCollector | None,
+        choices: ChoiceVectors | None = None,
+    ) -> AsyncIterator[tuple[int, bytes] | bytes]:
         create = serving.create_completion if route == "completions" else serving.create_chat_completion
         try:
             if collector is None:
@@ -206,7 +237,6 @@ class OpenAIFrontend:
                     return
             yield chunk.encode()
 
-
     async def _tokenization(self, route: Route, body: bytes) -> tuple[int, bytes]:
         """POST /tokenize and /detokenize: vLLM's own (prompt or messages -> ids, with `count` and
         `max_model_len`; ids -> text)."""
@@ -245,23 +275,29 @@ class OpenAIFrontend:
             if req.compare is not None and isinstance(req.completion, str):
                 raise HiddenStatesRequestError(TEXT_CLAIM, "completion")
             ids, completion_start, mm = await self._token_ids(req)
-            check_room(len(ids), eng.llm.model_config.max_model_len,
-                       "prompt" if req.prompt is not None else "messages", completing=False)
+            check_room(
+                len(ids),
+                eng.llm.model_config.max_model_len,
+                "prompt" if req.prompt is not None else "messages",
+                completing=False,
+            )
             if req.compare is not None and req.compare.toploc is not None:
                 return await self._check_proofs(req, ids, completion_start, lora, mm)
             span = given_span(position, len(ids), completion_start)
             positions, multi = list(span.positions(len(ids))), several(position)
-            check_rows_budget(span, len(ids), None, 1, len(layers), eng.hidden_size, dtype, topk,
-                              eng.max_hidden_states_bytes)
+            check_rows_budget(
+                span, len(ids), None, 1, len(layers), eng.hidden_size, dtype, topk, eng.max_hidden_states_bytes
+            )
             # A malformed claim is a 400 before any engine work.
             claim = None if req.compare is None else verify.claims(req.compare, len(positions), eng.hidden_size)
             # Only the tokens up to the last position asked for: the rows before it are the same.
-            seq, origin = ids[:positions[-1] + 1], Origin(lora_request=lora, mm=mm)
+            seq, origin = ids[: positions[-1] + 1], Origin(lora_request=lora, mm=mm)
             entries, echo = eng.steering_of(req)
             if entries:  # recomputed under the choice's steering (its prompt: up to `completion`), salted alike
                 entries, digest = steering.anchor(entries, len(ids) if completion_start is None else completion_start)
-                origin = dataclasses.replace(origin, cache_salt=f"|steer-{digest}",
-                                             steering=steering_extra_args(entries)[STEER_KEY])
+                origin = dataclasses.replace(
+                    origin, cache_salt=f"|steer-{digest}", steering=steering_extra_args(entries)[STEER_KEY]
+                )
             heads = resolve_heads(req, eng.heads) if req.heads else ()
             batch, stats = await eng.extraction.extract_rows(seq, positions, layers, dtype, topk, origin, heads)
             out = row_fields(CompletionChoice(0, "", (), None, batch, multi=multi), encoding, by_layer, position, topk)
@@ -269,12 +305,18 @@ class OpenAIFrontend:
                 out["hidden_states_heads"] = head_fields(batch, heads, eng.heads, multi)
                 out["hidden_states_meta"]["head_bytes"] = batch.head_nbytes
             true = batch.floats(-1) if claim is not None else None
-            eng.vector_sent(position if isinstance(position, str) else "range", stats, batch.nbytes,
-                            {name: len(batch) for name, _ in heads}, batch.head_nbytes)
+            eng.vector_sent(
+                position if isinstance(position, str) else "range",
+                stats,
+                batch.nbytes,
+                {name: len(batch) for name, _ in heads},
+                batch.head_nbytes,
+            )
         except (HiddenStatesRequestError, HiddenStatesTimeout, MissingHiddenStatesError, UnknownModelError) as e:
             return errors.error_response(e)
         out["hidden_states_meta"].update(
-            **stats.meta(), adapter=lora.lora_name if lora is not None else None, replica=self.replica_id)
+            **stats.meta(), adapter=lora.lora_name if lora is not None else None, replica=self.replica_id
+        )
         if echo:
             out["hidden_states_meta"]["steering"] = echo
         if mm is not None:
@@ -283,38 +325,49 @@ class OpenAIFrontend:
         comparison = None if claim is None else verify.compared(claim, true, positions, req.compare.tolerance, multi)
         return 200, verify.response(model, ids, out, comparison)
 
-    async def _check_proofs(self, req: "verify.HiddenStatesRequest", ids: list[int], prompt_len: int,
-                            lora: Any, mm: Any = None) -> tuple[int, bytes]:
+    async def _check_proofs(
+        self, req: verify.HiddenStatesRequest, ids: list[int], prompt_len: int, lora: Any, mm: Any = None
+    ) -> tuple[int, bytes]:
         """compare.toploc: one bfloat16 prefill of every fed position, each proof against its chunk's rows;
         a 400 for proofs that do not fit the tokens."""
         eng, claim = self.engine, req.compare.toploc
         if len(ids) - prompt_len < 1:
-            raise HiddenStatesRequestError("`completion` is empty: a proof covers a prompt and its completion",
-                                           "completion")
+            raise HiddenStatesRequestError(
+                "`completion` is empty: a proof covers a prompt and its completion", "completion"
+            )
         check_proof_width(claim, eng.hidden_size)
         bounds = proofs.SCHEMES[claim.scheme].chunk_bounds(prompt_len, len(ids), claim.decode_batching_size)
         if len(claim.proofs) != len(bounds):
             raise HiddenStatesRequestError(
                 f"compare.toploc.proofs has {len(claim.proofs)} proofs; a prompt of {prompt_len} tokens and a "
                 f"completion of {len(ids) - prompt_len} have {len(bounds)} (the prefill's, then one per "
-                f"{claim.decode_batching_size} fed decode positions)", "compare.toploc.proofs")
+                f"{claim.decode_batching_size} fed decode positions)",
+                "compare.toploc.proofs",
+            )
         fed = list(range(len(ids) - 1))  # the final token is never fed
-        check_rows_budget(Span(0, len(ids) - 1), len(ids), None, 1, 1, eng.hidden_size, "bfloat16", None,
-                          eng.max_hidden_states_bytes)
-        batch, stats = await eng.extraction.extract_rows(ids[:-1], fed, (-1,), "bfloat16", None,
-                                                         Origin(lora_request=lora, mm=mm))
+        check_rows_budget(
+            Span(0, len(ids) - 1), len(ids), None, 1, 1, eng.hidden_size, "bfloat16", None, eng.max_hidden_states_bytes
+        )
+        batch, stats = await eng.extraction.extract_rows(
+            ids[:-1], fed, (-1,), "bfloat16", None, Origin(lora_request=lora, mm=mm)
+        )
         bits = batch.values[-1]
         try:
             comparison = proofs.check_claim(claim, [bits[lo:hi] for lo, hi in bounds])
         except proofs.ProofError as e:
             raise HiddenStatesRequestError(str(e), "compare.toploc.proofs") from None
         eng.vector_sent("proof", stats, 0)
-        meta = {"position": "proof", "prompt_tokens": prompt_len, **stats.meta(),
-                "adapter": lora.lora_name if lora is not None else None, "replica": self.replica_id}
+        meta = {
+            "position": "proof",
+            "prompt_tokens": prompt_len,
+            **stats.meta(),
+            "adapter": lora.lora_name if lora is not None else None,
+            "replica": self.replica_id,
+        }
         model = lora.lora_name if lora is not None else self.state.openai_serving_models.base_model_paths[0].name
         return 200, verify.response(model, ids, {"hidden_states_meta": meta}, comparison)
 
-    async def _token_ids(self, req: "verify.HiddenStatesRequest") -> tuple[list[int], int | None, Any]:
+    async def _token_ids(self, req: verify.HiddenStatesRequest) -> tuple[list[int], int | None, Any]:
         """The given tokens, where the `completion` starts in them (None: no completion), and the
         messages' processed multimodal inputs (Origin.mm; None for text)."""
         tok = self.engine.llm.tokenizer
@@ -323,8 +376,9 @@ class OpenAIFrontend:
         def checked(ids: list[int], field: str) -> list[int]:
             bad = [t for t in ids if not 0 <= t < vocab]
             if bad:
-                raise HiddenStatesRequestError(f"{field} holds token ids outside the vocabulary (0..{vocab - 1}): "
-                                               f"{bad[:5]}", field)
+                raise HiddenStatesRequestError(
+                    f"{field} holds token ids outside the vocabulary (0..{vocab - 1}): {bad[:5]}", field
+                )
             return ids
 
         if req.prompt is not None:
@@ -351,7 +405,8 @@ async def _prepend(first: str | None, rest: AsyncIterator[str]) -> AsyncIterator
 
 
 _BEAM_COLLECTOR: contextvars.ContextVar[HiddenStatesCollector | None] = contextvars.ContextVar(
-    "hidden_states_beam_collector", default=None)
+    "hidden_states_beam_collector", default=None
+)
 
 
 def _wrap_beam_search(serving, engine) -> None:
@@ -368,12 +423,14 @@ def _wrap_beam_search(serving, engine) -> None:
         if collector.steering:  # its per-step engine requests carry no tag: they could not be steered
             collector.refusal = HiddenStatesRequestError(
                 "hidden_states_steering does not apply to beam search: send the request without use_beam_search",
-                "hidden_states_steering")
+                "hidden_states_steering",
+            )
             raise collector.refusal
         if collector.monitors:  # nor judged: a beam's tokens are chosen across beams, outside the engine core
             collector.refusal = HiddenStatesRequestError(
                 "hidden_states_stop does not apply to beam search: send the request without use_beam_search",
-                "hidden_states_stop")
+                "hidden_states_stop",
+            )
             raise collector.refusal
         prompt_len = len(prompt.get("prompt_token_ids") or ())
         extraction = engine.extraction
@@ -389,5 +446,3 @@ def _wrap_beam_search(serving, engine) -> None:
         return extraction.extract_beams(beams, collector, ordinal, origin)
 
     serving.beam_search = beam_search
-
-

@@ -15,8 +15,18 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from hidden_states.protocol import (MONITOR_BLOCK, PLAN_ATTR, STEP_ATTR, HookFault, InjectedFault, PlanEntry, RowBlock,
-                                    StepCapture, fault_injection, injected_fault)
+from hidden_states.protocol import (
+    MONITOR_BLOCK,
+    PLAN_ATTR,
+    STEP_ATTR,
+    HookFault,
+    InjectedFault,
+    PlanEntry,
+    RowBlock,
+    StepCapture,
+    fault_injection,
+    injected_fault,
+)
 from hidden_states.vllm import VERIFIED_LAYER_ARCHS, unverified_reason
 from hidden_states.vllm.worker.layers import entry_site, final_norm_in_logits, layer_capture_support
 from hidden_states.vllm.worker.steering import StepSteering
@@ -68,7 +78,7 @@ def _rows_of(blocks: list, members: list[int]) -> Any:
     src, first, end = blocks[members[0]][2], blocks[members[0]][3], blocks[members[0]][4]
     for b in members[1:]:
         if blocks[b][2] is not src or blocks[b][3] != end:
-            return torch.cat([blocks[m][2][blocks[m][3]:blocks[m][4]] for m in members])
+            return torch.cat([blocks[m][2][blocks[m][3] : blocks[m][4]] for m in members])
         end = blocks[b][4]
     return src[first:end]
 
@@ -220,8 +230,13 @@ class _RunnerHook:
             info["capture_layers"] = sorted(traced.layers)
         elif layers is not None and not mc.enforce_eager:
             # A compiled model does not run hooks added after compilation (or recompiles for them).
-            layers, why = None, ("the engine is compiled (enforce_eager=False) and was started without "
-                                 "capture_layers, the layers its compiled forward captures")
+            layers, why = (
+                None,
+                (
+                    "the engine is compiled (enforce_eager=False) and was started without "
+                    "capture_layers, the layers its compiled forward captures"
+                ),
+            )
         self.final_norm = final_norm_in_logits(self.runner.model, mc.get_hidden_size())
         info["final_norm_in_logits"] = self.final_norm is not None
         self.layer_hooks = 0
@@ -236,8 +251,12 @@ class _RunnerHook:
         else:
             logger.info("intermediate hidden-state layers unavailable on %s: %s", arch, why)
         self._count_encoder_items()
-        return {**info, "layer_capture": layers is not None or self.traced is not None,
-                "layer_hooks": self.layer_hooks, "layer_capture_reason": why}
+        return {
+            **info,
+            "layer_capture": layers is not None or self.traced is not None,
+            "layer_hooks": self.layer_hooks,
+            "layer_capture_reason": why,
+        }
 
     def install_heads(self, specs: list) -> list[str]:
         """The registered heads' weights on this worker's device (heads.HeadSpec as builtins)."""
@@ -275,9 +294,15 @@ class _RunnerHook:
             self.steps += 1
         if self._injection:
             requests = getattr(self.runner, "requests", {})
-            self._inject = {rid: hook for rid in getattr(so, "num_scheduled_tokens", None) or ()
-                            if (hook := injected_fault(getattr(getattr(requests.get(rid), "sampling_params", None),
-                                                               "extra_args", None)))}
+            self._inject = {
+                rid: hook
+                for rid in getattr(so, "num_scheduled_tokens", None) or ()
+                if (
+                    hook := injected_fault(
+                        getattr(getattr(requests.get(rid), "sampling_params", None), "extra_args", None)
+                    )
+                )
+            }
         if self.held:
             for rid in getattr(so, "finished_req_ids", ()) or ():
                 self.held.pop(rid, None)
@@ -289,8 +314,9 @@ class _RunnerHook:
         """A hook of ours raised for `rid`: logged with its traceback, counted, reported with the step."""
         if rid in self._faults:
             return
-        logger.error("request %s: the hidden-states hook %s raised in the worker; failing the request", rid, hook,
-                     exc_info=error)
+        logger.error(
+            "request %s: the hidden-states hook %s raised in the worker; failing the request", rid, hook, exc_info=error
+        )
         self.hook_faults += 1
         self._faults[rid] = HookFault.of(hook, error)
 
@@ -322,11 +348,33 @@ class _RunnerHook:
                 e = PlanEntry(*raw)
                 start = self.adapter.starts((rid,))[rid]
                 if e.offsets:
-                    plan.append(_Entry(rid, list(e.layers), [start + o for o in e.offsets], list(e.positions),
-                                       e.num_tokens, e.dtype, e.topk, list(e.heads)))
+                    plan.append(
+                        _Entry(
+                            rid,
+                            list(e.layers),
+                            [start + o for o in e.offsets],
+                            list(e.positions),
+                            e.num_tokens,
+                            e.dtype,
+                            e.topk,
+                            list(e.heads),
+                        )
+                    )
                 if e.watch:  # the rows its monitors score: their scores travel, not the rows
-                    plan.append(_Entry(rid, [], [start + o for o in e.watch], list(e.watch_positions), e.num_tokens,
-                                       None, 0, [], [list(m) for m in e.monitors], bool(e.keep_held)))
+                    plan.append(
+                        _Entry(
+                            rid,
+                            [],
+                            [start + o for o in e.watch],
+                            list(e.watch_positions),
+                            e.num_tokens,
+                            None,
+                            0,
+                            [],
+                            [list(m) for m in e.monitors],
+                            bool(e.keep_held),
+                        )
+                    )
             except Exception as err:  # this request's entry: it fails alone
                 self.fault(rid, "capture", err)
         L = self.num_layers
@@ -496,13 +544,18 @@ class _RunnerHook:
                 offset += indices.shape[0] * width * 4
             row = 0
             for b in group:
-                layout[b] = (name, width, values_at + row * row_bytes,
-                             -1 if indices is None else indices_at + row * width * 4)
+                layout[b] = (
+                    name,
+                    width,
+                    values_at + row * row_bytes,
+                    -1 if indices is None else indices_at + row * width * 4,
+                )
                 row += blocks[b][4] - blocks[b][3]
         data = torch.cat(parts) if len(parts) > 1 else parts[0]
-        return data, ([(plan[i], layer, "", *layout[b]) for b, (i, layer, *_) in enumerate(blocks)]
-                      + [(plan[i], layer, name, *layout[heads_at + j])
-                         for j, (i, layer, name, _, _) in enumerate(outputs)])
+        return data, (
+            [(plan[i], layer, "", *layout[b]) for b, (i, layer, *_) in enumerate(blocks)]
+            + [(plan[i], layer, name, *layout[heads_at + j]) for j, (i, layer, name, _, _) in enumerate(outputs)]
+        )
 
     def _run_heads(self, plan: list[_Entry], members: list[int], blocks: list) -> list[tuple[int, int, str, Any, Any]]:
         """Each head once over every member entry's rows at its layer (one matrix product per head and
@@ -527,13 +580,21 @@ class _RunnerHook:
             at = 0
             for i in entries:
                 n = len(plan[i].flat)
-                out.append((i, head.spec.layer, name, values[at:at + n].contiguous(),
-                            None if indices is None else indices[at:at + n].contiguous()))
+                out.append(
+                    (
+                        i,
+                        head.spec.layer,
+                        name,
+                        values[at : at + n].contiguous(),
+                        None if indices is None else indices[at : at + n].contiguous(),
+                    )
+                )
                 at += n
         return out
 
-    def _run_monitors(self, plan: list[_Entry], watching: list[int], blocks: list,
-                      where: dict) -> list[tuple[int, int, str, Any, Any]]:
+    def _run_monitors(
+        self, plan: list[_Entry], watching: list[int], blocks: list, where: dict
+    ) -> list[tuple[int, int, str, Any, Any]]:
         """Each watch entry's monitor scores, float32 [rows, its monitors] (protocol.MONITOR_BLOCK). Per
         head one product over every watching entry's rows at its layer: a linear head's own; an SAE's
         over the watched features' encoder columns alone (`DeviceHead.some_features`), a top-k SAE's full
@@ -557,8 +618,11 @@ class _RunnerHook:
             for i in entries:
                 at[(name, i)] = row
                 row += len(plan[i].flat)
-            spans = [(monitors, slice(at[(name, g[0])], at[(name, g[0])] + size[monitors]))
-                     for monitors, g in groups.items() if (name, g[0]) in at]  # each group's rows here
+            spans = [
+                (monitors, slice(at[(name, g[0])], at[(name, g[0])] + size[monitors]))
+                for monitors, g in groups.items()
+                if (name, g[0]) in at
+            ]  # each group's rows here
             if head.spec.kind == "sae":
                 features = sorted({int(m[1]) for i in entries for m in plan[i].monitors if m[0] == name})
                 column = {f: j for j, f in enumerate(features)}
@@ -578,13 +642,14 @@ class _RunnerHook:
             for name, index, *_ in monitors:
                 values, column = products[name]
                 first = at[(name, entries[0])]
-                parts.append(values[first:first + size[monitors],
-                                    int(index) if column is None else column[int(index)]])
+                parts.append(
+                    values[first : first + size[monitors], int(index) if column is None else column[int(index)]]
+                )
             block = torch.stack(parts, dim=-1).float()
             held = _verdicts(block, monitors, self._bounds) if any(plan[i].keep_held for i in entries) else None
             row = 0
             for i in entries:
-                out.append((i, 0, MONITOR_BLOCK, block[row:row + len(plan[i].flat)], None))
+                out.append((i, 0, MONITOR_BLOCK, block[row : row + len(plan[i].flat)], None))
                 row += len(plan[i].flat)
                 if held is not None and plan[i].keep_held:
                     self.held[plan[i].rid] = (plan[i].positions[-1], held[row - 1])
@@ -653,7 +718,8 @@ class _RunnerHook:
         requests: dict[str, list[RowBlock]] = {}
         for e, layer, head, dtype, width, values_at, indices_at in layout:
             requests.setdefault(e.rid, []).append(
-                RowBlock(e.num_tokens, layer, e.positions, dtype, width, values_at, indices_at, head))
+                RowBlock(e.num_tokens, layer, e.positions, dtype, width, values_at, indices_at, head)
+            )
         self.captured += len(requests)
         self.steps_with_capture += 1
         return StepCapture(host, requests, faults)

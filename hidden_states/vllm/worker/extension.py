@@ -10,10 +10,15 @@ import os
 from typing import Any
 
 from hidden_states.vllm import _require, check_vllm_version
+from hidden_states.vllm.cpu import (
+    CPU_ASYNC_ENV,
+    MM_PREFIX_ROWS,
+    CPUWorkerSteps,
+    install_cpu_async_shim,
+    patch_cpu_generator_rewind,
+)
 from hidden_states.vllm.worker.capture import _RunnerHook
 from hidden_states.vllm.worker.traced import compile_counts, patch_load_model
-from hidden_states.vllm.cpu import (CPU_ASYNC_ENV, MM_PREFIX_ROWS, CPUWorkerSteps, install_cpu_async_shim,
-                                    patch_cpu_generator_rewind)
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +48,10 @@ class HiddenStatesWorkerExtension(CPUWorkerSteps):
         _require(runner is not None, "Worker.model_runner")
         _require(hasattr(runner, "execute_model_state"), "GPUModelRunner.execute_model_state (Model Runner V1)")
         _require(hasattr(runner, "sample_tokens"), "GPUModelRunner.sample_tokens")
-        _require(hasattr(runner, "input_batch") and hasattr(runner.input_batch, "req_id_to_index"), "InputBatch.req_id_to_index")
+        _require(
+            hasattr(runner, "input_batch") and hasattr(runner.input_batch, "req_id_to_index"),
+            "InputBatch.req_id_to_index",
+        )
         _require(hasattr(runner, "requests"), "GPUModelRunner.requests")
         _require(hasattr(runner, "_model_forward"), "GPUModelRunner._model_forward")
         check_engine_config(runner.vllm_config)
@@ -88,8 +96,12 @@ class HiddenStatesWorkerExtension(CPUWorkerSteps):
         hook.layer_info = hook.install_layer_hooks()
         if getattr(runner, "device", None) is not None and runner.device.type == "cpu":
             patch_cpu_generator_rewind(runner)
-        logger.info("hidden-states hook installed on %s (attaching=%s, layer capture: %s)", type(runner).__name__,
-                    attaches, hook.layer_info["layer_capture_reason"] or f"{hook.layer_hooks} decoder layers")
+        logger.info(
+            "hidden-states hook installed on %s (attaching=%s, layer capture: %s)",
+            type(runner).__name__,
+            attaches,
+            hook.layer_info["layer_capture_reason"] or f"{hook.layer_hooks} decoder layers",
+        )
         return {**hook.layer_info, "installed": True, "heads": hook.install_heads(heads or [])}
 
     def hidden_states_stats(self) -> dict:

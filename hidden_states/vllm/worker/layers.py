@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+
 def _residual_norm_of(layer_cls: type) -> tuple[str | None, str | None]:
     """(name of the norm that adds the residual at the layer's entry, None) if the
     class's forward follows the residual-stream convention, else (None, why not)."""
@@ -40,26 +41,43 @@ def _residual_norm_of(layer_cls: type) -> tuple[str | None, str | None]:
             continue  # docstring
         # if residual is None: residual = hidden_states; ...
         # else: hidden_states, residual = self.<norm>(hidden_states, residual)
-        if (isinstance(stmt, ast.If) and isinstance(stmt.test, ast.Compare) and is_name(stmt.test.left, "residual")
-                and isinstance(stmt.test.ops[0], ast.Is) and isinstance(stmt.test.comparators[0], ast.Constant)
-                and stmt.test.comparators[0].value is None):
+        if (
+            isinstance(stmt, ast.If)
+            and isinstance(stmt.test, ast.Compare)
+            and is_name(stmt.test.left, "residual")
+            and isinstance(stmt.test.ops[0], ast.Is)
+            and isinstance(stmt.test.comparators[0], ast.Constant)
+            and stmt.test.comparators[0].value is None
+        ):
             first = stmt.body[0]
-            starts = (isinstance(first, ast.Assign) and len(first.targets) == 1
-                      and is_name(first.targets[0], "residual") and is_name(first.value, "hidden_states"))
+            starts = (
+                isinstance(first, ast.Assign)
+                and len(first.targets) == 1
+                and is_name(first.targets[0], "residual")
+                and is_name(first.value, "hidden_states")
+            )
             fused = stmt.orelse[0] if len(stmt.orelse) == 1 else None
-            if (starts and isinstance(fused, ast.Assign) and len(fused.targets) == 1
-                    and isinstance(fused.targets[0], ast.Tuple)
-                    and [getattr(e, "id", None) for e in fused.targets[0].elts] == ["hidden_states", "residual"]
-                    and isinstance(fused.value, ast.Call) and isinstance(fused.value.func, ast.Attribute)
-                    and is_name(fused.value.func.value, "self") and not fused.value.keywords
-                    and [getattr(a, "id", None) for a in fused.value.args] == ["hidden_states", "residual"]):
+            if (
+                starts
+                and isinstance(fused, ast.Assign)
+                and len(fused.targets) == 1
+                and isinstance(fused.targets[0], ast.Tuple)
+                and [getattr(e, "id", None) for e in fused.targets[0].elts] == ["hidden_states", "residual"]
+                and isinstance(fused.value, ast.Call)
+                and isinstance(fused.value.func, ast.Attribute)
+                and is_name(fused.value.func.value, "self")
+                and not fused.value.keywords
+                and [getattr(a, "id", None) for a in fused.value.args] == ["hidden_states", "residual"]
+            ):
                 return fused.value.func.attr, None
             break
         if uses_residual(stmt):
             break
-    return None, (f"{name}.forward does not begin by adding its residual argument to hidden_states "
-                  "in a fused norm (`if residual is None: ... else: hidden_states, residual = "
-                  "self.<norm>(hidden_states, residual)`)")
+    return None, (
+        f"{name}.forward does not begin by adding its residual argument to hidden_states "
+        "in a fused norm (`if residual is None: ... else: hidden_states, residual = "
+        "self.<norm>(hidden_states, residual)`)"
+    )
 
 
 def entry_site(decoder: list, layer: int) -> tuple[Any, str]:
@@ -111,8 +129,12 @@ def layer_capture_support(model: Any, num_layers: int, hidden_size: int) -> tupl
                 out = module(h.clone(), r.clone())
         except Exception as e:  # noqa: BLE001 - any failure means "not this convention"
             return None, f"{cls.__name__}.{attr}(hidden, residual) failed: {e}"
-        if not (isinstance(out, tuple) and len(out) == 2 and out[1].shape == h.shape
-                and torch.allclose(out[1].float(), expected, rtol=1e-2, atol=1e-2)):
+        if not (
+            isinstance(out, tuple)
+            and len(out) == 2
+            and out[1].shape == h.shape
+            and torch.allclose(out[1].float(), expected, rtol=1e-2, atol=1e-2)
+        ):
             return None, f"{cls.__name__}.{attr}(hidden, residual) does not return hidden + residual"
     return list(layers), None
 

@@ -6,7 +6,8 @@ Each steered request carries its entries in its own sampling params (`protocol.S
 tensor-parallel rank applies them. Per step and layer, one persistent buffer of the step's token
 rows x D holds each steered row's delta and zeros elsewhere, with a row mask beside it; the stream
 at the layer becomes where(mask, stream + delta, stream) (static shapes, as a CUDA graph
-would need), so an unsteered row keeps its exact bits. `add` puts scale x vector into the buffer; `ablate` puts minus the
+would need), so an unsteered row keeps its exact bits. `add` puts scale x vector into the buffer; `ablate` puts
+minus the
 stream's component along the unit vector (after the entries before it); `cap` minus the part of
 that component above its bound; `clamp` (value - f(stream)) x the SAE feature's decoder row, f the
 feature's encoder (float32) as the entry carries it (`nonlinear`). No request state beyond
@@ -142,8 +143,10 @@ class StepSteering:
         (capture's `held`): a bool on the device, never read on the host here."""
         got = self.guard.held.get(rid)
         if got is None or got[0] != position:
-            raise RuntimeError(f"no verdict of row {position} for a conditional steering entry (this worker's last "
-                               f"is of row {None if got is None else got[0]})")
+            raise RuntimeError(
+                f"no verdict of row {position} for a conditional steering entry (this worker's last "
+                f"is of row {None if got is None else got[0]})"
+            )
         return got[1][monitor]
 
     def apply(self, layer: int, hidden: Any, residual: Any) -> Any:
@@ -159,8 +162,10 @@ class StepSteering:
         buf = self._buffers.get(layer)
         if buf is None or buf[0].shape[0] < n or buf[0].dtype != hidden.dtype or buf[0].device != hidden.device:
             size = max(n, self.runner.max_num_tokens)
-            buf = self._buffers[layer] = (torch.zeros(size, hidden.shape[-1], dtype=hidden.dtype, device=hidden.device),
-                                          torch.zeros(size, 1, dtype=torch.bool, device=hidden.device))
+            buf = self._buffers[layer] = (
+                torch.zeros(size, hidden.shape[-1], dtype=hidden.dtype, device=hidden.device),
+                torch.zeros(size, 1, dtype=torch.bool, device=hidden.device),
+            )
         delta, steered = buf[0][:n], buf[1][:n]
         delta.zero_()
         steered.zero_()
@@ -231,6 +236,9 @@ def nonlinear(e: SteerEntry, device: Any, dtype: Any) -> tuple[Any, Any, Any]:
     b_dec = np.frombuffer(c.b_dec, "<f4").astype(np.float64)
     w_mag, w_gate = np.frombuffer(c.w_mag, "<f4"), np.frombuffer(c.w_gate, "<f4")
     enc = torch.from_numpy(np.stack([w_mag, w_gate]).astype(np.float32)).to(device)
-    par = torch.tensor([c.b_mag - float(b_dec @ w_mag), c.b_gate - float(b_dec @ w_gate), c.threshold, c.value],
-                       dtype=torch.float32, device=device)
+    par = torch.tensor(
+        [c.b_mag - float(b_dec @ w_mag), c.b_gate - float(b_dec @ w_gate), c.threshold, c.value],
+        dtype=torch.float32,
+        device=device,
+    )
     return v.to(dtype), enc, par

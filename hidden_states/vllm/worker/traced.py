@@ -7,7 +7,8 @@ each layer L in the engine's static set (`capture_layers`, carried to the worker
 `VllmConfig.additional_config`, which vLLM hashes into its compile-cache key) gets an entry
 traced with the rest of the forward, where layers.entry_site puts it: at the output of decoder
 layer L-1 (at the input of layer 0 for L = 0), so its rows are transformers' hidden_states[L],
-before anything the model adds between layers (Qwen3-VL's DeepStack). Its buffers are allocated once, for the largest step
+before anything the model adds between layers (Qwen3-VL's DeepStack). Its buffers are allocated once, for the
+largest step
 (`[max tokens, D]`), so their addresses and shapes never change and one graph (and on a GPU, one
 captured CUDA graph) serves every step and request:
 
@@ -63,19 +64,25 @@ class TracedLayers:
         hosts: dict[int, tuple[Any, list]] = {}  # id(module) -> (module, [(at, slot)])
         for index in self.layers:
             slot = Slot(*entry_site(decoder, index))
-            for name, shape, kind in (("rows", (max_tokens, hidden), dtype), ("pre", (max_tokens, hidden), dtype),
-                                      ("unit", (max_tokens, hidden), dtype), ("post", (max_tokens, hidden), dtype),
-                                      ("wmag", (max_tokens, hidden), torch.float32),
-                                      ("wgate", (max_tokens, hidden), torch.float32),
-                                      ("par", (max_tokens, 5), torch.float32), ("mask", (max_tokens, 1), torch.bool)):
+            for name, shape, kind in (
+                ("rows", (max_tokens, hidden), dtype),
+                ("pre", (max_tokens, hidden), dtype),
+                ("unit", (max_tokens, hidden), dtype),
+                ("post", (max_tokens, hidden), dtype),
+                ("wmag", (max_tokens, hidden), torch.float32),
+                ("wgate", (max_tokens, hidden), torch.float32),
+                ("par", (max_tokens, 5), torch.float32),
+                ("mask", (max_tokens, 1), torch.bool),
+            ):
                 buf = torch.zeros(shape, dtype=kind, device=device)
                 slot.module.register_buffer(slot.prefix + name, buf, persistent=False)
                 self.bytes += buf.numel() * buf.element_size()
             self.slots[index] = slot
             hosts.setdefault(id(slot.module), (slot.module, []))[1].append(slot)
         for module, slots in hosts.values():
-            module.forward = _traced_forward(module.forward, [s for s in slots if s.at == "input"],
-                                             [s for s in slots if s.at == "output"])
+            module.forward = _traced_forward(
+                module.forward, [s for s in slots if s.at == "input"], [s for s in slots if s.at == "output"]
+            )
         self._dirty: dict[int, int] = {}  # layer -> rows written by fill (cleared after the forward)
 
     def rows(self, layer: int) -> Any:
@@ -107,8 +114,9 @@ class TracedLayers:
                             buf[torch.from_numpy(part).to(buf.device)] += gated(vec.to(buf.dtype), gate)
                 else:  # ablate, clamp, cap: the row's one slot (a zero unit adds nothing)
                     if ablated[rows].any():
-                        raise ValueError(f"two ablations/clamps/caps of one row at layer {layer} (refused at the "
-                                         "request)")
+                        raise ValueError(
+                            f"two ablations/clamps/caps of one row at layer {layer} (refused at the request)"
+                        )
                     if op == "ablate":
                         unit = vec / vec.norm()
                         mod._hs_unit[idx] = gated(unit.to(mod._hs_unit.dtype), gate)
@@ -132,8 +140,15 @@ class TracedLayers:
         """After the forward that read them: the next forward (a dummy run included) steers nothing."""
         for layer, n in self._dirty.items():
             mod = self.slots[layer].view()
-            for buf in (mod._hs_pre, mod._hs_unit, mod._hs_post, mod._hs_wmag, mod._hs_wgate, mod._hs_par,
-                        mod._hs_mask):
+            for buf in (
+                mod._hs_pre,
+                mod._hs_unit,
+                mod._hs_post,
+                mod._hs_wmag,
+                mod._hs_wgate,
+                mod._hs_par,
+                mod._hs_mask,
+            ):
                 buf[:n].zero_()
         self._dirty = {}
 
