@@ -127,10 +127,14 @@ def assert_same_outputs(a, b):
     )
 
 
+def held(s) -> list[str]:
+    """The requests whose finish the scheduler holds for their tail step."""
+    return [rid for rid, rec in s._records.items() if rec.held is not None]
+
+
 def assert_nothing_left(core):
     s = scheduler(core)
-    assert not s._held and not s._live, (s._held, s._live)
-    assert not s._finished_rows, s._finished_rows
+    assert not s._records, s._records  # every request's one record went with it
     assert not core.has_unfinished_requests()
 
 
@@ -142,7 +146,7 @@ def test_a_held_request_preempted_then_resumed_keeps_its_exact_vector(core, refe
     original, preempted = s.schedule, []
 
     def schedule(*a, **k):
-        for rid in list(s._held):
+        for rid in held(s):
             req = s.requests[rid]
             if rid not in preempted and req in s.running:
                 s.running.remove(req)
@@ -173,7 +177,7 @@ def test_a_request_aborted_while_held_leaves_nothing(core):
     rid = f"r-{uuid.uuid4().hex}"
     core.add_request(rid, {"prompt_token_ids": core.get_tokenizer().encode(PROMPTS[2])}, params(True, max_tokens=6)[0])
     outs, deadline = [], time.monotonic() + 120
-    while not s._held:
+    while not held(s):
         assert time.monotonic() < deadline and core.has_unfinished_requests(), "never held"
         outs += core.step()
     assert not any(o.finished for o in outs)
@@ -194,7 +198,7 @@ def test_under_a_small_kv_cache_vllm_preempts_and_every_vector_is_exact(core, re
     preempt, preemptions = s._preempt_request, []
 
     def counting(request, *a, **k):
-        preemptions.append(request.request_id in s._held)
+        preemptions.append(request.request_id in held(s))
         return preempt(request, *a, **k)
 
     s._preempt_request = counting
@@ -284,7 +288,7 @@ def test_rows_of_every_position_come_once_even_when_preempted_and_an_abort_leave
     )
     for _ in range(4):
         core.step()
-    (window,) = [c.rows for c in s._live.values()]
+    (window,) = [r.capture.rows for r in s._records.values()]
     assert 0 < window.hi - window.lo <= 4  # a window kept for the end, no longer than the range
     core.abort_request([rid])
     for _ in range(3):

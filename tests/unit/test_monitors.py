@@ -13,7 +13,7 @@ import pytest
 from vllm.v1.request import RequestStatus
 
 from hidden_states.protocol import MONITOR_BLOCK, STOP_REASON, HiddenStatesExtractionRequest, Monitor, RowBlock, Span
-from hidden_states.vllm.core.scheduler import _Capture, _Rows, _VectorsOnOutputs
+from hidden_states.vllm.core.scheduler import _Capture, _HiddenStatesScheduling, _Record, _Rows
 
 STOP_TOKEN = 2
 
@@ -45,15 +45,14 @@ class FakeScheduler:
         return new_token_ids, False
 
 
-class Monitored(_VectorsOnOutputs, FakeScheduler):
+class Monitored(_HiddenStatesScheduling, FakeScheduler):
     def __init__(self, monitors):  # the mixin's state only (its __init__ needs a vLLM Scheduler)
-        self._live, self._held, self._triggers, self._stops, self.monitor_stops = {}, {}, {}, {}, 0
-        self._faults, self._inject = {}, {}
+        self._records, self.monitor_stops = {}, 0
         self.flag = HiddenStatesExtractionRequest(key="k", span=[-1, None, 1], layers=[], monitors=monitors)
 
-    def watch(self, rid: str) -> _Capture:
-        cap = self._live[rid] = _Capture(self.flag, False, _Rows(self.flag, Span(-1)))
-        return cap
+    def watch(self, rid: str) -> _Record:
+        rec = self._records[rid] = _Record(capture=_Capture(self.flag, False, _Rows(self.flag, Span(-1))))
+        return rec
 
 
 def block(positions, scores) -> tuple[RowBlock, np.ndarray]:
@@ -79,10 +78,11 @@ BELOW = Monitor("sae", 3, False, -1.0)
 )
 def test_the_first_row_that_holds_triggers(positions, scores, bound, want):
     s = Monitored([ABOVE, BELOW])
-    cap = s.watch("r")
+    rec = s.watch("r")
+    cap = rec.capture
     blk, data = block(positions, scores)
-    s._judge("r", cap, blk, data, bound)
-    got = s._triggers.get("r")
+    s._judge(rec, blk, data, bound)
+    got = rec.trigger
     assert (got if got is None else (got[0], got[1], pytest.approx(got[2]))) == want
     assert cap.judged == (bound if want is not None else min(positions[-1] + 1, bound))
 
@@ -90,11 +90,12 @@ def test_the_first_row_that_holds_triggers(positions, scores, bound, want):
 def test_a_row_judged_once_is_not_judged_again():
     """A recomputed row (a resumed request) below `judged` never triggers, whatever its score."""
     s = Monitored([ABOVE])
-    cap = s.watch("r")
+    rec = s.watch("r")
+    cap = rec.capture
     cap.judged = 11
     blk, data = block([9, 10, 11], [[0.9], [0.9], [0.1]])
-    s._judge("r", cap, blk, data, 12)
-    assert "r" not in s._triggers and cap.judged == 12
+    s._judge(rec, blk, data, 12)
+    assert rec.trigger is None and cap.judged == 12
 
 
 @pytest.mark.parametrize(
@@ -110,14 +111,14 @@ def test_a_row_judged_once_is_not_judged_again():
 )
 def test_the_request_keeps_its_tokens_up_to_the_trigger(tokens, new, trigger, want_tokens, want_reason):
     s = Monitored([ABOVE, BELOW])
-    s.watch("r")
+    rec = s.watch("r")
     req = FakeRequest("r", list(tokens))
-    s._triggers["r"] = trigger
+    rec.trigger = trigger
     kept, stopped = s._update_request_with_output(req, list(new))
     assert stopped and req.tokens == want_tokens and kept == want_tokens[len(tokens) :]
     assert req.status == RequestStatus.FINISHED_STOPPED and req.stop_reason == want_reason
-    assert "r" not in s._triggers
-    assert (s._stops.get("r") == ["k", trigger[0], trigger[1], trigger[2]]) == (want_reason != STOP_TOKEN)
+    assert rec.trigger is None
+    assert (rec.stop == ["k", trigger[0], trigger[1], trigger[2]]) == (want_reason != STOP_TOKEN)
 
 
 SAE_D, SAE_F = 16, 128

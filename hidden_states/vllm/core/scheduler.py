@@ -17,7 +17,7 @@ Not held (the extraction step computes the row): no room for one more position, 
 or a stop the frontend cuts (stop strings).
 
 **Faults stay with their request** (ledger point 19). Each hook of ours here works request by
-request (`_plan`, `_file`, `_send_rows` and the finishing rows of `_free_request`, the tail's hold in
+request (`_plan`, `_store_step`, `_send_rows` and the finishing rows of `_free_request`, the tail's hold in
 `_update_request_with_output`); one that raises for a request, or a worker's report of
 one (`StepCapture.faults`), finishes that request with vLLM's FINISHED_ERROR at the end of the
 update: its output of this step is replaced by an "error" finish carrying the `HookFault`
@@ -304,9 +304,34 @@ class _Taken:
         return out
 
 
-class _VectorsOnOutputs:
+@dataclasses.dataclass
+class _Record:
+    """All the scheduler knows of one request of ours, from `add_request` to its last output. It goes
+    whole: when that output has left (`_drop_sent`), when the request is aborted, or when it fails."""
+
+    capture: _Capture | None = None  # a flagged request's rows, heads, monitors and conditions
+    inject: str | None = None  # tests only: the hook it asks to fail (FAULT_INJECTION_ENV)
+    held: _Held | None = None  # stopped: its finish held one step, for the tail step
+    released: _Held | None = None  # its held finish, emitted in this update (the held tokens' logprobs)
+    trigger: tuple[int, int, float] | None = None  # a monitor held: (position, monitor, score), for its update
+    stop: list | None = None  # the monitor that finished it, for its finishing output (STOP_KEY)
+    steered: list | None = None  # where its `when` entries applied, for its finishing output (STEERED_KEY)
+    last_rows: _Taken | None = None  # its last rows, for its finishing output
+    awaiting: int | None = None  # async: the step in flight that computes its final row (its sequence number)
+    tokens: int = 0  # (its length then)
+    stashed: tuple[int, Any] | None = None  # its finishing output (client, output), waiting for that step
+    fault: HookFault | None = None  # a hook failed it in this update: finished with an error at the end
+    freed: bool = False  # vLLM freed it: the record goes once its finishing output has left
+
+    @property
+    def live(self) -> _Capture | None:
+        """Its capture while vLLM runs it (a freed request's rows are only sent, not planned)."""
+        return None if self.freed else self.capture
+
+
+class _HiddenStatesScheduling:
     """Mixed into a vLLM v1 scheduler: vectors onto finishing outputs, and (if `holds`) the tail step;
-    (if `async_tail`) the tail under async scheduling."""
+    (if `async_tail`) the tail under async scheduling. Per request, one `_Record` in `_records`."""
 
     holds = False
     async_tail = False
@@ -316,37 +341,24 @@ class _VectorsOnOutputs:
         for name in ("add_request", "schedule", "update_from_output", "_update_request_with_output", "_free_request"):
             _require(hasattr(Scheduler, name), f"Scheduler.{name} (the scheduler hook, ledger point 9)")
         super().__init__(*args, **kwargs)
-        self._live: dict[str, _Capture] = {}  # flagged requests not freed yet
-        self._held: dict[str, _Held] = {}
-        self._released: dict[str, _Held] = {}  # held tokens emitted in this update: their logprobs
-        self._finished_rows: dict[str, _Taken] = {}  # requests finished in this update: their last rows
+        self._records: dict[str, _Record] = {}  # requests of ours, by request id
         self._step_output: Any = None  # the ModelRunnerOutput being applied (for a held token's logprobs)
         self.tails_run = 0
+        self.monitor_stops = 0  # requests a monitor finished
         # Async scheduling: the step after a stop is in flight with the final token as its input.
         self._seq = 0  # schedule() calls so far: a step's sequence number
         self._scheduled: dict[int, dict[str, int]] = {}  # recent steps' scheduled tokens per request, by sequence
-        self._awaiting: dict[
-            str, tuple[_Capture, int, int]
-        ] = {}  # freed, awaiting the step in flight: (its, tokens, seq)
-        self._stashed: dict[int, list[tuple[int, Any]]] = {}  # seq -> finishing outputs (client, eco) to release
-        self._faults: dict[str, HookFault] = {}  # requests a hook failed in this update: finished with an error
         self._injection = fault_injection()  # tests only: requests may ask a hook to fail
-        # Monitors (hidden_states_stop): a condition held at a row this step computed -> (position, monitor,
-        # score) until the request's update applies it; then what its finishing output carries (STOP_KEY).
-        self._triggers: dict[str, tuple[int, int, float]] = {}
-        self._stops: dict[str, list] = {}
-        self.monitor_stops = 0  # requests a monitor finished
-        self._steered: dict[str, list] = {}  # finished requests' conditional entries' positions (STEERED_KEY)
-        self._inject: dict[str, str] = {}  # request id -> the hook to fail (protocol.injected_fault)
 
     def _fault(self, rid: str, hook: str, error: BaseException | HookFault) -> None:
         """A hook of ours raised for `rid` (here, or in a worker: its report): the request fails at the
         end of this update, alone."""
-        if rid in self._faults:
+        rec = self._records.setdefault(rid, _Record())
+        if rec.fault is not None:
             return
         if isinstance(error, HookFault):
             logger.error("request %s: the hidden-states hook %s failed in a worker (%s)", rid, error.hook, error.error)
-            self._faults[rid] = error
+            rec.fault = error
         else:
             logger.error(
                 "request %s: the hidden-states hook %s raised in the scheduler; failing the request",
@@ -354,18 +366,22 @@ class _VectorsOnOutputs:
                 hook,
                 exc_info=error,
             )
-            self._faults[rid] = HookFault.of(hook, error)
+            rec.fault = HookFault.of(hook, error)
 
-    def _check(self, hook: str, rid: str) -> None:
+    @staticmethod
+    def _check(hook: str, rec: _Record) -> None:
         """Tests only: raises where the request asked this hook to fail (FAULT_INJECTION_ENV)."""
-        if self._inject and self._inject.get(rid) == hook:
+        if rec.inject == hook:
             raise InjectedFault(f"a fault injected into the {hook} hook")
+
+    def _live(self):
+        """(request id, record, capture) of each flagged request vLLM runs."""
+        return ((rid, rec, rec.capture) for rid, rec in self._records.items() if rec.live is not None)
 
     def add_request(self, request: Any) -> None:
         sp = request.sampling_params
         flag = HiddenStatesExtractionRequest.from_extra_args(sp.extra_args if sp is not None else None)
-        if self._injection and sp is not None and (hook := injected_fault(sp.extra_args)):
-            self._inject[request.request_id] = hook
+        inject = injected_fault(sp.extra_args) if self._injection and sp is not None else None
         if flag is not None:
             L = self.vllm_config.model_config.hf_text_config.num_hidden_layers
             flag.layers = [absolute_layer(l, L) for l in flag.layers]  # once, for every step's plan
@@ -383,9 +399,12 @@ class _VectorsOnOutputs:
                 for k, e in enumerate(steering_of(sp.extra_args) or ())
                 if e.when is not None
             ]
-            self._live[request.request_id] = _Capture(
+            cap = _Capture(
                 flag, tail, acc(flag), heads=heads, prompt_len=request.num_prompt_tokens, conditional=conditional
             )
+            self._records[request.request_id] = _Record(capture=cap, inject=inject)
+        elif inject is not None:
+            self._records[request.request_id] = _Record(inject=inject)
         super().add_request(request)
 
     def _takes_tail(self, sp: Any) -> bool:
@@ -395,34 +414,30 @@ class _VectorsOnOutputs:
         return (self.holds or self.async_tail) and not sp.stop and getattr(sp, "structured_outputs", None) is None
 
     def schedule(self, *args: Any, **kwargs: Any):
-        for rid in self._held:  # a tail step computes the final token alone: no draft tokens after it
-            if (req := self.requests.get(rid)) is not None and req.spec_token_ids:
-                req.spec_token_ids = []
-        for rid, cap in self._live.items():  # conditional steering: one completion row a step, each decided
-            if cap.conditional and (req := self.requests.get(rid)) is not None and req.spec_token_ids:
-                req.spec_token_ids = []
         bumped = []
-        if self.async_tail:
-            # vLLM's async scheduler does not schedule the step after the one that reaches
-            # max_tokens; a tail-flagged request needs it (it computes the final token's row): its
-            # max_tokens is one more while scheduling only (check_stop reads the real one).
-            for rid, cap in self._live.items():
-                if (
-                    cap.tail
-                    and (req := self.requests.get(rid)) is not None
-                    and req.num_output_placeholders > 0
-                    and req.max_tokens is not None
-                ):
-                    req.max_tokens += 1
-                    bumped.append(req)
+        for rid, rec, cap in self._live():
+            req = self.requests.get(rid)
+            if req is None:
+                continue
+            # A tail step computes the final token alone, and a request with conditional steering gets one
+            # completion row a step, each decided: no draft tokens after them.
+            if (rec.held is not None or cap.conditional) and req.spec_token_ids:
+                req.spec_token_ids = []
+            # vLLM's async scheduler does not schedule the step after the one that reaches max_tokens; a
+            # tail-flagged request needs it (it computes the final token's row): its max_tokens is one
+            # more while scheduling only (check_stop reads the real one).
+            if self.async_tail and cap.tail and req.num_output_placeholders > 0 and req.max_tokens is not None:
+                req.max_tokens += 1
+                bumped.append(req)
         try:
             out = super().schedule(*args, **kwargs)
         finally:
             for req in bumped:
                 req.max_tokens -= 1
-        setattr(out, PLAN_ATTR, self._plan(out) if self._live else None)
-        for rid in self._held:  # the work a tail step adds, counted as scheduled (1 position, unless recomputed)
-            self._live[rid].tail_positions += out.num_scheduled_tokens.get(rid, 0)
+        setattr(out, PLAN_ATTR, self._plan(out) if self._records else None)
+        for rid, rec, cap in self._live():  # a tail step's work, counted as scheduled (1 position, unless recomputed)
+            if rec.held is not None:
+                cap.tail_positions += out.num_scheduled_tokens.get(rid, 0)
         if self.async_tail:
             self._seq += 1
             setattr(out, SEQ_ATTR, self._seq)
@@ -436,18 +451,18 @@ class _VectorsOnOutputs:
         final-position-only span is planned only where that position can be computed: a held
         request's tail step, or under async scheduling every decode row."""
         plan, sched = {}, out.num_scheduled_tokens
-        for rid, cap in self._live.items():
+        for rid, rec, cap in self._live():
             n = sched.get(rid)
-            if not n or rid in self._faults:
+            if not n or rec.fault is not None:
                 continue
             try:
-                self._check("plan", rid)
+                self._check("plan", rec)
                 req, span, flag = self.requests[rid], cap.rows.span, cap.flag
                 stop = req.num_computed_tokens  # advanced by this step already (Scheduler._update_after_schedule)
                 first = stop - n
                 if not span.final_only:
                     positions = span.capturable(first, stop)
-                elif rid in self._held:
+                elif rec.held is not None:
                     positions = [stop - 1] if stop == req.num_tokens else []
                 elif self.async_tail and cap.tail and stop > req.num_prompt_tokens:
                     positions = [stop - 1]  # kept only if it is the final token's (_async_tails)
@@ -458,7 +473,7 @@ class _VectorsOnOutputs:
                 lowest = req.num_prompt_tokens - 1 if cap.conditional else req.num_prompt_tokens
                 watch = (
                     []
-                    if not (flag.monitors or cap.conditional) or rid in self._held
+                    if not (flag.monitors or cap.conditional) or rec.held is not None
                     else list(range(max(first, lowest, cap.judged), stop))
                 )
                 steer = self._decide(cap, first, stop) if cap.conditional else []
@@ -517,28 +532,20 @@ class _VectorsOnOutputs:
         if step is not None:
             for rid, fault in step.faults.items():  # a worker's hook failed these: no rows of theirs came
                 self._fault(rid, fault.hook, fault)
-            self._file(step, scheduler_output, model_runner_output)
+            self._store_step(step, scheduler_output, model_runner_output)
         self._step_output = model_runner_output
         self._updating = getattr(scheduler_output, SEQ_ATTR, None)
         try:
             outputs = super().update_from_output(scheduler_output, model_runner_output)
         finally:
             self._step_output = None
-        if self._awaiting or self._stashed:
+        if not self._records:
+            return outputs
+        if self.async_tail:
             self._async_tails(outputs)
-        if self._live or self._finished_rows or self._stops or self._steered:
-            self._send_rows(outputs)
-        if self._faults:
-            self._fail(outputs)
-        if self._released:
-            for batch in outputs.values():
-                for eco in batch.outputs:
-                    held = self._released.pop(eco.request_id, None)
-                    if held is not None:  # the held token's own logprobs, not the dropped tail sample's
-                        eco.new_logprobs = held.logprobs
-                        if held.sampling_mask is not None:
-                            eco.new_sampling_mask = held.sampling_mask
-            self._released.clear()
+        self._send_rows(outputs)
+        self._fail(outputs)
+        self._drop_sent()
         return outputs
 
     def _async_tails(self, outputs: dict) -> None:
@@ -547,87 +554,93 @@ class _VectorsOnOutputs:
         from vllm.v1.engine import EngineCoreOutputs
 
         seq = self._updating
-        for client, eco in self._stashed.pop(seq, ()):  # this step computed their final tokens
-            cap, tokens, _ = self._awaiting.pop(eco.request_id)
-            if (rows := cap.take(tokens, total=tokens)) is not None:  # their rows, the final one too
+        for rid, rec in self._records.items():
+            if rec.awaiting is None or seq is None or rec.awaiting > seq:
+                continue
+            rec.awaiting, stashed, rec.stashed = None, rec.stashed, None
+            if stashed is None:  # (its finishing output never came: nothing to send)
+                continue
+            client, eco = stashed  # this step computed its final token
+            cap, tokens = rec.capture, rec.tokens
+            if (rows := cap.take(tokens, total=tokens)) is not None:  # its rows, the final one too
                 if rows.last_position == tokens - 1:  # the step in flight's row: the positions it scheduled
-                    rows.counted(self._scheduled.get(seq, {}).get(eco.request_id, 0))
+                    rows.counted(self._scheduled.get(seq, {}).get(rid, 0))
                     self.tails_run += 1
-                self._finished_rows[eco.request_id] = rows  # sent by _send_rows, on this very output
+                rec.last_rows = rows  # sent by _send_rows, on this very output
             if client not in outputs:
                 outputs[client] = EngineCoreOutputs(outputs=[])
             outputs[client].outputs.append(eco)
         for client, batch in outputs.items():  # finishing outputs of requests just put to wait
             keep = []
             for eco in batch.outputs:
-                wait = self._awaiting.get(eco.request_id)
-                if wait is not None and wait[2] != seq and eco.finish_reason is not None:
-                    self._stashed.setdefault(wait[2], []).append((client, eco))
+                rec = self._records.get(eco.request_id)
+                if rec is not None and rec.awaiting is not None and eco.finish_reason is not None:
+                    rec.stashed = (client, eco)
                 else:
                     keep.append(eco)
             batch.outputs = keep
 
     def _send_rows(self, outputs: dict) -> None:
         """Every output of a span request carries the rows decided since its last one (a request
-        whose outputs are final-only: its finishing output carries them all)."""
+        whose outputs are final-only: its finishing output carries them all); a finishing output,
+        also where a monitor stopped it and where its `when` entries applied; and a released held
+        token, its own logprobs."""
         for batch in outputs.values():
             for eco in batch.outputs:
-                rid, cap = eco.request_id, None
+                rid = eco.request_id
+                if (rec := self._records.get(rid)) is None:
+                    continue
                 try:
-                    self._check("send", rid)
+                    self._check("send", rec)
+                    cap, extra = rec.capture, {}
                     if eco.finish_reason is not None:
-                        self._inject.pop(rid, None)
-                        rows = self._finished_rows.pop(rid, None)
-                        if (stop := self._stops.pop(rid, None)) is not None:  # a monitor finished it: where, why
-                            eco.kv_transfer_params = {**(eco.kv_transfer_params or {}), STOP_KEY: stop}
-                        if (steered := self._steered.pop(rid, None)) is not None:  # where its `when` entries applied
-                            eco.kv_transfer_params = {**(eco.kv_transfer_params or {}), STEERED_KEY: steered}
-                    elif (
-                        (cap := self._live.get(rid)) is not None
-                        and cap.flag.every_step
-                        and (req := self.requests.get(rid)) is not None
-                    ):
+                        rows, rec.last_rows = rec.last_rows, None
+                        if rec.stop is not None:  # a monitor finished it: where, why
+                            extra[STOP_KEY] = rec.stop
+                        if rec.steered is not None:  # where its `when` entries applied
+                            extra[STEERED_KEY] = rec.steered
+                    elif cap is not None and cap.flag.every_step and (req := self.requests.get(rid)) is not None:
                         rows = cap.take(req.num_tokens)
                     else:
                         rows = None
                     if eco.finish_reason is None and cap is not None and cap.conditional:
                         cap.decide()  # its new decisions: a stop string's extraction step (frontend) replays them
                         if new := cap.unsent():
-                            eco.kv_transfer_params = {
-                                **(eco.kv_transfer_params or {}),
-                                STEERED_KEY: [cap.flag.key, new],
-                            }
+                            extra[STEERED_KEY] = [cap.flag.key, new]
                     if rows is not None:
-                        eco.kv_transfer_params = {**(eco.kv_transfer_params or {}), **rows.params()}
+                        extra.update(rows.params())
+                    if extra:
+                        eco.kv_transfer_params = {**(eco.kv_transfer_params or {}), **extra}
                 except Exception as e:  # this request fails alone (_fail, right after)
                     self._fault(rid, "send", e)
-        self._finished_rows.clear()
+                if (held := rec.released) is not None:  # the held token's own logprobs, not the tail sample's
+                    rec.released = None
+                    eco.new_logprobs = held.logprobs
+                    if held.sampling_mask is not None:
+                        eco.new_sampling_mask = held.sampling_mask
 
     def _fail(self, outputs: dict) -> None:
         """The requests a hook failed in this update: finished with FINISHED_ERROR, their outputs of the
         step replaced by one "error" finish that carries the fault (the frontend fails the caller)."""
+        faults = {rid: rec.fault for rid, rec in self._records.items() if rec.fault is not None}
+        if not faults:
+            return
         from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
 
-        faults, self._faults = self._faults, {}
         clients: dict[str, int] = {}
         for client, batch in outputs.items():  # this step's tokens of a failed request are not sent
             if any(eco.request_id in faults for eco in batch.outputs):
                 clients.update((eco.request_id, client) for eco in batch.outputs if eco.request_id in faults)
                 batch.outputs = [eco for eco in batch.outputs if eco.request_id not in faults]
-        for seq, stashed in list(self._stashed.items()):  # async: finishing outputs waiting for their tail
-            clients.update((eco.request_id, client) for client, eco in stashed if eco.request_id in faults)
-            self._stashed[seq] = [(c, eco) for c, eco in stashed if eco.request_id not in faults]
+        for rid in faults:  # async: a finishing output waiting for its tail
+            if (stashed := self._records[rid].stashed) is not None:
+                clients[rid] = stashed[0]
         for request in self.finish_requests(
             [rid for rid in faults if rid in self.requests], RequestStatus.FINISHED_ERROR
         ):
             clients[request.request_id] = request.client_index
         for rid, fault in faults.items():
-            self._finished_rows.pop(rid, None)
-            self._stops.pop(rid, None)
-            self._steered.pop(rid, None)
-            self._triggers.pop(rid, None)
-            self._awaiting.pop(rid, None)
-            self._inject.pop(rid, None)
+            del self._records[rid]
             if rid not in clients:  # finished and sent before the fault was known: nothing left to fail
                 continue
             outputs.setdefault(clients[rid], EngineCoreOutputs(outputs=[])).outputs.append(
@@ -639,14 +652,20 @@ class _VectorsOnOutputs:
                 )
             )
 
-    def _file(self, step: Any, so: Any, mro: Any) -> None:
+    def _drop_sent(self) -> None:
+        """The records of requests vLLM freed whose finishing output has left (not one awaiting a step)."""
+        for rid in [rid for rid, rec in self._records.items() if rec.freed and rec.awaiting is None]:
+            del self._records[rid]
+
+    def _store_step(self, step: Any, so: Any, mro: Any) -> None:
+        """A step's captured rows, head outputs and monitor scores, each into its request's record."""
         spec = so.scheduled_spec_decode_tokens
         for rid, blocks in step.requests.items():
-            cap = self._live.get(rid) or (self._awaiting[rid][0] if rid in self._awaiting else None)
-            if cap is None:
+            rec = self._records.get(rid)
+            if rec is None or (cap := rec.capture) is None:
                 continue
             try:
-                self._check("file", rid)
+                self._check("file", rec)
                 # Rows past the accepted tokens are rejected drafts' (speculative decoding): the step
                 # computed tokens up to num_tokens - rejected (the scheduler's own rollback).
                 bound = blocks[0].num_tokens - _rejected(rid, spec, mro)
@@ -655,8 +674,8 @@ class _VectorsOnOutputs:
                     by_head.setdefault(b.head, []).append(b)
                 for head, mine in by_head.items():
                     if head == MONITOR_BLOCK:
-                        if rid in self._live:  # (not a finished request's, awaiting its tail row)
-                            self._judge(rid, cap, mine[0], step.data, bound)
+                        if not rec.freed:  # (not a finished request's, awaiting its tail row)
+                            self._judge(rec, mine[0], step.data, bound)
                         continue
                     acc = cap.heads.get(head) if head else cap.rows
                     if acc is not None:
@@ -664,9 +683,10 @@ class _VectorsOnOutputs:
             except Exception as e:  # this request fails alone (at the end of this update)
                 self._fault(rid, "file", e)
 
-    def _judge(self, rid: str, cap: _Capture, block: Any, data: np.ndarray, bound: int) -> None:
-        """A step's monitor scores of `rid` (float32 [positions, monitors]): the first position not judged
-        yet, below `bound` (accepted tokens only), where a monitor holds (in order) is its trigger."""
+    def _judge(self, rec: _Record, block: Any, data: np.ndarray, bound: int) -> None:
+        """A step's monitor scores of a request (float32 [positions, monitors]): the first position not
+        judged yet, below `bound` (accepted tokens only), where a monitor holds (in order) is its trigger."""
+        cap = rec.capture
         scores = block.values(data)
         monitors = cap.flag.monitors
         conditions = len(monitors)  # the conditional entries' scores follow the stop conditions'
@@ -681,22 +701,23 @@ class _VectorsOnOutputs:
                 continue
             for i, monitor in enumerate(monitors):
                 if monitor.holds(float(scores[r, i])):
-                    self._triggers[rid] = (int(position), i, float(scores[r, i]))
+                    rec.trigger = (int(position), i, float(scores[r, i]))
                     cap.judged = bound  # nothing past the trigger is judged
                     return
         cap.judged = max(cap.judged, min(block.positions[-1] + 1, bound))
 
     def _update_request_with_output(self, request: Any, new_token_ids: list[int], *args: Any, **kwargs: Any):
-        rid = request.request_id
-        held = self._held.pop(rid, None) if self._held else None
-        if held is not None:
+        rec = self._records.get(request.request_id) if self._records else None
+        if rec is None:
+            return super()._update_request_with_output(request, new_token_ids, *args, **kwargs)
+        if (held := rec.held) is not None:
             # The tail step ran: drop the token sampled from it; emit the held one with its finish.
+            rec.held, rec.released = None, held
             request.status, request.stop_reason = held.status, held.stop_reason
-            self._released[rid] = held
             self.tails_run += 1
             return list(held.tokens), True
-        trigger = self._triggers.pop(rid, None) if self._triggers else None
-        if trigger is not None:  # a monitor held at row p: the tokens up to p stay, the rest of the step goes
+        if (trigger := rec.trigger) is not None:  # a monitor held at row p: tokens up to p stay, the rest goes
+            rec.trigger = None
             position, index, score = trigger
             keep = max(position + 1 - request.num_tokens, 0)
             new_token_ids, stopped = super()._update_request_with_output(request, new_token_ids[:keep], *args, **kwargs)
@@ -704,17 +725,17 @@ class _VectorsOnOutputs:
                 request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, STOP_REASON.format(index)
                 stopped = True
                 self.monitor_stops += 1
-                self._stops[rid] = [self._live[rid].flag.key, position, index, score]
+                rec.stop = [rec.capture.flag.key, position, index, score]
         else:
             new_token_ids, stopped = super()._update_request_with_output(request, new_token_ids, *args, **kwargs)
-        if not stopped or (cap := self._live.get(rid)) is None:
+        if not stopped or (cap := rec.live) is None:
             return new_token_ids, stopped
         try:
-            self._check("tail", rid)
+            self._check("tail", rec)
             for acc in cap.accumulators():  # draft tokens accepted past the stop: their rows go too
                 acc.trim(request.num_tokens)
-            if self.holds and self._holds(request):
-                self._held[rid] = self._hold(request, new_token_ids)
+            if self.holds and self._holds(request, cap):
+                rec.held = self._hold(request, new_token_ids)
                 request.status, request.stop_reason = RequestStatus.RUNNING, None
                 # The tail step computes the final token, once: with draft tokens accepted past a stop,
                 # the step computed beyond it (those positions are no longer the request's).
@@ -722,15 +743,13 @@ class _VectorsOnOutputs:
                 request.spec_token_ids = []
                 return [], False
         except Exception as e:  # this request fails alone (at the end of this update)
-            self._fault(rid, "tail", e)
+            self._fault(request.request_id, "tail", e)
         return new_token_ids, stopped
 
-    def _holds(self, request: Any) -> bool:
-        cap = self._live.get(request.request_id)
+    def _holds(self, request: Any, cap: _Capture) -> bool:
         n = request.num_tokens
         return (
-            cap is not None
-            and cap.tail
+            cap.tail
             and request.status in _HOLD
             and n < self.max_model_len
             and request.structured_output_request is None
@@ -752,32 +771,37 @@ class _VectorsOnOutputs:
 
     def _free_request(self, request: Any, *args: Any, **kwargs: Any):
         rid = request.request_id
-        if (cap := self._live.pop(rid, None)) is not None:
-            self._held.pop(rid, None)
-            self._triggers.pop(rid, None)
-            if request.status == RequestStatus.FINISHED_ABORTED:
-                self._stops.pop(rid, None)
-            elif cap.conditional:  # where each `when` entry applies, the final token's position decided too
-                cap.decide()
-                self._steered[rid] = [cap.flag.key, cap.unsent()]
-            # (a monitor's stop: its final row is this step's, already filed; the step in flight's is a dropped token's)
-            if self.async_tail and cap.tail and rid not in self._stops and self._await_tail(request, cap):
-                pass  # the step in flight computes its final row (_async_tails sends the rows)
-            elif request.status != RequestStatus.FINISHED_ABORTED:
-                try:
-                    rows = cap.take(request.num_tokens, total=request.num_tokens)
-                    if rows is not None:
-                        self._finished_rows[rid] = rows.counted(cap.tail_positions)
-                except Exception as e:  # its rows for the finishing output: it fails alone
-                    self._fault(rid, "send", e)
+        if (rec := self._records.get(rid)) is not None:
+            if request.status == RequestStatus.FINISHED_ABORTED:  # no finishing output of ours follows
+                del self._records[rid]
+            else:
+                self._finished(request, rec)
         return super()._free_request(request, *args, **kwargs)
 
-    def _await_tail(self, request: Any, cap: _Capture) -> bool:
+    def _finished(self, request: Any, rec: _Record) -> None:
+        """A request vLLM frees: what its finishing output carries, or (async) the step it awaits."""
+        rec.freed, rec.held, rec.trigger = True, None, None
+        if (cap := rec.capture) is None:
+            return
+        if cap.conditional:  # where each `when` entry applies, the final token's position decided too
+            cap.decide()
+            rec.steered = [cap.flag.key, cap.unsent()]
+        # (a monitor's stop: its final row is this step's, already filed; the step in flight's is a dropped token's)
+        if self.async_tail and cap.tail and rec.stop is None and self._await_tail(request, rec):
+            return  # the step in flight computes its final row (_async_tails sends the rows)
+        try:
+            rows = cap.take(request.num_tokens, total=request.num_tokens)
+            if rows is not None:
+                rec.last_rows = rows.counted(cap.tail_positions)
+        except Exception as e:  # its rows for the finishing output: it fails alone
+            self._fault(request.request_id, "send", e)
+
+    def _await_tail(self, request: Any, rec: _Record) -> bool:
         """Async, a stopped request: whether the already-scheduled next step computes its final token
         (then its output waits, `_async_tails`), else the extraction step computes it."""
         nxt = None if self._updating is None else self._updating + 1
-        if request.status != RequestStatus.FINISHED_ABORTED and request.request_id in self._scheduled.get(nxt, ()):
-            self._awaiting[request.request_id] = (cap, request.num_tokens, nxt)
+        if request.request_id in self._scheduled.get(nxt, ()):
+            rec.awaiting, rec.tokens = nxt, request.num_tokens
             return True
         return False
 
@@ -812,13 +836,13 @@ def _rejected(rid: str, spec: dict, mro: Any) -> int:
     return len(drafts) - max(len(sampled) - 1, 0)
 
 
-class TailScheduler(_VectorsOnOutputs, Scheduler):
+class TailScheduler(_HiddenStatesScheduling, Scheduler):
     """vLLM's v1 Scheduler (synchronous): vectors on outputs, and the tail step."""
 
     holds = True
 
 
-class AsyncVectorScheduler(_VectorsOnOutputs, AsyncScheduler):
+class AsyncVectorScheduler(_HiddenStatesScheduling, AsyncScheduler):
     """vLLM's AsyncScheduler (the GPU default): vectors on outputs, the tail taken from the step in
     flight. Every decode row of a tail-flagged request is planned, since the stop is seen after
     the next step is scheduled; the finishing output waits one step for it."""
@@ -827,7 +851,7 @@ class AsyncVectorScheduler(_VectorsOnOutputs, AsyncScheduler):
     async_tail = True
 
 
-class VectorScheduler(_VectorsOnOutputs, Scheduler):
+class VectorScheduler(_HiddenStatesScheduling, Scheduler):
     """vLLM's v1 Scheduler with vectors on outputs and no tail step (`tail_step=False`): a baseline
     to measure the tail against."""
 
