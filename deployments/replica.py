@@ -25,7 +25,7 @@ from ray import serve
 from deployments import http, metrics, wire
 from deployments.config import AppArgs
 from deployments.wire import HandleCompletion, HandleError, HandleReply, Reply, ResponseHead
-from hidden_states.interface import SamplingOptions
+from hidden_states.interface import Engine, SamplingOptions
 from hidden_states.openai_format import ROUTES, error_body
 from hidden_states.params import PARSED, HiddenStatesFields
 
@@ -46,7 +46,7 @@ class EngineReplica(http.ingress_routes(app, "replica")):
             self.replica_id = ctx.replica_id.unique_id
         except Exception:
             self.replica_id = uuid.uuid4().hex[:8]
-        self.engine = await engine_cls.start(
+        self.engine: Engine = await engine_cls.start(
             self.args.model,
             enable_return_hidden_states=self.args.enable_return_hidden_states,
             extraction_timeout_s=self.args.extraction_timeout_s,
@@ -119,12 +119,11 @@ class EngineReplica(http.ingress_routes(app, "replica")):
     async def _engine_card(self) -> dict:
         return {
             "max_model_len": self.engine.max_model_len,
-            "heads": [h.public() for h in getattr(self.engine, "heads", {}).values()],
+            "heads": [h.public() for h in self.engine.heads.values()],
             "steering_vectors": [
-                {"name": name, "layers": sorted(layers)}
-                for name, layers in getattr(self.engine, "steering_vectors", {}).items()
+                {"name": name, "layers": sorted(layers)} for name, layers in self.engine.steering_vectors.items()
             ],
-            "capture_layers": (getattr(self.engine, "layer_capture", None) or {}).get("capture_layers"),
+            "capture_layers": (self.engine.layer_capture or {}).get("capture_layers"),
         }
 
     async def model_card(self) -> bytes:

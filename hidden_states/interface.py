@@ -541,40 +541,47 @@ class SamplingOptions:
 
 
 class Engine(Protocol):
-    """What an EngineReplica needs of its engine."""
+    """What an EngineReplica (deployments/replica.py) uses of its engine, and nothing more:
+    tests/unit/test_engine_protocol.py checks that the replica reaches only these, and that
+    `HiddenStatesEngine` and `hidden_states.testing.FakeEngine` take every call as declared."""
 
     enabled: bool  # hidden states on
     max_model_len: int  # prompt + completion tokens, at most (/v1/models reports it)
+    hidden_size: int  # D: the width of a row
+    observers: list[Callable[[VectorEvent], None]]  # called for every vector handed out (metrics)
+    heads: dict[str, Any]  # registered heads by name (heads.HeadSpec), as the model card lists them
+    steering_vectors: dict[str, dict[int, Any]]  # registered steering vectors: name -> layer -> [D]
+    layer_capture: dict[str, Any] | None  # what the workers found at install (the compiled engine's layers)
 
     @classmethod
-    async def start(cls, model: str, **kwargs: Any) -> Engine: ...
+    async def start(cls, model: str, **kwargs: Any) -> Engine:
+        """`kwargs`: the app's engine options (AppArgs) and vLLM's engine arguments."""
+        ...
 
     async def openai(self, served_model_name: str, replica_id: str, lora_modules: Sequence[dict] = ()) -> OpenAIRoutes:
         """`lora_modules`: [{name, path}], each adapter served under its name (a request's `model`)."""
         ...
 
+    async def chat_input(self, messages: Sequence[dict]) -> dict:
+        """Chat messages as the engine's input: the model's chat template with its generation prompt."""
+        ...
+
     async def complete(
         self,
-        prompt: str | Sequence[int],
-        options: SamplingOptions,
+        prompt: str | Sequence[int] | dict,
+        sampling: SamplingOptions | None = None,
         *,
-        return_hidden_states: bool,
-        layers: Sequence[int],
-        position: Any,
         model: str | None = None,
-        dtype: str = "float32",
-        topk: int | None = None,
-        proof: Any = None,
+        spec: Any = None,
     ) -> Completion:
-        """`model`: a LoRA adapter's name (None: base; unknown raises UnknownModelError). `position`,
-        `dtype`, `topk`, `proof`: as the API's fields (choices of `finished_choice`)."""
+        """One prompt's choices, each a `CompletionChoice` (`finished_choice`). `model`: a LoRA adapter's
+        name (None: base; unknown raises UnknownModelError); `spec`: the request's parsed fields
+        (params.HiddenStatesFields), None for none."""
         ...
 
-    def chat_prompt(self, messages: Sequence[dict]) -> list[int]:
-        """Chat messages as the prompt's token ids: the model's chat template with its generation prompt."""
+    async def stats(self, fresh_workers: bool = True) -> dict:
+        """The engine's counters; `fresh_workers=False` may give the workers' as last asked."""
         ...
-
-    async def stats(self) -> dict: ...
 
     def healthy(self) -> bool: ...
 

@@ -86,6 +86,7 @@ class EngineDeadError(RuntimeError):
 
 class FakeEngine(VectorObservers):
     hidden_size = HIDDEN_SIZE
+    layer_capture = None  # no workers
 
     def __init__(
         self,
@@ -107,6 +108,8 @@ class FakeEngine(VectorObservers):
         self.cancelled = 0  # requests their caller closed or cancelled before they ended
         self.fail_next = False
         self.dead = False
+        self.heads: dict = {}  # none registered
+        self.steering_vectors: dict = {}
 
     @classmethod
     async def start(
@@ -242,7 +245,7 @@ class FakeEngine(VectorObservers):
     async def openai(self, served_model_name: str, replica_id: str, lora_modules: Sequence[dict] = ()) -> FakeOpenAI:
         return FakeOpenAI(self, served_model_name, replica_id)
 
-    async def stats(self) -> dict:
+    async def stats(self, fresh_workers: bool = True) -> dict:
         return {
             "enabled": self.enabled,
             "missing_vectors": self.missing_vectors,
