@@ -31,7 +31,7 @@ from deployments.wire import HandleCompletionRequest, HandleError
 from hidden_states import errors, media, params
 from hidden_states.openai_format import error_body
 from hidden_states.params import HiddenStatesFields
-from hidden_states.verify import HiddenStatesRequest
+from hidden_states.verify import VerifyRequest
 
 logger = logging.getLogger(__name__)
 
@@ -357,7 +357,7 @@ def ingress_routes(app: FastAPI, kind: str) -> type:
         async def chat_completions(self, request: Request) -> Response:
             return await self._serve("chat", request)
 
-        @app.post("/v1/hidden_states", openapi_extra=openapi_body(HiddenStatesRequest))
+        @app.post("/v1/hidden_states", openapi_extra=openapi_body(VerifyRequest))
         async def hidden_states(self, request: Request) -> Response:
             """The true final-token vector of given tokens, optionally compared with a claimed one."""
             return await self._serve("hidden_states", request)

@@ -277,7 +277,7 @@ class HiddenStatesCollector:
             held.update(b.positions.tolist())
         return held
 
-    def settle_rows(self, key: ChoiceKey, wanted: Sequence[int], stats: ExtractionStats | None) -> None:
+    def close_choice(self, key: ChoiceKey, wanted: Sequence[int], stats: ExtractionStats | None) -> None:
         """The choice ended: of what it received, keep the positions it asked for."""
         merged = RowBatch.merge(self.rows.pop(key, ()))
         if merged is not None:
@@ -291,7 +291,7 @@ class HiddenStatesCollector:
         if stats is not None:
             self.stats[key] = stats
 
-    def take(self, key: ChoiceKey) -> RowBatch | None:
+    def hand_out(self, key: ChoiceKey) -> RowBatch | None:
         """The rows received since the last take, in position order (each position once)."""
         merged = RowBatch.merge(self.rows.pop(key, ()))
         if merged is None:
@@ -431,7 +431,7 @@ def rows_choice(
     stop = {"stop": collector.stops.get(key), "stop_asked": True} if collector.monitors else {}
     if not collector.captures:  # it only steers or stops
         return CompletionChoice(index, text, tuple(token_ids), finish_reason, steering=steering, **stop)
-    batch, stats = collector.take(key), collector.stats.get(key)
+    batch, stats = collector.hand_out(key), collector.stats.get(key)
     rows, heads = captured(collector, batch, collector.topk or engine.hidden_size, getattr(engine, "heads", {}))
     engine.vector_sent(
         collector.position_label,
@@ -468,7 +468,7 @@ def proof_choice(
     key = (0, index)
     if key not in collector.done:
         raise engine.missing(f"choice {index}")
-    batch, stats = collector.take(key), collector.stats.get(key)
+    batch, stats = collector.hand_out(key), collector.stats.get(key)
     builder = ProofBuilder(collector.proof, collector.prompt_lens[0], engine.hidden_size)
     proofs = [] if batch is None else builder.add(batch.positions, batch.indices[-1], batch.values[-1])
     proofs += builder.finish()

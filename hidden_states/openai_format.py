@@ -118,7 +118,7 @@ class ChoiceVectors:
         key = divmod(index, self.n) if self.n else (0, index)
         if finishing and key not in col.done:
             raise self.engine.missing(f"choice {index}")
-        batch = col.take(key)
+        batch = col.hand_out(key)
         if batch is None and not finishing:
             return None
         if not col.captures:  # it only steers or stops: the steering applied, the stop, nothing captured
@@ -179,7 +179,7 @@ class ChoiceVectors:
             width = getattr(self.engine, "hidden_size", 0)
             prover = self._provers[key] = ProofBuilder(col.proof, col.prompt_lens[key[0]], width)
         first = prover.count
-        batch = col.take(key)
+        batch = col.hand_out(key)
         proofs = [] if batch is None else prover.add(batch.positions, batch.indices[-1], batch.values[-1])
         if finishing:
             proofs += prover.finish()

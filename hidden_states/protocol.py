@@ -2,7 +2,7 @@
 
     worker -> ModelRunnerOutput -> EngineCore's scheduler -> EngineCoreOutput -> AsyncLLM
 
-- `HiddenStatesExtractionRequest` (in `SamplingParams.extra_args[EXTRA_ARGS_KEY]`): frontend to
+- `CaptureSpec` (in `SamplingParams.extra_args[EXTRA_ARGS_KEY]`): frontend to
   scheduler; marks a request for capture, its span, and the key its rows come back under.
 - `PlanEntry` (SchedulerOutput attribute `PLAN_ATTR`): scheduler to worker, what to capture.
 - `StepCapture` (ModelRunnerOutput attribute `STEP_ATTR`): worker to scheduler, one buffer per step.
@@ -188,7 +188,7 @@ def _convert(raw, cls, what: str):
     return out
 
 
-class HiddenStatesExtractionRequest(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
+class CaptureSpec(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
     key: str
     # Positions of prompt+completion to capture in every step that computes them: params.Span as
     # [start, end | None, stride]. [-1, None, 1] (completion_end) is planned in the tail step only.
@@ -212,17 +212,17 @@ class HiddenStatesExtractionRequest(msgspec.Struct, omit_defaults=True, forbid_u
     # row the steps compute: the request finishes at the first position where one holds.
     monitors: list[Monitor] = msgspec.field(default_factory=list)
 
-    def head_flag(self, name: str, k: int) -> HiddenStatesExtractionRequest:
-        """The flag a head's outputs are kept under in the engine core: float32, `k` wide top-k or dense."""
+    def head_spec(self, name: str, k: int) -> CaptureSpec:
+        """The spec a head's outputs are kept under in the engine core: float32, `k` wide top-k or dense."""
         return msgspec.structs.replace(self, dtype="float32", topk=k, heads=[], monitors=[])
 
     def to_extra_args(self) -> dict:
         return {EXTRA_ARGS_KEY: msgspec.to_builtins(self)}
 
     @staticmethod
-    def from_extra_args(extra_args: dict | None) -> HiddenStatesExtractionRequest | None:
+    def from_extra_args(extra_args: dict | None) -> CaptureSpec | None:
         raw = (extra_args or {}).get(EXTRA_ARGS_KEY)
-        return None if raw is None else msgspec.convert(raw, HiddenStatesExtractionRequest)
+        return None if raw is None else msgspec.convert(raw, CaptureSpec)
 
 
 class Monitor(msgspec.Struct, array_like=True, frozen=True):
@@ -314,7 +314,7 @@ class PlanEntry(NamedTuple):
     num_tokens: int  # tokens the request's scheduled span reaches in the step
     dtype: str  # the rows cast to it on the device
     topk: int
-    heads: Sequence = ()  # [name, k] of the request's heads (HiddenStatesExtractionRequest.heads)
+    heads: Sequence = ()  # [name, k] of the request's heads (CaptureSpec.heads)
     # Rows the request's monitors score (offsets as `offsets`; completion positions not judged yet),
     # their positions, and the monitors as [head, index, above, threshold] (Monitor's fields): the worker
     # sends float32 scores (MONITOR_BLOCK).

@@ -198,7 +198,7 @@ class FakeEngine(VectorObservers):
         collector.add_rows(
             (0, index), fake_rows(seq, wanted, collector.layers, collector.dtype, collector.topk, self.hidden_size)
         )
-        collector.settle_rows((0, index), wanted, stats)
+        collector.close_choice((0, index), wanted, stats)
 
     async def complete(
         self,

@@ -65,7 +65,7 @@ class Compare(BaseModel):
         return self
 
 
-class HiddenStatesRequest(VectorFields):
+class VerifyRequest(VectorFields):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     @model_validator(mode="before")
@@ -101,7 +101,7 @@ class HiddenStatesRequest(VectorFields):
         return tuple((h.name, h.topk) for h in self.hidden_states_heads or ())
 
     @model_validator(mode="after")
-    def _one_input(self) -> HiddenStatesRequest:
+    def _one_input(self) -> VerifyRequest:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("send exactly one of `prompt` and `messages`")
         proofs = self.compare is not None and self.compare.toploc is not None

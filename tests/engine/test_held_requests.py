@@ -69,13 +69,13 @@ def scheduler(core):
 def params(flagged: bool, span: list | None = None, every_step: bool = False, **kw):
     from vllm import SamplingParams
 
-    from hidden_states.protocol import HiddenStatesExtractionRequest
+    from hidden_states.protocol import CaptureSpec
 
     kw.setdefault("max_tokens", 40)
     kw.setdefault("temperature", 0.0)
     kw.setdefault("ignore_eos", True)
     extra = (
-        HiddenStatesExtractionRequest(
+        CaptureSpec(
             key=uuid.uuid4().hex, reaches_final=True, span=span or [-1, None, 1], every_step=every_step
         ).to_extra_args()
         if flagged

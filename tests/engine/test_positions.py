@@ -149,7 +149,7 @@ def test_rows_arrive_across_outputs_and_concatenate_to_the_whole(engine, loop_th
             async for out in engine.llm.generate({"prompt_token_ids": ids}, params, f"t-{uuid.uuid4().hex}"):
                 seen += len(out.outputs[0].token_ids)
                 finished = out.outputs[0].finish_reason is not None
-                batch = col.take((0, 0))
+                batch = col.hand_out((0, 0))
                 parts.append((seen, finished, batch))
             return ids, parts
 

@@ -40,7 +40,7 @@ def vec(x):
 def put(col: HiddenStatesCollector, key, vectors: dict, position: int = 9) -> None:
     """A choice's vector as the engine files it: the row of its one position, then settled."""
     col.add_rows(key, RowBatch(np.asarray([position]), {l: v[None] for l, v in vectors.items()}))
-    col.settle_rows(key, [position], None)
+    col.close_choice(key, [position], None)
 
 
 def test_completion_choices_are_numbered_ordinal_times_n_plus_index():

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from vllm.v1.request import RequestStatus
 
-from hidden_states.protocol import MONITOR_BLOCK, STOP_REASON, HiddenStatesExtractionRequest, Monitor, RowBlock, Span
+from hidden_states.protocol import MONITOR_BLOCK, STOP_REASON, CaptureSpec, Monitor, RowBlock, Span
 from hidden_states.vllm.core.scheduler import _Capture, _HiddenStatesScheduling, _Record, _Rows
 
 STOP_TOKEN = 2
@@ -48,10 +48,10 @@ class FakeScheduler:
 class Monitored(_HiddenStatesScheduling, FakeScheduler):
     def __init__(self, monitors):  # the mixin's state only (its __init__ needs a vLLM Scheduler)
         self._records, self.monitor_stops = {}, 0
-        self.flag = HiddenStatesExtractionRequest(key="k", span=[-1, None, 1], layers=[], monitors=monitors)
+        self.spec = CaptureSpec(key="k", span=[-1, None, 1], layers=[], monitors=monitors)
 
     def watch(self, rid: str) -> _Record:
-        rec = self._records[rid] = _Record(capture=_Capture(self.flag, False, _Rows(self.flag, Span(-1))))
+        rec = self._records[rid] = _Record(capture=_Capture(self.spec, False, _Rows(self.spec, Span(-1))))
         return rec
 
 

@@ -109,7 +109,7 @@ def test_stream_chunks_carry_the_rows_since_the_last_one_and_the_rest_at_the_fin
     first = json.loads(cv.fill_chunk(_chunk())[6:])["choices"][0]
     assert first["hidden_states_meta"]["positions"] == [5, 6] and len(first["hidden_states"]) == 2
     col.add_rows((0, 0), _batch([6, 7, 8]))  # 6 again (a resumed request): sent once
-    col.settle_rows((0, 0), [5, 6, 7], None)  # the choice ended at 8 tokens: 8 was never asked for
+    col.close_choice((0, 0), [5, 6, 7], None)  # the choice ended at 8 tokens: 8 was never asked for
     last = json.loads(cv.fill_chunk(_chunk("length"))[6:])["choices"][0]
     assert last["hidden_states_meta"]["positions"] == [7] and last["hidden_states_meta"]["shape"] == [1, 4]
     assert last["hidden_states"] == [[4.5, 5.5, 6.5, 7.5]]  # position 7 of the second batch
@@ -119,7 +119,7 @@ def test_base64_rows_are_the_dtype_s_little_endian_bytes():
     cv, col = _vectors("all", "base64", "bfloat16")
     batch = _batch([0, 1, 2], "bfloat16")
     col.add_rows((0, 0), batch)
-    col.settle_rows((0, 0), [0, 1, 2], None)
+    col.close_choice((0, 0), [0, 1, 2], None)
     out = {"choices": [{"index": 0}]}
     cv.fill_response(out)
     choice = out["choices"][0]
@@ -133,7 +133,7 @@ def test_base64_rows_are_the_dtype_s_little_endian_bytes():
 def test_one_position_with_a_dtype_stays_one_vector():
     cv, col = _vectors("completion_end", dtype="float16")
     col.add_rows((0, 0), RowBatch(np.asarray([9]), {-1: np.full((1, 4), 1.5, "<f2")}, "float16"))
-    col.settle_rows((0, 0), [9], None)
+    col.close_choice((0, 0), [9], None)
     out = {"choices": [{"index": 0}]}
     cv.fill_response(out)
     assert out["choices"][0]["hidden_states"] == [1.5] * 4

@@ -11,7 +11,7 @@ from hidden_states.protocol import (
     EXTRA_ARGS_KEY,
     ROWS_KEY,
     CapturedRows,
-    HiddenStatesExtractionRequest,
+    CaptureSpec,
     HiddenStatesProtocolError,
     captured_rows,
     widen,
@@ -102,32 +102,32 @@ def test_malformed_rows_are_refused_with_what_was_wrong(raw):
 
 
 def test_extraction_request_extra_args_roundtrip():
-    req = HiddenStatesExtractionRequest(key="req-1", span=[-1, None, 1], layers=[-1, 10], reaches_final=True)
+    req = CaptureSpec(key="req-1", span=[-1, None, 1], layers=[-1, 10], reaches_final=True)
     extra = req.to_extra_args()
     assert set(extra) == {EXTRA_ARGS_KEY}
     assert extra[EXTRA_ARGS_KEY] == {"key": "req-1", "span": [-1, None, 1], "layers": [-1, 10], "reaches_final": True}
-    assert HiddenStatesExtractionRequest.from_extra_args(extra) == req
+    assert CaptureSpec.from_extra_args(extra) == req
 
 
 def test_extraction_request_default_layers_roundtrip():
-    req = HiddenStatesExtractionRequest(key="req-2", span=[4, 5, 1])
-    back = HiddenStatesExtractionRequest.from_extra_args(req.to_extra_args())
+    req = CaptureSpec(key="req-2", span=[4, 5, 1])
+    back = CaptureSpec.from_extra_args(req.to_extra_args())
     assert back == req and back.layers == [-1] and not back.reaches_final
 
 
 def test_extraction_request_survives_other_extra_args():
-    extra = {"something_else": 1, **HiddenStatesExtractionRequest(key="k", span=[-1, None, 1]).to_extra_args()}
-    assert HiddenStatesExtractionRequest.from_extra_args(extra).key == "k"
+    extra = {"something_else": 1, **CaptureSpec(key="k", span=[-1, None, 1]).to_extra_args()}
+    assert CaptureSpec.from_extra_args(extra).key == "k"
 
 
 @pytest.mark.parametrize("extra", [None, {}, {"other": {"key": "k"}}, {EXTRA_ARGS_KEY: None}])
 def test_extraction_request_absent_is_none(extra):
-    assert HiddenStatesExtractionRequest.from_extra_args(extra) is None
+    assert CaptureSpec.from_extra_args(extra) is None
 
 
 def test_extraction_request_unknown_field_rejected():
     with pytest.raises(msgspec.ValidationError, match="unknown field"):
-        HiddenStatesExtractionRequest.from_extra_args({EXTRA_ARGS_KEY: {"key": "k", "evil": 1}})
+        CaptureSpec.from_extra_args({EXTRA_ARGS_KEY: {"key": "k", "evil": 1}})
 
 
 @pytest.mark.parametrize(
@@ -135,4 +135,4 @@ def test_extraction_request_unknown_field_rejected():
 )
 def test_extraction_request_invalid_rejected(raw):
     with pytest.raises(msgspec.ValidationError):
-        HiddenStatesExtractionRequest.from_extra_args({EXTRA_ARGS_KEY: raw})
+        CaptureSpec.from_extra_args({EXTRA_ARGS_KEY: raw})

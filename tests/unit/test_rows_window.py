@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from hidden_states.params import Span
-from hidden_states.protocol import HiddenStatesExtractionRequest
+from hidden_states.protocol import CaptureSpec
 from tests.unit.test_positions import RANGES
 
 D = 3
@@ -34,19 +34,19 @@ def test_every_wanted_row_once_in_order(start, end, stride, topk, every_output):
 
     span = Span(start, end, stride)
     for prompt, total, chunk in [(5, 14, 2), (1, 9, 9), (7, 40, 3)]:
-        flag = HiddenStatesExtractionRequest(key="k", layers=[-1], span=[start, end, stride], topk=D if topk else 0)
-        acc, sent, held = _Rows(flag, span), [], 0
+        spec = CaptureSpec(key="k", layers=[-1], span=[start, end, stride], topk=D if topk else 0)
+        acc, sent, held = _Rows(spec, span), [], 0
         known = 0
         while known < total:  # prefill in chunks, then one position per step
             stop = min(total, known + chunk) if known < prompt else known + 1
             _step(acc, span, known, stop, topk)
             known = stop
             held = max(held, acc.hi - acc.lo)
-            if known < total and every_output and (rows := acc.take(known)) is not None:
+            if known < total and every_output and (rows := acc.release(known)) is not None:
                 sent.append(rows)
             elif not every_output:
                 acc.prune(known)
-        if (rows := acc.take(total, total=total)) is not None:
+        if (rows := acc.release(total, total=total)) is not None:
             sent.append(rows)
         positions = [p for r in sent for p in r.positions]
         assert positions == list(span.positions(total)), (prompt, total, chunk)
@@ -83,33 +83,33 @@ def test_step_references_send_every_row_once_at_the_end_or_per_output(topk):
         ]
         return data, blocks
 
-    flag = HiddenStatesExtractionRequest(key="k", layers=[2, 5], span=[4, None, 1], topk=D if topk else 0)
+    spec = CaptureSpec(key="k", layers=[2, 5], span=[4, None, 1], topk=D if topk else 0)
     for every_output in (False, True):
-        acc, sent = _StepRefs(flag, Span(4, None, 1)), []
+        acc, sent = _StepRefs(spec, Span(4, None, 1)), []
         for first, stop in [(4, 7), (7, 8), (8, 9), (6, 10), (10, 11)]:  # (6, 10): resumed, recomputes 6..8
             data, blocks = step(first, stop, base=0.0)
             acc.add(data, blocks, blocks[0].positions, stop)
-            if every_output and (rows := acc.take(stop)) is not None:
+            if every_output and (rows := acc.release(stop)) is not None:
                 sent.append(rows)
-        if (rows := acc.take(11, total=11)) is not None:
+        if (rows := acc.release(11, total=11)) is not None:
             sent.append(rows)
-        assert acc.take(11, total=11) is None  # nothing twice
+        assert acc.release(11, total=11) is None  # nothing twice
         assert [p for r in sent for p in r.positions] == list(range(4, 11))
         _check_values(sent, topk)
 
     # Speculative decoding: a step computes its drafts' rows too; those past `bound` (rejected) never
     # count, the next step recomputes from the bound, and a stop inside accepted drafts trims the rest.
     for every_output in (False, True):
-        acc, sent = _StepRefs(flag, Span(4, None, 1)), []
+        acc, sent = _StepRefs(spec, Span(4, None, 1)), []
         for first, stop, bound in [(4, 8, 8), (8, 12, 10), (10, 14, 14), (14, 18, 17)]:
             data, blocks = step(first, stop, base=0.0)
             acc.add(data, blocks, blocks[0].positions, bound)
-            if every_output and stop != 18 and (rows := acc.take(bound)) is not None:
+            if every_output and stop != 18 and (rows := acc.release(bound)) is not None:
                 sent.append(rows)
         acc.trim(16)  # the stop token is position 15: positions 16 (accepted past it) go
         data, blocks = step(15, 16, base=0.0)  # the tail step recomputes the final token: not twice
         acc.add(data, blocks, blocks[0].positions, 16)
-        if (rows := acc.take(16, total=16)) is not None:
+        if (rows := acc.release(16, total=16)) is not None:
             sent.append(rows)
         assert [p for r in sent for p in r.positions] == list(range(4, 16))
         _check_values(sent, topk)

@@ -11,7 +11,7 @@ from pydantic import ValidationError
 from hidden_states.params import HiddenStatesRequestError, Span, check_rows_budget, given_span
 from hidden_states.verify import (
     Compare,
-    HiddenStatesRequest,
+    VerifyRequest,
     claims,
     compared,
     comparison,
@@ -21,8 +21,8 @@ from hidden_states.verify import (
 
 
 def test_one_input_only():
-    HiddenStatesRequest(prompt="x")
-    HiddenStatesRequest(messages=[{"role": "user", "content": "x"}], completion=[1, 2])
+    VerifyRequest(prompt="x")
+    VerifyRequest(messages=[{"role": "user", "content": "x"}], completion=[1, 2])
     for bad in (
         {},
         {"prompt": "x", "messages": []},
@@ -32,7 +32,7 @@ def test_one_input_only():
         {"prompt": "x", "n": 2},
     ):
         with pytest.raises(ValidationError):
-            HiddenStatesRequest(**bad)
+            VerifyRequest(**bad)
 
 
 def test_claims_decode_as_floats_or_base64_of_the_right_size():
@@ -78,11 +78,11 @@ def test_the_memory_bound_on_given_tokens_is_exact():
 
 
 def test_the_request_takes_the_completion_routes_position_dtype_and_topk():
-    r = HiddenStatesRequest(
+    r = VerifyRequest(
         prompt="x", hidden_states_position={"start": -4}, hidden_states_dtype="float16", hidden_states_topk=3
     )
     assert r.hidden_states_position.start == -4 and r.hidden_states_dtype == "float16"
-    assert HiddenStatesRequest(prompt="x").hidden_states_position == "completion_end"
+    assert VerifyRequest(prompt="x").hidden_states_position == "completion_end"
     for bad in (
         {"hidden_states_position": "middle"},
         {"hidden_states_dtype": "int8"},
@@ -92,7 +92,7 @@ def test_the_request_takes_the_completion_routes_position_dtype_and_topk():
         {"compare": {"vector": [1.0]}, "hidden_states_topk": 2},
     ):
         with pytest.raises(ValidationError):
-            HiddenStatesRequest(prompt="x", **bad)
+            VerifyRequest(prompt="x", **bad)
 
 
 def b64(a) -> str:

@@ -47,7 +47,7 @@ from hidden_states.protocol import (
     STOP_KEY,
     STOP_REASON,
     CapturedRows,
-    HiddenStatesExtractionRequest,
+    CaptureSpec,
     HookFault,
     InjectedFault,
     PlanEntry,
@@ -81,7 +81,7 @@ class _Rows:
     """A span request's unsent rows: a window over a buffer that grows by doubling. Undecided rows
     are a suffix, so a step appends and drops in place: O(1) copies per row."""
 
-    flag: HiddenStatesExtractionRequest
+    spec: CaptureSpec
     span: Span
     next: int = 0  # positions below were captured already (a resumed request recomputes them)
     layers: list[int] | None = None
@@ -133,7 +133,7 @@ class _Rows:
             self.hi = self.lo + int(np.count_nonzero(self._pos[self.lo : self.hi] < limit))
         self.next = min(self.next, limit)
 
-    def take(self, known: int, total: int | None = None) -> CapturedRows | None:
+    def release(self, known: int, total: int | None = None) -> CapturedRows | None:
         """The rows decided wanted (all of them, on `total` tokens, once ended); undecided stay."""
         if self.hi == self.lo:
             return None
@@ -142,9 +142,9 @@ class _Rows:
         out = None
         if wanted.any():
             out = captured_rows(
-                self.flag.key,
+                self.spec.key,
                 self.dtype,
-                self.flag.topk,
+                self.spec.topk,
                 self.layers,
                 self._pos[w][wanted].tolist(),
                 self._val[:, w][:, wanted],
@@ -168,7 +168,7 @@ class _StepRefs:
     """A span request whose every row is wanted: per step only a reference to the step's host
     buffer and its blocks; rows are copied out once, when sent."""
 
-    flag: HiddenStatesExtractionRequest
+    spec: CaptureSpec
     span: Span
     next: int = 0  # positions below were captured already (a resumed request recomputes them)
     layers: list[int] | None = None
@@ -197,7 +197,7 @@ class _StepRefs:
                 self.pieces.append((data, blocks, None if k.all() else k))
         self.next = limit
 
-    def take(self, known: int, total: int | None = None) -> CapturedRows | None:
+    def release(self, known: int, total: int | None = None) -> CapturedRows | None:
         if not self.pieces:
             return None
         pieces, self.pieces = self.pieces, []
@@ -215,28 +215,28 @@ class _StepRefs:
             for p in (blocks[0].positions if keep is None else np.asarray(blocks[0].positions)[keep].tolist())
         ]
         return captured_rows(
-            self.flag.key,
-            self.flag.dtype,
-            self.flag.topk,
+            self.spec.key,
+            self.spec.dtype,
+            self.spec.topk,
             self.layers,
             positions,
             cat(lambda b, d: b.values(d)),
-            cat(lambda b, d: b.indices(d)) if self.flag.topk else None,
+            cat(lambda b, d: b.indices(d)) if self.spec.topk else None,
         )
 
 
 @dataclasses.dataclass
 class _Capture:
-    """One flagged request from `add_request` to its last output: its `flag`, whether a tail step
+    """One flagged request from `add_request` to its last output: its `spec`, whether a tail step
     computes its final row (decided once), its unsent rows, and the tail steps' positions."""
 
-    flag: HiddenStatesExtractionRequest
+    spec: CaptureSpec
     tail: bool
     rows: _Rows | _StepRefs
     tail_positions: int = 0
-    # Each head's outputs (protocol.RowBlock.head), kept as rows are: the same span, their own flag.
+    # Each head's outputs (protocol.RowBlock.head), kept as rows are: the same span, their own spec.
     heads: dict[str, _Rows | _StepRefs] = dataclasses.field(default_factory=dict)
-    judged: int = 0  # its monitors (flag.monitors) and conditions have scored the rows below this position
+    judged: int = 0  # its monitors (spec.monitors) and conditions have scored the rows below this position
     prompt_len: int = 0
     # Conditional steering entries (protocol.SteerEntry.when): (entry index, its condition, start, end); per
     # position the bits of the conditions that held on its row; per entry the positions it was applied at.
@@ -272,10 +272,10 @@ class _Capture:
     def accumulators(self) -> list[_Rows | _StepRefs]:
         return [self.rows, *self.heads.values()]
 
-    def take(self, known: int, total: int | None = None) -> _Taken | None:
+    def release(self, known: int, total: int | None = None) -> _Taken | None:
         """The rows and head outputs decided wanted since the last take (all of them once ended)."""
-        rows = self.rows.take(known, total)
-        heads = {name: out for name, acc in self.heads.items() if (out := acc.take(known, total)) is not None}
+        rows = self.rows.release(known, total)
+        heads = {name: out for name, acc in self.heads.items() if (out := acc.release(known, total)) is not None}
         return _Taken(rows, heads) if rows is not None or heads else None
 
 
@@ -380,27 +380,27 @@ class _HiddenStatesScheduling:
 
     def add_request(self, request: Any) -> None:
         sp = request.sampling_params
-        flag = HiddenStatesExtractionRequest.from_extra_args(sp.extra_args if sp is not None else None)
+        spec = CaptureSpec.from_extra_args(sp.extra_args if sp is not None else None)
         inject = injected_fault(sp.extra_args) if self._injection and sp is not None else None
-        if flag is not None:
+        if spec is not None:
             L = self.vllm_config.model_config.hf_text_config.num_hidden_layers
-            flag.layers = [absolute_layer(l, L) for l in flag.layers]  # once, for every step's plan
-            span = Span.from_list(flag.span)
-            tail = flag.reaches_final and self._takes_tail(sp)
+            spec.layers = [absolute_layer(l, L) for l in spec.layers]  # once, for every step's plan
+            span = Span.from_list(spec.span)
+            tail = spec.reaches_final and self._takes_tail(sp)
             # Every captured row is wanted where the span starts at an absolute position and either has
             # no end counted from the end, or stops just before the final token without a tail step
             # (a proof's: that row is computed only by a draft in the finishing step, and the frontend
             # keeps what was asked): references to the steps' buffers, no window per step.
             every_row = span.start >= 0 and (span.end is None or span.end >= 0 or (span.end == -1 and not tail))
             acc = (lambda f: _StepRefs(f, span)) if every_row else (lambda f: _Rows(f, span, dtype=f.dtype))
-            heads = {name: acc(flag.head_flag(name, k)) for name, k in flag.heads}
+            heads = {name: acc(spec.head_spec(name, k)) for name, k in spec.heads}
             conditional = [
                 (k, e.when, e.start, e.end)
                 for k, e in enumerate(steering_of(sp.extra_args) or ())
                 if e.when is not None
             ]
             cap = _Capture(
-                flag, tail, acc(flag), heads=heads, prompt_len=request.num_prompt_tokens, conditional=conditional
+                spec, tail, acc(spec), heads=heads, prompt_len=request.num_prompt_tokens, conditional=conditional
             )
             self._records[request.request_id] = _Record(capture=cap, inject=inject)
         elif inject is not None:
@@ -457,7 +457,7 @@ class _HiddenStatesScheduling:
                 continue
             try:
                 self._check("plan", rec)
-                req, span, flag = self.requests[rid], cap.rows.span, cap.flag
+                req, span, spec = self.requests[rid], cap.rows.span, cap.spec
                 stop = req.num_computed_tokens  # advanced by this step already (Scheduler._update_after_schedule)
                 first = stop - n
                 if not span.final_only:
@@ -473,24 +473,24 @@ class _HiddenStatesScheduling:
                 lowest = req.num_prompt_tokens - 1 if cap.conditional else req.num_prompt_tokens
                 watch = (
                     []
-                    if not (flag.monitors or cap.conditional) or rec.held is not None
+                    if not (spec.monitors or cap.conditional) or rec.held is not None
                     else list(range(max(first, lowest, cap.judged), stop))
                 )
                 steer = self._decide(cap, first, stop) if cap.conditional else []
-                steer_if = self._on_device(cap, first, len(flag.monitors)) if cap.conditional else []
+                steer_if = self._on_device(cap, first, len(spec.monitors)) if cap.conditional else []
                 if positions or watch or steer or steer_if:
                     monitors = [
                         [m.head, m.index, m.above, m.threshold]
-                        for m in (*flag.monitors, *(c[1] for c in cap.conditional))
+                        for m in (*spec.monitors, *(c[1] for c in cap.conditional))
                     ]
                     plan[rid] = PlanEntry(
                         [p - first for p in positions],
                         positions,
-                        flag.layers,
+                        spec.layers,
                         stop,
-                        flag.dtype,
-                        flag.topk,
-                        flag.heads,
+                        spec.dtype,
+                        spec.topk,
+                        spec.heads,
                         [p - first for p in watch],
                         watch,
                         monitors if watch else [],
@@ -562,7 +562,7 @@ class _HiddenStatesScheduling:
                 continue
             client, eco = stashed  # this step computed its final token
             cap, tokens = rec.capture, rec.tokens
-            if (rows := cap.take(tokens, total=tokens)) is not None:  # its rows, the final one too
+            if (rows := cap.release(tokens, total=tokens)) is not None:  # its rows, the final one too
                 if rows.last_position == tokens - 1:  # the step in flight's row: the positions it scheduled
                     rows.counted(self._scheduled.get(seq, {}).get(rid, 0))
                     self.tails_run += 1
@@ -599,14 +599,14 @@ class _HiddenStatesScheduling:
                             extra[STOP_KEY] = rec.stop
                         if rec.steered is not None:  # where its `when` entries applied
                             extra[STEERED_KEY] = rec.steered
-                    elif cap is not None and cap.flag.every_step and (req := self.requests.get(rid)) is not None:
-                        rows = cap.take(req.num_tokens)
+                    elif cap is not None and cap.spec.every_step and (req := self.requests.get(rid)) is not None:
+                        rows = cap.release(req.num_tokens)
                     else:
                         rows = None
                     if eco.finish_reason is None and cap is not None and cap.conditional:
                         cap.decide()  # its new decisions: a stop string's extraction step (frontend) replays them
                         if new := cap.unsent():
-                            extra[STEERED_KEY] = [cap.flag.key, new]
+                            extra[STEERED_KEY] = [cap.spec.key, new]
                     if rows is not None:
                         extra.update(rows.params())
                     if extra:
@@ -688,7 +688,7 @@ class _HiddenStatesScheduling:
         judged yet, below `bound` (accepted tokens only), where a monitor holds (in order) is its trigger."""
         cap = rec.capture
         scores = block.values(data)
-        monitors = cap.flag.monitors
+        monitors = cap.spec.monitors
         conditions = len(monitors)  # the conditional entries' scores follow the stop conditions'
         for r, position in enumerate(block.positions):
             if position < cap.judged or position >= bound:
@@ -725,7 +725,7 @@ class _HiddenStatesScheduling:
                 request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, STOP_REASON.format(index)
                 stopped = True
                 self.monitor_stops += 1
-                rec.stop = [rec.capture.flag.key, position, index, score]
+                rec.stop = [rec.capture.spec.key, position, index, score]
         else:
             new_token_ids, stopped = super()._update_request_with_output(request, new_token_ids, *args, **kwargs)
         if not stopped or (cap := rec.live) is None:
@@ -785,12 +785,12 @@ class _HiddenStatesScheduling:
             return
         if cap.conditional:  # where each `when` entry applies, the final token's position decided too
             cap.decide()
-            rec.steered = [cap.flag.key, cap.unsent()]
+            rec.steered = [cap.spec.key, cap.unsent()]
         # (a monitor's stop: its final row is this step's, already filed; the step in flight's is a dropped token's)
         if self.async_tail and cap.tail and rec.stop is None and self._await_tail(request, rec):
             return  # the step in flight computes its final row (_async_tails sends the rows)
         try:
-            rows = cap.take(request.num_tokens, total=request.num_tokens)
+            rows = cap.release(request.num_tokens, total=request.num_tokens)
             if rows is not None:
                 rec.last_rows = rows.counted(cap.tail_positions)
         except Exception as e:  # its rows for the finishing output: it fails alone
@@ -808,7 +808,7 @@ class _HiddenStatesScheduling:
 
 def _file_into(acc: _Rows | _StepRefs, data: np.ndarray, blocks: list, bound: int) -> None:
     """One request's blocks of a step (rows of its layers, or one head's outputs) into `acc`."""
-    first, flag = blocks[0], acc.flag
+    first, spec = blocks[0], acc.spec
     if isinstance(acc, _StepRefs):  # the plan asked only for rows the span wants (Span.capturable)
         acc.add(data, blocks, first.positions, bound)
         return
@@ -821,9 +821,9 @@ def _file_into(acc: _Rows | _StepRefs, data: np.ndarray, blocks: list, bound: in
         return
     acc.layers = [b.layer for b in blocks]
     values = np.stack([b.values(data)[keep] for b in blocks])
-    indices = np.stack([b.indices(data)[keep] for b in blocks]) if flag.topk else None
+    indices = np.stack([b.indices(data)[keep] for b in blocks]) if spec.topk else None
     acc.add(positions[keep], values, indices)
-    if not flag.every_step:  # nothing taken before the finish: drop what the end can no longer want
+    if not spec.every_step:  # nothing taken before the finish: drop what the end can no longer want
         acc.prune(first.num_tokens)
 
 

@@ -49,7 +49,7 @@ from hidden_states.protocol import (
     STEERED_KEY,
     STOP_KEY,
     CapturedRows,
-    HiddenStatesExtractionRequest,
+    CaptureSpec,
     HiddenStatesProtocolError,
     HookFault,
 )
@@ -267,7 +267,7 @@ def make_async_llm_class():
                                 finished.append(o.index)
                                 settled.add(o.index)
                         if finished:
-                            await hs.settle(collector, ordinal, prompt_ids, tokens, finished, origin)
+                            await hs.finish_choices(collector, ordinal, prompt_ids, tokens, finished, origin)
                         yield out
             finally:
                 hs.engine_request_ended(collector, key)
@@ -505,7 +505,7 @@ class Extraction:
         params = params.clone()
         params.extra_args = {
             **(params.extra_args or {}),
-            **HiddenStatesExtractionRequest(
+            **CaptureSpec(
                 key=key,
                 span=span.to_list(),
                 layers=list(collector.layers) if collector.rows_wanted else [],
@@ -538,7 +538,7 @@ class Extraction:
             collector.refusal = e
             raise
 
-    async def settle(
+    async def finish_choices(
         self,
         collector: HiddenStatesCollector,
         ordinal: int,
@@ -557,7 +557,7 @@ class Extraction:
             jobs.append(((ordinal, index), seq, wanted, missing))
         if not collector.captures:  # it only steers: nothing to resolve
             for index in finished:
-                collector.settle_rows((ordinal, index), [], None)
+                collector.close_choice((ordinal, index), [], None)
             return
 
         def replayed(key) -> tuple[tuple, Origin]:
@@ -594,7 +594,7 @@ class Extraction:
                 via = "tail" if counted and n - 1 in wanted else "generation"
                 stats = ExtractionStats(n, n - counted, 0.0, via=via)
                 self.tails += via == "tail"
-            collector.settle_rows(key, wanted, None if collector.position == "prompt_end" else stats)
+            collector.close_choice(key, wanted, None if collector.position == "prompt_end" else stats)
 
     def _leave_room_for_extraction(self, prompt: Any, params: Any) -> Any:
         """max_tokens capped to `params.room_for_completion` (the final token's one more position)."""
@@ -655,7 +655,7 @@ class Extraction:
         async for out in outputs:
             done = [o for o in out.outputs if o.finish_reason is not None]
             if done:
-                await self.settle(
+                await self.finish_choices(
                     collector,
                     ordinal,
                     list(out.prompt_token_ids),  # beams bring no rows: all extracted
@@ -696,7 +696,7 @@ class Extraction:
                 detokenize=False,
                 output_kind=RequestOutputKind.FINAL_ONLY,
                 extra_args={
-                    **HiddenStatesExtractionRequest(
+                    **CaptureSpec(
                         key=key,
                         span=[lo, total, 1],
                         layers=list(layers),

@@ -260,7 +260,7 @@ class OpenAIFrontend:
     async def _hidden_states(self, body: bytes) -> tuple[int, bytes]:
         """POST /v1/hidden_states (hidden_states/verify.py): tokenize, one extraction, compare."""
         try:
-            req = verify.HiddenStatesRequest.model_validate_json(body)
+            req = verify.VerifyRequest.model_validate_json(body)
         except ValidationError as e:
             if (ours := request_error(e)) is not None:
                 return errors.error_response(ours)
@@ -326,7 +326,7 @@ class OpenAIFrontend:
         return 200, verify.response(model, ids, out, comparison)
 
     async def _check_proofs(
-        self, req: verify.HiddenStatesRequest, ids: list[int], prompt_len: int, lora: Any, mm: Any = None
+        self, req: verify.VerifyRequest, ids: list[int], prompt_len: int, lora: Any, mm: Any = None
     ) -> tuple[int, bytes]:
         """compare.toploc: one bfloat16 prefill of every fed position, each proof against its chunk's rows;
         a 400 for proofs that do not fit the tokens."""
@@ -367,7 +367,7 @@ class OpenAIFrontend:
         model = lora.lora_name if lora is not None else self.state.openai_serving_models.base_model_paths[0].name
         return 200, verify.response(model, ids, {"hidden_states_meta": meta}, comparison)
 
-    async def _token_ids(self, req: verify.HiddenStatesRequest) -> tuple[list[int], int | None, Any]:
+    async def _token_ids(self, req: verify.VerifyRequest) -> tuple[list[int], int | None, Any]:
         """The given tokens, where the `completion` starts in them (None: no completion), and the
         messages' processed multimodal inputs (Origin.mm; None for text)."""
         tok = self.engine.llm.tokenizer
