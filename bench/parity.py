@@ -7,14 +7,16 @@ route, sent one at a time to vLLM's OpenAI serving with this server's vectors (t
 
 Run `record` in each tree (e.g. a `git worktree` of main, with its own source first on the path) and
 `compare` the two files. Normalised: response ids (`cmpl-...`, `chatcmpl-...`), `created` timestamps,
-`extraction_seconds` (a time). A stream is compared as its events' JSON in order, since where vLLM
-cuts its chunks varies between two identical requests; everything else is compared as sent.
+`extraction_seconds` (a time). A stream is compared per choice (`canonical`): its text, token ids and
+logprobs merged, its rows by position, and its finishing event; where vLLM cuts its chunks and how it
+interleaves the choices of n > 1 vary between two identical requests. A whole response is compared as sent.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import hashlib
 import json
 import random
@@ -189,6 +191,43 @@ async def record(path: str, count: int) -> None:
 
 
 _DELTA = frozenset({"delta", "text", "token_ids", "logprobs"})  # merged per choice by stream_events
+_ROWS = ("hidden_states", "hidden_states_by_layer", "hidden_states_heads")  # a streamed choice's rows
+_CUT = ("positions", "shape", "bytes", "head_bytes")  # what a chunk's share of the rows decides
+
+
+def _split(value: Any, n: int) -> list:
+    """One chunk's field of `n` positions, position by position (base64: its bytes cut in n)."""
+    if isinstance(value, list):
+        return value
+    if isinstance(value, str):
+        raw = base64.b64decode(value)
+        step = len(raw) // n
+        return [raw[i * step : (i + 1) * step].hex() for i in range(n)]
+    if isinstance(value, dict) and set(value) == {"indices", "values"}:
+        return [{"indices": i, "values": v} for i, v in zip(_split(value["indices"], n), _split(value["values"], n))]
+    per_key = {k: _split(v, n) for k, v in value.items()}
+    return [{k: items[i] for k, items in per_key.items()} for i in range(n)]
+
+
+def _by_position(events: list[dict]) -> tuple[dict, list]:
+    """A streamed choice's rows by position, whichever chunk carried them, and its events without them."""
+    rows: dict[str, dict] = {}
+    rest = []
+    for ch in events:
+        meta = ch.get("hidden_states_meta") or {}
+        positions = meta.get("positions")
+        if positions is None:
+            rest.append(ch)
+            continue
+        for field in _ROWS:
+            if field in ch:
+                for p, item in zip(positions, _split(ch[field], len(positions))):
+                    rows.setdefault(str(p), {})[field] = item
+        if ch.get("finish_reason") is not None:  # (the chunks before it: how many, a matter of timing)
+            kept = {k: v for k, v in ch.items() if k not in _ROWS}
+            kept["hidden_states_meta"] = {k: v for k, v in meta.items() if k not in _CUT}
+            rest.append(kept)
+    return rows, rest
 
 
 def canonical(response: Any) -> Any:
@@ -208,7 +247,11 @@ def canonical(response: Any) -> Any:
             per_choice.setdefault(str(ch.get("index", 0)), []).append({k: v for k, v in ch.items() if k not in _DELTA})
         if e.get("usage"):
             rest.append({k: v for k, v in e.items() if k != "choices"})
-    return {"merged": merged, "choices": dict(sorted(per_choice.items())), "events": rest}
+    return {
+        "merged": merged,
+        "choices": {k: _by_position(v) for k, v in sorted(per_choice.items())},
+        "events": rest,
+    }
 
 
 def compare(a: str, b: str) -> int:

@@ -173,7 +173,10 @@ Ledger of patched points (supported: vLLM {SUPPORTED}):
    naming the hook). Relies on `finish_requests`, `EngineCoreOutput` and
    `FinishReason.ERROR` as in vLLM 0.32. Tests inject faults by request
    (`FAULT_INJECT_KEY` in `extra_args`, honoured only with
-   `HIDDEN_STATES_FAULT_INJECTION=1` in the engine's environment).
+   `HIDDEN_STATES_FAULT_INJECTION=1` in the engine's environment): the
+   engine core then runs the fault-injecting twin of its scheduler
+   (core/fault_injection.py), so the production scheduler carries no test
+   code; the worker still checks for an injected fault inside its hooks.
    Remove: never; it is how our code fails safe.
 20. Stop conditions (`hidden_states_stop`; not a patch of vLLM, its own stop
    path): the plan names each monitored request's completion rows not judged

@@ -39,7 +39,7 @@ from hidden_states.params import (
     spec_of,
 )
 from hidden_states.preflight import EngineStartupError, check_architecture, check_cpu_memory, check_model_folder
-from hidden_states.protocol import with_capture_layers
+from hidden_states.protocol import fault_injection, with_capture_layers
 from hidden_states.vllm import (
     ENGINE_ENV,
     VERIFIED_LAYER_ARCHS,
@@ -57,6 +57,14 @@ logger = logging.getLogger(__name__)
 TAIL_SCHEDULER = "hidden_states.vllm.core.scheduler.TailScheduler"  # synchronous: vectors on outputs + the tail step
 ASYNC_SCHEDULER = "hidden_states.vllm.core.scheduler.AsyncVectorScheduler"  # async scheduling: vectors on outputs
 PLAIN_SCHEDULER = "hidden_states.vllm.core.scheduler.VectorScheduler"  # tail_step=False: vectors on outputs only
+
+
+def scheduler_path(path: str) -> str:
+    """The scheduler class the engine core runs: `path`, or under FAULT_INJECTION_ENV=1 (tests only) its
+    fault-injecting twin (core/fault_injection.py)."""
+    return path.replace(".core.scheduler.", ".core.fault_injection.") if fault_injection() else path
+
+
 EXTRACTION_PRIORITY = -1  # lower runs first under vLLM's priority policy; requests default to 0
 
 
@@ -251,11 +259,9 @@ class HiddenStatesEngine(VectorObservers):
                 # From the configuration vLLM resolved (async scheduling after its own defaults):
                 # the tail step needs a synchronous scheduler (ledger point 9).
                 tail = tail_step  # synchronous: the held tail step; async: the step in flight (scheduler.py)
-                vllm_config.scheduler_config.scheduler_cls = (
-                    TAIL_SCHEDULER if not vllm_config.scheduler_config.async_scheduling else ASYNC_SCHEDULER
-                )
-                if not tail_step:
-                    vllm_config.scheduler_config.scheduler_cls = PLAIN_SCHEDULER
+                name = TAIL_SCHEDULER if not vllm_config.scheduler_config.async_scheduling else ASYNC_SCHEDULER
+                # (the fault-injecting twin of the class in tests: FAULT_INJECTION_ENV)
+                vllm_config.scheduler_config.scheduler_cls = scheduler_path(name if tail_step else PLAIN_SCHEDULER)
             loggers = None
             if ray_metrics:  # vLLM's engine metrics through Ray's Prometheus endpoint, tagged ReplicaId
                 from vllm.v1.metrics.ray_wrappers import RayPrometheusStatLogger

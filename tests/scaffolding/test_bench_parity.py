@@ -91,3 +91,26 @@ def test_choices_interleaved_otherwise_compare_equal_and_a_vector_does_not():
     assert one == parity.canonical([merged, [fin[1], fin[0], "[DONE]"]])
     other = [fin[0], {"id": "-", "choices": [{**fin[1]["choices"][0], "hidden_states": [2.5]}]}, "[DONE]"]
     assert one != parity.canonical([merged, other])
+
+
+def test_rows_streamed_in_other_chunks_compare_equal_and_a_changed_row_does_not():
+    """A stream of several positions' rows: which chunk carries which position is timing; each row is not."""
+    import base64
+
+    import numpy as np
+
+    rows = np.arange(12, dtype="<f4").reshape(3, 4)
+
+    def chunk(positions, finish=None, values=rows):
+        b64 = base64.b64encode(values[[p - 5 for p in positions]].tobytes()).decode()
+        meta = {"position": "completion", "positions": positions, "bytes": 16 * len(positions)}
+        return {"index": 0, "finish_reason": finish, "hidden_states": b64, "hidden_states_meta": meta}
+
+    def stream(*choices):
+        return parity.canonical([{}, [{"id": "-", "choices": [c]} for c in choices]])
+
+    one = stream(chunk([5, 6]), chunk([7], "length"))
+    assert one == stream(chunk([5]), chunk([6]), chunk([7], "length"))
+    changed = rows.copy()
+    changed[1, 2] += 1
+    assert one != stream(chunk([5, 6], values=changed), chunk([7], "length", values=changed))

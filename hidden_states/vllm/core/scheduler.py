@@ -49,13 +49,10 @@ from hidden_states.protocol import (
     CapturedRows,
     CaptureSpec,
     HookFault,
-    InjectedFault,
     PlanEntry,
     Span,
     absolute_layer,
     captured_rows,
-    fault_injection,
-    injected_fault,
     steering_of,
 )
 from hidden_states.vllm import _require
@@ -310,7 +307,6 @@ class _Record:
     whole: when that output has left (`_drop_sent`), when the request is aborted, or when it fails."""
 
     capture: _Capture | None = None  # a flagged request's rows, heads, monitors and conditions
-    inject: str | None = None  # tests only: the hook it asks to fail (FAULT_INJECTION_ENV)
     held: _Held | None = None  # stopped: its finish held one step, for the tail step
     released: _Held | None = None  # its held finish, emitted in this update (the held tokens' logprobs)
     trigger: tuple[int, int, float] | None = None  # a monitor held: (position, monitor, score), for its update
@@ -348,7 +344,6 @@ class _HiddenStatesScheduling:
         # Async scheduling: the step after a stop is in flight with the final token as its input.
         self._seq = 0  # schedule() calls so far: a step's sequence number
         self._scheduled: dict[int, dict[str, int]] = {}  # recent steps' scheduled tokens per request, by sequence
-        self._injection = fault_injection()  # tests only: requests may ask a hook to fail
 
     def _fault(self, rid: str, hook: str, error: BaseException | HookFault) -> None:
         """A hook of ours raised for `rid` (here, or in a worker: its report): the request fails at the
@@ -368,12 +363,6 @@ class _HiddenStatesScheduling:
             )
             rec.fault = HookFault.of(hook, error)
 
-    @staticmethod
-    def _check(hook: str, rec: _Record) -> None:
-        """Tests only: raises where the request asked this hook to fail (FAULT_INJECTION_ENV)."""
-        if rec.inject == hook:
-            raise InjectedFault(f"a fault injected into the {hook} hook")
-
     def _live(self):
         """(request id, record, capture) of each flagged request vLLM runs."""
         return ((rid, rec, rec.capture) for rid, rec in self._records.items() if rec.live is not None)
@@ -381,7 +370,6 @@ class _HiddenStatesScheduling:
     def add_request(self, request: Any) -> None:
         sp = request.sampling_params
         spec = CaptureSpec.from_extra_args(sp.extra_args if sp is not None else None)
-        inject = injected_fault(sp.extra_args) if self._injection and sp is not None else None
         if spec is not None:
             L = self.vllm_config.model_config.hf_text_config.num_hidden_layers
             spec.layers = [absolute_layer(l, L) for l in spec.layers]  # once, for every step's plan
@@ -402,9 +390,7 @@ class _HiddenStatesScheduling:
             cap = _Capture(
                 spec, tail, acc(spec), heads=heads, prompt_len=request.num_prompt_tokens, conditional=conditional
             )
-            self._records[request.request_id] = _Record(capture=cap, inject=inject)
-        elif inject is not None:
-            self._records[request.request_id] = _Record(inject=inject)
+            self._records[request.request_id] = _Record(capture=cap)
         super().add_request(request)
 
     def _takes_tail(self, sp: Any) -> bool:
@@ -456,51 +442,55 @@ class _HiddenStatesScheduling:
             if not n or rec.fault is not None:
                 continue
             try:
-                self._check("plan", rec)
-                req, span, spec = self.requests[rid], cap.rows.span, cap.spec
-                stop = req.num_computed_tokens  # advanced by this step already (Scheduler._update_after_schedule)
-                first = stop - n
-                if not span.final_only:
-                    positions = span.capturable(first, stop)
-                elif rec.held is not None:
-                    positions = [stop - 1] if stop == req.num_tokens else []
-                elif self.async_tail and cap.tail and stop > req.num_prompt_tokens:
-                    positions = [stop - 1]  # kept only if it is the final token's (_async_tails)
-                else:
-                    positions = []
-                # Its monitors score the completion rows not judged yet, its conditions those from the last prompt
-                # row on (a held request's tail row is not scored: nothing comes after it).
-                lowest = req.num_prompt_tokens - 1 if cap.conditional else req.num_prompt_tokens
-                watch = (
-                    []
-                    if not (spec.monitors or cap.conditional) or rec.held is not None
-                    else list(range(max(first, lowest, cap.judged), stop))
-                )
-                steer = self._decide(cap, first, stop) if cap.conditional else []
-                steer_if = self._on_device(cap, first, len(spec.monitors)) if cap.conditional else []
-                if positions or watch or steer or steer_if:
-                    monitors = [
-                        [m.head, m.index, m.above, m.threshold]
-                        for m in (*spec.monitors, *(c[1] for c in cap.conditional))
-                    ]
-                    plan[rid] = PlanEntry(
-                        [p - first for p in positions],
-                        positions,
-                        spec.layers,
-                        stop,
-                        spec.dtype,
-                        spec.topk,
-                        spec.heads,
-                        [p - first for p in watch],
-                        watch,
-                        monitors if watch else [],
-                        steer,
-                        steer_if,
-                        bool(cap.conditional and self.async_tail and watch),
-                    )
+                if (entry := self._plan_request(rid, rec, cap, n)) is not None:
+                    plan[rid] = entry
             except Exception as e:  # this request fails alone (at the end of the step's update)
                 self._fault(rid, "plan", e)
         return plan or None
+
+    def _plan_request(self, rid: str, rec: _Record, cap: _Capture, n: int) -> PlanEntry | None:
+        """One request's entry of the step's plan (`n` positions scheduled), or None: nothing to do."""
+        req, span, spec = self.requests[rid], cap.rows.span, cap.spec
+        stop = req.num_computed_tokens  # advanced by this step already (Scheduler._update_after_schedule)
+        first = stop - n
+        if not span.final_only:
+            positions = span.capturable(first, stop)
+        elif rec.held is not None:
+            positions = [stop - 1] if stop == req.num_tokens else []
+        elif self.async_tail and cap.tail and stop > req.num_prompt_tokens:
+            positions = [stop - 1]  # kept only if it is the final token's (_async_tails)
+        else:
+            positions = []
+        # Its monitors score the completion rows not judged yet, its conditions those from the last prompt
+        # row on (a held request's tail row is not scored: nothing comes after it).
+        lowest = req.num_prompt_tokens - 1 if cap.conditional else req.num_prompt_tokens
+        watch = (
+            []
+            if not (spec.monitors or cap.conditional) or rec.held is not None
+            else list(range(max(first, lowest, cap.judged), stop))
+        )
+        steer = self._decide(cap, first, stop) if cap.conditional else []
+        steer_if = self._on_device(cap, first, len(spec.monitors)) if cap.conditional else []
+        if positions or watch or steer or steer_if:
+            monitors = [
+                [m.head, m.index, m.above, m.threshold] for m in (*spec.monitors, *(c[1] for c in cap.conditional))
+            ]
+            return PlanEntry(
+                [p - first for p in positions],
+                positions,
+                spec.layers,
+                stop,
+                spec.dtype,
+                spec.topk,
+                spec.heads,
+                [p - first for p in watch],
+                watch,
+                monitors if watch else [],
+                steer,
+                steer_if,
+                bool(cap.conditional and self.async_tail and watch),
+            )
+        return None
 
     def _decide(self, cap: _Capture, first: int, stop: int) -> list:
         """Each conditional entry's rows among positions first..stop-1, as decided from the rows scored in
@@ -591,26 +581,7 @@ class _HiddenStatesScheduling:
                 if (rec := self._records.get(rid)) is None:
                     continue
                 try:
-                    self._check("send", rec)
-                    cap, extra = rec.capture, {}
-                    if eco.finish_reason is not None:
-                        rows, rec.last_rows = rec.last_rows, None
-                        if rec.stop is not None:  # a monitor finished it: where, why
-                            extra[STOP_KEY] = rec.stop
-                        if rec.steered is not None:  # where its `when` entries applied
-                            extra[STEERED_KEY] = rec.steered
-                    elif cap is not None and cap.spec.every_step and (req := self.requests.get(rid)) is not None:
-                        rows = cap.release(req.num_tokens)
-                    else:
-                        rows = None
-                    if eco.finish_reason is None and cap is not None and cap.conditional:
-                        cap.decide()  # its new decisions: a stop string's extraction step (frontend) replays them
-                        if new := cap.unsent():
-                            extra[STEERED_KEY] = [cap.spec.key, new]
-                    if rows is not None:
-                        extra.update(rows.params())
-                    if extra:
-                        eco.kv_transfer_params = {**(eco.kv_transfer_params or {}), **extra}
+                    self._send_request(eco, rec)
                 except Exception as e:  # this request fails alone (_fail, right after)
                     self._fault(rid, "send", e)
                 if (held := rec.released) is not None:  # the held token's own logprobs, not the tail sample's
@@ -618,6 +589,29 @@ class _HiddenStatesScheduling:
                     eco.new_logprobs = held.logprobs
                     if held.sampling_mask is not None:
                         eco.new_sampling_mask = held.sampling_mask
+
+    def _send_request(self, eco: Any, rec: _Record) -> None:
+        """What one output of a request of ours carries: its rows, and on its finishing output its stop and
+        where its `when` entries applied."""
+        cap, extra = rec.capture, {}
+        if eco.finish_reason is not None:
+            rows, rec.last_rows = rec.last_rows, None
+            if rec.stop is not None:  # a monitor finished it: where, why
+                extra[STOP_KEY] = rec.stop
+            if rec.steered is not None:  # where its `when` entries applied
+                extra[STEERED_KEY] = rec.steered
+        elif cap is not None and cap.spec.every_step and (req := self.requests.get(eco.request_id)) is not None:
+            rows = cap.release(req.num_tokens)
+        else:
+            rows = None
+        if eco.finish_reason is None and cap is not None and cap.conditional:
+            cap.decide()  # its new decisions: a stop string's extraction step (frontend) replays them
+            if new := cap.unsent():
+                extra[STEERED_KEY] = [cap.spec.key, new]
+        if rows is not None:
+            extra.update(rows.params())
+        if extra:
+            eco.kv_transfer_params = {**(eco.kv_transfer_params or {}), **extra}
 
     def _fail(self, outputs: dict) -> None:
         """The requests a hook failed in this update: finished with FINISHED_ERROR, their outputs of the
@@ -665,23 +659,28 @@ class _HiddenStatesScheduling:
             if rec is None or (cap := rec.capture) is None:
                 continue
             try:
-                self._check("file", rec)
-                # Rows past the accepted tokens are rejected drafts' (speculative decoding): the step
-                # computed tokens up to num_tokens - rejected (the scheduler's own rollback).
-                bound = blocks[0].num_tokens - _rejected(rid, spec, mro)
-                by_head: dict[str, list] = {}
-                for b in blocks:
-                    by_head.setdefault(b.head, []).append(b)
-                for head, mine in by_head.items():
-                    if head == MONITOR_BLOCK:
-                        if not rec.freed:  # (not a finished request's, awaiting its tail row)
-                            self._judge(rec, mine[0], step.data, bound)
-                        continue
-                    acc = cap.heads.get(head) if head else cap.rows
-                    if acc is not None:
-                        _file_into(acc, step.data, sorted(mine, key=lambda b: b.layer), bound)
+                self._store_request(rid, rec, cap, blocks, step.data, spec, mro)
             except Exception as e:  # this request fails alone (at the end of this update)
                 self._fault(rid, "file", e)
+
+    def _store_request(
+        self, rid: str, rec: _Record, cap: _Capture, blocks: list, data: np.ndarray, drafts: dict, mro: Any
+    ) -> None:
+        """One request's blocks of a step into its record (`drafts`: the step's scheduled draft tokens)."""
+        # Rows past the accepted tokens are rejected drafts' (speculative decoding): the step
+        # computed tokens up to num_tokens - rejected (the scheduler's own rollback).
+        bound = blocks[0].num_tokens - _rejected(rid, drafts, mro)
+        by_head: dict[str, list] = {}
+        for b in blocks:
+            by_head.setdefault(b.head, []).append(b)
+        for head, mine in by_head.items():
+            if head == MONITOR_BLOCK:
+                if not rec.freed:  # (not a finished request's, awaiting its tail row)
+                    self._judge(rec, mine[0], data, bound)
+                continue
+            acc = cap.heads.get(head) if head else cap.rows
+            if acc is not None:
+                _file_into(acc, data, sorted(mine, key=lambda b: b.layer), bound)
 
     def _judge(self, rec: _Record, block: Any, data: np.ndarray, bound: int) -> None:
         """A step's monitor scores of a request (float32 [positions, monitors]): the first position not
@@ -731,20 +730,26 @@ class _HiddenStatesScheduling:
         if not stopped or (cap := rec.live) is None:
             return new_token_ids, stopped
         try:
-            self._check("tail", rec)
-            for acc in cap.accumulators():  # draft tokens accepted past the stop: their rows go too
-                acc.trim(request.num_tokens)
-            if self.holds and self._holds(request, cap):
-                rec.held = self._hold(request, new_token_ids)
-                request.status, request.stop_reason = RequestStatus.RUNNING, None
-                # The tail step computes the final token, once: with draft tokens accepted past a stop,
-                # the step computed beyond it (those positions are no longer the request's).
-                request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
-                request.spec_token_ids = []
+            if self._stopped(request, rec, cap, new_token_ids):
                 return [], False
         except Exception as e:  # this request fails alone (at the end of this update)
             self._fault(request.request_id, "tail", e)
         return new_token_ids, stopped
+
+    def _stopped(self, request: Any, rec: _Record, cap: _Capture, new_token_ids: list[int]) -> bool:
+        """A request of ours stopped in this update: its rows past the stop go, and whether its finish is
+        held for the tail step (then it runs one more step)."""
+        for acc in cap.accumulators():  # draft tokens accepted past the stop: their rows go too
+            acc.trim(request.num_tokens)
+        if not (self.holds and self._holds(request, cap)):
+            return False
+        rec.held = self._hold(request, new_token_ids)
+        request.status, request.stop_reason = RequestStatus.RUNNING, None
+        # The tail step computes the final token, once: with draft tokens accepted past a stop,
+        # the step computed beyond it (those positions are no longer the request's).
+        request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
+        request.spec_token_ids = []
+        return True
 
     def _holds(self, request: Any, cap: _Capture) -> bool:
         n = request.num_tokens

@@ -1,0 +1,110 @@
+"""Injected faults (tests only) live in the test seam, not in the engine core's production scheduler:
+under FAULT_INJECTION_ENV=1 the engine runs the fault-injecting twin of its scheduler
+(hidden_states/vllm/core/fault_injection.py), whose per-request hooks raise for the request that asks.
+The real engine's requests fail alone in tests/engine/test_engine.py
+(`test_a_hook_in_the_engine_core_that_raises_fails_its_request_alone`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import pathlib
+
+import pytest
+
+from hidden_states.protocol import FAULT_INJECT_KEY, FAULT_INJECTION_ENV, InjectedFault
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def test_the_production_scheduler_carries_no_test_code():
+    source = (ROOT / "hidden_states/vllm/core/scheduler.py").read_text()
+    for name in ("InjectedFault", "injected_fault", "fault_injection", "FAULT_INJECT"):
+        assert name not in source, name
+
+
+@pytest.mark.parametrize("on", [False, True])
+def test_the_engine_runs_the_twin_only_under_the_env_flag(monkeypatch, on):
+    from hidden_states.vllm.core import fault_injection, scheduler
+    from hidden_states.vllm.engine import ASYNC_SCHEDULER, PLAIN_SCHEDULER, TAIL_SCHEDULER, scheduler_path
+
+    if on:
+        monkeypatch.setenv(FAULT_INJECTION_ENV, "1")
+    else:
+        monkeypatch.delenv(FAULT_INJECTION_ENV, raising=False)
+    for path in (TAIL_SCHEDULER, ASYNC_SCHEDULER, PLAIN_SCHEDULER):
+        module, name = scheduler_path(path).rsplit(".", 1)
+        cls = getattr(importlib.import_module(module), name)
+        assert cls.__module__ == (fault_injection.__name__ if on else scheduler.__name__)
+        assert issubclass(cls, getattr(scheduler, name))
+
+
+@dataclasses.dataclass
+class Request:
+    request_id: str
+    sampling_params: object
+
+
+@dataclasses.dataclass
+class Params:
+    extra_args: dict
+
+
+class Base:
+    """The per-request hooks of scheduler.py's mixin, as stand-ins that record their calls."""
+
+    def __init__(self):
+        self.requests, self._records, self.calls = {}, {}, []
+
+    def add_request(self, request):
+        self.requests[request.request_id] = request
+
+    def _plan_request(self, rid, *args):
+        self.calls.append(("plan", rid))
+
+    def _store_request(self, rid, *args):
+        self.calls.append(("file", rid))
+
+    def _send_request(self, eco, rec):
+        self.calls.append(("send", eco.request_id))
+
+    def _stopped(self, request, *args):
+        self.calls.append(("tail", request.request_id))
+        return False
+
+    def update_from_output(self, so, mro):
+        return {}
+
+
+@pytest.mark.parametrize("hook", ["plan", "file", "send", "tail"])
+def test_the_twin_raises_in_the_asked_hook_for_the_asking_request_only(hook):
+    from hidden_states.vllm.core.fault_injection import _Injecting
+
+    class Twin(_Injecting, Base):
+        pass
+
+    s = Twin()
+    s.add_request(Request("bad", Params({FAULT_INJECT_KEY: hook})))
+    s.add_request(Request("good", Params({})))
+
+    def run(which, rid):
+        req = Request(rid, None)
+        return {
+            "plan": lambda: s._plan_request(rid, None, None, 1),
+            "file": lambda: s._store_request(rid, None, None, [], None, {}, None),
+            "send": lambda: s._send_request(req, None),
+            "tail": lambda: s._stopped(req, None, None, []),
+        }[which]()
+
+    for which in ("plan", "file", "send", "tail"):
+        run(which, "good")
+        if which == hook:
+            with pytest.raises(InjectedFault, match=hook):
+                run(which, "bad")
+        else:
+            run(which, "bad")
+    assert [c for c in s.calls if c[1] == "bad"] == [(h, "bad") for h in ("plan", "file", "send", "tail") if h != hook]
+    # Gone from vLLM and from the records: forgotten at the end of the next update.
+    del s.requests["bad"]
+    s.update_from_output(None, None)
+    assert s._injected == {}
