@@ -29,6 +29,7 @@ from deployments import metrics
 from deployments.config import AppArgs
 from deployments.wire import HandleCompletionRequest, HandleError
 from hidden_states import errors, media, params
+from hidden_states.errors import Refused
 from hidden_states.openai_format import error_body
 from hidden_states.params import HiddenStatesFields
 from hidden_states.verify import VerifyRequest
@@ -203,41 +204,42 @@ def api_key(args: AppArgs) -> str | None:
     return env or args.api_key
 
 
-def auth(args: AppArgs, request: Request) -> Response | None:
+def auth(args: AppArgs, request: Request) -> None:
+    """Raises Refused (401) unless the request carries the key, where one is set."""
     key = api_key(args)
     if key is None:
-        return None
+        return
     given = request.headers.get("authorization", "").encode()
     if not secrets.compare_digest(given, b"Bearer " + key.encode()):  # constant time: no timing oracle on the key
-        return error(401, "invalid or missing API key: send Authorization: Bearer <key>")
-    return None
+        raise Refused(401, "invalid or missing API key: send Authorization: Bearer <key>")
 
 
-async def read_body(args: AppArgs, request: Request) -> bytes | Response:
+async def read_body(args: AppArgs, request: Request) -> bytes:
+    """The body, read up to the limit (Refused, 413, beyond it)."""
     limit = args.max_request_body_bytes
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
-        return error(413, f"request body of {declared} bytes exceeds the limit of {limit} bytes")
+        raise Refused(413, f"request body of {declared} bytes exceeds the limit of {limit} bytes")
     body = bytearray()
     async for part in request.stream():
         body += part
         if len(body) > limit:
-            return error(413, f"request body exceeds the limit of {limit} bytes")
+            raise Refused(413, f"request body exceeds the limit of {limit} bytes")
     return bytes(body)
 
 
-def check(args: AppArgs, body: bytes, route: str = "completions") -> Response | tuple[dict, params.HiddenStatesFields]:
-    """The parsed body and its spec (params.parse_fields), or the refusal. /v1/hidden_states's body is
-    the replica's to parse: its spec here is params.NOTHING."""
+def check(args: AppArgs, body: bytes, route: str = "completions") -> tuple[dict, params.HiddenStatesFields]:
+    """The parsed body and its spec (params.parse_fields); Refused if it is refused. /v1/hidden_states's body
+    is the replica's to parse: its spec here is params.NOTHING."""
     try:
         req = json.loads(body)
     except (ValueError, UnicodeDecodeError) as e:
-        return error(400, f"request body is not valid JSON: {e}")
+        raise Refused(400, f"request body is not valid JSON: {e}") from None
     if not isinstance(req, dict):
-        return error(400, "request body must be a JSON object")
+        raise Refused(400, "request body must be a JSON object")
     model = req.get("model")
     if model is not None and model not in args.served_model_names:  # the model, or one of its LoRA adapters
-        return error(404, params.unknown_model(model, args.served_model_names), "model")
+        raise Refused(404, params.unknown_model(model, args.served_model_names), "model")
     try:
         spec = (
             params.NOTHING
@@ -248,7 +250,7 @@ def check(args: AppArgs, body: bytes, route: str = "completions") -> Response | 
         if route in ("chat", "hidden_states"):
             check_media(args, req)
     except params.HiddenStatesRequestError as e:
-        return error(400, str(e), e.param)
+        raise Refused(400, str(e), e.param) from None
     return req, spec
 
 
@@ -264,31 +266,19 @@ def check_media(args: AppArgs, req: dict) -> None:
 
 async def admit(
     args: AppArgs, request: Request, route: str = "completions"
-) -> tuple[bytes, dict, params.HiddenStatesFields] | Response:
-    """auth, body limit, checks: (raw body, parsed body, its spec) or the refusal (counted by status)."""
-    out = await _admit(args, request, route)
-    if isinstance(out, Response):
-        metrics.refused(out.status_code)
-    return out
+) -> tuple[bytes, dict, params.HiddenStatesFields]:
+    """auth, body limit, checks: (raw body, parsed body, its spec); a refusal is counted by status and raised
+    (Refused: the routes answer it with `failure`)."""
+    try:
+        auth(args, request)
+        body = await read_body(args, request)
+        return (body, *check(args, body, route))
+    except Refused as e:
+        metrics.refused(e.status)
+        raise
 
 
-async def _admit(
-    args: AppArgs, request: Request, route: str
-) -> tuple[bytes, dict, params.HiddenStatesFields] | Response:
-    if (denied := auth(args, request)) is not None:
-        return denied
-    body = await read_body(args, request)
-    if isinstance(body, Response):
-        return body
-    checked = check(args, body, route)
-    if isinstance(checked, Response):
-        return checked
-    return (body, *checked)
-
-
-def models_list(args: AppArgs, request: Request, engine_card: dict | None = None) -> Response:
-    if (denied := auth(args, request)) is not None:
-        return denied
+def models_list(args: AppArgs, engine_card: dict | None = None) -> Response:
     # As vLLM's /v1/models: the model, then each LoRA adapter with its folder (`root`) and base (`parent`),
     # each with the engine's max_model_len (prompt + completion tokens; None while no engine answered)
     # and the heads a request may read (hidden_states_heads; an adapter's requests read them too).
@@ -328,7 +318,7 @@ def asgi_app(routes_app: FastAPI, instance: Any) -> FastAPI:
 def ingress_routes(app: FastAPI, kind: str) -> type:
     """The routes of an ingress deployment, registered on `app`, as a base class.
 
-    The deployment supplies `args` (AppArgs), `_serve(route, request)`, `_replica_stats()`,
+    The deployment supplies `args` (AppArgs), `_serve(route, body, req, spec)`, `_replica_stats()`,
     `_engine_card()` and optionally `_not_ready()`; it gets the routes, the relay and the counters.
     """
 
@@ -343,39 +333,43 @@ def ingress_routes(app: FastAPI, kind: str) -> type:
 
         @app.get("/v1/models")
         async def models(self, request: Request) -> Response:
-            if (denied := auth(self.args, request)) is not None:
-                return denied
+            try:
+                auth(self.args, request)
+            except Refused as e:
+                return failure(e)
             if (why := await self._not_ready()) is not None:
                 return error(503, why)
-            return models_list(self.args, request, await self._engine_card())
+            return models_list(self.args, await self._engine_card())
 
         @app.post("/v1/completions", openapi_extra=openapi_body(CompletionBody))
         async def completions(self, request: Request) -> Response:
-            return await self._serve("completions", request)
+            return await self._admitted("completions", request)
 
         @app.post("/v1/chat/completions", openapi_extra=openapi_body(ChatBody))
         async def chat_completions(self, request: Request) -> Response:
-            return await self._serve("chat", request)
+            return await self._admitted("chat", request)
 
         @app.post("/v1/hidden_states", openapi_extra=openapi_body(VerifyRequest))
         async def hidden_states(self, request: Request) -> Response:
             """The true final-token vector of given tokens, optionally compared with a claimed one."""
-            return await self._serve("hidden_states", request)
+            return await self._admitted("hidden_states", request)
 
         @app.post("/tokenize")
         async def tokenize(self, request: Request) -> Response:
             """vLLM's: a prompt or messages as the token ids a completion would see."""
-            return await self._serve("tokenize", request)
+            return await self._admitted("tokenize", request)
 
         @app.post("/detokenize")
         async def detokenize(self, request: Request) -> Response:
             """vLLM's: token ids as text."""
-            return await self._serve("detokenize", request)
+            return await self._admitted("detokenize", request)
 
         @app.get("/debug/stats")
         async def debug_stats(self, request: Request) -> Response:
-            if (denied := auth(self.args, request)) is not None:
-                return denied
+            try:
+                auth(self.args, request)
+            except Refused as e:
+                return failure(e)
             out = {
                 "ingress": {
                     "kind": kind,
@@ -387,6 +381,15 @@ def ingress_routes(app: FastAPI, kind: str) -> type:
                 }
             }
             return JSONResponse(out | await self._replica_stats())
+
+        async def _admitted(self, route: str, request: Request) -> Response:
+            """The request admitted (`admit`) and served by the deployment's `_serve(route, body, req, spec)`,
+            or its refusal answered."""
+            try:
+                body, req, spec = await admit(self.args, request, route)
+            except Refused as e:
+                return failure(e)
+            return await self._serve(route, body, req, spec)
 
         async def _engine_card(self) -> dict | None:
             """What /v1/models says of the engine ({max_model_len, heads}), or None if no engine says."""
@@ -408,21 +411,22 @@ def ingress_routes(app: FastAPI, kind: str) -> type:
     return IngressRoutes
 
 
-def handle_refusal(args: AppArgs, req: HandleCompletionRequest) -> HandleError | params.HiddenStatesFields:
-    """The same checks for Python-handle requests (`deployments.client`): the refusal, or the request's spec."""
+def handle_spec(args: AppArgs, req: HandleCompletionRequest) -> params.HiddenStatesFields:
+    """The same checks for Python-handle requests (`deployments.client`): the request's spec; Refused if refused
+    (`handle_failure` answers it)."""
     if (req.prompt is None) == (req.messages is None):
-        return HandleError(400, "send exactly one of `prompt` (text or token ids) and `messages` (chat)")
+        raise Refused(400, "send exactly one of `prompt` (text or token ids) and `messages` (chat)")
     if req.messages is not None and not (
         req.messages and all(isinstance(m, dict) and "role" in m for m in req.messages)
     ):
-        return HandleError(400, '`messages` must be a non-empty list of chat messages ({"role", "content"})')
+        raise Refused(400, '`messages` must be a non-empty list of chat messages ({"role", "content"})')
     try:
         spec = params.parse_fields(req.hidden_states, enabled=args.enable_return_hidden_states)
         params.check_n(req.n, args.max_n)
         if req.messages is not None:
             check_media(args, {"messages": req.messages})
     except params.HiddenStatesRequestError as e:
-        return HandleError(400, str(e))
+        raise Refused(400, str(e)) from None
     if req.model is not None and req.model not in args.served_model_names:
-        return HandleError(404, params.unknown_model(req.model, args.served_model_names))
+        raise Refused(404, params.unknown_model(req.model, args.served_model_names))
     return spec

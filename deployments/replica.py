@@ -18,13 +18,14 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from fastapi.responses import Response
 from ray import serve
 
 from deployments import http, metrics, wire
 from deployments.config import AppArgs
 from deployments.wire import HandleCompletion, HandleError, HandleReply, Reply, ResponseHead
+from hidden_states.errors import Refused
 from hidden_states.interface import Engine, SamplingOptions
 from hidden_states.openai_format import ROUTES, error_body
 from hidden_states.params import PARSED, HiddenStatesFields
@@ -79,11 +80,11 @@ class EngineReplica(http.ingress_routes(app, "replica")):
             return
         self.requests += 1
         async with contextlib.aclosing(self.frontend.handle(route, body, spec)) as parts:  # closed early: aborted
-            status, payload = await anext(parts)
-            media = "text/event-stream" if status == 200 and not payload else "application/json"
-            yield ResponseHead(int(status), media, self.replica_id)
-            if payload:
-                yield payload
+            head = await anext(parts)
+            media = "application/json" if head.body is not None else "text/event-stream"
+            yield ResponseHead(head.status, media, self.replica_id)
+            if head.body:
+                yield head.body
             async for part in parts:
                 yield part
 
@@ -130,11 +131,7 @@ class EngineReplica(http.ingress_routes(app, "replica")):
         """What /v1/models reports of the engine, for the Router: JSON bytes."""
         return json.dumps(await self._engine_card()).encode()
 
-    async def _serve(self, route: str, request: Request) -> Response:
-        admitted = await http.admit(self.args, request, route)
-        if isinstance(admitted, Response):
-            return admitted
-        body, _, spec = admitted
+    async def _serve(self, route: str, body: bytes, req: dict, spec: HiddenStatesFields) -> Response:
         self.requests += 1
         self.pending += 1
         deadline = time.monotonic() + self.args.request_timeout_s
@@ -143,10 +140,10 @@ class EngineReplica(http.ingress_routes(app, "replica")):
         how = http.CANCELLED  # unless it gets an answer: the client went away
         try:
             async with asyncio.timeout(self.args.request_timeout_s):
-                status, payload = await anext(parts)
-            if payload:
-                how = http.outcome(status)
-                return Response(payload, status_code=status, media_type="application/json", headers=headers)
+                head = await anext(parts)
+            if head.body is not None:
+                how = http.outcome(head.status)
+                return Response(head.body, status_code=head.status, media_type="application/json", headers=headers)
             how = None  # the relay counts it from here
             return http.Stream(self._relay(parts, deadline), media_type="text/event-stream", headers=headers)
         except Exception as e:
@@ -167,9 +164,7 @@ class EngineReplica(http.ingress_routes(app, "replica")):
         """HandleCompletionRequest bytes -> HandleReply bytes (`fields`, `routing_key`: as openai's)."""
         try:
             req = wire.REQUEST_DECODER.decode(request)
-            spec = HiddenStatesFields.from_json(fields) if fields else http.handle_refusal(self.args, req)
-            if isinstance(spec, HandleError):
-                return wire.ENCODER.encode(HandleReply(error=spec))
+            spec = HiddenStatesFields.from_json(fields) if fields else http.handle_spec(self.args, req)
             options = SamplingOptions(
                 n=req.n,
                 max_tokens=req.max_tokens,
@@ -178,6 +173,8 @@ class EngineReplica(http.ingress_routes(app, "replica")):
                 seed=req.seed,
                 stop=tuple(req.stop),
             )
+        except Refused as e:
+            return wire.ENCODER.encode(HandleReply(error=http.handle_failure(e)))
         except Exception as e:
             return wire.ENCODER.encode(HandleReply(error=HandleError(400, f"invalid request: {e}")))
         self.in_flight += 1

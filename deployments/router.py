@@ -14,7 +14,7 @@ import json
 import logging
 import time
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from fastapi.responses import Response
 from ray import serve
 from ray.serve.handle import DeploymentHandle
@@ -24,7 +24,9 @@ from deployments.config import AppArgs
 from deployments.readiness import Readiness
 from deployments.wire import HandleError, HandleReply
 from hidden_states import errors
+from hidden_states.errors import Refused
 from hidden_states.openai_format import error_body
+from hidden_states.params import HiddenStatesFields
 
 logger = logging.getLogger(__name__)
 
@@ -101,11 +103,7 @@ class Router(http.ingress_routes(app, "router")):
         except Exception as e:
             return {"replica_error": str(e)}
 
-    async def _serve(self, route: str, request: Request) -> Response:
-        admitted = await http.admit(self.args, request, route)
-        if isinstance(admitted, Response):
-            return admitted
-        body, req, spec = admitted
+    async def _serve(self, route: str, body: bytes, req: dict, spec: HiddenStatesFields) -> Response:
         fields = spec.to_json()  # the spec crosses as the value parsed here: the replica does not check it again
         if (why := await self._not_ready()) is not None:  # rather than wait for a replica until the timeout
             return http.error(503, why)
@@ -211,9 +209,10 @@ class Router(http.ingress_routes(app, "router")):
             req = wire.REQUEST_DECODER.decode(request)
         except Exception as e:
             return wire.ENCODER.encode(HandleReply(error=HandleError(400, f"invalid request: {e}")))
-        spec = http.handle_refusal(self.args, req)
-        if isinstance(spec, HandleError):
-            return wire.ENCODER.encode(HandleReply(error=spec))
+        try:
+            spec = http.handle_spec(self.args, req)
+        except Refused as e:
+            return wire.ENCODER.encode(HandleReply(error=http.handle_failure(e)))
         if (why := await self._not_ready()) is not None:
             return wire.ENCODER.encode(HandleReply(error=HandleError(503, why)))
         self.pending += 1

@@ -91,6 +91,13 @@ class HandleChoice(msgspec.Struct, array_like=True, gc=False):
     steering: list[dict[str, Any]] | None = None  # hidden_states_steering applied, as hidden_states_meta echoes it
     stop: dict[str, Any] | None = None  # hidden_states_stop: the condition that finished it (None: none did)
     stop_asked: bool = False  # the request had stop conditions
+    position: Any = None  # the request's position (a name, a range, or "proof")
+    topk: int | None = None  # hidden_states_topk
+    modalities: list[dict[str, Any]] | None = None  # the prompt's media items and their positions
+    proof_index: int = 0  # hidden_states_proof: its first proof's index
+    prompt_tokens: int | None = None  # hidden_states_proof: its prompt's length
+    head_bytes: int | None = None  # the heads' outputs as they travelled in the engine (None: no heads)
+    final: bool = True  # the whole choice
 
 
 def _le(arr: np.ndarray, dtype: Any) -> bytes:
@@ -125,6 +132,13 @@ def to_wire(ch: CompletionChoice) -> HandleChoice:
         ch.steering,
         ch.stop,
         ch.stop_asked,
+        ch.position,
+        ch.topk,
+        ch.modalities,
+        ch.proof_index,
+        ch.prompt_tokens,
+        ch.head_bytes,
+        ch.final,
     )
 
 
@@ -157,6 +171,13 @@ def from_wire(ch: HandleChoice) -> CompletionChoice:
         ch.steering,
         ch.stop,
         ch.stop_asked,
+        ch.position,
+        ch.topk,
+        ch.modalities,
+        ch.proof_index,
+        ch.prompt_tokens,
+        ch.head_bytes,
+        ch.final,
     )
 
 

@@ -3,6 +3,8 @@
 Every surface that answers a failure (HTTP, Python handles, SSE error events, the replica's
 OpenAI layer) asks `status_of`, so a failure gets the same status whichever way it came.
 
+    Refused (the ingress's own checks: auth, body size, JSON, model, n, media)
+                                                   its status  (the status's name)Error (+ its `param`)
     HiddenStatesRequestError, HiddenStatesDisabledError  400  BadRequestError (+ its `param`)
     UnknownModelError (neither the model nor an adapter)  404  NotFoundError (param model)
     any other ValueError                                  400  BadRequestError
@@ -21,6 +23,7 @@ along the MRO, so this module imports neither. `asyncio.CancelledError` is not i
 from __future__ import annotations
 
 import logging
+from http import HTTPStatus
 from typing import NamedTuple
 
 from hidden_states.interface import HookFaultError, MissingHiddenStatesError
@@ -31,6 +34,14 @@ logger = logging.getLogger(__name__)
 
 TIMED_OUT = "the request timed out (request_timeout_s) waiting for the engine"
 GONE = frozenset({"RayActorError", "ActorUnavailableError", "EngineDeadError"})  # matched by class name
+
+
+class Refused(Exception):
+    """A request the ingress refuses before any engine work (401, 404, 413, 400), with its status."""
+
+    def __init__(self, status: int, message: str, param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
 
 
 class Failure(NamedTuple):
@@ -57,6 +68,8 @@ def cause(e: BaseException) -> BaseException:
 def status_of(e: BaseException) -> Failure:
     """(status, OpenAI error type, message, param) for a request that failed with `e` (the table above)."""
     e = cause(e)
+    if isinstance(e, Refused):
+        return Failure(e.status, HTTPStatus(e.status).phrase.replace(" ", "") + "Error", e.message, e.param)
     if isinstance(e, HiddenStatesRequestError):
         return Failure(400, "BadRequestError", str(e), e.param)
     if isinstance(e, ValueError):

@@ -17,7 +17,7 @@ import dataclasses
 import functools
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
@@ -165,6 +165,23 @@ class RowBatch:
 
 
 @dataclasses.dataclass
+class ChoiceState:
+    """All a request knows of one of its choices, from its first row to its finish."""
+
+    pending: list[RowBatch] = dataclasses.field(default_factory=list)  # rows received, not handed out yet
+    sent: set[int] = dataclasses.field(default_factory=set)  # positions handed out
+    wanted: int | None = None  # closed: how many positions it has in all (None: still running)
+    stats: ExtractionStats | None = None  # the work for its final row (None: prompt_end, or not closed)
+    tail_positions: int = 0  # positions the engine core scheduled for its final row (counted there)
+    stop: dict | None = None  # the condition that finished it, as hidden_states_meta.stop says it
+    applied: dict[int, list[int]] | None = None  # `when` entry -> positions applied (None: no output said)
+    sent_bytes: int = 0  # rows (or proofs) handed out, in bytes
+    head_bytes: int = 0  # heads' outputs handed out, in bytes
+    head_positions: int = 0  # positions whose heads' outputs were handed out
+    prover: Any = None  # hidden_states_proof: its proofs.ProofBuilder, fed as its rows are handed out
+
+
+@dataclasses.dataclass
 class HiddenStatesCollector:
     """Per-request sink for rows, registered with `HiddenStatesEngine.collecting()` and reached
     through `tag` in `SamplingParams.extra_args`. Rows are filed by (prompt ordinal, choice index):
@@ -173,35 +190,25 @@ class HiddenStatesCollector:
     tag: str
     layers: tuple[int, ...] = (-1,)
     position: Any = "completion_end"  # params.POSITIONS, or a range {"start", "end", "stride"}
-    stats: dict[ChoiceKey, ExtractionStats] = dataclasses.field(default_factory=dict)
     beam_calls: int = 0  # vLLM's beam searches started for this request (one per prompt, in order)
     dtype: str = "float32"  # hidden_states_dtype
     topk: int | None = None  # hidden_states_topk
-    # Rows received and not handed out yet, the positions handed out, and for each settled choice
-    # how many positions it has in all.
-    rows: dict[ChoiceKey, list[RowBatch]] = dataclasses.field(default_factory=dict)
-    sent: dict[ChoiceKey, set[int]] = dataclasses.field(default_factory=dict)
-    done: dict[ChoiceKey, int] = dataclasses.field(default_factory=dict)
+    choices: dict[ChoiceKey, ChoiceState] = dataclasses.field(default_factory=dict)  # each choice's own state
     refusal: Exception | None = None  # a 400 raised while its engine requests started (the memory bound)
     # hidden_states_proof (proofs.ProofRequest): the rows are the scheme's (position, dtype, top-k), and
     # choices carry proofs built from them; each prompt's length (by ordinal) bounds its prefill's proof.
     proof: Any = None
     prompt_lens: dict[int, int] = dataclasses.field(default_factory=dict)
     modalities: dict[int, list[dict]] = dataclasses.field(default_factory=dict)  # by ordinal: Origin.modalities
-    tail_positions: dict[ChoiceKey, int] = dataclasses.field(default_factory=dict)  # counted by the engine core
     spec: Any = None  # params.HiddenStatesFields: the request's spec as parsed (encoding, by-layer)
     engine_requests: dict[str, int] = dataclasses.field(default_factory=dict)  # capture key -> prompt ordinal
     heads: tuple[tuple[str, int], ...] = ()  # (head, k) the engine runs over the same positions (params.resolve_heads)
     rows_wanted: bool = True  # False: heads alone, no rows travel
     steering: list = dataclasses.field(default_factory=list)  # protocol.SteerEntry, not anchored: what the workers add
     steering_echo: list = dataclasses.field(default_factory=list)  # what hidden_states_meta.steering says
-    # hidden_states_stop: the conditions the engine judges (protocol.Monitor), what the meta says of each,
-    # and per choice the one that finished it (its position and score) as hidden_states_meta.stop says it
+    # hidden_states_stop: the conditions the engine judges (protocol.Monitor), and what the meta says of each
     monitors: list = dataclasses.field(default_factory=list)
     stop_echo: list = dataclasses.field(default_factory=list)
-    stops: dict[ChoiceKey, dict] = dataclasses.field(default_factory=dict)
-    # conditional steering (`when`): per choice, each conditional entry's positions it was applied at
-    applied: dict[ChoiceKey, dict[int, list[int]]] = dataclasses.field(default_factory=dict)
     # A chat with media: renders its messages again (a coroutine function -> the engine input), for an
     # extraction step whose items the engine core's processor cache evicted (extraction.Origin.resend)
     rerender: Any = None
@@ -245,9 +252,17 @@ class HiddenStatesCollector:
         """Some steering entry applies where a condition held (`when`): the engine core decides, and says where."""
         return any(e.when is not None for e in self.steering)
 
+    def state(self, key: ChoiceKey) -> ChoiceState:
+        """The choice's state (made on first use)."""
+        st = self.choices.get(key)
+        if st is None:
+            st = self.choices[key] = ChoiceState()
+        return st
+
     def steering_meta(self, key: ChoiceKey) -> list:
         """What hidden_states_meta.steering says for a choice: the echo, and where each `when` entry applied."""
-        applied = self.applied.get(key)
+        st = self.choices.get(key)
+        applied = st.applied if st is not None else None
         if not self.conditional:
             return self.steering_echo
         return [
@@ -265,42 +280,127 @@ class HiddenStatesCollector:
         return self.position if isinstance(self.position, str) else "range"
 
     def add_rows(self, key: ChoiceKey, batch: RowBatch) -> None:
-        if key not in self.done and len(batch):
-            self.rows.setdefault(key, []).append(batch)
-            if batch.tail_positions:
-                self.tail_positions[key] = self.tail_positions.get(key, 0) + batch.tail_positions
+        st = self.state(key)
+        if st.wanted is None and len(batch):
+            st.pending.append(batch)
+            st.tail_positions += batch.tail_positions
 
     def held_positions(self, key: ChoiceKey) -> set[int]:
         """Positions received for the choice (handed out or not)."""
-        held = set(self.sent.get(key, ()))
-        for b in self.rows.get(key, ()):
+        st = self.state(key)
+        held = set(st.sent)
+        for b in st.pending:
             held.update(b.positions.tolist())
         return held
 
     def close_choice(self, key: ChoiceKey, wanted: Sequence[int], stats: ExtractionStats | None) -> None:
         """The choice ended: of what it received, keep the positions it asked for."""
-        merged = RowBatch.merge(self.rows.pop(key, ()))
+        st = self.state(key)
+        merged, st.pending = RowBatch.merge(st.pending), []
         if merged is not None:
             keep = np.isin(merged.positions, np.asarray(wanted, dtype=np.int64))
-            sent = self.sent.get(key)
-            if sent:
-                keep &= ~np.isin(merged.positions, np.fromiter(sent, dtype=np.int64))
+            if st.sent:
+                keep &= ~np.isin(merged.positions, np.fromiter(st.sent, dtype=np.int64))
             if keep.any():
-                self.rows[key] = [merged.select(keep)]
-        self.done[key] = len(wanted)
+                st.pending = [merged.select(keep)]
+        st.wanted = len(wanted)
         if stats is not None:
-            self.stats[key] = stats
+            st.stats = stats
 
     def hand_out(self, key: ChoiceKey) -> RowBatch | None:
-        """The rows received since the last take, in position order (each position once)."""
-        merged = RowBatch.merge(self.rows.pop(key, ()))
+        """The rows received since the last hand-out, in position order (each position once)."""
+        st = self.state(key)
+        merged, st.pending = RowBatch.merge(st.pending), []
         if merged is None:
             return None
-        sent = self.sent.setdefault(key, set())
-        if sent:
-            merged = merged.select(~np.isin(merged.positions, np.fromiter(sent, dtype=np.int64)))
-        sent.update(merged.positions.tolist())
+        if st.sent:
+            merged = merged.select(~np.isin(merged.positions, np.fromiter(st.sent, dtype=np.int64)))
+        st.sent.update(merged.positions.tolist())
         return merged if len(merged) else None
+
+    def choice(
+        self,
+        key: ChoiceKey,
+        engine: Any,
+        final: bool,
+        index: int = 0,
+        text: str = "",
+        token_ids: Sequence[int] = (),
+        finish_reason: str | None = None,
+    ) -> CompletionChoice | None:
+        """The one place a choice is built: what it carries since its last part (`final`: all of it, with its
+        work, its stop and where its conditional steering applied) as a CompletionChoice, which the Python API
+        returns, the handle wire carries and the formatter (openai_format.choice_fields) writes out. None:
+        nothing new for a part. A final part reports the choice's vector to the engine's observers."""
+        st = self.state(key)
+        if final and st.wanted is None:
+            raise engine.missing(f"choice {index}")
+        head = (index, text, tuple(token_ids), finish_reason)
+        if self.proof is not None:
+            return self._proof_part(key, st, engine, final, head)
+        batch = self.hand_out(key)
+        if batch is None and not final:
+            return None
+        steering = (self.steering_meta(key) if final else self.steering_echo) or None
+        stop = {"stop": st.stop, "stop_asked": True} if final and self.monitors else {}
+        if not self.captures:  # it only steers or stops: nothing captured
+            return CompletionChoice(*head, steering=steering, **stop) if final else None
+        rows, heads = _captured(self, batch, self.topk or engine.hidden_size, engine.heads)
+        head_bytes = batch.head_nbytes if batch is not None else 0
+        st.sent_bytes += rows.nbytes
+        if heads is not None:
+            st.head_bytes += head_bytes
+            st.head_positions += len(rows)
+        if final:
+            engine.vector_sent(
+                self.position_label,
+                st.stats,
+                st.sent_bytes,
+                {name: st.head_positions for name, _ in self.heads},
+                st.head_bytes,
+            )
+        return CompletionChoice(
+            *head,
+            rows,
+            st.stats if final else None,
+            self.multi,
+            heads=heads,
+            steering=steering,
+            **stop,
+            position=self.position,
+            topk=self.topk,
+            modalities=self.modalities.get(key[0]),
+            head_bytes=head_bytes if heads is not None else None,
+            final=final,
+        )
+
+    def _proof_part(self, key: ChoiceKey, st: ChoiceState, engine: Any, final: bool, head: tuple):
+        """A proof choice's proofs completed since its last part (hidden_states/proofs), from its rows."""
+        from hidden_states.proofs import ProofBuilder
+
+        if st.prover is None:
+            st.prover = ProofBuilder(self.proof, self.prompt_lens[key[0]], engine.hidden_size)
+        prover, first = st.prover, st.prover.count
+        batch = self.hand_out(key)
+        proofs = [] if batch is None else prover.add(batch.positions, batch.indices[-1], batch.values[-1])
+        if final:
+            proofs += prover.finish()
+            st.prover = None
+        elif not proofs:
+            return None
+        st.sent_bytes += sum(len(p) for p in proofs)
+        if final:
+            engine.vector_sent("proof", st.stats, st.sent_bytes)
+        return CompletionChoice(
+            *head,
+            None,
+            st.stats if final else None,
+            proofs=tuple(proofs),
+            position="proof",
+            proof_index=first,
+            prompt_tokens=prover.prompt_len,
+            final=final,
+        )
 
     @property
     def extra_args(self) -> dict[str, str]:
@@ -311,7 +411,7 @@ class HiddenStatesCollector:
 @dataclasses.dataclass(frozen=True)
 class CompletionChoice:
     """A finished choice, the one type the Python API returns, the handle wire carries
-    (deployments/wire.py) and the HTTP formatter reads (openai_format.row_fields): its text and
+    (deployments/wire.py) and the HTTP formatter reads (openai_format.choice_fields): its text and
     tokens, its rows as the engine cast them, its work, its proofs, its heads' outputs, its steering.
 
     The numpy arrays are views of `rows` (`hidden_states`, `hidden_states_by_layer`, top-k's
@@ -339,6 +439,17 @@ class CompletionChoice:
     # score}, as hidden_states_meta.stop), None if none did; absent (stop_asked False) if none was asked
     stop: dict | None = None
     stop_asked: bool = False
+    # How the request asked (hidden_states_meta says it): its position (params.POSITIONS, a range, or "proof"),
+    # its top-k, and its prompt's media ({modality, positions} per item); a proof choice's first proof's index
+    # and its prompt's length; this part's heads' bytes as they travelled (None: no heads); and whether it is
+    # the choice's last part (the whole choice, for the Python API and the handles).
+    position: Any = None
+    topk: int | None = None
+    modalities: list[dict] | None = None
+    proof_index: int = 0
+    prompt_tokens: int | None = None
+    head_bytes: int | None = None
+    final: bool = True
 
     @property
     def dtype(self) -> str:
@@ -391,14 +502,13 @@ def finished_choice(
     token_ids: Sequence[int],
     finish_reason: str | None,
 ) -> CompletionChoice:
-    """A finished choice of a request: its proofs, its rows, or (no hidden states asked) its text alone."""
+    """A finished choice of a request (the Python API's): with what it captured, or its text alone."""
     if collector is None:
         return CompletionChoice(index, text, tuple(token_ids), finish_reason)
-    build = proof_choice if collector.proof is not None else rows_choice
-    return build(engine, collector, index, text, token_ids, finish_reason)
+    return collector.choice((0, index), engine, True, index, text, token_ids, finish_reason)
 
 
-def captured(
+def _captured(
     collector: HiddenStatesCollector, batch: RowBatch | None, width: int, registry: Any
 ) -> tuple[RowBatch, dict | None]:
     """A choice's rows as it carries them (no batch: none, shaped as asked; heads alone: positions
@@ -413,67 +523,6 @@ def captured(
         {l: batch.indices[l] for l in layers} if batch.indices and layers else None,
     )
     return rows, heads
-
-
-def rows_choice(
-    engine: Any,
-    collector: HiddenStatesCollector,
-    index: int,
-    text: str,
-    token_ids: Sequence[int],
-    finish_reason: str | None,
-) -> CompletionChoice:
-    """A finished choice: its rows as cast, positions, top-k indices, heads' outputs, steering."""
-    key = (0, index)
-    if key not in collector.done:
-        raise engine.missing(f"choice {index}")
-    steering = collector.steering_meta(key) or None
-    stop = {"stop": collector.stops.get(key), "stop_asked": True} if collector.monitors else {}
-    if not collector.captures:  # it only steers or stops
-        return CompletionChoice(index, text, tuple(token_ids), finish_reason, steering=steering, **stop)
-    batch, stats = collector.hand_out(key), collector.stats.get(key)
-    rows, heads = captured(collector, batch, collector.topk or engine.hidden_size, getattr(engine, "heads", {}))
-    engine.vector_sent(
-        collector.position_label,
-        stats,
-        rows.nbytes,
-        {name: len(rows) for name, _ in collector.heads},
-        batch.head_nbytes if batch else 0,
-    )
-    return CompletionChoice(
-        index,
-        text,
-        tuple(token_ids),
-        finish_reason,
-        rows,
-        stats,
-        collector.multi,
-        heads=heads,
-        steering=steering,
-        **stop,
-    )
-
-
-def proof_choice(
-    engine: Any,
-    collector: HiddenStatesCollector,
-    index: int,
-    text: str,
-    token_ids: Sequence[int],
-    finish_reason: str | None,
-) -> CompletionChoice:
-    """A finished choice of a proof collector: its proofs (hidden_states/proofs) from its rows."""
-    from hidden_states.proofs import ProofBuilder
-
-    key = (0, index)
-    if key not in collector.done:
-        raise engine.missing(f"choice {index}")
-    batch, stats = collector.hand_out(key), collector.stats.get(key)
-    builder = ProofBuilder(collector.proof, collector.prompt_lens[0], engine.hidden_size)
-    proofs = [] if batch is None else builder.add(batch.positions, batch.indices[-1], batch.values[-1])
-    proofs += builder.finish()
-    engine.vector_sent("proof", stats, sum(len(p) for p in proofs))
-    return CompletionChoice(index, text, tuple(token_ids), finish_reason, None, stats, proofs=tuple(proofs))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -588,7 +637,17 @@ class Engine(Protocol):
     def shutdown(self) -> None: ...
 
 
+class Head(NamedTuple):
+    """What an OpenAI route yields first: its status and whole body, or (`body` None) SSE chunks follow."""
+
+    status: int
+    body: bytes | None
+
+
+STREAM = Head(200, None)  # a stream: its SSE chunks (bytes) follow
+
+
 class OpenAIRoutes(Protocol):
-    def handle(self, route: str, body: bytes) -> AsyncIterator[tuple[int, bytes] | bytes]:
-        """(status, whole body), or (200, b"") then SSE chunks."""
+    def handle(self, route: str, body: bytes) -> AsyncIterator[Head | bytes]:
+        """A Head, then (STREAM) the SSE chunks."""
         ...

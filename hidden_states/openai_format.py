@@ -9,6 +9,7 @@ Used by the vLLM frontend (hidden_states/vllm/frontend/openai.py) and the fake e
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 import re
 from http import HTTPStatus
@@ -17,8 +18,7 @@ from typing import Any, Literal, get_args
 import numpy as np
 from pydantic import ValidationError
 
-from hidden_states.interface import CompletionChoice, HiddenStatesCollector, RowBatch, captured
-from hidden_states.proofs import ProofBuilder
+from hidden_states.interface import CompletionChoice, HiddenStatesCollector
 from hidden_states.shape import squeeze
 
 Route = Literal["completions", "chat", "hidden_states", "tokenize", "detokenize"]
@@ -53,32 +53,84 @@ def encode_rows(choice: CompletionChoice, layer: int, encoding: str) -> list | d
     return squeeze(rows, choice.multi)
 
 
-def row_fields(choice: CompletionChoice, encoding: str, by_layer: bool, position, topk: int | None) -> dict:
-    """A choice's rows as the response carries them: `hidden_states` (or `_by_layer`) and `hidden_states_meta`."""
-    rows = {layer: encode_rows(choice, layer, encoding) for layer in choice.rows.values}
-    out = (
-        {"hidden_states_by_layer": {str(layer): v for layer, v in rows.items()}}
-        if by_layer
-        else {"hidden_states": rows[-1]}
-    )
-    meta = {"position": position, "dtype": choice.dtype}
-    if topk:
-        meta["topk"] = topk
+@dataclasses.dataclass(frozen=True)
+class ResponseForm:
+    """How one request's choices are written out: its encoding and layout, the adapter and replica that
+    served it, and (hidden_states_proof) the proof scheme it asked for."""
+
+    encoding: str = "float"  # hidden_states_encoding
+    by_layer: bool = False  # hidden_states_layers asked: `hidden_states_by_layer`
+    adapter: str | None = None
+    replica: str | None = None
+    proof: Any = None  # proofs.ProofRequest
+
+
+def choice_fields(choice: CompletionChoice, form: ResponseForm, verify: bool = False) -> dict:
+    """The one place a response's vector fields and `hidden_states_meta` are written, from a CompletionChoice
+    (HiddenStatesCollector.choice): on a completion's choice, or a chunk of it (`choice.final` False: rows
+    since its last chunk), and (`verify`) on the answer of POST /v1/hidden_states, whose meta keeps its
+    order: the work before the adapter, and no stop."""
+    out: dict[str, Any] = {}
+    if choice.proofs is not None:
+        if not verify:
+            out["hidden_states_proof"] = {
+                "scheme": form.proof.scheme,
+                "topk": form.proof.topk,
+                "decode_batching_size": form.proof.decode_batching_size,
+                "index": choice.proof_index,
+                "proofs": list(choice.proofs),
+            }
+        if choice.final:
+            meta = {"position": "proof"}
+            if verify:
+                meta.update(prompt_tokens=choice.prompt_tokens, **_work(choice, True))
+            meta.update(adapter=form.adapter, replica=form.replica)
+            if not verify:
+                meta.update(proofs=choice.proof_index + len(choice.proofs), prompt_tokens=choice.prompt_tokens)
+                meta.update(_work(choice, False))
+            out["hidden_states_meta"] = meta
+        return out
+    if choice.rows is None:  # it only steers or stops: what applied, and the stop
+        meta = {} if choice.steering is None else {"steering": choice.steering}
+        meta.update(adapter=form.adapter, replica=form.replica)
+        if choice.stop_asked:
+            meta["stop"] = choice.stop
+        return {"hidden_states_meta": meta}
+    meta = {"position": choice.position}
+    if choice.rows.values:
+        rows = {layer: encode_rows(choice, layer, form.encoding) for layer in choice.rows.values}
+        if form.by_layer:
+            out["hidden_states_by_layer"] = {str(layer): v for layer, v in rows.items()}
+        else:
+            out["hidden_states"] = rows[-1]
+        meta["dtype"] = choice.dtype
+        if choice.topk:
+            meta["topk"] = choice.topk
     if choice.positions is not None:
         meta["positions"] = list(choice.positions)
-    meta["shape"] = choice.shape
-    meta["bytes"] = choice.rows.nbytes
+    if choice.rows.values:
+        meta.update(shape=choice.shape, bytes=choice.rows.nbytes)
     out["hidden_states_meta"] = meta
+    if choice.heads is not None:
+        out["hidden_states_heads"] = choice.heads
+        meta["head_bytes"] = choice.head_bytes
+    if verify:
+        meta.update(_work(choice, True))
+    meta.update(adapter=form.adapter, replica=form.replica)
+    if choice.steering is not None:
+        meta["steering"] = choice.steering
+    if choice.stop_asked:
+        meta["stop"] = choice.stop
+    if choice.modalities is not None:
+        meta["modalities"] = choice.modalities
+    if not verify:
+        meta.update(_work(choice, True))
     return out
 
 
-def chunk_choice(
-    collector: HiddenStatesCollector, batch: RowBatch | None, width: int, registry: Any
-) -> CompletionChoice:
-    """The rows (and heads' outputs) a response choice carries in one chunk, as a CompletionChoice
-    (interface.captured): the type the Python API and the handles get, read by `row_fields`."""
-    rows, heads = captured(collector, batch, width, registry)
-    return CompletionChoice(0, "", (), None, rows, multi=collector.multi, heads=heads)
+def _work(choice: CompletionChoice, timed: bool) -> dict:
+    """The work for the choice's final row (ExtractionStats.meta), on its final part."""
+    return choice.extraction.meta(timed) if choice.final and choice.extraction is not None else {}
 
 
 def error_body(message: str, status: int, err_type: str | None = None, param: str | None = None) -> bytes:
@@ -103,121 +155,21 @@ class ChoiceVectors:
         replica_id: str,
         adapter: str | None = None,
     ):
-        self.engine, self.collector, self.route, self.replica_id = engine, collector, route, replica_id
-        self.adapter = adapter  # the LoRA adapter the request named (None: the base model)
-        self.encoding = collector.spec.hidden_states_encoding
-        self.by_layer = collector.spec.hidden_states_layers is not None
-        self.n = (getattr(request, "n", None) or 1) if route == "completions" else 0
-        self._sent_bytes: dict = {}  # payload bytes handed out per choice
-        self._head_sent: dict = {}  # heads' output bytes and positions handed out per choice
-        self._provers: dict = {}  # hidden_states_proof: each choice's proofs, built as its rows arrive
-
-    def _row_fields(self, index: int, finishing: bool) -> dict | None:
-        """A choice's rows received since its last chunk (all of them, unstreamed)."""
-        col = self.collector
-        key = divmod(index, self.n) if self.n else (0, index)
-        if finishing and key not in col.done:
-            raise self.engine.missing(f"choice {index}")
-        batch = col.hand_out(key)
-        if batch is None and not finishing:
-            return None
-        if not col.captures:  # it only steers or stops: the steering applied, the stop, nothing captured
-            if not finishing:
-                return None
-            meta = {"steering": col.steering_meta(key)} if col.steering_echo else {}
-            meta.update(adapter=self.adapter, replica=self.replica_id)
-            if col.monitors:
-                meta["stop"] = col.stops.get(key)
-            return {"hidden_states_meta": meta}
-        choice = chunk_choice(
-            col, batch, col.topk or getattr(self.engine, "hidden_size", 0), getattr(self.engine, "heads", {})
+        self.engine, self.collector = engine, collector
+        spec = collector.spec
+        self.form = ResponseForm(
+            spec.hidden_states_encoding, spec.hidden_states_layers is not None, adapter, replica_id, collector.proof
         )
-        if col.rows_wanted:
-            out = row_fields(choice, self.encoding, self.by_layer, col.position, col.topk)
-        else:  # heads alone: their outputs, no rows
-            meta = {"position": col.position}
-            if choice.positions is not None:
-                meta["positions"] = list(choice.positions)
-            out = {"hidden_states_meta": meta}
-        meta = out["hidden_states_meta"]
-        self._sent_bytes[key] = self._sent_bytes.get(key, 0) + meta.get("bytes", 0)
-        if choice.heads is not None:
-            out["hidden_states_heads"] = choice.heads
-            meta["head_bytes"] = batch.head_nbytes if batch is not None else 0
-            nbytes, positions = self._head_sent.get(key, (0, 0))
-            self._head_sent[key] = (nbytes + meta["head_bytes"], positions + (len(batch) if batch is not None else 0))
-        meta.update(adapter=self.adapter, replica=self.replica_id)
-        if col.steering_echo:
-            meta["steering"] = col.steering_meta(key) if finishing else col.steering_echo
-        if finishing and col.monitors:  # the condition that finished the choice, or None
-            meta["stop"] = col.stops.get(key)
-        if key[0] in col.modalities:  # a multimodal prompt: which positions are images' (audio's) tokens
-            meta["modalities"] = col.modalities[key[0]]
-        if finishing:
-            st = col.stats.get(key)
-            if st is not None:
-                meta.update(st.meta())
-            head_bytes, positions = self._head_sent.pop(key, (0, 0))
-            self.engine.vector_sent(
-                col.position_label,
-                st,
-                self._sent_bytes.pop(key, 0),
-                {name: positions for name, _ in col.heads},
-                head_bytes,
-            )
-        return out
+        self.n = (getattr(request, "n", None) or 1) if route == "completions" else 0
 
-    def _proof_fields(self, index: int, finishing: bool) -> dict | None:
-        """A proof choice's proofs completed since its last chunk: `hidden_states_proof` {scheme, topk,
-        decode_batching_size, index, proofs}."""
-        col = self.collector
+    def _fields(self, index: int, final: bool) -> dict | None:
         key = divmod(index, self.n) if self.n else (0, index)
-        if finishing and key not in col.done:
-            raise self.engine.missing(f"choice {index}")
-        prover = self._provers.get(key)
-        if prover is None:
-            width = getattr(self.engine, "hidden_size", 0)
-            prover = self._provers[key] = ProofBuilder(col.proof, col.prompt_lens[key[0]], width)
-        first = prover.count
-        batch = col.hand_out(key)
-        proofs = [] if batch is None else prover.add(batch.positions, batch.indices[-1], batch.values[-1])
-        if finishing:
-            proofs += prover.finish()
-            del self._provers[key]
-        if not proofs and not finishing:
-            return None
-        spec = col.proof
-        out = {
-            "hidden_states_proof": {
-                "scheme": spec.scheme,
-                "topk": spec.topk,
-                "decode_batching_size": spec.decode_batching_size,
-                "index": first,
-                "proofs": proofs,
-            }
-        }
-        nbytes = sum(len(p) for p in proofs)
-        self._sent_bytes[key] = self._sent_bytes.get(key, 0) + nbytes
-        if finishing:
-            meta = {
-                "position": "proof",
-                "adapter": self.adapter,
-                "replica": self.replica_id,
-                "proofs": first + len(proofs),
-                "prompt_tokens": prover.prompt_len,
-            }
-            st = col.stats.get(key)
-            if st is not None:
-                meta.update(st.meta(timed=False))
-            out["hidden_states_meta"] = meta
-            self.engine.vector_sent("proof", st, self._sent_bytes.pop(key, 0))
-        return out
+        choice = self.collector.choice(key, self.engine, final, index)
+        return None if choice is None else choice_fields(choice, self.form)
 
     def fields(self, index: int) -> dict:
         """The vector fields of response choice `index`."""
-        if self.collector.proof is not None:
-            return self._proof_fields(index, finishing=True)
-        return self._row_fields(index, finishing=True)
+        return self._fields(index, True)
 
     def fill_response(self, response) -> None:
         """A whole response: a dict, or vLLM's pydantic response (its models allow extra fields)."""
@@ -228,11 +180,6 @@ class ChoiceVectors:
         for choice in response.choices:
             for name, value in self.fields(choice.index).items():
                 setattr(choice, name, value)
-
-    def _partial(self, index: int) -> dict | None:
-        if self.collector.proof is not None:
-            return self._proof_fields(index, finishing=False)
-        return self._row_fields(index, finishing=False)
 
     def fill_chunk(self, chunk: str) -> str:
         """One SSE event: vectors put on the choices it finishes (rows of several positions on
@@ -246,7 +193,7 @@ class ChoiceVectors:
             if choice.get("finish_reason") is not None:
                 choice.update(self.fields(choice.get("index", 0)))
                 changed = True
-            elif streams_rows and (rows := self._partial(choice.get("index", 0))) is not None:
+            elif streams_rows and (rows := self._fields(choice.get("index", 0), False)) is not None:
                 choice.update(rows)
                 changed = True
         if not changed:

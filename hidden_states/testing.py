@@ -23,8 +23,10 @@ from typing import Any
 import numpy as np
 
 from hidden_states.interface import (
+    STREAM,
     Completion,
     ExtractionStats,
+    Head,
     HiddenStatesCollector,
     MissingHiddenStatesError,
     RowBatch,
@@ -272,21 +274,19 @@ class FakeOpenAI:
 
     async def handle(
         self, route: str, body: bytes, spec: HiddenStatesFields | None = None
-    ) -> AsyncIterator[tuple[int, bytes] | bytes]:
+    ) -> AsyncIterator[Head | bytes]:
         async with self.engine.running(), contextlib.aclosing(self._handle(route, body, spec)) as parts:
             async for part in parts:
                 yield part
 
-    async def _handle(
-        self, route: str, body: bytes, spec: HiddenStatesFields | None
-    ) -> AsyncIterator[tuple[int, bytes] | bytes]:
+    async def _handle(self, route: str, body: bytes, spec: HiddenStatesFields | None) -> AsyncIterator[Head | bytes]:
         eng = self.engine
         eng.requests += 1
         req = json.loads(body)
         try:  # as the real frontend: the ingress's spec, or this one parses the fields
             spec = spec or parse_fields(req, enabled=eng.enabled)
         except HiddenStatesRequestError as e:
-            yield 400, error_body(str(e), 400, "BadRequestError", e.param)
+            yield Head(400, error_body(str(e), 400, "BadRequestError", e.param))
             return
         prompt_ids = (
             list(str(req.get("prompt")).encode()) if route == "completions" else eng.chat_prompt(req["messages"])
@@ -298,7 +298,7 @@ class FakeOpenAI:
                 col = stack.enter_context(eng.collecting(spec)) if spec.return_hidden_states else None
                 eng.check_budget(col, len(prompt_ids), max_tokens, n)
             except HiddenStatesRequestError as e:
-                yield 400, error_body(str(e), 400, "BadRequestError", e.param)
+                yield Head(400, error_body(str(e), 400, "BadRequestError", e.param))
                 return
             vectors = None
             if col is not None:
@@ -316,9 +316,9 @@ class FakeOpenAI:
                 }
                 if vectors is not None:
                     vectors.fill_response(payload)
-                yield 200, json.dumps(payload).encode()
+                yield Head(200, json.dumps(payload).encode())
                 return
-            yield 200, b""
+            yield STREAM
             for i in range(n):
                 toks = eng._generate(prompt_ids, i, max_tokens)
                 if col is not None:

@@ -117,7 +117,7 @@ async def _streamed(eng, prompt_ids, params, hs: bool):
         params.extra_args = col.extra_args
         async for out in eng.llm.generate({"prompt_token_ids": prompt_ids}, params, f"s-{uuid.uuid4().hex}"):
             tokens += out.outputs[0].token_ids
-    return tokens, col.stats[(0, 0)]
+    return tokens, col.choices[(0, 0)].stats
 
 
 def workload(counted: Counted, loop_thread, stop_id: int, hs: bool):

@@ -21,6 +21,7 @@ def engine():
     eng = HiddenStatesEngine.__new__(HiddenStatesEngine)
     eng.extraction, eng.observers = Extraction.__new__(Extraction), []
     eng.extraction.missing_vectors = 0
+    eng.hidden_size, eng.heads = 4, {}
     return eng
 
 

@@ -7,8 +7,9 @@ import json
 import pytest
 
 from deployments.config import AppArgs
-from deployments.http import check, handle_refusal
+from deployments.http import check, failure, handle_failure, handle_spec
 from deployments.wire import HandleCompletionRequest, HandleError
+from hidden_states.errors import Refused
 from hidden_states.params import NOTHING, parse_fields
 
 ARGS = AppArgs(model="builtin:tiny-llama", max_n=4)
@@ -16,11 +17,22 @@ OFF = AppArgs(model="builtin:tiny-llama", enable_return_hidden_states=False)
 
 
 def refusal(args: AppArgs, body) -> tuple[int, dict] | None:
+    """The refusal the ingress answers (`failure` of the Refused `check` raises), or None for a body it admits."""
     raw = body if isinstance(body, bytes) else json.dumps(body).encode()
-    out = check(args, raw)
-    if isinstance(out, tuple):
-        return None
-    return out.status_code, json.loads(out.body)["error"]
+    try:
+        check(args, raw)
+    except Refused as e:
+        out = failure(e)
+        return out.status_code, json.loads(out.body)["error"]
+    return None
+
+
+def handle_refusal(args: AppArgs, req: HandleCompletionRequest):
+    """A handle request's refusal as its caller gets it (HandleError), or its spec."""
+    try:
+        return handle_spec(args, req)
+    except Refused as e:
+        return handle_failure(e)
 
 
 @pytest.mark.parametrize(
@@ -103,7 +115,7 @@ def test_lora_modules_are_served_by_name(tmp_path):
     assert code == 404 and err["param"] == "model" and "`tiny-llama`, `a`, `b`" in err["message"], err
     assert not isinstance(handle_refusal(args, HandleCompletionRequest(prompt="x", model="b")), HandleError)
     assert handle_refusal(args, HandleCompletionRequest(prompt="x", model="c")).status == 404
-    cards = json.loads(models_list(args, None).body)["data"]
+    cards = json.loads(models_list(args).body)["data"]
     assert [(c["id"], c["parent"]) for c in cards] == [("tiny-llama", None), ("a", "tiny-llama"), ("b", "tiny-llama")]
     assert cards[1]["root"] == str(tmp_path / "a")
 

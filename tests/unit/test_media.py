@@ -14,8 +14,9 @@ import pytest
 from PIL import Image
 
 from deployments.config import AppArgs
-from deployments.http import check
+from deployments.http import check, failure
 from hidden_states import media
+from hidden_states.errors import Refused
 from hidden_states.params import NOTHING, HiddenStatesRequestError
 from tests.unit.test_ingress import call, make, run
 
@@ -360,8 +361,12 @@ ARGS = AppArgs(model="builtin:tiny-llama", max_media_bytes=len(PNG))
 
 
 def checked(args: AppArgs, body: dict, route: str = "chat"):
-    out = check(args, json.dumps(body).encode(), route)
-    return out if isinstance(out, tuple) else (out.status_code, json.loads(out.body)["error"])
+    """(parsed body, spec) as the ingress admits it, or (status, error) as it answers its refusal."""
+    try:
+        return check(args, json.dumps(body).encode(), route)
+    except Refused as e:
+        out = failure(e)
+        return out.status_code, json.loads(out.body)["error"]
 
 
 @pytest.mark.parametrize(

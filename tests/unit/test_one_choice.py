@@ -12,7 +12,7 @@ import pytest
 
 from deployments import client, wire
 from hidden_states.interface import CompletionChoice, ExtractionStats, RowBatch
-from hidden_states.openai_format import row_fields
+from hidden_states.openai_format import ResponseForm, choice_fields
 from hidden_states.params import SINGLE_POSITIONS
 from hidden_states.protocol import narrow, numpy_dtype, widen
 from hidden_states.shape import several, squeeze
@@ -184,11 +184,12 @@ def test_the_wire_carries_the_one_type_bit_for_bit(case, stats):
 
 
 def test_the_http_formatter_reads_the_choice_as_the_python_api_does():
-    """row_fields: floats are the Python arrays' values, base64 the rows' bytes as cast, the meta their shape."""
+    """choice_fields: floats are the Python arrays' values, base64 the rows' bytes as cast, the meta their shape."""
     for dtype, multi in [("float32", False), ("float16", True), ("bfloat16", True)]:
-        ch = CompletionChoice(0, "", (), None, rows_of(dtype, multi, layers=(0, -1)), multi=multi)
-        floats = row_fields(ch, "float", True, "all" if multi else "completion_end", None)
-        b64 = row_fields(ch, "base64", False, "all" if multi else "completion_end", None)
+        position = "all" if multi else "completion_end"
+        ch = CompletionChoice(0, "", (), None, rows_of(dtype, multi, layers=(0, -1)), multi=multi, position=position)
+        floats = choice_fields(ch, ResponseForm("float", by_layer=True))
+        b64 = choice_fields(ch, ResponseForm("base64"))
         for layer in (0, -1):
             got = floats["hidden_states_by_layer"][str(layer)]
             np.testing.assert_array_equal(np.asarray(got, np.float32), ch.hidden_states_by_layer[layer])
@@ -199,5 +200,5 @@ def test_the_http_formatter_reads_the_choice_as_the_python_api_does():
     half = narrow(np.array([[1 / 3, -2.0]], np.float32), "float16")
     ch = CompletionChoice(0, "", (), None, RowBatch(np.array([7]), {-1: half}, "float16"))
     assert (
-        row_fields(ch, "float", False, "completion_end", None)["hidden_states"] == widen(half, "float16")[0].tolist()
+        choice_fields(ch, ResponseForm())["hidden_states"] == widen(half, "float16")[0].tolist()
     )  # float16 floats are the float32-widened values, as ever

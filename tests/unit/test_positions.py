@@ -87,7 +87,7 @@ def _vectors(position, encoding="float", dtype="float32", topk=None):
     collector = HiddenStatesCollector.of("t", spec, (-1,))
     request = types.SimpleNamespace(n=1)
     engine = types.SimpleNamespace(
-        missing=lambda what: AssertionError(what), vector_sent=lambda *a: None, hidden_size=4
+        missing=lambda what: AssertionError(what), vector_sent=lambda *a: None, hidden_size=4, heads={}
     )
     return ChoiceVectors(engine, collector, request, "completions", "r0"), collector
 

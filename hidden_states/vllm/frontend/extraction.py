@@ -434,7 +434,7 @@ class Extraction:
             if col is None or index is None or key not in col.engine_requests:
                 self.late_rows += 1
                 return
-            col.stops[(col.engine_requests[key], index)] = {
+            col.state((col.engine_requests[key], index)).stop = {
                 **col.stop_echo[condition],
                 "condition": int(condition),
                 "position": int(position),
@@ -453,7 +453,8 @@ class Extraction:
             if col is None or index is None or key not in col.engine_requests:
                 self.late_rows += 1
                 return
-            mine = col.applied.setdefault((col.engine_requests[key], index), {})
+            st = col.state((col.engine_requests[key], index))
+            mine = st.applied = st.applied if st.applied is not None else {}
             for k, positions in entries:  # each output brings the positions decided since the last
                 mine.setdefault(int(k), []).extend(int(p) for p in positions)
         except (TypeError, ValueError):
@@ -564,7 +565,7 @@ class Extraction:
             """The origin of a choice's extraction step: its conditional entries where its own steps applied them."""
             if not collector.conditional:
                 return (), origin
-            applied = collector.applied.get(key, {})
+            applied = collector.state(key).applied or {}
             return (
                 tuple((k, tuple(v)) for k, v in sorted(applied.items())),
                 dataclasses.replace(origin, steering=steering.replay(origin.steering, applied)),
@@ -590,7 +591,7 @@ class Extraction:
                 batch, stats = extracted[step_of[key]]
                 collector.add_rows(key, batch)
             elif collector.position != "prompt_end":
-                n, counted = len(seq), collector.tail_positions.get(key, 0)
+                n, counted = len(seq), collector.state(key).tail_positions
                 via = "tail" if counted and n - 1 in wanted else "generation"
                 stats = ExtractionStats(n, n - counted, 0.0, via=via)
                 self.tails += via == "tail"
@@ -768,7 +769,7 @@ class Extraction:
         finally:
             self.engine_request_ended(step, key)
             self.faulted.pop(f"hs-{key}", None)
-        return RowBatch.merge([b for batches in step.rows.values() for b in batches]), cached
+        return RowBatch.merge([b for st in step.choices.values() for b in st.pending]), cached
 
     async def extract_one(
         self, token_ids: Sequence[int], origin: Origin = Origin()

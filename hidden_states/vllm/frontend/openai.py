@@ -21,21 +21,28 @@ import json
 import logging
 import uuid
 from collections.abc import AsyncIterator, Sequence
-from http import HTTPStatus
 from typing import Any
 
 from pydantic import ValidationError
 
 from hidden_states import errors, proofs, steering, verify
-from hidden_states.heads import head_fields
 from hidden_states.interface import (
+    STREAM,
     CompletionChoice,
+    Head,
     HiddenStatesCollector,
     HiddenStatesTimeout,
     HookFaultError,
     MissingHiddenStatesError,
 )
-from hidden_states.openai_format import ChoiceVectors, Route, error_body, row_fields, validation_message
+from hidden_states.openai_format import (
+    ChoiceVectors,
+    ResponseForm,
+    Route,
+    choice_fields,
+    error_body,
+    validation_message,
+)
 from hidden_states.params import (
     HiddenStatesDisabledError,
     HiddenStatesFields,
@@ -113,36 +120,36 @@ class OpenAIFrontend:
 
     async def handle(
         self, route: Route, body: bytes, spec: HiddenStatesFields | None = None
-    ) -> AsyncIterator[tuple[int, bytes] | bytes]:
-        """Yields (status, first body bytes) for a whole response, or (200, b"") then SSE chunks.
+    ) -> AsyncIterator[Head | bytes]:
+        """Yields a Head: the status and whole body, or STREAM, then SSE chunks.
         `spec`: the body's hidden-states fields as the ingress parsed them; None: parsed here."""
         if route == "hidden_states":
-            yield await self._hidden_states(body)
+            yield Head(*await self._hidden_states(body))
             return
         if route in ("tokenize", "detokenize"):
-            yield await self._tokenization(route, body)
+            yield Head(*await self._tokenization(route, body))
             return
         serving = self.state.openai_serving_completion if route == "completions" else self.state.openai_serving_chat
         try:
             model = self.completion_request if route == "completions" else self.chat_request
             request = model.model_validate_json(body)
         except ValidationError as e:
-            yield HTTPStatus.BAD_REQUEST, error_body(validation_message(e), 400, "BadRequestError")
+            yield Head(400, error_body(validation_message(e), 400, "BadRequestError"))
             return
         except Exception as e:  # vLLM's own validators raise VLLMValidationError (-> 400) and kin
             err = serving.create_error_response(e)
-            yield err.error.code, err.model_dump_json().encode()
+            yield Head(err.error.code, err.model_dump_json().encode())
             return
         try:  # the ingress checked it; a handle caller's unknown model gets the same 404 naming what is served
             self.engine.lora_request(request.model)
         except UnknownModelError as e:
-            yield errors.error_response(e)
+            yield Head(*errors.error_response(e))
             return
         if spec is None:  # this replica is the first to read the body (a direct caller)
             try:
                 spec = parse_fields(request.model_extra or {}, enabled=self.engine.enabled)
             except HiddenStatesRequestError as e:
-                yield errors.error_response(e)
+                yield Head(*errors.error_response(e))
                 return
         wants = spec.wants
         # A client's request_id is replaced; a letter first, so vLLM's `{id}-{i}` per prompt is unambiguous.
@@ -159,7 +166,7 @@ class OpenAIFrontend:
             try:  # the spec against the model: a 400 before any engine work
                 collector = stack.enter_context(self.engine.collecting(spec))
             except HiddenStatesRequestError as e:
-                yield errors.error_response(e)
+                yield Head(*errors.error_response(e))
                 return
             # The tag rides in vllm_xargs -> SamplingParams.extra_args of every engine
             # request vLLM makes for this request.
@@ -179,7 +186,7 @@ class OpenAIFrontend:
         request,
         collector: HiddenStatesCollector | None,
         choices: ChoiceVectors | None = None,
-    ) -> AsyncIterator[tuple[int, bytes] | bytes]:
+    ) -> AsyncIterator[Head | bytes]:
         create = serving.create_completion if route == "completions" else serving.create_chat_completion
         try:
             if collector is None:
@@ -189,28 +196,28 @@ class OpenAIFrontend:
                 context.run(_BEAM_COLLECTOR.set, collector)
                 result = await asyncio.create_task(create(request, None), context=context)
         except (HiddenStatesTimeout, MissingHiddenStatesError, HiddenStatesRequestError, HookFaultError) as e:
-            yield errors.error_response(e)
+            yield Head(*errors.error_response(e))
             return
         except Exception as e:  # vLLM maps its own errors (validation -> 400 ...)
             err = serving.create_error_response(e)
-            yield err.error.code, err.model_dump_json().encode()
+            yield Head(err.error.code, err.model_dump_json().encode())
             return
         if collector is not None and collector.refusal is not None:  # the memory bound (extraction._flag_rows)
-            yield errors.error_response(collector.refusal)
+            yield Head(*errors.error_response(collector.refusal))
             return
         if hasattr(result, "error"):
-            yield result.error.code, result.model_dump_json().encode()
+            yield Head(result.error.code, result.model_dump_json().encode())
             return
         if not hasattr(result, "__aiter__"):
             if choices is None:
-                yield 200, result.model_dump_json().encode()
+                yield Head(200, result.model_dump_json().encode())
                 return
             try:
                 choices.fill_response(result)
             except MissingHiddenStatesError as e:
-                yield errors.error_response(e)
+                yield Head(*errors.error_response(e))
                 return
-            yield 200, result.model_dump_json().encode()
+            yield Head(200, result.model_dump_json().encode())
             return
         first = None
         if collector is not None:
@@ -221,13 +228,13 @@ class OpenAIFrontend:
             except StopAsyncIteration:
                 pass
             except Exception as e:  # noqa: BLE001 - answered through the one table, as a whole answer
-                yield errors.error_response(e)
+                yield Head(*errors.error_response(e))
                 return
             if collector.refusal is not None:
                 await result.aclose()
-                yield errors.error_response(collector.refusal)
+                yield Head(*errors.error_response(collector.refusal))
                 return
-        yield 200, b""
+        yield STREAM
         async for chunk in _prepend(first, result):
             if choices is not None and chunk.startswith("data: {"):
                 try:
@@ -300,27 +307,19 @@ class OpenAIFrontend:
                 )
             heads = resolve_heads(req, eng.heads) if req.heads else ()
             batch, stats = await eng.extraction.extract_rows(seq, positions, layers, dtype, topk, origin, heads)
-            out = row_fields(CompletionChoice(0, "", (), None, batch, multi=multi), encoding, by_layer, position, topk)
-            if heads:
-                out["hidden_states_heads"] = head_fields(batch, heads, eng.heads, multi)
-                out["hidden_states_meta"]["head_bytes"] = batch.head_nbytes
-            true = batch.floats(-1) if claim is not None else None
-            eng.vector_sent(
-                position if isinstance(position, str) else "range",
-                stats,
-                batch.nbytes,
-                {name: len(batch) for name, _ in heads},
-                batch.head_nbytes,
+            col = HiddenStatesCollector(
+                "verify", tuple(layers), position, dtype=dtype, topk=topk, heads=heads, steering_echo=list(echo or ())
             )
+            if mm is not None:
+                col.modalities[0] = origin.modalities()
+            col.add_rows((0, 0), batch)
+            col.close_choice((0, 0), positions, stats)
+            choice = col.choice((0, 0), eng, True)
+            true = choice.rows.floats(-1) if claim is not None else None
         except (HiddenStatesRequestError, HiddenStatesTimeout, MissingHiddenStatesError, UnknownModelError) as e:
             return errors.error_response(e)
-        out["hidden_states_meta"].update(
-            **stats.meta(), adapter=lora.lora_name if lora is not None else None, replica=self.replica_id
-        )
-        if echo:
-            out["hidden_states_meta"]["steering"] = echo
-        if mm is not None:
-            out["hidden_states_meta"]["modalities"] = origin.modalities()
+        adapter = lora.lora_name if lora is not None else None
+        out = choice_fields(choice, ResponseForm(encoding, by_layer, adapter, self.replica_id), verify=True)
         model = lora.lora_name if lora is not None else self.state.openai_serving_models.base_model_paths[0].name
         comparison = None if claim is None else verify.compared(claim, true, positions, req.compare.tolerance, multi)
         return 200, verify.response(model, ids, out, comparison)
@@ -357,15 +356,11 @@ class OpenAIFrontend:
         except proofs.ProofError as e:
             raise HiddenStatesRequestError(str(e), "compare.toploc.proofs") from None
         eng.vector_sent("proof", stats, 0)
-        meta = {
-            "position": "proof",
-            "prompt_tokens": prompt_len,
-            **stats.meta(),
-            "adapter": lora.lora_name if lora is not None else None,
-            "replica": self.replica_id,
-        }
+        answer = CompletionChoice(0, "", (), None, extraction=stats, proofs=(), prompt_tokens=prompt_len)
+        adapter = lora.lora_name if lora is not None else None
+        fields = choice_fields(answer, ResponseForm(adapter=adapter, replica=self.replica_id), verify=True)
         model = lora.lora_name if lora is not None else self.state.openai_serving_models.base_model_paths[0].name
-        return 200, verify.response(model, ids, {"hidden_states_meta": meta}, comparison)
+        return 200, verify.response(model, ids, fields, comparison)
 
     async def _token_ids(self, req: verify.VerifyRequest) -> tuple[list[int], int | None, Any]:
         """The given tokens, where the `completion` starts in them (None: no completion), and the
