@@ -157,6 +157,8 @@ def stream_events(chunks: list[bytes]) -> list[Any]:
             delta = ch.get("delta") or {}
             acc["text"] += ch.get("text") or delta.get("content") or ""
             acc["token_ids"] += ch.get("token_ids") or []
+            if ch.get("prompt_token_ids") is not None:  # on the choice's first chunk, whichever that is
+                acc["prompt_token_ids"] = ch["prompt_token_ids"]
             if ch.get("logprobs"):
                 acc["logprobs"].append(ch["logprobs"])
             if ch.get("finish_reason") is not None or any(k.startswith("hidden_states") for k in ch):
@@ -190,7 +192,7 @@ async def record(path: str, count: int) -> None:
         engine.shutdown()
 
 
-_DELTA = frozenset({"delta", "text", "token_ids", "logprobs"})  # merged per choice by stream_events
+_DELTA = frozenset({"delta", "text", "token_ids", "logprobs", "prompt_token_ids"})  # merged per choice by stream_events
 _ROWS = ("hidden_states", "hidden_states_by_layer", "hidden_states_heads")  # a streamed choice's rows
 _CUT = ("positions", "shape", "bytes", "head_bytes")  # what a chunk's share of the rows decides
 
@@ -231,12 +233,13 @@ def _by_position(events: list[dict]) -> tuple[dict, list]:
 
 
 def canonical(response: Any) -> Any:
-    """A stream per choice: its merged text, token ids and logprobs, then its vector-carrying events in
-    order (how vLLM interleaves the choices of n > 1, and which chunk carries which token, vary between
+    """A stream per choice: its merged text, token ids, logprobs and prompt token ids, then its vector-carrying
+    events in order (how vLLM interleaves the choices of n > 1, and which chunk carries which token, vary between
     identical requests); the usage and [DONE] events in order. A whole response as it is."""
     if not isinstance(response, list):
         return response
     merged, events = response
+    merged = {i: {**acc, "logprobs": _joined(acc["logprobs"])} for i, acc in merged.items()}
     per_choice: dict[str, list] = {}
     rest = []
     for e in events:
@@ -252,6 +255,16 @@ def canonical(response: Any) -> Any:
         "choices": {k: _by_position(v) for k, v in sorted(per_choice.items())},
         "events": rest,
     }
+
+
+def _joined(chunks: list) -> dict:
+    """A choice's logprobs over its chunks as one: each field's list joined (completions: text_offset,
+    token_logprobs, tokens, top_logprobs; chat: content), however vLLM cut the chunks."""
+    out: dict = {}
+    for lp in chunks:
+        for k, v in (lp or {}).items():
+            out.setdefault(k, []).extend(v if isinstance(v, list) else [v])
+    return out
 
 
 def compare(a: str, b: str) -> int:

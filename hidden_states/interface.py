@@ -301,7 +301,9 @@ class HiddenStatesCollector:
             keep = np.isin(merged.positions, np.asarray(wanted, dtype=np.int64))
             if st.sent:
                 keep &= ~np.isin(merged.positions, np.fromiter(st.sent, dtype=np.int64))
-            if keep.any():
+            if keep.all():  # as received: no copy
+                st.pending = [merged]
+            elif keep.any():
                 st.pending = [merged.select(keep)]
         st.wanted = len(wanted)
         if stats is not None:

@@ -416,7 +416,7 @@ class CapturedRows(msgspec.Struct, array_like=True, gc=False):
     width: int
     layers: list[int]  # absolute layer numbers (transformers')
     positions: list[int]
-    values: bytes
+    values: bytes  # in the engine core, a view of its rows (captured_rows): as bytes once decoded
     indices: bytes = b""
     # On a finishing output: the positions the scheduler's steps scheduled to compute the final
     # token's row (a tail step: 1; a held request recomputed after preemption: more). 0: none ran.
@@ -430,7 +430,7 @@ class CapturedRows(msgspec.Struct, array_like=True, gc=False):
         return values, indices
 
     def to_output(self) -> list:
-        return msgspec.to_builtins(self, builtin_types=(bytes,))
+        return msgspec.to_builtins(self, builtin_types=(bytes, memoryview))
 
     @staticmethod
     def from_output(raw) -> CapturedRows:
@@ -460,7 +460,13 @@ def captured_rows(
     if values.dtype.newbyteorder("<") != np.dtype(_NUMPY_DTYPE[dtype]):
         raise ValueError(f"array of {values.dtype} cannot be sent as {dtype}")
     values = np.ascontiguousarray(values, dtype=_NUMPY_DTYPE[dtype])
-    ind = b"" if not topk else np.ascontiguousarray(indices, dtype="<i4").tobytes()
+    ind = b"" if not topk else _raw(np.ascontiguousarray(indices, dtype="<i4"))
     return CapturedRows(
-        key, dtype, int(topk), int(values.shape[-1]), list(layers), [int(p) for p in positions], values.tobytes(), ind
+        key, dtype, int(topk), int(values.shape[-1]), list(layers), [int(p) for p in positions], _raw(values), ind
     )
+
+
+def _raw(arr: np.ndarray) -> memoryview:
+    """A C-contiguous array's bytes as a view, no copy: msgpack writes them out (to_output), and the frontend
+    decodes `bytes`."""
+    return memoryview(arr.reshape(-1)).cast("B")
