@@ -138,3 +138,18 @@ def test_one_position_with_a_dtype_stays_one_vector():
     cv.fill_response(out)
     assert out["choices"][0]["hidden_states"] == [1.5] * 4
     assert "positions" not in out["choices"][0]["hidden_states_meta"]
+
+
+def test_a_closed_choice_keeps_rows_all_wanted_as_they_came():
+    """ChoiceState: rows that are all wanted are handed out as received (no selection copy); rows past what
+    the choice wants are dropped."""
+    spec = parse_fields({"return_hidden_states": True, "hidden_states_position": "all"}, enabled=True)
+    col = HiddenStatesCollector.of("t", spec, (-1,))
+    batch = RowBatch(np.array([0, 1, 2]), {-1: np.ones((3, 4), np.float32)})
+    col.add_rows((0, 0), batch)
+    col.close_choice((0, 0), [0, 1, 2], None)
+    assert col.hand_out((0, 0)) is batch
+    col.add_rows((0, 1), RowBatch(np.array([0, 1, 2]), {-1: np.arange(12, dtype=np.float32).reshape(3, 4)}))
+    col.close_choice((0, 1), [0, 1], None)
+    got = col.hand_out((0, 1))
+    assert got.positions.tolist() == [0, 1] and got.values[-1].tolist() == [[0, 1, 2, 3], [4, 5, 6, 7]]

@@ -136,3 +136,16 @@ def test_extraction_request_unknown_field_rejected():
 def test_extraction_request_invalid_rejected(raw):
     with pytest.raises(msgspec.ValidationError):
         CaptureSpec.from_extra_args({EXTRA_ARGS_KEY: raw})
+
+
+def test_released_rows_reach_msgpack_as_a_view_of_the_engine_core_s_array():
+    """captured_rows copies nothing: the values msgpack writes out are a view of the rows the engine core
+    released (one copy fewer per row than `tobytes`), and the frontend decodes the same bytes."""
+    values = np.arange(2 * 3 * 4, dtype=np.float32).reshape(2, 3, 4)
+    indices = np.arange(2 * 3 * 4, dtype=np.int32).reshape(2, 3, 4)
+    cr = captured_rows("k", "float32", 4, [0, 5], [7, 8, 9], values, indices)
+    assert isinstance(cr.values, memoryview) and np.shares_memory(np.frombuffer(cr.values, np.float32), values)
+    assert np.shares_memory(np.frombuffer(cr.indices, np.int32), indices)
+    back = CapturedRows.from_output(msgspec.msgpack.decode(msgspec.msgpack.encode({"r": cr.to_output()}))["r"])
+    got, got_indices = back.arrays()
+    assert got.tobytes() == values.tobytes() and got_indices.tobytes() == indices.tobytes()
