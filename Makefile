@@ -32,6 +32,6 @@ bench:
 	HS_EXTRAS=bench bash scripts/setup.sh
 	.venv/bin/python -m bench $(BENCH_ARGS)
 
-# On a machine with one NVIDIA GPU, after the set-up: bench/gpu_check.py (compiled, CUDA graphs; never run here).
+# On a machine with one NVIDIA GPU, after the set-up: tests/gpu/gpu_check.py (compiled, CUDA graphs; never run here).
 gpu-check:
 	bash scripts/gpu-check.sh
