@@ -28,6 +28,7 @@ lint: setup
 test-long: setup
 	HS_LONG_TESTS=1 .venv/bin/python -m pytest -q -ra -m long
 
+# The full benchmark (docs/benchmarks.md); the engine's per-feature benches are `python -m bench.arms BENCH`.
 bench:
 	HS_EXTRAS=bench bash scripts/setup.sh
 	.venv/bin/python -m bench $(BENCH_ARGS)

@@ -14,7 +14,7 @@ sets its fields on every other request only. Per arm and concurrency:
   arm's base, with a 95% percentile-bootstrap interval over paired rounds (bench.measure);
 - the engine's own counters, summed over the workers before and after each arm (`hidden_states_stats`:
   rows copied, steered, head products, host copies, encoder items ...): the work counted, not labelled;
-- CPU per request by process role: this process (the frontend) and its children (vLLM's engine core
+- CPU per request by process role: this process (the frontend) and the arm's engine's processes (vLLM's engine core
   and worker);
 - per vector, how it was computed (`via`) and the positions computed for it (`computed_tokens`).
 
@@ -278,13 +278,18 @@ def bodies(bench: Bench, n: int, seed: int, max_tokens: int) -> list[dict]:
     return [base | {"prompt": f"Story {seed}-{i}: the " + " ".join(rng.choice(WORDS, 6))} for i in range(n)]
 
 
-def cpu_s() -> dict[str, float]:
-    """CPU seconds (user + system) by role: this process (the frontend), its children (engine core, worker)."""
+def children() -> set[int]:
+    return {p.pid for p in psutil.Process().children(recursive=True)}
+
+
+def cpu_s(pids: set[int]) -> dict[str, float]:
+    """CPU seconds (user + system) by role: this process (the frontend), and the arm's engine's processes (the
+    children its start added: vLLM's engine core and worker; not the other engines' idle ones)."""
     t = psutil.Process().cpu_times()
     engine = 0.0
-    for child in psutil.Process().children(recursive=True):
+    for pid in pids:
         try:
-            c = child.cpu_times()
+            c = psutil.Process(pid).cpu_times()
             engine += c.user + c.system
         except psutil.Error:
             pass
@@ -299,7 +304,7 @@ async def counters(engine) -> Counter:
     return total
 
 
-async def run_arm(engine, frontend, route: str, reqs: list[dict], fields: dict, half: bool, concurrency: int):
+async def run_arm(engine, pids, frontend, route: str, reqs: list[dict], fields: dict, half: bool, concurrency: int):
     """The requests at `concurrency`: (completion tokens, wall s, CPU s by role, counters' change, vectors' via
     and computed tokens)."""
     sem = asyncio.Semaphore(concurrency)
@@ -312,11 +317,11 @@ async def run_arm(engine, frontend, route: str, reqs: list[dict], fields: dict, 
                 raise RuntimeError(f"{route} answered {status}: {out[:300]!r}")
             return json.loads(out)
 
-    c0, cpu0 = await counters(engine), cpu_s()
+    c0, cpu0 = await counters(engine), cpu_s(pids)
     t0 = time.perf_counter()
     outs = await asyncio.gather(*(one(i, b) for i, b in enumerate(reqs)))
     wall = time.perf_counter() - t0
-    cpu1, c1 = cpu_s(), await counters(engine)
+    cpu1, c1 = cpu_s(pids), await counters(engine)
     vectors = [
         (m.get("via"), m.get("computed_tokens"))
         for o in outs
@@ -348,18 +353,21 @@ async def measure(bench: Bench, args, folder: str) -> dict:
     m = model_of(args.model, folder)
     levels = {c: args.requests or n for c, n in bench.levels.items() if not args.concurrency or c in args.concurrency}
     route = "chat/completions" if bench.images else "completions"
-    engines, frontends, starts = {}, {}, {}
+    engines, frontends, starts, pids = {}, {}, {}, {}
     try:
         for name, kwargs in bench.engines.items():
-            t0 = time.perf_counter()
+            before, t0 = children(), time.perf_counter()
             engines[name] = await asyncio.wait_for(HiddenStatesEngine.start(args.model, warm_up_s=0, **kwargs(m)), 900)
             starts[name] = time.perf_counter() - t0
+            pids[name] = children() - before - set().union(*pids.values())
             frontends[name] = await engines[name].openai("m", "bench")
         fields = {a.name: a.fields(m) if callable(a.fields) else a.fields for a in bench.arms}
         for a in bench.arms:  # warm-up: each arm's kernels at each batch size once
             for c, n in levels.items():
                 reqs = bodies(bench, n, 10**6 + c, args.max_tokens)
-                await run_arm(engines[a.engine], frontends[a.engine], route, reqs, fields[a.name], a.half, c)
+                await run_arm(
+                    engines[a.engine], pids[a.engine], frontends[a.engine], route, reqs, fields[a.name], a.half, c
+                )
         rows = {(a.name, c): [] for a in bench.arms for c in levels}
         arms = list(bench.arms)
         for r in range(args.rounds):
@@ -367,7 +375,9 @@ async def measure(bench: Bench, args, folder: str) -> dict:
                 for c, n in levels.items():
                     await asyncio.sleep(SETTLE_S)
                     reqs = bodies(bench, n, 1000 * (r * len(arms) + k) + c, args.max_tokens)
-                    got = await run_arm(engines[a.engine], frontends[a.engine], route, reqs, fields[a.name], a.half, c)
+                    got = await run_arm(
+                        engines[a.engine], pids[a.engine], frontends[a.engine], route, reqs, fields[a.name], a.half, c
+                    )
                     rows[(a.name, c)].append((n, *got))
                     print(f"round {r} {a.name} c={c}: {got[0] / got[1]:.1f} tok/s", file=sys.stderr, flush=True)
     finally:
