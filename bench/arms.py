@@ -124,6 +124,12 @@ def _rows(layers, dtype="float32") -> dict:
     }
 
 
+def _plain(m: Model) -> dict:
+    from hidden_states.vllm.engine_args import with_defaults
+
+    return {**with_defaults(EAGER, True, True), "enable_return_hidden_states": False}
+
+
 def _features(m: Model) -> dict:
     """Rows at two static layers at every completion position, the probe there, steering at two others."""
     s = m.spread(4)
@@ -203,7 +209,7 @@ BENCHES: dict[str, Bench] = {
     "steering": Bench(
         "half the batch steers at 4 layers; `plain` is the server without the feature (hidden states off)",
         {
-            "plain": lambda m: {**EAGER, "enable_return_hidden_states": False, "block_size": 32},
+            "plain": _plain,  # the server without the feature, on the arguments the other resolves to
             "main": lambda m: EAGER,
         },
         (

@@ -131,3 +131,18 @@ def test_every_declared_bench_runs_its_arms_on_its_engines():
     m = arms.Model(576, 30, "/nonexistent")
     assert m.spread(4) == [1, 10, 19, 29] and arms._rows(m.spread(4)[-2:])["hidden_states_layers"] == [19, 29]
     assert arms._short({"s": [{"layer": 1, "vector": "QUJD"}]}) == {"s": [{"layer": 1, "vector": "<base64>"}]}
+
+
+def test_every_arm_s_fields_are_a_request_the_api_accepts():
+    """Each arm's fields, on a completions body, pass the API's own parse (a misspelt field would be a 400)."""
+    from bench import arms
+    from hidden_states.params import HiddenStatesRequestError, parse_fields, refuse_unknown
+
+    m = arms.Model(576, 30, "/nonexistent")
+    for b in arms.BENCHES.values():
+        for a in b.arms:
+            body = {"model": "m", "prompt": "x", "max_tokens": 4, **(a.fields(m) if callable(a.fields) else a.fields)}
+            refuse_unknown(body)
+            parse_fields(body, enabled=True)
+    with pytest.raises(HiddenStatesRequestError):
+        refuse_unknown({"model": "m", "prompt": "x", "hidden_states_layer": [1]})
