@@ -28,10 +28,11 @@ lint: setup
 test-long: setup
 	HS_LONG_TESTS=1 .venv/bin/python -m pytest -q -ra -m long
 
+# The full benchmark (docs/benchmarks.md); the engine's per-feature benches are `python -m bench.arms BENCH`.
 bench:
 	HS_EXTRAS=bench bash scripts/setup.sh
 	.venv/bin/python -m bench $(BENCH_ARGS)
 
-# On a machine with one NVIDIA GPU, after the set-up: bench/gpu_check.py (compiled, CUDA graphs; never run here).
+# On a machine with one NVIDIA GPU, after the set-up: tests/gpu/gpu_check.py (compiled, CUDA graphs; never run here).
 gpu-check:
 	bash scripts/gpu-check.sh

@@ -27,22 +27,37 @@ CI_MIN_ROUNDS = 5  # fewer paired rounds give no interval worth printing
 def paired_ratio_ci(
     a: list[tuple[int, float]], b: list[tuple[int, float]], level: float = 0.95, resamples: int = 2000, seed: int = 0
 ) -> tuple[float, float] | None:
-    """Percentile-bootstrap interval of the pooled throughput ratio (sum ok / sum wall of
-    arm a over that of arm b), resampling whole rounds with their pairing kept.
-    `a[i]` and `b[i]` are (successful requests, wall seconds) of round i. None with
-    fewer than CI_MIN_ROUNDS rounds."""
+    """Percentile-bootstrap interval (scipy.stats.bootstrap) of the pooled throughput ratio (sum done / sum
+    wall of arm a over that of arm b), resampling whole rounds with their pairing kept. `a[i]` and `b[i]` are
+    (requests or tokens done, wall seconds) of round i. None with fewer than CI_MIN_ROUNDS rounds."""
+    from scipy.stats import bootstrap
+
     n = min(len(a), len(b))
     if n < CI_MIN_ROUNDS:
         return None
-    x = np.asarray([(a[i][0], a[i][1], b[i][0], b[i][1]) for i in range(n)], dtype=float)
-    idx = np.random.default_rng(seed).integers(0, n, size=(resamples, n))
-    s = x[idx].sum(axis=1)  # [resamples, 4]
-    ok = (s[:, 1] > 0) & (s[:, 2] > 0) & (s[:, 3] > 0)  # walls, and the base arm's successes
-    r = (s[ok, 0] / s[ok, 1]) / (s[ok, 2] / s[ok, 3])
-    if not len(r):
-        return None
-    tail = 100 * (1 - level) / 2
-    return float(np.percentile(r, tail)), float(np.percentile(r, 100 - tail))
+    cols = np.asarray([(*a[i], *b[i]) for i in range(n)], dtype=float).T
+
+    def pooled(a_done, a_wall, b_done, b_wall, axis=-1):
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return (a_done.sum(axis) / a_wall.sum(axis)) / (b_done.sum(axis) / b_wall.sum(axis))
+
+    res = bootstrap(
+        tuple(cols),
+        pooled,
+        paired=True,
+        vectorized=True,
+        n_resamples=resamples,
+        confidence_level=level,
+        method="percentile",
+        rng=np.random.default_rng(seed),
+    )
+    lo, hi = res.confidence_interval
+    return (float(lo), float(hi)) if np.isfinite(lo) and np.isfinite(hi) else None
+
+
+def ci_text(ci) -> str:
+    """A ratio's 95% interval, or '-' with too few rounds."""
+    return f"{ci[0]:.3f}..{ci[1]:.3f}" if ci else "-"
 
 
 # -- CPU time by role ----------------------------------------------------------

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from bench import targets as T
+from bench.measure import ci_text
 
 
 def _f(x, fmt="{:.2f}", none="-"):
@@ -359,16 +360,6 @@ def target_rows(res: dict) -> list[dict]:
 def _range(r: dict) -> str:
     pr = r.get("per_round_req_per_s") or []
     return f"{min(pr):.2f}..{max(pr):.2f}" if pr else "-"
-
-
-def ci_text(ci) -> str:
-    """A ratio's 95% interval (compare.compare's `req_per_s_ci95`), or '-' with too few rounds."""
-    return f"{ci[0]:.3f}..{ci[1]:.3f}" if ci else "-"
-
-
-def ratio_text(r: dict, key: str) -> str:
-    """A bench's ratio `r[key]` with its 95% interval `r[key + "_ci95"]`: "1.234 (1.100..1.300)"."""
-    return f"{r[key]:.3f} ({ci_text(r[f'{key}_ci95'])})"
 
 
 def _grid(headers: list[str], rows: list[list[str]]) -> str:
@@ -1067,58 +1058,6 @@ def write_results(name: str, results, text: str) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.json").write_text(json.dumps(results, indent=1) + "\n")
     (out / f"{name}.md").write_text(text)
-
-
-def bench_main(
-    module: str,
-    doc: str,
-    run,
-    summary,
-    *,
-    name: str,
-    first: tuple | None = None,
-    rounds: int = 6,
-    concurrency: int | str | None = 8,
-    requests: int | None = 24,
-    max_tokens: int = 32,
-    more: list[tuple] = (),
-    argv=None,
-) -> None:
-    """`python -m <module>`, a bench on engines of its own (bench.heads, .steering, .multimodal, .spec, .compiled,
-    .proofs), `doc`'s first paragraph its description. Its flags: `first` (e.g. --model), --rounds, --concurrency,
-    --requests, --max-tokens with these defaults (None: no such flag), `more`, then --name (default `name`); each
-    (flag, default) or (flag, default, help), an int default making an int flag. With bench.servers' ENGINE_ENV in
-    the environment, `run(args)` gives the results (a coroutine is run to its end); `summary(args, results)` their
-    Markdown, a title line first, under which the command line goes. Both written by `write_results`."""
-    import argparse
-    import asyncio
-    import inspect
-    import os
-
-    from bench.servers import ENGINE_ENV
-
-    flags = [
-        first,
-        ("--rounds", rounds),
-        ("--concurrency", concurrency),
-        ("--requests", requests),
-        ("--max-tokens", max_tokens),
-        *more,
-        ("--name", name),
-    ]
-    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
-    for flag, default, *help in filter(None, flags):
-        if default is not None:
-            ap.add_argument(
-                flag, type=int if isinstance(default, int) else None, default=default, help=help[0] if help else None
-            )
-    args = ap.parse_args(argv)
-    os.environ.update(ENGINE_ENV)
-    results = run(args)
-    if inspect.isawaitable(results):
-        results = asyncio.run(results)
-    title, *lines = summary(args, results)
-    write_results(args.name, results, "\n".join([title, "", command_line(module, args), "", *lines]) + "\n")
 
 
 def main(argv=None) -> int:

@@ -2,9 +2,9 @@
 # `make gpu-check`: on a machine with one NVIDIA GPU, after the README's set-up (which installs the
 # CUDA engine, vllm==0.32.0, into .venv there). NOT RUN by this project yet: its machines have no GPU.
 #
-#   bash scripts/gpu-check.sh [--dry-run] [--suites] [bench.gpu_check's arguments]
+#   bash scripts/gpu-check.sh [--dry-run] [--suites] [tests.gpu.gpu_check's arguments]
 #
-# 1. bench/gpu_check.py, in under 10 minutes: a compiled engine with CUDA graphs on the built-in
+# 1. tests/gpu/gpu_check.py, in under 10 minutes: a compiled engine with CUDA graphs on the built-in
 #    SmolLM2, its last-layer and intermediate-layer vectors, an SAE head and a steering entry against
 #    transformers on the same GPU (one line per check with its error), the compile counts before and
 #    after (no recompile, no new graph), then decode tokens/s with the features on and off beside an
@@ -29,7 +29,7 @@ if [[ $DRY == 0 ]] && ! nvidia-smi -L >/dev/null 2>&1; then
 fi
 export HS_TEST_ACCELERATOR=gpu
 run env HS_ENGINE=gpu bash scripts/setup.sh
-run .venv/bin/python -m bench.gpu_check "$@"
+run .venv/bin/python -m tests.gpu.gpu_check "$@"
 if [[ $SUITES == 1 ]]; then
   run .venv/bin/python -m pytest -q -ra tests/engine/test_compiled.py
   run .venv/bin/python -m pytest -q -ra tests/engine tests/serve --ignore=tests/engine/test_compiled.py

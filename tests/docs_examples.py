@@ -59,6 +59,7 @@ LISTED: dict[tuple[str, str], tuple[str, str]] = {
     ),
     ("docs/api.md", '"hidden_states_proof": {"scheme": "toploc"'): (NOT_RUN, "a fragment of an answer, not code"),
     ("docs/benchmarks.md", "make bench "): (NOT_RUN, "the benchmarks: an hour and more, on a machine of their own"),
+    ("docs/benchmarks.md", "make serve &"): (NOT_RUN, "starts the server, then drives it with vLLM's load generator"),
     ("docs/configuration.md", "args:"): (NOT_RUN, "a fragment of a config's `args`"),
     ("docs/how-it-works.md", "request -> deployments/router.py"): (NOT_RUN, "a diagram"),
     ("docs/how-it-works.md", "import torch"): (

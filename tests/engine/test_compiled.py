@@ -156,10 +156,10 @@ def test_a_second_ablation_of_the_same_positions_is_refused_by_name(engine, loop
 
 
 def test_the_gpu_check_passes_on_this_engine(engine, loop_thread, model_dir, heads):
-    """bench/gpu_check.py's checks (what `make gpu-check` runs with CUDA graphs), on this compiled CPU
+    """tests/gpu/gpu_check.py's checks (what `make gpu-check` runs with CUDA graphs), on this compiled CPU
     engine: its reference code (transformers, SAELens, the steering hook) and its verdicts, each line
     printed with its error."""
-    from bench.gpu_check import Reference, run_checks
+    from tests.gpu.gpu_check import Reference, run_checks
 
     sae = {"name": "sae-std", "path": next(h["path"] for h in heads if h["name"] == "sae-std"), "layer": 1, "k": 32}
     checks = loop_thread.run(run_checks(engine, Reference(model_dir, "cpu"), 1, sae), timeout=600)

@@ -1,5 +1,5 @@
 """The benchmark's own statistics: paired ratio intervals and the order arms run in; the one-engine
-benches' command line (bench.report.bench_main)."""
+harness of the engine's benches (bench.arms)."""
 
 from __future__ import annotations
 
@@ -78,55 +78,71 @@ def test_separate_servers_keep_whole_rounds_at_concurrency_one(monkeypatch):
     assert len(calls) == 6 and all(n == 4 and c == 1 for _, n, c in calls)
 
 
-def test_bench_main_parses_runs_and_writes_the_command_under_the_title(monkeypatch):
-    """Typed flags, then --name; the run (a coroutine awaited, or a plain result) with bench.servers' ENGINE_ENV in
-    the environment; the results and the summary, the command line under its title, handed to write_results."""
-    import os
+def _cells(rates: dict[str, list[float]]) -> dict:
+    """bench.arms' rows: per (arm, c), each round's (requests, tokens, wall, CPU by role, counters, vectors)."""
+    return {
+        (arm, 8): [(4, 100, 100 / r, {"frontend": 0.4, "engine": 2.0}, {"host_copies": 3}, [("tail", 1)]) for r in rs]
+        for arm, rs in rates.items()
+    }
 
-    from bench import report
-    from bench.servers import ENGINE_ENV
 
-    for k in ENGINE_ENV:
-        monkeypatch.setenv(k, "before")  # restored after the test
-    written = []
-    monkeypatch.setattr(report, "write_results", lambda name, results, text: written.append((name, results, text)))
-    summary = lambda args, r: [f"# {args.model}", "| rounds |", f"| {r['rounds']!r} |"]
+def test_the_arms_harness_takes_each_ratio_over_its_bases_and_sums_the_counters():
+    """bench.arms: tok/s pooled over rounds, the ratio over each base arm with a paired interval (none under
+    5 rounds), CPU ms per request by role, the engine's counters summed, vectors' via and positions."""
+    import argparse
 
-    async def run(args):
-        return {"env": {k: os.environ[k] for k in ENGINE_ENV}, "rounds": args.rounds}
+    from bench import arms
 
-    report.bench_main(
-        "bench.x",
-        "Its description.\n\nMore.",
-        run,
-        summary,
-        name="x-tiny",
-        first=("--model", "m"),
-        argv=["--rounds", "3"],
+    bench = arms.Bench(
+        "d", {"main": lambda m: {}}, (arms.Arm("off"), arms.Arm("on", over=("off", "off2")), arms.Arm("off2"))
     )
-    report.bench_main(
-        "bench.x",
-        "Its description.",
-        lambda args: {"rounds": args.rounds},
-        summary,
-        name="x-tiny",
-        first=("--model", "m"),
-        concurrency="8,32",
-        requests=None,
-        more=[("--layers", 4, "help")],
-        argv=["--name", "other", "--model", "n"],
+    args = argparse.Namespace(bench="x", model="m", rounds=6, max_tokens=25)
+    rates = {"off": [10.0] * 6, "on": [9.0, 9.2, 8.8, 9.1, 8.9, 9.0], "off2": [10.0, 10.2, 9.8, 10.1, 9.9, 10.0]}
+    r = arms.summarize(bench, args, _cells(rates), {"main": 1.0}, {"off": {}, "on": {"x": 1}, "off2": {}})
+    on = r["arms"]["on@8"]
+    assert on["tok_per_s"] == pytest.approx(9.0, rel=1e-3) and on["over"]["off"]["ratio"] == pytest.approx(
+        0.9, rel=1e-3
     )
-    assert written == [
-        (
-            "x-tiny",
-            {"env": ENGINE_ENV, "rounds": 3},
-            "# m\n\n`.venv/bin/python -m bench.x --model m --rounds 3 "
-            "--concurrency 8 --requests 24 --max-tokens 32 --name x-tiny`\n\n| rounds |\n| 3 |\n",
-        ),
-        (
-            "other",
-            {"rounds": 6},
-            "# n\n\n`.venv/bin/python -m bench.x --model n --rounds 6 --concurrency 8,32 "
-            "--max-tokens 32 --layers 4 --name other`\n\n| rounds |\n| 6 |\n",
-        ),
-    ]
+    lo, hi = on["over"]["off"]["ci95"]
+    assert lo <= 0.9 <= hi and hi < 0.95  # every round below off: the interval excludes 1
+    assert on["over"]["off2"]["ratio"] == pytest.approx(0.9, rel=1e-2) and set(on["over"]) == {"off", "off2"}
+    assert r["arms"]["off@8"]["over"]["off"]["ratio"] == 1.0 and "on" not in r["arms"]["off2@8"]["over"]
+    assert on["cpu_ms_per_request"] == pytest.approx({"frontend": 100.0, "engine": 500.0})
+    assert on["work"] == {"host_copies": 18} and on["via"] == {"tail": 6} and on["computed_tokens_per_vector"] == 1
+    short = {k: v[:4] for k, v in _cells(rates).items()}
+    assert arms.summarize(bench, args, short, {}, {})["arms"]["on@8"]["over"]["off"]["ci95"] is None
+    text = arms.markdown(bench, r, "cmd")
+    assert "| on | 8 | 9.0 | 0.900 (" in text and "`cmd`" in text
+
+
+def test_every_declared_bench_runs_its_arms_on_its_engines():
+    """Each declaration names engines it starts and bases among its arms; `--list` and the defaults."""
+    from bench import arms
+
+    for name, b in arms.BENCHES.items():
+        names = [a.name for a in b.arms]
+        assert len(set(names)) == len(names) and all(a.engine in b.engines for a in b.arms), name
+        assert all(o in names for a in b.arms for o in a.over), name
+        assert sum(a.fields == {} and a.engine == b.arms[0].engine for a in b.arms) >= 2, f"{name}: no A/A arm"
+    a = arms.parse(["rows", "--concurrency", "8"])
+    assert (a.rounds, a.max_tokens, a.concurrency, a.model) == (8, 32, [8], arms.SMOLLM2)
+    with pytest.raises(SystemExit):
+        arms.parse([])
+    m = arms.Model(576, 30, "/nonexistent")
+    assert m.spread(4) == [1, 10, 19, 29] and arms._rows(m.spread(4)[-2:])["hidden_states_layers"] == [19, 29]
+    assert arms._short({"s": [{"layer": 1, "vector": "QUJD"}]}) == {"s": [{"layer": 1, "vector": "<base64>"}]}
+
+
+def test_every_arm_s_fields_are_a_request_the_api_accepts():
+    """Each arm's fields, on a completions body, pass the API's own parse (a misspelt field would be a 400)."""
+    from bench import arms
+    from hidden_states.params import HiddenStatesRequestError, parse_fields, refuse_unknown
+
+    m = arms.Model(576, 30, "/nonexistent")
+    for b in arms.BENCHES.values():
+        for a in b.arms:
+            body = {"model": "m", "prompt": "x", "max_tokens": 4, **(a.fields(m) if callable(a.fields) else a.fields)}
+            refuse_unknown(body)
+            parse_fields(body, enabled=True)
+    with pytest.raises(HiddenStatesRequestError):
+        refuse_unknown({"model": "m", "prompt": "x", "hidden_states_layer": [1]})

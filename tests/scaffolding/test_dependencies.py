@@ -36,6 +36,7 @@ NOT_IMPORTED = {
     "pytest-timeout": "a pytest plugin, used through `timeout` in [tool.pytest.ini_options]",
     "ninja": "torch.utils.cpp_extension's build driver, for tests/toploc_ref.py",
     "ruff": "the formatter and linter `make lint` runs (a command, not imported)",
+    "scipy": "bench/measure.py draws the bench's intervals with it; tests/scaffolding/test_bench_stats.py runs them",
     "soxr": "vLLM resamples audio with it (hidden_states/vllm/frontend/audio.py names the method; vLLM imports it)",
 }
 # The code, the dependency groups it may import from, and the groups it must use.

@@ -294,7 +294,7 @@ def test_the_checks_can_fail():
     assert "test_nope" not in defined_names(ROOT / "tests/scaffolding/test_docs.py")
     assert list(named_targets(s)) == ["nope"] and "nope" not in make_targets() and "test" in make_targets()
     assert list(named_modules(s)) == ["bench.nope"] and not module_exists("bench.nope")
-    assert module_exists("bench.spec") and module_exists("deployments.batch") and module_exists("pytest")
+    assert module_exists("bench.arms") and module_exists("deployments.batch") and module_exists("pytest")
     assert not module_exists("no_such_module_here") and not module_exists("pytest.no_such_module")
     assert link_problem("docs/api.md", "../cluster/README.md") is None
     assert link_problem("docs/api.md", "missing.md") and link_problem("docs/api.md", "#no-such-heading")

@@ -503,7 +503,7 @@ def test_a_stamp_without_the_gpu_lock_is_caught(tmp_path):
 
 def test_the_gpu_check_runs_the_check_then_the_suites_and_refuses_without_a_gpu():
     """scripts/gpu-check.sh's CPU side: its dry run names, in order, the set-up (the CUDA engine), the
-    check (bench/gpu_check.py, with the arguments given), and with --suites the compiled engine's tests
+    check (tests/gpu/gpu_check.py, with the arguments given), and with --suites the compiled engine's tests
     then the rest with HS_TEST_ACCELERATOR=gpu; without a visible GPU it stops with exit 2 and says why."""
     import shutil
     import subprocess
@@ -515,7 +515,7 @@ def test_the_gpu_check_runs_the_check_then_the_suites_and_refuses_without_a_gpu(
         assert dry.returncode == 0, dry.stderr
         return [line for line in dry.stdout.splitlines() if line.startswith("+ ")]
 
-    check = ["+ env HS_ENGINE=gpu bash scripts/setup.sh", "+ .venv/bin/python -m bench.gpu_check --no-speed"]
+    check = ["+ env HS_ENGINE=gpu bash scripts/setup.sh", "+ .venv/bin/python -m tests.gpu.gpu_check --no-speed"]
     assert steps("--no-speed") == check
     assert steps("--suites", "--no-speed") == check + [
         "+ .venv/bin/python -m pytest -q -ra tests/engine/test_compiled.py",
@@ -527,14 +527,18 @@ def test_the_gpu_check_runs_the_check_then_the_suites_and_refuses_without_a_gpu(
 
 
 def test_the_gpu_check_s_own_arguments_and_plan():
-    """bench/gpu_check.py on a machine without CUDA: its dry run prints the plan (the compiled engine with
+    """tests/gpu/gpu_check.py on a machine without CUDA: its dry run prints the plan (the compiled engine with
     vLLM's CUDA-graph defaults, the checks, the speed arms), and a real run stops with exit 2."""
     import json
     import subprocess
     import sys
 
     dry = subprocess.run(
-        [sys.executable, "-m", "bench.gpu_check", "--dry-run"], cwd=ROOT, capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "tests.gpu.gpu_check", "--dry-run"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert dry.returncode == 0, dry.stderr
     plan = json.loads(dry.stdout)
@@ -545,7 +549,7 @@ def test_the_gpu_check_s_own_arguments_and_plan():
     assert (
         json.loads(
             subprocess.run(
-                [sys.executable, "-m", "bench.gpu_check", "--dry-run", "--no-speed"],
+                [sys.executable, "-m", "tests.gpu.gpu_check", "--dry-run", "--no-speed"],
                 cwd=ROOT,
                 capture_output=True,
                 text=True,
@@ -558,6 +562,6 @@ def test_the_gpu_check_s_own_arguments_and_plan():
 
     if not torch.cuda.is_available():
         real = subprocess.run(
-            [sys.executable, "-m", "bench.gpu_check"], cwd=ROOT, capture_output=True, text=True, timeout=120
+            [sys.executable, "-m", "tests.gpu.gpu_check"], cwd=ROOT, capture_output=True, text=True, timeout=120
         )
         assert real.returncode == 2 and "no CUDA device" in real.stderr, (real.returncode, real.stderr)

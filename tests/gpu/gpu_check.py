@@ -3,7 +3,7 @@ its vectors, rows, an SAE head and a steering entry against transformers on the 
 decode tokens/s with the features on and off, beside an eager engine. One line per check.
 
     bash scripts/gpu-check.sh             # on a machine with one NVIDIA GPU, after the README's set-up
-    .venv/bin/python -m bench.gpu_check [--model builtin:smollm2-135m-instruct] [--device cuda] \
+    .venv/bin/python -m tests.gpu.gpu_check [--model builtin:smollm2-135m-instruct] [--device cuda] \
         [--max-tokens 16] [--no-speed] [--dry-run]
 
 The engine: `enforce_eager: false` with vLLM's own compilation and CUDA-graph defaults, float32,
