@@ -83,6 +83,10 @@ def app_args(**over) -> dict:
         "extraction_timeout_s": 60,
         "request_timeout_s": 120,
         "replica_autoscaling": {"min_replicas": 2, "max_replicas": 2},
+        # no CPU warm-up (up to 10 s of dummy forwards per engine start, before the replica is ready): its
+        # effect is tested on the engine (tests/engine/test_engine.py), and the serve path with it on runs
+        # in every `serve run` test (test_config_yaml.py, test_haproxy.py: config.yaml's defaults)
+        "warm_up_s": 0,
     }
     args.update(over)
     return args
@@ -238,7 +242,7 @@ class AppSlot:
                 break
             if status is not None and status.status == "DEPLOY_FAILED":
                 raise RuntimeError(f"deploy of {name} failed: {status}")
-            time.sleep(2)
+            time.sleep(0.5)
         else:
             raise TimeoutError(f"{name} not running: {serve.status().applications.get(name)}")
         base = BASE + prefix.rstrip("/")
