@@ -16,6 +16,9 @@ from tests.conftest import router_ports as find_router_ports
 
 PORT = int(os.environ.get("HS_TEST_PORT", "8123"))
 METRICS_PORT = int(os.environ.get("HS_TEST_METRICS_PORT", "8124"))  # Ray's Prometheus endpoint for this session
+# how often this session's processes export their metrics to it (Ray's default: 10 s); test_metrics.py waits
+# for counts to arrive and to settle, a few of these intervals
+METRICS_REPORT_INTERVAL_S = 2
 BASE = f"http://127.0.0.1:{PORT}"
 DIRECT_PORT = PORT + 10  # direct ingress: ingress replicas' own ports start here
 APP = "hidden-states"
@@ -57,6 +60,7 @@ def ray_cluster():
             logging_level="WARNING",
             include_dashboard=False,
             _metrics_export_port=METRICS_PORT,
+            _system_config={"metrics_report_interval_ms": METRICS_REPORT_INTERVAL_S * 1000},
         )
     yield ctx.address_info["gcs_address"]
     from ray import serve
