@@ -16,6 +16,9 @@ from tests.conftest import router_ports as find_router_ports
 
 PORT = int(os.environ.get("HS_TEST_PORT", "8123"))
 METRICS_PORT = int(os.environ.get("HS_TEST_METRICS_PORT", "8124"))  # Ray's Prometheus endpoint for this session
+# how often this session's processes export their metrics to it (Ray's default: 10 s); test_metrics.py waits
+# for counts to arrive and to settle, a few of these intervals
+METRICS_REPORT_INTERVAL_S = 2
 BASE = f"http://127.0.0.1:{PORT}"
 DIRECT_PORT = PORT + 10  # direct ingress: ingress replicas' own ports start here
 APP = "hidden-states"
@@ -57,6 +60,7 @@ def ray_cluster():
             logging_level="WARNING",
             include_dashboard=False,
             _metrics_export_port=METRICS_PORT,
+            _system_config={"metrics_report_interval_ms": METRICS_REPORT_INTERVAL_S * 1000},
         )
     yield ctx.address_info["gcs_address"]
     from ray import serve
@@ -83,6 +87,10 @@ def app_args(**over) -> dict:
         "extraction_timeout_s": 60,
         "request_timeout_s": 120,
         "replica_autoscaling": {"min_replicas": 2, "max_replicas": 2},
+        # no CPU warm-up (up to 10 s of dummy forwards per engine start, before the replica is ready): its
+        # effect is tested on the engine (tests/engine/test_engine.py), and the serve path with it on runs
+        # in every `serve run` test (test_config_yaml.py, test_haproxy.py: config.yaml's defaults)
+        "warm_up_s": 0,
     }
     args.update(over)
     return args
@@ -238,7 +246,7 @@ class AppSlot:
                 break
             if status is not None and status.status == "DEPLOY_FAILED":
                 raise RuntimeError(f"deploy of {name} failed: {status}")
-            time.sleep(2)
+            time.sleep(0.5)
         else:
             raise TimeoutError(f"{name} not running: {serve.status().applications.get(name)}")
         base = BASE + prefix.rstrip("/")

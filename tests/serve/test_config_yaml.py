@@ -155,6 +155,7 @@ def test_serve_run_without_a_config_file():
             "deployments.app:build_app",
             "model=builtin:tiny-llama",
             "served_model_name=tiny",
+            "warm_up_s=0",  # a number as key=value (make_serve runs the default warm-up)
         ],
         cwd=ROOT,
         env=env,

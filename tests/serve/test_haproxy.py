@@ -36,6 +36,13 @@ def _haproxies() -> dict[int, psutil.Process]:
     return out
 
 
+def _running(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def _stats() -> dict:
     return httpx.get(f"{BASE}/debug/stats", timeout=30).json()
 
@@ -117,8 +124,9 @@ def test_make_serve_behind_haproxy():
         try:
             _stop(proc)
         finally:
-            time.sleep(5)
-            left = [p for p in ours.values() if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+            deadline = time.monotonic() + 5  # for up to 5 s: serve.sh's stop ends orphaned haproxies
+            while (left := [p for p in ours.values() if _running(p)]) and time.monotonic() < deadline:
+                time.sleep(0.25)
             for p in left:  # not to leave port 8000 taken for the tests after this one
                 p.kill()
     assert not left, f"HAProxy outlived make serve: {[(p.pid, p.ppid()) for p in left]}"

@@ -8,7 +8,7 @@ import time
 
 import httpx
 
-from tests.serve.conftest import METRICS_PORT
+from tests.serve.conftest import METRICS_PORT, METRICS_REPORT_INTERVAL_S
 
 SCRAPE = f"http://127.0.0.1:{METRICS_PORT}/metrics"
 
@@ -29,20 +29,20 @@ def family(sums: dict[str, float], name: str) -> float:
     return sums.get(name, 0.0) + sums.get(f"{name}_total", 0.0)
 
 
-REPORT_INTERVAL_S = 10  # Ray's default metrics_report_interval_ms: counters reach Prometheus this late
+REPORT_INTERVAL_S = METRICS_REPORT_INTERVAL_S  # the session's metrics_report_interval_ms: counts arrive this late
 
 
 def settled() -> dict[str, float]:
     """A scrape after earlier tests' counts have all been exported: unchanged for longer than
-    Ray's report interval (two equal reads 5 s apart can both fall inside one interval)."""
+    Ray's report interval (two equal reads closer than that can both fall inside one interval)."""
     last, since = scrape(), time.monotonic()
     deadline = since + 120
     while time.monotonic() < deadline:
-        time.sleep(4)
+        time.sleep(REPORT_INTERVAL_S / 2)
         now = scrape()
         if family(now, "ray_hidden_states_vectors") != family(last, "ray_hidden_states_vectors"):
             since = time.monotonic()
-        elif time.monotonic() - since > REPORT_INTERVAL_S + 2:
+        elif time.monotonic() - since > 2 * REPORT_INTERVAL_S + 2:
             return now
         last = now
     return last
@@ -79,7 +79,7 @@ def test_vllm_and_our_metrics_count_what_was_sent(serve_app, client):
         )
         if done:
             break
-        time.sleep(3)
+        time.sleep(REPORT_INTERVAL_S / 2)
     vectors = family(after, "ray_hidden_states_vectors") - family(before, "ray_hidden_states_vectors")
     assert vectors == sent, (vectors, sorted(n for n in after if "hidden_states" in n))
     assert (
@@ -131,5 +131,5 @@ def test_the_dashboard_plots_metrics_that_exist(serve_app, client):
         missing = sorted(w for w in wanted if not any(n.startswith(w) for n in names))
         if not missing:
             return
-        time.sleep(5)
+        time.sleep(REPORT_INTERVAL_S / 2)
     raise AssertionError(f"the dashboard queries metrics the endpoint does not export: {missing}")
