@@ -36,7 +36,7 @@ NOT_IMPORTED = {
     "pytest-timeout": "a pytest plugin, used through `timeout` in [tool.pytest.ini_options]",
     "ninja": "torch.utils.cpp_extension's build driver, for tests/toploc_ref.py",
     "ruff": "the formatter and linter `make lint` runs (a command, not imported)",
-    "soxr": "vLLM resamples audio with it (hidden_states/vllm/frontend/audio.py names the method; vLLM imports it)",
+    "soxr": "vLLM resamples audio with it (hidden_states/vllm/patches/audio_resampler.py names it; vLLM imports it)",
 }
 # The code, the dependency groups it may import from, and the groups it must use.
 SCOPES = {
