@@ -32,8 +32,6 @@ from __future__ import annotations
 import importlib
 from typing import Any, NamedTuple
 
-SUPPORTED = "vLLM 0.32.x"
-
 
 class Point(NamedTuple):
     number: int  # the ledger point (docs/how-it-works.md, "The ledger, in short"); 0: Ray's internals

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from hidden_states.vllm.patches.drift import _MODELS, _VLMS, Symbol
+
 
 def runner(runner: Any, hook: Any, **_: Any) -> None:
     model = runner.model
@@ -28,3 +30,6 @@ def runner(runner: Any, hook: Any, **_: Any) -> None:
 
     embed_multimodal._hidden_states_counted = True
     model.embed_multimodal = embed_multimodal
+
+
+RELIED: tuple[Symbol, ...] = tuple(Symbol(f"{_MODELS}.{cls}.embed_multimodal", "14", kind="wrapped") for cls in _VLMS)
