@@ -32,7 +32,8 @@ def patch_sites(source: str, in_vllm_package: bool) -> list[str]:
     """The patch sites in one module's source, as "line: what". A patch site: an attribute of something not
     `self`/`cls` set to a function, class or lambda defined here (a wrapper), or by `setattr` to one; any
     attribute set on a name imported from vllm or torch; and, in hidden_states/vllm/, an attribute set on
-    vLLM's configuration (`..._config.x = ...`) or a change of the process's environment."""
+    vLLM's configuration (`..._config.x = ...`), a private attribute or one `setattr` names set on another
+    object (ours aside: "hidden_states..." names), or a change of the process's environment."""
     tree = ast.parse(source)
     methods = {id(m) for c in ast.walk(tree) if isinstance(c, ast.ClassDef) for m in c.body}
     defined = {  # functions and classes defined here, methods aside: what a wrapper is
@@ -52,6 +53,9 @@ def patch_sites(source: str, in_vllm_package: bool) -> list[str]:
     def wrapper(value: ast.AST) -> bool:
         values = value.elts if isinstance(value, ast.Tuple) else [value]
         return any(isinstance(v, ast.Lambda) or (isinstance(v, ast.Name) and v.id in defined) for v in values)
+
+    def own(attr: str) -> bool:  # an attribute of ours hung on an object (protocol's *_ATTR are "hidden_states_...")
+        return attr.lstrip("_").startswith("hidden_states")
 
     def ours(target: ast.AST) -> bool:
         root = _root(target)
@@ -79,12 +83,22 @@ def patch_sites(source: str, in_vllm_package: bool) -> list[str]:
                 out.append(what)
             elif in_vllm_package and not ours(target) and any(a.endswith("_config") for a in _chain(target)[1:]):
                 out.append(what)
+            elif in_vllm_package and not ours(target) and target.attr.startswith("_") and not own(target.attr):
+                out.append(what)  # a private attribute of someone else's object
         if isinstance(n, ast.Call):
             f = n.func
             if isinstance(f, ast.Name) and f.id == "setattr" and len(n.args) == 3:
                 obj, value = n.args[0], n.args[2]
                 root = _root(obj)
-                if (isinstance(root, ast.Name) and root.id in imported) or (not ours(obj) and wrapper(value)):
+                name = n.args[1]
+                named_ours = (isinstance(name, ast.Constant) and own(str(name.value))) or (
+                    isinstance(name, ast.Name) and name.id.endswith("_ATTR")  # protocol's *_ATTR: "hidden_states_..."
+                )
+                if (
+                    (isinstance(root, ast.Name) and root.id in imported)
+                    or (not ours(obj) and wrapper(value))
+                    or (in_vllm_package and not ours(obj) and not named_ours)
+                ):
                     out.append(f"{n.lineno}: {ast.unparse(n)}")
             if in_vllm_package and isinstance(f, ast.Attribute) and ast.unparse(f.value) == "os.environ":
                 if f.attr in ("update", "setdefault", "pop", "__setitem__"):
@@ -152,6 +166,10 @@ def test_every_patch_module_is_in_the_registry_and_the_registry_names_only_modul
         ("import os\nos.environ.update({'VLLM_X': '0'})\n", 1),
         ("class A:\n    def f(self):\n        def g(): pass\n        self.x = g\n", 0),  # its own attribute
         ("def f(out, v):\n    setattr(out, 'hidden_states_plan', v)\n", 0),  # our data hung on an object
+        ("def f(out, v):\n    setattr(out, STEP_ATTR, v)\n", 0),
+        ("def f(m, name, fixed):\n    setattr(m, name, fixed)\n", 1),  # someone else's attribute, by name
+        ("def f(w, impl):\n    w._impl = impl\n", 1),  # someone else's private attribute
+        ("def f(runner, hook):\n    runner._hidden_states_hook = hook\n", 0),
     ],
 )
 def test_the_scan_catches_a_patch_site(source, found):
