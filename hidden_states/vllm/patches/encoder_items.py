@@ -32,4 +32,6 @@ def runner(runner: Any, hook: Any, **_: Any) -> None:
     model.embed_multimodal = embed_multimodal
 
 
-RELIED: tuple[Symbol, ...] = tuple(Symbol(f"{_MODELS}.{cls}.embed_multimodal", "14", kind="wrapped") for cls in _VLMS)
+RELIED: tuple[Symbol, ...] = tuple(
+    Symbol(f"{_MODELS}.{cls}.embed_multimodal", "14", ("**kwargs",), "wrapped", exact=True) for cls in _VLMS
+)

@@ -217,7 +217,6 @@ RELIED: tuple[Symbol, ...] = (
         ("default_template", "default_template_content_format"),
         "called",
     ),
-    *(Symbol(f"{_MODELS}.{cls}.embed_multimodal", "14", ("**kwargs",), "wrapped", exact=True) for cls in _VLMS),
     Symbol(f"{_RUNNER}.requests", "15", kind="init attr"),
     Symbol("vllm.v1.worker.gpu_input_batch:CachedRequestState.sampling_params", "15", kind="field"),
     Symbol("vllm.v1.worker.gpu_input_batch:CachedRequestState.num_prompt_tokens", "15", kind="init attr"),
