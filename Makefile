@@ -22,7 +22,7 @@ test-fast: setup
 lint: setup
 	.venv/bin/python -m ruff format --check .
 	.venv/bin/python -m ruff check .
-	.venv/bin/python -m hidden_states.vllm.drift --check
+	.venv/bin/python -m hidden_states.vllm.patches --check
 
 # Tests that take more than a few minutes (load, faults, multi-node): not in CI.
 test-long: setup

@@ -11,7 +11,7 @@
 - audio (`input_audio`, or an `audio_url` data URL) that vLLM's decoder cannot read (soundfile: WAV,
   FLAC, MP3, OGG; its header and first frame are read), with no samples, at a rate outside
   AUDIO_RATES, or declared in a `format` outside AUDIO_FORMATS (any rate inside is resampled to the
-  model's: hidden_states/vllm/frontend/audio.py);
+  model's: hidden_states/vllm/patches/audio_resampler.py);
 - a part whose decoded bytes are above `max_media_bytes`;
 - a remote (http/https) URL when `remote_media` is off: the engine would fetch it, while the request
   holds a replica; a file: URL unless the engine has an `allowed_local_media_path` (vLLM reads it
@@ -244,7 +244,7 @@ def _decode(payload: str, field: str, modality: str, max_bytes: int) -> bytes:
 
 # The audio files vLLM's decoder reads (soundfile, libsndfile 1.2: its own sniffing, whatever the declared
 # format), by the names `input_audio.format` takes; any sample rate in AUDIO_RATES is resampled to the
-# model's (hidden_states/vllm/frontend/audio.py: soxr).
+# model's (hidden_states/vllm/patches/audio_resampler.py: soxr).
 AUDIO_FORMATS = ("wav", "flac", "mp3", "ogg")
 AUDIO_RATES = (1000, 384000)  # Hz: outside, a clip is refused (soxr's ratios stay sane; nothing real is cut)
 

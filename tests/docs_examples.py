@@ -70,7 +70,7 @@ LISTED: dict[tuple[str, str], tuple[str, str]] = {
     ),
     ("docs/how-it-works.md", "def _expand_kernel_impl("): (
         NOT_RUN,
-        "the bug report's fix, as vLLM would take it (hidden_states/vllm/cpu.py applies it)",
+        "the bug report's fix, as vLLM would take it (hidden_states/vllm/patches/spec_expand_kernel.py applies it)",
     ),
     ("docs/operations.md", "ray start --head --metrics-export-port=8080"): (
         NOT_RUN,

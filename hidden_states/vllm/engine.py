@@ -39,31 +39,21 @@ from hidden_states.params import (
     spec_of,
 )
 from hidden_states.preflight import EngineStartupError, check_architecture, check_cpu_memory, check_model_folder
-from hidden_states.protocol import fault_injection, with_capture_layers
+from hidden_states.protocol import with_capture_layers
 from hidden_states.vllm import (
-    ENGINE_ENV,
     VERIFIED_LAYER_ARCHS,
     WORKER_EXTENSION,
     VLLMIncompatibleError,
     check_vllm_version,
     verified_families,
 )
-from hidden_states.vllm.cpu import CPU_ASYNC_ENV, cpu_start_up, force_atomic_image_spans, image_span_refusal, on_cpu
+from hidden_states.vllm.cpu import cpu_start_up, on_cpu
 from hidden_states.vllm.engine_args import refuse, with_defaults
 from hidden_states.vllm.frontend.extraction import Extraction, Origin, make_async_llm_class
+from hidden_states.vllm.patches import install
+from hidden_states.vllm.patches.mm_prefix_attention import image_span_refusal
 
 logger = logging.getLogger(__name__)
-
-TAIL_SCHEDULER = "hidden_states.vllm.core.scheduler.TailScheduler"  # synchronous: vectors on outputs + the tail step
-ASYNC_SCHEDULER = "hidden_states.vllm.core.scheduler.AsyncVectorScheduler"  # async scheduling: vectors on outputs
-PLAIN_SCHEDULER = "hidden_states.vllm.core.scheduler.VectorScheduler"  # tail_step=False: vectors on outputs only
-
-
-def scheduler_path(path: str) -> str:
-    """The scheduler class the engine core runs: `path`, or under FAULT_INJECTION_ENV=1 (tests only) its
-    fault-injecting twin (core/fault_injection.py)."""
-    return path.replace(".core.scheduler.", ".core.fault_injection.") if fault_injection() else path
-
 
 EXTRACTION_PRIORITY = -1  # lower runs first under vLLM's priority policy; requests default to 0
 
@@ -212,12 +202,9 @@ class HiddenStatesEngine(VectorObservers):
             raise EngineStartupError(
                 "heads need enable_return_hidden_states: true (a request reads them as it reads hidden states)"
             )
-        os.environ.update(ENGINE_ENV)  # inherited by the engine-core process
+        # Model Runner V1 in every process (ledger point 3); audio at any rate, by soxr in this process (17)
+        install("frontend", "start")
         from vllm.engine.arg_utils import AsyncEngineArgs
-
-        from hidden_states.vllm.frontend.audio import patch_audio_resampler
-
-        patch_audio_resampler()  # audio at any rate, resampled by soxr in this process (ledger point 17)
 
         engine_args = with_defaults(engine_args, enable_return_hidden_states, on_cpu())
         if enable_return_hidden_states:
@@ -226,12 +213,10 @@ class HiddenStatesEngine(VectorObservers):
         path = _preflight(model, engine_args)
         try:
             vllm_config = AsyncEngineArgs(model=path, **engine_args).create_engine_config()
-            if os.environ.get(CPU_ASYNC_ENV) == "1":  # tests only: vLLM's async path on CPU (ledger point 12)
-                vllm_config.scheduler_config.async_scheduling = True
             if on_cpu() and (why := image_span_refusal(vllm_config)):
                 raise EngineStartupError(f"{model}: {why} (ledger point 18)")
-            if on_cpu() and force_atomic_image_spans(vllm_config):  # an image prefilled in one step (point 18)
-                logger.info("disable_chunked_mm_input: on, as vLLM's GPU platforms set it for %s", model)
+            # tests only: vLLM's async path on CPU (ledger point 12); an image prefilled in one step (point 18)
+            install("frontend", "config", vllm_config=vllm_config, model=model)
             tail = False
             mc = vllm_config.model_config
             try:
@@ -256,12 +241,9 @@ class HiddenStatesEngine(VectorObservers):
                 if static:  # read by every worker at load, before the forward compiles (ledger point 16)
                     with_capture_layers(vllm_config, static)
                 refuse(engine_args, vllm_config)  # and however the resolved configuration came to them
-                # From the configuration vLLM resolved (async scheduling after its own defaults):
-                # the tail step needs a synchronous scheduler (ledger point 9).
                 tail = tail_step  # synchronous: the held tail step; async: the step in flight (scheduler.py)
-                name = TAIL_SCHEDULER if not vllm_config.scheduler_config.async_scheduling else ASYNC_SCHEDULER
-                # (the fault-injecting twin of the class in tests: FAULT_INJECTION_ENV)
-                vllm_config.scheduler_config.scheduler_cls = scheduler_path(name if tail_step else PLAIN_SCHEDULER)
+                # the engine core's scheduler class, from the resolved configuration (ledger point 9)
+                install("frontend", "scheduler", vllm_config=vllm_config, tail_step=tail_step)
             loggers = None
             if ray_metrics:  # vLLM's engine metrics through Ray's Prometheus endpoint, tagged ReplicaId
                 from vllm.v1.metrics.ray_wrappers import RayPrometheusStatLogger

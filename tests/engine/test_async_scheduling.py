@@ -1,7 +1,7 @@
 """vLLM's own async scheduling path, on the CPU engine, against transformers.
 
 vLLM's CPU platform turns async scheduling off ("not required on CPU"). With the test-only shim
-(`hidden_states.vllm.cpu.install_cpu_async_shim`, ledger point 12: CPU stand-ins for the CUDA
+(`hidden_states.vllm.patches.cpu_async_shim`, ledger point 12: CPU stand-ins for the CUDA
 stream and event calls of Model Runner V1's async path, and `async_scheduling` set back on after
 vLLM resolved the configuration) the engine runs vLLM's AsyncScheduler, its batch-queue engine
 loop and the runner's async output path, with our AsyncVectorScheduler. Its tail: the step in
@@ -39,7 +39,7 @@ PROMPTS = [
 @pytest.fixture(scope="module")
 def async_engine(loop_thread):
     import hidden_states.vllm.worker.extension  # noqa: F401  (imported here without the shim: this process keeps CUDA's)
-    from hidden_states.vllm.cpu import CPU_ASYNC_ENV
+    from hidden_states.vllm.patches.cpu_async_shim import CPU_ASYNC_ENV
 
     # CPU_ASYNC_ENV while the engine starts: read by start() and, inherited, by the engine-core process.
     from tests.heads_ref import build_test_heads
@@ -186,7 +186,7 @@ def test_conditional_steering_under_async_scheduling_is_transformers_position_by
 @pytest.fixture(scope="module")
 def async_compiled_engine(loop_thread):
     """The GPU's default shape on the CPU: compiled (the static layer set traced, worker/traced.py) and async."""
-    from hidden_states.vllm.cpu import CPU_ASYNC_ENV
+    from hidden_states.vllm.patches.cpu_async_shim import CPU_ASYNC_ENV
     from tests.heads_ref import build_test_heads
 
     with running_engine(

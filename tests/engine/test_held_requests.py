@@ -34,7 +34,7 @@ def core(model_dir):
     from vllm.v1.engine.llm_engine import LLMEngine
 
     from hidden_states.vllm import ENGINE_ENV, WORKER_EXTENSION
-    from hidden_states.vllm.engine import TAIL_SCHEDULER
+    from hidden_states.vllm.patches.scheduler_cls import TAIL_SCHEDULER
 
     saved = {k: os.environ.get(k) for k in (*ENGINE_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING")}
     os.environ.update(ENGINE_ENV, VLLM_ENABLE_V1_MULTIPROCESSING="0")

@@ -241,7 +241,7 @@ def test_the_expand_fix_against_vllms_kernel():
     import torch
     from vllm.platforms import current_platform
 
-    from hidden_states.vllm.cpu import fix_cpu_spec_sampling
+    from hidden_states.vllm.patches.spec_expand_kernel import fix_cpu_spec_sampling
 
     current_platform.import_kernels()
     current_platform.register_triton_kernel_overrides()

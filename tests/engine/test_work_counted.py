@@ -186,7 +186,7 @@ def test_the_cross_check_fails_on_a_label(loop_thread, tmp_path):
 @cpu_only
 def test_async_step_in_flight_adds_nothing_after_a_stop_token(loop_thread, tmp_path):
     import hidden_states.vllm.worker.extension  # noqa: F401  (imported here without the shim)
-    from hidden_states.vllm.cpu import CPU_ASYNC_ENV
+    from hidden_states.vllm.patches.cpu_async_shim import CPU_ASYNC_ENV
 
     counted = start_counted(loop_thread, tmp_path, env={CPU_ASYNC_ENV: "1"})
     try:

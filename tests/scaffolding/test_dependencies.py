@@ -37,7 +37,7 @@ NOT_IMPORTED = {
     "ninja": "torch.utils.cpp_extension's build driver, for tests/toploc_ref.py",
     "ruff": "the formatter and linter `make lint` runs (a command, not imported)",
     "scipy": "bench/measure.py draws the bench's intervals with it; tests/scaffolding/test_bench_stats.py runs them",
-    "soxr": "vLLM resamples audio with it (hidden_states/vllm/frontend/audio.py names the method; vLLM imports it)",
+    "soxr": "vLLM resamples audio with it (hidden_states/vllm/patches/audio_resampler.py names it; vLLM imports it)",
 }
 # The code, the dependency groups it may import from, and the groups it must use.
 SCOPES = {

@@ -49,9 +49,9 @@ def test_the_built_in_models_live_apart_from_the_serving_path():
 
 # What the engine core and the workers may import of ours: the wire (protocol.py), the heads the
 # workers run (heads.py: msgspec and torch, no schema), and the vLLM package's own siblings (its
-# ledger helpers, the worker's layers, the CPU steps). Never the API schema (params.py, pydantic),
-# proofs, the engine interface or the frontend.
-ENGINE_SIDE = ["hidden_states/vllm/core", "hidden_states/vllm/worker"]
+# ledger helpers, the worker's layers, the CPU steps, the patches the workers install). Never the API
+# schema (params.py, pydantic), proofs, the engine interface or the frontend.
+ENGINE_SIDE = ["hidden_states/vllm/core", "hidden_states/vllm/worker", "hidden_states/vllm/patches"]
 ENGINE_SIDE_MAY_IMPORT = (
     "hidden_states.protocol",
     "hidden_states.heads",

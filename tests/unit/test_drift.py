@@ -1,16 +1,18 @@
-"""The drift check (hidden_states/vllm/drift.py) on the installed vLLM and Ray: nothing drifted; a symbol removed,
+"""The drift check (hidden_states/vllm/patches/, `python -m hidden_states.vllm.patches --check`) on the
+installed vLLM and Ray: nothing drifted; a symbol removed,
 a signature changed or a module that fails to import is reported (symbol, expected, found, ledger point), never
 raised. Imports vLLM and Ray; starts no engine and no cluster."""
 
 from __future__ import annotations
 
-import re
 import sys
 
 import pytest
 
-from hidden_states.vllm import drift
-from hidden_states.vllm.drift import RELIED, Symbol, check, main
+from hidden_states.vllm.patches import POINTS, drift, relied
+from hidden_states.vllm.patches.drift import Symbol, check, main
+
+RELIED = relied()
 
 SCHED = "vllm.v1.core.sched.scheduler:Scheduler"
 
@@ -28,13 +30,11 @@ def test_nothing_drifted_on_the_installed_versions(capsys):
 
 
 def test_the_table_lists_each_symbol_once_and_serves_every_ledger_point(capsys):
-    import hidden_states.vllm as package
-
     paths = [s.path for s in RELIED]
     assert len(paths) == len(set(paths)), sorted(p for p in paths if paths.count(p) > 1)
-    ledger = {int(n) for n in re.findall(r"^(\d+)\. ", package.__doc__, re.M)}
+    ledger = {p.number for p in POINTS if p.number}
     served = {int(p) for s in RELIED for p in s.point.split(",") if p.strip().isdigit()}
-    assert ledger == set(range(1, 21)) and ledger <= served, sorted(ledger - served)
+    assert ledger == set(range(1, 22)) and ledger <= served, sorted(ledger - served)
     assert {s.point for s in RELIED if not s.point[0].isdigit()} == {"import", "ray"}
     assert main([]) == 0
     out = capsys.readouterr().out
@@ -124,7 +124,7 @@ def test_a_module_that_fails_to_import_is_reported_not_raised(monkeypatch, tmp_p
     assert lines[0].startswith("hs_drift_broken:Scheduler.add_request (override, ledger point 9): expected (request")
     assert lines[0].endswith("found: RuntimeError: broken at import")
     assert lines[1].startswith("hs_drift_no_such_module (module, import): expected present; found: ModuleNotFoundError")
-    monkeypatch.setattr(drift, "RELIED", relied)
+    monkeypatch.setattr(drift, "_all", lambda: relied)
     assert main(["--check"]) == 1
     assert capsys.readouterr().out.splitlines() == lines
 
@@ -189,14 +189,14 @@ def test_a_patch_of_ours_running_in_this_process_is_seen_through(monkeypatch):
     import vllm.lora.ops.torch_ops.lora_ops as ops
     from vllm.lora.punica_wrapper import punica_cpu
 
-    from hidden_states.vllm.cpu import patch_cpu_lora_ops
+    from hidden_states.vllm.patches.lora_ops import patch_cpu_lora_ops
 
     for module in (ops, package, punica_cpu):
         for name in drift._LORA_OPS:
             monkeypatch.setattr(module, name, getattr(module, name))  # put back after the test
     monkeypatch.setattr(ops, "_hidden_states_no_lora_rows", False, raising=False)
     patch_cpu_lora_ops()
-    assert ops.bgmv_shrink.__module__ == "hidden_states.vllm.cpu"
+    assert ops.bgmv_shrink.__module__ == "hidden_states.vllm.patches.lora_ops"
     assert check() == []
 
 

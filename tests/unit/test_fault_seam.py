@@ -26,7 +26,12 @@ def test_the_production_scheduler_carries_no_test_code():
 @pytest.mark.parametrize("on", [False, True])
 def test_the_engine_runs_the_twin_only_under_the_env_flag(monkeypatch, on):
     from hidden_states.vllm.core import fault_injection, scheduler
-    from hidden_states.vllm.engine import ASYNC_SCHEDULER, PLAIN_SCHEDULER, TAIL_SCHEDULER, scheduler_path
+    from hidden_states.vllm.patches.scheduler_cls import (
+        ASYNC_SCHEDULER,
+        PLAIN_SCHEDULER,
+        TAIL_SCHEDULER,
+        scheduler_path,
+    )
 
     if on:
         monkeypatch.setenv(FAULT_INJECTION_ENV, "1")
@@ -108,3 +113,60 @@ def test_the_twin_raises_in_the_asked_hook_for_the_asking_request_only(hook):
     del s.requests["bad"]
     s.update_from_output(None, None)
     assert s._injected == {}
+
+
+# -- the worker: its hook's twin (worker/fault_injection.py), chosen by the same flag --------------------------------
+
+
+def test_the_production_worker_carries_no_test_code():
+    for name in ("capture.py", "steering.py"):
+        source = (ROOT / "hidden_states/vllm/worker" / name).read_text()
+        for word in ("InjectedFault", "injected_fault", "fault_injection()", "FAULT_INJECT", "self._inject", ".check("):
+            assert word not in source, (name, word)
+
+
+@pytest.mark.parametrize("on", [False, True])
+def test_the_worker_runs_the_twin_only_under_the_env_flag(monkeypatch, on):
+    from hidden_states.vllm.worker import capture, fault_injection, steering
+
+    if on:
+        monkeypatch.setenv(FAULT_INJECTION_ENV, "1")
+    else:
+        monkeypatch.delenv(FAULT_INJECTION_ENV, raising=False)
+    cls = fault_injection.runner_hook_class()
+    assert issubclass(cls, capture._RunnerHook) and issubclass(cls.steering_class, steering.StepSteering)
+    assert (cls is fault_injection.RunnerHook) == on and (cls is capture._RunnerHook) == (not on)
+
+
+@pytest.mark.parametrize("hook", ["capture", "heads", "steering"])
+def test_the_worker_twin_raises_in_the_asked_hook_for_the_asking_request_only(hook):
+    import torch
+
+    from hidden_states.vllm.worker.fault_injection import RunnerHook, StepSteering
+
+    h = RunnerHook.__new__(RunnerHook)  # its per-request pieces only: no runner
+    h._inject = {"bad": hook}
+    hidden, residual = torch.arange(12.0).reshape(6, 2), torch.ones(6, 2)
+    blocks = [(0, 1, hidden, 0, 2), (1, 1, hidden, 2, 4)]
+    st = StepSteering.__new__(StepSteering)
+    st.guard, st.traced = h, type("Traced", (), {"fill": lambda self, ops, n: (n, 0)})()
+    pieces = {  # each hook's pieces, for one request
+        "capture": lambda rid: h._gather_rows([rid], hidden, residual, [0, 1]),
+        "heads": lambda rid: h._head_rows([rid], blocks, [0, 1]),
+        "steering": lambda rid: st._fill([rid], {}, 3),
+    }
+    for which, call in pieces.items():
+        call("good")
+        if which == hook:
+            with pytest.raises(InjectedFault, match=hook):
+                call("bad")
+        else:
+            call("bad")
+    assert torch.equal(h._gather_rows(["good"], hidden, residual, [0, 1]), (hidden + residual)[[0, 1]])
+    bad = [type("Entry", (), {"rid": "bad"})()]
+    if hook == "capture":  # the step's pack, before any of its work; a steering entry, before it is written
+        with pytest.raises(InjectedFault, match="capture"):
+            h._pack(bad, [0], hidden)
+    if hook == "steering":
+        with pytest.raises(InjectedFault, match="steering"):
+            st._add_entry("bad", None, "add", None, None, hidden, residual, None, None)

@@ -40,7 +40,7 @@ def test_image_rows_are_transformers_mask_and_text_rows_are_the_kernel_s(window)
     from vllm import _custom_ops as ops
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-    from hidden_states.vllm import cpu
+    from hidden_states.vllm.patches import mm_prefix_attention
 
     rng = np.random.default_rng(0)
     isa = _get_attn_isa(torch.float32, BLOCK, D)
@@ -111,13 +111,15 @@ def test_image_rows_are_transformers_mask_and_text_rows_are_the_kernel_s(window)
         kv_cache_dtype="auto",
     )
     cm = SimpleNamespace(query_start_loc_cpu=qsl, seq_lens=seq_lens, num_reqs=2, block_table_tensor=table)
-    md = SimpleNamespace(hidden_states_spans=cpu._image_span_batch(builder, cm, {0: [], 1: [span]}))
+    md = SimpleNamespace(hidden_states_spans=mm_prefix_attention._image_span_batch(builder, cm, {0: [], 1: [span]}))
     assert md.hidden_states_spans["rows"].tolist() == list(range(new[0] + span[0] - 30, new[0] + span[1] - 30 + 1))
     layer = SimpleNamespace(_k_scale_float=1.0, _v_scale_float=1.0)
     causal_only = Impl()._hidden_states_forward(layer, query, None, None, kv, None, torch.empty_like(query)).clone()
-    before = cpu.MM_PREFIX_ROWS[0]
-    got = cpu._forward_with_image_spans(Impl(), layer, query, None, None, kv, md, torch.empty_like(query)).numpy()
-    assert cpu.MM_PREFIX_ROWS[0] - before == span[1] - span[0] + 1
+    before = mm_prefix_attention.MM_PREFIX_ROWS[0]
+    got = mm_prefix_attention._forward_with_image_spans(
+        Impl(), layer, query, None, None, kv, md, torch.empty_like(query)
+    ).numpy()
+    assert mm_prefix_attention.MM_PREFIX_ROWS[0] - before == span[1] - span[0] + 1
 
     assert np.array_equal(got[: new[0]], causal_only[: new[0]].numpy())  # the text request: vLLM's bits
     want = reference(Q[1], K[1], V[1], range(30, 70), 70, span, window)
@@ -130,7 +132,7 @@ def test_image_rows_are_transformers_mask_and_text_rows_are_the_kernel_s(window)
 def test_a_span_split_across_steps_is_an_error_not_a_silent_causal_row():
     import torch
 
-    from hidden_states.vllm import cpu
+    from hidden_states.vllm.patches import mm_prefix_attention
 
     cm = SimpleNamespace(
         query_start_loc_cpu=torch.tensor([0, 10], dtype=torch.int32),
@@ -139,13 +141,13 @@ def test_a_span_split_across_steps_is_an_error_not_a_silent_causal_row():
         block_table_tensor=torch.zeros(1, 1, dtype=torch.int32),
     )
     with pytest.raises(RuntimeError, match="split across prefill steps"):
-        cpu._image_span_batch(SimpleNamespace(), cm, {0: [(8, 12)]})
+        mm_prefix_attention._image_span_batch(SimpleNamespace(), cm, {0: [(8, 12)]})
     # a span computed in an earlier step, or a single token, adds nothing
-    assert cpu._image_span_batch(SimpleNamespace(), cm, {0: [(0, 0)]}) is None
+    assert mm_prefix_attention._image_span_batch(SimpleNamespace(), cm, {0: [(0, 0)]}) is None
 
 
 def test_start_up_decisions():
-    from hidden_states.vllm import cpu
+    from hidden_states.vllm.patches import mm_prefix_attention
 
     def config(model_type_prefix_lm: bool, tokens=256, window=1024, chunked=False):
         return SimpleNamespace(
@@ -159,10 +161,14 @@ def test_start_up_decisions():
         )
 
     gemma3 = config(True)
-    assert cpu.image_span_refusal(gemma3) is None
-    assert cpu.force_atomic_image_spans(gemma3) and gemma3.scheduler_config.disable_chunked_mm_input
-    assert not cpu.force_atomic_image_spans(gemma3)  # already on
+    assert mm_prefix_attention.image_span_refusal(gemma3) is None
+    assert mm_prefix_attention.force_atomic_image_spans(gemma3) and gemma3.scheduler_config.disable_chunked_mm_input
+    assert not mm_prefix_attention.force_atomic_image_spans(gemma3)  # already on
     other = config(False)
-    assert not cpu.force_atomic_image_spans(other) and not other.scheduler_config.disable_chunked_mm_input
-    assert "longer than the model's sliding window (16)" in cpu.image_span_refusal(config(True, tokens=64, window=16))
-    assert cpu.image_span_refusal(config(False, tokens=64, window=16)) is None
+    assert (
+        not mm_prefix_attention.force_atomic_image_spans(other) and not other.scheduler_config.disable_chunked_mm_input
+    )
+    assert "longer than the model's sliding window (16)" in mm_prefix_attention.image_span_refusal(
+        config(True, tokens=64, window=16)
+    )
+    assert mm_prefix_attention.image_span_refusal(config(False, tokens=64, window=16)) is None

@@ -141,14 +141,12 @@ class _Runner:
 
 
 class _Guard:
-    """What StepSteering reports faults to (capture._RunnerHook): `fails` names requests whose entries raise."""
+    """What StepSteering reports faults to (capture._RunnerHook): `fails` names requests whose entries raise
+    (through the fault-injecting twin, worker/fault_injection.py, which reads `_inject`)."""
 
     def __init__(self, fails=()):
-        self.fails, self.faults = set(fails), {}
-
-    def check(self, hook, rids):
-        if self.fails & set(rids):
-            raise RuntimeError(f"{hook} fails")
+        self.faults = {}
+        self._inject = {rid: "steering" for rid in fails}
 
     def fault(self, rid, hook, error):
         self.faults.setdefault(rid, (hook, str(error)))
@@ -194,7 +192,7 @@ def test_a_request_whose_steering_raises_fails_alone_and_the_others_are_steered_
     are left as they came, the other's rows are the same bits as when it is steered alone."""
     import torch
 
-    from hidden_states.vllm.worker.steering import StepSteering
+    from hidden_states.vllm.worker.fault_injection import StepSteering as InjectingSteering
 
     v = np.arange(1, D + 1, dtype=np.float32)
     steer = {
@@ -207,7 +205,7 @@ def test_a_request_whose_steering_raises_fails_alone_and_the_others_are_steered_
         runner = _Runner(steer, {"a": 3, "b": 2}, {"a": 0, "b": 0})
         runner.query_start_loc.np = np.array([0, 3, 5])
         guard = _Guard(fails)
-        st = StepSteering(runner, guard)
+        st = InjectingSteering(runner, guard)
         st.begin(types.SimpleNamespace(num_scheduled_tokens={"a": 3, "b": 2}, finished_req_ids=set()))
         return st.apply(1, hidden, residual), guard.faults, st.steered_rows
 

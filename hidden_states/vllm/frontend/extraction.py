@@ -53,6 +53,7 @@ from hidden_states.protocol import (
     HiddenStatesProtocolError,
     HookFault,
 )
+from hidden_states.vllm.patches import install
 
 _FAILED = ("abort", "error")
 logger = logging.getLogger(__name__)
@@ -179,9 +180,8 @@ def make_async_llm_class():
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             processor = self.output_processor
-            process = processor.process_outputs
 
-            def process_outputs(engine_core_outputs, *a, **kw):
+            def take_ours(engine_core_outputs):
                 hs = getattr(self, "extraction", None)
                 if hs is not None and hs.live:
                     for eco in engine_core_outputs:
@@ -213,9 +213,9 @@ def make_async_llm_class():
                                     hs.deliver(rows, index, heads)
                             except Exception as e:  # this request fails; the output handler serves on
                                 hs.fault(caller, "deliver", e)
-                return process(engine_core_outputs, *a, **kw)
 
-            processor.process_outputs = process_outputs
+            # before vLLM's process_outputs reads them (ledger point 10, hidden_states/vllm/patches/output_rows.py)
+            install("frontend", "async_llm", llm=self, before=take_ours)
 
         def generate(self, prompt, sampling_params, request_id, *args, **kwargs):
             """vLLM's own generator for a request that asks for nothing (no layer of ours per output)."""

@@ -60,6 +60,7 @@ from hidden_states.params import (
 from hidden_states.protocol import COLLECTOR_TAG_KEY, RESERVED_EXTRA_ARGS_PREFIX, STEER_KEY, steering_extra_args
 from hidden_states.shape import several
 from hidden_states.vllm.frontend.extraction import Origin
+from hidden_states.vllm.patches import install
 
 logger = logging.getLogger(__name__)
 
@@ -440,4 +441,4 @@ def _wrap_beam_search(serving, engine) -> None:
         beams = original(prompt, request_id, params, *args, **kwargs)
         return extraction.extract_beams(beams, collector, ordinal, origin)
 
-    serving.beam_search = beam_search
+    install("frontend", "serving", serving=serving, beam_search=beam_search)  # ledger point 21 (patches/)

@@ -10,7 +10,6 @@ runner is one adapter (`_V1Runner`); another runner needs only its own (docs/how
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -20,14 +19,12 @@ from hidden_states.protocol import (
     PLAN_ATTR,
     STEP_ATTR,
     HookFault,
-    InjectedFault,
     PlanEntry,
     RowBlock,
     StepCapture,
-    fault_injection,
-    injected_fault,
 )
 from hidden_states.vllm import VERIFIED_LAYER_ARCHS, unverified_reason
+from hidden_states.vllm.patches.runner_step import on_output
 from hidden_states.vllm.worker.layers import entry_site, final_norm_in_logits, layer_capture_support
 from hidden_states.vllm.worker.steering import StepSteering
 from hidden_states.vllm.worker.traced import TRACED_ATTR
@@ -172,6 +169,8 @@ class _RunnerHook:
     (`faults`): the scheduler fails it alone (ledger point 19).
     """
 
+    steering_class = StepSteering  # (the fault-injecting twins replace both: worker/fault_injection.py)
+
     def __init__(self, runner: Any):
         self.runner = runner
         self.adapter = _V1Runner(runner)
@@ -182,13 +181,11 @@ class _RunnerHook:
         self.steps_with_rows = 0  # steps whose plan had rows (after_step): each should make one host copy
         self.host_copies = 0  # device-to-host transfers made (_to_host)
         self.bytes_copied = 0
-        self.encoder_items = 0  # multimodal items the model's encoder embedded (_count_encoder_items)
+        self.encoder_items = 0  # multimodal items the model's encoder embedded (patches/encoder_items.py)
         self.heads: dict[str, Any] = {}  # name -> heads.DeviceHead (install_heads)
-        self.steering = StepSteering(runner, self)  # per-request additions to the stream, on every rank
+        self.steering = self.steering_class(runner, self)  # per-request additions to the stream, on every rank
         self.hook_faults = 0  # requests a hook of this worker failed (each left out of its step)
         self._faults: dict[str, HookFault] = {}  # this step's, by request id: attached with its rows
-        self._injection = fault_injection()  # tests only (protocol.injected_fault)
-        self._inject: dict[str, str] = {}  # this step's injected faults: request id -> hook
         self._stage = "capture"  # the hook the step's pack is in (capture | heads): names a fault
         self.head_rows = 0  # rows the heads encoded (one matrix product per head per step)
         self.head_products = 0  # head matrix products run (per head per step with its rows)
@@ -250,7 +247,6 @@ class _RunnerHook:
             self.layer_hooks = len(layers)
         else:
             logger.info("intermediate hidden-state layers unavailable on %s: %s", arch, why)
-        self._count_encoder_items()
         return {
             **info,
             "layer_capture": layers is not None or self.traced is not None,
@@ -272,37 +268,10 @@ class _RunnerHook:
             self.heads[spec.name] = DeviceHead(spec, device)
         return sorted(self.heads)
 
-    def _count_encoder_items(self) -> None:
-        """A multimodal model's encoder work, counted: `encoder_items` (images, audio clips) its
-        `embed_multimodal` encoded, so a test can see an extraction step reuse the encoder cache."""
-        model = self.runner.model
-        encode = getattr(model, "embed_multimodal", None)
-        if encode is None or getattr(encode, "_hidden_states_counted", False):
-            return
-
-        def embed_multimodal(**kwargs):
-            out = encode(**kwargs)
-            self.encoder_items += len(out) if isinstance(out, (list, tuple)) else int(out.shape[0])
-            return out
-
-        embed_multimodal._hidden_states_counted = True
-        model.embed_multimodal = embed_multimodal
-
     def before_step(self, so: Any) -> None:
         self._faults = {}
         if getattr(so, "total_num_scheduled_tokens", 0):
             self.steps += 1
-        if self._injection:
-            requests = getattr(self.runner, "requests", {})
-            self._inject = {
-                rid: hook
-                for rid in getattr(so, "num_scheduled_tokens", None) or ()
-                if (
-                    hook := injected_fault(
-                        getattr(getattr(requests.get(rid), "sampling_params", None), "extra_args", None)
-                    )
-                )
-            }
         if self.held:
             for rid in getattr(so, "finished_req_ids", ()) or ():
                 self.held.pop(rid, None)
@@ -320,13 +289,19 @@ class _RunnerHook:
         self.hook_faults += 1
         self._faults[rid] = HookFault.of(hook, error)
 
-    def check(self, hook: str, rids: Iterable[str]) -> None:
-        """Tests only: raises where a request of `rids` asked this hook to fail (FAULT_INJECTION_ENV)."""
-        if self._inject and any(self._inject.get(rid) == hook for rid in rids):
-            raise InjectedFault(f"a fault injected into the {hook} hook")
-
     def faulted(self, rid: str) -> bool:
         return rid in self._faults
+
+    # The per-request pieces of a step's work, each for the requests `rids`: where one raises, the work is
+    # redone request by request, and the request whose own piece raises fails alone.
+
+    def _gather_rows(self, rids: list[str], hidden: Any, residual: Any, flat: list[int]) -> Any:
+        """The rows `flat` of the stream at a layer's site (capture)."""
+        return _gather(hidden, residual, flat)
+
+    def _head_rows(self, rids: list[str], blocks: list, group: list[int]) -> Any:
+        """A head's input rows: the blocks `group` of the step's rows (heads)."""
+        return _rows_of(blocks, group)
 
     def end_step(self) -> None:
         """After every execute_model call, captured or not: no plan outlives its step."""
@@ -439,14 +414,14 @@ class _RunnerHook:
                         owners = [i for i in owners if plan[i].rid not in self._faults]
                         flat = [f for i in owners for f in plan[i].flat]
                     try:  # the layer's rows of every request at once
-                        self.check("capture", (plan[i].rid for i in owners))
                         if owners:
-                            self._slices.append((layer, owners, _gather(hidden, residual, flat)))
+                            rids = [plan[i].rid for i in owners]
+                            self._slices.append((layer, owners, self._gather_rows(rids, hidden, residual, flat)))
                     except Exception:  # then request by request: the one that raises fails alone
                         for i in owners:
                             try:
-                                self.check("capture", (plan[i].rid,))
-                                self._slices.append((layer, [i], _gather(hidden, residual, plan[i].flat)))
+                                rows = self._gather_rows([plan[i].rid], hidden, residual, plan[i].flat)
+                                self._slices.append((layer, [i], rows))
                             except Exception as err:
                                 self.fault(plan[i].rid, "capture", err)
             return steered
@@ -483,7 +458,6 @@ class _RunnerHook:
         import torch
 
         self._stage = "capture"
-        self.check("capture", (plan[i].rid for i in members))
         L, chosen = self.num_layers, set(members)
         # (plan entry, layer, source rows on the device, first, end): the entry's rows are source[first:end]
         blocks: list[tuple[int, int, Any, int, int]] = []
@@ -570,10 +544,9 @@ class _RunnerHook:
         where = {(blk[0], blk[1]): b for b, blk in enumerate(blocks)}
         out = self._run_monitors(plan, watching, blocks, where) if watching else []
         for (name, k), entries in wanting.items():
-            self.check("heads", (plan[i].rid for i in entries))
             head = self.heads[name]
             group = [where[(i, head.spec.layer)] for i in entries]
-            values, indices = head.encode(_rows_of(blocks, group), k)
+            values, indices = head.encode(self._head_rows([plan[i].rid for i in entries], blocks, group), k)
             self.head_products += 1
             self.head_rows += int(values.shape[0])
             self.head_column_rows += int(values.shape[0]) * head.columns
@@ -611,9 +584,10 @@ class _RunnerHook:
         products: dict[str, tuple[Any, dict[int, int] | None]] = {}  # head -> (values, feature -> column)
         for name in dict.fromkeys(m[0] for monitors in groups for m in monitors):
             entries = [i for i in ordered if any(m[0] == name for m in plan[i].monitors)]
-            self.check("heads", (plan[i].rid for i in entries))
             head = self.heads[name]
-            rows = _rows_of(blocks, [where[(i, head.spec.layer)] for i in entries])
+            rows = self._head_rows(
+                [plan[i].rid for i in entries], blocks, [where[(i, head.spec.layer)] for i in entries]
+            )
             row = 0
             for i in entries:
                 at[(name, i)] = row
@@ -695,18 +669,7 @@ class _RunnerHook:
         faults, self._faults = (self._faults, {}) if self.attaches else ({}, {})
         if (ready is None and not faults) or out is None:
             return out
-        if hasattr(out, "get_output"):  # AsyncModelRunnerOutput
-            original = out.get_output
-
-            def get_output():
-                mro = original()
-                setattr(mro, STEP_ATTR, self._to_host(ready, faults))
-                return mro
-
-            out.get_output = get_output
-        elif hasattr(out, "req_id_to_index"):
-            setattr(out, STEP_ATTR, self._to_host(ready, faults))
-        return out
+        return on_output(out, lambda mro: setattr(mro, STEP_ATTR, self._to_host(ready, faults)))
 
     def _to_host(self, ready, faults: dict[str, HookFault]) -> StepCapture:
         if ready is None:  # only faults: no rows, no copy

@@ -1,31 +1,38 @@
 """The worker extension: installs the capture in every vLLM worker and reports its counts
-(ledger points 1, 2 in __init__.py). Mixed into vLLM's Worker through `worker_extension_cls`;
-the engine calls it with `collective_rpc`. CPU start-up steps come from `cpu.CPUWorkerSteps`.
+(ledger point 1: the public extension point; the patches it installs are in hidden_states/vllm/patches/).
+Mixed into vLLM's Worker through `worker_extension_cls`; the engine calls it with `collective_rpc`. CPU
+start-up steps come from `cpu.CPUWorkerSteps`.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
+from hidden_states.protocol import fault_injection
 from hidden_states.vllm import _require, check_vllm_version
-from hidden_states.vllm.cpu import (
-    CPU_ASYNC_ENV,
-    MM_PREFIX_ROWS,
-    CPUWorkerSteps,
-    install_cpu_async_shim,
-    patch_cpu_generator_rewind,
-)
+from hidden_states.vllm.cpu import CPUWorkerSteps
+from hidden_states.vllm.patches import install
+from hidden_states.vllm.patches.mm_prefix_attention import MM_PREFIX_ROWS
 from hidden_states.vllm.worker.capture import _RunnerHook
-from hidden_states.vllm.worker.traced import compile_counts, patch_load_model
+from hidden_states.vllm.worker.traced import compile_counts
 
 logger = logging.getLogger(__name__)
 
-patch_load_model()  # imported in each worker process before its model loads (ledger point 16)
+# Imported in each worker process before its model loads: the static layer set's load_model wrap (ledger
+# point 16) and, tests only, the CPU stand-ins of vLLM's async path (point 12).
+install("worker", "imported")
 
-if os.environ.get(CPU_ASYNC_ENV) == "1":  # tests only: imported before the runner is built (ledger point 12)
-    install_cpu_async_shim()
+
+def _hook_class() -> type:
+    """capture._RunnerHook, or under FAULT_INJECTION_ENV=1 (tests only) its fault-injecting twin
+    (worker/fault_injection.py), as the engine core runs core/fault_injection.py's
+    (patches/scheduler_cls.scheduler_path)."""
+    if not fault_injection():
+        return _RunnerHook
+    from hidden_states.vllm.worker.fault_injection import runner_hook_class
+
+    return runner_hook_class()
 
 
 def check_engine_config(vcfg: Any) -> None:
@@ -58,44 +65,15 @@ class HiddenStatesWorkerExtension(CPUWorkerSteps):
         if getattr(runner, "_hidden_states_hook", None) is not None:
             hook = runner._hidden_states_hook
             return {**hook.layer_info, "installed": False, "heads": hook.install_heads(heads or [])}
-        hook = _RunnerHook(runner)
+        hook = _hook_class()(runner)
         # Tensor-parallel ranks hold identical rows after the all-reduce; the executor returns
         # only the output rank's ModelRunnerOutput (rank 0 without pipeline parallelism).
         attaches = hook.attaches = getattr(self, "rank", 0) == 0
-        execute, sample = runner.execute_model, runner.sample_tokens
-
-        def execute_model(scheduler_output, *args, **kwargs):
-            hook.before_step(scheduler_output)
-            try:
-                out = execute(scheduler_output, *args, **kwargs)
-                if out is None and attaches:  # logits computed, sampling pending: rows are in execute_model_state
-                    hook.after_step()
-                return out
-            finally:
-                hook.end_step()
-
-        def sample_tokens(*args, **kwargs):
-            return hook.attach(sample(*args, **kwargs))
-
-        runner.execute_model, runner.sample_tokens = execute_model, sample_tokens
-        forward = runner._model_forward
-
-        def _model_forward(*args, **kwargs):
-            # The input batch is this step's by now; outside the compiled region (ledger point 16).
-            ids, embeds = kwargs.get("input_ids"), kwargs.get("inputs_embeds")
-            n = int((ids if ids is not None else embeds).shape[0])
-            steered = hook.steering.before_forward(n)
-            try:
-                return forward(*args, **kwargs)
-            finally:
-                if steered:
-                    hook.steering.after_forward()
-
-        runner._model_forward = _model_forward
         runner._hidden_states_hook = hook
         hook.layer_info = hook.install_layer_hooks()
-        if getattr(runner, "device", None) is not None and runner.device.type == "cpu":
-            patch_cpu_generator_rewind(runner)
+        # execute_model / sample_tokens (point 2), _model_forward (16), embed_multimodal (14), the CPU
+        # generators' rewind (5): hidden_states/vllm/patches/
+        install("worker", "runner", runner=runner, hook=hook, attaches=attaches)
         logger.info(
             "hidden-states hook installed on %s (attaching=%s, layer capture: %s)",
             type(runner).__name__,

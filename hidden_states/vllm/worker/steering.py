@@ -27,7 +27,7 @@ from hidden_states.protocol import PLAN_ATTR, PlanEntry, SteerEntry, steering_of
 class StepSteering:
     def __init__(self, runner: Any, guard: Any):
         self.runner = runner
-        self.guard = guard  # capture._RunnerHook: fault(rid, hook, error), check(hook, rids), faulted(rid)
+        self.guard = guard  # capture._RunnerHook: fault(rid, hook, error), faulted(rid), held
         self._entries: dict[str, list[tuple[SteerEntry, Any]]] = {}  # request id -> (entry, vector on the device)
         self._so: Any = None
         # layer -> (request, rows, op, vector, gate: None, or a bool on the device where a worker's verdict decides)
@@ -47,17 +47,20 @@ class StepSteering:
         if not plan:
             return False
         try:  # every request's entries at once
-            self.guard.check("steering", {e[0] for entries in plan.values() for e in entries})
-            self._count(*self.traced.fill(_rows_ops(plan), num_tokens))
+            rids = list(dict.fromkeys(e[0] for entries in plan.values() for e in entries))
+            self._count(*self._fill(rids, _rows_ops(plan), num_tokens))
         except Exception:  # then request by request: the one that raises fails alone
             self.traced.clear()
             for rid in dict.fromkeys(e[0] for entries in plan.values() for e in entries):
                 try:
-                    self.guard.check("steering", (rid,))
-                    self._count(*self.traced.fill(_rows_ops(plan, rid), num_tokens))
+                    self._count(*self._fill([rid], _rows_ops(plan, rid), num_tokens))
                 except Exception as err:
                     self.guard.fault(rid, "steering", err)
         return True
+
+    def _fill(self, rids: list[str], ops: Any, num_tokens: int) -> tuple[int, Any]:
+        """The entries of requests `rids` (`ops`) into the traced buffers: (rows, gated rows)."""
+        return self.traced.fill(ops, num_tokens)
 
     def _count(self, rows: int, gated: Any) -> None:
         self.steered_rows += rows
@@ -174,22 +177,7 @@ class StepSteering:
                 continue
             idx = torch.from_numpy(rows).to(hidden.device)
             try:
-                self.guard.check("steering", (rid,))
-                # gated (async `when`): the entry's change times 1 or 0, decided on the device; the row is
-                # steered only where some entry applies, so a row no entry applies to keeps its bits
-                steered[idx] = True if gate is None else steered[idx] | gate
-                if op == "add":
-                    delta[idx] += gated(vec, gate)
-                elif op == "ablate":  # the stream's component along the unit vector, after the entries before it
-                    stream = hidden[idx] + delta[idx] + (0 if residual is None else residual[idx])
-                    unit = vec / vec.norm()
-                    delta[idx] -= gated((stream @ unit)[:, None] * unit, gate)
-                else:  # clamp, cap: (value - f(stream)) x direction, after the entries before it
-                    direction, enc, par = vec
-                    stream = (hidden[idx] + delta[idx] + (0 if residual is None else residual[idx])).float()
-                    s = stream @ enc.T + par[:2]  # [rows, 2]: the magnitude's and the gate's pre-activations
-                    f = torch.relu(s[:, 0]) * (s[:, 1] > par[2]).to(s.dtype)
-                    delta[idx] += gated((par[3] - f)[:, None].to(delta.dtype) * direction, gate)
+                self._add_entry(rid, idx, op, vec, gate, hidden, residual, delta, steered)
             except Exception as err:  # this request fails alone; its rows go unsteered
                 self.guard.fault(rid, "steering", err)
                 steered[idx] = False
@@ -200,6 +188,28 @@ class StepSteering:
                 self.gated_rows = self.gated_rows + gate.to(torch.int64)
         # Unsteered rows keep their exact bits (-0.0 included): the sum is taken where a row is steered.
         return torch.where(steered, hidden + delta, hidden)
+
+    def _add_entry(
+        self, rid: str, idx: Any, op: str, vec: Any, gate: Any, hidden: Any, residual: Any, delta: Any, steered: Any
+    ) -> None:
+        """One entry of request `rid` into the step's buffers at its rows `idx` (steering)."""
+        import torch
+
+        # gated (async `when`): the entry's change times 1 or 0, decided on the device; the row is
+        # steered only where some entry applies, so a row no entry applies to keeps its bits
+        steered[idx] = True if gate is None else steered[idx] | gate
+        if op == "add":
+            delta[idx] += gated(vec, gate)
+        elif op == "ablate":  # the stream's component along the unit vector, after the entries before it
+            stream = hidden[idx] + delta[idx] + (0 if residual is None else residual[idx])
+            unit = vec / vec.norm()
+            delta[idx] -= gated((stream @ unit)[:, None] * unit, gate)
+        else:  # clamp, cap: (value - f(stream)) x direction, after the entries before it
+            direction, enc, par = vec
+            stream = (hidden[idx] + delta[idx] + (0 if residual is None else residual[idx])).float()
+            s = stream @ enc.T + par[:2]  # [rows, 2]: the magnitude's and the gate's pre-activations
+            f = torch.relu(s[:, 0]) * (s[:, 1] > par[2]).to(s.dtype)
+            delta[idx] += gated((par[3] - f)[:, None].to(delta.dtype) * direction, gate)
 
 
 def gated(value: Any, gate: Any) -> Any:

@@ -2,7 +2,7 @@
 
 A compiled engine (torch.compile; CUDA graphs on GPUs) does not run forward hooks added after
 it traced the model, so the capture cannot slice rows there. Instead, before the first forward
-traces the model (`Worker.load_model`, wrapped once per worker process by `patch_load_model`),
+traces the model (`Worker.load_model`, wrapped once per worker process: patches/traced_forward.py),
 each layer L in the engine's static set (`capture_layers`, carried to the workers in
 `VllmConfig.additional_config`, which vLLM hashes into its compile-cache key) gets an entry
 traced with the rest of the forward, where layers.entry_site puts it: at the output of decoder
@@ -235,23 +235,6 @@ def install(runner: Any) -> None:
     traced = TracedLayers(layers, wanted, max_tokens, hidden, mc.dtype, weight.device)
     setattr(runner, TRACED_ATTR, traced)
     logger.info("hidden-states layers %s traced into the forward (%d MiB of buffers)", wanted, traced.bytes >> 20)
-
-
-def patch_load_model() -> None:
-    """Wraps vLLM's `Worker.load_model` (CPU and XPU workers inherit it) once per process, so the
-    entries are in place before the first forward compiles the model."""
-    from vllm.v1.worker.gpu_worker import Worker
-
-    if getattr(Worker.load_model, "_hidden_states", False):
-        return
-    load = Worker.load_model
-
-    def load_model(self, *args, **kwargs):
-        load(self, *args, **kwargs)
-        install(self.model_runner)
-
-    load_model._hidden_states = True
-    Worker.load_model = load_model
 
 
 def compile_counts() -> dict[str, int]:
