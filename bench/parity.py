@@ -239,7 +239,7 @@ def canonical(response: Any) -> Any:
     if not isinstance(response, list):
         return response
     merged, events = response
-    merged = {i: {**acc, "logprobs": _joined(acc["logprobs"])} for i, acc in merged.items()}
+    merged = {i: {**acc, "logprobs": _joined(acc.get("logprobs") or [])} for i, acc in merged.items()}
     per_choice: dict[str, list] = {}
     rest = []
     for e in events:

@@ -216,7 +216,8 @@ class EngineReplica(http.ingress_routes(app, "replica")):
         s["in_flight"] = self.in_flight
         s["pid"] = os.getpid()
         s["specs_parsed"] = PARSED[0]  # requests whose fields this process parsed (params.parse_fields)
-        from ray.serve._private import constants  # shows whether `serve_env` reached this process
+        # shows whether `serve_env` reached this process (a private name: patches/ray_internals.py lists it)
+        from ray.serve._private import constants
 
         s["serve_user_code_in_separate_thread"] = bool(constants.RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD)
         return json.dumps(s).encode()

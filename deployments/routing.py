@@ -31,7 +31,8 @@ from typing import Any
 import numpy as np
 
 # The module itself, not the public `ray.serve.llm.request_router`: that one imports Ray Serve LLM's
-# deployments (torch, 20 s and 300 MB in the Router's process); the class is the same.
+# deployments (torch, 20 s and 300 MB in the Router's process); the class is the same. These private Ray
+# names are listed, with the drift check's symbols for them, in hidden_states/vllm/patches/ray_internals.py.
 from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router import PrefixCacheAffinityRouter
 from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_tree import PrefixTree
 from ray.serve._private.request_router.common import PendingRequest

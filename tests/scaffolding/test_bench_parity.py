@@ -114,3 +114,21 @@ def test_rows_streamed_in_other_chunks_compare_equal_and_a_changed_row_does_not(
     changed = rows.copy()
     changed[1, 2] += 1
     assert one != stream(chunk([5, 6], values=changed), chunk([7], "length", values=changed))
+
+
+def test_a_choice_s_logprobs_and_prompt_ids_compare_joined_however_the_chunks_were_cut():
+    """vLLM cuts a stream's chunks by timing: the logprobs of two chunks are those of one, and the prompt's
+    token ids count wherever the choice's first chunk put them; a changed logprob does not compare equal."""
+
+    def stream(*chunks):
+        merged = {"text": "", "token_ids": [], "logprobs": []}
+        for c in chunks:
+            merged["logprobs"].append(c)
+        merged["prompt_token_ids"] = [1, 2]
+        return parity.canonical([{"0": merged}, ["[DONE]"]])
+
+    a = {"tokens": ["x"], "token_logprobs": [-1.0]}
+    b = {"tokens": ["y"], "token_logprobs": [-2.0]}
+    one = stream(a, b)
+    assert one == stream({"tokens": ["x", "y"], "token_logprobs": [-1.0, -2.0]})
+    assert one != stream(a, {**b, "token_logprobs": [-2.5]})
