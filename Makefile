@@ -8,7 +8,7 @@ serve: setup
 	bash scripts/serve.sh config.yaml
 
 test: setup lint
-	.venv/bin/python -m pytest -q -ra
+	.venv/bin/python -m pytest -q -ra --durations=25
 
 # One tier: our own logic, no vLLM engine and no Ray (a few minutes).
 test-unit: setup
