@@ -475,7 +475,7 @@ def _generate(engine, loop_thread, prompt: str, params, hs: bool):
             final = None
             async for out in engine.llm.generate({"prompt_token_ids": ids}, p, f"t-{uuid.uuid4().hex}"):
                 final = out
-            return final, dict(col.stats)
+            return final, {key: st.stats for key, st in col.choices.items() if st.stats is not None}
 
     return loop_thread.run(run())
 
