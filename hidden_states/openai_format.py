@@ -32,7 +32,8 @@ def encode_vector(vec: np.ndarray, encoding: str) -> list[float] | str:
 
 
 def _b64(arr: np.ndarray) -> str:
-    return base64.b64encode(np.ascontiguousarray(arr).tobytes()).decode("ascii")
+    """base64 of the array's bytes, read in place (no `tobytes` copy)."""
+    return base64.b64encode(np.ascontiguousarray(arr)).decode("ascii")
 
 
 def encode_rows(choice: CompletionChoice, layer: int, encoding: str) -> list | dict | str:
