@@ -119,27 +119,7 @@ def to_wire(ch: CompletionChoice) -> HandleChoice:
             None if rows.indices is None else {layer: _le(i, np.int32) for layer, i in rows.indices.items()},
         )
     )
-    return HandleChoice(
-        ch.index,
-        ch.text,
-        list(ch.token_ids),
-        ch.finish_reason,
-        hr,
-        stats,
-        ch.multi,
-        ch.proofs,
-        ch.heads,
-        ch.steering,
-        ch.stop,
-        ch.stop_asked,
-        ch.position,
-        ch.topk,
-        ch.modalities,
-        ch.proof_index,
-        ch.prompt_tokens,
-        ch.head_bytes,
-        ch.final,
-    )
+    return HandleChoice(ch.index, ch.text, list(ch.token_ids), ch.finish_reason, hr, stats, **_shared(ch))
 
 
 def from_wire(ch: HandleChoice) -> CompletionChoice:
@@ -158,27 +138,29 @@ def from_wire(ch: HandleChoice) -> CompletionChoice:
             if hr.indices is None
             else {layer: np.frombuffer(b, "<i4").reshape(shape) for layer, b in hr.indices.items()},
         )
-    return CompletionChoice(
-        ch.index,
-        ch.text,
-        tuple(ch.token_ids),
-        ch.finish_reason,
-        rows,
-        stats,
-        ch.multi,
-        ch.proofs,
-        ch.heads,
-        ch.steering,
-        ch.stop,
-        ch.stop_asked,
-        ch.position,
-        ch.topk,
-        ch.modalities,
-        ch.proof_index,
-        ch.prompt_tokens,
-        ch.head_bytes,
-        ch.final,
-    )
+    return CompletionChoice(ch.index, ch.text, tuple(ch.token_ids), ch.finish_reason, rows, stats, **_shared(ch))
+
+
+# The fields HandleChoice and CompletionChoice share by name and value (all but the text's, the rows and the work).
+SHARED = (
+    "multi",
+    "proofs",
+    "heads",
+    "steering",
+    "stop",
+    "stop_asked",
+    "position",
+    "topk",
+    "modalities",
+    "proof_index",
+    "prompt_tokens",
+    "head_bytes",
+    "final",
+)
+
+
+def _shared(ch: Any) -> dict[str, Any]:
+    return {name: getattr(ch, name) for name in SHARED}
 
 
 class HandleCompletion(msgspec.Struct, array_like=True, gc=False):

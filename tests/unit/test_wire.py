@@ -120,3 +120,18 @@ def test_a_choice_s_work_crosses_the_handle_as_the_engine_counted_it(stats):
     back = wire.from_wire(wire.REPLY_DECODER.decode(raw).ok.choices[0])
     assert back.extraction == stats
     np.testing.assert_array_equal(back.hidden_states, vec)
+
+
+def test_the_handle_choice_carries_every_field_of_the_one_choice():
+    """HandleChoice is CompletionChoice field for field: wire.SHARED names every field they share beyond the
+    first six (text, tokens, rows, work), so a field added to one and not the other fails here."""
+    import dataclasses
+
+    import msgspec
+
+    from deployments import wire
+    from hidden_states.interface import CompletionChoice
+
+    ours = [f.name for f in dataclasses.fields(CompletionChoice)][6:]
+    handle = list(msgspec.structs.fields(wire.HandleChoice))[6:]
+    assert ours == [f.name for f in handle] == list(wire.SHARED)
