@@ -98,6 +98,7 @@ class HandleChoice(msgspec.Struct, array_like=True, gc=False):
     prompt_tokens: int | None = None  # hidden_states_proof: its prompt's length
     head_bytes: int | None = None  # the heads' outputs as they travelled in the engine (None: no heads)
     final: bool = True  # the whole choice
+    pool: int | None = None  # hidden_states_pool: the rows its vector is the mean of
 
 
 def _le(arr: np.ndarray, dtype: Any) -> bytes:
@@ -156,6 +157,7 @@ SHARED = (
     "prompt_tokens",
     "head_bytes",
     "final",
+    "pool",
 )
 
 

@@ -22,7 +22,7 @@ from typing import Any, NamedTuple, Protocol
 import numpy as np
 
 from hidden_states.heads import head_fields
-from hidden_states.protocol import COLLECTOR_TAG_KEY, numpy_dtype, widen
+from hidden_states.protocol import COLLECTOR_TAG_KEY, narrow, numpy_dtype, widen
 from hidden_states.shape import several, squeeze
 
 logger = logging.getLogger(__name__)
@@ -165,6 +165,19 @@ class RowBatch:
 
 
 @dataclasses.dataclass
+class PooledSum:
+    """hidden_states_pool: the sum of a choice's rows at `positions`, per requested layer (float64 [D]), as
+    the engine core reduced them (protocol.CapturedRows.pooled)."""
+
+    positions: np.ndarray  # int64
+    sums: dict[int, np.ndarray]
+    tail_positions: int = 0
+
+    def __len__(self) -> int:
+        return len(self.positions)
+
+
+@dataclasses.dataclass
 class ChoiceState:
     """All a request knows of one of its choices, from its first row to its finish."""
 
@@ -179,6 +192,8 @@ class ChoiceState:
     head_bytes: int = 0  # heads' outputs handed out, in bytes
     head_positions: int = 0  # positions whose heads' outputs were handed out
     prover: Any = None  # hidden_states_proof: its proofs.ProofBuilder, fed as its rows are handed out
+    sums: list[PooledSum] = dataclasses.field(default_factory=list)  # hidden_states_pool: received, not closed
+    pooled: int = 0  # hidden_states_pool: the rows its mean is of (closed)
 
 
 @dataclasses.dataclass
@@ -209,6 +224,7 @@ class HiddenStatesCollector:
     # hidden_states_stop: the conditions the engine judges (protocol.Monitor), and what the meta says of each
     monitors: list = dataclasses.field(default_factory=list)
     stop_echo: list = dataclasses.field(default_factory=list)
+    pool: bool = False  # hidden_states_pool "mean": one vector per layer, the mean of the span's rows
     # A chat with media: renders its messages again (a coroutine function -> the engine input), for an
     # extraction step whose items the engine core's processor cache evicted (extraction.Origin.resend)
     rerender: Any = None
@@ -240,6 +256,7 @@ class HiddenStatesCollector:
             steering_echo=list(steering[1]),
             monitors=list(stop[0]),
             stop_echo=list(stop[1]),
+            pool=getattr(spec, "hidden_states_pool", None) == "mean",
         )
 
     @property
@@ -272,30 +289,32 @@ class HiddenStatesCollector:
 
     @property
     def multi(self) -> bool:
-        """Several positions per choice: `hidden_states` is 2-D [n, D] (shape.several)."""
-        return several(self.position)
+        """Several positions per choice: `hidden_states` is 2-D [n, D] (shape.several); a pool's is one vector."""
+        return several(self.position) and not self.pool
 
     @property
     def position_label(self) -> str:
         return self.position if isinstance(self.position, str) else "range"
 
-    def add_rows(self, key: ChoiceKey, batch: RowBatch) -> None:
+    def add_rows(self, key: ChoiceKey, batch: RowBatch | PooledSum) -> None:
         st = self.state(key)
         if st.wanted is None and len(batch):
-            st.pending.append(batch)
+            (st.sums if isinstance(batch, PooledSum) else st.pending).append(batch)
             st.tail_positions += batch.tail_positions
 
     def held_positions(self, key: ChoiceKey) -> set[int]:
         """Positions received for the choice (handed out or not)."""
         st = self.state(key)
         held = set(st.sent)
-        for b in st.pending:
+        for b in (*st.pending, *st.sums):
             held.update(b.positions.tolist())
         return held
 
     def close_choice(self, key: ChoiceKey, wanted: Sequence[int], stats: ExtractionStats | None) -> None:
-        """The choice ended: of what it received, keep the positions it asked for."""
+        """The choice ended: of what it received, keep the positions it asked for (a pool: their mean)."""
         st = self.state(key)
+        if self.pool:
+            return self._close_pool(st, wanted, stats)
         merged, st.pending = RowBatch.merge(st.pending), []
         if merged is not None:
             keep = np.isin(merged.positions, np.asarray(wanted, dtype=np.int64))
@@ -308,6 +327,29 @@ class HiddenStatesCollector:
         st.wanted = len(wanted)
         if stats is not None:
             st.stats = stats
+
+    def _close_pool(self, st: ChoiceState, wanted: Sequence[int], stats: ExtractionStats | None) -> None:
+        """A pool's choice ended: the mean of the rows at `wanted`, from sums that each lie within them and do
+        not overlap (a sum of rows past a stop the frontend cut is not), and any rows received as rows."""
+        want, taken = set(wanted), set()
+        total: dict[int, Any] = {l: 0.0 for l in self.layers}
+        for part in st.sums:
+            ps = set(part.positions.tolist())
+            if ps <= want and not ps & taken:
+                taken |= ps
+                total = {l: total[l] + part.sums[l] for l in self.layers}
+        rows = RowBatch.merge(st.pending)
+        if rows is not None:
+            keep = np.isin(rows.positions, np.fromiter(want - taken, np.int64, len(want - taken)))
+            taken |= set(rows.positions[keep].tolist())
+            total = {l: total[l] + rows.floats(l)[keep].astype(np.float64).sum(axis=0) for l in self.layers}
+        st.sums, st.pending, st.wanted = [], [], len(wanted)
+        if stats is not None:
+            st.stats = stats
+        if want and taken == want:
+            st.pooled = len(want)
+            means = {l: narrow((total[l] / len(want)).astype(np.float32), self.dtype)[None] for l in self.layers}
+            st.pending = [RowBatch(np.array([max(want)], np.int64), means, self.dtype)]
 
     def hand_out(self, key: ChoiceKey) -> RowBatch | None:
         """The rows received since the last hand-out, in position order (each position once)."""
@@ -347,6 +389,8 @@ class HiddenStatesCollector:
         stop = {"stop": st.stop, "stop_asked": True} if final and self.monitors else {}
         if not self.captures:  # it only steers or stops: nothing captured
             return CompletionChoice(*head, steering=steering, **stop) if final else None
+        if final and self.pool and st.wanted and not st.pooled:
+            raise engine.missing(f"choice {index}")
         rows, heads = _captured(self, batch, self.topk or engine.hidden_size, engine.heads)
         head_bytes = batch.head_nbytes if batch is not None else 0
         st.sent_bytes += rows.nbytes
@@ -374,6 +418,7 @@ class HiddenStatesCollector:
             modalities=self.modalities.get(key[0]),
             head_bytes=head_bytes if heads is not None else None,
             final=final,
+            pool=st.pooled if self.pool and final else None,
         )
 
     def _proof_part(self, key: ChoiceKey, st: ChoiceState, engine: Any, final: bool, head: tuple):
@@ -452,6 +497,7 @@ class CompletionChoice:
     prompt_tokens: int | None = None
     head_bytes: int | None = None
     final: bool = True
+    pool: int | None = None  # hidden_states_pool: the rows its vector is the mean of (None: not pooled)
 
     @property
     def dtype(self) -> str:

@@ -98,8 +98,13 @@ def choice_fields(choice: CompletionChoice, form: ResponseForm, verify: bool = F
             meta["stop"] = choice.stop
         return {"hidden_states_meta": meta}
     meta = {"position": choice.position}
+    if choice.pool is not None:  # hidden_states_pool: the mean of this many rows (none: null vectors)
+        meta.update(pool="mean", pooled_rows=choice.pool)
     if choice.rows.values:
-        rows = {layer: encode_rows(choice, layer, form.encoding) for layer in choice.rows.values}
+        rows = {
+            layer: encode_rows(choice, layer, form.encoding) if len(choice.rows) or choice.multi else None
+            for layer in choice.rows.values
+        }
         if form.by_layer:
             out["hidden_states_by_layer"] = {str(layer): v for layer, v in rows.items()}
         else:

@@ -22,12 +22,15 @@ SinglePosition = Literal["completion_end", "prompt_end"]  # one vector per choic
 NamedPosition = Literal[SinglePosition, "completion", "all"]  # and a range: {"start", "end", "stride"}
 Encoding = Literal["float", "base64"]
 Dtype = Literal["float32", "float16", "bfloat16"]
+Pool = Literal["mean"]
 SINGLE_POSITIONS, POSITIONS = get_args(SinglePosition), get_args(NamedPosition)
-ENCODINGS, DTYPES = get_args(Encoding), get_args(Dtype)
+ENCODINGS, DTYPES, POOLS = get_args(Encoding), get_args(Dtype), get_args(Pool)
 
 
 def _one_of(values) -> str:
     quoted = [repr(v) for v in values]
+    if len(quoted) == 1:
+        return quoted[0]
     return ", ".join(quoted[:-1]) + f" or {quoted[-1]}"
 
 
@@ -212,7 +215,14 @@ class HiddenStatesFields(VectorFields):
         "label, above | below}] (docs/heads.md); finish_reason stop, stop_reason names it",
     )
 
+    hidden_states_pool: Pool | None = Field(
+        None,
+        description="per layer, one vector: the mean of the rows of hidden_states_position (reduced in the "
+        "engine, the rows never travel); with return_hidden_states, without top-k, heads or proofs",
+    )
+
     _wants = field_validator("return_hidden_states", mode="before")(lambda cls, v: check_bool(v))
+    _pool = field_validator("hidden_states_pool", mode="before")(lambda cls, v: check_pool(v))
     _stop = field_validator("hidden_states_stop", mode="before")(lambda cls, v: check_stop(v))
     _proof = field_validator("hidden_states_proof", mode="before")(lambda cls, v: check_proof(v))
     _heads = field_validator("hidden_states_heads", mode="before")(lambda cls, v: check_heads(v))
@@ -220,6 +230,21 @@ class HiddenStatesFields(VectorFields):
 
     @model_validator(mode="after")
     def _one_kind(self) -> HiddenStatesFields:
+        if self.hidden_states_pool is not None:
+            other = (
+                "hidden_states_topk" * (self.hidden_states_topk is not None)
+                or "hidden_states_heads" * bool(self.hidden_states_heads)
+                or "hidden_states_proof" * (self.hidden_states_proof is not None)
+            )
+            if other:
+                raise HiddenStatesRequestError(
+                    f"hidden_states_pool cannot be combined with {other}: a pool is the mean of whole rows",
+                    "hidden_states_pool",
+                )
+            if not self.return_hidden_states:
+                raise HiddenStatesRequestError(
+                    "hidden_states_pool pools the rows of return_hidden_states: set it to true", "hidden_states_pool"
+                )
         if self.hidden_states_heads and self.hidden_states_proof is not None:
             raise HiddenStatesRequestError(
                 "hidden_states_heads cannot be combined with hidden_states_proof: send two requests (the same seed "
@@ -717,6 +742,14 @@ def check_dtype(dtype: Any) -> str:
             f"hidden_states_dtype must be {_one_of(DTYPES)}, not {dtype!r}", "hidden_states_dtype"
         )
     return dtype
+
+
+def check_pool(pool: Any) -> str | None:
+    if pool is not None and pool not in POOLS:
+        raise HiddenStatesRequestError(
+            f"hidden_states_pool must be {_one_of(POOLS)}, not {pool!r}", "hidden_states_pool"
+        )
+    return pool
 
 
 def check_topk(topk: Any) -> int | None:

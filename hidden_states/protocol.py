@@ -211,10 +211,13 @@ class CaptureSpec(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True
     # Stop conditions on heads' outputs (hidden_states_stop), judged by the scheduler on every completion
     # row the steps compute: the request finishes at the first position where one holds.
     monitors: list[Monitor] = msgspec.field(default_factory=list)
+    # hidden_states_pool "mean": the span's rows summed per layer in float32 (on the device where a step's rows
+    # are all wanted, `PlanEntry.pool`), sent once, on the finishing output (`CapturedRows.pooled`).
+    pool: bool = False
 
     def head_spec(self, name: str, k: int) -> CaptureSpec:
         """The spec a head's outputs are kept under in the engine core: float32, `k` wide top-k or dense."""
-        return msgspec.structs.replace(self, dtype="float32", topk=k, heads=[], monitors=[])
+        return msgspec.structs.replace(self, dtype="float32", topk=k, heads=[], monitors=[], pool=False)
 
     def to_extra_args(self) -> dict:
         return {EXTRA_ARGS_KEY: msgspec.to_builtins(self)}
@@ -328,6 +331,7 @@ class PlanEntry(NamedTuple):
     # own verdict of the row before (`keep_held`), on the device; the scheduler learns where from the scores.
     steer_if: Sequence = ()
     keep_held: bool = False  # keep the verdicts of the last watched row for the next step's `steer_if`
+    pool: bool = False  # the rows summed per layer on the device (float32, one row per layer): RowBlock.pooled
 
 
 class RowBlock(NamedTuple):
@@ -343,9 +347,10 @@ class RowBlock(NamedTuple):
     values_at: int
     indices_at: int = -1
     head: str = ""  # a head's outputs (float32, width = its outputs or k) at `layer`; "": rows
+    pooled: bool = False  # one float32 row: the sum of the rows at `positions` (PlanEntry.pool)
 
     def values(self, data: np.ndarray) -> np.ndarray:
-        n = len(self.positions) * self.width * ITEMSIZE[self.dtype]
+        n = (1 if self.pooled else len(self.positions)) * self.width * ITEMSIZE[self.dtype]
         return data[self.values_at : self.values_at + n].view(_NUMPY_DTYPE[self.dtype]).reshape(-1, self.width)
 
     def indices(self, data: np.ndarray) -> np.ndarray | None:
@@ -421,10 +426,12 @@ class CapturedRows(msgspec.Struct, array_like=True, gc=False):
     # On a finishing output: the positions the scheduler's steps scheduled to compute the final
     # token's row (a tail step: 1; a held request recomputed after preemption: more). 0: none ran.
     tail_positions: int = 0
+    # hidden_states_pool: `values` [len(layers), 1, width] float32 hold the sums of the rows at `positions`.
+    pooled: bool = False
 
     def arrays(self) -> tuple[np.ndarray, np.ndarray | None]:
-        """(values [layers, positions, width] raw dtype, indices int32 or None)."""
-        shape = (len(self.layers), len(self.positions), self.width)
+        """(values [layers, positions (1 if pooled), width] raw dtype, indices int32 or None)."""
+        shape = (len(self.layers), 1 if self.pooled else len(self.positions), self.width)
         values = np.frombuffer(self.values, dtype=_NUMPY_DTYPE[self.dtype]).reshape(shape)
         indices = np.frombuffer(self.indices, dtype="<i4").reshape(shape) if self.topk else None
         return values, indices
@@ -435,7 +442,9 @@ class CapturedRows(msgspec.Struct, array_like=True, gc=False):
     @staticmethod
     def from_output(raw) -> CapturedRows:
         cr = _convert(raw, CapturedRows, "captured rows")
-        n = len(cr.layers) * len(cr.positions) * cr.width
+        n = len(cr.layers) * (1 if cr.pooled else len(cr.positions)) * cr.width
+        if cr.pooled and (cr.topk or cr.dtype != "float32"):
+            raise HiddenStatesProtocolError("pooled rows are float32 sums, without top-k")
         if cr.width < 1 or n * ITEMSIZE[cr.dtype] != len(cr.values) or len(cr.indices) != (4 * n if cr.topk else 0):
             raise HiddenStatesProtocolError(
                 f"{len(cr.values)} + {len(cr.indices)} bytes do not hold {len(cr.layers)} x {len(cr.positions)} x "
@@ -452,9 +461,10 @@ def captured_rows(
     positions: list[int],
     values: np.ndarray,
     indices: np.ndarray | None,
+    pooled: bool = False,
 ) -> CapturedRows:
     """`values` [len(layers), len(positions), width] raw elements of `dtype` (uint16 bit patterns for
-    bfloat16; any byte order); `indices` int32 alike (top-k)."""
+    bfloat16; any byte order); `indices` int32 alike (top-k); `pooled`: [len(layers), 1, width] float32 sums."""
     if dtype not in ITEMSIZE:
         raise ValueError(f"unsupported dtype {dtype!r}")
     if values.dtype.newbyteorder("<") != np.dtype(_NUMPY_DTYPE[dtype]):
@@ -462,7 +472,15 @@ def captured_rows(
     values = np.ascontiguousarray(values, dtype=_NUMPY_DTYPE[dtype])
     ind = b"" if not topk else _raw(np.ascontiguousarray(indices, dtype="<i4"))
     return CapturedRows(
-        key, dtype, int(topk), int(values.shape[-1]), list(layers), [int(p) for p in positions], _raw(values), ind
+        key,
+        dtype,
+        int(topk),
+        int(values.shape[-1]),
+        list(layers),
+        [int(p) for p in positions],
+        _raw(values),
+        ind,
+        pooled=pooled,
     )
 
 

@@ -249,3 +249,31 @@ def test_conditional_steering_under_async_scheduling_is_refused_with_tensor_para
     assert "tensor or pipeline parallelism" in str(e.value) and e.value.param == "hidden_states_steering", str(e.value)
     out = loop_thread.run(async_engine.complete(PROMPTS[0], sp(max_tokens=4), steering=steering))  # TP = 1: served
     assert out.choices[0].steering[0]["when"]["head"] == "mid"
+
+
+def test_a_pool_under_async_scheduling_takes_the_step_in_flights_row(async_engine, loop_thread, reference):
+    """hidden_states_pool: the final row, computed by the step in flight, joins the engine core's sum (no
+    extraction step); n = 2 sampled and a greedy request side by side."""
+    from tests.engine.test_pool import pooled
+
+    eng = async_engine
+    before = loop_thread.run(eng.stats())
+
+    async def run():
+        return await asyncio.gather(
+            eng.complete(PROMPTS[1], sp(max_tokens=12), spec=pooled("completion", [1, -1])),
+            eng.complete(PROMPTS[0], sp(max_tokens=9, n=2, temperature=1.0, seed=5), spec=pooled("all", [-1])),
+        )
+
+    greedy, sampled = loop_thread.run(run(), timeout=600)
+    for c, position, layers in ((greedy, "completion", [1, -1]), (sampled, "all", [-1])):
+        P = len(c.prompt_token_ids)
+        for ch in c.choices:
+            ids = list(c.prompt_token_ids) + list(ch.token_ids)
+            lo = P if position == "completion" else 0
+            assert ch.pool == len(ids) - lo and ch.extraction.via == "tail", ch.extraction
+            for layer in layers:
+                with reference.torch.no_grad():
+                    rows = reference.model(reference.torch.tensor([ids]), output_hidden_states=True).hidden_states
+                _close(ch.hidden_states_by_layer[layer], rows[layer][0].numpy()[lo:].mean(axis=0), f"pool {layer}")
+    assert loop_thread.run(eng.stats())["extractions"] == before["extractions"]

@@ -319,3 +319,29 @@ def test_smollm2_under_ngram_exact(loop_thread):
         WORST.clear()
     finally:
         eng.shutdown()
+
+
+def test_a_pool_under_speculative_decoding_sums_only_accepted_rows(spec_engine, loop_thread):
+    """hidden_states_pool with drafts: the plan cannot pool on the device (a draft's row may be rejected), so
+    the rows cross as rows and the engine core sums the accepted ones; the mean is exact all the same."""
+    from tests.engine.test_pool import pooled
+
+    eng, reference = spec_engine, spec_engine.reference
+    drafted0, accepted0 = _spec_counts()
+
+    async def run():
+        return await asyncio.gather(
+            *(eng.complete(p, sp(max_tokens=20), spec=pooled("completion", [1, -1])) for p in PROMPTS[:4]),
+            eng.complete(PROMPTS[6], sp(max_tokens=16, n=2, temperature=0.9, seed=3), spec=pooled("all", [-1])),
+        )
+
+    *greedy, sampled = loop_thread.run(run(), timeout=600)
+    drafted, accepted = _spec_counts()
+    assert drafted > drafted0 and accepted > accepted0  # drafts were proposed and some accepted
+    for c, lo_of, layers in [*((g, "completion", [1, -1]) for g in greedy), (sampled, "all", [-1])]:
+        for ch in c.choices:
+            ids = list(c.prompt_token_ids) + list(ch.token_ids)
+            lo = len(c.prompt_token_ids) if lo_of == "completion" else 0
+            assert ch.pool == len(ids) - lo
+            for layer in layers:
+                _close(ch.hidden_states_by_layer[layer], _all_rows(reference, ids, layer)[lo:].mean(axis=0), "pool")

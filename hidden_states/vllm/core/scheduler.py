@@ -223,13 +223,67 @@ class _StepRefs:
 
 
 @dataclasses.dataclass
+class _Pool:
+    """hidden_states_pool: a request's rows summed per layer (float64 here), released once, on its finishing
+    output. A step brings the float32 sum of its rows where the plan pooled them on the device (`PlanEntry.pool`:
+    no drafts, every planned row wanted, none computed before); else its rows, which `inner` keeps as any span
+    request's until the end decides them."""
+
+    inner: _Rows | _StepRefs
+    sums: np.ndarray | None = None  # [layers, width] float64
+    summed: list = dataclasses.field(default_factory=list)  # the positions in `sums`, a list per step
+    planned: int = 0  # positions below were planned pooled (a resumed request recomputes them: planned once)
+
+    @property
+    def spec(self) -> CaptureSpec:
+        return self.inner.spec
+
+    @property
+    def span(self) -> Span:
+        return self.inner.span
+
+    def add(self, data: np.ndarray, blocks: list) -> None:
+        """A step's pooled blocks (one float32 row per layer)."""
+        values = np.stack([b.values(data)[0] for b in blocks]).astype(np.float64)
+        self.sums = values if self.sums is None else self.sums + values
+        self.summed.append(blocks[0].positions)
+        self.inner.layers = [b.layer for b in blocks]
+
+    def trim(self, limit: int) -> None:
+        if any(p[-1] >= limit for p in self.summed):  # never planned: pooled steps have no drafts
+            raise RuntimeError(f"pooled rows past the request's end ({limit} tokens)")
+        self.inner.trim(limit)
+
+    def release(self, known: int, total: int | None = None) -> CapturedRows | None:
+        """On the end (`total`): the sum of every row of the span, with their positions."""
+        if total is None:
+            return None
+        plain = self.inner.release(known, total)
+        positions, sums = [p for ps in self.summed for p in ps], self.sums
+        if plain is not None:
+            values, _ = plain.arrays()
+            more = values.astype(np.float64).sum(axis=1)
+            positions += plain.positions
+            sums = more if sums is None else sums + more
+        if sums is None:
+            return None
+        if len(set(positions)) != len(positions) or any(p >= total for p in positions):
+            raise RuntimeError("a pooled position summed twice, or past the request's end")
+        self.sums, self.summed = None, []
+        order = sorted(positions)
+        return captured_rows(
+            self.spec.key, "float32", 0, self.inner.layers, order, sums.astype(np.float32)[:, None], None, pooled=True
+        )
+
+
+@dataclasses.dataclass
 class _Capture:
     """One flagged request from `add_request` to its last output: its `spec`, whether a tail step
     computes its final row (decided once), its unsent rows, and the tail steps' positions."""
 
     spec: CaptureSpec
     tail: bool
-    rows: _Rows | _StepRefs
+    rows: _Rows | _StepRefs | _Pool
     tail_positions: int = 0
     # Each head's outputs (protocol.RowBlock.head), kept as rows are: the same span, their own spec.
     heads: dict[str, _Rows | _StepRefs] = dataclasses.field(default_factory=dict)
@@ -266,7 +320,7 @@ class _Capture:
                 self.sent[k] = len(positions)
         return out
 
-    def accumulators(self) -> list[_Rows | _StepRefs]:
+    def accumulators(self) -> list[_Rows | _StepRefs | _Pool]:
         return [self.rows, *self.heads.values()]
 
     def release(self, known: int, total: int | None = None) -> _Taken | None:
@@ -382,14 +436,15 @@ class _HiddenStatesScheduling:
             every_row = span.start >= 0 and (span.end is None or span.end >= 0 or (span.end == -1 and not tail))
             acc = (lambda f: _StepRefs(f, span)) if every_row else (lambda f: _Rows(f, span, dtype=f.dtype))
             heads = {name: acc(spec.head_spec(name, k)) for name, k in spec.heads}
+            rows = acc(spec)
+            if spec.pool:  # summed on the device where no draft may be rejected and every planned row is wanted
+                rows = _Pool(rows, planned=0 if every_row and self.vllm_config.speculative_config is None else -1)
             conditional = [
                 (k, e.when, e.start, e.end)
                 for k, e in enumerate(steering_of(sp.extra_args) or ())
                 if e.when is not None
             ]
-            cap = _Capture(
-                spec, tail, acc(spec), heads=heads, prompt_len=request.num_prompt_tokens, conditional=conditional
-            )
+            cap = _Capture(spec, tail, rows, heads=heads, prompt_len=request.num_prompt_tokens, conditional=conditional)
             self._records[request.request_id] = _Record(capture=cap)
         super().add_request(request)
 
@@ -471,6 +526,10 @@ class _HiddenStatesScheduling:
         )
         steer = self._decide(cap, first, stop) if cap.conditional else []
         steer_if = self._on_device(cap, first, len(spec.monitors)) if cap.conditional else []
+        pool = isinstance(cap.rows, _Pool) and cap.rows.planned >= 0
+        if pool and positions:  # a resumed request's recomputed rows were summed already
+            positions = [p for p in positions if p >= cap.rows.planned]
+            cap.rows.planned = positions[-1] + 1 if positions else cap.rows.planned
         if positions or watch or steer or steer_if:
             monitors = [
                 [m.head, m.index, m.above, m.threshold] for m in (*spec.monitors, *(c[1] for c in cap.conditional))
@@ -489,6 +548,7 @@ class _HiddenStatesScheduling:
                 steer,
                 steer_if,
                 bool(cap.conditional and self.async_tail and watch),
+                pool,
             )
         return None
 
@@ -811,9 +871,15 @@ class _HiddenStatesScheduling:
         return False
 
 
-def _file_into(acc: _Rows | _StepRefs, data: np.ndarray, blocks: list, bound: int) -> None:
+def _file_into(acc: _Rows | _StepRefs | _Pool, data: np.ndarray, blocks: list, bound: int) -> None:
     """One request's blocks of a step (rows of its layers, or one head's outputs) into `acc`."""
     first, spec = blocks[0], acc.spec
+    if isinstance(acc, _Pool):
+        if first.pooled:
+            acc.add(data, blocks)
+        else:
+            _file_into(acc.inner, data, blocks, bound)
+        return
     if isinstance(acc, _StepRefs):  # the plan asked only for rows the span wants (Span.capturable)
         acc.add(data, blocks, first.positions, bound)
         return

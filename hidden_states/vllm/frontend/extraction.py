@@ -28,6 +28,7 @@ from hidden_states.interface import (
     HiddenStatesTimeout,
     HookFaultError,
     MissingHiddenStatesError,
+    PooledSum,
     RowBatch,
 )
 from hidden_states.params import (
@@ -412,6 +413,11 @@ class Extraction:
             head_values[name] = v[0]
             if i is not None:
                 head_indices[name] = i[0]
+        if cr is not None and cr.pooled:
+            sums = {l: v[0].astype(np.float64) for l, v in values.items()}
+            positions = np.asarray(cr.positions, dtype=np.int64)
+            col.add_rows((col.engine_requests[cr.key], index), PooledSum(positions, sums, cr.tail_positions))
+            return
         col.add_rows(
             (col.engine_requests[some.key], index),
             RowBatch(
@@ -486,17 +492,18 @@ class Extraction:
             raise HiddenStatesRequestError("hidden states need the prompt as token ids or embeddings", "prompt")
         span = Span.of(collector.position, P)
         try:
-            check_rows_budget(
-                span,
-                P,
-                params.max_tokens or 0,
-                params.n or 1,
-                len(collector.layers) if collector.rows_wanted else 0,
-                self.hidden_size,
-                collector.dtype,
-                collector.topk,
-                self.max_hidden_states_bytes,
-            )
+            if not collector.pool:  # a pool's rows never wait on the host: one row per layer does
+                check_rows_budget(
+                    span,
+                    P,
+                    params.max_tokens or 0,
+                    params.n or 1,
+                    len(collector.layers) if collector.rows_wanted else 0,
+                    self.hidden_size,
+                    collector.dtype,
+                    collector.topk,
+                    self.max_hidden_states_bytes,
+                )
         except HiddenStatesRequestError as e:
             collector.refusal = e  # the OpenAI layer answers it as a 400, streaming or not
             raise
@@ -510,9 +517,10 @@ class Extraction:
                 key=key,
                 span=span.to_list(),
                 layers=list(collector.layers) if collector.rows_wanted else [],
-                dtype=collector.dtype,
+                dtype="float32" if collector.pool else collector.dtype,  # a pool's mean is cast in the frontend
                 heads=[list(h) for h in collector.heads],
                 monitors=list(collector.monitors),
+                pool=collector.pool,
                 # an end counted from the end stops before it; stop conditions alone capture nothing
                 reaches_final=collector.captures and (span.end is None or span.end > P),
                 topk=collector.topk or 0,
@@ -580,7 +588,9 @@ class Extraction:
         layers = collector.layers if collector.rows_wanted else ()
         results = await asyncio.gather(
             *(
-                self.extract_rows(seq, missing, layers, collector.dtype, collector.topk, its_origin, collector.heads)
+                self.extract_rows(
+                    seq, missing, layers, collector.dtype, collector.topk, its_origin, collector.heads, collector.pool
+                )
                 for (seq, missing, _), its_origin in todo.items()
             )
         )
@@ -681,14 +691,21 @@ class Extraction:
         topk: int | None = None,
         origin: Origin = Origin(),
         heads: Sequence[tuple[str, int]] = (),
-    ) -> tuple[RowBatch, ExtractionStats]:
+        pool: bool = False,
+    ) -> tuple[RowBatch | PooledSum, ExtractionStats]:
         """The rows of `positions` of `token_ids` by a prefill, cast and selected as a generating
         request's (and `heads`' outputs over them; `layers` empty: heads alone); own cache salt where
-        a prefix-cache hit would skip some."""
+        a prefix-cache hit would skip some. `pool`: their sum, reduced in the engine where they are evenly
+        spaced (else the rows, in float32)."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
         total, lo = len(token_ids), min(positions)
+        ordered = sorted(positions)
+        stride = ordered[1] - ordered[0] if len(ordered) > 1 else 1
+        even = pool and stride > 0 and ordered == list(range(lo, ordered[-1] + 1, stride))
+        span = [lo, ordered[-1] + 1, stride] if even else [lo, total, 1]
+        dtype = "float32" if pool else dtype
 
         def params(key: str):
             return SamplingParams(
@@ -699,11 +716,12 @@ class Extraction:
                 extra_args={
                     **CaptureSpec(
                         key=key,
-                        span=[lo, total, 1],
+                        span=span,
                         layers=list(layers),
                         dtype=dtype,
                         topk=topk or 0,
                         heads=[list(h) for h in heads],
+                        pool=even,
                     ).to_extra_args(),
                     **({STEER_KEY: origin.steering} if origin.steering is not None else {}),
                 },
@@ -721,7 +739,12 @@ class Extraction:
                 f"step-{key}", tuple(layers), dtype=dtype, topk=topk, heads=tuple(heads), rows_wanted=bool(layers)
             )  # the step's own state
             merged, cached = await self._prefill(token_ids, origin, params(key), key, salt, step)
-            if merged is not None and np.isin(want, merged.positions).all():
+            if even and merged is None:  # the engine's sum, of exactly the positions asked
+                sums = [s for st in step.choices.values() for s in st.sums]
+                if len(sums) == 1 and np.array_equal(sums[0].positions, want):
+                    merged = sums[0]
+                    break
+            elif merged is not None and np.isin(want, merged.positions).all():
                 break
             # An item sent as its hash alone, evicted from the engine core's processor cache since the
             # request ran: vLLM fails the step and drops the hash; the items go again, with their data.
@@ -738,7 +761,8 @@ class Extraction:
         self.extractions += 1
         self.extraction_tokens += total
         self.extraction_cached_tokens += cached
-        return merged.select(np.isin(merged.positions, want)), ExtractionStats(total, cached, time.perf_counter() - t0)
+        stats = ExtractionStats(total, cached, time.perf_counter() - t0)
+        return (merged if even else merged.select(np.isin(merged.positions, want))), stats
 
     async def _prefill(self, token_ids, origin: Origin, params, key: str, salt, step: HiddenStatesCollector):
         """One prefill of `token_ids` as `origin`'s input, its rows filed into `step` under `key`: (the rows

@@ -45,6 +45,7 @@ class _Entry(NamedTuple):
     heads: list  # [name, k]: heads over the same rows (heads.DeviceHead)
     monitors: list = []  # [head, index, above, threshold]: a watch entry's scores (protocol.MONITOR_BLOCK), no rows
     keep_held: bool = False  # keep its last row's verdicts for the next step's conditional steering (`held`)
+    pool: bool = False  # its rows summed per layer (float32): one row per layer travels (PlanEntry.pool)
 
 
 _TORCH_DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16"}
@@ -333,6 +334,7 @@ class _RunnerHook:
                             e.dtype,
                             e.topk,
                             list(e.heads),
+                            pool=bool(e.pool),
                         )
                     )
                 if e.watch:  # the rows its monitors score: their scores travel, not the rows
@@ -490,6 +492,13 @@ class _RunnerHook:
         self._stage = "capture"
         # Rows asked as rows (a head's layer may be captured for the head alone).
         blocks = [blk for blk in blocks if blk[1] in plan[blk[0]].layers]
+        # hidden_states_pool: an entry's rows at a layer as their float32 sum, one row (the engine core adds them).
+        blocks = [
+            (i, layer, src[first:end].float().sum(0, keepdim=True), 0, 1)
+            if plan[i].pool
+            else (i, layer, src, first, end)
+            for i, layer, src, first, end in blocks
+        ]
         # Cast / top-k per (dtype, k) group, then every byte of the step in one buffer.
         groups: dict[tuple[str | None, int], list[int]] = {}
         for b, (i, *_) in enumerate(blocks):
@@ -681,7 +690,9 @@ class _RunnerHook:
         requests: dict[str, list[RowBlock]] = {}
         for e, layer, head, dtype, width, values_at, indices_at in layout:
             requests.setdefault(e.rid, []).append(
-                RowBlock(e.num_tokens, layer, e.positions, dtype, width, values_at, indices_at, head)
+                RowBlock(
+                    e.num_tokens, layer, e.positions, dtype, width, values_at, indices_at, head, e.pool and not head
+                )
             )
         self.captured += len(requests)
         self.steps_with_capture += 1
