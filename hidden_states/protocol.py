@@ -6,11 +6,12 @@
   scheduler; marks a request for capture, its span, and the key its rows come back under.
 - `PlanEntry` (SchedulerOutput attribute `PLAN_ATTR`): scheduler to worker, what to capture.
 - `StepCapture` (ModelRunnerOutput attribute `STEP_ATTR`): worker to scheduler, one buffer per step.
-- `CapturedRows` (`kv_transfer_params[ROWS_KEY]`): scheduler to frontend, raw little-endian bytes
-  (vLLM's msgpack, never pickled), taken off before vLLM reads that field.
-- `HookFault` (`StepCapture.faults`, then `kv_transfer_params[FAULT_KEY]`): a hook of ours that raised
-  for one request in the worker or the scheduler; that request finishes with vLLM's "error" and its
-  caller gets a 500 naming the hook, the others go on.
+- `EngineMessage` (`kv_transfer_params[OUTPUT_KEY]`): scheduler to frontend, one typed message per
+  output: the request's rows and heads' outputs (`CapturedRows`, raw little-endian bytes: vLLM's msgpack,
+  never pickled), the stop condition that finished it (`StopReport`), where its conditional steering
+  applied (`SteeredReport`), and a `HookFault`: a hook of ours that raised for it in the worker
+  (`StepCapture.faults`) or the scheduler; that request finishes with vLLM's "error" and its caller gets a
+  500 naming the hook, the others go on. Taken off before vLLM reads that field.
 
 Decoding validates and raises `HiddenStatesProtocolError`; nothing here executes message code.
 """
@@ -33,16 +34,13 @@ RESERVED_EXTRA_ARGS_PREFIX = "hidden_states"
 STEP_ATTR = "hidden_states_step"  # ModelRunnerOutput attribute: the step's StepCapture
 SEQ_ATTR = "hidden_states_seq"  # SchedulerOutput attribute: the step's sequence number (async scheduling)
 PLAN_ATTR = "hidden_states_plan"  # SchedulerOutput attribute: the step's capture plan, {request id: PlanEntry}
-ROWS_KEY = "hidden_states_rows"  # EngineCoreOutput.kv_transfer_params key: CapturedRows
-HEADS_KEY = "hidden_states_heads"  # EngineCoreOutput.kv_transfer_params key: {head name: CapturedRows}
+OUTPUT_KEY = "hidden_states_output"  # EngineCoreOutput.kv_transfer_params key: one EngineMessage
 # A steered request's additions to the residual stream (SamplingParams.extra_args): [SteerEntry]; the
 # workers read it off their own copy of the request (every tensor-parallel rank applies it).
 STEER_KEY = "hidden_states_steer"
 # The engine's static layer set, frontend to workers at start: VllmConfig.additional_config[CONFIG_KEY]
 # = {"capture_layers": [decoder-layer indices]} (vLLM hashes additional_config into its compile-cache key).
 CONFIG_KEY = "hidden_states"
-# A request a hook of ours failed (EngineCoreOutput.kv_transfer_params key): HookFault as builtins.
-FAULT_KEY = "hidden_states_fault"
 # Tests only: with FAULT_INJECTION_ENV=1 in the engine's environment, a request whose extra_args name a
 # hook under FAULT_INJECT_KEY makes that hook raise for it (HTTP clients cannot set it: reserved prefix).
 FAULT_INJECTION_ENV = "HIDDEN_STATES_FAULT_INJECTION"
@@ -246,13 +244,8 @@ class Monitor(msgspec.Struct, array_like=True, frozen=True):
 # A step's monitor scores travel as a block of the step's buffer under this head name: float32
 # [watched positions, the request's monitors] (RowBlock.head); never a registered head's name.
 MONITOR_BLOCK = "\x00monitors"
-# EngineCoreOutput.kv_transfer_params key of a request a monitor stopped: [capture key, position,
-# monitor index, score] (its finish is "stop", its stop_reason STOP_REASON.format(index)).
-STOP_KEY = "hidden_states_stop"
+# A request a monitor stopped finishes "stop", its stop_reason STOP_REASON.format(monitor index).
 STOP_REASON = "hidden_states_stop[{}]"
-# EngineCoreOutput.kv_transfer_params key of a request with conditional steering, on its finishing output:
-# [capture key, [[entry index, the positions it was applied at], ...]].
-STEERED_KEY = "hidden_states_steered"
 
 
 class Clamp(msgspec.Struct, array_like=True, frozen=True):
@@ -307,31 +300,45 @@ def steering_extra_args(entries: Sequence[SteerEntry]) -> dict:
     return {STEER_KEY: msgspec.to_builtins(list(entries), builtin_types=(bytes,))}
 
 
-class PlanEntry(NamedTuple):
+class PlanEntry(msgspec.Struct, array_like=True, frozen=True, gc=False):
     """What the worker captures of one request in one step. `offsets` index the request's scheduled
-    tokens (0 = its first), `positions` are their absolute positions. Builtins only."""
+    tokens (0 = its first), `positions` are their absolute positions. A step's plan crosses to the workers as
+    msgpack bytes (`encode_plan` / `decode_plan`): vLLM's executor carries bytes, no object of ours."""
 
     offsets: list[int]
     positions: list[int]
     layers: list[int]  # absolute (transformers numbering)
     num_tokens: int  # tokens the request's scheduled span reaches in the step
-    dtype: str  # the rows cast to it on the device
+    dtype: str | None  # the rows cast to it on the device (None: the engine's own)
     topk: int
-    heads: Sequence = ()  # [name, k] of the request's heads (CaptureSpec.heads)
+    heads: list[tuple[str, int]] = []  # (name, k) of the request's heads (CaptureSpec.heads)
     # Rows the request's monitors score (offsets as `offsets`; completion positions not judged yet),
-    # their positions, and the monitors as [head, index, above, threshold] (Monitor's fields): the worker
+    # their positions, and the monitors as (head, index, above, threshold) (Monitor's fields): the worker
     # sends float32 scores (MONITOR_BLOCK).
-    watch: Sequence = ()
-    watch_positions: Sequence = ()
-    monitors: Sequence = ()
-    # The request's conditional steering entries this step: [entry index, offsets of the rows it applies to].
-    steer: Sequence = ()
+    watch: list[int] = []
+    watch_positions: list[int] = []
+    monitors: list[tuple[str, int, bool, float]] = []
+    # The request's conditional steering entries this step: (entry index, offsets of the rows it applies to).
+    steer: list[tuple[int, list[int]]] = []
     # Under async scheduling, the ones the scheduler cannot decide yet (the row before was computed by the step
-    # still in flight): [entry index, monitor index, offset] applied where that monitor held on the worker's
+    # still in flight): (entry index, monitor index, offset) applied where that monitor held on the worker's
     # own verdict of the row before (`keep_held`), on the device; the scheduler learns where from the scores.
-    steer_if: Sequence = ()
+    steer_if: list[tuple[int, int, int]] = []
     keep_held: bool = False  # keep the verdicts of the last watched row for the next step's `steer_if`
     pool: bool = False  # the rows summed per layer on the device (float32, one row per layer): RowBlock.pooled
+
+
+_PLAN_DECODER = msgspec.msgpack.Decoder(dict[str, PlanEntry])
+
+
+def encode_plan(plan: Mapping[str, PlanEntry]) -> bytes:
+    """A step's plan, {request id: PlanEntry}, as the bytes the SchedulerOutput carries (PLAN_ATTR)."""
+    return msgspec.msgpack.encode(plan)
+
+
+def decode_plan(raw: bytes | None) -> dict[str, PlanEntry]:
+    """The plan a SchedulerOutput carries (PLAN_ATTR), typed; {} for none."""
+    return _PLAN_DECODER.decode(raw) if raw else {}
 
 
 class RowBlock(NamedTuple):
@@ -369,16 +376,6 @@ class HookFault(msgspec.Struct, array_like=True, gc=False):
     @staticmethod
     def of(hook: str, error: BaseException | str) -> HookFault:
         return HookFault(hook, error if isinstance(error, str) else f"{type(error).__name__}: {error}")
-
-    @staticmethod
-    def from_output(raw) -> HookFault:
-        try:
-            return msgspec.convert(raw, HookFault)
-        except (msgspec.ValidationError, TypeError) as e:
-            raise HiddenStatesProtocolError(f"malformed hook fault: {e}") from None
-
-    def to_output(self) -> list:
-        return msgspec.to_builtins(self)
 
 
 def fault_injection() -> bool:
@@ -441,7 +438,13 @@ class CapturedRows(msgspec.Struct, array_like=True, gc=False):
 
     @staticmethod
     def from_output(raw) -> CapturedRows:
-        cr = _convert(raw, CapturedRows, "captured rows")
+        return _convert(raw, CapturedRows, "captured rows").check()
+
+    def check(self) -> CapturedRows:
+        """Itself, if its bytes hold its shape; else HiddenStatesProtocolError."""
+        cr = self
+        if cr.dtype not in ITEMSIZE:
+            raise HiddenStatesProtocolError(f"unsupported dtype {cr.dtype!r}; expected one of {sorted(ITEMSIZE)}")
         n = len(cr.layers) * (1 if cr.pooled else len(cr.positions)) * cr.width
         if cr.pooled and (cr.topk or cr.dtype != "float32"):
             raise HiddenStatesProtocolError("pooled rows are float32 sums, without top-k")
@@ -488,3 +491,50 @@ def _raw(arr: np.ndarray) -> memoryview:
     """A C-contiguous array's bytes as a view, no copy: msgpack writes them out (to_output), and the frontend
     decodes `bytes`."""
     return memoryview(arr.reshape(-1)).cast("B")
+
+
+class StopReport(msgspec.Struct, array_like=True, frozen=True):
+    """The stop condition (`Monitor`) that finished a request: at which position, which one, its score."""
+
+    key: str  # the request's capture key (CaptureSpec.key)
+    position: int
+    condition: int
+    score: float
+
+
+class SteeredReport(msgspec.Struct, array_like=True, frozen=True):
+    """Where a request's conditional steering entries applied since its last output: (entry index, positions)."""
+
+    key: str
+    applied: list[tuple[int, list[int]]]
+
+
+class EngineMessage(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """All one EngineCoreOutput carries of ours (`kv_transfer_params[OUTPUT_KEY]`): typed optional parts."""
+
+    rows: CapturedRows | None = None
+    heads: dict[str, CapturedRows] = {}  # each head's outputs, at the rows' positions
+    stop: StopReport | None = None  # on a finishing output: the condition that finished it
+    steered: SteeredReport | None = None  # where its `when` entries applied
+    fault: HookFault | None = None  # a hook failed it: its finish is "error"
+
+    def __bool__(self) -> bool:
+        return any((self.rows, self.heads, self.stop, self.steered, self.fault))
+
+    def to_output(self) -> list:
+        return msgspec.to_builtins(self, builtin_types=(bytes, memoryview))
+
+    @staticmethod
+    def from_output(raw) -> EngineMessage:
+        """The message off an output, every part checked; else HiddenStatesProtocolError."""
+        try:
+            msg = msgspec.convert(raw, EngineMessage)
+        except (msgspec.ValidationError, TypeError) as e:
+            raise HiddenStatesProtocolError(f"malformed engine message: {e}") from None
+        for cr in (msg.rows, *msg.heads.values()):
+            if cr is not None:
+                cr.check()
+        some = msg.rows if msg.rows is not None else next(iter(msg.heads.values()), None)
+        if any(h.positions != some.positions or h.key != some.key for h in msg.heads.values()):
+            raise HiddenStatesProtocolError("head outputs at other positions than the rows of their step")
+        return msg

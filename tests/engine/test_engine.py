@@ -304,19 +304,19 @@ def test_a_finish_without_its_vector_takes_the_extraction_step_at_once(engine, l
     """The output that finishes a choice brings its vector or nothing ("not captured"): with
     the first vector lost on the way, and another one garbled, those choices get the
     extraction step at once, not after extraction_timeout_s, and the rest are untouched."""
-    original = engine.extraction.deliver
+    original = engine.extraction.receive
     dropped: list = []
 
-    def lossy(raw, index, heads=None):
+    def lossy(request_id, raw, index):
         if len(dropped) == 0:
             dropped.append(raw)  # lost
             return None
         if len(dropped) == 1:
             dropped.append(raw)
-            return original({"garbled": True}, index, heads)
-        return original(raw, index, heads)
+            return original(request_id, {"garbled": True}, index)
+        return original(request_id, raw, index)
 
-    engine.extraction.deliver = lossy
+    engine.extraction.receive = lossy
     before = loop_thread.run(engine.stats())
     try:
 
@@ -327,7 +327,7 @@ def test_a_finish_without_its_vector_takes_the_extraction_step_at_once(engine, l
 
         outs, seconds = loop_thread.run(run())
     finally:
-        engine.extraction.deliver = original
+        engine.extraction.receive = original
     after = loop_thread.run(engine.stats())
     assert seconds < 30 < engine.extraction.extraction_timeout_s, seconds  # no timer
     vias = sorted(c.choices[0].extraction.via for c in outs)
@@ -345,16 +345,15 @@ def test_a_hook_that_raises_fails_its_request_alone_and_the_engine_serves_on(eng
     keeps running, and the engine serves the next request, over the Python API and over HTTP."""
     from hidden_states.errors import status_of
     from hidden_states.interface import HookFaultError
-    from hidden_states.protocol import CapturedRows
 
     alone = [loop_thread.run(engine.complete(p, sp(max_tokens=6))) for p in PROMPTS[1:]]
     original, extraction = engine.extraction.deliver, engine.extraction
 
-    def faulty(raw, index, heads=None):  # raises for the float16 request, as a bug of ours would
-        col = extraction.live.get(CapturedRows.from_output(raw).key) if raw is not None else None
+    def faulty(rows, index, heads):  # raises for the float16 request, as a bug of ours would
+        col = extraction.live.get(rows.key) if rows is not None else None
         if col is not None and col.dtype == "float16":
             raise RuntimeError("a bug in deliver")
-        return original(raw, index, heads)
+        return original(rows, index, heads)
 
     engine.extraction.deliver = faulty
     before = loop_thread.run(engine.stats())

@@ -104,9 +104,9 @@ def run(core, prompts, flagged: bool, on_step=None, timeout_s: float = 300, **kw
 
 
 def captured(out):
-    from hidden_states.protocol import ROWS_KEY, CapturedRows
+    from hidden_states.protocol import OUTPUT_KEY, EngineMessage
 
-    return CapturedRows.from_output((out.kv_transfer_params or {})[ROWS_KEY])
+    return EngineMessage.from_output((out.kv_transfer_params or {})[OUTPUT_KEY]).rows
 
 
 def vector(out):
@@ -219,7 +219,7 @@ def test_rows_of_every_position_come_once_even_when_preempted_and_an_abort_leave
     outputs stream (`every_step`), the finishing output of one that is final-only; a request preempted
     mid-generation recomputes its positions on resume, and each position is still sent once,
     exact. An aborted one leaves nothing in the scheduler or the runner."""
-    from hidden_states.protocol import ROWS_KEY, CapturedRows
+    from hidden_states.protocol import OUTPUT_KEY, EngineMessage
 
     s = scheduler(core)
     sent: dict[str, list] = {}
@@ -230,9 +230,10 @@ def test_rows_of_every_position_come_once_even_when_preempted_and_an_abort_leave
         outs = update(*a, **k)
         for batch in outs.values():
             for eco in batch.outputs:
-                raw = (eco.kv_transfer_params or {}).pop(ROWS_KEY, None)
-                if raw is not None:
-                    sent.setdefault(eco.request_id, []).append(CapturedRows.from_output(raw))
+                raw = (eco.kv_transfer_params or {}).pop(OUTPUT_KEY, None)
+                rows = None if raw is None else EngineMessage.from_output(raw).rows
+                if rows is not None:
+                    sent.setdefault(eco.request_id, []).append(rows)
                     outputs_with_rows[eco.request_id] = outputs_with_rows.get(eco.request_id, 0) + 1
         return outs
 

@@ -471,7 +471,7 @@ class _FakeRunner:
 def test_no_capture_plan_outlives_its_step():
     """A forward outside execute_model (a dummy batch) sees no plan, even right after a capture;
     the step's rows leave on its ModelRunnerOutput, and only there."""
-    from hidden_states.protocol import PLAN_ATTR, STEP_ATTR, PlanEntry
+    from hidden_states.protocol import PLAN_ATTR, STEP_ATTR, PlanEntry, encode_plan
     from hidden_states.vllm.worker.extension import HiddenStatesWorkerExtension
 
     runner = _FakeRunner()
@@ -483,7 +483,7 @@ def test_no_capture_plan_outlives_its_step():
     so = types.SimpleNamespace(
         finished_req_ids=set(),
         num_scheduled_tokens={"r": 3},
-        **{PLAN_ATTR: {"r": PlanEntry([2], [2], [1], 3, None, 0)}},
+        **{PLAN_ATTR: encode_plan({"r": PlanEntry([2], [2], [1], 3, None, 0)})},
     )
     runner.execute_model(so)
     out = runner.sample_tokens(None)

@@ -142,12 +142,13 @@ def test_the_worker_runs_the_twin_only_under_the_env_flag(monkeypatch, on):
 def test_the_worker_twin_raises_in_the_asked_hook_for_the_asking_request_only(hook):
     import torch
 
+    from hidden_states.vllm.worker.capture import _Block
     from hidden_states.vllm.worker.fault_injection import RunnerHook, StepSteering
 
     h = RunnerHook.__new__(RunnerHook)  # its per-request pieces only: no runner
     h._inject = {"bad": hook}
     hidden, residual = torch.arange(12.0).reshape(6, 2), torch.ones(6, 2)
-    blocks = [(0, 1, hidden, 0, 2), (1, 1, hidden, 2, 4)]
+    blocks = [_Block(0, 1, hidden, 0, 2), _Block(1, 1, hidden, 2, 4)]
     st = StepSteering.__new__(StepSteering)
     st.guard, st.traced = h, type("Traced", (), {"fill": lambda self, ops, n: (n, 0)})()
     pieces = {  # each hook's pieces, for one request

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from vllm.v1.request import RequestStatus
 
-from hidden_states.protocol import MONITOR_BLOCK, STOP_REASON, CaptureSpec, Monitor, RowBlock, Span
+from hidden_states.protocol import MONITOR_BLOCK, STOP_REASON, CaptureSpec, Monitor, RowBlock, Span, StopReport
 from hidden_states.vllm.core.scheduler import _Capture, _HiddenStatesScheduling, _Record, _Rows
 
 STOP_TOKEN = 2
@@ -118,7 +118,7 @@ def test_the_request_keeps_its_tokens_up_to_the_trigger(tokens, new, trigger, wa
     assert stopped and req.tokens == want_tokens and kept == want_tokens[len(tokens) :]
     assert req.status == RequestStatus.FINISHED_STOPPED and req.stop_reason == want_reason
     assert rec.trigger is None
-    assert (rec.stop == ["k", trigger[0], trigger[1], trigger[2]]) == (want_reason != STOP_TOKEN)
+    assert (rec.stop == StopReport("k", trigger[0], trigger[1], trigger[2])) == (want_reason != STOP_TOKEN)
 
 
 SAE_D, SAE_F = 16, 128
@@ -141,7 +141,7 @@ def _score(spec, rows, spans: list, conditions: list) -> tuple:
     import torch
 
     from hidden_states.heads import DeviceHead
-    from hidden_states.vllm.worker.capture import _Entry, _RunnerHook
+    from hidden_states.vllm.worker.capture import _Block, _Entry, _RunnerHook
 
     hook = _RunnerHook.__new__(_RunnerHook)  # the scoring's state only (its __init__ needs a vLLM runner)
     hook.heads = {"sae": DeviceHead(spec, "cpu")}
@@ -162,7 +162,7 @@ def _score(spec, rows, spans: list, conditions: list) -> tuple:
         for j, (s, e) in enumerate(spans)
     ]
     src = torch.tensor(rows)
-    blocks = [(j, spec.layer, src, s, e) for j, (s, e) in enumerate(spans)]
+    blocks = [_Block(j, spec.layer, src, s, e) for j, (s, e) in enumerate(spans)]
     out = hook._run_monitors(plan, list(range(len(spans))), blocks, {(j, spec.layer): j for j in range(len(spans))})
     assert all(name == MONITOR_BLOCK for _, _, name, _, _ in out)
     return hook, {j: scores.numpy() for j, _, _, scores, _ in out}

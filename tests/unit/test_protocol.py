@@ -9,9 +9,10 @@ import torch
 
 from hidden_states.protocol import (
     EXTRA_ARGS_KEY,
-    ROWS_KEY,
+    OUTPUT_KEY,
     CapturedRows,
     CaptureSpec,
+    EngineMessage,
     HiddenStatesProtocolError,
     captured_rows,
     widen,
@@ -22,8 +23,8 @@ D = 4096
 
 def _over_the_wire(cr: CapturedRows) -> CapturedRows:
     """As the engine core sends it: inside an EngineCoreOutput's kv_transfer_params, msgpack-encoded."""
-    frame = msgspec.msgpack.encode({ROWS_KEY: cr.to_output()})
-    return CapturedRows.from_output(msgspec.msgpack.decode(frame)[ROWS_KEY])
+    frame = msgspec.msgpack.encode({OUTPUT_KEY: EngineMessage(cr).to_output()})
+    return EngineMessage.from_output(msgspec.msgpack.decode(frame)[OUTPUT_KEY]).rows
 
 
 def _vector(key: str, dtype: str, layers: list[int], rows: np.ndarray, position: int = 16) -> CapturedRows:
@@ -149,3 +150,26 @@ def test_released_rows_reach_msgpack_as_a_view_of_the_engine_core_s_array():
     back = CapturedRows.from_output(msgspec.msgpack.decode(msgspec.msgpack.encode({"r": cr.to_output()}))["r"])
     got, got_indices = back.arrays()
     assert got.tobytes() == values.tobytes() and got_indices.tobytes() == indices.tobytes()
+
+
+def test_one_typed_message_per_output_carries_every_part_over_msgpack():
+    """rows, heads' outputs, the stop, where `when` entries applied and a fault: one value under one key,
+    each part typed on arrival; a message that does not decode, or heads at other positions, is refused."""
+    from hidden_states.protocol import HookFault, SteeredReport, StopReport
+
+    rows = captured_rows("k", "float32", 0, [1], [5, 6], np.ones((1, 2, 3), np.float32), None)
+    head = captured_rows("k", "float32", 0, [1], [5, 6], np.zeros((1, 2, 2), np.float32), None)
+    msg = EngineMessage(rows, {"probe": head}, StopReport("k", 6, 0, 1.5), SteeredReport("k", [(0, [6])]))
+    raw = msgspec.msgpack.decode(msgspec.msgpack.encode({OUTPUT_KEY: msg.to_output()}))[OUTPUT_KEY]
+    back = EngineMessage.from_output(raw)
+    assert back.rows.positions == [5, 6] and back.heads["probe"].width == 2
+    assert back.stop == StopReport("k", 6, 0, 1.5) and back.steered == SteeredReport("k", [(0, [6])])
+    assert back.fault is None and bool(back) and not EngineMessage()
+    fault = EngineMessage.from_output(EngineMessage(fault=HookFault.of("plan", ValueError("x"))).to_output())
+    assert fault.fault == HookFault("plan", "ValueError: x") and fault.rows is None
+    for bad in ({"garbled": True}, [rows.to_output(), {"probe": [1]}]):
+        with pytest.raises(HiddenStatesProtocolError, match="malformed"):
+            EngineMessage.from_output(bad)
+    elsewhere = captured_rows("k", "float32", 0, [1], [7, 8], np.zeros((1, 2, 2), np.float32), None)
+    with pytest.raises(HiddenStatesProtocolError, match="other positions"):
+        EngineMessage.from_output(EngineMessage(rows, {"probe": elsewhere}).to_output())

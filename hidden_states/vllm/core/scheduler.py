@@ -4,7 +4,7 @@
 - **Capture.** `_plan` names each step's rows (`PLAN_ATTR`); the runner hangs them on the
   ModelRunnerOutput (`protocol.StepCapture`) and `update_from_output` files them per request.
 - **Delivery.** Rows leave in the `kv_transfer_params` of the request's EngineCoreOutputs
-  (`protocol.CapturedRows` under `ROWS_KEY`): a stream's on each output, the rest on the
+  (`protocol.EngineMessage` under `OUTPUT_KEY`): a stream's on each output, the rest on the
   finishing one. A wanted position no output brought is computed by the frontend's
   extraction step. Nothing waits on a timer.
 - **The tail step** (`TailScheduler`, synchronous only). A `tail=True` request that stops
@@ -21,7 +21,7 @@ request (`_plan`, `_store_step`, `_send_rows` and the finishing rows of `_free_r
 `_update_request_with_output`); one that raises for a request, or a worker's report of
 one (`StepCapture.faults`), finishes that request with vLLM's FINISHED_ERROR at the end of the
 update: its output of this step is replaced by an "error" finish carrying the `HookFault`
-(`kv_transfer_params[FAULT_KEY]`), and the frontend fails its caller with a 500 naming the hook.
+(`EngineMessage.fault`), and the frontend fails its caller with a 500 naming the hook.
 """
 
 from __future__ import annotations
@@ -36,23 +36,23 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 
 from hidden_states.protocol import (
-    FAULT_KEY,
-    HEADS_KEY,
     MONITOR_BLOCK,
+    OUTPUT_KEY,
     PLAN_ATTR,
-    ROWS_KEY,
     SEQ_ATTR,
-    STEERED_KEY,
     STEP_ATTR,
-    STOP_KEY,
     STOP_REASON,
     CapturedRows,
     CaptureSpec,
+    EngineMessage,
     HookFault,
     PlanEntry,
     Span,
+    SteeredReport,
+    StopReport,
     absolute_layer,
     captured_rows,
+    encode_plan,
     steering_of,
 )
 from hidden_states.vllm import _require
@@ -348,12 +348,6 @@ class _Taken:
                 cr.tail_positions = tail_positions
         return self
 
-    def params(self) -> dict:
-        out = {} if self.rows is None else {ROWS_KEY: self.rows.to_output()}
-        if self.heads:
-            out[HEADS_KEY] = {name: cr.to_output() for name, cr in self.heads.items()}
-        return out
-
 
 @dataclasses.dataclass
 class _Record:
@@ -364,8 +358,8 @@ class _Record:
     held: _Held | None = None  # stopped: its finish held one step, for the tail step
     released: _Held | None = None  # its held finish, emitted in this update (the held tokens' logprobs)
     trigger: tuple[int, int, float] | None = None  # a monitor held: (position, monitor, score), for its update
-    stop: list | None = None  # the monitor that finished it, for its finishing output (STOP_KEY)
-    steered: list | None = None  # where its `when` entries applied, for its finishing output (STEERED_KEY)
+    stop: StopReport | None = None  # the monitor that finished it, for its finishing output
+    steered: SteeredReport | None = None  # where its `when` entries applied, for its finishing output
     last_rows: _Taken | None = None  # its last rows, for its finishing output
     awaiting: int | None = None  # async: the step in flight that computes its final row (its sequence number)
     tokens: int = 0  # (its length then)
@@ -475,7 +469,8 @@ class _HiddenStatesScheduling:
         finally:
             for req in bumped:
                 req.max_tokens -= 1
-        setattr(out, PLAN_ATTR, self._plan(out) if self._records else None)
+        plan = self._plan(out) if self._records else None
+        setattr(out, PLAN_ATTR, encode_plan(plan) if plan else None)
         for rid, rec, cap in self._live():  # a tail step's work, counted as scheduled (1 position, unless recomputed)
             if rec.held is not None:
                 cap.tail_positions += out.num_scheduled_tokens.get(rid, 0)
@@ -653,13 +648,10 @@ class _HiddenStatesScheduling:
     def _send_request(self, eco: Any, rec: _Record) -> None:
         """What one output of a request of ours carries: its rows, and on its finishing output its stop and
         where its `when` entries applied."""
-        cap, extra = rec.capture, {}
+        cap, msg = rec.capture, EngineMessage()
         if eco.finish_reason is not None:
             rows, rec.last_rows = rec.last_rows, None
-            if rec.stop is not None:  # a monitor finished it: where, why
-                extra[STOP_KEY] = rec.stop
-            if rec.steered is not None:  # where its `when` entries applied
-                extra[STEERED_KEY] = rec.steered
+            msg.stop, msg.steered = rec.stop, rec.steered  # a monitor that finished it; where `when` entries applied
         elif cap is not None and cap.spec.every_step and (req := self.requests.get(eco.request_id)) is not None:
             rows = cap.release(req.num_tokens)
         else:
@@ -667,11 +659,11 @@ class _HiddenStatesScheduling:
         if eco.finish_reason is None and cap is not None and cap.conditional:
             cap.decide()  # its new decisions: a stop string's extraction step (frontend) replays them
             if new := cap.unsent():
-                extra[STEERED_KEY] = [cap.spec.key, new]
+                msg.steered = SteeredReport(cap.spec.key, new)
         if rows is not None:
-            extra.update(rows.params())
-        if extra:
-            eco.kv_transfer_params = {**(eco.kv_transfer_params or {}), **extra}
+            msg.rows, msg.heads = rows.rows, rows.heads
+        if msg:
+            eco.kv_transfer_params = {**(eco.kv_transfer_params or {}), OUTPUT_KEY: msg.to_output()}
 
     def _fail(self, outputs: dict) -> None:
         """The requests a hook failed in this update: finished with FINISHED_ERROR, their outputs of the
@@ -702,7 +694,7 @@ class _HiddenStatesScheduling:
                     request_id=rid,
                     new_token_ids=[],
                     finish_reason=FinishReason.ERROR,
-                    kv_transfer_params={FAULT_KEY: fault.to_output()},
+                    kv_transfer_params={OUTPUT_KEY: EngineMessage(fault=fault).to_output()},
                 )
             )
 
@@ -784,7 +776,7 @@ class _HiddenStatesScheduling:
                 request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, STOP_REASON.format(index)
                 stopped = True
                 self.monitor_stops += 1
-                rec.stop = [rec.capture.spec.key, position, index, score]
+                rec.stop = StopReport(rec.capture.spec.key, position, index, score)
         else:
             new_token_ids, stopped = super()._update_request_with_output(request, new_token_ids, *args, **kwargs)
         if not stopped or (cap := rec.live) is None:
@@ -850,7 +842,7 @@ class _HiddenStatesScheduling:
             return
         if cap.conditional:  # where each `when` entry applies, the final token's position decided too
             cap.decide()
-            rec.steered = [cap.spec.key, cap.unsent()]
+            rec.steered = SteeredReport(cap.spec.key, cap.unsent())
         # (a monitor's stop: its final row is this step's, already filed; the step in flight's is a dropped token's)
         if self.async_tail and cap.tail and rec.stop is None and self._await_tail(request, rec):
             return  # the step in flight computes its final row (_async_tails sends the rows)

@@ -43,16 +43,15 @@ from hidden_states.params import (
 )
 from hidden_states.protocol import (
     COLLECTOR_TAG_KEY,
-    FAULT_KEY,
-    HEADS_KEY,
-    ROWS_KEY,
+    OUTPUT_KEY,
     STEER_KEY,
-    STEERED_KEY,
-    STOP_KEY,
     CapturedRows,
     CaptureSpec,
+    EngineMessage,
     HiddenStatesProtocolError,
     HookFault,
+    SteeredReport,
+    StopReport,
 )
 from hidden_states.vllm.patches import install
 
@@ -187,33 +186,13 @@ def make_async_llm_class():
                 if hs is not None and hs.live:
                     for eco in engine_core_outputs:
                         params = eco.kv_transfer_params
-                        if params is not None and (
-                            ROWS_KEY in params
-                            or HEADS_KEY in params
-                            or FAULT_KEY in params
-                            or STOP_KEY in params
-                            or STEERED_KEY in params
-                        ):
-                            rows, heads = params.pop(ROWS_KEY, None), params.pop(HEADS_KEY, None)
-                            fault, stop = params.pop(FAULT_KEY, None), params.pop(STOP_KEY, None)
-                            steered = params.pop(STEERED_KEY, None)
+                        if params is not None and OUTPUT_KEY in params:
+                            raw = params.pop(OUTPUT_KEY)
                             if not params:
                                 eco.kv_transfer_params = None
                             state = processor.request_states.get(eco.request_id)
                             caller = _caller_request_id(state) or eco.request_id
-                            if fault is not None:  # a hook in the engine core failed this request (its finish: "error")
-                                hs.engine_fault(caller, fault)
-                                continue
-                            try:
-                                index = state.request_index if state is not None else None
-                                if stop is not None:  # a monitor finished it: where, and which
-                                    hs.stopped(stop, index)
-                                if steered is not None:  # where its conditional entries applied
-                                    hs.steered(steered, index)
-                                if rows is not None or heads:
-                                    hs.deliver(rows, index, heads)
-                            except Exception as e:  # this request fails; the output handler serves on
-                                hs.fault(caller, "deliver", e)
+                            hs.receive(caller, raw, state.request_index if state is not None else None)
 
             # before vLLM's process_outputs reads them (ledger point 10, hidden_states/vllm/patches/output_rows.py)
             install("frontend", "async_llm", llm=self, before=take_ours)
@@ -349,14 +328,32 @@ class Extraction:
         self.hook_faults += 1
         self.faulted[request_id] = HookFaultError(request_id, hook, error)
 
-    def engine_fault(self, request_id: str, raw: Any) -> None:
-        """A hook in the engine core (the scheduler's, or a worker's) failed `request_id` there, where it
-        was logged with its traceback; vLLM finished it with "error". Counted and kept as `fault` does."""
+    def receive(self, request_id: str, raw: Any, index: int | None) -> None:
+        """One engine output's message (protocol.EngineMessage) for `request_id`'s choice `index`: its fault,
+        its stop, where its conditional entries applied, its rows. A message that does not decode is counted
+        and dropped (the rows it brought come from an extraction step); a part that raises here fails the
+        request alone, and the output handler serves on."""
         try:
-            f = HookFault.from_output(raw)
+            msg = EngineMessage.from_output(raw)
         except HiddenStatesProtocolError:
             self.malformed_vectors += 1
-            f = HookFault("engine", f"malformed fault report {raw!r:.200}")
+            return
+        if msg.fault is not None:  # a hook in the engine core failed this request (its finish: "error")
+            self.engine_fault(request_id, msg.fault)
+            return
+        try:
+            if msg.stop is not None:
+                self.stopped(msg.stop, index)
+            if msg.steered is not None:
+                self.steered(msg.steered, index)
+            if msg.rows is not None or msg.heads:
+                self.deliver(msg.rows, index, msg.heads)
+        except Exception as e:
+            self.fault(request_id, "deliver", e)
+
+    def engine_fault(self, request_id: str, f: HookFault) -> None:
+        """A hook in the engine core (the scheduler's, or a worker's) failed `request_id` there, where it
+        was logged with its traceback; vLLM finished it with "error". Counted and kept as `fault` does."""
         logger.error(
             "request %s: the hidden-states hook %s failed in the engine core (%s); failing the request",
             request_id,
@@ -384,18 +381,10 @@ class Extraction:
         collector.engine_requests.pop(key, None)
         self.live.pop(key, None)
 
-    def deliver(self, raw: Any, index: int | None, heads: Any = None) -> None:
-        """CapturedRows off an engine output (rows, and each head's outputs at the same positions),
-        into its request's collector (if it still runs)."""
-        try:
-            cr = None if raw is None else CapturedRows.from_output(raw)
-            outs = {name: CapturedRows.from_output(h) for name, h in (heads or {}).items()}
-            some = cr if cr is not None else next(iter(outs.values()))
-            if any(o.positions != some.positions or o.key != some.key for o in outs.values()):
-                raise HiddenStatesProtocolError("head outputs at other positions than the rows of their step")
-        except (HiddenStatesProtocolError, StopIteration):
-            self.malformed_vectors += 1
-            return
+    def deliver(self, cr: CapturedRows | None, index: int | None, outs: dict[str, CapturedRows]) -> None:
+        """Rows off an engine output (and each head's outputs at the same positions), into its request's
+        collector (if it still runs)."""
+        some = cr if cr is not None else next(iter(outs.values()))
         col = self.live.get(some.key)
         if col is None or index is None or some.key not in col.engine_requests:
             self.late_rows += 1
@@ -431,40 +420,31 @@ class Extraction:
             ),
         )
 
-    def stopped(self, raw: Any, index: int | None) -> None:
-        """A choice a stop condition finished ([capture key, position, condition, score] off its finishing
-        output): what its hidden_states_meta.stop says."""
-        try:
-            key, position, condition, score = raw
-            col = self.live.get(key)
-            if col is None or index is None or key not in col.engine_requests:
-                self.late_rows += 1
-                return
-            col.state((col.engine_requests[key], index)).stop = {
-                **col.stop_echo[condition],
-                "condition": int(condition),
-                "position": int(position),
-                "score": float(score),
-            }
-            self.monitor_stops += 1
-        except (TypeError, ValueError, IndexError):
-            self.malformed_vectors += 1
+    def stopped(self, stop: StopReport, index: int | None) -> None:
+        """A choice a stop condition finished: what its hidden_states_meta.stop says."""
+        col = self.live.get(stop.key)
+        if col is None or index is None or stop.key not in col.engine_requests:
+            self.late_rows += 1
+            return
+        col.state((col.engine_requests[stop.key], index)).stop = {
+            **col.stop_echo[stop.condition],
+            "condition": stop.condition,
+            "position": stop.position,
+            "score": stop.score,
+        }
+        self.monitor_stops += 1
 
-    def steered(self, raw: Any, index: int | None) -> None:
-        """Where a choice's conditional steering entries applied ([capture key, [[entry, positions]]] off its
-        finishing output): its meta says so, and its extraction step replays them."""
-        try:
-            key, entries = raw
-            col = self.live.get(key)
-            if col is None or index is None or key not in col.engine_requests:
-                self.late_rows += 1
-                return
-            st = col.state((col.engine_requests[key], index))
-            mine = st.applied = st.applied if st.applied is not None else {}
-            for k, positions in entries:  # each output brings the positions decided since the last
-                mine.setdefault(int(k), []).extend(int(p) for p in positions)
-        except (TypeError, ValueError):
-            self.malformed_vectors += 1
+    def steered(self, steered: SteeredReport, index: int | None) -> None:
+        """Where a choice's conditional steering entries applied (each output brings the positions decided
+        since the last): its meta says so, and its extraction step replays them."""
+        col = self.live.get(steered.key)
+        if col is None or index is None or steered.key not in col.engine_requests:
+            self.late_rows += 1
+            return
+        st = col.state((col.engine_requests[steered.key], index))
+        mine = st.applied = st.applied if st.applied is not None else {}
+        for k, positions in steered.applied:
+            mine.setdefault(k, []).extend(positions)
 
     def _steer(self, collector: HiddenStatesCollector, prompt: Any, params: Any) -> tuple[Any, Any]:
         """A steered request: its entries in its extra_args (the workers read them), and its steering's

@@ -2,8 +2,8 @@
 
 Why: vLLM's outputs carry no hidden states. The scheduler (point 9) puts each request's rows, head outputs,
 stop and steering records and faults on `EngineCoreOutput.kv_transfer_params` (a `dict[str, Any]` vLLM's
-msgpack carries), under our keys (`protocol.ROWS_KEY`, ...); KV connectors, the field's real users, are
-refused (point 4).
+msgpack carries), as one `protocol.EngineMessage` under `protocol.OUTPUT_KEY`; KV connectors, the field's
+real users, are refused (point 4).
 How: `ExtractingAsyncLLM` (frontend/extraction.py) wraps its output processor's `process_outputs` on the
 instance (`async_llm`, from its `__init__`): `before(engine_core_outputs)` (the product logic: extraction's
 own, taking our keys off each output) runs before vLLM reads them. vLLM's completions serving names a

@@ -22,6 +22,7 @@ from hidden_states.protocol import (
     PlanEntry,
     RowBlock,
     StepCapture,
+    decode_plan,
 )
 from hidden_states.vllm import VERIFIED_LAYER_ARCHS, unverified_reason
 from hidden_states.vllm.patches.runner_step import on_output
@@ -46,6 +47,28 @@ class _Entry(NamedTuple):
     monitors: list = []  # [head, index, above, threshold]: a watch entry's scores (protocol.MONITOR_BLOCK), no rows
     keep_held: bool = False  # keep its last row's verdicts for the next step's conditional steering (`held`)
     pool: bool = False  # its rows summed per layer (float32): one row per layer travels (PlanEntry.pool)
+
+
+class _Block(NamedTuple):
+    """One plan entry's rows at one layer, on the device: `src[first:end]`."""
+
+    entry: int  # its index in the step's plan
+    layer: int
+    src: Any
+    first: int
+    end: int
+
+
+class _Laid(NamedTuple):
+    """Where one entry's rows (or a head's outputs) of one layer lie in the step's byte buffer."""
+
+    entry: _Entry
+    layer: int
+    head: str  # "": rows
+    dtype: str
+    width: int
+    values_at: int
+    indices_at: int  # -1: dense
 
 
 _TORCH_DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16"}
@@ -73,11 +96,12 @@ def _rows_of(blocks: list, members: list[int]) -> Any:
     else a concatenation."""
     import torch
 
-    src, first, end = blocks[members[0]][2], blocks[members[0]][3], blocks[members[0]][4]
+    head = blocks[members[0]]
+    src, first, end = head.src, head.first, head.end
     for b in members[1:]:
-        if blocks[b][2] is not src or blocks[b][3] != end:
-            return torch.cat([blocks[m][2][blocks[m][3] : blocks[m][4]] for m in members])
-        end = blocks[b][4]
+        if blocks[b].src is not src or blocks[b].first != end:
+            return torch.cat([blocks[m].src[blocks[m].first : blocks[m].end] for m in members])
+        end = blocks[b].end
     return src[first:end]
 
 
@@ -150,7 +174,10 @@ def _join(pieces: list) -> tuple[Any, list] | None:
     parts, layout, at = [], [], 0
     for data, lay in pieces:
         parts.append(data)
-        layout += [(*x[:5], x[5] + at, x[6] + at if x[6] >= 0 else -1) for x in lay]
+        layout += [
+            x._replace(values_at=x.values_at + at, indices_at=x.indices_at + at if x.indices_at >= 0 else -1)
+            for x in lay
+        ]
         at += int(data.numel())
     return (torch.cat(parts) if len(parts) > 1 else parts[0]), layout
 
@@ -277,7 +304,7 @@ class _RunnerHook:
             for rid in getattr(so, "finished_req_ids", ()) or ():
                 self.held.pop(rid, None)
         self.steering.begin(so)
-        self._given = getattr(so, PLAN_ATTR, None) or None  # set by the scheduler (scheduler.py)
+        self._given = decode_plan(getattr(so, PLAN_ATTR, None)) or None  # set by the scheduler (scheduler.py)
         self._plan, self._layer_rows, self._slices, self._ready = None, {}, [], None
 
     def fault(self, rid: str, hook: str, error: BaseException) -> None:
@@ -321,7 +348,7 @@ class _RunnerHook:
         plan = []
         for rid, raw in self._given.items():
             try:
-                e = PlanEntry(*raw)
+                e = raw
                 start = self.adapter.starts((rid,))[rid]
                 if e.offsets:
                     plan.append(
@@ -461,8 +488,8 @@ class _RunnerHook:
 
         self._stage = "capture"
         L, chosen = self.num_layers, set(members)
-        # (plan entry, layer, source rows on the device, first, end): the entry's rows are source[first:end]
-        blocks: list[tuple[int, int, Any, int, int]] = []
+        # each entry's rows at each layer (_Block)
+        blocks: list[_Block] = []
         final = [i for i in members if L in self._layers_of(plan[i])]
         if final:
             rows = hidden[torch.tensor([f for i in final for f in plan[i].flat], device=hidden.device)]
@@ -470,7 +497,7 @@ class _RunnerHook:
                 rows = self.final_norm(rows)
             at = 0
             for i in final:
-                blocks.append((i, L, rows, at, at + len(plan[i].flat)))
+                blocks.append(_Block(i, L, rows, at, at + len(plan[i].flat)))
                 at += len(plan[i].flat)
         slices = self._slices
         if self.traced is not None:  # the static set's rows, written by the traced forward
@@ -485,19 +512,19 @@ class _RunnerHook:
             at = 0
             for i in owners:
                 if i in chosen:
-                    blocks.append((i, layer, sel, at, at + len(plan[i].flat)))
+                    blocks.append(_Block(i, layer, sel, at, at + len(plan[i].flat)))
                 at += len(plan[i].flat)
         self._stage = "heads"
         outputs = self._run_heads(plan, members, blocks)
         self._stage = "capture"
         # Rows asked as rows (a head's layer may be captured for the head alone).
-        blocks = [blk for blk in blocks if blk[1] in plan[blk[0]].layers]
+        blocks = [blk for blk in blocks if blk.layer in plan[blk.entry].layers]
         # hidden_states_pool: an entry's rows at a layer as their float32 sum, one row (the engine core adds them).
         blocks = [
-            (i, layer, src[first:end].float().sum(0, keepdim=True), 0, 1)
-            if plan[i].pool
-            else (i, layer, src, first, end)
-            for i, layer, src, first, end in blocks
+            _Block(b.entry, b.layer, b.src[b.first : b.end].float().sum(0, keepdim=True), 0, 1)
+            if plan[b.entry].pool
+            else b
+            for b in blocks
         ]
         # Cast / top-k per (dtype, k) group, then every byte of the step in one buffer.
         groups: dict[tuple[str | None, int], list[int]] = {}
@@ -533,11 +560,11 @@ class _RunnerHook:
                     values_at + row * row_bytes,
                     -1 if indices is None else indices_at + row * width * 4,
                 )
-                row += blocks[b][4] - blocks[b][3]
+                row += blocks[b].end - blocks[b].first
         data = torch.cat(parts) if len(parts) > 1 else parts[0]
         return data, (
-            [(plan[i], layer, "", *layout[b]) for b, (i, layer, *_) in enumerate(blocks)]
-            + [(plan[i], layer, name, *layout[heads_at + j]) for j, (i, layer, name, _, _) in enumerate(outputs)]
+            [_Laid(plan[b.entry], b.layer, "", *layout[k]) for k, b in enumerate(blocks)]
+            + [_Laid(plan[i], layer, name, *layout[heads_at + j]) for j, (i, layer, name, _, _) in enumerate(outputs)]
         )
 
     def _run_heads(self, plan: list[_Entry], members: list[int], blocks: list) -> list[tuple[int, int, str, Any, Any]]:
@@ -550,7 +577,7 @@ class _RunnerHook:
         watching = [i for i in members if plan[i].monitors]
         if not wanting and not watching:
             return []
-        where = {(blk[0], blk[1]): b for b, blk in enumerate(blocks)}
+        where = {(blk.entry, blk.layer): b for b, blk in enumerate(blocks)}
         out = self._run_monitors(plan, watching, blocks, where) if watching else []
         for (name, k), entries in wanting.items():
             head = self.heads[name]
@@ -688,10 +715,19 @@ class _RunnerHook:
         self.host_copies += 1
         self.bytes_copied += host.nbytes
         requests: dict[str, list[RowBlock]] = {}
-        for e, layer, head, dtype, width, values_at, indices_at in layout:
+        for x in layout:
+            e = x.entry
             requests.setdefault(e.rid, []).append(
                 RowBlock(
-                    e.num_tokens, layer, e.positions, dtype, width, values_at, indices_at, head, e.pool and not head
+                    e.num_tokens,
+                    x.layer,
+                    e.positions,
+                    x.dtype,
+                    x.width,
+                    x.values_at,
+                    x.indices_at,
+                    x.head,
+                    e.pool and not x.head,
                 )
             )
         self.captured += len(requests)

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from hidden_states.protocol import PLAN_ATTR, PlanEntry, SteerEntry, steering_of
+from hidden_states.protocol import PLAN_ATTR, SteerEntry, decode_plan, steering_of
 
 
 class StepSteering:
@@ -105,7 +105,9 @@ class StepSteering:
         so, runner = self._so, self.runner
         batch = runner.input_batch
         starts = runner.query_start_loc.np
-        given = getattr(so, PLAN_ATTR, None) or {}  # the scheduler's: where conditional entries apply (every rank)
+        given = decode_plan(
+            getattr(so, PLAN_ATTR, None)
+        )  # the scheduler's: where conditional entries apply (every rank)
         for rid, n in so.num_scheduled_tokens.items():
             try:
                 entries = self._of(rid)
@@ -115,7 +117,7 @@ class StepSteering:
                 first = int(batch.num_computed_tokens_cpu[i])
                 positions = np.arange(first, first + n)
                 start = int(starts[i])
-                pe = PlanEntry(*given[rid]) if rid in given else None
+                pe = given.get(rid)
                 decided = {int(k): offsets for k, offsets in pe.steer} if pe is not None else {}
                 gated = {int(k): (int(m), int(o)) for k, m, o in pe.steer_if} if pe is not None else {}
                 mine = []
