@@ -8,11 +8,12 @@ refused by name."""
 
 from __future__ import annotations
 
-import httpx
 import numpy as np
 import pytest
 
 from hidden_states.proofs import toploc as ours
+from tests.helpers import post
+from tests.serve.conftest import post_hidden_states
 from tests.toploc_ref import altered, fed_rows, library_ok, load_toploc, perturbed
 
 MODEL = "tiny-llama"
@@ -43,7 +44,7 @@ def verified(tl, acts, proofs) -> list[bool]:
 
 
 def check(base: str, body: dict) -> dict:
-    r = httpx.post(f"{base}/v1/hidden_states", json={"model": MODEL, **body}, timeout=120)
+    r = post_hidden_states(base, body, model=MODEL)
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -240,9 +241,7 @@ def test_a_streamed_chat_carries_each_window_once_decided(serve_app, client, ref
     ],
 )
 def test_bad_proof_requests_are_400_naming_the_field(serve_app, body, param, words):
-    r = httpx.post(
-        f"{serve_app}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2, **body}, timeout=60
-    )
+    r = post(serve_app, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2, **body}, timeout=60)
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param and words in err["message"], err
@@ -256,10 +255,8 @@ def test_bad_proofs_to_validate_are_400_saying_what_is_wrong(serve_app):
         (["not base64!"] * 3, "not base64"),
         (["AAAA"] * 3, "holds 3 bytes"),
     ):
-        r = httpx.post(
-            f"{serve_app}/v1/hidden_states",
-            timeout=60,
-            json={"model": MODEL, **base, "compare": {"toploc": {**PROOF, "proofs": proofs}}},
+        r = post_hidden_states(
+            serve_app, {**base, "compare": {"toploc": {**PROOF, "proofs": proofs}}}, model=MODEL, timeout=60
         )
         assert r.status_code == 400 and words in r.json()["error"]["message"], (proofs, r.text)
         assert r.json()["error"]["param"] == "compare.toploc.proofs"
