@@ -49,6 +49,11 @@ def post(
     return httpx.post(f"{base}{path}", json=body, timeout=timeout, headers=headers)
 
 
+def run(coro, timeout: float = 30):
+    """`coro` to its end on a new event loop, within `timeout` s."""
+    return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
 async def asgi_request(routes_app, instance, method: str, path: str, **kw) -> httpx.Response:
     """One request to `deployments.http.asgi_app(routes_app, instance)` in memory (httpx.ASGITransport, which
     has no timeouts of its own: callers bound the call, as `run`'s wait_for does)."""
