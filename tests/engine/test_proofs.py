@@ -19,6 +19,7 @@ import json
 import pytest
 
 from hidden_states.proofs import toploc as ours
+from tests.conftest import sampling
 from tests.toploc_ref import altered, fed_rows, library_ok, load_toploc, perturbed
 from tests.unit.test_proofs import BROKEN_VALIDATION
 
@@ -28,6 +29,7 @@ QUESTIONS = [
     "Explain in two sentences why the sky is blue.",
 ]
 PROOF = {"scheme": "toploc", "topk": 128, "decode_batching_size": 32}
+sp = sampling()  # greedy SamplingParams; keywords override
 
 
 @pytest.fixture(scope="module")
@@ -151,8 +153,6 @@ REJECTIONS = [another_prompt, another_completion, another_model, altered_proof]
 def test_proofs_pass_the_library_on_transformers_rows_and_the_server_agrees(
     smol, loop_thread, smol_ref, tl, other_model
 ):
-    from vllm import SamplingParams
-
     eng, routes = smol
     tok = smol_ref.tokenizer
     prompts = [
@@ -164,8 +164,8 @@ def test_proofs_pass_the_library_on_transformers_rows_and_the_server_agrees(
 
     async def run():
         return await asyncio.gather(
-            *(eng.complete(p, SamplingParams(max_tokens=70, temperature=0.0), proof=PROOF) for p in prompts),
-            eng.complete(prompts[1], SamplingParams(max_tokens=70, n=2, temperature=0.8, seed=9), proof=PROOF),
+            *(eng.complete(p, sp(max_tokens=70), proof=PROOF) for p in prompts),
+            eng.complete(prompts[1], sp(max_tokens=70, n=2, temperature=0.8, seed=9), proof=PROOF),
         )
 
     outs = loop_thread.run(run(), timeout=900)
@@ -207,8 +207,6 @@ def test_each_rejection_fails_when_the_server_s_validation_is_broken(
     """The breaking variants of each tampered case above: the server's validation (the routes run in this
     process) accepting every proof, never looking at the rows, or ignoring the thresholds; each check then
     fails. Unbroken, the same checks pass on the same choice."""
-    from vllm import SamplingParams
-
     eng, routes = smol
     tok = smol_ref.tokenizer
     prompts = [
@@ -217,9 +215,7 @@ def test_each_rejection_fails_when_the_server_s_validation_is_broken(
         )
         for q in QUESTIONS[:2]
     ]
-    out = loop_thread.run(
-        eng.complete(prompts[0], SamplingParams(max_tokens=40, temperature=0.0), proof=PROOF), timeout=300
-    )
+    out = loop_thread.run(eng.complete(prompts[0], sp(max_tokens=40), proof=PROOF), timeout=300)
     (ch,) = out.choices
     c = Choice(
         loop_thread, routes, eng, tl, smol_ref, other_model, prompts, out.prompt_token_ids, ch.token_ids, ch.proofs
