@@ -240,11 +240,7 @@ def running_engine(
     try:
         yield eng
         if one_more_step is not None:
-            from vllm import SamplingParams
-
-            loop_thread.run(
-                eng.complete(one_more_step, SamplingParams(max_tokens=2, temperature=0.0), return_hidden_states=False)
-            )
+            loop_thread.run(eng.complete(one_more_step, sampling()(max_tokens=2), return_hidden_states=False))
         if clean or check:
             stats = loop_thread.run(eng.stats())
             assert all(stats[k] == 0 for k in clean), stats

@@ -43,13 +43,9 @@ class RayCluster:
     a temporary folder (the address file too: not /tmp/ray's, which `ray.init(address="auto")` reads)."""
 
     def __init__(self):
-        import socket
         import tempfile
 
-        def free_port() -> int:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                return s.getsockname()[1]
+        from tests.helpers import free_port
 
         self.temp = Path(tempfile.mkdtemp(prefix="hs-batch-ray-", dir="/tmp"))  # short: Ray's socket paths
         env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}

@@ -25,7 +25,6 @@ from __future__ import annotations
 import math
 import os
 import shutil
-import socket
 import tempfile
 import threading
 import time
@@ -38,6 +37,7 @@ import psutil
 import pytest
 
 from tests.conftest import TEST_ENGINE_ARGS, router_ports, serve_switches
+from tests.helpers import free_port
 
 pytestmark = [
     pytest.mark.long,
@@ -58,19 +58,7 @@ HS = {"return_hidden_states": True, "return_token_ids": True}
 # -- helpers -------------------------------------------------------------------
 
 DIRECT_PORT = 8450  # direct ingress: the Router's own port, from here up
-
-
-def free_port() -> int:
-    for port in range(8347, 8447):
-        if port in (8000, 8123):
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-                return port
-            except OSError:
-                continue
-    raise RuntimeError("no free port in 8347..8446")
+PROXY_PORTS = range(8347, 8447)  # Serve's proxy: the first free one (clear of 8000 and 8123)
 
 
 def wait_for(cond, timeout: float, what: str, every: float = 1.0):
@@ -290,7 +278,7 @@ def _multinode():
 
     temp_dir = tempfile.mkdtemp(prefix="hsmn_", dir="/tmp")
     node_args = {"temp_dir": temp_dir, "include_dashboard": False, "object_store_memory": 200 * 1024 * 1024}
-    port = free_port()
+    port = free_port(PROXY_PORTS)
     with keep_ray_address_file():
         cluster = Cluster(initialize_head=True, head_node_args={**node_args, "num_cpus": 1})
     m = MultiNode(cluster, cluster.head_node.node_id, f"http://127.0.0.1:{port}", {"head": cluster.head_node})

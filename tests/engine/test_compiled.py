@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from hidden_states.protocol import FAULT_INJECTION_ENV
-from tests.conftest import TEST_ENGINE_ARGS, engine_fixture
+from tests.conftest import TEST_ENGINE_ARGS, engine_fixture, sampling
 from tests.engine.test_engine import test_tail_step_changes_nothing_in_the_output  # noqa: F401
 from tests.engine.test_heads import (  # noqa: F401
     test_a_stop_condition_finishes_at_the_first_position_the_reference_crosses,
@@ -54,6 +54,7 @@ from tests.engine.test_steering import (  # noqa: F401  # noqa: F401
 from tests.heads_ref import build_test_heads
 
 COMPILED_ARGS = {**TEST_ENGINE_ARGS, "enforce_eager": False}
+sp = sampling()  # greedy SamplingParams; keywords override
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +101,6 @@ def b64(v: np.ndarray) -> str:
 def test_no_request_compiles_anything(engine, loop_thread):
     """Layers, heads, steering (add, ablate, clamp, cap, every span), batches of new sizes, a long chunked prompt:
     vLLM's and dynamo's compile counts are the same after them as before."""
-    from vllm import SamplingParams
 
     def counts():
         (worker,) = loop_thread.run(engine.stats())["workers"]
@@ -123,7 +123,7 @@ def test_no_request_compiles_anything(engine, loop_thread):
             jobs.append(
                 engine.complete(
                     f"Batch member {i} says" + " more" * (i * 30),
-                    SamplingParams(max_tokens=3 + i, temperature=0.0),
+                    sp(max_tokens=3 + i),
                     layers=[0, 1, -1],
                     position="all",
                     **kw,

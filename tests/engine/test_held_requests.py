@@ -15,7 +15,7 @@ import uuid
 import numpy as np
 import pytest
 
-from tests.conftest import ON_GPU
+from tests.conftest import ON_GPU, sampling
 
 pytestmark = pytest.mark.skipif(ON_GPU, reason="steps an in-process CPU engine core")
 
@@ -66,14 +66,12 @@ def scheduler(core):
     return core.engine_core.engine_core.scheduler
 
 
-def params(flagged: bool, span: list | None = None, every_step: bool = False, **kw):
-    from vllm import SamplingParams
+sp = sampling(max_tokens=40, ignore_eos=True)  # greedy SamplingParams; keywords override
 
+
+def params(flagged: bool, span: list | None = None, every_step: bool = False, **kw):
     from hidden_states.protocol import CaptureSpec
 
-    kw.setdefault("max_tokens", 40)
-    kw.setdefault("temperature", 0.0)
-    kw.setdefault("ignore_eos", True)
     extra = (
         CaptureSpec(
             key=uuid.uuid4().hex, reaches_final=True, span=span or [-1, None, 1], every_step=every_step
@@ -81,7 +79,7 @@ def params(flagged: bool, span: list | None = None, every_step: bool = False, **
         if flagged
         else None
     )
-    return [SamplingParams(extra_args=extra, **kw)]
+    return [sp(extra_args=extra, **kw)]
 
 
 def run(core, prompts, flagged: bool, on_step=None, timeout_s: float = 300, **kw) -> dict:

@@ -19,7 +19,18 @@ import json
 import pytest
 
 from hidden_states.proofs import toploc as ours
-from tests.toploc_ref import altered, fed_rows, library_ok, load_toploc, perturbed
+from tests.conftest import sampling
+from tests.toploc_ref import (
+    ProofChoice,
+    altered_proof,
+    another_completion,
+    another_model,
+    another_prompt,
+    fed_rows,
+    library_ok,
+    load_toploc,
+    perturbed,
+)
 from tests.unit.test_proofs import BROKEN_VALIDATION
 
 QUESTIONS = [
@@ -28,6 +39,7 @@ QUESTIONS = [
     "Explain in two sentences why the sky is blue.",
 ]
 PROOF = {"scheme": "toploc", "topk": 128, "decode_batching_size": 32}
+sp = sampling()  # greedy SamplingParams; keywords override
 
 
 @pytest.fixture(scope="module")
@@ -70,79 +82,41 @@ def _ok(tl, acts, proofs) -> list[bool]:
     return library_ok(tl, acts, proofs, PROOF["decode_batching_size"], PROOF["topk"])
 
 
-def server_check(loop_thread, routes, prompt: list[int], completion: list[int], proofs: list[str]) -> dict:
-    async def go():
-        body = json.dumps(
-            {"prompt": prompt, "completion": completion, "compare": {"toploc": {**PROOF, "proofs": proofs}}}
-        ).encode()
-        async for part in routes.handle("hidden_states", body):
-            return part
+def validator(loop_thread, routes):
+    """The engine's own POST /v1/hidden_states (its OpenAI routes, in this process): a body's `comparison`."""
 
-    status, raw = loop_thread.run(go(), timeout=300)
-    assert status == 200, raw
-    return json.loads(raw)["comparison"]
+    def validate(body: dict) -> dict:
+        async def go():
+            async for part in routes.handle("hidden_states", json.dumps(body).encode()):
+                return part
 
+        status, raw = loop_thread.run(go(), timeout=300)
+        assert status == 200, raw
+        return json.loads(raw)["comparison"]
 
-class Choice:
-    """One choice to check: its tokens and proofs, and what the checks need."""
-
-    def __init__(self, loop_thread, routes, eng, tl, smol_ref, other_model, prompts, prompt, completion, proofs):
-        self.loop_thread, self.routes, self.dtype, self.tl = loop_thread, routes, eng.dtype, tl
-        self.ref, self.other_model, self.tok = smol_ref.model, other_model, smol_ref.tokenizer
-        self.prompt, self.completion, self.proofs = list(prompt), list(completion), list(proofs)
-        self.other_prompt = next(p for p in prompts if p != self.prompt)
-
-    def server(self, prompt: list[int], completion: list[int], proofs: list[str]) -> dict:
-        return server_check(self.loop_thread, self.routes, prompt, completion, proofs)
-
-    def library(self, model, prompt: list[int], completion: list[int], proofs: list[str]) -> list[bool]:
-        return _ok(self.tl, activations(model, prompt + completion, len(prompt)), proofs)
+    return validate
 
 
-def rejected(c: Choice, what: str, prompt: list[int], completion: list[int]) -> None:
-    """The choice's proofs on other tokens: the library rejects them on transformers' rows, and so does
-    the server (proof by proof from the float32 engine, which recomputes the rows transformers does)."""
-    lib = c.library(c.ref, prompt, completion, c.proofs)
-    srv = c.server(prompt, completion, c.proofs)
-    if c.dtype == "float32":
-        assert [p["ok"] for p in srv["proofs"]] == lib, (what, lib, srv)
-    assert not all(lib) and srv["ok"] is False, (what, c.dtype, lib, srv)
-
-
-def another_prompt(c: Choice) -> None:
-    rejected(c, "another prompt", c.other_prompt, c.completion)
-
-
-def another_completion(c: Choice) -> None:
-    other = c.completion[::-1]
-    assert other != c.completion
-    rejected(c, "another completion", c.prompt, other)
-
-
-def another_model(c: Choice) -> None:
-    """Proofs of these tokens from another model (the library's, on the perturbed model's rows) sent to the
-    server: rejected, as the library rejects them on this model's rows; the same proofs from this model's
-    rows pass (what fails is the model, not the library's proofs)."""
-    ids, P = c.prompt + c.completion, len(c.prompt)
-    own = c.tl.build_proofs_base64(activations(c.ref, ids, P), PROOF["decode_batching_size"], PROOF["topk"])
-    assert c.server(c.prompt, c.completion, own)["ok"] is True, "the library's proofs of this model"
-    theirs = c.tl.build_proofs_base64(activations(c.other_model, ids, P), PROOF["decode_batching_size"], PROOF["topk"])
-    lib = c.library(c.ref, c.prompt, c.completion, theirs)
-    srv = c.server(c.prompt, c.completion, theirs)
-    if c.dtype == "float32":
-        assert [p["ok"] for p in srv["proofs"]] == lib, ("another model", lib, srv)
-    assert not all(lib) and srv["ok"] is False, ("another model", c.dtype, lib, srv)
-
-
-def altered_proof(c: Choice) -> None:
-    """The choice's own tokens, one proof (the prefill's, then the last) altered but well formed: the
-    server rejects the request and that proof, and passes the others."""
-    for how in ("linear", "exponent"):
-        for i in (0, len(c.proofs) - 1):
-            proofs = [altered(p, how) if j == i else p for j, p in enumerate(c.proofs)]
-            srv = c.server(c.prompt, c.completion, proofs)
-            assert [p["ok"] for p in srv["proofs"]] == [j != i for j in range(len(proofs))], (how, i, srv)
-            assert srv["ok"] is False and srv["proofs"][i]["exp_mismatches"] > 64, (how, i, srv)
+def choice(loop_thread, routes, eng, tl, smol_ref, other_model, prompts, prompt, completion, proofs) -> ProofChoice:
+    """One choice to check. The float32 engine's validation recomputes the rows transformers does, so its verdicts
+    are the library's proof by proof (`exact`); another prompt is another question's; each proof altered (the
+    prefill's and the last, each way) is far past the exponent threshold."""
+    return ProofChoice(
+        validate=validator(loop_thread, routes),
+        tl=tl,
+        proof=PROOF,
+        model=smol_ref.model,
+        other_model=other_model,
+        prompt=prompt,
+        completion=completion,
+        proofs=proofs,
+        label=eng.dtype,
+        exact=eng.dtype == "float32",
+        other_prompt=next(p for p in prompts if p != list(prompt)),
+        every_proof_of_another_model_fails=False,
+        alterations=[(how, i) for how in ("linear", "exponent") for i in (0, -1)],
+        min_exp_mismatches=64,
+    )
 
 
 REJECTIONS = [another_prompt, another_completion, another_model, altered_proof]
@@ -151,8 +125,6 @@ REJECTIONS = [another_prompt, another_completion, another_model, altered_proof]
 def test_proofs_pass_the_library_on_transformers_rows_and_the_server_agrees(
     smol, loop_thread, smol_ref, tl, other_model
 ):
-    from vllm import SamplingParams
-
     eng, routes = smol
     tok = smol_ref.tokenizer
     prompts = [
@@ -164,8 +136,8 @@ def test_proofs_pass_the_library_on_transformers_rows_and_the_server_agrees(
 
     async def run():
         return await asyncio.gather(
-            *(eng.complete(p, SamplingParams(max_tokens=70, temperature=0.0), proof=PROOF) for p in prompts),
-            eng.complete(prompts[1], SamplingParams(max_tokens=70, n=2, temperature=0.8, seed=9), proof=PROOF),
+            *(eng.complete(p, sp(max_tokens=70), proof=PROOF) for p in prompts),
+            eng.complete(prompts[1], sp(max_tokens=70, n=2, temperature=0.8, seed=9), proof=PROOF),
         )
 
     outs = loop_thread.run(run(), timeout=900)
@@ -180,10 +152,10 @@ def test_proofs_pass_the_library_on_transformers_rows_and_the_server_agrees(
             assert ch.hidden_states is None and len(proofs) == len(ours.chunk_bounds(P, len(ids), 32)) >= 2
             honest = _ok(tl, activations(smol_ref.model, ids, P), proofs)
             assert all(honest), (eng.dtype, ch.text[:30], honest)
-            server = server_check(loop_thread, routes, prompt, completion, proofs)
+            c = choice(loop_thread, routes, eng, tl, smol_ref, other_model, prompts, prompt, completion, proofs)
+            server = c.server(prompt, completion, proofs)
             assert server["ok"] is True and [p["ok"] for p in server["proofs"]] == honest, server
             # Tampered: rejected by the library, and the server says the same.
-            c = Choice(loop_thread, routes, eng, tl, smol_ref, other_model, prompts, prompt, completion, proofs)
             for check in REJECTIONS:
                 check(c)
             assert not all(_ok(tl, activations(other_model, ids, P), proofs)), "another model, by the library"
@@ -207,8 +179,6 @@ def test_each_rejection_fails_when_the_server_s_validation_is_broken(
     """The breaking variants of each tampered case above: the server's validation (the routes run in this
     process) accepting every proof, never looking at the rows, or ignoring the thresholds; each check then
     fails. Unbroken, the same checks pass on the same choice."""
-    from vllm import SamplingParams
-
     eng, routes = smol
     tok = smol_ref.tokenizer
     prompts = [
@@ -217,11 +187,9 @@ def test_each_rejection_fails_when_the_server_s_validation_is_broken(
         )
         for q in QUESTIONS[:2]
     ]
-    out = loop_thread.run(
-        eng.complete(prompts[0], SamplingParams(max_tokens=40, temperature=0.0), proof=PROOF), timeout=300
-    )
+    out = loop_thread.run(eng.complete(prompts[0], sp(max_tokens=40), proof=PROOF), timeout=300)
     (ch,) = out.choices
-    c = Choice(
+    c = choice(
         loop_thread, routes, eng, tl, smol_ref, other_model, prompts, out.prompt_token_ids, ch.token_ids, ch.proofs
     )
     for check in REJECTIONS:

@@ -11,7 +11,6 @@ holds no memory while the vLLM suites run.
 from __future__ import annotations
 
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -22,18 +21,13 @@ import httpx
 import pytest
 
 from tests.fast.fake_app import REPLICA_PREFIX
+from tests.helpers import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "fast: the real Serve app on the FakeEngine (Ray, no vLLM): seconds")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -18,16 +18,13 @@ import numpy as np
 import pytest
 
 from hidden_states.testing import fake_rows, fake_vector
+from tests.helpers import HUNG_UP, hang_up_plain, hang_up_streamed, post
 
 INGRESSES = ("router", "replica")
 
 
 def stats(base: str) -> dict:
     return httpx.get(f"{base}/debug/stats", timeout=30).json()
-
-
-def post(base: str, body: dict) -> httpx.Response:
-    return httpx.post(f"{base}/v1/completions", json=body, timeout=30)
 
 
 def settled(base: str, timeout_s: float = 15) -> dict:
@@ -44,9 +41,12 @@ def settled(base: str, timeout_s: float = 15) -> dict:
 @pytest.mark.parametrize("ingress", INGRESSES)
 def test_completions_with_and_without_vectors(fake_serve, ingress):
     base = fake_serve[ingress]
-    plain = post(base, {"prompt": "Hi there", "max_tokens": 3})
+    plain = post(base, "/v1/completions", {"prompt": "Hi there", "max_tokens": 3}, timeout=30)
     flagged = post(
-        base, {"prompt": "Hi there", "max_tokens": 3, "n": 2, "return_hidden_states": True, "return_token_ids": True}
+        base,
+        "/v1/completions",
+        {"prompt": "Hi there", "max_tokens": 3, "n": 2, "return_hidden_states": True, "return_token_ids": True},
+        timeout=30,
     )
     assert plain.status_code == flagged.status_code == 200, (plain.text, flagged.text)
     assert "hidden_states" not in plain.json()["choices"][0]
@@ -63,6 +63,7 @@ def test_rows_of_positions_in_a_dtype_and_streamed_topk(fake_serve, ingress):
     base, ids = fake_serve[ingress], list(b"Hi there") + [8, 9, 10]
     r = post(
         base,
+        "/v1/completions",
         {
             "prompt": "Hi there",
             "max_tokens": 3,
@@ -70,6 +71,7 @@ def test_rows_of_positions_in_a_dtype_and_streamed_topk(fake_serve, ingress):
             "hidden_states_position": {"start": 2, "stride": 4},
             "hidden_states_dtype": "float16",
         },
+        timeout=30,
     )
     ch = r.json()["choices"][0]
     assert ch["hidden_states_meta"]["positions"] == [2, 6, 10] and ch["hidden_states_meta"]["dtype"] == "float16"
@@ -132,7 +134,7 @@ def test_a_stream_with_vectors(fake_serve, ingress):
     ],
 )
 def test_refusals_are_openai_errors(fake_serve, ingress, body, status, words):
-    r = post(fake_serve[ingress], body)
+    r = post(fake_serve[ingress], "/v1/completions", body, timeout=30)
     err = r.json()["error"]
     assert r.status_code == err["code"] == status and words in err["message"], r.text
 
@@ -142,35 +144,12 @@ def test_past_the_deadline_is_a_504_and_the_engine_request_ends(fake_serve, ingr
     """request_timeout_s is 3 s here; 400 tokens take 8 s."""
     base = fake_serve[ingress]
     before = stats(base)
-    r = post(base, {"prompt": "slow", "max_tokens": 400})
+    r = post(base, "/v1/completions", {"prompt": "slow", "max_tokens": 400}, timeout=30)
     assert r.status_code == 504 and r.json()["error"]["type"] == "TimeoutError", r.text
     after = settled(base)
     assert after["ingress"]["pending"] == 0 and after["ingress"]["failed"] == before["ingress"]["failed"] + 1
     assert after["replica"]["unfinished_requests"] == 0
     assert after["replica"]["cancelled_requests"] == before["replica"]["cancelled_requests"] + 1
-
-
-async def hang_up_streamed(base: str, body: dict, chunks: int) -> int:
-    """Reads `chunks` SSE events, then closes the connection."""
-    got = 0
-    async with httpx.AsyncClient(timeout=30) as client:
-        async with client.stream("POST", f"{base}/v1/completions", json={**body, "stream": True}) as r:
-            assert r.status_code == 200
-            async for line in r.aiter_lines():
-                got += line.startswith("data: ")
-                if got == chunks:
-                    break
-    return got
-
-
-async def hang_up_plain(base: str, body: dict, after_s: float) -> bool:
-    """Gives up waiting after `after_s` (its connection is closed)."""
-    async with httpx.AsyncClient(timeout=after_s) as client:
-        try:
-            await client.post(f"{base}/v1/completions", json=body)
-        except httpx.TimeoutException:
-            return True
-    return False
 
 
 @pytest.mark.parametrize("ingress", INGRESSES)
@@ -181,11 +160,12 @@ def test_clients_hanging_up_leave_nothing_running(fake_serve, ingress):
 
     async def go():
         return await asyncio.gather(
-            *(hang_up_streamed(base, b, 3) for b in bodies[:6]), *(hang_up_plain(base, b, 1.0) for b in bodies[6:])
+            *(hang_up_streamed(base, b, 3, timeout=30) for b in bodies[:6]),
+            *(hang_up_plain(base, b, 1.0) for b in bodies[6:]),
         )
 
     results = asyncio.run(asyncio.wait_for(go(), 60))
-    assert results == [3] * 6 + [True] * 6  # each client got its chunks, or waited, and left
+    assert results == [3] * 6 + [HUNG_UP] * 6  # each client got its chunks, or waited, and left
     after = settled(base)
     ing, rep = after["ingress"], after["replica"]
     assert (ing["pending"], rep["in_flight"], rep["unfinished_requests"]) == (0, 0, 0), after

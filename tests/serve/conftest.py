@@ -13,6 +13,7 @@ import pytest
 
 from tests.conftest import TEST_ENGINE_ARGS, serve_switches
 from tests.conftest import router_ports as find_router_ports
+from tests.helpers import post
 
 PORT = int(os.environ.get("HS_TEST_PORT", "8123"))
 METRICS_PORT = int(os.environ.get("HS_TEST_METRICS_PORT", "8124"))  # Ray's Prometheus endpoint for this session
@@ -336,6 +337,11 @@ def app_group(item) -> tuple[int, int]:
         used = [APP_FIXTURES[f] for f in item.fixturenames if f in APP_FIXTURES]
         app, place = (used[-1] if used else None), ("last" if "fault_app" in item.fixturenames else "among")
     return (order.index(app) if app is not None else len(order)), ("first", "among", "last").index(place)
+
+
+def post_hidden_states(base: str, body: dict, *, model: str = "tiny-llama", **kw) -> httpx.Response:
+    """POST /v1/hidden_states (the verifier's way in) for `model`; `kw`: tests.helpers.post's (timeout, headers)."""
+    return post(base, "/v1/hidden_states", {"model": model, **body}, **kw)
 
 
 def replica_stats(base: str, headers: dict | None = None) -> dict:

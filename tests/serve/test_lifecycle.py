@@ -17,8 +17,7 @@ import asyncio
 import json
 import time
 
-import httpx
-
+from tests.helpers import HUNG_UP, hang_up_plain, hang_up_streamed, post
 from tests.serve.conftest import APP, replica_stats, router_ports
 
 HANG_UPS = 6  # of each kind
@@ -35,29 +34,6 @@ def body(i: int) -> dict:
         "temperature": 0,
         "return_hidden_states": i % 2 == 0,
     }
-
-
-async def hang_up_streamed(base: str, i: int, chunks: int = 3) -> int:
-    """Reads `chunks` SSE events, then closes the connection."""
-    got = 0
-    async with httpx.AsyncClient(timeout=120) as client:
-        async with client.stream("POST", f"{base}/v1/completions", json={**body(i), "stream": True}) as r:
-            assert r.status_code == 200, await r.aread()
-            async for line in r.aiter_lines():
-                got += line.startswith("data: ")
-                if got == chunks:
-                    break
-    return got
-
-
-async def hang_up_plain(base: str, i: int, after_s: float) -> str:
-    """Gives up after `after_s` s: the client's timeout closes its connection."""
-    async with httpx.AsyncClient(timeout=after_s) as client:
-        try:
-            r = await client.post(f"{base}/v1/completions", json=body(i))
-        except httpx.TimeoutException:
-            return "hung up"
-    return f"answered {r.status_code} before the client gave up"
 
 
 def engine_replicas(want: int = 2, tries: int = 60) -> dict[str, dict]:
@@ -84,7 +60,7 @@ def busy(stats: dict) -> dict:
 def seconds_per_token(base: str, tokens: int = 200) -> float:
     """One request alone, decoding `tokens` tokens: a lower bound of the time per token under load."""
     t0 = time.monotonic()
-    r = httpx.post(f"{base}/v1/completions", timeout=120, json={**body(-1), "max_tokens": tokens})
+    r = post(base, "/v1/completions", {**body(-1), "max_tokens": tokens}, timeout=120)
     assert r.status_code == 200, r.text
     return (time.monotonic() - t0) / tokens
 
@@ -96,14 +72,14 @@ def test_clients_hanging_up_leave_nothing_behind(serve_app):
     before = replica_stats(serve_app)["ingress"]
 
     async def go():
-        streamed = [hang_up_streamed(bases[i % len(bases)], i) for i in range(HANG_UPS)]
-        plain = [hang_up_plain(bases[i % len(bases)], HANG_UPS + i, 1.0 + (i % 3) * 0.5) for i in range(HANG_UPS)]
+        streamed = [hang_up_streamed(bases[i % len(bases)], body(i), 3, timeout=120) for i in range(HANG_UPS)]
+        plain = [hang_up_plain(bases[i % len(bases)], body(HANG_UPS + i), 1.0 + (i % 3) * 0.5) for i in range(HANG_UPS)]
         return await asyncio.gather(*streamed, *plain)
 
     started = time.monotonic()
     results = asyncio.run(asyncio.wait_for(go(), 300))
     left_at = time.monotonic()
-    assert results == [3] * HANG_UPS + ["hung up"] * HANG_UPS, results
+    assert results == [3] * HANG_UPS + [HUNG_UP] * HANG_UPS, results
     assert alone_s > 2 * (left_at - started), f"{MAX_TOKENS} tokens take only {alone_s:.0f} s here: raise MAX_TOKENS"
 
     deadline = left_at + SETTLE_S

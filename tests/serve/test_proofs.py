@@ -8,12 +8,24 @@ refused by name."""
 
 from __future__ import annotations
 
-import httpx
 import numpy as np
 import pytest
 
 from hidden_states.proofs import toploc as ours
-from tests.toploc_ref import altered, fed_rows, library_ok, load_toploc, perturbed
+from tests.helpers import post
+from tests.serve.conftest import post_hidden_states
+from tests.toploc_ref import (
+    ProofChoice,
+    a_prompt_token_changed,
+    altered_proof,
+    another_completion,
+    another_model,
+    fed_rows,
+    honest,
+    library_ok,
+    load_toploc,
+    perturbed,
+)
 
 MODEL = "tiny-llama"
 MSGS = [{"role": "user", "content": "Prove what you say about proofs"}]
@@ -43,80 +55,32 @@ def verified(tl, acts, proofs) -> list[bool]:
 
 
 def check(base: str, body: dict) -> dict:
-    r = httpx.post(f"{base}/v1/hidden_states", json={"model": MODEL, **body}, timeout=120)
+    r = post_hidden_states(base, body, model=MODEL)
     assert r.status_code == 200, r.text
     return r.json()
 
 
-class Choice:
-    """A choice's tokens and proofs, and `validate`: the server's answer (its `comparison`) to
-    POST /v1/hidden_states with these tokens and `compare.toploc` of the given proofs."""
-
-    def __init__(self, validate, tl, reference, other_model, prompt, completion, proofs):
-        self.validate, self.tl, self.ref, self.other_model = validate, tl, reference, other_model
-        self.prompt, self.completion, self.proofs = list(prompt), list(completion), list(proofs)
-
-    def body(self, prompt=None, completion=None, proofs=None) -> dict:
-        return {
-            "prompt": self.prompt if prompt is None else prompt,
-            "completion": self.completion if completion is None else completion,
-            "compare": {"toploc": {**PROOF, "proofs": self.proofs if proofs is None else proofs}},
-        }
-
-    def library(self, model, prompt, completion, proofs) -> list[bool]:
-        return verified(self.tl, fed_rows(model, prompt + completion, len(prompt)), proofs)
-
-
-def honest(c: Choice) -> None:
-    comparison = c.validate(c.body())
-    assert comparison["ok"] is True and len(comparison["proofs"]) == len(c.proofs), comparison
+def proof_choice(validate, tl, reference, other_model, prompt, completion, proofs) -> ProofChoice:
+    """One choice to check, `validate` the server's: its verdicts are the library's proof by proof (`exact`); one
+    prompt token changed fails the prefill's proof; another model fails every proof; the prefill's proof altered
+    one way, the last another."""
+    return ProofChoice(
+        validate=validate,
+        tl=tl,
+        proof=PROOF,
+        model=reference.model,
+        other_model=other_model,
+        prompt=prompt,
+        completion=completion,
+        proofs=proofs,
+        exact=True,
+        every_proof_of_another_model_fails=True,
+        alterations=[("linear", 0), ("exponent", -1)],
+        min_exp_mismatches=None,
+    )
 
 
-def _rejected(c: Choice, what: str, prompt, completion, proofs=None) -> list[bool]:
-    """The server's verdict is the library's on transformers' rows, proof by proof, and a rejection."""
-    proofs = c.proofs if proofs is None else proofs
-    lib = c.library(c.ref.model, prompt, completion, proofs)
-    bad = c.validate(c.body(prompt, completion, proofs))
-    assert [p["ok"] for p in bad["proofs"]] == lib and not all(lib) and bad["ok"] is False, (what, lib, bad)
-    return lib
-
-
-def another_completion(c: Choice) -> None:
-    """The same prompt and length, the completion's tokens reversed: its decode proofs fail."""
-    other = c.completion[::-1]
-    assert other != c.completion
-    _rejected(c, "another completion", c.prompt, other)
-
-
-def another_prompt(c: Choice) -> None:
-    """One prompt token changed: the prefill's proof fails."""
-    tampered = [c.prompt[0], (c.prompt[1] + 1) % 256, *c.prompt[2:]]
-    assert not _rejected(c, "another prompt", tampered, c.completion)[0]
-
-
-def another_model(c: Choice) -> None:
-    """Proofs of the same tokens from another model (the library's, on the perturbed model's rows): rejected;
-    the library's proofs from this model's rows pass (what fails is the model)."""
-    ids, P = c.prompt + c.completion, len(c.prompt)
-    own = c.tl.build_proofs_base64(fed_rows(c.ref.model, ids, P), PROOF["decode_batching_size"], PROOF["topk"])
-    assert c.validate(c.body(proofs=own))["ok"] is True, "the library's proofs of this model"
-    theirs = c.tl.build_proofs_base64(fed_rows(c.other_model, ids, P), PROOF["decode_batching_size"], PROOF["topk"])
-    assert not any(_rejected(c, "another model", c.prompt, c.completion, theirs))
-
-
-def altered_proof(c: Choice) -> None:
-    """The choice's own tokens, its prefill's proof (then its last) altered but well formed: that proof fails."""
-    for i, how in ((0, "linear"), (len(c.proofs) - 1, "exponent")):
-        proofs = [altered(p, how) if j == i else p for j, p in enumerate(c.proofs)]
-        bad = c.validate(c.body(proofs=proofs))
-        assert [p["ok"] for p in bad["proofs"]] == [j != i for j in range(len(proofs))] and bad["ok"] is False, (
-            how,
-            i,
-            bad,
-        )
-
-
-REJECTIONS = [another_completion, another_prompt, another_model, altered_proof]
+REJECTIONS = [another_completion, a_prompt_token_changed, another_model, altered_proof]
 
 
 def test_completions_carry_proofs_the_library_accepts_and_the_server_validates(
@@ -142,7 +106,7 @@ def test_completions_carry_proofs_the_library_accepts_and_the_server_validates(
         assert all(verified(tl, activations(reference, ids, P), proof["proofs"])), choice.index
         assert choice.hidden_states_meta["proofs"] == len(proof["proofs"])
         # The server's validation: honest passes; each tampered case fails, as the library says.
-        c = Choice(
+        c = proof_choice(
             lambda body: check(serve_app, body)["comparison"],
             tl,
             reference,
@@ -186,7 +150,7 @@ def test_each_rejection_fails_against_a_broken_validation(reference, tl, other_m
     completion = np.random.default_rng(5).integers(5, 250, 30).tolist()
     ids = prompt + completion
     proofs = tl.build_proofs_base64(activations(reference, ids, len(prompt)), 8, 128)  # a server's, as built
-    c = Choice(stand_in_server(reference), tl, reference, other_model, prompt, completion, proofs)
+    c = proof_choice(stand_in_server(reference), tl, reference, other_model, prompt, completion, proofs)
     for case in [honest, *REJECTIONS]:
         case(c)
     for _, breaks in sorted(BROKEN_VALIDATION.items()):
@@ -240,9 +204,7 @@ def test_a_streamed_chat_carries_each_window_once_decided(serve_app, client, ref
     ],
 )
 def test_bad_proof_requests_are_400_naming_the_field(serve_app, body, param, words):
-    r = httpx.post(
-        f"{serve_app}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2, **body}, timeout=60
-    )
+    r = post(serve_app, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2, **body}, timeout=60)
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param and words in err["message"], err
@@ -256,10 +218,8 @@ def test_bad_proofs_to_validate_are_400_saying_what_is_wrong(serve_app):
         (["not base64!"] * 3, "not base64"),
         (["AAAA"] * 3, "holds 3 bytes"),
     ):
-        r = httpx.post(
-            f"{serve_app}/v1/hidden_states",
-            timeout=60,
-            json={"model": MODEL, **base, "compare": {"toploc": {**PROOF, "proofs": proofs}}},
+        r = post_hidden_states(
+            serve_app, {**base, "compare": {"toploc": {**PROOF, "proofs": proofs}}}, model=MODEL, timeout=60
         )
         assert r.status_code == 400 and words in r.json()["error"]["message"], (proofs, r.text)
         assert r.json()["error"]["param"] == "compare.toploc.proofs"

@@ -18,6 +18,7 @@ import psutil
 import pytest
 
 from tests.conftest import long_text
+from tests.helpers import post
 from tests.serve.conftest import API_KEY, decode_vector, replica_stats
 
 HS = {"return_hidden_states": True, "return_token_ids": True}
@@ -78,16 +79,6 @@ def test_64_concurrent_mixed_requests_no_mixups(serve_app, reference):
 # -- 4. bad input ---------------------------------------------------------------
 
 
-def post(base, path, body, headers=None, raw: bytes | None = None):
-    return httpx.post(
-        f"{base}{path}",
-        json=None if raw is not None else body,
-        content=raw,
-        timeout=120,
-        headers={"content-type": "application/json", **(headers or {})},
-    )
-
-
 def assert_openai_error(r, status: int, *words: str):
     assert r.status_code == status, (r.status_code, r.text[:500])
     err = r.json()["error"]
@@ -122,8 +113,8 @@ def test_named_bad_inputs(serve_app, body, status, words):
 
 def test_bad_chat_and_bad_json(serve_app):
     assert_openai_error(post(serve_app, "/v1/chat/completions", {"messages": "hello"}), 400)
-    assert_openai_error(post(serve_app, "/v1/completions", None, raw=b"{not json"), 400, "JSON")
-    assert_openai_error(post(serve_app, "/v1/completions", None, raw=b"[1, 2]"), 400, "object")
+    assert_openai_error(post(serve_app, "/v1/completions", raw=b"{not json"), 400, "JSON")
+    assert_openai_error(post(serve_app, "/v1/completions", raw=b"[1, 2]"), 400, "object")
 
 
 def test_hidden_states_requested_on_switched_off_server(off_app):
@@ -176,7 +167,9 @@ def test_api_key_required_and_no_engine_work_without_it(guarded_app):
     good = {"authorization": f"Bearer {API_KEY}"}
     before = replica_stats(base, good)["replica"]["requests"]
     for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": API_KEY}):
-        assert_openai_error(post(base, "/v1/completions", {"prompt": "hi", "max_tokens": 2}, headers), 401, "API key")
+        assert_openai_error(
+            post(base, "/v1/completions", {"prompt": "hi", "max_tokens": 2}, headers=headers), 401, "API key"
+        )
         assert httpx.get(f"{base}/v1/models", headers=headers, timeout=30).status_code == 401
     assert replica_stats(base, good)["replica"]["requests"] == before
     client = openai.OpenAI(base_url=f"{base}/v1", api_key=API_KEY, timeout=120, max_retries=0)
@@ -194,8 +187,10 @@ def test_replica_ingress_serves_checks_and_streams(guarded_app, reference):
     stats = replica_stats(base, good)
     assert stats["ingress"]["kind"] == "replica"
     assert stats["replica"]["serve_user_code_in_separate_thread"] is False  # serve_env reached the replica
-    assert_openai_error(post(base, "/v1/completions", {"model": "gpt-4", "prompt": "x"}, good), 404, "tiny-llama")
-    assert_openai_error(post(base, "/v1/completions", {"prompt": "x", "n": 99}, good), 400, "n must be")
+    assert_openai_error(
+        post(base, "/v1/completions", {"model": "gpt-4", "prompt": "x"}, headers=good), 404, "tiny-llama"
+    )
+    assert_openai_error(post(base, "/v1/completions", {"prompt": "x", "n": 99}, headers=good), 400, "n must be")
     client = openai.OpenAI(base_url=f"{base}/v1", api_key=API_KEY, timeout=120, max_retries=0)
     r = client.completions.with_raw_response.create(
         model="tiny-llama", prompt=long_text(60, seed=8), max_tokens=12, extra_body=HS

@@ -8,12 +8,12 @@ from __future__ import annotations
 import base64
 import concurrent.futures
 
-import httpx
 import numpy as np
 import pytest
 
 from tests.conftest import long_text
-from tests.serve.conftest import API_KEY, APP, GUARDED_ROWS_BYTES, decode_vector, replica_stats
+from tests.helpers import post
+from tests.serve.conftest import API_KEY, APP, GUARDED_ROWS_BYTES, decode_vector, post_hidden_states, replica_stats
 from tests.serve.test_positions import assert_close, decode, reference_rows
 
 MODEL = "tiny-llama"
@@ -21,12 +21,8 @@ MSGS = [{"role": "user", "content": "Check every row of this answer"}]
 ANSWER = "Every row is checked, one position at a time."
 
 
-def post(base: str, body: dict, timeout: float = 120, headers: dict | None = None) -> httpx.Response:
-    return httpx.post(f"{base}/v1/hidden_states", json={"model": MODEL, **body}, timeout=timeout, headers=headers)
-
-
 def test_prompt_text_vector_matches_transformers(serve_app, reference):
-    r = post(serve_app, {"prompt": "A verifier recomputes the vector"})
+    r = post_hidden_states(serve_app, {"prompt": "A verifier recomputes the vector"})
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["token_ids"] == reference.tokenizer("A verifier recomputes the vector")["input_ids"]
@@ -46,7 +42,9 @@ def test_a_chat_completion_verifies_against_its_own_vector(serve_app, client, re
         extra_body={"return_hidden_states": True, "return_token_ids": True},
     )
     claimed_ids, claimed_vec = done.choices[0].token_ids, done.choices[0].hidden_states
-    honest = post(serve_app, {"messages": msgs, "completion": claimed_ids, "compare": {"vector": claimed_vec}}).json()
+    honest = post_hidden_states(
+        serve_app, {"messages": msgs, "completion": claimed_ids, "compare": {"vector": claimed_vec}}
+    ).json()
     assert honest["token_ids"] == done.prompt_token_ids + claimed_ids
     assert honest["comparison"]["match"] is True and honest["comparison"]["relative_error"] <= 1e-5, honest[
         "comparison"
@@ -57,10 +55,12 @@ def test_a_chat_completion_verifies_against_its_own_vector(serve_app, client, re
     tampered = np.asarray(claimed_vec, np.float32).copy()
     tampered[3] += 0.5
     b64 = base64.b64encode(tampered.astype("<f4").tobytes()).decode()
-    bad = post(serve_app, {"messages": msgs, "completion": claimed_ids, "compare": {"vector": b64}}).json()
+    bad = post_hidden_states(
+        serve_app, {"messages": msgs, "completion": claimed_ids, "compare": {"vector": b64}}
+    ).json()
     assert bad["comparison"]["match"] is False and bad["comparison"]["max_abs_error"] == pytest.approx(0.5, rel=1e-3)
     # A different completion claimed with the honest vector: caught too.
-    other = post(
+    other = post_hidden_states(
         serve_app, {"messages": msgs, "completion": claimed_ids[:-1], "compare": {"vector": claimed_vec}}
     ).json()
     assert other["comparison"]["match"] is False
@@ -72,7 +72,9 @@ def test_32_concurrent_checks(serve_app, reference):
 
     def one(i):
         claim = truth[i] if i % 2 == 0 else truth[(i + 1) % 32]  # half honest, half someone else's vector
-        return post(serve_app, {"prompt": seqs[i], "compare": {"vector": claim.tolist(), "tolerance": 1e-4}})
+        return post_hidden_states(
+            serve_app, {"prompt": seqs[i], "compare": {"vector": claim.tolist(), "tolerance": 1e-4}}
+        )
 
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
         results = list(pool.map(one, range(32)))
@@ -132,7 +134,7 @@ def answer(reference) -> list[int]:
 def test_every_position_and_the_completion_s_rows_match_transformers(serve_app, reference):
     comp = answer(reference)
     body = {"messages": MSGS, "completion": comp}
-    every = post(serve_app, {**body, "hidden_states_position": "all"})
+    every = post_hidden_states(serve_app, {**body, "hidden_states_position": "all"})
     assert every.status_code == 200, every.text
     every = every.json()
     ids = every["token_ids"]
@@ -144,16 +146,18 @@ def test_every_position_and_the_completion_s_rows_match_transformers(serve_app, 
     ref = reference_rows(reference, ids, range(n))
     assert_close(rows_of(every), ref)
     # "completion": the positions of the completion's tokens, here as base64 of the row-major array
-    done = post(serve_app, {**body, "hidden_states_position": "completion", "hidden_states_encoding": "base64"}).json()
+    done = post_hidden_states(
+        serve_app, {**body, "hidden_states_position": "completion", "hidden_states_encoding": "base64"}
+    ).json()
     meta = done["hidden_states_meta"]
     assert done["token_ids"] == ids and meta["positions"] == list(range(start, n)) and meta["shape"] == [n - start, 128]
     assert_close(rows_of(done), ref[start:])
     # "prompt_end": the last token before the completion, one vector, from a prefill of the prompt alone
-    end = post(serve_app, {**body, "hidden_states_position": "prompt_end"}).json()
+    end = post_hidden_states(serve_app, {**body, "hidden_states_position": "prompt_end"}).json()
     assert end["hidden_states_meta"]["position"] == "prompt_end" and end["hidden_states_meta"]["tokens"] == start
     reference.assert_matches(ids[:start], decode_vector(end["hidden_states"]))
     # the default is the final token's vector, as ever
-    default = post(serve_app, body).json()
+    default = post_hidden_states(serve_app, body).json()
     meta = default["hidden_states_meta"]
     assert meta["position"] == "completion_end" and meta["shape"] == [128] and len(default["hidden_states"]) == 128
     reference.assert_matches(ids, decode_vector(default["hidden_states"]))
@@ -163,7 +167,7 @@ def test_a_strided_window_in_float16_and_top_k_match_transformers_cast_and_selec
     ids = reference.tokenizer(long_text(60, seed=31))["input_ids"]
     window, want = {"start": 3, "end": -5, "stride": 7}, list(range(len(ids)))[3:-5:7]
     ref = reference_rows(reference, ids, want)
-    half = post(
+    half = post_hidden_states(
         serve_app,
         {
             "prompt": ids,
@@ -178,7 +182,9 @@ def test_a_strided_window_in_float16_and_top_k_match_transformers_cast_and_selec
     assert meta["tokens"] == want[-1] + 1  # the prefill stops at the last row asked for
     # transformers' float32 rows cast to float16: within one float16 step (2^-10 of the largest entry)
     assert_close(rows_of(half, "float16"), ref.astype(np.float16).astype(np.float32), rtol=2**-10, atol=None)
-    top = post(serve_app, {"prompt": ids, "hidden_states_position": window, "hidden_states_topk": 6}).json()
+    top = post_hidden_states(
+        serve_app, {"prompt": ids, "hidden_states_position": window, "hidden_states_topk": 6}
+    ).json()
     meta = top["hidden_states_meta"]
     assert meta["shape"] == [len(want), 6] and meta["topk"] == 6 and meta["bytes"] == len(want) * 6 * (4 + 4)
     indices = np.asarray([r["indices"] for r in top["hidden_states"]])
@@ -192,10 +198,10 @@ def test_a_strided_window_in_float16_and_top_k_match_transformers_cast_and_selec
 def test_per_position_compare_passes_transformers_rows_and_names_a_tampered_one(serve_app, reference):
     comp = answer(reference)
     body = {"messages": MSGS, "completion": comp, "hidden_states_position": "completion"}
-    ids = post(serve_app, body).json()["token_ids"]
+    ids = post_hidden_states(serve_app, body).json()["token_ids"]
     positions = list(range(len(ids) - len(comp), len(ids)))
     claim = reference_rows(reference, ids, positions)  # the claim: transformers' rows
-    honest = post(serve_app, {**body, "compare": {"vectors": claim.tolist()}}).json()["comparison"]
+    honest = post_hidden_states(serve_app, {**body, "compare": {"vectors": claim.tolist()}}).json()["comparison"]
     assert honest["match"] is True and honest["tolerance"] == 1e-5, honest
     assert [r["position"] for r in honest["per_position"]] == positions
     assert all(r["match"] for r in honest["per_position"])
@@ -207,12 +213,12 @@ def test_per_position_compare_passes_transformers_rows_and_names_a_tampered_one(
     tampered = claim.copy()
     tampered[2, 7] += 0.5
     b64 = base64.b64encode(tampered.astype("<f4").tobytes()).decode()  # base64 of the row-major [n, D] array
-    bad = post(serve_app, {**body, "compare": {"vector": b64}}).json()["comparison"]
+    bad = post_hidden_states(serve_app, {**body, "compare": {"vector": b64}}).json()["comparison"]
     assert bad["match"] is False and bad["worst_position"] == positions[2], bad
     assert [r["match"] for r in bad["per_position"]] == [i != 2 for i in range(len(positions))]
     assert bad["per_position"][2]["max_abs_error"] == pytest.approx(0.5, rel=1e-3)
     # float16 rows are compared with the claim as the true rows cast to float16
-    half = post(
+    half = post_hidden_states(
         serve_app,
         {
             **body,
@@ -232,7 +238,7 @@ def test_topk_compare_checks_the_index_set_per_position(serve_app, reference):
     ref = reference_rows(reference, ids, positions)
     order = np.argsort(-np.abs(ref), axis=-1)
     claims = [{"indices": o[:k].tolist(), "values": r[o[:k]].tolist()} for o, r in zip(order, ref)]  # transformers'
-    honest = post(serve_app, {**body, "compare": {"topk": claims}}).json()["comparison"]
+    honest = post_hidden_states(serve_app, {**body, "compare": {"topk": claims}}).json()["comparison"]
     assert honest["match"] is True and honest["worst_index_overlap"] == 1.0, honest
     assert all(r["index_overlap"] == 1.0 and r["relative_error"] <= 1e-5 for r in honest["per_position"])
     # row 5 claims an index outside the top 8, with its true value: the index set fails it
@@ -241,7 +247,7 @@ def test_topk_compare_checks_the_index_set_per_position(serve_app, reference):
         "indices": claims[5]["indices"][:-1] + [outside],
         "values": claims[5]["values"][:-1] + [float(ref[5, outside])],
     }
-    bad = post(serve_app, {**body, "compare": {"topk": claims}}).json()["comparison"]
+    bad = post_hidden_states(serve_app, {**body, "compare": {"topk": claims}}).json()["comparison"]
     assert bad["match"] is False and bad["worst_position"] == positions[5], bad
     assert bad["worst_index_overlap"] == (k - 1) / k and bad["per_position"][5]["relative_error"] <= 1e-5
     assert [r["match"] for r in bad["per_position"]] == [i != 5 for i in range(8)]
@@ -301,7 +307,7 @@ def test_topk_compare_checks_the_index_set_per_position(serve_app, reference):
     ],
 )
 def test_bad_requests_are_400s_that_say_why(serve_app, body, words):
-    r = post(serve_app, body)
+    r = post_hidden_states(serve_app, body)
     assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
     if words.startswith("compare."):  # the claim's field is named
         assert r.json()["error"]["param"] == words.split(" ")[0].split("[")[0]
@@ -321,11 +327,11 @@ def test_rows_above_max_hidden_states_bytes_are_a_400_before_any_engine_work(gua
         {"prompt": ids[:6], "hidden_states_position": "all", "hidden_states_layers": [0, -1]},  # 12 rows
         {"prompt": ids, "hidden_states_position": "all", "compare": {"vectors": [[0.0] * 128] * 10}},
     ):
-        r = post(bounded_app, body, headers=KEY)
+        r = post_hidden_states(bounded_app, body, headers=KEY)
         assert r.status_code == 400, r.text
         err = r.json()["error"]
         assert err["param"] in ("hidden_states_position", "compare.vectors"), err
-    refused = post(bounded_app, {"prompt": ids, "hidden_states_position": "all"}, headers=KEY)
+    refused = post_hidden_states(bounded_app, {"prompt": ids, "hidden_states_position": "all"}, headers=KEY)
     assert "max_hidden_states_bytes (5120)" in refused.text
     assert replica_stats(bounded_app, KEY)["replica"]["extractions"] == before  # no engine work
     for body in (
@@ -334,7 +340,7 @@ def test_rows_above_max_hidden_states_bytes_are_a_400_before_any_engine_work(gua
         {"prompt": ids},  # one vector: not rows, as ever
         {"prompt": ids, "hidden_states_position": {"start": 1}},
     ):  # 10 rows
-        r = post(bounded_app, body, headers=KEY)
+        r = post_hidden_states(bounded_app, body, headers=KEY)
         assert r.status_code == 200, r.text
     assert_close(rows_of(r.json()), reference_rows(reference, ids, range(1, 11)))
 
@@ -347,7 +353,7 @@ def test_switched_off_server_refuses(off_app):
     from deployments.client import HandleRequestError, verify
 
     before = replica_stats(off_app)["replica"]["extractions"]
-    r = httpx.post(f"{off_app}/v1/hidden_states", json={"prompt": "x"}, timeout=60)
+    r = post(off_app, "/v1/hidden_states", {"prompt": "x"}, timeout=60)  # no model
     assert r.status_code == 400 and "enable_return_hidden_states" in r.json()["error"]["message"], r.text
     assert r.json()["error"]["param"] == "return_hidden_states"
     with pytest.raises(HandleRequestError, match="enable_return_hidden_states") as e:

@@ -9,6 +9,7 @@ import pytest
 
 from deployments import client, wire
 from deployments.wire import HandleError, HandleReply
+from tests.helpers import give_up, run
 
 
 class Response:
@@ -47,12 +48,9 @@ def test_an_async_call_whose_task_is_cancelled_cancels_the_request():
     r = Response()
 
     async def go():
-        task = asyncio.ensure_future(client.complete_async(handle(r), "x"))
-        await asyncio.sleep(0.05)
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+        await give_up(client.complete_async(handle(r), "x"), 0.05)
 
-    asyncio.run(asyncio.wait_for(go(), 30))
+    run(go())
     assert r.cancelled
 
 

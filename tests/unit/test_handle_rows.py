@@ -16,7 +16,8 @@ from hidden_states.interface import SamplingOptions
 from hidden_states.params import PositionRange
 from hidden_states.protocol import widen
 from hidden_states.testing import HIDDEN_SIZE, FakeEngine, fake_rows, fake_vector
-from tests.unit.test_ingress import call, make, run
+from tests.helpers import run
+from tests.unit.test_ingress import call, make
 
 PROMPT = "Hi there"
 IDS = list(PROMPT.encode())

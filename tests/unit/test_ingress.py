@@ -3,7 +3,6 @@ relay and counters over httpx.ASGITransport, with the FakeEngine (no vLLM, no Ra
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import json
 
@@ -11,9 +10,9 @@ import httpx
 import numpy as np
 import pytest
 
-from deployments import http
 from deployments.replica import EngineReplica, app
 from hidden_states.testing import FakeEngine, fake_vector
+from tests.helpers import asgi_request, give_up, run
 
 
 async def make(**args):
@@ -23,14 +22,8 @@ async def make(**args):
     return replica
 
 
-def run(coro):
-    return asyncio.run(asyncio.wait_for(coro, 30))
-
-
 async def call(replica, method: str, path: str, **kw) -> httpx.Response:
-    transport = httpx.ASGITransport(app=http.asgi_app(app, replica))
-    async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
-        return await client.request(method, path, **kw)
+    return await asgi_request(app, replica, method, path, **kw)
 
 
 def stats(replica) -> dict:
@@ -177,15 +170,6 @@ def test_api_key_from_the_environment_and_a_conflict_fails_the_start(monkeypatch
 # -- one request's lifecycle: however it ends, nothing is left running ---------
 
 SLOW = {"engine": {"token_delay_s": 0.05}}  # 400 tokens: 20 s, unless cancelled
-
-
-async def give_up(coro, after: float) -> None:
-    """Runs `coro` and cancels it after `after` s: a client that hangs up, or Serve
-    cancelling the handler (or, for a handle call, the Router cancelling it)."""
-    task = asyncio.ensure_future(coro)
-    await asyncio.sleep(after)
-    task.cancel()
-    await asyncio.gather(task, return_exceptions=True)
 
 
 def assert_released(r, cancelled: int = 1) -> None:

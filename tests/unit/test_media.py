@@ -18,7 +18,8 @@ from deployments.http import check, failure
 from hidden_states import media
 from hidden_states.errors import Refused
 from hidden_states.params import NOTHING, HiddenStatesRequestError
-from tests.unit.test_ingress import call, make, run
+from tests.helpers import run
+from tests.unit.test_ingress import call, make
 
 LIMIT = 8 * 2**20
 

@@ -17,7 +17,8 @@ from hidden_states.params import SINGLE_POSITIONS
 from hidden_states.protocol import narrow, numpy_dtype, widen
 from hidden_states.shape import several, squeeze
 from hidden_states.testing import HIDDEN_SIZE, FakeEngine, fake_rows
-from tests.unit.test_ingress import call, make, run
+from tests.helpers import run
+from tests.unit.test_ingress import call, make
 
 PROMPT = "Hi there"
 IDS = list(PROMPT.encode())

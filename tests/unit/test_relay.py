@@ -12,6 +12,7 @@ import types
 
 from deployments.http import SSE_DONE
 from deployments.router import ReplicaStream, Router
+from tests.helpers import give_up
 
 
 class FakeStream:
@@ -100,10 +101,7 @@ def test_the_relay_task_cancelled_mid_wait_is_cancelled():
             async for _ in relay:
                 pass
 
-        task = asyncio.create_task(consume())
-        await asyncio.sleep(0.05)  # the first chunk went out; the relay waits for the next
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+        await give_up(consume(), 0.05)  # the first chunk went out; the relay waits for the next
         await relay.aclose()  # what http.Stream does in its finally: a no-op by now
 
     asyncio.run(go())

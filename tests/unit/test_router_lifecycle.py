@@ -19,6 +19,7 @@ from ray.exceptions import ActorDiedError
 from deployments import http, router, wire
 from deployments.config import AppArgs
 from deployments.wire import HandleCompletion, HandleCompletionRequest, HandleReply, Reply, ResponseHead
+from tests.helpers import asgi_request, give_up, run
 
 OK_BODY = b'{"choices": []}'
 
@@ -105,20 +106,11 @@ def head(status: int = 200, media: str = "text/event-stream") -> bytes:
 async def post(r, body: dict, give_up_after: float | None = None) -> httpx.Response | None:
     """POST /v1/completions to the Router; `give_up_after`: the client hangs up then (its task
     is cancelled, as Serve cancels the handler when the HTTP client goes away)."""
-    transport = httpx.ASGITransport(app=http.asgi_app(router.app, r))
-    async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
-        sent = client.post("/v1/completions", json=body)
-        if give_up_after is None:
-            return await sent
-        task = asyncio.ensure_future(sent)
-        await asyncio.sleep(give_up_after)
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        return None
-
-
-def run(coro):
-    return asyncio.run(asyncio.wait_for(coro, 30))
+    sent = asgi_request(router.app, r, "POST", "/v1/completions", json=body)
+    if give_up_after is None:
+        return await sent
+    await give_up(sent, give_up_after)
+    return None
 
 
 def test_a_plain_request_is_served():
@@ -257,10 +249,7 @@ def test_python_handle_call_cancelled_cancels_the_replica_call():
 
     async def go():
         r = make_router(Replica((b"", 10)))
-        task = asyncio.ensure_future(r.complete(request))
-        await asyncio.sleep(0.2)
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+        await give_up(r.complete(request), 0.2)
         return r
 
     r = run(go())
@@ -270,9 +259,7 @@ def test_python_handle_call_cancelled_cancels_the_replica_call():
 def test_debug_stats_reports_the_four_counters_and_the_specs_parsed():
     async def go():
         r = make_router(Replica((json.dumps({"replica": "r1"}).encode(), 0.01)))
-        transport = httpx.ASGITransport(app=http.asgi_app(router.app, r))
-        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
-            return (await client.get("/debug/stats")).json()
+        return (await asgi_request(router.app, r, "GET", "/debug/stats")).json()
 
     from hidden_states.params import PARSED
 

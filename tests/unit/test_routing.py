@@ -22,6 +22,7 @@ from deployments import http, router, routing, wire
 from deployments.config import AppArgs
 from deployments.routing import KEY_KWARG, PrefixRouter, handle_key, http_key
 from deployments.wire import HandleCompletion, HandleCompletionRequest, HandleReply, Reply, ResponseHead
+from tests.helpers import asgi_request, run
 from tests.serve import test_prefix_routing as served  # the serve test's conversations and checks
 
 BASE = "tiny-llama"
@@ -157,10 +158,6 @@ async def route(r: PrefixRouter, key: str) -> list[str]:
 def sent(r: PrefixRouter, key: str, name: str) -> None:
     """Serve reports the request went to `name`."""
     r.on_request_routed(pending(key), next(rid for rid in r._replicas if rid.unique_id == name), None)
-
-
-def run(coro):
-    return asyncio.run(asyncio.wait_for(coro, 30))
 
 
 def conversation(i: int, turns: int) -> list[str]:
@@ -492,9 +489,7 @@ def make_router(replica: Replica, **args):
 
 
 async def post(r, path: str, body: dict) -> httpx.Response:
-    transport = httpx.ASGITransport(app=http.asgi_app(router.app, r))
-    async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
-        return await client.post(path, json=body)
+    return await asgi_request(router.app, r, "POST", path, json=body)
 
 
 @pytest.mark.parametrize("routing_option,keyed", [("auto", True), ("power_of_two", False)])
