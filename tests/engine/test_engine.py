@@ -350,7 +350,7 @@ def test_a_hook_that_raises_fails_its_request_alone_and_the_engine_serves_on(eng
     original, extraction = engine.extraction.deliver, engine.extraction
 
     def faulty(rows, index, heads):  # raises for the float16 request, as a bug of ours would
-        col = extraction.live.get(rows.key) if rows is not None else None
+        col = extraction.owner(rows.key) if rows is not None else None
         if col is not None and col.dtype == "float16":
             raise RuntimeError("a bug in deliver")
         return original(rows, index, heads)

@@ -327,6 +327,8 @@ def test_a_pool_under_speculative_decoding_sums_only_accepted_rows(spec_engine, 
     from tests.engine.test_pool import pooled
 
     eng, reference = spec_engine, spec_engine.reference
+    if eng.method not in ("ngram", "draft_other"):  # the common drafter, and one whose drafts are rejected
+        pytest.skip("a pool's engine-core sum is one path for every drafter: ngram and draft_other run it")
     drafted0, accepted0 = _spec_counts()
 
     async def run():

@@ -1,10 +1,10 @@
 """The frontend half: rows off vLLM's outputs, and the extraction step where none came.
 
-`ExtractingAsyncLLM` is vLLM's AsyncLLM whose output processor first takes `CapturedRows` off
-each EngineCoreOutput into the collector of the engine request that asked (`Extraction.live`: a
-request's one state), and whose `generate()` flags tagged requests with their span
-(`protocol.Span`). Positions a finished choice asked for that no step computed come from one
-extraction step (`extract_rows`): a prefill-only request, with its own cache salt where the
+`ExtractingAsyncLLM` is vLLM's AsyncLLM whose output processor first takes each EngineCoreOutput's
+`EngineMessage` into the collector of the engine request that asked (`Extraction.live`: each request's one
+state, by its tag; its engine requests' capture keys are `{tag}.{n}`), and whose `generate()` flags tagged
+requests with their span (`protocol.Span`). Positions a finished choice asked for that no step computed
+come from one extraction step (`extract_rows`): a prefill-only request, with its own cache salt where the
 prefix cache would skip them. Beam search: `extract_beams`. Every wait has a timeout.
 """
 
@@ -211,7 +211,7 @@ def make_async_llm_class():
                 prompt, sampling_params = hs._steer(collector, prompt, sampling_params)
             if not prompt_end and collector.captures:
                 sampling_params = hs._leave_room_for_extraction(prompt, sampling_params)
-            key = uuid.uuid4().hex
+            key = f"{collector.tag}.{uuid.uuid4().hex}"  # its owner is in the key (Extraction.owner)
             ordinal = prompt_ordinal(request_id)
             origin = Origin.of(prompt, kwargs, sampling_params, collector.rerender)
             if collector.captures or collector.monitors or collector.conditional:
@@ -286,8 +286,9 @@ class Extraction:
         self.tail_enabled = tail_enabled  # the engine's scheduler runs tail steps
         self.extraction_priority = priority  # vLLM refuses priorities under its fcfs policy
         self.max_hidden_states_bytes = max_hidden_states_bytes  # a request's worst case of rows (params.py)
-        # Each request's one state (its collector), from admission to its last chunk: by the request's tag,
-        # and by the capture key of each of its engine requests in flight (collector.engine_requests).
+        # Each request's one state (its collector), from admission to its last chunk, by the request's tag (an
+        # extraction step's, for the step); its engine requests in flight are its `engine_requests`, under
+        # capture keys `{tag}.{n}` (`owner`).
         self.live: dict[str, HiddenStatesCollector] = {}
         self.vector_requests = 0  # engine requests that asked for rows
         self.extractions = 0
@@ -369,24 +370,27 @@ class Extraction:
 
     def pending(self) -> int:
         """Engine requests in flight whose rows may still come."""
-        return sum(key in col.engine_requests for key, col in self.live.items())
+        return sum(len(col.engine_requests) for col in self.live.values())
+
+    def owner(self, key: str) -> HiddenStatesCollector | None:
+        """The collector whose engine request in flight has capture key `key` (`{tag}.{n}`), if any."""
+        col = self.live.get(key.partition(".")[0])
+        return col if col is not None and key in col.engine_requests else None
 
     def engine_request(self, collector: HiddenStatesCollector, key: str, ordinal: int) -> None:
         """An engine request of `collector` (its prompt `ordinal`) starts: its rows come under `key`."""
         collector.engine_requests[key] = ordinal
-        self.live[key] = collector
         self.vector_requests += 1
 
     def engine_request_ended(self, collector: HiddenStatesCollector, key: str) -> None:
         collector.engine_requests.pop(key, None)
-        self.live.pop(key, None)
 
     def deliver(self, cr: CapturedRows | None, index: int | None, outs: dict[str, CapturedRows]) -> None:
         """Rows off an engine output (and each head's outputs at the same positions), into its request's
         collector (if it still runs)."""
         some = cr if cr is not None else next(iter(outs.values()))
-        col = self.live.get(some.key)
-        if col is None or index is None or some.key not in col.engine_requests:
+        col = self.owner(some.key)
+        if col is None or index is None:
             self.late_rows += 1
             return
         values, indices = {}, None
@@ -422,8 +426,8 @@ class Extraction:
 
     def stopped(self, stop: StopReport, index: int | None) -> None:
         """A choice a stop condition finished: what its hidden_states_meta.stop says."""
-        col = self.live.get(stop.key)
-        if col is None or index is None or stop.key not in col.engine_requests:
+        col = self.owner(stop.key)
+        if col is None or index is None:
             self.late_rows += 1
             return
         col.state((col.engine_requests[stop.key], index)).stop = {
@@ -437,8 +441,8 @@ class Extraction:
     def steered(self, steered: SteeredReport, index: int | None) -> None:
         """Where a choice's conditional steering entries applied (each output brings the positions decided
         since the last): its meta says so, and its extraction step replays them."""
-        col = self.live.get(steered.key)
-        if col is None or index is None or steered.key not in col.engine_requests:
+        col = self.owner(steered.key)
+        if col is None or index is None:
             self.late_rows += 1
             return
         st = col.state((col.engine_requests[steered.key], index))
@@ -718,7 +722,7 @@ class Extraction:
             step = HiddenStatesCollector(
                 f"step-{key}", tuple(layers), dtype=dtype, topk=topk, heads=tuple(heads), rows_wanted=bool(layers)
             )  # the step's own state
-            merged, cached = await self._prefill(token_ids, origin, params(key), key, salt, step)
+            merged, cached = await self._prefill(token_ids, origin, params(f"{step.tag}.0"), key, salt, step)
             if even and merged is None:  # the engine's sum, of exactly the positions asked
                 sums = [s for st in step.choices.values() for s in st.sums]
                 if len(sums) == 1 and np.array_equal(sums[0].positions, want):
@@ -750,7 +754,9 @@ class Extraction:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         cached = 0
-        self.engine_request(step, key, 0)
+        capture = f"{step.tag}.0"
+        self.live[step.tag] = step
+        self.engine_request(step, capture, 0)
         try:
             async with (
                 asyncio.timeout(self.extraction_timeout_s),
@@ -771,7 +777,8 @@ class Extraction:
         except TimeoutError:
             raise self._timed_out(len(token_ids)) from None
         finally:
-            self.engine_request_ended(step, key)
+            self.engine_request_ended(step, capture)
+            del self.live[step.tag]
             self.faulted.pop(f"hs-{key}", None)
         return RowBatch.merge([b for st in step.choices.values() for b in st.pending]), cached
 
