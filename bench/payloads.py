@@ -28,8 +28,7 @@ import time
 import httpx
 import yaml
 
-from bench.procs import BIN, WORK, Proc, StartError, free_port, wait_until
-from bench.report import command_line, write_results
+from bench.procs import BIN, WORK, Proc, StartError, command_line, free_port, wait_until, write_results
 from bench.serve_cpu import CLUSTERS, Roles, cluster_env, find_ingress
 from bench.servers import RayCluster, http_ok
 

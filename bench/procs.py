@@ -10,6 +10,7 @@ get process groups of their own, so they are found as descendants of the
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -170,3 +171,18 @@ def wait_until(
         if on_tick:
             on_tick()
         time.sleep(poll)
+
+
+def command_line(module: str, args) -> str:
+    """The command that produced a result, as the result's Markdown records it."""
+    flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items())
+    return f"`.venv/bin/python -m {module} {flags}`"
+
+
+def write_results(name: str, results, text: str) -> None:
+    """Prints `text` and writes bench/results/<name>.json (the figures) and .md (`text`)."""
+    print(text)
+    out = ROOT / "bench" / "results"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(results, indent=1) + "\n")
+    (out / f"{name}.md").write_text(text)

@@ -23,7 +23,8 @@ Our paths run three ways: no vectors (`off`), the final token's vector (`final`)
 `completion` rows in float16 (`rows`). The first phase runs the main cluster's paths with vLLM's
 server and Ray Serve LLM; the second starts the two switch clusters and runs their paths beside
 vLLM's server and `proxy` again. In a phase the arms alternate round by round, the first arm
-rotating, each on the same request lengths (bench/workload.py's mix) with its own token contents.
+rotating, every arm of a round on the same random prompts, each batch sent by `vllm bench serve`
+(bench.cli.batch).
 
 CPU: every process's CPU seconds (psutil) before and after each arm's batch of a fixed request
 count, attributed by process title to a role (`<app>: router`, `<app>: replica`, `<cluster>:
@@ -49,15 +50,17 @@ import json
 import os
 import platform
 import re
+import tempfile
 import time
 from collections import defaultdict
+from pathlib import Path
 
 import httpx
 import psutil
 
-from bench import compare, measure
-from bench.procs import StartError
-from bench.report import command_line, write_results
+from bench import measure
+from bench.cli import batch
+from bench.procs import StartError, command_line, write_results
 from bench.servers import ENGINE_ENV, Endpoint, RayCluster, ServeApps, VLLMServer, build_model
 from deployments.config import CPU_ENGINE_DEFAULTS
 from deployments.serve_env import SERVE_SWITCHES
@@ -230,19 +233,16 @@ def daemon_roles(path: str) -> list[str]:
     return [] if cluster is None else [f"{cluster}: controller", f"{cluster}: daemons"]
 
 
-def cpu_figures(runs: list[compare.ArmRun], arm: str, idle: dict[str, float]) -> dict:
+def cpu_figures(runs: list[dict], path: str, idle: dict[str, float]) -> dict:
     """ms of CPU per successful request, by role, above each role's idle rate; per round too."""
-    mine = [x for x in runs if x.arm == arm]
-    ok = sum(len(x.batch.ok) for x in mine)
+    ok = sum(x["ok"] for x in runs)
     by_role: dict[str, float] = defaultdict(float)
     per_round = []
-    path = arm.split("/")[0]
-    for x in mine:
-        above = {k: v - idle.get(k, 0.0) * x.cpu["wall"] for k, v in x.cpu["roles"].items()}
+    for x in runs:
+        above = {k: v - idle.get(k, 0.0) * x["cpu"]["wall"] for k, v in x["cpu"]["roles"].items()}
         for k, v in above.items():
             by_role[k] += v
-        n = max(1, len(x.batch.ok))
-        per_round.append(1e3 * sum(above.get(k, 0.0) for k in path_roles(path)) / n)
+        per_round.append(1e3 * sum(above.get(k, 0.0) for k in path_roles(path)) / max(1, x["ok"]))
     ms = {k: 1e3 * v / max(1, ok) for k, v in sorted(by_role.items())}
     return {
         "requests_ok": ok,
@@ -280,39 +280,39 @@ def body_checks(ep: Endpoint, vocab: int) -> dict:
     return out
 
 
-def run_phase(arms: list[compare.Arm], args, roles: Roles, vocab: int, tag: str) -> dict:
+def run_phase(arms: list[tuple[str, Endpoint, dict]], args, roles: Roles, tokenizer: str, tag: str) -> dict:
+    """Each (path/variant, endpoint, fields) arm's batches through `vllm bench serve`, rounds alternating."""
     roles.measure_idle(args.idle_s)
-    compare.warmup(arms, vocab, 8, 8, tag)
     out: dict = {"idle_cores": {k: round(v, 4) for k, v in roles.idle.items() if v >= 1e-4}, "by_concurrency": {}}
+    lens = (args.input_len, args.output_len)
     for c, per in zip(args.concurrency, args.requests):
-        print(
-            f"[{time.strftime('%H:%M:%S')}] {tag}: c={c}, {len(arms)} arms x {args.rounds} rounds x {per}", flush=True
-        )
-        runs = compare.run(arms, vocab, c, args.rounds, per, f"{tag}-c{c}", roles)
-        res = {}
-        for a in arms:
-            s = compare.summarize(runs, a.key)
-            res[a.key] = {
-                "req_per_s": s["req_per_s"],
-                "p50_s": s["p50_s"],
-                "p99_s": s["p99_s"],
-                "errors": s["errors"],
-                "error_samples": s["error_samples"],
-                "cpu": cpu_figures(runs, a.key, roles.idle),
-                "vs_vllm_req_per_s": compare.compare(runs, a.key, "vllm/off")["req_per_s"],
+        print(f"[{time.strftime('%H:%M:%S')}] {tag}: c={c}, {len(arms)} arms x {args.rounds} rounds x {per}")
+        runs: dict[str, list[dict]] = {key: [] for key, _, _ in arms}
+        with tempfile.TemporaryDirectory(prefix="bench-cpu-") as folder:
+            for r in range(args.rounds):
+                for key, ep, fields in arms[r % len(arms) :] + arms[: r % len(arms)]:
+                    runs[key].append(batch(ep, tokenizer, per, c, 1000 * r + c, lens, fields, roles, Path(folder)))
+        rate = {k: sum(x["ok"] for x in v) / sum(x["wall"] for x in v) for k, v in runs.items()}
+        out["by_concurrency"][str(c)] = {
+            key: {
+                "req_per_s": rate[key],
+                "p50_s": sum(x["latency_ms"].get("p50_e2el_ms", 0.0) for x in runs[key]) / 1e3 / len(runs[key]),
+                "errors": 0,  # a batch with a failed request stops the run (bench.cli.batch)
+                "cpu": cpu_figures(runs[key], key.split("/")[0], roles.idle),
+                "vs_vllm_req_per_s": rate[key] / rate["vllm/off"],
             }
-        out["by_concurrency"][str(c)] = res
+            for key in runs
+        }
     return out
 
 
-def arms_for(paths: dict[str, Endpoint], ours: set[str]) -> list[compare.Arm]:
-    arms = []
-    for path, ep in paths.items():
-        for v, extra in VARIANTS.items():
-            if v != "off" and path not in ours:
-                continue
-            arms.append(compare.Arm(f"{path}/{v}", f"{path}, {v}", ep, dict(extra)))
-    return arms
+def arms_for(paths: dict[str, Endpoint], ours: set[str]) -> list[tuple[str, Endpoint, dict]]:
+    return [
+        (f"{path}/{v}", ep, dict(extra))
+        for path, ep in paths.items()
+        for v, extra in VARIANTS.items()
+        if v == "off" or path in ours
+    ]
 
 
 def main() -> None:
@@ -323,6 +323,8 @@ def main() -> None:
     ap.add_argument("--idle-s", type=float, default=20.0, help="the idle window each role's idle rate comes from")
     ap.add_argument("--switches", default="haproxy,tput", help="switch clusters of the second phase ('' for none)")
     ap.add_argument("--name", default="serve-cpu-tiny")
+    ap.add_argument("--input-len", type=int, default=128, help="random prompts' tokens (vLLM's random dataset)")
+    ap.add_argument("--output-len", type=int, default=32, help="tokens per completion (ignore_eos)")
     args = ap.parse_args()
     shown = argparse.Namespace(**vars(args))
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
@@ -378,7 +380,7 @@ def main() -> None:
             "tput_proxy",
             "tput_port",
         }
-        results["phases"]["main"] = run_phase(arms_for(main_paths, ours), args, roles, vocab, "main")
+        results["phases"]["main"] = run_phase(arms_for(main_paths, ours), args, roles, path, "main")
         if switches:
             second: dict[str, Endpoint] = {"vllm": main_paths["vllm"], "proxy": main_paths["proxy"]}
             for sw in switches:
@@ -415,7 +417,7 @@ def main() -> None:
                     second["tput_port"] = Endpoint("tput_port", "tput Router's port", f"{base}/v1/completions", MODEL)
             for p in [p for p in second if p not in main_paths]:
                 results["body_checks"][p] = body_checks(second[p], vocab)
-            results["phases"]["switches"] = run_phase(arms_for(second, ours), args, roles, vocab, "switches")
+            results["phases"]["switches"] = run_phase(arms_for(second, ours), args, roles, path, "switches")
     finally:
         results["stopped"] = {type(s).__name__: s.stop() for s in started}
     results["wall_s"] = time.time() - t_start

@@ -38,6 +38,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections import Counter
@@ -46,7 +47,17 @@ from pathlib import Path
 
 from bench.measure import pct
 from bench.procs import LOGS, PYTHON, ROOT, Proc
-from bench.report import _f, _md_table
+
+
+def _f(x, fmt="{:.2f}", none="-"):
+    return none if x is None else fmt.format(x)
+
+
+def _md_table(headers, rows) -> str:
+    esc = lambda x: str(x).replace("|", "\\|")
+    lines = ["| " + " | ".join(map(esc, headers)) + " |", "|" + "---|" * len(headers)]
+    return "\n".join(lines + ["| " + " | ".join(map(esc, r)) + " |" for r in rows])
+
 
 APP = "hidden-states"  # bench.measure.ROLE_TITLES know its process titles
 MODEL = "sim"
@@ -365,66 +376,40 @@ def alive(pid: int) -> bool:
 
 def measure_engine(model: str, prompt_tokens: int, max_tokens: int, requests: int, seed: int = 7) -> dict:
     """The real engine, once: vLLM's own OpenAI server (bench.servers.VLLMServer, the bench's engine arguments and
-    environment) at c=1, streamed completions of `prompt_tokens` random token ids (distinct: no prefix-cache hits)
-    and `max_tokens` out (ignore_eos): time to the first token and the mean time per later token, per request."""
-    import httpx
-
-    from bench.cli import ENGINE
+    environment) at c=1 through `vllm bench serve` (bench.cli.batch: random prompts of `prompt_tokens`, `max_tokens`
+    out, ignore_eos; two requests first to warm up): the median time to the first token and per later token."""
+    from bench.cli import ENGINE, batch
+    from bench.measure import CpuAccount
     from bench.servers import ENGINE_ENV, VLLMServer, build_model
 
-    server = VLLMServer(build_model(model), model, dict(ENGINE), "sim-engine")
-    rng, t_start, samples = random.Random(seed), time.monotonic(), []
+    path = build_model(model)
+    server, t_start = VLLMServer(path, model, dict(ENGINE), "sim-engine"), time.monotonic()
     server.launch()
     try:
         startup = server.wait_ready(600)
-        for i in range(requests + 2):  # the first two warm up
-            body = {
-                "model": model,
-                "prompt": [rng.randrange(100, 20000) for _ in range(prompt_tokens)],
-                "max_tokens": max_tokens,
-                "temperature": 0.0,
-                "ignore_eos": True,
-                "stream": True,
-            }
-            times, t0 = [], time.perf_counter()
-            with httpx.stream("POST", f"{server.base}/v1/completions", json=body, timeout=120) as r:
-                r.raise_for_status()
-                for line in r.iter_lines():
-                    if line.startswith("data: ") and line != "data: [DONE]":
-                        if (ch := json.loads(line[6:])["choices"]) and ch[0].get("text") is not None:
-                            times.append(time.perf_counter() - t0)
-            if i >= 2 and len(times) >= 2:
-                samples.append(
-                    {
-                        "ttft_s": times[0],
-                        "itl_s": (times[-1] - times[0]) / (len(times) - 1),
-                        "chunks": len(times),
-                        "latency_s": times[-1],
-                    }
-                )
+        with tempfile.TemporaryDirectory(prefix="bench-sim-") as folder:
+            for n, s in ((2, seed + 1), (requests, seed)):
+                b = batch(server.endpoint(), path, n, 1, s, (prompt_tokens, max_tokens), {}, CpuAccount(), Path(folder))
     finally:
         left = server.stop()
-    ttft, itl = [s["ttft_s"] for s in samples], [s["itl_s"] for s in samples]
+    lat = b["latency_ms"]
     return {
         "source": "measured",
-        "server": "vLLM's OpenAI server (python -m vllm.entrypoints.openai.api_server)",
+        "server": "vLLM's OpenAI server, driven by `vllm bench serve` at c=1",
         "model": model,
         "engine_args": dict(ENGINE),
         "engine_env": dict(ENGINE_ENV),
         "prompt_tokens": prompt_tokens,
         "max_tokens": max_tokens,
         "concurrency": 1,
-        "requests": len(samples),
-        "ttft_s": pct(ttft, 50),
-        "itl_s": pct(itl, 50),
-        "ttft_s_p10_p90": [pct(ttft, 10), pct(ttft, 90)],
-        "itl_s_p10_p90": [pct(itl, 10), pct(itl, 90)],
-        "latency_s_p50": pct([s["latency_s"] for s in samples], 50),
+        "requests": b["ok"],
+        "ttft_s": lat["p50_ttft_ms"] / 1e3,
+        "itl_s": lat["p50_tpot_ms"] / 1e3,
+        "latency_s_p50": lat["p50_e2el_ms"] / 1e3,
         "startup_s": startup,
         "measured_at": dt.datetime.now().isoformat(timespec="seconds"),
         "took_s": time.monotonic() - t_start,
         "stopped_left": left,
-        "samples": samples,
     }
 
 
