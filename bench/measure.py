@@ -1,9 +1,8 @@
-"""Figures: percentiles and ratios, CPU time by process role, resident memory."""
+"""Figures: percentiles, paired ratio intervals, CPU time by process role."""
 
 from __future__ import annotations
 
 import os
-import threading
 import time
 from collections import defaultdict
 
@@ -13,12 +12,6 @@ import psutil
 
 def pct(values, q: float) -> float | None:
     return float(np.percentile(np.asarray(values, dtype=float), q)) if len(values) else None
-
-
-def ratio(a: float | None, b: float | None) -> float | None:
-    if a is None or b is None or b == 0:
-        return None
-    return a / b
 
 
 CI_MIN_ROUNDS = 5  # fewer paired rounds give no interval worth printing
@@ -173,52 +166,3 @@ def _short_name(title: str) -> str:
     if len(words) > 2 and words[1] == "-m":
         return words[2]
     return words[0].rsplit("/", 1)[-1]
-
-
-# -- resident memory -------------------------------------------------------------
-
-
-def rss_tree(pid: int) -> tuple[int, dict[str, int]]:
-    """RSS of a process plus all its descendants (bytes), and per process."""
-    per = {}
-    try:
-        root = psutil.Process(pid)
-        for p in [root, *root.children(recursive=True)]:
-            try:
-                name = os.path.basename(" ".join(p.cmdline()[:1])) or p.name()  # no machine paths in results
-                per[f"{name} [{p.pid}]"] = p.memory_info().rss
-            except psutil.Error:
-                pass
-    except psutil.Error:
-        pass
-    return sum(per.values()), per
-
-
-class RssSampler:
-    """Samples rss_tree(pid) in a thread; keeps the peak and a time series."""
-
-    def __init__(self, pid: int, every: float = 0.5):
-        self.pid, self.every = pid, every
-        self.series: list[tuple[float, int]] = []
-        self.peak = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, daemon=True)
-        self.t0 = time.perf_counter()
-
-    def sample(self) -> int:
-        total, _ = rss_tree(self.pid)
-        self.series.append((time.perf_counter() - self.t0, total))
-        self.peak = max(self.peak, total)
-        return total
-
-    def _loop(self):
-        while not self._stop.wait(self.every):
-            self.sample()
-
-    def start(self):
-        self._thread.start()
-        return self
-
-    def stop(self):
-        self._stop.set()
-        self._thread.join(5)

@@ -102,9 +102,6 @@ class Proc:
         self._known.update(procs)
         return list(procs.values())
 
-    def remember_tree(self) -> None:
-        self.tree()
-
     def stop(self, timeout: float = 30.0) -> list[int]:
         """SIGTERM the group and every known descendant, then SIGKILL; returns pids still alive (should be [])."""
         procs = {p.pid: p for p in self.tree()}

@@ -394,31 +394,3 @@ def find_ray_worker(cluster: RayCluster, needle: str) -> list[int]:
         except psutil.Error:
             pass
     return pids
-
-
-def engine_processes(pid: int) -> list[dict]:
-    """vLLM engine processes under `pid`: their thread settings (what decides the engine's CPU use)."""
-    out = []
-    try:
-        kids = psutil.Process(pid).children(recursive=True)
-    except psutil.Error:
-        return out
-    for p in kids:
-        title = proc_title(p)
-        if "VLLM" not in title and "EngineCore" not in title:
-            continue
-        try:
-            env = p.environ()
-            out.append(
-                {
-                    "pid": p.pid,
-                    "title": title.split(" ")[0],
-                    "threads": p.num_threads(),
-                    "cpu_affinity": p.cpu_affinity(),
-                    "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS"),
-                    "VLLM_CPU_OMP_THREADS_BIND": env.get("VLLM_CPU_OMP_THREADS_BIND"),
-                }
-            )
-        except psutil.Error:
-            pass
-    return out
