@@ -104,13 +104,15 @@ def parse(argv=None):
     return a
 
 
-def serve_argv(ep, tokenizer: str, n: int, c: int, seed: int, lens: tuple, fields: dict, result: Path) -> list[str]:
-    """`vllm bench serve` (through bench.vllm_cli) for one arm's batch: n random prompts at concurrency c."""
+def serve_argv(ep, tokenizer: str, n: int, c, seed: int, lens: tuple, fields: dict, result: Path) -> list[str]:
+    """`vllm bench serve` (through bench.vllm_cli) for one batch: n random prompts at concurrency c (None: no cap)."""
     base, _, path = ep.url.partition("/v1/")
     argv = [str(PYTHON), "-m", "bench.vllm_cli", "bench", "serve", "--backend", "openai", "--base-url", base]
     argv += ["--endpoint", "/v1/" + path, "--model", ep.model, "--tokenizer", tokenizer, "--dataset-name", "random"]
     argv += ["--random-input-len", str(lens[0]), "--random-output-len", str(lens[1])]
-    argv += ["--num-prompts", str(n), "--max-concurrency", str(c), "--seed", str(seed), "--ignore-eos"]
+    argv += ["--num-prompts", str(n), "--seed", str(seed), "--ignore-eos"] + (
+        ["--max-concurrency", str(c)] if c else []
+    )
     argv += ["--temperature", "0", "--num-warmups", "0", "--disable-tqdm", "--percentile-metrics", "ttft,tpot,e2el"]
     argv += ["--save-result", "--result-dir", str(result.parent), "--result-filename", result.name]
     return argv + (["--extra-body", json.dumps(fields)] if fields else [])

@@ -1,4 +1,5 @@
-"""bench/simulate.py's pure logic: arrivals, the FakeEngine's delays, the memory gate, the ramp's scale times."""
+"""bench/simulate.py's and bench/failures.py's pure logic: the FakeEngine's delays, the memory gate, the ramp's scale
+times, the deploy config; a kill's figures from its requests and the controller's samples; the poller."""
 
 from __future__ import annotations
 
@@ -13,29 +14,13 @@ from hidden_states.interface import SamplingOptions
 from hidden_states.testing import FakeEngine
 
 
-def test_poisson_arrivals_are_seeded_and_follow_the_rate():
-    flat = [(100.0, 20.0, 20.0)]
-    a = sim.poisson_arrivals(flat, seed=1)
-    assert a == sim.poisson_arrivals(flat, seed=1) != sim.poisson_arrivals(flat, seed=2)
+def test_failures_arrivals_are_seeded_and_follow_the_rate():
+    from bench.failures import arrivals
+
+    a = arrivals(100.0, 20.0, seed=1)
+    assert a == arrivals(100.0, 20.0, seed=1) != arrivals(100.0, 20.0, seed=2)
     assert a == sorted(a) and 0 <= a[0] and a[-1] < 100
     assert abs(len(a) - 2000) < 4 * 2000**0.5  # Poisson: within 4 standard deviations
-
-    ramp = [(10.0, 1.0, 1.0), (60.0, 1.0, 40.0), (30.0, 40.0, 40.0), (60.0, 40.0, 1.0)]
-    b = sim.poisson_arrivals(ramp, seed=3)
-    expected = sim.expected_count(ramp)
-    assert expected == pytest.approx(10 + 60 * 20.5 + 1200 + 60 * 20.5)
-    assert abs(len(b) - expected) < 4 * expected**0.5
-    early = sum(t < 10 for t in b)
-    held = sum(70 <= t < 100 for t in b)
-    assert early < 30 and abs(held - 1200) < 4 * 1200**0.5
-
-
-def test_rate_at_is_piecewise_linear_and_zero_after():
-    segs = [(10.0, 2.0, 2.0), (10.0, 2.0, 12.0)]
-    assert sim.rate_at(segs, 0) == 2.0
-    assert sim.rate_at(segs, 15) == pytest.approx(7.0)
-    assert sim.rate_at(segs, 20.5) == 0.0
-    assert sim.poisson_arrivals([(5.0, 0.0, 0.0)], seed=1) == []
 
 
 @pytest.mark.parametrize("pacing", ["once", "tokens"])
@@ -125,8 +110,10 @@ def test_failures_has_a_command_line_of_its_own():
 
 
 def _req(sent, latency, status=None, error=None, timed_out=False):
+    from bench.failures import Req
+
     status = (200 if error is None else 0) if status is None else status  # an exception leaves no status
-    return sim.Req(at=sent, sent=sent, latency=latency, status=status, error=error, timed_out=timed_out, done=True)
+    return Req(at=sent, sent=sent, latency=latency, status=status, error=error, timed_out=timed_out, done=True)
 
 
 def test_kill_figures_count_in_flight_and_recovery():
@@ -165,12 +152,12 @@ def test_kill_figures_count_in_flight_and_recovery():
 
 
 def test_kill_figures_without_failures_and_a_request_left_unfinished():
-    from bench.failures import kill_figures
+    from bench.failures import Req, kill_figures
 
     clean = kill_figures([_req(t, 1.0) for t in range(20)], kill_t=10.5)
     assert clean["failed"] == 0 and clean["all_ok_from_s"] == 0.0 and clean["normal_from_s"] == 0.0
     assert clean["in_flight_at_kill"] == 1 and clean["first_ok_sent_s"] == pytest.approx(0.5)
-    hung = sim.Req(at=9.0, sent=9.0)  # never done: in flight, not ok
+    hung = Req(at=9.0, sent=9.0)  # never done: in flight, not ok
     f = kill_figures([_req(1.0, 1.0), hung], kill_t=10.0)
     assert f["in_flight_at_kill"] == 1 and f["not_done"] == 1 and f["sent_after_kill"] == 0
     assert f["all_ok_from_s"] is None and f["first_ok_sent_s"] is None
