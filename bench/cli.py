@@ -204,8 +204,8 @@ def start(model: str, parts: list[str]):
             if (port := apps.router_port_endpoint()) is None:
                 raise StartError("the Router's own port (direct ingress) was not found")
             eps["port"] = port
-        cpu.add_root(cluster.proc.pid, "ray: system")
-        cpu.add_root(apps.proc.pid, "ray: system")
+        cpu.add_root(cluster.proc.pid, "ray")
+        cpu.add_root(apps.proc.pid, "serve run")
         return eps, path, stop, cpu
     except BaseException:
         for s in stop:

@@ -13,7 +13,7 @@ replica), `port` (the Router's own port -> replica), `replica_port` (`ingress: r
 Per path and size: `--requests` non-streaming requests, `--concurrency` at a time, each response read whole and
 parsed by the client (its rows' shape checked); then the same with `stream: true` (rows arrive with each
 token's chunk). Bytes per second is response bytes over wall time; CPU per MB is each role's CPU seconds
-(bench.serve_cpu.Roles: psutil times of every process, the idle rate subtracted) per MB of response. The
+(bench.measure.CpuAccount: psutil times of every process, the idle rate subtracted) per MB of response. The
 replica's figure includes the FakeEngine making its rows (random normals; measured alone, in this process,
 and printed beside it), which a real engine does on the device instead.
 """
@@ -28,13 +28,14 @@ import time
 import httpx
 import yaml
 
+from bench.measure import CpuAccount
 from bench.procs import BIN, WORK, Proc, StartError, command_line, free_port, wait_until, write_results
-from bench.serve_cpu import CLUSTERS, Roles, cluster_env, find_ingress
+from bench.serve_cpu import CLUSTERS, cluster_env, find_ingress
 from bench.servers import RayCluster, http_ok
 
 MODEL = "fake"
 HIDDEN = 4096
-PATH_ROLES = {  # the processes a request passes through (bench.serve_cpu.Roles' names)
+PATH_ROLES = {  # the processes a request passes through (bench.measure.CpuAccount's roles)
     "proxy": ["main: proxy", "pl: router", "pl: replica"],
     "port": ["pl: router", "pl: replica"],
     "replica_port": ["pl-direct: replica"],
@@ -132,7 +133,7 @@ def one(client: httpx.Client, url: str, tokens: int, stream: bool) -> int:
     return len(r.content)
 
 
-def run_arm(roles: Roles, url: str, tokens: int, stream: bool, requests: int, concurrency: int, path: str) -> dict:
+def run_arm(roles: CpuAccount, url: str, tokens: int, stream: bool, requests: int, concurrency: int, path: str) -> dict:
     a = roles.snapshot()
     sizes, errors = [], []
     with httpx.Client(timeout=300) as client, concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
@@ -177,7 +178,7 @@ def main() -> None:
     args = ap.parse_args()
     shown = argparse.Namespace(**vars(args))
     tokens = [int(t) for t in args.tokens.split(",")]
-    roles, started = Roles(), []
+    roles, started = CpuAccount(), []
     results: dict = {
         "hidden_size": HIDDEN,
         "dtype": "float16",

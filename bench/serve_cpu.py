@@ -49,7 +49,6 @@ import argparse
 import json
 import os
 import platform
-import re
 import tempfile
 import time
 from collections import defaultdict
@@ -137,72 +136,6 @@ def find_ingress(kind: str, ports: tuple[int, int], prefix: str = "", timeout: f
     raise StartError(f"no {kind} ingress answered on ports {ports[0]}..{ports[1]} in {timeout:.0f}s")
 
 
-# -- CPU by role -----------------------------------------------------------------
-
-ENGINE_TITLES = ("VLLM::", "EngineCore")
-DEPLOYMENT_ROLE = {"Router": "router", "EngineReplica": "replica", "LLMServer": "server"}
-
-
-class Roles:
-    """CPU seconds by role, from snapshots of every process (measure.CpuAccount.snapshot)."""
-
-    def __init__(self):
-        self.roots: dict[int, str] = {os.getpid(): "client"}
-        self.idle: dict[str, float] = {}  # role -> cores used with no load
-
-    def add_root(self, pid: int, name: str) -> None:
-        self.roots[pid] = name
-
-    def snapshot(self) -> dict:
-        return measure.CpuAccount.snapshot(self)
-
-    def role(self, pid: int, procs: dict) -> str | None:
-        chain, cur = [], pid
-        while cur in procs and cur not in self.roots and len(chain) < 64:
-            chain.append(cur)
-            cur = procs[cur][0]
-        if cur not in self.roots:
-            return None
-        root = self.roots[cur]
-        title = procs[pid][1] if pid in procs else ""
-        if root == "client":
-            return "client"
-        engine = any(t in title for t in ENGINE_TITLES)
-        if root == "vllm":
-            return "vllm: engine" if engine else "vllm: api server"
-        if os.path.basename(title.split(" ", 1)[0]) == "haproxy":
-            return f"{root}: haproxy"
-        for c in chain:
-            t = procs[c][1]
-            m = re.search(r"ServeReplica:([\w.-]+):(\w+)", t)
-            if m:
-                app, dep = m.groups()
-                r = f"{app}: {DEPLOYMENT_ROLE.get(dep, 'ingress')}"
-                return r + ": engine" if engine and c != pid else r
-            if "ProxyActor" in t:
-                return f"{root}: proxy"
-            if "ServeController" in t:
-                return f"{root}: controller"
-        return f"{root}: daemons"
-
-    def delta(self, a: dict, b: dict) -> dict:
-        roles: dict[str, float] = defaultdict(float)
-        for pid, (_, _, cpu) in b["procs"].items():
-            prev = a["procs"].get(pid)
-            role = self.role(pid, b["procs"])
-            if role is not None:
-                roles[role] += max(0.0, cpu - (prev[2] if prev is not None else 0.0))
-        busy = b["busy"] - a["busy"]
-        roles["other (not ours)"] = max(0.0, busy - sum(roles.values()))
-        return {"wall": b["t"] - a["t"], "busy": busy, "roles": dict(roles), "ray_system_detail": {}}
-
-    def measure_idle(self, seconds: float) -> None:
-        a = self.snapshot()
-        time.sleep(seconds)
-        d = self.delta(a, self.snapshot())
-        self.idle = {k: v / d["wall"] for k, v in d["roles"].items()}
-
-
 # -- the paths -------------------------------------------------------------------
 
 
@@ -280,7 +213,9 @@ def body_checks(ep: Endpoint, vocab: int) -> dict:
     return out
 
 
-def run_phase(arms: list[tuple[str, Endpoint, dict]], args, roles: Roles, tokenizer: str, tag: str) -> dict:
+def run_phase(
+    arms: list[tuple[str, Endpoint, dict]], args, roles: measure.CpuAccount, tokenizer: str, tag: str
+) -> dict:
     """Each (path/variant, endpoint, fields) arm's batches through `vllm bench serve`, rounds alternating."""
     roles.measure_idle(args.idle_s)
     out: dict = {"idle_cores": {k: round(v, 4) for k, v in roles.idle.items() if v >= 1e-4}, "by_concurrency": {}}
@@ -333,7 +268,7 @@ def main() -> None:
     t_start = time.time()
     path = build_model(MODEL)
     vocab = json.load(open(os.path.join(path, "config.json")))["vocab_size"]
-    roles = Roles()
+    roles = measure.CpuAccount()
     started: list = []
     results: dict = {
         "model": MODEL,

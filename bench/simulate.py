@@ -44,7 +44,7 @@ from types import SimpleNamespace
 
 from bench.procs import LOGS, PYTHON, ROOT, Proc
 
-APP = "hidden-states"  # bench.measure.ROLE_TITLES know its process titles
+APP = "hidden-states"
 MODEL = "sim"
 GIB = 2**30
 SPARE_BYTES = 4 * GIB  # what a size must leave available
@@ -56,7 +56,7 @@ SIM_ENV = {  # `make serve`'s Serve switches (deployments/serve_env.py), direct 
     "RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT": "43000",
     "RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT": "43300",
 }
-ROUTING_ROLES = ("ours: router", "serve: proxy", "serve: controller")  # "routing CPU"
+ROUTING_ROLES = (f"{APP}: router", "ray: proxy", "ray: controller")  # "routing CPU" (bench.measure.CpuAccount)
 FAILED_MAX = 0.01  # a size "worked" if at most this share of its requests failed
 
 
@@ -616,7 +616,6 @@ class Sim:
         row.update(
             cpu_ms_per_request=per_req(busy["roles"]),
             routing_ms_per_request=sum(per_req(busy["roles"]).get(k, 0.0) for k in ROUTING_ROLES) if ok else None,
-            ray_system_ms_per_request=per_req(busy["ray_system_detail"]),
             net_cpu_ms_per_request=per_req(
                 {k: v - row["idle_cores"].get(k, 0.0) * busy["wall"] for k, v in busy["roles"].items()}
             ),
