@@ -114,6 +114,7 @@ def serve_argv(ep, tokenizer: str, n: int, c, seed: int, lens: tuple, fields: di
         ["--max-concurrency", str(c)] if c else []
     )
     argv += ["--temperature", "0", "--num-warmups", "0", "--disable-tqdm", "--percentile-metrics", "ttft,tpot,e2el"]
+    argv += ["--metric-percentiles", "50,90,99"]
     argv += ["--save-result", "--result-dir", str(result.parent), "--result-filename", result.name]
     return argv + (["--extra-body", json.dumps(fields)] if fields else [])
 
