@@ -30,8 +30,8 @@ import yaml
 
 from bench.measure import CpuAccount
 from bench.procs import BIN, WORK, Proc, StartError, command_line, free_port, wait_until, write_results
-from bench.serve_cpu import CLUSTERS, cluster_env, find_ingress
-from bench.servers import RayCluster, http_ok
+from bench.serve_cpu import CLUSTERS, cluster_env
+from bench.servers import RayCluster, find_ingress, http_ok
 
 MODEL = "fake"
 HIDDEN = 4096

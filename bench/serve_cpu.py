@@ -59,8 +59,8 @@ import psutil
 
 from bench import measure
 from bench.cli import batch
-from bench.procs import StartError, command_line, write_results
-from bench.servers import ENGINE_ENV, Endpoint, RayCluster, ServeApps, VLLMServer, build_model
+from bench.procs import command_line, write_results
+from bench.servers import ENGINE_ENV, Endpoint, RayCluster, ServeApps, VLLMServer, build_model, find_ingress
 from deployments.config import CPU_ENGINE_DEFAULTS
 from deployments.serve_env import SERVE_SWITCHES
 
@@ -96,44 +96,6 @@ def cluster_env(name: str) -> dict[str, str]:
         "RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT": str(lo + 10000),
         "RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT": str(hi + 10000),
     }
-
-
-class Apps(ServeApps):
-    """ServeApps with our app under a name of its own, so each cluster's processes have their own titles."""
-
-    def __init__(
-        self, *a, app_name: str = "hidden-states", direct_name: str = "hs-direct", direct_replicas: int = 1, **kw
-    ):
-        super().__init__(*a, **kw)
-        self.app_name, self.direct_name, self.direct_replicas = app_name, direct_name, direct_replicas
-
-    def config(self) -> dict:
-        cfg = super().config()
-        for app in cfg["applications"]:
-            if app["name"] == "hidden-states":
-                app["name"] = self.app_name
-            elif app["name"] == "hs-direct":
-                n = self.direct_replicas
-                app["name"] = self.direct_name
-                app["args"] = dict(app["args"], replica_autoscaling={"min_replicas": n, "max_replicas": n})
-        return cfg
-
-
-def find_ingress(kind: str, ports: tuple[int, int], prefix: str = "", timeout: float = 90) -> str:
-    """The base URL of the one replica answering /debug/stats with this ingress kind in `ports`
-    (a replica's own port serves its app's route prefix too)."""
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        for port in range(*ports):
-            base = f"http://127.0.0.1:{port}{prefix}"
-            try:
-                r = httpx.get(f"{base}/debug/stats", timeout=1)
-                if r.status_code == 200 and r.json().get("ingress", {}).get("kind") == kind:
-                    return base
-            except (httpx.HTTPError, ValueError):
-                continue
-        time.sleep(2)
-    raise StartError(f"no {kind} ingress answered on ports {ports[0]}..{ports[1]} in {timeout:.0f}s")
 
 
 # -- the paths -------------------------------------------------------------------
@@ -285,7 +247,7 @@ def main() -> None:
         main_cluster = RayCluster(extra_env=cluster_env("main"))
         main_cluster.start()
         started.append(main_cluster)
-        apps = Apps(main_cluster, path, MODEL, ENGINE, ours=True, rsllm=True, direct=True, tag="cpu-main")
+        apps = ServeApps(main_cluster, path, MODEL, ENGINE, ours=True, rsllm=True, direct=True, tag="cpu-main")
         apps.launch()
         started.insert(0, apps)
         vllm.wait_ready(600)
@@ -322,19 +284,8 @@ def main() -> None:
                 cl = RayCluster(extra_env=cluster_env(sw), second=True)
                 cl.start()
                 started.insert(0, cl)
-                a = Apps(
-                    cl,
-                    path,
-                    MODEL,
-                    ENGINE,
-                    ours=True,
-                    rsllm=False,
-                    tag=f"cpu-{sw}",
-                    app_name=CLUSTERS[sw][1],
-                    direct=sw == "haproxy",
-                    direct_name="hs-haproxy-direct",
-                    direct_replicas=2,
-                )
+                names = {"app_name": CLUSTERS[sw][1], "direct_name": "hs-haproxy-direct", "direct_replicas": 2}
+                a = ServeApps(cl, path, MODEL, ENGINE, True, False, f"cpu-{sw}", direct=sw == "haproxy", **names)
                 a.launch()
                 started.insert(0, a)
                 a.wait_ready(900)
