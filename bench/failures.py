@@ -206,17 +206,10 @@ class Failures(Sim):
         from bench.procs import BIN, Proc, free_port, wait_until
 
         before = {n["node_id"] for n in self.driver.call("nodes")}
-        ports = {
-            flag: str(free_port(p))
-            for flag, p in (
-                ("--node-manager-port", 27100),
-                ("--object-manager-port", 27200),
-                ("--dashboard-agent-listen-port", 27300),
-                ("--dashboard-agent-grpc-port", 27400),
-                ("--metrics-export-port", 27500),
-                ("--runtime-env-agent-port", 27600),
-            )
-        }
+        flags = (
+            "node-manager object-manager dashboard-agent-listen dashboard-agent-grpc metrics-export runtime-env-agent"
+        )
+        ports = {f"--{f}-port": str(free_port(27100 + 100 * i)) for i, f in enumerate(flags.split())}
         argv = [BIN / "ray", "start", "--address", self.cluster.address, "--block", "--resources", '{"sim_node": 100}']
         argv += "--num-cpus 8 --node-ip-address 127.0.0.1 --min-worker-port 27700 --max-worker-port 27999".split()
         argv += ["--object-store-memory", str(256 * 2**20), "--temp-dir", str(self.cluster.temp_dir)]

@@ -149,7 +149,6 @@ def wait_until(
     what: str,
     procs: list[Proc] = (),
     poll: float = 1.0,
-    on_tick: Callable[[], None] | None = None,
 ) -> float:
     """Polls `check` until true; fails early with the log tail if one of `procs` died."""
     t0 = time.monotonic()
@@ -165,8 +164,6 @@ def wait_until(
         if time.monotonic() - t0 > timeout:
             tails = "\n".join(f"--- {p.name} ({p.log_path})\n{p.tail()}" for p in procs)
             raise StartError(f"{what}: not ready after {timeout:.0f}s\n{tails}")
-        if on_tick:
-            on_tick()
         time.sleep(poll)
 
 

@@ -3,44 +3,22 @@
     .venv/bin/python -m bench.serve_cpu [--concurrency 8,32] [--requests 48,96] [--rounds 2] \
         [--name serve-cpu-tiny]
 
-Every server runs the same model (the built-in tiny one) with the same engine arguments and
-engine environment (bench/servers.py). The paths, each an arm:
+Every server runs the built-in tiny model with the same engine arguments and environment (bench/servers.py).
+The paths, each an arm: `vllm` (vLLM's own OpenAI server, the baseline); `rsllm` (Ray Serve LLM through Serve's
+proxy); `proxy` (our app as `make serve` runs it: proxy -> Router -> replica); `port` (the Router's own port,
+direct ingress); `replica_proxy` and `replica_port` (`ingress: replica` through the proxy, and on its own port);
+`haproxy` and `haproxy_replica` (a cluster with `RAY_SERVE_ENABLE_HA_PROXY=1`: HAProxy -> the Router's port, and
+HAProxy over 2 `ingress: replica` replicas' ports); `tput_proxy` and `tput_port` (a cluster with
+`RAY_SERVE_THROUGHPUT_OPTIMIZED=1`). Our paths run with no vectors (`off`), the final vector (`final`) and the
+`completion` rows in float16 (`rows`). Phase one runs the main cluster's paths; phase two the switch clusters'
+beside vLLM's server and `proxy` again. Arms alternate round by round, the first rotating, every arm of a round on
+the same prompts, each batch sent by `vllm bench serve` (bench.cli.batch).
 
-- `vllm`: vLLM's own OpenAI server (`python -m vllm.entrypoints.openai.api_server`): the baseline.
-- `rsllm`: Ray Serve LLM (`build_openai_app`) through Serve's proxy.
-- `proxy`: our app as `make serve` runs it: Serve's proxy -> Router -> engine replica.
-- `port`: the Router's own port (direct ingress, on in `make serve`) -> engine replica.
-- `replica_proxy`: `ingress: replica` through Serve's proxy (no Router).
-- `replica_port`: `ingress: replica` on the replica's own port: no proxy, no Router, one process.
-- `haproxy`: a Ray cluster with `RAY_SERVE_ENABLE_HA_PROXY=1`: HAProxy -> Router's port -> replica.
-- `haproxy_replica`: the same cluster, `ingress: replica` with 2 replicas: HAProxy balances over
-  the replicas' own ports (leastconn; a refused connection is retried on another replica).
-- `tput_proxy`, `tput_port`: a Ray cluster with `RAY_SERVE_THROUGHPUT_OPTIMIZED=1` (gRPC between
-  deployments, the router on the caller's loop, buffered request logs, direct ingress), through its
-  proxy and through its Router's port.
-
-Our paths run three ways: no vectors (`off`), the final token's vector (`final`), and the
-`completion` rows in float16 (`rows`). The first phase runs the main cluster's paths with vLLM's
-server and Ray Serve LLM; the second starts the two switch clusters and runs their paths beside
-vLLM's server and `proxy` again. In a phase the arms alternate round by round, the first arm
-rotating, every arm of a round on the same random prompts, each batch sent by `vllm bench serve`
-(bench.cli.batch).
-
-CPU: every process's CPU seconds (psutil) before and after each arm's batch of a fixed request
-count, attributed by process title to a role (`<app>: router`, `<app>: replica`, `<cluster>:
-proxy`, `<cluster>: haproxy`, `vllm: api server`, ...). vLLM's engine core and worker processes
-(`: engine`) are left out: the figure is what a path costs outside the engine. Each role's idle
-rate, measured over an idle window before the load, is taken off (its CPU over the batch's wall
-time), so a process's background (health checks, metrics pushes) is not charged to requests.
-A path's CPU per request is the sum over the processes a request passes through; Ray's daemons
-and Serve's controller are given apart (above their idle rate), as are the ratios to vLLM's API
-server.
-
-Also, per path: a request body larger than HAProxy's default buffer (a 4,000-token prompt, about
-24 KB) must arrive whole (prompt_tokens 4,000), and one above `max_request_body_bytes` must be
-refused with a 413, never truncated.
-
-Prints a table and writes bench/results/<name>.{json,md}.
+CPU: bench.measure.CpuAccount's roles before and after each batch, each role's idle rate (an idle window before
+the load) taken off; vLLM's engine processes are left out. A path's CPU per request is the sum over the processes
+a request passes through (path_roles); Serve's controller and Ray's daemons are given apart. Also per path: a
+4,000-token prompt (over HAProxy's default buffer) must arrive whole, and a body over `max_request_body_bytes` be
+refused with a 413. Prints a table and writes bench/results/<name>.{json,md}.
 """
 
 from __future__ import annotations
