@@ -53,19 +53,13 @@ def serve_config(http_port: int, names: tuple[str, str], max_body: int) -> dict:
         "request_timeout_s": 120,
         "max_request_body_bytes": max_body,
     }
-    return {
-        "proxy_location": "HeadOnly",
-        "http_options": {"host": "127.0.0.1", "port": http_port},
-        "applications": [
-            {"name": names[0], "route_prefix": "/", "import_path": "bench.simulate:fake_app", "args": args},
-            {
-                "name": names[1],
-                "route_prefix": "/direct",
-                "import_path": "bench.simulate:fake_app",
-                "args": dict(args, ingress="replica"),
-            },
-        ],
-    }
+    app = {"route_prefix": "/", "import_path": "bench.simulate:fake_app", "args": args}
+    apps = [
+        app | {"name": names[0]},
+        app | {"name": names[1], "route_prefix": "/direct", "args": args | {"ingress": "replica"}},
+    ]
+    http = {"host": "127.0.0.1", "port": http_port}
+    return {"proxy_location": "HeadOnly", "http_options": http, "applications": apps}
 
 
 class FakeApps:
@@ -81,11 +75,8 @@ class FakeApps:
         path = WORK / "cfg" / f"serve-{self.tag}.yaml"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(yaml.safe_dump(serve_config(self.http_port, self.names, 4 * 2**20), sort_keys=False))
-        self.proc = Proc(
-            f"serve-run-{self.tag}",
-            [BIN / "serve", "run", "--address", self.cluster.address, path],
-            env=self.cluster.env(),
-        )
+        argv = [BIN / "serve", "run", "--address", self.cluster.address, path]
+        self.proc = Proc(f"serve-run-{self.tag}", argv, env=self.cluster.env())
 
     def wait_ready(self, timeout: float) -> None:
         def ready() -> bool:
@@ -100,18 +91,9 @@ class FakeApps:
 
 
 def body(tokens: int, stream: bool) -> bytes:
-    return json.dumps(
-        {
-            "model": MODEL,
-            "prompt": "Rows, please.",
-            "max_tokens": tokens,
-            "stream": stream,
-            "return_hidden_states": True,
-            "hidden_states_position": "completion",
-            "hidden_states_dtype": "float16",
-            "hidden_states_encoding": "base64",
-        }
-    ).encode()
+    rows = {"return_hidden_states": True, "hidden_states_position": "completion", "hidden_states_dtype": "float16"}
+    body = {"model": MODEL, "prompt": "Rows, please.", "max_tokens": tokens, "stream": stream}
+    return json.dumps(body | rows | {"hidden_states_encoding": "base64"}).encode()
 
 
 def one(client: httpx.Client, url: str, tokens: int, stream: bool) -> int:

@@ -335,21 +335,24 @@ def measure_engine(model: str, prompt_tokens: int, max_tokens: int, requests: in
 # -- the load: `vllm bench serve` (bench.cli.serve_argv) at a request rate, open loop ---------------------------
 
 
-def vllm_load(url: str, n: int, seed: int, lens: tuple[int, int], rate: list[str], timeout: float) -> dict:
-    """n requests of `lens` (prompt, completion tokens; the final vector asked) through `vllm bench serve` with the
-    `rate` flags (`--request-rate R`, or a ramp), no concurrency cap: vLLM's result (completed, failed, e2el ms
-    percentiles, duration)."""
+def load_argv(url: str, n: int, seed: int, lens: tuple[int, int], rate: list[str], result: Path) -> list[str]:
+    """`vllm bench serve` (bench.cli.serve_argv): n requests of `lens` (prompt, completion tokens; the final vector
+    asked) at the `rate` flags (`--request-rate R`, or a ramp), no concurrency cap."""
     from bench.cli import serve_argv
     from hidden_states.models.builtin import resolve_model
 
-    ep = SimpleNamespace(url=url, model=MODEL)
+    ep, fields = SimpleNamespace(url=url, model=MODEL), {"return_hidden_states": True}
+    argv = serve_argv(ep, resolve_model("builtin:tiny-llama"), n, None, seed, lens, fields, result)
+    return argv + [*rate, "--ready-check-timeout-sec", "60"]
+
+
+def vllm_load(url: str, n: int, seed: int, lens: tuple[int, int], rate: list[str], timeout: float) -> dict:
+    """load_argv's run, within `timeout` s: vLLM's result (completed, failed, e2el ms percentiles, duration)."""
+    LOGS.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="bench-sim-") as folder:
         result = Path(folder) / "load.json"
-        argv = serve_argv(
-            ep, resolve_model("builtin:tiny-llama"), n, None, seed, lens, {"return_hidden_states": True}, result
-        )
-        argv += [*rate, "--ready-check-timeout-sec", "60"]
         with open(LOGS / "sim-load.log", "ab") as out:
+            argv = load_argv(url, n, seed, lens, rate, result)
             done = subprocess.run(argv, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, timeout=timeout)
         if done.returncode != 0 or not result.exists():
             raise RuntimeError(f"vllm bench serve exited {done.returncode} (its log: bench/.work/logs/sim-load.log)")
@@ -469,32 +472,27 @@ class Sim:
         )
 
     def rss(self, d: dict) -> dict:
+        """MiB: the replicas' mean RSS and PSS (a replica's share: libraries are mapped once); the Router's,
+        proxy's and controller's RSS."""
         import psutil
 
-        def mem(pids) -> list:
+        def mem(pids) -> list[tuple[float, float]]:
             out = []
             for pid in filter(None, pids):
                 try:
                     m = psutil.Process(pid).memory_full_info()
-                    out.append((m.rss, m.uss, getattr(m, "pss", m.uss)))
+                    out.append((m.rss / 2**20, getattr(m, "pss", m.uss) / 2**20))
                 except psutil.Error:
                     pass
             return out
 
-        out: dict = {"replicas": len(rep := mem(r["pid"] for r in self.deployment(d)["replicas"]))}
+        rep = mem(r["pid"] for r in self.deployment(d)["replicas"])
+        out: dict = {"replicas": len(rep)}
         if rep:
-            out |= {
-                f"replica_{k}_mib_mean": sum(x[i] for x in rep) / len(rep) / 2**20
-                for i, k in enumerate(("rss", "uss", "pss"))
-            }
-            out["replicas_rss_gib_total"] = sum(x[0] for x in rep) / GIB
-        for name, pids in (
-            ("router", [r["pid"] for r in self.deployment(d, "Router")["replicas"]]),
-            ("proxy", d["proxies"]),
-            ("controller", [d["controller_pid"]]),
-        ):
-            if xs := mem(pids):
-                out[f"{name}_rss_mib"] = sum(x[0] for x in xs) / 2**20
+            out |= {f"replica_{k}_mib_mean": sum(x[i] for x in rep) / len(rep) for i, k in enumerate(("rss", "pss"))}
+        router = [r["pid"] for r in self.deployment(d, "Router")["replicas"]]
+        for name, pids in (("router", router), ("proxy", d["proxies"]), ("controller", [d["controller_pid"]])):
+            out[f"{name}_rss_mib"] = sum(x[0] for x in mem(pids))
         return out
 
     def serve_env(self) -> dict:
@@ -521,11 +519,8 @@ class Sim:
             except Exception as e:
                 self.res["errors"].append(f"stopping {type(p).__name__}: {e}")
         log(f"stopped; left running: {left or 'none'}")
-        self.res.update(
-            stopped_left_running=left,
-            finished=dt.datetime.now().isoformat(timespec="seconds"),
-            duration_s=round(time.monotonic() - self.t0),
-        )
+        now = dt.datetime.now().isoformat(timespec="seconds")
+        self.res.update(stopped_left_running=left, finished=now, duration_s=round(time.monotonic() - self.t0))
         self.res["machine"]["load_average_at_end"] = os.getloadavg()
         self.save()
 

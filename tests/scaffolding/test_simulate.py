@@ -91,6 +91,39 @@ def test_percentile_and_deploy_config():
     assert dep["ray_actor_options"]["runtime_env"]["env_vars"]["RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD"] == "0"
 
 
+def test_the_load_goes_through_vllm_bench_serve_at_a_rate_or_a_ramp(tmp_path, monkeypatch):
+    """bench.simulate's load: an argv `vllm bench serve`'s own parser reads (open loop: no concurrency cap), its
+    saved result becomes the size's figures, and the added latency is vLLM's percentiles minus the sleep."""
+    import argparse
+    import json
+    import subprocess
+
+    from vllm.benchmarks.serve import add_cli_args
+
+    parser = argparse.ArgumentParser()
+    add_cli_args(parser)
+    read = lambda argv: parser.parse_args(argv[argv.index("serve") + 1 :])
+    url = "http://127.0.0.1:8410/v1/completions"
+    ns = read(sim.load_argv(url, 1200, 7, (256, 64), ["--request-rate", "20.0"], tmp_path / "r.json"))
+    assert (ns.num_prompts, ns.request_rate, ns.max_concurrency, ns.seed, ns.model) == (1200, 20.0, None, 7, "sim")
+    assert ns.extra_body == {"return_hidden_states": True} and ns.metric_percentiles == "50,90,99"
+    ramp = ["--ramp-up-strategy", "linear", "--ramp-up-start-rps", "1", "--ramp-up-end-rps", "21"]
+    ns = read(sim.load_argv(url, 1980, 8, (256, 64), ramp, tmp_path / "r.json"))
+    assert (ns.ramp_up_strategy, ns.ramp_up_start_rps, ns.ramp_up_end_rps) == ("linear", 1, 21)
+
+    saved = {"completed": 99, "failed": 1, "duration": 5.0, "p50_e2el_ms": 2300.0, "p99_e2el_ms": 2400.0}
+
+    def fake_run(argv, cwd, stdout, stderr, timeout):
+        out = sim.Path(argv[argv.index("--result-dir") + 1]) / argv[argv.index("--result-filename") + 1]
+        out.write_text(json.dumps(saved | {"errors": ["x"]}))
+        return subprocess.CompletedProcess(argv, 0)
+
+    monkeypatch.setattr(sim.subprocess, "run", fake_run)
+    got = sim.vllm_load(url, 100, 7, (256, 64), ["--request-rate", "20"], timeout=60)
+    assert got["completed"] == 99 and got["failed"] == 1 and got["p99_e2el_ms"] == 2400.0 and "errors" not in got
+    assert sim.added_ms(got, slept=2.267) == {"added_ms_p50": pytest.approx(33.0), "added_ms_p99": pytest.approx(133.0)}
+
+
 def test_failures_has_a_command_line_of_its_own():
     """`python -m bench.failures`: its load and kills, bench.simulate's cluster flags; bench.simulate runs no kills."""
     from bench import failures
