@@ -724,7 +724,7 @@ def add_cluster_flags(add) -> None:
     add("--engine-requests", type=int, default=10)
     add("--start-timeout", type=float, default=900.0)
     add("--serve-env", action="append", default=[], metavar="KEY=VALUE", help="for the Ray cluster; repeatable")
-    add("--out", type=Path, default=Path("bench/results/simulate"))
+    add("--out", type=Path, default=Path("bench/.work/simulate"), help="bench/results/simulate holds the records")
 
 
 def parse(argv=None):

@@ -130,7 +130,7 @@ def test_failures_has_a_command_line_of_its_own():
 
     a = failures.parse([])
     assert (a.rate, a.kill_after, a.after_kill) == (20.0, 15.0, 45.0)
-    assert (a.max_tokens, a.seed, a.engine, a.out) == (64, 20261203, "auto", sim.Path("bench/results/simulate"))
+    assert (a.max_tokens, a.seed, a.engine, a.out) == (64, 20261203, "auto", sim.Path("bench/.work/simulate"))
     assert failures.parse(["--serve-env", "K=V", "--out", "x"]).serve_env == ["K=V"]
     for flag in ("--failures", "--kill-after=5"):
         with pytest.raises(SystemExit):
