@@ -172,25 +172,19 @@ def driver_main(address: str, http_port: int) -> None:
     controller = client._controller
 
     def details() -> dict:
+        """The controller's view, trimmed: per app its status and per deployment its replicas' pid, state, node."""
         d = ray.get(controller.get_serve_instance_details.remote(), timeout=30)
         proxies = list((d.get("proxies") or {}).values())
+
+        def deployment(dep: dict) -> dict:
+            reps = dep.get("replicas") or []
+            out = {"status": dep.get("status"), "target": dep.get("target_num_replicas")}
+            out["states"] = dict(Counter(r.get("state") for r in reps))
+            return out | {"replicas": [{k: r.get(k) for k in ("pid", "state", "node_id")} for r in reps]}
+
         apps = {
-            name: {
-                "status": a.get("status"),
-                "message": (a.get("message") or "")[-2000:],
-                "deployments": {
-                    dn: {
-                        "status": dep.get("status"),
-                        "target": dep.get("target_num_replicas"),
-                        "states": dict(Counter(r.get("state") for r in dep.get("replicas") or [])),
-                        "replicas": [
-                            {k: r.get(k) for k in ("pid", "state", "start_time_s", "node_id")}
-                            for r in dep.get("replicas") or []
-                        ],
-                    }
-                    for dn, dep in (a.get("deployments") or {}).items()
-                },
-            }
+            name: {"status": a.get("status"), "message": (a.get("message") or "")[-2000:]}
+            | {"deployments": {dn: deployment(dep) for dn, dep in (a.get("deployments") or {}).items()}}
             for name, a in (d.get("applications") or {}).items()
         }
         return {
