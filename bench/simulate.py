@@ -1,7 +1,7 @@
 """Many replicas, simulated: our Router and Serve's proxy in front of N FakeEngine replicas.
 
-    .venv/bin/python -m bench.simulate --sizes 1,8,32,48,64        # per size, then the autoscaler's ramp
-    .venv/bin/python -m bench.simulate --sizes 1,8 --seconds 20 --ramp-max 8 --out bench/.work/sim-dev  # a try-out
+    .venv/bin/python -m bench.simulate --sizes 1,8,32,48,64
+    .venv/bin/python -m bench.simulate --sizes 1,8 --seconds 20 --out bench/.work/sim-dev  # a try-out
     .venv/bin/python -m bench.failures      # on this cluster and app: kill the proxy, the Router, a node
 
 What runs: a Ray cluster of its own (bench.servers.RayCluster, second=True; `make serve`'s Serve switches, direct
@@ -19,9 +19,7 @@ Per size N (a fresh deploy, `replica_autoscaling` min = max = N, one Router): th
 size whose replicas would leave under 4 GiB available is skipped), an idle window, then `vllm bench serve` at a fixed
 `--request-rate` (Poisson arrivals, the same seed at every N): CPU seconds per request by process role
 (bench.measure.CpuAccount) and the added latency (vLLM's end-to-end percentiles minus what the FakeEngine slept).
-The ramp: replicas min 1, max M, shortened autoscaling delays; `vllm bench serve --ramp-up-strategy linear` raises the
-offered rate over `--ramp-up` s, then the load stops and the scale-down is watched; the controller is polled every
-2 s. OUT/results.json carries no machine paths; everything started is stopped by process group.
+OUT/results.json carries no machine paths; everything started is stopped by process group.
 """
 
 from __future__ import annotations
@@ -68,14 +66,14 @@ def fake_app(args: dict):
     return build(args, engine_cls=FakeEngine)
 
 
-def app_args(engine: dict, autoscaling: dict, replica_max_ongoing: int = 256, **extra) -> dict:
+def app_args(engine: dict, autoscaling: dict, **extra) -> dict:
     """AppArgs for the simulation: FakeEngine delays as `engine` args, the replicas' autoscaling, one Router."""
     return {
         "model": "builtin:tiny-llama",
         "served_model_name": MODEL,  # the FakeEngine loads nothing
         "engine": {k: engine[k] for k in ("token_delay_s", "first_token_delay_s")},
         "request_timeout_s": 60,
-        "replica_max_ongoing_requests": replica_max_ongoing,
+        "replica_max_ongoing_requests": 256,
         "replica_autoscaling": autoscaling,
         "router_autoscaling": {"min_replicas": 1, "max_replicas": 1},
         **extra,
@@ -117,11 +115,6 @@ def fake_delays(ttft_s: float, itl_s: float, max_tokens: int, pacing: str = "onc
     raise ValueError(f"pacing {pacing!r}: once or tokens")
 
 
-def largest_fitting(replica_bytes: int, available: int, step: int = 8, spare: int = SPARE_BYTES) -> int:
-    """The largest multiple of `step` replicas that `fits` (0 if none)."""
-    return int(max(0, (available - spare) // max(1, replica_bytes)) // step * step)
-
-
 def fits(n: int, replica_bytes: int, available: int, spare: int = SPARE_BYTES) -> tuple[bool, str]:
     """Whether n more replicas of `replica_bytes` each leave `spare` of `available`; and why not."""
     need = n * replica_bytes
@@ -134,35 +127,12 @@ def fits(n: int, replica_bytes: int, available: int, spare: int = SPARE_BYTES) -
     )
 
 
-def scale_times(samples: list[dict], min_replicas: int, max_replicas: int, up_start: float, down_start: float) -> dict:
-    """From the ramp's polled samples ({t, running, target, ...}, t in s): the largest count of running
-    replicas and when it was first reached; from the ramp up's start (`up_start`), how long until the
-    autoscaler's target, and the running replicas, first reached max_replicas; from the load's end
-    (`down_start`), how long until the running replicas were back at min_replicas."""
-    run = [(s["t"], s["running"]) for s in samples if s.get("running") is not None]
-    tgt = [(s["t"], s["target"]) for s in samples if s.get("target") is not None]
-    peak = max((v for _, v in run), default=None)
-    first = lambda series, level: next((t for t, v in series if v >= level), None)
-    since = lambda t, t0: None if t is None else t - t0
-    back = next((t for t, v in run if t >= down_start and v <= min_replicas), None)
-    return {
-        "max_running": peak,
-        "first_at_max_running_s": None if peak is None else first(run, peak),
-        "up_start_s": up_start,
-        "down_start_s": down_start,
-        "target_at_max_after_up_start_s": since(first(tgt, max_replicas), up_start),
-        "running_at_max_after_up_start_s": since(first(run, max_replicas), up_start),
-        "back_at_min_after_down_start_s": since(back, down_start),
-    }
-
-
 # -- the driver: a Ray job of its own that starts Serve and deploys, spoken to in JSON lines --------
 
 
 def driver_main(address: str, http_port: int) -> None:
     import ray
     from ray import serve
-    from ray.serve._private.common import DeploymentID
     from ray.serve.context import _get_global_client
     from ray.serve.schema import ServeDeploySchema
 
@@ -188,7 +158,6 @@ def driver_main(address: str, http_port: int) -> None:
             for name, a in (d.get("applications") or {}).items()
         }
         return {
-            "controller_pid": (d.get("controller_info") or {}).get("pid"),
             "applications": apps,
             "proxies": [proxy_pid(p.get("actor_id")) for p in proxies],
             "proxy_status": [p.get("status") for p in proxies],
@@ -202,12 +171,6 @@ def driver_main(address: str, http_port: int) -> None:
     ops = {
         "deploy": lambda c: client.deploy_apps(ServeDeploySchema.model_validate(c["config"]), _blocking=False),
         "details": lambda c: details(),
-        "ongoing": lambda c: ray.get(  # the autoscaler's view: requests at replicas plus queued in handles
-            controller._get_total_num_requests_for_deployment_for_testing.remote(
-                DeploymentID(name=c["deployment"], app_name=c["app"])
-            ),
-            timeout=30,
-        ),
         "delete": lambda c: serve.delete(c["app"], _blocking=False),
         "nodes": lambda c: [
             {"node_id": n["NodeID"], "alive": n["Alive"], "resources": n.get("Resources")} for n in ray.nodes()
@@ -329,18 +292,18 @@ def measure_engine(model: str, prompt_tokens: int, max_tokens: int, requests: in
 # -- the load: `vllm bench serve` (bench.cli.serve_argv) at a request rate, open loop ---------------------------
 
 
-def load_argv(url: str, n: int, seed: int, lens: tuple[int, int], rate: list[str], result: Path) -> list[str]:
+def load_argv(url: str, n: int, seed: int, lens: tuple[int, int], rate: float, result: Path) -> list[str]:
     """`vllm bench serve` (bench.cli.serve_argv): n requests of `lens` (prompt, completion tokens; the final vector
-    asked) at the `rate` flags (`--request-rate R`, or a ramp), no concurrency cap."""
+    asked) at `--request-rate rate`, no concurrency cap."""
     from bench.cli import serve_argv
     from hidden_states.models.builtin import resolve_model
 
     ep, fields = SimpleNamespace(url=url, model=MODEL), {"return_hidden_states": True}
     argv = serve_argv(ep, resolve_model("builtin:tiny-llama"), n, None, seed, lens, fields, result)
-    return argv + [*rate, "--ready-check-timeout-sec", "60"]
+    return argv + ["--request-rate", str(rate), "--ready-check-timeout-sec", "60"]
 
 
-def vllm_load(url: str, n: int, seed: int, lens: tuple[int, int], rate: list[str], timeout: float) -> dict:
+def vllm_load(url: str, n: int, seed: int, lens: tuple[int, int], rate: float, timeout: float) -> dict:
     """load_argv's run, within `timeout` s: vLLM's result (completed, failed, e2el ms percentiles, duration)."""
     LOGS.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="bench-sim-") as folder:
@@ -392,7 +355,7 @@ class Poller(threading.Thread):
 
 
 class Sim:
-    """The Ray cluster, the driver, the app's deploys and deletes; the sizes and the ramp (bench.failures too)."""
+    """The Ray cluster, the driver, the app's deploys and deletes; the sizes (bench.failures too)."""
 
     MODULE = "bench.simulate"  # the command the results record
 
@@ -465,29 +428,18 @@ class Sim:
             "the app deleted",
         )
 
-    def rss(self, d: dict) -> dict:
-        """MiB: the replicas' mean RSS and PSS (a replica's share: libraries are mapped once); the Router's,
-        proxy's and controller's RSS."""
+    def pss_mib(self, d: dict) -> float | None:
+        """The replicas' mean PSS, MiB (a replica's share: libraries are mapped once)."""
         import psutil
 
-        def mem(pids) -> list[tuple[float, float]]:
-            out = []
-            for pid in filter(None, pids):
-                try:
-                    m = psutil.Process(pid).memory_full_info()
-                    out.append((m.rss / 2**20, getattr(m, "pss", m.uss) / 2**20))
-                except psutil.Error:
-                    pass
-            return out
-
-        rep = mem(r["pid"] for r in self.deployment(d)["replicas"])
-        out: dict = {"replicas": len(rep)}
-        if rep:
-            out |= {f"replica_{k}_mib_mean": sum(x[i] for x in rep) / len(rep) for i, k in enumerate(("rss", "pss"))}
-        router = [r["pid"] for r in self.deployment(d, "Router")["replicas"]]
-        for name, pids in (("router", router), ("proxy", d["proxies"]), ("controller", [d["controller_pid"]])):
-            out[f"{name}_rss_mib"] = sum(x[0] for x in mem(pids))
-        return out
+        pss = []
+        for r in self.deployment(d)["replicas"]:
+            try:
+                m = psutil.Process(r["pid"]).memory_full_info()
+                pss.append(getattr(m, "pss", m.uss) / 2**20)
+            except (psutil.Error, TypeError, ValueError):
+                pass
+        return sum(pss) / len(pss) if pss else None
 
     def serve_env(self) -> dict:
         """SIM_ENV, then each --serve-env KEY=VALUE (Ray Serve's own switches, e.g. its probe deadline)."""
@@ -554,9 +506,9 @@ class Sim:
         log(f"N={n}: deploying")
         row["start_s"], d = self.deploy(app_args(delays, dict(min_replicas=n, max_replicas=n, initial_replicas=n)), n)
         log(f"N={n}: {n} replicas running after {row['start_s']:.1f} s")
-        mem = row["memory"] = {**self.rss(d), "available_gib_running": psutil.virtual_memory().available / GIB}
-        if self.replica_bytes is None and mem.get("replica_pss_mib_mean"):  # its share: libraries are mapped once
-            self.replica_bytes = int(mem["replica_pss_mib_mean"] * 2**20)
+        pss = row["replica_pss_mib"] = self.pss_mib(d)
+        if self.replica_bytes is None and pss:
+            self.replica_bytes = int(pss * 2**20)
         account = CpuAccount()
         account.add_root(self.cluster.proc.pid, "ray")
         account.add_root(self.driver.pid, "driver")
@@ -575,8 +527,8 @@ class Sim:
         requests = round(a.rate * a.seconds)
         log(f"N={n}: load, {requests} requests at {a.rate}/s")
         probes0 = self.probe_timeouts()
-        lens, rate = (a.prompt_tokens, a.max_tokens), ["--request-rate", str(a.rate)]
-        busy = window(lambda: vllm_load(self.url, requests, a.seed, lens, rate, a.seconds * 3 + a.request_timeout))
+        lens = (a.prompt_tokens, a.max_tokens)
+        busy = window(lambda: vllm_load(self.url, requests, a.seed, lens, a.rate, a.seconds * 3 + a.request_timeout))
         lat = row["load"] = busy["got"] | added_ms(busy["got"], slept_s(delays, a.max_tokens))
         ok = lat["completed"]
         per_req = lambda d: {k: v / ok * 1e3 for k, v in d.items()} if ok else {}  # none answered: none
@@ -586,7 +538,6 @@ class Sim:
             net_cpu_ms_per_request=per_req(
                 {k: v - row["idle_cores"].get(k, 0.0) * busy["wall"] for k, v in busy["roles"].items()}
             ),
-            busy_cores_under_load=busy["busy"] / busy["wall"],
             router_probe_timeouts=self.probe_timeouts() - probes0,
             worked=lat["failed"] <= FAILED_MAX * requests,
         )
@@ -621,74 +572,6 @@ class Sim:
                 raise
             return "error"
 
-    def ramp(self, delays: dict) -> None:
-        """From 1 replica: the offered rate ramps linearly from low to peak over --ramp-up s (`vllm bench serve
-        --ramp-up-strategy linear`), then stops; the controller polled every 2 s until back at 1 replica."""
-        import psutil
-
-        a = self.args
-        slept, target, ramp_max = slept_s(delays, a.max_tokens), a.ramp_target, a.ramp_max
-        avail = psutil.virtual_memory().available
-        if self.replica_bytes is not None and not (fit := fits(ramp_max, self.replica_bytes, avail))[0]:
-            ramp_max = largest_fitting(self.replica_bytes, avail, step=4)
-            self.res["errors"].append(f"the ramp's max_replicas {a.ramp_max} did not fit ({fit[1]}); ran {ramp_max}")
-            if ramp_max < 4:
-                return log(f"ramp: skipped: {fit[1]}")
-        # 0.75x max_replicas at the target: the rate the Router and proxy answered in full at N=32 on 2 cores
-        peak = a.ramp_peak_rate or max(2, round(0.75 * ramp_max * target / slept))
-        low = max(1, round(peak / 20))
-        autoscaling = {
-            "min_replicas": 1,
-            "max_replicas": ramp_max,
-            "initial_replicas": 1,
-            "target_ongoing_requests": target,
-            "upscale_delay_s": a.upscale_delay,
-            "downscale_delay_s": a.downscale_delay,
-            "look_back_period_s": a.look_back,
-        }
-        requests = round(a.ramp_up * (low + peak) / 2)
-        row = self.res["ramp"] = {
-            "rps": [low, peak],
-            "requests": requests,
-            "autoscaling": autoscaling,
-            "replica_max_ongoing_requests": a.ramp_max_ongoing,
-            "slept_ms": slept * 1e3,
-        }
-        row["start_s"], _ = self.deploy(app_args(delays, autoscaling, replica_max_ongoing=a.ramp_max_ongoing), 1)
-
-        def sample() -> dict:
-            dep = self.deployment(self.details())
-            return {
-                "running": dep["states"].get("RUNNING", 0),
-                "target": dep.get("target"),
-                "states": dep["states"],
-                "autoscaler_ongoing": self.driver.call("ongoing", app=APP, deployment="EngineReplica", timeout=30),
-            }
-
-        log(f"ramp: {requests} requests, {low} to {peak}/s, target {target} ongoing per replica, max {ramp_max}")
-        poller = Poller(sample, 2.0, t0 := time.monotonic())
-        flags = ["--ramp-up-strategy", "linear", "--ramp-up-start-rps", str(low), "--ramp-up-end-rps", str(peak)]
-        lens, load_t0 = (a.prompt_tokens, a.max_tokens), time.monotonic() - t0
-        row["load"] = vllm_load(self.url, requests, a.seed + 1, lens, flags, a.ramp_up * 3 + a.request_timeout)
-        row["load_window_s"] = [load_t0, time.monotonic() - t0]
-        log(f"ramp: load done after {row['load']['duration']:.0f} s; watching the scale-down")
-        deadline = time.monotonic() + a.downscale_delay + a.look_back + 90
-        while time.monotonic() < deadline and not (
-            poller.samples and poller.samples[-1].get("running") == 1 and poller.samples[-1].get("target") == 1
-        ):
-            time.sleep(2)
-        time.sleep(4)
-        samples = row["samples"] = poller.stop()
-        sc = row["scale"] = scale_times(samples, 1, ramp_max, load_t0, row["load_window_s"][1])
-        row["max_autoscaler_ongoing"] = max((s.get("autoscaler_ongoing") or 0 for s in samples), default=None)
-        log(
-            f"ramp: ok {row['load']['completed']}/{requests}, max running {sc['max_running']}, at max "
-            f"{sc['running_at_max_after_up_start_s']} s after the ramp began, back at 1 "
-            f"{sc['back_at_min_after_down_start_s']} s after the load ended"
-        )
-        self.save()
-        self.delete()
-
     def run(self) -> int:
         a = self.args
         eng = self.engine()
@@ -701,8 +584,6 @@ class Sim:
                 if self.attempt(f"N={n}", self.size, n, delays) != "ok":
                     break  # larger sizes would do no better
                 self.res["largest_that_worked"] = n
-            if a.ramp_max > 0:
-                self.attempt("ramp", self.ramp, delays)
         finally:
             self.stop()
         return 0 if not self.res["errors"] and not self.res["stopped_left_running"] else 1
@@ -730,14 +611,6 @@ def parse(argv=None):
     add("--idle-seconds", type=float, default=20.0, help="idle window per size, before its load")
     add("--request-timeout", type=float, default=90.0, help="added to each load's own time limit")
     add_cluster_flags(add)
-    add("--ramp-max", type=int, default=32, help="the ramp's max_replicas; 0: no ramp")
-    add("--ramp-target", type=float, default=2.0, help="target_ongoing_requests")
-    add("--ramp-max-ongoing", type=int, default=8, help="the ramp's replica_max_ongoing_requests")
-    add("--ramp-peak-rate", type=int, default=None, help="default: 0.75 x max x target / latency")
-    add("--ramp-up", type=float, default=180.0, help="seconds of the ramp up")
-    add("--upscale-delay", type=float, default=10.0)
-    add("--downscale-delay", type=float, default=30.0)
-    add("--look-back", type=float, default=10.0, help="look_back_period_s")
     add("--pacing", default="once", choices=("once", "tokens"), help="one timer a request, or one a token")
     add("--dry-run", action="store_true", help="print the settings and exit; starts nothing")
     add("--driver", action="store_true", help=argparse.SUPPRESS)

@@ -1,5 +1,5 @@
-"""bench/simulate.py's and bench/failures.py's pure logic: the FakeEngine's delays, the memory gate, the ramp's scale
-times, the deploy config; a kill's figures from its requests and the controller's samples; the poller."""
+"""bench/simulate.py's and bench/failures.py's pure logic: the FakeEngine's delays, the memory gate, the deploy config;
+a kill's figures from its requests and the controller's samples; the poller."""
 
 from __future__ import annotations
 
@@ -50,32 +50,6 @@ def test_memory_gate_leaves_four_gib():
     assert ok and "leaves" in why
     ok, why = sim.fits(128, 228 * mib, 20 * sim.GIB)
     assert not ok and "128 replicas x 228 MiB" in why and "< 4 GiB spare" in why
-    n = sim.largest_fitting(228 * mib, 20 * sim.GIB)
-    assert n % 8 == 0 and sim.fits(n, 228 * mib, 20 * sim.GIB)[0] and not sim.fits(n + 8, 228 * mib, 20 * sim.GIB)[0]
-    assert sim.largest_fitting(228 * mib, 3 * sim.GIB) == 0
-
-
-def test_scale_times_from_polled_samples():
-    samples = [
-        {"t": t, "running": r, "target": g}
-        for t, r, g in [
-            (0, 1, 1),
-            (10, 1, 1),
-            (20, 1, 4),
-            (30, 3, 8),
-            (40, 8, 8),
-            (50, 8, 8),
-            (60, 8, 3),
-            (70, 3, 1),
-            (80, 1, 1),
-        ]
-    ]
-    s = sim.scale_times(samples, min_replicas=1, max_replicas=8, up_start=10, down_start=55)
-    assert s["max_running"] == 8 and s["first_at_max_running_s"] == 40
-    assert s["target_at_max_after_up_start_s"] == 20 and s["running_at_max_after_up_start_s"] == 30
-    assert s["back_at_min_after_down_start_s"] == 25
-    never = sim.scale_times(samples[:4], 1, 8, 10, 55)
-    assert never["running_at_max_after_up_start_s"] is None and never["back_at_min_after_down_start_s"] is None
 
 
 def test_percentile_and_deploy_config():
@@ -91,7 +65,7 @@ def test_percentile_and_deploy_config():
     assert dep["ray_actor_options"]["runtime_env"]["env_vars"]["RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD"] == "0"
 
 
-def test_the_load_goes_through_vllm_bench_serve_at_a_rate_or_a_ramp(tmp_path, monkeypatch):
+def test_the_load_goes_through_vllm_bench_serve_at_a_rate(tmp_path, monkeypatch):
     """bench.simulate's load: an argv `vllm bench serve`'s own parser reads (open loop: no concurrency cap), its
     saved result becomes the size's figures, and the added latency is vLLM's percentiles minus the sleep."""
     import argparse
@@ -104,12 +78,9 @@ def test_the_load_goes_through_vllm_bench_serve_at_a_rate_or_a_ramp(tmp_path, mo
     add_cli_args(parser)
     read = lambda argv: parser.parse_args(argv[argv.index("serve") + 1 :])
     url = "http://127.0.0.1:8410/v1/completions"
-    ns = read(sim.load_argv(url, 1200, 7, (256, 64), ["--request-rate", "20.0"], tmp_path / "r.json"))
+    ns = read(sim.load_argv(url, 1200, 7, (256, 64), 20.0, tmp_path / "r.json"))
     assert (ns.num_prompts, ns.request_rate, ns.max_concurrency, ns.seed, ns.model) == (1200, 20.0, None, 7, "sim")
     assert ns.extra_body == {"return_hidden_states": True} and ns.metric_percentiles == "50,90,99"
-    ramp = ["--ramp-up-strategy", "linear", "--ramp-up-start-rps", "1", "--ramp-up-end-rps", "21"]
-    ns = read(sim.load_argv(url, 1980, 8, (256, 64), ramp, tmp_path / "r.json"))
-    assert (ns.ramp_up_strategy, ns.ramp_up_start_rps, ns.ramp_up_end_rps) == ("linear", 1, 21)
 
     saved = {"completed": 99, "failed": 1, "duration": 5.0, "p50_e2el_ms": 2300.0, "p99_e2el_ms": 2400.0}
 
@@ -119,7 +90,7 @@ def test_the_load_goes_through_vllm_bench_serve_at_a_rate_or_a_ramp(tmp_path, mo
         return subprocess.CompletedProcess(argv, 0)
 
     monkeypatch.setattr(sim.subprocess, "run", fake_run)
-    got = sim.vllm_load(url, 100, 7, (256, 64), ["--request-rate", "20"], timeout=60)
+    got = sim.vllm_load(url, 100, 7, (256, 64), 20.0, timeout=60)
     assert got["completed"] == 99 and got["failed"] == 1 and got["p99_e2el_ms"] == 2400.0 and "errors" not in got
     assert sim.added_ms(got, slept=2.267) == {"added_ms_p50": pytest.approx(33.0), "added_ms_p99": pytest.approx(133.0)}
 
