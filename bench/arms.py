@@ -42,8 +42,8 @@ import numpy as np
 import psutil
 
 from bench.measure import ci_text, paired_ratio_ci
+from bench.procs import RESULTS, write_results
 
-RESULTS = Path(__file__).resolve().parent / "results"
 SMOLLM2 = "builtin:smollm2-135m-instruct"
 ENGINE = {
     "dtype": "float32",
@@ -494,12 +494,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-arms-") as folder:
         r = asyncio.run(measure(bench, args, folder))
     r["command"] = command
-    name = args.name or args.bench
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{name}.json").write_text(json.dumps(r, indent=1) + "\n")
-    text = markdown(bench, r, command)
-    (args.out / f"{name}.md").write_text(text)
-    print(text)
+    write_results(args.out, args.name or args.bench, r, markdown(bench, r, command))
     return 0
 
 

@@ -29,10 +29,9 @@ from pathlib import Path
 
 from bench import arms
 from bench.arms import Arm, Bench
-from bench.procs import PYTHON, ROOT, StartError
+from bench.procs import PYTHON, RESULTS, ROOT, StartError, write_results
 from deployments.config import CPU_ENGINE_DEFAULTS
 
-RESULTS = ROOT / "bench" / "results"
 MODELS = ("tiny-llama", "llama-100m", "smollm2-135m-instruct")  # random, random, the real built-in one
 ROWS = {
     "return_hidden_states": True,
@@ -251,7 +250,6 @@ def main(argv=None) -> int:
                 print(f"  {a.name} ({a.engine}): " + " ".join(argv_[1:]))
         return 0
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    args.out.mkdir(parents=True, exist_ok=True)
     failed = 0
     for model in args.models:
         try:
@@ -265,11 +263,7 @@ def main(argv=None) -> int:
                 args.part = part
                 r = measure(PARTS[part], eps, path, args, cpu, model) | {"command": command, "machine": machine()}
                 r["settings"] = {"levels": args.levels, "input_len": args.input_len, "output_len": args.output_len}
-                name = f"{part}-{model}"
-                (args.out / f"{name}.json").write_text(json.dumps(r, indent=1) + "\n")
-                text = arms.markdown(PARTS[part], r, command)
-                (args.out / f"{name}.md").write_text(text)
-                print(text)
+                write_results(args.out, f"{part}-{model}", r, arms.markdown(PARTS[part], r, command))
         finally:
             for s in stop:
                 s.stop()

@@ -23,13 +23,14 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import json
+import sys
 import time
 
 import httpx
 import yaml
 
 from bench.measure import CpuAccount
-from bench.procs import BIN, WORK, Proc, StartError, command_line, free_port, wait_until, write_results
+from bench.procs import BIN, RESULTS, WORK, Proc, StartError, free_port, wait_until, write_results
 from bench.serve_cpu import CLUSTERS, cluster_env
 from bench.servers import RayCluster, find_ingress, http_ok
 
@@ -158,7 +159,6 @@ def main() -> None:
     ap.add_argument("--idle-s", type=float, default=15.0)
     ap.add_argument("--name", default="payloads")
     args = ap.parse_args()
-    shown = argparse.Namespace(**vars(args))
     tokens = [int(t) for t in args.tokens.split(",")]
     roles, started = CpuAccount(), []
     results: dict = {
@@ -198,31 +198,12 @@ def main() -> None:
                     results["runs"][key] = run_arm(roles, url, t, stream, args.requests, args.concurrency, path)
     finally:
         results["stopped"] = {type(s).__name__: s.stop() for s in started}
-    write_results(args.name, results, report(results, shown))
-
-
-def report(r: dict, args) -> str:
-    lines = [
-        command_line("bench.payloads", args),
-        "",
-        f"Rows of a {r['hidden_size']}-wide model, {r['dtype']}, {r['encoding']}; FakeEngine replicas. "
-        "MB/s of responses, and CPU ms per MB of response by process (idle subtracted); the replica's "
-        f"includes making the rows ({', '.join(f'{v} ms per {t} rows' for t, v in r['fake_rows_cpu_ms'].items())},"
-        " measured alone).",
-        "",
-        "| path | rows | mode | MB per response | MB/s | CPU ms/MB, outside the replica | replica | errors |",
-        "|---|---|---|---|---|---|---|---|",
+    results["command"] = ".venv/bin/python -m bench.payloads " + " ".join(sys.argv[1:])
+    rows = [  # CPU ms per MB of response by process, idle subtracted; the replica's includes making the rows
+        {"path/rows/mode": k} | {x: r[x] for x in ("mb_per_response", "mb_per_s", "cpu_ms_per_mb", "errors")}
+        for k, r in results["runs"].items()
     ]
-    for key, x in r["runs"].items():
-        path, t, mode = key.split("/")
-        per = x["cpu_ms_per_mb"]
-        replica = sum(v for k, v in per.items() if k.endswith(": replica"))
-        outside = ", ".join(f"{k.split(': ')[-1]} {v}" for k, v in per.items() if not k.endswith(": replica"))
-        lines.append(
-            f"| {path} | {t} | {mode} | {x['mb_per_response']} | {x['mb_per_s']} | "
-            f"{outside or '-'} | {replica:.2f} | {x['errors']} |"
-        )
-    return "\n".join(lines) + "\n"
+    write_results(RESULTS, args.name, results, rows)
 
 
 if __name__ == "__main__":

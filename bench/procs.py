@@ -26,6 +26,7 @@ WORK = ROOT / "bench" / ".work"
 LOGS = WORK / "logs"
 BIN = ROOT / ".venv" / "bin"
 PYTHON = BIN / "python"
+RESULTS = ROOT / "bench" / "results"
 
 
 class StartError(RuntimeError):
@@ -167,16 +168,21 @@ def wait_until(
         time.sleep(poll)
 
 
-def command_line(module: str, args) -> str:
-    """The command that produced a result, as the result's Markdown records it."""
-    flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items())
-    return f"`.venv/bin/python -m {module} {flags}`"
+def table(rows: list[dict]) -> list[str]:
+    """A Markdown table of flat rows, the first row's keys as its columns."""
+    cols = list(rows[0]) if rows else []
+    cell = lambda v: f"{v:.3g}" if isinstance(v, float) else str(v)
+    return [f"| {' | '.join(cols)} |", f"|{'---|' * len(cols)}"] + [
+        f"| {' | '.join(cell(r.get(k)) for k in cols)} |" for r in rows
+    ]
 
 
-def write_results(name: str, results, text: str) -> None:
-    """Prints `text` and writes bench/results/<name>.json (the figures) and .md (`text`)."""
+def write_results(out: Path, name: str, results: dict, text: str | list[dict]) -> None:
+    """The benches' one writer: prints `text` (or a table of `results["command"]` and these rows), writes
+    OUT/<name>.json (`results`) and OUT/<name>.md (`text`)."""
+    if not isinstance(text, str):
+        text = "\n".join([f"`{results['command']}`", "", *table(text)]) + "\n"
     print(text)
-    out = ROOT / "bench" / "results"
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"{name}.json").write_text(json.dumps(results, indent=1) + "\n")
+    (out / f"{name}.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
     (out / f"{name}.md").write_text(text)

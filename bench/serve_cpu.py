@@ -27,6 +27,7 @@ import argparse
 import json
 import os
 import platform
+import sys
 import tempfile
 import time
 from collections import defaultdict
@@ -37,7 +38,7 @@ import psutil
 
 from bench import measure
 from bench.cli import batch
-from bench.procs import command_line, write_results
+from bench.procs import RESULTS, write_results
 from bench.servers import ENGINE_ENV, Endpoint, RayCluster, ServeApps, VLLMServer, build_model, find_ingress
 from deployments.config import CPU_ENGINE_DEFAULTS
 from deployments.serve_env import SERVE_SWITCHES
@@ -201,7 +202,6 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=128, help="random prompts' tokens (vLLM's random dataset)")
     ap.add_argument("--output-len", type=int, default=32, help="tokens per completion (ignore_eos)")
     args = ap.parse_args()
-    shown = argparse.Namespace(**vars(args))
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     args.requests = [int(r) for r in args.requests.split(",")]
     switches = [s for s in args.switches.split(",") if s]
@@ -285,65 +285,19 @@ def main() -> None:
     finally:
         results["stopped"] = {type(s).__name__: s.stop() for s in started}
     results["wall_s"] = time.time() - t_start
-    write_results(args.name, results, report(results, shown))
-
-
-def report(r: dict, args) -> str:
-    lines = [
-        f"# The Serve layer's CPU per request, by path ({r['model']}, {r['machine']['cpus']} cores)",
-        "",
-        command_line("bench.serve_cpu", args),
-        "",
-        "CPU ms per successful request outside vLLM's engine processes, above each process's idle rate; "
-        "`x vLLM` is that over vLLM's API server's in the same phase and concurrency. Daemons: Serve's "
-        "controller and Ray's daemons of the path's cluster (above idle), not in the path's figure.",
-        "",
+    results["command"] = ".venv/bin/python -m bench.serve_cpu " + " ".join(sys.argv[1:])
+    rows = [  # CPU ms per request on the path above idle, and over vLLM's API server's in the same phase and c
+        {"phase": ph, "c": c, "path/vectors": k, "path ms": a["cpu"]["path_ms"]}
+        | {
+            "x vLLM": a["cpu"]["path_ms"] / arms["vllm/off"]["cpu"]["path_ms"],
+            "by process": a["cpu"]["path_by_process_ms"],
+        }
+        | {"daemons ms": a["cpu"]["daemons_ms"], "req/s": a["req_per_s"], "p50 s": a["p50_s"]}
+        for ph, res in results["phases"].items()
+        for c, arms in res["by_concurrency"].items()
+        for k, a in arms.items()
     ]
-    for phase, res in r["phases"].items():
-        if not isinstance(res, dict):
-            lines += [f"{phase}: {res}", ""]
-            continue
-        lines += [
-            f"## Phase `{phase}`",
-            "",
-            "| c | path / vectors | CPU ms/req (path) | x vLLM | per round | by process | daemons ms/req | "
-            "req/s | x vLLM req/s | p50 s | errors |",
-            "|---|---|---|---|---|---|---|---|---|---|---|",
-        ]
-        for c, arms in res["by_concurrency"].items():
-            base = arms["vllm/off"]["cpu"]["path_ms"]
-            for key, a in arms.items():
-                cpu = a["cpu"]
-                by = ", ".join(
-                    f"{k.split(': ', 1)[1] if k.count(':') == 1 else k} {v:.1f}"
-                    for k, v in cpu["path_by_process_ms"].items()
-                )
-                rounds = "/".join(f"{x:.1f}" for x in cpu["path_ms_per_round"])
-                rps = a["req_per_s"] or 0.0
-                lines.append(
-                    f"| {c} | {key} | {cpu['path_ms']:.1f} | {cpu['path_ms'] / base:.2f} | {rounds} | "
-                    f"{by} | {cpu['daemons_ms']:.1f} | {rps:.2f} | {a['vs_vllm_req_per_s'] or 0:.3f} | "
-                    f"{a['p50_s'] or 0:.3f} | {a['errors']} |"
-                )
-        lines += [
-            "",
-            "Idle cores by role: "
-            + ", ".join(f"{k} {v:.3f}" for k, v in sorted(res["idle_cores"].items(), key=lambda kv: -kv[1])),
-            "",
-        ]
-    lines += [
-        "## Request bodies",
-        "",
-        "| path | 4,000-token prompt (bytes): status, prompt_tokens | 5 MB body: status |",
-        "|---|---|---|",
-    ]
-    for p, b in r.get("body_checks", {}).items():
-        lp, ol = b["large_prompt"], b["over_limit"]
-        lines.append(
-            f"| {p} | {lp['body_bytes']}: {lp['status']}, {lp['prompt_tokens']} | "
-            f"{ol['status'] if ol['status'] is not None else ol.get('error')} |"
-        )
-    return "\n".join(lines) + "\n"
+    write_results(RESULTS, args.name, results, rows)
 
 
 if __name__ == "__main__":
