@@ -2,18 +2,12 @@
 
     .venv/bin/python -m bench.failures            # OUT/failures.json and failures.md (about 6 min)
 
-bench.simulate's cluster, driver and app (FakeEngine replicas behind the real Router and Serve's proxy), with a
-second Ray node (`ray start --address HEAD --block`, its own ports, the head's temp dir and token). HEAD_REPLICAS +
-NODE_REPLICAS replicas, `replica_max_per_node` = HEAD_REPLICAS; the Router kept on the head by a custom resource
-(`sim_head`), so killing the node kills replicas only. Under an open-loop Poisson load at --rate (a client timeout,
-CLIENT_TIMEOUT_S, above the server's request_timeout_s: a client timeout is a request the server never answered),
---kill-after s into the load, then --after-kill s more: Serve's proxy actor process, the Router replica's process
-(found by their titles under our `ray start`), the second node's `ray start` process group (its replicas go with
-their raylet and are not replaced: the head holds its maximum).
-
-Per kill (kill_figures): the requests in flight at the kill and how they ended, those sent after it, from when on
-every request sent succeeded; from the controller, polled every second, when Serve had replaced what was killed
-(serve_times).
+bench.simulate's cluster, driver and app with a second Ray node; HEAD_REPLICAS + NODE_REPLICAS replicas, at most
+HEAD_REPLICAS a node, the Router kept on the head (a custom resource, `sim_head`). Under an open-loop Poisson load at
+--rate, --kill-after s into it (then --after-kill s more): Serve's proxy, the Router replica (found by their process
+titles), the second node's `ray start` process group. Per kill (kill_figures): the requests in flight at the kill and
+how they ended, those sent after it, from when on every one succeeded; when Serve had replaced what was killed
+(serve_times, from the controller polled every second).
 """
 
 from __future__ import annotations
@@ -31,7 +25,7 @@ from collections import Counter
 from dataclasses import dataclass
 from types import SimpleNamespace
 
-from bench.measure import pct
+from bench.procs import write_results
 from bench.simulate import APP, MODEL, Poller, Sim, add_cluster_flags, alive, app_args, deploy_config, fake_delays, log
 
 HEAD_REPLICAS = NODE_REPLICAS = 4
@@ -41,7 +35,6 @@ TITLES = {
     "router": f"ray::ServeReplica:{APP}:Router",
     "replica": f"ray::ServeReplica:{APP}:EngineReplica",
 }
-SLOW = 2.0  # a latency over SLOW x the p99 of the requests answered before the kill is not normal
 
 
 # -- its own open-loop load: the kill's figures need every request's send and end time, failed ones too, and a
@@ -114,24 +107,17 @@ def outcome(r: Req) -> str:
     return f"http {r.status}" if r.status else (r.error or "?").split(":", 1)[0]
 
 
-def kill_figures(reqs: list[Req], kill_t: float, bucket_s: float = 1.0) -> dict:
+def kill_figures(reqs: list[Req], kill_t: float) -> dict:
     """The figures of one kill at `kill_t` (s from the load's start, as Req.sent): the requests in flight then
     (sent before, answered after) and how they ended; those sent after it; how long after the kill the first
-    request that succeeded was sent (`first_ok_sent_s`) and answered (`first_ok_answered_s`); from how long after
-    the kill on every request sent succeeded (`all_ok_from_s`, 0 when none failed) and was also answered within
-    SLOW x the p99 latency of those answered before the kill (`normal_from_s`); outcomes per `bucket_s` of send
-    time, from the kill."""
+    request that succeeded was sent (`first_ok_sent_s`); from how long after the kill on every request sent
+    succeeded (`all_ok_from_s`, 0 when none failed)."""
     end = lambda r: r.sent + (r.latency or 0.0)
     before = [r for r in reqs if r.done and end(r) <= kill_t]
     flight = [r for r in reqs if r.sent <= kill_t < end(r) or (r.sent <= kill_t and not r.done)]
     after = sorted((r for r in reqs if r.sent > kill_t), key=lambda r: r.sent)
-    p99 = pct([r.latency for r in before if r.ok], 99)
-    normal = lambda r: r.ok and (p99 is None or r.latency <= SLOW * p99)
     first = next((r for r in after if r.ok), None)
     since = lambda rs: max((r.sent - kill_t for r in rs), default=0.0) if after else None
-    buckets: dict[int, Counter] = {}
-    for r in reqs:
-        buckets.setdefault(int((r.sent - kill_t) // bucket_s), Counter())[outcome(r)] += 1
     return {
         "requests": len(reqs),
         "ok": sum(r.ok for r in reqs),
@@ -139,17 +125,12 @@ def kill_figures(reqs: list[Req], kill_t: float, bucket_s: float = 1.0) -> dict:
         "timeouts": sum(r.timed_out for r in reqs),
         "not_done": sum(not r.done for r in reqs),
         "answered_before_kill": len(before),
-        "latency_p99_before_s": p99,
         "in_flight_at_kill": len(flight),
         "in_flight_outcomes": dict(Counter(map(outcome, flight))),
         "sent_after_kill": len(after),
         "after_outcomes": dict(Counter(map(outcome, after))),
         "first_ok_sent_s": None if first is None else first.sent - kill_t,
-        "first_ok_answered_s": None if first is None else end(first) - kill_t,
         "all_ok_from_s": since([r for r in after if not r.ok]),
-        "normal_from_s": since([r for r in after if not normal(r)]),
-        "latency_max_after_s": max((r.latency for r in after if r.ok), default=None),
-        "by_send_second": [[k * bucket_s, dict(c)] for k, c in sorted(buckets.items())],
     }
 
 
@@ -192,7 +173,7 @@ class Failures(Sim):
     MODULE = "bench.failures"
 
     def __init__(self, args):
-        super().__init__(args, results="failures.json")
+        super().__init__(args, results="failures.json")  # its .md: write_results
         for k in ("sizes", "skipped"):
             self.res.pop(k)
         self.res["scenarios"] = {}
@@ -326,7 +307,7 @@ class Failures(Sim):
         eng = self.engine()
         delays = self.res["fake_engine"] = fake_delays(eng["ttft_s"], eng["itl_s"], a.max_tokens)
         self.res["settings"] = {**vars(a), "out": str(a.out), "client_timeout_s": CLIENT_TIMEOUT_S}
-        self.res["settings"] |= {"server_request_timeout_s": SERVER_TIMEOUT_S, "slow_factor": SLOW}
+        self.res["settings"]["server_request_timeout_s"] = SERVER_TIMEOUT_S
         try:
             self.start(extra_env={"RAY_OVERRIDE_RESOURCES": json.dumps({"sim_head": 100})})
             self.start_node()
@@ -353,33 +334,19 @@ class Failures(Sim):
             log(f"ERROR: {e}")
         finally:
             self.stop(self.node)
-        (self.out / "failures.md").write_text(text := markdown(self.res))
-        print(text)
+        rows = []  # the table docs/benchmarks.md gives
+        for what, sc in self.res["scenarios"].items():
+            f, sv, fo, ao = (
+                sc["figures"],
+                sc["serve"],
+                sc["figures"]["in_flight_outcomes"],
+                sc["figures"]["after_outcomes"],
+            )
+            rows.append({"killed": what, "in flight at the kill": f["in_flight_at_kill"], "of those": fo})
+            rows[-1] |= {"sent after": ao, "client timeouts": f["timeouts"], "all ok from s": f["all_ok_from_s"]}
+            rows[-1]["Serve back s"] = sv.get("replicas_dropped_s" if what == "node" else "replaced_s")
+        write_results(self.out, "failures", self.res, rows)
         return 0 if not self.res["errors"] and not self.res["stopped_left_running"] else 1
-
-
-# -- report: failures.md, the table docs/benchmarks.md gives --------------------------------------------------
-
-
-def markdown(res: dict) -> str:
-    rows = [
-        "| killed | in flight at the kill | of those: ok / failed (how) | sent after: ok / failed | client timeouts "
-        "| all ok from s | Serve back s |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for what, s in res.get("scenarios", {}).items():
-        f, sv = s["figures"], s["serve"]
-        fo, ao = dict(f["in_flight_outcomes"]), dict(f["after_outcomes"])
-        ok_in, ok_after = fo.pop("ok", 0), ao.pop("ok", 0)
-        how = ", ".join(f"{v} {k}" for k, v in sorted(fo.items(), key=lambda kv: -kv[1]))
-        back = sv.get("replaced_s") if what != "node" else sv.get("replicas_dropped_s")
-        rows.append(
-            f"| {what} | {f['in_flight_at_kill']} | {ok_in} / {sum(fo.values())}{f' ({how})' if how else ''} "
-            f"| {ok_after} / {sum(ao.values())} | {f['timeouts']} | {f['all_ok_from_s']} | {back} |"
-        )
-    head = ["# A Serve-layer failure under load, simulated", "", f"Command: `{res['command']}`", ""]
-    errors = ["", "Errors:", *(f"- {e}" for e in res["errors"])] if res.get("errors") else []
-    return "\n".join(head + rows + errors) + "\n"
 
 
 def parse(argv=None):

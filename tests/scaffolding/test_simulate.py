@@ -148,18 +148,15 @@ def test_kill_figures_count_in_flight_and_recovery():
     assert f["in_flight_outcomes"] == {"http 500": 1, "ServerDisconnectedError": 1, "ok": 1}
     assert f["sent_after_kill"] == 5 and f["after_outcomes"] == {"ClientConnectorError": 1, "timeout": 1, "ok": 3}
     assert f["failed"] == 4 and f["timeouts"] == 1 and f["not_done"] == 0
-    assert f["first_ok_sent_s"] == pytest.approx(3.0) and f["first_ok_answered_s"] == pytest.approx(5.0)
+    assert f["first_ok_sent_s"] == pytest.approx(3.0)
     assert f["all_ok_from_s"] == pytest.approx(2.0)  # the last failure was sent 2 s after the kill
-    assert f["normal_from_s"] == pytest.approx(4.0)  # 9 s > 2 x the p99 before (about 2 s): not normal
-    assert f["latency_max_after_s"] == pytest.approx(9.0)
-    assert dict(f["by_send_second"])[0.0] == {"ClientConnectorError": 1}
 
 
 def test_kill_figures_without_failures_and_a_request_left_unfinished():
     from bench.failures import Req, kill_figures
 
     clean = kill_figures([_req(t, 1.0) for t in range(20)], kill_t=10.5)
-    assert clean["failed"] == 0 and clean["all_ok_from_s"] == 0.0 and clean["normal_from_s"] == 0.0
+    assert clean["failed"] == 0 and clean["all_ok_from_s"] == 0.0
     assert clean["in_flight_at_kill"] == 1 and clean["first_ok_sent_s"] == pytest.approx(0.5)
     hung = Req(at=9.0, sent=9.0)  # never done: in flight, not ok
     f = kill_figures([_req(1.0, 1.0), hung], kill_t=10.0)
