@@ -1,21 +1,11 @@
-"""Large payloads through each path (issue 32, part 1): 8-16 MB of rows per response, bytes per second and CPU per MB.
+"""Large payloads through each path: 8-16 MB of rows per response, bytes per second and CPU per MB.
 
     .venv/bin/python -m bench.payloads        # writes bench/results/payloads.{json,md}
 
-A 4,096-wide model's `completion` rows in float16 over 1,000 and 2,000 tokens (8 and 16 MiB of rows; 10.7 and
-21.3 MB of JSON with base64, 26-52 MB with floats) come from hidden_states.testing.FakeEngine (`hidden_size`
-4096), behind the real Router, replicas, relay, Serve's proxy and HAProxy, on two Ray clusters of the bench
-(bench.servers.RayCluster, bench.serve_cpu's ports): `main`, with `make serve`'s switches, and `haproxy`, with
-`RAY_SERVE_ENABLE_HA_PROXY=1`. The paths, as bench.serve_cpu names them: `proxy` (Serve's proxy -> Router ->
-replica), `port` (the Router's own port -> replica), `replica_port` (`ingress: replica` on its own port),
-`haproxy` (HAProxy -> Router's port -> replica) and `haproxy_replica` (HAProxy -> the replica's port).
-
-Per path and size: `--requests` non-streaming requests, `--concurrency` at a time, each response read whole and
-parsed by the client (its rows' shape checked); then the same with `stream: true` (rows arrive with each
-token's chunk). Bytes per second is response bytes over wall time; CPU per MB is each role's CPU seconds
-(bench.measure.CpuAccount: psutil times of every process, the idle rate subtracted) per MB of response. The
-replica's figure includes the FakeEngine making its rows (random normals; measured alone, in this process,
-and printed beside it), which a real engine does on the device instead.
+A 4,096-wide model's `completion` rows (float16, base64) over --tokens tokens from FakeEngine replicas behind the
+real Router, replicas, Serve's proxy and HAProxy, on bench.serve_cpu's `main` and `haproxy` clusters; the paths
+PATH_ROLES names. Per path and size, whole and streamed: MB/s of responses and each role's CPU per MB
+(bench.measure.CpuAccount, idle subtracted; the replica's includes the FakeEngine making the rows).
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
-"""Processes the benchmark starts: each in its own session (process group), logged
-to bench/.work/logs, stopped by process group (SIGTERM, then SIGKILL) and checked.
-
-Nothing here stops a process the benchmark did not start: no `ray stop`, no
-pkill by name. Ray's daemons live in the `ray start --block` process group;
-Ray's workers (Serve replicas, and the vLLM engine-core processes under them)
-get process groups of their own, so they are found as descendants of the
-`ray start` process and stopped by pid.
+"""Processes the benchmark starts: each in its own session, logged to bench/.work/logs, stopped by process
+group (SIGTERM, then SIGKILL) and checked. Nothing here stops a process the benchmark did not start; Ray's
+workers are found as descendants of the `ray start` process and stopped by pid. And the benches' one writer.
 """
 
 from __future__ import annotations

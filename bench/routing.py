@@ -1,15 +1,10 @@
-"""What prefix-aware routing costs the Router per request (issue 32, part 2), beside Serve's default.
+"""What prefix-aware routing costs the Router per request, beside Serve's default.
 
     .venv/bin/python -m bench.routing        # writes bench/results/routing-cost.{json,md}
 
-In one process, no cluster: Serve's request router as the Router's handle runs it, over N fake replicas
-(what the router reads of a replica: its id, its queue length), routing multi-turn chat requests the way
-the Router does: the body's routing key (deployments.routing.http_key, on the body parsed for the checks),
-then `choose_replicas`, then `on_request_routed`. The arms, measured in turns, the same requests each:
-`prefix` (deployments.routing.PrefixRouter) and `power_of_two` (Serve's PowerOfTwoChoicesRequestRouter,
-no key). CPU seconds of this process (time.process_time) per request, by prompt size and N; and the
-key's length. The figures are the router's work alone: what the Router spends beside it is in
-bench.serve_cpu.
+In one process: Serve's request router over N fake replicas routes multi-turn chats as the Router does (the
+body's key, `choose_replicas`, `on_request_routed`), `prefix` (deployments.routing.PrefixRouter) against
+`power_of_two` (Serve's default, no key), in turns on the same requests: CPU µs per request, best of the rounds.
 """
 
 from __future__ import annotations

@@ -1,24 +1,13 @@
 """The Serve layer's CPU per request, per process, per path, beside vLLM's API server and Ray Serve LLM.
 
-    .venv/bin/python -m bench.serve_cpu [--concurrency 8,32] [--requests 48,96] [--rounds 2] \
-        [--name serve-cpu-tiny]
+    .venv/bin/python -m bench.serve_cpu [--concurrency 8,32] [--requests 48,96] [--rounds 2] [--name serve-cpu-tiny]
 
-Every server runs the built-in tiny model with the same engine arguments and environment (bench/servers.py).
-The paths, each an arm: `vllm` (vLLM's own OpenAI server, the baseline); `rsllm` (Ray Serve LLM through Serve's
-proxy); `proxy` (our app as `make serve` runs it: proxy -> Router -> replica); `port` (the Router's own port,
-direct ingress); `replica_proxy` and `replica_port` (`ingress: replica` through the proxy, and on its own port);
-`haproxy` and `haproxy_replica` (a cluster with `RAY_SERVE_ENABLE_HA_PROXY=1`: HAProxy -> the Router's port, and
-HAProxy over 2 `ingress: replica` replicas' ports); `tput_proxy` and `tput_port` (a cluster with
-`RAY_SERVE_THROUGHPUT_OPTIMIZED=1`). Our paths run with no vectors (`off`), the final vector (`final`) and the
-`completion` rows in float16 (`rows`). Phase one runs the main cluster's paths; phase two the switch clusters'
-beside vLLM's server and `proxy` again. Arms alternate round by round, the first rotating, every arm of a round on
-the same prompts, each batch sent by `vllm bench serve` (bench.cli.batch).
-
-CPU: bench.measure.CpuAccount's roles before and after each batch, each role's idle rate (an idle window before
-the load) taken off; vLLM's engine processes are left out. A path's CPU per request is the sum over the processes
-a request passes through (path_roles); Serve's controller and Ray's daemons are given apart. Also per path: a
-4,000-token prompt (over HAProxy's default buffer) must arrive whole, and a body over `max_request_body_bytes` be
-refused with a 413. Prints a table and writes bench/results/<name>.{json,md}.
+The built-in tiny model on every server, the same engine arguments. The paths (path_roles): vLLM's server, Ray
+Serve LLM, our app through the proxy, on the Router's port, `ingress: replica` through the proxy and on its own
+port; then clusters with HAProxy and throughput-optimized Serve (--switches). Our paths with no vectors, the final
+vector and float16 `completion` rows. Arms rotate round by round, every batch sent by `vllm bench serve`
+(bench.cli.batch). CPU: each role's (bench.measure.CpuAccount) above its idle rate, summed over the path's
+processes. Also per path: a 4,000-token prompt arrives whole, a body over the limit is a 413.
 """
 
 from __future__ import annotations

@@ -1,25 +1,13 @@
 """Many replicas, simulated: our Router and Serve's proxy in front of N FakeEngine replicas.
 
-    .venv/bin/python -m bench.simulate --sizes 1,8,32,48,64
-    .venv/bin/python -m bench.simulate --sizes 1,8 --seconds 20 --out bench/.work/sim-dev  # a try-out
-    .venv/bin/python -m bench.failures      # on this cluster and app: kill the proxy, the Router, a node
+    .venv/bin/python -m bench.simulate --sizes 1,8,32,48,64      # OUT/results.json (--out, bench/.work/simulate)
 
-What runs: a Ray cluster of its own (bench.servers.RayCluster, second=True; `make serve`'s Serve switches, direct
-ingress on, its ports in 33000-33300 / 43000-43300) and a driver process (`--driver`; JSON lines on its pipes,
-nothing pickled across processes) that starts Serve (proxy on a free port, HeadOnly) and deploys the app as `serve run
-CONFIG` does: `bench.simulate:fake_app`, that is `deployments.app:build(args, FakeEngine)`, the real Router, replicas,
-relay and proxy on hidden_states.testing's FakeEngine. The one option changed from the product's: the replicas'
-`ray_actor_options.num_cpus`, 0 instead of 1, so N replicas fit on 2 cores.
-
-The FakeEngine sleeps, per request, what a real engine took, measured once (`--engine measure`: vLLM's own OpenAI
-server, SmolLM2-135M-Instruct, c=1: time to first token and per token; kept in OUT/engine.json and reused). Its
-sleeps take no CPU, so the CPU the cores spend is the Serve layer's (and the replicas' Python).
-
-Per size N (a fresh deploy, `replica_autoscaling` min = max = N, one Router): the start time, the replicas' memory (a
-size whose replicas would leave under 4 GiB available is skipped), an idle window, then `vllm bench serve` at a fixed
-`--request-rate` (Poisson arrivals, the same seed at every N): CPU seconds per request by process role
-(bench.measure.CpuAccount) and the added latency (vLLM's end-to-end percentiles minus what the FakeEngine slept).
-OUT/results.json carries no machine paths; everything started is stopped by process group.
+A Ray cluster of its own (`make serve`'s Serve switches) and a driver process (`--driver`, JSON lines on its pipes)
+that starts Serve and deploys `bench.simulate:fake_app` (`deployments.app:build(args, FakeEngine)`) as `serve run`
+does, the replicas' num_cpus 0. The FakeEngine sleeps what vLLM's server took at c=1 (OUT/engine.json, measured
+once). Per size N: start time, the replicas' PSS (a size leaving under 4 GiB is skipped), an idle window, then
+`vllm bench serve --request-rate` (Poisson, one seed): CPU per request by role (bench.measure.CpuAccount) and the
+added latency (vLLM's end-to-end percentiles minus the FakeEngine's sleep).
 """
 
 from __future__ import annotations
