@@ -69,30 +69,26 @@ def cluster_env(name: str) -> dict[str, str]:
 # -- the paths -------------------------------------------------------------------
 
 
+PATHS = {  # the processes a request on each path passes through, outside the engine
+    "vllm": ["vllm: api server"],
+    "rsllm": ["main: proxy", "rsllm: ingress", "rsllm: server"],
+    "proxy": ["main: proxy", "hidden-states: router", "hidden-states: replica"],
+    "port": ["hidden-states: router", "hidden-states: replica"],
+    "replica_proxy": ["main: proxy", "hs-direct: replica"],
+    "replica_port": ["hs-direct: replica"],
+    "haproxy": ["haproxy: haproxy", "haproxy: proxy", "hs-haproxy: router", "hs-haproxy: replica"],
+    "haproxy_replica": ["haproxy: haproxy", "haproxy: proxy", "hs-haproxy-direct: replica"],
+    "tput_proxy": ["tput: proxy", "hs-tput: router", "hs-tput: replica"],
+    "tput_port": ["hs-tput: router", "hs-tput: replica"],
+}
+
+
 def path_roles(path: str) -> list[str]:
-    """The processes a request on `path` passes through, outside the engine."""
-    return {
-        "vllm": ["vllm: api server"],
-        "rsllm": ["main: proxy", "rsllm: ingress", "rsllm: server"],
-        "proxy": ["main: proxy", "hidden-states: router", "hidden-states: replica"],
-        "port": ["hidden-states: router", "hidden-states: replica"],
-        "replica_proxy": ["main: proxy", "hs-direct: replica"],
-        "replica_port": ["hs-direct: replica"],
-        "haproxy": ["haproxy: haproxy", "haproxy: proxy", "hs-haproxy: router", "hs-haproxy: replica"],
-        "haproxy_replica": ["haproxy: haproxy", "haproxy: proxy", "hs-haproxy-direct: replica"],
-        "tput_proxy": ["tput: proxy", "hs-tput: router", "hs-tput: replica"],
-        "tput_port": ["hs-tput: router", "hs-tput: replica"],
-    }[path]
+    return PATHS[path]
 
 
 def daemon_roles(path: str) -> list[str]:
-    cluster = {
-        "haproxy": "haproxy",
-        "haproxy_replica": "haproxy",
-        "tput_proxy": "tput",
-        "tput_port": "tput",
-        "vllm": None,
-    }.get(path, "main")
+    cluster = None if path == "vllm" else path.split("_")[0] if path.startswith(("haproxy", "tput")) else "main"
     return [] if cluster is None else [f"{cluster}: controller", f"{cluster}: daemons"]
 
 
@@ -234,16 +230,7 @@ def main() -> None:
             "replica_port": Endpoint("replica_port", "replica's port", f"{replica_base}/v1/completions", MODEL),
         }
         results["body_checks"] = {p: body_checks(ep, vocab) for p, ep in main_paths.items()}
-        ours = {
-            "proxy",
-            "port",
-            "replica_proxy",
-            "replica_port",
-            "haproxy",
-            "haproxy_replica",
-            "tput_proxy",
-            "tput_port",
-        }
+        ours = {p for p in PATHS if p not in ("vllm", "rsllm")}
         results["phases"]["main"] = run_phase(arms_for(main_paths, ours), args, roles, path, "main")
         if switches:
             second: dict[str, Endpoint] = {"vllm": main_paths["vllm"], "proxy": main_paths["proxy"]}

@@ -91,16 +91,11 @@ def slept_s(engine: dict, max_tokens: int, n: int = 1) -> float:
     return engine["first_token_delay_s"] + n * max_tokens * engine["token_delay_s"]
 
 
-def fake_delays(ttft_s: float, itl_s: float, max_tokens: int, pacing: str = "once") -> dict:
-    """FakeEngine args that reproduce a measured engine's request of `max_tokens`: it ends at
-    `ttft_s + (max_tokens - 1) * itl_s` either way. `tokens`: the first token at `ttft_s`, then one every `itl_s`
-    (the FakeEngine ticks once per token after its prefill wait); `once`: the whole wait as the prefill (one timer
-    instead of max_tokens + 1 keeps the timers' lateness on busy cores out of the added latency)."""
-    if pacing == "tokens":
-        return {"token_delay_s": itl_s, "first_token_delay_s": max(0.0, ttft_s - itl_s), "pacing": pacing}
-    if pacing == "once":
-        return {"token_delay_s": 0.0, "first_token_delay_s": ttft_s + (max_tokens - 1) * itl_s, "pacing": pacing}
-    raise ValueError(f"pacing {pacing!r}: once or tokens")
+def fake_delays(ttft_s: float, itl_s: float, max_tokens: int) -> dict:
+    """FakeEngine args that reproduce a measured engine's request of `max_tokens`, ending at
+    `ttft_s + (max_tokens - 1) * itl_s`: the whole wait as the prefill (one timer a request, not one a token,
+    keeps the timers' lateness on busy cores out of the added latency)."""
+    return {"token_delay_s": 0.0, "first_token_delay_s": ttft_s + (max_tokens - 1) * itl_s}
 
 
 def fits(n: int, replica_bytes: int, available: int, spare: int = SPARE_BYTES) -> tuple[bool, str]:
@@ -490,7 +485,7 @@ class Sim:
             self.res["skipped"][str(n)] = fit[1]
             log(f"N={n}: skipped: {fit[1]}")
             return "skipped"
-        row: dict = {"available_gib_before": avail / GIB, "pacing": delays["pacing"]}
+        row: dict = {"available_gib_before": avail / GIB}
         log(f"N={n}: deploying")
         row["start_s"], d = self.deploy(app_args(delays, dict(min_replicas=n, max_replicas=n, initial_replicas=n)), n)
         log(f"N={n}: {n} replicas running after {row['start_s']:.1f} s")
@@ -563,7 +558,7 @@ class Sim:
     def run(self) -> int:
         a = self.args
         eng = self.engine()
-        delays = self.res["fake_engine"] = fake_delays(eng["ttft_s"], eng["itl_s"], a.max_tokens, a.pacing)
+        delays = self.res["fake_engine"] = fake_delays(eng["ttft_s"], eng["itl_s"], a.max_tokens)
         self.res["settings"] = {**vars(a), "out": str(a.out), "serve_env": self.serve_env()}
         self.res["settings"]["slept_ms_per_request"] = slept_s(delays, a.max_tokens) * 1e3
         try:
@@ -599,7 +594,6 @@ def parse(argv=None):
     add("--idle-seconds", type=float, default=20.0, help="idle window per size, before its load")
     add("--request-timeout", type=float, default=90.0, help="added to each load's own time limit")
     add_cluster_flags(add)
-    add("--pacing", default="once", choices=("once", "tokens"), help="one timer a request, or one a token")
     add("--dry-run", action="store_true", help="print the settings and exit; starts nothing")
     add("--driver", action="store_true", help=argparse.SUPPRESS)
     add("--address", help=argparse.SUPPRESS)

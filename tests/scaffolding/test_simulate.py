@@ -23,13 +23,10 @@ def test_failures_arrivals_are_seeded_and_follow_the_rate():
     assert abs(len(a) - 2000) < 4 * 2000**0.5  # Poisson: within 4 standard deviations
 
 
-@pytest.mark.parametrize("pacing", ["once", "tokens"])
-def test_fake_delays_reproduce_the_measured_request(pacing):
-    d = sim.fake_delays(ttft_s=0.4, itl_s=0.03, max_tokens=64, pacing=pacing)
-    assert sim.slept_s(d, 64) == pytest.approx(0.4 + 63 * 0.03)  # either way: TTFT + the later tokens
-    assert (d["token_delay_s"] == 0) == (pacing == "once")
-    with pytest.raises(ValueError):
-        sim.fake_delays(0.4, 0.03, 64, "sometimes")
+def test_fake_delays_reproduce_the_measured_request():
+    d = sim.fake_delays(ttft_s=0.4, itl_s=0.03, max_tokens=64)
+    assert sim.slept_s(d, 64) == pytest.approx(0.4 + 63 * 0.03)  # TTFT + the later tokens, as one wait
+    assert d["token_delay_s"] == 0
 
 
 def test_fake_engine_waits_its_first_token_delay_once_per_request():
