@@ -3,23 +3,12 @@
     .venv/bin/python -m bench.arms BENCH [--rounds N] [--max-tokens N] [--concurrency 8,32] \
         [--requests N] [--name NAME]        # BENCH: one of BENCHES below; `--list` names them
 
-One process, no Ray: each declared engine (HiddenStatesEngine, float32 by default) is started in turn
-(its start timed), and requests go through vLLM's own OpenAI serving over it (`engine.openai`), as
-JSON bodies with this server's fields, as `vllm bench serve --extra-body` would send them. Each round
-runs every arm at every concurrency, arms in a rotating order, fresh prompts each time (no arm hits
-another's prefix cache), every completion `--max-tokens` long (`ignore_eos`). An arm with `half`
-sets its fields on every other request only. Per arm and concurrency:
-
-- tokens per second (completion tokens over wall time, pooled over rounds) and its ratio over the
-  arm's base, with a 95% percentile-bootstrap interval over paired rounds (bench.measure);
-- the engine's own counters, summed over the workers before and after each arm (`hidden_states_stats`:
-  rows copied, steered, head products, host copies, encoder items ...): the work counted, not labelled;
-- CPU per request by process role: this process (the frontend) and the arm's engine's processes (vLLM's engine core
-  and worker);
-- per vector, how it was computed (`via`) and the positions computed for it (`computed_tokens`).
-
-An arm equal to another one (`off2` beside `off`) is the A/A control: its interval is the noise
-floor the other ratios are read against. Writes bench/results/<name>.{json,md}.
+One process, no Ray: each declared engine is started in turn and requests go through vLLM's own OpenAI serving
+over it. Each round runs every arm at every concurrency in a rotating order on fresh prompts, every completion
+`--max-tokens` long; an arm with `half` sets its fields on every other request. Per arm: tokens per second and its
+ratio over the arm's base with a 95% bootstrap interval over paired rounds (an arm equal to another, `off2`, is
+the A/A control); the workers' counters' change; CPU per request by process (frontend, engine); per vector `via`
+and `computed_tokens`. Writes bench/results/<name>.{json,md}.
 """
 
 from __future__ import annotations
@@ -42,8 +31,8 @@ import numpy as np
 import psutil
 
 from bench.measure import ci_text, paired_ratio_ci
+from bench.procs import RESULTS, write_results
 
-RESULTS = Path(__file__).resolve().parent / "results"
 SMOLLM2 = "builtin:smollm2-135m-instruct"
 ENGINE = {
     "dtype": "float32",
@@ -494,12 +483,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-arms-") as folder:
         r = asyncio.run(measure(bench, args, folder))
     r["command"] = command
-    name = args.name or args.bench
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{name}.json").write_text(json.dumps(r, indent=1) + "\n")
-    text = markdown(bench, r, command)
-    (args.out / f"{name}.md").write_text(text)
-    print(text)
+    write_results(args.out, args.name or args.bench, r, markdown(bench, r, command))
     return 0
 
 

@@ -1,9 +1,9 @@
-"""Figures: percentiles and ratios, CPU time by process role, resident memory."""
+"""Figures: percentiles, paired ratio intervals, CPU time by process role."""
 
 from __future__ import annotations
 
 import os
-import threading
+import re
 import time
 from collections import defaultdict
 
@@ -13,12 +13,6 @@ import psutil
 
 def pct(values, q: float) -> float | None:
     return float(np.percentile(np.asarray(values, dtype=float), q)) if len(values) else None
-
-
-def ratio(a: float | None, b: float | None) -> float | None:
-    if a is None or b is None or b == 0:
-        return None
-    return a / b
 
 
 CI_MIN_ROUNDS = 5  # fewer paired rounds give no interval worth printing
@@ -62,163 +56,78 @@ def ci_text(ci) -> str:
 
 # -- CPU time by role ----------------------------------------------------------
 
-ROLE_TITLES = [
-    # (substring of the process title, role suffix) for Ray workers
-    ("ServeReplica:hidden-states:Router", "ours: router"),
-    ("ServeReplica:hidden-states:EngineReplica", "ours: replica"),
-    ("ServeReplica:hs-direct:EngineReplica", "direct: replica"),
-    ("ServeReplica:rsllm:LLMServer", "rsllm: server"),
-    ("ServeReplica:rsllm:", "rsllm: ingress"),
-    ("ProxyActor", "serve: proxy"),
-    ("ServeController", "serve: controller"),
-]
+DEPLOYMENT_ROLE = {"Router": "router", "EngineReplica": "replica", "LLMServer": "server"}
+ENGINE_TITLES = ("VLLM::", "EngineCore")
 
 
 class CpuAccount:
-    """Snapshots of every process's CPU seconds; deltas are attributed to roles.
+    """Snapshots of every process's CPU seconds (psutil); deltas attributed to roles by process title.
 
-    Roots: the bench process itself ("client"), the Ray cluster's `ray start`,
-    vLLM's server. Engine-core processes (VLLM::EngineCore / VLLM::Worker) take
-    the role of their nearest titled ancestor with ": engine". Everything the
-    benchmark did not start is "other (not ours)" (system CPU busy minus ours).
+    Roots: this process ("client"; its children "client: children") and each `add_root(pid, name)`: a Ray
+    cluster's `ray start` or vLLM's server. Under a root, a Serve replica is `<app>: router|replica|server|ingress`
+    (from its title `ServeReplica:<app>:<deployment>`), Serve's proxy and controller `<name>: proxy|controller`,
+    HAProxy `<name>: haproxy`, anything else `<name>: daemons`; vLLM's engine processes (VLLM::EngineCore,
+    VLLM::Worker) take their nearest titled ancestor's role with ": engine" (under vLLM's server `vllm: engine`,
+    the rest `vllm: api server`). CPU the machine spent outside every root is "other (not ours)". `idle`: each
+    role's cores with no load, from `measure_idle`.
     """
 
     def __init__(self):
         self.roots: dict[int, str] = {os.getpid(): "client"}
+        self.idle: dict[str, float] = {}
 
-    def add_root(self, pid: int, role: str) -> None:
-        self.roots[pid] = role
+    def add_root(self, pid: int, name: str) -> None:
+        self.roots[pid] = name
 
     def snapshot(self) -> dict:
         procs = {}
         for p in psutil.process_iter(["pid", "ppid", "cmdline", "name", "cpu_times"]):
             info = p.info
-            ct = info.get("cpu_times")
-            if ct is None:
-                continue
-            title = " ".join(info.get("cmdline") or []) or (info.get("name") or "")
-            procs[info["pid"]] = (info["ppid"], title, ct.user + ct.system)
+            if (ct := info.get("cpu_times")) is not None:
+                title = " ".join(info.get("cmdline") or []) or (info.get("name") or "")
+                procs[info["pid"]] = (info["ppid"], title, ct.user + ct.system)
         sys_t = psutil.cpu_times()
-        busy = sum(sys_t) - sys_t.idle - getattr(sys_t, "iowait", 0.0)
-        return {"t": time.perf_counter(), "procs": procs, "busy": busy}
+        return {"t": time.perf_counter(), "procs": procs, "busy": sum(sys_t) - sys_t.idle - getattr(sys_t, "iowait", 0)}
 
-    def _role(self, pid: int, procs: dict) -> str | None:
-        chain = []
-        cur = pid
-        for _ in range(64):
-            if cur not in procs:
-                break
+    def role(self, pid: int, procs: dict) -> str | None:
+        chain, cur = [], pid
+        while cur in procs and cur not in self.roots and len(chain) < 64:
             chain.append(cur)
-            if cur in self.roots:
-                break
             cur = procs[cur][0]
-        else:
+        if cur not in self.roots:
             return None
-        if not chain or chain[-1] not in self.roots:
-            return None
-        root_role = self.roots[chain[-1]]
-        if root_role == "client":
-            return "client" if pid == chain[-1] else "client: children"
-        engine = any(t in procs[pid][1] for t in ("VLLM::EngineCore", "VLLM::Worker", "EngineCore", "VLLM::"))
-        for c in chain:
-            title = procs[c][1]
-            for needle, role in ROLE_TITLES:
-                if needle in title:
-                    return role + (": engine" if engine and c != pid else "")
-        if root_role == "vllm":
+        root, title = self.roots[cur], procs[pid][1] if pid in procs else ""
+        if root == "client":
+            return "client" if pid == cur else "client: children"
+        engine = any(t in title for t in ENGINE_TITLES)
+        if root == "vllm":
             return "vllm: engine" if engine else "vllm: api server"
-        return f"{root_role}: {_short_name(procs[pid][1])}"  # e.g. "ray: raylet"
-
-    @staticmethod
-    def group(role: str) -> str:
-        """'ray: raylet' -> 'ray' (the daemons, the driver and idle workers of the Ray cluster)."""
-        return "ray: system" if role.startswith("ray: ") else role
+        if os.path.basename(title.split(" ", 1)[0]) == "haproxy":
+            return f"{root}: haproxy"
+        for c in chain:
+            t = procs[c][1]
+            if m := re.search(r"ServeReplica:([\w.-]+):(\w+)", t):
+                app, dep = m.groups()
+                return f"{app}: {DEPLOYMENT_ROLE.get(dep, 'ingress')}" + (": engine" if engine and c != pid else "")
+            if "ProxyActor" in t:
+                return f"{root}: proxy"
+            if "ServeController" in t:
+                return f"{root}: controller"
+        return f"{root}: daemons"
 
     def delta(self, a: dict, b: dict) -> dict:
+        """{wall, busy, roles: CPU seconds by role} between two snapshots (a process started since: all of its)."""
         roles: dict[str, float] = defaultdict(float)
-        for pid, (_ppid, _title, cpu) in b["procs"].items():
-            prev = a["procs"].get(pid)
-            base = prev[2] if prev is not None else 0.0  # started during the window: all its CPU is in it
-            role = self._role(pid, b["procs"])
-            if role is None:
-                continue
-            roles[role] += max(0.0, cpu - base)
-        ours = sum(roles.values())
+        for pid, (_, _, cpu) in b["procs"].items():
+            if (role := self.role(pid, b["procs"])) is not None:
+                prev = a["procs"].get(pid)
+                roles[role] += max(0.0, cpu - (prev[2] if prev is not None else 0.0))
         busy = b["busy"] - a["busy"]
-        roles["other (not ours)"] = max(0.0, busy - ours)
-        grouped: dict[str, float] = defaultdict(float)
-        for k, v in roles.items():
-            grouped[self.group(k)] += v
-        return {
-            "wall": b["t"] - a["t"],
-            "busy": busy,
-            "roles": dict(grouped),
-            "ray_system_detail": {k: v for k, v in roles.items() if k.startswith("ray: ")},
-        }
+        roles["other (not ours)"] = max(0.0, busy - sum(roles.values()))
+        return {"wall": b["t"] - a["t"], "busy": busy, "roles": dict(roles)}
 
-
-def _short_name(title: str) -> str:
-    words = title.split()
-    if not words:
-        return "?"
-    if words[0].startswith("ray::"):
-        return words[0][5:]
-    if "serve" in words[0].rsplit("/", 1)[-1] and len(words) > 1 and words[1] == "run":
-        return "serve run (driver)"
-    for w in words[1:]:
-        if w.endswith(".py"):
-            return w.rsplit("/", 1)[-1]
-        if w == "-m":
-            continue
-    if len(words) > 2 and words[1] == "-m":
-        return words[2]
-    return words[0].rsplit("/", 1)[-1]
-
-
-# -- resident memory -------------------------------------------------------------
-
-
-def rss_tree(pid: int) -> tuple[int, dict[str, int]]:
-    """RSS of a process plus all its descendants (bytes), and per process."""
-    per = {}
-    try:
-        root = psutil.Process(pid)
-        for p in [root, *root.children(recursive=True)]:
-            try:
-                name = os.path.basename(" ".join(p.cmdline()[:1])) or p.name()  # no machine paths in results
-                per[f"{name} [{p.pid}]"] = p.memory_info().rss
-            except psutil.Error:
-                pass
-    except psutil.Error:
-        pass
-    return sum(per.values()), per
-
-
-class RssSampler:
-    """Samples rss_tree(pid) in a thread; keeps the peak and a time series."""
-
-    def __init__(self, pid: int, every: float = 0.5):
-        self.pid, self.every = pid, every
-        self.series: list[tuple[float, int]] = []
-        self.peak = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, daemon=True)
-        self.t0 = time.perf_counter()
-
-    def sample(self) -> int:
-        total, _ = rss_tree(self.pid)
-        self.series.append((time.perf_counter() - self.t0, total))
-        self.peak = max(self.peak, total)
-        return total
-
-    def _loop(self):
-        while not self._stop.wait(self.every):
-            self.sample()
-
-    def start(self):
-        self._thread.start()
-        return self
-
-    def stop(self):
-        self._stop.set()
-        self._thread.join(5)
+    def measure_idle(self, seconds: float) -> None:
+        a = self.snapshot()
+        time.sleep(seconds)
+        d = self.delta(a, self.snapshot())
+        self.idle = {k: v / d["wall"] for k, v in d["roles"].items()}

@@ -1,21 +1,11 @@
-"""Large payloads through each path (issue 32, part 1): 8-16 MB of rows per response, bytes per second and CPU per MB.
+"""Large payloads through each path: 8-16 MB of rows per response, bytes per second and CPU per MB.
 
     .venv/bin/python -m bench.payloads        # writes bench/results/payloads.{json,md}
 
-A 4,096-wide model's `completion` rows in float16 over 1,000 and 2,000 tokens (8 and 16 MiB of rows; 10.7 and
-21.3 MB of JSON with base64, 26-52 MB with floats) come from hidden_states.testing.FakeEngine (`hidden_size`
-4096), behind the real Router, replicas, relay, Serve's proxy and HAProxy, on two Ray clusters of the bench
-(bench.servers.RayCluster, bench.serve_cpu's ports): `main`, with `make serve`'s switches, and `haproxy`, with
-`RAY_SERVE_ENABLE_HA_PROXY=1`. The paths, as bench.serve_cpu names them: `proxy` (Serve's proxy -> Router ->
-replica), `port` (the Router's own port -> replica), `replica_port` (`ingress: replica` on its own port),
-`haproxy` (HAProxy -> Router's port -> replica) and `haproxy_replica` (HAProxy -> the replica's port).
-
-Per path and size: `--requests` non-streaming requests, `--concurrency` at a time, each response read whole and
-parsed by the client (its rows' shape checked); then the same with `stream: true` (rows arrive with each
-token's chunk). Bytes per second is response bytes over wall time; CPU per MB is each role's CPU seconds
-(bench.serve_cpu.Roles: psutil times of every process, the idle rate subtracted) per MB of response. The
-replica's figure includes the FakeEngine making its rows (random normals; measured alone, in this process,
-and printed beside it), which a real engine does on the device instead.
+A 4,096-wide model's `completion` rows (float16, base64) over --tokens tokens from FakeEngine replicas behind the
+real Router, replicas, Serve's proxy and HAProxy, on bench.serve_cpu's `main` and `haproxy` clusters; the paths
+PATH_ROLES names. Per path and size, whole and streamed: MB/s of responses and each role's CPU per MB
+(bench.measure.CpuAccount, idle subtracted; the replica's includes the FakeEngine making the rows).
 """
 
 from __future__ import annotations
@@ -23,19 +13,20 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import json
+import sys
 import time
 
 import httpx
 import yaml
 
-from bench.procs import BIN, WORK, Proc, StartError, free_port, wait_until
-from bench.report import command_line, write_results
-from bench.serve_cpu import CLUSTERS, Roles, cluster_env, find_ingress
-from bench.servers import RayCluster, http_ok
+from bench.measure import CpuAccount
+from bench.procs import BIN, RESULTS, WORK, Proc, StartError, free_port, wait_until, write_results
+from bench.serve_cpu import CLUSTERS, cluster_env
+from bench.servers import RayCluster, find_ingress, http_ok
 
 MODEL = "fake"
 HIDDEN = 4096
-PATH_ROLES = {  # the processes a request passes through (bench.serve_cpu.Roles' names)
+PATH_ROLES = {  # the processes a request passes through (bench.measure.CpuAccount's roles)
     "proxy": ["main: proxy", "pl: router", "pl: replica"],
     "port": ["pl: router", "pl: replica"],
     "replica_port": ["pl-direct: replica"],
@@ -53,19 +44,13 @@ def serve_config(http_port: int, names: tuple[str, str], max_body: int) -> dict:
         "request_timeout_s": 120,
         "max_request_body_bytes": max_body,
     }
-    return {
-        "proxy_location": "HeadOnly",
-        "http_options": {"host": "127.0.0.1", "port": http_port},
-        "applications": [
-            {"name": names[0], "route_prefix": "/", "import_path": "bench.simulate:fake_app", "args": args},
-            {
-                "name": names[1],
-                "route_prefix": "/direct",
-                "import_path": "bench.simulate:fake_app",
-                "args": dict(args, ingress="replica"),
-            },
-        ],
-    }
+    app = {"route_prefix": "/", "import_path": "bench.simulate:fake_app", "args": args}
+    apps = [
+        app | {"name": names[0]},
+        app | {"name": names[1], "route_prefix": "/direct", "args": args | {"ingress": "replica"}},
+    ]
+    http = {"host": "127.0.0.1", "port": http_port}
+    return {"proxy_location": "HeadOnly", "http_options": http, "applications": apps}
 
 
 class FakeApps:
@@ -81,11 +66,8 @@ class FakeApps:
         path = WORK / "cfg" / f"serve-{self.tag}.yaml"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(yaml.safe_dump(serve_config(self.http_port, self.names, 4 * 2**20), sort_keys=False))
-        self.proc = Proc(
-            f"serve-run-{self.tag}",
-            [BIN / "serve", "run", "--address", self.cluster.address, path],
-            env=self.cluster.env(),
-        )
+        argv = [BIN / "serve", "run", "--address", self.cluster.address, path]
+        self.proc = Proc(f"serve-run-{self.tag}", argv, env=self.cluster.env())
 
     def wait_ready(self, timeout: float) -> None:
         def ready() -> bool:
@@ -100,18 +82,9 @@ class FakeApps:
 
 
 def body(tokens: int, stream: bool) -> bytes:
-    return json.dumps(
-        {
-            "model": MODEL,
-            "prompt": "Rows, please.",
-            "max_tokens": tokens,
-            "stream": stream,
-            "return_hidden_states": True,
-            "hidden_states_position": "completion",
-            "hidden_states_dtype": "float16",
-            "hidden_states_encoding": "base64",
-        }
-    ).encode()
+    rows = {"return_hidden_states": True, "hidden_states_position": "completion", "hidden_states_dtype": "float16"}
+    body = {"model": MODEL, "prompt": "Rows, please.", "max_tokens": tokens, "stream": stream}
+    return json.dumps(body | rows | {"hidden_states_encoding": "base64"}).encode()
 
 
 def one(client: httpx.Client, url: str, tokens: int, stream: bool) -> int:
@@ -133,7 +106,7 @@ def one(client: httpx.Client, url: str, tokens: int, stream: bool) -> int:
     return len(r.content)
 
 
-def run_arm(roles: Roles, url: str, tokens: int, stream: bool, requests: int, concurrency: int, path: str) -> dict:
+def run_arm(roles: CpuAccount, url: str, tokens: int, stream: bool, requests: int, concurrency: int, path: str) -> dict:
     a = roles.snapshot()
     sizes, errors = [], []
     with httpx.Client(timeout=300) as client, concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
@@ -176,9 +149,8 @@ def main() -> None:
     ap.add_argument("--idle-s", type=float, default=15.0)
     ap.add_argument("--name", default="payloads")
     args = ap.parse_args()
-    shown = argparse.Namespace(**vars(args))
     tokens = [int(t) for t in args.tokens.split(",")]
-    roles, started = Roles(), []
+    roles, started = CpuAccount(), []
     results: dict = {
         "hidden_size": HIDDEN,
         "dtype": "float16",
@@ -216,31 +188,12 @@ def main() -> None:
                     results["runs"][key] = run_arm(roles, url, t, stream, args.requests, args.concurrency, path)
     finally:
         results["stopped"] = {type(s).__name__: s.stop() for s in started}
-    write_results(args.name, results, report(results, shown))
-
-
-def report(r: dict, args) -> str:
-    lines = [
-        command_line("bench.payloads", args),
-        "",
-        f"Rows of a {r['hidden_size']}-wide model, {r['dtype']}, {r['encoding']}; FakeEngine replicas. "
-        "MB/s of responses, and CPU ms per MB of response by process (idle subtracted); the replica's "
-        f"includes making the rows ({', '.join(f'{v} ms per {t} rows' for t, v in r['fake_rows_cpu_ms'].items())},"
-        " measured alone).",
-        "",
-        "| path | rows | mode | MB per response | MB/s | CPU ms/MB, outside the replica | replica | errors |",
-        "|---|---|---|---|---|---|---|---|",
+    results["command"] = ".venv/bin/python -m bench.payloads " + " ".join(sys.argv[1:])
+    rows = [  # CPU ms per MB of response by process, idle subtracted; the replica's includes making the rows
+        {"path/rows/mode": k} | {x: r[x] for x in ("mb_per_response", "mb_per_s", "cpu_ms_per_mb", "errors")}
+        for k, r in results["runs"].items()
     ]
-    for key, x in r["runs"].items():
-        path, t, mode = key.split("/")
-        per = x["cpu_ms_per_mb"]
-        replica = sum(v for k, v in per.items() if k.endswith(": replica"))
-        outside = ", ".join(f"{k.split(': ')[-1]} {v}" for k, v in per.items() if not k.endswith(": replica"))
-        lines.append(
-            f"| {path} | {t} | {mode} | {x['mb_per_response']} | {x['mb_per_s']} | "
-            f"{outside or '-'} | {replica:.2f} | {x['errors']} |"
-        )
-    return "\n".join(lines) + "\n"
+    write_results(RESULTS, args.name, results, rows)
 
 
 if __name__ == "__main__":

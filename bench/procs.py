@@ -1,15 +1,11 @@
-"""Processes the benchmark starts: each in its own session (process group), logged
-to bench/.work/logs, stopped by process group (SIGTERM, then SIGKILL) and checked.
-
-Nothing here stops a process the benchmark did not start: no `ray stop`, no
-pkill by name. Ray's daemons live in the `ray start --block` process group;
-Ray's workers (Serve replicas, and the vLLM engine-core processes under them)
-get process groups of their own, so they are found as descendants of the
-`ray start` process and stopped by pid.
+"""Processes the benchmark starts: each in its own session, logged to bench/.work/logs, stopped by process
+group (SIGTERM, then SIGKILL) and checked. Nothing here stops a process the benchmark did not start; Ray's
+workers are found as descendants of the `ray start` process and stopped by pid. And the benches' one writer.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -25,6 +21,7 @@ WORK = ROOT / "bench" / ".work"
 LOGS = WORK / "logs"
 BIN = ROOT / ".venv" / "bin"
 PYTHON = BIN / "python"
+RESULTS = ROOT / "bench" / "results"
 
 
 class StartError(RuntimeError):
@@ -101,9 +98,6 @@ class Proc:
         self._known.update(procs)
         return list(procs.values())
 
-    def remember_tree(self) -> None:
-        self.tree()
-
     def stop(self, timeout: float = 30.0) -> list[int]:
         """SIGTERM the group and every known descendant, then SIGKILL; returns pids still alive (should be [])."""
         procs = {p.pid: p for p in self.tree()}
@@ -151,7 +145,6 @@ def wait_until(
     what: str,
     procs: list[Proc] = (),
     poll: float = 1.0,
-    on_tick: Callable[[], None] | None = None,
 ) -> float:
     """Polls `check` until true; fails early with the log tail if one of `procs` died."""
     t0 = time.monotonic()
@@ -167,6 +160,24 @@ def wait_until(
         if time.monotonic() - t0 > timeout:
             tails = "\n".join(f"--- {p.name} ({p.log_path})\n{p.tail()}" for p in procs)
             raise StartError(f"{what}: not ready after {timeout:.0f}s\n{tails}")
-        if on_tick:
-            on_tick()
         time.sleep(poll)
+
+
+def table(rows: list[dict]) -> list[str]:
+    """A Markdown table of flat rows, the first row's keys as its columns."""
+    cols = list(rows[0]) if rows else []
+    cell = lambda v: f"{v:.3g}" if isinstance(v, float) else str(v)
+    return [f"| {' | '.join(cols)} |", f"|{'---|' * len(cols)}"] + [
+        f"| {' | '.join(cell(r.get(k)) for k in cols)} |" for r in rows
+    ]
+
+
+def write_results(out: Path, name: str, results: dict, text: str | list[dict]) -> None:
+    """The benches' one writer: prints `text` (or a table of `results["command"]` and these rows), writes
+    OUT/<name>.json (`results`) and OUT/<name>.md (`text`)."""
+    if not isinstance(text, str):
+        text = "\n".join([f"`{results['command']}`", "", *table(text)]) + "\n"
+    print(text)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
+    (out / f"{name}.md").write_text(text)

@@ -1,32 +1,25 @@
-"""What prefix-aware routing costs the Router per request (issue 32, part 2), beside Serve's default.
+"""What prefix-aware routing costs the Router per request, beside Serve's default.
 
     .venv/bin/python -m bench.routing        # writes bench/results/routing-cost.{json,md}
 
-In one process, no cluster: Serve's request router as the Router's handle runs it, over N fake replicas
-(what the router reads of a replica: its id, its queue length), routing multi-turn chat requests the way
-the Router does: the body's routing key (deployments.routing.http_key, on the body parsed for the checks),
-then `choose_replicas`, then `on_request_routed`. The arms, measured in turns, the same requests each:
-`prefix` (deployments.routing.PrefixRouter) and `power_of_two` (Serve's PowerOfTwoChoicesRequestRouter,
-no key). CPU seconds of this process (time.process_time) per request, by prompt size and N; and the
-key's length. The figures are the router's work alone: what the Router spends beside it is in
-bench.serve_cpu.
+In one process: Serve's request router over N fake replicas routes multi-turn chats as the Router does (the
+body's key, `choose_replicas`, `on_request_routed`), `prefix` (deployments.routing.PrefixRouter) against
+`power_of_two` (Serve's default, no key), in turns on the same requests: CPU µs per request, best of the rounds.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import time
-from pathlib import Path
 
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID, RequestMetadata
 from ray.serve._private.request_router.common import PendingRequest
 from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
 
+from bench.procs import RESULTS, write_results
 from deployments.routing import KEY_KWARG, PrefixRouter, http_key
 
-RESULTS = Path(__file__).parent / "results"
 BASE = "tiny-llama"
 WORDS = (
     "the replica keeps every conversation's prefix in its cache and the next turn lands there "
@@ -124,26 +117,6 @@ def measure(replicas: int, first_words: int, n_conv: int, turns: int, rounds: in
     }
 
 
-def report(rows: list[dict], command: str) -> str:
-    lines = [
-        f"`{command}`",
-        "",
-        "CPU per request of the routing decision (key, choice, record), best of the "
-        "rounds (worst in brackets), in one process:",
-        "",
-        "| replicas | first turn (words) | last turn (~tokens) | key (chars, mean) | prefix (µs) | "
-        "power of two (µs) | prefix - power of two (µs) |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        lines.append(
-            f"| {r['replicas']} | {r['first_turn_words']} | {r['last_turn_tokens_approx']} | "
-            f"{r['key_chars_mean']} | {r['prefix_us']} ({r['prefix_us_max']}) | {r['power_of_two_us']} "
-            f"({r['power_of_two_us_max']}) | {r['prefix_us'] - r['power_of_two_us']:.1f} |"
-        )
-    return "\n".join(lines) + "\n"
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--replicas", default="2,8,32")
@@ -161,10 +134,7 @@ def main() -> None:
     command = "python -m bench.routing" + "".join(
         f" --{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v != ap.get_default(k)
     )
-    md = report(rows, command)
-    print(md)
-    (RESULTS / f"{args.name}.json").write_text(json.dumps({"command": command, "rows": rows}, indent=1) + "\n")
-    (RESULTS / f"{args.name}.md").write_text(md)
+    write_results(RESULTS, args.name, {"command": command, "rows": rows}, rows)  # µs per request, best round
 
 
 if __name__ == "__main__":

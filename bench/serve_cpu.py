@@ -1,45 +1,13 @@
 """The Serve layer's CPU per request, per process, per path, beside vLLM's API server and Ray Serve LLM.
 
-    .venv/bin/python -m bench.serve_cpu [--concurrency 8,32] [--requests 48,96] [--rounds 2] \
-        [--name serve-cpu-tiny]
+    .venv/bin/python -m bench.serve_cpu [--concurrency 8,32] [--requests 48,96] [--rounds 2] [--name serve-cpu-tiny]
 
-Every server runs the same model (the built-in tiny one) with the same engine arguments and
-engine environment (bench/servers.py). The paths, each an arm:
-
-- `vllm`: vLLM's own OpenAI server (`python -m vllm.entrypoints.openai.api_server`): the baseline.
-- `rsllm`: Ray Serve LLM (`build_openai_app`) through Serve's proxy.
-- `proxy`: our app as `make serve` runs it: Serve's proxy -> Router -> engine replica.
-- `port`: the Router's own port (direct ingress, on in `make serve`) -> engine replica.
-- `replica_proxy`: `ingress: replica` through Serve's proxy (no Router).
-- `replica_port`: `ingress: replica` on the replica's own port: no proxy, no Router, one process.
-- `haproxy`: a Ray cluster with `RAY_SERVE_ENABLE_HA_PROXY=1`: HAProxy -> Router's port -> replica.
-- `haproxy_replica`: the same cluster, `ingress: replica` with 2 replicas: HAProxy balances over
-  the replicas' own ports (leastconn; a refused connection is retried on another replica).
-- `tput_proxy`, `tput_port`: a Ray cluster with `RAY_SERVE_THROUGHPUT_OPTIMIZED=1` (gRPC between
-  deployments, the router on the caller's loop, buffered request logs, direct ingress), through its
-  proxy and through its Router's port.
-
-Our paths run three ways: no vectors (`off`), the final token's vector (`final`), and the
-`completion` rows in float16 (`rows`). The first phase runs the main cluster's paths with vLLM's
-server and Ray Serve LLM; the second starts the two switch clusters and runs their paths beside
-vLLM's server and `proxy` again. In a phase the arms alternate round by round, the first arm
-rotating, each on the same request lengths (bench/workload.py's mix) with its own token contents.
-
-CPU: every process's CPU seconds (psutil) before and after each arm's batch of a fixed request
-count, attributed by process title to a role (`<app>: router`, `<app>: replica`, `<cluster>:
-proxy`, `<cluster>: haproxy`, `vllm: api server`, ...). vLLM's engine core and worker processes
-(`: engine`) are left out: the figure is what a path costs outside the engine. Each role's idle
-rate, measured over an idle window before the load, is taken off (its CPU over the batch's wall
-time), so a process's background (health checks, metrics pushes) is not charged to requests.
-A path's CPU per request is the sum over the processes a request passes through; Ray's daemons
-and Serve's controller are given apart (above their idle rate), as are the ratios to vLLM's API
-server.
-
-Also, per path: a request body larger than HAProxy's default buffer (a 4,000-token prompt, about
-24 KB) must arrive whole (prompt_tokens 4,000), and one above `max_request_body_bytes` must be
-refused with a 413, never truncated.
-
-Prints a table and writes bench/results/<name>.{json,md}.
+The built-in tiny model on every server, the same engine arguments. The paths (path_roles): vLLM's server, Ray
+Serve LLM, our app through the proxy, on the Router's port, `ingress: replica` through the proxy and on its own
+port; then clusters with HAProxy and throughput-optimized Serve (--switches). Our paths with no vectors, the final
+vector and float16 `completion` rows. Arms rotate round by round, every batch sent by `vllm bench serve`
+(bench.cli.batch). CPU: each role's (bench.measure.CpuAccount) above its idle rate, summed over the path's
+processes. Also per path: a 4,000-token prompt arrives whole, a body over the limit is a 413.
 """
 
 from __future__ import annotations
@@ -48,17 +16,19 @@ import argparse
 import json
 import os
 import platform
-import re
+import sys
+import tempfile
 import time
 from collections import defaultdict
+from pathlib import Path
 
 import httpx
 import psutil
 
-from bench import compare, measure
-from bench.procs import StartError
-from bench.report import command_line, write_results
-from bench.servers import ENGINE_ENV, Endpoint, RayCluster, ServeApps, VLLMServer, build_model
+from bench import measure
+from bench.cli import batch
+from bench.procs import RESULTS, write_results
+from bench.servers import ENGINE_ENV, Endpoint, RayCluster, ServeApps, VLLMServer, build_model, find_ingress
 from deployments.config import CPU_ENGINE_DEFAULTS
 from deployments.serve_env import SERVE_SWITCHES
 
@@ -96,153 +66,42 @@ def cluster_env(name: str) -> dict[str, str]:
     }
 
 
-class Apps(ServeApps):
-    """ServeApps with our app under a name of its own, so each cluster's processes have their own titles."""
-
-    def __init__(
-        self, *a, app_name: str = "hidden-states", direct_name: str = "hs-direct", direct_replicas: int = 1, **kw
-    ):
-        super().__init__(*a, **kw)
-        self.app_name, self.direct_name, self.direct_replicas = app_name, direct_name, direct_replicas
-
-    def config(self) -> dict:
-        cfg = super().config()
-        for app in cfg["applications"]:
-            if app["name"] == "hidden-states":
-                app["name"] = self.app_name
-            elif app["name"] == "hs-direct":
-                n = self.direct_replicas
-                app["name"] = self.direct_name
-                app["args"] = dict(app["args"], replica_autoscaling={"min_replicas": n, "max_replicas": n})
-        return cfg
-
-
-def find_ingress(kind: str, ports: tuple[int, int], prefix: str = "", timeout: float = 90) -> str:
-    """The base URL of the one replica answering /debug/stats with this ingress kind in `ports`
-    (a replica's own port serves its app's route prefix too)."""
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        for port in range(*ports):
-            base = f"http://127.0.0.1:{port}{prefix}"
-            try:
-                r = httpx.get(f"{base}/debug/stats", timeout=1)
-                if r.status_code == 200 and r.json().get("ingress", {}).get("kind") == kind:
-                    return base
-            except (httpx.HTTPError, ValueError):
-                continue
-        time.sleep(2)
-    raise StartError(f"no {kind} ingress answered on ports {ports[0]}..{ports[1]} in {timeout:.0f}s")
-
-
-# -- CPU by role -----------------------------------------------------------------
-
-ENGINE_TITLES = ("VLLM::", "EngineCore")
-DEPLOYMENT_ROLE = {"Router": "router", "EngineReplica": "replica", "LLMServer": "server"}
-
-
-class Roles:
-    """CPU seconds by role, from snapshots of every process (measure.CpuAccount.snapshot)."""
-
-    def __init__(self):
-        self.roots: dict[int, str] = {os.getpid(): "client"}
-        self.idle: dict[str, float] = {}  # role -> cores used with no load
-
-    def add_root(self, pid: int, name: str) -> None:
-        self.roots[pid] = name
-
-    def snapshot(self) -> dict:
-        return measure.CpuAccount.snapshot(self)
-
-    def role(self, pid: int, procs: dict) -> str | None:
-        chain, cur = [], pid
-        while cur in procs and cur not in self.roots and len(chain) < 64:
-            chain.append(cur)
-            cur = procs[cur][0]
-        if cur not in self.roots:
-            return None
-        root = self.roots[cur]
-        title = procs[pid][1] if pid in procs else ""
-        if root == "client":
-            return "client"
-        engine = any(t in title for t in ENGINE_TITLES)
-        if root == "vllm":
-            return "vllm: engine" if engine else "vllm: api server"
-        if os.path.basename(title.split(" ", 1)[0]) == "haproxy":
-            return f"{root}: haproxy"
-        for c in chain:
-            t = procs[c][1]
-            m = re.search(r"ServeReplica:([\w.-]+):(\w+)", t)
-            if m:
-                app, dep = m.groups()
-                r = f"{app}: {DEPLOYMENT_ROLE.get(dep, 'ingress')}"
-                return r + ": engine" if engine and c != pid else r
-            if "ProxyActor" in t:
-                return f"{root}: proxy"
-            if "ServeController" in t:
-                return f"{root}: controller"
-        return f"{root}: daemons"
-
-    def delta(self, a: dict, b: dict) -> dict:
-        roles: dict[str, float] = defaultdict(float)
-        for pid, (_, _, cpu) in b["procs"].items():
-            prev = a["procs"].get(pid)
-            role = self.role(pid, b["procs"])
-            if role is not None:
-                roles[role] += max(0.0, cpu - (prev[2] if prev is not None else 0.0))
-        busy = b["busy"] - a["busy"]
-        roles["other (not ours)"] = max(0.0, busy - sum(roles.values()))
-        return {"wall": b["t"] - a["t"], "busy": busy, "roles": dict(roles), "ray_system_detail": {}}
-
-    def measure_idle(self, seconds: float) -> None:
-        a = self.snapshot()
-        time.sleep(seconds)
-        d = self.delta(a, self.snapshot())
-        self.idle = {k: v / d["wall"] for k, v in d["roles"].items()}
-
-
 # -- the paths -------------------------------------------------------------------
 
 
+PATHS = {  # the processes a request on each path passes through, outside the engine
+    "vllm": ["vllm: api server"],
+    "rsllm": ["main: proxy", "rsllm: ingress", "rsllm: server"],
+    "proxy": ["main: proxy", "hidden-states: router", "hidden-states: replica"],
+    "port": ["hidden-states: router", "hidden-states: replica"],
+    "replica_proxy": ["main: proxy", "hs-direct: replica"],
+    "replica_port": ["hs-direct: replica"],
+    "haproxy": ["haproxy: haproxy", "haproxy: proxy", "hs-haproxy: router", "hs-haproxy: replica"],
+    "haproxy_replica": ["haproxy: haproxy", "haproxy: proxy", "hs-haproxy-direct: replica"],
+    "tput_proxy": ["tput: proxy", "hs-tput: router", "hs-tput: replica"],
+    "tput_port": ["hs-tput: router", "hs-tput: replica"],
+}
+
+
 def path_roles(path: str) -> list[str]:
-    """The processes a request on `path` passes through, outside the engine."""
-    return {
-        "vllm": ["vllm: api server"],
-        "rsllm": ["main: proxy", "rsllm: ingress", "rsllm: server"],
-        "proxy": ["main: proxy", "hidden-states: router", "hidden-states: replica"],
-        "port": ["hidden-states: router", "hidden-states: replica"],
-        "replica_proxy": ["main: proxy", "hs-direct: replica"],
-        "replica_port": ["hs-direct: replica"],
-        "haproxy": ["haproxy: haproxy", "haproxy: proxy", "hs-haproxy: router", "hs-haproxy: replica"],
-        "haproxy_replica": ["haproxy: haproxy", "haproxy: proxy", "hs-haproxy-direct: replica"],
-        "tput_proxy": ["tput: proxy", "hs-tput: router", "hs-tput: replica"],
-        "tput_port": ["hs-tput: router", "hs-tput: replica"],
-    }[path]
+    return PATHS[path]
 
 
 def daemon_roles(path: str) -> list[str]:
-    cluster = {
-        "haproxy": "haproxy",
-        "haproxy_replica": "haproxy",
-        "tput_proxy": "tput",
-        "tput_port": "tput",
-        "vllm": None,
-    }.get(path, "main")
+    cluster = None if path == "vllm" else path.split("_")[0] if path.startswith(("haproxy", "tput")) else "main"
     return [] if cluster is None else [f"{cluster}: controller", f"{cluster}: daemons"]
 
 
-def cpu_figures(runs: list[compare.ArmRun], arm: str, idle: dict[str, float]) -> dict:
+def cpu_figures(runs: list[dict], path: str, idle: dict[str, float]) -> dict:
     """ms of CPU per successful request, by role, above each role's idle rate; per round too."""
-    mine = [x for x in runs if x.arm == arm]
-    ok = sum(len(x.batch.ok) for x in mine)
+    ok = sum(x["ok"] for x in runs)
     by_role: dict[str, float] = defaultdict(float)
     per_round = []
-    path = arm.split("/")[0]
-    for x in mine:
-        above = {k: v - idle.get(k, 0.0) * x.cpu["wall"] for k, v in x.cpu["roles"].items()}
+    for x in runs:
+        above = {k: v - idle.get(k, 0.0) * x["cpu"]["wall"] for k, v in x["cpu"]["roles"].items()}
         for k, v in above.items():
             by_role[k] += v
-        n = max(1, len(x.batch.ok))
-        per_round.append(1e3 * sum(above.get(k, 0.0) for k in path_roles(path)) / n)
+        per_round.append(1e3 * sum(above.get(k, 0.0) for k in path_roles(path)) / max(1, x["ok"]))
     ms = {k: 1e3 * v / max(1, ok) for k, v in sorted(by_role.items())}
     return {
         "requests_ok": ok,
@@ -280,39 +139,41 @@ def body_checks(ep: Endpoint, vocab: int) -> dict:
     return out
 
 
-def run_phase(arms: list[compare.Arm], args, roles: Roles, vocab: int, tag: str) -> dict:
+def run_phase(
+    arms: list[tuple[str, Endpoint, dict]], args, roles: measure.CpuAccount, tokenizer: str, tag: str
+) -> dict:
+    """Each (path/variant, endpoint, fields) arm's batches through `vllm bench serve`, rounds alternating."""
     roles.measure_idle(args.idle_s)
-    compare.warmup(arms, vocab, 8, 8, tag)
     out: dict = {"idle_cores": {k: round(v, 4) for k, v in roles.idle.items() if v >= 1e-4}, "by_concurrency": {}}
+    lens = (args.input_len, args.output_len)
     for c, per in zip(args.concurrency, args.requests):
-        print(
-            f"[{time.strftime('%H:%M:%S')}] {tag}: c={c}, {len(arms)} arms x {args.rounds} rounds x {per}", flush=True
-        )
-        runs = compare.run(arms, vocab, c, args.rounds, per, f"{tag}-c{c}", roles)
-        res = {}
-        for a in arms:
-            s = compare.summarize(runs, a.key)
-            res[a.key] = {
-                "req_per_s": s["req_per_s"],
-                "p50_s": s["p50_s"],
-                "p99_s": s["p99_s"],
-                "errors": s["errors"],
-                "error_samples": s["error_samples"],
-                "cpu": cpu_figures(runs, a.key, roles.idle),
-                "vs_vllm_req_per_s": compare.compare(runs, a.key, "vllm/off")["req_per_s"],
+        print(f"[{time.strftime('%H:%M:%S')}] {tag}: c={c}, {len(arms)} arms x {args.rounds} rounds x {per}")
+        runs: dict[str, list[dict]] = {key: [] for key, _, _ in arms}
+        with tempfile.TemporaryDirectory(prefix="bench-cpu-") as folder:
+            for r in range(args.rounds):
+                for key, ep, fields in arms[r % len(arms) :] + arms[: r % len(arms)]:
+                    runs[key].append(batch(ep, tokenizer, per, c, 1000 * r + c, lens, fields, roles, Path(folder)))
+        rate = {k: sum(x["ok"] for x in v) / sum(x["wall"] for x in v) for k, v in runs.items()}
+        out["by_concurrency"][str(c)] = {
+            key: {
+                "req_per_s": rate[key],
+                "p50_s": sum(x["latency_ms"].get("p50_e2el_ms", 0.0) for x in runs[key]) / 1e3 / len(runs[key]),
+                "errors": 0,  # a batch with a failed request stops the run (bench.cli.batch)
+                "cpu": cpu_figures(runs[key], key.split("/")[0], roles.idle),
+                "vs_vllm_req_per_s": rate[key] / rate["vllm/off"],
             }
-        out["by_concurrency"][str(c)] = res
+            for key in runs
+        }
     return out
 
 
-def arms_for(paths: dict[str, Endpoint], ours: set[str]) -> list[compare.Arm]:
-    arms = []
-    for path, ep in paths.items():
-        for v, extra in VARIANTS.items():
-            if v != "off" and path not in ours:
-                continue
-            arms.append(compare.Arm(f"{path}/{v}", f"{path}, {v}", ep, dict(extra)))
-    return arms
+def arms_for(paths: dict[str, Endpoint], ours: set[str]) -> list[tuple[str, Endpoint, dict]]:
+    return [
+        (f"{path}/{v}", ep, dict(extra))
+        for path, ep in paths.items()
+        for v, extra in VARIANTS.items()
+        if v == "off" or path in ours
+    ]
 
 
 def main() -> None:
@@ -323,15 +184,16 @@ def main() -> None:
     ap.add_argument("--idle-s", type=float, default=20.0, help="the idle window each role's idle rate comes from")
     ap.add_argument("--switches", default="haproxy,tput", help="switch clusters of the second phase ('' for none)")
     ap.add_argument("--name", default="serve-cpu-tiny")
+    ap.add_argument("--input-len", type=int, default=128, help="random prompts' tokens (vLLM's random dataset)")
+    ap.add_argument("--output-len", type=int, default=32, help="tokens per completion (ignore_eos)")
     args = ap.parse_args()
-    shown = argparse.Namespace(**vars(args))
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     args.requests = [int(r) for r in args.requests.split(",")]
     switches = [s for s in args.switches.split(",") if s]
     t_start = time.time()
     path = build_model(MODEL)
     vocab = json.load(open(os.path.join(path, "config.json")))["vocab_size"]
-    roles = Roles()
+    roles = measure.CpuAccount()
     started: list = []
     results: dict = {
         "model": MODEL,
@@ -348,7 +210,7 @@ def main() -> None:
         main_cluster = RayCluster(extra_env=cluster_env("main"))
         main_cluster.start()
         started.append(main_cluster)
-        apps = Apps(main_cluster, path, MODEL, ENGINE, ours=True, rsllm=True, direct=True, tag="cpu-main")
+        apps = ServeApps(main_cluster, path, MODEL, ENGINE, ours=True, rsllm=True, direct=True, tag="cpu-main")
         apps.launch()
         started.insert(0, apps)
         vllm.wait_ready(600)
@@ -368,36 +230,16 @@ def main() -> None:
             "replica_port": Endpoint("replica_port", "replica's port", f"{replica_base}/v1/completions", MODEL),
         }
         results["body_checks"] = {p: body_checks(ep, vocab) for p, ep in main_paths.items()}
-        ours = {
-            "proxy",
-            "port",
-            "replica_proxy",
-            "replica_port",
-            "haproxy",
-            "haproxy_replica",
-            "tput_proxy",
-            "tput_port",
-        }
-        results["phases"]["main"] = run_phase(arms_for(main_paths, ours), args, roles, vocab, "main")
+        ours = {p for p in PATHS if p not in ("vllm", "rsllm")}
+        results["phases"]["main"] = run_phase(arms_for(main_paths, ours), args, roles, path, "main")
         if switches:
             second: dict[str, Endpoint] = {"vllm": main_paths["vllm"], "proxy": main_paths["proxy"]}
             for sw in switches:
                 cl = RayCluster(extra_env=cluster_env(sw), second=True)
                 cl.start()
                 started.insert(0, cl)
-                a = Apps(
-                    cl,
-                    path,
-                    MODEL,
-                    ENGINE,
-                    ours=True,
-                    rsllm=False,
-                    tag=f"cpu-{sw}",
-                    app_name=CLUSTERS[sw][1],
-                    direct=sw == "haproxy",
-                    direct_name="hs-haproxy-direct",
-                    direct_replicas=2,
-                )
+                names = {"app_name": CLUSTERS[sw][1], "direct_name": "hs-haproxy-direct", "direct_replicas": 2}
+                a = ServeApps(cl, path, MODEL, ENGINE, True, False, f"cpu-{sw}", direct=sw == "haproxy", **names)
                 a.launch()
                 started.insert(0, a)
                 a.wait_ready(900)
@@ -415,69 +257,23 @@ def main() -> None:
                     second["tput_port"] = Endpoint("tput_port", "tput Router's port", f"{base}/v1/completions", MODEL)
             for p in [p for p in second if p not in main_paths]:
                 results["body_checks"][p] = body_checks(second[p], vocab)
-            results["phases"]["switches"] = run_phase(arms_for(second, ours), args, roles, vocab, "switches")
+            results["phases"]["switches"] = run_phase(arms_for(second, ours), args, roles, path, "switches")
     finally:
         results["stopped"] = {type(s).__name__: s.stop() for s in started}
     results["wall_s"] = time.time() - t_start
-    write_results(args.name, results, report(results, shown))
-
-
-def report(r: dict, args) -> str:
-    lines = [
-        f"# The Serve layer's CPU per request, by path ({r['model']}, {r['machine']['cpus']} cores)",
-        "",
-        command_line("bench.serve_cpu", args),
-        "",
-        "CPU ms per successful request outside vLLM's engine processes, above each process's idle rate; "
-        "`x vLLM` is that over vLLM's API server's in the same phase and concurrency. Daemons: Serve's "
-        "controller and Ray's daemons of the path's cluster (above idle), not in the path's figure.",
-        "",
+    results["command"] = ".venv/bin/python -m bench.serve_cpu " + " ".join(sys.argv[1:])
+    rows = [  # CPU ms per request on the path above idle, and over vLLM's API server's in the same phase and c
+        {"phase": ph, "c": c, "path/vectors": k, "path ms": a["cpu"]["path_ms"]}
+        | {
+            "x vLLM": a["cpu"]["path_ms"] / arms["vllm/off"]["cpu"]["path_ms"],
+            "by process": a["cpu"]["path_by_process_ms"],
+        }
+        | {"daemons ms": a["cpu"]["daemons_ms"], "req/s": a["req_per_s"], "p50 s": a["p50_s"]}
+        for ph, res in results["phases"].items()
+        for c, arms in res["by_concurrency"].items()
+        for k, a in arms.items()
     ]
-    for phase, res in r["phases"].items():
-        if not isinstance(res, dict):
-            lines += [f"{phase}: {res}", ""]
-            continue
-        lines += [
-            f"## Phase `{phase}`",
-            "",
-            "| c | path / vectors | CPU ms/req (path) | x vLLM | per round | by process | daemons ms/req | "
-            "req/s | x vLLM req/s | p50 s | errors |",
-            "|---|---|---|---|---|---|---|---|---|---|---|",
-        ]
-        for c, arms in res["by_concurrency"].items():
-            base = arms["vllm/off"]["cpu"]["path_ms"]
-            for key, a in arms.items():
-                cpu = a["cpu"]
-                by = ", ".join(
-                    f"{k.split(': ', 1)[1] if k.count(':') == 1 else k} {v:.1f}"
-                    for k, v in cpu["path_by_process_ms"].items()
-                )
-                rounds = "/".join(f"{x:.1f}" for x in cpu["path_ms_per_round"])
-                rps = a["req_per_s"] or 0.0
-                lines.append(
-                    f"| {c} | {key} | {cpu['path_ms']:.1f} | {cpu['path_ms'] / base:.2f} | {rounds} | "
-                    f"{by} | {cpu['daemons_ms']:.1f} | {rps:.2f} | {a['vs_vllm_req_per_s'] or 0:.3f} | "
-                    f"{a['p50_s'] or 0:.3f} | {a['errors']} |"
-                )
-        lines += [
-            "",
-            "Idle cores by role: "
-            + ", ".join(f"{k} {v:.3f}" for k, v in sorted(res["idle_cores"].items(), key=lambda kv: -kv[1])),
-            "",
-        ]
-    lines += [
-        "## Request bodies",
-        "",
-        "| path | 4,000-token prompt (bytes): status, prompt_tokens | 5 MB body: status |",
-        "|---|---|---|",
-    ]
-    for p, b in r.get("body_checks", {}).items():
-        lp, ol = b["large_prompt"], b["over_limit"]
-        lines.append(
-            f"| {p} | {lp['body_bytes']}: {lp['status']}, {lp['prompt_tokens']} | "
-            f"{ol['status'] if ol['status'] is not None else ol.get('error')} |"
-        )
-    return "\n".join(lines) + "\n"
+    write_results(RESULTS, args.name, results, rows)
 
 
 if __name__ == "__main__":

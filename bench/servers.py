@@ -17,7 +17,8 @@ from __future__ import annotations
 import json
 import secrets
 import subprocess
-from dataclasses import dataclass, field
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,14 +39,8 @@ ENGINE_ENV = {"VLLM_USE_V2_MODEL_RUNNER": "0", "VLLM_CPU_OMP_THREADS_BIND": "nob
 
 
 def build_model(name: str) -> str:
-    out = subprocess.run(
-        [str(PYTHON), "-m", "hidden_states.models.builtin", name],
-        cwd=ROOT,
-        check=True,
-        capture_output=True,
-        text=True,
-        timeout=1800,
-    )
+    argv = [str(PYTHON), "-m", "hidden_states.models.builtin", name]
+    out = subprocess.run(argv, cwd=ROOT, check=True, capture_output=True, text=True, timeout=1800)
     path = out.stdout.strip().splitlines()[-1].strip()
     if not Path(path, "config.json").exists():
         raise StartError(f"model {name}: no config.json in {path!r}\n{out.stderr[-2000:]}")
@@ -75,8 +70,7 @@ def http_ok(url: str, timeout: float = 5.0) -> bool:
 def smoke(url: str, model: str, extra: dict | None = None) -> bool:
     body = {"model": model, "prompt": [5, 6, 7, 8], "max_tokens": 2, "temperature": 0.0} | (extra or {})
     try:
-        r = httpx.post(url, json=body, timeout=60)
-        return r.status_code == 200
+        return httpx.post(url, json=body, timeout=60).status_code == 200
     except httpx.HTTPError:
         return False
 
@@ -90,8 +84,6 @@ class Endpoint:
     url: str  # .../v1/completions
     model: str  # the name clients send
     stats_url: str | None = None  # our /debug/stats
-    supports_hidden_states: bool = False
-    pids: dict[str, int] = field(default_factory=dict)
 
 
 class RayCluster:
@@ -124,28 +116,10 @@ class RayCluster:
 
     def start(self, timeout: float = 180) -> float:
         self.temp_dir.mkdir(parents=True, exist_ok=True)
-        argv = [
-            BIN / "ray",
-            "start",
-            "--head",
-            "--block",
-            "--num-cpus",
-            str(self.num_cpus),
-            "--node-ip-address",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            "--ray-client-server-port",
-            str(free_port(25290)),
-            "--dashboard-port",
-            str(free_port(8290)),
-            "--dashboard-agent-listen-port",
-            str(free_port(52490)),
-            "--include-dashboard=false",
-            "--disable-usage-stats",
-            "--temp-dir",
-            str(self.temp_dir),
-        ]
+        argv = [BIN / "ray", "start", "--head", "--block", "--num-cpus", str(self.num_cpus), "--port", str(self.port)]
+        argv += ["--ray-client-server-port", str(free_port(25290)), "--dashboard-port", str(free_port(8290))]
+        argv += ["--dashboard-agent-listen-port", str(free_port(52490)), "--node-ip-address", "127.0.0.1"]
+        argv += ["--include-dashboard=false", "--disable-usage-stats", "--temp-dir", str(self.temp_dir)]
         self.proc = Proc("ray-head" if not self.second else f"ray-head-{self.port}", argv, env=self.env())
         return wait_until(lambda: "block forever" in self.proc.tail(50), timeout, "ray start", [self.proc])
 
@@ -169,10 +143,14 @@ class ServeApps:
         rsllm: bool,
         tag: str,
         direct: bool = False,
-        find_base=None,
+        app_name: str = "hidden-states",
+        direct_name: str = "hs-direct",
+        direct_replicas: int = 1,
     ):
+        """`app_name`, `direct_name`: our app's and its `ingress: replica` copy's names (a cluster's processes'
+        titles carry them); `direct_replicas`: that copy's replica count."""
         self.cluster = cluster
-        self.find_base = find_base  # where HTTP is served when it is not Serve's proxy port (direct ingress)
+        self.app_name, self.direct_name, self.direct_replicas = app_name, direct_name, direct_replicas
         self.model_path, self.model_name, self.engine = model_path, model_name, engine
         self.with_ours, self.with_rsllm, self.tag = ours, rsllm, tag
         self.with_direct = ours and direct  # a second copy of our app with `ingress: replica`
@@ -191,10 +169,13 @@ class ServeApps:
             args["served_model_name"] = self.model_name
             args["engine"] = dict(self.engine)
             args["enable_return_hidden_states"] = True
-            app.update(name="hidden-states", route_prefix="/", args=args)
+            app.update(name=self.app_name, route_prefix="/", args=args)
             apps.append(app)
             if self.with_direct:
-                apps.append(dict(app, name="hs-direct", route_prefix="/direct", args=dict(args, ingress="replica")))
+                direct = dict(args, ingress="replica")
+                if (n := self.direct_replicas) != 1:
+                    direct["replica_autoscaling"] = {"min_replicas": n, "max_replicas": n}
+                apps.append(dict(app, name=self.direct_name, route_prefix="/direct", args=direct))
         if self.with_rsllm:
             env = dict(ENGINE_ENV)
             apps.append(
@@ -216,11 +197,8 @@ class ServeApps:
                     },
                 }
             )
-        return {
-            "proxy_location": "HeadOnly",
-            "http_options": {"host": "127.0.0.1", "port": self.http_port},
-            "applications": apps,
-        }
+        http = {"host": "127.0.0.1", "port": self.http_port}
+        return {"proxy_location": "HeadOnly", "http_options": http, "applications": apps}
 
     def launch(self) -> None:
         self.config_path.parent.mkdir(parents=True, exist_ok=True)
@@ -228,13 +206,10 @@ class ServeApps:
         env = self.cluster.env()
         env.update(ENGINE_ENV)
         env.update(self.cluster.extra_env)
-        self.proc = Proc(
-            f"serve-run-{self.tag}",
-            [BIN / "serve", "run", "--address", self.cluster.address, self.config_path],
-            env=env,
-        )
+        argv = [BIN / "serve", "run", "--address", self.cluster.address, self.config_path]
+        self.proc = Proc(f"serve-run-{self.tag}", argv, env=env)
 
-    def wait_ready(self, timeout: float, on_tick=None) -> float:
+    def wait_ready(self, timeout: float) -> float:
         checks = []
         if self.with_ours:
             checks.append(
@@ -249,76 +224,33 @@ class ServeApps:
         def ready() -> bool:
             if not self.cluster.alive():
                 raise StartError(f"the Ray cluster died:\n{self.cluster.proc.tail()}")
-            if self.find_base is not None:
-                base = self.find_base()
-                if base is None:
-                    return False
-                self.base = base
             for i, c in enumerate(checks):
                 done[i] = done[i] or c()
             return all(done)
 
-        return wait_until(ready, timeout, f"serve run ({self.tag})", [self.proc], poll=2, on_tick=on_tick)
+        return wait_until(ready, timeout, f"serve run ({self.tag})", [self.proc], poll=2)
 
     def endpoints(self) -> dict[str, Endpoint]:
-        out = {}
+        out, v1 = {}, "v1/completions"
         if self.with_ours:
-            out["ours"] = Endpoint(
-                "ours",
-                "our app (Ray Serve)",
-                f"{self.base}/v1/completions",
-                self.model_name,
-                stats_url=f"{self.base}/debug/stats",
-                supports_hidden_states=True,
-            )
+            stats = f"{self.base}/debug/stats"
+            out["ours"] = Endpoint("ours", "our app (Ray Serve)", f"{self.base}/{v1}", self.model_name, stats)
         if self.with_rsllm:
-            out["rsllm"] = Endpoint("rsllm", "Ray Serve LLM", f"{self.base}/rsllm/v1/completions", self.model_name)
+            out["rsllm"] = Endpoint("rsllm", "Ray Serve LLM", f"{self.base}/rsllm/{v1}", self.model_name)
         if self.with_direct:
-            out["direct"] = Endpoint(
-                "direct",
-                "our app, ingress: replica",
-                f"{self.base}/direct/v1/completions",
-                self.model_name,
-                stats_url=f"{self.base}/direct/debug/stats",
-                supports_hidden_states=True,
-            )
+            stats = f"{self.base}/direct/debug/stats"
+            url = f"{self.base}/direct/{v1}"
+            out["direct"] = Endpoint("direct", "our app, ingress: replica", url, self.model_name, stats)
         return out
 
-    def router_port_endpoint(self, ports=range(30000, 30100), timeout: float = 60) -> Endpoint | None:
+    def router_port_endpoint(self, ports=(30000, 30100), timeout: float = 60) -> Endpoint | None:
         """Our Router replica's own HTTP port (direct ingress on: deployments/serve_env.py), found by its
         /debug/stats; None when the cluster runs without direct ingress."""
         if self.cluster.extra_env.get("RAY_SERVE_ENABLE_DIRECT_INGRESS") != "1":
             return None
-
-        def find() -> str | None:
-            for port in ports:
-                base = f"http://127.0.0.1:{port}"
-                try:
-                    r = httpx.get(f"{base}/debug/stats", timeout=1)
-                    if r.status_code == 200 and r.json().get("ingress", {}).get("kind") == "router":
-                        return base
-                except (httpx.HTTPError, ValueError):
-                    continue
-            return None
-
-        found: list[str] = []
-
-        def check() -> bool:
-            base = find()
-            if base:
-                found.append(base)
-            return bool(found)
-
-        wait_until(check, timeout, "the Router's own port (direct ingress)", [self.proc], poll=2)
-        base = found[0]
-        return Endpoint(
-            "port",
-            "our app, the Router's own port (direct ingress)",
-            f"{base}/v1/completions",
-            self.model_name,
-            stats_url=f"{base}/debug/stats",
-            supports_hidden_states=True,
-        )
+        base = find_ingress("router", ports, timeout=timeout)
+        url = f"{base}/v1/completions"
+        return Endpoint("port", "our app, the Router's own port", url, self.model_name, f"{base}/debug/stats")
 
     def stop(self) -> list[int]:
         return self.proc.stop(timeout=20) if self.proc else []
@@ -332,31 +264,13 @@ class VLLMServer:
         self.proc: Proc | None = None
 
     def launch(self) -> None:
-        argv = [
-            PYTHON,
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
-            self.model_path,
-            "--served-model-name",
-            self.model_name,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            *engine_cli(self.engine),
-        ]
+        argv = [PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model_path, "--host", "127.0.0.1"]
+        argv += ["--served-model-name", self.model_name, "--port", str(self.port), *engine_cli(self.engine)]
         self.proc = Proc(f"vllm-server-{self.tag}", argv, env=dict(ENGINE_ENV))
 
-    def wait_ready(self, timeout: float, on_tick=None) -> float:
-        return wait_until(
-            lambda: http_ok(f"{self.base}/v1/models") and smoke(f"{self.base}/v1/completions", self.model_name),
-            timeout,
-            "vLLM's OpenAI server",
-            [self.proc],
-            poll=2,
-            on_tick=on_tick,
-        )
+    def wait_ready(self, timeout: float) -> float:
+        ready = lambda: http_ok(f"{self.base}/v1/models") and smoke(f"{self.base}/v1/completions", self.model_name)
+        return wait_until(ready, timeout, "vLLM's OpenAI server", [self.proc], poll=2)
 
     def endpoint(self) -> Endpoint:
         return Endpoint("vllm", "vLLM's own server", f"{self.base}/v1/completions", self.model_name)
@@ -365,15 +279,21 @@ class VLLMServer:
         return self.proc.stop(timeout=30) if self.proc else []
 
 
-# -- finding processes: for memory and CPU accounting ----------------------------
-
-
-def proc_title(p: psutil.Process) -> str:
-    try:
-        cmd = p.cmdline()
-        return " ".join(cmd)[:300] if cmd else p.name()
-    except psutil.Error:
-        return ""
+def find_ingress(kind: str, ports: tuple[int, int], prefix: str = "", timeout: float = 90) -> str:
+    """The base URL of the one replica answering /debug/stats with this ingress kind (router or replica) in
+    `ports` (a replica's own port serves its app's route prefix too)."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        for port in range(*ports):
+            base = f"http://127.0.0.1:{port}{prefix}"
+            try:
+                r = httpx.get(f"{base}/debug/stats", timeout=1)
+                if r.status_code == 200 and r.json().get("ingress", {}).get("kind") == kind:
+                    return base
+            except (httpx.HTTPError, ValueError):
+                continue
+        time.sleep(2)
+    raise StartError(f"no {kind} ingress answered on ports {ports[0]}..{ports[1]} in {timeout:.0f}s")
 
 
 def replica_info(stats_url: str) -> dict:
@@ -389,36 +309,8 @@ def find_ray_worker(cluster: RayCluster, needle: str) -> list[int]:
     for p in cluster.proc.tree():
         try:
             for c in [p, *p.children(recursive=True)]:
-                if needle in proc_title(c) and c.pid not in pids:
+                if needle in " ".join(c.cmdline()) and c.pid not in pids:
                     pids.append(c.pid)
         except psutil.Error:
             pass
     return pids
-
-
-def engine_processes(pid: int) -> list[dict]:
-    """vLLM engine processes under `pid`: their thread settings (what decides the engine's CPU use)."""
-    out = []
-    try:
-        kids = psutil.Process(pid).children(recursive=True)
-    except psutil.Error:
-        return out
-    for p in kids:
-        title = proc_title(p)
-        if "VLLM" not in title and "EngineCore" not in title:
-            continue
-        try:
-            env = p.environ()
-            out.append(
-                {
-                    "pid": p.pid,
-                    "title": title.split(" ")[0],
-                    "threads": p.num_threads(),
-                    "cpu_affinity": p.cpu_affinity(),
-                    "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS"),
-                    "VLLM_CPU_OMP_THREADS_BIND": env.get("VLLM_CPU_OMP_THREADS_BIND"),
-                }
-            )
-        except psutil.Error:
-            pass
-    return out

@@ -1,12 +1,14 @@
-"""The benchmark's own statistics: paired ratio intervals and the order arms run in; the one-engine
-harness of the engine's benches (bench.arms)."""
+"""The benchmark's own statistics: paired ratio intervals; the full run (bench.cli: arms in rotating rounds, each
+batch through `vllm bench serve`); the one-engine harness of the engine's benches (bench.arms)."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
-from bench import compare, measure
-from bench.load import Batch
+from bench import measure
 from bench.servers import Endpoint
 
 
@@ -33,49 +35,97 @@ def test_no_interval_from_too_few_rounds():
     assert measure.paired_ratio_ci([(8, 4.0)] * 5, [(8, 5.0)] * 5) is not None
 
 
-def _fake_runs(monkeypatch, arms, concurrency, rounds, per_round, one_engine=True):
+def _fake_batches(monkeypatch, tokens: dict[str, float]):
+    """bench.cli.batch replaced: each call recorded; an arm's batch done in 1 s at its `tokens` per request."""
+    from bench import cli
+
     calls = []
 
-    def fake_run_batch(url, bodies, c, on_done=None):
-        calls.append((url, len(bodies), c))
-        return Batch([r for r, _ in bodies], wall=1.0, started=0.0)
+    def fake_batch(ep, tokenizer, n, c, seed, lens, fields, cpu, folder):
+        calls.append((ep.key, n, c, seed, dict(fields)))
+        cpu_d = {"roles": {"client": 0.1} | ({"ours: replica": 0.5} if fields else {}), "wall": 1.0}
+        return {"ok": n, "tokens": n * tokens[json.dumps(fields)], "wall": 1.0, "cpu": cpu_d, "work": {"x": 1}}
 
-    monkeypatch.setattr(compare, "run_batch", fake_run_batch)
-
-    class Cpu:
-        def snapshot(self):
-            return {}
-
-        def delta(self, before, after):
-            return {"roles": {}, "busy": 0.0}
-
-    runs = compare.run(arms, 1000, concurrency, rounds, per_round, "t", Cpu(), one_engine=one_engine)
-    return calls, runs
+    monkeypatch.setattr(cli, "batch", lambda *a: fake_batch(*a) | {"latency_ms": {"p50_e2el_ms": 10.0}})
+    return calls
 
 
-def test_one_engine_at_concurrency_one_alternates_request_by_request(monkeypatch):
-    arms = [compare.Arm(k, k, Endpoint(k, k, f"http://{k}/v1/completions", "m")) for k in ("on", "off")]
-    calls, runs = _fake_runs(monkeypatch, arms, 1, rounds=3, per_round=4)
-    assert len(calls) == 24 and all(n == 1 and c == 1 for _, n, c in calls)  # 12 requests per arm, one at a time
-    order = [url.split("/")[2] for url, _, _ in calls]
-    assert order[:6] == ["on", "off", "off", "on", "on", "off"]  # the first arm rotates
-    # each request's shape is the same in both arms of its round
-    by = {(x.arm, x.round): x.batch.results[0] for x in runs}
-    assert all(by[("on", r)].prompt_tokens == by[("off", r)].prompt_tokens for r in range(12))
+def test_the_full_run_rotates_its_arms_on_shared_prompts(monkeypatch):
+    """bench.cli: every round runs each arm at each concurrency, the first arm rotating; the arms of a round
+    share a seed (the same prompts); ratios, CPU by role (0 where a role was absent) and counters."""
+    from bench import arms, cli
+
+    monkeypatch.setattr(arms, "SETTLE_S", 0)
+    calls = _fake_batches(monkeypatch, {"{}": 10.0, '{"return_hidden_states": true}': 9.0})
+    args = cli.parse(["--parts", "hs", "--concurrency", "1,8", "--rounds", "6", "--requests", "4"])
+    args.part = "hs"
+    eps = {"ours": Endpoint("ours", "ours", "http://h/v1/completions", "m")}
+    r = cli.measure(cli.PARTS["hs"], eps, "/tok", args, None, "m")
+    assert len(calls) == 6 * 3 * 2 and all(n == 4 for _, n, _, _, _ in calls)
+    firsts = [calls[6 * k][4] for k in range(3)]
+    assert firsts == [{}, {"return_hidden_states": True}, {}]  # off, on, off2: the first arm rotates
+    assert {s for _, _, c, s, _ in calls[:6] if c == 8} == {8}  # one seed per round and concurrency
+    on = r["arms"]["on@8"]
+    assert on["over"]["off"]["ratio"] == pytest.approx(0.9) and on["latency_ms"] == {"p50_e2el_ms": 10.0}
+    assert r["arms"]["off2@1"]["over"]["off"]["ratio"] == pytest.approx(1.0) and on["work"] == {"x": 6}
+    assert on["cpu_ms_per_request"] == pytest.approx({"client": 25.0, "ours: replica": 125.0})
+    assert r["arms"]["off@8"]["cpu_ms_per_request"] == pytest.approx({"client": 25.0, "ours: replica": 0.0})
+    lo, hi = on["over"]["off"]["ci95"]
+    assert lo == pytest.approx(0.9) and hi == pytest.approx(0.9)
 
 
-def test_higher_concurrency_keeps_whole_rounds(monkeypatch):
-    arms = [compare.Arm(k, k, Endpoint(k, k, f"http://{k}/v1/completions", "m")) for k in ("on", "off")]
-    calls, _ = _fake_runs(monkeypatch, arms, 8, rounds=3, per_round=16)
-    assert len(calls) == 6 and all(n == 16 and c == 8 for _, n, c in calls)
+def test_the_full_run_sends_its_fields_through_vllm_bench_serve(tmp_path, monkeypatch):
+    """The argv bench.cli gives `vllm bench serve` is one its own parser reads, the arm's fields as its extra
+    body; its saved result becomes the batch's figures, and a failed request stops the run."""
+    import argparse
+    import subprocess
+
+    from vllm.benchmarks.serve import add_cli_args
+
+    from bench import cli
+    from bench.measure import CpuAccount
+
+    ep = Endpoint("ours", "ours", "http://127.0.0.1:8000/v1/completions", "m")
+    argv = cli.serve_argv(ep, "/tok", 16, 8, 3, (128, 32), {"return_hidden_states": True}, tmp_path / "r.json")
+    parser = argparse.ArgumentParser()
+    add_cli_args(parser)
+    ns = parser.parse_args(argv[argv.index("serve") + 1 :])
+    got = (ns.base_url, ns.endpoint, ns.num_prompts, ns.max_concurrency, ns.seed, ns.random_output_len)
+    assert got == ("http://127.0.0.1:8000", "/v1/completions", 16, 8, 3, 32)
+    assert ns.extra_body == {"return_hidden_states": True} and ns.ignore_eos and ns.save_result
+    assert "--extra-body" not in cli.serve_argv(ep, "/tok", 1, 1, 0, (8, 8), {}, tmp_path / "r.json")
+
+    saved = {"completed": 16, "failed": 0, "errors": [], "total_output_tokens": 512, "duration": 2.0}
+    saved |= {"p50_e2el_ms": 900.0, "std_ttft_ms": 1.0}
+
+    def fake_run(argv, cwd, timeout):
+        out = Path(argv[argv.index("--result-dir") + 1]) / argv[argv.index("--result-filename") + 1]
+        out.write_text(json.dumps(saved))
+        return subprocess.CompletedProcess(argv, 0)
+
+    monkeypatch.setattr(cli.subprocess, "run", fake_run)
+    b = cli.batch(ep, "/tok", 16, 8, 3, (128, 32), {}, CpuAccount(), tmp_path)
+    assert (b["ok"], b["tokens"], b["wall"], b["latency_ms"]) == (16, 512, 2.0, {"p50_e2el_ms": 900.0})
+    assert "client" in b["cpu"]["roles"] and b["work"] == {}
+    saved.update(failed=1, errors=["", "boom"])
+    with pytest.raises(RuntimeError, match="1 of 16 requests failed"):
+        cli.batch(ep, "/tok", 16, 8, 3, (128, 32), {}, CpuAccount(), tmp_path)
 
 
-def test_separate_servers_keep_whole_rounds_at_concurrency_one(monkeypatch):
-    # each server's engine busy-waits after its last step: alternating requests across
-    # servers would run every request beside the previous server's spinning engine
-    arms = [compare.Arm(k, k, Endpoint(k, k, f"http://{k}/v1/completions", "m")) for k in ("vllm", "ours")]
-    calls, _ = _fake_runs(monkeypatch, arms, 1, rounds=3, per_round=4, one_engine=False)
-    assert len(calls) == 6 and all(n == 4 and c == 1 for _, n, c in calls)
+def test_the_full_run_s_command_line(capsys):
+    from bench import cli
+
+    a = cli.parse(["--quick"])
+    assert (a.models, a.rounds, a.levels, a.parts) == (["tiny-llama"], 2, {1: 4, 8: 16, 32: 32}, list(cli.PARTS))
+    for bad in (["--parts", "memory"], ["--models", "gpt"]):
+        with pytest.raises(SystemExit):
+            cli.parse(bad)
+    for b in cli.PARTS.values():
+        names = [a.name for a in b.arms]
+        assert sum(a.fields == {} and a.engine == b.arms[0].engine for a in b.arms) >= 2, "no A/A arm"
+        assert all(o in names for a in b.arms for o in a.over) and all(a.engine in b.engines for a in b.arms)
+    assert cli.main(["--dry-run", "--parts", "hs"]) == 0
+    assert '--extra-body {"return_hidden_states": true}' in capsys.readouterr().out
 
 
 def _cells(rates: dict[str, list[float]]) -> dict:

@@ -1,41 +1,23 @@
 """The docs say what the code does: every AppArgs field in docs/configuration.md's table with the code's
 default (the README's short table agrees where it names one), the metric names docs/operations.md
 gives as deployments/metrics.py exports them and the Grafana dashboard queries them, and the `bench`
-extra as pyproject.toml has it; the bench plot draws the intervals of the recorded runs the benchmark
-page quotes. Each test lists every problem it finds, one line each. No vLLM, no Ray: AppArgs is
+extra as pyproject.toml has it. Each test lists every problem it finds, one line each. No vLLM, no Ray: AppArgs is
 pydantic; metrics.py is read with `ast`.
 """
 
 from __future__ import annotations
 
-import json
 import re
 import tomllib
 from pathlib import Path
 
-import pytest
-
-from bench import report
 from deployments.config import AppArgs, AutoscalingConfig
 from tests.docs_metrics import dashboard_metric_names, documented_metric_names, exported_metric_names
 from tests.scaffolding.test_docs import ROOT, readme
 
 CONFIGURATION = ROOT / "docs" / "configuration.md"
-RESULTS = ROOT / "bench" / "results"
 UNREAD = object()  # a documented default that is not a plain value (prose: "CPU: float32, ...")
 UNITS = {"": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
-# The ratios bench/report.py's plot draws (hs, positions and serve rows); port/direct against ours or RSLLM are not.
-DRAWN = {
-    "ratio",
-    "control_ratio",
-    "f16_vs_off",
-    "topk_vs_off",
-    "ours_vs_vllm",
-    "ours_vs_rsllm",
-    "rsllm_vs_vllm",
-    "port_vs_vllm",
-    "direct_vs_vllm",
-}
 
 
 def cells(line: str) -> list[str]:
@@ -178,76 +160,6 @@ def test_the_bench_extra_is_pyprojects():
     assert m, "docs/benchmarks.md no longer says what the `bench` extra installs"
     written = sorted(re.split(r", | and ", m.group(1)))
     assert written == want, f"docs/benchmarks.md says the bench extra is {written}; pyproject.toml's is {want}"
-
-
-def quoted_runs() -> list[Path]:
-    """The `python -m bench` results JSONs of the runs docs/benchmarks.md quotes: bench/results/NAME/,
-    and the full run (bench/results/summary.md, results.json)."""
-    text = (ROOT / "docs" / "benchmarks.md").read_text(encoding="utf-8")
-    dirs = {RESULTS / d for d in re.findall(r"bench/results/([\w-]+)", text)}
-    return [RESULTS / "results.json", *sorted(js for d in dirs if d.is_dir() for js in d.glob("results*.json"))]
-
-
-def test_the_plot_draws_the_quoted_intervals():
-    """tiny-hs-long's 0.935x (0.891..0.981) at c=8, as docs/benchmarks.md quotes it, becomes that error bar."""
-    series = report.ratio_series(json.loads((RESULTS / "tiny-hs-long" / "results.json").read_text()))
-    by = {s["label"]: s["points"] for s in series["hs"]}
-    c, y, ci = by["tiny-llama req/s"][0]
-    assert (c, round(y, 3), tuple(round(x, 3) for x in ci)) == ("8", 0.935, (0.891, 0.981))
-    low, high = report.error_bars(by["tiny-llama req/s"])
-    assert (round(low[0], 4), round(high[0], 4)) == (round(y - ci[0], 4), round(ci[1] - y, 4))
-    assert all(ci for _, _, ci in by["tiny-llama A/A control (off / off again)"])
-    assert "tiny-llama tok/s (no 95% CI)" in by  # tok/s ratios carry no interval: said, not drawn as zero-width
-    assert report.error_bars([("1", 1.0, None), ("8", 0.9, (0.95, 1.1))]) == ([0.0, 0.0], [0.0, pytest.approx(0.2)])
-
-
-def test_every_quoted_run_is_drawable(tmp_path):
-    """Each run docs/benchmarks.md quotes: every ratio with a recorded interval is drawn with it."""
-    runs = quoted_runs()
-    assert len(runs) >= 10, runs
-    problems = []
-    for js in runs:
-        res = json.loads(js.read_text())
-        drawn = [ci for ss in report.ratio_series(res).values() for s in ss for _, _, ci in s["points"]]
-        recorded = [
-            r["req_per_s_ci95"]
-            for m in res.get("models", {}).values()
-            for part in ("hs", "positions", "serve")
-            for row in m.get(part, {}).get("by_concurrency", {}).values()
-            for k, r in row.items()
-            if k in DRAWN and r.get("req_per_s_ci95")
-        ]
-        if sorted(map(tuple, recorded)) != sorted(ci for ci in drawn if ci):
-            problems.append(
-                f"{js.relative_to(ROOT)}: {len(recorded)} intervals recorded, {sum(map(bool, drawn))} drawn"
-            )
-    assert not problems, f"{len(problems)} problems:\n  " + "\n  ".join(problems)
-    assert_plots(tmp_path)
-
-
-def assert_plots(tmp_path: Path) -> None:
-    """The full run (every panel) and one with intervals, drawn to PNG files. matplotlib is the test extra's
-    (and the bench extra's): missing, this fails, it does not skip."""
-    import matplotlib  # noqa: F401  (an ImportError here names what `make test`'s set-up did not install)
-
-    for js in (RESULTS / "results.json", RESULTS / "tiny-hs-long" / "results.json"):
-        png = tmp_path / f"{js.parent.name}.png"
-        assert report.plot(json.loads(js.read_text()), png), f"{js}: bench.report.plot drew nothing"
-        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000, png
-
-
-def test_without_matplotlib_the_plot_check_fails(tmp_path, monkeypatch):
-    """The breaking variant: matplotlib unimportable (as it was under `make test` before the test extra
-    declared it) fails the check instead of skipping it; so does a plot that draws nothing."""
-    import sys
-
-    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
-    with pytest.raises(ImportError):
-        assert_plots(tmp_path)
-    monkeypatch.undo()
-    monkeypatch.setattr(report, "plot", lambda res, path: False)
-    with pytest.raises(AssertionError, match="drew nothing"):
-        assert_plots(tmp_path)
 
 
 def test_the_checks_can_fail(tmp_path):
