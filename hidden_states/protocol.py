@@ -176,14 +176,11 @@ class HiddenStatesProtocolError(ValueError):
 
 
 def _convert(raw, cls, what: str):
-    """`raw` (builtins off an engine output) as `cls`, with a known dtype; else HiddenStatesProtocolError."""
+    """`raw` (builtins off an engine output) as `cls`; else HiddenStatesProtocolError."""
     try:
-        out = msgspec.convert(raw, cls)
+        return msgspec.convert(raw, cls)
     except (msgspec.ValidationError, TypeError) as e:
         raise HiddenStatesProtocolError(f"malformed {what}: {e}") from None
-    if out.dtype not in ITEMSIZE:
-        raise HiddenStatesProtocolError(f"unsupported dtype {out.dtype!r}; expected one of {sorted(ITEMSIZE)}")
-    return out
 
 
 class CaptureSpec(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
@@ -441,7 +438,7 @@ class CapturedRows(msgspec.Struct, array_like=True, gc=False):
         return _convert(raw, CapturedRows, "captured rows").check()
 
     def check(self) -> CapturedRows:
-        """Itself, if its bytes hold its shape; else HiddenStatesProtocolError."""
+        """Itself, if its dtype is known and its bytes hold its shape; else HiddenStatesProtocolError."""
         cr = self
         if cr.dtype not in ITEMSIZE:
             raise HiddenStatesProtocolError(f"unsupported dtype {cr.dtype!r}; expected one of {sorted(ITEMSIZE)}")
@@ -527,10 +524,7 @@ class EngineMessage(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fals
     @staticmethod
     def from_output(raw) -> EngineMessage:
         """The message off an output, every part checked; else HiddenStatesProtocolError."""
-        try:
-            msg = msgspec.convert(raw, EngineMessage)
-        except (msgspec.ValidationError, TypeError) as e:
-            raise HiddenStatesProtocolError(f"malformed engine message: {e}") from None
+        msg = _convert(raw, EngineMessage, "engine message")
         for cr in (msg.rows, *msg.heads.values()):
             if cr is not None:
                 cr.check()

@@ -27,6 +27,11 @@ from tests.engine.test_heads import (  # noqa: F401
     test_every_head_at_the_final_token_alone_no_rows,
     test_heads_and_rows_across_the_completion_n2,
 )
+from tests.engine.test_pool import (  # noqa: F401
+    test_a_stop_string_pools_by_the_extraction_step,
+    test_pooled_on_the_device_one_row_per_layer_per_step_reaches_the_host,
+    test_the_mean_of_each_layers_rows_is_numpys_mean_of_transformers_rows,
+)
 from tests.engine.test_positions import (  # noqa: F401
     BOUND,
     test_a_stop_string_takes_the_final_row_from_the_extraction_step,

@@ -4,10 +4,10 @@ choice's own prompt + completion token ids."""
 
 from __future__ import annotations
 
-import httpx
 import numpy as np
 import pytest
 
+from tests.helpers import post
 from tests.serve.conftest import APP
 from tests.serve.test_positions import decode
 
@@ -84,24 +84,10 @@ def test_a_pooled_completion_over_a_handle_is_the_http_answer(serve_app, referen
     ids, start = list(c.prompt_token_ids) + list(ch.token_ids), len(c.prompt_token_ids)
     assert ch.pool == len(ids) - start and ch.positions is None and ch.hidden_states.shape == (128,)
     assert_mean(ch.hidden_states, reference_mean(reference, ids, start))
-    http = httpx.post(
-        f"{serve_app}/v1/completions",
-        timeout=120,
-        json={"model": "tiny-llama", "prompt": PROMPT, "max_tokens": 10, "temperature": 0, **POOL},
-    ).json()
+    body = {"model": "tiny-llama", "prompt": PROMPT, "max_tokens": 10, "temperature": 0, **POOL}
+    http = post(serve_app, "/v1/completions", body).json()
     assert http["choices"][0]["hidden_states_meta"]["position"] == "completion_end"  # the default: one row
-    http = httpx.post(
-        f"{serve_app}/v1/completions",
-        timeout=120,
-        json={
-            "model": "tiny-llama",
-            "prompt": PROMPT,
-            "max_tokens": 10,
-            "temperature": 0,
-            **POOL,
-            "hidden_states_position": "completion",
-        },
-    ).json()
+    http = post(serve_app, "/v1/completions", {**body, "hidden_states_position": "completion"}).json()
     np.testing.assert_array_equal(np.asarray(http["choices"][0]["hidden_states"], np.float32), ch.hidden_states)
 
 
@@ -116,7 +102,7 @@ def test_a_pooled_completion_over_a_handle_is_the_http_answer(serve_app, referen
 def test_a_bad_pool_is_a_400_naming_the_field_streaming_or_not(serve_app, fields, message):
     body = {"model": "tiny-llama", "prompt": PROMPT, "max_tokens": 4, "return_hidden_states": True, **fields}
     for stream in (False, True):
-        r = httpx.post(f"{serve_app}/v1/completions", json={**body, "stream": stream}, timeout=60)
+        r = post(serve_app, "/v1/completions", {**body, "stream": stream}, timeout=60)
         assert r.status_code == 400, (stream, r.text[:300])
         err = r.json()["error"]
         assert err["param"] == "hidden_states_pool" and message in err["message"], err

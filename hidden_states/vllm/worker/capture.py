@@ -303,8 +303,8 @@ class _RunnerHook:
         if self.held:
             for rid in getattr(so, "finished_req_ids", ()) or ():
                 self.held.pop(rid, None)
-        self.steering.begin(so)
         self._given = decode_plan(getattr(so, PLAN_ATTR, None)) or None  # set by the scheduler (scheduler.py)
+        self.steering.begin(so, self._given)
         self._plan, self._layer_rows, self._slices, self._ready = None, {}, [], None
 
     def fault(self, rid: str, hook: str, error: BaseException) -> None:

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from hidden_states.protocol import PLAN_ATTR, SteerEntry, decode_plan, steering_of
+from hidden_states.protocol import SteerEntry, steering_of
 
 
 class StepSteering:
@@ -30,6 +30,7 @@ class StepSteering:
         self.guard = guard  # capture._RunnerHook: fault(rid, hook, error), faulted(rid), held
         self._entries: dict[str, list[tuple[SteerEntry, Any]]] = {}  # request id -> (entry, vector on the device)
         self._so: Any = None
+        self._given: dict = {}  # this step's plan, {request id: PlanEntry}
         # layer -> (request, rows, op, vector, gate: None, or a bool on the device where a worker's verdict decides)
         self._plan: dict[int, list[tuple[str, Any, str, Any, Any]]] | None = None
         self._buffers: dict[int, Any] = {}
@@ -73,8 +74,9 @@ class StepSteering:
     def after_forward(self) -> None:
         self.traced.clear()
 
-    def begin(self, so: Any) -> None:
-        self._so, self._plan = so, None
+    def begin(self, so: Any, given: dict | None = None) -> None:
+        """A step starts: its SchedulerOutput, and the scheduler's plan as the capture decoded it (`decode_plan`)."""
+        self._so, self._plan, self._given = so, None, given or {}
         for rid in getattr(so, "finished_req_ids", ()) or ():
             self._entries.pop(rid, None)
 
@@ -105,9 +107,7 @@ class StepSteering:
         so, runner = self._so, self.runner
         batch = runner.input_batch
         starts = runner.query_start_loc.np
-        given = decode_plan(
-            getattr(so, PLAN_ATTR, None)
-        )  # the scheduler's: where conditional entries apply (every rank)
+        given = self._given  # the scheduler's plan: where conditional entries apply (every rank)
         for rid, n in so.num_scheduled_tokens.items():
             try:
                 entries = self._of(rid)
