@@ -22,7 +22,7 @@ from typing import Any, NamedTuple, Protocol
 import numpy as np
 
 from hidden_states.heads import head_fields
-from hidden_states.protocol import COLLECTOR_TAG_KEY, narrow, numpy_dtype, widen
+from hidden_states.protocol import HookFault, RequestSpec, narrow, numpy_dtype, widen
 from hidden_states.shape import several, squeeze
 
 logger = logging.getLogger(__name__)
@@ -217,6 +217,7 @@ class HiddenStatesCollector:
     modalities: dict[int, list[dict]] = dataclasses.field(default_factory=dict)  # by ordinal: Origin.modalities
     spec: Any = None  # params.HiddenStatesFields: the request's spec as parsed (encoding, by-layer)
     engine_requests: dict[str, int] = dataclasses.field(default_factory=dict)  # capture key -> prompt ordinal
+    faults: dict[str, HookFault] = dataclasses.field(default_factory=dict)  # capture key -> a hook that failed it
     heads: tuple[tuple[str, int], ...] = ()  # (head, k) the engine runs over the same positions (params.resolve_heads)
     rows_wanted: bool = True  # False: heads alone, no rows travel
     steering: list = dataclasses.field(default_factory=list)  # protocol.SteerEntry, not anchored: what the workers add
@@ -449,10 +450,10 @@ class HiddenStatesCollector:
             final=final,
         )
 
-    @property
-    def extra_args(self) -> dict[str, str]:
-        """What an engine request carries (SamplingParams.extra_args) for its vectors to land here."""
-        return {COLLECTOR_TAG_KEY: self.tag}
+    def tagged(self, extra_args: dict | None = None) -> dict:
+        """`extra_args` (SamplingParams', or an OpenAI request's `vllm_xargs`) as an engine request carries them
+        for its vectors to land here: its spec keyed by this collector's tag."""
+        return RequestSpec.of(extra_args).replace(key=self.tag).into(extra_args)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -2,13 +2,14 @@
 
     worker -> ModelRunnerOutput -> EngineCore's scheduler -> EngineCoreOutput -> AsyncLLM
 
-- `CaptureSpec` (in `SamplingParams.extra_args[EXTRA_ARGS_KEY]`): frontend to
-  scheduler; marks a request for capture, its span, and the key its rows come back under.
+- `RequestSpec` (`SamplingParams.extra_args[SPEC_KEY]`, one value): all of ours an engine request carries, frontend
+  to scheduler and workers: the key its vectors come back under, what to capture (`CaptureSpec`), its steering
+  (`SteerEntry`) and, in tests, the hook to fail for it.
 - `PlanEntry` (SchedulerOutput attribute `PLAN_ATTR`): scheduler to worker, what to capture.
 - `StepCapture` (ModelRunnerOutput attribute `STEP_ATTR`): worker to scheduler, one buffer per step.
 - `EngineMessage` (`kv_transfer_params[OUTPUT_KEY]`): scheduler to frontend, one typed message per
-  output: the request's rows and heads' outputs (`CapturedRows`, raw little-endian bytes: vLLM's msgpack,
-  never pickled), the stop condition that finished it (`StopReport`), where its conditional steering
+  output, under the request's key: its rows and heads' outputs (`CapturedRows`, raw little-endian bytes: vLLM's
+  msgpack, never pickled), the stop condition that finished it (`StopReport`), where its conditional steering
   applied (`SteeredReport`), and a `HookFault`: a hook of ours that raised for it in the worker
   (`StepCapture.faults`) or the scheduler; that request finishes with vLLM's "error" and its caller gets a
   500 naming the hook, the others go on. Taken off before vLLM reads that field.
@@ -25,26 +26,20 @@ from typing import Any, NamedTuple
 import msgspec
 import numpy as np
 
-EXTRA_ARGS_KEY = "hidden_states_capture"
-# The collector a generating request's vectors go to (engine side only, never the worker).
-COLLECTOR_TAG_KEY = "hidden_states_collector"
-# Keys of `extra_args` (an OpenAI request's `vllm_xargs`) that are ours: stripped
-# from what clients send, so no client can forge a capture or join a collector.
-RESERVED_EXTRA_ARGS_PREFIX = "hidden_states"
+# The `extra_args` key (an OpenAI request's `vllm_xargs`) of a request's one RequestSpec. Every key with this
+# prefix is ours: stripped from what clients send, so no client can forge a capture or join a collector.
+SPEC_KEY = "hidden_states"
+RESERVED_EXTRA_ARGS_PREFIX = SPEC_KEY
 STEP_ATTR = "hidden_states_step"  # ModelRunnerOutput attribute: the step's StepCapture
 SEQ_ATTR = "hidden_states_seq"  # SchedulerOutput attribute: the step's sequence number (async scheduling)
 PLAN_ATTR = "hidden_states_plan"  # SchedulerOutput attribute: the step's capture plan, {request id: PlanEntry}
 OUTPUT_KEY = "hidden_states_output"  # EngineCoreOutput.kv_transfer_params key: one EngineMessage
-# A steered request's additions to the residual stream (SamplingParams.extra_args): [SteerEntry]; the
-# workers read it off their own copy of the request (every tensor-parallel rank applies it).
-STEER_KEY = "hidden_states_steer"
 # The engine's static layer set, frontend to workers at start: VllmConfig.additional_config[CONFIG_KEY]
 # = {"capture_layers": [decoder-layer indices]} (vLLM hashes additional_config into its compile-cache key).
 CONFIG_KEY = "hidden_states"
-# Tests only: with FAULT_INJECTION_ENV=1 in the engine's environment, a request whose extra_args name a
-# hook under FAULT_INJECT_KEY makes that hook raise for it (HTTP clients cannot set it: reserved prefix).
+# Tests only: with FAULT_INJECTION_ENV=1 in the engine's environment, a request whose spec names a hook
+# (`RequestSpec.inject`) makes that hook raise for it (HTTP clients cannot set it: reserved prefix).
 FAULT_INJECTION_ENV = "HIDDEN_STATES_FAULT_INJECTION"
-FAULT_INJECT_KEY = "hidden_states_inject_fault"
 
 
 def capture_layers_of(vllm_config: Any) -> list[int]:
@@ -184,7 +179,8 @@ def _convert(raw, cls, what: str):
 
 
 class CaptureSpec(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
-    key: str
+    """What the engine captures of one request (`RequestSpec.capture`)."""
+
     # Positions of prompt+completion to capture in every step that computes them: params.Span as
     # [start, end | None, stride]. [-1, None, 1] (completion_end) is planned in the tail step only.
     span: list[int | None]
@@ -213,14 +209,6 @@ class CaptureSpec(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True
     def head_spec(self, name: str, k: int) -> CaptureSpec:
         """The spec a head's outputs are kept under in the engine core: float32, `k` wide top-k or dense."""
         return msgspec.structs.replace(self, dtype="float32", topk=k, heads=[], monitors=[], pool=False)
-
-    def to_extra_args(self) -> dict:
-        return {EXTRA_ARGS_KEY: msgspec.to_builtins(self)}
-
-    @staticmethod
-    def from_extra_args(extra_args: dict | None) -> CaptureSpec | None:
-        raw = (extra_args or {}).get(EXTRA_ARGS_KEY)
-        return None if raw is None else msgspec.convert(raw, CaptureSpec)
 
 
 class Monitor(msgspec.Struct, array_like=True, frozen=True):
@@ -288,13 +276,34 @@ class SteerEntry(msgspec.Struct, array_like=True, frozen=True):
         return np.frombuffer(self.vector, "<f4")
 
 
-def steering_of(extra_args: Mapping | None) -> list[SteerEntry] | None:
-    raw = (extra_args or {}).get(STEER_KEY)
-    return None if raw is None else msgspec.convert(raw, list[SteerEntry])
+class RequestSpec(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True, frozen=True):
+    """All of ours one engine request carries, as one value (`SamplingParams.extra_args[SPEC_KEY]`): the frontend
+    writes it, the scheduler and every worker (every tensor-parallel rank) read it off their own copy of the
+    request."""
+
+    # The key its vectors, reports and faults come back under (EngineMessage.key): its collector's tag, and
+    # `{tag}.{n}` once the frontend admits it as one engine request of that collector (Extraction.owner).
+    key: str = ""
+    capture: CaptureSpec | None = None  # what to capture; None: nothing (steering alone)
+    steer: list[SteerEntry] = []  # its additions to the residual stream, anchored (steering.anchor)
+    inject: str = ""  # tests only (FAULT_INJECTION_ENV): the hook to fail for it
+
+    @staticmethod
+    def of(extra_args: Mapping | None) -> RequestSpec:
+        """The spec an engine request's extra_args carry (empty: none); a malformed one raises
+        HiddenStatesProtocolError."""
+        raw = (extra_args or {}).get(SPEC_KEY)
+        return _EMPTY if raw is None else _convert(raw, RequestSpec, "request spec")
+
+    def into(self, extra_args: Mapping | None) -> dict:
+        """`extra_args` with this spec as its one value of ours (builtins: vLLM's msgpack carries them)."""
+        return {**(extra_args or {}), SPEC_KEY: msgspec.to_builtins(self, builtin_types=(bytes,))}
+
+    def replace(self, **parts) -> RequestSpec:
+        return msgspec.structs.replace(self, **parts)
 
 
-def steering_extra_args(entries: Sequence[SteerEntry]) -> dict:
-    return {STEER_KEY: msgspec.to_builtins(list(entries), builtin_types=(bytes,))}
+_EMPTY = RequestSpec()
 
 
 class PlanEntry(msgspec.Struct, array_like=True, frozen=True, gc=False):
@@ -383,10 +392,9 @@ def fault_injection() -> bool:
 
 
 def injected_fault(extra_args: Mapping | None) -> str | None:
-    """The hook a test asks to fail for this request (FAULT_INJECT_KEY); callers ask only where
+    """The hook a test asks to fail for this request (`RequestSpec.inject`); callers ask only where
     `fault_injection()` holds."""
-    hook = (extra_args or {}).get(FAULT_INJECT_KEY)
-    return hook if isinstance(hook, str) else None
+    return RequestSpec.of(extra_args).inject or None
 
 
 class InjectedFault(RuntimeError):
@@ -409,7 +417,6 @@ class CapturedRows(msgspec.Struct, array_like=True, gc=False):
     `values` [len(layers), len(positions), width] row-major little-endian `dtype` (width = hidden
     size, or k for top-k, with int32 `indices` of the same shape)."""
 
-    key: str
     dtype: str
     topk: int  # 0: dense rows
     width: int
@@ -454,7 +461,6 @@ class CapturedRows(msgspec.Struct, array_like=True, gc=False):
 
 
 def captured_rows(
-    key: str,
     dtype: str,
     topk: int,
     layers: list[int],
@@ -472,7 +478,6 @@ def captured_rows(
     values = np.ascontiguousarray(values, dtype=_NUMPY_DTYPE[dtype])
     ind = b"" if not topk else _raw(np.ascontiguousarray(indices, dtype="<i4"))
     return CapturedRows(
-        key,
         dtype,
         int(topk),
         int(values.shape[-1]),
@@ -493,7 +498,6 @@ def _raw(arr: np.ndarray) -> memoryview:
 class StopReport(msgspec.Struct, array_like=True, frozen=True):
     """The stop condition (`Monitor`) that finished a request: at which position, which one, its score."""
 
-    key: str  # the request's capture key (CaptureSpec.key)
     position: int
     condition: int
     score: float
@@ -502,13 +506,14 @@ class StopReport(msgspec.Struct, array_like=True, frozen=True):
 class SteeredReport(msgspec.Struct, array_like=True, frozen=True):
     """Where a request's conditional steering entries applied since its last output: (entry index, positions)."""
 
-    key: str
     applied: list[tuple[int, list[int]]]
 
 
 class EngineMessage(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    """All one EngineCoreOutput carries of ours (`kv_transfer_params[OUTPUT_KEY]`): typed optional parts."""
+    """All one EngineCoreOutput carries of ours (`kv_transfer_params[OUTPUT_KEY]`): typed optional parts, under
+    the request's key (`RequestSpec.key`)."""
 
+    key: str = ""
     rows: CapturedRows | None = None
     heads: dict[str, CapturedRows] = {}  # each head's outputs, at the rows' positions
     stop: StopReport | None = None  # on a finishing output: the condition that finished it
@@ -529,6 +534,6 @@ class EngineMessage(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fals
             if cr is not None:
                 cr.check()
         some = msg.rows if msg.rows is not None else next(iter(msg.heads.values()), None)
-        if any(h.positions != some.positions or h.key != some.key for h in msg.heads.values()):
+        if any(h.positions != some.positions for h in msg.heads.values()):
             raise HiddenStatesProtocolError("head outputs at other positions than the rows of their step")
         return msg

@@ -266,20 +266,16 @@ def resolve(
     return entries, echo
 
 
-def replay(raw: Sequence, applied: Mapping[int, Sequence[int]]) -> list:
-    """A request's anchored entries (STEER_KEY builtins) with each conditional one replaced by where it was
-    applied (`applied`: entry index -> positions; none: nowhere): what an extraction step of that choice
-    applies, so it computes the rows the choice's own steps did."""
-    from hidden_states.protocol import STEER_KEY, steering_extra_args, steering_of
-
-    entries = steering_of({STEER_KEY: list(raw)})
-    out = [
+def replay(entries: Sequence[SteerEntry], applied: Mapping[int, Sequence[int]]) -> list[SteerEntry]:
+    """A request's anchored entries with each conditional one replaced by where it was applied (`applied`: entry
+    index -> positions; none: nowhere): what an extraction step of that choice applies, so it computes the rows
+    the choice's own steps did."""
+    return [
         msgspec.structs.replace(e, when=None, at=sorted(int(p) for p in applied.get(k, ())))
         if e.when is not None
         else e
         for k, e in enumerate(entries)
     ]
-    return steering_extra_args(out)[STEER_KEY]
 
 
 def anchor(entries: Sequence[SteerEntry], prompt_len: int) -> tuple[list[SteerEntry], str]:

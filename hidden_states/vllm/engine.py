@@ -473,7 +473,7 @@ class HiddenStatesEngine(VectorObservers):
             )
         with self.collecting(spec) if spec.wants else contextlib.nullcontext() as collector:
             if collector is not None:
-                params.extra_args = {**(params.extra_args or {}), **collector.extra_args}
+                params.extra_args = collector.tagged(params.extra_args)
             async for out in self.llm.generate(engine_prompt, params, request_id, lora_request=lora):
                 final = out
         for o in final.outputs:
@@ -482,7 +482,7 @@ class HiddenStatesEngine(VectorObservers):
 
     def collecting(self, spec: HiddenStatesFields):
         """A collector for one request's rows (context manager): tag its sampling params with
-        `collector.extra_args` (SamplingParams.extra_args, or an OpenAI request's `vllm_xargs`)."""
+        `collector.tagged` (SamplingParams.extra_args, or an OpenAI request's `vllm_xargs`)."""
         return self.extraction.collecting(spec)
 
     async def extract_layers(

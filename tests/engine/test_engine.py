@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from hidden_states.params import spec_of
-from hidden_states.protocol import FAULT_INJECT_KEY, FAULT_INJECTION_ENV
+from hidden_states.protocol import FAULT_INJECTION_ENV, RequestSpec
 from tests.conftest import TEST_ENGINE_ARGS, cpu_only, engine_fixture, long_text, openai_answer, sampling
 
 PROMPTS = [
@@ -347,13 +347,12 @@ def test_a_hook_that_raises_fails_its_request_alone_and_the_engine_serves_on(eng
     from hidden_states.interface import HookFaultError
 
     alone = [loop_thread.run(engine.complete(p, sp(max_tokens=6))) for p in PROMPTS[1:]]
-    original, extraction = engine.extraction.deliver, engine.extraction
+    original = engine.extraction.deliver
 
-    def faulty(rows, index, heads):  # raises for the float16 request, as a bug of ours would
-        col = extraction.owner(rows.key) if rows is not None else None
-        if col is not None and col.dtype == "float16":
+    def faulty(col, choice, rows, heads):  # raises for the float16 request, as a bug of ours would
+        if col.dtype == "float16":
             raise RuntimeError("a bug in deliver")
-        return original(rows, index, heads)
+        return original(col, choice, rows, heads)
 
     engine.extraction.deliver = faulty
     before = loop_thread.run(engine.stats())
@@ -373,7 +372,9 @@ def test_a_hook_that_raises_fails_its_request_alone_and_the_engine_serves_on(eng
     failure = status_of(faulted)
     assert failure.status == 500 and "`deliver`" in failure.message and faulted.request_id in failure.message
     after = loop_thread.run(engine.stats())
-    assert after["hook_faults"] == before["hook_faults"] + 1 and not engine.extraction.faulted
+    assert after["hook_faults"] == before["hook_faults"] + 1 and not any(
+        c.faults for c in engine.extraction.live.values()
+    )
     for c, solo in zip(others, alone):
         assert c.choices[0].token_ids == solo.choices[0].token_ids
         assert (c.choices[0].hidden_states == solo.choices[0].hidden_states).all()
@@ -435,7 +436,9 @@ def test_a_hook_in_the_engine_core_that_raises_fails_its_request_alone(engine, l
 
     async def batch():
         return await asyncio.gather(
-            *(ask(p) for p in PROMPTS[1:]), ask(PROMPTS[0], layers, {FAULT_INJECT_KEY: hook}), return_exceptions=True
+            *(ask(p) for p in PROMPTS[1:]),
+            ask(PROMPTS[0], layers, RequestSpec(inject=hook).into(None)),
+            return_exceptions=True,
         )
 
     *others, faulted = loop_thread.run(batch())
@@ -443,7 +446,9 @@ def test_a_hook_in_the_engine_core_that_raises_fails_its_request_alone(engine, l
     failure = status_of(faulted)
     assert failure.status == 500 and f"`{hook}`" in failure.message and "injected" in failure.message, failure
     after = loop_thread.run(engine.stats())
-    assert after["hook_faults"] == before["hook_faults"] + 1 and not engine.extraction.faulted
+    assert after["hook_faults"] == before["hook_faults"] + 1 and not any(
+        c.faults for c in engine.extraction.live.values()
+    )
     worker_faults = after["workers"][0]["hook_faults"] - before["workers"][0]["hook_faults"]
     assert worker_faults == (hook == "capture")
     for c, solo in zip(others, alone):
@@ -470,7 +475,7 @@ def _generate(engine, loop_thread, prompt: str, params, hs: bool):
         with engine.collecting(spec_of(enabled=True)) as col:
             p = params.clone()
             if hs:
-                p.extra_args = {**(p.extra_args or {}), **col.extra_args}
+                p.extra_args = col.tagged(p.extra_args)
             final = None
             async for out in engine.llm.generate({"prompt_token_ids": ids}, p, f"t-{uuid.uuid4().hex}"):
                 final = out

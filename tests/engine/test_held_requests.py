@@ -70,12 +70,12 @@ sp = sampling(max_tokens=40, ignore_eos=True)  # greedy SamplingParams; keywords
 
 
 def params(flagged: bool, span: list | None = None, every_step: bool = False, **kw):
-    from hidden_states.protocol import CaptureSpec
+    from hidden_states.protocol import CaptureSpec, RequestSpec
 
     extra = (
-        CaptureSpec(
-            key=uuid.uuid4().hex, reaches_final=True, span=span or [-1, None, 1], every_step=every_step
-        ).to_extra_args()
+        RequestSpec(
+            uuid.uuid4().hex, CaptureSpec(reaches_final=True, span=span or [-1, None, 1], every_step=every_step)
+        ).into(None)
         if flagged
         else None
     )

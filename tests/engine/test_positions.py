@@ -144,7 +144,7 @@ def test_rows_arrive_across_outputs_and_concatenate_to_the_whole(engine, loop_th
         ids = engine.llm.tokenizer.encode(PROMPTS[2])
         with engine.collecting(spec_of(position="completion", enabled=True)) as col:
             params = sp(max_tokens=12, output_kind=RequestOutputKind.DELTA)
-            params.extra_args = col.extra_args
+            params.extra_args = col.tagged()
             seen, parts = 0, []
             async for out in engine.llm.generate({"prompt_token_ids": ids}, params, f"t-{uuid.uuid4().hex}"):
                 seen += len(out.outputs[0].token_ids)
@@ -260,7 +260,7 @@ def test_nothing_stays_after_an_abort(engine, loop_thread, reference):
         ids = engine.llm.tokenizer.encode(long_text(300, seed=5))
         with engine.collecting(spec_of(position="all", enabled=True)) as col:
             params = sp(max_tokens=500, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
-            params.extra_args = col.extra_args
+            params.extra_args = col.tagged()
             gen = engine.llm.generate({"prompt_token_ids": ids}, params, f"t-{uuid.uuid4().hex}")
             outs = 0
             async for _ in gen:

@@ -14,7 +14,7 @@ import base64
 import numpy as np
 import pytest
 
-from hidden_states.protocol import FAULT_INJECT_KEY, FAULT_INJECTION_ENV
+from hidden_states.protocol import FAULT_INJECTION_ENV, RequestSpec
 from tests.conftest import TEST_ENGINE_ARGS, TEST_MODEL, eager_only, engine_fixture, long_text, openai_answer, sampling
 from tests.heads_ref import build_test_heads
 from tests.steer_ref import steered_greedy, steered_states, write_gguf
@@ -126,7 +126,7 @@ def test_a_worker_hook_that_raises_fails_its_request_alone(engine, loop_thread, 
 
     async def batch():
         return await asyncio.gather(
-            *(ask(p) for p in prompts[1:]), ask(prompts[0], {FAULT_INJECT_KEY: hook}), return_exceptions=True
+            *(ask(p) for p in prompts[1:]), ask(prompts[0], RequestSpec(inject=hook).into(None)), return_exceptions=True
         )  # the faulted one last: its steps hold the others
 
     *others, faulted = loop_thread.run(batch())
@@ -134,7 +134,9 @@ def test_a_worker_hook_that_raises_fails_its_request_alone(engine, loop_thread, 
     failure = status_of(faulted)
     assert failure.status == 500 and f"`{hook}`" in failure.message and faulted.request_id in failure.message
     after = loop_thread.run(engine.stats())
-    assert after["hook_faults"] == before["hook_faults"] + 1 and not engine.extraction.faulted
+    assert after["hook_faults"] == before["hook_faults"] + 1 and not any(
+        c.faults for c in engine.extraction.live.values()
+    )
     assert after["workers"][0]["hook_faults"] == before["workers"][0]["hook_faults"] + 1
     entries = [(layer, *rest) for layer, *rest in as_entries(steering)]
     for c, solo in zip(others, alone):

@@ -114,7 +114,7 @@ async def _streamed(eng, prompt_ids, params, hs: bool):
             tokens += out.outputs[0].token_ids
         return tokens, None
     with eng.collecting(spec_of(enabled=True)) as col:
-        params.extra_args = col.extra_args
+        params.extra_args = col.tagged()
         async for out in eng.llm.generate({"prompt_token_ids": prompt_ids}, params, f"s-{uuid.uuid4().hex}"):
             tokens += out.outputs[0].token_ids
     return tokens, col.choices[(0, 0)].stats

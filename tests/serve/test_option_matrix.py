@@ -149,7 +149,7 @@ CASES = [
     Case(
         "forged-xargs",
         C,
-        {"vllm_xargs": {"hidden_states_collector": "forged", "hidden_states_capture": "x", "mine": 1}},
+        {"vllm_xargs": {"hidden_states": "forged", "hidden_states_capture": "x", "mine": 1}},
     ),
     # chat: the template's input and the rest of the surface
     Case("greedy", H, {"temperature": 0, "max_completion_tokens": 8}),

@@ -12,7 +12,7 @@ import pathlib
 
 import pytest
 
-from hidden_states.protocol import FAULT_INJECT_KEY, FAULT_INJECTION_ENV, InjectedFault
+from hidden_states.protocol import FAULT_INJECTION_ENV, InjectedFault, RequestSpec
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -89,7 +89,7 @@ def test_the_twin_raises_in_the_asked_hook_for_the_asking_request_only(hook):
         pass
 
     s = Twin()
-    s.add_request(Request("bad", Params({FAULT_INJECT_KEY: hook})))
+    s.add_request(Request("bad", Params(RequestSpec(inject=hook).into(None))))
     s.add_request(Request("good", Params({})))
 
     def run(which, rid):

@@ -48,7 +48,7 @@ class FakeScheduler:
 class Monitored(_HiddenStatesScheduling, FakeScheduler):
     def __init__(self, monitors):  # the mixin's state only (its __init__ needs a vLLM Scheduler)
         self._records, self.monitor_stops = {}, 0
-        self.spec = CaptureSpec(key="k", span=[-1, None, 1], layers=[], monitors=monitors)
+        self.spec = CaptureSpec(span=[-1, None, 1], layers=[], monitors=monitors)
 
     def watch(self, rid: str) -> _Record:
         rec = self._records[rid] = _Record(capture=_Capture(self.spec, False, _Rows(self.spec, Span(-1))))
@@ -118,7 +118,7 @@ def test_the_request_keeps_its_tokens_up_to_the_trigger(tokens, new, trigger, wa
     assert stopped and req.tokens == want_tokens and kept == want_tokens[len(tokens) :]
     assert req.status == RequestStatus.FINISHED_STOPPED and req.stop_reason == want_reason
     assert rec.trigger is None
-    assert (rec.stop == StopReport("k", trigger[0], trigger[1], trigger[2])) == (want_reason != STOP_TOKEN)
+    assert (rec.stop == StopReport(trigger[0], trigger[1], trigger[2])) == (want_reason != STOP_TOKEN)
 
 
 SAE_D, SAE_F = 16, 128

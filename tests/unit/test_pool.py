@@ -41,7 +41,7 @@ def plain_step(positions, layers=(1, -1)) -> tuple[np.ndarray, list[RowBlock]]:
 def pool_acc(span=(5, None, 1)):
     from hidden_states.vllm.core.scheduler import _Pool, _StepRefs
 
-    spec = CaptureSpec(key="k", span=list(span), layers=[1, -1], pool=True)
+    spec = CaptureSpec(span=list(span), layers=[1, -1], pool=True)
     return _Pool(_StepRefs(spec, Span(*span)))
 
 
@@ -77,12 +77,12 @@ def test_a_position_summed_twice_or_past_the_end_fails_the_request_not_the_mean(
 
 
 def test_a_pooled_message_decodes_only_as_float32_sums():
-    ok = CapturedRows("k", "float32", 0, D, [1], [3, 4, 5], np.zeros(D, "<f4").tobytes(), pooled=True)
+    ok = CapturedRows("float32", 0, D, [1], [3, 4, 5], np.zeros(D, "<f4").tobytes(), pooled=True)
     assert CapturedRows.from_output(ok.to_output()).arrays()[0].shape == (1, 1, D)
-    wrong = CapturedRows("k", "float32", 0, D, [1], [3, 4, 5], np.zeros(3 * D, "<f4").tobytes(), pooled=True)
+    wrong = CapturedRows("float32", 0, D, [1], [3, 4, 5], np.zeros(3 * D, "<f4").tobytes(), pooled=True)
     with pytest.raises(HiddenStatesProtocolError):
         CapturedRows.from_output(wrong.to_output())
-    half = CapturedRows("k", "float16", 0, D, [1], [3], np.zeros(D, "<f2").tobytes(), pooled=True)
+    half = CapturedRows("float16", 0, D, [1], [3], np.zeros(D, "<f2").tobytes(), pooled=True)
     with pytest.raises(HiddenStatesProtocolError, match="float32 sums"):
         CapturedRows.from_output(half.to_output())
 

@@ -34,7 +34,7 @@ def test_every_wanted_row_once_in_order(start, end, stride, topk, every_output):
 
     span = Span(start, end, stride)
     for prompt, total, chunk in [(5, 14, 2), (1, 9, 9), (7, 40, 3)]:
-        spec = CaptureSpec(key="k", layers=[-1], span=[start, end, stride], topk=D if topk else 0)
+        spec = CaptureSpec(layers=[-1], span=[start, end, stride], topk=D if topk else 0)
         acc, sent, held = _Rows(spec, span), [], 0
         known = 0
         while known < total:  # prefill in chunks, then one position per step
@@ -83,7 +83,7 @@ def test_step_references_send_every_row_once_at_the_end_or_per_output(topk):
         ]
         return data, blocks
 
-    spec = CaptureSpec(key="k", layers=[2, 5], span=[4, None, 1], topk=D if topk else 0)
+    spec = CaptureSpec(layers=[2, 5], span=[4, None, 1], topk=D if topk else 0)
     for every_output in (False, True):
         acc, sent = _StepRefs(spec, Span(4, None, 1)), []
         for first, stop in [(4, 7), (7, 8), (8, 9), (6, 10), (10, 11)]:  # (6, 10): resumed, recomputes 6..8

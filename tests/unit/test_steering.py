@@ -11,7 +11,7 @@ import pytest
 
 from hidden_states.heads import HeadConfigError
 from hidden_states.params import HiddenStatesRequestError, parse_fields
-from hidden_states.protocol import SteerEntry, steering_extra_args
+from hidden_states.protocol import RequestSpec, SteerEntry
 from hidden_states.steering import anchor, load_vectors, resolve
 from tests.steer_ref import write_gguf
 
@@ -126,7 +126,7 @@ class _Runner:
             rid: types.SimpleNamespace(
                 num_prompt_tokens=prompt_lens[rid],
                 sampling_params=types.SimpleNamespace(
-                    extra_args=steering_extra_args(steer[rid]) if rid in steer else {"other": 1}
+                    extra_args=RequestSpec(steer=steer[rid]).into(None) if rid in steer else {"other": 1}
                 ),
             )
             for rid in rids

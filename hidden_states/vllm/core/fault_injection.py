@@ -1,6 +1,6 @@
 """Tests only: the engine core's schedulers with injected faults, installed instead of scheduler.py's own
 when the engine starts with FAULT_INJECTION_ENV=1 (`patches/scheduler_cls.scheduler_path`). A request whose
-extra_args name a hook under FAULT_INJECT_KEY makes that per-request hook raise for it: "plan" (`_plan_request`), "file"
+spec names a hook (`RequestSpec.inject`) makes that per-request hook raise for it: "plan" (`_plan_request`), "file"
 (`_store_request`), "send" (`_send_request`) or "tail" (`_stopped`). The production classes carry no
 test code; each hook's own handler (`_fault`) fails the request alone, as it would any exception."""
 

@@ -47,13 +47,13 @@ from hidden_states.protocol import (
     EngineMessage,
     HookFault,
     PlanEntry,
+    RequestSpec,
     Span,
     SteeredReport,
     StopReport,
     absolute_layer,
     captured_rows,
     encode_plan,
-    steering_of,
 )
 from hidden_states.vllm import _require
 
@@ -139,7 +139,6 @@ class _Rows:
         out = None
         if wanted.any():
             out = captured_rows(
-                self.spec.key,
                 self.dtype,
                 self.spec.topk,
                 self.layers,
@@ -212,7 +211,6 @@ class _StepRefs:
             for p in (blocks[0].positions if keep is None else np.asarray(blocks[0].positions)[keep].tolist())
         ]
         return captured_rows(
-            self.spec.key,
             self.spec.dtype,
             self.spec.topk,
             self.layers,
@@ -272,7 +270,7 @@ class _Pool:
         self.sums, self.summed = None, []
         order = sorted(positions)
         return captured_rows(
-            self.spec.key, "float32", 0, self.inner.layers, order, sums.astype(np.float32)[:, None], None, pooled=True
+            "float32", 0, self.inner.layers, order, sums.astype(np.float32)[:, None], None, pooled=True
         )
 
 
@@ -354,6 +352,7 @@ class _Record:
     """All the scheduler knows of one request of ours, from `add_request` to its last output. It goes
     whole: when that output has left (`_drop_sent`), when the request is aborted, or when it fails."""
 
+    key: str = ""  # its RequestSpec.key: every message of ours for it goes under it
     capture: _Capture | None = None  # a flagged request's rows, heads, monitors and conditions
     held: _Held | None = None  # stopped: its finish held one step, for the tail step
     released: _Held | None = None  # its held finish, emitted in this update (the held tokens' logprobs)
@@ -396,7 +395,9 @@ class _HiddenStatesScheduling:
     def _fault(self, rid: str, hook: str, error: BaseException | HookFault) -> None:
         """A hook of ours raised for `rid` (here, or in a worker: its report): the request fails at the
         end of this update, alone."""
-        rec = self._records.setdefault(rid, _Record())
+        if (rec := self._records.get(rid)) is None:  # (a steered request's: no capture)
+            req = self.requests.get(rid)
+            rec = self._records[rid] = _Record(RequestSpec.of(req.sampling_params.extra_args).key if req else "")
         if rec.fault is not None:
             return
         if isinstance(error, HookFault):
@@ -417,8 +418,8 @@ class _HiddenStatesScheduling:
 
     def add_request(self, request: Any) -> None:
         sp = request.sampling_params
-        spec = CaptureSpec.from_extra_args(sp.extra_args if sp is not None else None)
-        if spec is not None:
+        ours = RequestSpec.of(sp.extra_args if sp is not None else None)
+        if (spec := ours.capture) is not None:
             L = self.vllm_config.model_config.hf_text_config.num_hidden_layers
             spec.layers = [absolute_layer(l, L) for l in spec.layers]  # once, for every step's plan
             span = Span.from_list(spec.span)
@@ -433,13 +434,9 @@ class _HiddenStatesScheduling:
             rows = acc(spec)
             if spec.pool:  # summed on the device where no draft may be rejected and every planned row is wanted
                 rows = _Pool(rows, planned=0 if every_row and self.vllm_config.speculative_config is None else -1)
-            conditional = [
-                (k, e.when, e.start, e.end)
-                for k, e in enumerate(steering_of(sp.extra_args) or ())
-                if e.when is not None
-            ]
+            conditional = [(k, e.when, e.start, e.end) for k, e in enumerate(ours.steer) if e.when is not None]
             cap = _Capture(spec, tail, rows, heads=heads, prompt_len=request.num_prompt_tokens, conditional=conditional)
-            self._records[request.request_id] = _Record(capture=cap)
+            self._records[request.request_id] = _Record(ours.key, capture=cap)
         super().add_request(request)
 
     def _takes_tail(self, sp: Any) -> bool:
@@ -648,7 +645,7 @@ class _HiddenStatesScheduling:
     def _send_request(self, eco: Any, rec: _Record) -> None:
         """What one output of a request of ours carries: its rows, and on its finishing output its stop and
         where its `when` entries applied."""
-        cap, msg = rec.capture, EngineMessage()
+        cap, msg = rec.capture, EngineMessage(rec.key)
         if eco.finish_reason is not None:
             rows, rec.last_rows = rec.last_rows, None
             msg.stop, msg.steered = rec.stop, rec.steered  # a monitor that finished it; where `when` entries applied
@@ -659,7 +656,7 @@ class _HiddenStatesScheduling:
         if eco.finish_reason is None and cap is not None and cap.conditional:
             cap.decide()  # its new decisions: a stop string's extraction step (frontend) replays them
             if new := cap.unsent():
-                msg.steered = SteeredReport(cap.spec.key, new)
+                msg.steered = SteeredReport(new)
         if rows is not None:
             msg.rows, msg.heads = rows.rows, rows.heads
         if msg:
@@ -668,7 +665,7 @@ class _HiddenStatesScheduling:
     def _fail(self, outputs: dict) -> None:
         """The requests a hook failed in this update: finished with FINISHED_ERROR, their outputs of the
         step replaced by one "error" finish that carries the fault (the frontend fails the caller)."""
-        faults = {rid: rec.fault for rid, rec in self._records.items() if rec.fault is not None}
+        faults = {rid: rec for rid, rec in self._records.items() if rec.fault is not None}
         if not faults:
             return
         from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
@@ -685,7 +682,7 @@ class _HiddenStatesScheduling:
             [rid for rid in faults if rid in self.requests], RequestStatus.FINISHED_ERROR
         ):
             clients[request.request_id] = request.client_index
-        for rid, fault in faults.items():
+        for rid, rec in faults.items():
             del self._records[rid]
             if rid not in clients:  # finished and sent before the fault was known: nothing left to fail
                 continue
@@ -694,7 +691,7 @@ class _HiddenStatesScheduling:
                     request_id=rid,
                     new_token_ids=[],
                     finish_reason=FinishReason.ERROR,
-                    kv_transfer_params={OUTPUT_KEY: EngineMessage(fault=fault).to_output()},
+                    kv_transfer_params={OUTPUT_KEY: EngineMessage(rec.key, fault=rec.fault).to_output()},
                 )
             )
 
@@ -776,7 +773,7 @@ class _HiddenStatesScheduling:
                 request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, STOP_REASON.format(index)
                 stopped = True
                 self.monitor_stops += 1
-                rec.stop = StopReport(rec.capture.spec.key, position, index, score)
+                rec.stop = StopReport(position, index, score)
         else:
             new_token_ids, stopped = super()._update_request_with_output(request, new_token_ids, *args, **kwargs)
         if not stopped or (cap := rec.live) is None:
@@ -842,7 +839,7 @@ class _HiddenStatesScheduling:
             return
         if cap.conditional:  # where each `when` entry applies, the final token's position decided too
             cap.decide()
-            rec.steered = SteeredReport(cap.spec.key, cap.unsent())
+            rec.steered = SteeredReport(cap.unsent())
         # (a monitor's stop: its final row is this step's, already filed; the step in flight's is a dropped token's)
         if self.async_tail and cap.tail and rec.stop is None and self._await_tail(request, rec):
             return  # the step in flight computes its final row (_async_tails sends the rows)

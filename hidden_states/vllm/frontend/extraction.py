@@ -23,6 +23,7 @@ import numpy as np
 
 from hidden_states import steering
 from hidden_states.interface import (
+    ChoiceKey,
     ExtractionStats,
     HiddenStatesCollector,
     HiddenStatesTimeout,
@@ -42,15 +43,16 @@ from hidden_states.params import (
     room_for_completion,
 )
 from hidden_states.protocol import (
-    COLLECTOR_TAG_KEY,
     OUTPUT_KEY,
-    STEER_KEY,
+    SPEC_KEY,
     CapturedRows,
     CaptureSpec,
     EngineMessage,
     HiddenStatesProtocolError,
     HookFault,
+    RequestSpec,
     SteeredReport,
+    SteerEntry,
     StopReport,
 )
 from hidden_states.vllm.patches import install
@@ -70,21 +72,20 @@ class Origin:
     priority: int = 0
     mm: Any = None  # (mm_kwargs, mm_hashes, mm_placeholders) of a multimodal prompt
     embeds: Any = None  # a prompt_embeds prompt's embeddings [P, D] (torch)
-    steering: Any = None  # the request's steering (extra_args[STEER_KEY]): the step is steered the same
+    steering: tuple[SteerEntry, ...] = ()  # the request's anchored steering: the step is steered the same
     # Renders the request's messages again (a coroutine function -> its engine input); set where some
     # item travels as its hash alone (`by_hash`), which the engine core's processor cache may evict
     rerender: Any = None
 
     @staticmethod
-    def of(prompt: Any, kwargs: dict, params: Any = None, rerender: Any = None) -> Origin:
+    def of(prompt: Any, kwargs: dict, steering: Sequence[SteerEntry] = (), rerender: Any = None) -> Origin:
         salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
-        steering = (getattr(params, "extra_args", None) or {}).get(STEER_KEY)
         mm = embeds = None
         if isinstance(prompt, dict) and prompt.get("type") == "multimodal":
             mm = (prompt["mm_kwargs"], prompt["mm_hashes"], prompt["mm_placeholders"])
         elif isinstance(prompt, dict) and prompt.get("type") == "embeds":
             embeds = prompt["prompt_embeds"]
-        origin = Origin(kwargs.get("lora_request"), salt, int(kwargs.get("priority") or 0), mm, embeds, steering)
+        origin = Origin(kwargs.get("lora_request"), salt, int(kwargs.get("priority") or 0), mm, embeds, tuple(steering))
         return dataclasses.replace(origin, rerender=rerender) if origin.by_hash() else origin
 
     def by_hash(self) -> bool:
@@ -207,15 +208,22 @@ def make_async_llm_class():
 
         async def _generate_with_vectors(self, hs, collector, prompt, sampling_params, request_id, *args, **kwargs):
             prompt_end = collector.position == "prompt_end"
+            # its one spec, its owner in its key (Extraction.owner); of what the caller's spec said, only a test's
+            # injected fault stays (honoured only under FAULT_INJECTION_ENV)
+            inject = RequestSpec.of(sampling_params.extra_args).inject
+            ours = RequestSpec(key=f"{collector.tag}.{uuid.uuid4().hex}", inject=inject)
             if collector.steering:  # before the Origin: the extraction step is steered and salted the same
-                prompt, sampling_params = hs._steer(collector, prompt, sampling_params)
+                prompt, steer = hs._steer(collector, prompt)
+                ours = ours.replace(steer=steer)
             if not prompt_end and collector.captures:
                 sampling_params = hs._leave_room_for_extraction(prompt, sampling_params)
-            key = f"{collector.tag}.{uuid.uuid4().hex}"  # its owner is in the key (Extraction.owner)
-            ordinal = prompt_ordinal(request_id)
-            origin = Origin.of(prompt, kwargs, sampling_params, collector.rerender)
+            key, ordinal = ours.key, prompt_ordinal(request_id)
+            origin = Origin.of(prompt, kwargs, ours.steer, collector.rerender)
             if collector.captures or collector.monitors or collector.conditional:
-                prompt, sampling_params = hs._flag(collector, prompt, sampling_params, key)
+                prompt, capture = hs._flag(collector, prompt, sampling_params)
+                ours = ours.replace(capture=capture)
+            sampling_params = sampling_params.clone()
+            sampling_params.extra_args = ours.into(sampling_params.extra_args)
             collector.prompt_lens[ordinal] = prompt_length(prompt)
             if origin.mm is not None:
                 collector.modalities[ordinal] = origin.modalities()
@@ -230,7 +238,7 @@ def make_async_llm_class():
                     AsyncLLM.generate(self, prompt, sampling_params, request_id, *args, **kwargs)
                 ) as outputs:
                     async for out in outputs:
-                        hs.raise_fault(request_id)
+                        hs.raise_fault(collector, key, request_id)
                         if out.prompt_token_ids is not None:
                             prompt_ids = list(out.prompt_token_ids)
                         finished = []
@@ -251,7 +259,6 @@ def make_async_llm_class():
                         yield out
             finally:
                 hs.engine_request_ended(collector, key)
-                hs.faulted.pop(request_id, None)
 
     return ExtractingAsyncLLM
 
@@ -301,7 +308,6 @@ class Extraction:
         self.malformed_vectors = 0  # vectors on outputs that did not decode (a bug)
         self.late_rows = 0  # rows on outputs of requests that had ended (an abort, a stop string: not a fault)
         self.hook_faults = 0  # hooks of ours that raised inside vLLM's output loop (each failed its request)
-        self.faulted: dict[str, HookFaultError] = {}  # by request id, until its generator raises it
 
     def counts(self) -> dict[str, Any]:
         return {
@@ -320,14 +326,14 @@ class Extraction:
             "monitor_stops": self.monitor_stops,
         }
 
-    def fault(self, request_id: str, hook: str, error: BaseException) -> None:
-        """A hook of ours raised inside vLLM's output loop for `request_id`: logged with its traceback,
-        counted, and kept for the request's generator, which fails with it (raise_fault)."""
-        logger.error(
-            "request %s: the hidden-states hook %s failed; failing the request", request_id, hook, exc_info=error
-        )
+    def fault(self, request_id: str, key: str, f: HookFault, where: str = "") -> None:
+        """A hook of ours failed engine request `key` (vLLM's `request_id`) in the engine core (`where`: there it
+        was logged with its traceback, and vLLM finished it with "error") or here: counted, and kept by its owner
+        for its generator, which fails with it (raise_fault)."""
+        logger.error("request %s: the hidden-states hook %s failed%s; failing the request", request_id, f.hook, where)
         self.hook_faults += 1
-        self.faulted[request_id] = HookFaultError(request_id, hook, error)
+        if (col := self.owner(key)) is not None:
+            col.faults[key] = f
 
     def receive(self, request_id: str, raw: Any, index: int | None) -> None:
         """One engine output's message (protocol.EngineMessage) for `request_id`'s choice `index`: its fault,
@@ -340,33 +346,28 @@ class Extraction:
             self.malformed_vectors += 1
             return
         if msg.fault is not None:  # a hook in the engine core failed this request (its finish: "error")
-            self.engine_fault(request_id, msg.fault)
+            self.fault(request_id, msg.key, msg.fault, f" in the engine core ({msg.fault.error})")
+            return
+        col = self.owner(msg.key)
+        if col is None or index is None:  # it ended (an abort, a stop string): not a fault
+            self.late_rows += 1
             return
         try:
             if msg.stop is not None:
-                self.stopped(msg.stop, index)
+                self.stopped(col, (col.engine_requests[msg.key], index), msg.stop)
             if msg.steered is not None:
-                self.steered(msg.steered, index)
+                self.steered(col, (col.engine_requests[msg.key], index), msg.steered)
             if msg.rows is not None or msg.heads:
-                self.deliver(msg.rows, index, msg.heads)
+                self.deliver(col, (col.engine_requests[msg.key], index), msg.rows, msg.heads)
         except Exception as e:
-            self.fault(request_id, "deliver", e)
+            logger.error("request %s: delivering its vectors failed", request_id, exc_info=e)
+            self.fault(request_id, msg.key, HookFault.of("deliver", e))
 
-    def engine_fault(self, request_id: str, f: HookFault) -> None:
-        """A hook in the engine core (the scheduler's, or a worker's) failed `request_id` there, where it
-        was logged with its traceback; vLLM finished it with "error". Counted and kept as `fault` does."""
-        logger.error(
-            "request %s: the hidden-states hook %s failed in the engine core (%s); failing the request",
-            request_id,
-            f.hook,
-            f.error,
-        )
-        self.hook_faults += 1
-        self.faulted[request_id] = HookFaultError(request_id, f.hook, f.error)
-
-    def raise_fault(self, request_id: str) -> None:
-        if self.faulted and (fault := self.faulted.pop(request_id, None)) is not None:
-            raise fault
+    @staticmethod
+    def raise_fault(collector: HiddenStatesCollector, key: str, request_id: str) -> None:
+        """Fails engine request `key`'s generator (vLLM's `request_id`) with the fault a hook reported for it."""
+        if collector.faults and (f := collector.faults.pop(key, None)) is not None:
+            raise HookFaultError(request_id, f.hook, f.error)
 
     def pending(self) -> int:
         """Engine requests in flight whose rows may still come."""
@@ -385,14 +386,11 @@ class Extraction:
     def engine_request_ended(self, collector: HiddenStatesCollector, key: str) -> None:
         collector.engine_requests.pop(key, None)
 
-    def deliver(self, cr: CapturedRows | None, index: int | None, outs: dict[str, CapturedRows]) -> None:
-        """Rows off an engine output (and each head's outputs at the same positions), into its request's
-        collector (if it still runs)."""
+    def deliver(
+        self, col: HiddenStatesCollector, choice: ChoiceKey, cr: CapturedRows | None, outs: dict[str, CapturedRows]
+    ) -> None:
+        """Rows off an engine output (and each head's outputs at the same positions), into its choice."""
         some = cr if cr is not None else next(iter(outs.values()))
-        col = self.owner(some.key)
-        if col is None or index is None:
-            self.late_rows += 1
-            return
         values, indices = {}, None
         if cr is not None:
             raw_values, raw_indices = cr.arrays()
@@ -409,10 +407,10 @@ class Extraction:
         if cr is not None and cr.pooled:
             sums = {l: v[0].astype(np.float64) for l, v in values.items()}
             positions = np.asarray(cr.positions, dtype=np.int64)
-            col.add_rows((col.engine_requests[cr.key], index), PooledSum(positions, sums, cr.tail_positions))
+            col.add_rows(choice, PooledSum(positions, sums, cr.tail_positions))
             return
         col.add_rows(
-            (col.engine_requests[some.key], index),
+            choice,
             RowBatch(
                 np.asarray(some.positions, dtype=np.int64),
                 values,
@@ -424,13 +422,9 @@ class Extraction:
             ),
         )
 
-    def stopped(self, stop: StopReport, index: int | None) -> None:
+    def stopped(self, col: HiddenStatesCollector, choice: ChoiceKey, stop: StopReport) -> None:
         """A choice a stop condition finished: what its hidden_states_meta.stop says."""
-        col = self.owner(stop.key)
-        if col is None or index is None:
-            self.late_rows += 1
-            return
-        col.state((col.engine_requests[stop.key], index)).stop = {
+        col.state(choice).stop = {
             **col.stop_echo[stop.condition],
             "condition": stop.condition,
             "position": stop.position,
@@ -438,37 +432,29 @@ class Extraction:
         }
         self.monitor_stops += 1
 
-    def steered(self, steered: SteeredReport, index: int | None) -> None:
+    def steered(self, col: HiddenStatesCollector, choice: ChoiceKey, steered: SteeredReport) -> None:
         """Where a choice's conditional steering entries applied (each output brings the positions decided
         since the last): its meta says so, and its extraction step replays them."""
-        col = self.owner(steered.key)
-        if col is None or index is None:
-            self.late_rows += 1
-            return
-        st = col.state((col.engine_requests[steered.key], index))
+        st = col.state(choice)
         mine = st.applied = st.applied if st.applied is not None else {}
         for k, positions in steered.applied:
             mine.setdefault(k, []).extend(positions)
 
-    def _steer(self, collector: HiddenStatesCollector, prompt: Any, params: Any) -> tuple[Any, Any]:
-        """A steered request: its entries in its extra_args (the workers read them), and its steering's
-        digest joined to its cache salt, so no prefix-cache block computed under one steering serves
-        another (or none), while the same steering shares blocks."""
-        from hidden_states.protocol import steering_extra_args
+    def _steer(self, collector: HiddenStatesCollector, prompt: Any) -> tuple[Any, list[SteerEntry]]:
+        """A steered request: its entries anchored to its prompt (its spec's `steer`: the workers read them), and
+        its steering's digest joined to its cache salt, so no prefix-cache block computed under one steering
+        serves another (or none), while the same steering shares blocks. Returns (prompt, entries)."""
         from hidden_states.steering import anchor
 
         P = prompt_length(prompt)
         if P is None:
             raise HiddenStatesRequestError("steering needs the prompt as token ids or embeddings", "prompt")
         entries, digest = anchor(collector.steering, P)  # absolute positions: the extraction step sees the same
-        prompt = {**prompt, "cache_salt": f"{prompt.get('cache_salt') or ''}|steer-{digest}"}
-        params = params.clone()
-        params.extra_args = {**(params.extra_args or {}), **steering_extra_args(entries)}
-        return prompt, params
+        return {**prompt, "cache_salt": f"{prompt.get('cache_salt') or ''}|steer-{digest}"}, entries
 
-    def _flag(self, collector: HiddenStatesCollector, prompt: Any, params: Any, key: str) -> tuple[Any, Any]:
-        """A collector's generating request: memory bound checked, flagged with its span, a unique cache
-        salt where prompt positions must be computed. Returns (prompt, params)."""
+    def _flag(self, collector: HiddenStatesCollector, prompt: Any, params: Any) -> tuple[Any, CaptureSpec]:
+        """A collector's generating request: memory bound checked, what it captures, a unique cache salt where
+        prompt positions must be computed. Returns (prompt, capture)."""
         from vllm.sampling_params import RequestOutputKind
 
         P = prompt_length(prompt)
@@ -494,24 +480,18 @@ class Extraction:
         if 0 <= span.start < P - 1 and self.llm.vllm_config.cache_config.enable_prefix_caching:
             # Prompt positions are wanted: a prefix-cache hit would skip computing them.
             prompt = {**prompt, "cache_salt": f"hs-{uuid.uuid4().hex}"}
-        params = params.clone()
-        params.extra_args = {
-            **(params.extra_args or {}),
-            **CaptureSpec(
-                key=key,
-                span=span.to_list(),
-                layers=list(collector.layers) if collector.rows_wanted else [],
-                dtype="float32" if collector.pool else collector.dtype,  # a pool's mean is cast in the frontend
-                heads=[list(h) for h in collector.heads],
-                monitors=list(collector.monitors),
-                pool=collector.pool,
-                # an end counted from the end stops before it; stop conditions alone capture nothing
-                reaches_final=collector.captures and (span.end is None or span.end > P),
-                topk=collector.topk or 0,
-                every_step=collector.multi and params.output_kind != RequestOutputKind.FINAL_ONLY,
-            ).to_extra_args(),
-        }
-        return prompt, params
+        return prompt, CaptureSpec(
+            span=span.to_list(),
+            layers=list(collector.layers) if collector.rows_wanted else [],
+            dtype="float32" if collector.pool else collector.dtype,  # a pool's mean is cast in the frontend
+            heads=[list(h) for h in collector.heads],
+            monitors=list(collector.monitors),
+            pool=collector.pool,
+            # an end counted from the end stops before it; stop conditions alone capture nothing
+            reaches_final=collector.captures and (span.end is None or span.end > P),
+            topk=collector.topk or 0,
+            every_step=collector.multi and params.output_kind != RequestOutputKind.FINAL_ONLY,
+        )
 
     def check_beam_rows(self, collector: HiddenStatesCollector, prompt_len: int, max_tokens: int, beams: int) -> None:
         """The memory bound for a beam search's returned beams (their rows all come from extraction)."""
@@ -560,7 +540,7 @@ class Extraction:
             applied = collector.state(key).applied or {}
             return (
                 tuple((k, tuple(v)) for k, v in sorted(applied.items())),
-                dataclasses.replace(origin, steering=steering.replay(origin.steering, applied)),
+                dataclasses.replace(origin, steering=tuple(steering.replay(origin.steering, applied))),
             )
 
         todo, step_of = {}, {}  # one extraction step per distinct (sequence, positions, replay); each job's
@@ -632,8 +612,11 @@ class Extraction:
         extra = getattr(sampling_params, "extra_args", None)
         if not extra or not self.live:
             return None
-        col = self.live.get(extra.get(COLLECTOR_TAG_KEY, ""))
-        return col if col is not None and col.tag == extra[COLLECTOR_TAG_KEY] else None
+        if SPEC_KEY not in extra:
+            return None
+        tag = RequestSpec.of(extra).key
+        col = self.live.get(tag)
+        return col if col is not None and col.tag == tag else None
 
     def missing(self, what: str) -> MissingHiddenStatesError:
         """Counts a choice that finished without its vector; the error to fail its request with."""
@@ -697,18 +680,18 @@ class Extraction:
                 temperature=0.0,
                 detokenize=False,
                 output_kind=RequestOutputKind.FINAL_ONLY,
-                extra_args={
-                    **CaptureSpec(
-                        key=key,
+                extra_args=RequestSpec(
+                    key,
+                    CaptureSpec(
                         span=span,
                         layers=list(layers),
                         dtype=dtype,
                         topk=topk or 0,
                         heads=[list(h) for h in heads],
                         pool=even,
-                    ).to_extra_args(),
-                    **({STEER_KEY: origin.steering} if origin.steering is not None else {}),
-                },
+                    ),
+                    list(origin.steering),
+                ).into(None),
             )
 
         key = uuid.uuid4().hex
@@ -772,14 +755,13 @@ class Extraction:
                 ) as outputs,
             ):
                 async for out in outputs:
-                    self.raise_fault(f"hs-{key}")
+                    self.raise_fault(step, capture, f"hs-{key}")
                     cached = out.num_cached_tokens or 0
         except TimeoutError:
             raise self._timed_out(len(token_ids)) from None
         finally:
             self.engine_request_ended(step, capture)
             del self.live[step.tag]
-            self.faulted.pop(f"hs-{key}", None)
         return RowBatch.merge([b for st in step.choices.values() for b in st.pending]), cached
 
     async def extract_one(

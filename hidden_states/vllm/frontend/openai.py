@@ -57,7 +57,7 @@ from hidden_states.params import (
     request_error,
     resolve_heads,
 )
-from hidden_states.protocol import COLLECTOR_TAG_KEY, RESERVED_EXTRA_ARGS_PREFIX, STEER_KEY, steering_extra_args
+from hidden_states.protocol import RESERVED_EXTRA_ARGS_PREFIX
 from hidden_states.shape import several
 from hidden_states.vllm.frontend.extraction import Origin
 from hidden_states.vllm.patches import install
@@ -169,9 +169,9 @@ class OpenAIFrontend:
             except HiddenStatesRequestError as e:
                 yield Head(*errors.error_response(e))
                 return
-            # The tag rides in vllm_xargs -> SamplingParams.extra_args of every engine
+            # Its spec (the collector's tag) rides in vllm_xargs -> SamplingParams.extra_args of every engine
             # request vLLM makes for this request.
-            request.vllm_xargs = {**(request.vllm_xargs or {}), COLLECTOR_TAG_KEY: collector.tag}
+            request.vllm_xargs = collector.tagged(request.vllm_xargs)
             if route == "chat/completions":  # its media, rendered again if the processor cache lost them
                 messages = list(request.messages)
                 collector.rerender = functools.partial(self.engine.chat_input, messages)
@@ -303,9 +303,7 @@ class OpenAIFrontend:
             entries, echo = eng.steering_of(req)
             if entries:  # recomputed under the choice's steering (its prompt: up to `completion`), salted alike
                 entries, digest = steering.anchor(entries, len(ids) if completion_start is None else completion_start)
-                origin = dataclasses.replace(
-                    origin, cache_salt=f"|steer-{digest}", steering=steering_extra_args(entries)[STEER_KEY]
-                )
+                origin = dataclasses.replace(origin, cache_salt=f"|steer-{digest}", steering=tuple(entries))
             heads = resolve_heads(req, eng.heads) if req.heads else ()
             batch, stats = await eng.extraction.extract_rows(seq, positions, layers, dtype, topk, origin, heads)
             col = HiddenStatesCollector(

@@ -72,7 +72,7 @@ carry the `protocol.HookFault` (as vLLM itself fails a request whose
 grammar does not compile); the frontend raises `HookFaultError` (a 500
 naming the hook). Relies on `finish_requests`, `EngineCoreOutput` and
 `FinishReason.ERROR` as in vLLM 0.32. Tests inject faults by request
-(`FAULT_INJECT_KEY` in `extra_args`, honoured only with
+(`RequestSpec.inject` in `extra_args`, honoured only with
 `HIDDEN_STATES_FAULT_INJECTION=1` in the engine's environment): the
 engine core then runs the fault-injecting twin of its scheduler
 (core/fault_injection.py) and each worker the fault-injecting twin of its

@@ -1,6 +1,6 @@
 """Tests only: the worker's hook with injected faults, run instead of capture.py's own when the engine starts
 with FAULT_INJECTION_ENV=1 (`runner_hook_class`, from the worker extension's install), as the engine core runs
-core/fault_injection.py's schedulers. A request whose extra_args name a hook under FAULT_INJECT_KEY makes that
+core/fault_injection.py's schedulers. A request whose spec names a hook (`RequestSpec.inject`) makes that
 hook's per-request pieces raise for it: "capture" (`_gather_rows`, `_pack`), "heads" (`_head_rows`) or
 "steering" (`StepSteering._fill`, `_add_entry`). The production classes carry no test code; each piece's own
 handler fails the request alone, as it would any exception (ledger point 19)."""

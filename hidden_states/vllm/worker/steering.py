@@ -1,7 +1,7 @@
 """Steering: per-request additions to the residual stream, applied at each layer's site (layers.entry_site)
 (eager engines) or by the traced entries of the static layer set (traced.py, compiled engines).
 
-Each steered request carries its entries in its own sampling params (`protocol.STEER_KEY`,
+Each steered request carries its entries in its own sampling params (`protocol.RequestSpec.steer`,
 `protocol.SteerEntry`); every worker reads them off its copy of the request, so every
 tensor-parallel rank applies them. Per step and layer, one persistent buffer of the step's token
 rows x D holds each steered row's delta and zeros elsewhere, with a row mask beside it; the stream
@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from hidden_states.protocol import SteerEntry, steering_of
+from hidden_states.protocol import RequestSpec, SteerEntry
 
 
 class StepSteering:
@@ -90,7 +90,7 @@ class StepSteering:
 
             state = getattr(self.runner, "requests", {}).get(rid)
             sp = getattr(state, "sampling_params", None)
-            entries = steering_of(getattr(sp, "extra_args", None)) or []
+            entries = RequestSpec.of(getattr(sp, "extra_args", None)).steer
             got = self._entries[rid] = []
             if entries:
                 device, dtype = getattr(self.runner, "device", "cpu"), self.runner.model_config.dtype
