@@ -22,7 +22,7 @@ from typing import Any, NamedTuple, Protocol
 import numpy as np
 
 from hidden_states.heads import head_fields
-from hidden_states.protocol import HookFault, RequestSpec, narrow, numpy_dtype, widen
+from hidden_states.protocol import CaptureSpec, HookFault, RequestSpec, narrow, numpy_dtype, widen
 from hidden_states.shape import several, squeeze
 
 logger = logging.getLogger(__name__)
@@ -264,6 +264,21 @@ class HiddenStatesCollector:
     def captures(self) -> bool:
         """Anything to capture (rows or heads); a request that only steers captures nothing."""
         return self.rows_wanted or bool(self.heads)
+
+    def capture(self, span: Sequence, reaches_final: bool, every_step: bool) -> CaptureSpec:
+        """What an engine request of this collector captures over `span` (protocol.Span as a list): the one place
+        a request's capture fields become the engine's."""
+        return CaptureSpec(
+            span=list(span),
+            layers=list(self.layers) if self.rows_wanted else [],
+            dtype="float32" if self.pool else self.dtype,  # a pool's mean is cast in the frontend
+            heads=[list(h) for h in self.heads],
+            monitors=list(self.monitors),
+            pool=self.pool,
+            reaches_final=reaches_final,
+            topk=self.topk or 0,
+            every_step=every_step,
+        )
 
     @property
     def conditional(self) -> bool:

@@ -129,6 +129,28 @@ def test_a_collector_tags_extra_args_keeping_the_rest():
     assert extra["mine"] == 1 and RequestSpec.of(extra) == RequestSpec("t1", inject="plan")
 
 
+def test_a_collector_s_capture_is_its_fields_over_a_span():
+    """The one place a request's fields become what the engine captures: a pool's rows float32 sums."""
+    import dataclasses
+
+    from hidden_states.interface import HiddenStatesCollector
+
+    col = HiddenStatesCollector("t", (1, -1), "all", dtype="float16", topk=3, heads=(("probe", 0),))
+    c = col.capture([0, None, 1], reaches_final=True, every_step=False)
+    assert (c.span, c.layers, c.dtype, c.topk, c.heads, c.pool) == (
+        [0, None, 1],
+        [1, -1],
+        "float16",
+        3,
+        [["probe", 0]],
+        False,
+    )
+    assert c.reaches_final and not c.every_step
+    pooled = dataclasses.replace(col, pool=True, topk=None, heads=()).capture([4, None, 1], False, True)
+    assert (pooled.dtype, pooled.pool, pooled.topk, pooled.every_step) == ("float32", True, 0, True)
+    assert dataclasses.replace(col, rows_wanted=False).capture([0, None, 1], False, False).layers == []
+
+
 @pytest.mark.parametrize("extra", [None, {}, {"other": {"key": "k"}}])
 def test_request_spec_absent_is_empty(extra):
     assert RequestSpec.of(extra) == RequestSpec()

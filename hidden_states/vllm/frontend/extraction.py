@@ -480,16 +480,10 @@ class Extraction:
         if 0 <= span.start < P - 1 and self.llm.vllm_config.cache_config.enable_prefix_caching:
             # Prompt positions are wanted: a prefix-cache hit would skip computing them.
             prompt = {**prompt, "cache_salt": f"hs-{uuid.uuid4().hex}"}
-        return prompt, CaptureSpec(
-            span=span.to_list(),
-            layers=list(collector.layers) if collector.rows_wanted else [],
-            dtype="float32" if collector.pool else collector.dtype,  # a pool's mean is cast in the frontend
-            heads=[list(h) for h in collector.heads],
-            monitors=list(collector.monitors),
-            pool=collector.pool,
+        return prompt, collector.capture(
+            span.to_list(),
             # an end counted from the end stops before it; stop conditions alone capture nothing
             reaches_final=collector.captures and (span.end is None or span.end > P),
-            topk=collector.topk or 0,
             every_step=collector.multi and params.output_kind != RequestOutputKind.FINAL_ONLY,
         )
 
