@@ -25,8 +25,9 @@ from collections import Counter
 from dataclasses import dataclass
 from types import SimpleNamespace
 
-from bench.procs import write_results
-from bench.simulate import APP, MODEL, Poller, Sim, add_cluster_flags, alive, app_args, deploy_config, fake_delays, log
+from bench.procs import BIN, Proc, free_port, wait_until, write_results
+from bench.servers import find_ray_worker
+from bench.simulate import APP, MODEL, Poller, Sim, add_cluster_flags, alive, app_args, deploy_config, log, run_main
 
 HEAD_REPLICAS = NODE_REPLICAS = 4
 CLIENT_TIMEOUT_S, SERVER_TIMEOUT_S = 30.0, 20.0
@@ -184,8 +185,6 @@ class Failures(Sim):
     def start_node(self) -> None:
         """The second node: `ray start --address HEAD --block`, its own ports and worker ports, the head's temp dir
         (so nothing is written to Ray's default one) and token, a custom resource `sim_node`."""
-        from bench.procs import BIN, Proc, free_port, wait_until
-
         before = {n["node_id"] for n in self.driver.call("nodes")}
         flags = (
             "node-manager object-manager dashboard-agent-listen dashboard-agent-grpc metrics-export runtime-env-agent"
@@ -250,8 +249,6 @@ class Failures(Sim):
 
     def target(self, what: str) -> tuple[list[int], dict]:
         """The pids a kill takes (by process title, and the controller's pid beside it) and what was found."""
-        from bench.servers import find_ray_worker
-
         d = self.details()
         if what == "node":
             procs = self.node.tree()  # remembered, for the stop at the end
@@ -304,8 +301,7 @@ class Failures(Sim):
 
     def run(self) -> int:
         a = self.args
-        eng = self.engine()
-        delays = self.res["fake_engine"] = fake_delays(eng["ttft_s"], eng["itl_s"], a.max_tokens)
+        delays = self.delays()
         self.res["settings"] = {**vars(a), "out": str(a.out), "client_timeout_s": CLIENT_TIMEOUT_S}
         self.res["settings"]["server_request_timeout_s"] = SERVER_TIMEOUT_S
         try:
@@ -334,19 +330,17 @@ class Failures(Sim):
             log(f"ERROR: {e}")
         finally:
             self.stop(self.node)
-        rows = []  # the table docs/benchmarks.md gives
-        for what, sc in self.res["scenarios"].items():
-            f, sv, fo, ao = (
-                sc["figures"],
-                sc["serve"],
-                sc["figures"]["in_flight_outcomes"],
-                sc["figures"]["after_outcomes"],
-            )
-            rows.append({"killed": what, "in flight at the kill": f["in_flight_at_kill"], "of those": fo})
-            rows[-1] |= {"sent after": ao, "client timeouts": f["timeouts"], "all ok from s": f["all_ok_from_s"]}
-            rows[-1]["Serve back s"] = sv.get("replicas_dropped_s" if what == "node" else "replaced_s")
+        rows = [kill_row(what, sc) for what, sc in self.res["scenarios"].items()]
         write_results(self.out, "failures", self.res, rows)
-        return 0 if not self.res["errors"] and not self.res["stopped_left_running"] else 1
+        return self.status()
+
+
+def kill_row(what: str, sc: dict) -> dict:
+    """A kill's row of the table docs/benchmarks.md gives."""
+    f, back = sc["figures"], sc["serve"].get("replicas_dropped_s" if what == "node" else "replaced_s")
+    row = {"killed": what, "in flight at the kill": f["in_flight_at_kill"], "of those": f["in_flight_outcomes"]}
+    row |= {"sent after": f["after_outcomes"], "client timeouts": f["timeouts"], "all ok from s": f["all_ok_from_s"]}
+    return row | {"Serve back s": back}
 
 
 def parse(argv=None):
@@ -356,17 +350,11 @@ def parse(argv=None):
     add("--kill-after", type=float, default=15.0, help="seconds of load before each kill")
     add("--after-kill", type=float, default=45.0, help="seconds of load after each kill")
     add_cluster_flags(add)
-    add("--dry-run", action="store_true", help="print the settings and exit; starts nothing")
     return ap.parse_args(argv)
 
 
 def main(argv=None) -> int:
-    args = parse(argv)
-    if args.dry_run:
-        print(json.dumps({**vars(args), "out": str(args.out)}, indent=1))
-        return 0
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a stop by SIGTERM still stops what was started
-    return Failures(args).run()
+    return run_main(Failures, parse(argv))
 
 
 if __name__ == "__main__":

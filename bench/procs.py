@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -28,45 +30,35 @@ class StartError(RuntimeError):
     pass
 
 
-def port_free(port: int, host: str = "127.0.0.1") -> bool:
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-            return True
-        except OSError:
-            return False
-
-
-def free_port(preferred: int) -> int:
+def free_port(preferred: int, host: str = "127.0.0.1") -> int:
+    """The first port from `preferred` on that is free to bind."""
     port = preferred
-    while not port_free(port):
-        port += 1
-    return port
+    while True:
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((host, port))
+                return port
+            except OSError:
+                port += 1
 
 
 class Proc:
-    """One started command: its own session, a log file, stop by group + tree."""
+    """One started command: its own session, a log file, stop by group + tree. `pipes`: its stdin and stdout are
+    text pipes to this process, its log takes stderr."""
 
-    def __init__(self, name: str, argv: list[str], env: dict[str, str] | None = None, cwd: Path = ROOT):
+    def __init__(self, name: str, argv: list[str], env: dict[str, str] | None = None, cwd=ROOT, pipes: bool = False):
         LOGS.mkdir(parents=True, exist_ok=True)
         self.name = name
         self.argv = [str(a) for a in argv]
         self.log_path = LOGS / f"{name}.log"
         self._log = open(self.log_path, "wb")
-        full_env = dict(os.environ)
-        full_env.update(env or {})
-        self.popen = subprocess.Popen(
-            self.argv,
-            cwd=str(cwd),
-            env=full_env,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-        self.pid = self.popen.pid
-        self.pgid = self.pid
+        io = {"stdout": self._log, "stderr": subprocess.STDOUT, "stdin": subprocess.DEVNULL}
+        if pipes:
+            io = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "stderr": self._log, "text": True, "bufsize": 1}
+        env = {**os.environ, **(env or {})}
+        self.popen = subprocess.Popen(self.argv, cwd=str(cwd), env=env, start_new_session=True, **io)
+        self.pid = self.pgid = self.popen.pid
         self._known: set[int] = set()
 
     def alive(self) -> bool:
@@ -170,6 +162,11 @@ def table(rows: list[dict]) -> list[str]:
     return [f"| {' | '.join(cols)} |", f"|{'---|' * len(cols)}"] + [
         f"| {' | '.join(cell(r.get(k)) for k in cols)} |" for r in rows
     ]
+
+
+def command_line(module: str, argv: list[str] | None = None) -> str:
+    """The command line a result records: `.venv/bin/python -m MODULE ARGS` (this process's by default)."""
+    return shlex.join([".venv/bin/python", "-m", module, *(sys.argv[1:] if argv is None else argv)])
 
 
 def write_results(out: Path, name: str, results: dict, text: str | list[dict]) -> None:
