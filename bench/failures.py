@@ -23,11 +23,10 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass
-from types import SimpleNamespace
 
-from bench.procs import BIN, Proc, free_port, wait_until, write_results
+from bench.procs import BIN, Proc, alive, free_port, wait_until, write_results
 from bench.servers import find_ray_worker
-from bench.simulate import APP, MODEL, Poller, Sim, add_cluster_flags, alive, app_args, deploy_config, log, run_main
+from bench.simulate import APP, MODEL, Poller, Sim, add_cluster_flags, app_args, deploy_config, log, run_main
 
 HEAD_REPLICAS = NODE_REPLICAS = 4
 CLIENT_TIMEOUT_S, SERVER_TIMEOUT_S = 30.0, 20.0
@@ -196,12 +195,8 @@ class Failures(Sim):
         argv += ["--disable-usage-stats", *(x for kv in ports.items() for x in kv)]
         env = {**self.cluster.env(), "RAY_OVERRIDE_RESOURCES": ""}  # not the head's sim_head
         self.node = Proc(f"sim-node-{self.cluster.port}", argv, env=env)
-        took = wait_until(
-            lambda: len([n for n in self.driver.call("nodes") if n["alive"]]) == len(before) + 1,
-            180,
-            "the second Ray node",
-            [self.node],
-        )
+        joined = lambda: len([n for n in self.driver.call("nodes") if n["alive"]]) == len(before) + 1
+        took = wait_until(joined, 180, "the second Ray node", [self.node])
         self.node_id = next(n["node_id"] for n in self.driver.call("nodes") if n["node_id"] not in before)
         self.res["node_start_s"] = took
         log(f"second node up after {took:.1f} s")
@@ -212,23 +207,11 @@ class Failures(Sim):
         from deployments.config import AppArgs
 
         n = HEAD_REPLICAS + NODE_REPLICAS
-        args = app_args(
-            delays,
-            {"min_replicas": n, "max_replicas": n, "initial_replicas": n},
-            replica_max_per_node=HEAD_REPLICAS,
-            request_timeout_s=SERVER_TIMEOUT_S,
-        )
+        args = app_args(delays, n, replica_max_per_node=HEAD_REPLICAS, request_timeout_s=SERVER_TIMEOUT_S)
         cfg = deploy_config(args, self.http_port)
-        cfg["applications"][0]["deployments"].append(
-            {
-                "name": "Router",
-                "ray_actor_options": {
-                    "num_cpus": 0,
-                    "runtime_env": {"env_vars": AppArgs.model_validate(args).serve_env},
-                    "resources": {"sim_head": 1},
-                },
-            }
-        )
+        env = {"env_vars": AppArgs.model_validate(args).serve_env}
+        router = {"num_cpus": 0, "runtime_env": env, "resources": {"sim_head": 1}}
+        cfg["applications"][0]["deployments"].append({"name": "Router", "ray_actor_options": router})
         return cfg
 
     def sample(self) -> dict:
@@ -253,14 +236,14 @@ class Failures(Sim):
         if what == "node":
             procs = self.node.tree()  # remembered, for the stop at the end
             replicas = [r["pid"] for r in self.deployment(d)["replicas"] if r.get("node_id") == self.node_id]
-            titled = find_ray_worker(SimpleNamespace(proc=self.node), TITLES["replica"])
+            titled = find_ray_worker(self.node, TITLES["replica"])
             return [self.node.pgid], {
                 "processes": len(procs),
                 "replica_pids_by_title": len(titled),
                 "controller_replicas_on_node": len(replicas),
                 "watched": sorted({*titled, *replicas, *(p.pid for p in procs)}),
             }
-        pids = find_ray_worker(self.cluster, TITLES[what])
+        pids = find_ray_worker(self.cluster.proc, TITLES[what])
         says = d["proxies"] if what == "proxy" else [r["pid"] for r in self.deployment(d, "Router")["replicas"]]
         if len(pids) != 1 or pids != says:
             raise RuntimeError(f"{what}: by title {pids}, the controller says {says}")
@@ -268,8 +251,8 @@ class Failures(Sim):
 
     def scenario(self, k: int, what: str) -> dict:
         a = self.args
-        reqs, state, row = [Req(t) for t in arrivals(a.kill_after + a.after_kill, a.rate, a.seed + 10 + k)], {}, {}
-        state.update(t0=0.0, in_flight=0)
+        reqs = [Req(t) for t in arrivals(a.kill_after + a.after_kill, a.rate, a.seed + 10 + k)]
+        state, row = {"t0": 0.0, "in_flight": 0}, {}
         poller = Poller(self.sample, 1.0, t0 := time.monotonic())
         runner = threading.Thread(target=run_load, args=(self.url, reqs, a.max_tokens, state), daemon=True)
         runner.start()

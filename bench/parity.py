@@ -22,6 +22,7 @@ import json
 import random
 import re
 import sys
+from collections import Counter
 from typing import Any
 
 PROMPTS = [
@@ -49,7 +50,7 @@ def corpus(count: int, seed: int = 0) -> list[dict]:
     """`count` requests: {route, stream, body}, the same for the same seed on every tree."""
     rng = random.Random(seed)
     out = []
-    for i in range(count):
+    for _ in range(count):
         route = rng.choices(["completions", "chat", "hidden_states"], [45, 45, 10])[0]
         prompt = rng.choice(PROMPTS)
         if route == "hidden_states":
@@ -124,7 +125,6 @@ def corpus(count: int, seed: int = 0) -> list[dict]:
                 )
             )
         out.append({"route": route, "stream": stream, "body": {**body, "stream": True} if stream else body})
-        del i
     return out
 
 
@@ -280,9 +280,7 @@ def compare(a: str, b: str) -> int:
         if x["sha256"] != y["sha256"]
         and (x["status"], canonical(x["response"])) != (y["status"], canonical(y["response"]))
     ]
-    statuses: dict[int, int] = {}
-    for x in left:
-        statuses[x["status"]] = statuses.get(x["status"], 0) + 1
+    statuses = Counter(x["status"] for x in left)
     for x, y in differ[:20]:
         where = f"request {x['k']} ({x['request']['route']}, stream={x['request']['stream']})"
         print(f"{where}: {x['status']} vs {y['status']}")

@@ -17,9 +17,10 @@ import time
 
 import httpx
 
+from bench import servers
 from bench.measure import CpuAccount
 from bench.procs import RESULTS, command_line, write_results
-from bench.servers import CLUSTERS, RayCluster, ServeRun, down, find_ingress, http_ok, serve_config, up
+from bench.servers import RayCluster, ServeRun, down, find_ingress, http_ok, up
 
 MODEL = "fake"
 HIDDEN = 4096
@@ -32,19 +33,24 @@ PATH_ROLES = {  # the processes a request passes through (bench.measure.CpuAccou
 }
 
 
+def serve_config(http_port: int, names: tuple[str, str], max_body: int) -> dict:
+    """Two FakeEngine apps (`bench.simulate:fake_app`): one behind the Router, one `ingress: replica`."""
+    args = {"model": "builtin:tiny-llama", "served_model_name": MODEL, "engine": {"hidden_size": HIDDEN}}
+    args |= {"request_timeout_s": 120, "max_request_body_bytes": max_body}
+    app = {"route_prefix": "/", "import_path": "bench.simulate:fake_app", "args": args}
+    direct = {"name": names[1], "route_prefix": "/direct", "args": args | {"ingress": "replica"}}
+    return servers.serve_config(http_port, [app | {"name": names[0]}, app | direct])
+
+
 class FakeApps(ServeRun):
-    """Two FakeEngine apps (`bench.simulate:fake_app`) on one cluster: one behind the Router, one `ingress: replica`."""
+    """`serve run CONFIG` of serve_config() on one cluster."""
 
     def __init__(self, cluster: RayCluster, names: tuple[str, str], tag: str):
         super().__init__(cluster, tag)
         self.names = names
 
     def config(self) -> dict:
-        args = {"model": "builtin:tiny-llama", "served_model_name": MODEL, "engine": {"hidden_size": HIDDEN}}
-        args |= {"request_timeout_s": 120, "max_request_body_bytes": 4 * 2**20}
-        app = {"route_prefix": "/", "import_path": "bench.simulate:fake_app", "args": args}
-        direct = {"name": self.names[1], "route_prefix": "/direct", "args": args | {"ingress": "replica"}}
-        return serve_config(self.http_port, [app | {"name": self.names[0]}, app | direct])
+        return serve_config(self.http_port, self.names, 4 * 2**20)
 
     def checks(self) -> list:
         return [lambda: http_ok(f"{self.base}/health"), lambda: http_ok(f"{self.base}/direct/health")]
@@ -136,7 +142,7 @@ def main() -> None:
             up(started, cluster)
             up(started, apps, timeout=600)
             roles.add_root(cluster.proc.pid, name)
-            ports = CLUSTERS[name][2]
+            ports = cluster.ports
             if name == "main":
                 urls["proxy"] = f"{apps.base}/v1/completions"
                 urls["port"] = f"{find_ingress('router', ports)}/v1/completions"

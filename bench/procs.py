@@ -59,7 +59,7 @@ class Proc:
         env = {**os.environ, **(env or {})}
         self.popen = subprocess.Popen(self.argv, cwd=str(cwd), env=env, start_new_session=True, **io)
         self.pid = self.pgid = self.popen.pid
-        self._known: set[int] = set()
+        self._known: dict[int, psutil.Process] = {}
 
     def alive(self) -> bool:
         return self.popen.poll() is None
@@ -72,7 +72,7 @@ class Proc:
         return "\n".join(lines[-n:])
 
     def tree(self) -> list[psutil.Process]:
-        """The process, its descendants, and whatever is still in its process group."""
+        """The process, its descendants, and whatever is still in its process group (each remembered for stop)."""
         procs: dict[int, psutil.Process] = {}
         try:
             root = psutil.Process(self.pid)
@@ -92,31 +92,27 @@ class Proc:
 
     def stop(self, timeout: float = 30.0) -> list[int]:
         """SIGTERM the group and every known descendant, then SIGKILL; returns pids still alive (should be [])."""
-        procs = {p.pid: p for p in self.tree()}
-        for pid in list(self._known):
-            if pid not in procs:
-                try:
-                    procs[pid] = psutil.Process(pid)
-                except psutil.Error:
-                    pass
-        _signal_all(self.pgid, procs.values(), signal.SIGTERM)
-        _, alive = psutil.wait_procs(list(procs.values()), timeout=timeout)
-        if alive or self.alive():
-            _signal_all(self.pgid, alive, signal.SIGKILL)
-            psutil.wait_procs(alive, timeout=10)
+        self.tree()
+        procs = list(self._known.values())
+        _signal_all(self.pgid, procs, signal.SIGTERM)
+        _, left = psutil.wait_procs(procs, timeout=timeout)
+        if left or self.alive():
+            _signal_all(self.pgid, left, signal.SIGKILL)
+            psutil.wait_procs(left, timeout=10)
         try:
             self.popen.wait(timeout=10)
         except subprocess.TimeoutExpired:
             pass
         self._log.close()
-        survivors = []
-        for p in procs.values():
-            try:
-                if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
-                    survivors.append(p.pid)
-            except psutil.Error:
-                pass
-        return survivors
+        return [p.pid for p in procs if p.is_running() and alive(p.pid)]
+
+
+def alive(pid: int) -> bool:
+    """Whether the process runs (a zombie does not)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 def _signal_all(pgid: int, procs, sig) -> None:

@@ -25,7 +25,7 @@ from bench import measure
 from bench.arms import rotated
 from bench.cli import batch, machine
 from bench.procs import RESULTS, command_line, write_results
-from bench.servers import CLUSTERS, ENGINE_ENV, Endpoint, RayCluster, ServeApps, VLLMServer, build_model, down, up
+from bench.servers import ENGINE_ENV, Endpoint, RayCluster, ServeApps, VLLMServer, build_model, down, up
 from deployments.config import CPU_ENGINE_DEFAULTS
 
 MODEL = "tiny-llama"
@@ -144,8 +144,9 @@ def arms_for(paths: dict[str, Endpoint], ours: set[str]) -> list[tuple[str, Endp
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--concurrency", default="8,32")
-    ap.add_argument("--requests", default="48,96", help="requests per arm per round, one per concurrency")
+    ints = lambda s: [int(x) for x in s.split(",")]
+    ap.add_argument("--concurrency", type=ints, default="8,32")
+    ap.add_argument("--requests", type=ints, default="48,96", help="requests per arm per round, one per concurrency")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--idle-s", type=float, default=20.0, help="the idle window each role's idle rate comes from")
     ap.add_argument("--switches", default="haproxy,tput", help="switch clusters of the second phase ('' for none)")
@@ -153,8 +154,6 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=128, help="random prompts' tokens (vLLM's random dataset)")
     ap.add_argument("--output-len", type=int, default=32, help="tokens per completion (ignore_eos)")
     args = ap.parse_args()
-    args.concurrency = [int(c) for c in args.concurrency.split(",")]
-    args.requests = [int(r) for r in args.requests.split(",")]
     switches = [s for s in args.switches.split(",") if s]
     t_start = time.time()
     path = build_model(MODEL)
@@ -169,14 +168,14 @@ def main() -> None:
         up(started, apps)
         roles.add_root(vllm.proc.pid, "vllm")
         roles.add_root(main_cluster.proc.pid, "main")
-        eps, ports = apps.endpoints(), CLUSTERS["main"][2]
+        eps = apps.endpoints()
         main_paths = {
             "vllm": vllm.endpoint(),
             "rsllm": eps["rsllm"],
             "proxy": eps["ours"],
-            "port": apps.port_endpoint("router", ports),
+            "port": apps.port_endpoint("router"),
             "replica_proxy": eps["direct"],
-            "replica_port": apps.port_endpoint("replica", ports, "/direct"),
+            "replica_port": apps.port_endpoint("replica", "/direct"),
         }
         results["body_checks"] = {p: body_checks(ep, vocab) for p, ep in main_paths.items()}
         ours = {p for p in PATHS if p not in ("vllm", "rsllm")}
@@ -184,17 +183,16 @@ def main() -> None:
         if switches:
             second: dict[str, Endpoint] = {"vllm": main_paths["vllm"], "proxy": main_paths["proxy"]}
             for sw in switches:
-                cl = RayCluster(sw, second=True)
-                names = {"app_name": CLUSTERS[sw][1], "direct_name": "hs-haproxy-direct", "direct_replicas": 2}
-                a = ServeApps(cl, path, MODEL, ENGINE, True, False, f"cpu-{sw}", direct=sw == "haproxy", **names)
+                cl, haproxy = RayCluster(sw, second=True), sw == "haproxy"
+                a = ServeApps(cl, path, MODEL, ENGINE, True, False, f"cpu-{sw}", direct=haproxy, direct_replicas=2)
                 up(started, cl)
                 up(started, a)
                 roles.add_root(cl.proc.pid, sw)
-                if sw == "haproxy":  # HAProxy -> the Router, and -> 2 ingress replicas
+                if haproxy:  # HAProxy -> the Router, and -> 2 ingress replicas
                     second["haproxy"], second["haproxy_replica"] = a.endpoints()["ours"], a.endpoints()["direct"]
                 else:
                     second["tput_proxy"] = a.endpoints()["ours"]
-                    second["tput_port"] = a.port_endpoint("router", CLUSTERS[sw][2])
+                    second["tput_port"] = a.port_endpoint("router")
             for p in [p for p in second if p not in main_paths]:
                 results["body_checks"][p] = body_checks(second[p], vocab)
             results["phases"]["switches"] = run_phase(arms_for(second, ours), args, roles, path, "switches")

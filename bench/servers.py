@@ -37,12 +37,13 @@ RAY_TMP = Path("/tmp/hsbench_ray")
 # {CPU: 1} bundle). Without it vLLM's own server runs 2 unbound OpenMP threads on 2 busy cores and
 # is several times slower (seen): that would measure thread oversubscription, not the Serve layer.
 ENGINE_ENV = {"VLLM_USE_V2_MODEL_RUNNER": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
-# cluster name -> (its Serve switches, our app's name there, its replicas' direct-ingress HTTP ports)
+# cluster name -> (its Serve switches, our apps' names there (the app, its `ingress: replica` copy), the
+# direct-ingress HTTP ports its replicas take)
 CLUSTERS = {
-    "main": (SERVE_SWITCHES, "hidden-states", (30000, 30100)),  # `make serve`'s switches
-    "haproxy": ({"RAY_SERVE_ENABLE_HA_PROXY": "1"}, "hs-haproxy", (32000, 32100)),
-    "tput": ({"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}, "hs-tput", (34000, 34100)),
-    "sim": (SERVE_SWITCHES, "hidden-states", (33000, 33300)),  # bench.simulate's and bench.failures'
+    "main": (SERVE_SWITCHES, ("hidden-states", "hs-direct"), (30000, 30100)),  # `make serve`'s switches
+    "haproxy": ({"RAY_SERVE_ENABLE_HA_PROXY": "1"}, ("hs-haproxy", "hs-haproxy-direct"), (32000, 32100)),
+    "tput": ({"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}, ("hs-tput", "hs-tput-direct"), (34000, 34100)),
+    "sim": (SERVE_SWITCHES, ("hidden-states", "hs-direct"), (33000, 33300)),  # bench.simulate's, bench.failures'
 }
 
 
@@ -129,9 +130,10 @@ def down(started: list[Server]) -> dict[str, list[int]]:
 
 
 class RayCluster(Server):
-    """A Ray cluster of its own: `name`'s Serve switches and ports (CLUSTERS), then `extra_env`."""
+    """A Ray cluster of its own: `name`'s Serve switches, apps' names and ports (CLUSTERS), then `extra_env`."""
 
     def __init__(self, name: str, extra_env: dict[str, str] | None = None, second: bool = False, num_cpus: int = 8):
+        _, self.apps, self.ports = CLUSTERS[name]
         self.num_cpus = num_cpus
         self.extra_env = {**cluster_env(name), **(extra_env or {})}  # every Ray process of this cluster gets them
         self.second = second  # a second cluster at once (bench.serve_cpu's switch clusters): its own temp dir and log
@@ -225,14 +227,11 @@ class ServeApps(ServeRun):
         rsllm: bool,
         tag: str,
         direct: bool = False,
-        app_name: str = "hidden-states",
-        direct_name: str = "hs-direct",
         direct_replicas: int = 1,
     ):
-        """`app_name`, `direct_name`: our app's and its `ingress: replica` copy's names (a cluster's processes'
-        titles carry them); `direct_replicas`: that copy's replica count."""
+        """`direct`: with a copy of our app that has `ingress: replica`, of `direct_replicas` replicas."""
         super().__init__(cluster, tag)
-        self.app_name, self.direct_name, self.direct_replicas = app_name, direct_name, direct_replicas
+        (self.app_name, self.direct_name), self.direct_replicas = cluster.apps, direct_replicas
         self.model_path, self.model_name, self.engine = model_path, model_name, engine
         self.with_ours, self.with_rsllm = ours, rsllm
         self.with_direct = ours and direct  # a second copy of our app with `ingress: replica`
@@ -242,11 +241,8 @@ class ServeApps(ServeRun):
         apps = []
         if self.with_ours:
             app = dict(product["applications"][0])
-            args = dict(app["args"])
-            args["model"] = self.model_path
-            args["served_model_name"] = self.model_name
-            args["engine"] = dict(self.engine)
-            args["enable_return_hidden_states"] = True
+            args = {**app["args"], "model": self.model_path, "served_model_name": self.model_name}
+            args |= {"engine": dict(self.engine), "enable_return_hidden_states": True}
             app.update(name=self.app_name, route_prefix="/", args=args)
             apps.append(app)
             if self.with_direct:
@@ -294,9 +290,9 @@ class ServeApps(ServeRun):
             out["direct"] = Endpoint("direct", "our app, ingress: replica", url, self.model_name, stats)
         return out
 
-    def port_endpoint(self, kind: str, ports: tuple[int, int], prefix: str = "") -> Endpoint:
+    def port_endpoint(self, kind: str, prefix: str = "") -> Endpoint:
         """Our Router's (or, `kind` "replica", an `ingress: replica` replica's) own HTTP port, as an endpoint."""
-        base = find_ingress(kind, ports, prefix)
+        base = find_ingress(kind, self.cluster.ports, prefix)
         url, stats = f"{base}/v1/completions", f"{base}/debug/stats"
         return Endpoint(f"{kind}_port", f"the {kind}'s own port", url, self.model_name, stats)
 
@@ -337,17 +333,14 @@ def find_ingress(kind: str, ports: tuple[int, int], prefix: str = "", timeout: f
     raise StartError(f"no {kind} ingress answered on ports {ports[0]}..{ports[1]} in {timeout:.0f}s")
 
 
-def find_ray_worker(cluster: RayCluster, needle: str) -> list[int]:
-    """Pids of Ray workers under our cluster whose title contains `needle`
+def find_ray_worker(proc: Proc, needle: str) -> list[int]:
+    """Pids of the processes under `proc` (a Ray node's `ray start`) whose title contains `needle`
     (e.g. 'ServeReplica:hidden-states:Router')."""
     pids = []
-    if cluster.proc is None:
-        return pids
-    for p in cluster.proc.tree():
+    for p in proc.tree():
         try:
-            for c in [p, *p.children(recursive=True)]:
-                if needle in " ".join(c.cmdline()) and c.pid not in pids:
-                    pids.append(c.pid)
+            if needle in " ".join(p.cmdline()):
+                pids.append(p.pid)
         except psutil.Error:
             pass
     return pids

@@ -30,7 +30,7 @@ from types import SimpleNamespace
 import psutil
 
 from bench.measure import CpuAccount
-from bench.procs import LOGS, PYTHON, ROOT, Proc, command_line, free_port, wait_until
+from bench.procs import LOGS, PYTHON, ROOT, Proc, alive, command_line, free_port, wait_until
 from bench.servers import RayCluster, cluster_env, serve_config, smoke
 
 APP = "hidden-states"
@@ -49,15 +49,15 @@ def fake_app(args: dict):
     return build(args, engine_cls=FakeEngine)
 
 
-def app_args(engine: dict, autoscaling: dict, **extra) -> dict:
-    """AppArgs for the simulation: FakeEngine delays as `engine` args, the replicas' autoscaling, one Router."""
+def app_args(engine: dict, replicas: int, **extra) -> dict:
+    """AppArgs for the simulation: FakeEngine delays as `engine` args, `replicas` replicas, one Router."""
     return {
         "model": "builtin:tiny-llama",
         "served_model_name": MODEL,  # the FakeEngine loads nothing
         "engine": {k: engine[k] for k in ("token_delay_s", "first_token_delay_s")},
         "request_timeout_s": 60,
         "replica_max_ongoing_requests": 256,
-        "replica_autoscaling": autoscaling,
+        "replica_autoscaling": {"min_replicas": replicas, "max_replicas": replicas, "initial_replicas": replicas},
         "router_autoscaling": {"min_replicas": 1, "max_replicas": 1},
         **extra,
     }
@@ -212,13 +212,6 @@ class Driver(Proc):
         except (OSError, subprocess.TimeoutExpired):
             pass
         return super().stop(timeout=15)
-
-
-def alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
 
 
 def measure_engine(model: str, prompt_tokens: int, max_tokens: int, requests: int, seed: int = 7) -> dict:
@@ -452,7 +445,7 @@ class Sim:
             return "skipped"
         row: dict = {"available_gib_before": avail / GIB}
         log(f"N={n}: deploying")
-        row["start_s"], d = self.deploy(app_args(delays, dict(min_replicas=n, max_replicas=n, initial_replicas=n)), n)
+        row["start_s"], d = self.deploy(app_args(delays, n), n)
         log(f"N={n}: {n} replicas running after {row['start_s']:.1f} s")
         pss = row["replica_pss_mib"] = self.pss_mib(d)
         if self.replica_bytes is None and pss:
