@@ -41,7 +41,7 @@ ENGINE = {
     "max_model_len": 1024,
     "max_num_batched_tokens": 512,
 }
-EAGER = {**ENGINE, "enforce_eager": True}
+EAGER, COMPILED = {**ENGINE, "enforce_eager": True}, {**ENGINE, "enforce_eager": False}
 WORDS = "river stone light market engine garden signal paper winter music replica router vector".split()
 SETTLE_S = 1.5  # the engine that ran last stops busy-waiting (vLLM's SpinCondition) before the next arm
 
@@ -115,6 +115,7 @@ def _rows(layers, dtype="float32") -> dict:
 
 
 def _plain(m: Model) -> dict:
+    """The server without the feature (hidden states off), on the engine arguments the other resolves to."""
     from hidden_states.vllm.engine_args import with_defaults
 
     return {**with_defaults(EAGER, True, True), "enable_return_hidden_states": False}
@@ -158,13 +159,8 @@ BENCHES: dict[str, Bench] = {
         "compiled against eager on the CPU; the static layer set (4 layers, a head) nobody asks; the features",
         {
             "eager": lambda m: EAGER,
-            "compiled": lambda m: {**ENGINE, "enforce_eager": False},
-            "traced": lambda m: {
-                **ENGINE,
-                "enforce_eager": False,
-                "capture_layers": m.spread(4),
-                "heads": [m.probe(m.spread(4)[-1])],
-            },
+            "compiled": lambda m: COMPILED,
+            "traced": lambda m: {**COMPILED, "capture_layers": m.spread(4), "heads": [m.probe(m.spread(4)[-1])]},
         },
         (
             Arm("eager", "eager"),
@@ -179,7 +175,7 @@ BENCHES: dict[str, Bench] = {
     ),
     "rows": Bench(
         "rows at every completion position at 2 static layers in half of each batch, on the compiled engine",
-        {"main": lambda m: {**ENGINE, "enforce_eager": False, "capture_layers": m.spread(4)[-2:]}},
+        {"main": lambda m: {**COMPILED, "capture_layers": m.spread(4)[-2:]}},
         (Arm("off"), Arm("rows", fields=lambda m: _rows(m.spread(4)[-2:]), half=True), Arm("off2")),
         rounds=8,
     ),
@@ -198,10 +194,7 @@ BENCHES: dict[str, Bench] = {
     ),
     "steering": Bench(
         "half the batch steers at 4 layers; `plain` is the server without the feature (hidden states off)",
-        {
-            "plain": _plain,  # the server without the feature, on the arguments the other resolves to
-            "main": lambda m: EAGER,
-        },
+        {"plain": _plain, "main": lambda m: EAGER},
         (
             Arm("off"),
             Arm("plain", "plain"),

@@ -180,7 +180,7 @@ def start(model: str, parts: list[str]):
     """The servers these parts use, started: (endpoints by arm engine, model folder, what to stop, CPU account)."""
     serve, path, stop, cpu = "serve" in parts, build_model(model), [], CpuAccount()
     cluster = RayCluster("main")
-    apps = ServeApps(cluster, path, model, ENGINE, ours=True, rsllm=serve, tag=model, direct=serve)
+    apps = ServeApps(cluster, path, model, ENGINE, model, rsllm=serve, direct=serve)
     vllm = VLLMServer(path, model, ENGINE, tag=model) if serve else None
     try:
         up(stop, cluster)
@@ -215,7 +215,7 @@ def main(argv=None) -> int:
     args = parse(argv)
     command = command_line("bench", argv)
     if args.dry_run:
-        ep = Endpoint("ours", "our app", "http://127.0.0.1:8000/v1/completions", "MODEL")
+        ep = Endpoint("ours", "http://127.0.0.1:8000/v1/completions", "MODEL")
         for part in args.parts:
             bench = PARTS[part]
             print(f"{part}: {bench.doc}; arms {', '.join(a.name for a in bench.arms)}; {args.rounds} rounds")

@@ -36,6 +36,13 @@ PROMPTS = [
     "Probes trained on activations",
 ]
 POSITIONS = ["completion_end", "prompt_end", "completion", "all", {"start": 2, "end": -1}, {"start": -3, "stride": 2}]
+REFUSED = [  # each a 400 naming the field
+    {"return_hidden_states": True, "hidden_states_layers": [99]},
+    {"return_hidden_states": True, "hidden_states_foo": 1},
+    {"return_hidden_states": True, "hidden_states_topk": 0},
+    {"return_hidden_states": True, "hidden_states_dtype": "int8"},
+    {"hidden_states_heads": ["nope"]},
+]
 ENGINE_ARGS = dict(
     dtype="float32",
     enforce_eager=True,
@@ -113,17 +120,7 @@ def corpus(count: int, seed: int = 0) -> list[dict]:
         elif kind < 0.77:  # proofs
             body["hidden_states_proof"] = {"scheme": "toploc"}
         elif kind < 0.85:  # refused: each a 400 naming the field
-            body.update(
-                rng.choice(
-                    [
-                        {"return_hidden_states": True, "hidden_states_layers": [99]},
-                        {"return_hidden_states": True, "hidden_states_foo": 1},
-                        {"return_hidden_states": True, "hidden_states_topk": 0},
-                        {"return_hidden_states": True, "hidden_states_dtype": "int8"},
-                        {"hidden_states_heads": ["nope"]},
-                    ]
-                )
-            )
+            body.update(rng.choice(REFUSED))
         out.append({"route": route, "stream": stream, "body": {**body, "stream": True} if stream else body})
     return out
 

@@ -14,6 +14,7 @@ import argparse
 import concurrent.futures
 import json
 import time
+from functools import partial
 
 import httpx
 
@@ -53,7 +54,7 @@ class FakeApps(ServeRun):
         return serve_config(self.http_port, self.names, 4 * 2**20)
 
     def checks(self) -> list:
-        return [lambda: http_ok(f"{self.base}/health"), lambda: http_ok(f"{self.base}/direct/health")]
+        return [partial(http_ok, f"{self.base}/health"), partial(http_ok, f"{self.base}/direct/health")]
 
 
 def body(tokens: int, stream: bool) -> bytes:

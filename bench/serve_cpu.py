@@ -163,7 +163,7 @@ def main() -> None:
     results |= {"machine": machine(), "phases": {}}
     try:
         vllm, main_cluster = VLLMServer(path, MODEL, ENGINE, "cpu"), RayCluster("main")
-        apps = ServeApps(main_cluster, path, MODEL, ENGINE, ours=True, rsllm=True, direct=True, tag="cpu-main")
+        apps = ServeApps(main_cluster, path, MODEL, ENGINE, "cpu-main", rsllm=True, direct=True)
         up(started, vllm, main_cluster)
         up(started, apps)
         roles.add_root(vllm.proc.pid, "vllm")
@@ -184,7 +184,7 @@ def main() -> None:
             second: dict[str, Endpoint] = {"vllm": main_paths["vllm"], "proxy": main_paths["proxy"]}
             for sw in switches:
                 cl, haproxy = RayCluster(sw, second=True), sw == "haproxy"
-                a = ServeApps(cl, path, MODEL, ENGINE, True, False, f"cpu-{sw}", direct=haproxy, direct_replicas=2)
+                a = ServeApps(cl, path, MODEL, ENGINE, f"cpu-{sw}", direct=haproxy, direct_replicas=2)
                 up(started, cl)
                 up(started, a)
                 roles.add_root(cl.proc.pid, sw)

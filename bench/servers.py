@@ -19,6 +19,7 @@ import secrets
 import subprocess
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -99,7 +100,6 @@ class Endpoint:
     """One server under test, as the load generator sees it."""
 
     key: str  # "ours", "vllm", "rsllm"
-    label: str
     url: str  # .../v1/completions
     model: str  # the name clients send
     stats_url: str | None = None  # our /debug/stats
@@ -213,7 +213,8 @@ class ServeRun(Server):
 
 
 class ServeApps(ServeRun):
-    """Our app and/or Ray Serve LLM on one Ray cluster."""
+    """Our app on one Ray cluster; with `direct` a copy of it with `ingress: replica` (`direct_replicas` replicas),
+    with `rsllm` Ray Serve LLM."""
 
     env = ENGINE_ENV
 
@@ -223,33 +224,27 @@ class ServeApps(ServeRun):
         model_path: str,
         model_name: str,
         engine: dict[str, Any],
-        ours: bool,
-        rsllm: bool,
         tag: str,
+        rsllm: bool = False,
         direct: bool = False,
         direct_replicas: int = 1,
     ):
-        """`direct`: with a copy of our app that has `ingress: replica`, of `direct_replicas` replicas."""
         super().__init__(cluster, tag)
         (self.app_name, self.direct_name), self.direct_replicas = cluster.apps, direct_replicas
         self.model_path, self.model_name, self.engine = model_path, model_name, engine
-        self.with_ours, self.with_rsllm = ours, rsllm
-        self.with_direct = ours and direct  # a second copy of our app with `ingress: replica`
+        self.with_rsllm, self.with_direct = rsllm, direct
 
     def config(self) -> dict:
         product = yaml.safe_load((ROOT / "config.yaml").read_text())
-        apps = []
-        if self.with_ours:
-            app = dict(product["applications"][0])
-            args = {**app["args"], "model": self.model_path, "served_model_name": self.model_name}
-            args |= {"engine": dict(self.engine), "enable_return_hidden_states": True}
-            app.update(name=self.app_name, route_prefix="/", args=args)
-            apps.append(app)
-            if self.with_direct:
-                direct = dict(args, ingress="replica")
-                if (n := self.direct_replicas) != 1:
-                    direct["replica_autoscaling"] = {"min_replicas": n, "max_replicas": n}
-                apps.append(dict(app, name=self.direct_name, route_prefix="/direct", args=direct))
+        app = dict(product["applications"][0])
+        args = {**app["args"], "model": self.model_path, "served_model_name": self.model_name}
+        args |= {"engine": dict(self.engine), "enable_return_hidden_states": True}
+        apps = [dict(app, name=self.app_name, route_prefix="/", args=args)]
+        if self.with_direct:
+            direct = dict(args, ingress="replica")
+            if (n := self.direct_replicas) != 1:
+                direct["replica_autoscaling"] = {"min_replicas": n, "max_replicas": n}
+            apps.append(dict(app, name=self.direct_name, route_prefix="/direct", args=direct))
         if self.with_rsllm:
             env = dict(ENGINE_ENV)
             llm = {
@@ -265,36 +260,28 @@ class ServeApps(ServeRun):
             )
         return serve_config(self.http_port, apps)
 
+    def prefixes(self) -> dict[str, str]:
+        """Each app's route prefix, by its endpoint's key."""
+        on = {"ours": True, "rsllm": self.with_rsllm, "direct": self.with_direct}
+        return {k: "" if k == "ours" else f"/{k}" for k, x in on.items() if x}
+
     def checks(self) -> list:
-        checks = []
-        if self.with_ours:
-            checks.append(
-                lambda: http_ok(f"{self.base}/health") and smoke(f"{self.base}/v1/completions", self.model_name)
-            )
-        if self.with_rsllm:
-            checks.append(lambda: smoke(f"{self.base}/rsllm/v1/completions", self.model_name))
-        if self.with_direct:
-            checks.append(lambda: smoke(f"{self.base}/direct/v1/completions", self.model_name))
-        return checks
+        urls = [f"{self.base}{p}/v1/completions" for p in self.prefixes().values()]
+        return [partial(http_ok, f"{self.base}/health"), *(partial(smoke, url, self.model_name) for url in urls)]
 
     def endpoints(self) -> dict[str, Endpoint]:
-        out, v1 = {}, "v1/completions"
-        if self.with_ours:
-            stats = f"{self.base}/debug/stats"
-            out["ours"] = Endpoint("ours", "our app (Ray Serve)", f"{self.base}/{v1}", self.model_name, stats)
-        if self.with_rsllm:
-            out["rsllm"] = Endpoint("rsllm", "Ray Serve LLM", f"{self.base}/rsllm/{v1}", self.model_name)
-        if self.with_direct:
-            stats = f"{self.base}/direct/debug/stats"
-            url = f"{self.base}/direct/{v1}"
-            out["direct"] = Endpoint("direct", "our app, ingress: replica", url, self.model_name, stats)
+        """Each app through Serve's proxy; ours (not Ray Serve LLM) with our replica's counters."""
+        out = {}
+        for k, p in self.prefixes().items():
+            stats = None if k == "rsllm" else f"{self.base}{p}/debug/stats"
+            out[k] = Endpoint(k, f"{self.base}{p}/v1/completions", self.model_name, stats)
         return out
 
     def port_endpoint(self, kind: str, prefix: str = "") -> Endpoint:
         """Our Router's (or, `kind` "replica", an `ingress: replica` replica's) own HTTP port, as an endpoint."""
         base = find_ingress(kind, self.cluster.ports, prefix)
         url, stats = f"{base}/v1/completions", f"{base}/debug/stats"
-        return Endpoint(f"{kind}_port", f"the {kind}'s own port", url, self.model_name, stats)
+        return Endpoint(f"{kind}_port", url, self.model_name, stats)
 
 
 class VLLMServer(Server):
@@ -313,7 +300,7 @@ class VLLMServer(Server):
         return wait_until(ready, timeout, "vLLM's OpenAI server", [self.proc], poll=2)
 
     def endpoint(self) -> Endpoint:
-        return Endpoint("vllm", "vLLM's own server", f"{self.base}/v1/completions", self.model_name)
+        return Endpoint("vllm", f"{self.base}/v1/completions", self.model_name)
 
 
 def find_ingress(kind: str, ports: tuple[int, int], prefix: str = "", timeout: float = 90) -> str:
