@@ -12,7 +12,6 @@ how they ended, those sent after it, from when on every one succeeded; when Serv
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -26,7 +25,7 @@ from dataclasses import dataclass
 
 from bench.procs import BIN, Proc, alive, free_port, wait_until, write_results
 from bench.servers import find_ray_worker
-from bench.simulate import APP, MODEL, Poller, Sim, add_cluster_flags, app_args, deploy_config, log, run_main
+from bench.simulate import APP, MODEL, Poller, Sim, app_args, deploy_config, log, parser, run_main
 
 HEAD_REPLICAS = NODE_REPLICAS = 4
 CLIENT_TIMEOUT_S, SERVER_TIMEOUT_S = 30.0, 20.0
@@ -327,12 +326,11 @@ def kill_row(what: str, sc: dict) -> dict:
 
 
 def parse(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m bench.failures", description=__doc__.split("\n\n")[0])
+    ap = parser("bench.failures", __doc__)
     add = ap.add_argument
     add("--rate", type=float, default=20.0, help="offered load, requests/s (open loop)")
     add("--kill-after", type=float, default=15.0, help="seconds of load before each kill")
     add("--after-kill", type=float, default=45.0, help="seconds of load after each kill")
-    add_cluster_flags(add)
     return ap.parse_args(argv)
 
 

@@ -3,8 +3,8 @@
     .venv/bin/python -m bench.payloads        # writes bench/results/payloads.{json,md}
 
 A 4,096-wide model's `completion` rows (float16, base64) over --tokens tokens from FakeEngine replicas behind the
-real Router, replicas, Serve's proxy and HAProxy, on bench.serve_cpu's `main` and `haproxy` clusters; the paths
-PATH_ROLES names. Per path and size, whole and streamed: MB/s of responses and each role's CPU per MB
+real Router, replicas, Serve's proxy and HAProxy, on the `main` and `haproxy` clusters; the paths of bench.serve_cpu's
+PATHS. Per path and size, whole and streamed: MB/s of responses and each role's CPU per MB
 (bench.measure.CpuAccount, idle subtracted; the replica's includes the FakeEngine making the rows).
 """
 
@@ -21,17 +21,12 @@ import httpx
 from bench import servers
 from bench.measure import CpuAccount
 from bench.procs import RESULTS, command_line, write_results
+from bench.serve_cpu import PATHS
 from bench.servers import RayCluster, ServeRun, down, find_ingress, http_ok, up
 
 MODEL = "fake"
 HIDDEN = 4096
-PATH_ROLES = {  # the processes a request passes through (bench.measure.CpuAccount's roles)
-    "proxy": ["main: proxy", "pl: router", "pl: replica"],
-    "port": ["pl: router", "pl: replica"],
-    "replica_port": ["pl-direct: replica"],
-    "haproxy": ["haproxy: haproxy", "haproxy: proxy", "pl-ha: router", "pl-ha: replica"],
-    "haproxy_replica": ["haproxy: haproxy", "haproxy: proxy", "pl-ha-direct: replica"],
-}
+PATH_ROLES = {p: PATHS[p] for p in ("proxy", "port", "replica_port", "haproxy", "haproxy_replica")}
 
 
 def serve_config(http_port: int, names: tuple[str, str], max_body: int) -> dict:
@@ -44,14 +39,10 @@ def serve_config(http_port: int, names: tuple[str, str], max_body: int) -> dict:
 
 
 class FakeApps(ServeRun):
-    """`serve run CONFIG` of serve_config() on one cluster."""
-
-    def __init__(self, cluster: RayCluster, names: tuple[str, str], tag: str):
-        super().__init__(cluster, tag)
-        self.names = names
+    """`serve run CONFIG` of serve_config() on one cluster, its apps named as the cluster names ours."""
 
     def config(self) -> dict:
-        return serve_config(self.http_port, self.names, 4 * 2**20)
+        return serve_config(self.http_port, self.cluster.apps, 4 * 2**20)
 
     def checks(self) -> list:
         return [partial(http_ok, f"{self.base}/health"), partial(http_ok, f"{self.base}/direct/health")]
@@ -137,17 +128,16 @@ def main() -> None:
     }
     try:
         urls = {}
-        for name, names in (("main", ("pl", "pl-direct")), ("haproxy", ("pl-ha", "pl-ha-direct"))):
+        for name in ("main", "haproxy"):
             cluster = RayCluster(name, second=name != "main")
-            apps = FakeApps(cluster, names, f"payloads-{name}")
+            apps = FakeApps(cluster, f"payloads-{name}")
             up(started, cluster)
             up(started, apps, timeout=600)
             roles.add_root(cluster.proc.pid, name)
-            ports = cluster.ports
             if name == "main":
                 urls["proxy"] = f"{apps.base}/v1/completions"
-                urls["port"] = f"{find_ingress('router', ports)}/v1/completions"
-                urls["replica_port"] = f"{find_ingress('replica', ports, '/direct')}/v1/completions"
+                urls["port"] = f"{find_ingress('router', cluster.ports)}/v1/completions"
+                urls["replica_port"] = f"{find_ingress('replica', cluster.ports, '/direct')}/v1/completions"
             else:
                 urls["haproxy"] = f"{apps.base}/v1/completions"
                 urls["haproxy_replica"] = f"{apps.base}/direct/v1/completions"

@@ -21,23 +21,16 @@ from pathlib import Path
 
 import httpx
 
-from bench import measure
+from bench import cli, measure
 from bench.arms import rotated
 from bench.cli import batch, machine
 from bench.procs import RESULTS, command_line, write_results
 from bench.servers import ENGINE_ENV, Endpoint, RayCluster, ServeApps, VLLMServer, build_model, down, up
-from deployments.config import CPU_ENGINE_DEFAULTS
 
 MODEL = "tiny-llama"
-# config.yaml's engine, with the two defaults HiddenStatesEngine.start() adds made explicit for the other servers,
-# and a 256 MiB KV cache (a quarter million tokens of the tiny model): up to eight engines share the machine.
-ENGINE = {
-    **CPU_ENGINE_DEFAULTS,
-    "kv_cache_memory_bytes": 2**28,
-    "enable_prefix_caching": True,
-    "block_size": 32,
-    "scheduling_policy": "priority",
-}
+# the full run's engine (bench.cli.ENGINE) with a 256 MiB KV cache (a quarter million tokens of the tiny model): up
+# to eight engines share the machine.
+ENGINE = {**cli.ENGINE, "kv_cache_memory_bytes": 2**28}
 VARIANTS = {
     "off": {},
     "final": {"return_hidden_states": True},

@@ -1,16 +1,6 @@
-"""The servers under test, each started by the benchmark and stopped by it.
-
-- `RayCluster`: `ray start --head --block --num-cpus 8` (more logical CPUs than
-  the 2 cores, so Ray Serve LLM's ingress can be scheduled), its own ports,
-  temp dir and auth token, so it is not confused with another cluster here;
-  its Serve switches and ports by name (`CLUSTERS`).
-- `ServeApps`: `serve run CONFIG` (`ServeRun`) against that cluster: our app
-  (`deployments.app:build_app`, args from config.yaml with the benchmark's
-  engine args) and/or Ray Serve LLM (`ray.serve.llm:build_openai_app`).
-- `VLLMServer`: vLLM's own OpenAI server, `python -m vllm.entrypoints.openai.api_server`.
-
-All three run the same model with the same engine arguments and the same
-engine environment (`ENGINE_ENV`).
+"""The servers under test, each started by the benchmark (`up`) and stopped by it (`down`): a Ray cluster of its
+own (`RayCluster`), `serve run` of our app and Ray Serve LLM on it (`ServeApps`), vLLM's own OpenAI server
+(`VLLMServer`). All run the same model with the same engine arguments and environment (`ENGINE_ENV`).
 """
 
 from __future__ import annotations
@@ -130,7 +120,9 @@ def down(started: list[Server]) -> dict[str, list[int]]:
 
 
 class RayCluster(Server):
-    """A Ray cluster of its own: `name`'s Serve switches, apps' names and ports (CLUSTERS), then `extra_env`."""
+    """`ray start --head --block` with more logical CPUs than the 2 cores (so Ray Serve LLM's ingress can be
+    scheduled), its own ports, temp dir and auth token: not confused with another cluster here. `name`'s Serve
+    switches, apps' names and ports (CLUSTERS), then `extra_env`."""
 
     def __init__(self, name: str, extra_env: dict[str, str] | None = None, second: bool = False, num_cpus: int = 8):
         _, self.apps, self.ports = CLUSTERS[name]

@@ -529,8 +529,11 @@ class Sim:
         return self.status()
 
 
-def add_cluster_flags(add) -> None:
-    """The flags bench.failures shares: the FakeEngine's requests and delays, the cluster, where results go."""
+def parser(module: str, doc: str) -> argparse.ArgumentParser:
+    """The command line with the flags bench.failures shares: the FakeEngine's requests and delays, the cluster,
+    where results go."""
+    ap = argparse.ArgumentParser(prog=f"python -m {module}", description=doc.split("\n\n")[0])
+    add = ap.add_argument
     add("--max-tokens", type=int, default=64)
     add("--prompt-tokens", type=int, default=256)
     add("--seed", type=int, default=20261203)
@@ -541,17 +544,17 @@ def add_cluster_flags(add) -> None:
     add("--serve-env", action="append", default=[], metavar="KEY=VALUE", help="for the Ray cluster; repeatable")
     add("--out", type=Path, default=Path("bench/.work/simulate"), help="bench/results/simulate holds the records")
     add("--dry-run", action="store_true", help="print the settings and exit; starts nothing")
+    return ap
 
 
 def parse(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m bench.simulate", description=__doc__.split("\n\n")[0])
+    ap = parser("bench.simulate", __doc__)
     add = ap.add_argument
     add("--sizes", default="1,8,32,64,128", type=lambda s: [int(x) for x in s.split(",")])
     add("--rate", type=float, default=20.0, help="offered load per size, requests/s (vllm bench serve's)")
     add("--seconds", type=float, default=60.0, help="load per size")
     add("--idle-seconds", type=float, default=20.0, help="idle window per size, before its load")
     add("--request-timeout", type=float, default=90.0, help="added to each load's own time limit")
-    add_cluster_flags(add)
     add("--driver", action="store_true", help=argparse.SUPPRESS)
     add("--address", help=argparse.SUPPRESS)
     add("--http-port", type=int, help=argparse.SUPPRESS)
