@@ -73,14 +73,11 @@ class Proc:
 
     def tree(self) -> list[psutil.Process]:
         """The process, its descendants, and whatever is still in its process group (each remembered for stop)."""
-        procs: dict[int, psutil.Process] = {}
         try:
             root = psutil.Process(self.pid)
-            procs[root.pid] = root
-            for c in root.children(recursive=True):
-                procs[c.pid] = c
+            procs = {p.pid: p for p in [root, *root.children(recursive=True)]}
         except psutil.Error:
-            pass
+            procs = {}
         for p in psutil.process_iter(["pid"]):
             try:
                 if os.getpgid(p.pid) == self.pgid:
