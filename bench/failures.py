@@ -12,7 +12,6 @@ how they ended, those sent after it, from when on every one succeeded; when Serv
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -23,10 +22,10 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass
-from types import SimpleNamespace
 
-from bench.procs import write_results
-from bench.simulate import APP, MODEL, Poller, Sim, add_cluster_flags, alive, app_args, deploy_config, fake_delays, log
+from bench.procs import BIN, Proc, alive, free_port, wait_until, write_results
+from bench.servers import find_ray_worker
+from bench.simulate import APP, MODEL, Poller, Sim, app_args, deploy_config, log, parser, run_main
 
 HEAD_REPLICAS = NODE_REPLICAS = 4
 CLIENT_TIMEOUT_S, SERVER_TIMEOUT_S = 30.0, 20.0
@@ -184,8 +183,6 @@ class Failures(Sim):
     def start_node(self) -> None:
         """The second node: `ray start --address HEAD --block`, its own ports and worker ports, the head's temp dir
         (so nothing is written to Ray's default one) and token, a custom resource `sim_node`."""
-        from bench.procs import BIN, Proc, free_port, wait_until
-
         before = {n["node_id"] for n in self.driver.call("nodes")}
         flags = (
             "node-manager object-manager dashboard-agent-listen dashboard-agent-grpc metrics-export runtime-env-agent"
@@ -197,12 +194,8 @@ class Failures(Sim):
         argv += ["--disable-usage-stats", *(x for kv in ports.items() for x in kv)]
         env = {**self.cluster.env(), "RAY_OVERRIDE_RESOURCES": ""}  # not the head's sim_head
         self.node = Proc(f"sim-node-{self.cluster.port}", argv, env=env)
-        took = wait_until(
-            lambda: len([n for n in self.driver.call("nodes") if n["alive"]]) == len(before) + 1,
-            180,
-            "the second Ray node",
-            [self.node],
-        )
+        joined = lambda: len([n for n in self.driver.call("nodes") if n["alive"]]) == len(before) + 1
+        took = wait_until(joined, 180, "the second Ray node", [self.node])
         self.node_id = next(n["node_id"] for n in self.driver.call("nodes") if n["node_id"] not in before)
         self.res["node_start_s"] = took
         log(f"second node up after {took:.1f} s")
@@ -213,23 +206,11 @@ class Failures(Sim):
         from deployments.config import AppArgs
 
         n = HEAD_REPLICAS + NODE_REPLICAS
-        args = app_args(
-            delays,
-            {"min_replicas": n, "max_replicas": n, "initial_replicas": n},
-            replica_max_per_node=HEAD_REPLICAS,
-            request_timeout_s=SERVER_TIMEOUT_S,
-        )
+        args = app_args(delays, n, replica_max_per_node=HEAD_REPLICAS, request_timeout_s=SERVER_TIMEOUT_S)
         cfg = deploy_config(args, self.http_port)
-        cfg["applications"][0]["deployments"].append(
-            {
-                "name": "Router",
-                "ray_actor_options": {
-                    "num_cpus": 0,
-                    "runtime_env": {"env_vars": AppArgs.model_validate(args).serve_env},
-                    "resources": {"sim_head": 1},
-                },
-            }
-        )
+        env = {"env_vars": AppArgs.model_validate(args).serve_env}
+        router = {"num_cpus": 0, "runtime_env": env, "resources": {"sim_head": 1}}
+        cfg["applications"][0]["deployments"].append({"name": "Router", "ray_actor_options": router})
         return cfg
 
     def sample(self) -> dict:
@@ -250,20 +231,18 @@ class Failures(Sim):
 
     def target(self, what: str) -> tuple[list[int], dict]:
         """The pids a kill takes (by process title, and the controller's pid beside it) and what was found."""
-        from bench.servers import find_ray_worker
-
         d = self.details()
         if what == "node":
             procs = self.node.tree()  # remembered, for the stop at the end
             replicas = [r["pid"] for r in self.deployment(d)["replicas"] if r.get("node_id") == self.node_id]
-            titled = find_ray_worker(SimpleNamespace(proc=self.node), TITLES["replica"])
+            titled = find_ray_worker(self.node, TITLES["replica"])
             return [self.node.pgid], {
                 "processes": len(procs),
                 "replica_pids_by_title": len(titled),
                 "controller_replicas_on_node": len(replicas),
                 "watched": sorted({*titled, *replicas, *(p.pid for p in procs)}),
             }
-        pids = find_ray_worker(self.cluster, TITLES[what])
+        pids = find_ray_worker(self.cluster.proc, TITLES[what])
         says = d["proxies"] if what == "proxy" else [r["pid"] for r in self.deployment(d, "Router")["replicas"]]
         if len(pids) != 1 or pids != says:
             raise RuntimeError(f"{what}: by title {pids}, the controller says {says}")
@@ -271,8 +250,8 @@ class Failures(Sim):
 
     def scenario(self, k: int, what: str) -> dict:
         a = self.args
-        reqs, state, row = [Req(t) for t in arrivals(a.kill_after + a.after_kill, a.rate, a.seed + 10 + k)], {}, {}
-        state.update(t0=0.0, in_flight=0)
+        reqs = [Req(t) for t in arrivals(a.kill_after + a.after_kill, a.rate, a.seed + 10 + k)]
+        state, row = {"t0": 0.0, "in_flight": 0}, {}
         poller = Poller(self.sample, 1.0, t0 := time.monotonic())
         runner = threading.Thread(target=run_load, args=(self.url, reqs, a.max_tokens, state), daemon=True)
         runner.start()
@@ -304,8 +283,7 @@ class Failures(Sim):
 
     def run(self) -> int:
         a = self.args
-        eng = self.engine()
-        delays = self.res["fake_engine"] = fake_delays(eng["ttft_s"], eng["itl_s"], a.max_tokens)
+        delays = self.delays()
         self.res["settings"] = {**vars(a), "out": str(a.out), "client_timeout_s": CLIENT_TIMEOUT_S}
         self.res["settings"]["server_request_timeout_s"] = SERVER_TIMEOUT_S
         try:
@@ -334,39 +312,30 @@ class Failures(Sim):
             log(f"ERROR: {e}")
         finally:
             self.stop(self.node)
-        rows = []  # the table docs/benchmarks.md gives
-        for what, sc in self.res["scenarios"].items():
-            f, sv, fo, ao = (
-                sc["figures"],
-                sc["serve"],
-                sc["figures"]["in_flight_outcomes"],
-                sc["figures"]["after_outcomes"],
-            )
-            rows.append({"killed": what, "in flight at the kill": f["in_flight_at_kill"], "of those": fo})
-            rows[-1] |= {"sent after": ao, "client timeouts": f["timeouts"], "all ok from s": f["all_ok_from_s"]}
-            rows[-1]["Serve back s"] = sv.get("replicas_dropped_s" if what == "node" else "replaced_s")
+        rows = [kill_row(what, sc) for what, sc in self.res["scenarios"].items()]
         write_results(self.out, "failures", self.res, rows)
-        return 0 if not self.res["errors"] and not self.res["stopped_left_running"] else 1
+        return self.status()
+
+
+def kill_row(what: str, sc: dict) -> dict:
+    """A kill's row of the table docs/benchmarks.md gives."""
+    f, back = sc["figures"], sc["serve"].get("replicas_dropped_s" if what == "node" else "replaced_s")
+    row = {"killed": what, "in flight at the kill": f["in_flight_at_kill"], "of those": f["in_flight_outcomes"]}
+    row |= {"sent after": f["after_outcomes"], "client timeouts": f["timeouts"], "all ok from s": f["all_ok_from_s"]}
+    return row | {"Serve back s": back}
 
 
 def parse(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m bench.failures", description=__doc__.split("\n\n")[0])
+    ap = parser("bench.failures", __doc__)
     add = ap.add_argument
     add("--rate", type=float, default=20.0, help="offered load, requests/s (open loop)")
     add("--kill-after", type=float, default=15.0, help="seconds of load before each kill")
     add("--after-kill", type=float, default=45.0, help="seconds of load after each kill")
-    add_cluster_flags(add)
-    add("--dry-run", action="store_true", help="print the settings and exit; starts nothing")
     return ap.parse_args(argv)
 
 
 def main(argv=None) -> int:
-    args = parse(argv)
-    if args.dry_run:
-        print(json.dumps({**vars(args), "out": str(args.out)}, indent=1))
-        return 0
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a stop by SIGTERM still stops what was started
-    return Failures(args).run()
+    return run_main(Failures, parse(argv))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Figures: percentiles, paired ratio intervals, CPU time by process role."""
+"""Figures: paired ratio intervals, CPU time by process role."""
 
 from __future__ import annotations
 
@@ -9,11 +9,6 @@ from collections import defaultdict
 
 import numpy as np
 import psutil
-
-
-def pct(values, q: float) -> float | None:
-    return float(np.percentile(np.asarray(values, dtype=float), q)) if len(values) else None
-
 
 CI_MIN_ROUNDS = 5  # fewer paired rounds give no interval worth printing
 

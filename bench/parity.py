@@ -22,6 +22,7 @@ import json
 import random
 import re
 import sys
+from collections import Counter
 from typing import Any
 
 PROMPTS = [
@@ -35,6 +36,13 @@ PROMPTS = [
     "Probes trained on activations",
 ]
 POSITIONS = ["completion_end", "prompt_end", "completion", "all", {"start": 2, "end": -1}, {"start": -3, "stride": 2}]
+REFUSED = [  # each a 400 naming the field
+    {"return_hidden_states": True, "hidden_states_layers": [99]},
+    {"return_hidden_states": True, "hidden_states_foo": 1},
+    {"return_hidden_states": True, "hidden_states_topk": 0},
+    {"return_hidden_states": True, "hidden_states_dtype": "int8"},
+    {"hidden_states_heads": ["nope"]},
+]
 ENGINE_ARGS = dict(
     dtype="float32",
     enforce_eager=True,
@@ -49,7 +57,7 @@ def corpus(count: int, seed: int = 0) -> list[dict]:
     """`count` requests: {route, stream, body}, the same for the same seed on every tree."""
     rng = random.Random(seed)
     out = []
-    for i in range(count):
+    for _ in range(count):
         route = rng.choices(["completions", "chat", "hidden_states"], [45, 45, 10])[0]
         prompt = rng.choice(PROMPTS)
         if route == "hidden_states":
@@ -112,19 +120,8 @@ def corpus(count: int, seed: int = 0) -> list[dict]:
         elif kind < 0.77:  # proofs
             body["hidden_states_proof"] = {"scheme": "toploc"}
         elif kind < 0.85:  # refused: each a 400 naming the field
-            body.update(
-                rng.choice(
-                    [
-                        {"return_hidden_states": True, "hidden_states_layers": [99]},
-                        {"return_hidden_states": True, "hidden_states_foo": 1},
-                        {"return_hidden_states": True, "hidden_states_topk": 0},
-                        {"return_hidden_states": True, "hidden_states_dtype": "int8"},
-                        {"hidden_states_heads": ["nope"]},
-                    ]
-                )
-            )
+            body.update(rng.choice(REFUSED))
         out.append({"route": route, "stream": stream, "body": {**body, "stream": True} if stream else body})
-        del i
     return out
 
 
@@ -280,9 +277,7 @@ def compare(a: str, b: str) -> int:
         if x["sha256"] != y["sha256"]
         and (x["status"], canonical(x["response"])) != (y["status"], canonical(y["response"]))
     ]
-    statuses: dict[int, int] = {}
-    for x in left:
-        statuses[x["status"]] = statuses.get(x["status"], 0) + 1
+    statuses = Counter(x["status"] for x in left)
     for x, y in differ[:20]:
         where = f"request {x['k']} ({x['request']['route']}, stream={x['request']['stream']})"
         print(f"{where}: {x['status']} vs {y['status']}")

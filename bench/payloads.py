@@ -3,8 +3,8 @@
     .venv/bin/python -m bench.payloads        # writes bench/results/payloads.{json,md}
 
 A 4,096-wide model's `completion` rows (float16, base64) over --tokens tokens from FakeEngine replicas behind the
-real Router, replicas, Serve's proxy and HAProxy, on bench.serve_cpu's `main` and `haproxy` clusters; the paths
-PATH_ROLES names. Per path and size, whole and streamed: MB/s of responses and each role's CPU per MB
+real Router, replicas, Serve's proxy and HAProxy, on the `main` and `haproxy` clusters; the paths of bench.serve_cpu's
+PATHS. Per path and size, whole and streamed: MB/s of responses and each role's CPU per MB
 (bench.measure.CpuAccount, idle subtracted; the replica's includes the FakeEngine making the rows).
 """
 
@@ -13,72 +13,39 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import json
-import sys
 import time
+from functools import partial
 
 import httpx
-import yaml
 
+from bench import servers
 from bench.measure import CpuAccount
-from bench.procs import BIN, RESULTS, WORK, Proc, StartError, free_port, wait_until, write_results
-from bench.serve_cpu import CLUSTERS, cluster_env
-from bench.servers import RayCluster, find_ingress, http_ok
+from bench.procs import RESULTS, command_line, write_results
+from bench.serve_cpu import PATHS
+from bench.servers import RayCluster, ServeRun, down, find_ingress, http_ok, up
 
 MODEL = "fake"
 HIDDEN = 4096
-PATH_ROLES = {  # the processes a request passes through (bench.measure.CpuAccount's roles)
-    "proxy": ["main: proxy", "pl: router", "pl: replica"],
-    "port": ["pl: router", "pl: replica"],
-    "replica_port": ["pl-direct: replica"],
-    "haproxy": ["haproxy: haproxy", "haproxy: proxy", "pl-ha: router", "pl-ha: replica"],
-    "haproxy_replica": ["haproxy: haproxy", "haproxy: proxy", "pl-ha-direct: replica"],
-}
+PATH_ROLES = {p: PATHS[p] for p in ("proxy", "port", "replica_port", "haproxy", "haproxy_replica")}
 
 
 def serve_config(http_port: int, names: tuple[str, str], max_body: int) -> dict:
     """Two FakeEngine apps (`bench.simulate:fake_app`): one behind the Router, one `ingress: replica`."""
-    args = {
-        "model": "builtin:tiny-llama",
-        "served_model_name": MODEL,
-        "engine": {"hidden_size": HIDDEN},
-        "request_timeout_s": 120,
-        "max_request_body_bytes": max_body,
-    }
+    args = {"model": "builtin:tiny-llama", "served_model_name": MODEL, "engine": {"hidden_size": HIDDEN}}
+    args |= {"request_timeout_s": 120, "max_request_body_bytes": max_body}
     app = {"route_prefix": "/", "import_path": "bench.simulate:fake_app", "args": args}
-    apps = [
-        app | {"name": names[0]},
-        app | {"name": names[1], "route_prefix": "/direct", "args": args | {"ingress": "replica"}},
-    ]
-    http = {"host": "127.0.0.1", "port": http_port}
-    return {"proxy_location": "HeadOnly", "http_options": http, "applications": apps}
+    direct = {"name": names[1], "route_prefix": "/direct", "args": args | {"ingress": "replica"}}
+    return servers.serve_config(http_port, [app | {"name": names[0]}, app | direct])
 
 
-class FakeApps:
-    """`serve run CONFIG` of serve_config() on one cluster."""
+class FakeApps(ServeRun):
+    """`serve run CONFIG` of serve_config() on one cluster, its apps named as the cluster names ours."""
 
-    def __init__(self, cluster: RayCluster, names: tuple[str, str], tag: str):
-        self.cluster, self.names, self.tag = cluster, names, tag
-        self.http_port = free_port(8410)
-        self.base = f"http://127.0.0.1:{self.http_port}"
-        self.proc: Proc | None = None
+    def config(self) -> dict:
+        return serve_config(self.http_port, self.cluster.apps, 4 * 2**20)
 
-    def launch(self) -> None:
-        path = WORK / "cfg" / f"serve-{self.tag}.yaml"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(yaml.safe_dump(serve_config(self.http_port, self.names, 4 * 2**20), sort_keys=False))
-        argv = [BIN / "serve", "run", "--address", self.cluster.address, path]
-        self.proc = Proc(f"serve-run-{self.tag}", argv, env=self.cluster.env())
-
-    def wait_ready(self, timeout: float) -> None:
-        def ready() -> bool:
-            if not self.cluster.alive():
-                raise StartError(f"the Ray cluster died:\n{self.cluster.proc.tail()}")
-            return http_ok(f"{self.base}/health") and http_ok(f"{self.base}/direct/health")
-
-        wait_until(ready, timeout, f"serve run ({self.tag})", [self.proc], poll=2)
-
-    def stop(self) -> list[int]:
-        return self.proc.stop(timeout=20) if self.proc else []
+    def checks(self) -> list:
+        return [partial(http_ok, f"{self.base}/health"), partial(http_ok, f"{self.base}/direct/health")]
 
 
 def body(tokens: int, stream: bool) -> bytes:
@@ -161,20 +128,16 @@ def main() -> None:
     }
     try:
         urls = {}
-        for name, names, second in (("main", ("pl", "pl-direct"), False), ("haproxy", ("pl-ha", "pl-ha-direct"), True)):
-            cluster = RayCluster(extra_env=cluster_env(name), second=second)
-            cluster.start()
-            started.insert(0, cluster)
-            apps = FakeApps(cluster, names, f"payloads-{name}")
-            apps.launch()
-            started.insert(0, apps)
-            apps.wait_ready(600)
+        for name in ("main", "haproxy"):
+            cluster = RayCluster(name, second=name != "main")
+            apps = FakeApps(cluster, f"payloads-{name}")
+            up(started, cluster)
+            up(started, apps, timeout=600)
             roles.add_root(cluster.proc.pid, name)
-            ports = CLUSTERS[name][2]
             if name == "main":
                 urls["proxy"] = f"{apps.base}/v1/completions"
-                urls["port"] = f"{find_ingress('router', ports)}/v1/completions"
-                urls["replica_port"] = f"{find_ingress('replica', ports, '/direct')}/v1/completions"
+                urls["port"] = f"{find_ingress('router', cluster.ports)}/v1/completions"
+                urls["replica_port"] = f"{find_ingress('replica', cluster.ports, '/direct')}/v1/completions"
             else:
                 urls["haproxy"] = f"{apps.base}/v1/completions"
                 urls["haproxy_replica"] = f"{apps.base}/direct/v1/completions"
@@ -187,8 +150,8 @@ def main() -> None:
                     print(f"[{time.strftime('%H:%M:%S')}] {key}", flush=True)
                     results["runs"][key] = run_arm(roles, url, t, stream, args.requests, args.concurrency, path)
     finally:
-        results["stopped"] = {type(s).__name__: s.stop() for s in started}
-    results["command"] = ".venv/bin/python -m bench.payloads " + " ".join(sys.argv[1:])
+        results["stopped"] = down(started)
+    results["command"] = command_line("bench.payloads")
     rows = [  # CPU ms per MB of response by process, idle subtracted; the replica's includes making the rows
         {"path/rows/mode": k} | {x: r[x] for x in ("mb_per_response", "mb_per_s", "cpu_ms_per_mb", "errors")}
         for k, r in results["runs"].items()

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -28,46 +30,36 @@ class StartError(RuntimeError):
     pass
 
 
-def port_free(port: int, host: str = "127.0.0.1") -> bool:
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-            return True
-        except OSError:
-            return False
-
-
-def free_port(preferred: int) -> int:
+def free_port(preferred: int, host: str = "127.0.0.1") -> int:
+    """The first port from `preferred` on that is free to bind."""
     port = preferred
-    while not port_free(port):
-        port += 1
-    return port
+    while True:
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((host, port))
+                return port
+            except OSError:
+                port += 1
 
 
 class Proc:
-    """One started command: its own session, a log file, stop by group + tree."""
+    """One started command: its own session, a log file, stop by group + tree. `pipes`: its stdin and stdout are
+    text pipes to this process, its log takes stderr."""
 
-    def __init__(self, name: str, argv: list[str], env: dict[str, str] | None = None, cwd: Path = ROOT):
+    def __init__(self, name: str, argv: list[str], env: dict[str, str] | None = None, cwd=ROOT, pipes: bool = False):
         LOGS.mkdir(parents=True, exist_ok=True)
         self.name = name
         self.argv = [str(a) for a in argv]
         self.log_path = LOGS / f"{name}.log"
         self._log = open(self.log_path, "wb")
-        full_env = dict(os.environ)
-        full_env.update(env or {})
-        self.popen = subprocess.Popen(
-            self.argv,
-            cwd=str(cwd),
-            env=full_env,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-        self.pid = self.popen.pid
-        self.pgid = self.pid
-        self._known: set[int] = set()
+        io = {"stdout": self._log, "stderr": subprocess.STDOUT, "stdin": subprocess.DEVNULL}
+        if pipes:
+            io = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "stderr": self._log, "text": True, "bufsize": 1}
+        env = {**os.environ, **(env or {})}
+        self.popen = subprocess.Popen(self.argv, cwd=str(cwd), env=env, start_new_session=True, **io)
+        self.pid = self.pgid = self.popen.pid
+        self._known: dict[int, psutil.Process] = {}
 
     def alive(self) -> bool:
         return self.popen.poll() is None
@@ -80,15 +72,12 @@ class Proc:
         return "\n".join(lines[-n:])
 
     def tree(self) -> list[psutil.Process]:
-        """The process, its descendants, and whatever is still in its process group."""
-        procs: dict[int, psutil.Process] = {}
+        """The process, its descendants, and whatever is still in its process group (each remembered for stop)."""
         try:
             root = psutil.Process(self.pid)
-            procs[root.pid] = root
-            for c in root.children(recursive=True):
-                procs[c.pid] = c
+            procs = {p.pid: p for p in [root, *root.children(recursive=True)]}
         except psutil.Error:
-            pass
+            procs = {}
         for p in psutil.process_iter(["pid"]):
             try:
                 if os.getpgid(p.pid) == self.pgid:
@@ -100,31 +89,27 @@ class Proc:
 
     def stop(self, timeout: float = 30.0) -> list[int]:
         """SIGTERM the group and every known descendant, then SIGKILL; returns pids still alive (should be [])."""
-        procs = {p.pid: p for p in self.tree()}
-        for pid in list(self._known):
-            if pid not in procs:
-                try:
-                    procs[pid] = psutil.Process(pid)
-                except psutil.Error:
-                    pass
-        _signal_all(self.pgid, procs.values(), signal.SIGTERM)
-        _, alive = psutil.wait_procs(list(procs.values()), timeout=timeout)
-        if alive or self.alive():
-            _signal_all(self.pgid, alive, signal.SIGKILL)
-            psutil.wait_procs(alive, timeout=10)
+        self.tree()
+        procs = list(self._known.values())
+        _signal_all(self.pgid, procs, signal.SIGTERM)
+        _, left = psutil.wait_procs(procs, timeout=timeout)
+        if left or self.alive():
+            _signal_all(self.pgid, left, signal.SIGKILL)
+            psutil.wait_procs(left, timeout=10)
         try:
             self.popen.wait(timeout=10)
         except subprocess.TimeoutExpired:
             pass
         self._log.close()
-        survivors = []
-        for p in procs.values():
-            try:
-                if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
-                    survivors.append(p.pid)
-            except psutil.Error:
-                pass
-        return survivors
+        return [p.pid for p in procs if p.is_running() and alive(p.pid)]
+
+
+def alive(pid: int) -> bool:
+    """Whether the process runs (a zombie does not)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 def _signal_all(pgid: int, procs, sig) -> None:
@@ -170,6 +155,11 @@ def table(rows: list[dict]) -> list[str]:
     return [f"| {' | '.join(cols)} |", f"|{'---|' * len(cols)}"] + [
         f"| {' | '.join(cell(r.get(k)) for k in cols)} |" for r in rows
     ]
+
+
+def command_line(module: str, argv: list[str] | None = None) -> str:
+    """The command line a result records: `.venv/bin/python -m MODULE ARGS` (this process's by default)."""
+    return shlex.join([".venv/bin/python", "-m", module, *(sys.argv[1:] if argv is None else argv)])
 
 
 def write_results(out: Path, name: str, results: dict, text: str | list[dict]) -> None:

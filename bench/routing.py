@@ -17,7 +17,7 @@ from ray.serve._private.common import DeploymentHandleSource, DeploymentID, Repl
 from ray.serve._private.request_router.common import PendingRequest
 from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
 
-from bench.procs import RESULTS, write_results
+from bench.procs import RESULTS, command_line, write_results
 from deployments.routing import KEY_KWARG, PrefixRouter, http_key
 
 BASE = "tiny-llama"
@@ -131,10 +131,9 @@ def main() -> None:
         for w in map(int, args.first_words.split(","))
         for n in map(int, args.replicas.split(","))
     ]
-    command = "python -m bench.routing" + "".join(
-        f" --{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v != ap.get_default(k)
-    )
-    write_results(RESULTS, args.name, {"command": command, "rows": rows}, rows)  # µs per request, best round
+    write_results(
+        RESULTS, args.name, {"command": command_line("bench.routing"), "rows": rows}, rows
+    )  # µs per request, best round
 
 
 if __name__ == "__main__":

@@ -14,61 +14,28 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
-import sys
 import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
 
 import httpx
-import psutil
 
-from bench import measure
-from bench.cli import batch
-from bench.procs import RESULTS, write_results
-from bench.servers import ENGINE_ENV, Endpoint, RayCluster, ServeApps, VLLMServer, build_model, find_ingress
-from deployments.config import CPU_ENGINE_DEFAULTS
-from deployments.serve_env import SERVE_SWITCHES
+from bench import cli, measure
+from bench.arms import rotated
+from bench.cli import batch, machine
+from bench.procs import RESULTS, command_line, write_results
+from bench.servers import ENGINE_ENV, Endpoint, RayCluster, ServeApps, VLLMServer, build_model, down, up
 
 MODEL = "tiny-llama"
-# config.yaml's engine, with the two defaults HiddenStatesEngine.start() adds made explicit for the other servers,
-# and a 256 MiB KV cache (a quarter million tokens of the tiny model): up to eight engines share the machine.
-ENGINE = {
-    **CPU_ENGINE_DEFAULTS,
-    "kv_cache_memory_bytes": 2**28,
-    "enable_prefix_caching": True,
-    "block_size": 32,
-    "scheduling_policy": "priority",
-}
+# the full run's engine (bench.cli.ENGINE) with a 256 MiB KV cache (a quarter million tokens of the tiny model): up
+# to eight engines share the machine.
+ENGINE = {**cli.ENGINE, "kv_cache_memory_bytes": 2**28}
 VARIANTS = {
     "off": {},
     "final": {"return_hidden_states": True},
     "rows": {"return_hidden_states": True, "hidden_states_position": "completion", "hidden_states_dtype": "float16"},
 }
-# cluster name -> (its switches, its app's name, its replicas' direct-ingress port range)
-CLUSTERS = {
-    "main": ({**SERVE_SWITCHES}, "hidden-states", (30000, 30100)),
-    "haproxy": ({"RAY_SERVE_ENABLE_HA_PROXY": "1"}, "hs-haproxy", (32000, 32100)),
-    "tput": ({"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}, "hs-tput", (34000, 34100)),
-}
-
-
-def cluster_env(name: str) -> dict[str, str]:
-    switches, _, (lo, hi) = CLUSTERS[name]
-    return {
-        **switches,
-        "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(lo),
-        "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(hi),
-        "RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT": str(lo + 10000),
-        "RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT": str(hi + 10000),
-    }
-
-
-# -- the paths -------------------------------------------------------------------
-
-
 PATHS = {  # the processes a request on each path passes through, outside the engine
     "vllm": ["vllm: api server"],
     "rsllm": ["main: proxy", "rsllm: ingress", "rsllm: server"],
@@ -81,10 +48,6 @@ PATHS = {  # the processes a request on each path passes through, outside the en
     "tput_proxy": ["tput: proxy", "hs-tput: router", "hs-tput: replica"],
     "tput_port": ["hs-tput: router", "hs-tput: replica"],
 }
-
-
-def path_roles(path: str) -> list[str]:
-    return PATHS[path]
 
 
 def daemon_roles(path: str) -> list[str]:
@@ -101,13 +64,13 @@ def cpu_figures(runs: list[dict], path: str, idle: dict[str, float]) -> dict:
         above = {k: v - idle.get(k, 0.0) * x["cpu"]["wall"] for k, v in x["cpu"]["roles"].items()}
         for k, v in above.items():
             by_role[k] += v
-        per_round.append(1e3 * sum(above.get(k, 0.0) for k in path_roles(path)) / max(1, x["ok"]))
+        per_round.append(1e3 * sum(above.get(k, 0.0) for k in PATHS[path]) / max(1, x["ok"]))
     ms = {k: 1e3 * v / max(1, ok) for k, v in sorted(by_role.items())}
     return {
         "requests_ok": ok,
-        "path_ms": sum(ms.get(k, 0.0) for k in path_roles(path)),
+        "path_ms": sum(ms.get(k, 0.0) for k in PATHS[path]),
         "path_ms_per_round": per_round,
-        "path_by_process_ms": {k: ms.get(k, 0.0) for k in path_roles(path)},
+        "path_by_process_ms": {k: ms.get(k, 0.0) for k in PATHS[path]},
         "daemons_ms": sum(ms.get(k, 0.0) for k in daemon_roles(path)),
         "all_roles_ms": ms,
     }
@@ -126,16 +89,12 @@ def body_checks(ep: Endpoint, vocab: int) -> dict:
     }
     out["large_prompt"]["whole"] = out["large_prompt"]["prompt_tokens"] == len(prompt)
     big = b'{"model": "%s", "prompt": "%s", "max_tokens": 1}' % (ep.model.encode(), b"a" * (5 * 2**20))
+    out["over_limit"] = {"body_bytes": len(big), "status": None, "refused": False}
     try:
         r = httpx.post(ep.url, content=big, headers={"content-type": "application/json"}, timeout=120)
-        out["over_limit"] = {"body_bytes": len(big), "status": r.status_code, "refused": r.status_code == 413}
+        out["over_limit"].update(status=r.status_code, refused=r.status_code == 413)
     except httpx.HTTPError as e:  # a server that closes the connection after its 413 may reset the upload
-        out["over_limit"] = {
-            "body_bytes": len(big),
-            "status": None,
-            "error": f"{type(e).__name__}: {e}"[:200],
-            "refused": False,
-        }
+        out["over_limit"]["error"] = f"{type(e).__name__}: {e}"[:200]
     return out
 
 
@@ -151,7 +110,7 @@ def run_phase(
         runs: dict[str, list[dict]] = {key: [] for key, _, _ in arms}
         with tempfile.TemporaryDirectory(prefix="bench-cpu-") as folder:
             for r in range(args.rounds):
-                for key, ep, fields in arms[r % len(arms) :] + arms[: r % len(arms)]:
+                for key, ep, fields in rotated(arms, r):
                     runs[key].append(batch(ep, tokenizer, per, c, 1000 * r + c, lens, fields, roles, Path(folder)))
         rate = {k: sum(x["ok"] for x in v) / sum(x["wall"] for x in v) for k, v in runs.items()}
         out["by_concurrency"][str(c)] = {
@@ -178,8 +137,9 @@ def arms_for(paths: dict[str, Endpoint], ours: set[str]) -> list[tuple[str, Endp
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--concurrency", default="8,32")
-    ap.add_argument("--requests", default="48,96", help="requests per arm per round, one per concurrency")
+    ints = lambda s: [int(x) for x in s.split(",")]
+    ap.add_argument("--concurrency", type=ints, default="8,32")
+    ap.add_argument("--requests", type=ints, default="48,96", help="requests per arm per round, one per concurrency")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--idle-s", type=float, default=20.0, help="the idle window each role's idle rate comes from")
     ap.add_argument("--switches", default="haproxy,tput", help="switch clusters of the second phase ('' for none)")
@@ -187,47 +147,28 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=128, help="random prompts' tokens (vLLM's random dataset)")
     ap.add_argument("--output-len", type=int, default=32, help="tokens per completion (ignore_eos)")
     args = ap.parse_args()
-    args.concurrency = [int(c) for c in args.concurrency.split(",")]
-    args.requests = [int(r) for r in args.requests.split(",")]
     switches = [s for s in args.switches.split(",") if s]
     t_start = time.time()
     path = build_model(MODEL)
-    vocab = json.load(open(os.path.join(path, "config.json")))["vocab_size"]
-    roles = measure.CpuAccount()
-    started: list = []
-    results: dict = {
-        "model": MODEL,
-        "engine": ENGINE,
-        "engine_env": ENGINE_ENV,
-        "variants": VARIANTS,
-        "machine": {"cpus": psutil.cpu_count(), "python": platform.python_version()},
-        "phases": {},
-    }
+    vocab = json.loads(Path(path, "config.json").read_text())["vocab_size"]
+    roles, started = measure.CpuAccount(), []
+    results: dict = {"model": MODEL, "engine": ENGINE, "engine_env": ENGINE_ENV, "variants": VARIANTS}
+    results |= {"machine": machine(), "phases": {}}
     try:
-        vllm = VLLMServer(path, MODEL, ENGINE, "cpu")
-        vllm.launch()
-        started.append(vllm)
-        main_cluster = RayCluster(extra_env=cluster_env("main"))
-        main_cluster.start()
-        started.append(main_cluster)
-        apps = ServeApps(main_cluster, path, MODEL, ENGINE, ours=True, rsllm=True, direct=True, tag="cpu-main")
-        apps.launch()
-        started.insert(0, apps)
-        vllm.wait_ready(600)
-        apps.wait_ready(900)
+        vllm, main_cluster = VLLMServer(path, MODEL, ENGINE, "cpu"), RayCluster("main")
+        apps = ServeApps(main_cluster, path, MODEL, ENGINE, "cpu-main", rsllm=True, direct=True)
+        up(started, vllm, main_cluster)
+        up(started, apps)
         roles.add_root(vllm.proc.pid, "vllm")
         roles.add_root(main_cluster.proc.pid, "main")
         eps = apps.endpoints()
-        lo_hi = CLUSTERS["main"][2]
-        port_base = find_ingress("router", lo_hi)
-        replica_base = find_ingress("replica", lo_hi, "/direct")
         main_paths = {
             "vllm": vllm.endpoint(),
             "rsllm": eps["rsllm"],
             "proxy": eps["ours"],
-            "port": Endpoint("port", "Router's port", f"{port_base}/v1/completions", MODEL),
+            "port": apps.port_endpoint("router"),
             "replica_proxy": eps["direct"],
-            "replica_port": Endpoint("replica_port", "replica's port", f"{replica_base}/v1/completions", MODEL),
+            "replica_port": apps.port_endpoint("replica", "/direct"),
         }
         results["body_checks"] = {p: body_checks(ep, vocab) for p, ep in main_paths.items()}
         ours = {p for p in PATHS if p not in ("vllm", "rsllm")}
@@ -235,33 +176,23 @@ def main() -> None:
         if switches:
             second: dict[str, Endpoint] = {"vllm": main_paths["vllm"], "proxy": main_paths["proxy"]}
             for sw in switches:
-                cl = RayCluster(extra_env=cluster_env(sw), second=True)
-                cl.start()
-                started.insert(0, cl)
-                names = {"app_name": CLUSTERS[sw][1], "direct_name": "hs-haproxy-direct", "direct_replicas": 2}
-                a = ServeApps(cl, path, MODEL, ENGINE, True, False, f"cpu-{sw}", direct=sw == "haproxy", **names)
-                a.launch()
-                started.insert(0, a)
-                a.wait_ready(900)
+                cl, haproxy = RayCluster(sw, second=True), sw == "haproxy"
+                a = ServeApps(cl, path, MODEL, ENGINE, f"cpu-{sw}", direct=haproxy, direct_replicas=2)
+                up(started, cl)
+                up(started, a)
                 roles.add_root(cl.proc.pid, sw)
-                ep = a.endpoints()["ours"]
-                if sw == "haproxy":
-                    second["haproxy"] = ep
-                    d = a.endpoints()["direct"]
-                    second["haproxy_replica"] = Endpoint(
-                        "haproxy_replica", "HAProxy -> 2 ingress replicas", d.url, MODEL
-                    )
+                if haproxy:  # HAProxy -> the Router, and -> 2 ingress replicas
+                    second["haproxy"], second["haproxy_replica"] = a.endpoints()["ours"], a.endpoints()["direct"]
                 else:
-                    second["tput_proxy"] = ep
-                    base = find_ingress("router", CLUSTERS[sw][2])
-                    second["tput_port"] = Endpoint("tput_port", "tput Router's port", f"{base}/v1/completions", MODEL)
+                    second["tput_proxy"] = a.endpoints()["ours"]
+                    second["tput_port"] = a.port_endpoint("router")
             for p in [p for p in second if p not in main_paths]:
                 results["body_checks"][p] = body_checks(second[p], vocab)
             results["phases"]["switches"] = run_phase(arms_for(second, ours), args, roles, path, "switches")
     finally:
-        results["stopped"] = {type(s).__name__: s.stop() for s in started}
+        results["stopped"] = down(started)
     results["wall_s"] = time.time() - t_start
-    results["command"] = ".venv/bin/python -m bench.serve_cpu " + " ".join(sys.argv[1:])
+    results["command"] = command_line("bench.serve_cpu")
     rows = [  # CPU ms per request on the path above idle, and over vLLM's API server's in the same phase and c
         {"phase": ph, "c": c, "path/vectors": k, "path ms": a["cpu"]["path_ms"]}
         | {

@@ -1,24 +1,15 @@
-"""The servers under test, each started by the benchmark and stopped by it.
-
-- `RayCluster`: `ray start --head --block --num-cpus 8` (more logical CPUs than
-  the 2 cores, so Ray Serve LLM's ingress can be scheduled), its own ports,
-  temp dir and auth token, so it is not confused with another cluster here.
-- `ServeApps`: `serve run CONFIG` against that cluster: our app
-  (`deployments.app:build_app`, args from config.yaml with the benchmark's
-  engine args) and/or Ray Serve LLM (`ray.serve.llm:build_openai_app`).
-- `VLLMServer`: vLLM's own OpenAI server, `python -m vllm.entrypoints.openai.api_server`.
-
-All three run the same model with the same engine arguments and the same
-engine environment (`ENGINE_ENV`).
+"""The servers under test, each started by the benchmark (`up`) and stopped by it (`down`): a Ray cluster of its
+own (`RayCluster`), `serve run` of our app and Ray Serve LLM on it (`ServeApps`), vLLM's own OpenAI server
+(`VLLMServer`). All run the same model with the same engine arguments and environment (`ENGINE_ENV`).
 """
 
 from __future__ import annotations
 
-import json
 import secrets
 import subprocess
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +18,7 @@ import psutil
 import yaml
 
 from bench.procs import BIN, PYTHON, ROOT, WORK, Proc, StartError, free_port, wait_until
+from deployments.serve_env import SERVE_SWITCHES
 
 RAY_TMP = Path("/tmp/hsbench_ray")
 
@@ -36,6 +28,26 @@ RAY_TMP = Path("/tmp/hsbench_ray")
 # {CPU: 1} bundle). Without it vLLM's own server runs 2 unbound OpenMP threads on 2 busy cores and
 # is several times slower (seen): that would measure thread oversubscription, not the Serve layer.
 ENGINE_ENV = {"VLLM_USE_V2_MODEL_RUNNER": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
+# cluster name -> (its Serve switches, our apps' names there (the app, its `ingress: replica` copy), the
+# direct-ingress HTTP ports its replicas take)
+CLUSTERS = {
+    "main": (SERVE_SWITCHES, ("hidden-states", "hs-direct"), (30000, 30100)),  # `make serve`'s switches
+    "haproxy": ({"RAY_SERVE_ENABLE_HA_PROXY": "1"}, ("hs-haproxy", "hs-haproxy-direct"), (32000, 32100)),
+    "tput": ({"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}, ("hs-tput", "hs-tput-direct"), (34000, 34100)),
+    "sim": (SERVE_SWITCHES, ("hidden-states", "hs-direct"), (33000, 33300)),  # bench.simulate's, bench.failures'
+}
+
+
+def cluster_env(name: str) -> dict[str, str]:
+    """A cluster's switches and its direct-ingress ports (gRPC 10,000 above HTTP), out of the others' way."""
+    switches, _, (lo, hi) = CLUSTERS[name]
+    return {
+        **switches,
+        "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(lo),
+        "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(hi),
+        "RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT": str(lo + 10000),
+        "RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT": str(hi + 10000),
+    }
 
 
 def build_model(name: str) -> str:
@@ -60,19 +72,17 @@ def engine_cli(engine: dict[str, Any]) -> list[str]:
     return argv
 
 
-def http_ok(url: str, timeout: float = 5.0) -> bool:
+def http_ok(url: str, body: dict | None = None, timeout: float = 5.0) -> bool:
+    """A GET of `url` (or a POST of `body`) answered 200."""
     try:
-        return httpx.get(url, timeout=timeout).status_code == 200
+        r = httpx.post(url, json=body, timeout=60) if body is not None else httpx.get(url, timeout=timeout)
+        return r.status_code == 200
     except httpx.HTTPError:
         return False
 
 
-def smoke(url: str, model: str, extra: dict | None = None) -> bool:
-    body = {"model": model, "prompt": [5, 6, 7, 8], "max_tokens": 2, "temperature": 0.0} | (extra or {})
-    try:
-        return httpx.post(url, json=body, timeout=60).status_code == 200
-    except httpx.HTTPError:
-        return False
+def smoke(url: str, model: str) -> bool:
+    return http_ok(url, {"model": model, "prompt": [5, 6, 7, 8], "max_tokens": 2, "temperature": 0.0})
 
 
 @dataclass
@@ -80,20 +90,47 @@ class Endpoint:
     """One server under test, as the load generator sees it."""
 
     key: str  # "ours", "vllm", "rsllm"
-    label: str
     url: str  # .../v1/completions
     model: str  # the name clients send
     stats_url: str | None = None  # our /debug/stats
 
 
-class RayCluster:
-    def __init__(self, num_cpus: int = 8, extra_env: dict[str, str] | None = None, second: bool = False):
+class Server:
+    """A server process the benchmark starts (`launch`, then `wait_ready`; `up` does both) and stops."""
+
+    proc: Proc | None = None
+    stop_timeout = 30.0
+
+    def stop(self) -> list[int]:
+        return self.proc.stop(timeout=self.stop_timeout) if self.proc else []
+
+
+def up(started: list[Server], *servers: Server, timeout: float = 900) -> None:
+    """Launches each server, then waits until each is ready; each goes first on `started` (`down` stops them)."""
+    for s in servers:
+        s.launch()
+        started.insert(0, s)
+    for s in servers:
+        s.wait_ready(timeout)
+
+
+def down(started: list[Server]) -> dict[str, list[int]]:
+    """Stops each server in turn: the pids left running, by kind (should be none)."""
+    return {type(s).__name__: s.stop() for s in started}
+
+
+class RayCluster(Server):
+    """`ray start --head --block` with more logical CPUs than the 2 cores (so Ray Serve LLM's ingress can be
+    scheduled), its own ports, temp dir and auth token: not confused with another cluster here. `name`'s Serve
+    switches, apps' names and ports (CLUSTERS), then `extra_env`."""
+
+    def __init__(self, name: str, extra_env: dict[str, str] | None = None, second: bool = False, num_cpus: int = 8):
+        _, self.apps, self.ports = CLUSTERS[name]
         self.num_cpus = num_cpus
-        self.extra_env = dict(extra_env or {})  # Ray Serve switches: every Ray process of this cluster gets them
+        self.extra_env = {**cluster_env(name), **(extra_env or {})}  # every Ray process of this cluster gets them
         self.second = second  # a second cluster at once (bench.serve_cpu's switch clusters): its own temp dir and log
         self.token = secrets.token_hex(32)
         self.port = free_port(6390)
-        self.proc: Proc | None = None
 
     @property
     def address(self) -> str:
@@ -114,111 +151,47 @@ class RayCluster:
         # a second cluster at once needs its own temp dir: Ray keeps one session per temp dir
         return RAY_TMP if not self.second else RAY_TMP.with_name(f"hsbench_ray_{self.port}")
 
-    def start(self, timeout: float = 180) -> float:
+    def launch(self) -> None:
         self.temp_dir.mkdir(parents=True, exist_ok=True)
         argv = [BIN / "ray", "start", "--head", "--block", "--num-cpus", str(self.num_cpus), "--port", str(self.port)]
         argv += ["--ray-client-server-port", str(free_port(25290)), "--dashboard-port", str(free_port(8290))]
         argv += ["--dashboard-agent-listen-port", str(free_port(52490)), "--node-ip-address", "127.0.0.1"]
         argv += ["--include-dashboard=false", "--disable-usage-stats", "--temp-dir", str(self.temp_dir)]
         self.proc = Proc("ray-head" if not self.second else f"ray-head-{self.port}", argv, env=self.env())
+
+    def wait_ready(self, timeout: float = 180) -> float:
         return wait_until(lambda: "block forever" in self.proc.tail(50), timeout, "ray start", [self.proc])
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.alive() and "exited unexpectedly" not in self.proc.tail(200)
 
-    def stop(self) -> list[int]:
-        return self.proc.stop() if self.proc else []
+
+def serve_config(http_port: int, apps: list[dict]) -> dict:
+    """What `serve run CONFIG` reads: these apps behind Serve's proxy on the head, on `http_port`."""
+    http = {"host": "127.0.0.1", "port": http_port}
+    return {"proxy_location": "HeadOnly", "http_options": http, "applications": apps}
 
 
-class ServeApps:
-    """`serve run CONFIG` with our app and/or Ray Serve LLM on one Ray cluster."""
+class ServeRun(Server):
+    """`serve run CONFIG` on one Ray cluster: `config()` its apps, ready when each of `checks()` has passed."""
 
-    def __init__(
-        self,
-        cluster: RayCluster,
-        model_path: str,
-        model_name: str,
-        engine: dict[str, Any],
-        ours: bool,
-        rsllm: bool,
-        tag: str,
-        direct: bool = False,
-        app_name: str = "hidden-states",
-        direct_name: str = "hs-direct",
-        direct_replicas: int = 1,
-    ):
-        """`app_name`, `direct_name`: our app's and its `ingress: replica` copy's names (a cluster's processes'
-        titles carry them); `direct_replicas`: that copy's replica count."""
-        self.cluster = cluster
-        self.app_name, self.direct_name, self.direct_replicas = app_name, direct_name, direct_replicas
-        self.model_path, self.model_name, self.engine = model_path, model_name, engine
-        self.with_ours, self.with_rsllm, self.tag = ours, rsllm, tag
-        self.with_direct = ours and direct  # a second copy of our app with `ingress: replica`
+    stop_timeout = 20.0
+    env: dict[str, str] = {}  # for the `serve run` process, beside the cluster's
+
+    def __init__(self, cluster: RayCluster, tag: str):
+        self.cluster, self.tag = cluster, tag
         self.http_port = free_port(8310)
         self.base = f"http://127.0.0.1:{self.http_port}"
-        self.proc: Proc | None = None
-        self.config_path = WORK / "cfg" / f"serve-{tag}.yaml"
-
-    def config(self) -> dict:
-        product = yaml.safe_load((ROOT / "config.yaml").read_text())
-        apps = []
-        if self.with_ours:
-            app = dict(product["applications"][0])
-            args = dict(app["args"])
-            args["model"] = self.model_path
-            args["served_model_name"] = self.model_name
-            args["engine"] = dict(self.engine)
-            args["enable_return_hidden_states"] = True
-            app.update(name=self.app_name, route_prefix="/", args=args)
-            apps.append(app)
-            if self.with_direct:
-                direct = dict(args, ingress="replica")
-                if (n := self.direct_replicas) != 1:
-                    direct["replica_autoscaling"] = {"min_replicas": n, "max_replicas": n}
-                apps.append(dict(app, name=self.direct_name, route_prefix="/direct", args=direct))
-        if self.with_rsllm:
-            env = dict(ENGINE_ENV)
-            apps.append(
-                {
-                    "name": "rsllm",
-                    "route_prefix": "/rsllm",
-                    "import_path": "ray.serve.llm:build_openai_app",
-                    "runtime_env": {"env_vars": env},
-                    "args": {
-                        "llm_configs": [
-                            {
-                                "model_loading_config": {"model_id": self.model_name, "model_source": self.model_path},
-                                "engine_kwargs": dict(self.engine),
-                                "placement_group_config": {"bundles": [{"CPU": 1}]},
-                                "deployment_config": {"autoscaling_config": {"min_replicas": 1, "max_replicas": 1}},
-                                "runtime_env": {"env_vars": env},
-                            }
-                        ]
-                    },
-                }
-            )
-        http = {"host": "127.0.0.1", "port": self.http_port}
-        return {"proxy_location": "HeadOnly", "http_options": http, "applications": apps}
 
     def launch(self) -> None:
-        self.config_path.parent.mkdir(parents=True, exist_ok=True)
-        self.config_path.write_text(yaml.safe_dump(self.config(), sort_keys=False))
-        env = self.cluster.env()
-        env.update(ENGINE_ENV)
-        env.update(self.cluster.extra_env)
-        argv = [BIN / "serve", "run", "--address", self.cluster.address, self.config_path]
-        self.proc = Proc(f"serve-run-{self.tag}", argv, env=env)
+        path = WORK / "cfg" / f"serve-{self.tag}.yaml"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(yaml.safe_dump(self.config(), sort_keys=False))
+        argv = [BIN / "serve", "run", "--address", self.cluster.address, path]
+        self.proc = Proc(f"serve-run-{self.tag}", argv, env={**self.cluster.env(), **self.env})
 
     def wait_ready(self, timeout: float) -> float:
-        checks = []
-        if self.with_ours:
-            checks.append(
-                lambda: http_ok(f"{self.base}/health") and smoke(f"{self.base}/v1/completions", self.model_name)
-            )
-        if self.with_rsllm:
-            checks.append(lambda: smoke(f"{self.base}/rsllm/v1/completions", self.model_name))
-        if self.with_direct:
-            checks.append(lambda: smoke(f"{self.base}/direct/v1/completions", self.model_name))
+        checks = self.checks()
         done = [False] * len(checks)
 
         def ready() -> bool:
@@ -230,38 +203,84 @@ class ServeApps:
 
         return wait_until(ready, timeout, f"serve run ({self.tag})", [self.proc], poll=2)
 
-    def endpoints(self) -> dict[str, Endpoint]:
-        out, v1 = {}, "v1/completions"
-        if self.with_ours:
-            stats = f"{self.base}/debug/stats"
-            out["ours"] = Endpoint("ours", "our app (Ray Serve)", f"{self.base}/{v1}", self.model_name, stats)
-        if self.with_rsllm:
-            out["rsllm"] = Endpoint("rsllm", "Ray Serve LLM", f"{self.base}/rsllm/{v1}", self.model_name)
+
+class ServeApps(ServeRun):
+    """Our app on one Ray cluster; with `direct` a copy of it with `ingress: replica` (`direct_replicas` replicas),
+    with `rsllm` Ray Serve LLM."""
+
+    env = ENGINE_ENV
+
+    def __init__(
+        self,
+        cluster: RayCluster,
+        model_path: str,
+        model_name: str,
+        engine: dict[str, Any],
+        tag: str,
+        rsllm: bool = False,
+        direct: bool = False,
+        direct_replicas: int = 1,
+    ):
+        super().__init__(cluster, tag)
+        (self.app_name, self.direct_name), self.direct_replicas = cluster.apps, direct_replicas
+        self.model_path, self.model_name, self.engine = model_path, model_name, engine
+        self.with_rsllm, self.with_direct = rsllm, direct
+
+    def config(self) -> dict:
+        product = yaml.safe_load((ROOT / "config.yaml").read_text())
+        app = dict(product["applications"][0])
+        args = {**app["args"], "model": self.model_path, "served_model_name": self.model_name}
+        args |= {"engine": dict(self.engine), "enable_return_hidden_states": True}
+        apps = [dict(app, name=self.app_name, route_prefix="/", args=args)]
         if self.with_direct:
-            stats = f"{self.base}/direct/debug/stats"
-            url = f"{self.base}/direct/{v1}"
-            out["direct"] = Endpoint("direct", "our app, ingress: replica", url, self.model_name, stats)
+            direct = dict(args, ingress="replica")
+            if (n := self.direct_replicas) != 1:
+                direct["replica_autoscaling"] = {"min_replicas": n, "max_replicas": n}
+            apps.append(dict(app, name=self.direct_name, route_prefix="/direct", args=direct))
+        if self.with_rsllm:
+            env = dict(ENGINE_ENV)
+            llm = {
+                "model_loading_config": {"model_id": self.model_name, "model_source": self.model_path},
+                "engine_kwargs": dict(self.engine),
+                "placement_group_config": {"bundles": [{"CPU": 1}]},
+                "deployment_config": {"autoscaling_config": {"min_replicas": 1, "max_replicas": 1}},
+                "runtime_env": {"env_vars": env},
+            }
+            apps.append(
+                {"name": "rsllm", "route_prefix": "/rsllm", "import_path": "ray.serve.llm:build_openai_app"}
+                | {"runtime_env": {"env_vars": env}, "args": {"llm_configs": [llm]}}
+            )
+        return serve_config(self.http_port, apps)
+
+    def prefixes(self) -> dict[str, str]:
+        """Each app's route prefix, by its endpoint's key."""
+        on = {"ours": True, "rsllm": self.with_rsllm, "direct": self.with_direct}
+        return {k: "" if k == "ours" else f"/{k}" for k, x in on.items() if x}
+
+    def checks(self) -> list:
+        urls = [f"{self.base}{p}/v1/completions" for p in self.prefixes().values()]
+        return [partial(http_ok, f"{self.base}/health"), *(partial(smoke, url, self.model_name) for url in urls)]
+
+    def endpoints(self) -> dict[str, Endpoint]:
+        """Each app through Serve's proxy; ours (not Ray Serve LLM) with our replica's counters."""
+        out = {}
+        for k, p in self.prefixes().items():
+            stats = None if k == "rsllm" else f"{self.base}{p}/debug/stats"
+            out[k] = Endpoint(k, f"{self.base}{p}/v1/completions", self.model_name, stats)
         return out
 
-    def router_port_endpoint(self, ports=(30000, 30100), timeout: float = 60) -> Endpoint | None:
-        """Our Router replica's own HTTP port (direct ingress on: deployments/serve_env.py), found by its
-        /debug/stats; None when the cluster runs without direct ingress."""
-        if self.cluster.extra_env.get("RAY_SERVE_ENABLE_DIRECT_INGRESS") != "1":
-            return None
-        base = find_ingress("router", ports, timeout=timeout)
-        url = f"{base}/v1/completions"
-        return Endpoint("port", "our app, the Router's own port", url, self.model_name, f"{base}/debug/stats")
-
-    def stop(self) -> list[int]:
-        return self.proc.stop(timeout=20) if self.proc else []
+    def port_endpoint(self, kind: str, prefix: str = "") -> Endpoint:
+        """Our Router's (or, `kind` "replica", an `ingress: replica` replica's) own HTTP port, as an endpoint."""
+        base = find_ingress(kind, self.cluster.ports, prefix)
+        url, stats = f"{base}/v1/completions", f"{base}/debug/stats"
+        return Endpoint(f"{kind}_port", url, self.model_name, stats)
 
 
-class VLLMServer:
+class VLLMServer(Server):
     def __init__(self, model_path: str, model_name: str, engine: dict[str, Any], tag: str):
         self.model_path, self.model_name, self.engine, self.tag = model_path, model_name, engine, tag
         self.port = free_port(8331)
         self.base = f"http://127.0.0.1:{self.port}"
-        self.proc: Proc | None = None
 
     def launch(self) -> None:
         argv = [PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model_path, "--host", "127.0.0.1"]
@@ -273,10 +292,7 @@ class VLLMServer:
         return wait_until(ready, timeout, "vLLM's OpenAI server", [self.proc], poll=2)
 
     def endpoint(self) -> Endpoint:
-        return Endpoint("vllm", "vLLM's own server", f"{self.base}/v1/completions", self.model_name)
-
-    def stop(self) -> list[int]:
-        return self.proc.stop(timeout=30) if self.proc else []
+        return Endpoint("vllm", f"{self.base}/v1/completions", self.model_name)
 
 
 def find_ingress(kind: str, ports: tuple[int, int], prefix: str = "", timeout: float = 90) -> str:
@@ -296,21 +312,14 @@ def find_ingress(kind: str, ports: tuple[int, int], prefix: str = "", timeout: f
     raise StartError(f"no {kind} ingress answered on ports {ports[0]}..{ports[1]} in {timeout:.0f}s")
 
 
-def replica_info(stats_url: str) -> dict:
-    return json.loads(httpx.get(stats_url, timeout=30).text)
-
-
-def find_ray_worker(cluster: RayCluster, needle: str) -> list[int]:
-    """Pids of Ray workers under our cluster whose title contains `needle`
+def find_ray_worker(proc: Proc, needle: str) -> list[int]:
+    """Pids of the processes under `proc` (a Ray node's `ray start`) whose title contains `needle`
     (e.g. 'ServeReplica:hidden-states:Router')."""
     pids = []
-    if cluster.proc is None:
-        return pids
-    for p in cluster.proc.tree():
+    for p in proc.tree():
         try:
-            for c in [p, *p.children(recursive=True)]:
-                if needle in " ".join(c.cmdline()) and c.pid not in pids:
-                    pids.append(c.pid)
+            if needle in " ".join(p.cmdline()):
+                pids.append(p.pid)
         except psutil.Error:
             pass
     return pids

@@ -17,7 +17,6 @@ import datetime as dt
 import json
 import os
 import queue
-import shlex
 import signal
 import subprocess
 import sys
@@ -28,20 +27,16 @@ from collections import Counter
 from pathlib import Path
 from types import SimpleNamespace
 
-from bench.procs import LOGS, PYTHON, ROOT, Proc
+import psutil
+
+from bench.measure import CpuAccount
+from bench.procs import LOGS, PYTHON, ROOT, Proc, alive, command_line, free_port, wait_until
+from bench.servers import RayCluster, cluster_env, serve_config, smoke
 
 APP = "hidden-states"
 MODEL = "sim"
 GIB = 2**30
 SPARE_BYTES = 4 * GIB  # what a size must leave available
-SIM_ENV = {  # `make serve`'s Serve switches (deployments/serve_env.py), direct ingress ports out of others' way
-    "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
-    "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2",
-    "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": "33000",
-    "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": "33300",
-    "RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT": "43000",
-    "RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT": "43300",
-}
 ROUTING_ROLES = (f"{APP}: router", "ray: proxy", "ray: controller")  # "routing CPU" (bench.measure.CpuAccount)
 FAILED_MAX = 0.01  # a size "worked" if at most this share of its requests failed
 
@@ -54,15 +49,15 @@ def fake_app(args: dict):
     return build(args, engine_cls=FakeEngine)
 
 
-def app_args(engine: dict, autoscaling: dict, **extra) -> dict:
-    """AppArgs for the simulation: FakeEngine delays as `engine` args, the replicas' autoscaling, one Router."""
+def app_args(engine: dict, replicas: int, **extra) -> dict:
+    """AppArgs for the simulation: FakeEngine delays as `engine` args, `replicas` replicas, one Router."""
     return {
         "model": "builtin:tiny-llama",
         "served_model_name": MODEL,  # the FakeEngine loads nothing
         "engine": {k: engine[k] for k in ("token_delay_s", "first_token_delay_s")},
         "request_timeout_s": 60,
         "replica_max_ongoing_requests": 256,
-        "replica_autoscaling": autoscaling,
+        "replica_autoscaling": {"min_replicas": replicas, "max_replicas": replicas, "initial_replicas": replicas},
         "router_autoscaling": {"min_replicas": 1, "max_replicas": 1},
         **extra,
     }
@@ -76,11 +71,7 @@ def deploy_config(args: dict, http_port: int) -> dict:
     actor = {**AppArgs.model_validate(args).replica_options()["ray_actor_options"], "num_cpus": 0.0}
     app = {"name": APP, "route_prefix": "/", "import_path": "bench.simulate:fake_app", "args": args}
     app["deployments"] = [{"name": "EngineReplica", "ray_actor_options": actor}]
-    return {
-        "proxy_location": "HeadOnly",
-        "http_options": {"host": "127.0.0.1", "port": http_port},
-        "applications": [app],
-    }
+    return serve_config(http_port, [app])
 
 
 # -- pure logic (tests/scaffolding/test_simulate.py) --------------------------------------------------------
@@ -179,23 +170,8 @@ class Driver(Proc):
     """The driver process: bench.procs.Proc's own session, log and stop, with pipes for its JSON lines."""
 
     def __init__(self, cluster, http_port: int):
-        LOGS.mkdir(parents=True, exist_ok=True)
-        self.name, self.log_path, self._known = "sim-driver", LOGS / "sim-driver.log", set()
-        self.argv = [str(PYTHON), "-m", "bench.simulate", "--driver", "--address", cluster.address]
-        self.argv += ["--http-port", str(http_port)]
-        self._log, env, pipe = open(self.log_path, "wb"), {**os.environ, **cluster.env()}, subprocess.PIPE
-        self.popen = subprocess.Popen(
-            self.argv,
-            cwd=ROOT,
-            env=env,
-            stdin=pipe,
-            stdout=pipe,
-            stderr=self._log,
-            start_new_session=True,
-            text=True,
-            bufsize=1,
-        )
-        self.pid = self.pgid = self.popen.pid
+        argv = [PYTHON, "-m", "bench.simulate", "--driver", "--address", cluster.address, "--http-port", http_port]
+        super().__init__("sim-driver", argv, env=cluster.env(), pipes=True)
         self._replies: queue.Queue = queue.Queue()
         self._lock, self._next = threading.Lock(), 0
         threading.Thread(target=self._read, daemon=True).start()
@@ -238,21 +214,11 @@ class Driver(Proc):
         return super().stop(timeout=15)
 
 
-def alive(pid: int) -> bool:
-    import psutil
-
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
-
-
 def measure_engine(model: str, prompt_tokens: int, max_tokens: int, requests: int, seed: int = 7) -> dict:
     """The real engine, once: vLLM's own OpenAI server (bench.servers.VLLMServer, the bench's engine arguments and
     environment) at c=1 through `vllm bench serve` (bench.cli.batch: random prompts of `prompt_tokens`, `max_tokens`
     out, ignore_eos; two requests first to warm up): the median time to the first token and per later token."""
     from bench.cli import ENGINE, batch
-    from bench.measure import CpuAccount
     from bench.servers import ENGINE_ENV, VLLMServer, build_model
 
     path = build_model(model)
@@ -347,7 +313,7 @@ class Sim:
 
         self.args, self.out, self.results, self.t0 = args, args.out, results, time.monotonic()
         self.res: dict = {
-            "command": " ".join([f".venv/bin/python -m {self.MODULE}", *map(shlex.quote, sys.argv[1:])]),
+            "command": command_line(self.MODULE),
             "started": dt.datetime.now().isoformat(timespec="seconds"),
             "machine": machine(),
             "sizes": {},
@@ -375,11 +341,6 @@ class Sim:
     def wait_running(self, n: int, also=lambda d: True) -> tuple[float, dict]:
         """Until the app is RUNNING with n running replicas (and `also(details)`) and a request is answered:
         (seconds, details)."""
-        import psutil
-
-        from bench.procs import wait_until
-        from bench.servers import smoke
-
         got: dict = {}
 
         def ready() -> bool:
@@ -401,8 +362,6 @@ class Sim:
 
     def delete(self) -> float:
         """Deletes the app; waits until it and its replicas' processes are gone."""
-        from bench.procs import wait_until
-
         pids = [r["pid"] for r in self.deployment(self.details())["replicas"] if r.get("pid")]
         self.driver.call("delete", app=APP, timeout=60)
         return wait_until(
@@ -413,8 +372,6 @@ class Sim:
 
     def pss_mib(self, d: dict) -> float | None:
         """The replicas' mean PSS, MiB (a replica's share: libraries are mapped once)."""
-        import psutil
-
         pss = []
         for r in self.deployment(d)["replicas"]:
             try:
@@ -425,16 +382,14 @@ class Sim:
         return sum(pss) / len(pss) if pss else None
 
     def serve_env(self) -> dict:
-        """SIM_ENV, then each --serve-env KEY=VALUE (Ray Serve's own switches, e.g. its probe deadline)."""
-        return {**SIM_ENV, **dict(kv.split("=", 1) for kv in self.args.serve_env)}
+        """The `sim` cluster's switches, then each --serve-env KEY=VALUE (Ray Serve's own, e.g. its probe deadline)."""
+        return {**cluster_env("sim"), **dict(kv.split("=", 1) for kv in self.args.serve_env)}
 
     def start(self, extra_env: dict | None = None) -> None:
-        from bench.procs import free_port
-        from bench.servers import RayCluster
-
-        self.cluster = RayCluster(num_cpus=8, extra_env={**self.serve_env(), **(extra_env or {})}, second=True)
+        self.cluster = RayCluster("sim", extra_env={**self.serve_env(), **(extra_env or {})}, second=True)
         log(f"ray start (port {self.cluster.port})")
-        self.res["ray_start_s"] = self.cluster.start(timeout=240)
+        self.cluster.launch()
+        self.res["ray_start_s"] = self.cluster.wait_ready(timeout=240)
         self.http_port = free_port(8410)
         self.driver = Driver(self.cluster, self.http_port)
         log(f"Serve started by the driver (pid {self.driver.pid}), proxy on port {self.http_port}")
@@ -457,7 +412,9 @@ class Sim:
         self.out.mkdir(parents=True, exist_ok=True)
         (self.out / self.results).write_text(json.dumps(self.res, indent=1, default=str) + "\n")
 
-    def engine(self) -> dict:
+    def delays(self) -> dict:
+        """The FakeEngine's delays (recorded), from the real engine measured (--engine measure, or auto with no
+        OUT/engine.json yet) or from OUT/engine.json."""
         path, a = self.out / "engine.json", self.args
         if a.engine == "measure" or (a.engine == "auto" and not path.exists()):
             log(f"measuring the real engine ({a.engine_model}, c=1, {a.prompt_tokens} in, {a.max_tokens} out)")
@@ -471,15 +428,16 @@ class Sim:
             raise SystemExit(f"--engine {a.engine!r}: measure, file or auto")
         log(f"engine: TTFT {eng['ttft_s'] * 1e3:.1f} ms, per token {eng['itl_s'] * 1e3:.2f} ms")
         self.res["engine"] = {k: v for k, v in eng.items() if k != "samples"}
-        return eng
+        self.res["fake_engine"] = fake_delays(eng["ttft_s"], eng["itl_s"], a.max_tokens)
+        return self.res["fake_engine"]
+
+    def status(self) -> int:
+        """The exit status: 1 after an error or with a process left running."""
+        return 0 if not self.res["errors"] and not self.res["stopped_left_running"] else 1
 
     def size(self, n: int, delays: dict) -> str:
         """One size: deploy, start time, memory, idle CPU, the load, delete: "ok", "failed" (over FAILED_MAX of
         its requests not answered) or "skipped" (it does not fit in memory)."""
-        import psutil
-
-        from bench.measure import CpuAccount
-
         a, avail = self.args, psutil.virtual_memory().available
         if self.replica_bytes is not None and not (fit := fits(n, self.replica_bytes, avail))[0]:
             self.res["skipped"][str(n)] = fit[1]
@@ -487,7 +445,7 @@ class Sim:
             return "skipped"
         row: dict = {"available_gib_before": avail / GIB}
         log(f"N={n}: deploying")
-        row["start_s"], d = self.deploy(app_args(delays, dict(min_replicas=n, max_replicas=n, initial_replicas=n)), n)
+        row["start_s"], d = self.deploy(app_args(delays, n), n)
         log(f"N={n}: {n} replicas running after {row['start_s']:.1f} s")
         pss = row["replica_pss_mib"] = self.pss_mib(d)
         if self.replica_bytes is None and pss:
@@ -557,8 +515,7 @@ class Sim:
 
     def run(self) -> int:
         a = self.args
-        eng = self.engine()
-        delays = self.res["fake_engine"] = fake_delays(eng["ttft_s"], eng["itl_s"], a.max_tokens)
+        delays = self.delays()
         self.res["settings"] = {**vars(a), "out": str(a.out), "serve_env": self.serve_env()}
         self.res["settings"]["slept_ms_per_request"] = slept_s(delays, a.max_tokens) * 1e3
         try:
@@ -569,11 +526,14 @@ class Sim:
                 self.res["largest_that_worked"] = n
         finally:
             self.stop()
-        return 0 if not self.res["errors"] and not self.res["stopped_left_running"] else 1
+        return self.status()
 
 
-def add_cluster_flags(add) -> None:
-    """The flags bench.failures shares: the FakeEngine's requests and delays, the cluster, where results go."""
+def parser(module: str, doc: str) -> argparse.ArgumentParser:
+    """The command line with the flags bench.failures shares: the FakeEngine's requests and delays, the cluster,
+    where results go."""
+    ap = argparse.ArgumentParser(prog=f"python -m {module}", description=doc.split("\n\n")[0])
+    add = ap.add_argument
     add("--max-tokens", type=int, default=64)
     add("--prompt-tokens", type=int, default=256)
     add("--seed", type=int, default=20261203)
@@ -583,22 +543,31 @@ def add_cluster_flags(add) -> None:
     add("--start-timeout", type=float, default=900.0)
     add("--serve-env", action="append", default=[], metavar="KEY=VALUE", help="for the Ray cluster; repeatable")
     add("--out", type=Path, default=Path("bench/.work/simulate"), help="bench/results/simulate holds the records")
+    add("--dry-run", action="store_true", help="print the settings and exit; starts nothing")
+    return ap
 
 
 def parse(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m bench.simulate", description=__doc__.split("\n\n")[0])
+    ap = parser("bench.simulate", __doc__)
     add = ap.add_argument
     add("--sizes", default="1,8,32,64,128", type=lambda s: [int(x) for x in s.split(",")])
     add("--rate", type=float, default=20.0, help="offered load per size, requests/s (vllm bench serve's)")
     add("--seconds", type=float, default=60.0, help="load per size")
     add("--idle-seconds", type=float, default=20.0, help="idle window per size, before its load")
     add("--request-timeout", type=float, default=90.0, help="added to each load's own time limit")
-    add_cluster_flags(add)
-    add("--dry-run", action="store_true", help="print the settings and exit; starts nothing")
     add("--driver", action="store_true", help=argparse.SUPPRESS)
     add("--address", help=argparse.SUPPRESS)
     add("--http-port", type=int, help=argparse.SUPPRESS)
     return ap.parse_args(argv)
+
+
+def run_main(cls, args) -> int:
+    """--dry-run prints the settings; else `cls(args).run()`, a SIGTERM still stopping what it started."""
+    if args.dry_run:
+        print(json.dumps({**vars(args), "out": str(args.out)}, indent=1))
+        return 0
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    return cls(args).run()
 
 
 def main(argv=None) -> int:
@@ -606,11 +575,7 @@ def main(argv=None) -> int:
     if args.driver:
         driver_main(args.address, args.http_port)
         return 0
-    if args.dry_run:
-        print(json.dumps({**vars(args), "out": str(args.out)}, indent=1))
-        return 0
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a stop by SIGTERM still stops what was started
-    return Sim(args).run()
+    return run_main(Sim, args)
 
 
 if __name__ == "__main__":

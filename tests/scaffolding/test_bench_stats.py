@@ -59,7 +59,7 @@ def test_the_full_run_rotates_its_arms_on_shared_prompts(monkeypatch):
     calls = _fake_batches(monkeypatch, {"{}": 10.0, '{"return_hidden_states": true}': 9.0})
     args = cli.parse(["--parts", "hs", "--concurrency", "1,8", "--rounds", "6", "--requests", "4"])
     args.part = "hs"
-    eps = {"ours": Endpoint("ours", "ours", "http://h/v1/completions", "m")}
+    eps = {"ours": Endpoint("ours", "http://h/v1/completions", "m")}
     r = cli.measure(cli.PARTS["hs"], eps, "/tok", args, None, "m")
     assert len(calls) == 6 * 3 * 2 and all(n == 4 for _, n, _, _, _ in calls)
     firsts = [calls[6 * k][4] for k in range(3)]
@@ -85,7 +85,7 @@ def test_the_full_run_sends_its_fields_through_vllm_bench_serve(tmp_path, monkey
     from bench import cli
     from bench.measure import CpuAccount
 
-    ep = Endpoint("ours", "ours", "http://127.0.0.1:8000/v1/completions", "m")
+    ep = Endpoint("ours", "http://127.0.0.1:8000/v1/completions", "m")
     argv = cli.serve_argv(ep, "/tok", 16, 8, 3, (128, 32), {"return_hidden_states": True}, tmp_path / "r.json")
     parser = argparse.ArgumentParser()
     add_cli_args(parser)

@@ -9,7 +9,6 @@ import time
 import pytest
 
 from bench import simulate as sim
-from bench.measure import pct
 from hidden_states.interface import SamplingOptions
 from hidden_states.testing import FakeEngine
 
@@ -49,10 +48,8 @@ def test_memory_gate_leaves_four_gib():
     assert not ok and "128 replicas x 228 MiB" in why and "< 4 GiB spare" in why
 
 
-def test_percentile_and_deploy_config():
-    assert pct([], 50) is None  # bench.measure's, which bench.simulate uses
-    assert pct([3, 1, 2], 50) == 2 and pct([0, 10], 99) == pytest.approx(9.9)
-    args = sim.app_args({"token_delay_s": 0.0, "first_token_delay_s": 2.6}, {"min_replicas": 4, "max_replicas": 4})
+def test_deploy_config():
+    args = sim.app_args({"token_delay_s": 0.0, "first_token_delay_s": 2.6}, 4)
     cfg = sim.deploy_config(args, 8410)
     app = cfg["applications"][0]
     assert app["import_path"] == "bench.simulate:fake_app" and app["args"] == args
