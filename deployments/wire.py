@@ -6,12 +6,16 @@
   is interface.CompletionChoice field for field, its rows raw little-endian bytes as the engine cast
   them (`to_wire` / `from_wire`, the one encoder and decoder).
 
-Every message names its wire version (`WIRE`, a msgspec tag); another version is refused with
-`WireVersionError` naming both. Bump `WIRE_VERSION` whenever a struct here changes shape.
+Every message names its wire version (`WIRE`, a msgspec tag: `WIRE_VERSION` and the digest of the choice's
+shape); another version is refused with `WireVersionError` naming both. Bump `WIRE_VERSION` whenever a struct
+written out here changes shape.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import typing
 from typing import Any
 
 import msgspec
@@ -20,8 +24,55 @@ import numpy as np
 from hidden_states.interface import CompletionChoice, ExtractionStats, RowBatch
 from hidden_states.protocol import numpy_dtype
 
-WIRE_VERSION = 5
-WIRE = f"hidden-states-wire/{WIRE_VERSION}"
+
+class HandleStats(msgspec.Struct, array_like=True, gc=False):
+    """A choice's work as the engine counted it (interface.ExtractionStats)."""
+
+    tokens: int
+    cached_tokens: int
+    seconds: float
+    via: str
+
+
+class HandleRows(msgspec.Struct, array_like=True, gc=False):
+    """A choice's rows (interface.RowBatch) as the engine cast them: `positions` int64, and per layer the
+    row-major little-endian elements of `dtype` [n, width] (bfloat16: the high 16 bits of float32),
+    top-k's int32 indices alike. Decoded as bytearray: numpy views them, writable, with no copy."""
+
+    positions: bytearray
+    dtype: str
+    width: int  # 0: no layers (heads alone: the positions only)
+    values: dict[int, bytearray] = {}
+    indices: dict[int, bytearray] | None = None
+
+
+# HandleChoice is interface.CompletionChoice field for field. Its first six are converted (the token ids as a list,
+# the rows as raw bytes, the work as HandleStats); the rest (SHARED) are CompletionChoice's own, by name, type and
+# default, so a field added to the one choice travels on the handle wire with no line here, and the wire's version
+# (its shape's digest) changes with it.
+_CONVERTED = [
+    ("index", int),
+    ("text", str),
+    ("token_ids", list[int]),
+    ("finish_reason", str | None),
+    ("rows", HandleRows | None, None),
+    ("stats", HandleStats | None, None),  # None: no extraction step for it (prompt_end, or none asked)
+]
+_HINTS = typing.get_type_hints(CompletionChoice)
+_SHARED_FIELDS = [(f.name, _HINTS[f.name], f.default) for f in dataclasses.fields(CompletionChoice)][len(_CONVERTED) :]
+SHARED = tuple(name for name, _, _ in _SHARED_FIELDS)
+HandleChoice = msgspec.defstruct(
+    "HandleChoice", _CONVERTED + _SHARED_FIELDS, array_like=True, gc=False, module=__name__
+)
+
+
+def shape_digest(fields: list[tuple[str, Any, Any]]) -> str:
+    """The digest of a choice's shared fields (name, type, default) that names the wire's version."""
+    return hashlib.sha256(repr(fields).encode()).hexdigest()[:8]
+
+
+WIRE_VERSION = 5  # bump when a struct written out here changes shape (HandleChoice's shape is in its digest)
+WIRE = f"hidden-states-wire/{WIRE_VERSION}.{shape_digest(_SHARED_FIELDS)}"
 _VERSIONED = dict(tag=WIRE, tag_field="wire")
 
 
@@ -53,52 +104,6 @@ class HandleCompletionRequest(msgspec.Struct, omit_defaults=True, forbid_unknown
     # The request's hidden-states fields as a JSON object, as over HTTP (params.HiddenStatesFields, parsed
     # once by the Router: params.parse_fields); a handle asks for the final token's vector by default.
     hidden_states: dict[str, Any] = msgspec.field(default_factory=lambda: {"return_hidden_states": True})
-
-
-class HandleStats(msgspec.Struct, array_like=True, gc=False):
-    """A choice's work as the engine counted it (interface.ExtractionStats)."""
-
-    tokens: int
-    cached_tokens: int
-    seconds: float
-    via: str
-
-
-class HandleRows(msgspec.Struct, array_like=True, gc=False):
-    """A choice's rows (interface.RowBatch) as the engine cast them: `positions` int64, and per layer the
-    row-major little-endian elements of `dtype` [n, width] (bfloat16: the high 16 bits of float32),
-    top-k's int32 indices alike. Decoded as bytearray: numpy views them, writable, with no copy."""
-
-    positions: bytearray
-    dtype: str
-    width: int  # 0: no layers (heads alone: the positions only)
-    values: dict[int, bytearray] = {}
-    indices: dict[int, bytearray] | None = None
-
-
-class HandleChoice(msgspec.Struct, array_like=True, gc=False):
-    """interface.CompletionChoice, field for field (`to_wire` / `from_wire`)."""
-
-    index: int
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None
-    rows: HandleRows | None = None
-    stats: HandleStats | None = None  # None: no extraction step for it (prompt_end, or none asked)
-    multi: bool = False  # several positions: rows [n, width]; else the one row, 1-D (shape.squeeze)
-    proofs: tuple[str, ...] | None = None  # hidden_states_proof: base64, the scheme's format
-    heads: dict[str, Any] | None = None  # hidden_states_heads: {head: outputs} as over HTTP
-    steering: list[dict[str, Any]] | None = None  # hidden_states_steering applied, as hidden_states_meta echoes it
-    stop: dict[str, Any] | None = None  # hidden_states_stop: the condition that finished it (None: none did)
-    stop_asked: bool = False  # the request had stop conditions
-    position: Any = None  # the request's position (a name, a range, or "proof")
-    topk: int | None = None  # hidden_states_topk
-    modalities: list[dict[str, Any]] | None = None  # the prompt's media items and their positions
-    proof_index: int = 0  # hidden_states_proof: its first proof's index
-    prompt_tokens: int | None = None  # hidden_states_proof: its prompt's length
-    head_bytes: int | None = None  # the heads' outputs as they travelled in the engine (None: no heads)
-    final: bool = True  # the whole choice
-    pool: int | None = None  # hidden_states_pool: the rows its vector is the mean of
 
 
 def _le(arr: np.ndarray, dtype: Any) -> bytes:
@@ -140,25 +145,6 @@ def from_wire(ch: HandleChoice) -> CompletionChoice:
             else {layer: np.frombuffer(b, "<i4").reshape(shape) for layer, b in hr.indices.items()},
         )
     return CompletionChoice(ch.index, ch.text, tuple(ch.token_ids), ch.finish_reason, rows, stats, **_shared(ch))
-
-
-# The fields HandleChoice and CompletionChoice share by name and value (all but the text's, the rows and the work).
-SHARED = (
-    "multi",
-    "proofs",
-    "heads",
-    "steering",
-    "stop",
-    "stop_asked",
-    "position",
-    "topk",
-    "modalities",
-    "proof_index",
-    "prompt_tokens",
-    "head_bytes",
-    "final",
-    "pool",
-)
 
 
 def _shared(ch: Any) -> dict[str, Any]:

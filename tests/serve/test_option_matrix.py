@@ -539,10 +539,18 @@ def _stream_transcript(events: list[Any]) -> dict[str, Any]:
             "finish_with_its_token": bool(last.get("token_ids")) if last is not None and "token_ids" in last else None,
         }
     with_choices = [e for e in chunks if e.get("choices")]
+
+    def fields(e: dict) -> str:
+        return json.dumps({k: v for k, v in e.items() if k not in ("choices", "usage")}, sort_keys=True)
+
+    # vLLM stamps system_fingerprint on a choice's terminal chunk only; whether a choice streams as one chunk
+    # (terminal) or several is a chunk boundary (timing), so the other chunks' fields are compared as the
+    # terminal ones' without it, not by whether any such chunk came.
+    terminal = [e for e in chunks if not e.get("choices") or any(c.get("finish_reason") for c in e["choices"])]
+    plain = {fields({k: v for k, v in e.items() if k != "system_fingerprint"}) for e in terminal}
     return {
-        "chunk_fields": sorted(
-            {json.dumps({k: v for k, v in e.items() if k not in ("choices", "usage")}, sort_keys=True) for e in chunks}
-        ),
+        "chunk_fields": sorted({fields(e) for e in terminal}),
+        "other_chunks_fields_as_terminal_ones": all(fields(e) in plain for e in chunks if e not in terminal),
         "choices": choices,
         "usage_chunks": [e.get("usage", _ABSENT) for e in chunks if not e.get("choices")],
         "usage_on_choice_chunks": sorted({e.get("usage") is not None for e in with_choices}),

@@ -123,15 +123,25 @@ def test_a_choice_s_work_crosses_the_handle_as_the_engine_counted_it(stats):
 
 
 def test_the_handle_choice_carries_every_field_of_the_one_choice():
-    """HandleChoice is CompletionChoice field for field: wire.SHARED names every field they share beyond the
-    first six (text, tokens, rows, work), so a field added to one and not the other fails here."""
+    """HandleChoice is CompletionChoice field for field: its fields past the first six (text, tokens, rows, work)
+    are CompletionChoice's by name, type and default, and a choice of every field round-trips; another shape of
+    those fields names another wire version."""
     import dataclasses
+    import typing
 
-    import msgspec
-
-    from deployments import wire
-    from hidden_states.interface import CompletionChoice
-
-    ours = [f.name for f in dataclasses.fields(CompletionChoice)][6:]
-    handle = list(msgspec.structs.fields(wire.HandleChoice))[6:]
-    assert ours == [f.name for f in handle] == list(wire.SHARED)
+    ours = dataclasses.fields(CompletionChoice)[6:]
+    handle = msgspec.structs.fields(wire.HandleChoice)[6:]
+    hints = typing.get_type_hints(CompletionChoice)
+    assert [(f.name, hints[f.name], f.default) for f in ours] == [(f.name, f.type, f.default) for f in handle]
+    assert [f.name for f in ours] == list(wire.SHARED)
+    full = CompletionChoice(
+        1, "t", (5,), "length", None, ExtractionStats(3, 1, 0.5, "tail"), True, ("p",), {"h": [1.0]},
+        [{"op": "add"}], {"condition": 0}, True, "all", 4, [{"m": "image"}], 2, 7, 16, False, 3,
+    )  # fmt: skip
+    back = wire.from_wire(wire.REPLY_DECODER.decode(wire.ENCODER.encode(
+        HandleReply(ok=HandleCompletion("r", "x", [1], [wire.to_wire(full)]))
+    )).ok.choices[0])  # fmt: skip
+    assert back == full
+    fields = [(f.name, hints[f.name], f.default) for f in ours]
+    assert wire.WIRE.endswith(wire.shape_digest(fields))
+    assert wire.shape_digest(fields + [("more", int, 0)]) != wire.shape_digest(fields)
