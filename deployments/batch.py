@@ -247,8 +247,9 @@ class EngineWorker:
 
 def worker_resources(app: Any) -> dict[str, float]:
     """Ray resources for one engine actor (AppArgs `app`), as a replica's: a CPU engine one CPU per
-    tensor-parallel worker; a GPU engine one GPU per worker (vLLM runs them as the actor's own processes)."""
-    tp = int(app.engine.get("tensor_parallel_size", 1))
+    worker (tensor-parallel rank x pipeline stage); a GPU engine one GPU per worker (vLLM runs them as the
+    actor's own processes)."""
+    tp = app.ranks()
     if app.resolved_accelerator() == "cpu":
         return {"num_cpus": tp}
     return {"num_cpus": 1, "num_gpus": tp}

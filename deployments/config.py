@@ -1,8 +1,8 @@
 """The app's arguments (`applications[0].args` in config.yaml), validated at the boundary.
 
-Replica resources derive from the engine arguments: tensor_parallel_size GPUs (GPU engines) or
-CPUs (CPU engines). `lora_modules` turn on `enable_lora` with `max_loras` = their number and
-`max_lora_rank` = their largest rank; `engine` overrides each.
+Replica resources derive from the engine arguments: one GPU (GPU engines) or CPU (CPU engines) per
+rank, tensor_parallel_size x pipeline_parallel_size. `lora_modules` turn on `enable_lora` with `max_loras` =
+their number and `max_lora_rank` = their largest rank; `engine` overrides each.
 """
 
 from __future__ import annotations
@@ -294,9 +294,13 @@ class AppArgs(BaseModel):
             }
         return base | self.engine
 
+    def ranks(self) -> int:
+        """The engine's worker processes: tensor_parallel_size x pipeline_parallel_size."""
+        return int(self.engine.get("tensor_parallel_size", 1)) * int(self.engine.get("pipeline_parallel_size", 1))
+
     def replica_options(self) -> dict[str, Any]:
         """Ray resources for one engine replica, from the engine's parallelism."""
-        tp = int(self.engine.get("tensor_parallel_size", 1))
+        tp = self.ranks()
         env = self.serve_env | self.replica_env
         opts: dict[str, Any] = {
             "autoscaling_config": self.replica_autoscaling.model_dump(exclude_none=True),
@@ -305,7 +309,7 @@ class AppArgs(BaseModel):
         if self.resolved_accelerator() == "cpu":
             # Unbound OpenMP threads: replicas sharing a node must not pin the same cores.
             env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-            # One CPU per tensor-parallel worker: vLLM runs them as processes of the replica's own.
+            # One CPU per worker (tensor-parallel rank x pipeline stage): vLLM runs them as processes of the replica's.
             opts["ray_actor_options"] = {"num_cpus": tp, "runtime_env": {"env_vars": env}}
         elif tp == 1:
             opts["ray_actor_options"] = {"num_gpus": 1, "num_cpus": 1, "runtime_env": {"env_vars": env}}

@@ -31,6 +31,7 @@ EXERCISED: dict[str, str] = {
     "async_scheduling": "tests/engine/test_async_scheduling.py::test_async_tail_vectors_exact_and_one_position_each",
     "max_model_len": _E + "test_a_completion_that_reaches_max_model_len",
     "tensor_parallel_size": _P + "test_tail_and_extraction_vectors_exact_on_two_ranks",
+    "pipeline_parallel_size": "tests/engine/test_pipeline_capture.py::test_pp2_vectors_exact_by_tail_and_extraction",
     "distributed_executor_backend": _P + "test_tail_and_extraction_vectors_exact_on_two_ranks",
     "block_size": "tests/engine/test_engine.py::test_long_prompt_spans_blocks_and_chunks_and_hits_prefix_cache",
     "kv_cache_memory_bytes": "tests/engine/test_engine.py::test_kv_cache_is_resident_from_the_start",
@@ -58,9 +59,6 @@ REFUSED: dict[str, str] = {
     "worker_extension_cls": "this server's worker extension (hidden_states/vllm/worker/extension.py) installs the hook",
     "worker_cls": "the hook is installed on and checked against vLLM's own workers only",
     "diffusion_config": "diffusion models fill many positions per step: there is no one row of the final token",
-    "pipeline_parallel_size": "the rows are read on rank 0, and under pipeline parallelism only the last stage "
-    "holds them (ledger point 4); vLLM's CPU engine itself runs two stages with ledger point 22 "
-    "(tests/engine/test_pipeline.py), but the capture does not serve them yet",
     "data_parallel_size": "each data-parallel rank is an engine core with its own prefix cache and scheduler: an "
     "extraction step may land on another rank than its choice; scale out with Serve "
     "replicas (replica_autoscaling) instead",
@@ -109,7 +107,6 @@ ACCEPTED: dict[str, Callable[[Any], bool]] = {
         _unset(v) or v == "hidden_states.vllm.worker.extension.HiddenStatesWorkerExtension"
     ),
     "worker_cls": lambda v: _unset(v) or v == "auto",
-    "pipeline_parallel_size": lambda v: int(v) == 1,
     "data_parallel_size": lambda v: int(v) == 1,
     "prefill_context_parallel_size": lambda v: int(v) == 1,
     "decode_context_parallel_size": lambda v: int(v) == 1,
@@ -442,12 +439,59 @@ def with_defaults(engine_args: Mapping[str, Any], hidden_states: bool, cpu: bool
     return out
 
 
+# Under pipeline parallelism (pipeline_parallel_size > 1) the last stage sends the rows (its layers and the final
+# norm's), every stage applies the steering at its own layers; what is not served with it yet, by the argument
+# that asks for it (`pipeline_refusal`).
+PIPELINE_REFUSED: dict[str, str] = {
+    "enforce_eager": "the compiled engine's traced layers (capture_layers) are not split across stages yet: run "
+    "enforce_eager: true",
+    "async_scheduling": "under async scheduling a conditional steering entry is decided by the worker that scored "
+    "the row before, which under pipeline parallelism is another stage's: run async_scheduling: false",
+    "speculative_config": "speculative decoding is not checked with hidden states under pipeline parallelism",
+    "enable_lora": "LoRA adapters are not checked with hidden states under pipeline parallelism",
+    "distributed_executor_backend": "only vLLM's multiprocessing executor (mp, one machine) is checked with hidden "
+    "states under pipeline parallelism",
+    "multimodal": "a multimodal model's layers (DeepStack's additions between them) are not checked with hidden "
+    "states under pipeline parallelism",
+}
+
+
+def pipeline_refusal(pp: int, num_layers: int | None, asked: Mapping[str, Any]) -> EngineStartupError | None:
+    """The refusal of a pipeline-parallel engine (`pp` stages of a model of `num_layers` decoder layers) whose
+    resolved or asked arguments (`asked`: name -> value, PIPELINE_REFUSED's names) need what it cannot serve."""
+    if pp <= 1:
+        return None
+    if num_layers is not None and pp > num_layers:
+        return EngineStartupError(
+            f"engine argument pipeline_parallel_size={pp} exceeds the model's {num_layers} decoder layers: each "
+            f"stage needs one at least (pipeline_parallel_size 1..{num_layers})"
+        )
+    bad = {
+        "enforce_eager": lambda v: v is False,
+        "async_scheduling": lambda v: v is True,
+        "speculative_config": lambda v: not _unset(v),
+        "enable_lora": lambda v: v is True,
+        "distributed_executor_backend": lambda v: v not in (None, "mp"),
+        "multimodal": lambda v: v is True,
+    }
+    for name, value in asked.items():
+        if name in bad and bad[name](value):
+            return EngineStartupError(
+                f"engine argument {name}={value!r} cannot be combined with pipeline_parallel_size={pp} and hidden "
+                f"states: {PIPELINE_REFUSED[name]} (hidden_states/vllm/engine_args.py)"
+            )
+    return None
+
+
 def refuse(engine_args: Mapping[str, Any], vllm_config: Any = None) -> None:
     """Raises EngineStartupError naming a refused argument; with `vllm_config`, also a refused feature
     in the resolved configuration however it was asked for."""
     for name, value in engine_args.items():
         if name in REFUSED and not ACCEPTED[name](value):
             raise _refusal(name, value)
+    pp = int(engine_args.get("pipeline_parallel_size") or 1)
+    if (e := pipeline_refusal(pp, None, engine_args)) is not None:
+        raise e
     if not _unset(engine_args.get("speculative_config")) and engine_args.get("async_scheduling") is True:
         raise EngineStartupError(
             f"engine arguments speculative_config and async_scheduling=True cannot be combined "
@@ -464,7 +508,6 @@ def refuse(engine_args: Mapping[str, Any], vllm_config: Any = None) -> None:
         )
     pc, mc = getattr(vllm_config, "parallel_config", None), getattr(vllm_config, "model_config", None)
     resolved = {  # read as vLLM 0.32 names them; an attribute a config lacks counts as the feature off
-        "pipeline_parallel_size": getattr(pc, "pipeline_parallel_size", 1),
         "data_parallel_size": getattr(pc, "data_parallel_size", 1),
         "prefill_context_parallel_size": getattr(pc, "prefill_context_parallel_size", 1),
         "decode_context_parallel_size": getattr(pc, "decode_context_parallel_size", 1),
@@ -475,3 +518,18 @@ def refuse(engine_args: Mapping[str, Any], vllm_config: Any = None) -> None:
     for name, value in resolved.items():
         if not ACCEPTED[name](value):
             raise _refusal(name, value)
+    sc = getattr(vllm_config, "scheduler_config", None)
+    pipeline = pipeline_refusal(
+        int(getattr(pc, "pipeline_parallel_size", 1) or 1),
+        getattr(getattr(mc, "hf_text_config", None), "num_hidden_layers", None),
+        {
+            "enforce_eager": getattr(mc, "enforce_eager", True),
+            "async_scheduling": getattr(sc, "async_scheduling", False),
+            "speculative_config": getattr(vllm_config, "speculative_config", None),
+            "enable_lora": getattr(vllm_config, "lora_config", None) is not None,
+            "distributed_executor_backend": getattr(pc, "distributed_executor_backend", None),
+            "multimodal": bool(getattr(mc, "is_multimodal_model", False)),
+        },
+    )
+    if pipeline is not None:
+        raise pipeline

@@ -151,7 +151,7 @@ def test_every_refused_argument_is_refused_by_name_and_its_default_passes():
     "arg",
     [
         {"data_parallel_size": 2},
-        {"pipeline_parallel_size": 2},
+        {"pipeline_parallel_size": 2, "enforce_eager": False},
         {"scheduler_cls": BAD["scheduler_cls"]},
         {"kv_offloading_size": 1.0},
     ],
@@ -165,11 +165,47 @@ def test_refused_arguments_stop_the_engine_before_vllm_starts(loop_thread, arg):
     from hidden_states.preflight import EngineStartupError
     from hidden_states.vllm.engine import HiddenStatesEngine
 
-    (name,) = arg
+    name = list(arg)[-1]
     t0 = time.monotonic()
-    with pytest.raises(EngineStartupError, match=rf"engine argument {name}=.*cannot be combined with hidden states"):
-        loop_thread.run(HiddenStatesEngine.start(TEST_MODEL, **TEST_ENGINE_ARGS, **arg), timeout=60)
+    with pytest.raises(EngineStartupError, match=rf"engine argument {name}=.*cannot be combined with .*hidden states"):
+        loop_thread.run(HiddenStatesEngine.start(TEST_MODEL, **{**TEST_ENGINE_ARGS, **arg}), timeout=60)
     assert time.monotonic() - t0 < 5
+
+
+@pytest.mark.parametrize(
+    "name, value",
+    [
+        ("enforce_eager", False),
+        ("async_scheduling", True),
+        ("speculative_config", {"method": "ngram", "num_speculative_tokens": 3}),
+        ("enable_lora", True),
+        ("distributed_executor_backend", "ray"),
+        ("multimodal", True),
+    ],
+)
+def test_what_pipeline_parallelism_does_not_serve_yet_is_refused_by_name(name, value):
+    """Each argument PIPELINE_REFUSED names stops a pipeline-parallel start, named with why; one stage takes it,
+    and so do the values that turn it off."""
+    from hidden_states.preflight import EngineStartupError
+    from hidden_states.vllm.engine_args import PIPELINE_REFUSED, pipeline_refusal, refuse
+
+    e = pipeline_refusal(2, 2, {name: value})
+    assert e is not None and f"engine argument {name}={value!r}" in str(e) and PIPELINE_REFUSED[name] in str(e)
+    assert pipeline_refusal(1, 2, {name: value}) is None
+    off = {"enforce_eager": True, "async_scheduling": False, "speculative_config": None, "enable_lora": False,
+           "distributed_executor_backend": "mp", "multimodal": False}  # fmt: skip
+    assert pipeline_refusal(2, 2, off) is None
+    if name != "multimodal":  # (resolved from the model, never an engine argument)
+        with pytest.raises(EngineStartupError, match=rf"engine argument {name}="):
+            refuse({"pipeline_parallel_size": 2, name: value})
+
+
+def test_more_stages_than_layers_is_refused_with_what_is_possible():
+    from hidden_states.vllm.engine_args import pipeline_refusal
+
+    e = pipeline_refusal(3, 2, {})
+    assert "pipeline_parallel_size=3" in str(e) and "1..2" in str(e), e
+    assert pipeline_refusal(2, 2, {}) is None
 
 
 def test_speculative_decoding_under_async_scheduling_is_refused():
@@ -236,7 +272,6 @@ def test_the_resolved_configuration_is_checked_too(model_dir):
 
     refuse({}, fake())
     for change, name in (
-        ({"pipeline_parallel_size": 2}, "pipeline_parallel_size"),
         ({"data_parallel_size": 2}, "data_parallel_size"),
         ({"decode_context_parallel_size": 2}, "decode_context_parallel_size"),
         ({"runner_type": "pooling"}, "runner"),  # e.g. `runner: auto` on an embedding model

@@ -26,7 +26,7 @@ from hidden_states.protocol import (
 )
 from hidden_states.vllm import VERIFIED_LAYER_ARCHS, unverified_reason
 from hidden_states.vllm.patches.runner_step import on_output
-from hidden_states.vllm.worker.layers import entry_site, final_norm_in_logits, layer_capture_support
+from hidden_states.vllm.worker.layers import entry_site, final_norm_in_logits, layer_capture_support, stage_layers
 from hidden_states.vllm.worker.steering import StepSteering
 from hidden_states.vllm.worker.traced import TRACED_ATTR
 
@@ -266,13 +266,15 @@ class _RunnerHook:
         info["final_norm_in_logits"] = self.final_norm is not None
         self.layer_hooks = 0
         if layers is not None:
-            for i in range(len(layers)):
+            here = stage_layers(layers)  # under pipeline parallelism, this stage's
+            for i in here:
                 module, at = entry_site(layers, i)
                 if at == "input":
                     module.register_forward_pre_hook(self._make_pre_hook(i), with_kwargs=True)
                 else:
                     module.register_forward_hook(self._make_post_hook(i), with_kwargs=True)
-            self.layer_hooks = len(layers)
+            self.layer_hooks = len(here)
+            info["stage_layers"] = [here[0], here[-1] + 1] if here else [0, 0]
         else:
             logger.info("intermediate hidden-state layers unavailable on %s: %s", arch, why)
         return {
@@ -399,7 +401,7 @@ class _RunnerHook:
         return list(dict.fromkeys([*e.layers, *(self.heads[h[0]].spec.layer for h in (*e.heads, *e.monitors))]))
 
     def _make_pre_hook(self, layer: int):
-        """Layer 0 (the embeddings): at the input of decoder layer 0."""
+        """Layer 0 (the embeddings), or a later pipeline stage's first layer: at the input of its decoder layer."""
         entry = self._entry(layer)
 
         def pre_hook(module, args, kwargs):

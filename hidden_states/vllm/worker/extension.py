@@ -66,9 +66,11 @@ class HiddenStatesWorkerExtension(CPUWorkerSteps):
             hook = runner._hidden_states_hook
             return {**hook.layer_info, "installed": False, "heads": hook.install_heads(heads or [])}
         hook = _hook_class()(runner)
-        # Tensor-parallel ranks hold identical rows after the all-reduce; the executor returns
-        # only the output rank's ModelRunnerOutput (rank 0 without pipeline parallelism).
-        attaches = hook.attaches = getattr(self, "rank", 0) == 0
+        # Tensor-parallel ranks hold identical rows after the all-reduce; the executor returns only the output
+        # rank's ModelRunnerOutput: the last pipeline stage's first tensor-parallel rank (rank 0 without
+        # pipeline parallelism), as vLLM's executors pick it (ledger point 4).
+        pc = runner.vllm_config.parallel_config
+        attaches = hook.attaches = getattr(self, "rank", 0) == pc.world_size - pc.tensor_parallel_size
         runner._hidden_states_hook = hook
         hook.layer_info = hook.install_layer_hooks()
         # execute_model / sample_tokens (point 2), _model_forward (16), embed_multimodal (14), the CPU
@@ -80,7 +82,7 @@ class HiddenStatesWorkerExtension(CPUWorkerSteps):
             attaches,
             hook.layer_info["layer_capture_reason"] or f"{hook.layer_hooks} decoder layers",
         )
-        return {**hook.layer_info, "installed": True, "heads": hook.install_heads(heads or [])}
+        return {**hook.layer_info, "installed": True, "attaches": attaches, "heads": hook.install_heads(heads or [])}
 
     def hidden_states_stats(self) -> dict:
         trimmer = getattr(self, "_hidden_states_trimmer", None)

@@ -80,14 +80,31 @@ def _residual_norm_of(layer_cls: type) -> tuple[str | None, str | None]:
     )
 
 
+def on_this_stage(layer: Any) -> bool:
+    """Whether a decoder layer runs in this process: under pipeline parallelism vLLM keeps the other stages'
+    layers as `PPMissingLayer` placeholders (vllm.model_executor.models.utils.make_layers)."""
+    return type(layer).__name__ != "PPMissingLayer"
+
+
+def stage_layers(decoder: list) -> list[int]:
+    """The layers 0..n-1 whose site is in this process: those whose decoder layer runs here (all of them
+    without pipeline parallelism)."""
+    return [i for i, layer in enumerate(decoder) if on_this_stage(layer)]
+
+
 def entry_site(decoder: list, layer: int) -> tuple[Any, str]:
     """Where layer `layer`'s rows are read and its steering applied: (module, "input" | "output").
 
     Layer L is transformers' `hidden_states[L]`: the embeddings (the input of decoder layer 0) for
     L = 0, the output of decoder layer L-1 for 1 <= L < n. Read at that output (hidden + residual),
     not at the input of layer L: a model may add to the stream between the two (Qwen3-VL's DeepStack
-    adds visual features after layers 0..k-1), and transformers records the output."""
-    return (decoder[0], "input") if layer == 0 else (decoder[layer - 1], "output")
+    adds visual features after layers 0..k-1), and transformers records the output. Under pipeline
+    parallelism a layer's site is on the stage that runs decoder layer L: a stage's first layer is read at
+    its input, the stream (hidden + residual) the stage before sent (engine_args refuses pipeline
+    parallelism for multimodal models, DeepStack's among them)."""
+    if layer == 0 or not on_this_stage(decoder[layer - 1]):
+        return decoder[layer], "input"
+    return decoder[layer - 1], "output"
 
 
 def text_model(model: Any) -> Any:
@@ -110,7 +127,7 @@ def layer_capture_support(model: Any, num_layers: int, hidden_size: int) -> tupl
     if len(layers) != num_layers:
         return None, f"{type(model).__name__}.model.layers holds {len(layers)} layers, the config {num_layers}"
     norms: dict[type, str] = {}
-    for cls in dict.fromkeys(type(layer) for layer in layers):
+    for cls in dict.fromkeys(type(layer) for layer in layers if on_this_stage(layer)):
         norm, why = _residual_norm_of(cls)
         if norm is None:
             return None, why
