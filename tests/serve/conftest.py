@@ -97,6 +97,13 @@ def app_args(**over) -> dict:
     return args
 
 
+def last_stage_heads() -> list[dict]:
+    """The test heads at layers 1 and 2 of the tiny Llama: its last stage's under pipeline parallelism 2."""
+    from tests.heads_ref import HEAD_LAYERS, build_test_heads
+
+    return [h for h in build_test_heads() if HEAD_LAYERS[h["name"]] != 0]
+
+
 def vlm_args(model: str) -> dict:
     return app_args(
         model=model,
@@ -173,6 +180,16 @@ APPS = {
             replica_autoscaling={"min_replicas": 1, "max_replicas": 1},
         ),
     ),
+    # one replica whose engine runs pipeline parallelism 2: two CPU worker processes, one stage each (eager);
+    # the test heads of the last stage's layers (heads run there: one at layer 0 stops the start)
+    "hs-pp2": (
+        "/pp2",
+        lambda: app_args(
+            engine={**TEST_ENGINE_ARGS, "pipeline_parallel_size": 2, "enforce_eager": True},
+            heads=last_stage_heads(),
+            replica_autoscaling={"min_replicas": 1, "max_replicas": 1},
+        ),
+    ),
     # one replica whose engine runs n-gram speculative decoding (3 draft tokens per step); compiled
     "hs-spec": (
         "/spec",
@@ -215,6 +232,7 @@ APP_FIXTURES = {
     "fault_app": "hs-guarded",
     "lora_app": "hs-lora",
     "tp2_app": "hs-tp2",
+    "pp2_app": "hs-pp2",
     "spec_app": "hs-spec",
     "gemma3_vlm_app": "hs-gemma3-vlm",
     "llava_app": "hs-llava",
@@ -309,6 +327,7 @@ for _name in (
     "lora_app",
     "spec_app",
     "tp2_app",
+    "pp2_app",
     "gemma3_vlm_app",
     "llava_app",
     "embeds_app",

@@ -68,9 +68,11 @@ POINTS: tuple[Point, ...] = (
         "internals read",
         ("frontend", "worker"),
         None,
-        "pipeline/data parallelism, KV connectors, spec decoding under async scheduling and the rest of "
-        "engine_args.REFUSED refused by name (engine_args.refuse, at start and in each worker's install). "
-        "Remove when the capture serves them.",
+        "data parallelism, KV connectors, spec decoding under async scheduling and the rest of "
+        "engine_args.REFUSED, and what pipeline parallelism does not serve yet (PIPELINE_REFUSED), refused by name "
+        "(engine_args.refuse, at start and in each worker's install); under pipeline parallelism the rank that "
+        "sends is the executor's output rank (the last stage's first tensor-parallel rank) and a stage hooks the "
+        "layers it runs (not vLLM's `PPMissingLayer`). Remove when the capture serves them.",
     ),
     Point(5, "generator_rewind", "patch", ("worker",), "generator_rewind", "CPU: seeded generators rewound."),
     Point(

@@ -135,6 +135,17 @@ RELIED: tuple[Symbol, ...] = (
     Symbol(f"{_ASYNC_LLM}.collective_rpc", "1, 15", ("method", "*", "timeout", "args"), "called"),
     *_refused_args(),
     Symbol(f"{_PCFG}.pipeline_parallel_size", "4", kind="field"),
+    Symbol(f"{_PCFG}.tensor_parallel_size", "4", kind="field"),
+    # the rank whose ModelRunnerOutput the executor returns: the last stage's first tensor-parallel rank, as the
+    # worker extension's `attaches` computes it
+    Symbol(
+        "vllm.v1.executor.multiproc_executor:MultiprocExecutor._get_output_rank",
+        "4",
+        (),
+        "method",
+        mentions=("self.world_size", "- self.parallel_config.tensor_parallel_size"),
+    ),
+    Symbol("vllm.model_executor.models.utils:PPMissingLayer", "4", kind="class"),
     Symbol(f"{_PCFG}.data_parallel_size", "4", kind="field"),
     Symbol(f"{_PCFG}.prefill_context_parallel_size", "4", kind="field"),
     Symbol(f"{_PCFG}.decode_context_parallel_size", "4", kind="field"),

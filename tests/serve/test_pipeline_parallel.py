@@ -1,0 +1,137 @@
+"""The real app with a pipeline-parallel engine: `engine: {pipeline_parallel_size: 2}`, one replica of two stages.
+
+Over HTTP with the openai client (completions streamed and not, n = 2, base64; a chat with a stop string: the
+extraction step; rows of the last stage's layer 1 and the final norm at every position) and through a Python
+deployment handle, each vector checked against transformers on its own choice's tokens; the replica asks for a
+CPU per stage, and its last stage alone captured and sent. (tests/engine/test_pipeline_capture.py checks the
+engine.)
+"""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from tests.conftest import cpu_only
+from tests.engine.test_positions import reference_states
+from tests.serve.conftest import APPS, decode_vector, replica_stats
+
+pytestmark = cpu_only  # two CPU stages; on GPUs the app would need a GPU per stage
+
+MODEL = "tiny-llama"
+HS = {"return_hidden_states": True, "return_token_ids": True}
+
+
+def test_the_replica_asks_for_a_cpu_per_stage():
+    from deployments.config import AppArgs
+
+    args = AppArgs(**APPS["hs-pp2"][1](), accelerator="cpu")
+    assert args.replica_options()["ray_actor_options"]["num_cpus"] == 2
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_vectors_exact_over_http_on_two_stages(pp2_app, reference, stream):
+    client = openai.OpenAI(base_url=f"{pp2_app}/v1", api_key="unused", timeout=120, max_retries=0)
+    before = replica_stats(pp2_app)["replica"]
+    r = client.completions.create(
+        model=MODEL,
+        prompt=["The last stage sends the rows", "Two stages, one replica"],
+        max_tokens=10,
+        n=2,
+        temperature=1.0,
+        seed=5,
+        stream=stream,
+        extra_body={**HS, "hidden_states_encoding": "base64"},
+    )
+    choices: dict[int, dict] = {}
+    prompts: dict[int, list[int]] = {}
+    if stream:
+        for chunk in r:
+            for ch in chunk.choices:
+                got = choices.setdefault(ch.index, {"token_ids": []})
+                extra = ch.model_extra or {}
+                got["token_ids"] += extra.get("token_ids") or []
+                if extra.get("prompt_token_ids"):
+                    prompts[ch.index] = extra["prompt_token_ids"]
+                for key in ("hidden_states", "hidden_states_meta"):
+                    if extra.get(key) is not None:
+                        got[key] = extra[key]
+    else:
+        for ch in r.choices:
+            choices[ch.index] = ch.model_extra
+            prompts[ch.index] = ch.model_extra["prompt_token_ids"]
+    assert sorted(choices) == [0, 1, 2, 3]
+    for index, ch in choices.items():
+        ids = prompts[index] + ch["token_ids"]
+        meta = ch["hidden_states_meta"]
+        assert meta["via"] == "tail" and meta["computed_tokens"] == 1 and meta["tokens"] == len(ids), meta
+        reference.assert_matches(ids, decode_vector(ch["hidden_states"]))
+
+    # a stop string: the extraction step; layer 1 (the last stage's first) and the final norm at every position
+    messages = [{"role": "user", "content": "Tell me about the stages."}]
+    free = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0)
+    text = free.choices[0].message.content
+    assert len(text) > 8, text
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    extra = {**HS, "hidden_states_layers": [1, -1], "hidden_states_position": "all"}
+    chat = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=24, temperature=0, stop=[stop], extra_body=extra
+    )
+    c = chat.choices[0]
+    assert c.finish_reason == "stop" and c.model_extra["hidden_states_meta"]["via"] == "extraction"
+    ids = chat.prompt_token_ids + c.token_ids
+    for layer in ("1", "-1"):
+        got = decode_vector(c.hidden_states_by_layer[layer])
+        want = reference_states(reference, ids, int(layer) % 3)
+        assert got.shape == want.shape and abs(got - want).max() <= 1e-5 * abs(want).max(), layer
+
+    after = replica_stats(pp2_app)["replica"]
+    workers, old = after["workers"], before["workers"]
+    assert len(workers) == 2 and all(w["installed"] for w in workers), workers
+    assert workers[0]["captured"] == old[0]["captured"] and workers[0]["bytes_copied"] == old[0]["bytes_copied"]
+    assert workers[1]["captured"] - old[1]["captured"] >= 5, (workers[1], old[1])
+    assert after["pending"] == 0 and after["missing_vectors"] == 0
+
+
+def test_a_layer_of_the_first_stage_is_a_400_naming_the_field(pp2_app):
+    from tests.helpers import post
+
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 2, **HS, "hidden_states_layers": [0]}
+    r = post(pp2_app, "/v1/completions", body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "hidden_states_layers", r.text
+    assert "pipeline stage" in r.json()["error"]["message"]
+
+
+def test_a_handle_on_two_stages_is_the_reference(pp2_app, reference):
+    from ray import serve
+
+    from deployments.client import complete
+
+    handle = serve.get_app_handle("hs-pp2")
+    c = complete(handle, "A handle from another Ray job", max_tokens=8)
+    (ch,) = c.choices
+    reference.assert_matches(list(c.prompt_token_ids) + list(ch.token_ids), ch.hidden_states)
+
+
+def test_heads_of_the_last_stage_over_http(pp2_app, reference):
+    """SAE (standard, top-k, JumpReLU) and linear heads at layers 1 and -1 run on the last stage: SAELens's and
+    numpy's outputs on transformers' rows."""
+    from tests.heads_ref import TINY_TOPK_K, check_heads
+    from tests.serve.conftest import last_stage_heads
+    from tests.serve.test_heads import states
+
+    client = openai.OpenAI(base_url=f"{pp2_app}/v1", api_key="unused", timeout=120, max_retries=0)
+    ask = [{"name": "sae-std", "topk": 24}, "sae-topk", {"name": "sae-jump", "topk": 24}, "probe", "mid"]
+    asked = {"sae-std": 24, "sae-topk": TINY_TOPK_K, "sae-jump": 24, "probe": 0, "mid": 0}
+    r = client.completions.create(
+        model=MODEL,
+        prompt="The heads read the last stage's rows",
+        max_tokens=8,
+        temperature=0,
+        extra_body={"return_token_ids": True, "hidden_states_heads": ask, "hidden_states_position": "completion"},
+    )
+    (b,) = r.choices
+    ids = b.prompt_token_ids + b.token_ids
+    positions = b.hidden_states_meta["positions"]
+    assert positions == list(range(len(b.prompt_token_ids), len(ids)))
+    check_heads("two stages", b.hidden_states_heads, states(reference, ids), positions, last_stage_heads(), asked)
