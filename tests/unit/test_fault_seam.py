@@ -171,3 +171,19 @@ def test_the_worker_twin_raises_in_the_asked_hook_for_the_asking_request_only(ho
     if hook == "steering":
         with pytest.raises(InjectedFault, match="steering"):
             st._add_entry("bad", None, "add", None, None, hidden, residual, None, None)
+
+
+def test_a_hook_fault_on_a_rank_that_does_not_send_stops_the_step():
+    """The sending rank's fault fails its request alone (reported with the step); on another rank (a later
+    tensor-parallel rank, an earlier pipeline stage) nothing could report it, and going on would leave that rank's
+    stream unlike the sender's: the step raises instead."""
+    import types
+
+    from hidden_states.vllm.worker.capture import _RunnerHook
+
+    sender = types.SimpleNamespace(attaches=True, _faults={}, hook_faults=0)
+    _RunnerHook.fault(sender, "r1", "steering", ValueError("x"))
+    assert sender._faults["r1"].hook == "steering" and sender.hook_faults == 1
+    other = types.SimpleNamespace(attaches=False, _faults={}, hook_faults=0)
+    with pytest.raises(RuntimeError, match="r1: the hidden-states hook steering raised on a rank whose outputs"):
+        _RunnerHook.fault(other, "r1", "steering", ValueError("x"))

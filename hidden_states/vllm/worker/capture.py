@@ -318,6 +318,14 @@ class _RunnerHook:
         )
         self.hook_faults += 1
         self._faults[rid] = HookFault.of(hook, error)
+        if not self.attaches:
+            # This rank's outputs never reach the engine core (another tensor-parallel rank's or pipeline stage's
+            # do): the request cannot fail alone from here, and going on without its hook would leave this rank's
+            # stream unlike the one the sending rank computes from, a wrong answer nobody sees. The step fails.
+            raise RuntimeError(
+                f"request {rid}: the hidden-states hook {hook} raised on a rank whose outputs do not reach the "
+                "engine core; the engine stops rather than serve rows computed without it"
+            ) from error
 
     def faulted(self, rid: str) -> bool:
         return rid in self._faults
