@@ -34,6 +34,11 @@ STEP_ATTR = "hidden_states_step"  # ModelRunnerOutput attribute: the step's Step
 SEQ_ATTR = "hidden_states_seq"  # SchedulerOutput attribute: the step's sequence number (async scheduling)
 PLAN_ATTR = "hidden_states_plan"  # SchedulerOutput attribute: the step's capture plan, {request id: PlanEntry}
 OUTPUT_KEY = "hidden_states_output"  # EngineCoreOutput.kv_transfer_params key: one EngineMessage
+# Pipeline parallelism: the rows an earlier stage gathered at its layers ride its IntermediateTensors to the last
+# stage, which sends them: [rows, D] in the model's dtype under PP_ROWS_KEY, and under PP_INDEX_KEY int64
+# [layer, number of plan entries, the entries..., number of rows] per slice (capture._RunnerHook.forward_rows).
+PP_ROWS_KEY = "hidden_states_rows"
+PP_INDEX_KEY = "hidden_states_rows_index"
 # The engine's static layer set, frontend to workers at start: VllmConfig.additional_config[CONFIG_KEY]
 # = {"capture_layers": [decoder-layer indices]} (vLLM hashes additional_config into its compile-cache key).
 CONFIG_KEY = "hidden_states"

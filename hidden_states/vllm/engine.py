@@ -115,15 +115,8 @@ def _sender(installed: list[dict]) -> dict | None:
 
 
 def _check_head_layers(specs: Sequence[HeadSpec], installed: list[dict], num_layers: int) -> None:
-    """Heads at an intermediate layer need the decoder-layer hooks the workers installed, on the stage that
-    sends (heads run there)."""
-    first = ((_sender(installed) or {}).get("stage_layers") or [0])[0]
+    """Heads at an intermediate layer need the decoder-layer hooks the workers installed."""
     for h in specs:
-        if h.layer < first:
-            raise EngineStartupError(
-                f"heads: head {h.name!r} reads layer {h.layer}, computed on an earlier pipeline stage than the last: "
-                f"under pipeline parallelism heads run on the last stage, layers {first}..{num_layers}"
-            )
         if h.layer != num_layers and not all(w["layer_capture"] for w in installed):
             raise EngineStartupError(
                 f"heads: head {h.name!r} reads layer {h.layer}, an intermediate layer, which this engine cannot "
@@ -422,14 +415,6 @@ class HiddenStatesEngine(VectorObservers):
                 raise HiddenStatesRequestError(
                     f"intermediate hidden_states_layers are unavailable on this engine: "
                     f"{found['layer_capture_reason'] or 'not every worker hooked its decoder layers'}",
-                    "hidden_states_layers",
-                )
-            first = ((found or {}).get("stage_layers") or [0])[0]
-            if earlier := [l for l in layers if absolute_layer(l, L) < first]:
-                raise HiddenStatesRequestError(
-                    f"hidden_states_layers {earlier} are computed on an earlier pipeline stage than the last: under "
-                    f"pipeline parallelism this engine returns the rows of layers {first}..{L} (or -1), the stage "
-                    "whose outputs reach the engine core",
                     "hidden_states_layers",
                 )
         return layers

@@ -97,13 +97,6 @@ def app_args(**over) -> dict:
     return args
 
 
-def last_stage_heads() -> list[dict]:
-    """The test heads at layers 1 and 2 of the tiny Llama: its last stage's under pipeline parallelism 2."""
-    from tests.heads_ref import HEAD_LAYERS, build_test_heads
-
-    return [h for h in build_test_heads() if HEAD_LAYERS[h["name"]] != 0]
-
-
 def vlm_args(model: str) -> dict:
     return app_args(
         model=model,
@@ -180,13 +173,11 @@ APPS = {
             replica_autoscaling={"min_replicas": 1, "max_replicas": 1},
         ),
     ),
-    # one replica whose engine runs pipeline parallelism 2: two CPU worker processes, one stage each (eager);
-    # the test heads of the last stage's layers (heads run there: one at layer 0 stops the start)
+    # one replica whose engine runs pipeline parallelism 2: two CPU worker processes, one stage each (eager)
     "hs-pp2": (
         "/pp2",
         lambda: app_args(
             engine={**TEST_ENGINE_ARGS, "pipeline_parallel_size": 2, "enforce_eager": True},
-            heads=last_stage_heads(),
             replica_autoscaling={"min_replicas": 1, "max_replicas": 1},
         ),
     ),

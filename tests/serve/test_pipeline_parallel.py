@@ -1,10 +1,10 @@
 """The real app with a pipeline-parallel engine: `engine: {pipeline_parallel_size: 2}`, one replica of two stages.
 
 Over HTTP with the openai client (completions streamed and not, n = 2, base64; a chat with a stop string: the
-extraction step; rows of the last stage's layer 1 and the final norm at every position) and through a Python
-deployment handle, each vector checked against transformers on its own choice's tokens; the replica asks for a
-CPU per stage, and its last stage alone captured and sent. (tests/engine/test_pipeline_capture.py checks the
-engine.)
+extraction step; rows of layer 0 (stage 0's), layer 1 and the final norm at every position; SAE and linear heads
+at layers of both stages) and through a Python deployment handle, each vector checked against transformers on its
+own choice's tokens; the replica asks for a CPU per stage, and its last stage alone copied and sent.
+(tests/engine/test_pipeline_capture.py checks the engine.)
 """
 
 from __future__ import annotations
@@ -67,20 +67,20 @@ def test_vectors_exact_over_http_on_two_stages(pp2_app, reference, stream):
         assert meta["via"] == "tail" and meta["computed_tokens"] == 1 and meta["tokens"] == len(ids), meta
         reference.assert_matches(ids, decode_vector(ch["hidden_states"]))
 
-    # a stop string: the extraction step; layer 1 (the last stage's first) and the final norm at every position
+    # a stop string: the extraction step; layers 0 (stage 0's), 1 (stage 1's first) and -1 at every position
     messages = [{"role": "user", "content": "Tell me about the stages."}]
     free = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0)
     text = free.choices[0].message.content
     assert len(text) > 8, text
     stop = text[len(text) // 2 : len(text) // 2 + 3]
-    extra = {**HS, "hidden_states_layers": [1, -1], "hidden_states_position": "all"}
+    extra = {**HS, "hidden_states_layers": [0, 1, -1], "hidden_states_position": "all"}
     chat = client.chat.completions.create(
         model=MODEL, messages=messages, max_tokens=24, temperature=0, stop=[stop], extra_body=extra
     )
     c = chat.choices[0]
     assert c.finish_reason == "stop" and c.model_extra["hidden_states_meta"]["via"] == "extraction"
     ids = chat.prompt_token_ids + c.token_ids
-    for layer in ("1", "-1"):
+    for layer in ("0", "1", "-1"):
         got = decode_vector(c.hidden_states_by_layer[layer])
         want = reference_states(reference, ids, int(layer) % 3)
         assert got.shape == want.shape and abs(got - want).max() <= 1e-5 * abs(want).max(), layer
@@ -90,16 +90,10 @@ def test_vectors_exact_over_http_on_two_stages(pp2_app, reference, stream):
     assert len(workers) == 2 and all(w["installed"] for w in workers), workers
     assert workers[0]["captured"] == old[0]["captured"] and workers[0]["bytes_copied"] == old[0]["bytes_copied"]
     assert workers[1]["captured"] - old[1]["captured"] >= 5, (workers[1], old[1])
+    # layer 0's rows (the completions' and the chats' generation steps, the extraction step's), all arrived
+    sent = workers[0]["forwarded_rows"] - old[0]["forwarded_rows"]
+    assert sent == workers[1]["received_rows"] - old[1]["received_rows"] >= len(ids), (workers, old)
     assert after["pending"] == 0 and after["missing_vectors"] == 0
-
-
-def test_a_layer_of_the_first_stage_is_a_400_naming_the_field(pp2_app):
-    from tests.helpers import post
-
-    body = {"model": MODEL, "prompt": "x", "max_tokens": 2, **HS, "hidden_states_layers": [0]}
-    r = post(pp2_app, "/v1/completions", body)
-    assert r.status_code == 400 and r.json()["error"]["param"] == "hidden_states_layers", r.text
-    assert "pipeline stage" in r.json()["error"]["message"]
 
 
 def test_a_handle_on_two_stages_is_the_reference(pp2_app, reference):
@@ -113,16 +107,15 @@ def test_a_handle_on_two_stages_is_the_reference(pp2_app, reference):
     reference.assert_matches(list(c.prompt_token_ids) + list(ch.token_ids), ch.hidden_states)
 
 
-def test_heads_of_the_last_stage_over_http(pp2_app, reference):
-    """SAE (standard, top-k, JumpReLU) and linear heads at layers 1 and -1 run on the last stage: SAELens's and
-    numpy's outputs on transformers' rows."""
-    from tests.heads_ref import TINY_TOPK_K, check_heads
-    from tests.serve.conftest import last_stage_heads
+def test_heads_of_both_stages_over_http(pp2_app, reference):
+    """SAE (standard, top-k, JumpReLU, gated) and linear heads at layers 0 (stage 0's rows, sent on), 1 and -1 run
+    on the last stage: SAELens's and numpy's outputs on transformers' rows."""
+    from tests.heads_ref import TINY_TOPK_K, build_test_heads, check_heads
     from tests.serve.test_heads import states
 
     client = openai.OpenAI(base_url=f"{pp2_app}/v1", api_key="unused", timeout=120, max_retries=0)
-    ask = [{"name": "sae-std", "topk": 24}, "sae-topk", {"name": "sae-jump", "topk": 24}, "probe", "mid"]
-    asked = {"sae-std": 24, "sae-topk": TINY_TOPK_K, "sae-jump": 24, "probe": 0, "mid": 0}
+    ask = [{"name": n, "topk": 24} for n in ("sae-std", "sae-jump", "sae-gated")] + ["sae-topk", "probe", "mid"]
+    asked = {"sae-std": 24, "sae-jump": 24, "sae-gated": 24, "sae-topk": TINY_TOPK_K, "probe": 0, "mid": 0}
     r = client.completions.create(
         model=MODEL,
         prompt="The heads read the last stage's rows",
@@ -134,4 +127,4 @@ def test_heads_of_the_last_stage_over_http(pp2_app, reference):
     ids = b.prompt_token_ids + b.token_ids
     positions = b.hidden_states_meta["positions"]
     assert positions == list(range(len(b.prompt_token_ids), len(ids)))
-    check_heads("two stages", b.hidden_states_heads, states(reference, ids), positions, last_stage_heads(), asked)
+    check_heads("two stages", b.hidden_states_heads, states(reference, ids), positions, build_test_heads(), asked)

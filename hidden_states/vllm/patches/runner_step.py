@@ -9,7 +9,12 @@ runners subclass it; `on_runner`, from the worker extension's `hidden_states_ins
 scheduler's plan names (point 9, `protocol.PLAN_ATTR`) on the device and hangs them on the returned
 ModelRunnerOutput (`protocol.STEP_ATTR`): one device-to-host copy per step, after sampling; under async
 scheduling inside `AsyncModelRunnerOutput.get_output`, wrapped on that instance (`on_output`). The plan is
-dropped when execute_model returns or raises, so dummy batches see none.
+dropped when execute_model returns or raises, so dummy batches see none. Under pipeline parallelism an earlier
+stage's first rank returns its IntermediateTensors from execute_model, and vLLM's `Worker.execute_model` sends
+their whole `tensors` dict to the next stage: the rows it gathered at its layers ride it (`protocol.PP_ROWS_KEY`,
+`PP_INDEX_KEY`), and the next stage takes them off what it received before its runner copies that into its
+buffers (`sync_and_gather_intermediate_tensors` knows only vLLM's keys). On a GPU, reading the received
+`tensors` waits for the transfer there rather than inside the runner (untested).
 Relies on: vLLM 0.32 calling execute_model then sample_tokens every step (async scheduling too, untested on
 GPUs) and passing num_computed_tokens as of before the step; Model Runner V1 (point 3).
 Upstream: RFC #48743 (hidden states returned by vLLM).
@@ -30,9 +35,15 @@ def runner(runner: Any, hook: Any, attaches: bool, **_: Any) -> None:
     def execute_model(scheduler_output, *args, **kwargs):
         hook.before_step(scheduler_output)
         try:
+            # pipeline parallelism: the rows the stages before gathered, off what this stage received
+            received = args[0] if args else kwargs.get("intermediate_tensors")
+            if received is not None and hasattr(received, "tensors"):
+                hook.receive_rows(received.tensors)
             out = execute(scheduler_output, *args, **kwargs)
             if out is None and attaches:  # logits computed, sampling pending: rows are in execute_model_state
                 hook.after_step()
+            elif hook.forwards and hasattr(out, "tensors"):  # an earlier stage: its rows ride what it sends on
+                hook.forward_rows(out.tensors)
             return out
         finally:
             hook.end_step()
@@ -69,6 +80,15 @@ RELIED: tuple[Symbol, ...] = (
         mentions=("self._model_forward(input_ids=input_ids", "inputs_embeds=inputs_embeds"),
     ),
     Symbol(f"{_RUNNER}.sample_tokens", "2", kind="wrapped"),
+    # pipeline parallelism: what an earlier stage returns is sent whole; what a later one receives is passed on
+    Symbol(
+        "vllm.v1.worker.gpu_worker:Worker.execute_model",
+        "2",
+        ("scheduler_output",),
+        "method",
+        mentions=("self.model_runner.execute_model(", "scheduler_output, intermediate_tensors", "output.tensors,"),
+    ),
+    Symbol("vllm.sequence:IntermediateTensors.tensors", "2", kind="field"),
     Symbol(_RUNNER, "2, 16", kind="open instances"),  # execute_model, sample_tokens, _model_forward set on it
     Symbol(f"{_CPU_RUNNER}.execute_model", "2, 5", ("scheduler_output",), "inherited", defined_in="GPUModelRunner"),
     Symbol(f"{_CPU_RUNNER}.sample_tokens", "2", kind="inherited", defined_in="GPUModelRunner"),

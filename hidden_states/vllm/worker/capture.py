@@ -17,6 +17,8 @@ import numpy as np
 from hidden_states.protocol import (
     MONITOR_BLOCK,
     PLAN_ATTR,
+    PP_INDEX_KEY,
+    PP_ROWS_KEY,
     STEP_ATTR,
     HookFault,
     PlanEntry,
@@ -203,6 +205,13 @@ class _RunnerHook:
         self.runner = runner
         self.adapter = _V1Runner(runner)
         self.attaches = True  # this worker's ModelRunnerOutput is the one the executor returns (install sets it)
+        # Pipeline parallelism: this rank gathers its stage's layers' rows and sends them on to the next stage's
+        # (an earlier stage's first tensor-parallel rank; install sets it), and the rows it and the stages
+        # before it gathered, counted
+        self.forwards = False
+        self.forwarded_rows = 0
+        self.forwarded_bytes = 0
+        self.received_rows = 0
         self.captured = 0
         self.steps_with_capture = 0
         self.steps = 0  # forward steps with scheduled tokens (before_step)
@@ -210,7 +219,8 @@ class _RunnerHook:
         self.host_copies = 0  # device-to-host transfers made (_to_host)
         self.bytes_copied = 0
         self.encoder_items = 0  # multimodal items the model's encoder embedded (patches/encoder_items.py)
-        self.heads: dict[str, Any] = {}  # name -> heads.DeviceHead (install_heads)
+        self.heads: dict[str, Any] = {}  # name -> heads.DeviceHead (install_heads), on the rank that sends
+        self.head_layers: dict[str, int] = {}  # name -> the layer its rows are read at, on every rank
         self.steering = self.steering_class(runner, self)  # per-request additions to the stream, on every rank
         self.hook_faults = 0  # requests a hook of this worker failed (each left out of its step)
         self._faults: dict[str, HookFault] = {}  # this step's, by request id: attached with its rows
@@ -291,11 +301,11 @@ class _RunnerHook:
         from hidden_states.heads import DeviceHead, HeadSpec
 
         device = getattr(self.runner, "device", "cpu")
-        if not self.attaches:  # only the rank that sends runs heads (_capturing)
-            return []
         for raw in specs:
             spec = msgspec.convert(raw, HeadSpec)
-            self.heads[spec.name] = DeviceHead(spec, device)
+            self.head_layers[spec.name] = spec.layer  # an earlier pipeline stage gathers a head's rows at its layer
+            if self.attaches:  # only the rank that sends runs heads
+                self.heads[spec.name] = DeviceHead(spec, device)
         return sorted(self.heads)
 
     def before_step(self, so: Any) -> None:
@@ -348,8 +358,42 @@ class _RunnerHook:
 
     @property
     def _capturing(self) -> bool:
-        # Only the rank that sends (`attaches`) slices rows: the other tensor-parallel ranks hold the same ones.
-        return self.attaches and self._given is not None
+        # Only the rank that sends (`attaches`), or forwards its stage's rows to it, slices rows: the other
+        # tensor-parallel ranks hold the same ones.
+        return (self.attaches or self.forwards) and self._given is not None
+
+    def receive_rows(self, tensors: dict | None) -> None:
+        """Pipeline parallelism, at the start of a step of a later stage: the rows the stages before gathered,
+        taken off the intermediate tensors it received (before vLLM copies those into its buffers) and kept as
+        this step's own slices."""
+        rows, index = (
+            (None, None) if tensors is None else (tensors.pop(PP_ROWS_KEY, None), tensors.pop(PP_INDEX_KEY, None))
+        )
+        if rows is None or index is None or self._given is None:
+            return
+        raw, at, k = index.tolist(), 0, 0
+        while k < len(raw):
+            layer, n = raw[k], raw[k + 1]
+            owners, count = raw[k + 2 : k + 2 + n], raw[k + 2 + n]
+            self._slices.append((layer, owners, rows[at : at + count]))
+            at, k = at + count, k + 3 + n
+        self.received_rows += at
+
+    def forward_rows(self, tensors: dict) -> None:
+        """Pipeline parallelism, after the forward of an earlier stage: this step's slices (its layers', and those
+        it received) onto the intermediate tensors it sends the next stage (protocol.PP_ROWS_KEY, PP_INDEX_KEY)."""
+        import torch
+
+        if not self._slices:
+            return
+        index: list[int] = []
+        for layer, owners, rows in self._slices:
+            index += [layer, len(owners), *owners, int(rows.shape[0])]
+        rows = torch.cat([rows for _, _, rows in self._slices])
+        tensors[PP_ROWS_KEY] = rows
+        tensors[PP_INDEX_KEY] = torch.tensor(index, dtype=torch.int64, device=rows.device)
+        self.forwarded_rows += int(rows.shape[0])
+        self.forwarded_bytes += rows.numel() * rows.element_size() + 8 * len(index)
 
     def _step_plan(self) -> list[_Entry]:
         """The scheduler's plan as flat row indices among the step's scheduled tokens."""
@@ -406,7 +450,7 @@ class _RunnerHook:
         """The layers an entry's rows are sliced at: its own, its heads' and its monitors' heads'."""
         if not e.heads and not e.monitors:
             return e.layers
-        return list(dict.fromkeys([*e.layers, *(self.heads[h[0]].spec.layer for h in (*e.heads, *e.monitors))]))
+        return list(dict.fromkeys([*e.layers, *(self.head_layers[h[0]] for h in (*e.heads, *e.monitors))]))
 
     def _make_pre_hook(self, layer: int):
         """Layer 0 (the embeddings), or a later pipeline stage's first layer: at the input of its decoder layer."""

@@ -70,7 +70,11 @@ class HiddenStatesWorkerExtension(CPUWorkerSteps):
         # rank's ModelRunnerOutput: the last pipeline stage's first tensor-parallel rank (rank 0 without
         # pipeline parallelism), as vLLM's executors pick it (ledger point 4).
         pc = runner.vllm_config.parallel_config
-        attaches = hook.attaches = getattr(self, "rank", 0) == pc.world_size - pc.tensor_parallel_size
+        rank, tp = getattr(self, "rank", 0), pc.tensor_parallel_size
+        attaches = hook.attaches = rank == pc.world_size - tp
+        # An earlier pipeline stage's first tensor-parallel rank (vLLM numbers ranks stage by stage) gathers its
+        # layers' rows and sends them on with its intermediate tensors, to the stage after it.
+        hook.forwards = rank % tp == 0 and rank < pc.world_size - tp
         runner._hidden_states_hook = hook
         hook.layer_info = hook.install_layer_hooks()
         # execute_model / sample_tokens (point 2), _model_forward (16), embed_multimodal (14), the CPU
@@ -110,6 +114,9 @@ class HiddenStatesWorkerExtension(CPUWorkerSteps):
             "steered_rows": hook.steering.steered(),
             "gated_planned": hook.steering.gated_planned,
             "hook_faults": hook.hook_faults,  # requests a hook here failed (each alone: capture.py)
+            "forwarded_rows": hook.forwarded_rows,  # pipeline parallelism: rows sent on to the next stage
+            "forwarded_bytes": hook.forwarded_bytes,
+            "received_rows": hook.received_rows,  # and received from the stage before
             "capture_layers": sorted(hook.traced.layers) if hook.traced is not None else None,
             "traced_buffer_bytes": hook.traced.bytes if hook.traced is not None else 0,
             "compilations": compile_counts(),
