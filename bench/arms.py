@@ -127,6 +127,15 @@ def _features(m: Model) -> dict:
     return {**_rows(s[-2:]), "hidden_states_heads": [{"name": "probe"}], "hidden_states_steering": m.steering(s[:2])}
 
 
+def _stages(m: Model) -> dict:
+    """Rows at a layer of each of two pipeline stages at every completion position, steering at another of each."""
+    return {
+        **_rows([m.layers // 6, m.layers - 5]),
+        "hidden_states_steering": m.steering([m.layers // 10, m.layers - 8]),
+    }
+
+
+PP2 = {**EAGER, "pipeline_parallel_size": 2, "distributed_executor_backend": "mp"}
 NEVER = [{"head": "sae", "feature": 0, "above": 1e9}, {"head": "probe", "label": "pos", "above": 1.5}]
 SAE32 = {"hidden_states_heads": [{"name": "sae", "topk": 32}], "hidden_states_position": "completion"}
 PROOF = {"scheme": "toploc", "topk": 128, "decode_batching_size": 32}
@@ -230,6 +239,20 @@ BENCHES: dict[str, Bench] = {
         model="builtin:tiny-llava",
         levels={8: 24},
         images=True,
+    ),
+    "pipeline": Bench(
+        "pipeline parallelism 2 against one stage, features off and on (rows at a layer of each stage at every "
+        "completion position, steering at a layer of each); the rows sent between the stages counted",
+        {"pp1": lambda m: EAGER, "pp2": lambda m: PP2},
+        (
+            Arm("pp1", "pp1"),
+            Arm("pp1-features", "pp1", _stages),
+            Arm("pp2", "pp2"),
+            Arm("pp2-features", "pp2", _stages, over=("pp1", "pp2")),
+            Arm("pp1-again", "pp1"),
+        ),
+        rounds=5,
+        levels={8: 16},
     ),
     "spec-ngram": _spec("ngram"),
     "spec-draft": _spec("draft_model"),

@@ -287,8 +287,10 @@ def test_a_stop_condition_finishes_at_the_first_position_the_reference_crosses(
         assert 1 <= ranked - ranked0 < scored - scored0, (ranked - ranked0, scored - scored0)
     else:
         assert ranked == ranked0
-    if name.startswith("sae"):  # the feature's encoder column a row, and every column of a row ranked
-        assert columns - columns0 == scored - scored0 + (ranked - ranked0) * F
+    if name.startswith("sae"):  # the feature's encoder column a row (a gated SAE's: its gate's and magnitude's),
+        # and every column of a row ranked
+        per = 2 if name == "sae-gated" else 1
+        assert columns - columns0 == per * (scored - scored0) + (ranked - ranked0) * F
     (ch,) = out.choices
     assert list(ch.token_ids) == ids[P : p + 1], (case, p, ch.token_ids)
     assert ch.finish_reason == "stop"
