@@ -49,6 +49,28 @@ def post(
     return httpx.post(f"{base}{path}", json=body, timeout=timeout, headers=headers)
 
 
+def completion_choices(r: Any, stream: bool) -> tuple[dict[int, dict], dict[int, list[int]]]:
+    """An openai client's completion (`stream`: its chunks) as (index -> the choice's extra fields, its token ids
+    concatenated, its vector and meta as the last chunk carrying them gave them; index -> its prompt's ids)."""
+    choices: dict[int, dict] = {}
+    prompts: dict[int, list[int]] = {}
+    if not stream:
+        for ch in r.choices:
+            choices[ch.index], prompts[ch.index] = ch.model_extra, ch.model_extra["prompt_token_ids"]
+        return choices, prompts
+    for chunk in r:
+        for ch in chunk.choices:
+            got = choices.setdefault(ch.index, {"token_ids": []})
+            extra = ch.model_extra or {}
+            got["token_ids"] += extra.get("token_ids") or []
+            if extra.get("prompt_token_ids"):
+                prompts[ch.index] = extra["prompt_token_ids"]
+            for key in ("hidden_states", "hidden_states_meta"):
+                if extra.get(key) is not None:
+                    got[key] = extra[key]
+    return choices, prompts
+
+
 def run(coro, timeout: float = 30):
     """`coro` to its end on a new event loop, within `timeout` s."""
     return asyncio.run(asyncio.wait_for(coro, timeout))

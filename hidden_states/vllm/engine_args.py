@@ -445,8 +445,8 @@ def with_defaults(engine_args: Mapping[str, Any], hidden_states: bool, cpu: bool
 PIPELINE_REFUSED: dict[str, str] = {
     "enforce_eager": "the compiled engine's traced layers (capture_layers) are not split across stages yet: run "
     "enforce_eager: true",
-    "async_scheduling": "under async scheduling a conditional steering entry is decided by the worker that scored "
-    "the row before, which under pipeline parallelism is another stage's: run async_scheduling: false",
+    "async_scheduling": "vLLM's V1 model runner runs no async scheduling under pipeline parallelism (it turns it "
+    "off), and a conditional steering entry would be decided by another stage's worker: run async_scheduling: false",
     "speculative_config": "speculative decoding is not checked with hidden states under pipeline parallelism",
     "enable_lora": "LoRA adapters are not checked with hidden states under pipeline parallelism",
     "distributed_executor_backend": "only vLLM's multiprocessing executor (mp, one machine) is checked with hidden "

@@ -12,6 +12,7 @@ import openai
 import pytest
 
 from tests.conftest import cpu_only
+from tests.helpers import completion_choices
 from tests.serve.conftest import APPS, decode_vector, replica_stats
 
 pytestmark = cpu_only  # two CPU ranks; on GPUs the app would need two GPUs per replica
@@ -47,23 +48,7 @@ def test_vectors_exact_over_http_on_two_ranks(tp2_app, tp2_client, reference, st
         stream=stream,
         extra_body={**HS, "hidden_states_encoding": "base64"},
     )
-    choices: dict[int, dict] = {}
-    prompts: dict[int, list[int]] = {}
-    if stream:
-        for chunk in r:
-            for ch in chunk.choices:
-                got = choices.setdefault(ch.index, {"token_ids": []})
-                extra = ch.model_extra or {}
-                got["token_ids"] += extra.get("token_ids") or []
-                if extra.get("prompt_token_ids"):
-                    prompts[ch.index] = extra["prompt_token_ids"]
-                for key in ("hidden_states", "hidden_states_meta"):
-                    if extra.get(key) is not None:
-                        got[key] = extra[key]
-    else:
-        for ch in r.choices:
-            choices[ch.index] = ch.model_extra
-            prompts[ch.index] = ch.model_extra["prompt_token_ids"]
+    choices, prompts = completion_choices(r, stream)
     assert sorted(choices) == [0, 1, 2, 3]
     for index, ch in choices.items():
         ids = prompts[index] + ch["token_ids"]
