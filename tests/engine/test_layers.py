@@ -434,7 +434,9 @@ class _FakeRunner:
         hf = types.SimpleNamespace(num_hidden_layers=2, architectures=["LlamaForCausalLM"])
         mc = types.SimpleNamespace(hf_config=hf, hf_text_config=hf, enforce_eager=True, get_hidden_size=lambda: 8)
         self.vllm_config = types.SimpleNamespace(
-            model_config=mc, speculative_config=None, parallel_config=types.SimpleNamespace(pipeline_parallel_size=1)
+            model_config=mc,
+            speculative_config=None,
+            parallel_config=types.SimpleNamespace(pipeline_parallel_size=1, tensor_parallel_size=1, world_size=1),
         )
         self.model = torch.nn.Module()
         self.model.model = torch.nn.Module()

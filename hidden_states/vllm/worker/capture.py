@@ -205,9 +205,8 @@ class _RunnerHook:
         self.runner = runner
         self.adapter = _V1Runner(runner)
         self.attaches = True  # this worker's ModelRunnerOutput is the one the executor returns (install sets it)
-        # Pipeline parallelism: this rank gathers its stage's layers' rows and sends them on to the next stage's
-        # (an earlier stage's first tensor-parallel rank; install sets it), and the rows it and the stages
-        # before it gathered, counted
+        # Pipeline parallelism: this rank (of an earlier stage; install sets it) gathers its stage's layers' rows
+        # and sends them on to the next stage's; the rows it sent on and received, counted
         self.forwards = False
         self.forwarded_rows = 0
         self.forwarded_bytes = 0

@@ -72,9 +72,10 @@ class HiddenStatesWorkerExtension(CPUWorkerSteps):
         pc = runner.vllm_config.parallel_config
         rank, tp = getattr(self, "rank", 0), pc.tensor_parallel_size
         attaches = hook.attaches = rank == pc.world_size - tp
-        # An earlier pipeline stage's first tensor-parallel rank (vLLM numbers ranks stage by stage) gathers its
-        # layers' rows and sends them on with its intermediate tensors, to the stage after it.
-        hook.forwards = rank % tp == 0 and rank < pc.world_size - tp
+        # Every rank of an earlier pipeline stage (vLLM numbers ranks stage by stage) gathers its layers' rows and
+        # sends them on with its intermediate tensors: the tensor-parallel ranks' rows are the same, and vLLM may
+        # split a tensor across them and gather it again on the next stage, so each attaches its copy.
+        hook.forwards = rank < pc.world_size - tp
         runner._hidden_states_hook = hook
         hook.layer_info = hook.install_layer_hooks()
         # execute_model / sample_tokens (point 2), _model_forward (16), embed_multimodal (14), the CPU
