@@ -439,9 +439,9 @@ def with_defaults(engine_args: Mapping[str, Any], hidden_states: bool, cpu: bool
     return out
 
 
-# Under pipeline parallelism (pipeline_parallel_size > 1) the last stage sends the rows (its layers and the final
-# norm's), every stage applies the steering at its own layers; what is not served with it yet, by the argument
-# that asks for it (`pipeline_refusal`).
+# Under pipeline parallelism (pipeline_parallel_size > 1) the last stage sends the rows (an earlier stage's ride its
+# intermediate tensors to it), every stage applies the steering at its own layers; what is not served with it yet,
+# by the argument that asks for it (`pipeline_refusal`).
 PIPELINE_REFUSED: dict[str, str] = {
     "enforce_eager": "the compiled engine's traced layers (capture_layers) are not split across stages yet: run "
     "enforce_eager: true",
