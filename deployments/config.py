@@ -322,6 +322,13 @@ class AppArgs(BaseModel):
         if self.replica_resources:
             opts["ray_actor_options"]["resources"] = dict(self.replica_resources)
         if self.replica_max_per_node is not None:
+            if "placement_group_bundles" in opts:  # Serve refuses the two together
+                raise ValueError(
+                    f"replica_max_per_node cannot be combined with a replica of {tp} GPUs "
+                    "(tensor_parallel_size x pipeline_parallel_size): Serve places it through a placement group, "
+                    "which it does not combine with max_replicas_per_node; leave replica_max_per_node unset (each "
+                    "replica's GPUs already fill a node's share) or spread replicas with replica_resources"
+                )
             opts["max_replicas_per_node"] = self.replica_max_per_node
         if self.resolved_replica_routing() == "prefix":  # the Router's handle routes by prompt prefix
             from deployments.routing import CLASS_PATH

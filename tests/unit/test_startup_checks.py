@@ -52,6 +52,19 @@ def test_cpu_kv_cache_default_is_bytes_not_a_share():
     assert "kv_cache_memory_bytes" not in AppArgs(accelerator="gpu").engine_args()  # vLLM's own on GPUs
 
 
+def test_a_multi_gpu_replica_with_a_per_node_cap_is_refused_naming_both():
+    """Serve refuses max_replicas_per_node beside placement_group_bundles (a replica of several GPUs): the app says
+    so with its own arguments' names, before Serve would."""
+
+    one = AppArgs(accelerator="gpu", replica_max_per_node=2).replica_options()
+    assert one["max_replicas_per_node"] == 2 and "placement_group_bundles" not in one
+    for engine in ({"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}):
+        args = AppArgs(accelerator="gpu", engine=engine, replica_max_per_node=2)
+        with pytest.raises(ValueError, match="replica_max_per_node cannot be combined with a replica of 2 GPUs"):
+            args.replica_options()
+        assert "max_replicas_per_node" not in AppArgs(accelerator="gpu", engine=engine).replica_options()
+
+
 TRACEBACK = """The deployment failed to start 3 times in a row. This may be due to a problem with its constructor.
 Error:
 Traceback (most recent call last):
