@@ -39,6 +39,9 @@ OUTPUT_KEY = "hidden_states_output"  # EngineCoreOutput.kv_transfer_params key: 
 # [layer, number of plan entries, the entries..., number of rows] per slice (capture._RunnerHook.forward_rows).
 PP_ROWS_KEY = "hidden_states_rows"
 PP_INDEX_KEY = "hidden_states_rows_index"
+# ...and the requests a hook of an earlier stage failed, the stage that sends reports them (uint8: msgspec JSON of
+# request id -> HookFault; encode_pp_faults)
+PP_FAULTS_KEY = "hidden_states_faults"
 # The engine's static layer set, frontend to workers at start: VllmConfig.additional_config[CONFIG_KEY]
 # = {"capture_layers": [decoder-layer indices]} (vLLM hashes additional_config into its compile-cache key).
 CONFIG_KEY = "hidden_states"
@@ -387,6 +390,18 @@ class HookFault(msgspec.Struct, array_like=True, gc=False):
     @staticmethod
     def of(hook: str, error: BaseException | str) -> HookFault:
         return HookFault(hook, error if isinstance(error, str) else f"{type(error).__name__}: {error}")
+
+
+def encode_pp_faults(faults: Mapping[str, HookFault]) -> bytes:
+    return msgspec.json.encode(dict(faults))
+
+
+def decode_pp_faults(raw: bytes) -> dict[str, HookFault]:
+    """An earlier pipeline stage's faults (PP_FAULTS_KEY); malformed: HiddenStatesProtocolError."""
+    try:
+        return msgspec.json.decode(raw, type=dict[str, HookFault])
+    except msgspec.DecodeError as e:
+        raise HiddenStatesProtocolError(f"an earlier stage's faults do not decode: {e}") from e
 
 
 def fault_injection() -> bool:

@@ -71,6 +71,12 @@ def completion_choices(r: Any, stream: bool) -> tuple[dict[int, dict], dict[int,
     return choices, prompts
 
 
+def worker_faults(stats: dict) -> int:
+    """Requests a hook failed in the engine's workers (`engine.stats()`), on every rank: under pipeline parallelism
+    an earlier stage counts its own, which the last stage reports."""
+    return sum(w.get("hook_faults", 0) for w in stats["workers"])
+
+
 def run(coro, timeout: float = 30):
     """`coro` to its end on a new event loop, within `timeout` s."""
     return asyncio.run(asyncio.wait_for(coro, timeout))

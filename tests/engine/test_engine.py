@@ -10,6 +10,7 @@ import pytest
 from hidden_states.params import spec_of
 from hidden_states.protocol import FAULT_INJECTION_ENV, RequestSpec
 from tests.conftest import TEST_ENGINE_ARGS, cpu_only, engine_fixture, long_text, openai_answer, sampling
+from tests.helpers import worker_faults
 
 PROMPTS = [
     "Hello! How are you today?",
@@ -449,8 +450,7 @@ def test_a_hook_in_the_engine_core_that_raises_fails_its_request_alone(engine, l
     assert after["hook_faults"] == before["hook_faults"] + 1 and not any(
         c.faults for c in engine.extraction.live.values()
     )
-    worker_faults = after["workers"][0]["hook_faults"] - before["workers"][0]["hook_faults"]
-    assert worker_faults == (hook == "capture")
+    assert worker_faults(after) - worker_faults(before) == (hook == "capture")
     for c, solo in zip(others, alone):
         (ch,), (want,) = c.choices, solo.choices
         assert ch.token_ids == want.token_ids and ch.positions == want.positions

@@ -19,9 +19,15 @@ import base64
 import numpy as np
 import pytest
 
+from hidden_states.protocol import FAULT_INJECTION_ENV
 from tests.conftest import TEST_ENGINE_ARGS, cpu_only, engine_fixture, long_text, sampling
 from tests.engine import test_heads
-from tests.engine.test_engine import PROMPTS, test_tail_step_changes_nothing_in_the_output  # noqa: F401
+from tests.engine.test_engine import (  # noqa: F401
+    PROMPTS,
+    test_a_hook_in_the_engine_core_that_raises_fails_its_request_alone,
+    test_a_hook_that_raises_fails_its_request_alone_and_the_engine_serves_on,
+    test_tail_step_changes_nothing_in_the_output,
+)
 from tests.engine.test_heads import (  # noqa: F401
     test_a_stop_condition_finishes_at_the_first_position_the_reference_crosses,
     test_heads_and_rows_across_the_completion_n2,
@@ -36,6 +42,7 @@ from tests.engine.test_steering import (  # noqa: F401
     registered,
     registered_vectors,
     test_a_conditional_entry_applies_where_its_condition_held_on_the_row_before,
+    test_a_worker_hook_that_raises_fails_its_request_alone,
     test_clamp_and_cap_are_transformers_with_saelens_in_the_same_hook,
     test_registered_vectors_and_sae_features_as_entries,
     test_steered_tokens_and_rows_are_transformers_with_the_same_hook,
@@ -60,7 +67,8 @@ def heads():
 # beam search, streams) run here again on two stages, with the heads and vectors their modules register.
 engine = engine_fixture(
     setup=lambda heads, registered: {"heads": heads, "steering_vectors": registered_vectors(registered)},  # noqa: F811
-    env={"VLLM_CPU_OMP_THREADS_BIND": "nobind"},
+    # the containment tests imported above inject faults (tests only: the other tests ask none)
+    env={"VLLM_CPU_OMP_THREADS_BIND": "nobind", FAULT_INJECTION_ENV: "1"},
     warm_up_s=0,
     max_hidden_states_bytes=BOUND,
     errors=ERRORS,
@@ -178,3 +186,26 @@ def test_pp2_the_last_stage_sends_every_row_and_each_stage_steers_its_own(engine
     assert stage1["forwarded_rows"] == 0 and stage1["bytes_copied"] >= 3 * total * 128 * 4, stage1
     # every position computed once on each stage (one tail row after the last token): one steered row per layer
     assert stage0["steered_rows"] == stage1["steered_rows"] == total, (stage0, stage1, total)
+
+
+# Faults stay with their request on every stage: the containment tests imported above run on the last stage's hooks
+# (capture at layer 1 and -1, heads, steering at layer 1) and the engine core's; these fail a request on stage 0,
+# which sends the fault on with its intermediate tensors for the last stage to report (capture.forward_rows).
+@pytest.mark.parametrize("hook,layers", [("capture", (0, -1))], ids=["capture-stage-0"])
+def test_pp2_a_capture_fault_on_stage_0_fails_its_request_alone(engine, loop_thread, reference, hook, layers):
+    before = loop_thread.run(engine.stats())["workers"]
+    test_a_hook_in_the_engine_core_that_raises_fails_its_request_alone(engine, loop_thread, reference, hook, layers)
+    after = loop_thread.run(engine.stats())["workers"]
+    assert after[0]["hook_faults"] == before[0]["hook_faults"] + 1  # raised on stage 0...
+    assert after[0]["forwarded_faults"] > before[0]["forwarded_faults"]  # ...sent on, reported by stage 1
+    assert after[1]["hook_faults"] == before[1]["hook_faults"]
+
+
+def test_pp2_a_steering_fault_on_stage_0_fails_its_request_alone(engine, loop_thread, reference):
+    before = loop_thread.run(engine.stats())["workers"]
+    test_a_worker_hook_that_raises_fails_its_request_alone(engine, loop_thread, reference, "steering", layer=0)
+    after = loop_thread.run(engine.stats())["workers"]
+    assert (
+        after[0]["hook_faults"] == before[0]["hook_faults"] + 1 and after[1]["hook_faults"] == before[1]["hook_faults"]
+    )
+    assert after[0]["forwarded_faults"] > before[0]["forwarded_faults"]

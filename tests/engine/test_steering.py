@@ -17,6 +17,7 @@ import pytest
 from hidden_states.protocol import FAULT_INJECTION_ENV, RequestSpec
 from tests.conftest import TEST_ENGINE_ARGS, TEST_MODEL, eager_only, engine_fixture, long_text, openai_answer, sampling
 from tests.heads_ref import build_test_heads
+from tests.helpers import worker_faults
 from tests.steer_ref import steered_greedy, steered_states, write_gguf
 
 # On a GPU (compiled, CUDA graphs) these run in tests/engine/test_compiled.py, on an engine with capture_layers.
@@ -98,9 +99,9 @@ CASES = {
 
 
 @pytest.mark.parametrize("hook", ["steering", "heads"])
-def test_a_worker_hook_that_raises_fails_its_request_alone(engine, loop_thread, reference, hook):
+def test_a_worker_hook_that_raises_fails_its_request_alone(engine, loop_thread, reference, hook, layer=1):
     """A worker's steering (its entries added inside the forward) or heads (one product per head over the
-    step's rows) raising for one request of a batch of four, each steered at layer 1 and asking two heads
+    step's rows) raising for one request of a batch of four, each steered at `layer` and asking two heads
     (a fault injected by the request, sent last; every position asked, so its steps hold the others'
     rows): the batched work is redone request by request, that request fails
     with HookFaultError (a 500 naming it and the hook; counted by the worker and the frontend), and the
@@ -109,7 +110,7 @@ def test_a_worker_hook_that_raises_fails_its_request_alone(engine, loop_thread, 
     from hidden_states.errors import status_of
     from hidden_states.interface import HookFaultError
 
-    steering, heads = [{"layer": 1, "vector": b64(unit_vector(31, 4.0)), "scale": 1.5}], ["sae-std", "probe"]
+    steering, heads = [{"layer": layer, "vector": b64(unit_vector(31, 4.0)), "scale": 1.5}], ["sae-std", "probe"]
     prompts = ["The weather today is", "Once upon a time", "My favourite food is", "The river flows"]
 
     def ask(prompt, extra=None):  # every position's rows and head outputs: each step holds all four's
@@ -137,7 +138,7 @@ def test_a_worker_hook_that_raises_fails_its_request_alone(engine, loop_thread, 
     assert after["hook_faults"] == before["hook_faults"] + 1 and not any(
         c.faults for c in engine.extraction.live.values()
     )
-    assert after["workers"][0]["hook_faults"] == before["workers"][0]["hook_faults"] + 1
+    assert worker_faults(after) == worker_faults(before) + 1  # where it ran (a pipeline stage's: sent on)
     entries = [(layer, *rest) for layer, *rest in as_entries(steering)]
     for c, solo in zip(others, alone):
         (ch,), (want,) = c.choices, solo.choices

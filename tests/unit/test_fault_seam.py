@@ -174,16 +174,54 @@ def test_the_worker_twin_raises_in_the_asked_hook_for_the_asking_request_only(ho
 
 
 def test_a_hook_fault_on_a_rank_that_does_not_send_stops_the_step():
-    """The sending rank's fault fails its request alone (reported with the step); on another rank (a later
-    tensor-parallel rank, an earlier pipeline stage) nothing could report it, and going on would leave that rank's
-    stream unlike the sender's: the step raises instead."""
+    """The sending rank's fault fails its request alone (reported with the step), and so does an earlier pipeline
+    stage's of one rank (sent on: the next test); on a later tensor-parallel rank nothing could report it, and going
+    on would leave that rank's share of the stream unlike the sender's: the step raises instead."""
     import types
 
     from hidden_states.vllm.worker.capture import _RunnerHook
 
-    sender = types.SimpleNamespace(attaches=True, _faults={}, hook_faults=0)
-    _RunnerHook.fault(sender, "r1", "steering", ValueError("x"))
-    assert sender._faults["r1"].hook == "steering" and sender.hook_faults == 1
-    other = types.SimpleNamespace(attaches=False, _faults={}, hook_faults=0)
+    for contains in ("sender", "an earlier stage"):
+        hook = types.SimpleNamespace(contains_faults=True, _faults={}, hook_faults=0)
+        _RunnerHook.fault(hook, "r1", "steering", ValueError("x"))
+        assert hook._faults["r1"].hook == "steering" and hook.hook_faults == 1, contains
+    other = types.SimpleNamespace(contains_faults=False, _faults={}, hook_faults=0)
     with pytest.raises(RuntimeError, match="r1: the hidden-states hook steering raised on a rank whose outputs"):
         _RunnerHook.fault(other, "r1", "steering", ValueError("x"))
+
+
+def test_an_earlier_stages_faults_ride_its_tensors_to_the_stage_that_reports_them():
+    """Stage 0 failed r1 in its steering: its intermediate tensors carry the fault (PP_FAULTS_KEY, beside the rows
+    of the others) and the next stage files it as its own, leaving r1 out of its step and reporting it; a fault the
+    next stage had already for r1 is kept, and the key is taken off before vLLM copies the tensors."""
+    import types
+
+    import torch
+
+    from hidden_states.protocol import PP_FAULTS_KEY, PP_INDEX_KEY, PP_ROWS_KEY, HookFault
+    from hidden_states.vllm.worker.capture import _RunnerHook
+
+    stage0 = types.SimpleNamespace(
+        _faults={"r1": HookFault.of("steering", ValueError("x")), "r3": HookFault("capture", "E")},
+        _slices=[(0, [1], torch.ones(2, 4))],
+        forwarded_faults=0,
+        forwarded_rows=0,
+        forwarded_bytes=0,
+    )
+    tensors = {"hidden_states": torch.zeros(3, 4)}
+    _RunnerHook.forward_rows(stage0, tensors)
+    assert tensors[PP_FAULTS_KEY].dtype == torch.uint8 and stage0.forwarded_faults == 2
+    stage1 = types.SimpleNamespace(
+        _faults={"r3": HookFault("heads", "mine")}, _given={"r1": None, "r2": None}, _slices=[], received_rows=0
+    )
+    _RunnerHook.receive_rows(stage1, tensors)
+    assert set(tensors) == {"hidden_states"}  # vLLM's own keys only
+    assert stage1._faults == {"r1": HookFault("steering", "ValueError: x"), "r3": HookFault("heads", "mine")}
+    assert stage1.received_rows == 2 and stage1._slices[0][:2] == (0, [1])
+    # a stage with faults and no rows still sends the faults on
+    alone = types.SimpleNamespace(
+        _faults={"r1": HookFault("steering", "E")}, _slices=[], forwarded_faults=0, forwarded_rows=0
+    )
+    sent: dict = {}
+    _RunnerHook.forward_rows(alone, sent)
+    assert set(sent) == {PP_FAULTS_KEY} and PP_ROWS_KEY not in sent and PP_INDEX_KEY not in sent

@@ -17,6 +17,7 @@ import numpy as np
 from hidden_states.protocol import (
     MONITOR_BLOCK,
     PLAN_ATTR,
+    PP_FAULTS_KEY,
     PP_INDEX_KEY,
     PP_ROWS_KEY,
     STEP_ATTR,
@@ -25,6 +26,8 @@ from hidden_states.protocol import (
     RowBlock,
     StepCapture,
     decode_plan,
+    decode_pp_faults,
+    encode_pp_faults,
 )
 from hidden_states.vllm import VERIFIED_LAYER_ARCHS, unverified_reason
 from hidden_states.vllm.patches.runner_step import on_output
@@ -208,6 +211,10 @@ class _RunnerHook:
         # Pipeline parallelism: this rank (of an earlier stage; install sets it) gathers its stage's layers' rows
         # and sends them on to the next stage's; the rows it sent on and received, counted
         self.forwards = False
+        # A fault here can fail its request alone: this rank sends (attaches), or it is the one rank of an earlier
+        # stage, whose faults ride its intermediate tensors to the stage that sends (install sets it)
+        self.contains_faults = True
+        self.forwarded_faults = 0  # requests failed here, sent on to be reported by the last stage
         self.forwarded_rows = 0
         self.forwarded_bytes = 0
         self.received_rows = 0
@@ -327,10 +334,10 @@ class _RunnerHook:
         )
         self.hook_faults += 1
         self._faults[rid] = HookFault.of(hook, error)
-        if not self.attaches:
-            # This rank's outputs never reach the engine core (another tensor-parallel rank's or pipeline stage's
-            # do): the request cannot fail alone from here, and going on without its hook would leave this rank's
-            # stream unlike the one the sending rank computes from, a wrong answer nobody sees. The step fails.
+        if not self.contains_faults:
+            # A tensor-parallel rank that does not send: the request cannot fail alone from here (its outputs never
+            # reach the engine core), and going on without its hook would leave this rank's share of the stream
+            # unlike the sending rank's, a wrong answer nobody sees. The step fails.
             raise RuntimeError(
                 f"request {rid}: the hidden-states hook {hook} raised on a rank whose outputs do not reach the "
                 "engine core; the engine stops rather than serve rows computed without it"
@@ -368,6 +375,10 @@ class _RunnerHook:
         rows, index = (
             (None, None) if tensors is None else (tensors.pop(PP_ROWS_KEY, None), tensors.pop(PP_INDEX_KEY, None))
         )
+        faults = None if tensors is None else tensors.pop(PP_FAULTS_KEY, None)
+        if faults is not None:  # requests a stage before failed: left out here too, reported with this step
+            for rid, f in decode_pp_faults(faults.numpy().tobytes()).items():
+                self._faults.setdefault(rid, f)
         if rows is None or index is None or self._given is None:
             return
         raw, at, k = index.tolist(), 0, 0
@@ -383,6 +394,10 @@ class _RunnerHook:
         it received) onto the intermediate tensors it sends the next stage (protocol.PP_ROWS_KEY, PP_INDEX_KEY)."""
         import torch
 
+        if self._faults:  # this step's faults here and from the stages before: the last stage reports them
+            raw = encode_pp_faults(self._faults)
+            tensors[PP_FAULTS_KEY] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)  # sent as vLLM sends a CPU one
+            self.forwarded_faults += len(self._faults)
         if not self._slices:
             return
         index: list[int] = []

@@ -76,6 +76,10 @@ class HiddenStatesWorkerExtension(CPUWorkerSteps):
         # sends them on with its intermediate tensors: the tensor-parallel ranks' rows are the same, and vLLM may
         # split a tensor across them and gather it again on the next stage, so each attaches its copy.
         hook.forwards = rank < pc.world_size - tp
+        # A hook fault fails its request alone where the request's other ranks cannot diverge from this one: on the
+        # rank that sends, and on an earlier stage of one rank, whose faults ride its intermediate tensors on
+        # (capture.forward_rows). Elsewhere (a tensor-parallel rank that does not send) the step fails.
+        hook.contains_faults = attaches or (hook.forwards and tp == 1)
         runner._hidden_states_hook = hook
         hook.layer_info = hook.install_layer_hooks()
         # execute_model / sample_tokens (point 2), _model_forward (16), embed_multimodal (14), the CPU
@@ -117,6 +121,7 @@ class HiddenStatesWorkerExtension(CPUWorkerSteps):
             "hook_faults": hook.hook_faults,  # requests a hook here failed (each alone: capture.py)
             "forwarded_rows": hook.forwarded_rows,  # pipeline parallelism: rows sent on to the next stage
             "forwarded_bytes": hook.forwarded_bytes,
+            "forwarded_faults": hook.forwarded_faults,  # requests failed here or before, sent on to be reported
             "received_rows": hook.received_rows,  # and received from the stage before
             "capture_layers": sorted(hook.traced.layers) if hook.traced is not None else None,
             "traced_buffer_bytes": hook.traced.bytes if hook.traced is not None else 0,
