@@ -442,8 +442,8 @@ def test_a_conditional_entry_applies_where_its_condition_held_on_the_row_before(
     before's scores. Against transformers deciding position by position (tests/steer_ref.py): a threshold
     is picked from the reference's own scores so some positions apply and some do not, every score clear
     of it by far more than the band (relative 1e-5); then the tokens, the positions applied (the meta's
-    `applied`), and the rows at layers 0, 1 and -1 of every position equal the reference's (relative 1e-5),
-    the final row by the tail step. A stop string's extraction step replays where it applied: its final
+    `applied`), and the rows at every layer (0, 1 and -1 of two) at every position equal the reference's
+    (relative 1e-5), the final row by the tail step. A stop string's extraction step replays where it applied: its final
     rows are the reference's too. (Under async scheduling: tests/engine/test_async_scheduling.py.)"""
     check_conditional(engine, loop_thread, reference, case)
 
