@@ -40,6 +40,8 @@ class ModelSpec:
 _NO_PAD = (("pad_token_id", None),)  # Gemma's and Phi3's default pad ids are bos or out of the vocabulary
 SPECS = {
     "tiny-llama": ModelSpec("llama", 128, 256, 2, 2, 1),
+    # Four layers: pipeline parallelism 3 splits them unevenly, 1 + 2 + 1 (tests/engine/test_pipeline_stages.py).
+    "tiny-llama-4l": ModelSpec("llama", 128, 256, 4, 2, 1),
     "tiny-qwen2": ModelSpec("qwen2", 128, 256, 2, 2, 1, tie_word_embeddings=True),
     "llama-100m": ModelSpec("llama", 768, 2048, 12, 12, 4, vocab_size=4096),
     # More decoder families, for the intermediate-layer tests (tests/engine/test_layers.py).
@@ -76,7 +78,7 @@ SPECS = {
     "tiny-gemma": ModelSpec("gemma", 128, 256, 2, 2, 1, tie_word_embeddings=True, config=_NO_PAD + (("head_dim", 64),)),
     "tiny-phi3": ModelSpec("phi3", 128, 256, 2, 2, 1, config=_NO_PAD),  # fused qkv / gate_up weights
 }
-_VERSION = "v1"  # bump when a spec or the builder changes: a new cache folder
+_VERSION = "v1"  # bump when a spec or the builder changes: a new cache folder (a new spec has its own)
 
 # Real models, built by their own modules: name -> cache folder name (bump it when the build changes).
 SMOLLM2 = "smollm2-135m-instruct"

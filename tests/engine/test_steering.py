@@ -84,6 +84,16 @@ def assert_rows(case: str, got: np.ndarray, want: np.ndarray) -> None:
     ERRORS.append((case, diff, scale))
 
 
+def every_layer(reference) -> list[int]:
+    """The layers the steering tests read on `reference`'s model: 0..n-1 and -1 (the final norm's output)."""
+    return [*range(reference.model.config.num_hidden_layers), -1]
+
+
+def absolute(reference, layer: int) -> int:
+    """A layer as the reference numbers them: 0..n (-1 is n, the final norm's output; -2 is n - 1)."""
+    return layer + reference.model.config.num_hidden_layers + 1 if layer < 0 else layer
+
+
 CASES = {
     "one layer, all": [{"layer": 1, "vector": b64(unit_vector(1, 4.0)), "scale": 1.5}],
     "embeddings, prompt": [{"layer": 0, "vector": b64(unit_vector(2, 2.0)), "positions": "prompt"}],
@@ -162,12 +172,13 @@ def test_steered_tokens_and_rows_are_transformers_with_the_same_hook(engine, loo
     steering = CASES[case]
     prompt = "The weather today is"
     plain = loop_thread.run(engine.complete(prompt, sp(), return_hidden_states=False))
-    out = loop_thread.run(engine.complete(prompt, sp(), steering=steering, layers=[0, 1, -1], position="all"))
+    layers = every_layer(reference)
+    out = loop_thread.run(engine.complete(prompt, sp(), steering=steering, layers=layers, position="all"))
     (ch,) = out.choices
-    # as the reference numbers them: absolute layers (-2 is layer 1 of 0..2)
+    # as the reference numbers them: absolute layers (-2 is layer 1 of 0..2 on the tiny Llama)
     P, entries = (
         len(out.prompt_token_ids),
-        [(layer + 3 if layer < 0 else layer, *rest) for layer, *rest in as_entries(steering)],
+        [(absolute(reference, layer), *rest) for layer, *rest in as_entries(steering)],
     )
     want = steered_greedy(reference.model, list(out.prompt_token_ids), entries, 10)
     assert list(ch.token_ids) == want, (case, ch.token_ids, want)
@@ -175,8 +186,8 @@ def test_steered_tokens_and_rows_are_transformers_with_the_same_hook(engine, loo
         assert list(ch.token_ids) != list(plain.choices[0].token_ids), "the steering changed nothing"
     ids = list(out.prompt_token_ids) + list(ch.token_ids)
     states = steered_states(reference.model, ids, entries, P)
-    for layer in (0, 1, -1):
-        assert_rows(f"{case}, layer {layer}", ch.hidden_states_by_layer[layer], states[layer % 3])
+    for layer in layers:
+        assert_rows(f"{case}, layer {layer}", ch.hidden_states_by_layer[layer], states[absolute(reference, layer)])
     assert ch.extraction.via == "tail"
     assert [(s["layer"], s["op"], s["positions"]) for s in ch.steering] == [e[:3] for e in entries]
 
@@ -186,15 +197,20 @@ def test_the_extraction_step_is_steered_the_same(engine, loop_thread, reference,
     """A stop string: the final row by the extraction step, a prefill of prompt + completion, steered on
     the same absolute positions (completion steering on the completion's, not on the whole prefill)."""
     steering = CASES[case]
-    entries = [(layer + 3 if layer < 0 else layer, *rest) for layer, *rest in as_entries(steering)]
-    out = loop_thread.run(engine.complete("Rain falls on", sp(stop=["zzzz"]), steering=steering, layers=[1, -1]))
+    entries = [(absolute(reference, layer), *rest) for layer, *rest in as_entries(steering)]
+    layers = every_layer(reference)[1:]
+    out = loop_thread.run(engine.complete("Rain falls on", sp(stop=["zzzz"]), steering=steering, layers=layers))
     (ch,) = out.choices
     assert ch.extraction.via == "extraction"
     ids = list(out.prompt_token_ids) + list(ch.token_ids)
     assert list(ch.token_ids) == steered_greedy(reference.model, list(out.prompt_token_ids), entries, 10)
     states = steered_states(reference.model, ids, entries, len(out.prompt_token_ids))
-    for layer in (1, -1):
-        assert_rows(f"extraction step, {case}, layer {layer}", ch.hidden_states_by_layer[layer], states[layer % 3][-1])
+    for layer in layers:
+        assert_rows(
+            f"extraction step, {case}, layer {layer}",
+            ch.hidden_states_by_layer[layer],
+            states[absolute(reference, layer)][-1],
+        )
 
 
 def test_unsteered_requests_beside_steered_ones_are_byte_for_byte_unchanged(engine, loop_thread):
@@ -427,8 +443,8 @@ def test_a_conditional_entry_applies_where_its_condition_held_on_the_row_before(
     before's scores. Against transformers deciding position by position (tests/steer_ref.py): a threshold
     is picked from the reference's own scores so some positions apply and some do not, every score clear
     of it by far more than the band (relative 1e-5); then the tokens, the positions applied (the meta's
-    `applied`), and the rows at layers 0, 1 and -1 of every position equal the reference's (relative 1e-5),
-    the final row by the tail step. A stop string's extraction step replays where it applied: its final
+    `applied`), and the rows at every layer (0, 1 and -1 of two) at every position equal the reference's
+    (relative 1e-5), the final row by the tail step. A stop string's extraction step replays where it applied: its final
     rows are the reference's too. (Under async scheduling: tests/engine/test_async_scheduling.py.)"""
     check_conditional(engine, loop_thread, reference, case)
 
@@ -476,25 +492,28 @@ def check_conditional(engine, loop_thread, reference, case: str, via: str = "tai
     when = {"head": head, "feature": index, ("above" if above else "below"): t}
     steering = [{**entry, "positions": "completion", "when": when}]
     before = measure() if measure else ()
-    out = loop_thread.run(
-        engine.complete(prompt, sp(max_tokens=n), steering=steering, layers=[0, 1, -1], position="all")
-    )
+    layers = every_layer(reference)
+    out = loop_thread.run(engine.complete(prompt, sp(max_tokens=n), steering=steering, layers=layers, position="all"))
     change = [a - b for a, b in zip(measure(), before)] if measure else None
     (ch,) = out.choices
     assert list(ch.token_ids) == tokens, (case, ch.token_ids, tokens)
     assert ch.steering[0]["when"]["head"] == head and ch.steering[0]["applied"] == applied[0], ch.steering
-    for layer in (0, 1, -1):
-        assert_rows(f"when: {case}, layer {layer}", ch.hidden_states_by_layer[layer], final_states[layer % 3])
+    for layer in layers:
+        assert_rows(
+            f"when: {case}, layer {layer}", ch.hidden_states_by_layer[layer], final_states[absolute(reference, layer)]
+        )
     assert ch.extraction.via == via
 
-    out = loop_thread.run(engine.complete(prompt, sp(max_tokens=n, stop=["zzzz"]), steering=steering, layers=[1, -1]))
+    out = loop_thread.run(
+        engine.complete(prompt, sp(max_tokens=n, stop=["zzzz"]), steering=steering, layers=layers[1:])
+    )
     (ch,) = out.choices
     assert ch.extraction.via == "extraction" and list(ch.token_ids) == tokens
-    for layer in (1, -1):
+    for layer in layers[1:]:
         assert_rows(
             f"when, extraction step: {case}, layer {layer}",
             ch.hidden_states_by_layer[layer],
-            final_states[layer % 3][-1],
+            final_states[absolute(reference, layer)][-1],
         )
     assert ch.steering[0]["applied"] == applied[0], ch.steering
     return applied[0], change
