@@ -22,6 +22,7 @@ import base64
 import numpy as np
 import pytest
 
+from hidden_states.protocol import FAULT_INJECTION_ENV
 from tests.conftest import TEST_ENGINE_ARGS, Reference, cpu_only, engine_fixture, long_text, sampling
 from tests.engine import test_heads, test_steering
 from tests.engine.test_engine import PROMPTS
@@ -91,7 +92,7 @@ def heads(tmp_path_factory):
 engine = engine_fixture(
     MODEL,
     setup=lambda heads: MEASURED.start() or {"heads": heads},
-    env={"VLLM_CPU_OMP_THREADS_BIND": "nobind"},
+    env={"VLLM_CPU_OMP_THREADS_BIND": "nobind", FAULT_INJECTION_ENV: "1"},  # the fault test below injects one
     warm_up_s=0,
     max_hidden_states_bytes=BOUND,
     errors=MEASURED,
@@ -257,3 +258,13 @@ def test_each_stage_gathers_receives_and_sends_on_its_rows_and_steers_its_own(en
     assert stage[1]["forwarded_bytes"] > 3 * total * TINY_D * 4, stage  # float32 rows, and each step's index
     assert stage[2]["bytes_copied"] >= 5 * total * TINY_D * 4, stage  # every layer's rows, one copy a step
     assert [s["steered_rows"] for s in stage] == [len(layers) * total for layers in STAGES], stage
+
+
+def test_a_steering_fault_on_the_middle_stage_fails_its_request_alone(engine, loop_thread, reference):
+    """The middle stage's steering (layer 2) raising for one request of four: the middle stage leaves it out and sends
+    the fault on with the rows, the last stage reports it, the others are as they are alone (test_steering's check)."""
+    before = loop_thread.run(engine.stats())["workers"]
+    test_steering.test_a_worker_hook_that_raises_fails_its_request_alone(engine, loop_thread, reference, "steering", 2)
+    after = loop_thread.run(engine.stats())["workers"]
+    assert [a["hook_faults"] - b["hook_faults"] for a, b in zip(after, before)] == [0, 1, 0]
+    assert after[1]["forwarded_faults"] > before[1]["forwarded_faults"]
