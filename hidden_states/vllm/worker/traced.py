@@ -30,6 +30,10 @@ after it; the capture gathers its rows from `rows` after the forward (capture.py
 no Python branch on per-step state, so nothing is guarded on and nothing recompiles. Per request
 and layer the entry holds any adds, at most one ablation, clamp or cap, then adds (the engine refuses a second
 one of them on the same positions and layer on these engines).
+
+Under pipeline parallelism each stage traces the layers of the set whose site it runs (decoder layer L runs there;
+none, possibly); the rows of an earlier stage's traced layers ride its intermediate tensors to the last stage
+(capture.py `forward_rows`), and each stage's `fill` writes only the entries at its own layers.
 """
 
 from __future__ import annotations
@@ -222,6 +226,13 @@ def _traced_forward(forward: Any, at_input: list, at_output: list):
     return forward_with_entries
 
 
+def on_this_stage_of(decoder: list, wanted: list[int]) -> list[int]:
+    """The static set's layers this process traces: under pipeline parallelism those whose decoder layer runs on this
+    stage (their site is here: layers.entry_site), possibly none; without it, all of them."""
+    here = set(stage_layers(decoder))
+    return sorted({l for l in wanted if l in here})
+
+
 def install(runner: Any) -> None:
     """After the model is loaded, before anything traces it: the static set's entries, or why not
     (on the runner, `TRACED_ATTR`)."""
@@ -246,8 +257,7 @@ def install(runner: Any) -> None:
     # Under pipeline parallelism each stage traces the layers whose site it runs (layers.entry_site: the decoder
     # layer L runs here), none of them possibly; the last stage serves the others from the rows the stages before
     # sent on (capture.py). Without it, every layer is here.
-    here = set(stage_layers(layers))
-    mine = [l for l in wanted if l in here]
+    mine = on_this_stage_of(layers, wanted)
     comp = runner.vllm_config.compilation_config
     max_tokens = max(int(runner.max_num_tokens), int(getattr(comp, "max_cudagraph_capture_size", 0) or 0))
     weight = next(model.parameters())
