@@ -8,7 +8,8 @@ against transformers, with the eager two-stage module's tests and the one-stage 
 by the tail step and by the extraction step, rows at every position of layers 0, 1 and -1, float16 and top-k, each
 stage's rows sent on and received and each stage steering its own layer; heads (SAEs at layers 0 and 1, linear) and a
 stop condition from a head of stage 0; steering (add, ablate, clamp, cap, a conditional entry at stage 0 from a head
-of stage 1) at layers of both stages; and no request compiling anything on either stage.
+of stage 1) at layers of both stages, unsteered requests beside steered ones bit for bit; and no request compiling
+anything on either stage.
 """
 
 from __future__ import annotations
@@ -20,13 +21,18 @@ from tests.engine import test_steering as steering_tests  # by the module: the c
 from tests.engine.test_compiled import test_no_request_compiles_anything  # noqa: F401
 from tests.engine.test_heads import test_heads_and_rows_across_the_completion_n2  # noqa: F401
 from tests.engine.test_pipeline_capture import (  # noqa: F401
+    ERRORS,
     test_pp2_a_stop_condition_from_a_head_of_stage_0,
     test_pp2_float16_and_topk_are_the_reference_cast,
     test_pp2_the_last_stage_sends_every_row_and_each_stage_steers_its_own,
     test_pp2_vectors_exact_by_tail_and_extraction,
 )
 from tests.engine.test_positions import BOUND
-from tests.engine.test_steering import registered, registered_vectors  # noqa: F401
+from tests.engine.test_steering import (  # noqa: F401
+    registered,
+    registered_vectors,
+    test_unsteered_requests_beside_steered_ones_are_byte_for_byte_unchanged,
+)
 from tests.heads_ref import build_test_heads
 
 pytestmark = cpu_only  # two CPU stages (vLLM's multiprocessing executor); GPUs: untested here
@@ -52,6 +58,7 @@ engine = engine_fixture(
     warm_up_s=0,
     capture_layers=[0, 1],
     max_hidden_states_bytes=BOUND,
+    errors=ERRORS,  # the imported checks' (case, max abs error, max |reference|), printed at teardown
     **PP_COMPILED_ARGS,
 )
 
