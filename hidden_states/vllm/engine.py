@@ -114,6 +114,22 @@ def _sender(installed: list[dict]) -> dict | None:
     return next((w for w in installed if w.get("attaches")), installed[0] if installed else None)
 
 
+def check_traced_stages(static: Sequence[int], installed: list[dict], num_layers: int) -> None:
+    """The engine's static set (`capture_layers` with its heads' and vectors' layers) must each be traced by a
+    worker: under pipeline parallelism by the stage that runs decoder layer L (traced.install), whose rows the
+    last stage receives; a layer no stage traced stops the start, naming capture_layers and what is possible."""
+    traced = {int(l) for w in installed for l in w.get("traced_layers") or ()}
+    missing = [l for l in static if l not in traced]
+    if missing:
+        stages = sorted({tuple(w.get("stage_layers") or ()) for w in installed})
+        runs = ", ".join(f"{a}..{b - 1}" for a, b in stages if b > a) or "none"
+        raise EngineStartupError(
+            f"capture_layers: layer(s) {missing} are traced by no pipeline stage (the stages run decoder layers "
+            f"{runs} and trace {sorted(traced)}): capture_layers may name a layer L in 0..{num_layers - 1} whose "
+            f"decoder layer a stage runs (it is traced there), or the last layer ({num_layers} or -1)"
+        )
+
+
 def _check_head_layers(specs: Sequence[HeadSpec], installed: list[dict], num_layers: int) -> None:
     """Heads at an intermediate layer need the decoder-layer hooks the workers installed."""
     for h in specs:
@@ -281,6 +297,10 @@ class HiddenStatesEngine(VectorObservers):
                     raise EngineStartupError(
                         f"capture_layers: {installed[0]['architecture']} has no traced layer capture "
                         f"({installed[0]['layer_capture_reason']}); it works on {verified_families()}"
+                    )
+                if static:
+                    check_traced_stages(
+                        static, installed, int(vllm_config.model_config.hf_text_config.num_hidden_layers)
                     )
                 _check_head_layers(
                     head_specs, installed, int(vllm_config.model_config.hf_text_config.num_hidden_layers)

@@ -443,8 +443,6 @@ def with_defaults(engine_args: Mapping[str, Any], hidden_states: bool, cpu: bool
 # intermediate tensors to it), every stage applies the steering at its own layers; what is not served with it yet,
 # by the argument that asks for it (`pipeline_refusal`).
 PIPELINE_REFUSED: dict[str, str] = {
-    "enforce_eager": "the compiled engine's traced layers (capture_layers) are not split across stages yet: run "
-    "enforce_eager: true",
     "async_scheduling": "vLLM's V1 model runner runs no async scheduling under pipeline parallelism (it turns it "
     "off), and a conditional steering entry would be decided by another stage's worker: run async_scheduling: false",
     "speculative_config": "speculative decoding is not checked with hidden states under pipeline parallelism",
@@ -467,7 +465,6 @@ def pipeline_refusal(pp: int, num_layers: int | None, asked: Mapping[str, Any]) 
             f"stage needs one at least (pipeline_parallel_size 1..{num_layers})"
         )
     bad = {
-        "enforce_eager": lambda v: v is False,
         "async_scheduling": lambda v: v is True,
         "speculative_config": lambda v: not _unset(v),
         "enable_lora": lambda v: v is True,
@@ -523,7 +520,6 @@ def refuse(engine_args: Mapping[str, Any], vllm_config: Any = None) -> None:
         int(getattr(pc, "pipeline_parallel_size", 1) or 1),
         getattr(getattr(mc, "hf_text_config", None), "num_hidden_layers", None),
         {
-            "enforce_eager": getattr(mc, "enforce_eager", True),
             "async_scheduling": getattr(sc, "async_scheduling", False),
             "speculative_config": getattr(vllm_config, "speculative_config", None),
             "enable_lora": getattr(vllm_config, "lora_config", None) is not None,

@@ -151,7 +151,7 @@ def test_every_refused_argument_is_refused_by_name_and_its_default_passes():
     "arg",
     [
         {"data_parallel_size": 2},
-        {"pipeline_parallel_size": 2, "enforce_eager": False},
+        {"pipeline_parallel_size": 2, "async_scheduling": True},
         {"scheduler_cls": BAD["scheduler_cls"]},
         {"kv_offloading_size": 1.0},
     ],
@@ -175,7 +175,6 @@ def test_refused_arguments_stop_the_engine_before_vllm_starts(loop_thread, arg):
 @pytest.mark.parametrize(
     "name, value",
     [
-        ("enforce_eager", False),
         ("async_scheduling", True),
         ("speculative_config", {"method": "ngram", "num_speculative_tokens": 3}),
         ("enable_lora", True),
@@ -192,12 +191,22 @@ def test_what_pipeline_parallelism_does_not_serve_yet_is_refused_by_name(name, v
     e = pipeline_refusal(2, 2, {name: value})
     assert e is not None and f"engine argument {name}={value!r}" in str(e) and PIPELINE_REFUSED[name] in str(e)
     assert pipeline_refusal(1, 2, {name: value}) is None
-    off = {"enforce_eager": True, "async_scheduling": False, "speculative_config": None, "enable_lora": False,
+    off = {"async_scheduling": False, "speculative_config": None, "enable_lora": False,
            "distributed_executor_backend": "mp", "multimodal": False}  # fmt: skip
     assert pipeline_refusal(2, 2, off) is None
     if name != "multimodal":  # (resolved from the model, never an engine argument)
         with pytest.raises(EngineStartupError, match=rf"engine argument {name}="):
             refuse({"pipeline_parallel_size": 2, name: value})
+
+
+def test_the_compiled_engine_is_served_under_pipeline_parallelism():
+    """enforce_eager: false with pipeline_parallel_size 2 starts (each stage traces its own capture_layers:
+    tests/engine/test_pipeline_compiled.py)."""
+    from hidden_states.vllm.engine_args import PIPELINE_REFUSED, pipeline_refusal, refuse
+
+    assert "enforce_eager" not in PIPELINE_REFUSED
+    assert pipeline_refusal(2, 2, {"enforce_eager": False}) is None
+    refuse({"pipeline_parallel_size": 2, "enforce_eager": False})
 
 
 def test_more_stages_than_layers_is_refused_with_what_is_possible():

@@ -202,6 +202,7 @@ def test_an_earlier_stages_faults_ride_its_tensors_to_the_stage_that_reports_the
     from hidden_states.vllm.worker.capture import _RunnerHook
 
     stage0 = types.SimpleNamespace(
+        traced=None,
         _faults={"r1": HookFault.of("steering", ValueError("x")), "r3": HookFault("capture", "E")},
         _slices=[(0, [1], torch.ones(2, 4))],
         forwarded_faults=0,
@@ -220,7 +221,7 @@ def test_an_earlier_stages_faults_ride_its_tensors_to_the_stage_that_reports_the
     assert stage1.received_rows == 2 and stage1._slices[0][:2] == (0, [1])
     # a stage with faults and no rows still sends the faults on
     alone = types.SimpleNamespace(
-        _faults={"r1": HookFault("steering", "E")}, _slices=[], forwarded_faults=0, forwarded_rows=0
+        traced=None, _faults={"r1": HookFault("steering", "E")}, _slices=[], forwarded_faults=0, forwarded_rows=0
     )
     sent: dict = {}
     _RunnerHook.forward_rows(alone, sent)

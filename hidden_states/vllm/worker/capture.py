@@ -267,8 +267,11 @@ class _RunnerHook:
         elif traced is not None:  # the static set's entries are in the traced forward (traced.py)
             self.traced = traced
             self.steering.traced = traced
+            here = stage_layers(layers) if layers is not None else []
             layers, why = None, None
-            info["capture_layers"] = sorted(traced.layers)
+            info["capture_layers"] = list(traced.engine_layers)  # the engine's; this stage traces `traced_layers`
+            info["traced_layers"] = list(traced.layers)
+            info["stage_layers"] = [here[0], here[-1] + 1] if here else [0, 0]
         elif layers is not None and not mc.enforce_eager:
             # A compiled model does not run hooks added after compilation (or recompiles for them).
             layers, why = (
@@ -394,6 +397,9 @@ class _RunnerHook:
         it received) onto the intermediate tensors it sends the next stage (protocol.PP_ROWS_KEY, PP_INDEX_KEY)."""
         import torch
 
+        if self.traced is not None and self._capturing:  # this stage's traced layers' rows, after its forward
+            plan = self._step_plan()
+            self._slices += self._traced_slices(plan, {i for i, e in enumerate(plan) if e.rid not in self._faults})
         if self._faults:  # this step's faults here and from the stages before: the last stage reports them
             raw = encode_pp_faults(self._faults)
             tensors[PP_FAULTS_KEY] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)  # sent as vLLM sends a CPU one
@@ -567,15 +573,9 @@ class _RunnerHook:
             for i in final:
                 blocks.append(_Block(i, L, rows, at, at + len(plan[i].flat)))
                 at += len(plan[i].flat)
-        slices = self._slices
-        if self.traced is not None:  # the static set's rows, written by the traced forward
-            slices = []
-            for layer, (_, owners) in self._layer_rows.items():
-                mine = [i for i in owners if i in chosen]
-                if mine:
-                    rows = self.traced.rows(layer)
-                    flat = [f for i in mine for f in plan[i].flat]
-                    slices.append((layer, mine, rows[torch.tensor(flat, device=rows.device)]))
+        slices = self._slices  # the layer hooks' (eager), or those the stages before sent on
+        if self.traced is not None:  # and the rows of the layers traced here, written by the traced forward
+            slices = slices + self._traced_slices(plan, chosen)
         for layer, owners, sel in slices:
             at = 0
             for i in owners:
@@ -634,6 +634,21 @@ class _RunnerHook:
             [_Laid(plan[b.entry], b.layer, "", *layout[k]) for k, b in enumerate(blocks)]
             + [_Laid(plan[i], layer, name, *layout[heads_at + j]) for j, (i, layer, name, _, _) in enumerate(outputs)]
         )
+
+    def _traced_slices(self, plan: list[_Entry], chosen: set[int]) -> list[tuple[int, list[int], Any]]:
+        """The step's rows of plan entries `chosen` at the layers traced in this process, sliced from the buffers
+        the traced forward wrote: (layer, plan entries, rows) as the hooks' slices (`_slices`). Under pipeline
+        parallelism the other stages' layers are not here: their rows arrive with the intermediate tensors."""
+        import torch
+
+        slices = []
+        for layer, (_, owners) in self._layer_rows.items():
+            mine = [i for i in owners if i in chosen]
+            if mine and layer in self.traced.slots:
+                rows = self.traced.rows(layer)
+                flat = [f for i in mine for f in plan[i].flat]
+                slices.append((layer, mine, rows[torch.tensor(flat, device=rows.device)]))
+        return slices
 
     def _run_heads(self, plan: list[_Entry], members: list[int], blocks: list) -> list[tuple[int, int, str, Any, Any]]:
         """Each head once over every member entry's rows at its layer (one matrix product per head and

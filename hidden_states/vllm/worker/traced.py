@@ -30,6 +30,10 @@ after it; the capture gathers its rows from `rows` after the forward (capture.py
 no Python branch on per-step state, so nothing is guarded on and nothing recompiles. Per request
 and layer the entry holds any adds, at most one ablation, clamp or cap, then adds (the engine refuses a second
 one of them on the same positions and layer on these engines).
+
+Under pipeline parallelism each stage traces the layers of the set whose site it runs (decoder layer L runs there;
+none, possibly); the rows of an earlier stage's traced layers ride its intermediate tensors to the last stage
+(capture.py `forward_rows`), and each stage's `fill` writes only the entries at its own layers.
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ import numpy as np
 
 from hidden_states.protocol import capture_layers_of
 from hidden_states.vllm import VERIFIED_LAYER_ARCHS, unverified_reason
-from hidden_states.vllm.worker.layers import entry_site
+from hidden_states.vllm.worker.layers import entry_site, stage_layers
 from hidden_states.vllm.worker.steering import gated
 
 logger = logging.getLogger(__name__)
@@ -53,11 +57,23 @@ class TracedLayers:
     """One worker's buffers for its static layer set, registered on each layer module
     (non-persistent: outside the state dict)."""
 
-    def __init__(self, decoder: list, wanted: list[int], max_tokens: int, hidden: int, dtype: Any, device: Any):
-        """`decoder`: the text stack's decoder layers; `wanted`: the static set's layer indices."""
+    def __init__(
+        self,
+        decoder: list,
+        wanted: list[int],
+        max_tokens: int,
+        hidden: int,
+        dtype: Any,
+        device: Any,
+        engine_layers: list[int] | None = None,
+    ):
+        """`decoder`: the text stack's decoder layers; `wanted`: the static set's layer indices whose site is in
+        this process (under pipeline parallelism, this stage's: possibly none); `engine_layers`: the engine's
+        whole static set (default `wanted`)."""
         import torch
 
-        self.layers = sorted(set(wanted))  # the static set: layer indices (api.md: transformers' hidden_states[L])
+        self.layers = sorted(set(wanted))  # traced here: layer indices (api.md: transformers' hidden_states[L])
+        self.engine_layers = sorted(set(wanted if engine_layers is None else engine_layers))
         self.max_tokens = max_tokens
         self.bytes = 0
         self.slots: dict[int, Slot] = {}
@@ -99,6 +115,8 @@ class TracedLayers:
 
         steered, held = 0, 0
         for layer, wanted in plan.items():
+            if layer not in self.slots:  # pipeline parallelism: another stage's layer, steered there
+                continue
             mod = self.slots[layer].view()
             ablated = np.zeros(n, dtype=bool)
             for rows, op, vec, gate in wanted:
@@ -208,6 +226,13 @@ def _traced_forward(forward: Any, at_input: list, at_output: list):
     return forward_with_entries
 
 
+def on_this_stage_of(decoder: list, wanted: list[int]) -> list[int]:
+    """The static set's layers this process traces: under pipeline parallelism those whose decoder layer runs on this
+    stage (their site is here: layers.entry_site), possibly none; without it, all of them."""
+    here = set(stage_layers(decoder))
+    return sorted({l for l in wanted if l in here})
+
+
 def install(runner: Any) -> None:
     """After the model is loaded, before anything traces it: the static set's entries, or why not
     (on the runner, `TRACED_ATTR`)."""
@@ -229,12 +254,21 @@ def install(runner: Any) -> None:
     if any(not 0 <= l < num_layers for l in wanted):
         setattr(runner, TRACED_ATTR, f"capture_layers {wanted} outside 0..{num_layers - 1}")
         return
+    # Under pipeline parallelism each stage traces the layers whose site it runs (layers.entry_site: the decoder
+    # layer L runs here), none of them possibly; the last stage serves the others from the rows the stages before
+    # sent on (capture.py). Without it, every layer is here.
+    mine = on_this_stage_of(layers, wanted)
     comp = runner.vllm_config.compilation_config
     max_tokens = max(int(runner.max_num_tokens), int(getattr(comp, "max_cudagraph_capture_size", 0) or 0))
     weight = next(model.parameters())
-    traced = TracedLayers(layers, wanted, max_tokens, hidden, mc.dtype, weight.device)
+    traced = TracedLayers(layers, mine, max_tokens, hidden, mc.dtype, weight.device, engine_layers=wanted)
     setattr(runner, TRACED_ATTR, traced)
-    logger.info("hidden-states layers %s traced into the forward (%d MiB of buffers)", wanted, traced.bytes >> 20)
+    logger.info(
+        "hidden-states layers %s of %s traced into this stage's forward (%d MiB of buffers)",
+        mine,
+        sorted(set(wanted)),
+        traced.bytes >> 20,
+    )
 
 
 def compile_counts() -> dict[str, int]:
