@@ -191,18 +191,26 @@ def stages_on_two_nodes(c: Cluster2) -> dict[str, str]:
     return placed
 
 
-def serves_exact_vectors(c: Cluster2, reference, first: int) -> int:
+def serves_exact_vectors(c: Cluster2, reference, first: int) -> tuple[int, float]:
+    """Requests through Serve, each vector checked against transformers: (how many, the worst max|error| over
+    max|reference|)."""
+    import numpy as np
     import openai
 
-    import deployments  # noqa: F401  (this checkout: the fixture's PYTHONPATH)
+    n, worst = 0, 0.0
 
-    n = 0
+    def check(ids, vector):
+        nonlocal n, worst
+        reference.assert_matches(ids, vector)
+        want = reference.last_hidden(ids)
+        worst = max(worst, float(np.abs(np.asarray(vector, np.float32) - want).max() / np.abs(want).max()))
+        n += 1
+
     with httpx.Client() as client:
         for i in range(first, first + 4):
             r = complete(client, c.base, i, max_tokens=8)
             assert r.ok, (r.status, r.error)
-            reference.assert_matches(r.ids, r.vector)
-            n += 1
+            check(r.ids, r.vector)
     oc = openai.OpenAI(base_url=f"{c.base}/v1", api_key="unused", timeout=120, max_retries=0)
     out = oc.completions.create(
         model=MODEL,
@@ -212,11 +220,8 @@ def serves_exact_vectors(c: Cluster2, reference, first: int) -> int:
         extra_body={"return_hidden_states": True, "return_token_ids": True, "hidden_states_layers": [0, -1]},
     )
     (ch,) = out.choices
-    ids = ch.prompt_token_ids + ch.token_ids
-    import numpy as np
-
-    reference.assert_matches(ids, np.asarray(ch.hidden_states_by_layer["-1"], np.float32))
-    return n + 1
+    check(ch.prompt_token_ids + ch.token_ids, np.asarray(ch.hidden_states_by_layer["-1"], np.float32))
+    return n, worst
 
 
 def worker_counts(c: Cluster2) -> list[dict]:
@@ -232,13 +237,16 @@ def worker_counts(c: Cluster2) -> list[dict]:
 def test_two_stages_on_two_nodes_serve_exact_vectors(mnpp, reference):
     placed = stages_on_two_nodes(mnpp)
     before = worker_counts(mnpp)
-    n = serves_exact_vectors(mnpp, reference, 0)
+    n, worst = serves_exact_vectors(mnpp, reference, 0)
     after = worker_counts(mnpp)
     # stage 0 (rank 0) sent layer 0's rows on with its intermediate tensors; stage 1 (the output rank) received them
     sent = after[0]["forwarded_rows"] - before[0]["forwarded_rows"]
     assert sent > 0 and sent == after[1]["received_rows"] - before[1]["received_rows"], (before, after)
     assert after[1]["captured"] > before[1]["captured"] and after[0]["captured"] == before[0]["captured"]
-    print(f"\n[multinode-pp] 1: stages {placed}; {n} requests' vectors exact; stage 0 sent {sent} rows")
+    print(
+        f"\n[multinode-pp] 1: stages {placed}; {n} requests' vectors exact (worst max|error| / max|reference| "
+        f"{worst:.2e}); stage 0 sent {sent} rows"
+    )
 
 
 # -- 2. the last stage's node dies under load: requests end fast, the replica comes back ---------------------
@@ -287,12 +295,12 @@ def test_losing_a_stages_node_fails_requests_fast_and_serve_brings_the_replica_b
     assert new_replica != old_replica
     placed = stages_on_two_nodes(mnpp)
     assert "C" in placed.values() and lost_node not in placed.values(), placed
-    n = serves_exact_vectors(mnpp, reference, 100)
+    n, worst = serves_exact_vectors(mnpp, reference, 100)
     ok_before = sum(1 for r in results if r.ok)
     print(
         f"\n[multinode-pp] 2: removed {lost_node} (stage 1's) in {t_rm1 - t_rm0:.1f}s; {len(in_flight)} in flight: "
         f"ended {[round(r.t1 - t_rm0, 1) for r in in_flight]} s after, statuses "
         f"{[r.status or r.error[:40] for r in in_flight]}; replica {old_replica} gone {t_dead - t_rm0:.0f}s after "
         f"(Serve: {status.status}); {new_replica} running {t_back - t_join:.0f}s after node C joined, stages "
-        f"{placed}; {ok_before} requests answered before, {n} exact after"
+        f"{placed}; {ok_before} requests answered before, {n} exact after (worst {worst:.2e})"
     )
