@@ -16,6 +16,11 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from hidden_states.models.builtin import DEFAULT_MODEL
 
+# Tests only: the custom Ray resource that stands for a device under vLLM's Ray executor on CPUs
+# (hidden_states/vllm/patches/ray_cpu_device.py reads the same name; it is repeated here so that reading the
+# config imports no vLLM).
+RAY_CPU_DEVICE_ENV = "HIDDEN_STATES_TEST_RAY_CPU_DEVICE"
+
 # The engine arguments CPU engines start with (config.yaml's `engine` overrides each).
 # GPU engines start with vLLM's own defaults (gpu_memory_utilization and all).
 CPU_ENGINE_DEFAULTS: dict[str, Any] = {
@@ -306,7 +311,23 @@ class AppArgs(BaseModel):
             "autoscaling_config": self.replica_autoscaling.model_dump(exclude_none=True),
             "max_ongoing_requests": self.replica_max_ongoing_requests,
         }
-        if self.resolved_accelerator() == "cpu":
+        pp = int(self.engine.get("pipeline_parallel_size", 1))
+        if self.resolved_accelerator() == "cpu" and self.engine.get("distributed_executor_backend") == "ray":
+            # vLLM's Ray executor on CPUs: tests only (hidden_states/vllm/patches/ray_cpu_device.py). Each worker's
+            # bundle holds a CPU and one unit of the test's custom resource, vLLM's "device" for the run.
+            device = os.environ.get(RAY_CPU_DEVICE_ENV)
+            if not device:
+                raise ValueError(
+                    "engine.distributed_executor_backend: ray on CPUs: vLLM's CPU platform does not run under its "
+                    f"Ray executor (it has no Ray device); tests give each worker a custom resource with "
+                    f"{RAY_CPU_DEVICE_ENV}=NAME. Leave distributed_executor_backend unset (one machine: mp)"
+                )
+            env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+            env.setdefault(RAY_CPU_DEVICE_ENV, device)
+            opts["ray_actor_options"] = {"num_cpus": 1, "runtime_env": {"env_vars": env}}
+            opts["placement_group_bundles"] = [{"CPU": 1}] + [{"CPU": 1, device: 1} for _ in range(tp)]
+            opts["placement_group_strategy"] = "PACK"
+        elif self.resolved_accelerator() == "cpu":
             # Unbound OpenMP threads: replicas sharing a node must not pin the same cores.
             env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
             # One CPU per worker (tensor-parallel rank x pipeline stage): vLLM runs them as processes of the replica's.
@@ -314,11 +335,14 @@ class AppArgs(BaseModel):
         elif tp == 1:
             opts["ray_actor_options"] = {"num_gpus": 1, "num_cpus": 1, "runtime_env": {"env_vars": env}}
         else:
-            # vLLM's Ray executor places its TP workers in the replica's placement group.
+            # vLLM's Ray executor places one worker per GPU bundle of the replica's placement group (it refuses a
+            # bundle of several GPUs), beside the replica's own CPU bundle, as Ray Serve LLM does. Tensor
+            # parallelism alone stays on one node (STRICT_PACK); pipeline stages may span nodes (PACK: as few as
+            # fit, vLLM numbering the ranks node by node from the replica's).
             env.setdefault("VLLM_RAY_PER_WORKER_GPUS", "1")
             opts["ray_actor_options"] = {"num_cpus": 1, "runtime_env": {"env_vars": env}}
             opts["placement_group_bundles"] = [{"CPU": 1}] + [{"GPU": 1} for _ in range(tp)]
-            opts["placement_group_strategy"] = "STRICT_PACK"
+            opts["placement_group_strategy"] = "PACK" if pp > 1 else "STRICT_PACK"
         if self.replica_resources:
             opts["ray_actor_options"]["resources"] = dict(self.replica_resources)
         if self.replica_max_per_node is not None:

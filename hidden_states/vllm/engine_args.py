@@ -447,11 +447,31 @@ PIPELINE_REFUSED: dict[str, str] = {
     "off), and a conditional steering entry would be decided by another stage's worker: run async_scheduling: false",
     "speculative_config": "speculative decoding is not checked with hidden states under pipeline parallelism",
     "enable_lora": "LoRA adapters are not checked with hidden states under pipeline parallelism",
-    "distributed_executor_backend": "only vLLM's multiprocessing executor (mp, one machine) is checked with hidden "
-    "states under pipeline parallelism",
+    "distributed_executor_backend": "only vLLM's multiprocessing executor (mp, one machine) and its Ray executor "
+    "(ray: RayExecutorV2, stages across Ray nodes) are checked with hidden states under pipeline parallelism",
+    "VLLM_USE_RAY_V2_EXECUTOR_BACKEND": "with it off, distributed_executor_backend: ray runs vLLM's legacy "
+    "RayDistributedExecutor (compiled Ray DAGs), which is not checked with hidden states: leave it unset or 1",
     "multimodal": "a multimodal model's layers (DeepStack's additions between them) are not checked with hidden "
     "states under pipeline parallelism",
 }
+
+
+def _ours(backend: Any) -> bool:
+    """Whether `backend` is the executor `distributed_executor_backend: ray` resolves to (ledger point 23)."""
+    return (getattr(backend, "__module__", None), getattr(backend, "__qualname__", None)) == (
+        "hidden_states.vllm.patches.ray_executor",
+        "HiddenStatesRayExecutor",
+    )
+
+
+def _ray_v2(backend: Any) -> bool | None:
+    """With `backend` ray: whether vLLM's V2 Ray executor is on (VLLM_USE_RAY_V2_EXECUTOR_BACKEND, default 1);
+    else None (not asked)."""
+    if backend != "ray" and not _ours(backend):
+        return None
+    import os
+
+    return os.environ.get("VLLM_USE_RAY_V2_EXECUTOR_BACKEND", "1").strip() not in ("0", "false", "False")
 
 
 def pipeline_refusal(pp: int, num_layers: int | None, asked: Mapping[str, Any]) -> EngineStartupError | None:
@@ -468,13 +488,19 @@ def pipeline_refusal(pp: int, num_layers: int | None, asked: Mapping[str, Any]) 
         "async_scheduling": lambda v: v is True,
         "speculative_config": lambda v: not _unset(v),
         "enable_lora": lambda v: v is True,
-        "distributed_executor_backend": lambda v: v not in (None, "mp"),
+        "distributed_executor_backend": lambda v: v not in (None, "mp", "ray") and not _ours(v),
+        "VLLM_USE_RAY_V2_EXECUTOR_BACKEND": lambda v: v is False,
         "multimodal": lambda v: v is True,
     }
     for name, value in asked.items():
         if name in bad and bad[name](value):
+            what = (
+                f"environment variable {name}=0 with distributed_executor_backend='ray'"
+                if name == "VLLM_USE_RAY_V2_EXECUTOR_BACKEND"
+                else f"engine argument {name}={value!r}"
+            )
             return EngineStartupError(
-                f"engine argument {name}={value!r} cannot be combined with pipeline_parallel_size={pp} and hidden "
+                f"{what} cannot be combined with pipeline_parallel_size={pp} and hidden "
                 f"states: {PIPELINE_REFUSED[name]} (hidden_states/vllm/engine_args.py)"
             )
     return None
@@ -487,7 +513,10 @@ def refuse(engine_args: Mapping[str, Any], vllm_config: Any = None) -> None:
         if name in REFUSED and not ACCEPTED[name](value):
             raise _refusal(name, value)
     pp = int(engine_args.get("pipeline_parallel_size") or 1)
-    if (e := pipeline_refusal(pp, None, engine_args)) is not None:
+    asked = dict(engine_args)
+    if (v2 := _ray_v2(engine_args.get("distributed_executor_backend"))) is not None:
+        asked["VLLM_USE_RAY_V2_EXECUTOR_BACKEND"] = v2
+    if (e := pipeline_refusal(pp, None, asked)) is not None:
         raise e
     if not _unset(engine_args.get("speculative_config")) and engine_args.get("async_scheduling") is True:
         raise EngineStartupError(
@@ -524,6 +553,7 @@ def refuse(engine_args: Mapping[str, Any], vllm_config: Any = None) -> None:
             "speculative_config": getattr(vllm_config, "speculative_config", None),
             "enable_lora": getattr(vllm_config, "lora_config", None) is not None,
             "distributed_executor_backend": getattr(pc, "distributed_executor_backend", None),
+            "VLLM_USE_RAY_V2_EXECUTOR_BACKEND": _ray_v2(getattr(pc, "distributed_executor_backend", None)),
             "multimodal": bool(getattr(mc, "is_multimodal_model", False)),
         },
     )

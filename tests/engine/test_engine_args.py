@@ -178,7 +178,7 @@ def test_refused_arguments_stop_the_engine_before_vllm_starts(loop_thread, arg):
         ("async_scheduling", True),
         ("speculative_config", {"method": "ngram", "num_speculative_tokens": 3}),
         ("enable_lora", True),
-        ("distributed_executor_backend", "ray"),
+        ("distributed_executor_backend", "external_launcher"),
         ("multimodal", True),
     ],
 )

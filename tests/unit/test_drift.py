@@ -34,7 +34,7 @@ def test_the_table_lists_each_symbol_once_and_serves_every_ledger_point(capsys):
     assert len(paths) == len(set(paths)), sorted(p for p in paths if paths.count(p) > 1)
     ledger = {p.number for p in POINTS if p.number}
     served = {int(p) for s in RELIED for p in s.point.split(",") if p.strip().isdigit()}
-    assert ledger == set(range(1, 23)) and ledger <= served, sorted(ledger - served)
+    assert ledger == set(range(1, 25)) and ledger <= served, sorted(ledger - served)
     assert {s.point for s in RELIED if not s.point[0].isdigit()} == {"import", "ray"}
     assert main([]) == 0
     out = capsys.readouterr().out

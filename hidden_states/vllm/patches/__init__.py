@@ -8,11 +8,12 @@ Installing: each process calls `install(process, stage, **context)` at the momen
 registry runs that stage's points in order (`STAGES`), each module's function named as the stage:
 
     frontend     "start"     HiddenStatesEngine.start, before vLLM's config is built    points 3, 17
-                 "config"    after `create_engine_config`, before the engine core starts  points 12, 18
+                 "config"    after `create_engine_config`, before the engine core starts  points 12, 18, 23
                  "scheduler" hidden states on: the engine core's scheduler class        point 9
                  "async_llm" ExtractingAsyncLLM.__init__, on its output processor       point 10
                  "serving"   frontend/openai.py, on vLLM's completion and chat serving objects   point 21
-    engine core  (nothing: it runs the scheduler class point 9 names)
+    engine core  "executor"  the Ray executor of point 23, before it places its workers  point 24
+                 (and the scheduler class point 9 names)
     worker       "imported"  the worker extension's import, before the model loads      points 16, 12, 22
                  "runner"    hidden_states_install, on the model runner instance       points 2, 16, 14, 5
                  "lora" / "spec_sampling" / "mm_prefix": CPU start-up steps (collective_rpc)   11 / 13 / 18
@@ -160,6 +161,23 @@ POINTS: tuple[Point, ...] = (
         "CPU, pipeline parallelism: the later stages' intermediate-tensor buffers allocated when the model loads.",
     ),
     Point(
+        23,
+        "ray_executor",
+        "patch",
+        ("frontend", "engine_core"),
+        "ray_executor",
+        "`distributed_executor_backend: ray`: vLLM's RayExecutorV2 subclassed, in the replica's placement group, its "
+        "waits on the workers ended as soon as one dies (a replica across Ray nodes).",
+    ),
+    Point(
+        24,
+        "ray_cpu_device",
+        "patch, tests only",
+        ("engine_core", "worker"),
+        "ray_cpu_device",
+        "CPU: vLLM's Ray executor with a custom Ray resource as each worker's device (multi-node tests).",
+    ),
+    Point(
         0,
         "ray_internals",
         "internals read",
@@ -172,7 +190,8 @@ POINTS: tuple[Point, ...] = (
 # (process, stage) -> the points it installs, in order
 STAGES: dict[tuple[str, str], tuple[int, ...]] = {
     ("frontend", "start"): (3, 17),
-    ("frontend", "config"): (12, 18),
+    ("frontend", "config"): (12, 18, 23),
+    ("engine_core", "executor"): (24,),
     ("frontend", "scheduler"): (9,),
     ("frontend", "async_llm"): (10,),
     ("frontend", "serving"): (21,),
