@@ -61,5 +61,6 @@ class _Hook:  # a sys.meta_path finder (importlib.abc is not imported: this runs
 
 
 def install() -> None:
-    if "torchvision" not in sys.modules and not any(isinstance(f, _Hook) for f in sys.meta_path):
+    # by name: the .pth may run in more than one site directory, each loading this file anew (a class of its own)
+    if "torchvision" not in sys.modules and not any(type(f).__name__ == _Hook.__name__ for f in sys.meta_path):
         sys.meta_path.insert(0, _Hook())

@@ -78,7 +78,11 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
       echo "setup: torchvision==$tv from PyPI (a CUDA build) with its C ops left unloaded" \
            "(hidden_states/torchvision_compat.py)" >&2
       "${pip[@]}" --quiet --no-deps "torchvision==$tv" >&2
-      echo "import hidden_states.torchvision_compat as c; c.install()" > "$site/hidden_states_torchvision.pth"
+      # Loaded from its file, under a name of its own: importing the package at interpreter start would pin
+      # `hidden_states` to this checkout before sys.path is complete (another checkout's tests would run this one's).
+      echo "import importlib.util as u, sys; s = u.spec_from_file_location('hidden_states_torchvision_compat'," \
+           "'$PWD/hidden_states/torchvision_compat.py'); m = u.module_from_spec(s); sys.modules[s.name] = m;" \
+           "s.loader.exec_module(m); m.install()" > "$site/hidden_states_torchvision.pth"
     else
       rm -f "$site/hidden_states_torchvision.pth"
     fi

@@ -326,11 +326,17 @@ class Extraction:
             "monitor_stops": self.monitor_stops,
         }
 
-    def fault(self, request_id: str, key: str, f: HookFault, where: str = "") -> None:
+    def fault(self, request_id: str, key: str, f: HookFault, where: str = "", exc: BaseException | None = None) -> None:
         """A hook of ours failed engine request `key` (vLLM's `request_id`) in the engine core (`where`: there it
-        was logged with its traceback, and vLLM finished it with "error") or here: counted, and kept by its owner
-        for its generator, which fails with it (raise_fault)."""
-        logger.error("request %s: the hidden-states hook %s failed%s; failing the request", request_id, f.hook, where)
+        was logged with its traceback, and vLLM finished it with "error") or here (`exc`, logged with it): counted,
+        and kept by its owner for its generator, which fails with it (raise_fault)."""
+        logger.error(
+            "request %s: the hidden-states hook %s failed%s; failing the request",
+            request_id,
+            f.hook,
+            where,
+            exc_info=exc,
+        )
         self.hook_faults += 1
         if (col := self.owner(key)) is not None:
             col.faults[key] = f
@@ -360,8 +366,7 @@ class Extraction:
             if msg.rows is not None or msg.heads:
                 self.deliver(col, (col.engine_requests[msg.key], index), msg.rows, msg.heads)
         except Exception as e:
-            logger.error("request %s: delivering its vectors failed", request_id, exc_info=e)
-            self.fault(request_id, msg.key, HookFault.of("deliver", e))
+            self.fault(request_id, msg.key, HookFault.of("deliver", e), " delivering its vectors", exc=e)
 
     @staticmethod
     def raise_fault(collector: HiddenStatesCollector, key: str, request_id: str) -> None:
