@@ -80,9 +80,11 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
       "${pip[@]}" --quiet --no-deps "torchvision==$tv" >&2
       # Loaded from its file, under a name of its own: importing the package at interpreter start would pin
       # `hidden_states` to this checkout before sys.path is complete (another checkout's tests would run this one's).
-      echo "import importlib.util as u, sys; s = u.spec_from_file_location('hidden_states_torchvision_compat'," \
-           "'$PWD/hidden_states/torchvision_compat.py'); m = u.module_from_spec(s); sys.modules[s.name] = m;" \
-           "s.loader.exec_module(m); m.install()" > "$site/hidden_states_torchvision.pth"
+      # Once per interpreter: site reads the .pth twice where lib64 links to lib.
+      echo "import importlib.util as u, sys; n = 'hidden_states_torchvision_compat'; s = None if n in sys.modules" \
+           "else u.spec_from_file_location(n, '$PWD/hidden_states/torchvision_compat.py'); m = s and" \
+           "sys.modules.setdefault(n, u.module_from_spec(s)); s and s.loader.exec_module(m); s and m.install()" \
+           > "$site/hidden_states_torchvision.pth"
     else
       rm -f "$site/hidden_states_torchvision.pth"
     fi

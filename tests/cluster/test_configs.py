@@ -58,7 +58,10 @@ def rejected(fn, *args) -> bool:
 # Cluster launcher configs
 # --------------------------------------------------------------------------
 
-LAUNCHER_CONFIGS = ["gpu-aws.yaml", "tpu-gcp.yaml"]
+LAUNCHER_CONFIGS = ["gpu-aws.yaml", "gpu-aws-multinode.yaml", "tpu-gcp.yaml"]
+# Each GPU pool and the Serve config deployed on it.
+GPU_POOLS = {"gpu-aws.yaml": "serve-gpu.yaml", "gpu-aws-multinode.yaml": "serve-gpu-multinode.yaml"}
+SERVE_CONFIGS = ["serve-gpu.yaml", "serve-gpu-multinode.yaml"]
 
 
 def test_schema_is_rays_own():
@@ -157,21 +160,28 @@ def gpu_pool_errors(cfg: dict, serve_cfg: dict) -> list[str]:
         errors.append("head_start_ray_commands do not start a head")
     if not any("$RAY_HEAD_IP" in c for c in cfg.get("worker_start_ray_commands", [])):
         errors.append("worker_start_ray_commands do not join the head")
-    # Capacity: every Serve replica fits on one node (STRICT_PACK), all of them together in the pool.
+    # Capacity: each pipeline stage's tensor_parallel_size GPUs on one node (vLLM's Ray executor places a stage's
+    # ranks together), all replicas' stages together in the pool.
     app = serve_cfg["applications"][0]
-    tp = int(app["args"]["engine"].get("tensor_parallel_size", 1))
+    tp, pp = _parallelism(serve_cfg)
     max_replicas = max(d["autoscaling_config"]["max_replicas"] for d in app["deployments"] if "autoscaling_config" in d)
     per_node = max((t["resources"]["GPU"] for t in gpu_types.values()), default=0)
     if tp > per_node:
         errors.append(f"tensor_parallel_size {tp} > {per_node} GPUs per node")
     nodes = sum(t.get("max_workers", 0) for t in gpu_types.values())
-    if per_node and min(nodes, cfg.get("max_workers", 0)) * (per_node // tp) < max_replicas:
-        errors.append(f"the pool cannot hold max_replicas={max_replicas} replicas of {tp} GPU(s)")
+    if per_node and min(nodes, cfg.get("max_workers", 0)) * (per_node // tp) < max_replicas * pp:
+        errors.append(f"the pool cannot hold max_replicas={max_replicas} replicas of {tp} x {pp} GPU(s)")
     return errors
 
 
-def test_gpu_pool_shape():
-    cfg, serve_cfg = load("gpu-aws.yaml"), load("serve-gpu.yaml")
+def _parallelism(serve_cfg: dict) -> tuple[int, int]:
+    engine = serve_cfg["applications"][0]["args"]["engine"]
+    return int(engine.get("tensor_parallel_size", 1)), int(engine.get("pipeline_parallel_size", 1))
+
+
+@pytest.mark.parametrize("pool", sorted(GPU_POOLS))
+def test_gpu_pool_shape(pool):
+    cfg, serve_cfg = load(pool), load(GPU_POOLS[pool])
     assert cfg["provider"]["type"] == "aws"
     assert gpu_pool_errors(cfg, serve_cfg) == []
     # The same check on broken copies.
@@ -182,9 +192,14 @@ def test_gpu_pool_shape():
     too_small = copy.deepcopy(cfg)
     too_small["max_workers"] = 1
     assert gpu_pool_errors(too_small, serve_cfg)
-    tp2 = copy.deepcopy(serve_cfg)
-    tp2["applications"][0]["args"]["engine"]["tensor_parallel_size"] = 2
-    assert any("tensor_parallel_size" in e for e in gpu_pool_errors(cfg, tp2))
+    tp_over = copy.deepcopy(serve_cfg)
+    tp_over["applications"][0]["args"]["engine"]["tensor_parallel_size"] = (
+        2 * _worker_types(cfg)["gpu_worker"]["resources"]["GPU"]
+    )
+    assert any("tensor_parallel_size" in e for e in gpu_pool_errors(cfg, tp_over))
+    more_stages = copy.deepcopy(serve_cfg)
+    more_stages["applications"][0]["args"]["engine"]["pipeline_parallel_size"] = 2 * _parallelism(serve_cfg)[1] + 4
+    assert any("cannot hold" in e for e in gpu_pool_errors(cfg, more_stages))
     no_install = copy.deepcopy(cfg)
     no_install["setup_commands"] = [c for c in cfg["setup_commands"] if "pip install" not in c]
     assert gpu_pool_errors(no_install, serve_cfg)
@@ -407,8 +422,9 @@ def serve_schema_check(cfg: dict):
     return parsed
 
 
-def test_serve_config_is_valid_for_ray_serve():
-    parsed = serve_schema_check(embedded_serve_config())
+@pytest.mark.parametrize("name", SERVE_CONFIGS)
+def test_serve_config_is_valid_for_ray_serve(name):
+    parsed = serve_schema_check(load(name))
     app = parsed.applications[0]
     assert app.import_path == IMPORT_PATH
     assert app.args["enable_return_hidden_states"] is True
@@ -452,15 +468,19 @@ def test_rayservice_embeds_the_serve_gpu_config():
     assert embedded_serve_config() == load("serve-gpu.yaml")
 
 
-def test_app_args_match_the_apps_own_model():
-    """The args go through deployments.config.AppArgs (extra=forbid) as build_app will."""
+@pytest.mark.parametrize("name", SERVE_CONFIGS)
+def test_app_args_match_the_apps_own_model(name):
+    """The args go through deployments.config.AppArgs (extra=forbid) as build_app will, and the engine's
+    arguments past the refusals the engine applies at start (hidden_states/vllm/engine_args.py)."""
     from deployments.config import AppArgs
+    from hidden_states.vllm import engine_args
 
-    args = embedded_serve_config()["applications"][0]["args"]
+    args = load(name)["applications"][0]["args"]
     parsed = AppArgs.model_validate(args)
     assert parsed.resolved_accelerator() == "gpu"
+    engine_args.refuse(parsed.engine_args())
     opts = parsed.replica_options()
-    tp = args["engine"]["tensor_parallel_size"]
+    tp = args["engine"]["tensor_parallel_size"] * args["engine"].get("pipeline_parallel_size", 1)
     gpus = opts["ray_actor_options"].get("num_gpus", 0) + sum(
         b.get("GPU", 0) for b in opts.get("placement_group_bundles", [])
     )
@@ -471,11 +491,12 @@ def test_app_args_match_the_apps_own_model():
         AppArgs.model_validate(args | {"accelerator": "tpu"})
 
 
-def test_engine_args_are_vllm_engine_arguments():
+@pytest.mark.parametrize("name", SERVE_CONFIGS)
+def test_engine_args_are_vllm_engine_arguments(name):
     from vllm.engine.arg_utils import AsyncEngineArgs
 
     known = {f.name for f in dataclasses.fields(AsyncEngineArgs)}
-    engine = embedded_serve_config()["applications"][0]["args"]["engine"]
+    engine = load(name)["applications"][0]["args"]["engine"]
     assert set(engine) <= known, set(engine) - known
     assert "tensor_paralel_size" not in known  # the check can fail
 
@@ -489,7 +510,8 @@ def test_gpu_capacity_fits_serve_max_replicas():
     g = _gpu_group(load("rayservice.yaml"))
     assert _gpus(g) >= tp, "a replica's GPUs must fit in one pod"
     assert g["maxReplicas"] * (_gpus(g) // tp) >= max_replicas
-    assert gpu_pool_errors(load("gpu-aws.yaml"), serve_cfg) == []
+    for pool, serve in GPU_POOLS.items():
+        assert gpu_pool_errors(load(pool), load(serve)) == [], pool
 
 
 def _first(rx: str, text: str) -> str | None:
@@ -507,9 +529,10 @@ def cluster_ray_versions() -> dict[str, str | None]:
     """The Ray each cluster file runs."""
     return {
         "rayservice.yaml rayVersion": load("rayservice.yaml")["spec"]["rayClusterConfig"]["rayVersion"],
-        "gpu-aws.yaml docker.image": _first(
-            r"^rayproject/ray:([\w.]+)-py3\d+-gpu$", load("gpu-aws.yaml")["docker"]["image"]
-        ),
+        **{
+            f"{pool} docker.image": _first(r"^rayproject/ray:([\w.]+)-py3\d+-gpu$", load(pool)["docker"]["image"])
+            for pool in GPU_POOLS
+        },
         "Dockerfile FROM": _first(r"^FROM rayproject/ray:([\w.]+)-py3\d+-gpu$", (CLUSTER / "Dockerfile").read_text()),
         "tpu-gcp.yaml setup_commands": _first(
             r'"ray\[[\w,]+\]==([\w.]+)"', " ".join(load("tpu-gcp.yaml")["setup_commands"])
@@ -531,7 +554,7 @@ def test_cluster_pythons_are_ones_the_project_supports():
     lo, hi = re.fullmatch(r">=3\.(\d+),<3\.(\d+)", PROJECT["requires-python"]).groups()
     minors = {
         "Dockerfile": _first(r"^FROM rayproject/ray:[\w.]+-py3(\d+)-", (CLUSTER / "Dockerfile").read_text()),
-        "gpu-aws.yaml": _first(r"-py3(\d+)-", load("gpu-aws.yaml")["docker"]["image"]),
+        **{pool: _first(r"-py3(\d+)-", load(pool)["docker"]["image"]) for pool in GPU_POOLS},
         "tpu-gcp.yaml": _first(r"uv venv --python 3\.(\d+)", " ".join(load("tpu-gcp.yaml")["setup_commands"])),
     }
     assert {k: v for k, v in minors.items() if v is None or not int(lo) <= int(v) < int(hi)} == {}
@@ -542,7 +565,7 @@ def test_every_serve_config_names_the_app_as_config_yaml():
     shipped Serve config, the README's example included."""
     (want,) = [a["name"] for a in yaml.safe_load((REPO / "config.yaml").read_text())["applications"]]
     names = {
-        "cluster/serve-gpu.yaml": [a["name"] for a in load("serve-gpu.yaml")["applications"]],
+        **{f"cluster/{n}": [a["name"] for a in load(n)["applications"]] for n in SERVE_CONFIGS},
         "cluster/rayservice.yaml serveConfigV2": [a["name"] for a in embedded_serve_config()["applications"]],
         "README.md get_app_handle": re.findall(r'get_app_handle\("([^"]+)"\)', (REPO / "README.md").read_text()),
     }
@@ -574,7 +597,7 @@ def test_no_secrets_or_machine_paths(name):
     assert leaks(text) == []
     # Files with site-specific values mark them YOUR_...; these have none (the dashboard picks
     # its Prometheus data source when imported).
-    site_free = ("README.md", "serve-gpu.yaml", "grafana-dashboard.json")
+    site_free = ("README.md", *SERVE_CONFIGS, "grafana-dashboard.json")
     assert "YOUR_" in text or name in site_free, "placeholders should be marked YOUR_..."
 
 
@@ -627,8 +650,9 @@ def effective_deployments(serve_cfg: dict, monkeypatch) -> dict:
     return override_deployment_info(infos, app_cfg)
 
 
-def test_config_overrides_apply_to_the_apps_deployments(monkeypatch):
-    serve_cfg = embedded_serve_config()
+@pytest.mark.parametrize("name", SERVE_CONFIGS)
+def test_config_overrides_apply_to_the_apps_deployments(monkeypatch, name):
+    serve_cfg = load(name)
     app = serve_cfg["applications"][0]
     infos = effective_deployments(serve_cfg, monkeypatch)
     for dep in app["deployments"]:
@@ -637,8 +661,8 @@ def test_config_overrides_apply_to_the_apps_deployments(monkeypatch):
             dep["autoscaling_config"]["min_replicas"],
             dep["autoscaling_config"]["max_replicas"],
         )
-    # The engine replica asks for tensor_parallel_size GPUs; nothing else does.
-    tp = app["args"]["engine"]["tensor_parallel_size"]
+    # The engine replica asks for tensor_parallel_size x pipeline_parallel_size GPUs; nothing else does.
+    tp = app["args"]["engine"]["tensor_parallel_size"] * app["args"]["engine"].get("pipeline_parallel_size", 1)
     gpu_deps = {
         n: i
         for n, i in infos.items()
@@ -669,3 +693,23 @@ def test_tensor_parallel_replicas_get_a_packed_placement_group(monkeypatch):
     assert not rc.ray_actor_options.get("num_gpus")
     # ...which is why the pool's nodes must each hold tensor_parallel_size GPUs.
     assert any("tensor_parallel_size" in e for e in gpu_pool_errors(load("gpu-aws.yaml"), serve_cfg))
+
+
+def test_a_replica_across_nodes_gets_one_gpu_bundle_per_rank_packed_not_strictly(monkeypatch):
+    """serve-gpu-multinode.yaml: 8 x 2 ranks as 16 {GPU: 1} bundles after the replica's {CPU: 1}, PACK (STRICT_PACK
+    would need one node of 16 GPUs, which the pool has not), as Ray Serve LLM places multi-node engines."""
+    serve_cfg = load("serve-gpu-multinode.yaml")
+    infos = effective_deployments(serve_cfg, monkeypatch)
+    rc = next(i.replica_config for i in infos.values() if i.replica_config.placement_group_bundles)
+    assert rc.placement_group_bundles == [{"CPU": 1}] + [{"GPU": 1}] * 16
+    assert rc.placement_group_strategy == "PACK"
+    # ...and with one stage the same GPUs must share a node, so the pool's 8-GPU nodes could not hold it.
+    one_stage = copy.deepcopy(serve_cfg)
+    one_stage["applications"][0]["args"]["engine"] |= {"tensor_parallel_size": 16, "pipeline_parallel_size": 1}
+    rc1 = next(
+        i.replica_config
+        for i in effective_deployments(one_stage, monkeypatch).values()
+        if i.replica_config.placement_group_bundles
+    )
+    assert rc1.placement_group_strategy == "STRICT_PACK"
+    assert any("tensor_parallel_size" in e for e in gpu_pool_errors(load("gpu-aws-multinode.yaml"), one_stage))

@@ -354,6 +354,45 @@ def post_hidden_states(base: str, body: dict, *, model: str = "tiny-llama", **kw
     return post(base, "/v1/hidden_states", {"model": model, **body}, **kw)
 
 
+def parallel_choices_exact(client, reference, prompts: list[str], seed: int, stream: bool) -> None:
+    """An n = 2 completion of `prompts` (base64, sampled with `seed`) on a parallel engine: four choices, each
+    vector by the tail step (one position) and transformers' on that choice's own tokens."""
+    from tests.helpers import completion_choices
+
+    r = client.completions.create(
+        model="tiny-llama",
+        prompt=prompts,
+        max_tokens=10,
+        n=2,
+        temperature=1.0,
+        seed=seed,
+        stream=stream,
+        extra_body={"return_hidden_states": True, "return_token_ids": True, "hidden_states_encoding": "base64"},
+    )
+    choices, prompt_ids = completion_choices(r, stream)
+    assert sorted(choices) == list(range(2 * len(prompts)))
+    for index, ch in choices.items():
+        ids = prompt_ids[index] + ch["token_ids"]
+        meta = ch["hidden_states_meta"]
+        assert meta["via"] == "tail" and meta["computed_tokens"] == 1 and meta["tokens"] == len(ids), meta
+        reference.assert_matches(ids, decode_vector(ch["hidden_states"]))
+
+
+def stopped_by_a_string(client, messages: list[dict], extra_body: dict):
+    """The greedy chat answer to `messages`, asked again with a stop string cut from its middle: a stop the engine
+    cannot see, so the vector comes from the extraction step (checked). Returns the stopped choice's response."""
+    free = client.chat.completions.create(model="tiny-llama", messages=messages, max_tokens=24, temperature=0)
+    text = free.choices[0].message.content
+    assert len(text) > 8, text
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    chat = client.chat.completions.create(
+        model="tiny-llama", messages=messages, max_tokens=24, temperature=0, stop=[stop], extra_body=extra_body
+    )
+    c = chat.choices[0]
+    assert c.finish_reason == "stop" and c.model_extra["hidden_states_meta"]["via"] == "extraction"
+    return chat
+
+
 def replica_stats(base: str, headers: dict | None = None) -> dict:
     return json.loads(httpx.get(f"{base}/debug/stats", timeout=30, headers=headers).text)
 

@@ -14,8 +14,7 @@ import pytest
 
 from tests.conftest import cpu_only
 from tests.engine.test_positions import reference_states
-from tests.helpers import completion_choices
-from tests.serve.conftest import APPS, decode_vector, replica_stats
+from tests.serve.conftest import APPS, decode_vector, parallel_choices_exact, replica_stats, stopped_by_a_string
 
 pytestmark = cpu_only  # two CPU stages; on GPUs the app would need a GPU per stage
 
@@ -34,36 +33,12 @@ def test_the_replica_asks_for_a_cpu_per_stage():
 def test_vectors_exact_over_http_on_two_stages(pp2_app, reference, stream):
     client = openai.OpenAI(base_url=f"{pp2_app}/v1", api_key="unused", timeout=120, max_retries=0)
     before = replica_stats(pp2_app)["replica"]
-    r = client.completions.create(
-        model=MODEL,
-        prompt=["The last stage sends the rows", "Two stages, one replica"],
-        max_tokens=10,
-        n=2,
-        temperature=1.0,
-        seed=5,
-        stream=stream,
-        extra_body={**HS, "hidden_states_encoding": "base64"},
-    )
-    choices, prompts = completion_choices(r, stream)
-    assert sorted(choices) == [0, 1, 2, 3]
-    for index, ch in choices.items():
-        ids = prompts[index] + ch["token_ids"]
-        meta = ch["hidden_states_meta"]
-        assert meta["via"] == "tail" and meta["computed_tokens"] == 1 and meta["tokens"] == len(ids), meta
-        reference.assert_matches(ids, decode_vector(ch["hidden_states"]))
+    parallel_choices_exact(client, reference, ["The last stage sends the rows", "Two stages, one replica"], 5, stream)
 
     # a stop string: the extraction step; layers 0 (stage 0's), 1 (stage 1's first) and -1 at every position
-    messages = [{"role": "user", "content": "Tell me about the stages."}]
-    free = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0)
-    text = free.choices[0].message.content
-    assert len(text) > 8, text
-    stop = text[len(text) // 2 : len(text) // 2 + 3]
     extra = {**HS, "hidden_states_layers": [0, 1, -1], "hidden_states_position": "all"}
-    chat = client.chat.completions.create(
-        model=MODEL, messages=messages, max_tokens=24, temperature=0, stop=[stop], extra_body=extra
-    )
+    chat = stopped_by_a_string(client, [{"role": "user", "content": "Tell me about the stages."}], extra)
     c = chat.choices[0]
-    assert c.finish_reason == "stop" and c.model_extra["hidden_states_meta"]["via"] == "extraction"
     ids = chat.prompt_token_ids + c.token_ids
     for layer in ("0", "1", "-1"):
         got = decode_vector(c.hidden_states_by_layer[layer])

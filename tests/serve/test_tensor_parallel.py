@@ -12,12 +12,10 @@ import openai
 import pytest
 
 from tests.conftest import cpu_only
-from tests.helpers import completion_choices
-from tests.serve.conftest import APPS, decode_vector, replica_stats
+from tests.serve.conftest import APPS, decode_vector, parallel_choices_exact, replica_stats, stopped_by_a_string
 
 pytestmark = cpu_only  # two CPU ranks; on GPUs the app would need two GPUs per replica
 
-MODEL = "tiny-llama"
 HS = {"return_hidden_states": True, "return_token_ids": True}
 
 
@@ -38,35 +36,12 @@ def test_the_replica_asks_for_a_cpu_per_rank():
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 def test_vectors_exact_over_http_on_two_ranks(tp2_app, tp2_client, reference, stream):
     before = replica_stats(tp2_app)["replica"]
-    r = tp2_client.completions.create(
-        model=MODEL,
-        prompt=["The replica computes the hidden state", "Two ranks hold the same rows"],
-        max_tokens=10,
-        n=2,
-        temperature=1.0,
-        seed=3,
-        stream=stream,
-        extra_body={**HS, "hidden_states_encoding": "base64"},
-    )
-    choices, prompts = completion_choices(r, stream)
-    assert sorted(choices) == [0, 1, 2, 3]
-    for index, ch in choices.items():
-        ids = prompts[index] + ch["token_ids"]
-        meta = ch["hidden_states_meta"]
-        assert meta["via"] == "tail" and meta["computed_tokens"] == 1 and meta["tokens"] == len(ids), meta
-        reference.assert_matches(ids, decode_vector(ch["hidden_states"]))
+    prompts = ["The replica computes the hidden state", "Two ranks hold the same rows"]
+    parallel_choices_exact(tp2_client, reference, prompts, 3, stream)
 
     # a stop string (cut from the middle of the greedy answer): the extraction step, on the same two ranks
-    messages = [{"role": "user", "content": "Tell me about the cache."}]
-    free = tp2_client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0)
-    text = free.choices[0].message.content
-    assert len(text) > 8, text
-    stop = text[len(text) // 2 : len(text) // 2 + 3]
-    chat = tp2_client.chat.completions.create(
-        model=MODEL, messages=messages, max_tokens=24, temperature=0, stop=[stop], extra_body=HS
-    )
+    chat = stopped_by_a_string(tp2_client, [{"role": "user", "content": "Tell me about the cache."}], HS)
     c = chat.choices[0]
-    assert c.finish_reason == "stop" and c.model_extra["hidden_states_meta"]["via"] == "extraction"
     reference.assert_matches(chat.prompt_token_ids + c.token_ids, decode_vector(c.hidden_states))
 
     after = replica_stats(tp2_app)["replica"]

@@ -45,3 +45,18 @@ def test_transformers_and_vllm_see_torchvision_s_image_processors():
     )
     out = run("-c", code)
     assert out.returncode == 0 and out.stdout.strip().endswith("True"), out.stderr[-2000:]
+
+
+@pytest.mark.skipif(not PTH.exists(), reason="a +cpu torchvision is installed: set-up wrote no hook")
+def test_the_hook_is_installed_once_and_leaves_the_package_to_sys_path():
+    """site reads the .pth once per site directory (twice where the venv's lib64 links to lib): one hook, whose
+    definitions stay alive after it has run; and `hidden_states` is not imported at interpreter start, so a
+    checkout's own tests import its own code (the editable install's finder would pin another checkout's)."""
+    code = (
+        "import sys\n"
+        "print(sum(type(f).__name__ == '_Hook' for f in sys.meta_path), 'hidden_states' in sys.modules)\n"
+        "import torchvision, transformers, gc\ngc.collect()\n"
+        "from transformers import LlamaConfig\nprint('ok')\n"
+    )
+    out = run("-c", code)
+    assert out.returncode == 0 and out.stdout.split() == ["1", "False", "ok"], (out.stdout, out.stderr[-2000:])
