@@ -61,6 +61,5 @@ class _Hook:  # a sys.meta_path finder (importlib.abc is not imported: this runs
 
 
 def install() -> None:
-    # by name: the .pth may run in more than one site directory, each loading this file anew (a class of its own)
-    if "torchvision" not in sys.modules and not any(type(f).__name__ == _Hook.__name__ for f in sys.meta_path):
+    if "torchvision" not in sys.modules and not any(isinstance(f, _Hook) for f in sys.meta_path):
         sys.meta_path.insert(0, _Hook())
