@@ -7,8 +7,10 @@ the final norm's (-1). Each stage applies the steering at its own layers. Checke
 final vector by the tail step and by the extraction step, rows at every position of layers 0, 1 and -1 in float32
 and float16 and top-k, tokens unchanged by asking, the rows each stage gathered, sent on and received; and, imported
 from the one-stage modules, heads (SAEs, linear) and stop conditions (one from a head at stage 0's layer), steering
-(add, ablate, clamp, cap, conditional, registered vectors) at layers 0 and 1, n = 2, beam search and streams.
-(tests/engine/test_pipeline.py checks plain vLLM.)
+(add, ablate, clamp, cap, conditional, registered vectors) at layers 0 and 1, n = 2, beam search and streams; TOPLOC
+proofs (built on the last stage) against the toploc library, validated by the engine's own routes; the LoRA adapter
+tests of tests/engine/test_lora.py (the engine runs with enable_lora and two adapters: the other tests' base requests
+get no delta, ledger point 11). (tests/engine/test_pipeline.py checks plain vLLM.)
 """
 
 from __future__ import annotations
