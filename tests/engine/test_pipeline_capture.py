@@ -7,8 +7,10 @@ the final norm's (-1). Each stage applies the steering at its own layers. Checke
 final vector by the tail step and by the extraction step, rows at every position of layers 0, 1 and -1 in float32
 and float16 and top-k, tokens unchanged by asking, the rows each stage gathered, sent on and received; and, imported
 from the one-stage modules, heads (SAEs, linear) and stop conditions (one from a head at stage 0's layer), steering
-(add, ablate, clamp, cap, conditional, registered vectors) at layers 0 and 1, n = 2, beam search and streams.
-(tests/engine/test_pipeline.py checks plain vLLM.)
+(add, ablate, clamp, cap, conditional, registered vectors) at layers 0 and 1, n = 2, beam search and streams; TOPLOC
+proofs (built on the last stage) against the toploc library, validated by the engine's own routes; the LoRA adapter
+tests of tests/engine/test_lora.py (the engine runs with enable_lora and two adapters: the other tests' base requests
+get no delta, ledger point 11). (tests/engine/test_pipeline.py checks plain vLLM.)
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ import base64
 import numpy as np
 import pytest
 
+from hidden_states.proofs import toploc as ours
 from hidden_states.protocol import FAULT_INJECTION_ENV
-from tests.conftest import TEST_ENGINE_ARGS, cpu_only, engine_fixture, long_text, sampling
+from tests.conftest import TEST_ENGINE_ARGS, Reference, cpu_only, engine_fixture, long_text, sampling
 from tests.engine import test_heads
 from tests.engine.test_engine import (  # noqa: F401
     PROMPTS,
@@ -32,11 +35,23 @@ from tests.engine.test_heads import (  # noqa: F401
     test_a_stop_condition_finishes_at_the_first_position_the_reference_crosses,
     test_heads_and_rows_across_the_completion_n2,
 )
+from tests.engine.test_lora import (  # noqa: F401
+    LORA_ARGS,
+    adapters,
+    test_intermediate_layers_come_from_the_adapter,
+    test_stop_string_extraction_on_the_adapters_prefix_cache,
+    test_tail_step_vector_is_the_adapters,
+    test_two_adapters_and_the_base_in_one_batch,
+)
 from tests.engine.test_positions import (  # noqa: F401
     BOUND,
     reference_states,
     test_beam_search_and_a_streamed_chat_over_the_openai_routes,
     test_n2_each_choice_its_own_rows,
+)
+from tests.engine.test_proofs import (  # noqa: F401
+    test_each_rejection_fails_when_the_server_s_validation_is_broken,
+    validator,
 )
 from tests.engine.test_steering import (  # noqa: F401
     registered,
@@ -51,10 +66,25 @@ from tests.engine.test_steering import (  # noqa: F401
     unit_vector,
 )
 from tests.heads_ref import build_test_heads
+from tests.toploc_ref import (
+    ProofChoice,
+    a_prompt_token_changed,
+    altered_proof,
+    another_completion,
+    another_model,
+    another_prompt,
+    fed_rows,
+    honest,
+    library_ok,
+    load_toploc,
+    perturbed,
+)
 
 pytestmark = cpu_only  # two CPU stages (vLLM's multiprocessing executor); GPUs: untested here
 
 PP_ARGS = {**TEST_ENGINE_ARGS, "pipeline_parallel_size": 2, "distributed_executor_backend": "mp"}
+# With LoRA on (two rank-8 adapters, tests/engine/test_lora.py): every other test here runs base requests, which
+# the adapters leave alone (ledger point 11)
 ERRORS: list = []
 
 
@@ -73,6 +103,7 @@ engine = engine_fixture(
     max_hidden_states_bytes=BOUND,
     errors=ERRORS,
     **PP_ARGS,
+    **LORA_ARGS,
 )
 sp = sampling(max_tokens=10)
 # a stop condition from a head at stage 0's layer (the gated SAE reads layer 0): its rows are sent on to be scored
@@ -209,3 +240,107 @@ def test_pp2_a_steering_fault_on_stage_0_fails_its_request_alone(engine, loop_th
         after[0]["hook_faults"] == before[0]["hook_faults"] + 1 and after[1]["hook_faults"] == before[1]["hook_faults"]
     )
     assert after[0]["forwarded_faults"] > before[0]["forwarded_faults"]
+
+
+# TOPLOC proofs: built from the final norm's rows, on the last stage. The proof tests' fixtures, here: this engine
+# (float32, so the server's validation recomputes the rows transformers does), its own OpenAI routes (which validate
+# through the same two stages), the tiny Llama's oracle, and another model (its weights with 20% noise: on this
+# random model 5% passes TOPLOC, tests/serve/test_proofs.py).
+PROOF = {"scheme": "toploc", "topk": 128, "decode_batching_size": 8}  # small windows: several proofs per choice
+
+
+@pytest.fixture(scope="module")
+def tl():
+    return load_toploc()
+
+
+@pytest.fixture(scope="module")
+def proof_engine(engine, loop_thread):
+    engine.dtype = "float32"  # (the label test_proofs' checks read)
+    return engine, loop_thread.run(engine.openai("tiny-llama", "r0"))
+
+
+@pytest.fixture(scope="module")
+def proof_ref(reference):
+    return reference
+
+
+@pytest.fixture(scope="module")
+def other_model(reference):
+    return perturbed(reference.model, 0.2)
+
+
+def test_pp2_proofs_pass_the_library_and_the_server_agrees(proof_engine, loop_thread, reference, tl, other_model):
+    """Proofs from two stages pass the toploc library on transformers' rows, proof by proof as the server (its
+    validation run through the same two stages) says; each tampered case is rejected by both."""
+    eng, routes = proof_engine
+    prompts = [PROMPTS[0], PROMPTS[2], long_text(300, seed=43)]  # the last over the 256-token prefill chunk
+
+    async def run():
+        return await asyncio.gather(
+            *(eng.complete(p, sp(max_tokens=20), proof=PROOF) for p in prompts),
+            eng.complete(prompts[1], sp(max_tokens=20, n=2, temperature=1.0, seed=5), proof=PROOF),
+        )
+
+    outs = loop_thread.run(run(), timeout=600)
+    token_prompts = [list(o.prompt_token_ids) for o in outs[:2]]
+    counted = 0
+    for out in outs:
+        prompt = list(out.prompt_token_ids)
+        P = len(prompt)
+        for ch in out.choices:
+            completion, proofs = list(ch.token_ids), list(ch.proofs)
+            ids = prompt + completion
+            assert (
+                ch.hidden_states is None
+                and len(proofs) == len(ours.chunk_bounds(P, len(ids), PROOF["decode_batching_size"])) >= 3
+            )
+            lib = library_ok(
+                tl, fed_rows(reference.model, ids, P), proofs, PROOF["decode_batching_size"], PROOF["topk"]
+            )
+            assert all(lib), lib
+            c = ProofChoice(
+                validate=validator(loop_thread, routes),
+                tl=tl,
+                proof=PROOF,
+                model=reference.model,
+                other_model=other_model,
+                prompt=prompt,
+                completion=completion,
+                proofs=proofs,
+                label="pp2",
+                exact=True,
+                other_prompt=next(p for p in token_prompts if p != prompt),
+                every_proof_of_another_model_fails=True,
+                alterations=[(how, i) for how in ("linear", "exponent") for i in (0, -1)],
+                min_exp_mismatches=64,
+            )
+            assert [p["ok"] for p in c.server(prompt, completion, proofs)["proofs"]] == lib
+            for case in (honest, another_completion, another_prompt, another_model):
+                case(c)
+            if P < 64:
+                a_prompt_token_changed(c)
+            else:  # one token of 300 words moves too little of TOPLOC's top-k: the library may accept it; so may we
+                tampered = [prompt[0], (prompt[1] + 1) % 256, *prompt[2:]]
+                lib = c.library(reference.model, tampered, completion, proofs)
+                assert [p["ok"] for p in c.server(tampered, completion, proofs)["proofs"]] == lib, lib
+            altered_proof(c)
+            counted += 1
+    assert counted == 5
+
+
+# LoRA: the adapter tests of tests/engine/test_lora.py (the tail step's vector and the adapter's greedy tokens, two
+# adapters and the base in one batch, rows of layers 0, 1 and -1, a stop string's extraction step on the adapter's
+# prefix cache), on two stages: each stage applies the adapter's weights of its own layers.
+@pytest.fixture(scope="module")
+def served(engine, loop_thread, adapters):  # noqa: F811
+    """(this engine, an OpenAI frontend that loaded the adapters, as a replica's does)."""
+    return engine, loop_thread.run(
+        engine.openai("tiny-llama", "lora", [{"name": n, "path": p} for n, p in adapters.items()])
+    )
+
+
+@pytest.fixture(scope="module")
+def refs(served, model_dir, adapters, reference) -> dict:  # noqa: F811
+    """The oracle of each model a request can name (None: the base), transformers + peft for an adapter."""
+    return {None: reference, **{name: Reference(model_dir, path) for name, path in adapters.items()}}

@@ -48,7 +48,7 @@ def tl():
 
 
 @pytest.fixture(scope="module")
-def smol_ref():
+def proof_ref():
     from hidden_states.models.builtin import resolve_model
     from tests.conftest import Reference
     from tests.engine.test_smollm2 import MODEL
@@ -57,13 +57,13 @@ def smol_ref():
 
 
 @pytest.fixture(scope="module")
-def other_model(smol_ref):
+def other_model(proof_ref):
     """Another model: SmolLM2's weights, each perturbed by 5% noise (2% sits at TOPLOC's thresholds)."""
-    return perturbed(smol_ref.model, 0.05)
+    return perturbed(proof_ref.model, 0.05)
 
 
 @pytest.fixture(scope="module", params=["float32", "bfloat16"])
-def smol(request, loop_thread):
+def proof_engine(request, loop_thread):
     from hidden_states.vllm.engine import HiddenStatesEngine
     from tests.engine.test_smollm2 import ENGINE_ARGS, MODEL
 
@@ -97,7 +97,7 @@ def validator(loop_thread, routes):
     return validate
 
 
-def choice(loop_thread, routes, eng, tl, smol_ref, other_model, prompts, prompt, completion, proofs) -> ProofChoice:
+def choice(loop_thread, routes, eng, tl, proof_ref, other_model, prompts, prompt, completion, proofs) -> ProofChoice:
     """One choice to check. The float32 engine's validation recomputes the rows transformers does, so its verdicts
     are the library's proof by proof (`exact`); another prompt is another question's; each proof altered (the
     prefill's and the last, each way) is far past the exponent threshold."""
@@ -105,7 +105,7 @@ def choice(loop_thread, routes, eng, tl, smol_ref, other_model, prompts, prompt,
         validate=validator(loop_thread, routes),
         tl=tl,
         proof=PROOF,
-        model=smol_ref.model,
+        model=proof_ref.model,
         other_model=other_model,
         prompt=prompt,
         completion=completion,
@@ -123,10 +123,10 @@ REJECTIONS = [another_prompt, another_completion, another_model, altered_proof]
 
 
 def test_proofs_pass_the_library_on_transformers_rows_and_the_server_agrees(
-    smol, loop_thread, smol_ref, tl, other_model
+    proof_engine, loop_thread, proof_ref, tl, other_model
 ):
-    eng, routes = smol
-    tok = smol_ref.tokenizer
+    eng, routes = proof_engine
+    tok = proof_ref.tokenizer
     prompts = [
         tok.encode(
             tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
@@ -150,9 +150,9 @@ def test_proofs_pass_the_library_on_transformers_rows_and_the_server_agrees(
             completion, proofs = list(ch.token_ids), list(ch.proofs)
             ids = prompt + completion
             assert ch.hidden_states is None and len(proofs) == len(ours.chunk_bounds(P, len(ids), 32)) >= 2
-            honest = _ok(tl, activations(smol_ref.model, ids, P), proofs)
+            honest = _ok(tl, activations(proof_ref.model, ids, P), proofs)
             assert all(honest), (eng.dtype, ch.text[:30], honest)
-            c = choice(loop_thread, routes, eng, tl, smol_ref, other_model, prompts, prompt, completion, proofs)
+            c = choice(loop_thread, routes, eng, tl, proof_ref, other_model, prompts, prompt, completion, proofs)
             server = c.server(prompt, completion, proofs)
             assert server["ok"] is True and [p["ok"] for p in server["proofs"]] == honest, server
             # Tampered: rejected by the library, and the server says the same.
@@ -161,7 +161,7 @@ def test_proofs_pass_the_library_on_transformers_rows_and_the_server_agrees(
             assert not all(_ok(tl, activations(other_model, ids, P), proofs)), "another model, by the library"
             # TOPLOC's top-k sits on massive activations: one mid-prompt token changed is often accepted
             p2 = prompt[: P // 2] + [(prompt[P // 2] + 7) % tok.vocab_size] + prompt[P // 2 + 1 :]
-            lib = c.library(smol_ref.model, p2, completion, proofs)
+            lib = c.library(proof_ref.model, p2, completion, proofs)
             if eng.dtype == "float32":
                 assert [p["ok"] for p in c.server(p2, completion, proofs)["proofs"]] == lib, ("one token", lib)
             one_token.append(all(lib))
@@ -174,13 +174,13 @@ def test_proofs_pass_the_library_on_transformers_rows_and_the_server_agrees(
 
 
 def test_each_rejection_fails_when_the_server_s_validation_is_broken(
-    smol, loop_thread, smol_ref, tl, other_model, monkeypatch
+    proof_engine, loop_thread, proof_ref, tl, other_model, monkeypatch
 ):
     """The breaking variants of each tampered case above: the server's validation (the routes run in this
     process) accepting every proof, never looking at the rows, or ignoring the thresholds; each check then
     fails. Unbroken, the same checks pass on the same choice."""
-    eng, routes = smol
-    tok = smol_ref.tokenizer
+    eng, routes = proof_engine
+    tok = proof_ref.tokenizer
     prompts = [
         tok.encode(
             tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
@@ -190,7 +190,7 @@ def test_each_rejection_fails_when_the_server_s_validation_is_broken(
     out = loop_thread.run(eng.complete(prompts[0], sp(max_tokens=40), proof=PROOF), timeout=300)
     (ch,) = out.choices
     c = choice(
-        loop_thread, routes, eng, tl, smol_ref, other_model, prompts, out.prompt_token_ids, ch.token_ids, ch.proofs
+        loop_thread, routes, eng, tl, proof_ref, other_model, prompts, out.prompt_token_ids, ch.token_ids, ch.proofs
     )
     for check in REJECTIONS:
         check(c)

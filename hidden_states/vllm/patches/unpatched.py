@@ -146,6 +146,21 @@ RELIED: tuple[Symbol, ...] = (
         mentions=("self.world_size", "- self.parallel_config.tensor_parallel_size"),
     ),
     Symbol("vllm.model_executor.models.utils:PPMissingLayer", "4", kind="class"),
+    # why speculative decoding is refused under pipeline parallelism (PIPELINE_REFUSED): the runner builds its
+    # drafter on the last stage only, and every stage reads it when it allocates its KV cache (a change to either
+    # is the moment to try it again)
+    Symbol(
+        f"{_RUNNER}.__init__",
+        "4",
+        kind="method",
+        mentions=("if self.speculative_config and get_pp_group().is_last_rank:",),
+    ),
+    Symbol(
+        f"{_RUNNER}.initialize_kv_cache_tensors",
+        "4",
+        kind="method",
+        mentions=('if self.speculative_config: attn_groups += getattr(self.drafter, "draft_attn_groups", [])',),
+    ),
     Symbol(f"{_PCFG}.data_parallel_size", "4", kind="field"),
     Symbol(f"{_PCFG}.prefill_context_parallel_size", "4", kind="field"),
     Symbol(f"{_PCFG}.decode_context_parallel_size", "4", kind="field"),
