@@ -173,11 +173,13 @@ APPS = {
             replica_autoscaling={"min_replicas": 1, "max_replicas": 1},
         ),
     ),
-    # one replica whose engine runs pipeline parallelism 2: two CPU worker processes, one stage each (eager)
+    # one replica whose engine runs pipeline parallelism 2: two CPU worker processes, one stage each; compiled, each
+    # stage tracing its own capture layer (the eager engine under PP: tests/engine/test_pipeline_capture.py)
     "hs-pp2": (
         "/pp2",
         lambda: app_args(
-            engine={**TEST_ENGINE_ARGS, "pipeline_parallel_size": 2, "enforce_eager": True},
+            engine={**TEST_ENGINE_ARGS, "pipeline_parallel_size": 2, "enforce_eager": False},
+            **COMPILED,
             replica_autoscaling={"min_replicas": 1, "max_replicas": 1},
         ),
     ),

@@ -1,4 +1,5 @@
-"""The real app with a pipeline-parallel engine: `engine: {pipeline_parallel_size: 2}`, one replica of two stages.
+"""The real app with a pipeline-parallel engine: `engine: {pipeline_parallel_size: 2}`, one replica of two stages,
+compiled (`enforce_eager: false`, `capture_layers: [0, 1]`: each stage traces its own layer).
 
 Over HTTP with the openai client (completions streamed and not, n = 2, base64; a chat with a stop string: the
 extraction step; rows of layer 0 (stage 0's), layer 1 and the final norm at every position; SAE and linear heads
@@ -54,6 +55,8 @@ def test_vectors_exact_over_http_on_two_stages(pp2_app, reference, stream):
     sent = workers[0]["forwarded_rows"] - old[0]["forwarded_rows"]
     assert sent == workers[1]["received_rows"] - old[1]["received_rows"] >= len(ids), (workers, old)
     assert after["pending"] == 0 and after["missing_vectors"] == 0
+    assert after["startup"]["enforce_eager"] is False  # compiled: each stage traced its own layer
+    assert [w["capture_layers"] for w in workers] == [[0], [1]], workers
 
 
 def test_a_handle_on_two_stages_is_the_reference(pp2_app, reference):
