@@ -79,6 +79,22 @@ engine = engine_fixture(
 )  # faults injected into the traced steering and the heads
 
 
+# A traced layer's buffers on the tiny model (max tokens 256, D 128, float32): rows, two adds, the ablation/clamp/cap's
+# direction and its two encoder columns [max tokens, D], its 5 parameters and a mask
+LAYER_BUFFER_BYTES = 6 * 256 * 128 * 4 + 256 * 5 * 4 + 256
+
+
+def compiled_at_start(c: dict) -> bool:
+    """A worker's compile counts (`compilations` in its stats) show its model compiled, or loaded compiled."""
+    return (
+        c["num_aot_compiles"]
+        + c["num_backend_compilations"]
+        + c["num_compiled_artifacts_loaded"]
+        + c["num_aot_artifacts_loaded"]
+        >= 1
+    )
+
+
 def test_engine_is_compiled_with_its_layers_traced(engine, loop_thread):
     mode = engine.startup
     assert mode["enforce_eager"] is False and engine.eager is False, mode
@@ -86,17 +102,8 @@ def test_engine_is_compiled_with_its_layers_traced(engine, loop_thread):
     assert engine.layer_capture["capture_layers"] == [0, 1] and engine.layer_capture["layer_hooks"] == 0
     (worker,) = loop_thread.run(engine.stats())["workers"]
     assert worker["capture_layers"] == [0, 1]
-    # per layer: rows, two adds, the ablation/clamp/cap's direction and its two encoder columns [max tokens, D]
-    # (float32 here), its 5 parameters and a mask
-    assert worker["traced_buffer_bytes"] == 2 * (6 * 256 * 128 * 4 + 256 * 5 * 4 + 256)
-    c = worker["compilations"]
-    assert (
-        c["num_aot_compiles"]
-        + c["num_backend_compilations"]
-        + c["num_compiled_artifacts_loaded"]
-        + c["num_aot_artifacts_loaded"]
-        >= 1
-    ), c  # the model was compiled (or loaded compiled) at start
+    assert worker["traced_buffer_bytes"] == 2 * LAYER_BUFFER_BYTES
+    assert compiled_at_start(worker["compilations"]), worker["compilations"]
 
 
 def b64(v: np.ndarray) -> str:

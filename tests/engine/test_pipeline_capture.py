@@ -50,8 +50,8 @@ from tests.engine.test_positions import (  # noqa: F401
     test_n2_each_choice_its_own_rows,
 )
 from tests.engine.test_proofs import (  # noqa: F401
+    choice,
     test_each_rejection_fails_when_the_server_s_validation_is_broken,
-    validator,
 )
 from tests.engine.test_steering import (  # noqa: F401
     registered,
@@ -67,7 +67,6 @@ from tests.engine.test_steering import (  # noqa: F401
 )
 from tests.heads_ref import build_test_heads
 from tests.toploc_ref import (
-    ProofChoice,
     a_prompt_token_changed,
     altered_proof,
     another_completion,
@@ -299,21 +298,19 @@ def test_pp2_proofs_pass_the_library_and_the_server_agrees(proof_engine, loop_th
                 tl, fed_rows(reference.model, ids, P), proofs, PROOF["decode_batching_size"], PROOF["topk"]
             )
             assert all(lib), lib
-            c = ProofChoice(
-                validate=validator(loop_thread, routes),
-                tl=tl,
-                proof=PROOF,
-                model=reference.model,
-                other_model=other_model,
-                prompt=prompt,
-                completion=completion,
-                proofs=proofs,
-                label="pp2",
-                exact=True,
-                other_prompt=next(p for p in token_prompts if p != prompt),
-                every_proof_of_another_model_fails=True,
-                alterations=[(how, i) for how in ("linear", "exponent") for i in (0, -1)],
-                min_exp_mismatches=64,
+            c = choice(
+                loop_thread,
+                routes,
+                eng,
+                tl,
+                reference,
+                other_model,
+                token_prompts,
+                prompt,
+                completion,
+                proofs,
+                PROOF,
+                True,
             )
             assert [p["ok"] for p in c.server(prompt, completion, proofs)["proofs"]] == lib
             for case in (honest, another_completion, another_prompt, another_model):

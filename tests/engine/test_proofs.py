@@ -97,14 +97,17 @@ def validator(loop_thread, routes):
     return validate
 
 
-def choice(loop_thread, routes, eng, tl, proof_ref, other_model, prompts, prompt, completion, proofs) -> ProofChoice:
+def choice(
+    loop_thread, routes, eng, tl, proof_ref, other_model, prompts, prompt, completion, proofs, proof=PROOF, every=False
+) -> ProofChoice:
     """One choice to check. The float32 engine's validation recomputes the rows transformers does, so its verdicts
     are the library's proof by proof (`exact`); another prompt is another question's; each proof altered (the
-    prefill's and the last, each way) is far past the exponent threshold."""
+    prefill's and the last, each way) is far past the exponent threshold; with `every`, another model fails every
+    proof (not only one)."""
     return ProofChoice(
         validate=validator(loop_thread, routes),
         tl=tl,
-        proof=PROOF,
+        proof=proof,
         model=proof_ref.model,
         other_model=other_model,
         prompt=prompt,
@@ -113,7 +116,7 @@ def choice(loop_thread, routes, eng, tl, proof_ref, other_model, prompts, prompt
         label=eng.dtype,
         exact=eng.dtype == "float32",
         other_prompt=next(p for p in prompts if p != list(prompt)),
-        every_proof_of_another_model_fails=False,
+        every_proof_of_another_model_fails=every,
         alterations=[(how, i) for how in ("linear", "exponent") for i in (0, -1)],
         min_exp_mismatches=64,
     )
